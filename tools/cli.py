@@ -1,0 +1,33 @@
+"""`./vllm-t4`: one command line over the tools library. Each capability module adds its own subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from tools import measure_cli, serve_cli
+
+    parser = argparse.ArgumentParser(
+        prog="vllm-t4",
+        description="Serve and measure Gemma 4 E2B builds with vLLM (Tesla T4, or vLLM's CPU backend).",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve_cli.register(sub)    # start, stop, status, query, log, swap
+    measure_cli.register(sub)  # sweep, sweep-compare, compare
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("vllm-t4: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

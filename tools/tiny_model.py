@@ -1,0 +1,232 @@
+"""A tiny Gemma-4-shaped, QAT-like multimodal checkpoint, built here so nothing has to be downloaded.
+
+It has the real layout of `google/gemma-4-E2B-it-qat-q4_0-unquantized` at a small size: a nested
+`Gemma4ForConditionalGeneration` config with text, vision and audio towers, `model.language_model.*` names,
+per-layer embeddings (PLE), KV-shared layers without k/v projections, double-wide MLPs on shared layers, a
+tied head, sharded safetensors with an index, a byte-level tokenizer with a Gemma chat template.
+
+The text model is trained for a few seconds on a synthetic pattern (each token is followed by a fixed
+permutation of itself) so that greedy decoding is confident and does not flip between kernels, then every
+linear weight and both embedding tables are projected onto a symmetric 4-bit grid in groups of 32 along the
+input axis, as QAT leaves them: bf16 values equal to bf16(step * level) with level in [-8, 7] and the group's
+peak at a level between 4 and 8.
+
+torch and transformers are imported lazily: they come with vLLM, not with the repack library.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+GROUP = 32
+VOCAB = 512
+# Special tokens, in the positions Gemma uses for the first three.
+SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>",
+            "<start_of_image>", "<end_of_image>", "<image_soft_token>", "<video_soft_token>",
+            "<start_of_audio>", "<end_of_audio>", "<audio_soft_token>"]
+FIRST_BYTE_ID = 16  # byte tokens follow the specials; ids past them up to VOCAB are <unused_N>
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+
+TEXT_CONFIG: dict[str, Any] = dict(
+    vocab_size=VOCAB, vocab_size_per_layer_input=VOCAB, hidden_size=128, intermediate_size=256,
+    num_hidden_layers=6,
+    # Explicit: the default pattern with KV sharing can leave no non-shared full-attention layer.
+    layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                 "sliding_attention", "sliding_attention", "full_attention"],
+    num_attention_heads=2, num_key_value_heads=1, head_dim=32, global_head_dim=64,
+    hidden_size_per_layer_input=32, num_kv_shared_layers=2, use_double_wide_mlp=True,
+    final_logit_softcapping=30.0, sliding_window=64, max_position_embeddings=1024,
+    bos_token_id=2, eos_token_id=1, pad_token_id=0,
+)
+VISION_CONFIG: dict[str, Any] = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=2, num_key_value_heads=2, head_dim=32,
+                                     position_embedding_size=64, patch_size=4)
+AUDIO_CONFIG: dict[str, Any] = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                    subsampling_conv_channels=[32, 32], output_proj_dims=128)
+MM_TOKEN_IDS = dict(boi_token_id=7, eoi_token_id=8, image_token_id=9, video_token_id=10,
+                    boa_token_id=11, eoa_token_index=12, audio_token_id=13)
+
+
+@dataclass(frozen=True)
+class TinyModelInfo:
+    path: Path
+    accuracy: float          # next-token accuracy of the grid-projected model on the training pattern
+    grid_tensors: list[str]  # tensors projected onto the 4-bit grid
+    permutation_seed: int
+
+
+def pattern_permutation(seed: int):
+    """The synthetic pattern: token t (a byte token or unused id) is followed by perm[t]."""
+    import torch
+
+    g = torch.Generator().manual_seed(1000 + seed)
+    ids = torch.arange(FIRST_BYTE_ID, VOCAB)
+    perm = torch.arange(VOCAB)
+    perm[FIRST_BYTE_ID:] = ids[torch.randperm(len(ids), generator=g)]
+    return perm
+
+
+def _batch(perm, batch: int, seq: int, gen):
+    import torch
+
+    start = torch.randint(FIRST_BYTE_ID, VOCAB, (batch,), generator=gen)
+    rows = [start]
+    for _ in range(seq - 1):
+        rows.append(perm[rows[-1]])
+    return torch.stack(rows, dim=1)
+
+
+def project_to_grid(weight, *, seed: int):
+    """bf16 values on a symmetric 4-bit grid, groups of 32 along the last axis, as QAT exports them.
+
+    The step of each group puts its peak at level 4..7 (8 for a negative peak half the time), so that a
+    recovery assuming amax/8 or amax/7 would be wrong for most groups.
+    """
+    import torch
+
+    w = weight.detach().float()
+    rows, cols = w.shape
+    if cols % GROUP:
+        raise ValueError(f"last dimension {cols} is not a multiple of {GROUP}")
+    g = torch.Generator().manual_seed(seed)
+    grp = w.reshape(rows, cols // GROUP, GROUP)
+    amax, idx = grp.abs().max(dim=-1)
+    peak_negative = torch.gather(grp, -1, idx.unsqueeze(-1)).squeeze(-1) < 0
+    level = torch.randint(4, 8, amax.shape, generator=g).float()
+    use_eight = peak_negative & (torch.rand(amax.shape, generator=g) < 0.5)
+    level = torch.where(use_eight, torch.full_like(level, 8.0), level)
+    step = (amax / level).clamp_min(1e-8)
+    # Scales as a QAT export holds them: representable in fp16 (the source's scales are fp16/bf16 values).
+    step = step.half().float()
+    q = torch.clamp(torch.round(grp / step.unsqueeze(-1)), -8, 7)
+    return (q * step.unsqueeze(-1)).reshape(rows, cols).to(torch.bfloat16)
+
+
+def _write_tokenizer(out: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    vocab: dict[str, int] = {tok: i for i, tok in enumerate(SPECIALS)}
+    for i in range(len(SPECIALS), FIRST_BYTE_ID):
+        vocab[f"<reserved_{i}>"] = i
+    for b, ch in enumerate(sorted(ByteLevel.alphabet(), key=lambda c: _byte_of(c))):
+        vocab[ch] = FIRST_BYTE_ID + b
+    for i in range(FIRST_BYTE_ID + 256, VOCAB):
+        vocab[f"<unused_{i}>"] = i
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([t for t in vocab if t.startswith("<") and t.endswith(">") and len(t) > 1])
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>",
+        "add_bos_token": False, "add_eos_token": False, "model_max_length": TEXT_CONFIG["max_position_embeddings"],
+        "chat_template": CHAT_TEMPLATE,
+    }, indent=2))
+    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    (out / "special_tokens_map.json").write_text(json.dumps(
+        {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>"}, indent=2))
+
+
+def _byte_of(ch: str) -> int:
+    # ByteLevel's alphabet maps each byte 0..255 to one printable character (GPT-2's bytes_to_unicode).
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(map(chr, cs), bs))[ch]
+
+
+def build_tiny_qat_checkpoint(out_dir: str | Path, *, seed: int = 0, train_steps: int = 200,
+                              on_grid: bool = True, max_shard_size: str = "1MB") -> TinyModelInfo:
+    """Writes the tiny multimodal checkpoint to out_dir (replaced if present) and returns what it wrote.
+
+    on_grid=False leaves the trained bf16 weights as they are: a stand-in for a base (non-QAT) model.
+    """
+    import torch
+    from transformers import Gemma4Config, Gemma4ForCausalLM, Gemma4ForConditionalGeneration, Gemma4TextConfig
+
+    out = Path(out_dir)
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    torch.manual_seed(seed)
+    perm = pattern_permutation(seed)
+
+    text = Gemma4ForCausalLM(Gemma4TextConfig(**TEXT_CONFIG))
+    text.train()
+    opt = torch.optim.AdamW(text.parameters(), lr=3e-3, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(train_steps):
+        ids = _batch(perm, 32, 24, gen)
+        loss = text(input_ids=ids, labels=ids).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    text.eval()
+
+    cfg = Gemma4Config(text_config=dict(TEXT_CONFIG), vision_config=VISION_CONFIG, audio_config=AUDIO_CONFIG,
+                       **MM_TOKEN_IDS)
+    mm = Gemma4ForConditionalGeneration(cfg)
+    mm_state = mm.state_dict()
+    grid_tensors: list[str] = []
+    with torch.no_grad():
+        for name, value in text.state_dict().items():
+            if name == "lm_head.weight":
+                continue  # tied to embed_tokens
+            target = "model.language_model." + name.removeprefix("model.")
+            mm_state[target].copy_(value)
+        mm.load_state_dict(mm_state)
+        mm.to(torch.bfloat16)
+        if on_grid:
+            for i, (name, p) in enumerate(mm.named_parameters()):
+                if not name.startswith("model.language_model.") or p.ndim != 2:
+                    continue
+                p.copy_(project_to_grid(p, seed=seed * 7919 + i))
+                grid_tensors.append(name)
+    mm.generation_config.do_sample = False
+    mm.save_pretrained(out, max_shard_size=max_shard_size)
+    _write_tokenizer(out)
+
+    # Accuracy of the saved (projected) weights on the pattern, after the first position.
+    with torch.no_grad():
+        ids = _batch(perm, 16, 24, torch.Generator().manual_seed(seed + 1))
+        logits = mm(input_ids=ids).logits.float()
+        pred = logits[:, :-1].argmax(-1)
+        accuracy = float((pred[:, 1:] == ids[:, 2:]).float().mean())
+    return TinyModelInfo(path=out, accuracy=accuracy, grid_tensors=grid_tensors, permutation_seed=seed)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m tools.tiny_model",
+                                 description="Write a tiny Gemma-4-shaped QAT-like multimodal checkpoint.")
+    ap.add_argument("out", help="output folder (replaced if present)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--train-steps", type=int, default=200)
+    ap.add_argument("--off-grid", action="store_true", help="skip the 4-bit projection (a base-model stand-in)")
+    args = ap.parse_args(argv)
+    info = build_tiny_qat_checkpoint(args.out, seed=args.seed, train_steps=args.train_steps,
+                                     on_grid=not args.off_grid)
+    print(f"{info.path}: {len(info.grid_tensors)} tensors on the 4-bit grid, pattern accuracy {info.accuracy:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
