@@ -1,0 +1,150 @@
+"""vram_status against an injected fake NVML (the only thing in the suite that is mocked is the GPU)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from tools.vram import MIB, server_process_pids, vram_status
+
+
+class FakeNvmlError(Exception):
+    pass
+
+
+class FakeNvml:
+    """Implements the pynvml functions vram_status calls, for one or more fake GPUs."""
+
+    def __init__(self, gpus: list[dict], *, init_error: Exception | None = None, driver: bytes | str = "550.54.15"):
+        self.gpus = gpus
+        self.init_error = init_error
+        self.driver = driver
+        self.init_calls = 0
+        self.shutdown_calls = 0
+
+    def nvmlInit(self):
+        self.init_calls += 1
+        if self.init_error:
+            raise self.init_error
+
+    def nvmlShutdown(self):
+        self.shutdown_calls += 1
+
+    def nvmlSystemGetDriverVersion(self):
+        return self.driver
+
+    def nvmlDeviceGetCount(self):
+        return len(self.gpus)
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return self.gpus[i]
+
+    def nvmlDeviceGetName(self, h):
+        return h["name"]
+
+    def nvmlDeviceGetMemoryInfo(self, h):
+        return SimpleNamespace(total=h["total"], used=h["used"], free=h["total"] - h["used"])
+
+    def nvmlDeviceGetUtilizationRates(self, h):
+        if h.get("util") is None:
+            raise FakeNvmlError("Not Supported")
+        return SimpleNamespace(gpu=h["util"], memory=h["util"] // 2)
+
+    def nvmlDeviceGetComputeRunningProcesses(self, h):
+        return [SimpleNamespace(pid=pid, usedGpuMemory=used) for pid, used in h.get("compute", [])]
+
+    def nvmlDeviceGetGraphicsRunningProcesses(self, h):
+        return [SimpleNamespace(pid=pid, usedGpuMemory=used) for pid, used in h.get("graphics", [])]
+
+
+T4_TOTAL = 15360 * MIB
+
+
+def test_no_driver_is_a_result_not_an_exception():
+    fake = FakeNvml([], init_error=FakeNvmlError("NVML Shared Library Not Found"))
+    status = vram_status(nvml=fake)
+    assert status.available is False
+    assert "NVML Shared Library Not Found" in status.reason
+    assert status.gpus == []
+    assert "No NVIDIA GPU" in status.summary()
+
+
+def test_real_pynvml_on_this_machine_never_raises():
+    status = vram_status()
+    # Either a real GPU answered or the result says why not; both are valid, an exception is not.
+    assert status.available or status.reason
+
+
+def test_t4_with_server_processes_marked_and_unreported_memory():
+    # A "server" process with a child, as vLLM's API server and engine core are.
+    server = subprocess.Popen([sys.executable, "-c",
+                               "import subprocess,sys,time; subprocess.Popen([sys.executable,'-c','import time; time.sleep(60)']); time.sleep(60)"],
+                              start_new_session=True)
+    try:
+        deadline = time.time() + 20
+        tree: set[int] = set()
+        while time.time() < deadline:
+            tree = server_process_pids(server.pid)
+            if len(tree) >= 2:
+                break
+            time.sleep(0.1)
+        assert server.pid in tree and len(tree) >= 2, tree
+        engine_pid = max(tree - {server.pid})
+        other_pid = os.getpid()
+        fake = FakeNvml([{
+            "name": b"Tesla T4", "total": T4_TOTAL, "used": 13581 * MIB, "util": 37,
+            # the engine holds the memory; the API server shows up without a figure (None), plus another user
+            "compute": [(engine_pid, 13300 * MIB), (server.pid, None), (other_pid, 200 * MIB)],
+            "graphics": [(other_pid, None)],
+        }], driver=b"550.54.15")
+        status = vram_status(server_pid=server.pid, nvml=fake)
+    finally:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+    assert status.available and status.driver_version == "550.54.15"
+    (gpu,) = status.gpus
+    assert (gpu.name, gpu.total_mib, gpu.used_mib, gpu.free_mib) == ("Tesla T4", 15360, 13581, 15360 - 13581)
+    assert (gpu.utilization_gpu_pct, gpu.utilization_mem_pct) == (37, 18)
+    by_pid = {p.pid: p for p in gpu.processes}
+    assert set(by_pid) == {engine_pid, server.pid, other_pid}
+    assert by_pid[engine_pid].is_vllm_server and by_pid[engine_pid].used_mib == 13300
+    assert by_pid[server.pid].is_vllm_server and by_pid[server.pid].used_mib is None
+    assert not by_pid[other_pid].is_vllm_server and by_pid[other_pid].used_mib == 200
+    assert status.server_used_mib == 13300  # unreported memory is not counted as zero-or-guess
+    assert server.pid in status.server_pids and engine_pid in status.server_pids
+    assert fake.shutdown_calls == fake.init_calls == 1
+    assert "13581 MiB used / 15360 MiB" in status.summary()
+
+
+def test_two_gpus_no_util_support_and_no_server():
+    fake = FakeNvml([
+        {"name": "Tesla T4", "total": T4_TOTAL, "used": 0, "util": None},
+        {"name": "NVIDIA L4", "total": 23034 * MIB, "used": 500 * MIB, "util": 5, "compute": [(999999, None)]},
+    ])
+    status = vram_status(nvml=fake)
+    assert [g.name for g in status.gpus] == ["Tesla T4", "NVIDIA L4"]
+    assert status.gpus[0].utilization_gpu_pct is None
+    assert status.gpus[1].processes[0].used_mib is None and not status.gpus[1].processes[0].is_vllm_server
+    assert status.server_used_mib is None and status.server_pids == []
+
+
+def test_nvml_failing_mid_read_is_reported():
+    class Broken(FakeNvml):
+        def nvmlDeviceGetMemoryInfo(self, h):
+            raise FakeNvmlError("GPU is lost")
+
+    fake = Broken([{"name": "Tesla T4", "total": T4_TOTAL, "used": 0}])
+    status = vram_status(nvml=fake)
+    assert not status.available and "GPU is lost" in status.reason
+    assert fake.shutdown_calls == 1
+
+
+@pytest.mark.parametrize("pid", [None, 0, 2 ** 22 + 12345])
+def test_server_pids_of_missing_process_is_empty(pid):
+    assert server_process_pids(pid) == set()

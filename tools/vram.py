@@ -1,0 +1,180 @@
+"""GPU memory through NVML: per GPU and per process, marking the processes of the vLLM server we started.
+
+NVML comes from the `pynvml` module of the `nvidia-ml-py` package. On a machine without an NVIDIA driver
+(development boxes, CI, vLLM's CPU backend) `vram_status()` returns a result that says so instead of raising,
+so callers can always show it.
+
+vLLM's GPU memory belongs to its engine-core child process, not to the API server pid that the state file
+records: the server is therefore identified by its whole process tree and process group (`server_pids`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+MIB = 1024 * 1024
+
+
+class GpuProcess(BaseModel):
+    pid: int
+    name: str | None = Field(None, description="Process name from the OS, when it can be read")
+    used_mib: int | None = Field(None, description="GPU memory of this process; null when NVML does not report it")
+    is_vllm_server: bool = Field(False, description="True for the vLLM server this project started (API server "
+                                                    "or its engine-core child)")
+
+
+class GpuInfo(BaseModel):
+    index: int
+    name: str
+    total_mib: int
+    used_mib: int
+    free_mib: int
+    utilization_gpu_pct: int | None = Field(None, description="GPU busy percentage over NVML's last sample")
+    utilization_mem_pct: int | None = None
+    processes: list[GpuProcess] = Field(default_factory=list)
+
+
+class VramStatus(BaseModel):
+    available: bool = Field(description="False when no NVIDIA driver/NVML answers (e.g. a CPU-only machine)")
+    reason: str | None = Field(None, description="Why NVML is unavailable, when it is")
+    driver_version: str | None = None
+    gpus: list[GpuInfo] = Field(default_factory=list)
+    server_pids: list[int] = Field(default_factory=list,
+                                   description="Pids counted as the vLLM server (API server and children)")
+    server_used_mib: int | None = Field(None, description="GPU memory of the vLLM server's processes, summed "
+                                                          "over those that report it")
+
+    def summary(self) -> str:
+        if not self.available:
+            return f"No NVIDIA GPU: {self.reason}"
+        parts = []
+        for g in self.gpus:
+            parts.append(f"GPU{g.index} {g.name}: {g.used_mib} MiB used / {g.total_mib} MiB "
+                         f"({g.free_mib} MiB free), {g.utilization_gpu_pct if g.utilization_gpu_pct is not None else '?'} % busy")
+        if self.server_used_mib is not None:
+            parts.append(f"vLLM server: {self.server_used_mib} MiB")
+        return "; ".join(parts) if parts else "NVML answered but reports no GPU"
+
+
+def _text(value: Any) -> str:
+    # Older nvidia-ml-py releases return bytes.
+    return value.decode(errors="replace") if isinstance(value, (bytes, bytearray)) else str(value)
+
+
+def server_process_pids(pid: int | None) -> set[int]:
+    """The server pid, its descendants and the members of its process group (vLLM's engine core is a child)."""
+    if not pid:
+        return set()
+    import psutil
+
+    pids: set[int] = set()
+    try:
+        root = psutil.Process(pid)
+    except psutil.Error:
+        return pids
+    pids.add(pid)
+    try:
+        pids.update(child.pid for child in root.children(recursive=True))
+    except psutil.Error:
+        pass
+    # The server is launched in its own session/process group: collect that group as well, which also
+    # catches engine processes re-parented after a crash of an intermediate process.
+    try:
+        pgid = os.getpgid(pid)
+    except OSError:
+        pgid = None
+    if pgid is not None and pgid == pid:
+        for proc in psutil.process_iter(["pid"]):
+            try:
+                if os.getpgid(proc.pid) == pgid:
+                    pids.add(proc.pid)
+            except OSError:
+                continue
+    return pids
+
+
+def _process_name(pid: int) -> str | None:
+    try:
+        import psutil
+
+        return psutil.Process(pid).name()
+    except Exception:  # gone, or not ours to read: the name is informational only
+        return None
+
+
+def _load_nvml() -> Any:
+    import pynvml
+
+    return pynvml
+
+
+def vram_status(*, server_pid: int | None = None, server_pids: set[int] | None = None,
+                nvml: Any = None) -> VramStatus:
+    """Read every GPU's memory and processes through NVML.
+
+    `server_pid` is the vLLM API server's pid (its process tree is collected); `server_pids` may give the set
+    directly. `nvml` replaces the `pynvml` module (tests inject a fake); it needs the pynvml function names.
+    """
+    pids = set(server_pids or ()) | server_process_pids(server_pid)
+    try:
+        nv = nvml if nvml is not None else _load_nvml()
+    except ImportError as exc:
+        return VramStatus(available=False, reason=f"pynvml is not installed ({exc}); pip install nvidia-ml-py",
+                          server_pids=sorted(pids))
+    try:
+        nv.nvmlInit()
+    except Exception as exc:  # NVMLError_LibraryNotFound / DriverNotLoaded: a machine without the driver
+        return VramStatus(available=False, reason=f"NVML unavailable: {exc}", server_pids=sorted(pids))
+    try:
+        try:
+            driver = _text(nv.nvmlSystemGetDriverVersion())
+        except Exception:
+            driver = None
+        gpus: list[GpuInfo] = []
+        server_total: int | None = None
+        for index in range(int(nv.nvmlDeviceGetCount())):
+            handle = nv.nvmlDeviceGetHandleByIndex(index)
+            mem = nv.nvmlDeviceGetMemoryInfo(handle)
+            try:
+                util = nv.nvmlDeviceGetUtilizationRates(handle)
+                util_gpu, util_mem = int(util.gpu), int(util.memory)
+            except Exception:  # not supported on some boards / MIG slices
+                util_gpu = util_mem = None
+            procs: dict[int, GpuProcess] = {}
+            for getter in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses"):
+                fn = getattr(nv, getter, None)
+                if fn is None:
+                    continue
+                try:
+                    entries = fn(handle) or []
+                except Exception:
+                    continue
+                for entry in entries:
+                    pid = int(entry.pid)
+                    used = getattr(entry, "usedGpuMemory", None)
+                    used_mib = None if used is None else int(used) // MIB
+                    if pid in procs:  # listed as compute and graphics: keep what was reported
+                        if procs[pid].used_mib is None:
+                            procs[pid].used_mib = used_mib
+                        continue
+                    procs[pid] = GpuProcess(pid=pid, name=_process_name(pid), used_mib=used_mib,
+                                            is_vllm_server=pid in pids)
+            for p in procs.values():
+                if p.is_vllm_server and p.used_mib is not None:
+                    server_total = (server_total or 0) + p.used_mib
+            gpus.append(GpuInfo(index=index, name=_text(nv.nvmlDeviceGetName(handle)),
+                                total_mib=int(mem.total) // MIB, used_mib=int(mem.used) // MIB,
+                                free_mib=int(mem.free) // MIB, utilization_gpu_pct=util_gpu,
+                                utilization_mem_pct=util_mem, processes=sorted(procs.values(), key=lambda p: p.pid)))
+        return VramStatus(available=True, driver_version=driver, gpus=gpus, server_pids=sorted(pids),
+                          server_used_mib=server_total)
+    except Exception as exc:
+        return VramStatus(available=False, reason=f"NVML error: {exc}", server_pids=sorted(pids))
+    finally:
+        try:
+            nv.nvmlShutdown()
+        except Exception:
+            pass
