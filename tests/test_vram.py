@@ -72,7 +72,7 @@ def test_no_driver_is_a_result_not_an_exception():
     assert status.available is False
     assert "NVML Shared Library Not Found" in status.reason
     assert status.gpus == []
-    assert "No NVIDIA GPU" in status.summary()
+    assert "No NVIDIA GPU" in status.summary_line()
 
 
 def test_real_pynvml_on_this_machine_never_raises():
@@ -119,7 +119,7 @@ def test_t4_with_server_processes_marked_and_unreported_memory():
     assert status.server_used_mib == 13300  # unreported memory is not counted as zero-or-guess
     assert server.pid in status.server_pids and engine_pid in status.server_pids
     assert fake.shutdown_calls == fake.init_calls == 1
-    assert "13581 MiB used / 15360 MiB" in status.summary()
+    assert "13581 MiB used / 15360 MiB" in status.summary_line()
 
 
 def test_two_gpus_no_util_support_and_no_server():

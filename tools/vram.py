@@ -47,7 +47,7 @@ class VramStatus(BaseModel):
     server_used_mib: int | None = Field(None, description="GPU memory of the vLLM server's processes, summed "
                                                           "over those that report it")
 
-    def summary(self) -> str:
+    def summary_line(self) -> str:
         if not self.available:
             return f"No NVIDIA GPU: {self.reason}"
         parts = []

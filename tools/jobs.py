@@ -1,0 +1,161 @@
+"""Background jobs for long tool calls, and the one-long-operation-at-a-time rule.
+
+MCP clients differ in how long they wait for a tool call (Codex defaults to 60 s, Gemini CLI to 10 min): a
+repack of the real checkpoint or a full sweep takes longer. The server therefore runs any long tool either in the
+foreground (streaming progress notifications until it finishes) or as a job: `start_job` returns at once with a
+job id, `job_status` reports state, progress and, once done, the same structured result the foreground call
+returns.
+
+Jobs live in this process (module state, not MCP session state: sessions come and go, the vLLM server and a
+running repack do not). Long operations share one machine (2 CPU cores or one T4) and one vLLM server, so only
+one runs at a time, foreground or background; a second is refused with the name of the one running.
+Cancelling is cooperative: the job's progress callback raises `JobCancelled` at the next progress report, and the
+library beneath cleans up as it does on any error.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from enum import Enum
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+# progress(done, total, message); total None when unknown
+ProgressFn = Callable[[float, float | None, str], None]
+
+
+class JobCancelled(Exception):
+    """Raised inside a job's work at its next progress report after cancel_job."""
+
+
+class Busy(RuntimeError):
+    """Another long operation is running."""
+
+
+class JobState(str, Enum):
+    running = "running"
+    succeeded = "succeeded"
+    failed = "failed"
+    cancelled = "cancelled"
+
+
+class JobInfo(BaseModel):
+    job_id: str
+    tool: str = Field(description="The tool this job runs; its result has that tool's output schema")
+    arguments: dict[str, Any]
+    state: JobState
+    progress: float = 0.0
+    total: float | None = None
+    message: str = ""
+    started_at: float = Field(description="Unix time")
+    finished_at: float | None = None
+    elapsed_s: float
+    result: dict[str, Any] | None = Field(None, description="The tool's structured result, once succeeded")
+    error: str | None = Field(None, description="One-line error, once failed")
+
+
+class _Job:
+    def __init__(self, job_id: str, tool: str, arguments: dict[str, Any]) -> None:
+        self.job_id, self.tool, self.arguments = job_id, tool, arguments
+        self.state = JobState.running
+        self.progress, self.total, self.message = 0.0, None, "starting"
+        self.started_at, self.finished_at = time.time(), None
+        self.result: dict[str, Any] | None = None
+        self.error: str | None = None
+        self.cancel_event = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def info(self) -> JobInfo:
+        end = self.finished_at or time.time()
+        return JobInfo(job_id=self.job_id, tool=self.tool, arguments=self.arguments, state=self.state,
+                       progress=self.progress, total=self.total, message=self.message,
+                       started_at=self.started_at, finished_at=self.finished_at,
+                       elapsed_s=round(end - self.started_at, 3), result=self.result, error=self.error)
+
+
+class JobRegistry:
+    def __init__(self) -> None:
+        self._jobs: dict[str, _Job] = {}
+        self._lock = threading.Lock()
+        self._busy: str | None = None  # description of the long operation running now
+        self._ids = itertools.count(1)
+
+    @contextmanager
+    def exclusive(self, what: str) -> Iterator[None]:
+        """Hold the single long-operation slot for `what`, or raise Busy naming the holder."""
+        with self._lock:
+            if self._busy is not None:
+                raise Busy(f"{self._busy} is running; wait for it (job_status) or cancel it (cancel_job) first")
+            self._busy = what
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._busy = None
+
+    def submit(self, tool: str, arguments: dict[str, Any],
+               work: Callable[[ProgressFn], BaseModel | dict[str, Any]]) -> JobInfo:
+        """Run `work(progress)` in a thread as a job; refuse if another long operation is running."""
+        with self._lock:
+            if self._busy is not None:
+                raise Busy(f"{self._busy} is running; wait for it (job_status) or cancel it (cancel_job) first")
+            job = _Job(f"job-{next(self._ids)}", tool, arguments)
+            self._busy = f"{tool} ({job.job_id})"
+            self._jobs[job.job_id] = job
+
+        def progress(done: float, total: float | None, message: str) -> None:
+            if job.cancel_event.is_set():
+                raise JobCancelled(f"{job.job_id} cancelled")
+            job.progress, job.total, job.message = float(done), (None if total is None else float(total)), message
+
+        def run() -> None:
+            try:
+                out = work(progress)
+                job.result = out.model_dump(mode="json") if isinstance(out, BaseModel) else dict(out)
+                job.state, job.message = JobState.succeeded, "done"
+            except JobCancelled:
+                job.state, job.message = JobState.cancelled, "cancelled"
+            except BaseException as exc:  # reported through job_status, never lost in a thread
+                job.state = JobState.failed
+                job.error = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                job.message = "failed"
+                job.traceback = traceback.format_exc()  # type: ignore[attr-defined]
+            finally:
+                job.finished_at = time.time()
+                with self._lock:
+                    self._busy = None
+
+        job.thread = threading.Thread(target=run, name=job.job_id, daemon=True)
+        job.thread.start()
+        return job.info()
+
+    def get(self, job_id: str) -> JobInfo:
+        job = self._jobs.get(job_id)
+        if job is None:
+            known = ", ".join(self._jobs) or "none"
+            raise KeyError(f"no job {job_id!r} (known jobs: {known})")
+        return job.info()
+
+    def wait(self, job_id: str, timeout: float | None = None) -> JobInfo:
+        job = self._jobs.get(job_id)
+        if job is None:
+            return self.get(job_id)
+        if job.thread is not None:
+            job.thread.join(timeout)
+        return job.info()
+
+    def cancel(self, job_id: str) -> JobInfo:
+        info = self.get(job_id)
+        if info.state == JobState.running:
+            self._jobs[job_id].cancel_event.set()
+            self._jobs[job_id].message = "cancelling at the next progress report"
+        return self._jobs[job_id].info()
+
+    def list(self) -> list[JobInfo]:
+        return [j.info() for j in self._jobs.values()]

@@ -1,0 +1,86 @@
+"""Confine the paths that the MCP tools read or write to configured roots.
+
+An agent passes paths as strings; every one is resolved (symlinks followed, `..` collapsed) and must land inside
+a root of the right kind: "models" (checkpoints read and written, served models) or "evidence" (sweep results,
+token records, reports). Relative paths resolve against the first root of their kind. Anything else is refused
+with a one-line error naming the path and the roots, so the agent can retry with an allowed path.
+
+Roots come from `--models-root` / `--evidence-root` on the server command line, else from the environment
+(`GEMMA4_T4_MODELS_ROOTS`, `GEMMA4_T4_EVIDENCE_ROOTS`, os.pathsep-separated), else the project's own
+`models/` and `evidence/` folders.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+Kind = Literal["models", "evidence"]
+ENV = {"models": "GEMMA4_T4_MODELS_ROOTS", "evidence": "GEMMA4_T4_EVIDENCE_ROOTS"}
+# A Hugging Face hub id such as "google/gemma-4-E2B-it": served by vLLM from its cache, not a path we open.
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+class PathNotAllowed(ValueError):
+    """A path outside the configured roots (or otherwise unusable); the message says what to do."""
+
+
+def _resolve(p: str | Path) -> Path:
+    return Path(os.path.realpath(Path(p).expanduser()))
+
+
+@dataclass(frozen=True)
+class Roots:
+    models: tuple[Path, ...] = field(default_factory=tuple)
+    evidence: tuple[Path, ...] = field(default_factory=tuple)
+
+    @classmethod
+    def from_env(cls, models: list[str] | None = None, evidence: list[str] | None = None,
+                 environ: dict[str, str] | None = None) -> "Roots":
+        env = os.environ if environ is None else environ
+
+        def pick(kind: Kind, given: list[str] | None) -> tuple[Path, ...]:
+            raw = list(given or []) or [p for p in env.get(ENV[kind], "").split(os.pathsep) if p]
+            if not raw:
+                raw = [str(PROJECT_ROOT / kind)]
+            return tuple(_resolve(p) for p in raw)
+
+        return cls(models=pick("models", models), evidence=pick("evidence", evidence))
+
+    def of(self, kind: Kind) -> tuple[Path, ...]:
+        return self.models if kind == "models" else self.evidence
+
+    def describe(self) -> dict[str, list[str]]:
+        return {"models": [str(p) for p in self.models], "evidence": [str(p) for p in self.evidence]}
+
+    def confine(self, path: str | Path, kind: Kind, *, must_exist: bool = False, what: str = "path") -> Path:
+        """Resolve `path` and return it if it lies inside a `kind` root; raise PathNotAllowed otherwise."""
+        roots = self.of(kind)
+        if not roots:
+            raise PathNotAllowed(f"{what} {path!s}: no {kind} root is configured; start the server with "
+                                 f"--{kind}-root DIR")
+        text = str(path).strip()
+        if not text:
+            raise PathNotAllowed(f"{what} is empty: give a path under {roots[0]}")
+        p = Path(text).expanduser()
+        if not p.is_absolute():
+            p = roots[0] / p
+        resolved = _resolve(p)
+        if not any(resolved == r or r in resolved.parents for r in roots):
+            allowed = ", ".join(str(r) for r in roots)
+            raise PathNotAllowed(f"{what} {text} resolves to {resolved}, outside the {kind} roots ({allowed}); "
+                                 f"use a path under one of them or start the server with --{kind}-root")
+        if must_exist and not resolved.exists():
+            raise PathNotAllowed(f"{what} {resolved} does not exist")
+        return resolved
+
+    def confine_model(self, model: str, *, what: str = "model") -> str:
+        """A model to serve: a local checkpoint folder under a models root, or a hub id passed through."""
+        text = model.strip()
+        if HUB_ID.match(text) and not (self.models and (self.models[0] / text).exists()) and not Path(text).exists():
+            return text
+        return str(self.confine(text, "models", must_exist=True, what=what))
