@@ -1,0 +1,377 @@
+"""One pass from a QAT checkpoint (or an intermediate build) to the requested build.
+
+Each source tensor is read once, through a memory map, in row blocks: int4 targets are grid-recovered and
+packed, everything else is copied byte for byte (renamed for text-only builds), towers are dropped without
+being read. The output is laid out in full before any data is computed (so every block is written by position,
+from several threads, and a full disk shows up at once), and written atomically.
+
+The article's three steps are this function with different options:
+  repack_q4_0.py repack  = BuildOptions(quantize_linears=True,  text_only=False, embed_int4=False)
+  text_only.py           = BuildOptions(quantize_linears=False, text_only=True,  embed_int4=False)
+  embed_int4.py          = BuildOptions(quantize_linears=False, text_only=False, embed_int4=True, embed_tokens=...)
+and `python3 -m repack build` does all of it in one read of the source.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import threading
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Literal
+
+import numpy as np
+
+from . import config as cfgmod
+from . import grid
+from .atomic import atomic_directory, check_destination
+from .checkpoint import INDEX, MM_PREFIX, TOWER_PREFIXES, Checkpoint, open_checkpoint
+from .errors import OffGridError, RepackError
+from .report import TABLES, RepackReport, TableReport
+from .safetensors_io import MappedFile, OutShard, OutTensor, ShardWriter, TensorInfo, write_error
+
+Progress = Callable[[int, int, str], None]
+BLOCK_BYTES = 4 << 20      # source bytes per work item: big enough to amortise, small enough to bound memory
+PACKED_SUFFIXES = (".weight_packed", ".weight_scale", ".weight_shape", ".weight_zero_point", ".weight_g_idx")
+TEXT_ONLY_SKIP_FILES = {"preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json"}
+
+
+@dataclass
+class BuildOptions:
+    quantize_linears: bool = True
+    text_only: bool = True
+    embed_int4: bool = True
+    embed_tokens: bool = True
+    scale_dtype: Literal["fp16", "bf16"] = "fp16"
+    force: bool = False
+    max_shard_bytes: int = 2 << 30
+    threads: int = 0  # 0: one per available core
+
+    def __post_init__(self) -> None:
+        if self.scale_dtype not in ("fp16", "bf16"):
+            raise RepackError(f"--scale-dtype {self.scale_dtype!r}: choose fp16 or bf16")
+        if self.embed_tokens and not self.embed_int4:
+            raise RepackError("--embed-tokens needs --embed-int4 (embed_tokens is packed with the PLE table)")
+        if self.max_shard_bytes <= 0:
+            raise RepackError(f"max shard size {self.max_shard_bytes}: must be positive")
+
+
+@dataclass
+class _Item:
+    """What happens to one source tensor."""
+
+    src: TensorInfo
+    action: Literal["copy", "quant", "drop"]
+    table: str
+    out_name: str                      # copy: the tensor name; quant: the module prefix (".weight" removed)
+    head: bool = False                 # also write the levels and scales as lm_head.*
+    outs: dict[str, OutTensor] = field(default_factory=dict)
+    writers: dict[str, int] = field(default_factory=dict)  # out key -> output shard index
+
+
+def _classify(name: str, info: TensorInfo, ck: Checkpoint, opt: BuildOptions) -> _Item:
+    if name.startswith(TOWER_PREFIXES):
+        return _Item(info, "drop" if opt.text_only else "copy", "towers", name)
+    out = name
+    short = None
+    if ck.multimodal and name.startswith(MM_PREFIX):
+        short = name[len(MM_PREFIX):]
+        if opt.text_only:
+            out = "model." + short
+    elif not ck.multimodal and name.startswith("model."):
+        short = name[len("model."):]
+    elif name.startswith("lm_head."):
+        short = name
+    if short is None:
+        return _Item(info, "copy", "rest", out)
+    module = short.rsplit(".", 1)[0]
+    if short.endswith(PACKED_SUFFIXES):  # already int4 (an intermediate build): carried as is
+        table = ("PLE" if module == "embed_tokens_per_layer" else "embed_tokens" if module == "embed_tokens"
+                 else "lm_head" if module == "lm_head" else "linears")
+        return _Item(info, "copy", table, out)
+    if short == "embed_tokens_per_layer.weight":
+        return _Item(info, "quant" if opt.embed_int4 else "copy", "PLE", out)
+    if short == "embed_tokens.weight":
+        q = opt.embed_int4 and opt.embed_tokens
+        return _Item(info, "quant" if q else "copy", "embed_tokens", out, head=q and "lm_head.weight" not in ck.tensors)
+    if short == "lm_head.weight":
+        return _Item(info, "quant" if opt.embed_int4 and opt.embed_tokens else "copy", "lm_head", out)
+    if short.endswith(".weight") and len(info.shape) == 2:
+        return _Item(info, "quant" if opt.quantize_linears else "copy", "linears", out)
+    return _Item(info, "copy", "rest", out)
+
+
+def _check_quantizable(it: _Item) -> None:
+    s = it.src
+    if s.dtype != "BF16":
+        raise RepackError(f"{s.file}: tensor {s.name} is {s.dtype}, but only BF16 tensors can be repacked; "
+                          f"use the bf16 QAT export (google/gemma-4-E2B-it-qat-q4_0-unquantized)")
+    if len(s.shape) != 2 or s.shape[1] % grid.GROUP or s.shape[0] == 0:
+        raise RepackError(f"{s.file}: tensor {s.name} has shape {list(s.shape)}; a 4-bit target needs 2 "
+                          f"dimensions with the last a multiple of {grid.GROUP}")
+
+
+def _plan(ck: Checkpoint, opt: BuildOptions) -> tuple[list[_Item], list[OutShard]]:
+    items: list[_Item] = []
+    shards: list[OutShard] = []
+    current: OutShard | None = None
+    scale_st = "F16" if opt.scale_dtype == "fp16" else "BF16"
+
+    def add(t: OutTensor, it: _Item, key: str) -> None:
+        nonlocal current
+        if current is None or (current.tensors and current.data_bytes + t.nbytes > opt.max_shard_bytes):
+            current = OutShard("")
+            shards.append(current)
+        current.add(t)
+        it.outs[key] = t
+        it.writers[key] = len(shards) - 1
+
+    for sh in ck.shards:
+        sh_items = [_classify(n, i, ck, opt) for n, i in sorted(sh.tensors.items(), key=lambda kv: kv[1].offset)]
+        for it in sh_items:
+            if it.action == "quant":
+                _check_quantizable(it)
+        items.extend(sh_items)
+        unchanged = sh_items and all(it.action == "copy" and it.out_name == it.src.name for it in sh_items)
+        if unchanged:
+            # every tensor kept as is: the shard itself is reused (hard link)
+            current = None
+            linked = OutShard("", hardlink_from=sh.path)
+            for it in sh_items:
+                t = OutTensor(it.out_name, it.src.dtype, it.src.shape, it.src.nbytes)
+                linked.add(t)
+                it.outs["data"] = t
+                it.writers["data"] = len(shards)
+            shards.append(linked)
+            current = None
+            continue
+        for it in sh_items:
+            s = it.src
+            if it.action == "drop":
+                continue
+            if it.action == "copy":
+                add(OutTensor(it.out_name, s.dtype, s.shape, s.nbytes), it, "data")
+                continue
+            rows, cols = s.shape
+            prefix = it.out_name.removesuffix(".weight")
+            names = [("", prefix)] + ([("head_", "lm_head")] if it.head else [])
+            for key, mod in names:
+                add(OutTensor(f"{mod}.weight_packed", "I32", (rows, cols // 8), rows * cols // 2), it, key + "packed")
+                add(OutTensor(f"{mod}.weight_scale", scale_st, (rows, cols // 32), rows * cols // 16), it,
+                    key + "scale")
+                add(OutTensor(f"{mod}.weight_shape", "I64", (2,), 16), it, key + "shape")
+    n = len(shards)
+    for i, sh in enumerate(shards):
+        sh.filename = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+    return items, shards
+
+
+def _output_config(ck: Checkpoint, opt: BuildOptions, items: list[_Item]) -> dict:
+    config = cfgmod.text_only(ck.config) if opt.text_only else json.loads(json.dumps(ck.config))
+    packed_tables = {it.table for it in items if it.action == "quant"} | {
+        it.table for it in items if it.action == "copy" and it.src.name.endswith(".weight_packed")}
+    head = "lm_head" in packed_tables or any(it.head for it in items)
+    towers = any(it.table == "towers" and it.action != "drop" for it in items)
+    prev = cfgmod.existing_targets(ck.config)
+    qc = cfgmod.quantization_config(linears="linears" in packed_tables or "linears" in prev,
+                                    ple="PLE" in packed_tables, embed="embed_tokens" in packed_tables,
+                                    head=head, towers=towers, version=_ct_version())
+    cfgmod.set_quantization(config, qc)
+    if head:
+        cfgmod.set_untied(config)
+    return config
+
+
+def _ct_version() -> str:
+    return "0.17.0"  # the compressed-tensors format version the config follows (the pinned library)
+
+
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def build_checkpoint(src: str | Path, out: str | Path, options: BuildOptions | None = None,
+                     progress: Progress | None = None) -> RepackReport:
+    """Builds OUT from SRC as `options` ask, atomically; returns the report (also saved as repack-report.json)."""
+    opt = options or BuildOptions()
+    t0 = time.perf_counter()
+    src, out = Path(src), Path(out)
+    ck = open_checkpoint(src)
+    check_destination(out, opt.force, src)
+    items, shards = _plan(ck, opt)
+    config = _output_config(ck, opt, items)
+    other = "bf16" if opt.scale_dtype == "fp16" else "fp16"
+    tables = {name: TableReport(name) for name in TABLES}
+    for it in items:
+        t = tables[it.table]
+        t.tensors += 1
+        t.bytes_before += it.src.nbytes
+        t.bytes_after += sum(o.nbytes for k, o in it.outs.items() if not k.startswith("head_"))
+        if it.head:
+            h = tables["lm_head"]
+            h.tensors += 1
+            h.bytes_after += sum(o.nbytes for k, o in it.outs.items() if k.startswith("head_"))
+    report = RepackReport(source=str(src), output=str(out), options=asdict(opt), scale_dtype=opt.scale_dtype,
+                          other_dtype=other, implementation=grid.implementation(), tables=tables,
+                          output_shards=len(shards), hardlinked_shards=sum(1 for s in shards if s.hardlink_from),
+                          source_bytes=sum(i.nbytes for i in ck.tensors.values()))
+    metadata = {"format": "pt"}
+    for sh in shards:
+        sh.layout(metadata)  # fixes sizes for the space check
+    need = sum(sh.size for sh in shards if sh.hardlink_from is None)
+    free = _free_bytes(out)
+    if free is not None and need > free:
+        raise RepackError(f"{out.parent}: the build needs {need / 1e9:.2f} GB and only {free / 1e9:.2f} GB is "
+                          f"free; free some space or choose another output folder")
+
+    with atomic_directory(out, opt.force) as tmp:
+        report.bytes_read = _write_shards(ck, items, shards, tmp, opt, tables, progress, metadata)
+        weight_map = {t.name: sh.filename for sh in shards for t in sh.tensors}
+        index = {"metadata": {"total_size": sum(sh.data_bytes for sh in shards)},
+                 "weight_map": dict(sorted(weight_map.items()))}
+        _write_text(tmp / INDEX, json.dumps(index, indent=2) + "\n")
+        _write_text(tmp / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
+        for f in ck.side_files():
+            if opt.text_only and f.name in TEXT_ONLY_SKIP_FILES:
+                continue
+            try:
+                shutil.copy2(f, tmp / f.name)
+            except OSError as e:
+                raise write_error(tmp / f.name, e) from None
+        report.bytes_written = sum(sh.size for sh in shards if sh.hardlink_from is None)
+        report.wall_s = time.perf_counter() - t0
+        report.peak_rss_bytes = _peak_rss()
+        _write_text(tmp / "repack-report.json", json.dumps(report.to_dict(), indent=2) + "\n")
+    return report
+
+
+def _write_text(path: Path, text: str) -> None:
+    try:
+        path.write_text(text)
+    except OSError as e:
+        raise write_error(path, e) from None
+
+
+def _free_bytes(out: Path) -> int | None:
+    p = out.parent if str(out.parent) else Path(".")
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        return shutil.disk_usage(p).free
+    except OSError:
+        return None
+
+
+def _write_shards(ck: Checkpoint, items: list[_Item], shards: list[OutShard], tmp: Path, opt: BuildOptions,
+                  tables: dict[str, TableReport], progress: Progress | None, metadata: dict[str, str]) -> int:
+    total = sum(it.src.nbytes for it in items if it.action != "drop")
+    done = 0
+    if progress:
+        progress(0, total, "starting")
+    writers: dict[int, ShardWriter] = {}
+    maps: dict[Path, MappedFile] = {}
+    threads = opt.threads or max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                                 else (os.cpu_count() or 1))
+    pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="repack")
+    futures: dict[Future, tuple[_Item, int, int]] = {}
+    try:
+        for i, sh in enumerate(shards):
+            if sh.hardlink_from is not None:
+                _link_or_copy(sh.hardlink_from, tmp / sh.filename)
+                n = sum(t.nbytes for t in sh.tensors)
+                done += n
+                if progress:
+                    progress(done, total, f"linked {sh.filename}")
+            else:
+                writers[i] = ShardWriter(tmp / sh.filename, sh, metadata)
+        for it in items:
+            if it.action == "drop" or (it.writers and shards[it.writers.get("data", it.writers.get("packed", 0))]
+                                       .hardlink_from is not None):
+                continue
+            mf = maps.get(it.src.file)
+            if mf is None:
+                mf = maps[it.src.file] = MappedFile(it.src.file)
+            if it.action == "copy":
+                for start in range(0, max(it.src.nbytes, 1), BLOCK_BYTES):
+                    length = min(BLOCK_BYTES, it.src.nbytes - start)
+                    futures[pool.submit(_copy_block, mf, it, writers, start, length)] = (it, start, length)
+            else:
+                rows, cols = it.src.shape
+                for key in ("shape", "head_shape"):
+                    if key in it.outs:
+                        writers[it.writers[key]].pwrite(np.array([rows, cols], dtype="<i8"), it.outs[key].offset)
+                per = max(1, BLOCK_BYTES // (cols * 2))
+                for r0 in range(0, rows, per):
+                    n = min(per, rows - r0)
+                    futures[pool.submit(_quant_block, mf, it, writers, r0, n, opt.scale_dtype)] = (it, r0, n)
+        pending = set(futures)
+        while pending:
+            finished, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
+            for fut in finished:
+                it, a, n = futures.pop(fut)
+                stats = fut.result()  # re-raises a worker's error
+                if stats is not None:
+                    tables[it.table].processed.merge(stats)
+                    if it.head:
+                        tables["lm_head"].processed.merge(stats)
+                    if stats.offgrid:
+                        row, group, err, err_o = stats.first_offgrid  # type: ignore[misc]
+                        hint = ""
+                        if err_o <= grid.TOL_ULPS:
+                            hint = f"it is on the grid with {'bf16' if opt.scale_dtype == 'fp16' else 'fp16'} scales: " \
+                                   f"try --scale-dtype {'bf16' if opt.scale_dtype == 'fp16' else 'fp16'}"
+                        raise OffGridError(it.src.name, row, group, err, hint)
+                    done += n * it.src.shape[1] * 2
+                else:
+                    done += n
+                if progress:
+                    progress(done, total, it.src.name)
+    except BaseException:
+        for f in futures:
+            f.cancel()
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        for w in writers.values():
+            w.close()
+        for m in maps.values():
+            m.close()
+    return total
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        try:
+            shutil.copyfile(src, dst)
+        except OSError as e:
+            raise write_error(dst, e) from None
+
+
+def _copy_block(mf: MappedFile, it: _Item, writers: dict[int, ShardWriter], start: int, length: int) -> None:
+    if length > 0:
+        writers[it.writers["data"]].pwrite(mf.view(it.src, start, length), it.outs["data"].offset + start)
+        mf.release(it.src, start, length)
+
+
+_tls = threading.local()
+
+
+def _quant_block(mf: MappedFile, it: _Item, writers: dict[int, ShardWriter], r0: int, n: int,
+                 scale_dtype: str) -> grid.GridStats:
+    cols = it.src.shape[1]
+    raw = mf.view(it.src, r0 * cols * 2, n * cols * 2).view("<u2").reshape(n, cols)
+    packed, scales, stats = grid.quantize(raw, scale_dtype)  # type: ignore[arg-type]
+    del raw
+    sbytes = grid.scales_to_bytes(scales, scale_dtype)  # type: ignore[arg-type]
+    for pre in ("", "head_") if it.head else ("",):
+        writers[it.writers[pre + "packed"]].pwrite(packed, it.outs[pre + "packed"].offset + r0 * cols // 2)
+        writers[it.writers[pre + "scale"]].pwrite(sbytes, it.outs[pre + "scale"].offset + r0 * cols // 16)
+    mf.release(it.src, r0 * cols * 2, n * cols * 2)
+    return grid.GridStats.from_vector(stats, r0)

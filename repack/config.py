@@ -1,0 +1,99 @@
+"""config.json for the builds: text-only promotion, untied head, compressed-tensors quantization_config.
+
+The targets are chosen for vLLM's compressed-tensors matching (vLLM 0.32): a target is a module name, a
+``re:`` regex over the module name, or a case-insensitive substring of the module CLASS name. "Linear" picks
+up vLLM's linear classes (QKVParallelLinear, MergedColumnParallelLinear, RowParallelLinear, ReplicatedLinear
+...), embeddings are named by anchored regexes (so the PLE table can be int4 while embed_tokens stays bf16),
+and ParallelLMHead (whose class name contains neither) by ``re:.*lm_head$``. The towers use vLLM linear
+classes too, so a multimodal build ignores them explicitly.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+GROUP = 32
+TOWER_IGNORE = ["re:.*vision_tower.*", "re:.*audio_tower.*", "re:.*embed_vision.*", "re:.*embed_audio.*"]
+RE_PLE = "re:.*embed_tokens_per_layer$"
+RE_EMBED = "re:.*embed_tokens$"
+RE_HEAD = "re:.*lm_head$"
+
+
+def _weights_args() -> dict[str, Any]:
+    return {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": GROUP,
+            "dynamic": False, "actorder": None, "observer": "minmax", "observer_kwargs": {},
+            "block_structure": None}
+
+
+def quantization_config(*, linears: bool, ple: bool, embed: bool, head: bool, towers: bool,
+                        version: str = "0.17.0") -> dict[str, Any] | None:
+    """The compressed-tensors `pack-quantized` W4A16 config for what a build holds (None if nothing is int4)."""
+    targets: list[str] = []
+    if linears:
+        targets.append("Linear")
+    if ple:
+        targets.append(RE_PLE)
+    if embed:
+        targets.append(RE_EMBED)
+    if head:
+        targets.append(RE_HEAD)
+    if not targets:
+        return None
+    ignore: list[str] = [] if head else ["lm_head"]
+    if towers:
+        ignore += TOWER_IGNORE
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": {"format": "pack-quantized", "targets": targets, "weights": _weights_args(),
+                                      "input_activations": None, "output_activations": None}},
+        "ignore": ignore,
+        "kv_cache_scheme": None,
+        "sparsity_config": {},
+        "transform_config": {},
+        "global_compression_ratio": None,
+        "version": version,
+    }
+
+
+def existing_targets(config: dict[str, Any]) -> set[str]:
+    """The int4 kinds an input build already declares (so a later step keeps declaring them)."""
+    qc = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
+    kinds: set[str] = set()
+    if not qc:
+        return kinds
+    for group in (qc.get("config_groups") or {}).values():
+        for t in group.get("targets", []):
+            kinds.add({"Linear": "linears", RE_PLE: "ple", RE_EMBED: "embed", RE_HEAD: "head"}.get(t, t))
+    return kinds
+
+
+def text_only(config: dict[str, Any]) -> dict[str, Any]:
+    """The multimodal config's text_config promoted to the top level as a Gemma4ForCausalLM."""
+    if "text_config" not in config:
+        out = copy.deepcopy(config)  # already text-only
+    else:
+        out = copy.deepcopy(config["text_config"])
+        for key in ("dtype", "torch_dtype", "transformers_version", "tie_word_embeddings"):
+            if key in config and key not in out:
+                out[key] = config[key]
+    out["architectures"] = ["Gemma4ForCausalLM"]
+    out.setdefault("model_type", "gemma4_text")
+    return out
+
+
+def set_untied(config: dict[str, Any]) -> None:
+    """tie_word_embeddings false wherever a loader reads it (top level and any text_config)."""
+    config["tie_word_embeddings"] = False
+    if isinstance(config.get("text_config"), dict):
+        config["text_config"]["tie_word_embeddings"] = False
+
+
+def set_quantization(config: dict[str, Any], qc: dict[str, Any] | None) -> None:
+    config.pop("quantization_config", None)
+    if isinstance(config.get("text_config"), dict):
+        config["text_config"].pop("quantization_config", None)
+    if qc is not None:
+        config["quantization_config"] = qc

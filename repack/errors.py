@@ -1,0 +1,27 @@
+"""The one error type the repack library raises for bad input or a failed run.
+
+Its message is a single line that names the file, tensor or option at fault and what to do about it; the
+commands print it as ``error: <message>`` and exit with status 2.
+"""
+
+from __future__ import annotations
+
+
+class RepackError(Exception):
+    """Bad input or a failed write. ``str(err)`` is one line meant for the user."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(message.split()))
+
+
+class OffGridError(RepackError):
+    """A group of 32 values that no symmetric 4-bit grid reproduces within the tolerance."""
+
+    def __init__(self, tensor: str, row: int, group: int, worst_ulps: float, hint: str = "") -> None:
+        self.tensor, self.row, self.group, self.worst_ulps = tensor, row, group, worst_ulps
+        msg = (f"{tensor}: row {row}, group {group} (columns {group * 32}-{group * 32 + 31}) is off the 4-bit grid "
+               f"(worst value {worst_ulps:.3g} bf16 ulps off, tolerance 2): this is not a QAT q4_0 export "
+               f"(a base model?); run `python3 -m repack probe` on the source to check")
+        if hint:
+            msg += f"; {hint}"
+        super().__init__(msg)
