@@ -1,0 +1,89 @@
+"""vLLM general plugin: the int4 embedding lookup on vLLM's CPU backend.
+
+vLLM's `CompressedTensorsEmbeddingWNA16Int` gathers and dequantizes packed embedding rows with a Triton
+kernel, which does not run on the CPU platform ("module 'triton' has no attribute 'next_power_of_2'").
+On the CPU platform only, `register()` swaps that kernel for a torch gather with the same arithmetic, so a
+build with int4 `embed_tokens` / `embed_tokens_per_layer` serves on a machine without a GPU. On every other
+platform it does nothing.
+
+vLLM calls `register()` in every process it starts (API server, engine core, workers) through the
+`vllm.general_plugins` entry point declared in pyproject.toml, so the project must be pip-installed.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+# Under "vllm." so that vLLM's logging configuration prints it into the engine log.
+logger = logging.getLogger("vllm.gemma4_t4_vllm")
+
+EMBEDDING_MODULE = "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_embedding"
+# Logged once per process when the swap happens, and once at the first lookup (tools.engine_log reads the
+# second: it shows the int4 embedding method actually ran, not only that it was available).
+PATCHED_MARK = "gemma4-t4: CPU platform, int4 embedding lookup replaced by a torch gather"
+FIRST_USE_MARK = "gemma4-t4: int4 embedding lookup runs as a torch gather (CompressedTensorsEmbeddingWNA16Int)"
+
+_registered = False
+_used = False
+
+
+def dequant_gather_torch(ids: "torch.Tensor", weight_packed: "torch.Tensor", weight_scale: "torch.Tensor",
+                         hidden: int, num_bits: int) -> "torch.Tensor":
+    """Rows `ids` of a pack-quantized table, dequantized: the arithmetic of vLLM's `_dequant_gather_kernel`.
+
+    Value j of a row sits in int32 word j // (32/num_bits) at bits num_bits*(j % (32/num_bits)), LSB first,
+    stored as level + 2**(num_bits-1); value = level * scale, computed in float32 and cast to the scale dtype.
+    One scale per row (channel) when weight_scale has one column, else one per group of hidden/num_groups.
+    """
+    import torch
+
+    global _used
+    if not _used:
+        _used = True
+        logger.info(FIRST_USE_MARK)
+    pack = 32 // num_bits
+    ids = ids.reshape(-1).long()
+    words = weight_packed.index_select(0, ids)                       # [n, hidden/pack] int32
+    shifts = torch.arange(pack, dtype=torch.int32, device=words.device) * num_bits
+    # Arithmetic right shift of a negative int32 fills with ones; the mask keeps only the nibble.
+    nib = (words.unsqueeze(-1) >> shifts) & ((1 << num_bits) - 1)    # [n, hidden/pack, pack]
+    levels = nib.reshape(ids.numel(), -1)[:, :hidden] - (1 << (num_bits - 1))
+    scales = weight_scale.index_select(0, ids).to(torch.float32)     # [n, num_groups]
+    num_groups = weight_scale.shape[1]
+    if num_groups > 1:
+        scales = scales.repeat_interleave(hidden // num_groups, dim=1)
+    return (levels.to(torch.float32) * scales).to(weight_scale.dtype)
+
+
+def _on_cpu_platform() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
+def register() -> None:
+    """Entry point of the `vllm.general_plugins` group; idempotent."""
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    try:
+        if not _on_cpu_platform():
+            return
+        import importlib
+
+        module = importlib.import_module(EMBEDDING_MODULE)
+    except ImportError:
+        # A vLLM without quantized embeddings: nothing to replace.
+        return
+    if not hasattr(module, "_dequant_gather_triton"):
+        logger.warning("gemma4-t4: %s has no _dequant_gather_triton; int4 embeddings may not serve on CPU",
+                       EMBEDDING_MODULE)
+        return
+    # `CompressedTensorsEmbeddingWNA16Int.embedding` looks the function up in its module at call time.
+    module._dequant_gather_triton = dequant_gather_torch
+    logger.info(PATCHED_MARK)

@@ -1,0 +1,223 @@
+"""Serving configuration: `tpu.env` at the project root, overridden by environment variables of the same NAME.
+
+Every flag the vLLM server is started with comes from here (`ServeConfig.vllm_argv`). Precedence, lowest first:
+the file, a real environment variable, keyword overrides passed to `load_config` (the CLI's --model etc.).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal
+
+from tools.errors import ToolFailure
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_ENV_FILE = PROJECT_ROOT / "tpu.env"
+
+Platform = Literal["cpu", "cuda"]
+
+# ServeConfig field -> variable NAME in tpu.env and in the environment.
+ENV_NAMES: dict[str, str] = {
+    "model": "MODEL_NAME",
+    "served_name": "SERVED_MODEL_NAME",
+    "host": "HOST",
+    "port": "PORT",
+    "dtype": "DTYPE",
+    "cpu_dtype": "CPU_DTYPE",
+    "gpu_memory_utilization": "GPU_MEMORY_UTILIZATION",
+    "max_model_len": "MAX_MODEL_LEN",
+    "max_num_seqs": "MAX_NUM_SEQS",
+    "language_model_only": "LANGUAGE_MODEL_ONLY",
+    "kv_cache_dtype": "KV_CACHE_DTYPE",
+    "speculative_config": "SPECULATIVE_CONFIG",
+    "extra_args": "EXTRA_ARGS",
+    "cpu_kvcache_space_gib": "CPU_KVCACHE_SPACE_GIB",
+    "swapfile": "SWAPFILE",
+    "swap_size_gib": "SWAP_SIZE_GIB",
+    "memory_margin_gib": "MEMORY_MARGIN_GIB",
+    "state_dir": "STATE_DIR",
+    "start_timeout_s": "START_TIMEOUT_S",
+}
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+@dataclass
+class ServeConfig:
+    model: str
+    served_name: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    dtype: str = "float16"
+    cpu_dtype: str = "bfloat16"
+    gpu_memory_utilization: float = 0.90
+    max_model_len: int = 16384
+    max_num_seqs: int = 8
+    language_model_only: bool = True
+    kv_cache_dtype: str = "auto"
+    speculative_config: str | None = None
+    extra_args: list[str] = field(default_factory=list)
+    cpu_kvcache_space_gib: int = 1
+    swapfile: str = "/swapfile"
+    swap_size_gib: int = 16
+    memory_margin_gib: float = 2.0
+    state_dir: Path = PROJECT_ROOT / "run"
+    start_timeout_s: float = 900.0
+    env_file: Path | None = None  # where the values came from, for messages
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def state_file(self) -> Path:
+        return Path(self.state_dir) / "vllm.json"
+
+    @property
+    def log_file(self) -> Path:
+        return Path(self.state_dir) / "vllm.log"
+
+    def vllm_argv(self, platform: Platform) -> list[str]:
+        """The full command line of the server: vLLM's OpenAI server module run by this interpreter.
+
+        The only difference between the two platforms: --dtype (CPU_DTYPE on the CPU, where fp16 is not the
+        fast path) and --gpu-memory-utilization (meaningless on the CPU, whose KV space is an env variable).
+        """
+        if platform not in ("cpu", "cuda"):
+            raise ToolFailure(f"platform {platform!r} is not 'cpu' or 'cuda'")
+        argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+                "--model", self.model,
+                "--served-model-name", self.served_name,
+                "--host", self.host,
+                "--port", str(self.port),
+                "--dtype", self.dtype if platform == "cuda" else self.cpu_dtype,
+                "--max-model-len", str(self.max_model_len),
+                "--max-num-seqs", str(self.max_num_seqs),
+                "--kv-cache-dtype", self.kv_cache_dtype]
+        if platform == "cuda":
+            argv += ["--gpu-memory-utilization", f"{self.gpu_memory_utilization:g}"]
+        if self.language_model_only:
+            argv.append("--language-model-only")
+        if self.speculative_config:
+            argv += ["--speculative-config", self.speculative_config]
+        return argv + list(self.extra_args)
+
+    def server_env(self, platform: Platform) -> dict[str, str]:
+        """Environment variables the server needs on top of the caller's."""
+        env = {"PYTHONUNBUFFERED": "1"}
+        if platform == "cpu":
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(self.cpu_kvcache_space_gib)
+        return env
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["state_dir"] = str(self.state_dir)
+        d["env_file"] = str(self.env_file) if self.env_file else None
+        d["base_url"] = self.base_url
+        return d
+
+
+def parse_env_file(path: Path) -> dict[str, str]:
+    """NAME=value lines; '#' comments, blank lines, optional `export ` and quotes. Raises on a malformed line."""
+    values: dict[str, str] = {}
+    for lineno, raw in enumerate(path.read_text().splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("export "):
+            line = line[len("export "):].lstrip()
+        name, sep, value = line.partition("=")
+        name = name.strip()
+        if not sep or not name.isidentifier():
+            raise ToolFailure(f"{path}:{lineno}: expected NAME=value, got {raw.strip()!r}")
+        value = value.strip()
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+            value = value[1:-1]
+        values[name] = value
+    return values
+
+
+def _convert(name: str, key: str, raw: Any, source: str) -> Any:
+    """Turns a string from the file or the environment into the field's type; one-line error otherwise."""
+    if not isinstance(raw, str):
+        return raw  # keyword overrides arrive typed
+    try:
+        if key in ("port", "max_model_len", "max_num_seqs", "cpu_kvcache_space_gib", "swap_size_gib"):
+            return int(raw)
+        if key in ("gpu_memory_utilization", "memory_margin_gib", "start_timeout_s"):
+            return float(raw)
+        if key == "language_model_only":
+            if raw.strip().lower() in _TRUE:
+                return True
+            if raw.strip().lower() in _FALSE:
+                return False
+            raise ValueError("not a boolean (use 1 or 0)")
+        if key == "speculative_config":
+            if not raw.strip():
+                return None
+            json.loads(raw)  # vLLM takes a JSON object: check it here rather than in a failed start
+            return raw.strip()
+        if key == "extra_args":
+            return shlex.split(raw)
+    except ValueError as exc:
+        raise ToolFailure(f"{source}: {name}={raw!r} is invalid ({exc}); fix it in tpu.env or the environment")
+    return raw
+
+
+def load_config(env_file: str | Path | None = None, **overrides: Any) -> ServeConfig:
+    """Reads `env_file` (default: the project's tpu.env), then the environment, then `overrides` (field names).
+
+    Overrides whose value is None are ignored, so CLI options that were not given can be passed as they are.
+    """
+    path = Path(env_file) if env_file is not None else DEFAULT_ENV_FILE
+    if not path.is_file():
+        raise ToolFailure(f"configuration file {path} not found; pass an existing tpu.env")
+    file_values = parse_env_file(path)
+    known = {f.name for f in fields(ServeConfig)}
+    unknown = [k for k in overrides if k not in known]
+    if unknown:
+        raise ToolFailure(f"unknown configuration field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+
+    values: dict[str, Any] = {}
+    for key, name in ENV_NAMES.items():
+        if name in os.environ:
+            values[key] = _convert(name, key, os.environ[name], "environment")
+        elif name in file_values:
+            values[key] = _convert(name, key, file_values[name], str(path))
+    for key, value in overrides.items():
+        if value is not None:
+            values[key] = _convert(ENV_NAMES.get(key, key), key, value, "override")
+
+    if not values.get("model"):
+        raise ToolFailure(f"{path}: MODEL_NAME is empty; set it to a checkpoint folder or a Hugging Face id")
+    model = str(values["model"])
+    # A local folder is passed to vLLM as an absolute path: the server's cwd must not matter.
+    candidate = Path(model).expanduser()
+    if not candidate.is_absolute() and (path.parent / candidate).exists():
+        candidate = path.parent / candidate
+    if candidate.exists():
+        model = str(candidate.resolve())
+    values["model"] = model
+    if not values.get("served_name"):
+        values["served_name"] = str(values["model"])
+
+    state_dir = Path(str(values.get("state_dir") or "run")).expanduser()
+    if not state_dir.is_absolute():
+        state_dir = path.parent / state_dir
+    values["state_dir"] = state_dir.resolve()
+
+    cfg = ServeConfig(**values, env_file=path.resolve())
+    if not 0 < cfg.port < 65536:
+        raise ToolFailure(f"{path}: PORT={cfg.port} is not a TCP port (1-65535)")
+    if not 0 < cfg.gpu_memory_utilization <= 1:
+        raise ToolFailure(f"{path}: GPU_MEMORY_UTILIZATION={cfg.gpu_memory_utilization} must be in (0, 1]")
+    for key in ("max_model_len", "max_num_seqs", "cpu_kvcache_space_gib"):
+        if getattr(cfg, key) <= 0:
+            raise ToolFailure(f"{path}: {ENV_NAMES[key]}={getattr(cfg, key)} must be positive")
+    return cfg

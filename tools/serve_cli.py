@@ -1,0 +1,160 @@
+"""`./vllm-t4 start | stop | status | query | log | swap`: the serving tools on the command line.
+
+Every subcommand exits 0 on success and prints `vllm-t4 <command>: <reason>` (one line) and exits non-zero
+otherwise. `--env-file` picks another tpu.env; `--json` prints the result as one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Callable
+
+from tools.errors import ToolFailure
+
+
+def _config(args: argparse.Namespace, **overrides: Any):
+    from tools.config import load_config
+
+    return load_config(args.env_file, **overrides)
+
+
+def _emit(args: argparse.Namespace, obj: Any, text: str) -> None:
+    if getattr(args, "json", False):
+        print(json.dumps(obj.to_dict() if hasattr(obj, "to_dict") else obj, default=str))
+    else:
+        print(text)
+
+
+def _fmt_fields(f) -> list[str]:
+    if f is None:
+        return []
+    out = []
+    if f.model_loading_gib is not None:
+        out.append(f"Model loading {f.model_loading_gib:g} GiB in {f.model_loading_s:g} s")
+    elif f.weights_loading_s is not None:
+        out.append(f"Weights loaded in {f.weights_loading_s:g} s")
+    if f.kv_cache_tokens is not None:
+        kv = f"KV cache {f.kv_cache_tokens:,} tokens"
+        if f.max_concurrency is not None:
+            kv += f", max concurrency {f.max_concurrency:g}x at {f.max_concurrency_tokens:,} tokens"
+        out.append(kv)
+    compile_s = f.torch_compile_s if f.torch_compile_s is not None else f.warmup_s
+    start = {True: "cold start (compiled)", False: "warm start (compile cache)", None: "compile cache: unknown"}
+    out.append(start[f.cold_start] + (f", compile {compile_s:g} s" if compile_s is not None else ""))
+    kernels = [k for k in (f.linear_kernel, f.embedding_method, f.attention_backend) if k]
+    if kernels:
+        out.append("Kernels: " + ", ".join(kernels))
+    return out
+
+
+def cmd_start(args: argparse.Namespace) -> int:
+    from tools.vllm_server import start_server
+
+    cfg = _config(args, model=args.model, served_name=args.served_name, port=args.port)
+    last = [-1]
+
+    def progress(frac: float, msg: str) -> None:
+        pct = int(frac * 100)
+        if not args.json and (pct // 5 != last[0] // 5 or frac >= 1.0):  # a line every 5% of the timeout
+            last[0] = pct
+            print(f"[{pct:3d}%] {msg}", file=sys.stderr, flush=True)
+
+    print(f"starting {cfg.served_name} at {cfg.base_url} (log: {cfg.log_file})", file=sys.stderr, flush=True)
+    r = start_server(cfg, progress=progress)
+    lines = [f"Serving at {r.base_url} (pid {r.pid}), model {r.served_name}, ready in {r.startup_s:g} s"]
+    lines += ["  " + ln for ln in _fmt_fields(r.start_fields)]
+    _emit(args, r, "\n".join(lines))
+    return 0
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    from tools.vllm_server import stop_server
+
+    r = stop_server(_config(args), grace_s=args.grace)
+    _emit(args, r, r.message)
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from tools.vllm_server import server_status
+
+    st = server_status(_config(args))
+    lines = [st.message]
+    if st.alive:
+        lines.append(f"  model {st.model}, up {st.uptime_s:g} s, health {'ok' if st.healthy else 'failing'}")
+        if st.vram is not None:
+            lines.append(f"  VRAM {st.vram.used_mib} MiB / {st.vram.total_mib} MiB"
+                         + (f", {st.vram.utilization_pct} %" if st.vram.utilization_pct is not None else ""))
+        lines += ["  " + ln for ln in _fmt_fields(st.start_fields)]
+    _emit(args, st, "\n".join(lines))
+    # Scripts can tell a healthy server from anything else by the exit code alone.
+    return 0 if (st.alive and st.healthy) or args.any else 3
+
+
+def cmd_query(args: argparse.Namespace) -> int:
+    from tools.vllm_server import query
+
+    r = query(_config(args), args.prompt, max_tokens=args.max_tokens)
+    _emit(args, r, r.text + "\n" + json.dumps(r.usage))
+    return 0
+
+
+def cmd_log(args: argparse.Namespace) -> int:
+    from tools.vllm_server import read_log
+
+    print(read_log(_config(args), args.lines))
+    return 0
+
+
+def cmd_swap(args: argparse.Namespace) -> int:
+    from tools.swap import ensure_swap, swap_report
+
+    cfg = _config(args)
+    r = swap_report(cfg) if args.report else ensure_swap(cfg)
+    _emit(args, r, r.message + ("" if r.action == "none" else f" ({r.action} {cfg.swapfile})"))
+    return 0
+
+
+def _guard(name: str, func: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return func(args)
+        except ToolFailure as exc:
+            if getattr(args, "json", False):
+                print(json.dumps(exc.to_dict(), default=str))
+            print(f"vllm-t4 {name}: {exc}", file=sys.stderr)
+            return 1
+    return run
+
+
+def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    def add(name: str, func: Callable[[argparse.Namespace], int], help_: str, json_opt: bool = True):
+        p = sub.add_parser(name, help=help_, description=help_)
+        p.add_argument("--env-file", default=None, help="configuration file (default: the project's tpu.env)")
+        if json_opt:
+            p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+        p.set_defaults(func=_guard(name, func))
+        return p
+
+    p = add("start", cmd_start, "start vLLM detached with the flags in tpu.env and wait until it answers")
+    p.add_argument("--model", default=None, help="checkpoint folder or hub id for this start (overrides MODEL_NAME)")
+    p.add_argument("--served-name", default=None, help="name clients use (overrides SERVED_MODEL_NAME)")
+    p.add_argument("--port", type=int, default=None, help="port for this start (overrides PORT)")
+
+    p = add("stop", cmd_stop, "stop the server: SIGTERM to its process group, SIGKILL after a grace period")
+    p.add_argument("--grace", type=float, default=20.0, help="seconds between SIGTERM and SIGKILL (default 20)")
+
+    p = add("status", cmd_status, "is the server alive and healthy; what its start reported (exit 3 if not serving)")
+    p.add_argument("--any", action="store_true", help="exit 0 even when no healthy server runs")
+
+    p = add("query", cmd_query, "one chat completion at temperature 0: prints the text and the usage")
+    p.add_argument("prompt", help="the user message")
+    p.add_argument("--max-tokens", type=int, default=64)
+
+    p = add("log", cmd_log, "print the last lines of the server log", json_opt=False)
+    p.add_argument("-n", "--lines", type=int, default=50)
+
+    p = add("swap", cmd_swap, "create and enable the swapfile from tpu.env when it is not on (root), and report")
+    p.add_argument("--report", action="store_true", help="only report what swap is on")

@@ -1,0 +1,567 @@
+"""A detached, tracked vLLM OpenAI server: start, stop, status, log, query.
+
+The server runs in its own process session (so it outlives the command that started it, and the API server and
+its engine core form one process group that stop can end together), writes to a log file, and is described by
+a JSON state file in `cfg.state_dir`. Everything the GPU or the host would decide (platform, compute capability,
+VRAM, memory) goes through a `Hardware` object, so tests can stand in a T4.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable
+
+import httpx
+import psutil
+
+from tools import engine_log, turing_patch
+from tools.config import Platform, ServeConfig
+from tools.engine_log import EngineStartFields
+from tools.errors import ToolFailure
+
+Progress = Callable[[float, str], None]
+STATE_VERSION = 1
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Hardware: what the machine is. The default reads NVML (nvidia-ml-py) and psutil; tests pass their own.
+
+@dataclass
+class Vram:
+    used_mib: int
+    total_mib: int
+    utilization_pct: int | None = None
+    process_mib: int | None = None  # what the server's process group holds, when NVML says
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Hardware:
+    """The machine as the serving tools see it. Subclass and override to simulate a GPU in tests."""
+
+    def platform(self) -> Platform:
+        return "cuda" if self._nvml_handle() is not None else "cpu"
+
+    def compute_capability(self) -> tuple[int, int] | None:
+        handle = self._nvml_handle()
+        if handle is None:
+            return None
+        import pynvml
+
+        major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
+        return int(major), int(minor)
+
+    def vram(self, pids: list[int]) -> Vram | None:
+        handle = self._nvml_handle()
+        if handle is None:
+            return None
+        import pynvml
+
+        mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
+        try:
+            util: int | None = int(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+        except pynvml.NVMLError:
+            util = None
+        # vLLM's memory belongs to its engine subprocess, not the API server: sum the whole group.
+        held = 0
+        found = False
+        for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+            if proc.pid in pids and proc.usedGpuMemory is not None:
+                held += int(proc.usedGpuMemory)
+                found = True
+        return Vram(used_mib=int(mem.used) // 2**20, total_mib=int(mem.total) // 2**20, utilization_pct=util,
+                    process_mib=held // 2**20 if found else None)
+
+    def host_memory(self) -> tuple[int, int]:
+        """(RAM bytes, swap bytes enabled)."""
+        return int(psutil.virtual_memory().total), int(psutil.swap_memory().total)
+
+    _handle: Any = None
+    _probed = False
+
+    def _nvml_handle(self) -> Any:
+        if not self._probed:
+            self._probed = True
+            try:
+                import pynvml
+
+                pynvml.nvmlInit()
+                if pynvml.nvmlDeviceGetCount() > 0:
+                    self._handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+            except Exception:  # no driver, no library, no device: a machine without a GPU
+                self._handle = None
+        return self._handle
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Results
+
+@dataclass
+class ServerState:
+    """The state file: what a later command needs to find, check and stop the server."""
+
+    pid: int
+    pgid: int
+    create_time: float          # of the leader process: guards against a recycled pid
+    host: str
+    port: int
+    base_url: str
+    model: str
+    served_name: str
+    argv: list[str]
+    platform: str
+    started_at: str             # ISO 8601, UTC
+    started_ts: float
+    log_path: str
+    version: int = STATE_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class StartResult:
+    pid: int
+    pgid: int
+    base_url: str
+    model: str
+    served_name: str
+    platform: str
+    argv: list[str]
+    log_path: str
+    state_file: str
+    startup_s: float
+    first_completion: str
+    start_fields: EngineStartFields
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["start_fields"] = self.start_fields.to_dict()
+        return d
+
+
+@dataclass
+class StopResult:
+    was_running: bool
+    pid: int | None = None
+    signal: str | None = None          # the last signal needed: SIGTERM, or SIGKILL after the grace period
+    stopped_pids: list[int] = field(default_factory=list)
+    remaining_pids: list[int] = field(default_factory=list)
+    message: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class ServerStatus:
+    alive: bool
+    pid: int | None = None
+    uptime_s: float | None = None
+    healthy: bool = False
+    model: str | None = None
+    served_name: str | None = None
+    base_url: str | None = None
+    argv: list[str] | None = None
+    platform: str | None = None
+    start_fields: EngineStartFields | None = None
+    log_path: str | None = None
+    vram: Vram | None = None
+    died: bool = False                 # a state file was left by a server that is gone
+    leftover_pids: list[int] = field(default_factory=list)
+    message: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["start_fields"] = self.start_fields.to_dict() if self.start_fields else None
+        d["vram"] = self.vram.to_dict() if self.vram else None
+        return d
+
+
+@dataclass
+class QueryResult:
+    text: str
+    usage: dict[str, Any]
+    model: str
+    finish_reason: str | None
+    token_ids: list[int] | None
+    latency_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# State file and process bookkeeping
+
+def _load_state(cfg: ServeConfig) -> ServerState | None:
+    path = cfg.state_file
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        return ServerState(**{k: data[k] for k in ServerState.__dataclass_fields__ if k in data})
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ToolFailure(f"state file {path} is unreadable ({exc}); check no server of it runs, then delete it")
+
+
+def _write_state(cfg: ServeConfig, state: ServerState) -> None:
+    path = cfg.state_file
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(state.to_dict(), indent=2))
+    os.replace(tmp, path)  # never a half-written state file
+
+
+def _clear_state(cfg: ServeConfig) -> None:
+    cfg.state_file.unlink(missing_ok=True)
+
+
+def _reap(pid: int) -> None:
+    """Collects the exit status of a server this process started, so it does not linger as a zombie."""
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+
+
+def _is_running(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _leader(state: ServerState) -> psutil.Process | None:
+    """The server's leader process if it is still the one we started (same pid AND creation time)."""
+    _reap(state.pid)
+    try:
+        proc = psutil.Process(state.pid)
+        if abs(proc.create_time() - state.create_time) > 1.0:
+            return None  # the pid was recycled by an unrelated process
+        return proc if _is_running(proc) else None
+    except psutil.Error:
+        return None
+
+
+def _group_members(pgid: int) -> list[psutil.Process]:
+    """Live processes of a process group. A pgid is not reused while any member lives, so these are ours."""
+    members = []
+    for proc in psutil.process_iter():
+        try:
+            if os.getpgid(proc.pid) == pgid and _is_running(proc):
+                members.append(proc)
+        except (ProcessLookupError, PermissionError, psutil.Error):
+            continue
+    return members
+
+
+def _kill_group(pgid: int, leader_pid: int | None, grace_s: float) -> tuple[str | None, list[int], list[int]]:
+    """SIGTERM to the group, SIGKILL after grace_s. Returns (last signal, pids that were there, pids remaining)."""
+    members = _group_members(pgid)
+    pids = [p.pid for p in members]
+    if not members:
+        return None, [], []
+    last = "SIGTERM"
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        if leader_pid is not None:
+            _reap(leader_pid)
+        if not _group_members(pgid):
+            break
+        time.sleep(0.2)
+    else:
+        last = "SIGKILL"
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        end = time.monotonic() + 10
+        while time.monotonic() < end and _group_members(pgid):
+            if leader_pid is not None:
+                _reap(leader_pid)
+            time.sleep(0.1)
+    if leader_pid is not None:
+        _reap(leader_pid)
+    return last, pids, [p.pid for p in _group_members(pgid)]
+
+
+def _port_holder(host: str, port: int) -> str | None:
+    """None when (host, port) can be bound; otherwise who holds it, as 'pid N (name)' when psutil can tell."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+            return None
+        except OSError:
+            pass
+    try:
+        for conn in psutil.net_connections(kind="inet"):
+            if conn.laddr and conn.laddr.port == port and conn.status == psutil.CONN_LISTEN:
+                if conn.pid:
+                    try:
+                        name = " ".join(psutil.Process(conn.pid).cmdline()[:3]) or psutil.Process(conn.pid).name()
+                    except psutil.Error:
+                        name = "?"
+                    return f"pid {conn.pid} ({name})"
+                return "a process this user cannot see"
+    except (psutil.Error, PermissionError):
+        pass
+    return "an unknown process"
+
+
+def _checkpoint_bytes(model: str) -> int | None:
+    """Size of a local checkpoint's weight files; None for a hub id (not downloaded here)."""
+    path = Path(model)
+    if not path.is_dir():
+        return None
+    return sum(f.stat().st_size for f in path.glob("*.safetensors")) or None
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except FileNotFoundError:
+        return ""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Public API
+
+def start_server(cfg: ServeConfig, *, progress: Progress | None = None, hardware: Hardware | None = None,
+                 turing_target: Path | None = None) -> StartResult:
+    """Starts vLLM detached and waits until /health answers and a one-token greedy completion returns text.
+
+    Refuses (ToolFailure) when this state dir's server is alive, the port is taken, a Turing GPU lacks the
+    attention clamp, or host memory cannot hold the checkpoint without swap. On a failed start the process group
+    is gone, the state file removed, and the failure carries the log tail and the line that explains it.
+    """
+    hw = hardware or Hardware()
+    state = _load_state(cfg)
+    if state is not None:
+        if _leader(state) is not None:
+            raise ToolFailure(f"a server started from {cfg.state_dir} is already running (pid {state.pid}, "
+                              f"{state.served_name} at {state.base_url}); stop it first with ./vllm-t4 stop",
+                              detail={"state": state.to_dict()})
+        if _group_members(state.pgid):
+            raise ToolFailure(f"processes of a previous server (group {state.pgid}) are still running; "
+                              "run ./vllm-t4 stop to end them")
+        _clear_state(cfg)  # left by a server that died: not an obstacle
+
+    holder = _port_holder(cfg.host, cfg.port)
+    if holder is not None:
+        raise ToolFailure(f"port {cfg.port} on {cfg.host} is already in use by {holder}; stop it or set PORT",
+                          detail={"port": cfg.port, "holder": holder})
+
+    platform = hw.platform()
+    if platform == "cuda":
+        cap = hw.compute_capability()
+        if cap is not None and cap[0] == 7:
+            status = turing_patch.check(turing_target)
+            if not status.applied:
+                raise ToolFailure(f"GPU compute capability {cap[0]}.{cap[1]} (Turing) needs the attention clamp, "
+                                  f"which is not applied to {status.target}: run ./patch_triton_turing.py",
+                                  detail=status.to_dict())
+
+    size = _checkpoint_bytes(cfg.model)
+    if size is not None:
+        ram, swap = hw.host_memory()
+        need = size + int(cfg.memory_margin_gib * 2**30)
+        if ram < need and swap == 0:
+            raise ToolFailure(f"host memory {ram / 2**30:.1f} GiB is less than the checkpoint ({size / 2**30:.1f} GiB)"
+                              f" plus {cfg.memory_margin_gib:g} GiB and no swap is on: run ./vllm-t4 swap first")
+
+    argv = cfg.vllm_argv(platform)
+    env = dict(os.environ)
+    env.update(cfg.server_env(platform))
+    cfg.state_dir.mkdir(parents=True, exist_ok=True)
+    log_path = cfg.log_file
+    t0 = time.monotonic()
+    with open(log_path, "wb") as log:  # one log per start: the parser reads this start only
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                cwd=str(cfg.state_dir), start_new_session=True)
+    try:
+        create_time = psutil.Process(proc.pid).create_time()
+    except psutil.Error:
+        create_time = time.time()
+    now = datetime.now(timezone.utc)
+    state = ServerState(pid=proc.pid, pgid=proc.pid, create_time=create_time, host=cfg.host, port=cfg.port,
+                        base_url=cfg.base_url, model=cfg.model, served_name=cfg.served_name, argv=argv,
+                        platform=platform, started_at=now.isoformat(timespec="seconds"),
+                        started_ts=now.timestamp(), log_path=str(log_path))
+    _write_state(cfg, state)
+
+    def fail(reason: str) -> ToolFailure:
+        _kill_group(proc.pid, proc.pid, grace_s=5)
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        _clear_state(cfg)
+        text = _read_text(log_path)
+        why = engine_log.explain_failure(text)
+        msg = f"vLLM {reason}" + (f": {why}" if why else "") + f" (log: {log_path})"
+        return ToolFailure(msg, detail={"reason": reason, "explanation": why, "log_tail": engine_log.tail(text, 40),
+                                        "log_path": str(log_path), "argv": argv})
+
+    first_text: str | None = None
+    deadline = t0 + cfg.start_timeout_s
+    healthy = False
+    last_line = "launching"
+    with httpx.Client(timeout=5.0) as client:
+        try:
+            while True:
+                code = proc.poll()
+                if code is not None:
+                    raise fail(f"exited with code {code} while starting")
+                if time.monotonic() > deadline:
+                    raise fail(f"did not become ready within {cfg.start_timeout_s:g} s")
+                if not healthy:
+                    try:
+                        healthy = client.get(f"{cfg.base_url}/health").status_code == 200
+                    except httpx.HTTPError:
+                        healthy = False
+                if healthy:
+                    try:
+                        r = client.post(f"{cfg.base_url}/v1/completions", timeout=60.0, json={
+                            "model": cfg.served_name, "prompt": "Hello", "max_tokens": 1, "temperature": 0})
+                        if r.status_code == 200:
+                            choice = r.json()["choices"][0]
+                            if isinstance(choice.get("text"), str):
+                                first_text = choice["text"]
+                                break
+                        else:
+                            last_line = f"first completion answered HTTP {r.status_code}: {r.text[:200]}"
+                    except (httpx.HTTPError, ValueError, KeyError, IndexError):
+                        pass
+                if progress is not None:
+                    lines = [ln for ln in _read_text(log_path).splitlines() if ln.strip()]
+                    if lines:
+                        last_line = engine_log._PREFIX.sub("", lines[-1]).strip()[:200]
+                    progress(min(0.99, (time.monotonic() - t0) / cfg.start_timeout_s), last_line)
+                time.sleep(1.0)
+        except KeyboardInterrupt:
+            raise fail("start was interrupted") from None
+
+    startup_s = time.monotonic() - t0
+    fields = engine_log.parse_engine_log(_read_text(log_path))
+    if fields.embedding_method is None:
+        fields.embedding_method = _embedding_method_from_config(cfg.model)
+    if progress is not None:
+        progress(1.0, f"serving {cfg.served_name} at {cfg.base_url}")
+    return StartResult(pid=proc.pid, pgid=proc.pid, base_url=cfg.base_url, model=cfg.model,
+                       served_name=cfg.served_name, platform=platform, argv=argv, log_path=str(log_path),
+                       state_file=str(cfg.state_file), startup_s=round(startup_s, 2), first_completion=first_text,
+                       start_fields=fields)
+
+
+def _embedding_method_from_config(model: str) -> str | None:
+    """On CUDA vLLM does not log the embedding method: read it from a local checkpoint's quantization config."""
+    path = Path(model) / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        qc = json.loads(path.read_text()).get("quantization_config") or {}
+    except ValueError:
+        return None
+    for group in (qc.get("config_groups") or {}).values():
+        if any(t == "Embedding" or "embed" in str(t).lower() for t in group.get("targets", [])):
+            return "CompressedTensorsEmbeddingWNA16Int"
+    return "VocabParallelEmbedding (unquantized)"
+
+
+def stop_server(cfg: ServeConfig, *, grace_s: float = 20) -> StopResult:
+    """SIGTERM to the server's process group, SIGKILL after grace_s; idempotent. Raises if a process remains."""
+    state = _load_state(cfg)
+    if state is None:
+        return StopResult(was_running=False, message=f"no server recorded in {cfg.state_dir}")
+    leader = _leader(state)
+    last, pids, remaining = _kill_group(state.pgid, state.pid if leader is not None else None, grace_s)
+    if remaining:
+        raise ToolFailure(f"processes {remaining} of the server's group {state.pgid} survived SIGKILL; "
+                          "check them with ps and end them by hand", detail={"remaining": remaining})
+    _clear_state(cfg)
+    if not pids:
+        return StopResult(was_running=False, pid=state.pid,
+                          message=f"server pid {state.pid} was no longer running; its state file was cleared")
+    return StopResult(was_running=True, pid=state.pid, signal=last, stopped_pids=pids,
+                      message=f"stopped {state.served_name} (pid {state.pid}, {len(pids)} processes, {last})")
+
+
+def server_status(cfg: ServeConfig, *, hardware: Hardware | None = None) -> ServerStatus:
+    """Whether the server of this state dir runs and answers; clears the state file of a server that died."""
+    state = _load_state(cfg)
+    if state is None:
+        return ServerStatus(alive=False, message=f"not running (no server recorded in {cfg.state_dir})")
+    fields = engine_log.parse_engine_log(_read_text(Path(state.log_path)))
+    common = dict(pid=state.pid, model=state.model, served_name=state.served_name, base_url=state.base_url,
+                  argv=state.argv, platform=state.platform, log_path=state.log_path, start_fields=fields)
+    leader = _leader(state)
+    if leader is None:
+        leftovers = [p.pid for p in _group_members(state.pgid)]
+        if leftovers:
+            return ServerStatus(alive=False, died=True, leftover_pids=leftovers, **common,
+                                message=f"server pid {state.pid} died; processes {leftovers} of its group remain: "
+                                        "run ./vllm-t4 stop")
+        _clear_state(cfg)
+        why = engine_log.explain_failure(_read_text(Path(state.log_path)))
+        return ServerStatus(alive=False, died=True, **common,
+                            message=f"server pid {state.pid} died (killed, or exited"
+                                    + (f": {why}" if why else "") + "); its state file was cleared")
+    healthy = False
+    try:
+        healthy = httpx.get(f"{state.base_url}/health", timeout=3.0).status_code == 200
+    except httpx.HTTPError:
+        pass
+    vram = None
+    if state.platform == "cuda":
+        hw = hardware or Hardware()
+        vram = hw.vram([p.pid for p in _group_members(state.pgid)])
+    uptime = round(time.time() - state.started_ts, 1)
+    return ServerStatus(alive=True, healthy=healthy, uptime_s=uptime, vram=vram, **common,
+                        message=f"{'serving' if healthy else 'running but not healthy'}: {state.served_name} at "
+                                f"{state.base_url} (pid {state.pid})")
+
+
+def read_log(cfg: ServeConfig, lines: int = 50) -> str:
+    """The last `lines` lines of the server log of this state dir."""
+    state = _load_state(cfg)
+    path = Path(state.log_path) if state else cfg.log_file
+    if not path.is_file():
+        raise ToolFailure(f"no server log at {path}; start a server first")
+    return engine_log.tail(_read_text(path), lines)
+
+
+def query(cfg: ServeConfig, prompt: str, *, max_tokens: int = 64, base_url: str | None = None,
+          model: str | None = None, timeout_s: float = 300.0) -> QueryResult:
+    """One chat completion at temperature 0: the text, the usage and the generated token ids."""
+    state = _load_state(cfg)
+    url = base_url or (state.base_url if state else cfg.base_url)
+    name = model or (state.served_name if state and not base_url else cfg.served_name)
+    body = {"model": name, "messages": [{"role": "user", "content": prompt}], "temperature": 0,
+            "max_tokens": max_tokens, "return_token_ids": True}
+    t0 = time.monotonic()
+    try:
+        r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=timeout_s)
+    except httpx.HTTPError as exc:
+        raise ToolFailure(f"no answer from {url} ({type(exc).__name__}); check ./vllm-t4 status") from None
+    if r.status_code != 200:
+        raise ToolFailure(f"{url} answered HTTP {r.status_code}: {r.text[:300]}")
+    data = r.json()
+    choice = data["choices"][0]
+    return QueryResult(text=choice["message"].get("content") or "", usage=data.get("usage") or {},
+                       model=data.get("model", name), finish_reason=choice.get("finish_reason"),
+                       token_ids=choice.get("token_ids"), latency_s=round(time.monotonic() - t0, 3))
