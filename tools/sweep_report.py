@@ -1,0 +1,271 @@
+"""Evidence files of a sweep run (summary.json/.csv, the article-form markdown table, a PNG plot) and the
+comparison of two or more runs in the article's form (+% and x ratios per cell, cost per million tokens).
+
+A run folder is read back from its `summary.json` alone, so published figures (evidence/article-t4/*) compare
+the same way as fresh runs: metrics that a source did not publish are simply null.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from tools.errors import ToolFailure
+from tools.sweep import DEFAULT_PRICE_PER_HOUR, METRICS, SweepResult
+
+CSV_COLUMNS = ("input_len", "output_len", "concurrency", "num_prompts", "status", "repeats_ok", "repeats",
+               *(f"{m}" for m in METRICS), "output_throughput_spread_pct", "mean_ttft_ms_spread_pct", "reason")
+
+
+def _fmt(v: float | None, digits: int = 2) -> str:
+    return "—" if v is None else f"{v:,.{digits}f}"
+
+
+def cost_per_million(tok_s: float | None, price_per_hour: float) -> float | None:
+    """Dollars per million output tokens when the machine runs at tok_s around the clock."""
+    if not tok_s:
+        return None
+    return price_per_hour / (tok_s * 3600.0) * 1e6
+
+
+def markdown_run(res: SweepResult, *, price_per_hour: float = DEFAULT_PRICE_PER_HOUR) -> str:
+    """One section per input length: `| c | out tok/s | req/s | TTFT ... |`, medians over repeats."""
+    prov = res.provenance or {}
+    hw = prov.get("gpu_name") or (f"CPU: {prov.get('cpu_model')}" if prov.get("cpu_model") else "unknown")
+    lines = [f"# Sweep {res.run_id}: {res.label}", "",
+             f"Model `{res.model}`, {hw}, vLLM {prov.get('vllm_version_server') or prov.get('vllm_version_client')}, "
+             f"max_model_len {res.max_model_len}. Output {res.params.get('output_len')} tokens, greedy, "
+             f"`vllm bench serve` random dataset, {res.params.get('repeats')} repeats per cell (medians; spread = "
+             f"(max-min)/median of out tok/s). Cost at ${price_per_hour}/h.", ""]
+    by_len: dict[int, list] = {}
+    for c in res.cells:
+        by_len.setdefault(c.input_len, []).append(c)
+    for L, cells in by_len.items():
+        lines += [f"## {L}-token prompts", "",
+                  "| c | out tok/s | req/s | TTFT mean ms | TTFT p99 ms | TPOT mean ms | ITL mean ms "
+                  "| spread | $/M out tok | status |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for c in sorted(cells, key=lambda x: x.concurrency):
+            m = c.median
+            spread = c.spread_pct.get("output_throughput")
+            status = c.status if c.status == "ok" else f"{c.status}: {c.reason}"
+            lines.append(
+                f"| {c.concurrency} | {_fmt(m.get('output_throughput'))} | {_fmt(m.get('request_throughput'), 3)} "
+                f"| {_fmt(m.get('mean_ttft_ms'), 1)} | {_fmt(m.get('p99_ttft_ms'), 1)} "
+                f"| {_fmt(m.get('mean_tpot_ms'), 2)} | {_fmt(m.get('mean_itl_ms'), 2)} "
+                f"| {'—' if spread is None else f'{spread:.1f}%'} "
+                f"| {_fmt(cost_per_million(m.get('output_throughput'), price_per_hour))} | {status} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def csv_run(res: SweepResult) -> str:
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow(CSV_COLUMNS)
+    for c in res.cells:
+        w.writerow([c.input_len, c.output_len, c.concurrency, c.num_prompts, c.status,
+                    sum(r.status == "ok" for r in c.repeats), len(c.repeats),
+                    *(c.median.get(m) for m in METRICS), c.spread_pct.get("output_throughput"),
+                    c.spread_pct.get("mean_ttft_ms"), c.reason or ""])
+    return buf.getvalue()
+
+
+def plot_runs(runs: list[SweepResult], path: Path) -> Path:
+    """Output tok/s and mean TTFT against concurrency, one line per (run, input length)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    styles = ["-", "--", ":", "-."]
+    for i, res in enumerate(runs):
+        lens = sorted({c.input_len for c in res.cells})
+        for L in lens:
+            cells = sorted((c for c in res.cells if c.input_len == L and c.median.get("output_throughput")),
+                           key=lambda c: c.concurrency)
+            if not cells:
+                continue
+            name = f"{res.label}, in={L}" if len(runs) > 1 else f"in={L}"
+            xs = [c.concurrency for c in cells]
+            ax1.plot(xs, [c.median["output_throughput"] for c in cells], styles[i % 4], marker="o", label=name)
+            ttft = [(c.concurrency, c.median.get("mean_ttft_ms")) for c in cells if c.median.get("mean_ttft_ms")]
+            if ttft:
+                ax2.plot([x for x, _ in ttft], [y for _, y in ttft], styles[i % 4], marker="o", label=name)
+    all_c = sorted({c.concurrency for r in runs for c in r.cells})
+    for ax, title, ylabel in ((ax1, "Output throughput", "output tok/s"), (ax2, "Time to first token (mean)", "ms")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(all_c or [1])
+        ax.set_xticklabels([str(c) for c in all_c] or ["1"])
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=8)
+    ax1.set_ylim(bottom=0)
+    # TTFT spans short and long prompts (and queueing past max-num-seqs): log scale, plain numbers.
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    ax2.set_yscale("log")
+    ax2.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax2.yaxis.set_minor_formatter(NullFormatter())
+    fig.suptitle(" vs ".join(r.label for r in runs) if len(runs) > 1 else f"{runs[0].label} ({runs[0].run_id})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _atomic(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def write_run(res: SweepResult, run_dir: str | Path, *, price_per_hour: float = DEFAULT_PRICE_PER_HOUR,
+              plot: bool = True) -> dict[str, str]:
+    """Write summary.json, summary.csv, summary.md (and plot.png) into run_dir; returns name -> path."""
+    d = Path(run_dir)
+    files = {"summary_json": d / "summary.json", "summary_csv": d / "summary.csv", "table_md": d / "summary.md",
+             "provenance": d / "provenance.json", "raw": d / "raw"}
+    if plot:
+        files["plot_png"] = d / "plot.png"
+    res.files = {k: str(v) for k, v in files.items()}
+    _atomic(files["summary_csv"], csv_run(res))
+    _atomic(files["table_md"], markdown_run(res, price_per_hour=price_per_hour))
+    if plot:
+        plot_runs([res], files["plot_png"])
+    _atomic(files["summary_json"], json.dumps(res.to_dict(), indent=2) + "\n")
+    return res.files
+
+
+def load_run(path: str | Path) -> SweepResult:
+    p = Path(path)
+    f = p / "summary.json" if p.is_dir() else p
+    if not f.is_file():
+        raise ToolFailure(f"{p}: no summary.json; pass a sweep run folder (evidence/<run-id>/)")
+    try:
+        return SweepResult.model_validate_json(f.read_text())
+    except ValueError as exc:
+        raise ToolFailure(f"{f}: not a sweep summary ({str(exc).splitlines()[0]}); pass a folder written by "
+                          f"./vllm-t4 sweep") from exc
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Comparison
+
+
+class CompareCell(BaseModel):
+    input_len: int
+    concurrency: int
+    out_tok_s: list[float | None] = Field(description="Median output tok/s per run, in the runs' order")
+    ratios: dict[str, float | None] = Field(default_factory=dict,
+                                            description="'<last> vs <other>': last / other output tok/s")
+
+
+class CostRow(BaseModel):
+    label: str
+    out_tok_s: float | None
+    usd_per_million: float | None
+
+
+class SweepComparison(BaseModel):
+    labels: list[str]
+    run_dirs: list[str]
+    price_per_hour: float
+    cells: list[CompareCell]
+    ratio_format: dict[str, str] = Field(description="'<last> vs <other>' -> 'pct' (+37%) or 'x' (2.30x)")
+    cost_cell: tuple[int, int] | None = Field(None, description="(input_len, concurrency) of the cost table")
+    cost: list[CostRow] = Field(default_factory=list)
+    markdown: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+def _ratio_text(r: float | None, fmt: str) -> str:
+    if r is None:
+        return "—"
+    if fmt == "x":
+        return f"{r:.2f}x"
+    return f"{(r - 1) * 100:+.0f}%"
+
+
+def compare_runs(paths: list[str | Path], *, price_per_hour: float = DEFAULT_PRICE_PER_HOUR,
+                 cost_cell: tuple[int, int] | None = None) -> SweepComparison:
+    """Compare runs in the article's form: the LAST run against each earlier one, per cell.
+
+    A ratio column is written as x when its median ratio is 1.5 or more (or 1/1.5 or less), as +% otherwise,
+    which is how the article writes "emb4 vs QAT" (+37%) and "emb4 vs bf16" (2.30x). Both numbers are in the
+    JSON. The cost table uses cost_cell, by default the first input length at the concurrency where the last
+    run peaks.
+    """
+    if len(paths) < 2:
+        raise ToolFailure("sweep-compare needs two or more run folders (earlier builds first, the candidate last)")
+    runs = [load_run(p) for p in paths]
+    labels = [r.label for r in runs]
+    if len(set(labels)) != len(labels):  # same label twice: qualify by run id so columns stay distinct
+        labels = [f"{r.label} ({r.run_id})" for r in runs]
+    last = labels[-1]
+    keys = sorted({c.key for r in runs for c in r.cells})
+    cells: list[CompareCell] = []
+    for L, c in keys:
+        tps = []
+        for r in runs:
+            cell = r.cell(L, c)
+            tps.append(cell.median.get("output_throughput") if cell and cell.status == "ok" else None)
+        ratios = {f"{last} vs {lab}": (tps[-1] / tp if tps[-1] and tp else None)
+                  for lab, tp in zip(labels[:-1], tps[:-1])}
+        cells.append(CompareCell(input_len=L, concurrency=c, out_tok_s=tps, ratios=ratios))
+    fmt: dict[str, str] = {}
+    for name in (f"{last} vs {lab}" for lab in labels[:-1]):
+        vals = [cc.ratios[name] for cc in cells if cc.ratios.get(name)]
+        med = statistics.median(vals) if vals else 1.0
+        fmt[name] = "x" if med >= 1.5 or med <= 1 / 1.5 else "pct"
+    if cost_cell is None:
+        first_len = keys[0][0] if keys else None
+        cands = [cc for cc in cells if cc.input_len == first_len and cc.out_tok_s[-1]]
+        if cands:
+            best = max(cands, key=lambda cc: cc.out_tok_s[-1] or 0)
+            cost_cell = (best.input_len, best.concurrency)
+    cost: list[CostRow] = []
+    if cost_cell is not None:
+        cc = next((x for x in cells if (x.input_len, x.concurrency) == tuple(cost_cell)), None)
+        if cc is None:
+            raise ToolFailure(f"cost cell input {cost_cell[0]}, c={cost_cell[1]} is in none of the runs")
+        cost = [CostRow(label=lab, out_tok_s=tp, usd_per_million=cost_per_million(tp, price_per_hour))
+                for lab, tp in zip(labels, cc.out_tok_s)]
+    cmp = SweepComparison(labels=labels, run_dirs=[str(p) for p in paths], price_per_hour=price_per_hour,
+                          cells=cells, ratio_format=fmt, cost_cell=cost_cell, cost=cost)
+    cmp.markdown = markdown_comparison(cmp)
+    return cmp
+
+
+def markdown_comparison(cmp: SweepComparison) -> str:
+    lines: list[str] = []
+    for L in sorted({c.input_len for c in cmp.cells}):
+        names = list(cmp.ratio_format)
+        lines += [f"## {L}-token prompts", "",
+                  "| c | " + " | ".join(f"{lab} out tok/s" for lab in cmp.labels) + " | " + " | ".join(names) + " |",
+                  "|---|" + "---|" * (len(cmp.labels) + len(names))]
+        for cc in (x for x in cmp.cells if x.input_len == L):
+            lines.append(f"| {cc.concurrency} | " + " | ".join(_fmt(v) for v in cc.out_tok_s) + " | "
+                         + " | ".join(_ratio_text(cc.ratios.get(n), cmp.ratio_format[n]) for n in names) + " |")
+        lines.append("")
+    if cmp.cost:
+        L, c = cmp.cost_cell or (None, None)
+        lines += [f"## Cost per million output tokens ({L}-token prompts, c={c}, ${cmp.price_per_hour}/h)", "",
+                  "| Build | Output tok/s | Per million output tokens |", "|---|---|---|"]
+        for row in cmp.cost:
+            usd = "—" if row.usd_per_million is None else f"${row.usd_per_million:.2f}"
+            lines.append(f"| {row.label} | {_fmt(row.out_tok_s)} | {usd} |")
+        lines.append("")
+    return "\n".join(lines)
