@@ -1,0 +1,92 @@
+"""Which tensors of a checkpoint sit on the symmetric 4-bit grid (a QAT export) and which do not (a base model).
+
+Samples rows spread over every 2-D bf16 tensor whose last dimension is a multiple of 32 and runs the same grid
+recovery as the build on them; reads only the sampled rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import grid
+from .checkpoint import TOWER_PREFIXES, open_checkpoint
+from .safetensors_io import MappedFile
+
+
+@dataclass
+class ProbeTensor:
+    name: str
+    shape: list[int]
+    dtype: str
+    tower: bool
+    sampled_groups: int = 0
+    offgrid_groups: int = 0
+    worst_ulps: float | None = None
+    on_grid: bool | None = None  # None: not a 4-bit candidate (1-D, not bf16, or last dim not a multiple of 32)
+
+
+@dataclass
+class ProbeReport:
+    source: str
+    verdict: str  # "qat" (every text tensor on the grid), "base" (none), "mixed", or "no-candidates"
+    text_on_grid: int
+    text_off_grid: int
+    towers_on_grid: int
+    towers_off_grid: int
+    sampled_groups: int
+    tensors: list[ProbeTensor] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def format_table(self, verbose: bool = False) -> str:
+        lines = []
+        shown = [t for t in self.tensors if t.on_grid is not None and (verbose or (not t.on_grid and not t.tower))]
+        for t in shown[: None if verbose else 20]:
+            state = "on grid" if t.on_grid else f"OFF grid ({t.offgrid_groups}/{t.sampled_groups} groups)"
+            lines.append(f"  {t.name:<72} {state}")
+        if len(shown) > len(lines):
+            lines.append(f"  ... and {len(shown) - len(lines)} more (--verbose lists all)")
+        meaning = {"qat": "every sampled text tensor sits on the 4-bit grid: a QAT q4_0 export, ready to repack",
+                   "base": "no sampled text tensor sits on the 4-bit grid: a base (non-QAT) model, not repackable",
+                   "mixed": "some text tensors are on the grid and some are not: repack would abort",
+                   "no-candidates": "no 2-D bf16 tensor with a last dimension divisible by 32"}[self.verdict]
+        lines.append(f"text tensors: {self.text_on_grid} on grid, {self.text_off_grid} off grid; towers: "
+                     f"{self.towers_on_grid} on grid, {self.towers_off_grid} off grid; "
+                     f"{self.sampled_groups:,} groups sampled")
+        lines.append(f"verdict: {self.verdict} - {meaning}")
+        return "\n".join(lines)
+
+
+def probe_checkpoint(src: str | Path, rows_per_tensor: int = 16, scale_dtype: grid.ScaleDtype = "fp16"
+                     ) -> ProbeReport:
+    ck = open_checkpoint(src)
+    out: list[ProbeTensor] = []
+    maps: dict[Path, MappedFile] = {}
+    try:
+        for name, info in sorted(ck.tensors.items()):
+            pt = ProbeTensor(name, list(info.shape), info.dtype, name.startswith(TOWER_PREFIXES))
+            out.append(pt)
+            if info.dtype != "BF16" or len(info.shape) != 2 or info.shape[1] % grid.GROUP or info.numel == 0:
+                continue
+            rows, cols = info.shape
+            mf = maps.get(info.file) or maps.setdefault(info.file, MappedFile(info.file))
+            picks = np.unique(np.linspace(0, rows - 1, min(rows, rows_per_tensor)).astype(np.int64))
+            block = np.stack([mf.view(info, int(r) * cols * 2, cols * 2).view("<u2") for r in picks])
+            _, _, stats = grid.quantize(block, scale_dtype)
+            s = grid.GridStats.from_vector(stats)
+            pt.sampled_groups, pt.offgrid_groups, pt.worst_ulps = s.groups, s.offgrid, round(s.worst_ulps, 4)
+            pt.on_grid = s.offgrid == 0
+    finally:
+        for m in maps.values():
+            m.close()
+    text = [t for t in out if t.on_grid is not None and not t.tower]
+    towers = [t for t in out if t.on_grid is not None and t.tower]
+    on = sum(t.on_grid for t in text)  # type: ignore[misc]
+    verdict = "no-candidates" if not text else "qat" if on == len(text) else "base" if on == 0 else "mixed"
+    return ProbeReport(str(src), verdict, on, len(text) - on, sum(t.on_grid for t in towers),  # type: ignore[misc]
+                       len(towers) - sum(t.on_grid for t in towers), sum(t.sampled_groups for t in out), out)
