@@ -1,0 +1,369 @@
+"""Greedy token identity between two builds: exact generated token ids, first divergence, near-tie or not.
+
+Two ways: two live endpoints at once (`compare_live`), or record build A's tokens to a file now
+(`record_reference`) and compare build B with it later (`check_against`) — one T4 serves one build at a time.
+
+Every prompt goes through the server's chat template (/v1/chat/completions), temperature 0, `max_tokens` new
+tokens, `return_token_ids` for the exact ids (not text), and the top `top_logprobs` alternatives per position
+(`return_tokens_as_token_ids`, so alternatives are ids too). At the first position where the ids differ the
+contexts are still identical, so the reference's alternatives there say whether the two builds disagreed on a
+near-tie (the other side's token within the reference's top-k) or diverged for real.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+import httpx
+from pydantic import BaseModel, Field
+
+from tools.errors import ToolFailure
+
+RECORD_KIND = "gemma4-t4/token-record"
+RECORD_VERSION = 1
+
+# The article's three first, then five more of different shapes (list, code, translation, prose, format).
+DEFAULT_PROMPTS: tuple[str, ...] = (
+    "What is the capital of France? Answer in one word.",
+    "List the first ten prime numbers, comma separated.",
+    "What does the HTTP status code 418 mean?",
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Translate 'Good morning, how are you today?' into German and French.",
+    "Explain in three sentences why the sky is blue.",
+    "Give three tips for writing a clear bug report, as a numbered list.",
+    "Write a haiku about a graphics card cooling down after a long benchmark.",
+)
+
+Progress = Callable[[int, int, str], None]
+
+
+@dataclass
+class CompareParams:
+    """Options of a token comparison; the CLI flags and MCP arguments are these names."""
+
+    mode: Literal["record", "check", "live"] = "check"
+    base_url: str | None = None           # record/check: the build under test (default: tools/' server)
+    other_url: str | None = None          # live: the second endpoint (base_url is the reference)
+    reference: str | Path | None = None   # record: file to write; check: file to read
+    prompts: list[str] | None = None      # record/live: default DEFAULT_PROMPTS (check uses the file's)
+    prompts_file: str | Path | None = None
+    max_tokens: int = 160
+    top_logprobs: int = 5
+    timeout_s: float = 600.0
+
+
+class Generation(BaseModel):
+    prompt: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    top_logprobs: list[dict[int, float]] = Field(default_factory=list,
+                                                 description="Per generated position: token id -> logprob")
+
+
+class TokenRecord(BaseModel):
+    kind: str = RECORD_KIND
+    version: int = RECORD_VERSION
+    created: str
+    base_url: str
+    model: str | None = None
+    model_root: str | None = None
+    checkpoint_config_sha256: str | None = None
+    max_tokens: int
+    top_logprobs: int
+    generations: list[Generation]
+    path: str | None = Field(None, description="Where the record was written or read")
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    def summary(self) -> str:
+        n = sum(len(g.token_ids) for g in self.generations)
+        return f"recorded {len(self.generations)} prompts, {n} tokens from {self.model} at {self.base_url}"
+
+
+class PromptComparison(BaseModel):
+    prompt: str
+    same_tokens: bool
+    reference_len: int
+    candidate_len: int
+    first_divergence: int | None = Field(None, description="0-based generated position of the first difference")
+    reference_token: int | None = None
+    candidate_token: int | None = None
+    verdict: Literal["identical", "near-tie", "divergence", "length"] = "identical"
+    candidate_in_reference_topk: bool | None = None
+    reference_in_candidate_topk: bool | None = None
+    logprob_gap: float | None = Field(None, description="Reference's logprob of its token minus of the candidate's "
+                                                        "token at the divergence (small: a near-tie)")
+
+
+class TokenComparison(BaseModel):
+    reference: str
+    candidate: str
+    identical: int
+    total: int
+    prompts: list[PromptComparison]
+    max_tokens: int
+    top_logprobs: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    @property
+    def summary(self) -> str:
+        return f"{self.identical} of {self.total} prompts token-identical"
+
+    def text(self) -> str:
+        lines: list[str] = []
+        for p in self.prompts:
+            lines.append(f"PROMPT: {p.prompt}")
+            lines.append(f"SAME TOKENS: {p.same_tokens}")
+            if not p.same_tokens:
+                if p.verdict == "length":
+                    lines.append(f"  lengths differ: reference {p.reference_len}, candidate {p.candidate_len} "
+                                 f"tokens, identical up to position {p.first_divergence}")
+                else:
+                    gap = "" if p.logprob_gap is None else f", logprob gap {p.logprob_gap:.3f}"
+                    lines.append(f"  first divergence at token {p.first_divergence}: reference {p.reference_token}, "
+                                 f"candidate {p.candidate_token} ({p.verdict}{gap})")
+        lines.append(f"{self.summary} ({self.reference} vs {self.candidate})")
+        return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _default_base_url() -> str:
+    try:
+        from tools.config import load_config
+
+        return load_config().base_url
+    except ImportError:
+        return "http://127.0.0.1:8000"
+
+
+def load_prompts(path: str | Path) -> list[str]:
+    """A JSON list of strings, or a text file with one prompt per non-empty line."""
+    p = Path(path)
+    if not p.is_file():
+        raise ToolFailure(f"{p}: prompts file not found; pass a JSON list of strings or one prompt per line")
+    text = p.read_text()
+    if p.suffix == ".json":
+        try:
+            data = json.loads(text)
+        except ValueError as exc:
+            raise ToolFailure(f"{p}: not valid JSON ({exc}); expected a list of prompt strings") from exc
+        if not isinstance(data, list) or not all(isinstance(x, str) and x.strip() for x in data) or not data:
+            raise ToolFailure(f"{p}: expected a non-empty JSON list of non-empty prompt strings")
+        return list(data)
+    prompts = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    if not prompts:
+        raise ToolFailure(f"{p}: no prompts in the file; write one prompt per line")
+    return prompts
+
+
+def _model_of(client: httpx.Client, base_url: str) -> tuple[str, str | None]:
+    try:
+        r = client.get(f"{base_url}/v1/models")
+        r.raise_for_status()
+        data = r.json().get("data") or []
+    except (httpx.HTTPError, ValueError) as exc:
+        raise ToolFailure(f"no vLLM server answers at {base_url} ({type(exc).__name__}); start one with "
+                          f"./vllm-t4 start or pass --base-url") from exc
+    if not data:
+        raise ToolFailure(f"the server at {base_url} lists no model in /v1/models")
+    return data[0]["id"], data[0].get("root")
+
+
+def _parse_token(tok: str) -> int:
+    # With return_tokens_as_token_ids the token strings are "token_id:<id>".
+    if tok.startswith("token_id:"):
+        return int(tok.split(":", 1)[1])
+    raise ToolFailure(f"the server returned logprob token {tok!r} instead of 'token_id:N'; it must be vLLM "
+                      f"(return_tokens_as_token_ids)")
+
+
+def generate(base_url: str, prompts: list[str], *, max_tokens: int = 160, top_logprobs: int = 5,
+             timeout_s: float = 600.0, progress: Progress | None = None) -> TokenRecord:
+    """Greedy chat completions for every prompt, with exact token ids and top-k alternatives per position."""
+    base = base_url.rstrip("/")
+    if max_tokens <= 0:
+        raise ToolFailure(f"max_tokens must be positive, got {max_tokens}")
+    if not 0 <= top_logprobs <= 20:
+        raise ToolFailure(f"top_logprobs must be 0..20 (vLLM's default limit), got {top_logprobs}")
+    gens: list[Generation] = []
+    with httpx.Client(timeout=timeout_s) as client:
+        model, root = _model_of(client, base)
+        for i, prompt in enumerate(prompts):
+            body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": prompt}],
+                                    "temperature": 0, "max_tokens": max_tokens, "return_token_ids": True}
+            if top_logprobs:
+                body |= {"logprobs": True, "top_logprobs": top_logprobs, "return_tokens_as_token_ids": True}
+            try:
+                r = client.post(f"{base}/v1/chat/completions", json=body)
+            except httpx.HTTPError as exc:
+                raise ToolFailure(f"request {i + 1} to {base} failed ({type(exc).__name__}: {exc})") from exc
+            if r.status_code != 200:
+                raise ToolFailure(f"{base}/v1/chat/completions answered {r.status_code} for prompt {i + 1}: "
+                                  f"{r.text[:200]}")
+            choice = r.json()["choices"][0]
+            ids = choice.get("token_ids")
+            if ids is None:
+                raise ToolFailure(f"{base} returned no token_ids: it must be a vLLM server that supports "
+                                  f"return_token_ids")
+            tops: list[dict[int, float]] = []
+            for pos in ((choice.get("logprobs") or {}).get("content") or []):
+                tops.append({_parse_token(t["token"]): float(t["logprob"]) for t in pos.get("top_logprobs", [])})
+            gens.append(Generation(prompt=prompt, token_ids=[int(x) for x in ids],
+                                   text=choice["message"].get("content") or "",
+                                   finish_reason=choice.get("finish_reason"), top_logprobs=tops))
+            if progress is not None:
+                progress(i + 1, len(prompts), f"{base}: prompt {i + 1}/{len(prompts)}, {len(ids)} tokens")
+    sha = None
+    if root and Path(root).is_dir():
+        from tools.provenance import config_sha256
+
+        sha = config_sha256(root)
+    return TokenRecord(created=datetime.now(timezone.utc).isoformat(timespec="seconds"), base_url=base, model=model,
+                       model_root=root, checkpoint_config_sha256=sha, max_tokens=max_tokens,
+                       top_logprobs=top_logprobs, generations=gens)
+
+
+def save_record(rec: TokenRecord, path: str | Path) -> Path:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    rec.path = str(p)
+    tmp = p.with_suffix(p.suffix + ".tmp")
+    tmp.write_text(json.dumps(rec.to_dict(), indent=1) + "\n")
+    tmp.replace(p)
+    return p
+
+
+def load_record(path: str | Path) -> TokenRecord:
+    p = Path(path)
+    if not p.is_file():
+        raise ToolFailure(f"{p}: reference file not found; write one with ./vllm-t4 compare record --out {p}")
+    try:
+        data = json.loads(p.read_text())
+    except ValueError as exc:
+        raise ToolFailure(f"{p}: not JSON ({exc}); pass a file written by ./vllm-t4 compare record") from exc
+    if not isinstance(data, dict) or data.get("kind") != RECORD_KIND:
+        raise ToolFailure(f"{p}: not a token record (kind {data.get('kind') if isinstance(data, dict) else None!r});"
+                          f" pass a file written by ./vllm-t4 compare record")
+    rec = TokenRecord.model_validate(data)
+    rec.path = str(p)
+    return rec
+
+
+def compare_generations(ref: Generation, cand: Generation) -> PromptComparison:
+    a, b = ref.token_ids, cand.token_ids
+    out = PromptComparison(prompt=ref.prompt, same_tokens=a == b, reference_len=len(a), candidate_len=len(b))
+    if a == b:
+        return out
+    n = min(len(a), len(b))
+    pos = next((i for i in range(n) if a[i] != b[i]), n)
+    out.first_divergence = pos
+    if pos == n:  # one is a prefix of the other: stopped earlier (a different max_tokens or an abort)
+        out.verdict = "length"
+        return out
+    ra, cb = a[pos], b[pos]
+    out.reference_token, out.candidate_token = ra, cb
+    ref_top = ref.top_logprobs[pos] if pos < len(ref.top_logprobs) else None
+    cand_top = cand.top_logprobs[pos] if pos < len(cand.top_logprobs) else None
+    if ref_top:
+        out.candidate_in_reference_topk = cb in ref_top
+        if cb in ref_top and ra in ref_top:
+            out.logprob_gap = ref_top[ra] - ref_top[cb]
+    if cand_top:
+        out.reference_in_candidate_topk = ra in cand_top
+    checks = [x for x in (out.candidate_in_reference_topk, out.reference_in_candidate_topk) if x is not None]
+    out.verdict = "near-tie" if checks and all(checks) else "divergence"
+    return out
+
+
+def compare_records(ref: TokenRecord, cand: TokenRecord, *, reference_name: str | None = None,
+                    candidate_name: str | None = None) -> TokenComparison:
+    if [g.prompt for g in ref.generations] != [g.prompt for g in cand.generations]:
+        raise ToolFailure("the two records hold different prompts; compare a build against a reference made "
+                          "with the same prompts")
+    prompts = [compare_generations(r, c) for r, c in zip(ref.generations, cand.generations)]
+    return TokenComparison(reference=reference_name or ref.path or f"{ref.model} at {ref.base_url}",
+                           candidate=candidate_name or cand.path or f"{cand.model} at {cand.base_url}",
+                           identical=sum(p.same_tokens for p in prompts), total=len(prompts), prompts=prompts,
+                           max_tokens=ref.max_tokens, top_logprobs=ref.top_logprobs)
+
+
+def _prompts(params: CompareParams) -> list[str]:
+    if params.prompts_file:
+        return load_prompts(params.prompts_file)
+    if params.prompts:
+        if not all(isinstance(p, str) and p.strip() for p in params.prompts):
+            raise ToolFailure("prompts must be non-empty strings")
+        return list(params.prompts)
+    return list(DEFAULT_PROMPTS)
+
+
+def record_reference(out: str | Path, params: CompareParams | None = None, *, progress: Progress | None = None
+                     ) -> TokenRecord:
+    """Record the reference build's tokens (the server at params.base_url) to `out`."""
+    params = params or CompareParams()
+    base = (params.base_url or _default_base_url()).rstrip("/")
+    rec = generate(base, _prompts(params), max_tokens=params.max_tokens, top_logprobs=params.top_logprobs,
+                   timeout_s=params.timeout_s, progress=progress)
+    save_record(rec, out)
+    return rec
+
+
+def check_against(reference: str | Path, params: CompareParams | None = None, *, progress: Progress | None = None
+                  ) -> TokenComparison:
+    """Compare the server at params.base_url with a recorded reference (its prompts and max_tokens)."""
+    params = params or CompareParams()
+    ref = load_record(reference)
+    base = (params.base_url or _default_base_url()).rstrip("/")
+    cand = generate(base, [g.prompt for g in ref.generations], max_tokens=ref.max_tokens,
+                    top_logprobs=max(ref.top_logprobs, params.top_logprobs if params.top_logprobs else 0),
+                    timeout_s=params.timeout_s, progress=progress)
+    return compare_records(ref, cand, reference_name=str(reference), candidate_name=f"{cand.model} at {base}")
+
+
+def compare_live(url_a: str, url_b: str, params: CompareParams | None = None, *, progress: Progress | None = None
+                 ) -> TokenComparison:
+    """Both builds live: url_a is the reference, url_b the candidate."""
+    params = params or CompareParams()
+    prompts = _prompts(params)
+    n = len(prompts)
+
+    def half(offset: int) -> Progress | None:
+        if progress is None:
+            return None
+        return lambda d, t, m: progress(offset + d, 2 * n, m)
+
+    a = generate(url_a, prompts, max_tokens=params.max_tokens, top_logprobs=params.top_logprobs,
+                 timeout_s=params.timeout_s, progress=half(0))
+    b = generate(url_b, prompts, max_tokens=params.max_tokens, top_logprobs=params.top_logprobs,
+                 timeout_s=params.timeout_s, progress=half(n))
+    return compare_records(a, b, reference_name=f"{a.model} at {a.base_url}",
+                           candidate_name=f"{b.model} at {b.base_url}")
+
+
+def compare_tokens(params: CompareParams | None = None, *, progress: Progress | None = None,
+                   **overrides: Any) -> TokenComparison | TokenRecord:
+    """One entry point for the three modes (the MCP tool): record -> TokenRecord, check/live -> TokenComparison."""
+    params = CompareParams(**{**asdict(params or CompareParams()), **overrides})
+    if params.mode == "record":
+        if not params.reference:
+            raise ToolFailure("mode 'record' needs reference: the file to write the tokens to")
+        return record_reference(params.reference, params, progress=progress)
+    if params.mode == "check":
+        if not params.reference:
+            raise ToolFailure("mode 'check' needs reference: a file written by mode 'record'")
+        return check_against(params.reference, params, progress=progress)
+    if params.mode == "live":
+        if not params.other_url:
+            raise ToolFailure("mode 'live' needs other_url: the second build's endpoint (base_url is the reference)")
+        return compare_live(params.base_url or _default_base_url(), params.other_url, params, progress=progress)
+    raise ToolFailure(f"mode {params.mode!r} is not one of record, check, live")
