@@ -22,13 +22,13 @@ if TYPE_CHECKING:
 logger = logging.getLogger("vllm.gemma4_t4_vllm")
 
 EMBEDDING_MODULE = "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_embedding"
-# Logged once per process when the swap happens, and once at the first lookup (tools.engine_log reads the
-# second: it shows the int4 embedding method actually ran, not only that it was available).
+# Logged once per process when the swap happens, and once when a model creates an int4 embedding (tools.engine_log
+# reads the second: the int4 embedding method is in use, not only available). Nothing is logged inside the
+# gather itself: it runs under torch.compile, which cannot trace logging calls.
 PATCHED_MARK = "gemma4-t4: CPU platform, int4 embedding lookup replaced by a torch gather"
 FIRST_USE_MARK = "gemma4-t4: int4 embedding lookup runs as a torch gather (CompressedTensorsEmbeddingWNA16Int)"
 
 _registered = False
-_used = False
 
 
 def dequant_gather_torch(ids: "torch.Tensor", weight_packed: "torch.Tensor", weight_scale: "torch.Tensor",
@@ -41,10 +41,6 @@ def dequant_gather_torch(ids: "torch.Tensor", weight_packed: "torch.Tensor", wei
     """
     import torch
 
-    global _used
-    if not _used:
-        _used = True
-        logger.info(FIRST_USE_MARK)
     pack = 32 // num_bits
     ids = ids.reshape(-1).long()
     words = weight_packed.index_select(0, ids)                       # [n, hidden/pack] int32
@@ -86,4 +82,23 @@ def register() -> None:
         return
     # `CompressedTensorsEmbeddingWNA16Int.embedding` looks the function up in its module at call time.
     module._dequant_gather_triton = dequant_gather_torch
+    _announce_use(module)
     logger.info(PATCHED_MARK)
+
+
+def _announce_use(module) -> None:
+    """Logs FIRST_USE_MARK once, at weight creation (model loading, outside torch.compile)."""
+    cls = getattr(module, "CompressedTensorsEmbeddingWNA16Int", None)
+    if cls is None or getattr(cls.create_weights, "_gemma4_t4", False):
+        return
+    original = cls.create_weights
+    announced = []
+
+    def create_weights(self, layer, *args, **kwargs):
+        if not announced:
+            announced.append(True)
+            logger.info(FIRST_USE_MARK)
+        return original(self, layer, *args, **kwargs)
+
+    create_weights._gemma4_t4 = True  # type: ignore[attr-defined]
+    cls.create_weights = create_weights

@@ -45,7 +45,9 @@ _EXPLAIN = [
     re.compile(r"\b(?:[A-Z]\w*(?:Error|Exception)|Killed)\b: .*"),
     re.compile(r"\bERROR\b.*"),
 ]
-_PREFIX = re.compile(r"^\((?:\w+)(?:-\d+)? pid=\d+\)\s+(?:\w+ \d\d-\d\d \d\d:\d\d:\d\d \[[^\]]+\]\s*)?")
+# Wrappers that only point elsewhere ("see root cause above"): never the explanation while a better line exists.
+_GENERIC = ("root cause above", "stack trace above", "Engine core initialization failed", "Traceback")
+_PREFIX = re.compile(r"^\((?:\w+)(?:-\d+)? pid=\d+\)\s+(?:[A-Z]+ \d\d-\d\d(?: \d\d:\d\d:\d\d)? \[[^\]]+\]\s*)?")
 
 
 def _num(text: str) -> float:
@@ -158,9 +160,12 @@ def explain_failure(text: str) -> str | None:
             if m:
                 # Some lines only announce the traceback that follows; keep looking for the exception itself.
                 body = _PREFIX.sub("", line).strip()
-                if pattern is _EXPLAIN[-1] and (body.endswith(":") or "Traceback" in body):
+                if body.endswith(":") or any(g in body for g in _GENERIC):
                     continue
                 return body[:500]
+    for line in reversed(lines):  # only generic lines: better than nothing
+        if _EXPLAIN[3].search(line):
+            return _PREFIX.sub("", line).strip()[:500]
     return None
 
 

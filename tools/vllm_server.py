@@ -253,6 +253,20 @@ def _leader(state: ServerState) -> psutil.Process | None:
         return None
 
 
+def _pid_recycled(state: ServerState) -> bool:
+    """True when another process now has the server's pid. Linux does not hand out a pid that is still some
+    group's id, so the group of that number is then the newcomer's: nothing of it may be signalled."""
+    try:
+        return abs(psutil.Process(state.pid).create_time() - state.create_time) > 1.0
+    except psutil.Error:
+        return False
+
+
+def _our_group(state: ServerState) -> list[psutil.Process]:
+    """Live processes of the server's group, or none when the pid was recycled."""
+    return [] if _pid_recycled(state) else _group_members(state.pgid)
+
+
 def _group_members(pgid: int) -> list[psutil.Process]:
     """Live processes of a process group. A pgid is not reused while any member lives, so these are ours."""
     members = []
@@ -356,7 +370,7 @@ def start_server(cfg: ServeConfig, *, progress: Progress | None = None, hardware
             raise ToolFailure(f"a server started from {cfg.state_dir} is already running (pid {state.pid}, "
                               f"{state.served_name} at {state.base_url}); stop it first with ./vllm-t4 stop",
                               detail={"state": state.to_dict()})
-        if _group_members(state.pgid):
+        if _our_group(state):
             raise ToolFailure(f"processes of a previous server (group {state.pgid}) are still running; "
                               "run ./vllm-t4 stop to end them")
         _clear_state(cfg)  # left by a server that died: not an obstacle
@@ -488,6 +502,11 @@ def stop_server(cfg: ServeConfig, *, grace_s: float = 20) -> StopResult:
     state = _load_state(cfg)
     if state is None:
         return StopResult(was_running=False, message=f"no server recorded in {cfg.state_dir}")
+    if _pid_recycled(state):
+        _clear_state(cfg)
+        return StopResult(was_running=False, pid=state.pid,
+                          message=f"server pid {state.pid} is gone (the pid now belongs to another process); "
+                                  "its state file was cleared")
     leader = _leader(state)
     last, pids, remaining = _kill_group(state.pgid, state.pid if leader is not None else None, grace_s)
     if remaining:
@@ -511,7 +530,7 @@ def server_status(cfg: ServeConfig, *, hardware: Hardware | None = None) -> Serv
                   argv=state.argv, platform=state.platform, log_path=state.log_path, start_fields=fields)
     leader = _leader(state)
     if leader is None:
-        leftovers = [p.pid for p in _group_members(state.pgid)]
+        leftovers = [p.pid for p in _our_group(state)]
         if leftovers:
             return ServerStatus(alive=False, died=True, leftover_pids=leftovers, **common,
                                 message=f"server pid {state.pid} died; processes {leftovers} of its group remain: "
