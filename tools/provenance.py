@@ -122,8 +122,11 @@ def _gpu(notes: list[str], nvml: Any = None) -> tuple[str | None, str | None, in
     return (", ".join(names) or None), st.driver_version, len(st.gpus)
 
 
-def _started_server(base_url: str, notes: list[str]) -> tuple[list[str] | None, dict[str, Any] | None]:
-    """argv and parsed start fields of the server tools/ started, when base_url is that server."""
+def _started_server(base_url: str, notes: list[str], cfg: Any = None) -> tuple[list[str] | None, dict[str, Any] | None]:
+    """argv and parsed start fields of the server tools/ started, when base_url is that server.
+
+    cfg is the ServeConfig to look in (default: the project's tpu.env).
+    """
     try:
         from tools.config import load_config
         from tools.vllm_server import server_status
@@ -131,7 +134,7 @@ def _started_server(base_url: str, notes: list[str]) -> tuple[list[str] | None, 
         notes.append(f"server start record not read: {exc}")
         return None, None
     try:
-        cfg = load_config()
+        cfg = cfg if cfg is not None else load_config()
         if cfg.base_url.rstrip("/") != base_url.rstrip("/"):
             notes.append("the server was not started by tools/ (its URL differs from the configured one): "
                          "argv unknown")
@@ -140,9 +143,14 @@ def _started_server(base_url: str, notes: list[str]) -> tuple[list[str] | None, 
     except Exception as exc:  # a broken tpu.env must not stop a measurement; say why the fields are empty
         notes.append(f"server start record not read: {exc}")
         return None, None
+    if not getattr(st, "alive", False):
+        notes.append(f"no server started by tools/ is alive at {base_url}: argv unknown")
+        return None, None
     argv = getattr(st, "argv", None)
     fields = getattr(st, "start_fields", None)
-    if hasattr(fields, "model_dump"):
+    if hasattr(fields, "to_dict"):
+        fields = fields.to_dict()
+    elif hasattr(fields, "model_dump"):
         fields = fields.model_dump(mode="json")
     elif fields is not None and not isinstance(fields, dict):
         try:
@@ -154,8 +162,12 @@ def _started_server(base_url: str, notes: list[str]) -> tuple[list[str] | None, 
     return (list(argv) if argv else None), fields
 
 
-def collect(base_url: str | None, *, nvml: Any = None, server: ServerInfo | None = None) -> Provenance:
-    """Build the provenance record for a measurement against base_url (None: no server involved)."""
+def collect(base_url: str | None, *, nvml: Any = None, server: ServerInfo | None = None,
+            serve_config: Any = None) -> Provenance:
+    """Build the provenance record for a measurement against base_url (None: no server involved).
+
+    serve_config: the tools.config.ServeConfig whose started server to describe (default: tpu.env's).
+    """
     notes: list[str] = []
     gpu_name, driver, count = _gpu(notes, nvml)
     prov = Provenance(date=datetime.now(timezone.utc).isoformat(timespec="seconds"), host=socket.gethostname(),
@@ -177,7 +189,7 @@ def collect(base_url: str | None, *, nvml: Any = None, server: ServerInfo | None
             prov.checkpoint_config_path = str(Path(server.model_root) / "config.json")
         elif server.model_root:
             notes.append(f"model {server.model_root} is not a local folder: config hash not computed")
-    prov.server_argv, prov.server_start_fields = _started_server(base_url, notes)
+    prov.server_argv, prov.server_start_fields = _started_server(base_url, notes, serve_config)
     if prov.checkpoint_config_sha256 is None and prov.server_argv and "--model" in prov.server_argv:
         model = prov.server_argv[prov.server_argv.index("--model") + 1]
         if Path(model).is_dir():

@@ -289,17 +289,21 @@ def _resolve_server(params: SweepParams, base_url: str) -> prov_mod.ServerInfo:
     return info
 
 
-def run_sweep(params: SweepParams | None = None, *, progress: Progress | None = None, **overrides: Any) -> SweepResult:
+def run_sweep(params: SweepParams | None = None, *, progress: Progress | None = None, serve_config: Any = None,
+              **overrides: Any) -> SweepResult:
     """Run (or resume) a sweep against a live OpenAI-compatible vLLM server; returns and saves the evidence.
 
     `overrides` set SweepParams fields by name (the MCP server passes its arguments this way). `progress` is
-    called with (repeats done, repeats planned, message) after every measured repeat.
+    called with (repeats done, repeats planned, message) as cells start and after every measured repeat.
+    `serve_config` (a tools.config.ServeConfig) names the server tools/ started: its URL is the default
+    base_url and its argv and engine start fields go into the provenance (default: the project's tpu.env).
     """
     from tools import sweep_report
 
     params = SweepParams(**{**asdict(params or SweepParams()), **overrides})
     params.validate()
-    base_url = (params.base_url or _default_base_url()).rstrip("/")
+    base_url = (params.base_url or (serve_config.base_url if serve_config is not None else _default_base_url()))
+    base_url = base_url.rstrip("/")
     params.base_url = base_url
     server = _resolve_server(params, base_url)
     model = params.model or server.model_id
@@ -316,7 +320,7 @@ def run_sweep(params: SweepParams | None = None, *, progress: Progress | None = 
     result = SweepResult(run_id=run_dir.name, run_dir=str(run_dir), label=params.label,
                          params={**asdict(params), "out": str(params.out)}, max_model_len=max_len, model=model,
                          started=datetime.now(timezone.utc).isoformat(timespec="seconds"))
-    result.provenance = prov_mod.collect(base_url, server=server).to_dict()
+    result.provenance = prov_mod.collect(base_url, server=server, serve_config=serve_config).to_dict()
     prov_mod.write(prov_mod.Provenance.model_validate(result.provenance), run_dir / "provenance.json")
 
     cells_plan = [(L, c) for L in params.input_lens for c in params.concurrencies]

@@ -1,0 +1,197 @@
+"""`./vllm-t4 sweep | sweep-compare | compare`: the measurements on the command line.
+
+`sweep` prints progress on stderr and the evidence folder as its last line; `sweep-compare` prints the article's
+comparison tables; `compare record|check|live` prints per-prompt SAME TOKENS lines and exits 0 whether or not
+tokens differ (1 only when the comparison could not be made). `--json` prints one JSON object instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Callable
+
+from tools.errors import ToolFailure
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if not vals or any(v <= 0 for v in vals):
+        raise argparse.ArgumentTypeError(f"{text!r}: give positive integers, comma separated")
+    return vals
+
+
+def _cost_cell(text: str) -> tuple[int, int]:
+    try:
+        a, b = text.split(":")
+        return int(a), int(b)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not INPUT_LEN:CONCURRENCY (e.g. 512:8)") from None
+
+
+def _emit(args: argparse.Namespace, obj: Any, text: str) -> None:
+    if getattr(args, "json", False):
+        print(json.dumps(obj.to_dict() if hasattr(obj, "to_dict") else obj, default=str))
+    else:
+        print(text)
+
+
+def _progress(args: argparse.Namespace) -> Callable[[int, int, str], None]:
+    def show(done: int, total: int, msg: str) -> None:
+        print(f"[{done}/{total}] {msg}", file=sys.stderr, flush=True)
+    return show
+
+
+def _serve_config(args: argparse.Namespace):
+    """The configured server (tpu.env or --env-file), for the default URL and its start record."""
+    if args.base_url and not args.env_file:
+        return None
+    try:
+        from tools.config import load_config
+
+        return load_config(args.env_file)
+    except ImportError:
+        return None
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from tools.sweep import SweepParams, run_sweep
+
+    params = SweepParams(base_url=args.base_url, input_lens=args.input_lens, output_len=args.output_len,
+                         concurrencies=args.concurrency, repeats=args.repeats,
+                         prompts_per_concurrency=args.prompts_per_concurrency, min_prompts=args.min_prompts,
+                         label=args.label, price_per_hour=args.price_per_hour, out=args.out, resume=args.resume,
+                         run_id=args.run_id, seed=args.seed, tokenizer=args.tokenizer, warmup=not args.no_warmup,
+                         cell_timeout_s=args.cell_timeout)
+    res = run_sweep(params, progress=_progress(args), serve_config=_serve_config(args))
+    counts = res.counts
+    text = _read_text(res.files.get("table_md"))
+    text += (f"\n{counts['ok']} ok, {counts['failed']} failed, {counts['infeasible']} infeasible cells "
+             f"in {res.wall_s:.0f} s\n{res.run_dir}")
+    _emit(args, res, text)
+    return 0
+
+
+def _read_text(path: str | None) -> str:
+    from pathlib import Path
+
+    return Path(path).read_text() if path and Path(path).is_file() else ""
+
+
+def cmd_sweep_compare(args: argparse.Namespace) -> int:
+    from tools.sweep_report import compare_runs, plot_runs
+
+    cmp = compare_runs(args.runs, price_per_hour=args.price_per_hour, cost_cell=args.cost_at)
+    if args.plot:
+        from tools.sweep_report import load_run
+
+        plot_runs([load_run(r) for r in args.runs], args.plot)
+    _emit(args, cmp, cmp.markdown + (f"\nplot: {args.plot}" if args.plot else ""))
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from tools.compare_tokens import CompareParams, check_against, compare_live, record_reference
+
+    params = CompareParams(base_url=getattr(args, "base_url", None), prompts_file=getattr(args, "prompts", None),
+                           max_tokens=getattr(args, "max_tokens", 160), top_logprobs=args.top_logprobs)
+    if params.base_url is None and args.action != "live":
+        cfg = _serve_config(args)
+        params.base_url = cfg.base_url if cfg is not None else None
+    prog = _progress(args)
+    if args.action == "record":
+        rec = record_reference(args.out, params, progress=prog)
+        lines = [f"PROMPT: {g.prompt}\n  {len(g.token_ids)} tokens, finish {g.finish_reason}" for g in rec.generations]
+        _emit(args, rec, "\n".join(lines + [f"{rec.summary()}", f"{args.out}"]))
+    elif args.action == "check":
+        res = check_against(args.reference, params, progress=prog)
+        _emit(args, res, res.text())
+    else:
+        res = compare_live(args.url_a, args.url_b, params, progress=prog)
+        _emit(args, res, res.text())
+    return 0
+
+
+def _guard(name: str, func: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return func(args)
+        except ToolFailure as exc:
+            if getattr(args, "json", False):
+                print(json.dumps(exc.to_dict(), default=str))
+            print(f"vllm-t4 {name}: {exc}", file=sys.stderr)
+            return 1
+    return run
+
+
+def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    from tools.sweep import DEFAULT_OUT, DEFAULT_PRICE_PER_HOUR
+
+    def common(p: argparse.ArgumentParser, *, url: bool = True) -> None:
+        if url:
+            p.add_argument("--base-url", default=None,
+                           help="OpenAI-compatible vLLM server (default: the one tpu.env configures)")
+        p.add_argument("--env-file", default=None, help="configuration file (default: the project's tpu.env)")
+        p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+
+    p = sub.add_parser("sweep", help="serving sweep with vLLM's bench serve; prints the evidence folder last",
+                       description="Random prompts x concurrency x repeats against a live server, greedy, "
+                                   "--ignore-eos; writes evidence/<run-id>/ (raw, summary.json/.csv/.md, plot.png, "
+                                   "provenance.json).")
+    common(p)
+    p.add_argument("--input-lens", type=_ints, default=[512, 4096], help="prompt lengths (default 512,4096)")
+    p.add_argument("--output-len", type=int, default=128, help="output tokens per request (default 128)")
+    p.add_argument("--concurrency", type=_ints, default=[1, 4, 8, 16], help="default 1,4,8,16")
+    p.add_argument("--repeats", type=int, default=3, help="repeats per cell (default 3)")
+    p.add_argument("--prompts-per-concurrency", type=int, default=4,
+                   help="prompts per cell = max(--min-prompts, concurrency x this) (default 4)")
+    p.add_argument("--min-prompts", type=int, default=4)
+    p.add_argument("--label", default="build", help="name of the build (goes into the run id)")
+    p.add_argument("--out", default=str(DEFAULT_OUT), help="folder that receives <run-id>/ (default evidence/)")
+    p.add_argument("--resume", action="store_true", help="continue the latest matching run, skipping done repeats")
+    p.add_argument("--run-id", default=None, help="exact run folder name inside --out")
+    p.add_argument("--price-per-hour", type=float, default=DEFAULT_PRICE_PER_HOUR,
+                   help=f"machine price for $/M tokens (default {DEFAULT_PRICE_PER_HOUR}, the article's T4 VM)")
+    p.add_argument("--seed", type=int, default=0, help="base prompt seed; keep it equal across builds (default 0)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the folder the server loaded)")
+    p.add_argument("--no-warmup", action="store_true", help="skip the per-cell warm-up of `concurrency` requests")
+    p.add_argument("--cell-timeout", type=float, default=3600.0, help="seconds per repeat before a cell is stopped")
+    p.set_defaults(func=_guard("sweep", cmd_sweep))
+
+    p = sub.add_parser("sweep-compare", help="compare sweep runs in the article's form (last run vs each other)",
+                       description="Output tok/s per cell for every run, the last run against each earlier one "
+                                   "(+%% or x), and cost per million output tokens.")
+    p.add_argument("runs", nargs="+", help="run folders, reference builds first, the candidate last")
+    p.add_argument("--price-per-hour", type=float, default=DEFAULT_PRICE_PER_HOUR)
+    p.add_argument("--cost-at", type=_cost_cell, default=None,
+                   help="INPUT_LEN:CONCURRENCY of the cost table (default: where the last run peaks)")
+    p.add_argument("--plot", default=None, help="also write a PNG of all runs to this path")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    p.set_defaults(func=_guard("sweep-compare", cmd_sweep_compare))
+
+    p = sub.add_parser("compare", help="greedy token identity between builds (record, check, live)",
+                       description="Exact generated token ids, temperature 0, the server's chat template. Exit 0 "
+                                   "whether or not tokens differ; 1 when the comparison could not be made.")
+    acts = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    a = acts.add_parser("record", help="record the reference build's tokens to a file")
+    common(a)
+    a.add_argument("--out", required=True, help="reference file to write (JSON)")
+    a.add_argument("--prompts", default=None, help="prompts file: JSON list or one per line (default: eight built in)")
+    a.add_argument("--max-tokens", type=int, default=160)
+    a.add_argument("--top-logprobs", type=int, default=5, help="alternatives kept per position (default 5)")
+    a = acts.add_parser("check", help="compare the serving build with a recorded reference")
+    a.add_argument("reference", help="file written by `compare record`")
+    common(a)
+    a.add_argument("--top-logprobs", type=int, default=5)
+    a = acts.add_parser("live", help="compare two live endpoints (URL_A is the reference)")
+    a.add_argument("url_a")
+    a.add_argument("url_b")
+    a.add_argument("--prompts", default=None)
+    a.add_argument("--max-tokens", type=int, default=160)
+    a.add_argument("--top-logprobs", type=int, default=5)
+    a.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    p.set_defaults(func=_guard("compare", cmd_compare), env_file=None)
