@@ -77,7 +77,15 @@ def csv_run(res: SweepResult) -> str:
     return buf.getvalue()
 
 
-def plot_runs(runs: list[SweepResult], path: Path) -> Path:
+def run_labels(runs: list[SweepResult]) -> list[str]:
+    """Run labels, qualified by run id when two runs share a label so columns and legends stay distinct."""
+    labels = [r.label for r in runs]
+    if len(set(labels)) != len(labels):
+        labels = [f"{r.label} ({r.run_id})" for r in runs]
+    return labels
+
+
+def plot_runs(runs: list[SweepResult], path: str | Path) -> Path:
     """Output tok/s and mean TTFT against concurrency, one line per (run, input length)."""
     import matplotlib
 
@@ -85,20 +93,24 @@ def plot_runs(runs: list[SweepResult], path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    styles = ["-", "--", ":", "-."]
+    styles = ["-", "--", ":", "-."]  # one line style per input length, one colour per run
+    all_lens = sorted({c.input_len for r in runs for c in r.cells})
+    labels = run_labels(runs)
+    ttft_all: list[float] = []
     for i, res in enumerate(runs):
-        lens = sorted({c.input_len for c in res.cells})
-        for L in lens:
+        for L in all_lens:
             cells = sorted((c for c in res.cells if c.input_len == L and c.median.get("output_throughput")),
                            key=lambda c: c.concurrency)
             if not cells:
                 continue
-            name = f"{res.label}, in={L}" if len(runs) > 1 else f"in={L}"
-            xs = [c.concurrency for c in cells]
-            ax1.plot(xs, [c.median["output_throughput"] for c in cells], styles[i % 4], marker="o", label=name)
-            ttft = [(c.concurrency, c.median.get("mean_ttft_ms")) for c in cells if c.median.get("mean_ttft_ms")]
+            name = f"{labels[i]}, in={L}" if len(runs) > 1 else f"in={L}"
+            look = dict(color=f"C{i % 10}" if len(runs) > 1 else f"C{all_lens.index(L) % 10}",
+                        linestyle=styles[all_lens.index(L) % 4], marker="o", label=name)
+            ax1.plot([c.concurrency for c in cells], [c.median["output_throughput"] for c in cells], **look)
+            ttft = [(c.concurrency, c.median["mean_ttft_ms"]) for c in cells if c.median.get("mean_ttft_ms")]
+            ttft_all += [y for _, y in ttft]
             if ttft:
-                ax2.plot([x for x, _ in ttft], [y for _, y in ttft], styles[i % 4], marker="o", label=name)
+                ax2.plot([x for x, _ in ttft], [y for _, y in ttft], **look)
     all_c = sorted({c.concurrency for r in runs for c in r.cells})
     for ax, title, ylabel in ((ax1, "Output throughput", "output tok/s"), (ax2, "Time to first token (mean)", "ms")):
         ax.set_xscale("log", base=2)
@@ -111,13 +123,19 @@ def plot_runs(runs: list[SweepResult], path: Path) -> Path:
         if ax.lines:
             ax.legend(fontsize=8)
     ax1.set_ylim(bottom=0)
-    # TTFT spans short and long prompts (and queueing past max-num-seqs): log scale, plain numbers.
-    from matplotlib.ticker import FuncFormatter, NullFormatter
+    if ax2.lines and max(ttft_all) > 20 * min(ttft_all):
+        # TTFT spans short and long prompts (and queueing past max-num-seqs): log scale, plain numbers.
+        from matplotlib.ticker import FuncFormatter, NullFormatter
 
-    ax2.set_yscale("log")
-    ax2.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-    ax2.yaxis.set_minor_formatter(NullFormatter())
-    fig.suptitle(" vs ".join(r.label for r in runs) if len(runs) > 1 else f"{runs[0].label} ({runs[0].run_id})")
+        ax2.set_yscale("log")
+        ax2.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax2.yaxis.set_minor_formatter(NullFormatter())
+    elif ax2.lines:
+        ax2.set_ylim(bottom=0)
+    else:
+        ax2.text(0.5, 0.5, "no TTFT figures in these runs", ha="center", va="center", transform=ax2.transAxes,
+                 color="gray")
+    fig.suptitle(" vs ".join(labels) if len(runs) > 1 else f"{runs[0].label} ({runs[0].run_id})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -182,7 +200,8 @@ class SweepComparison(BaseModel):
     run_dirs: list[str]
     price_per_hour: float
     cells: list[CompareCell]
-    ratio_format: dict[str, str] = Field(description="'<last> vs <other>' -> 'pct' (+37%) or 'x' (2.30x)")
+    ratio_format: dict[int, dict[str, str]] = Field(
+        description="input_len -> '<last> vs <other>' -> 'pct' (+37%) or 'x' (2.30x)")
     cost_cell: tuple[int, int] | None = Field(None, description="(input_len, concurrency) of the cost table")
     cost: list[CostRow] = Field(default_factory=list)
     markdown: str = ""
@@ -203,7 +222,8 @@ def compare_runs(paths: list[str | Path], *, price_per_hour: float = DEFAULT_PRI
                  cost_cell: tuple[int, int] | None = None) -> SweepComparison:
     """Compare runs in the article's form: the LAST run against each earlier one, per cell.
 
-    A ratio column is written as x when its median ratio is 1.5 or more (or 1/1.5 or less), as +% otherwise,
+    A ratio column of one input length's table is written as x when its median ratio is 1.5 or more (or 1/1.5
+    or less), as +% otherwise,
     which is how the article writes "emb4 vs QAT" (+37%) and "emb4 vs bf16" (2.30x). Both numbers are in the
     JSON. The cost table uses cost_cell, by default the first input length at the concurrency where the last
     run peaks.
@@ -211,25 +231,27 @@ def compare_runs(paths: list[str | Path], *, price_per_hour: float = DEFAULT_PRI
     if len(paths) < 2:
         raise ToolFailure("sweep-compare needs two or more run folders (earlier builds first, the candidate last)")
     runs = [load_run(p) for p in paths]
-    labels = [r.label for r in runs]
-    if len(set(labels)) != len(labels):  # same label twice: qualify by run id so columns stay distinct
-        labels = [f"{r.label} ({r.run_id})" for r in runs]
+    labels = run_labels(runs)
     last = labels[-1]
     keys = sorted({c.key for r in runs for c in r.cells})
+    ratio_names = [f"{last} vs {lab}" for lab in reversed(labels[:-1])]
     cells: list[CompareCell] = []
     for L, c in keys:
         tps = []
         for r in runs:
             cell = r.cell(L, c)
             tps.append(cell.median.get("output_throughput") if cell and cell.status == "ok" else None)
+        # Nearest predecessor first, as the article orders "emb4 vs QAT" before "emb4 vs bf16".
         ratios = {f"{last} vs {lab}": (tps[-1] / tp if tps[-1] and tp else None)
-                  for lab, tp in zip(labels[:-1], tps[:-1])}
+                  for lab, tp in reversed(list(zip(labels[:-1], tps[:-1])))}
         cells.append(CompareCell(input_len=L, concurrency=c, out_tok_s=tps, ratios=ratios))
-    fmt: dict[str, str] = {}
-    for name in (f"{last} vs {lab}" for lab in labels[:-1]):
-        vals = [cc.ratios[name] for cc in cells if cc.ratios.get(name)]
-        med = statistics.median(vals) if vals else 1.0
-        fmt[name] = "x" if med >= 1.5 or med <= 1 / 1.5 else "pct"
+    fmt: dict[int, dict[str, str]] = {}
+    for L in sorted({cc.input_len for cc in cells}):
+        fmt[L] = {}
+        for name in ratio_names:
+            vals = [cc.ratios[name] for cc in cells if cc.input_len == L and cc.ratios.get(name)]
+            med = statistics.median(vals) if vals else 1.0
+            fmt[L][name] = "x" if med >= 1.5 or med <= 1 / 1.5 else "pct"
     if cost_cell is None:
         first_len = keys[0][0] if keys else None
         cands = [cc for cc in cells if cc.input_len == first_len and cc.out_tok_s[-1]]
@@ -252,13 +274,13 @@ def compare_runs(paths: list[str | Path], *, price_per_hour: float = DEFAULT_PRI
 def markdown_comparison(cmp: SweepComparison) -> str:
     lines: list[str] = []
     for L in sorted({c.input_len for c in cmp.cells}):
-        names = list(cmp.ratio_format)
+        names = list(cmp.ratio_format[L])
         lines += [f"## {L}-token prompts", "",
                   "| c | " + " | ".join(f"{lab} out tok/s" for lab in cmp.labels) + " | " + " | ".join(names) + " |",
                   "|---|" + "---|" * (len(cmp.labels) + len(names))]
         for cc in (x for x in cmp.cells if x.input_len == L):
             lines.append(f"| {cc.concurrency} | " + " | ".join(_fmt(v) for v in cc.out_tok_s) + " | "
-                         + " | ".join(_ratio_text(cc.ratios.get(n), cmp.ratio_format[n]) for n in names) + " |")
+                         + " | ".join(_ratio_text(cc.ratios.get(n), cmp.ratio_format[L][n]) for n in names) + " |")
         lines.append("")
     if cmp.cost:
         L, c = cmp.cost_cell or (None, None)
