@@ -1,0 +1,110 @@
+"""Sweep tables, comparison and bookkeeping without a server: the article's own figures are the fixture."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tools.errors import ToolFailure
+from tools.sweep import RepeatResult, SweepParams, _run_dir, aggregate, prompt_seed
+from tools.sweep_report import compare_runs, cost_per_million, load_run, markdown_run
+
+ROOT = Path(__file__).resolve().parents[1]
+ARTICLE = ROOT / "evidence" / "article-t4"
+RUNS = [ARTICLE / "bf16", ARTICLE / "qat-w4a16", ARTICLE / "emb4"]
+
+
+def test_article_reference_runs_reproduce_the_article_tables():
+    cmp = compare_runs(RUNS, price_per_hour=0.5241, cost_cell=(512, 8))
+    md = cmp.markdown
+    # The article's "512-Token Prompts" rows: emb4 vs QAT in percent, emb4 vs bf16 as a factor.
+    for row in ("| 1 | 37.04 | 62.27 | 85.28 | +37% | 2.30x |", "| 4 | 109.05 | 157.49 | 183.08 | +16% | 1.68x |",
+                "| 8 | 164.62 | 215.91 | 239.64 | +11% | 1.46x |", "| 16 | 164.36 | 213.79 | 237.08 | +11% | 1.44x |"):
+        assert row in md, row
+    # "4096-Token Prompts": emb4 vs QAT +7% / +3%.
+    assert "| 1 | 12.11 | 14.00 | 15.03 | +7% |" in md
+    assert "| 16 | 15.46 | 15.75 | 16.17 | +3% |" in md
+    # "What Does It Cost?": $0.88, $0.67, $0.61 per million output tokens.
+    assert [f"${r.usd_per_million:.2f}" for r in cmp.cost] == ["$0.88", "$0.67", "$0.61"]
+    cell = next(c for c in cmp.cells if (c.input_len, c.concurrency) == (512, 1))
+    assert cell.ratios["emb4 vs qat-w4a16"] == pytest.approx(85.28 / 62.27)
+    assert cmp.ratio_format[512] == {"emb4 vs qat-w4a16": "pct", "emb4 vs bf16": "x"}
+
+
+def test_default_cost_cell_is_where_the_candidate_peaks():
+    cmp = compare_runs(RUNS)
+    assert cmp.cost_cell == (512, 8)
+
+
+def test_cost_per_million():
+    assert cost_per_million(239.64, 0.5241) == pytest.approx(0.6075, abs=1e-4)
+    assert cost_per_million(None, 0.5241) is None
+
+
+def test_compare_needs_two_runs_and_real_run_folders(tmp_path):
+    with pytest.raises(ToolFailure, match="two or more"):
+        compare_runs(RUNS[:1])
+    with pytest.raises(ToolFailure, match="no summary.json"):
+        compare_runs([RUNS[0], tmp_path])
+    (tmp_path / "summary.json").write_text("{}")
+    with pytest.raises(ToolFailure, match="not a sweep summary"):
+        load_run(tmp_path)
+
+
+def test_run_markdown_has_article_form_and_statuses():
+    run = load_run(ARTICLE / "emb4")
+    md = markdown_run(run)
+    assert "## 512-token prompts" in md and "## 4096-token prompts" in md
+    assert "| c | out tok/s |" in md
+    assert "| 8 | 239.64 |" in md
+
+
+def test_aggregate_median_and_spread():
+    reps = [RepeatResult(repeat=i, seed=i, status="ok", num_prompts=4, metrics={"output_throughput": v})
+            for i, v in enumerate([100.0, 110.0, 105.0])]
+    reps.append(RepeatResult(repeat=3, seed=3, status="failed", num_prompts=4, metrics={"output_throughput": 1.0}))
+    med, spread = aggregate(reps)
+    assert med["output_throughput"] == 105.0
+    assert spread["output_throughput"] == pytest.approx(10 / 105 * 100)
+    assert med["mean_ttft_ms"] is None
+
+
+def test_prompt_seeds_are_distinct_per_cell_and_stable():
+    seeds = {prompt_seed(0, L, c, r) for L in (512, 4096) for c in (1, 4, 8, 16) for r in range(3)}
+    assert len(seeds) == 24
+    assert prompt_seed(0, 512, 1, 0) == prompt_seed(0, 512, 1, 0)
+    assert prompt_seed(0, 512, 1, 0) != prompt_seed(0, 512, 1, 0, "warmup")
+    assert prompt_seed(0, 512, 1, 0) != prompt_seed(1, 512, 1, 0)
+
+
+def test_resume_picks_the_latest_matching_run_folder(tmp_path):
+    p = SweepParams(label="emb4", out=tmp_path)
+    first = _run_dir(p, tmp_path)
+    first.mkdir()
+    assert _run_dir(SweepParams(label="emb4", out=tmp_path, resume=True), tmp_path) == first
+    # Different measurement (another seed) or another label: a new folder.
+    assert _run_dir(SweepParams(label="emb4", out=tmp_path, resume=True, seed=1), tmp_path) != first
+    assert _run_dir(SweepParams(label="bf16", out=tmp_path, resume=True), tmp_path) != first
+
+
+def test_bad_options_are_refused_in_one_line():
+    with pytest.raises(ToolFailure, match="concurrencies"):
+        SweepParams(concurrencies=[0]).validate()
+    with pytest.raises(ToolFailure, match="label"):
+        SweepParams(label="a b").validate()
+
+
+def test_cli_sweep_compare_prints_tables_and_json():
+    out = subprocess.run([sys.executable, "-m", "tools.cli", "sweep-compare", *map(str, RUNS), "--json"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    d = json.loads(out.stdout)
+    assert d["labels"] == ["bf16", "qat-w4a16", "emb4"]
+    assert len(d["cells"]) == 8
+    bad = subprocess.run([sys.executable, "-m", "tools.cli", "sweep-compare", str(RUNS[0])],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1 and "two or more" in bad.stderr
