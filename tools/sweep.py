@@ -446,7 +446,16 @@ def _cell_main(spec_file: str) -> int:
         # Shape-matched warm-up from its own seed: `--num-warmups` would repeat the measured set's first
         # prompt, which the prefix cache would then serve to the measured run.
         tw = time.monotonic()
-        bench_main(_bench_args(spec, spec["warmup_seed"], spec["concurrency"], spec["output_len"]))
+        try:
+            bench_main(_bench_args(spec, spec["warmup_seed"], spec["concurrency"], spec["output_len"]))
+        except Exception as exc:  # no measurement without the warm-up: every pending repeat fails with why
+            reason = f"warm-up failed: {type(exc).__name__}: {exc}".splitlines()[0][:300]
+            for k in spec["repeats"]:
+                rr = RepeatResult(repeat=k, seed=int(spec["seeds"][str(k)]), status="failed", reason=reason,
+                                  num_prompts=spec["num_prompts"],
+                                  raw_file=raw_name(spec["input_len"], spec["concurrency"], k))
+                _write_raw(raw_dir / rr.raw_file, {"repeat_result": rr.model_dump(mode="json"), "spec": spec})
+            return 0
         warmup_s = time.monotonic() - tw
     with httpx.Client() as client:
         for k in spec["repeats"]:
@@ -478,11 +487,14 @@ def _cell_main(spec_file: str) -> int:
                                             if k2 not in ("errors", "generated_texts", "itls", "ttfts",
                                                           "start_times", "input_lens", "output_lens",
                                                           "latencies", "queue_times")}}
-            out = raw_dir / rr.raw_file
-            tmp = out.with_suffix(".tmp")
-            tmp.write_text(json.dumps(record, indent=2, default=str))
-            tmp.replace(out)
+            _write_raw(raw_dir / rr.raw_file, record)
     return 0
+
+
+def _write_raw(out: Path, record: dict[str, Any]) -> None:
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, indent=2, default=str))
+    tmp.replace(out)
 
 
 if __name__ == "__main__":

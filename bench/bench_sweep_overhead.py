@@ -1,0 +1,142 @@
+"""How much the sweep harness adds on top of vLLM's own benchmark.
+
+1. A small sweep's wall time against the sum of its repeats' measured durations (vLLM's `duration`), split into
+   benchmark time, warm-up, and the rest (process start, imports, tokenizer, /metrics reads, file writes).
+2. One cell measured by `run_sweep` against the same cell by a direct `vllm bench serve` call (vLLM's own
+   argument parser and `main`, in a fresh process, as the console script would run it), same server, same
+   seed, alternating A/B several times: output tok/s of the two should differ by less than the run-to-run
+   spread.
+
+Usage (against a running server; on a CPU box start one with ./vllm-t4 start or by hand):
+
+    python bench/bench_sweep_overhead.py --base-url http://127.0.0.1:8000 [--input-len 64 --output-len 32]
+
+Writes evidence/sweep-overhead-<UTC date>.json and .md and prints the markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tools.provenance import collect, server_info  # noqa: E402
+from tools.sweep import SweepParams, prompt_seed, run_sweep  # noqa: E402
+
+DIRECT = """
+import json, sys
+from vllm.benchmarks.serve import add_cli_args, main
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+p = FlexibleArgumentParser(); add_cli_args(p)
+res = main(p.parse_args(sys.argv[2:]))
+json.dump({k: v for k, v in res.items() if isinstance(v, (int, float, str))}, open(sys.argv[1], "w"))
+"""
+
+
+def direct_cell(base_url: str, model: str, tokenizer: str, input_len: int, output_len: int, concurrency: int,
+                num_prompts: int, seed: int, out: Path) -> tuple[dict, float]:
+    argv = ["--backend", "openai", "--base-url", base_url, "--endpoint", "/v1/completions", "--model", model,
+            "--tokenizer", tokenizer, "--dataset-name", "random", "--random-input-len", str(input_len),
+            "--random-output-len", str(output_len), "--ignore-eos", "--temperature", "0",
+            "--max-concurrency", str(concurrency), "--num-prompts", str(num_prompts), "--seed", str(seed),
+            "--disable-tqdm"]
+    t = time.monotonic()
+    subprocess.run([sys.executable, "-c", DIRECT, str(out), *argv], check=True, cwd=ROOT,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return json.loads(out.read_text()), time.monotonic() - t
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--base-url", required=True)
+    ap.add_argument("--input-len", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--concurrencies", default="1,2,4")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--ab-rounds", type=int, default=4, help="alternating direct/run_sweep rounds for part 2")
+    ap.add_argument("--out", default=str(ROOT / "evidence"))
+    args = ap.parse_args()
+    info = server_info(args.base_url)
+    model, tokenizer = info.model_id, info.model_root
+    concs = [int(c) for c in args.concurrencies.split(",")]
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmpd = Path(tmp)
+        # Part 1: a small sweep, where its wall time goes.
+        p = SweepParams(base_url=args.base_url, input_lens=[args.input_len], output_len=args.output_len,
+                        concurrencies=concs, repeats=args.repeats, label="overhead", out=tmpd / "sweep")
+        t = time.monotonic()
+        res = run_sweep(p)
+        wall = time.monotonic() - t
+        measured = sum(r.metrics["duration"] for c in res.cells for r in c.repeats if r.status == "ok")
+        bench_calls = sum(r.measure_s or 0 for c in res.cells for r in c.repeats)
+        warm = sum(r.warmup_s or 0 for c in res.cells for r in c.repeats)
+        part1 = {"wall_s": wall, "sum_measured_duration_s": measured, "sum_bench_call_s": bench_calls,
+                 "sum_warmup_s": warm, "other_s": wall - bench_calls - warm,
+                 "cells": len(res.cells), "repeats": sum(len(c.repeats) for c in res.cells)}
+
+        # Part 2: one cell, same seed, run_sweep (no warm-up, one repeat) vs a direct vllm bench serve call.
+        c = concs[-1]
+        n = p.num_prompts(c)
+        seed = prompt_seed(p.seed, args.input_len, c, 0)
+        a_vals: list[float] = []
+        b_vals: list[float] = []
+        for i in range(args.ab_rounds):
+            d, _ = direct_cell(args.base_url, model, tokenizer, args.input_len, args.output_len, c, n, seed,
+                               tmpd / f"direct{i}.json")
+            a_vals.append(d["output_throughput"])
+            one = run_sweep(SweepParams(base_url=args.base_url, input_lens=[args.input_len],
+                                        output_len=args.output_len, concurrencies=[c], repeats=1,
+                                        label="overhead-cell", out=tmpd / f"cell{i}", warmup=False))
+            b_vals.append(one.cells[0].repeats[0].metrics["output_throughput"])
+
+    def spread(v: list[float]) -> float:
+        return (max(v) - min(v)) / statistics.median(v) * 100
+
+    part2 = {"concurrency": c, "num_prompts": n, "seed": seed, "direct_out_tok_s": a_vals,
+             "run_sweep_out_tok_s": b_vals, "direct_median": statistics.median(a_vals),
+             "run_sweep_median": statistics.median(b_vals),
+             "difference_pct": (statistics.median(b_vals) / statistics.median(a_vals) - 1) * 100,
+             "direct_spread_pct": spread(a_vals), "run_sweep_spread_pct": spread(b_vals)}
+    prov = collect(args.base_url).to_dict()
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    record = {"date": stamp, "input_len": args.input_len, "output_len": args.output_len, "concurrencies": concs,
+              "repeats": args.repeats, "part1_sweep_wall_time": part1, "part2_same_cell": part2, "provenance": prov}
+    md = "\n".join([
+        f"# Sweep harness overhead ({stamp})", "",
+        f"Server `{model}` at {args.base_url}, {prov.get('gpu_name') or 'CPU: ' + str(prov.get('cpu_model'))}, "
+        f"vLLM {prov.get('vllm_version_server')}. Input {args.input_len}, output {args.output_len} tokens.", "",
+        f"## A sweep's wall time ({part1['cells']} cells, {part1['repeats']} repeats, concurrency {concs})", "",
+        "| | seconds |", "|---|---|",
+        f"| sweep wall time | {wall:.1f} |",
+        f"| sum of vLLM's measured durations | {measured:.1f} |",
+        f"| sum of benchmark calls (dataset, tokenizer, requests) | {bench_calls:.1f} |",
+        f"| warm-ups | {warm:.1f} |",
+        f"| everything else (process start, imports, files) | {part1['other_s']:.1f} |", "",
+        f"## One cell, same seed: run_sweep vs direct `vllm bench serve` (c={c}, {n} prompts, "
+        f"{args.ab_rounds} alternating rounds)", "",
+        "| | out tok/s per round | median | spread |", "|---|---|---|---|",
+        f"| direct | {', '.join(f'{v:.1f}' for v in a_vals)} | {part2['direct_median']:.1f} "
+        f"| {part2['direct_spread_pct']:.1f}% |",
+        f"| run_sweep | {', '.join(f'{v:.1f}' for v in b_vals)} | {part2['run_sweep_median']:.1f} "
+        f"| {part2['run_sweep_spread_pct']:.1f}% |", "",
+        f"Difference of medians: {part2['difference_pct']:+.1f}%.", ""])
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"sweep-overhead-{stamp}.json").write_text(json.dumps(record, indent=2) + "\n")
+    (out / f"sweep-overhead-{stamp}.md").write_text(md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
