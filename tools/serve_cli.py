@@ -43,6 +43,8 @@ def _fmt_fields(f) -> list[str]:
     compile_s = f.torch_compile_s if f.torch_compile_s is not None else f.warmup_s
     start = {True: "cold start (compiled)", False: "warm start (compile cache)", None: "compile cache: unknown"}
     out.append(start[f.cold_start] + (f", compile {compile_s:g} s" if compile_s is not None else ""))
+    if f.compile_cache_note:
+        out.append(f.compile_cache_note)
     kernels = [k for k in (f.linear_kernel, f.embedding_method, f.attention_backend) if k]
     if kernels:
         out.append("Kernels: " + ", ".join(kernels))
@@ -52,7 +54,8 @@ def _fmt_fields(f) -> list[str]:
 def cmd_start(args: argparse.Namespace) -> int:
     from tools.vllm_server import start_server
 
-    cfg = _config(args, model=args.model, served_name=args.served_name, port=args.port)
+    cfg = _config(args, model=args.model, served_name=args.served_name, port=args.port,
+                  max_model_len=args.max_model_len)
     last = [-1]
 
     def progress(frac: float, msg: str) -> None:
@@ -142,6 +145,8 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     p.add_argument("--model", default=None, help="checkpoint folder or hub id for this start (overrides MODEL_NAME)")
     p.add_argument("--served-name", default=None, help="name clients use (overrides SERVED_MODEL_NAME)")
     p.add_argument("--port", type=int, default=None, help="port for this start (overrides PORT)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context length for this start (overrides MAX_MODEL_LEN; small models need less)")
 
     p = add("stop", cmd_stop, "stop the server: SIGTERM to its process group, SIGKILL after a grace period")
     p.add_argument("--grace", type=float, default=20.0, help="seconds between SIGTERM and SIGKILL (default 20)")

@@ -428,7 +428,7 @@ def start_server(cfg: ServeConfig, *, progress: Progress | None = None, hardware
         text = _read_text(log_path)
         why = engine_log.explain_failure(text)
         msg = f"vLLM {reason}" + (f": {why}" if why else "") + f" (log: {log_path})"
-        return ToolFailure(msg, detail={"reason": reason, "explanation": why, "log_tail": engine_log.tail(text, 40),
+        return ToolFailure(msg, detail={"reason": reason, "explanation": why, "pid": proc.pid, "pgid": proc.pid, "log_tail": engine_log.tail(text, 40),
                                         "log_path": str(log_path), "argv": argv})
 
     first_text: str | None = None

