@@ -41,7 +41,9 @@ def _count(c, q, lo, hi, ev):
 
 
 @nb.njit(cache=True, inline="always")
-def _best(s, sig, minexp, vmax, q, lo, hi, ev):
+def _best(s, lb, ub, sig, minexp, vmax, q, lo, hi, ev):
+    # the rounded least-squares step and its neighbours; then, unless one reproduces every value, the
+    # representable values nearest the interval [lb, ub] of scales that would reproduce every value
     c0, cd, cu = _round_fmt(s, sig, minexp, vmax)
     best = c0
     bn = _count(c0, q, lo, hi, ev)
@@ -51,6 +53,17 @@ def _best(s, sig, minexp, vmax, q, lo, hi, ev):
     n = _count(cu, q, lo, hi, ev)
     if n > bn:
         best, bn = cu, n
+    if bn < 32 and lb <= ub:
+        k0, kd, ku = _round_fmt(min(max(s, lb), ub), sig, minexp, vmax)
+        n = _count(k0, q, lo, hi, ev)
+        if n > bn:
+            best, bn = k0, n
+        n = _count(kd, q, lo, hi, ev)
+        if n > bn:
+            best, bn = kd, n
+        n = _count(ku, q, lo, hi, ev)
+        if n > bn:
+            best, bn = ku, n
     return best, bn
 
 
@@ -82,6 +95,7 @@ def quantize_rows(words, packed, scales, stats, ratio_table, lowbit, value_t, lo
     worst = 0.0
     worst_o = 0.0
     n_off = 0
+    n_nonfinite = 0
     for r in range(rows):
         for g in range(ng):
             base = g * 32
@@ -89,6 +103,8 @@ def quantize_rows(words, packed, scales, stats, ratio_table, lowbit, value_t, lo
             pmin = np.inf
             for i in range(32):
                 w = words[r, base + i]
+                if (w & 0x7F80) == 0x7F80:
+                    n_nonfinite += 1
                 v = value_t[w]
                 x[i] = v
                 lo[i] = lo_t[w]
@@ -117,6 +133,8 @@ def quantize_rows(words, packed, scales, stats, ratio_table, lowbit, value_t, lo
             f = m / safe
             sqx = 0.0
             sqq = 0.0
+            lb = 0.0
+            ub = np.inf
             for i in range(32):
                 l = np.rint(x[i] * f)
                 if l < -8.0:
@@ -126,9 +144,15 @@ def quantize_rows(words, packed, scales, stats, ratio_table, lowbit, value_t, lo
                 q[i] = l
                 sqx += l * x[i]
                 sqq += l * l
+                if l > 0.0:
+                    lb = max(lb, lo[i] / l)
+                    ub = min(ub, hi[i] / l)
+                elif l < 0.0:
+                    lb = max(lb, hi[i] / l)
+                    ub = min(ub, lo[i] / l)
             s = sqx / sqq if sqq > 0 else 0.0
-            c, n = _best(s, sig, minexp, vmax, q, lo, hi, ev)
-            co, no = _best(s, osig, ominexp, ovmax, q, lo, hi, ev)
+            c, n = _best(s, lb, ub, sig, minexp, vmax, q, lo, hi, ev)
+            co, no = _best(s, lb, ub, osig, ominexp, ovmax, q, lo, hi, ev)
             e = _err(c, q, x, inv)
             eo = _err(co, q, x, inv)
             n_ident += n
@@ -154,3 +178,4 @@ def quantize_rows(words, packed, scales, stats, ratio_table, lowbit, value_t, lo
     stats[3] = worst
     stats[4] = worst_o
     stats[5] = n_off
+    stats[10] = n_nonfinite

@@ -34,8 +34,8 @@ _FRACTION_TOL = 0.0085
 
 # Stats vector layout shared by both implementations.
 S_GROUPS, S_IDENT, S_IDENT_OTHER, S_WORST, S_WORST_OTHER, S_OFFGRID, S_OFF_ROW, S_OFF_GROUP, S_OFF_ERR, \
-    S_OFF_ERR_OTHER = range(10)
-N_STATS = 10
+    S_OFF_ERR_OTHER, S_NONFINITE = range(11)
+N_STATS = 11
 
 
 def _build_ratio_table() -> np.ndarray:
@@ -106,12 +106,14 @@ class GridStats:
     worst_ulps_other: float = 0.0
     offgrid: int = 0
     first_offgrid: tuple[int, int, float, float] | None = None  # (row, group, ulps chosen, ulps other)
+    nonfinite: int = 0  # NaN/inf source values: stored as level 0 and reported, never counted as identical
 
     @classmethod
     def from_vector(cls, v: np.ndarray, row0: int = 0) -> "GridStats":
         s = cls(groups=int(v[S_GROUPS]), values=int(v[S_GROUPS]) * GROUP, identical=int(v[S_IDENT]),
                 identical_other=int(v[S_IDENT_OTHER]), worst_ulps=float(v[S_WORST]),
-                worst_ulps_other=float(v[S_WORST_OTHER]), offgrid=int(v[S_OFFGRID]))
+                worst_ulps_other=float(v[S_WORST_OTHER]), offgrid=int(v[S_OFFGRID]),
+                nonfinite=int(v[S_NONFINITE]))
         if s.offgrid:
             s.first_offgrid = (row0 + int(v[S_OFF_ROW]), int(v[S_OFF_GROUP]), float(v[S_OFF_ERR]),
                                float(v[S_OFF_ERR_OTHER]))
@@ -125,6 +127,7 @@ class GridStats:
         self.worst_ulps = max(self.worst_ulps, o.worst_ulps)
         self.worst_ulps_other = max(self.worst_ulps_other, o.worst_ulps_other)
         self.offgrid += o.offgrid
+        self.nonfinite += o.nonfinite
         if self.first_offgrid is None and o.first_offgrid is not None:
             self.first_offgrid = o.first_offgrid
 
@@ -146,11 +149,15 @@ def _round_to_format(s: np.ndarray, fmt: ScaleDtype) -> tuple[np.ndarray, np.nda
     return c0, np.maximum(c0 - qd, 0.0), np.minimum(c0 + qu0, vmax)
 
 
-def _best_scale(c: list[np.ndarray], q: np.ndarray, words: np.ndarray, x: np.ndarray
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Among candidate scales (the rounded one first), the one reproducing the most values; its counts and
-    worst error in ulps."""
+def _best_scale(s: np.ndarray, lb: np.ndarray, ub: np.ndarray, fmt: ScaleDtype, q: np.ndarray,
+                words: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Among candidate scales (the rounded least-squares step, its neighbours, then the representable values
+    nearest the interval [lb, ub] of scales reproducing every value), the first one reproducing the most values;
+    its counts and worst error in ulps."""
     lo, hi, even, inv = LO_TABLE[words], HI_TABLE[words], EVEN_TABLE[words], INV_ULP_TABLE[words]
+    feasible = lb <= ub
+    c = list(_round_to_format(s, fmt))
+    c += [np.where(feasible, k, c[0]) for k in _round_to_format(np.clip(s, lb, np.where(feasible, ub, lb)), fmt)]
     best = c[0]
     best_n = None
     for cand in c:
@@ -190,9 +197,13 @@ def quantize_numpy(words: np.ndarray, scale_dtype: ScaleDtype = "fp16"
     q = np.clip(np.rint(x * (m / safe)[:, None]), -8, 7)
     qq = (q * q).sum(axis=1)
     s = np.where(qq > 0, (q * x).sum(axis=1) / np.where(qq > 0, qq, 1.0), 0.0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        lo_w, hi_w = LO_TABLE[g] / q, HI_TABLE[g] / q
+    lb = np.where(q > 0, lo_w, np.where(q < 0, hi_w, 0.0)).max(axis=1)
+    ub = np.where(q > 0, hi_w, np.where(q < 0, lo_w, np.inf)).min(axis=1)
     other: ScaleDtype = "bf16" if scale_dtype == "fp16" else "fp16"
-    c, n, err = _best_scale(list(_round_to_format(s, scale_dtype)), q, g, x)
-    _, n_o, err_o = _best_scale(list(_round_to_format(s, other)), q, g, x)
+    c, n, err = _best_scale(s, lb, ub, scale_dtype, q, g, x)
+    _, n_o, err_o = _best_scale(s, lb, ub, other, q, g, x)
     nib = (q + 8).astype(np.uint8).reshape(rows, cols // 2, 2)
     packed = (nib[..., 0] | (nib[..., 1] << 4)).view("<i4").reshape(rows, cols // 8)
     stats = np.zeros(N_STATS)
@@ -203,6 +214,7 @@ def quantize_numpy(words: np.ndarray, scale_dtype: ScaleDtype = "fp16"
     stats[S_WORST_OTHER] = err_o.max(initial=0.0)
     bad = np.flatnonzero(err > TOL_ULPS)
     stats[S_OFFGRID] = len(bad)
+    stats[S_NONFINITE] = np.count_nonzero((g & 0x7F80) == 0x7F80)
     if len(bad):
         first = int(bad[0])
         stats[S_OFF_ROW], stats[S_OFF_GROUP] = divmod(first, cols // GROUP)

@@ -32,7 +32,7 @@ class TableReport:
         p = self.processed
         return {"name": self.name, "tensors": self.tensors, "bytes_before": self.bytes_before,
                 "bytes_after": self.bytes_after, "groups": p.groups, "offgrid_groups": p.offgrid,
-                "values": p.values, "identical_pct": _r(self.identical_pct),
+                "values": p.values, "nonfinite_values": p.nonfinite, "identical_pct": _r(self.identical_pct),
                 "identical_pct_other_dtype": _r(self.identical_pct_other),
                 "worst_error_ulps": round(p.worst_ulps, 4) if p.groups else None,
                 "worst_error_ulps_other_dtype": round(p.worst_ulps_other, 4) if p.groups else None}
@@ -93,6 +93,9 @@ class RepackReport:
         d = self.to_dict()
         lines.append("-" * len(head))
         lines.append(f"{'total':<13}{_size(d['total_bytes_before']):>11}{_size(d['total_bytes_after']):>11}")
+        for t in self.tables.values():
+            if t.processed.nonfinite:
+                lines.append(f"warning: {t.name}: {t.processed.nonfinite:,} NaN/inf source values stored as 0")
         lines.append(f"{self.output_shards} shards ({self.hardlinked_shards} hard-linked), "
                      f"read {_size(self.bytes_read)} in {self.wall_s:.2f} s = {self.mb_per_s:.0f} MB/s, "
                      f"peak RSS {_size(self.peak_rss_bytes)}, grid kernel {self.implementation}")

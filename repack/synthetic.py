@@ -1,0 +1,194 @@
+"""Synthetic QAT-like checkpoints made with numpy: for the benchmark (real E2B shapes, any fraction of the
+full size) and for tests that need hand-made edge cases (bad headers, odd dtypes, off-grid groups).
+
+Values are bf16(step * level) with a per-group step and the group's peak at a level between 4 and 8 (8 only
+for a negative peak), so a recovery assuming amax/8 or amax/7 would fail; towers hold random bf16 words that
+sit on no grid.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+
+GROUP = 32
+
+
+def grid_words(rows: int, cols: int, rng: np.random.Generator, step_dtype: type = np.float16) -> np.ndarray:
+    """uint16 bf16 words on a symmetric 4-bit grid, groups of 32 along the last axis."""
+    ng = cols // GROUP
+    peak = rng.integers(4, 9, size=(rows, ng), dtype=np.int8)          # the level the peak occupies
+    neg = (peak == 8) | (rng.random((rows, ng)) < 0.5)
+    lv = rng.integers(-8, 8, size=(rows, ng, GROUP), dtype=np.int8)
+    lv = np.clip(lv, -peak[..., None], np.minimum(peak, 7)[..., None])
+    pos = rng.integers(0, GROUP, size=(rows, ng))
+    np.put_along_axis(lv, pos[..., None], np.where(neg, -peak, peak)[..., None].astype(np.int8), axis=-1)
+    step = np.exp(rng.uniform(-9.0, -3.0, size=(rows, ng))).astype(step_dtype).astype(np.float32)
+    v = lv.astype(np.float32) * step[..., None]
+    b = v.reshape(rows, cols).view(np.uint32)
+    return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)  # round to nearest even bf16
+
+
+def random_words(shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    """bf16 words of small normal values (no grid): tower weights, norms, a base model."""
+    v = (rng.standard_normal(int(np.prod(shape)), dtype=np.float32) * 0.02).view(np.uint32)
+    return (v >> 16).astype(np.uint16).reshape(shape)
+
+
+def write_safetensors(path: Path, tensors: Iterable[tuple[str, str, tuple[int, ...], bytes | np.ndarray]],
+                      metadata: dict[str, str] | None = None) -> None:
+    """A minimal safetensors writer (names sorted, data contiguous), streaming one tensor at a time."""
+    items = sorted(tensors, key=lambda t: t[0])
+    header: dict = {"__metadata__": metadata or {"format": "pt"}}
+    pos = 0
+    for name, dtype, shape, data in items:
+        n = data.nbytes if isinstance(data, np.ndarray) else len(data)
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [pos, pos + n]}
+        pos += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for _, _, _, data in items:
+            f.write(data.tobytes() if isinstance(data, np.ndarray) else data)
+
+
+def tiny_text_config(vocab: int = 64, hidden: int = 64, layers: int = 2) -> dict:
+    return {"architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4", "dtype": "bfloat16",
+            "tie_word_embeddings": True,
+            "text_config": {"model_type": "gemma4_text", "vocab_size": vocab, "hidden_size": hidden,
+                            "num_hidden_layers": layers, "hidden_size_per_layer_input": 32,
+                            "tie_word_embeddings": True},
+            "vision_config": {"model_type": "gemma4_vision"}}
+
+
+def write_small_checkpoint(out: Path, *, seed: int = 0, extra: dict[str, tuple[str, tuple[int, ...], bytes]]
+                           | None = None, off_grid: tuple[str, int, int] | None = None) -> Path:
+    """A small multimodal-layout checkpoint (one shard): embeddings, two layers of linears, norms, a tower.
+
+    extra adds or replaces tensors (name -> (dtype, shape, raw bytes)); off_grid=(tensor, row, group) nudges
+    one value of that group off the grid by 5 ulps."""
+    rng = np.random.default_rng(seed)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(tiny_text_config(), indent=2))
+    (out / "tokenizer.json").write_text("{}")
+    p = "model.language_model."
+    t: dict[str, tuple[str, tuple[int, ...], np.ndarray | bytes]] = {
+        p + "embed_tokens.weight": ("BF16", (64, 64), grid_words(64, 64, rng)),
+        p + "embed_tokens_per_layer.weight": ("BF16", (64, 64), grid_words(64, 64, rng)),
+        p + "per_layer_model_projection.weight": ("BF16", (64, 64), grid_words(64, 64, rng)),
+        p + "norm.weight": ("BF16", (64,), random_words((64,), rng)),
+        "model.vision_tower.encoder.layers.0.mlp.up_proj.linear.weight": ("BF16", (64, 64),
+                                                                          random_words((64, 64), rng)),
+    }
+    for i in range(2):
+        for mod, shape in (("self_attn.q_proj", (64, 64)), ("mlp.up_proj", (128, 64)), ("mlp.down_proj", (64, 128))):
+            t[f"{p}layers.{i}.{mod}.weight"] = ("BF16", shape, grid_words(*shape, rng))
+        t[f"{p}layers.{i}.input_layernorm.weight"] = ("BF16", (64,), random_words((64,), rng))
+        t[f"{p}layers.{i}.layer_scalar"] = ("BF16", (1,), random_words((1,), rng))
+    if off_grid is not None:
+        name, row, group = off_grid
+        w = np.array(t[name][2], copy=True)
+        w[row, group * GROUP + 3] = np.uint16(w[row, group * GROUP + 3] + 5)
+        t[name] = (t[name][0], t[name][1], w)
+    for name, (dtype, shape, data) in (extra or {}).items():
+        t[name] = (dtype, shape, data)
+    write_safetensors(out / "model.safetensors", [(n, d, s, v) for n, (d, s, v) in t.items()])
+    return out
+
+
+# -- E2B-shaped checkpoint for the benchmark ---------------------------------------------------------------
+
+HIDDEN, PLE_DIM, LAYERS, VOCAB = 1536, 256, 35, 262144
+FIRST_SHARED = 15  # layers 15-34 reuse KV of earlier layers: no k/v projections
+
+
+def e2b_tensors(scale: float = 1.0) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, kind) of an E2B-shaped QAT checkpoint; scale shrinks the vocabulary, the layer count and
+    the towers together. kind: 'grid' (on the 4-bit grid), 'tower' (random), 'norm' (random)."""
+    vocab = max(GROUP, int(VOCAB * scale) // GROUP * GROUP)
+    layers = max(2, round(LAYERS * scale))
+    first_shared = min(FIRST_SHARED, layers - 1) if scale < 1 else FIRST_SHARED
+    p = "model.language_model."
+    out: list[tuple[str, tuple[int, ...], str]] = [
+        (p + "embed_tokens.weight", (vocab, HIDDEN), "grid"),
+        (p + "embed_tokens_per_layer.weight", (vocab, PLE_DIM * layers), "grid"),
+        (p + "per_layer_model_projection.weight", (PLE_DIM * layers, HIDDEN), "grid"),
+        (p + "per_layer_projection_norm.weight", (PLE_DIM,), "norm"),
+        (p + "norm.weight", (HIDDEN,), "norm"),
+    ]
+    for i in range(layers):
+        full = i % 5 == 4
+        hd = 512 if full else 256
+        q = 8 * hd
+        mlp = 12288 if i >= first_shared else 6144
+        lp = f"{p}layers.{i}."
+        out += [(lp + "self_attn.q_proj.weight", (q, HIDDEN), "grid"),
+                (lp + "self_attn.o_proj.weight", (HIDDEN, q), "grid"),
+                (lp + "self_attn.q_norm.weight", (hd,), "norm")]
+        if i < first_shared:
+            out += [(lp + "self_attn.k_proj.weight", (hd, HIDDEN), "grid"),
+                    (lp + "self_attn.v_proj.weight", (hd, HIDDEN), "grid"),
+                    (lp + "self_attn.k_norm.weight", (hd,), "norm")]
+        out += [(lp + "mlp.gate_proj.weight", (mlp, HIDDEN), "grid"),
+                (lp + "mlp.up_proj.weight", (mlp, HIDDEN), "grid"),
+                (lp + "mlp.down_proj.weight", (HIDDEN, mlp), "grid"),
+                (lp + "per_layer_input_gate.weight", (PLE_DIM, HIDDEN), "grid"),
+                (lp + "per_layer_projection.weight", (HIDDEN, PLE_DIM), "grid"),
+                (lp + "layer_scalar", (1,), "norm")]
+        for n in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                  "post_feedforward_layernorm", "post_per_layer_input_norm"):
+            out.append((lp + n + ".weight", (HIDDEN,), "norm"))
+    # Towers: ~1 GB at full size (vision ~0.3B and audio ~0.3B parameters), as a few big random tensors.
+    tower_rows = max(1, int(4096 * scale))
+    for i in range(16):
+        out.append((f"model.vision_tower.encoder.layers.{i}.mlp.up_proj.linear.weight", (tower_rows, 4608), "tower"))
+    for i in range(12):
+        out.append((f"model.audio_tower.layers.{i}.feed_forward1.ffw_layer_1.linear.weight", (tower_rows, 4096),
+                    "tower"))
+    out.append(("model.embed_vision.embedding_projection.weight", (HIDDEN, 768), "tower"))
+    out.append(("model.embed_audio.embedding_projection.weight", (HIDDEN, 1536), "tower"))
+    return out
+
+
+def write_e2b_checkpoint(out: Path, scale: float = 1.0, seed: int = 0, progress: bool = False) -> int:
+    """Writes the E2B-shaped synthetic checkpoint as ONE model.safetensors (as Google ships it), streaming
+    row blocks so memory stays small at full size. Returns the file size."""
+    rng = np.random.default_rng(seed)
+    out.mkdir(parents=True, exist_ok=True)
+    specs = sorted(e2b_tensors(scale))
+    header: dict = {"__metadata__": {"format": "pt"}}
+    pos = 0
+    for name, shape, _ in specs:
+        n = int(np.prod(shape)) * 2
+        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [pos, pos + n]}
+        pos += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    cfg = tiny_text_config()
+    cfg["text_config"].update(vocab_size=specs and header["model.language_model.embed_tokens.weight"]["shape"][0],
+                              hidden_size=HIDDEN, num_hidden_layers=sum(1 for n, _, _ in specs
+                                                                        if n.endswith("layer_scalar")),
+                              hidden_size_per_layer_input=PLE_DIM)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    with open(out / "model.safetensors", "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for k, (name, shape, kind) in enumerate(specs):
+            if progress:
+                print(f"\r  writing {k + 1}/{len(specs)} {name[:70]:<70}", end="", flush=True)
+            if kind == "norm" or len(shape) == 1:
+                f.write(random_words(shape, rng).tobytes())
+                continue
+            rows, cols = shape
+            per = max(1, (8 << 20) // (cols * 2))
+            for r0 in range(0, rows, per):
+                n = min(per, rows - r0)
+                block = grid_words(n, cols, rng) if kind == "grid" else random_words((n, cols), rng)
+                f.write(block.tobytes())
+    if progress:
+        print()
+    return 8 + len(raw) + pos

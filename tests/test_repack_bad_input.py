@@ -1,0 +1,288 @@
+"""Bad input: a one-line error, exit status 2, and nothing written. Atomicity under failures and signals."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from repack import build as build_mod
+from repack import cli, grid, safetensors_io
+from repack.build import BuildOptions, build_checkpoint
+from repack.errors import RepackError
+from repack.synthetic import grid_words, write_small_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+FULL = ["--text-only", "--embed-int4", "--embed-tokens"]
+UP0 = "model.language_model.layers.0.mlp.up_proj.weight"
+
+
+def _build_cli(src: Path, out: Path, capsys, *extra: str) -> tuple[int, str]:
+    rc = cli.main(["build", str(src), str(out), *extra])
+    err = capsys.readouterr().err
+    return rc, err
+
+
+def _assert_nothing_written(out: Path) -> None:
+    assert not out.exists()
+    leftovers = [p.name for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")]
+    assert leftovers == []
+
+
+def _one_line_error(err: str, *needles: str) -> None:
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+
+
+@pytest.fixture
+def good(tmp_path) -> Path:
+    return write_small_checkpoint(tmp_path / "src")
+
+
+def test_small_checkpoint_builds(good, tmp_path, capsys):
+    rc, err = _build_cli(good, tmp_path / "out", capsys, *FULL)
+    assert rc == 0, err
+    t = build_mod.open_checkpoint(tmp_path / "out").tensors
+    assert "lm_head.weight_packed" in t and "model.layers.1.mlp.down_proj.weight_packed" in t
+
+
+def test_not_a_folder(tmp_path, capsys):
+    f = tmp_path / "file.txt"
+    f.write_text("x")
+    rc, err = _build_cli(f, tmp_path / "out", capsys, *FULL)
+    assert rc == 2
+    _one_line_error(err, str(f), "not a folder")
+    rc, err = _build_cli(tmp_path / "missing", tmp_path / "out", capsys)
+    assert rc == 2
+    _one_line_error(err, "no such folder")
+    _assert_nothing_written(tmp_path / "out")
+
+
+def test_no_config(good, tmp_path, capsys):
+    (good / "config.json").unlink()
+    rc, err = _build_cli(good, tmp_path / "out", capsys)
+    assert rc == 2
+    _one_line_error(err, "no config.json")
+    _assert_nothing_written(tmp_path / "out")
+
+
+def test_truncated_header(good, tmp_path, capsys):
+    st = good / "model.safetensors"
+    st.write_bytes(st.read_bytes()[:100])  # the length prefix promises more header than is left
+    rc, err = _build_cli(good, tmp_path / "out", capsys)
+    assert rc == 2
+    _one_line_error(err, "model.safetensors", "truncated")
+    st.write_bytes(b"\x01\x02")
+    rc, err = _build_cli(good, tmp_path / "out", capsys)
+    assert rc == 2
+    _one_line_error(err, "model.safetensors", "truncated")
+    _assert_nothing_written(tmp_path / "out")
+
+
+def test_corrupt_header(good, tmp_path, capsys):
+    st = good / "model.safetensors"
+    raw = bytearray(st.read_bytes())
+    raw[8:20] = b"#not json!#{"
+    st.write_bytes(bytes(raw))
+    rc, err = _build_cli(good, tmp_path / "out", capsys)
+    assert rc == 2
+    _one_line_error(err, "model.safetensors", "corrupt safetensors header")
+    _assert_nothing_written(tmp_path / "out")
+
+
+def test_tensor_bytes_past_end_of_file(good, tmp_path, capsys):
+    st = good / "model.safetensors"
+    data = st.read_bytes()
+    st.write_bytes(data[:-1000])
+    rc, err = _build_cli(good, tmp_path / "out", capsys)
+    assert rc == 2
+    _one_line_error(err, "model.safetensors", "past the end of the file")
+    _assert_nothing_written(tmp_path / "out")
+
+
+def test_unsupported_dtype_in_header(tmp_path, capsys):
+    src = write_small_checkpoint(tmp_path / "src", extra={"model.language_model.odd": ("Q4_0", (4,), b"\0" * 4)})
+    rc, err = _build_cli(src, tmp_path / "out", capsys)
+    assert rc == 2
+    _one_line_error(err, "model.language_model.odd", "unsupported dtype 'Q4_0'")
+    _assert_nothing_written(tmp_path / "out")
+
+
+def test_non_bf16_target(tmp_path, capsys):
+    f32 = np.zeros((128, 64), dtype="<f4").tobytes()
+    src = write_small_checkpoint(tmp_path / "src", extra={UP0: ("F32", (128, 64), f32)})
+    rc, err = _build_cli(src, tmp_path / "out", capsys)
+    assert rc == 2
+    _one_line_error(err, UP0, "is F32", "BF16")
+    _assert_nothing_written(tmp_path / "out")
+
+
+def test_last_dimension_not_divisible_by_32(tmp_path, capsys):
+    w = grid_words(128, 64, np.random.default_rng(0))[:, :48].copy()
+    src = write_small_checkpoint(tmp_path / "src", extra={UP0: ("BF16", (128, 48), w.tobytes())})
+    rc, err = _build_cli(src, tmp_path / "out", capsys)
+    assert rc == 2
+    _one_line_error(err, UP0, "[128, 48]", "multiple of 32")
+    _assert_nothing_written(tmp_path / "out")
+
+
+@pytest.mark.parametrize("tensor,row,group", [(UP0, 77, 1), ("model.language_model.embed_tokens_per_layer.weight", 5, 0)])
+def test_off_grid_group_aborts_naming_tensor_row_group(tmp_path, capsys, tensor, row, group):
+    src = write_small_checkpoint(tmp_path / "src", off_grid=(tensor, row, group))
+    rc, err = _build_cli(src, tmp_path / "out", capsys, *FULL)
+    assert rc == 2
+    _one_line_error(err, tensor, f"row {row}", f"group {group}", "bf16 ulps off")
+    _assert_nothing_written(tmp_path / "out")
+
+
+def test_base_model_is_refused(tiny_base, tmp_path, capsys):
+    rc, err = _build_cli(tiny_base, tmp_path / "out", capsys, *FULL)
+    assert rc == 2
+    _one_line_error(err, "off the 4-bit grid", "row", "group")
+    _assert_nothing_written(tmp_path / "out")
+    rc = cli.main(["probe", str(tiny_base)])
+    assert rc == 0 and "verdict: base" in capsys.readouterr().out
+
+
+def test_probe_tells_qat_from_base(tiny_qat, tmp_path):
+    from repack.probe import probe_checkpoint
+
+    qat = probe_checkpoint(tiny_qat)
+    assert qat.verdict == "qat" and qat.text_off_grid == 0 and qat.text_on_grid == 53
+    mixed = probe_checkpoint(write_small_checkpoint(tmp_path / "m", off_grid=(UP0, 3, 0)), rows_per_tensor=200)
+    assert mixed.verdict == "mixed"
+    assert [t.name for t in mixed.tensors if t.on_grid is False and not t.tower] == [UP0]
+
+
+def test_full_disk_found_before_writing(good, tmp_path, capsys, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**6, 10**6 - 1000, 1000))
+    rc, err = _build_cli(good, tmp_path / "out", capsys, *FULL)
+    assert rc == 2
+    _one_line_error(err, "only 0.00 GB is free")
+    _assert_nothing_written(tmp_path / "out")
+
+
+def test_full_disk_while_writing(good, tmp_path, capsys, monkeypatch):
+    """ENOSPC in the middle of the data: injected into the positional writer after a few blocks."""
+    calls = {"n": 0}
+    real = os.pwrite
+
+    def pwrite(fd, data, offset):
+        calls["n"] += 1
+        if calls["n"] > 4:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(safetensors_io.os, "pwrite", pwrite)
+    rc, err = _build_cli(good, tmp_path / "out", capsys, *FULL)
+    assert rc == 2 and calls["n"] > 4
+    _one_line_error(err, "no space left on the device")
+    _assert_nothing_written(tmp_path / "out")
+
+
+def test_full_disk_on_a_real_small_file_system(tmp_path, capsys, monkeypatch):
+    """A 256 KiB tmpfs where mounting is allowed (root); elsewhere the allocation fails with ENOSPC by injection."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)],
+                             capture_output=True).returncode == 0
+    if not mounted:
+        def no_space(fd, off, size):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        monkeypatch.setattr(safetensors_io.os, "posix_fallocate", no_space)
+    monkeypatch.setattr(build_mod, "_free_bytes", lambda out: None)  # reach the writer, not the pre-check
+    big = write_small_checkpoint(tmp_path / "big", extra={
+        "model.language_model.embed_tokens_per_layer.weight":
+            ("BF16", (4096, 128), grid_words(4096, 128, np.random.default_rng(1)).tobytes())})
+    try:
+        rc, err = _build_cli(big, mnt / "out", capsys, "--keep-linears")
+        assert rc == 2
+        _one_line_error(err, "no space left on the device")
+        _assert_nothing_written(mnt / "out")
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_existing_output_refused_without_force(good, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    rc, err = _build_cli(good, out, capsys)
+    assert rc == 2
+    _one_line_error(err, "already exists", "--force")
+    assert (out / "keep.txt").read_text() == "mine"
+    rc, _ = _build_cli(good, out, capsys, "--force")
+    assert rc == 0 and not (out / "keep.txt").exists() and (out / "config.json").exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out.")] == []
+
+
+@pytest.mark.parametrize("exc", [RuntimeError("injected"), KeyboardInterrupt()])
+def test_failure_mid_build_leaves_nothing(good, tmp_path, monkeypatch, exc):
+    calls = {"n": 0}
+    real = grid.quantize
+
+    def failing(words, sd="fp16"):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise exc
+        return real(words, sd)
+
+    monkeypatch.setattr(grid, "quantize", failing)
+    with pytest.raises(type(exc)):
+        build_checkpoint(good, tmp_path / "out", BuildOptions())
+    _assert_nothing_written(tmp_path / "out")
+
+
+def test_sigterm_leaves_nothing(good, tmp_path):
+    out = tmp_path / "out"
+    script = (
+        "import sys, time; sys.path.insert(0, %r)\n"
+        "from repack import grid, cli\n"
+        "real = grid.quantize\n"
+        "def slow(w, sd='fp16'):\n"
+        "    time.sleep(0.5); return real(w, sd)\n"
+        "grid.quantize = slow\n"
+        "sys.exit(cli.main(['build', %r, %r, '--text-only', '--embed-int4', '--embed-tokens']))\n"
+    ) % (str(ROOT), str(good), str(out))
+    p = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not any(x.name.startswith(".out.partial-") for x in tmp_path.iterdir()):
+            time.sleep(0.05)
+        assert any(x.name.startswith(".out.partial-") for x in tmp_path.iterdir())
+        time.sleep(0.3)
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    assert p.returncode == 130, err
+    assert "interrupted" in err
+    _assert_nothing_written(out)
+
+
+def test_commands_exit_2_as_scripts(tmp_path):
+    """The article's scripts run from the project root and report bad input with status 2."""
+    for args in (["repack/repack_q4_0.py", "repack", str(tmp_path / "nope"), str(tmp_path / "o")],
+                 ["repack/text_only.py", str(tmp_path / "nope"), str(tmp_path / "o")],
+                 ["repack/embed_int4.py", str(tmp_path / "nope"), str(tmp_path / "o"), "--embed-tokens"],
+                 ["-m", "repack", "probe", str(tmp_path / "nope")]):
+        r = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2, (args, r.stderr)
+        _one_line_error(r.stderr, "no such folder")
