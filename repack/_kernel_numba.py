@@ -6,65 +6,109 @@ code next to this file (or in NUMBA_CACHE_DIR).
 
 from __future__ import annotations
 
-import math
-
 import numba as nb
 import numpy as np
 
+# A product scale * level has at most 15 significant bits and a rounding midpoint at most 9, so moving an
+# excluded end by this relative amount is the same as excluding it.
+EXCL = 2.0 ** -30
+
 
 @nb.njit(cache=True, inline="always")
-def _round_fmt(s, sig, minexp, vmax):
+def _ilogb(v, fb, ub):
+    # floor(log2(v)) of a positive normal float64, from its exponent bits (no libm call)
+    fb[0] = v
+    return np.int64((ub[0] >> np.uint64(52)) & np.uint64(0x7FF)) - 1023
+
+
+@nb.njit(cache=True, inline="always")
+def _exp2(k, fb, ub):
+    ub[0] = np.uint64(k + 1023) << np.uint64(52)
+    return fb[0]
+
+
+@nb.njit(cache=True, inline="always")
+def _round_fmt(s, sig, minexp, vmax, fb, ub):
     # nearest representable value of a format with `sig` significand bits, and its two neighbours
     if s <= 0.0:
         return 0.0, 0.0, 0.0
     if s > vmax:
         s = vmax
-    e = math.frexp(s)[1]
-    qu = math.ldexp(1.0, max(e - sig, minexp))
+    qu = _exp2(max(_ilogb(s, fb, ub) - sig + 1, minexp), fb, ub)
     c0 = np.rint(s / qu) * qu
-    f0, e0 = math.frexp(c0)
-    qu0 = math.ldexp(1.0, max(e0 - sig, minexp))
+    e0 = _ilogb(c0, fb, ub)
+    qu0 = _exp2(max(e0 - sig + 1, minexp), fb, ub)
     qd = qu0
-    if f0 == 0.5 and e0 - 1 - sig >= minexp:
-        qd = qu0 / 2
+    if c0 == _exp2(e0, fb, ub) and e0 - sig >= minexp:  # a power of two: finer spacing below
+        qd = qu0 * 0.5
     return c0, max(c0 - qd, 0.0), min(c0 + qu0, vmax)
 
 
 @nb.njit(cache=True, inline="always")
-def _count(c, q, lo, hi, ev):
+def _count(c, q, lo, hi):
+    # branch-free so the loop vectorises
     n = 0
     for i in range(32):
         r = c * q[i]
-        if (r > lo[i] and r < hi[i]) or (ev[i] and (r == lo[i] or r == hi[i])):
-            n += 1
+        n += (r >= lo[i]) & (r <= hi[i])
     return n
 
 
 @nb.njit(cache=True, inline="always")
-def _best(s, lb, ub, sig, minexp, vmax, q, lo, hi, ev):
+def _best(s, lb, ub, sig, minexp, vmax, q, lo, hi, nvals, fb, bb):
     # the rounded least-squares step and its neighbours; then, unless one reproduces every value, the
-    # representable values nearest the interval [lb, ub] of scales that would reproduce every value
-    c0, cd, cu = _round_fmt(s, sig, minexp, vmax)
+    # representable values nearest the interval [lb, ub] of scales that would reproduce every value.
+    # A candidate only replaces the best on a strict improvement, so stopping at nvals changes nothing.
+    c0, cd, cu = _round_fmt(s, sig, minexp, vmax, fb, bb)
     best = c0
-    bn = _count(c0, q, lo, hi, ev)
-    n = _count(cd, q, lo, hi, ev)
+    bn = _count(c0, q, lo, hi)
+    if bn == nvals:
+        return best, bn
+    n = _count(cd, q, lo, hi)
     if n > bn:
         best, bn = cd, n
-    n = _count(cu, q, lo, hi, ev)
+    n = _count(cu, q, lo, hi)
     if n > bn:
         best, bn = cu, n
-    if bn < 32 and lb <= ub:
-        k0, kd, ku = _round_fmt(min(max(s, lb), ub), sig, minexp, vmax)
-        n = _count(k0, q, lo, hi, ev)
+    if bn < nvals and lb <= ub:
+        k0, kd, ku = _round_fmt(min(max(s, lb), ub), sig, minexp, vmax, fb, bb)
+        n = _count(k0, q, lo, hi)
         if n > bn:
             best, bn = k0, n
-        n = _count(kd, q, lo, hi, ev)
+        n = _count(kd, q, lo, hi)
         if n > bn:
             best, bn = kd, n
-        n = _count(ku, q, lo, hi, ev)
+        n = _count(ku, q, lo, hi)
         if n > bn:
             best, bn = ku, n
     return best, bn
+
+
+@nb.njit(cache=True, inline="always")
+def _fit(f, x, q, lo, hi, recip):
+    # levels for the step 1/f, their least-squares step, and the interval of steps reproducing every value
+    sqx = 0.0
+    sqq = 0.0
+    lb = 0.0
+    ub = np.inf
+    for i in range(32):
+        l = np.rint(x[i] * f)
+        if l < -8.0:
+            l = -8.0
+        elif l > 7.0:
+            l = 7.0
+        q[i] = l
+        sqx += l * x[i]
+        sqq += l * l
+        rl = recip[int(l) + 8]
+        if l > 0.0:
+            lb = max(lb, lo[i] * rl)
+            ub = min(ub, hi[i] * rl)
+        elif l < 0.0:
+            lb = max(lb, hi[i] * rl)
+            ub = min(ub, lo[i] * rl)
+    s = sqx / sqq if sqq > 0 else 0.0
+    return s, lb, ub
 
 
 @nb.njit(cache=True, inline="always")
@@ -80,16 +124,19 @@ def _err(c, q, x, inv):
 
 
 @nb.njit(nogil=True, cache=True)
-def quantize_rows(words, packed, scales, stats, ratio_table, lowbit, value_t, lo_t, hi_t, even_t, inv_t,
+def quantize_rows(words, packed, scales, stats, ratio_table, lowbit, half_ulp, inv_ulp, recip,
                   sig, minexp, vmax, osig, ominexp, ovmax):
     rows, cols = words.shape
     ng = cols // 32
+    fb = np.empty(1)
+    bb = fb.view(np.uint64)
+    bits = np.empty(32, dtype=np.uint32)
+    f32 = bits.view(np.float32)
     x = np.empty(32)
     q = np.empty(32)
     lo = np.empty(32)
     hi = np.empty(32)
     inv = np.empty(32)
-    ev = np.empty(32, dtype=np.bool_)
     n_ident = 0
     n_ident_o = 0
     worst = 0.0
@@ -102,15 +149,34 @@ def quantize_rows(words, packed, scales, stats, ratio_table, lowbit, value_t, lo
             pmax = -np.inf
             pmin = np.inf
             for i in range(32):
+                bits[i] = np.uint32(words[r, base + i]) << 16
+            for i in range(32):
                 w = words[r, base + i]
-                if (w & 0x7F80) == 0x7F80:
+                e = (w >> 7) & 0xFF
+                if e == 0xFF:  # NaN/inf: stored as level 0, counted, never identical
                     n_nonfinite += 1
-                v = value_t[w]
+                    v = 0.0
+                    lo[i] = np.inf
+                    hi[i] = -np.inf
+                    inv[i] = 0.0
+                else:
+                    v = np.float64(f32[i])
+                    h = half_ulp[e]
+                    ax = abs(v)
+                    below = h * 0.5 if ((w & 0x7F) == 0 and e > 1) else h  # a power of two: finer spacing below
+                    if w & 0x8000:
+                        a = -(ax + h)
+                        b = -(ax - below)
+                    else:
+                        a = ax - below
+                        b = ax + h
+                    if w & 1:  # odd mantissa: a tie rounds away from this value, so the ends are excluded
+                        a += abs(a) * EXCL
+                        b -= abs(b) * EXCL
+                    lo[i] = a
+                    hi[i] = b
+                    inv[i] = inv_ulp[e]
                 x[i] = v
-                lo[i] = lo_t[w]
-                hi[i] = hi_t[w]
-                ev[i] = even_t[w]
-                inv[i] = inv_t[w]
                 pmax = max(pmax, v)
                 pmin = min(pmin, v)
             amax = max(pmax, -pmin)
@@ -130,30 +196,24 @@ def quantize_rows(words, packed, scales, stats, ratio_table, lowbit, value_t, lo
             m = lowbit[mask]
             if m == 0:
                 m = 8 if neg_only else 7
-            f = m / safe
-            sqx = 0.0
-            sqq = 0.0
-            lb = 0.0
-            ub = np.inf
-            for i in range(32):
-                l = np.rint(x[i] * f)
-                if l < -8.0:
-                    l = -8.0
-                elif l > 7.0:
-                    l = 7.0
-                q[i] = l
-                sqx += l * x[i]
-                sqq += l * l
-                if l > 0.0:
-                    lb = max(lb, lo[i] / l)
-                    ub = min(ub, hi[i] / l)
-                elif l < 0.0:
-                    lb = max(lb, hi[i] / l)
-                    ub = min(ub, lo[i] / l)
-            s = sqx / sqq if sqq > 0 else 0.0
-            c, n = _best(s, lb, ub, sig, minexp, vmax, q, lo, hi, ev)
-            co, no = _best(s, lb, ub, osig, ominexp, ovmax, q, lo, hi, ev)
+            s, lb, ub = _fit(m / safe, x, q, lo, hi, recip)
+            c, n = _best(s, lb, ub, sig, minexp, vmax, q, lo, hi, 32, fb, bb)
+            co, no = _best(s, lb, ub, osig, ominexp, ovmax, q, lo, hi, 32, fb, bb)
             e = _err(c, q, x, inv)
+            if e > 2.0:
+                # The ratio lookup is a fast first guess; on a miss every peak level is tried and the one whose
+                # least-squares fit is closest wins (ties: the smaller level, i.e. the coarser grid).
+                best_m = m
+                best_e = np.inf
+                for mm in range(1, 9 if neg_only else 8):
+                    sm, _, _ = _fit(mm / safe, x, q, lo, hi, recip)
+                    em = _err(sm, q, x, inv)
+                    if em < best_e:
+                        best_e, best_m = em, mm
+                s, lb, ub = _fit(best_m / safe, x, q, lo, hi, recip)
+                c, n = _best(s, lb, ub, sig, minexp, vmax, q, lo, hi, 32, fb, bb)
+                co, no = _best(s, lb, ub, osig, ominexp, ovmax, q, lo, hi, 32, fb, bb)
+                e = _err(c, q, x, inv)
             eo = _err(co, q, x, inv)
             n_ident += n
             n_ident_o += no

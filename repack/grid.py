@@ -29,6 +29,7 @@ import numpy as np
 GROUP = 32
 TOL_ULPS = 2.0
 ScaleDtype = Literal["fp16", "bf16"]
+EXCL = 2.0 ** -30
 _RATIO_BINS = 1024  # ratio lookup resolution: bins of 1/1024, well inside half the 1/56 fraction gap
 _FRACTION_TOL = 0.0085
 
@@ -77,6 +78,10 @@ def _bf16_value_tables_raw() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.nda
     lo_all = np.concatenate([lo, -hi])
     hi_all = np.concatenate([hi, -lo])
     even = np.concatenate([(mags & 1) == 0, (mags & 1) == 0])
+    # odd mantissa: a tie rounds away from the value, so the ends are excluded; a product scale * level has
+    # at most 15 significant bits and a midpoint at most 9, so a relative nudge of 2^-30 is exact exclusion
+    lo_all = np.where(even, lo_all, lo_all + np.abs(lo_all) * EXCL)
+    hi_all = np.where(even, hi_all, hi_all - np.abs(hi_all) * EXCL)
     inv = np.concatenate([inv_ulp, inv_ulp])
     return lo_all, hi_all, even, inv
 
@@ -84,7 +89,16 @@ def _bf16_value_tables_raw() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.nda
 LO_TABLE, HI_TABLE, EVEN_TABLE, INV_ULP_TABLE = _bf16_value_tables()
 with np.errstate(invalid="ignore"):
     VALUE_TABLE = (np.arange(0x10000, dtype=np.uint32) << 16).view(np.float32).astype(np.float64)
-VALUE_TABLE[np.isnan(VALUE_TABLE)] = 0.0
+# NaN/inf words: value 0 (level 0), an empty interval (never identical), no error contribution
+_NONFINITE = (np.arange(0x10000) & 0x7F80) == 0x7F80
+VALUE_TABLE[_NONFINITE] = 0.0
+LO_TABLE[_NONFINITE], HI_TABLE[_NONFINITE], EVEN_TABLE[_NONFINITE], INV_ULP_TABLE[_NONFINITE] = np.inf, -np.inf, False, 0.0
+
+RECIP = np.array([1.0 / v if v else 0.0 for v in range(-8, 8)])  # 1/level, by level + 8
+
+# per bf16 exponent field: half an ulp and 1/ulp (exponent 0: zero and subnormals, spaced like exponent 1)
+HALF_ULP_E = np.ldexp(1.0, np.maximum(np.arange(256), 1) - 135)
+INV_ULP_E = 1.0 / (2 * HALF_ULP_E)
 
 # significand bits and smallest quantum of each scale dtype
 _FMT = {"fp16": (11, -24, 65504.0), "bf16": (8, -133, 3.3895313892515355e38)}
@@ -154,7 +168,7 @@ def _best_scale(s: np.ndarray, lb: np.ndarray, ub: np.ndarray, fmt: ScaleDtype, 
     """Among candidate scales (the rounded least-squares step, its neighbours, then the representable values
     nearest the interval [lb, ub] of scales reproducing every value), the first one reproducing the most values;
     its counts and worst error in ulps."""
-    lo, hi, even, inv = LO_TABLE[words], HI_TABLE[words], EVEN_TABLE[words], INV_ULP_TABLE[words]
+    lo, hi, inv = LO_TABLE[words], HI_TABLE[words], INV_ULP_TABLE[words]
     feasible = lb <= ub
     c = list(_round_to_format(s, fmt))
     c += [np.where(feasible, k, c[0]) for k in _round_to_format(np.clip(s, lb, np.where(feasible, ub, lb)), fmt)]
@@ -162,7 +176,7 @@ def _best_scale(s: np.ndarray, lb: np.ndarray, ub: np.ndarray, fmt: ScaleDtype, 
     best_n = None
     for cand in c:
         r = cand[:, None] * q
-        ok = ((r > lo) & (r < hi)) | (even & ((r == lo) | (r == hi)))
+        ok = (r >= lo) & (r <= hi)
         n = ok.sum(axis=1)
         if best_n is None:
             best_n = n
@@ -173,6 +187,24 @@ def _best_scale(s: np.ndarray, lb: np.ndarray, ub: np.ndarray, fmt: ScaleDtype, 
     err = np.abs(best[:, None] * q - x) * inv
     err = np.where(np.isnan(err), 0.0, err)  # 0 * inf for exact zeros
     return best, best_n, err.max(axis=1)
+
+
+def _fit(f: np.ndarray, x: np.ndarray, g: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Levels for steps 1/f, their least-squares steps, and the interval of steps reproducing every value."""
+    q = np.clip(np.rint(x * f[:, None]), -8, 7)
+    qq = (q * q).sum(axis=1)
+    s = np.where(qq > 0, (q * x).sum(axis=1) / np.where(qq > 0, qq, 1.0), 0.0)
+    rl = RECIP[(q + 8).astype(np.int64)]
+    with np.errstate(invalid="ignore"):
+        lo_w, hi_w = LO_TABLE[g] * rl, HI_TABLE[g] * rl
+    lb = np.where(q > 0, lo_w, np.where(q < 0, hi_w, 0.0)).max(axis=1)
+    ub = np.where(q > 0, hi_w, np.where(q < 0, lo_w, np.inf)).min(axis=1)
+    return q, s, lb, ub
+
+
+def _max_err(c: np.ndarray, q: np.ndarray, x: np.ndarray, words: np.ndarray) -> np.ndarray:
+    err = np.abs(c[:, None] * q - x) * INV_ULP_TABLE[words]
+    return np.where(np.isnan(err), 0.0, err).max(axis=1)
 
 
 def quantize_numpy(words: np.ndarray, scale_dtype: ScaleDtype = "fp16"
@@ -193,16 +225,25 @@ def quantize_numpy(words: np.ndarray, scale_dtype: ScaleDtype = "fp16"
     mask = np.bitwise_and.reduce(RATIO_TABLE[idx], axis=1)
     mask = np.where(neg_only, mask, mask & 0x7F)
     m = LOWBIT[mask].astype(np.float64)
-    m = np.where(m == 0, np.where(neg_only, 8.0, 7.0), m)  # no consistent grid: the error check decides
-    q = np.clip(np.rint(x * (m / safe)[:, None]), -8, 7)
-    qq = (q * q).sum(axis=1)
-    s = np.where(qq > 0, (q * x).sum(axis=1) / np.where(qq > 0, qq, 1.0), 0.0)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        lo_w, hi_w = LO_TABLE[g] / q, HI_TABLE[g] / q
-    lb = np.where(q > 0, lo_w, np.where(q < 0, hi_w, 0.0)).max(axis=1)
-    ub = np.where(q > 0, hi_w, np.where(q < 0, lo_w, np.inf)).min(axis=1)
+    m = np.where(m == 0, np.where(neg_only, 8.0, 7.0), m)  # no consistent fraction: the fallback decides
     other: ScaleDtype = "bf16" if scale_dtype == "fp16" else "fp16"
+    q, s, lb, ub = _fit(m / safe, x, g)
     c, n, err = _best_scale(s, lb, ub, scale_dtype, q, g, x)
+    miss = np.flatnonzero(err > TOL_ULPS)
+    if len(miss):
+        # every peak level for the groups the ratio lookup got wrong; the closest least-squares fit wins
+        xs, gs = x[miss], g[miss]
+        best_e = np.full(len(miss), np.inf)
+        best_m = m[miss].copy()
+        for mm in range(1, 9):
+            qm, sm, _, _ = _fit(np.full(len(miss), float(mm)) / safe[miss], xs, gs)
+            em = _max_err(sm, qm, xs, gs)
+            better = (em < best_e) & ((mm < 8) | neg_only[miss])
+            best_e = np.where(better, em, best_e)
+            best_m = np.where(better, mm, best_m)
+        m[miss] = best_m
+        q, s, lb, ub = _fit(m / safe, x, g)
+        c, n, err = _best_scale(s, lb, ub, scale_dtype, q, g, x)
     _, n_o, err_o = _best_scale(s, lb, ub, other, q, g, x)
     nib = (q + 8).astype(np.uint8).reshape(rows, cols // 2, 2)
     packed = (nib[..., 0] | (nib[..., 1] << 4)).view("<i4").reshape(rows, cols // 8)
@@ -259,8 +300,8 @@ def quantize(words: np.ndarray, scale_dtype: ScaleDtype = "fp16") -> tuple[np.nd
     stats = np.zeros(N_STATS)
     sig, minexp, vmax = _FMT[scale_dtype]
     osig, ominexp, ovmax = _FMT["bf16" if scale_dtype == "fp16" else "fp16"]
-    k(np.ascontiguousarray(words), packed.view(np.uint32), scales, stats, RATIO_TABLE, LOWBIT, VALUE_TABLE,
-      LO_TABLE, HI_TABLE, EVEN_TABLE, INV_ULP_TABLE, sig, minexp, vmax, osig, ominexp, ovmax)
+    k(np.ascontiguousarray(words), packed.view(np.uint32), scales, stats, RATIO_TABLE, LOWBIT, HALF_ULP_E,
+      INV_ULP_E, RECIP, sig, minexp, vmax, osig, ominexp, ovmax)
     return packed, scales, stats
 
 

@@ -18,8 +18,13 @@ import numpy as np
 GROUP = 32
 
 
-def grid_words(rows: int, cols: int, rng: np.random.Generator, step_dtype: type = np.float16) -> np.ndarray:
-    """uint16 bf16 words on a symmetric 4-bit grid, groups of 32 along the last axis."""
+def grid_words(rows: int, cols: int, rng: np.random.Generator, step_dtype: type = np.float16,
+               jitter: float = 0.0) -> np.ndarray:
+    """uint16 bf16 words on a symmetric 4-bit grid, groups of 32 along the last axis.
+
+    jitter rounds that fraction of the values the other way (to the second-nearest bf16, less than one ulp
+    away), as the real checkpoint's own rounding leaves about a quarter of its values one ulp from what any
+    single fp16 scale reproduces; so whole groups are rarely reproduced and every candidate scale is tried."""
     ng = cols // GROUP
     peak = rng.integers(4, 9, size=(rows, ng), dtype=np.int8)          # the level the peak occupies
     neg = (peak == 8) | (rng.random((rows, ng)) < 0.5)
@@ -30,7 +35,15 @@ def grid_words(rows: int, cols: int, rng: np.random.Generator, step_dtype: type 
     step = np.exp(rng.uniform(-9.0, -3.0, size=(rows, ng))).astype(step_dtype).astype(np.float32)
     v = lv.astype(np.float32) * step[..., None]
     b = v.reshape(rows, cols).view(np.uint32)
-    return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)  # round to nearest even bf16
+    w = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)  # round to nearest even bf16
+    if jitter > 0:
+        exact = np.abs(v.reshape(rows, cols))
+        near = ((w.astype(np.uint32) & 0x7FFF) << 16).view(np.float32)
+        mag = w & 0x7FFF
+        other = np.where(near > exact, mag - 1, np.where(near < exact, mag + 1, mag)).astype(np.uint16)
+        pick = (rng.random(w.shape) < jitter) & (mag > 0x0080)
+        w = np.where(pick, (w & 0x8000) | other, w).astype(np.uint16)
+    return w
 
 
 def random_words(shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
@@ -155,7 +168,8 @@ def e2b_tensors(scale: float = 1.0) -> list[tuple[str, tuple[int, ...], str]]:
     return out
 
 
-def write_e2b_checkpoint(out: Path, scale: float = 1.0, seed: int = 0, progress: bool = False) -> int:
+def write_e2b_checkpoint(out: Path, scale: float = 1.0, seed: int = 0, progress: bool = False,
+                        jitter: float = 0.26) -> int:
     """Writes the E2B-shaped synthetic checkpoint as ONE model.safetensors (as Google ships it), streaming
     row blocks so memory stays small at full size. Returns the file size."""
     rng = np.random.default_rng(seed)
@@ -187,7 +201,8 @@ def write_e2b_checkpoint(out: Path, scale: float = 1.0, seed: int = 0, progress:
             per = max(1, (8 << 20) // (cols * 2))
             for r0 in range(0, rows, per):
                 n = min(per, rows - r0)
-                block = grid_words(n, cols, rng) if kind == "grid" else random_words((n, cols), rng)
+                block = (grid_words(n, cols, rng, np.float32, jitter) if kind == "grid"
+                         else random_words((n, cols), rng))
                 f.write(block.tobytes())
     if progress:
         print()

@@ -239,9 +239,16 @@ def test_compressed_tensors_decompresses_our_weights(builds):
               "weight_shape": torch.from_numpy(_arr(out.tensors[mod + ".weight_shape"], "<i8").copy())}
         w = PackedQuantizationCompressor.decompress(sd, scheme)["weight"]
         info = src.tensors["model.language_model." + short + ".weight"]
-        ref = torch.from_numpy(_arr(info, "<u2").astype(np.int32) << 16).view(torch.float32)
-        assert w.shape == ref.shape
-        assert torch.equal(w.to(torch.float32).to(torch.bfloat16), ref.to(torch.bfloat16)), short
+        words = _arr(info, "<u2")
+        assert tuple(w.shape) == info.shape and w.dtype == torch.float16
+        # their dequantisation (fp16 arithmetic) equals our exact decode rounded to fp16 ...
+        ours = grid.decode(sd["weight_packed"].numpy(), sd["weight_scale"].numpy()).astype(np.float16)
+        assert np.array_equal(w.numpy(), ours), short
+        # ... and lands within one bf16 ulp of every finite source value
+        ref = (words.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+        finite = np.isfinite(ref)
+        ulp = np.ldexp(1.0, np.maximum(((words >> 7) & 0xFF).astype(int), 1) - 134)
+        assert (np.abs(w.numpy().astype(np.float64) - ref)[finite] <= ulp[finite]).all(), short
 
 
 def test_transformers_loads_text_only_step_with_identical_logits(builds):

@@ -1,0 +1,114 @@
+"""Benchmark of the one-pass build on a synthetic QAT-like checkpoint with the real E2B shapes.
+
+    .venv/bin/python bench/bench_repack.py --scale 0.25            # a quarter of the vocabulary, layers, towers
+    .venv/bin/python bench/bench_repack.py --scale 1 --keep        # full size (~10.2 GB source)
+
+Writes the checkpoint once (kept with --keep and reused), copies it with `cp -r` for reference, runs
+`python3 -m repack build SRC OUT --text-only --embed-int4 --embed-tokens` in a fresh process and prints: MB/s of
+source processed (tensors read / wall time, and whole source / wall time), wall time against cp of the same
+files, and peak RSS of the build process. Both runs read the source from the page cache (it was just written
+or copied), so the comparison is about work, not disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from repack.synthetic import write_e2b_checkpoint  # noqa: E402
+
+
+def _child_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--scale", type=float, default=0.1, help="fraction of the full E2B size (default 0.1)")
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/repack-bench"))
+    ap.add_argument("--keep", action="store_true", help="keep the synthetic source for the next run")
+    ap.add_argument("--threads", type=int, default=0, help="worker threads (0: one per core)")
+    ap.add_argument("--result", type=Path, help="also write the figures as JSON here")
+    args = ap.parse_args()
+
+    src = args.workdir / f"e2b-synthetic-{args.scale:g}"
+    stamp = src / ".complete"
+    if not stamp.exists():
+        shutil.rmtree(src, ignore_errors=True)
+        t = time.perf_counter()
+        size = write_e2b_checkpoint(src, args.scale, progress=sys.stdout.isatty())
+        stamp.write_text(str(size))
+        print(f"wrote {src} ({size / 1e9:.2f} GB) in {time.perf_counter() - t:.1f} s")
+    size = int(stamp.read_text())
+
+    cp_dst = args.workdir / "cp-copy"
+    shutil.rmtree(cp_dst, ignore_errors=True)
+    c0 = _child_cpu()
+    t = time.perf_counter()
+    subprocess.run(["cp", "-r", str(src), str(cp_dst)], check=True)
+    os.sync()
+    cp_s = time.perf_counter() - t
+    cp_cpu = _child_cpu() - c0
+    shutil.rmtree(cp_dst, ignore_errors=True)
+
+    out = args.workdir / "build-out"
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = [sys.executable, "-m", "repack", "build", str(src), str(out), "--text-only", "--embed-int4",
+           "--embed-tokens", "--json"]
+    env = dict(os.environ)
+    c0 = _child_cpu()
+    t = time.perf_counter()
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
+    os.sync()
+    build_s = time.perf_counter() - t
+    build_cpu = _child_cpu() - c0
+    if r.returncode != 0:
+        print(r.stderr, file=sys.stderr)
+        return r.returncode
+    rep = json.loads(r.stdout)
+    shutil.rmtree(out, ignore_errors=True)
+    if not args.keep:
+        shutil.rmtree(src, ignore_errors=True)
+
+    load = os.getloadavg()
+    figures = {
+        "scale": args.scale, "source_bytes": size, "bytes_read": rep["bytes_read"],
+        "bytes_written": rep["bytes_written"], "build_wall_s": round(build_s, 2),
+        "build_internal_wall_s": rep["wall_s"], "cp_wall_s": round(cp_s, 2),
+        "mb_per_s_read": round(rep["bytes_read"] / 1e6 / build_s, 1),
+        "mb_per_s_source": round(size / 1e6 / build_s, 1),
+        "build_vs_cp": round(build_s / cp_s, 2),
+        # CPU seconds (user+sys) are robust to other load on the machine; wall figures are not
+        "build_cpu_s": round(build_cpu, 2), "cp_cpu_s": round(cp_cpu, 2),
+        "mb_per_cpu_s_read": round(rep["bytes_read"] / 1e6 / build_cpu, 1), "peak_rss_mib": round(rep["peak_rss_bytes"] / 2**20, 1),
+        "implementation": rep["implementation"], "cores": len(os.sched_getaffinity(0)),
+        "loadavg_after": [round(x, 2) for x in load],
+        "identical_pct": {t["name"]: t["identical_pct"] for t in rep["tables"] if t["groups"]},
+    }
+    print(f"source {size / 1e9:.2f} GB (read {rep['bytes_read'] / 1e9:.2f} GB: towers are dropped unread), "
+          f"wrote {rep['bytes_written'] / 1e9:.2f} GB")
+    print(f"one-pass build: {build_s:.1f} s wall (process start included) = {figures['mb_per_s_read']} MB/s of "
+          f"tensors read, {figures['mb_per_s_source']} MB/s of source")
+    print(f"cp -r of the same source: {cp_s:.1f} s -> build/cp = {figures['build_vs_cp']}x")
+    print(f"CPU time: build {build_cpu:.1f} s ({figures['mb_per_cpu_s_read']} MB per CPU second), cp {cp_cpu:.1f} s")
+    print(f"peak RSS of the build process: {figures['peak_rss_mib']} MiB; kernel {rep['implementation']}; "
+          f"load average after {load[0]:.2f}")
+    if args.result:
+        args.result.parent.mkdir(parents=True, exist_ok=True)
+        args.result.write_text(json.dumps(figures, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
