@@ -15,7 +15,6 @@ the tools that need them, so `tools/list` is answered as fast as FastMCP itself 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import hmac
 import json
 import os
@@ -42,7 +41,7 @@ from mcp_types import TextContent, ToolAnnotations  # noqa: E402
 from pydantic import BaseModel, ConfigDict, Field, ValidationError  # noqa: E402
 
 from tools.jobs import Busy, JobInfo, JobRegistry, ProgressFn  # noqa: E402
-from tools.paths import PathNotAllowed, Roots  # noqa: E402
+from tools.paths import Roots  # noqa: E402
 from tools.vram import VramStatus  # noqa: E402
 
 SERVER_NAME = "gemma4-t4"
@@ -334,25 +333,6 @@ class JobList(_Result):
 
 
 # ------------------------------------------------------------------------------------------------- helpers
-
-
-def _plain(obj: Any) -> Any:
-    """A library result (pydantic, dataclass, .to_dict(), Path, nested) as JSON-ready data."""
-    if obj is None or isinstance(obj, (str, int, float, bool)):
-        return obj
-    if isinstance(obj, BaseModel):
-        return obj.model_dump(mode="json")
-    if hasattr(obj, "to_dict") and callable(obj.to_dict):
-        return _plain(obj.to_dict())
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-    if isinstance(obj, dict):
-        return {str(k): _plain(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple, set)):
-        return [_plain(v) for v in obj]
-    if isinstance(obj, Path):
-        return str(obj)
-    return str(obj)
 
 
 def _reply(result: BaseModel) -> ToolResult:
