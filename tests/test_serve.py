@@ -300,3 +300,69 @@ def test_swap_is_reported_and_never_enabled_implicitly(serve_config_factory, tmp
     with pytest.raises(ToolFailure, match="root|does not exist"):
         ensure_swap(cfg2, proc_swaps=proc_swaps)
     assert not (tmp_path / "missing-dir").exists()
+
+
+class FakeT4WithVram(FakeT4):
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked: list[int] = []
+
+    def vram(self, pids):
+        from tools.vllm_server import Vram
+
+        self.asked = list(pids)
+        return Vram(used_mib=13581, total_mib=15360, utilization_pct=0, process_mib=13300)
+
+
+def _adopt(cfg, proc: subprocess.Popen, platform: str = "cpu") -> None:
+    """Records a process this test started as if it were the server (its own session, so pgid == pid)."""
+    from tools.vllm_server import ServerState, _write_state
+
+    _write_state(cfg, ServerState(pid=proc.pid, pgid=proc.pid, create_time=psutil.Process(proc.pid).create_time(),
+                                  host=cfg.host, port=cfg.port, base_url=cfg.base_url, model="m", served_name="fake",
+                                  argv=["fake"], platform=platform, started_at="2026-01-01T00:00:00+00:00",
+                                  started_ts=time.time() - 5, log_path=str(cfg.log_file)))
+
+
+def test_status_reports_vram_on_a_gpu_and_stop_ends_the_group(serve_config_factory, tmp_path):
+    cfg = serve_config_factory(tmp_path, "fake-gpu")
+    # A leader with a child in its group, like the API server and its engine core.
+    proc = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; "
+                             "subprocess.Popen(['sleep', '60']); import time; time.sleep(60)"], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 10
+        while len(_group_alive(proc.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        _adopt(cfg, proc, platform="cuda")
+        hw = FakeT4WithVram()
+        st = server_status(cfg, hardware=hw)
+        assert st.alive and not st.healthy and st.uptime_s >= 5  # nothing answers HTTP on its port
+        assert st.vram.used_mib == 13581 and st.vram.total_mib == 15360
+        assert set(hw.asked) == set(_group_alive(proc.pid)) and len(hw.asked) == 2
+        r = stop_server(cfg, grace_s=10)
+        assert r.was_running and r.signal == "SIGTERM" and len(r.stopped_pids) == 2
+        assert _group_alive(proc.pid) == [] and not cfg.state_file.exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+def test_stop_kills_what_ignores_sigterm(serve_config_factory, tmp_path):
+    cfg = serve_config_factory(tmp_path, "stubborn")
+    ready = tmp_path / "ready"
+    proc = subprocess.Popen([sys.executable, "-c", "import signal, time, pathlib; "
+                             "signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                             f"pathlib.Path({str(ready)!r}).touch(); time.sleep(60)"], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 10
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        _adopt(cfg, proc)
+        r = stop_server(cfg, grace_s=1)
+        assert r.was_running and r.signal == "SIGKILL"
+        assert _group_alive(proc.pid) == [] and not cfg.state_file.exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
