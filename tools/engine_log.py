@@ -51,6 +51,11 @@ _GENERIC = ("root cause above", "stack trace above", "Engine core initialization
 _PREFIX = re.compile(r"^\((?:\w+)(?:-\d+)? pid=\d+\)\s+(?:[A-Z]+ \d\d-\d\d(?: \d\d:\d\d:\d\d)? \[[^\]]+\]\s*)?")
 
 
+def strip_prefix(line: str) -> str:
+    """A log line without vLLM's "(Worker pid=N) INFO MM-DD hh:mm:ss [file.py:N]" prefix."""
+    return _PREFIX.sub("", line).strip()
+
+
 def _num(text: str) -> float:
     return float(text.replace(",", ""))
 

@@ -464,7 +464,7 @@ def start_server(cfg: ServeConfig, *, progress: Progress | None = None, hardware
                 if progress is not None:
                     lines = [ln for ln in _read_text(log_path).splitlines() if ln.strip()]
                     if lines:
-                        last_line = engine_log._PREFIX.sub("", lines[-1]).strip()[:200]
+                        last_line = engine_log.strip_prefix(lines[-1])[:200]
                     progress(min(0.99, (time.monotonic() - t0) / cfg.start_timeout_s), last_line)
                 time.sleep(1.0)
         except KeyboardInterrupt:
