@@ -105,9 +105,10 @@ def project_to_grid(weight, *, seed: int):
     level = torch.randint(4, 8, amax.shape, generator=g).float()
     use_eight = peak_negative & (torch.rand(amax.shape, generator=g) < 0.5)
     level = torch.where(use_eight, torch.full_like(level, 8.0), level)
-    step = (amax / level).clamp_min(1e-8)
     # Scales as a QAT export holds them: representable in fp16 (the source's scales are fp16/bf16 values).
-    step = step.half().float()
+    step = (amax / level).half().float()
+    # An all-zero group (the pad token's embedding row) stays all zero; a step of 1 avoids 0/0.
+    step = torch.where(step > 0, step, torch.ones_like(step))
     q = torch.clamp(torch.round(grp / step.unsqueeze(-1)), -8, 7)
     return (q * step.unsqueeze(-1)).reshape(rows, cols).to(torch.bfloat16)
 
