@@ -12,6 +12,14 @@ import numpy as np
 # A product scale * level has at most 15 significant bits and a rounding midpoint at most 9, so moving an
 # excluded end by this relative amount is the same as excluding it.
 EXCL = 2.0 ** -30
+# Adding and subtracting 1.5 * 2^52 rounds a float64 of magnitude below 2^51 to the nearest integer, ties to
+# even (the default rounding mode), exactly like rint but without a library call in the inner loops.
+RND = 6755399441055744.0
+
+
+@nb.njit(cache=True, inline="always")
+def _rint(v):
+    return (v + RND) - RND
 
 
 @nb.njit(cache=True, inline="always")
@@ -45,42 +53,48 @@ def _round_fmt(s, sig, minexp, vmax, fb, ub):
 
 
 @nb.njit(cache=True, inline="always")
-def _count(c, q, lo, hi):
-    # branch-free so the loop vectorises
-    n = 0
+def _count3(c0, c1, c2, q, lo, hi):
+    # three candidates in one pass over the group (one load of each bound, three independent sums)
+    n0 = 0
+    n1 = 0
+    n2 = 0
     for i in range(32):
-        r = c * q[i]
-        n += (r >= lo[i]) & (r <= hi[i])
-    return n
+        a = lo[i]
+        b = hi[i]
+        r0 = c0 * q[i]
+        r1 = c1 * q[i]
+        r2 = c2 * q[i]
+        n0 += (r0 >= a) & (r0 <= b)
+        n1 += (r1 >= a) & (r1 <= b)
+        n2 += (r2 >= a) & (r2 <= b)
+    return n0, n1, n2
+
+
+@nb.njit(cache=True, inline="always")
+def _pick(best, bn, c0, c1, c2, n0, n1, n2):
+    # candidates in order; only a strict improvement replaces the best
+    if n0 > bn:
+        best, bn = c0, n0
+    if n1 > bn:
+        best, bn = c1, n1
+    if n2 > bn:
+        best, bn = c2, n2
+    return best, bn
 
 
 @nb.njit(cache=True, inline="always")
 def _best(s, lb, ub, sig, minexp, vmax, q, lo, hi, nvals, fb, bb):
     # the rounded least-squares step and its neighbours; then, unless one reproduces every value, the
     # representable values nearest the interval [lb, ub] of scales that would reproduce every value.
-    # A candidate only replaces the best on a strict improvement, so stopping at nvals changes nothing.
+    # A candidate only replaces the best on a strict improvement, so skipping when one reproduces all
+    # values changes nothing.
     c0, cd, cu = _round_fmt(s, sig, minexp, vmax, fb, bb)
-    best = c0
-    bn = _count(c0, q, lo, hi)
-    if bn == nvals:
-        return best, bn
-    n = _count(cd, q, lo, hi)
-    if n > bn:
-        best, bn = cd, n
-    n = _count(cu, q, lo, hi)
-    if n > bn:
-        best, bn = cu, n
+    n0, nd, nu = _count3(c0, cd, cu, q, lo, hi)
+    best, bn = _pick(c0, n0, c0, cd, cu, n0, nd, nu)
     if bn < nvals and lb <= ub:
         k0, kd, ku = _round_fmt(min(max(s, lb), ub), sig, minexp, vmax, fb, bb)
-        n = _count(k0, q, lo, hi)
-        if n > bn:
-            best, bn = k0, n
-        n = _count(kd, q, lo, hi)
-        if n > bn:
-            best, bn = kd, n
-        n = _count(ku, q, lo, hi)
-        if n > bn:
-            best, bn = ku, n
+        m0, md, mu = _count3(k0, kd, ku, q, lo, hi)
+        best, bn = _pick(best, bn, k0, kd, ku, m0, md, mu)
     return best, bn
 
 
@@ -92,7 +106,7 @@ def _fit(f, x, q, lo, hi, recip):
     lb = 0.0
     ub = np.inf
     for i in range(32):
-        l = np.rint(x[i] * f)
+        l = _rint(x[i] * f)
         if l < -8.0:
             l = -8.0
         elif l > 7.0:
@@ -100,13 +114,12 @@ def _fit(f, x, q, lo, hi, recip):
         q[i] = l
         sqx += l * x[i]
         sqq += l * l
+        # the interval of steps that reproduce this value (none for level 0), without sign branches
         rl = recip[int(l) + 8]
-        if l > 0.0:
-            lb = max(lb, lo[i] * rl)
-            ub = min(ub, hi[i] * rl)
-        elif l < 0.0:
-            lb = max(lb, hi[i] * rl)
-            ub = min(ub, lo[i] * rl)
+        p1 = lo[i] * rl
+        p2 = hi[i] * rl
+        lb = max(lb, min(p1, p2))
+        ub = min(ub, max(p1, p2) if l != 0.0 else np.inf)
     s = sqx / sqq if sqq > 0 else 0.0
     return s, lb, ub
 
@@ -115,11 +128,7 @@ def _fit(f, x, q, lo, hi, recip):
 def _err(c, q, x, inv):
     w = 0.0
     for i in range(32):
-        d = abs(c * q[i] - x[i])
-        if d != 0.0:
-            e = d * inv[i]
-            if e > w:
-                w = e
+        w = max(w, abs(c * q[i] - x[i]) * inv[i])
     return w
 
 
@@ -160,21 +169,18 @@ def quantize_rows(words, packed, scales, stats, ratio_table, lowbit, half_ulp, i
                     hi[i] = -np.inf
                     inv[i] = 0.0
                 else:
+                    # Branch-free on purpose: sign, parity and power-of-two flags of random data would
+                    # mispredict on every value.
                     v = np.float64(f32[i])
                     h = half_ulp[e]
-                    ax = abs(v)
-                    below = h * 0.5 if ((w & 0x7F) == 0 and e > 1) else h  # a power of two: finer spacing below
-                    if w & 0x8000:
-                        a = -(ax + h)
-                        b = -(ax - below)
-                    else:
-                        a = ax - below
-                        b = ax + h
-                    if w & 1:  # odd mantissa: a tie rounds away from this value, so the ends are excluded
-                        a += abs(a) * EXCL
-                        b -= abs(b) * EXCL
-                    lo[i] = a
-                    hi[i] = b
+                    pow2 = np.float64(((w & 0x7F) == 0) & (e > 1))
+                    below = h - 0.5 * h * pow2  # a power of two has finer spacing below it
+                    neg = np.float64(w >> 15)
+                    a = v - (below + (h - below) * neg)  # toward zero the spacing is `below`, away from it `h`
+                    b = v + (h + (below - h) * neg)
+                    odd = np.float64(w & 1) * EXCL  # odd mantissa: ties round away, so the ends are excluded
+                    lo[i] = a + abs(a) * odd
+                    hi[i] = b - abs(b) * odd
                     inv[i] = inv_ulp[e]
                 x[i] = v
                 pmax = max(pmax, v)
@@ -185,7 +191,7 @@ def quantize_rows(words, packed, scales, stats, ratio_table, lowbit, half_ulp, i
             k = 1024.0 / safe
             mask = 0xFF
             for i in range(32):
-                b = int(np.rint(x[i] * k)) + 1024
+                b = int(_rint(x[i] * k)) + 1024
                 if b < 0:
                     b = 0
                 elif b > 2048:
