@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -90,31 +91,41 @@ def main() -> int:
         seed = prompt_seed(p.seed, args.input_len, c, 0)
         a_vals: list[float] = []
         b_vals: list[float] = []
+        hits: list[float | None] = []
         for i in range(args.ab_rounds):
-            d, _ = direct_cell(args.base_url, model, tokenizer, args.input_len, args.output_len, c, n, seed,
-                               tmpd / f"direct{i}.json")
-            a_vals.append(d["output_throughput"])
-            one = run_sweep(SweepParams(base_url=args.base_url, input_lens=[args.input_len],
-                                        output_len=args.output_len, concurrencies=[c], repeats=1,
-                                        label="overhead-cell", out=tmpd / f"cell{i}", warmup=False))
-            b_vals.append(one.cells[0].repeats[0].metrics["output_throughput"])
+            # Alternate which side goes first: with the same seed the second side may find the first side's
+            # prompts in the prefix cache (whole blocks only), so neither side always gets that advantage.
+            for side in (("direct", "sweep") if i % 2 == 0 else ("sweep", "direct")):
+                if side == "direct":
+                    d, _ = direct_cell(args.base_url, model, tokenizer, args.input_len, args.output_len, c, n, seed,
+                                       tmpd / f"direct{i}.json")
+                    a_vals.append(d["output_throughput"])
+                else:
+                    one = run_sweep(SweepParams(base_url=args.base_url, input_lens=[args.input_len],
+                                                output_len=args.output_len, concurrencies=[c], repeats=1,
+                                                label="overhead-cell", out=tmpd / f"cell{i}", warmup=False))
+                    rep = one.cells[0].repeats[0]
+                    b_vals.append(rep.metrics["output_throughput"])
+                    hits.append(rep.prefix_cache_hits)
 
     def spread(v: list[float]) -> float:
         return (max(v) - min(v)) / statistics.median(v) * 100
 
     part2 = {"concurrency": c, "num_prompts": n, "seed": seed, "direct_out_tok_s": a_vals,
-             "run_sweep_out_tok_s": b_vals, "direct_median": statistics.median(a_vals),
+             "run_sweep_out_tok_s": b_vals, "run_sweep_prefix_cache_hit_tokens": hits, "direct_median": statistics.median(a_vals),
              "run_sweep_median": statistics.median(b_vals),
              "difference_pct": (statistics.median(b_vals) / statistics.median(a_vals) - 1) * 100,
              "direct_spread_pct": spread(a_vals), "run_sweep_spread_pct": spread(b_vals)}
     prov = collect(args.base_url).to_dict()
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-    record = {"date": stamp, "input_len": args.input_len, "output_len": args.output_len, "concurrencies": concs,
+    load = os.getloadavg()  # other work on the machine widens every spread; say how busy it was
+    record = {"date": stamp, "load_average_1_5_15": load, "input_len": args.input_len, "output_len": args.output_len, "concurrencies": concs,
               "repeats": args.repeats, "part1_sweep_wall_time": part1, "part2_same_cell": part2, "provenance": prov}
     md = "\n".join([
         f"# Sweep harness overhead ({stamp})", "",
         f"Server `{model}` at {args.base_url}, {prov.get('gpu_name') or 'CPU: ' + str(prov.get('cpu_model'))}, "
-        f"vLLM {prov.get('vllm_version_server')}. Input {args.input_len}, output {args.output_len} tokens.", "",
+        f"vLLM {prov.get('vllm_version_server')}. Input {args.input_len}, output {args.output_len} tokens. "
+        f"Load average at the end: {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} on {os.cpu_count()} CPUs.", "",
         f"## A sweep's wall time ({part1['cells']} cells, {part1['repeats']} repeats, concurrency {concs})", "",
         "| | seconds |", "|---|---|",
         f"| sweep wall time | {wall:.1f} |",
@@ -123,7 +134,7 @@ def main() -> int:
         f"| warm-ups | {warm:.1f} |",
         f"| everything else (process start, imports, files) | {part1['other_s']:.1f} |", "",
         f"## One cell, same seed: run_sweep vs direct `vllm bench serve` (c={c}, {n} prompts, "
-        f"{args.ab_rounds} alternating rounds)", "",
+        f"{args.ab_rounds} rounds, order alternating)", "",
         "| | out tok/s per round | median | spread |", "|---|---|---|---|",
         f"| direct | {', '.join(f'{v:.1f}' for v in a_vals)} | {part2['direct_median']:.1f} "
         f"| {part2['direct_spread_pct']:.1f}% |",
