@@ -275,7 +275,8 @@ class CompareSweepsInfo(_Result):
     run_dirs: list[str]
     price_per_hour: float
     cells: list[CompareCellInfo]
-    ratio_format: dict[str, str]
+    ratio_format: dict[str, Any] = Field(description="How each ratio column is written: x (2.30x) or pct (+37%), "
+                                                     "per input length")
     cost_cell: list[int] | None = None
     cost: list[CostRowInfo] = Field(default_factory=list)
     markdown: str
