@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import hmac
+import inspect
 import json
 import os
 import secrets
@@ -344,6 +345,17 @@ def _reply(result: BaseModel) -> ToolResult:
                       structured_content=data)
 
 
+def _tool(mcp: FastMCP, **kwargs: Any) -> Callable[[Callable[..., Any]], Any]:
+    """mcp.tool with the docstring passed as the description: fastmcp would otherwise import a docstring
+    parser (griffe) at start-up to look for Args sections we do not use (parameters carry Field descriptions)."""
+    def register(fn: Callable[..., Any]) -> Any:
+        description = inspect.cleandoc(fn.__doc__ or "")
+        fn.__doc__ = None
+        return mcp.tool(description=description, **kwargs)(fn)
+
+    return register
+
+
 def _fail(exc: BaseException) -> ToolError:
     """The library's one-line message, unchanged when it is one of ours; the type named otherwise."""
     msg = str(exc).strip() or type(exc).__name__
@@ -491,7 +503,7 @@ def create_server(settings: Settings | None = None, *, auth: Any = None) -> Fast
 
     ro = ToolAnnotations(readOnlyHint=True, idempotentHint=True, destructiveHint=False, openWorldHint=False)
 
-    @mcp.tool(title="GPU memory (NVML)", annotations=ro)
+    @_tool(mcp, title="GPU memory (NVML)", annotations=ro)
     async def vram_status() -> VramResult:
         """Per GPU: name, driver, total/used/free MiB, utilization; per process: GPU memory, with the processes
         of the vLLM server this project started marked (its engine core is a child process). On a machine
@@ -511,7 +523,7 @@ def create_server(settings: Settings | None = None, *, auth: Any = None) -> Fast
 
         return _reply(await _in_thread(read))  # type: ignore[return-value]
 
-    @mcp.tool(title="Probe a checkpoint", annotations=ro)
+    @_tool(mcp, title="Probe a checkpoint", annotations=ro)
     async def probe_checkpoint(
         path: Annotated[str, Field(description="Checkpoint folder under a models root")],
     ) -> ProbeResult:
@@ -520,7 +532,7 @@ def create_server(settings: Settings | None = None, *, auth: Any = None) -> Fast
         repack_checkpoint."""
         return _reply(await _in_thread(lambda: core.probe(path)))  # type: ignore[return-value]
 
-    @mcp.tool(title="List jobs", annotations=ro)
+    @_tool(mcp, title="List jobs", annotations=ro)
     async def list_jobs() -> JobList:
         """Every job started with start_job in this server process, newest last, with state and progress."""
         jobs = core.jobs.list()
@@ -528,7 +540,7 @@ def create_server(settings: Settings | None = None, *, auth: Any = None) -> Fast
         return _reply(JobList(summary=f"{len(jobs)} job(s), running: {', '.join(running) or 'none'}",
                               jobs=jobs))  # type: ignore[return-value]
 
-    @mcp.tool(title="Job status", annotations=ro)
+    @_tool(mcp, title="Job status", annotations=ro)
     async def job_status(
         job_id: Annotated[str, Field(description="The job_id start_job returned")],
         wait_s: Annotated[float, Field(ge=0, le=600, description="Wait up to this long for the job to finish")] = 0,
@@ -542,7 +554,7 @@ def create_server(settings: Settings | None = None, *, auth: Any = None) -> Fast
             raise _fail(exc) from exc
         return info
 
-    @mcp.tool(title="Cancel a job", annotations=ToolAnnotations(readOnlyHint=False, destructiveHint=True,
+    @_tool(mcp, title="Cancel a job", annotations=ToolAnnotations(readOnlyHint=False, destructiveHint=True,
                                                                  idempotentHint=True, openWorldHint=False))
     async def cancel_job(job_id: Annotated[str, Field(description="The job to cancel")]) -> JobInfo:
         """Ask a running job to stop at its next progress report; the library removes partial output."""
@@ -551,7 +563,7 @@ def create_server(settings: Settings | None = None, *, auth: Any = None) -> Fast
         except KeyError as exc:
             raise _fail(exc) from exc
 
-    @mcp.tool(title="Run a long tool as a background job",
+    @_tool(mcp, title="Run a long tool as a background job",
               annotations=ToolAnnotations(readOnlyHint=False, destructiveHint=True, idempotentHint=False,
                                           openWorldHint=False))
     async def start_job(
@@ -600,7 +612,7 @@ def _register_library_tools(mcp: FastMCP, core: GemmaT4Server) -> None:
 
     core.long_work["repack_checkpoint"] = (RepackParams, repack_work)
 
-    @mcp.tool(title="Repack a QAT checkpoint to all-4-bit",
+    @_tool(mcp, title="Repack a QAT checkpoint to all-4-bit",
               annotations=ToolAnnotations(readOnlyHint=False, destructiveHint=True, idempotentHint=True,
                                           openWorldHint=False))
     async def repack_checkpoint(
@@ -651,7 +663,7 @@ def _register_library_tools(mcp: FastMCP, core: GemmaT4Server) -> None:
 
     core.long_work["start_vllm_server"] = (StartParams, start_work)
 
-    @mcp.tool(title="Start the vLLM server",
+    @_tool(mcp, title="Start the vLLM server",
               annotations=ToolAnnotations(readOnlyHint=False, destructiveHint=False, idempotentHint=False,
                                           openWorldHint=False))
     async def start_vllm_server(
@@ -675,7 +687,7 @@ def _register_library_tools(mcp: FastMCP, core: GemmaT4Server) -> None:
                              max_num_seqs=max_num_seqs)
         return await core.run_long("start_vllm_server", params, ctx)  # type: ignore[return-value]
 
-    @mcp.tool(title="Stop the vLLM server",
+    @_tool(mcp, title="Stop the vLLM server",
               annotations=ToolAnnotations(readOnlyHint=False, destructiveHint=True, idempotentHint=True,
                                           openWorldHint=False))
     async def stop_vllm_server(
@@ -691,7 +703,7 @@ def _register_library_tools(mcp: FastMCP, core: GemmaT4Server) -> None:
 
         return _reply(await _in_thread(work))  # type: ignore[return-value]
 
-    @mcp.tool(title="vLLM server status", annotations=ro)
+    @_tool(mcp, title="vLLM server status", annotations=ro)
     async def server_status() -> ServerStatusInfo:
         """Whether the server this project started runs and answers /health: pid, uptime, model, base_url, its
         command line, the engine's start figures (KV cache tokens, kernels, cold/warm), GPU memory; also the
@@ -705,7 +717,7 @@ def _register_library_tools(mcp: FastMCP, core: GemmaT4Server) -> None:
 
         return _reply(await _in_thread(work))  # type: ignore[return-value]
 
-    @mcp.tool(title="vLLM server log", annotations=ro)
+    @_tool(mcp, title="vLLM server log", annotations=ro)
     async def server_logs(
         lines: Annotated[int, Field(ge=1, le=2000, description="How many last lines")] = 50,
     ) -> LogResult:
@@ -720,7 +732,7 @@ def _register_library_tools(mcp: FastMCP, core: GemmaT4Server) -> None:
 
         return _reply(await _in_thread(work))  # type: ignore[return-value]
 
-    @mcp.tool(title="Ask the served model",
+    @_tool(mcp, title="Ask the served model",
               annotations=ToolAnnotations(readOnlyHint=True, destructiveHint=False, idempotentHint=False,
                                           openWorldHint=False))
     async def query_model(
@@ -741,7 +753,7 @@ def _register_library_tools(mcp: FastMCP, core: GemmaT4Server) -> None:
 
         return _reply(await _in_thread(work))  # type: ignore[return-value]
 
-    @mcp.tool(title="Turing attention clamp (check / apply / revert)",
+    @_tool(mcp, title="Turing attention clamp (check / apply / revert)",
               annotations=ToolAnnotations(readOnlyHint=False, destructiveHint=True, idempotentHint=True,
                                           openWorldHint=False))
     async def patch_turing(
@@ -775,7 +787,7 @@ def _register_library_tools(mcp: FastMCP, core: GemmaT4Server) -> None:
 
     core.long_work["run_sweep"] = (SweepArgs, sweep_work)
 
-    @mcp.tool(title="Serving sweep (vllm bench serve)",
+    @_tool(mcp, title="Serving sweep (vllm bench serve)",
               annotations=ToolAnnotations(readOnlyHint=False, destructiveHint=False, idempotentHint=False,
                                           openWorldHint=False))
     async def run_sweep(
@@ -808,7 +820,7 @@ def _register_library_tools(mcp: FastMCP, core: GemmaT4Server) -> None:
                            resume=resume, price_per_hour=price_per_hour, base_url=base_url)
         return await core.run_long("run_sweep", params, ctx)  # type: ignore[return-value]
 
-    @mcp.tool(title="Compare sweep runs",
+    @_tool(mcp, title="Compare sweep runs",
               annotations=ToolAnnotations(readOnlyHint=False, destructiveHint=False, idempotentHint=True,
                                           openWorldHint=False))
     async def compare_sweeps(
@@ -867,7 +879,7 @@ def _register_compare_tokens(mcp: FastMCP, core: GemmaT4Server) -> None:
 
     core.long_work["compare_tokens"] = (CompareArgs, compare_work)
 
-    @mcp.tool(title="Greedy token identity between builds",
+    @_tool(mcp, title="Greedy token identity between builds",
               annotations=ToolAnnotations(readOnlyHint=False, destructiveHint=False, idempotentHint=False,
                                           openWorldHint=False))
     async def compare_tokens(
