@@ -630,7 +630,7 @@ def _register_library_tools(mcp: FastMCP, core: GemmaT4Server) -> None:
     ) -> RepackResult:
         """Recover the 4-bit grid of a QAT checkpoint in one pass: linears as compressed-tensors W4A16, text only,
         PLE and embed_tokens as int4 with an untied int4 lm_head (the bf16-embedding build: embed_int4=false).
-        Aborts on any off-grid group and leaves nothing half written. Progress: tensors done / total. Replaces
+        Aborts on any off-grid group and leaves nothing half written. Progress: bytes done / total. Replaces
         an existing `output` only with force=true. Long: see start_job."""
         params = RepackParams(source=source, output=output, quantize_linears=quantize_linears, text_only=text_only,
                               embed_int4=embed_int4, embed_tokens=embed_tokens, scale_dtype=scale_dtype,
