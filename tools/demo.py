@@ -183,7 +183,7 @@ def _progress_printer(log: Log, what: str, every_s: float = 5.0) -> Callable[...
         if now - last[0] < every_s and not (total is not None and done >= total):
             return
         last[0] = now
-        frac = f"{done:g}/{total:g}" if total is not None else f"{done:g}"
+        frac = f"{done:,.0f}/{total:,.0f}" if total is not None else f"{done:,.0f}"
         log(f"    {what}: {frac} {message[:100]}")
 
     return show
@@ -233,7 +233,7 @@ def run_demo(opts: DemoOptions | None = None, *, log: Log = _stderr) -> DemoRepo
             continue
         log(f"[3/6] repacking {label} -> {out}")
         report = build_checkpoint(plan.source, out, BuildOptions(**options, force=opts.force),
-                                  progress=_progress_printer(log, "tensors"))
+                                  progress=_progress_printer(log, "repack, bytes"))
         d = report.to_dict()
         builds.append(BuildStep(label=label, path=str(out), total_bytes_before=d["total_bytes_before"],
                                 total_bytes_after=d["total_bytes_after"], wall_s=d["wall_s"],
