@@ -7,7 +7,7 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tools import measure_cli, serve_cli
+    from tools import demo, measure_cli, serve_cli
 
     parser = argparse.ArgumentParser(
         prog="vllm-t4",
@@ -16,6 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve_cli.register(sub)    # start, stop, status, query, log, swap
     measure_cli.register(sub)  # sweep, sweep-compare, compare
+    demo.register(sub)         # demo: the whole pipeline, ending in an evidence report
     return parser
 
 

@@ -42,6 +42,7 @@ ENV_NAMES: dict[str, str] = {
     "memory_margin_gib": "MEMORY_MARGIN_GIB",
     "state_dir": "STATE_DIR",
     "start_timeout_s": "START_TIMEOUT_S",
+    "source_checkpoint": "SOURCE_CHECKPOINT",
 }
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -69,6 +70,7 @@ class ServeConfig:
     memory_margin_gib: float = 2.0
     state_dir: Path = PROJECT_ROOT / "run"
     start_timeout_s: float = 900.0
+    source_checkpoint: str = ""  # the QAT checkpoint the builds are made from (the demo's T4 path)
     env_file: Path | None = None  # where the values came from, for messages
 
     @property
@@ -211,6 +213,10 @@ def load_config(env_file: str | Path | None = None, **overrides: Any) -> ServeCo
     if not state_dir.is_absolute():
         state_dir = path.parent / state_dir
     values["state_dir"] = state_dir.resolve()
+    source = str(values.get("source_checkpoint") or "")
+    if source and not Path(source).expanduser().is_absolute() and (path.parent / source).exists():
+        source = str((path.parent / source).resolve())
+    values["source_checkpoint"] = source
 
     cfg = ServeConfig(**values, env_file=path.resolve())
     if not 0 < cfg.port < 65536:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import shutil
 import socket
@@ -131,7 +130,7 @@ class DemoReport(BaseModel):
 
 
 def _plan(opts: DemoOptions, log: Log) -> _Plan:
-    from tools.config import DEFAULT_ENV_FILE, parse_env_file
+    from tools.config import DEFAULT_ENV_FILE, load_config
 
     gpu = has_nvidia_gpu() if opts.gpu is None else opts.gpu
     work = opts.work.resolve()
@@ -141,14 +140,11 @@ def _plan(opts: DemoOptions, log: Log) -> _Plan:
         env_file = opts.env_file or DEFAULT_ENV_FILE
         src = opts.source
         if src is None:
-            raw = os.environ.get(SOURCE_KEY) or (parse_env_file(env_file).get(SOURCE_KEY) if env_file.is_file()
-                                                  else None)
+            raw = load_config(env_file).source_checkpoint
             if not raw:
                 raise ToolFailure(f"{env_file}: {SOURCE_KEY} is not set; set it to the folder of "
                                   "google/gemma-4-E2B-it-qat-q4_0-unquantized (or pass --source)")
             src = Path(raw).expanduser()
-            if not src.is_absolute():
-                src = env_file.parent / src
         if not (src / "config.json").is_file():
             raise ToolFailure(f"source checkpoint {src} has no config.json; download "
                               "google/gemma-4-E2B-it-qat-q4_0-unquantized there or fix --source")
