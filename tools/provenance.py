@@ -135,16 +135,18 @@ def _started_server(base_url: str, notes: list[str], cfg: Any = None) -> tuple[l
         return None, None
     try:
         cfg = cfg if cfg is not None else load_config()
-        if cfg.base_url.rstrip("/") != base_url.rstrip("/"):
-            notes.append("the server was not started by tools/ (its URL differs from the configured one): "
-                         "argv unknown")
-            return None, None
         st = server_status(cfg)
     except Exception as exc:  # a broken tpu.env must not stop a measurement; say why the fields are empty
         notes.append(f"server start record not read: {exc}")
         return None, None
     if not getattr(st, "alive", False):
         notes.append(f"no server started by tools/ is alive at {base_url}: argv unknown")
+        return None, None
+    # The state file's URL, not tpu.env's: a start may have overridden the port.
+    started_url = getattr(st, "base_url", None) or cfg.base_url
+    if started_url.rstrip("/") != base_url.rstrip("/"):
+        notes.append(f"the server at {base_url} was not started by tools/ (that one serves {started_url}): "
+                     "argv unknown")
         return None, None
     argv = getattr(st, "argv", None)
     fields = getattr(st, "start_fields", None)
