@@ -42,8 +42,10 @@ def _round_fmt(s, sig, minexp, vmax, fb, ub):
         return 0.0, 0.0, 0.0
     if s > vmax:
         s = vmax
-    qu = _exp2(max(_ilogb(s, fb, ub) - sig + 1, minexp), fb, ub)
-    c0 = np.rint(s / qu) * qu
+    kq = max(_ilogb(s, fb, ub) - sig + 1, minexp)
+    qu = _exp2(kq, fb, ub)
+    # s * 2^-kq is s / qu exactly (a power-of-two scaling, far from overflow and underflow), without a division
+    c0 = np.rint(s * _exp2(-kq, fb, ub)) * qu
     e0 = _ilogb(c0, fb, ub)
     qu0 = _exp2(max(e0 - sig + 1, minexp), fb, ub)
     qd = qu0
@@ -99,8 +101,9 @@ def _best(s, lb, ub, sig, minexp, vmax, q, lo, hi, nvals, fb, bb):
 
 
 @nb.njit(cache=True, inline="always")
-def _fit(f, x, q, lo, hi, recip):
-    # levels for the step 1/f, their least-squares step, and the interval of steps reproducing every value
+def _fit(f, x, q, nib, lo, hi, recip):
+    # levels for the step 1/f (also as nibbles, level + 8, for packing), their least-squares step, and the
+    # interval of steps reproducing every value
     sqx = 0.0
     sqq = 0.0
     lb = 0.0
@@ -112,10 +115,12 @@ def _fit(f, x, q, lo, hi, recip):
         elif l > 7.0:
             l = 7.0
         q[i] = l
+        li = int(l) + 8
+        nib[i] = np.uint32(li)
         sqx += l * x[i]
         sqq += l * l
         # the interval of steps that reproduce this value (none for level 0), without sign branches
-        rl = recip[int(l) + 8]
+        rl = recip[li]
         p1 = lo[i] * rl
         p2 = hi[i] * rl
         lb = max(lb, min(p1, p2))
@@ -132,6 +137,20 @@ def _err(c, q, x, inv):
     return w
 
 
+# Only the no-NaN / no-signed-zero assumptions, which hold here (every term is a finite value >= 0: inv is 0
+# exactly where x is 0 and the level 0), so the max reductions vectorize; no flag that changes rounding (no
+# contraction into FMA, no reassociation), so every product and difference is the same as in _err. Not
+# inlined at numba level, where the caller's (strict) flags would replace these.
+@nb.njit(cache=True, fastmath={"nnan", "nsz"})
+def _err2(c, co, q, x, inv):
+    w = 0.0
+    wo = 0.0
+    for i in range(32):
+        w = max(w, abs(c * q[i] - x[i]) * inv[i])
+        wo = max(wo, abs(co * q[i] - x[i]) * inv[i])
+    return w, wo
+
+
 @nb.njit(nogil=True, cache=True)
 def quantize_rows(words, packed, scales, stats, ratio_table, lowbit, half_ulp, inv_ulp, recip,
                   sig, minexp, vmax, osig, ominexp, ovmax):
@@ -145,7 +164,13 @@ def quantize_rows(words, packed, scales, stats, ratio_table, lowbit, half_ulp, i
     q = np.empty(32)
     lo = np.empty(32)
     hi = np.empty(32)
-    inv = np.empty(32)
+    ibits = np.empty(32, dtype=np.uint64)
+    inv = ibits.view(np.float64)
+    hbits = np.empty(32, dtype=np.uint64)
+    h64 = hbits.view(np.float64)
+    sbits = np.empty(1, dtype=np.uint32)
+    sf32 = sbits.view(np.float32)
+    nib = np.empty(32, dtype=np.uint32)
     n_ident = 0
     n_ident_o = 0
     worst = 0.0
@@ -155,38 +180,51 @@ def quantize_rows(words, packed, scales, stats, ratio_table, lowbit, half_ulp, i
     for r in range(rows):
         for g in range(ng):
             base = g * 32
-            pmax = -np.inf
-            pmin = np.inf
+            # Integer pass (vectorizes): the value bits (0 for NaN/inf), half an ulp and 1/ulp as float64 bits
+            # from the exponent field (exponent 0 is spaced like exponent 1), and the largest magnitude on
+            # each side of zero (a zero of either sign counts as positive, as max/min of the values would).
+            mp = -1
+            mn = -1
+            nf = 0
             for i in range(32):
-                bits[i] = np.uint32(words[r, base + i]) << 16
-            for i in range(32):
-                w = words[r, base + i]
+                w = np.int64(words[r, base + i])
                 e = (w >> 7) & 0xFF
-                if e == 0xFF:  # NaN/inf: stored as level 0, counted, never identical
-                    n_nonfinite += 1
-                    v = 0.0
-                    lo[i] = np.inf
-                    hi[i] = -np.inf
-                    inv[i] = 0.0
-                else:
-                    # Branch-free on purpose: sign, parity and power-of-two flags of random data would
-                    # mispredict on every value.
-                    v = np.float64(f32[i])
-                    h = half_ulp[e]
-                    pow2 = np.float64(((w & 0x7F) == 0) & (e > 1))
-                    below = h - 0.5 * h * pow2  # a power of two has finer spacing below it
-                    neg = np.float64(w >> 15)
-                    a = v - (below + (h - below) * neg)  # toward zero the spacing is `below`, away from it `h`
-                    b = v + (h + (below - h) * neg)
-                    odd = np.float64(w & 1) * EXCL  # odd mantissa: ties round away, so the ends are excluded
-                    lo[i] = a + abs(a) * odd
-                    hi[i] = b - abs(b) * odd
-                    inv[i] = inv_ulp[e]
+                fin = e != 0xFF
+                ee = max(e, 1)
+                bits[i] = np.uint32(w if fin else 0) << np.uint32(16)
+                hbits[i] = np.uint64(ee + (1023 - 135)) << np.uint64(52)
+                ibits[i] = np.uint64((1023 + 134) - ee) << np.uint64(52)
+                mag = (w & 0x7FFF) if fin else 0
+                neg = ((w >> 15) != 0) & (mag != 0)
+                mp = max(mp, -1 if neg else mag)
+                mn = max(mn, mag if neg else -1)
+                nf += not fin
+            # Branch-free on purpose: sign, parity and power-of-two flags of random data would mispredict on
+            # every value.
+            for i in range(32):
+                w = np.int64(words[r, base + i])
+                e = (w >> 7) & 0xFF
+                v = np.float64(f32[i])
+                h = h64[i]
+                pow2 = np.float64(((w & 0x7F) == 0) & (e > 1))
+                below = h - 0.5 * h * pow2  # a power of two has finer spacing below it
+                neg = np.float64(w >> 15)
+                a = v - (below + (h - below) * neg)  # toward zero the spacing is `below`, away from it `h`
+                b = v + (h + (below - h) * neg)
+                odd = np.float64(w & 1) * EXCL  # odd mantissa: ties round away, so the ends are excluded
+                lo[i] = a + abs(a) * odd
+                hi[i] = b - abs(b) * odd
                 x[i] = v
-                pmax = max(pmax, v)
-                pmin = min(pmin, v)
-            amax = max(pmax, -pmin)
-            neg_only = -pmin > pmax
+            if nf:  # NaN/inf: stored as level 0, counted, never identical
+                n_nonfinite += nf
+                for i in range(32):
+                    if (words[r, base + i] & 0x7F80) == 0x7F80:
+                        lo[i] = np.inf
+                        hi[i] = -np.inf
+                        inv[i] = 0.0
+            sbits[0] = np.uint32(max(mp, mn)) << np.uint32(16)
+            amax = np.float64(sf32[0])
+            neg_only = mn > mp
             safe = amax if amax > 0 else 1.0
             k = 1024.0 / safe
             mask = 0xFF
@@ -202,25 +240,24 @@ def quantize_rows(words, packed, scales, stats, ratio_table, lowbit, half_ulp, i
             m = lowbit[mask]
             if m == 0:
                 m = 8 if neg_only else 7
-            s, lb, ub = _fit(m / safe, x, q, lo, hi, recip)
+            s, lb, ub = _fit(m / safe, x, q, nib, lo, hi, recip)
             c, n = _best(s, lb, ub, sig, minexp, vmax, q, lo, hi, 32, fb, bb)
             co, no = _best(s, lb, ub, osig, ominexp, ovmax, q, lo, hi, 32, fb, bb)
-            e = _err(c, q, x, inv)
+            e, eo = _err2(c, co, q, x, inv)
             if e > 2.0:
                 # The ratio lookup is a fast first guess; on a miss every peak level is tried and the one whose
                 # least-squares fit is closest wins (ties: the smaller level, i.e. the coarser grid).
                 best_m = m
                 best_e = np.inf
                 for mm in range(1, 9 if neg_only else 8):
-                    sm, _, _ = _fit(mm / safe, x, q, lo, hi, recip)
+                    sm, _, _ = _fit(mm / safe, x, q, nib, lo, hi, recip)
                     em = _err(sm, q, x, inv)
                     if em < best_e:
                         best_e, best_m = em, mm
-                s, lb, ub = _fit(best_m / safe, x, q, lo, hi, recip)
+                s, lb, ub = _fit(best_m / safe, x, q, nib, lo, hi, recip)
                 c, n = _best(s, lb, ub, sig, minexp, vmax, q, lo, hi, 32, fb, bb)
                 co, no = _best(s, lb, ub, osig, ominexp, ovmax, q, lo, hi, 32, fb, bb)
-                e = _err(c, q, x, inv)
-            eo = _err(co, q, x, inv)
+                e, eo = _err2(c, co, q, x, inv)
             n_ident += n
             n_ident_o += no
             worst = max(worst, e)
@@ -236,7 +273,7 @@ def quantize_rows(words, packed, scales, stats, ratio_table, lowbit, half_ulp, i
             for j in range(4):
                 word = np.uint32(0)
                 for t in range(8):
-                    word |= np.uint32(int(q[j * 8 + t]) + 8) << np.uint32(4 * t)
+                    word |= nib[j * 8 + t] << np.uint32(4 * t)
                 packed[r, g * 4 + j] = word
     stats[0] = rows * ng
     stats[1] = n_ident
