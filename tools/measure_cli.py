@@ -8,11 +8,10 @@ tokens differ (1 only when the comparison could not be made). `--json` prints on
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from typing import Any, Callable
+from typing import Callable
 
-from tools.errors import ToolFailure
+from tools.cli_output import emit as _emit, guard as _guard
 
 
 def _ints(text: str) -> list[int]:
@@ -31,13 +30,6 @@ def _cost_cell(text: str) -> tuple[int, int]:
         return int(a), int(b)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not INPUT_LEN:CONCURRENCY (e.g. 512:8)") from None
-
-
-def _emit(args: argparse.Namespace, obj: Any, text: str) -> None:
-    if getattr(args, "json", False):
-        print(json.dumps(obj.to_dict() if hasattr(obj, "to_dict") else obj, default=str))
-    else:
-        print(text)
 
 
 def _progress(args: argparse.Namespace) -> Callable[[int, int, str], None]:
@@ -114,18 +106,6 @@ def cmd_compare(args: argparse.Namespace) -> int:
         res = compare_live(args.url_a, args.url_b, params, progress=prog)
         _emit(args, res, res.text())
     return 0
-
-
-def _guard(name: str, func: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-    def run(args: argparse.Namespace) -> int:
-        try:
-            return func(args)
-        except ToolFailure as exc:
-            if getattr(args, "json", False):
-                print(json.dumps(exc.to_dict(), default=str))
-            print(f"vllm-t4 {name}: {exc}", file=sys.stderr)
-            return 1
-    return run
 
 
 def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:

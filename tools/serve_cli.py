@@ -11,20 +11,13 @@ import json
 import sys
 from typing import Any, Callable
 
-from tools.errors import ToolFailure
+from tools.cli_output import emit as _emit, guard as _guard
 
 
 def _config(args: argparse.Namespace, **overrides: Any):
     from tools.config import load_config
 
     return load_config(args.env_file, **overrides)
-
-
-def _emit(args: argparse.Namespace, obj: Any, text: str) -> None:
-    if getattr(args, "json", False):
-        print(json.dumps(obj.to_dict() if hasattr(obj, "to_dict") else obj, default=str))
-    else:
-        print(text)
 
 
 def _fmt_fields(f) -> list[str]:
@@ -118,18 +111,6 @@ def cmd_swap(args: argparse.Namespace) -> int:
     r = swap_report(cfg) if args.report else ensure_swap(cfg)
     _emit(args, r, r.message + ("" if r.action == "none" else f" ({r.action} {cfg.swapfile})"))
     return 0
-
-
-def _guard(name: str, func: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-    def run(args: argparse.Namespace) -> int:
-        try:
-            return func(args)
-        except ToolFailure as exc:
-            if getattr(args, "json", False):
-                print(json.dumps(exc.to_dict(), default=str))
-            print(f"vllm-t4 {name}: {exc}", file=sys.stderr)
-            return 1
-    return run
 
 
 def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
