@@ -16,7 +16,6 @@ import pytest
 from repack import build as build_mod
 from repack import cli, grid, safetensors_io
 from repack.build import BuildOptions, build_checkpoint
-from repack.errors import RepackError
 from repack.synthetic import grid_words, write_small_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -13,7 +13,7 @@ near-tie (the other side's token within the reference's top-k) or diverged for r
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Literal
