@@ -115,12 +115,10 @@ def project_to_grid(weight, *, seed: int):
 
 def _write_tokenizer(out: Path) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from tokenizers.pre_tokenizers import ByteLevel
-
     vocab: dict[str, int] = {tok: i for i, tok in enumerate(SPECIALS)}
     for i in range(len(SPECIALS), FIRST_BYTE_ID):
         vocab[f"<reserved_{i}>"] = i
-    for b, ch in enumerate(sorted(ByteLevel.alphabet(), key=lambda c: _byte_of(c))):
+    for b, ch in enumerate(_byte_chars()):
         vocab[ch] = FIRST_BYTE_ID + b
     for i in range(FIRST_BYTE_ID + 256, VOCAB):
         vocab[f"<unused_{i}>"] = i
@@ -140,17 +138,11 @@ def _write_tokenizer(out: Path) -> None:
         {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>"}, indent=2))
 
 
-def _byte_of(ch: str) -> int:
-    # ByteLevel's alphabet maps each byte 0..255 to one printable character (GPT-2's bytes_to_unicode).
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(map(chr, cs), bs))[ch]
+def _byte_chars() -> list[str]:
+    """The printable character ByteLevel uses for each byte 0..255, in byte order (GPT-2's bytes_to_unicode)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = iter(range(256, 512))
+    return [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
 
 
 def build_tiny_qat_checkpoint(out_dir: str | Path, *, seed: int = 0, train_steps: int = 200,
