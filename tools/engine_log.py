@@ -40,6 +40,8 @@ _WARMUP_END = "Warming up done."
 
 # Lines that explain a failed start, most specific first.
 _EXPLAIN = [
+    # pydantic's own explanation inside a "ValidationError: 1 validation error for ModelConfig" report
+    re.compile(r"Value error, .*"),
     re.compile(r"out of resource: shared memory.*"),
     re.compile(r"(?:CUDA )?out of memory.*", re.IGNORECASE),
     re.compile(r"Cannot allocate memory.*"),
@@ -81,6 +83,7 @@ class EngineStartFields:
     attention_backend: str | None = None
     cold_start: bool | None = None                # True: compiled at this start; False: loaded from the cache
     compile_cache_note: str | None = None         # why a compile cache that exists was not used
+    eager: bool | None = None                     # True: started with --enforce-eager (no torch.compile)
     ready: bool = False                           # "Application startup complete." seen
     kernels: list[str] = field(default_factory=list)  # every "Using X for Y" kernel line, deduplicated
 
@@ -175,7 +178,7 @@ def explain_failure(text: str) -> str | None:
                     continue
                 return body[:500]
     for line in reversed(lines):  # only generic lines: better than nothing
-        if _EXPLAIN[3].search(line):
+        if _EXPLAIN[4].search(line):
             return _PREFIX.sub("", line).strip()[:500]
     return None
 

@@ -34,8 +34,11 @@ def _fmt_fields(f) -> list[str]:
             kv += f", max concurrency {f.max_concurrency:g}x at {f.max_concurrency_tokens:,} tokens"
         out.append(kv)
     compile_s = f.torch_compile_s if f.torch_compile_s is not None else f.warmup_s
-    start = {True: "cold start (compiled)", False: "warm start (compile cache)", None: "compile cache: unknown"}
-    out.append(start[f.cold_start] + (f", compile {compile_s:g} s" if compile_s is not None else ""))
+    if f.eager:
+        out.append("eager (--enforce-eager: no torch.compile; CPU_COMPILE=1 in tpu.env compiles)")
+    else:
+        start = {True: "cold start (compiled)", False: "warm start (compile cache)", None: "compile cache: unknown"}
+        out.append(start[f.cold_start] + (f", compile {compile_s:g} s" if compile_s is not None else ""))
     if f.compile_cache_note:
         out.append(f.compile_cache_note)
     kernels = [k for k in (f.linear_kernel, f.embedding_method, f.attention_backend) if k]
@@ -60,6 +63,8 @@ def cmd_start(args: argparse.Namespace) -> int:
     print(f"starting {cfg.served_name} at {cfg.base_url} (log: {cfg.log_file})", file=sys.stderr, flush=True)
     r = start_server(cfg, progress=progress)
     lines = [f"Serving at {r.base_url} (pid {r.pid}), model {r.served_name}, ready in {r.startup_s:g} s"]
+    if r.max_model_len_note:
+        lines.append("  " + r.max_model_len_note)
     lines += ["  " + ln for ln in _fmt_fields(r.start_fields)]
     _emit(args, r, "\n".join(lines))
     return 0

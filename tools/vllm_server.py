@@ -14,7 +14,7 @@ import signal
 import socket
 import subprocess
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
@@ -23,12 +23,15 @@ import httpx
 import psutil
 
 from tools import engine_log, turing_patch
-from tools.config import Platform, ServeConfig
+from tools.config import Platform, ServeConfig, looks_like_path
 from tools.engine_log import EngineStartFields
 from tools.errors import ToolFailure
 
 Progress = Callable[[float, str], None]
 STATE_VERSION = 1
+# Readiness is a completion of several tokens from a prompt of several tokens: a one-token probe can pass on an
+# engine whose traced graphs were specialised on the warm-up's shape and fail every real prompt.
+READINESS_PROMPT = "The quick brown fox jumps over the lazy dog."
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -142,6 +145,8 @@ class StartResult:
     startup_s: float
     first_completion: str
     start_fields: EngineStartFields
+    max_model_len: int | None = None
+    max_model_len_note: str | None = None   # set when tpu.env's MAX_MODEL_LEN was above the model's limit
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -390,6 +395,8 @@ def start_server(cfg: ServeConfig, *, progress: Progress | None = None, hardware
                                   f"which is not applied to {status.target}: run ./patch_triton_turing.py",
                                   detail=status.to_dict())
 
+    cfg, max_len_note = _fit_to_model(cfg)
+
     size = _checkpoint_bytes(cfg.model)
     if size is not None:
         ram, swap = hw.host_memory()
@@ -451,7 +458,8 @@ def start_server(cfg: ServeConfig, *, progress: Progress | None = None, hardware
                 if healthy:
                     try:
                         r = client.post(f"{cfg.base_url}/v1/completions", timeout=60.0, json={
-                            "model": cfg.served_name, "prompt": "Hello", "max_tokens": 1, "temperature": 0})
+                            "model": cfg.served_name, "prompt": READINESS_PROMPT, "max_tokens": 4,
+                            "temperature": 0})
                         if r.status_code == 200:
                             choice = r.json()["choices"][0]
                             if isinstance(choice.get("text"), str):
@@ -474,12 +482,58 @@ def start_server(cfg: ServeConfig, *, progress: Progress | None = None, hardware
     fields = engine_log.parse_engine_log(_read_text(log_path))
     if fields.embedding_method is None:
         fields.embedding_method = _embedding_method_from_config(cfg.model)
+    fields.eager = "--enforce-eager" in argv
     if progress is not None:
         progress(1.0, f"serving {cfg.served_name} at {cfg.base_url}")
     return StartResult(pid=proc.pid, pgid=proc.pid, base_url=cfg.base_url, model=cfg.model,
                        served_name=cfg.served_name, platform=platform, argv=argv, log_path=str(log_path),
                        state_file=str(cfg.state_file), startup_s=round(startup_s, 2), first_completion=first_text,
-                       start_fields=fields)
+                       start_fields=fields, max_model_len=cfg.max_model_len, max_model_len_note=max_len_note)
+
+
+def model_position_limit(model: str) -> int | None:
+    """The longest context a local checkpoint's config allows (max_position_embeddings, top level or in
+    text_config); None for a hub id or a config that does not say."""
+    path = Path(model) / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        cfg = json.loads(path.read_text())
+    except (ValueError, RecursionError, OSError):
+        return None
+    if not isinstance(cfg, dict):
+        return None
+    text = cfg.get("text_config")
+    for source in ((text if isinstance(text, dict) else {}), cfg):
+        value = source.get("max_position_embeddings")
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def _fit_to_model(cfg: ServeConfig) -> tuple[ServeConfig, str | None]:
+    """Refuses a local model folder that does not exist; fits MAX_MODEL_LEN to the model's own limit.
+
+    vLLM refuses a max_model_len above the model's max_position_embeddings, a minute into the start and behind
+    a pydantic header. A value given for this start (option or environment) is a demand: refuse it now. A value
+    from tpu.env is the deployment's preference for the real model: serve at the model's limit and say so.
+    """
+    if looks_like_path(cfg.model) and not Path(cfg.model).is_dir():
+        where = "MODEL_NAME in " + str(cfg.env_file) if cfg.sources.get("model") == "file" else "--model"
+        raise ToolFailure(
+            f"model folder {cfg.model} does not exist ({where}): build it with `./vllm-t4 demo` or "
+            f"`python -m repack build SOURCE {cfg.model} --text-only --embed-int4 --embed-tokens`, "
+            "or point MODEL_NAME at a build or a Hugging Face id", detail={"model": cfg.model})
+    limit = model_position_limit(cfg.model)
+    if limit is None or cfg.max_model_len <= limit:
+        return cfg, None
+    if cfg.given_for_this_start("max_model_len"):
+        raise ToolFailure(f"max_model_len {cfg.max_model_len} is above the model's own limit "
+                          f"(max_position_embeddings={limit} in {cfg.model}/config.json): pass at most {limit}",
+                          detail={"max_model_len": cfg.max_model_len, "model_limit": limit})
+    note = (f"MAX_MODEL_LEN {cfg.max_model_len} from {cfg.env_file} is above this model's limit: "
+            f"serving at max_position_embeddings={limit}")
+    return replace(cfg, max_model_len=limit), note
 
 
 def _embedding_method_from_config(model: str) -> str | None:
