@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tools.config import DEFAULT_ENV_FILE, load_config, parse_env_file
+from tools.serving.config import DEFAULT_ENV_FILE, load_config, parse_env_file
 from tools.errors import ToolFailure
 
 
@@ -90,7 +90,7 @@ def test_missing_file_and_unknown_override(tmp_path):
 
 
 def test_every_tpu_env_name_is_read():
-    from tools.config import ENV_NAMES
+    from tools.serving.config import ENV_NAMES
 
     names = set(parse_env_file(DEFAULT_ENV_FILE))
-    assert set(ENV_NAMES.values()) == names, "tpu.env and tools.config.ENV_NAMES must list the same variables"
+    assert set(ENV_NAMES.values()) == names, "tpu.env and tools.serving.config.ENV_NAMES must list the same variables"

@@ -1,6 +1,6 @@
 """The serving sweep: vLLM's own `vllm bench serve` over input lengths x concurrencies x repeats, saved as evidence.
 
-One cell is (input length, concurrency). Each cell runs in its own subprocess (`python -m tools.sweep --cell
+One cell is (input length, concurrency). Each cell runs in its own subprocess (`python -m tools.measure.sweep --cell
 SPEC`) that calls `vllm.benchmarks.serve.main` directly (the CPU build's `vllm` console script is broken; the
 benchmark is asyncio-heavy and imports torch, and a separate process can be timed, killed and survive a crash).
 The subprocess first warms the server with `concurrency` requests of the cell's shape built from their own seed,
@@ -32,10 +32,10 @@ from typing import Any, Callable, Literal
 import httpx
 from pydantic import BaseModel, Field
 
-from tools import provenance as prov_mod
+from tools.measure import provenance as prov_mod
 from tools.errors import ToolFailure
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = PROJECT_ROOT / "evidence"
 DEFAULT_PRICE_PER_HOUR = 0.5241  # the article's n1-standard-2 + T4 VM, us-west2 on-demand
 PREFIX_CACHE_POLICY = ("prefix caching left as served; every measured repeat uses prompts from its own seed "
@@ -200,7 +200,7 @@ def aggregate(repeats: list[RepeatResult]) -> tuple[dict[str, float | None], dic
 
 def _default_base_url() -> str:
     try:
-        from tools.config import load_config
+        from tools.serving.config import load_config
 
         return load_config().base_url
     except ImportError:
@@ -264,7 +264,7 @@ def _run_cell_subprocess(spec: dict[str, Any], spec_file: Path, log_file: Path, 
     env["PYTHONPATH"] = str(PROJECT_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("PYTHONUNBUFFERED", "1")
     with open(log_file, "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "tools.sweep", "--cell", str(spec_file)],
+        proc = subprocess.Popen([sys.executable, "-m", "tools.measure.sweep", "--cell", str(spec_file)],
                                 cwd=str(PROJECT_ROOT), env=env, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
         try:
@@ -295,10 +295,10 @@ def run_sweep(params: SweepParams | None = None, *, progress: Progress | None = 
 
     `overrides` set SweepParams fields by name (the MCP server passes its arguments this way). `progress` is
     called with (repeats done, repeats planned, message) as cells start and after every measured repeat.
-    `serve_config` (a tools.config.ServeConfig) names the server tools/ started: its URL is the default
+    `serve_config` (a tools.serving.config.ServeConfig) names the server tools/ started: its URL is the default
     base_url and its argv and engine start fields go into the provenance (default: the project's tpu.env).
     """
-    from tools import sweep_report
+    from tools.measure import sweep_report
 
     params = SweepParams(**{**asdict(params or SweepParams()), **overrides})
     params.validate()
@@ -498,6 +498,6 @@ def _write_raw(out: Path, record: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(prog="python -m tools.sweep", description="Run one sweep cell (internal).")
+    ap = argparse.ArgumentParser(prog="python -m tools.measure.sweep", description="Run one sweep cell (internal).")
     ap.add_argument("--cell", required=True, help="cell spec JSON written by run_sweep")
     raise SystemExit(_cell_main(ap.parse_args().cell))
