@@ -19,10 +19,10 @@ import httpx
 import psutil
 import pytest
 
-from tools import turing_patch
-from tools.config import load_config
+from tools.serving import turing_patch
+from tools.serving.config import load_config
 from tools.errors import ToolFailure
-from tools.vllm_server import Hardware, server_status, start_server, stop_server
+from tools.serving.vllm_server import Hardware, server_status, start_server, stop_server
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["abcdef", "The quick brown fox", "0123456789", "Gemma on a T4", "zyxw vut"]
@@ -149,7 +149,7 @@ def test_int4_embedding_build_gives_the_bf16_builds_greedy_tokens(emb4_server, b
 
 @pytest.mark.vllm
 def test_status_and_query_of_a_shared_server(emb4_server):
-    from tools.vllm_server import query, read_log
+    from tools.serving.vllm_server import query, read_log
 
     st = server_status(emb4_server)
     assert st.alive and st.healthy and st.start_fields.kv_cache_tokens > 0
@@ -235,7 +235,7 @@ def test_turing_gpu_needs_the_clamp_then_memory_needs_swap(tmp_path, serve_confi
 
 
 def test_state_file_of_a_dead_server_is_detected_and_cleared(serve_config_factory, tmp_path):
-    from tools.vllm_server import ServerState, _write_state
+    from tools.serving.vllm_server import ServerState, _write_state
 
     cfg = serve_config_factory(tmp_path, "ghost")
     gone = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
@@ -252,7 +252,7 @@ def test_state_file_of_a_dead_server_is_detected_and_cleared(serve_config_factor
 
 
 def test_a_recycled_pid_is_never_signalled(serve_config_factory, tmp_path):
-    from tools.vllm_server import ServerState, _write_state
+    from tools.serving.vllm_server import ServerState, _write_state
 
     cfg = serve_config_factory(tmp_path, "recycled")
     # A live process group that is not ours, at the pid the state file names (as if the pid had been reused).
@@ -288,7 +288,7 @@ def test_command_line_failures_are_one_line(tmp_path):
 
 
 def test_swap_is_reported_and_never_enabled_implicitly(serve_config_factory, tmp_path):
-    from tools.swap import ensure_swap, swap_report
+    from tools.serving.swap import ensure_swap, swap_report
 
     proc_swaps = tmp_path / "swaps"
     swapfile = tmp_path / "swapfile"
@@ -312,7 +312,7 @@ class FakeT4WithVram(FakeT4):
         self.asked: list[int] = []
 
     def vram(self, pids):
-        from tools.vllm_server import Vram
+        from tools.serving.vllm_server import Vram
 
         self.asked = list(pids)
         return Vram(used_mib=13581, total_mib=15360, utilization_pct=0, process_mib=13300)
@@ -320,7 +320,7 @@ class FakeT4WithVram(FakeT4):
 
 def _adopt(cfg, proc: subprocess.Popen, platform: str = "cpu") -> None:
     """Records a process this test started as if it were the server (its own session, so pgid == pid)."""
-    from tools.vllm_server import ServerState, _write_state
+    from tools.serving.vllm_server import ServerState, _write_state
 
     _write_state(cfg, ServerState(pid=proc.pid, pgid=proc.pid, create_time=psutil.Process(proc.pid).create_time(),
                                   host=cfg.host, port=cfg.port, base_url=cfg.base_url, model="m", served_name="fake",

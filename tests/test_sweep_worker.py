@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tools.sweep import BenchWorker, raw_name
+from tools.measure.sweep import BenchWorker, raw_name
 
 FAKE_SERVE = '''
 import argparse, json, os, time

@@ -7,7 +7,9 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tools import demo, measure_cli, serve_cli
+    from tools.demo import demo
+    from tools.measure import measure_cli
+    from tools.serving import serve_cli
 
     parser = argparse.ArgumentParser(
         prog="vllm-t4",

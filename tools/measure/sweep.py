@@ -1,7 +1,7 @@
 """The serving sweep: vLLM's own `vllm bench serve` over input lengths x concurrencies x repeats, saved as evidence.
 
 One cell is (input length, concurrency). The cells run in one benchmark worker process per sweep (`python -m
-tools.sweep --worker`) that imports `vllm.benchmarks.serve` once (the CPU build's `vllm` console script is
+tools.measure.sweep --worker`) that imports `vllm.benchmarks.serve` once (the CPU build's `vllm` console script is
 broken; the import costs seconds, paid once, not per cell) and takes cell specs over a pipe. It stays a separate
 process, never an import into the caller: the benchmark is asyncio-heavy and imports torch, the MCP server
 never imports vLLM, and a process can be timed, killed and survive a crash. A cell that times out, or a worker
@@ -36,10 +36,10 @@ from typing import Any, Callable, Literal
 import httpx
 from pydantic import BaseModel, Field
 
-from tools import provenance as prov_mod
+from tools.measure import provenance as prov_mod
 from tools.errors import ToolFailure
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = PROJECT_ROOT / "evidence"
 DEFAULT_PRICE_PER_HOUR = 0.5241  # the article's n1-standard-2 + T4 VM, us-west2 on-demand
 PREFIX_CACHE_POLICY = ("prefix caching left as served; every measured repeat uses prompts from its own seed "
@@ -204,7 +204,7 @@ def aggregate(repeats: list[RepeatResult]) -> tuple[dict[str, float | None], dic
 
 def _default_base_url() -> str:
     try:
-        from tools.config import load_config
+        from tools.serving.config import load_config
 
         return load_config().base_url
     except ImportError:
@@ -287,7 +287,7 @@ class BenchWorker:
         env["PYTHONPATH"] = str(PROJECT_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         env.setdefault("PYTHONUNBUFFERED", "1")
         try:
-            self.proc = subprocess.Popen([sys.executable, "-m", "tools.sweep", "--worker", "--answer-fd", str(w)],
+            self.proc = subprocess.Popen([sys.executable, "-m", "tools.measure.sweep", "--worker", "--answer-fd", str(w)],
                                          cwd=str(PROJECT_ROOT), env=env, stdin=subprocess.PIPE,
                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                          pass_fds=(w,), start_new_session=True)
@@ -380,10 +380,10 @@ def run_sweep(params: SweepParams | None = None, *, progress: Progress | None = 
 
     `overrides` set SweepParams fields by name (the MCP server passes its arguments this way). `progress` is
     called with (repeats done, repeats planned, message) as cells start and after every measured repeat.
-    `serve_config` (a tools.config.ServeConfig) names the server tools/ started: its URL is the default
+    `serve_config` (a tools.serving.config.ServeConfig) names the server tools/ started: its URL is the default
     base_url and its argv and engine start fields go into the provenance (default: the project's tpu.env).
     """
-    from tools import sweep_report
+    from tools.measure import sweep_report
 
     params = SweepParams(**{**asdict(params or SweepParams()), **overrides})
     params.validate()
@@ -614,7 +614,7 @@ def _write_raw(out: Path, record: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(prog="python -m tools.sweep", description="The sweep's benchmark worker (internal).")
+    ap = argparse.ArgumentParser(prog="python -m tools.measure.sweep", description="The sweep's benchmark worker (internal).")
     ap.add_argument("--worker", action="store_true", required=True, help="read cell specs from stdin")
     ap.add_argument("--answer-fd", type=int, required=True, help="file descriptor for one answer line per cell")
     raise SystemExit(_worker_main(ap.parse_args().answer_fd))
