@@ -54,7 +54,12 @@ def add_scale_dtype(p: argparse.ArgumentParser) -> None:
 def protected_folders() -> list[Path]:
     """What a command-line build may never replace or wrap: the working folder and the home folder (and, as for
     every build, the file system root)."""
-    return [Path.cwd(), Path.home()]
+    folders = [Path.cwd()]
+    try:
+        folders.append(Path.home())
+    except (RuntimeError, KeyError):  # no HOME and no passwd entry
+        pass
+    return folders
 
 
 def run_build(src: str, out: str, options_kwargs: dict, as_json: bool = False) -> int:

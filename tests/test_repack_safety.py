@@ -79,6 +79,19 @@ def test_output_above_the_source_is_refused_and_nothing_is_touched(tmp_path, cap
     assert _tree(models) == before and _leftovers(tmp_path) == [] and _leftovers(models) == []
 
 
+def test_the_article_scripts_refuse_too(tmp_path):
+    models = tmp_path / "models"
+    src = write_small_checkpoint(models / "qat")
+    before = _tree(models)
+    for args in (["repack/repack_q4_0.py", "repack", str(src), str(models), "--force"],
+                 ["repack/text_only.py", str(src), str(models), "--force"],
+                 ["repack/embed_int4.py", str(src), str(models), "--embed-tokens", "--force"]):
+        r = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 2, (args, r.stderr)
+        _one_line_error(r.stderr, "above the source")
+    assert _tree(models) == before and _leftovers(tmp_path) == []
+
+
 @pytest.mark.parametrize("where", ["same", "inside", "link-to-source", "link-above-source"])
 def test_output_is_never_the_source_inside_or_around_it(tmp_path, capsys, where):
     models = tmp_path / "models"
@@ -311,6 +324,26 @@ def test_a_crashed_replacement_of_out_is_rolled_back_before_out_is_judged(src, o
     assert f"restored {os.path.realpath(old_build)}" in err and f".out.partial-{token}" in err
     assert "already exists" in err.splitlines()[-1]
     assert _kind(old_build) == "old" and _leftovers(tmp_path) == []
+
+
+def test_renameat2_through_the_raw_syscall(tmp_path, monkeypatch):
+    """Where libc lacks the renameat2 wrapper (glibc < 2.28), the syscall number is used."""
+    import ctypes
+    import platform
+
+    if platform.machine() not in atomic._SYS_RENAMEAT2:
+        pytest.skip(f"no renameat2 syscall number known for {platform.machine()}")
+    libc = ctypes.CDLL(None, use_errno=True)
+    monkeypatch.setattr(atomic, "_libc", type("NoWrapper", (), {"syscall": libc.syscall})())
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    (a / "x").write_text("a")
+    (b / "y").write_text("b")
+    atomic._renameat2(a, b, atomic.RENAME_EXCHANGE)
+    assert (a / "y").read_text() == "b" and (b / "x").read_text() == "a"
+    with pytest.raises(FileExistsError):
+        atomic._renameat2(a, b, atomic.RENAME_NOREPLACE)
 
 
 def test_exchange_is_what_publishes_by_default(src, old_build, monkeypatch):
