@@ -335,7 +335,7 @@ def _size(n: int) -> str:
 
 # -- this process's builds -----------------------------------------------------------------------------------
 
-_live_lock = threading.Lock()
+_live_lock = threading.RLock()  # re-entrant: cleanup_own_partials may run in a signal handler
 _live: dict[Path, tuple[Path, str, str]] = {}  # temporary folder -> (parent, output name, token)
 _stop = threading.Event()
 
@@ -543,11 +543,14 @@ def _publish_journaled(tmp: Path, t: Path, shown: Path, token: str, state: _Publ
         except BaseException as e:
             try:
                 _rename_noreplace(old, t)  # roll back; if OUT was taken meanwhile, _settle deletes the old one
+                kept = "the old build was kept"
             except OSError:
-                pass
-            if isinstance(e, OSError):
+                kept = f"the old build is in {old}"
+            if isinstance(e, OSError) and e.errno in (errno.EEXIST, errno.ENOTEMPTY):
                 raise RepackError(f"{shown}: another build wrote it while this one ran; this build was "
                                   f"discarded") from None
+            if isinstance(e, OSError):
+                raise RepackError(f"{shown}: cannot publish the build ({e.strerror or e}); {kept}") from None
             raise
         state.published = True
         _step("published")
