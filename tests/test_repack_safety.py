@@ -605,6 +605,21 @@ def test_two_builds_publishing_at_once(src, tmp_path, capsys, monkeypatch):
     assert _kind(out) == "old" and _leftovers(tmp_path) == []
 
 
+def test_two_real_builds_of_one_output_at_once(src, tmp_path):
+    """Two `repack build` processes, same OUT, no --force: whatever the timing, one writes it and the other
+    exits 2 with one line; no temporary folder is left."""
+    out = tmp_path / "out"
+    procs = [subprocess.Popen([sys.executable, "-m", "repack", "build", str(src), str(out), *FULL], cwd=ROOT,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    errs = [p.communicate(timeout=300)[1] for p in procs]
+    codes = sorted(p.returncode for p in procs)
+    assert codes == [0, 2], errs
+    loser = errs[[p.returncode for p in procs].index(2)]
+    line = _one_line_error(loser, str(out))
+    assert "already exists" in line or "another build wrote it" in line
+    assert _kind(out) == "new" and _leftovers(tmp_path) == []
+
+
 def test_rename_race_enotempty(src, tmp_path, capsys, monkeypatch):
     """The rename itself finds OUT taken (the kernel's ENOTEMPTY/EEXIST), even without renameat2."""
     out = tmp_path / "out"
