@@ -23,13 +23,14 @@ import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Callable, Iterable, Literal
 
 import numpy as np
 
 from . import config as cfgmod
 from . import grid
-from .atomic import atomic_directory, check_destination
+from .atomic import (REPORT, atomic_directory, check_destination, check_no_symlink_loop, check_stopped,
+                     sweep_stale_partials)
 from .checkpoint import INDEX, MM_PREFIX, TOWER_PREFIXES, Checkpoint, open_checkpoint
 from .errors import OffGridError, RepackError
 from .report import TABLES, RepackReport, TableReport
@@ -196,13 +197,26 @@ def _peak_rss() -> int:
 
 
 def build_checkpoint(src: str | Path, out: str | Path, options: BuildOptions | None = None,
-                     progress: Progress | None = None) -> RepackReport:
-    """Builds OUT from SRC as `options` ask, atomically; returns the report (also saved as repack-report.json)."""
+                     progress: Progress | None = None, *, protected_roots: Iterable[str | Path] = (),
+                     notice: Callable[[str], None] | None = None) -> RepackReport:
+    """Builds OUT from SRC as `options` ask, atomically; returns the report (also saved as repack-report.json).
+
+    OUT may never be one of `protected_roots` or a folder above one (nor the file system root, the source, or
+    inside or above the source). Leftovers of dead builds beside OUT are removed first; `notice` gets one line
+    for each (they are also listed in the report's removed_partials)."""
     opt = options or BuildOptions()
     t0 = time.perf_counter()
     src, out = Path(src), Path(out)
+    # first, whatever else fails: dead builds' leftovers go, and a crashed replacement of OUT itself is rolled
+    # back, so OUT is judged as it is
+    removed = sweep_stale_partials(Path(os.path.abspath(out)).parent)
+    for line in removed:
+        if notice:
+            notice(line)
+    check_no_symlink_loop(src, "source folder")
     ck = open_checkpoint(src)
-    check_destination(out, opt.force, src)
+    check_destination(out, opt.force, src, protected_roots,
+                      [ck.path / "config.json", *(sh.path for sh in ck.shards), *ck.side_files()])
     items, shards = _plan(ck, opt)
     config = _output_config(ck, opt, items)
     other = "bf16" if opt.scale_dtype == "fp16" else "fp16"
@@ -220,6 +234,7 @@ def build_checkpoint(src: str | Path, out: str | Path, options: BuildOptions | N
                           other_dtype=other, implementation=grid.implementation(), tables=tables,
                           output_shards=len(shards), hardlinked_shards=sum(1 for s in shards if s.hardlink_from),
                           source_bytes=sum(i.nbytes for i in ck.tensors.values()))
+    report.removed_partials = removed
     metadata = {"format": "pt"}
     for sh in shards:
         sh.layout(metadata)  # fixes sizes for the space check
@@ -246,7 +261,8 @@ def build_checkpoint(src: str | Path, out: str | Path, options: BuildOptions | N
         report.bytes_written = sum(sh.size for sh in shards if sh.hardlink_from is None)
         report.wall_s = time.perf_counter() - t0
         report.peak_rss_bytes = _peak_rss()
-        _write_text(tmp / "repack-report.json", json.dumps(report.to_dict(), indent=2) + "\n")
+        report.files = sorted([*os.listdir(tmp), REPORT])  # what --force may later replace: exactly these
+        _write_text(tmp / REPORT, json.dumps(report.to_dict(), indent=2) + "\n")
     return report
 
 
@@ -311,6 +327,7 @@ def _write_shards(ck: Checkpoint, items: list[_Item], shards: list[OutShard], tm
                     futures[pool.submit(_quant_block, mf, it, writers, r0, n, opt.scale_dtype)] = (it, r0, n)
         pending = set(futures)
         while pending:
+            check_stopped()
             finished, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
             for fut in finished:
                 it, a, n = futures.pop(fut)
