@@ -50,6 +50,10 @@ MAX_HEADER = 100 * 1024 * 1024  # the safetensors library's own limit
 PAGE = mmap.PAGESIZE
 
 
+# The order safetensors' own writer lays tensors out in: larger element size first (its dtype enum order), then
+# by name; with the header padded to 8 bytes every tensor then starts at a multiple of its element size.
+_WRITE_RANK = {d: i for i, d in enumerate(("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "I16", "U16", "F16", "BF16",
+                                           "I32", "U32", "F32", "F64", "I64", "U64"))}
 MAX_JSON_DEPTH = 64  # the safetensors library's parser stops at 128; real headers and configs nest 4 deep
 
 
@@ -338,8 +342,9 @@ class OutShard:
         if metadata:
             header["__metadata__"] = metadata
         pos = 0
-        # Names sorted, as the safetensors library writes them; offsets contiguous from zero.
-        for t in sorted(self.tensors, key=lambda t: t.name):
+        # The safetensors writer's order (widest dtype first, then name): with the 8-byte-aligned data start,
+        # every tensor begins at a multiple of its element size, so it can be viewed in place without a copy.
+        for t in sorted(self.tensors, key=lambda t: (-_WRITE_RANK[t.dtype], t.name)):
             header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [pos, pos + t.nbytes]}
             t.offset = pos
             pos += t.nbytes

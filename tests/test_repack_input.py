@@ -21,7 +21,7 @@ from repack.build import BuildOptions, build_checkpoint
 from repack.checkpoint import open_checkpoint
 from repack.errors import RepackError
 from repack.probe import probe_checkpoint
-from repack.safetensors_io import MappedFile
+from repack.safetensors_io import DTYPES, MappedFile
 from repack.synthetic import grid_words, write_small_checkpoint
 
 FULL = ["--text-only", "--embed-int4", "--embed-tokens"]
@@ -346,6 +346,61 @@ def test_a_shard_replaced_after_its_header_was_read_is_not_mapped(tmp_path):
     st.write_bytes(data + b"\0" * 8)
     with pytest.raises(RepackError, match="changed since its header was read"):
         MappedFile(info.file, info.ident)
+
+
+# ---------------------------------------------------------------------------------------------- output layout
+
+
+def _header(path: Path) -> tuple[int, bytes]:
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    return n, raw[8:8 + n]
+
+
+@pytest.mark.parametrize("options", [dict(), dict(quantize_linears=True, text_only=False, embed_int4=False,
+                                                  embed_tokens=False), dict(embed_tokens=False)])
+def test_output_tensors_are_aligned_like_the_safetensors_writer(tmp_path, options):
+    src = write_small_checkpoint(tmp_path / "src", extra={
+        "model.language_model.odd.weight": ("BF16", (3,), np.arange(3, dtype="<u2").tobytes()),
+        "model.language_model.odd_proj.weight": ("BF16", (3, 32), grid_words(3, 32, np.random.default_rng(2))),
+        "model.language_model.counter": ("I64", (1,), np.arange(1, dtype="<i8").tobytes())})
+    out = tmp_path / "out"
+    build_checkpoint(src, out, BuildOptions(**options))
+    shards = sorted(out.glob("*.safetensors"))
+    assert shards
+    for shard in shards:
+        n, head = _header(shard)
+        assert n % 8 == 0 and head.endswith(b"}" + b" " * (len(head) - len(head.rstrip(b" "))))
+        header = json.loads(head)
+        header.pop("__metadata__", None)
+        for name, e in header.items():
+            size = DTYPES[e["dtype"]][1]
+            assert (8 + n + e["data_offsets"][0]) % size == 0, (shard.name, name, e)
+        # the safetensors library reads every tensor, and writing the same tensors itself gives the same header
+        loaded = {}
+        with safe_open(str(shard), "np") as f:
+            for k in f.keys():
+                if header[k]["dtype"] != "BF16":
+                    loaded[k] = f.get_tensor(k)
+        specs, keep = {}, []
+        blob = shard.read_bytes()
+        for name, e in header.items():
+            b0, b1 = e["data_offsets"]
+            buf = np.frombuffer(blob, dtype=np.uint8, count=b1 - b0, offset=8 + n + b0).copy()
+            keep.append(buf)
+            specs[name] = safetensors.TensorSpec(dtype=_torch_name(e["dtype"]), shape=e["shape"],
+                                                 data_ptr=buf.ctypes.data, data_len=buf.nbytes)
+        meta = json.loads(head).get("__metadata__")
+        assert safetensors.serialize(specs, meta) == blob
+        for k, v in loaded.items():
+            b0, b1 = header[k]["data_offsets"]
+            assert v.tobytes() == blob[8 + n + b0:8 + n + b1]
+
+
+def _torch_name(st: str) -> str:
+    return {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "I8": "int8", "U8": "uint8",
+            "I16": "int16", "U16": "uint16", "I32": "int32", "U32": "uint32", "I64": "int64", "U64": "uint64",
+            "BOOL": "bool"}[st]
 
 
 def test_mcp_tools_pass_their_roots(tmp_path):
