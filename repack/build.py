@@ -109,8 +109,8 @@ def _classify(name: str, info: TensorInfo, ck: Checkpoint, opt: BuildOptions) ->
 def _check_quantizable(it: _Item) -> None:
     s = it.src
     if s.dtype != "BF16":
-        raise RepackError(f"{s.file}: tensor {clip(s.name)} is {s.dtype}, but only BF16 tensors can be repacked; "
-                          f"use the bf16 QAT export (google/gemma-4-E2B-it-qat-q4_0-unquantized)")
+        raise RepackError(f"{s.file}: tensor {clip(s.name)} is {s.dtype}, but only BF16 tensors can be "
+                          f"repacked; use the bf16 QAT export (google/gemma-4-E2B-it-qat-q4_0-unquantized)")
     if len(s.shape) != 2 or s.shape[1] % grid.GROUP or 0 in s.shape:
         raise RepackError(f"{s.file}: tensor {clip(s.name)} has shape {clip(list(s.shape), 80)}; a 4-bit target "
                           f"needs 2 non-empty dimensions with the last a multiple of {grid.GROUP}")
