@@ -433,7 +433,7 @@ class GemmaT4Server:
         src = self.settings.roots.confine(path, "models", must_exist=True, what="checkpoint")
         from repack.probe import probe_checkpoint
 
-        report = probe_checkpoint(src)
+        report = probe_checkpoint(src, roots=list(self.settings.roots.models))
         d = report.to_dict()
         off = [t for t in d["tensors"] if t.get("on_grid") is False]
         summary = (f"{src}: verdict {report.verdict}; text tensors {report.text_on_grid} on grid, "
@@ -603,7 +603,8 @@ def _register_library_tools(mcp: FastMCP, core: GemmaT4Server) -> None:
         opts = BuildOptions(quantize_linears=p.quantize_linears, text_only=p.text_only, embed_int4=p.embed_int4,
                             embed_tokens=p.embed_int4 if p.embed_tokens is None else p.embed_tokens,
                             scale_dtype=p.scale_dtype, force=p.force)
-        report = build_checkpoint(src, out, opts, progress=lambda d, t, m: progress(d, t, m))
+        report = build_checkpoint(src, out, opts, progress=lambda d, t, m: progress(d, t, m),
+                                  roots=list(roots.models))
         d = report.to_dict()
         off = sum(t["offgrid_groups"] for t in d["tables"])
         summary = (f"wrote {out}: {d['total_bytes_before'] / 2**20:.1f} -> {d['total_bytes_after'] / 2**20:.1f} MiB "
