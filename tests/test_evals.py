@@ -257,3 +257,21 @@ def test_eval_dataset_not_loadable_offline_is_one_line(emb4_server, offline, tmp
     line = _one_line_error(capsys, "eval")
     assert "cannot be loaded offline" in line
     _no_run_folder(tmp_path / "ev")
+
+
+def test_mcp_paths_stay_inside_the_roots(tmp_path):
+    from tools.paths import Roots
+
+    roots = Roots.from_env(models=[str(tmp_path / "models")], evidence=[str(tmp_path / "evidence")])
+    (tmp_path / "evidence" / "tasks").mkdir(parents=True)
+    p = evals.confine_eval_params(EvalParams(tasks=["t"], include_path="tasks", out="runs"), roots)
+    assert p.include_path == str(tmp_path / "evidence" / "tasks") and p.out == str(tmp_path / "evidence" / "runs")
+    # The project's own task folder is always allowed.
+    p = evals.confine_eval_params(EvalParams(tasks=["t"], include_path=str(evals.TASKS_DIR), out="r"), roots)
+    assert p.include_path == str(evals.TASKS_DIR)
+    with pytest.raises(ToolFailure, match="include_path .*outside the evidence roots"):
+        evals.confine_eval_params(EvalParams(tasks=["t"], include_path=str(tmp_path), out="r"), roots)
+    with pytest.raises(ToolFailure, match="out .*outside the evidence roots"):
+        evals.confine_eval_params(EvalParams(tasks=["t"], out=str(tmp_path / "elsewhere")), roots)
+    with pytest.raises(ToolFailure, match="run .*outside the evidence roots"):
+        evals.confine_compare_params(CompareParams(runs=[str(tmp_path)]), roots)

@@ -374,6 +374,9 @@ def _explain_failure(log_text: str, rc: int, params: EvalParams) -> tuple[str, d
         where = params.include_path or str(TASKS_DIR)
         return (f"unknown lm-eval task(s): {m.group(1).strip()}; see `python -m lm_eval ls tasks` or put a task "
                 f"YAML in the include folder ({where})", detail)
+    if "clientconnectorerror" in low or "connection refused" in low or "cannot connect to host" in low:
+        return (f"lm-eval could not reach the server at {params.base_url} (connection refused); check ./vllm-t4 "
+                f"status and rerun", detail)
     offline = os.environ.get("HF_DATASETS_OFFLINE") == "1" or os.environ.get("HF_HUB_OFFLINE") == "1"
     if any(k in low for k in ("couldn't reach", "offline mode", "localentrynotfound", "datasetnotfounderror",
                               "unable to find", "connectionerror", "doesn't exist on the hub",
@@ -381,9 +384,6 @@ def _explain_failure(log_text: str, rc: int, params: EvalParams) -> tuple[str, d
         hint = ("run once online so the datasets cache holds it, or unset HF_DATASETS_OFFLINE/HF_HUB_OFFLINE"
                 if offline else "check the task's dataset_path/data_files and the network")
         return f"a task's dataset cannot be loaded{' offline' if offline else ''}: {text[:300]}; {hint}", detail
-    if "clientconnectorerror" in low or "connection refused" in low or "cannot connect to host" in low:
-        return (f"lm-eval lost the server at {params.base_url}: {text[:300]}; check ./vllm-t4 status and rerun",
-                detail)
     return f"lm-eval failed (exit code {rc}): {text[:300]}; see the log lines in detail", detail
 
 
@@ -596,6 +596,40 @@ def _dist_version(name: str) -> str | None:
         return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+def confine_eval_params(params: EvalParams, roots: Any) -> EvalParams:
+    """For callers that must keep paths inside configured roots (the MCP server): `roots` is a tools Roots.
+
+    The include folder must be the project's own tasks folder or lie under an evidence or models root; the output
+    folder under an evidence root. Raises ToolFailure naming the path and the roots.
+    """
+    p = params.model_copy()
+    try:
+        p.out = str(roots.confine(params.out, "evidence", what="out"))
+        if params.include_path is not None:
+            inc = Path(os.path.realpath(Path(params.include_path).expanduser()))
+            if inc != TASKS_DIR and TASKS_DIR not in inc.parents:
+                try:
+                    inc = roots.confine(params.include_path, "evidence", must_exist=True, what="include_path")
+                except ValueError as first:
+                    try:
+                        inc = roots.confine(params.include_path, "models", must_exist=True, what="include_path")
+                    except ValueError:
+                        raise first from None
+            p.include_path = str(inc)
+    except ValueError as exc:
+        raise ToolFailure(str(exc), {"roots": roots.describe() if hasattr(roots, "describe") else None}) from exc
+    return p
+
+
+def confine_compare_params(params: CompareParams, roots: Any) -> CompareParams:
+    """Run folders to compare must lie under an evidence root (see confine_eval_params)."""
+    try:
+        runs = [str(roots.confine(r, "evidence", must_exist=True, what="run")) for r in params.runs]
+    except ValueError as exc:
+        raise ToolFailure(str(exc), {"roots": roots.describe() if hasattr(roots, "describe") else None}) from exc
+    return CompareParams(runs=runs)
 
 
 # ----------------------------------------------------------------------------------------------------------
