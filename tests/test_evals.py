@@ -275,3 +275,24 @@ def test_mcp_paths_stay_inside_the_roots(tmp_path):
         evals.confine_eval_params(EvalParams(tasks=["t"], out=str(tmp_path / "elsewhere")), roots)
     with pytest.raises(ToolFailure, match="run .*outside the evidence roots"):
         evals.confine_compare_params(CompareParams(runs=[str(tmp_path)]), roots)
+
+
+def test_progress_is_read_from_lm_evals_output(tmp_path):
+    import io
+
+    out = (b"2026-01-01:00:00:00 INFO [api.task:312] Building contexts for tiny_pattern_mc on rank 0...\n"
+           b"2026-01-01:00:00:01 INFO [evaluator:570] Running loglikelihood requests\n"
+           b"Requesting API:   0%|          | 0/68 [00:00<?, ?it/s]\r"
+           b"Requesting API:  50%|#####     | 34/68 [00:01<00:01, 30it/s]\r"
+           b"Requesting API: 100%|##########| 68/68 [00:02<00:00, 30it/s]\n")
+    reader = evals._OutputReader(io.BytesIO(out), tmp_path / "log")
+    reader.thread.join(10)
+    events = []
+    while not reader.events.empty():
+        events.append(reader.events.get())
+    assert events[0] == (0, 0, "Building contexts for tiny_pattern_mc")
+    assert events[1] == (0, 0, "Running loglikelihood requests")
+    assert (34, 68, "Running loglikelihood requests: requests") in events
+    assert events[-1] == (68, 68, "Running loglikelihood requests: requests")
+    log = (tmp_path / "log").read_text()
+    assert "68/68" in log and "Running loglikelihood requests" in log

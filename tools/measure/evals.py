@@ -491,9 +491,16 @@ def run_eval(params: EvalParams, progress: Progress | None = None, *, serve_conf
         raise ToolFailure(f"output folder {out} cannot be created: {exc.strerror}", {"out": str(out)}) from exc
     _sweep_stale_tmp(out)
     run_id = _run_dir_name(params, model)
+    for k in range(2, 100):  # two runs started in the same second keep separate folders
+        if not (out / run_id).exists():
+            break
+        run_id = f"{_run_dir_name(params, model)}-{k}"
     final = out / run_id
     tmp = out / f".{run_id}.tmp-{os.getpid()}"
-    tmp.mkdir()
+    try:
+        tmp.mkdir()
+    except OSError as exc:
+        raise ToolFailure(f"cannot write in output folder {out}: {exc.strerror}", {"out": str(out)}) from exc
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     try:
         lm_dir = tmp / "lm_eval"
@@ -586,6 +593,9 @@ def run_eval(params: EvalParams, progress: Progress | None = None, *, serve_conf
         _write_json(tmp / "summary.json", res.to_dict())
         os.replace(tmp, final)  # the run folder appears whole or not at all
         return res
+    except OSError as exc:  # a full disk or a vanished folder: nothing half-written stays
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ToolFailure(f"writing the eval run in {out} failed: {exc}", {"out": str(out)}) from exc
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
