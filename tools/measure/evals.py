@@ -326,14 +326,14 @@ class _OutputReader:
         self.thread.start()
 
     def _emit(self, piece: str) -> None:
+        # A bar and a log line can share one piece: tqdm ends without a newline before the next log record.
+        m = _TQDM.search(piece.strip())
+        if m and m.group("desc").strip().startswith("Requesting API"):
+            self.events.put((int(m.group("done")), int(m.group("total")), f"{self.phase}: requests"))
         m = _PHASE.search(piece)
         if m:
             self.phase = m.group(1).rstrip(";")
             self.events.put((0, 0, self.phase))
-            return
-        m = _TQDM.search(piece.strip())
-        if m and m.group("desc").strip().startswith("Requesting API"):
-            self.events.put((int(m.group("done")), int(m.group("total")), f"{self.phase}: requests"))
 
     def _run(self) -> None:
         buf = ""
