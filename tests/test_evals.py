@@ -234,28 +234,58 @@ def test_eval_cli_json_and_compare_the_two_builds(emb4_run, bf16_server, offline
     assert "| tiny_pattern_gen | exact_match |" in cmp["markdown"]
 
 
-@pytest.mark.vllm
-def test_eval_unknown_task_is_one_line_and_leaves_nothing(emb4_server, offline, tmp_path, capsys):
+@pytest.fixture(scope="module")
+def stub_server(tmp_path_factory):
+    """An HTTP server that describes itself as vLLM does (/v1/models, /version) and serves nothing else: enough for
+    the failures lm-eval reports before its first request, without starting vLLM."""
+    import http.server
+    import threading
+
+    from tools.tiny_model import _write_tokenizer
+
+    tok = tmp_path_factory.mktemp("stub-tokenizer")
+    _write_tokenizer(tok)
+    body = json.dumps({"data": [{"id": "stub", "root": str(tok), "max_model_len": 512}]}).encode()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            data = body if self.path == "/v1/models" else b'{"version": "stub"}'
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+
+
+def test_eval_unknown_task_is_one_line_and_leaves_nothing(stub_server, offline, tmp_path, capsys):
     rc = _cli(["eval", "--tasks", "tiny_pattern_mc,no_such_task_xyz", "--out", str(tmp_path / "ev"), "--base-url",
-               emb4_server.base_url])
+               stub_server])
     assert rc == 2
-    assert "no_such_task_xyz" in _one_line_error(capsys, "eval")
+    line = _one_line_error(capsys, "eval")
+    assert "unknown lm-eval task(s): no_such_task_xyz" in line
     _no_run_folder(tmp_path / "ev")
 
 
-@pytest.mark.vllm
-def test_eval_dataset_not_loadable_offline_is_one_line(emb4_server, offline, tmp_path, capsys):
+def test_eval_dataset_not_loadable_offline_is_one_line(stub_server, offline, tmp_path, capsys):
     inc = tmp_path / "tasks"
     inc.mkdir()
     (inc / "hub_task.yaml").write_text(
         "task: hub_only_task\ndataset_path: gemma4-t4-nonexistent/nonexistent-dataset\noutput_type: "
-        "multiple_choice\ntest_split: test\ndoc_to_text: '{{q}}'\ndoc_to_choice: '{{c}}'\ndoc_to_target: 0\n"
+        "multiple_choice\ntest_split: test\ndoc_to_text: q\ndoc_to_choice: c\ndoc_to_target: 0\n"
         "metric_list:\n  - metric: acc\n")
     rc = _cli(["eval", "--tasks", "hub_only_task", "--include-path", str(inc), "--out", str(tmp_path / "ev"),
-               "--base-url", emb4_server.base_url])
+               "--base-url", stub_server])
     assert rc == 2
     line = _one_line_error(capsys, "eval")
-    assert "cannot be loaded offline" in line
+    assert "cannot be loaded offline" in line and "nonexistent-dataset" in line
     _no_run_folder(tmp_path / "ev")
 
 

@@ -369,7 +369,7 @@ def _explain_failure(log_text: str, rc: int, params: EvalParams) -> tuple[str, d
     detail = {"returncode": rc, "log_tail": lines[-15:]}
     text = exc_line or (lines[-1] if lines else f"exit code {rc}")
     low = log_text.lower()
-    m = re.search(r"Tasks not found: (.*)", log_text)
+    m = re.search(r"^\s*ValueError: Tasks not found: (.*)$", log_text, re.M)
     if m:
         where = params.include_path or str(TASKS_DIR)
         return (f"unknown lm-eval task(s): {m.group(1).strip()}; see `python -m lm_eval ls tasks` or put a task "
