@@ -241,7 +241,7 @@ def stub_server(tmp_path_factory):
     import http.server
     import threading
 
-    from tools.tiny_model import _write_tokenizer
+    from tools.demo.tiny_model import _write_tokenizer
 
     tok = tmp_path_factory.mktemp("stub-tokenizer")
     _write_tokenizer(tok)
@@ -290,7 +290,7 @@ def test_eval_dataset_not_loadable_offline_is_one_line(stub_server, offline, tmp
 
 
 def test_mcp_paths_stay_inside_the_roots(tmp_path):
-    from tools.paths import Roots
+    from tools.mcp.paths import Roots
 
     roots = Roots.from_env(models=[str(tmp_path / "models")], evidence=[str(tmp_path / "evidence")])
     (tmp_path / "evidence" / "tasks").mkdir(parents=True)

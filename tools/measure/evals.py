@@ -254,13 +254,13 @@ def lm_eval_version() -> str | None:
 
 
 def _default_base_url() -> str:
-    from tools.config import load_config
+    from tools.serving.config import load_config
 
     return load_config().base_url
 
 
 def _server(base_url: str):
-    from tools import provenance as prov_mod
+    from tools.measure import provenance as prov_mod
 
     try:
         return prov_mod.server_info(base_url)
@@ -456,11 +456,11 @@ def run_eval(params: EvalParams, progress: Progress | None = None, *, serve_conf
     """Run lm-eval against a live server and save the evidence folder; returns its summary.
 
     `progress(done, total, message)` is called as lm-eval moves through its phases (total 0) and its request
-    progress bars. `serve_config` (a tools.config.ServeConfig) names the server tools/ started: its URL is the
+    progress bars. `serve_config` (a tools.serving.config.ServeConfig) names the server tools/ started: its URL is the
     default base_url and its start record goes into the provenance. Raises ToolFailure with one line, leaving no
     run folder, when the tasks, include folder, server or datasets are unusable or lm-eval fails.
     """
-    from tools import provenance as prov_mod
+    from tools.measure import provenance as prov_mod
 
     params = EvalParams.model_validate(params.model_dump())
     version = lm_eval_version()
@@ -791,7 +791,7 @@ def tiny_pattern_docs(seed: int = 0) -> tuple[list[dict[str, Any]], list[dict[st
     """
     import random
 
-    from tools.tiny_model import FIRST_BYTE_ID, pattern_permutation
+    from tools.demo.tiny_model import FIRST_BYTE_ID, pattern_permutation
 
     perm = pattern_permutation(seed)
     printable = [chr(b) for b in range(0x21, 0x7F)]
