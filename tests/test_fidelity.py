@@ -466,3 +466,66 @@ def test_vllm_negative_control_perturbed_scales_fail_the_metrics(emb4_build, emb
     assert res.top1_agreement < 1.0
     assert res.ppl_ratio != pytest.approx(1.0, abs=1e-3)
     assert greedy.identical < greedy.total
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Long-context greedy identity: needle prompts sized with the served tokenizer
+
+
+def test_long_prompts_hit_their_targets_within_max_model_len():
+    from tools.measure.long_prompts import DEFAULT_TARGETS, build_long_prompts, needle_prompt
+
+    def count(prompt):  # a byte-level tokenizer plus a few template tokens, like the tiny model's
+        return len(prompt.encode()) + 7
+
+    built = build_long_prompts(count, 16384, max_tokens=160)
+    assert [t for t in DEFAULT_TARGETS] == [2048, 8192, 14336]
+    assert len(built) == 3
+    for (prompt, n), target in zip(built, DEFAULT_TARGETS):
+        assert n == count(prompt)
+        assert 0.98 * target <= n <= target
+        _, answer = needle_prompt(target, 10)
+        assert prompt.index(answer) < 0.1 * len(prompt)  # the fact early
+        assert prompt.rstrip().endswith("Answer with the code word only.")  # the question last
+    assert build_long_prompts(count, 16384, max_tokens=160) == built  # deterministic
+    assert [n for _, n in build_long_prompts(count, 9000, max_tokens=160)] == [n for _, n in built[:2]]
+    assert build_long_prompts(count, 2048, max_tokens=160) == []
+
+
+def test_compare_record_long_adds_the_needle_prompts(tmp_path, monkeypatch, capsys):
+    import tools.compare_tokens as ct
+    import tools.measure.long_prompts as lp
+
+    asked = {}
+    monkeypatch.setattr(lp, "long_prompts", lambda base, **kw: asked.setdefault("long", ["NEEDLE PROMPT"]))
+
+    def fake_generate(base, prompts, **kw):
+        asked["prompts"] = prompts
+        return ct.TokenRecord(created="now", base_url=base, max_tokens=kw["max_tokens"],
+                              top_logprobs=kw["top_logprobs"],
+                              generations=[ct.Generation(prompt=p, token_ids=[1], text="", prompt_tokens=9)
+                                           for p in prompts])
+
+    monkeypatch.setattr(ct, "generate", fake_generate)
+    out = tmp_path / "tokens.json"
+    rc = cli_main(["compare", "record", "--out", str(out), "--long", "--base-url", "http://127.0.0.1:9"])
+    assert rc == 0
+    assert asked["prompts"][-1] == "NEEDLE PROMPT" and asked["prompts"][:-1] == list(ct.DEFAULT_PROMPTS)
+    rc = cli_main(["compare", "check", str(out), "--json", "--base-url", "http://127.0.0.1:9"])
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 0 and [p["prompt_tokens"] for p in res["prompts"]] == [9] * 9
+
+
+@pytest.mark.vllm
+def test_vllm_long_prompts_sized_by_the_served_tokenizer(emb4_server, tmp_path):
+    from tools.compare_tokens import CompareParams, check_against, record_reference
+    from tools.measure.long_prompts import long_prompts
+
+    prompts = long_prompts(emb4_server.base_url, max_tokens=16, targets=(200, 400, 4096))
+    assert len(prompts) == 2  # 4096 does not fit the fixture's max_model_len
+    ref = tmp_path / "long.json"
+    record_reference(ref, CompareParams(base_url=emb4_server.base_url, prompts=prompts, max_tokens=16))
+    res = check_against(ref, CompareParams(base_url=emb4_server.base_url))
+    sizes = [p.prompt_tokens for p in res.prompts]
+    assert 196 <= sizes[0] <= 200 and 392 <= sizes[1] <= 400
+    assert res.identical == res.total
