@@ -412,9 +412,9 @@ def test_vllm_bf16_embedding_build_against_emb4(bf16_server, emb4_server, tmp_pa
     """The article's comparison through the real engine: the two builds of one QAT model are one model to the
     fingerprint, and the KLD is small (their weights are the same grid values)."""
     ref = tmp_path / "bf16.json"
-    _record(bf16_server, ref, window=256, max_corpus_tokens=1024)
+    rec = _record(bf16_server, ref, window=256, max_corpus_tokens=1024)
     res = fid.check_logprobs(fid.CheckLogprobsParams(reference=str(ref), base_url=emb4_server.base_url))
-    assert res.tokens == 4 * 255
+    assert res.tokens == rec.tokens >= 4 * 255
     assert res.matched_mass > 0.99
     assert res.top1_agreement > 0.9
 
