@@ -420,9 +420,10 @@ def test_vllm_bf16_embedding_build_against_emb4(bf16_server, emb4_server, tmp_pa
 
 
 def perturb_scales(build: Path, out: Path) -> list[str]:
-    """A copy of `build` whose weight_scale tensors in the first two decoder layers and the lm_head are ×1.5 on
-    every other output row: a wrong-scale build the metrics must catch."""
-    import torch
+    """A copy of `build` with wrong scales: ×1.5 on every other output row of the first two decoder layers'
+    weight_scale, and ×-1.5 on every other row of the lm_head's. The tiny model predicts its pattern so
+    confidently that the layers' ×1.5 alone leaves every top-1 token in place (measured); the head's sign makes
+    the top-1 fail wherever the predicted token is on a perturbed row."""
     from safetensors.torch import load_file, save_file
 
     shutil.copytree(build, out)
@@ -430,10 +431,12 @@ def perturb_scales(build: Path, out: Path) -> list[str]:
     for shard in sorted(out.glob("*.safetensors")):
         tensors = load_file(shard)
         for name, t in tensors.items():
-            if name.endswith("weight_scale") and (".layers.0." in name or ".layers.1." in name
-                                                  or name.startswith("lm_head")):
+            if not name.endswith("weight_scale"):
+                continue
+            factor = -1.5 if name.startswith("lm_head") else 1.5
+            if name.startswith("lm_head") or ".layers.0." in name or ".layers.1." in name:
                 t = t.clone()
-                t[::2] = (t[::2].float() * 1.5).to(t.dtype)
+                t[::2] = (t[::2].float() * factor).to(t.dtype)
                 tensors[name] = t
                 changed.append(name)
         save_file(tensors, shard, metadata={"format": "pt"})
