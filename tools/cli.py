@@ -20,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     measure_cli.register(sub)  # sweep, sweep-compare, compare
     demo.register(sub)         # demo: the whole pipeline, ending in an evidence report
     __import__("tools.measure.evals", fromlist=["register"]).register(sub)  # eval, eval-compare (lm-eval)
+    __import__("tools.measure.fidelity", fromlist=["register"]).register(sub)  # fidelity record|check
     return parser
 
 

@@ -54,6 +54,7 @@ class CompareParams:
     max_tokens: int = 160
     top_logprobs: int = 5
     timeout_s: float = 600.0
+    long: bool = False                    # record/live: add the ~2k/8k/14k-token needle prompts that fit
 
 
 class Generation(BaseModel):
@@ -61,6 +62,7 @@ class Generation(BaseModel):
     token_ids: list[int]
     text: str
     finish_reason: str | None = None
+    prompt_tokens: int | None = Field(None, description="Prompt length in tokens, chat template included")
     top_logprobs: list[dict[int, float]] = Field(default_factory=list,
                                                  description="Per generated position: token id -> logprob")
 
@@ -91,6 +93,7 @@ class PromptComparison(BaseModel):
     same_tokens: bool
     reference_len: int
     candidate_len: int
+    prompt_tokens: int | None = Field(None, description="Prompt length in tokens, chat template included")
     first_divergence: int | None = Field(None, description="0-based generated position of the first difference")
     reference_token: int | None = None
     candidate_token: int | None = None
@@ -120,7 +123,7 @@ class TokenComparison(BaseModel):
     def text(self) -> str:
         lines: list[str] = []
         for p in self.prompts:
-            lines.append(f"PROMPT: {p.prompt}")
+            lines.append(f"PROMPT: {short_prompt(p.prompt, p.prompt_tokens)}")
             lines.append(f"SAME TOKENS: {p.same_tokens}")
             if not p.same_tokens:
                 if p.verdict == "length":
@@ -135,6 +138,15 @@ class TokenComparison(BaseModel):
 
 
 # ----------------------------------------------------------------------------------------------------------
+
+
+def short_prompt(prompt: str, prompt_tokens: int | None = None) -> str:
+    """The prompt for display: long-context prompts shortened to their first and last words."""
+    if len(prompt) <= 200:
+        return prompt
+    flat = " ".join(prompt.split())
+    size = f" ({prompt_tokens} prompt tokens)" if prompt_tokens else ""
+    return f"{flat[:60]} … {flat[-80:]}{size}"
 
 
 def _default_base_url() -> str:
@@ -210,7 +222,8 @@ def generate(base_url: str, prompts: list[str], *, max_tokens: int = 160, top_lo
             if r.status_code != 200:
                 raise ToolFailure(f"{base}/v1/chat/completions answered {r.status_code} for prompt {i + 1}: "
                                   f"{r.text[:200]}")
-            choice = r.json()["choices"][0]
+            data = r.json()
+            choice = data["choices"][0]
             ids = choice.get("token_ids")
             if ids is None:
                 raise ToolFailure(f"{base} returned no token_ids: it must be a vLLM server that supports "
@@ -220,7 +233,8 @@ def generate(base_url: str, prompts: list[str], *, max_tokens: int = 160, top_lo
                 tops.append({_parse_token(t["token"]): float(t["logprob"]) for t in pos.get("top_logprobs", [])})
             gens.append(Generation(prompt=prompt, token_ids=[int(x) for x in ids],
                                    text=choice["message"].get("content") or "",
-                                   finish_reason=choice.get("finish_reason"), top_logprobs=tops))
+                                   finish_reason=choice.get("finish_reason"), top_logprobs=tops,
+                                   prompt_tokens=(data.get("usage") or {}).get("prompt_tokens")))
             if progress is not None:
                 progress(i + 1, len(prompts), f"{base}: prompt {i + 1}/{len(prompts)}, {len(ids)} tokens")
     sha = None
@@ -261,7 +275,8 @@ def load_record(path: str | Path) -> TokenRecord:
 
 def compare_generations(ref: Generation, cand: Generation) -> PromptComparison:
     a, b = ref.token_ids, cand.token_ids
-    out = PromptComparison(prompt=ref.prompt, same_tokens=a == b, reference_len=len(a), candidate_len=len(b))
+    out = PromptComparison(prompt=ref.prompt, same_tokens=a == b, reference_len=len(a), candidate_len=len(b),
+                           prompt_tokens=cand.prompt_tokens or ref.prompt_tokens)
     if a == b:
         return out
     n = min(len(a), len(b))
@@ -297,14 +312,21 @@ def compare_records(ref: TokenRecord, cand: TokenRecord, *, reference_name: str 
                            max_tokens=ref.max_tokens, top_logprobs=ref.top_logprobs)
 
 
-def _prompts(params: CompareParams) -> list[str]:
+def _prompts(params: CompareParams, base_url: str | None = None) -> list[str]:
     if params.prompts_file:
-        return load_prompts(params.prompts_file)
-    if params.prompts:
+        prompts = load_prompts(params.prompts_file)
+    elif params.prompts:
         if not all(isinstance(p, str) and p.strip() for p in params.prompts):
             raise ToolFailure("prompts must be non-empty strings")
-        return list(params.prompts)
-    return list(DEFAULT_PROMPTS)
+        prompts = list(params.prompts)
+    else:
+        prompts = list(DEFAULT_PROMPTS)
+    if params.long:
+        from tools.measure.long_prompts import long_prompts
+
+        prompts += long_prompts(base_url or _default_base_url(), max_tokens=params.max_tokens,
+                                timeout_s=params.timeout_s)
+    return prompts
 
 
 def record_reference(out: str | Path, params: CompareParams | None = None, *, progress: Progress | None = None
@@ -312,7 +334,7 @@ def record_reference(out: str | Path, params: CompareParams | None = None, *, pr
     """Record the reference build's tokens (the server at params.base_url) to `out`."""
     params = params or CompareParams()
     base = (params.base_url or _default_base_url()).rstrip("/")
-    rec = generate(base, _prompts(params), max_tokens=params.max_tokens, top_logprobs=params.top_logprobs,
+    rec = generate(base, _prompts(params, base), max_tokens=params.max_tokens, top_logprobs=params.top_logprobs,
                    timeout_s=params.timeout_s, progress=progress)
     save_record(rec, out)
     return rec
@@ -334,7 +356,7 @@ def compare_live(url_a: str, url_b: str, params: CompareParams | None = None, *,
                  ) -> TokenComparison:
     """Both builds live: url_a is the reference, url_b the candidate."""
     params = params or CompareParams()
-    prompts = _prompts(params)
+    prompts = _prompts(params, url_a)
     n = len(prompts)
 
     def half(offset: int) -> Progress | None:

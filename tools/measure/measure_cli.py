@@ -90,14 +90,17 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from tools.measure.compare_tokens import CompareParams, check_against, compare_live, record_reference
 
     params = CompareParams(base_url=getattr(args, "base_url", None), prompts_file=getattr(args, "prompts", None),
-                           max_tokens=getattr(args, "max_tokens", 160), top_logprobs=args.top_logprobs)
+                           max_tokens=getattr(args, "max_tokens", 160), top_logprobs=args.top_logprobs,
+                           long=getattr(args, "long", False))
     if params.base_url is None and args.action != "live":
         cfg = _serve_config(args)
         params.base_url = cfg.base_url if cfg is not None else None
     prog = _progress(args)
     if args.action == "record":
         rec = record_reference(args.out, params, progress=prog)
-        lines = [f"PROMPT: {g.prompt}\n  {len(g.token_ids)} tokens, finish {g.finish_reason}" for g in rec.generations]
+        from tools.compare_tokens import short_prompt
+
+        lines = [f"PROMPT: {short_prompt(g.prompt, g.prompt_tokens)}\n  {len(g.token_ids)} tokens, finish {g.finish_reason}" for g in rec.generations]
         _emit(args, rec, "\n".join(lines + [f"{rec.summary()}", f"{args.out}"]))
     elif args.action == "check":
         res = check_against(args.reference, params, progress=prog)
@@ -163,6 +166,8 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     a.add_argument("--prompts", default=None, help="prompts file: JSON list or one per line (default: eight built in)")
     a.add_argument("--max-tokens", type=int, default=160)
     a.add_argument("--top-logprobs", type=int, default=5, help="alternatives kept per position (default 5)")
+    a.add_argument("--long", action="store_true", help="add needle-in-a-haystack prompts of ~2k, 8k and 14k tokens "
+                                                       "(those within the server's max_model_len)")
     a = acts.add_parser("check", help="compare the serving build with a recorded reference")
     a.add_argument("reference", help="file written by `compare record`")
     common(a)
