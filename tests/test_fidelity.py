@@ -496,7 +496,7 @@ def test_long_prompts_hit_their_targets_within_max_model_len():
 
 
 def test_compare_record_long_adds_the_needle_prompts(tmp_path, monkeypatch, capsys):
-    import tools.compare_tokens as ct
+    import tools.measure.compare_tokens as ct
     import tools.measure.long_prompts as lp
 
     asked = {}

@@ -105,7 +105,7 @@ def test_every_tpu_env_name_is_read():
     from tools.serving.config import ENV_NAMES
 
     names = set(parse_env_file(DEFAULT_ENV_FILE))
-    assert set(ENV_NAMES.values()) == names, "tpu.env and tools.config.ENV_NAMES must list the same variables"
+    assert set(ENV_NAMES.values()) == names, "tpu.env and tools.serving.config.ENV_NAMES must list the same variables"
 
 
 def test_default_model_is_this_projects_local_build(monkeypatch):

@@ -98,7 +98,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     prog = _progress(args)
     if args.action == "record":
         rec = record_reference(args.out, params, progress=prog)
-        from tools.compare_tokens import short_prompt
+        from tools.measure.compare_tokens import short_prompt
 
         lines = [f"PROMPT: {short_prompt(g.prompt, g.prompt_tokens)}\n  {len(g.token_ids)} tokens, finish {g.finish_reason}" for g in rec.generations]
         _emit(args, rec, "\n".join(lines + [f"{rec.summary()}", f"{args.out}"]))
