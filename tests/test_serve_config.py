@@ -41,7 +41,7 @@ def test_cpu_argv_differs_only_in_dtype_and_gpu_memory(tmp_path):
     cfg = load_config(DEFAULT_ENV_FILE, model="m", served_name="s", port=1234, extra_args="--enforce-eager",
                       cpu_compile=True)
     cuda, cpu = cfg.vllm_argv("cuda"), cfg.vllm_argv("cpu")
-    assert cpu[cpu.index("--dtype") + 1] == cfg.cpu_dtype == "bfloat16"
+    assert cpu[cpu.index("--dtype") + 1] == cfg.cpu_dtype == "float16"  # the T4's dtype on the CPU too
     assert "--gpu-memory-utilization" not in cpu
     strip = lambda a: [x for i, x in enumerate(a) if x not in ("--dtype", "--gpu-memory-utilization")
                        and a[i - 1] not in ("--dtype", "--gpu-memory-utilization")]

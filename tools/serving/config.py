@@ -57,7 +57,7 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     dtype: str = "float16"
-    cpu_dtype: str = "bfloat16"
+    cpu_dtype: str = "float16"  # the T4's arithmetic on the CPU too
     gpu_memory_utilization: float = 0.90
     max_model_len: int = 16384
     max_num_seqs: int = 8
