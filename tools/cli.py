@@ -17,6 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve_cli.register(sub)    # start, stop, status, query, log, swap
     measure_cli.register(sub)  # sweep, sweep-compare, compare
     demo.register(sub)         # demo: the whole pipeline, ending in an evidence report
+    __import__("tools.serving.preflight", fromlist=["register"]).register(sub)  # doctor: preflight checks
     return parser
 
 
