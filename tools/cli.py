@@ -18,6 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     measure_cli.register(sub)  # sweep, sweep-compare, compare
     demo.register(sub)         # demo: the whole pipeline, ending in an evidence report
     __import__("tools.serving.preflight", fromlist=["register"]).register(sub)  # doctor: preflight checks
+    __import__("tools.serving.fetch", fromlist=["register"]).register(sub)  # fetch: a checkpoint from the hub
     return parser
 
 
