@@ -179,21 +179,28 @@ def _hub_failure(exc: BaseException, repo_id: str, revision: str, endpoint: str 
 # Progress in bytes: huggingface_hub drives a tqdm-like object per file
 
 def _progress_class(progress: Progress | None, total: int) -> type:
+    """A tqdm stand-in for snapshot_download. It builds several bars from the class (files fetched, network
+    bytes, bytes written): only the bytes-written one ("Reconstructing ...") counts, and it includes what a
+    resumed file already had in the cache."""
     done = [0]
 
     class _Bytes:
         def __init__(self, *args: Any, **kwargs: Any) -> None:
-            # A resumed file starts at what the cache already holds.
-            self._add(int(kwargs.get("initial") or 0))
-
-        def _add(self, n: int) -> None:
-            if n:
-                done[0] += n
-                if progress is not None:
-                    progress(done[0], total, "downloading")
+            self.desc = str(kwargs.get("desc") or "")
+            self.total = kwargs.get("total")
+            self.n = 0
+            self.format_dict: dict[str, Any] = {"rate": None}
+            self._counts = self.desc.startswith("Reconstructing")
+            if kwargs.get("initial"):
+                self.update(kwargs["initial"])
 
         def update(self, n: int | float | None = 1) -> None:
-            self._add(int(n or 0))
+            inc = int(n or 0)
+            self.n += inc
+            if self._counts and inc:
+                done[0] += inc
+                if progress is not None:
+                    progress(done[0], total, "downloading")
 
         def __enter__(self) -> "_Bytes":
             return self
@@ -201,10 +208,9 @@ def _progress_class(progress: Progress | None, total: int) -> type:
         def __exit__(self, *exc: Any) -> None:
             pass
 
-        def close(self) -> None:
-            pass
-
-        def __getattr__(self, name: str) -> Callable[..., None]:  # set_description, refresh, set_postfix_str, ...
+        def __getattr__(self, name: str) -> Callable[..., None]:  # close, refresh, set_description, set_postfix_str...
+            if name.startswith("__"):
+                raise AttributeError(name)
             return lambda *a, **k: None
 
     return _Bytes
@@ -360,8 +366,10 @@ def fetch_checkpoint(params: FetchParams, progress: Progress | None = None) -> F
         names = sorted(sizes)
     else:
         try:
+            # The patterns keep files a build does not read (README, other formats) out of the completeness
+            # check huggingface_hub makes against the listing it cached when the files were fetched.
             snapshot = Path(snapshot_download(repo_id, revision=revision, cache_dir=cache_dir,
-                                              local_files_only=True))
+                                              local_files_only=True, allow_patterns=list(BUILD_FILES)))
         except Exception as exc:
             raise _hub_failure(exc, repo_id, revision, endpoint, bool(token)) from None
         commit = snapshot.name
