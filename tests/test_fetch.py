@@ -32,7 +32,9 @@ class StandInHub:
         self.files = files
         self.sha = {n: hashlib.sha256(b).hexdigest() for n, b in files.items()}
         self.mode = "ok"          # ok | gated401 | gated403
+        self.cut: str | None = None  # a file whose body stops at half its size, every time (a dropped connection)
         self.requests: list[str] = []
+        self.ranges: list[tuple[str, int]] = []  # (file, first byte asked for) of each ranged GET
         hub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -80,6 +82,19 @@ class StandInHub:
                     data = hub.files[name]
                     headers = {"X-Repo-Commit": COMMIT, "ETag": f'"{hub.sha[name]}"'}
                     rng = self.headers.get("Range")
+                    if rng and not head:
+                        hub.ranges.append((name, int(rng.split("=")[1].split("-")[0])))
+                    if name == hub.cut and not head:
+                        start = int(rng.split("=")[1].split("-")[0]) if rng else 0
+                        self.send_response(206 if rng else 200)
+                        for k, v in headers.items():
+                            self.send_header(k, v)
+                        self.send_header("Content-Length", str(len(data) - start))
+                        self.end_headers()
+                        self.wfile.write(data[start:max(start, len(data) // 2)])
+                        self.wfile.flush()
+                        self.close_connection = True
+                        return None
                     if rng and not head:
                         start = int(rng.split("=")[1].split("-")[0])
                         headers["Content-Range"] = f"bytes {start}-{len(data) - 1}/{len(data)}"
@@ -259,3 +274,32 @@ def test_command_line_bad_input_exits_2_with_one_line(tmp_path):
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "owner/name" in done.stderr
     done = _cli(["fetch", REPO, "--revision", "a..b", "--out", str(tmp_path / "x")], dict(os.environ))
     assert done.returncode == 2 and "revision" in done.stderr
+
+
+def test_an_interrupted_fetch_resumes_through_the_cache(hub_files, hub_env, tmp_path, monkeypatch):
+    """huggingface_hub 2.4 resumes a dropped connection inside one fetch (a ranged GET from the bytes it has) and,
+    across fetches, keeps every file it completed; a file cut off for good is fetched whole next time."""
+    from huggingface_hub import constants
+
+    models = tmp_path / "models"
+    # A file over two of huggingface_hub's download chunks: it keeps the chunks it received whole.
+    chunk = constants.DOWNLOAD_CHUNK_SIZE
+    big = "model-extra.safetensors"
+    hub_files = dict(hub_files, **{big: os.urandom(2 * chunk + 4096)})
+    with StandInHub(hub_files) as hub:
+        hub.cut = big  # every attempt at this file stops at half: the fetch fails
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        with pytest.raises(ToolFailure, match="resumes") as exc:
+            fetch_checkpoint(FetchParams(repo_id=REPO, roots=[str(models)]))
+        assert exc.value.detail["kind"] == "dropped" and "\n" not in str(exc.value)
+        assert (big, chunk) in hub.ranges  # the retry asked for what it lacked, from its first whole chunk on
+    assert not models.exists() or list(models.iterdir()) == []  # nothing half-done in the models root
+    blobs = {p.name for p in hub_env.glob("models--acme--gemma-4-tiny-qat/blobs/*")}
+    done_before = {n for n in hub_files if hashlib.sha256(hub_files[n]).hexdigest() in blobs}
+    assert big not in done_before and len(done_before) >= 2
+    with StandInHub(hub_files) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        r = fetch_checkpoint(FetchParams(repo_id=REPO, roots=[str(models)]))
+        fetched = {q.rsplit("/", 1)[1] for q in hub.requests if q.startswith("GET /acme/")}
+    assert big in fetched and not fetched & done_before  # completed files came from the cache
+    assert all((Path(r.out) / f.path).read_bytes() == hub_files[f.path] for f in r.files)

@@ -3,8 +3,10 @@ published atomically, with sizes and sha256 hashes recorded.
 
     ./vllm-t4 fetch REPO_ID [--revision R] [--out DIR]
 
-Downloads go through `huggingface_hub` into its own cache (HF_HUB_CACHE / HF_HOME), which resumes an interrupted
-file from its `.incomplete` blob: no partial folder ever sits in the models root. Once every file is in the cache,
+Downloads go through `huggingface_hub` into its own cache (HF_HUB_CACHE / HF_HOME): a dropped connection is
+resumed inside the fetch (huggingface_hub retries with a ranged GET from the bytes it has), and a fetch run again
+after a failure takes every file it completed from the cache; huggingface_hub 2.4 discards a file it could not
+finish, so that one starts over. No partial folder ever sits in the models root. Once every file is in the cache,
 the output is assembled in a hidden temporary folder beside it (hard links to the cache's blobs, copies across
 filesystems), `fetch-manifest.json` is written, and the folder is renamed into place. With HF_HUB_OFFLINE=1 the
 revision is resolved from the cache alone. HF_ENDPOINT, HF_HUB_CACHE and HF_HOME are read at each call.
@@ -164,6 +166,10 @@ def _hub_failure(exc: BaseException, repo_id: str, revision: str, endpoint: str 
                            "reached (HF_HUB_OFFLINE=1 or no network): connect and unset HF_HUB_OFFLINE, then run the "
                            "fetch again", detail={**detail, "kind": "offline"})
     name = type(exc).__name__
+    if "Protocol" in name or "ReadError" in name or "Consistency check failed" in str(exc):
+        return ToolFailure(f"the download from {endpoint or 'https://huggingface.co'} was cut off ({name}); run the "
+                           "fetch again: it resumes from what the huggingface_hub cache already holds",
+                           detail={**detail, "kind": "dropped"})
     if "Connect" in name or "Timeout" in name or "Network" in name or isinstance(exc, ConnectionError):
         return ToolFailure(f"no network: cannot reach {endpoint or 'https://huggingface.co'} ({name}); check the "
                            "connection, a proxy or HF_ENDPOINT, or set HF_HUB_OFFLINE=1 to use what is cached",
@@ -400,7 +406,7 @@ def _result(repo_id: str, revision: str, commit: str, out: Path, manifest: dict[
 
 
 def _cached_bytes(cache_dir: str, repo_id: str, commit: str, sizes: dict[str, int]) -> int:
-    """Bytes of these files the cache already holds for this commit (complete or resumable)."""
+    """Bytes of these files the cache already holds, complete, for this commit."""
     from huggingface_hub.file_download import repo_folder_name
 
     folder = Path(cache_dir) / repo_folder_name(repo_id=repo_id, repo_type="model")
@@ -409,9 +415,6 @@ def _cached_bytes(cache_dir: str, repo_id: str, commit: str, sizes: dict[str, in
         p = folder / "snapshots" / commit / name
         if p.exists():
             have += sizes[name]
-    blobs = folder / "blobs"
-    if blobs.is_dir():
-        have += sum(f.stat().st_size for f in blobs.glob("*.incomplete"))
     return min(have, sum(sizes.values()))
 
 

@@ -490,11 +490,12 @@ def run_preflight(params: PreflightParams, *, hardware: Any = None, nvml: Any = 
     input (BadInput: an env_file that does not exist)."""
     if params.env_file is not None and not Path(params.env_file).expanduser().is_file():
         raise BadInput(f"--env-file {params.env_file} does not exist; pass an existing tpu.env")
-    checks = checks_for(params.step, env_file=params.env_file, source=params.source, out=params.out,
-                        hardware=hardware, nvml=nvml, turing_target=turing_target)
     from tools.vllm_server import Hardware
 
-    platform = (hardware or Hardware()).platform()
+    hw = hardware or Hardware()
+    checks = checks_for(params.step, env_file=params.env_file, source=params.source, out=params.out,
+                        hardware=hw, nvml=nvml, turing_target=turing_target)
+    platform = hw.platform()
     failed = [c.name for c in checks if c.status == "fail"]
     warnings = [c.name for c in checks if c.status == "warn"]
     path = "GPU (CUDA)" if platform == "cuda" else "CPU (vLLM's CPU build)"
