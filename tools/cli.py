@@ -21,6 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.register(sub)         # demo: the whole pipeline, ending in an evidence report
     __import__("tools.measure.evals", fromlist=["register"]).register(sub)  # eval, eval-compare (lm-eval)
     __import__("tools.measure.fidelity", fromlist=["register"]).register(sub)  # fidelity record|check
+    __import__("tools.serving.preflight", fromlist=["register"]).register(sub)  # doctor: preflight checks
+    __import__("tools.serving.fetch", fromlist=["register"]).register(sub)  # fetch: a checkpoint from the hub
     return parser
 
 

@@ -4,7 +4,9 @@
 
 Without an NVIDIA GPU it builds the tiny Gemma-4-shaped QAT-like model (tools.demo.tiny_model), so nothing is
 downloaded; on a machine where `nvidia-smi -L` answers (the T4 VM) it takes the real QAT checkpoint from
-SOURCE_CHECKPOINT in tpu.env (or --source). Then, with the same library calls the MCP tools make:
+SOURCE_CHECKPOINT in tpu.env (or --source), after the checks of `./vllm-t4 doctor`; with SOURCE_CHECKPOINT
+empty and a Hugging Face token set it fetches it first (`./vllm-t4 fetch`). Then, with the same library calls
+the MCP tools make:
 
 1. probe the source (is it on the 4-bit grid?);
 2. repack it, one pass per build: the bf16-embedding text build and the all-4-bit (int4 embeddings) build;
@@ -90,6 +92,7 @@ class _Plan:
     repeats: int
     max_tokens: int
     builds: list[tuple[str, str, dict[str, Any]]] = field(default_factory=list)  # label, folder, options
+    preflight: str = ""                                  # the T4 path's preflight summary
 
 
 class BuildStep(BaseModel):
@@ -138,18 +141,16 @@ def _plan(opts: DemoOptions, log: Log) -> _Plan:
     evidence = (opts.evidence or PROJECT_ROOT / "evidence" / f"demo-{stamp}").resolve()
     if gpu:
         env_file = opts.env_file or DEFAULT_ENV_FILE
+        checked = _preflight(env_file, source_given=opts.source is not None)
         src = opts.source
         if src is None:
             raw = load_config(env_file).source_checkpoint
-            if not raw:
-                raise ToolFailure(f"{env_file}: {SOURCE_KEY} is not set; set it to the folder of "
-                                  "google/gemma-4-E2B-it-qat-q4_0-unquantized (or pass --source)")
-            src = Path(raw).expanduser()
+            src = Path(raw).expanduser() if raw else _fetch_source(env_file, log)
         if not (src / "config.json").is_file():
             raise ToolFailure(f"source checkpoint {src} has no config.json; download "
                               "google/gemma-4-E2B-it-qat-q4_0-unquantized there or fix --source")
         models = PROJECT_ROOT / "models"
-        plan = _Plan(gpu=True, source=src.resolve(), models=models, evidence=evidence,
+        plan = _Plan(gpu=True, source=src.resolve(), models=models, evidence=evidence, preflight=checked,
                      serve_overrides={"state_dir": work / "run"},
                      input_lens=opts.input_lens or [512], concurrencies=opts.concurrencies or [1, 8],
                      output_len=opts.output_len or 128, repeats=opts.repeats, max_tokens=opts.max_tokens or 160)
@@ -169,6 +170,36 @@ def _plan(opts: DemoOptions, log: Log) -> _Plan:
                                                embed_tokens=True)),
     ]
     return plan
+
+
+def _preflight(env_file: Path, *, source_given: bool = False) -> str:
+    """The T4 path starts with the same checks as ./vllm-t4 doctor: refused with the first failing check's line."""
+    from tools.serving.preflight import PreflightParams, run_preflight
+
+    report = run_preflight(PreflightParams(env_file=str(env_file)))
+    # With --source the gated download the token check is about does not happen.
+    failed = [c for c in report.checks if c.status == "fail" and not (source_given and c.name == "hf_token")]
+    if failed:
+        first = failed[0]
+        raise ToolFailure(first.line(), detail={"preflight": report.model_dump()})
+    return report.summary
+
+
+def _fetch_source(env_file: Path, log: Log) -> Path:
+    """SOURCE_CHECKPOINT empty: fetch the gated QAT source into models/ (./vllm-t4 fetch), given a token."""
+    from tools.serving.fetch import FetchParams, fetch_checkpoint
+    from tools.serving.preflight import SOURCE_REPO, _token
+
+    if _token()[0] is None:
+        raise ToolFailure(f"{env_file}: {SOURCE_KEY} is not set and no Hugging Face token is set to fetch it: "
+                          f"accept the licence at https://huggingface.co/{SOURCE_REPO} and export "
+                          f"HF_TOKEN=<a read token>, or set {SOURCE_KEY} to a downloaded copy (or pass --source)")
+    log(f"[0/6] {SOURCE_KEY} is empty: fetching {SOURCE_REPO} into models/")
+    show = _progress_printer(log, "fetch, bytes", 10.0)
+    result = fetch_checkpoint(FetchParams(repo_id=SOURCE_REPO), progress=lambda d, t, m: show(d, t, m))
+    log(f"    {result.out}: {len(result.files)} files, {result.total_bytes / 2**30:.2f} GiB"
+        + (" (already there)" if result.already_present else ""))
+    return Path(result.out)
 
 
 def _progress_printer(log: Log, what: str, every_s: float = 5.0) -> Callable[..., None]:
@@ -192,6 +223,8 @@ def run_demo(opts: DemoOptions | None = None, *, log: Log = _stderr) -> DemoRepo
     plan.models.mkdir(parents=True, exist_ok=True)
     plan.evidence.mkdir(parents=True, exist_ok=True)
     log(f"gemma4-t4 demo on {'an NVIDIA GPU' if plan.gpu else 'the CPU (tiny model)'}; evidence in {plan.evidence}")
+    if plan.preflight:
+        log(f"[0/6] preflight: {plan.preflight}")
 
     from repack.build import BuildOptions, build_checkpoint
     from repack.probe import probe_checkpoint

@@ -423,7 +423,7 @@ def run_sweep(params: SweepParams | None = None, *, progress: Progress | None = 
 def _run_cells(params: SweepParams, cells_plan: list[tuple[int, int]], result: SweepResult, worker: BenchWorker, *,
                base_url: str, model: str, tokenizer: str, max_len: int | None, raw_dir: Path, run_dir: Path,
                progress: Progress | None, total: int, t0: float) -> None:
-    from tools import sweep_report
+    from tools.measure import sweep_report
 
     done = 0
 

