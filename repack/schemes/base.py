@@ -118,12 +118,14 @@ class ErrorStats:
     @classmethod
     def of(cls, ref: np.ndarray, decoded: np.ndarray) -> "ErrorStats":
         finite = np.isfinite(ref)
-        r = np.where(finite, ref, 0.0).astype(np.float64)
-        d = np.where(finite, decoded, 0.0)
-        err = d - r
-        return cls(values=ref.size, nonfinite=int(ref.size - np.count_nonzero(finite)),
-                   max_abs_error=float(np.abs(err).max(initial=0.0)), sq_err=[float(np.dot(err.ravel(), err.ravel()))],
-                   sq_ref=[float(np.dot(r.ravel(), r.ravel()))])
+        nonfinite = int(ref.size - np.count_nonzero(finite))
+        if nonfinite:
+            ref, decoded = np.where(finite, ref, 0.0), np.where(finite, decoded, 0.0)
+        r = ref.astype(np.float64, copy=False).ravel()
+        err = decoded.ravel() - r
+        return cls(values=ref.size, nonfinite=nonfinite,
+                   max_abs_error=float(max(err.max(initial=0.0), -err.min(initial=0.0))),
+                   sq_err=[float(np.dot(err, err))], sq_ref=[float(np.dot(r, r))])
 
     def merge(self, o: "ErrorStats") -> None:
         self.values += o.values

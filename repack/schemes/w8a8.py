@@ -46,14 +46,15 @@ class W8A8(Scheme):
                         ) -> tuple[np.ndarray, np.ndarray]:
         """bf16 words [n_blocks, block] (a block is an output row) -> (int8 [n_blocks, block], float32 scales
         [n_blocks, 1]). NaN/inf values are stored as 0 and left out of the peak."""
-        x = bf16_to_float(words).astype(np.float64)
-        finite = np.isfinite(x)
-        x = np.where(finite, x, 0.0)
-        amax = np.abs(x).max(axis=1, keepdims=True, initial=0.0)
+        x = bf16_to_float(words)
+        if (words & 0x7F80).max(initial=0) == 0x7F80 and not np.isfinite(x).all():
+            x = np.where(np.isfinite(x), x, np.float32(0))
+        amax = np.maximum(x.max(axis=1, keepdims=True, initial=0), -x.min(axis=1, keepdims=True, initial=0))
         # an all-zero row decodes exactly with any scale; 1 keeps readers that divide by it finite
-        scale = np.where(amax > 0, amax / QMAX, 1.0).astype(np.float32)
-        q = np.clip(np.rint(x / scale.astype(np.float64)), -QMAX, QMAX).astype(np.int8)
-        return q, scale
+        scale = np.where(amax > 0, amax.astype(np.float64) / QMAX, 1.0).astype(np.float32)
+        # divided in float64: float32 can round a quotient onto a .5 tie and then to the farther level
+        q = np.rint(x / scale.astype(np.float64))
+        return np.clip(q, -QMAX, QMAX, out=q).astype(np.int8), scale
 
     @classmethod
     def dequantize_blocks(cls, q: np.ndarray, scale: np.ndarray) -> np.ndarray:
