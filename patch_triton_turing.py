@@ -6,7 +6,7 @@
   ./patch_triton_turing.py --revert   restore the original
   --target FILE                        work on FILE instead of the installed vLLM's file
 
-Why and what: tools/turing_patch.py.
+Why and what: tools/serving/turing_patch.py.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tools import turing_patch  # noqa: E402
+from tools.serving import turing_patch  # noqa: E402
 from tools.errors import ToolFailure  # noqa: E402
 
 

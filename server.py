@@ -41,9 +41,9 @@ from fastmcp.tools.base import ToolResult  # noqa: E402
 from mcp_types import TextContent, ToolAnnotations  # noqa: E402
 from pydantic import BaseModel, ConfigDict, Field, ValidationError  # noqa: E402
 
-from tools.jobs import Busy, JobInfo, JobRegistry, ProgressFn  # noqa: E402
-from tools.paths import Roots  # noqa: E402
-from tools.vram import VramStatus  # noqa: E402
+from tools.mcp.jobs import Busy, JobInfo, JobRegistry, ProgressFn  # noqa: E402
+from tools.mcp.paths import Roots  # noqa: E402
+from tools.gpu.vram import VramStatus  # noqa: E402
 
 SERVER_NAME = "gemma4-t4"
 TOKEN_ENV = "GEMMA4_T4_MCP_TOKEN"
@@ -389,14 +389,14 @@ class GemmaT4Server:
     # ------------------------------------------------------------------------------------------ plumbing
 
     def config(self, **overrides: Any) -> Any:
-        from tools.config import load_config
+        from tools.serving.config import load_config
 
         merged = {**self.settings.config_overrides, **{k: v for k, v in overrides.items() if v is not None}}
         return load_config(str(self.settings.env_file) if self.settings.env_file else None, **merged)
 
     def managed_base_url(self) -> str:
         """The base URL of the server this project started (state file), for tools that measure it."""
-        from tools.vllm_server import server_status
+        from tools.serving.vllm_server import server_status
 
         st = server_status(self.config())
         if not st.alive or not st.base_url:
@@ -433,7 +433,7 @@ class GemmaT4Server:
         src = self.settings.roots.confine(path, "models", must_exist=True, what="checkpoint")
         from repack.probe import probe_checkpoint
 
-        report = probe_checkpoint(src)
+        report = probe_checkpoint(src, roots=list(self.settings.roots.models))
         d = report.to_dict()
         off = [t for t in d["tensors"] if t.get("on_grid") is False]
         summary = (f"{src}: verdict {report.verdict}; text tensors {report.text_on_grid} on grid, "
@@ -508,12 +508,12 @@ def create_server(settings: Settings | None = None, *, auth: Any = None) -> Fast
         """Per GPU: name, driver, total/used/free MiB, utilization; per process: GPU memory, with the processes
         of the vLLM server this project started marked (its engine core is a child process). On a machine
         without an NVIDIA driver: available=false and the reason, not an error."""
-        from tools import vram
+        from tools.gpu import vram
 
         def read() -> VramResult:
             pid = None
             try:
-                from tools.vllm_server import server_status as _status
+                from tools.serving.vllm_server import server_status as _status
 
                 pid = getattr(_status(core.config()), "pid", None)
             except Exception:  # no serving config or no server: VRAM is still worth reading
@@ -603,7 +603,8 @@ def _register_library_tools(mcp: FastMCP, core: GemmaT4Server) -> None:
         opts = BuildOptions(quantize_linears=p.quantize_linears, text_only=p.text_only, embed_int4=p.embed_int4,
                             embed_tokens=p.embed_int4 if p.embed_tokens is None else p.embed_tokens,
                             scale_dtype=p.scale_dtype, force=p.force)
-        report = build_checkpoint(src, out, opts, progress=lambda d, t, m: progress(d, t, m))
+        report = build_checkpoint(src, out, opts, progress=lambda d, t, m: progress(d, t, m),
+                                  roots=list(roots.models))
         d = report.to_dict()
         off = sum(t["offgrid_groups"] for t in d["tables"])
         summary = (f"wrote {out}: {d['total_bytes_before'] / 2**20:.1f} -> {d['total_bytes_after'] / 2**20:.1f} MiB "
@@ -639,7 +640,7 @@ def _register_library_tools(mcp: FastMCP, core: GemmaT4Server) -> None:
 
     # ---------------------------------------------------------------------------------------------- serving
     def start_work(p: StartParams, progress: ProgressFn) -> StartInfo:
-        from tools.vllm_server import start_server, stop_server
+        from tools.serving.vllm_server import start_server, stop_server
 
         model = roots.confine_model(p.model) if p.model else None
         cfg = core.config(model=model, served_name=p.served_name, port=p.port, max_model_len=p.max_model_len,
@@ -695,7 +696,7 @@ def _register_library_tools(mcp: FastMCP, core: GemmaT4Server) -> None:
     ) -> StopInfo:
         """SIGTERM the server's whole process group (API server and engine core), SIGKILL after grace_s, clear
         its state file; frees the GPU. Safe to call when nothing runs."""
-        from tools.vllm_server import stop_server
+        from tools.serving.vllm_server import stop_server
 
         def work() -> StopInfo:
             res = stop_server(core.config(), grace_s=grace_s)
@@ -708,7 +709,7 @@ def _register_library_tools(mcp: FastMCP, core: GemmaT4Server) -> None:
         """Whether the server this project started runs and answers /health: pid, uptime, model, base_url, its
         command line, the engine's start figures (KV cache tokens, kernels, cold/warm), GPU memory; also the
         path roots tools accept."""
-        from tools.vllm_server import server_status as status
+        from tools.serving.vllm_server import server_status as status
 
         def work() -> ServerStatusInfo:
             res = status(core.config())
@@ -722,7 +723,7 @@ def _register_library_tools(mcp: FastMCP, core: GemmaT4Server) -> None:
         lines: Annotated[int, Field(ge=1, le=2000, description="How many last lines")] = 50,
     ) -> LogResult:
         """The last lines of the vLLM server log (this start's, or the last start's after a failure)."""
-        from tools.vllm_server import read_log
+        from tools.serving.vllm_server import read_log
 
         def work() -> LogResult:
             cfg = core.config()
@@ -741,7 +742,7 @@ def _register_library_tools(mcp: FastMCP, core: GemmaT4Server) -> None:
     ) -> QueryInfo:
         """One greedy chat completion (temperature 0) from the running server: the text, usage and generated
         token ids."""
-        from tools.vllm_server import query
+        from tools.serving.vllm_server import query
 
         def work() -> QueryInfo:
             res = query(core.config(), prompt, max_tokens=max_tokens)
@@ -764,7 +765,7 @@ def _register_library_tools(mcp: FastMCP, core: GemmaT4Server) -> None:
         """The T4 (sm_75) has 64 KiB shared memory; vLLM's Triton attention asks 96 KiB at head size 512. The
         clamp halves the tile sizes on compute capability < 8 and launches with one stage. start_vllm_server
         refuses on a Turing GPU until it is applied. Patches the vLLM installed in this environment only."""
-        from tools import turing_patch
+        from tools.serving import turing_patch
 
         def work() -> PatchInfo:
             fn = {"check": turing_patch.check, "apply": turing_patch.apply, "revert": turing_patch.revert}[action]
@@ -776,7 +777,7 @@ def _register_library_tools(mcp: FastMCP, core: GemmaT4Server) -> None:
     # ---------------------------------------------------------------------------------------------- measuring
     def sweep_work(p: SweepArgs, progress: ProgressFn) -> SweepInfo:
         out = roots.confine(p.output_dir, "evidence", what="output_dir")
-        from tools.sweep import run_sweep as sweep
+        from tools.measure.sweep import run_sweep as sweep
 
         base_url = p.base_url or core.managed_base_url()  # the managed server, not the config's default port
         res = sweep(progress=lambda d, t, m: progress(d, t, m), base_url=base_url, out=str(out), label=p.label,
@@ -835,7 +836,7 @@ def _register_library_tools(mcp: FastMCP, core: GemmaT4Server) -> None:
         def work() -> CompareSweepsInfo:
             dirs = [roots.confine(d, "evidence", must_exist=True, what="run_dir") for d in run_dirs]
             out = roots.confine(output, "evidence", what="output") if output else None
-            from tools.sweep_report import compare_runs
+            from tools.measure.sweep_report import compare_runs
 
             cmp = compare_runs([str(d) for d in dirs], price_per_hour=price_per_hour)
             d = cmp.to_dict()
@@ -859,7 +860,7 @@ def _register_compare_tokens(mcp: FastMCP, core: GemmaT4Server) -> None:
         ref = None
         if p.reference:
             ref = roots.confine(p.reference, "evidence", must_exist=p.mode == "check", what="reference")
-        from tools.compare_tokens import compare_tokens as compare
+        from tools.measure.compare_tokens import compare_tokens as compare
 
         base_url = p.base_url or core.managed_base_url()
         res = compare(progress=lambda d, t, m: progress(d, t, m), mode=p.mode, base_url=base_url,
@@ -908,7 +909,7 @@ def _register_compare_tokens(mcp: FastMCP, core: GemmaT4Server) -> None:
 
 
 def _sweep_info(res: Any) -> SweepInfo:
-    from tools.sweep_report import markdown_run
+    from tools.measure.sweep_report import markdown_run
 
     cells = []
     for c in res.cells:

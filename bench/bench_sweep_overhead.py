@@ -6,6 +6,10 @@
    argument parser and `main`, in a fresh process, as the console script would run it), same server, same
    seed, alternating A/B several times: output tok/s of the two should differ by less than the run-to-run
    spread.
+3. The marginal cost of one more cell: a 3-cell and a 6-cell sweep (one repeat each, warm-up on), the time
+   outside vLLM's measured durations and warm-ups, and its difference per added cell. The benchmark worker
+   imports vLLM's bench code once per sweep, so an added cell should cost well under a second beyond its own
+   requests.
 
 Usage (against a running server; on a CPU box start one with ./vllm-t4 start or by hand):
 
@@ -30,8 +34,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tools.provenance import collect, server_info  # noqa: E402
-from tools.sweep import SweepParams, prompt_seed, run_sweep  # noqa: E402
+from tools.measure.provenance import collect, server_info  # noqa: E402
+from tools.measure.sweep import SweepParams, prompt_seed, run_sweep  # noqa: E402
 
 DIRECT = """
 import json, sys
@@ -108,6 +112,23 @@ def main() -> int:
                     b_vals.append(rep.metrics["output_throughput"])
                     hits.append(rep.prefix_cache_hits)
 
+        # Part 3: marginal cost of a cell. Distinct input lengths make distinct cells of the same size.
+        base_len = max(8, args.input_len - 6)
+        outside: dict[int, float] = {}
+        walls: dict[int, float] = {}
+        for ncells in (3, 6):
+            lens = [base_len + i for i in range(ncells)]
+            t = time.monotonic()
+            r = run_sweep(SweepParams(base_url=args.base_url, input_lens=lens, output_len=args.output_len,
+                                      concurrencies=[1], repeats=1, label=f"marginal{ncells}",
+                                      out=tmpd / f"marginal{ncells}"))
+            walls[ncells] = time.monotonic() - t
+            inside = sum((rep.metrics.get("duration") or 0) + (rep.warmup_s or 0)
+                         for c3 in r.cells for rep in c3.repeats)
+            outside[ncells] = walls[ncells] - inside
+        part3 = {"input_lens_from": base_len, "wall_s": walls, "outside_measured_and_warmup_s": outside,
+                 "marginal_outside_s_per_cell": (outside[6] - outside[3]) / 3}
+
     def spread(v: list[float]) -> float:
         return (max(v) - min(v)) / statistics.median(v) * 100
 
@@ -120,7 +141,8 @@ def main() -> int:
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
     load = os.getloadavg()  # other work on the machine widens every spread; say how busy it was
     record = {"date": stamp, "load_average_1_5_15": load, "input_len": args.input_len, "output_len": args.output_len, "concurrencies": concs,
-              "repeats": args.repeats, "part1_sweep_wall_time": part1, "part2_same_cell": part2, "provenance": prov}
+              "repeats": args.repeats, "part1_sweep_wall_time": part1, "part2_same_cell": part2,
+              "part3_marginal_cell": part3, "provenance": prov}
     md = "\n".join([
         f"# Sweep harness overhead ({stamp})", "",
         f"Server `{model}` at {args.base_url}, {prov.get('gpu_name') or 'CPU: ' + str(prov.get('cpu_model'))}, "
@@ -140,7 +162,11 @@ def main() -> int:
         f"| {part2['direct_spread_pct']:.1f}% |",
         f"| run_sweep | {', '.join(f'{v:.1f}' for v in b_vals)} | {part2['run_sweep_median']:.1f} "
         f"| {part2['run_sweep_spread_pct']:.1f}% |", "",
-        f"Difference of medians: {part2['difference_pct']:+.1f}%.", ""])
+        f"Difference of medians: {part2['difference_pct']:+.1f}%.", "",
+        "## The marginal cost of one more cell (concurrency 1, one repeat, warm-up on)", "",
+        "| cells | wall s | outside vLLM's measured durations and warm-ups, s |", "|---|---|---|",
+        *[f"| {k} | {walls[k]:.1f} | {outside[k]:.1f} |" for k in (3, 6)], "",
+        f"Per added cell: {part3['marginal_outside_s_per_cell']:.2f} s outside the measured work.", ""])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"sweep-overhead-{stamp}.json").write_text(json.dumps(record, indent=2) + "\n")

@@ -24,14 +24,15 @@ import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Callable, Iterable, Literal
 
 from . import config as cfgmod
 from . import grid
 from . import schemes
-from .atomic import atomic_directory, check_destination
-from .checkpoint import INDEX, MM_PREFIX, TOWER_PREFIXES, Checkpoint, open_checkpoint
-from .errors import RepackError
+from .atomic import (REPORT, atomic_directory, check_destination, check_no_symlink_loop, check_stopped,
+                     sweep_stale_partials)
+from .checkpoint import INDEX, MM_PREFIX, TOWER_PREFIXES, Checkpoint, check_unique_outputs, open_checkpoint
+from .errors import RepackError, clip
 from .report import TABLES, RepackReport, TableReport
 from .safetensors_io import MappedFile, OutShard, OutTensor, ShardWriter, TensorInfo, write_error
 
@@ -112,11 +113,11 @@ def _classify(name: str, info: TensorInfo, ck: Checkpoint, opt: BuildOptions) ->
 def _check_quantizable(it: _Item) -> None:
     s = it.src
     if s.dtype != "BF16":
-        raise RepackError(f"{s.file}: tensor {s.name} is {s.dtype}, but only BF16 tensors can be repacked; "
-                          f"use the bf16 QAT export (google/gemma-4-E2B-it-qat-q4_0-unquantized)")
-    if len(s.shape) != 2 or s.shape[1] % grid.GROUP or s.shape[0] == 0:
-        raise RepackError(f"{s.file}: tensor {s.name} has shape {list(s.shape)}; a 4-bit target needs 2 "
-                          f"dimensions with the last a multiple of {grid.GROUP}")
+        raise RepackError(f"{s.file}: tensor {clip(s.name)} is {s.dtype}, but only BF16 tensors can be "
+                          f"repacked; use the bf16 QAT export (google/gemma-4-E2B-it-qat-q4_0-unquantized)")
+    if len(s.shape) != 2 or s.shape[1] % grid.GROUP or 0 in s.shape:
+        raise RepackError(f"{s.file}: tensor {clip(s.name)} has shape {clip(list(s.shape), 80)}; a 4-bit target "
+                          f"needs 2 non-empty dimensions with the last a multiple of {grid.GROUP}")
 
 
 def _plan(ck: Checkpoint, opt: BuildOptions) -> tuple[list[_Item], list[OutShard]]:
@@ -198,14 +199,29 @@ def _peak_rss() -> int:
 
 
 def build_checkpoint(src: str | Path, out: str | Path, options: BuildOptions | None = None,
-                     progress: Progress | None = None) -> RepackReport:
-    """Builds OUT from SRC as `options` ask, atomically; returns the report (also saved as repack-report.json)."""
+                     progress: Progress | None = None, *, protected_roots: Iterable[str | Path] = (),
+                     notice: Callable[[str], None] | None = None, roots: list[Path] | None = None) -> RepackReport:
+    """Builds OUT from SRC as `options` ask, atomically; returns the report (also saved as repack-report.json).
+
+    OUT may never be one of `protected_roots` or a folder above one (nor the file system root, the source, or
+    inside or above the source). Leftovers of dead builds beside OUT are removed first; `notice` gets one line
+    for each (they are also listed in the report's removed_partials). roots: when given, every source file read
+    must resolve inside one of them."""
     opt = options or BuildOptions()
     t0 = time.perf_counter()
     src, out = Path(src), Path(out)
-    ck = open_checkpoint(src)
-    check_destination(out, opt.force, src)
+    # first, whatever else fails: dead builds' leftovers go, and a crashed replacement of OUT itself is rolled
+    # back, so OUT is judged as it is
+    removed = sweep_stale_partials(Path(os.path.abspath(out)).parent)
+    for line in removed:
+        if notice:
+            notice(line)
+    check_no_symlink_loop(src, "source folder")
+    ck = open_checkpoint(src, roots)
+    check_destination(out, opt.force, src, protected_roots,
+                      [ck.path / "config.json", *(sh.path for sh in ck.shards), *ck.side_files()])
     items, shards = _plan(ck, opt)
+    check_unique_outputs(((it.src.name, t.name) for it in items for t in it.outs.values()), ck.path)
     config = _output_config(ck, opt, items)
     other = "bf16" if opt.scale_dtype == "fp16" else "fp16"
     tables = {name: TableReport(name) for name in TABLES}
@@ -223,6 +239,7 @@ def build_checkpoint(src: str | Path, out: str | Path, options: BuildOptions | N
                                   output_shards=len(shards),
                                   hardlinked_shards=sum(1 for s in shards if s.hardlink_from),
                                   source_bytes=sum(i.nbytes for i in ck.tensors.values()), scheme=opt.scheme)
+    report.removed_partials = removed
     metadata = {"format": "pt"}
     for sh in shards:
         sh.layout(metadata)  # fixes sizes for the space check
@@ -249,7 +266,8 @@ def build_checkpoint(src: str | Path, out: str | Path, options: BuildOptions | N
         report.bytes_written = sum(sh.size for sh in shards if sh.hardlink_from is None)
         report.wall_s = time.perf_counter() - t0
         report.peak_rss_bytes = _peak_rss()
-        _write_text(tmp / "repack-report.json", json.dumps(report.to_dict(), indent=2) + "\n")
+        report.files = sorted([*os.listdir(tmp), REPORT])  # what --force may later replace: exactly these
+        _write_text(tmp / REPORT, json.dumps(report.to_dict(), indent=2) + "\n")
     return report
 
 
@@ -298,7 +316,7 @@ def _write_shards(ck: Checkpoint, items: list[_Item], shards: list[OutShard], tm
                 continue
             mf = maps.get(it.src.file)
             if mf is None:
-                mf = maps[it.src.file] = MappedFile(it.src.file)
+                mf = maps[it.src.file] = MappedFile(it.src.file, it.src.ident)
             if it.action == "copy":
                 for start in range(0, max(it.src.nbytes, 1), BLOCK_BYTES):
                     length = min(BLOCK_BYTES, it.src.nbytes - start)
@@ -314,6 +332,7 @@ def _write_shards(ck: Checkpoint, items: list[_Item], shards: list[OutShard], tm
                     futures[pool.submit(_quant_block, mf, it, writers, r0, n, opt)] = (it, r0, n)
         pending = set(futures)
         while pending:
+            check_stopped()
             finished, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
             for fut in finished:
                 it, a, n = futures.pop(fut)

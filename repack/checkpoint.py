@@ -1,19 +1,28 @@
-"""A source checkpoint folder: config, shards (single file or indexed), tensor table, side files."""
+"""A source checkpoint folder: config, shards (single file or indexed), tensor table, side files.
+
+Every file is opened through the same checks: a link must not lead outside the checkpoint folder (or, when
+roots are given, outside them), a symlink loop is named as one, and each shard header is checked as the
+safetensors format defines it (safetensors_io.read_header) before any tensor byte is read.
+"""
 
 from __future__ import annotations
 
-import json
+import errno
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Sequence
 
-from .errors import RepackError
-from .safetensors_io import SafetensorsHeader, TensorInfo, read_header
+from . import config as cfgmod
+from .errors import RepackError, clip
+from .safetensors_io import SafetensorsHeader, TensorInfo, Within, loads_json, open_confined, open_error, read_header
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 TOWER_PREFIXES = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
 MM_PREFIX = "model.language_model."
+MAX_JSON_FILE = 64 << 20  # a config or an index is kilobytes; anything this big is not one
 
 
 @dataclass
@@ -22,62 +31,149 @@ class Checkpoint:
     config: dict[str, Any]
     shards: list[SafetensorsHeader]  # in file-name order
     tensors: dict[str, TensorInfo]
+    within: Within = ()  # where the files read may lie (the folder, and the roots if given)
 
     @property
     def multimodal(self) -> bool:
-        return "text_config" in self.config
+        return isinstance(self.config.get("text_config"), dict)
 
     def side_files(self) -> list[Path]:
-        """Files carried along unchanged: tokenizer, chat template, generation config and the like."""
+        """Files carried along unchanged: tokenizer, chat template, generation config and the like.
+
+        A link among them is followed only inside the folder (and the roots): its content is copied into the
+        output, where it could be read back."""
         skip = {INDEX, SINGLE, "config.json", "repack-report.json"}
         shard_names = {s.path.name for s in self.shards}
-        return sorted(p for p in self.path.iterdir()
-                      if p.is_file() and p.name not in skip and p.name not in shard_names
-                      and not p.name.endswith(".safetensors") and not p.name.startswith("."))
+        out = []
+        for p in sorted(self.path.iterdir()):
+            if p.name in skip or p.name in shard_names or p.name.endswith(".safetensors") or p.name.startswith("."):
+                continue
+            if p.is_symlink() or p.is_file():
+                if p.is_symlink() and p.is_dir():
+                    continue
+                os.close(open_confined(p, self.within))  # refuses a loop, a broken link or a link outside
+                out.append(p)
+        return out
 
 
-def open_checkpoint(src: str | Path) -> Checkpoint:
-    """Reads a checkpoint's config and every shard header; raises RepackError on anything unusable."""
-    src = Path(src)
-    if not src.exists():
-        raise RepackError(f"{src}: no such folder; pass the folder of a downloaded checkpoint")
-    if not src.is_dir():
-        raise RepackError(f"{src}: not a folder; pass the checkpoint folder that holds config.json")
-    cfg_path = src / "config.json"
-    if not cfg_path.is_file():
-        raise RepackError(f"{src}: no config.json; pass the folder of a Hugging Face checkpoint")
+def _folder_dirs(real: Path) -> list[Path]:
+    """The folders a checkpoint's files may resolve into: the folder itself, and for a Hugging Face cache
+    snapshot (models--OWNER--NAME/snapshots/REV, whose files link to ../../blobs) that repository's blobs."""
+    dirs = [real]
+    if real.parent.name == "snapshots" and real.parent.parent.name.startswith("models--"):
+        dirs.append(real.parent.parent / "blobs")
+    return dirs
+
+
+def _read_json(path: Path, within: Within, what: str) -> Any:
+    fd = open_confined(path, within)
     try:
-        config = json.loads(cfg_path.read_text())
-        if not isinstance(config, dict):
-            raise ValueError("not an object")
-    except (ValueError, UnicodeDecodeError) as e:
-        raise RepackError(f"{cfg_path}: not valid JSON ({e}); re-download it") from None
+        size = os.fstat(fd).st_size
+        if size > MAX_JSON_FILE:
+            raise RepackError(f"{clip(path)}: {size:,} bytes, too large to be {what}; re-download it",
+                              {"file": clip(path), "problem": "too-large"})
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            raw = f.read()
+    except OSError as e:
+        raise open_error(path, e) from None
+    finally:
+        os.close(fd)
+    return loads_json(raw, clip(path))
+
+
+def open_checkpoint(src: str | Path, roots: Sequence[str | Path] | None = None) -> Checkpoint:
+    """Reads a checkpoint's config and every shard header; raises RepackError on anything unusable.
+
+    roots: when given (the MCP server's models roots), every file read must resolve inside one of them too."""
+    src = Path(src)
+    try:
+        st = os.stat(src)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise RepackError(f"{clip(src)}: a symlink loop, not a folder; pass the folder of a downloaded "
+                              f"checkpoint", {"file": clip(src), "problem": "symlink-loop"}) from None
+        raise RepackError(f"{clip(src)}: no such folder; pass the folder of a downloaded checkpoint",
+                          {"file": clip(src), "problem": "missing"}) from None
+    except ValueError:  # an embedded NUL
+        raise RepackError(f"{clip(src)}: not a valid path; pass the folder of a downloaded checkpoint") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise RepackError(f"{clip(src)}: not a folder; pass the checkpoint folder that holds config.json",
+                          {"file": clip(src), "problem": "not-a-folder"})
+    within: list[tuple[str, Sequence[Path]]] = [("the checkpoint folder", _folder_dirs(Path(os.path.realpath(src))))]
+    if roots:
+        within.append(("the allowed roots", [Path(os.path.realpath(r)) for r in roots]))
+
+    cfg_path = src / "config.json"
+    if not os.path.lexists(cfg_path):
+        raise RepackError(f"{clip(src)}: no config.json; pass the folder of a Hugging Face checkpoint",
+                          {"file": clip(cfg_path), "problem": "missing"})
+    config = _read_json(cfg_path, within, "a config.json")
+    if not isinstance(config, dict):
+        raise RepackError(f"{clip(cfg_path)}: not valid JSON (not an object); re-download it",
+                          {"file": clip(cfg_path), "problem": "bad-json"})
+    cfgmod.validate(config, clip(cfg_path))
 
     index_path = src / INDEX
-    if index_path.is_file():
-        try:
-            weight_map = json.loads(index_path.read_text())["weight_map"]
-            files = sorted(set(weight_map.values()))
-        except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
-            raise RepackError(f"{index_path}: not a valid safetensors index ({e}); re-download it") from None
+    if os.path.lexists(index_path):
+        index = _read_json(index_path, within, "a safetensors index")
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not (isinstance(weight_map, dict) and all(isinstance(v, str) and v and "\0" not in v
+                                                      for v in weight_map.values())):
+            raise RepackError(f"{clip(index_path)}: not a valid safetensors index (weight_map must map tensor "
+                              f"names to shard file names); re-download it",
+                              {"file": clip(index_path), "problem": "bad-index"})
+        files = sorted(set(weight_map.values()))
         for f in files:
-            if not (src / f).is_file():
-                raise RepackError(f"{index_path}: names shard {f}, which is missing; re-download the checkpoint")
-    elif (src / SINGLE).is_file():
+            if not os.path.lexists(src / f):
+                raise RepackError(f"{clip(index_path)}: names shard {clip(f)}, which is missing; re-download the "
+                                  f"checkpoint", {"file": clip(index_path), "problem": "missing-shard"})
+    elif os.path.lexists(src / SINGLE):
         weight_map, files = None, [SINGLE]
     else:
-        raise RepackError(f"{src}: no {SINGLE} and no {INDEX}; pass a folder with safetensors weights")
+        raise RepackError(f"{clip(src)}: no {SINGLE} and no {INDEX}; pass a folder with safetensors weights",
+                          {"file": clip(src), "problem": "no-weights"})
 
-    shards = [read_header(src / f) for f in files]
+    shards = [read_header(src / f, within) for f in files]
     tensors: dict[str, TensorInfo] = {}
     for sh in shards:
         for name, info in sh.tensors.items():
             if name in tensors:
-                raise RepackError(f"{sh.path}: tensor {name} also appears in {tensors[name].file.name}")
+                raise RepackError(f"{clip(sh.path)}: tensor {clip(name)} also appears in "
+                                  f"{clip(tensors[name].file.name)}; re-download the checkpoint",
+                                  {"file": clip(sh.path), "tensor": clip(name), "problem": "duplicate"})
             tensors[name] = info
     if weight_map is not None:
         for name, f in weight_map.items():
-            if name not in tensors or tensors[name].file.name != f:
-                raise RepackError(f"{index_path}: lists {name} in {f}, but that shard does not hold it; "
-                                  f"re-download the checkpoint")
-    return Checkpoint(src, config, shards, tensors)
+            if name not in tensors or tensors[name].file.name != Path(f).name:
+                raise RepackError(f"{clip(index_path)}: lists {clip(name)} in {clip(f)}, but that shard does not "
+                                  f"hold it; re-download the checkpoint",
+                                  {"file": clip(index_path), "tensor": clip(name), "problem": "index-mismatch"})
+    ck = Checkpoint(src, config, shards, tensors, tuple(within))
+    _check_layout(ck, cfg_path)
+    return ck
+
+
+def _check_layout(ck: Checkpoint, cfg_path: Path) -> None:
+    """The config and the tensor names must agree on multimodal vs text-only: the build renames, drops and
+    quantizes by those names, and a mismatch would pass the text model through under the wrong ones."""
+    mm = next((n for n in ck.tensors if n.startswith(MM_PREFIX)), None)
+    if mm is not None and not ck.multimodal:
+        raise RepackError(f"{clip(cfg_path)}: has no text_config, but the weights are a multimodal checkpoint's "
+                          f"(tensor {clip(mm)}); use the config.json that came with these weights",
+                          {"file": clip(cfg_path), "tensor": clip(mm), "problem": "no-text-config"})
+    if ck.multimodal and mm is None and any(n.startswith("model.") and not n.startswith(TOWER_PREFIXES)
+                                            for n in ck.tensors):
+        raise RepackError(f"{clip(cfg_path)}: has a text_config (a multimodal checkpoint), but no tensor is named "
+                          f"{MM_PREFIX}*; use the config.json that came with these weights",
+                          {"file": clip(cfg_path), "problem": "text-config-without-weights"})
+
+
+def check_unique_outputs(pairs: Iterable[tuple[str, str]], where: Path) -> None:
+    """Refuses a build in which two source tensors would be written under one name: (source name, output name)."""
+    seen: dict[str, str] = {}
+    for source, out in pairs:
+        first = seen.setdefault(out, source)
+        if first != source:
+            raise RepackError(f"{clip(where)}: tensors {clip(first, 100)} and {clip(source, 100)} would both be "
+                              f"written as {clip(out, 100)}; remove the stray one from the checkpoint",
+                              {"file": clip(where), "tensor": clip(source), "problem": "duplicate-output"})

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
+import signal
 import sys
+from pathlib import Path
 from typing import Callable
 
 from .errors import RepackError
@@ -56,21 +60,43 @@ def add_scheme(p: argparse.ArgumentParser) -> None:
                    f" (default {schemes.DEFAULT})")
 
 
+def protected_folders() -> list[Path]:
+    """What a command-line build may never replace or wrap: the working folder and the home folder (and, as for
+    every build, the file system root)."""
+    folders = [Path.cwd()]
+    try:
+        folders.append(Path.home())
+    except (RuntimeError, KeyError):  # no HOME and no passwd entry
+        pass
+    return folders
+
+
 def run_build(src: str, out: str, options_kwargs: dict, as_json: bool = False) -> int:
-    """Runs a build and prints its report; every failure is one line on stderr and status 2 (130 if stopped)."""
+    """Runs a build and prints its report; every failure is one line on stderr and status 2; a signal exits
+    128 + its number (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP)."""
+    from .atomic import signals_as_exceptions
     from .build import BuildOptions, build_checkpoint
 
     update, close = progress_bar()
     try:
-        report = build_checkpoint(src, out, BuildOptions(**options_kwargs), progress=update)
+        with signals_as_exceptions():
+            report = build_checkpoint(src, out, BuildOptions(**options_kwargs), progress=update,
+                                      protected_roots=protected_folders(),
+                                      notice=lambda line: print(f"repack: {line}", file=sys.stderr))
     except RepackError as e:
         close()
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         close()
-        print(f"error: interrupted; {out} was not written", file=sys.stderr)
-        return 130
+        signum = getattr(e, "signum", signal.SIGINT)
+        how = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+        if getattr(e, "written", None):
+            print(f"error: {how} after {out} was written: it is complete (report in {out}/repack-report.json)",
+                  file=sys.stderr)
+        else:
+            print(f"error: {how}; {out} was not written", file=sys.stderr)
+        return 128 + signum
     close()
     print(json.dumps(report.to_dict(), indent=2) if as_json else report.format_table())
     print(f"wrote {out} (report in {out}/repack-report.json)", file=sys.stderr)
@@ -88,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--embed-tokens", action="store_true",
                    help="with --embed-int4: also pack embed_tokens and write it again as an untied int4 lm_head")
     b.add_argument("--keep-linears", action="store_true", help="leave the linear layers bf16")
-    b.add_argument("--max-shard-size", type=float, default=2.0, metavar="GB", help="output shard size (GiB)")
+    b.add_argument("--max-shard-size", type=_positive_gib, default=2.0, metavar="GB", help="output shard size (GiB)")
     add_scheme(b)
     add_scale_dtype(b)
     p = sub.add_parser("probe", help="tell whether a checkpoint's tensors sit on the 4-bit grid")
@@ -104,12 +130,31 @@ def main(argv: list[str] | None = None) -> int:
             quantize_linears=not args.keep_linears, text_only=args.text_only, embed_int4=args.embed_int4,
             embed_tokens=args.embed_tokens, scale_dtype=args.scale_dtype, force=args.force,
             max_shard_bytes=int(args.max_shard_size * (1 << 30)), scheme=args.scheme), args.json)
+    from .atomic import check_no_symlink_loop, find_stale_partials
     from .probe import probe_checkpoint
 
     try:
+        check_no_symlink_loop(args.src, "source folder")
         rep = probe_checkpoint(args.src, rows_per_tensor=max(1, args.rows))
     except RepackError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    print(json.dumps(rep.to_dict(), indent=2) if args.json else rep.format_table(args.verbose))
+    # read-only: leftovers of dead builds beside SRC are only reported; the next build there removes them
+    stale = [lo.describe() for lo in find_stale_partials(Path(os.path.abspath(args.src)).parent)]
+    if args.json:
+        print(json.dumps({**rep.to_dict(), "stale_partials": stale}, indent=2))
+    else:
+        print(rep.format_table(args.verbose))
+        for line in stale:
+            print(f"stale partial build: {line}; the next build in that folder removes it")
     return 0
+
+
+def _positive_gib(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = math.nan
+    if not math.isfinite(v) or v <= 0 or v * (1 << 30) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive size in GiB (e.g. 2 or 0.5)")
+    return v

@@ -13,6 +13,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from .errors import RepackError, clip
+
 GROUP = 32
 TOWER_IGNORE = ["re:.*vision_tower.*", "re:.*audio_tower.*", "re:.*embed_vision.*", "re:.*embed_audio.*"]
 RE_PLE = "re:.*embed_tokens_per_layer$"
@@ -91,6 +93,40 @@ def quantization_config(groups: list[dict[str, Any]], *, previous: dict[str, Any
         "global_compression_ratio": None,
         "version": version,
     }
+
+
+def validate(config: dict[str, Any], where: str) -> None:
+    """Refuses a config.json whose parts the build reads have the wrong type (one line naming the key), rather
+    than failing later with a traceback or silently building the wrong thing."""
+    def fail(key: str, what: str) -> RepackError:
+        return RepackError(f"{where}: {key} is {what}; use the config.json that came with the checkpoint",
+                           {"file": where, "key": key, "problem": "bad-config"})
+
+    def kind(v: Any) -> str:
+        return "null" if v is None else {list: "a list", str: "a string", bool: "a boolean"}.get(
+            type(v), f"a {type(v).__name__}")
+
+    if "text_config" in config and not isinstance(config["text_config"], dict):
+        raise fail("text_config", f"{kind(config['text_config'])}, not an object (a multimodal checkpoint's "
+                                  f"text model is described there)")
+    for scope, cfg in (("", config), ("text_config.", config.get("text_config") or {})):
+        qc = cfg.get("quantization_config")
+        if qc is None:
+            continue
+        key = scope + "quantization_config"
+        if not isinstance(qc, dict):
+            raise fail(key, f"{kind(qc)}, not an object")
+        groups = qc.get("config_groups")
+        if groups is None:
+            continue
+        if not isinstance(groups, dict):
+            raise fail(key + ".config_groups", f"{kind(groups)}, not an object")
+        for name, group in groups.items():
+            if not isinstance(group, dict):
+                raise fail(clip(f"{key}.config_groups.{name}", 120), f"{kind(group)}, not an object")
+            targets = group.get("targets", [])
+            if not (isinstance(targets, list) and all(isinstance(t, str) for t in targets)):
+                raise fail(clip(f"{key}.config_groups.{name}.targets", 120), "not a list of strings")
 
 
 def existing_targets(config: dict[str, Any]) -> set[str]:

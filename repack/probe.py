@@ -62,9 +62,10 @@ class ProbeReport:
         return "\n".join(lines)
 
 
-def probe_checkpoint(src: str | Path, rows_per_tensor: int = 16, scale_dtype: grid.ScaleDtype = "fp16"
-                     ) -> ProbeReport:
-    ck = open_checkpoint(src)
+def probe_checkpoint(src: str | Path, rows_per_tensor: int = 16, scale_dtype: grid.ScaleDtype = "fp16",
+                     roots: list[Path] | None = None) -> ProbeReport:
+    """roots: when given, every file read must resolve inside one of them (as for a build)."""
+    ck = open_checkpoint(src, roots)
     out: list[ProbeTensor] = []
     maps: dict[Path, MappedFile] = {}
     try:
@@ -74,7 +75,7 @@ def probe_checkpoint(src: str | Path, rows_per_tensor: int = 16, scale_dtype: gr
             if info.dtype != "BF16" or len(info.shape) != 2 or info.shape[1] % grid.GROUP or info.numel == 0:
                 continue
             rows, cols = info.shape
-            mf = maps.get(info.file) or maps.setdefault(info.file, MappedFile(info.file))
+            mf = maps.get(info.file) or maps.setdefault(info.file, MappedFile(info.file, info.ident))
             picks = np.unique(np.linspace(0, rows - 1, min(rows, rows_per_tensor)).astype(np.int64))
             block = np.stack([mf.view(info, int(r) * cols * 2, cols * 2).view("<u2") for r in picks])
             _, _, stats = grid.quantize(block, scale_dtype)

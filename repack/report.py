@@ -58,6 +58,8 @@ class RepackReport:
     bytes_written: int = 0
     wall_s: float = 0.0
     peak_rss_bytes: int = 0
+    files: list[str] = field(default_factory=list)             # every file of the output folder
+    removed_partials: list[str] = field(default_factory=list)  # dead builds' leftovers removed beside it
 
     @property
     def mb_per_s(self) -> float:
@@ -74,7 +76,8 @@ class RepackReport:
                 "output_shards": self.output_shards, "hardlinked_shards": self.hardlinked_shards,
                 "source_bytes": self.source_bytes, "bytes_read": self.bytes_read,
                 "bytes_written": self.bytes_written, "wall_s": round(self.wall_s, 3),
-                "mb_per_s": round(self.mb_per_s, 1), "peak_rss_bytes": self.peak_rss_bytes}
+                "mb_per_s": round(self.mb_per_s, 1), "peak_rss_bytes": self.peak_rss_bytes,
+                "files": self.files, "removed_partials": self.removed_partials}
 
     def format_table(self) -> str:
         sd, od = self.scale_dtype, self.other_dtype

@@ -11,18 +11,20 @@ file is allocated up front (a full disk fails here, before the long part) and ro
 
 from __future__ import annotations
 
+import errno
 import json
 import mmap
 import os
+import stat
 import struct
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from .errors import RepackError
+from .errors import RepackError, clip
 
 # safetensors dtype name -> (numpy dtype used to view the raw bytes, bytes per element)
 DTYPES: dict[str, tuple[np.dtype, int]] = {
@@ -48,6 +50,13 @@ MAX_HEADER = 100 * 1024 * 1024  # the safetensors library's own limit
 PAGE = mmap.PAGESIZE
 
 
+# The order safetensors' own writer lays tensors out in: larger element size first (its dtype enum order), then
+# by name; with the header padded to 8 bytes every tensor then starts at a multiple of its element size.
+_WRITE_RANK = {d: i for i, d in enumerate(("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "I16", "U16", "F16", "BF16",
+                                           "I32", "U32", "F32", "F64", "I64", "U64"))}
+MAX_JSON_DEPTH = 64  # the safetensors library's parser stops at 128; real headers and configs nest 4 deep
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     """One tensor of a source file: where its bytes are and what they hold."""
@@ -58,6 +67,7 @@ class TensorInfo:
     file: Path
     offset: int  # absolute offset of the first data byte in `file`
     nbytes: int
+    ident: tuple[int, int, int] | None = field(default=None, compare=False)  # (device, inode, size) when read
 
     @property
     def numel(self) -> int:
@@ -74,62 +84,195 @@ class SafetensorsHeader:
     metadata: dict[str, str] | None
     data_start: int
     file_size: int
+    ident: tuple[int, int, int] | None = None
 
 
-def read_header(path: str | Path) -> SafetensorsHeader:
-    """Parses and checks one safetensors header; raises RepackError naming the file on anything wrong."""
-    path = Path(path)
+def _inside(path: str, dirs: Sequence[Path]) -> bool:
+    p = Path(path)
+    return any(p == d or d in p.parents for d in dirs)
+
+
+Within = Sequence[tuple[str, Sequence[Path]]]  # (what the folders are, for the message; the folders)
+
+
+def open_confined(path: Path, within: Within = ()) -> int:
+    """Opens a regular file read-only. With `within`, the file actually opened must lie inside one folder of
+    every group, checked on the open descriptor (so a link swapped after a check cannot redirect the read).
+
+    The error never says where a link outside points: that would tell a client what lies outside its roots."""
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise open_error(path, e) from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise RepackError(f"{clip(path)}: not a regular file; pass a checkpoint whose shards are files",
+                              {"file": clip(path), "problem": "not-a-file"})
+        if within:
+            try:
+                real = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                real = os.path.realpath(path)
+            for label, dirs in within:
+                if not _inside(real, dirs):
+                    raise RepackError(f"{clip(path)}: a link to a file outside {label}, which is not read; copy "
+                                      f"the file itself into the checkpoint folder",
+                                      {"file": clip(path), "problem": "outside"})
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_error(path: Path, e: OSError) -> RepackError:
+    """The one-line message for a file that cannot be opened (a symlink loop is not "no such file")."""
+    if e.errno == errno.ELOOP:
+        why, code = "a symlink loop (the link points, directly or through others, back to itself)", "symlink-loop"
+    elif e.errno == errno.ENOENT and os.path.islink(path):
+        why, code = "a broken symlink (its target does not exist)", "broken-symlink"
+    elif e.errno == errno.ENOENT:
+        why, code = "no such file", "missing"
+    else:
+        why, code = f"cannot read ({e.strerror or e})", "unreadable"
+    return RepackError(f"{clip(path)}: {why}; fix the checkpoint folder or re-download it",
+                       {"file": clip(path), "problem": code})
+
+
+def loads_json(raw: bytes | str, what: str) -> Any:
+    """json.loads for untrusted text: UTF-8 only, nesting limited (deep nesting would overflow the stack in the
+    parser or in every later copy), errors as one RepackError line."""
+    try:
+        text = raw.decode("utf-8") if isinstance(raw, (bytes, bytearray)) else raw
+        value = json.loads(text)
+    except RecursionError:
+        raise RepackError(f"{what}: nested too deeply to be valid; re-download it",
+                          {"file": what, "problem": "too-deep"}) from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise RepackError(f"{what}: not valid JSON ({clip(e, 120)}); re-download it",
+                          {"file": what, "problem": "bad-json"}) from None
+    stack = [(value, 1)]
+    while stack:  # iterative: a recursive walk would hit the very limit it checks
+        v, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise RepackError(f"{what}: nested more than {MAX_JSON_DEPTH} levels deep; re-download it",
+                              {"file": what, "problem": "too-deep"})
+        if isinstance(v, dict):
+            stack.extend((x, depth + 1) for x in v.values())
+        elif isinstance(v, list):
+            stack.extend((x, depth + 1) for x in v)
+    return value
+
+
+def _uint(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def read_header(path: str | Path, within: Within = ()) -> SafetensorsHeader:
+    """Parses and checks one safetensors header as the format defines it; raises RepackError naming the file
+    (and tensor) on anything the safetensors library would refuse, so a corrupt file never becomes a build.
+
+    The rules: every entry has a known dtype, a shape of non-negative integers and two data offsets; dtype size
+    times element count equals the offset span; sorted by offset (header order is free), the tensors run
+    contiguously from 0 and end exactly at the end of the file, so none overlaps, none lies out of bounds and
+    no byte is unaccounted for."""
+    path = Path(path)
+    p = clip(path)
+    fd = open_confined(path, within)
+    try:
+        st = os.fstat(fd)
+        size = st.st_size
+        with os.fdopen(fd, "rb", closefd=False) as f:
             head = f.read(8)
             if len(head) < 8:
-                raise RepackError(f"{path}: truncated safetensors file ({size} bytes, no header): re-download it")
+                raise RepackError(f"{p}: truncated safetensors file ({size} bytes, no header): re-download it",
+                                  {"file": p, "problem": "truncated"})
             (n,) = struct.unpack("<Q", head)
             if n > MAX_HEADER or 8 + n > size:
-                raise RepackError(f"{path}: corrupt or truncated safetensors header (says {n} bytes, file has "
-                                  f"{size}): re-download it")
+                raise RepackError(f"{p}: corrupt or truncated safetensors header (says {n} bytes, file has "
+                                  f"{size}): re-download it", {"file": p, "problem": "truncated"})
             raw = f.read(n)
     except OSError as e:
-        raise RepackError(f"{path}: cannot read ({e.strerror or e})") from None
+        raise open_error(path, e) from None
+    finally:
+        os.close(fd)
+    ident = (st.st_dev, st.st_ino, size)
     try:
-        header = json.loads(raw)
+        header = json.loads(raw.decode("utf-8"))
         if not isinstance(header, dict):
             raise ValueError("not an object")
+    except RecursionError:
+        raise RepackError(f"{p}: corrupt safetensors header (nested too deeply): re-download it",
+                          {"file": p, "problem": "bad-header"}) from None
     except (ValueError, UnicodeDecodeError) as e:
-        raise RepackError(f"{path}: corrupt safetensors header ({e}): re-download it") from None
+        raise RepackError(f"{p}: corrupt safetensors header ({clip(e, 120)}): re-download it",
+                          {"file": p, "problem": "bad-header"}) from None
     data_start = 8 + n
     data_len = size - data_start
     meta = header.pop("__metadata__", None)
+    if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+        raise RepackError(f"{p}: corrupt safetensors header (__metadata__ must map names to strings): "
+                          f"re-download it", {"file": p, "problem": "bad-header"})
+
+    def bad(name: str, why: str, code: str) -> RepackError:
+        return RepackError(f"{p}: tensor {clip(name)} {why}: the file is corrupt, re-download it",
+                           {"file": p, "tensor": clip(name), "problem": code})
+
     tensors: dict[str, TensorInfo] = {}
     for name, entry in header.items():
-        try:
-            dtype, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
-            shape = tuple(int(d) for d in shape)
-            begin, end = int(begin), int(end)
-        except (KeyError, TypeError, ValueError):
-            raise RepackError(f"{path}: corrupt safetensors header entry for tensor {name}: re-download it") from None
+        if not isinstance(entry, dict):
+            raise bad(name, "has a corrupt header entry", "bad-entry")
+        dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+        if not (isinstance(shape, list) and all(_uint(d) for d in shape) and isinstance(offsets, list)
+                and len(offsets) == 2 and all(_uint(o) for o in offsets) and isinstance(dtype, str)):
+            raise bad(name, "has a corrupt header entry (dtype, shape and data_offsets must be a string, "
+                            "non-negative integers and two offsets)", "bad-entry")
         if dtype not in DTYPES:
-            raise RepackError(f"{path}: tensor {name} has unsupported dtype {dtype!r} "
-                              f"(supported: {', '.join(DTYPES)})")
-        info = TensorInfo(name, dtype, shape, path, data_start + begin, end - begin)
-        if any(d < 0 for d in shape) or begin < 0 or end < begin or info.numel * DTYPES[dtype][1] != end - begin:
-            raise RepackError(f"{path}: tensor {name} has inconsistent offsets {begin}..{end} for {dtype} "
-                              f"{list(shape)}: the file is corrupt, re-download it")
+            raise RepackError(f"{p}: tensor {clip(name)} has unsupported dtype {clip(repr(dtype), 40)} "
+                              f"(supported: {', '.join(DTYPES)})",
+                              {"file": p, "tensor": clip(name), "problem": "dtype"})
+        begin, end = offsets
+        info = TensorInfo(name, dtype, tuple(shape), path, data_start + begin, end - begin, ident)
+        if end < begin or info.numel * DTYPES[dtype][1] != end - begin:
+            raise bad(name, f"has inconsistent offsets {begin}..{end} for {dtype} {clip(shape, 80)}", "size")
         if end > data_len:
-            raise RepackError(f"{path}: tensor {name} ends at byte {data_start + end}, past the end of the file "
-                              f"({size} bytes): the file is truncated, re-download it")
+            raise RepackError(f"{p}: tensor {clip(name)} ends at byte {data_start + end}, past the end of the file "
+                              f"({size} bytes): the file is truncated, re-download it",
+                              {"file": p, "tensor": clip(name), "problem": "truncated"})
         tensors[name] = info
-    return SafetensorsHeader(path, tensors, meta, data_start, size)
+    pos, last = 0, None
+    for info in sorted(tensors.values(), key=lambda t: (t.offset, t.nbytes)):
+        begin = info.offset - data_start
+        if begin < pos:
+            raise bad(info.name, f"overlaps tensor {clip(last, 100)} (bytes {begin}..{begin + info.nbytes} of the "
+                                 f"data, which runs to {pos} before it)", "overlap")
+        if begin > pos:
+            raise bad(info.name, f"starts at data byte {begin}, leaving {begin - pos} bytes unaccounted for "
+                                 f"before it (tensors must be contiguous from byte 0)", "gap")
+        pos, last = begin + info.nbytes, info.name
+    if pos != data_len:
+        after = f"after tensor {clip(last)}" if last is not None else "and no tensor"
+        raise RepackError(f"{p}: {data_len - pos} trailing bytes {after} (the data must end at the end of the "
+                          f"file): the file is corrupt, re-download it",
+                          {"file": p, "tensor": clip(last) if last is not None else None, "problem": "trailing"})
+    return SafetensorsHeader(path, tensors, meta, data_start, size, ident)
 
 
 class MappedFile:
-    """A read-only memory map of one source file, shared by the worker threads."""
+    """A read-only memory map of one source file, shared by the worker threads.
 
-    def __init__(self, path: Path) -> None:
+    With `ident` (from the header read), a file replaced since then is refused rather than read with offsets
+    that belong to another file."""
+
+    def __init__(self, path: Path, ident: tuple[int, int, int] | None = None) -> None:
         self.path = path
-        self._fd = os.open(path, os.O_RDONLY)
-        size = os.fstat(self._fd).st_size
+        self._fd = open_confined(path)
+        st = os.fstat(self._fd)
+        size = st.st_size
+        if ident is not None and (st.st_dev, st.st_ino, size) != ident:
+            os.close(self._fd)
+            raise RepackError(f"{clip(path)}: changed since its header was read (replaced or resized during the "
+                              f"build); run the build again on a checkpoint nobody is modifying",
+                              {"file": clip(path), "problem": "changed"})
         self._mm = mmap.mmap(self._fd, size, access=mmap.ACCESS_READ) if size else None
         self._lock = threading.Lock()
 
@@ -199,8 +342,9 @@ class OutShard:
         if metadata:
             header["__metadata__"] = metadata
         pos = 0
-        # Names sorted, as the safetensors library writes them; offsets contiguous from zero.
-        for t in sorted(self.tensors, key=lambda t: t.name):
+        # The safetensors writer's order (widest dtype first, then name): with the 8-byte-aligned data start,
+        # every tensor begins at a multiple of its element size, so it can be viewed in place without a copy.
+        for t in sorted(self.tensors, key=lambda t: (-_WRITE_RANK[t.dtype], t.name)):
             header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [pos, pos + t.nbytes]}
             t.offset = pos
             pos += t.nbytes

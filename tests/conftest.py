@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="session")
 def tiny_qat(tmp_path_factory) -> Path:
     """The tiny multimodal QAT-like checkpoint (sharded, towers, tied head), built once per session."""
-    from tools.tiny_model import build_tiny_qat_checkpoint
+    from tools.demo.tiny_model import build_tiny_qat_checkpoint
 
     info = build_tiny_qat_checkpoint(tmp_path_factory.mktemp("tiny") / "gemma-4-tiny-qat")
     assert info.accuracy > 0.95, f"tiny model did not learn its pattern (accuracy {info.accuracy:.3f})"
@@ -22,7 +22,7 @@ def tiny_qat(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_base(tmp_path_factory) -> Path:
     """The same tiny model left off the grid: a stand-in for a base (non-QAT) bf16 checkpoint."""
-    from tools.tiny_model import build_tiny_qat_checkpoint
+    from tools.demo.tiny_model import build_tiny_qat_checkpoint
 
     return build_tiny_qat_checkpoint(tmp_path_factory.mktemp("tiny-base") / "gemma-4-tiny-base", on_grid=False).path
 
@@ -68,7 +68,7 @@ def free_port() -> int:
 def serve_config_factory(tmp_path_factory):
     """make(model, served_name, **overrides) -> ServeConfig: the project's tpu.env with CPU-test settings, a free
     port and a state dir of its own."""
-    from tools.config import load_config
+    from tools.serving.config import load_config
 
     def make(model: Path | str, served_name: str, **overrides):
         values = dict(model=str(model), served_name=served_name, host="127.0.0.1", port=free_port(),
@@ -90,7 +90,7 @@ def _require_plugin() -> None:
 
 
 def _serve(cfg):
-    from tools.vllm_server import start_server, stop_server
+    from tools.serving.vllm_server import start_server, stop_server
 
     _require_plugin()
     start_server(cfg)

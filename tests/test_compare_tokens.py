@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tools.compare_tokens import (DEFAULT_PROMPTS, CompareParams, Generation, TokenRecord, compare_generations,
+from tools.measure.compare_tokens import (DEFAULT_PROMPTS, CompareParams, Generation, TokenRecord, compare_generations,
                                   compare_records, compare_tokens, load_prompts, load_record, save_record)
 from tools.errors import ToolFailure
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tools import demo
+from tools.demo import demo
 
 ROOT = Path(__file__).resolve().parents[1]
 

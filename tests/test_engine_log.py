@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tools.engine_log import explain_failure, parse_engine_log, tail
+from tools.serving.engine_log import explain_failure, parse_engine_log, tail
 
 # Lines as vLLM 0.29 printed them on the T4 (the article's sweep start), with vLLM's process/time prefixes.
 T4_LOG = """\

@@ -16,7 +16,7 @@ import pytest
 from fastmcp import Client
 from fastmcp.exceptions import ToolError
 
-from tools.paths import PathNotAllowed, Roots
+from tools.mcp.paths import PathNotAllowed, Roots
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -13,7 +13,7 @@ from fastmcp import Client
 from fastmcp.exceptions import ToolError
 
 import server as mcp_server
-from tools.paths import Roots
+from tools.mcp.paths import Roots
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -224,8 +224,15 @@ def test_existing_output_refused_without_force(good, tmp_path, capsys):
     assert rc == 2
     _one_line_error(err, "already exists", "--force")
     assert (out / "keep.txt").read_text() == "mine"
+    rc, err = _build_cli(good, out, capsys, "--force")  # --force replaces only an empty folder or a build
+    assert rc == 2
+    _one_line_error(err, "keep.txt", "--force replaces only")
+    assert (out / "keep.txt").read_text() == "mine"
+    (out / "keep.txt").unlink()
     rc, _ = _build_cli(good, out, capsys, "--force")
-    assert rc == 0 and not (out / "keep.txt").exists() and (out / "config.json").exists()
+    assert rc == 0 and (out / "config.json").exists()
+    rc, _ = _build_cli(good, out, capsys, "--force")
+    assert rc == 0 and (out / "config.json").exists()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out.")] == []
 
 
@@ -271,8 +278,8 @@ def test_sigterm_leaves_nothing(good, tmp_path):
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
-    assert p.returncode == 130, err
-    assert "interrupted" in err
+    assert p.returncode == 143, err
+    assert "stopped by SIGTERM" in err and "was not written" in err
     _assert_nothing_written(out)
 
 

@@ -51,8 +51,9 @@ def test_registry_names_and_lookups():
     for table in ("PLE", "embed_tokens", "lm_head"):  # the int4 embeddings of the W8A8 build
         assert schemes.for_table("w8a8", table).name == "w4a16"
         assert schemes.for_table("w4a16", table).name == "w4a16"
-    with pytest.raises(RepackError, match="--scheme 'w3a5': unknown build scheme; choose one of w4a16, w8a8"):
+    with pytest.raises(RepackError, match="--scheme 'w3a5': unknown build scheme; choose one of w4a16, w8a8") as e:
         BuildOptions(scheme="w3a5")
+    assert e.value.detail["option"] == "--scheme" and e.value.detail["choices"] == schemes.names()
 
 
 def test_command_line_refuses_an_unknown_scheme(tmp_path):
@@ -298,8 +299,8 @@ def test_w8a8_build_serves_on_the_cpu_int8_kernel(w8a8_build, serve_config_facto
     import httpx
 
     from conftest import _require_plugin
-    from tools.tiny_model import pattern_permutation
-    from tools.vllm_server import start_server, stop_server
+    from tools.demo.tiny_model import pattern_permutation
+    from tools.serving.vllm_server import start_server, stop_server
 
     _require_plugin()
     cfg = serve_config_factory(w8a8_build, "gemma-4-tiny-text-w8a8")

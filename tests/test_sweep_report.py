@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from tools.errors import ToolFailure
-from tools.sweep import RepeatResult, SweepParams, _run_dir, aggregate, prompt_seed
-from tools.sweep_report import compare_runs, cost_per_million, load_run, markdown_run
+from tools.measure.sweep import RepeatResult, SweepParams, _run_dir, aggregate, prompt_seed
+from tools.measure.sweep_report import compare_runs, cost_per_million, load_run, markdown_run
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTICLE = ROOT / "evidence" / "article-t4"

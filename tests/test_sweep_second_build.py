@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tools.compare_tokens import CompareParams, check_against, compare_live, record_reference
-from tools.sweep import SweepParams, raw_name, run_sweep
+from tools.measure.compare_tokens import CompareParams, check_against, compare_live, record_reference
+from tools.measure.sweep import SweepParams, raw_name, run_sweep
 
 pytestmark = pytest.mark.vllm
 
@@ -19,8 +19,8 @@ def other_server(serve_config_factory, tmp_path_factory):
     """The tiny model trained on another pattern (seed 1), built text-only with bf16 embeddings like
     `bf16_text_build`, served for this module only."""
     from repack.build import BuildOptions, build_checkpoint
-    from tools.tiny_model import build_tiny_qat_checkpoint
-    from tools.vllm_server import start_server, stop_server
+    from tools.demo.tiny_model import build_tiny_qat_checkpoint
+    from tools.serving.vllm_server import start_server, stop_server
 
     src = build_tiny_qat_checkpoint(tmp_path_factory.mktemp("tiny-seed1") / "gemma-4-tiny-qat-seed1", seed=1)
     assert src.accuracy > 0.95
@@ -66,7 +66,7 @@ def test_recorded_reference_against_another_build(emb4_server, other_server, tmp
 
 def test_server_dying_mid_run_keeps_finished_cells_and_fails_the_rest(other_server, tmp_path):
     """Runs last in this module: it stops the module's own server while the sweep's second cell starts."""
-    from tools.vllm_server import stop_server
+    from tools.serving.vllm_server import stop_server
 
     def progress(done: int, total: int, msg: str) -> None:
         if "c=2: measuring" in msg:  # after the health check of cell 2, before its benchmark process

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tools import turing_patch
+from tools.serving import turing_patch
 from tools.errors import ToolFailure
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tools.vram import MIB, server_process_pids, vram_status
+from tools.gpu.vram import MIB, server_process_pids, vram_status
 
 
 class FakeNvmlError(Exception):

@@ -7,7 +7,9 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tools import demo, measure_cli, serve_cli
+    from tools.demo import demo
+    from tools.measure import measure_cli
+    from tools.serving import serve_cli
 
     parser = argparse.ArgumentParser(
         prog="vllm-t4",
@@ -17,6 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve_cli.register(sub)    # start, stop, status, query, log, swap
     measure_cli.register(sub)  # sweep, sweep-compare, compare
     demo.register(sub)         # demo: the whole pipeline, ending in an evidence report
+    __import__("tools.measure.evals", fromlist=["register"]).register(sub)  # eval, eval-compare (lm-eval)
     return parser
 
 

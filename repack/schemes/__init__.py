@@ -32,7 +32,9 @@ def get(name: str) -> type[Scheme]:
     try:
         return REGISTRY[name]
     except (KeyError, TypeError):
-        raise RepackError(f"--scheme {name!r}: unknown build scheme; choose one of {', '.join(names())}") from None
+        raise RepackError(f"--scheme {name!r}: unknown build scheme; choose one of {', '.join(names())}",
+                          {"option": "--scheme", "value": str(name), "choices": names(),
+                           "problem": "unknown-scheme"}) from None
 
 
 def for_table(name: str, table: str) -> type[Scheme]:
@@ -41,7 +43,8 @@ def for_table(name: str, table: str) -> type[Scheme]:
     seen = {s.name}
     while table not in s.tables:
         if s.tables_via is None or s.tables_via in seen:
-            raise RepackError(f"--scheme {name}: no scheme quantizes the {table} table")
+            raise RepackError(f"--scheme {name}: no scheme quantizes the {table} table",
+                              {"option": "--scheme", "value": name, "table": table, "problem": "no-scheme-for-table"})
         s = get(s.tables_via)
         seen.add(s.name)
     return s

@@ -14,7 +14,7 @@ from typing import Any
 
 import psutil
 
-from tools.config import ServeConfig
+from tools.serving.config import ServeConfig
 from tools.errors import ToolFailure
 
 PROC_SWAPS = Path("/proc/swaps")

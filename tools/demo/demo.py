@@ -2,7 +2,7 @@
 
     python3 -m tools.demo          (or ./vllm-t4 demo)
 
-Without an NVIDIA GPU it builds the tiny Gemma-4-shaped QAT-like model (tools.tiny_model), so nothing is
+Without an NVIDIA GPU it builds the tiny Gemma-4-shaped QAT-like model (tools.demo.tiny_model), so nothing is
 downloaded; on a machine where `nvidia-smi -L` answers (the T4 VM) it takes the real QAT checkpoint from
 SOURCE_CHECKPOINT in tpu.env (or --source). Then, with the same library calls the MCP tools make:
 
@@ -34,7 +34,7 @@ from pydantic import BaseModel, Field
 
 from tools.errors import ToolFailure
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 SOURCE_KEY = "SOURCE_CHECKPOINT"
 
 Log = Callable[[str], None]
@@ -130,7 +130,7 @@ class DemoReport(BaseModel):
 
 
 def _plan(opts: DemoOptions, log: Log) -> _Plan:
-    from tools.config import DEFAULT_ENV_FILE, load_config
+    from tools.serving.config import DEFAULT_ENV_FILE, load_config
 
     gpu = has_nvidia_gpu() if opts.gpu is None else opts.gpu
     work = opts.work.resolve()
@@ -198,7 +198,7 @@ def run_demo(opts: DemoOptions | None = None, *, log: Log = _stderr) -> DemoRepo
 
     # 0. The source: the tiny QAT-like model is built here; the real one must exist.
     if not plan.gpu and not (plan.source / "config.json").is_file():
-        from tools.tiny_model import build_tiny_qat_checkpoint
+        from tools.demo.tiny_model import build_tiny_qat_checkpoint
 
         log(f"[1/6] building the tiny QAT-like model in {plan.source} (trains ~15 s)")
         info = build_tiny_qat_checkpoint(plan.source)
@@ -237,11 +237,11 @@ def run_demo(opts: DemoOptions | None = None, *, log: Log = _stderr) -> DemoRepo
         (plan.evidence / f"repack-{label}.json").write_text(json.dumps(d, indent=2) + "\n")
 
     # 3-4. Serve each build in turn: tokens and a short sweep.
-    from tools.compare_tokens import check_against, record_reference, CompareParams
-    from tools.config import load_config
-    from tools.sweep import run_sweep
-    from tools.sweep_report import compare_runs, markdown_run
-    from tools.vllm_server import start_server, stop_server
+    from tools.measure.compare_tokens import check_against, record_reference, CompareParams
+    from tools.serving.config import load_config
+    from tools.measure.sweep import run_sweep
+    from tools.measure.sweep_report import compare_runs, markdown_run
+    from tools.serving.vllm_server import start_server, stop_server
 
     reference = plan.evidence / "tokens-bf16-emb.json"
     served: list[ServeStep] = []

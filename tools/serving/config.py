@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from tools.errors import ToolFailure
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_ENV_FILE = PROJECT_ROOT / "tpu.env"
 
 Platform = Literal["cpu", "cuda"]

@@ -1,11 +1,14 @@
 """The serving sweep: vLLM's own `vllm bench serve` over input lengths x concurrencies x repeats, saved as evidence.
 
-One cell is (input length, concurrency). Each cell runs in its own subprocess (`python -m tools.sweep --cell
-SPEC`) that calls `vllm.benchmarks.serve.main` directly (the CPU build's `vllm` console script is broken; the
-benchmark is asyncio-heavy and imports torch, and a separate process can be timed, killed and survive a crash).
-The subprocess first warms the server with `concurrency` requests of the cell's shape built from their own seed,
-then measures each pending repeat and writes `raw/L<in>-c<c>-r<k>.json` as soon as that repeat ends, so a run
-that stops anywhere keeps every finished repeat.
+One cell is (input length, concurrency). The cells run in one benchmark worker process per sweep (`python -m
+tools.measure.sweep --worker`) that imports `vllm.benchmarks.serve` once (the CPU build's `vllm` console script is
+broken; the import costs seconds, paid once, not per cell) and takes cell specs over a pipe. It stays a separate
+process, never an import into the caller: the benchmark is asyncio-heavy and imports torch, the MCP server
+never imports vLLM, and a process can be timed, killed and survive a crash. A cell that times out, or a worker
+that dies, fails that cell only; the next cell gets a fresh worker. The worker first warms the server with
+`concurrency` requests of the cell's shape built from their own seed, then measures each pending repeat and
+writes `raw/L<in>-c<c>-r<k>.json` as soon as that repeat ends, so a run that stops anywhere keeps every
+finished repeat.
 
 Prompts: vLLM's random dataset is deterministic in its seed. Each (input length, concurrency, repeat) gets its
 own seed derived from the sweep's base seed, so every build answers the same prompts, and no measured prompt
@@ -19,6 +22,7 @@ import argparse
 import hashlib
 import json
 import os
+import select
 import signal
 import statistics
 import subprocess
@@ -32,10 +36,10 @@ from typing import Any, Callable, Literal
 import httpx
 from pydantic import BaseModel, Field
 
-from tools import provenance as prov_mod
+from tools.measure import provenance as prov_mod
 from tools.errors import ToolFailure
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = PROJECT_ROOT / "evidence"
 DEFAULT_PRICE_PER_HOUR = 0.5241  # the article's n1-standard-2 + T4 VM, us-west2 on-demand
 PREFIX_CACHE_POLICY = ("prefix caching left as served; every measured repeat uses prompts from its own seed "
@@ -200,7 +204,7 @@ def aggregate(repeats: list[RepeatResult]) -> tuple[dict[str, float | None], dic
 
 def _default_base_url() -> str:
     try:
-        from tools.config import load_config
+        from tools.serving.config import load_config
 
         return load_config().base_url
     except ImportError:
@@ -258,24 +262,105 @@ def _kill_group(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def _run_cell_subprocess(spec: dict[str, Any], spec_file: Path, log_file: Path, timeout_s: float) -> tuple[int, str | None]:
-    spec_file.write_text(json.dumps(spec, indent=2))
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(PROJECT_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    with open(log_file, "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "tools.sweep", "--cell", str(spec_file)],
-                                cwd=str(PROJECT_ROOT), env=env, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+class BenchWorker:
+    """The parent's side of the benchmark worker: one process for many cells, replaced when it dies or hangs.
+
+    Specs go to the worker's stdin as JSON lines; it answers each with one line on a pipe of its own (its
+    stdout and stderr belong to vLLM's benchmark and go to the cell's log file). Use as a context manager: the
+    worker's process group is ended on exit, whatever ended the sweep (Ctrl-C, a cancelled MCP job).
+    """
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+        self._answers: int | None = None
+        self.starts = 0
+
+    def __enter__(self) -> "BenchWorker":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _start(self) -> subprocess.Popen:
+        r, w = os.pipe()
+        env = dict(os.environ)
+        env["PYTHONPATH"] = str(PROJECT_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env.setdefault("PYTHONUNBUFFERED", "1")
         try:
-            rc = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            return -1, f"cell exceeded its time limit of {timeout_s:.0f} s and was stopped"
+            self.proc = subprocess.Popen([sys.executable, "-m", "tools.measure.sweep", "--worker", "--answer-fd", str(w)],
+                                         cwd=str(PROJECT_ROOT), env=env, stdin=subprocess.PIPE,
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                         pass_fds=(w,), start_new_session=True)
+        finally:
+            os.close(w)
+        self._answers = r
+        self.starts += 1
+        return self.proc
+
+    def run_cell(self, spec: dict[str, Any], timeout_s: float) -> tuple[int, str | None]:
+        """Runs one cell; (0, None) when the worker finished it (each repeat's record says how it went),
+        (code, why) when the worker died or was stopped before answering."""
+        proc = self.proc if self.proc is not None and self.proc.poll() is None else self._start()
+        assert proc.stdin is not None and self._answers is not None
+        try:
+            proc.stdin.write((json.dumps(spec) + "\n").encode())
+            proc.stdin.flush()
+            deadline = time.monotonic() + timeout_s
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self.close()
+                    return -1, f"cell exceeded its time limit of {timeout_s:.0f} s and was stopped"
+                ready, _, _ = select.select([self._answers], [], [], min(left, 1.0))
+                if ready:
+                    line = _read_line(self._answers)
+                    if line:
+                        return 0, None
+                    break  # EOF: the worker is gone
+                if proc.poll() is not None:
+                    break
+        except BrokenPipeError:
+            pass
         except BaseException:
-            _kill_group(proc)  # Ctrl-C or a cancelled MCP call: never leave a benchmark client behind
+            self.close()  # Ctrl-C or a cancelled MCP call: never leave a benchmark client behind
             raise
-    return rc, None
+        code = proc.wait()
+        self._forget()
+        return code, None
+
+    def _forget(self) -> None:
+        if self._answers is not None:
+            os.close(self._answers)
+            self._answers = None
+        self.proc = None
+
+    def close(self) -> None:
+        proc = self.proc
+        if proc is not None:
+            if proc.poll() is None:
+                try:
+                    assert proc.stdin is not None
+                    proc.stdin.close()  # EOF: the worker's loop ends by itself
+                    proc.wait(timeout=5)
+                except (OSError, subprocess.TimeoutExpired, AssertionError):
+                    _kill_group(proc)
+            else:
+                proc.wait()
+            try:  # the group may hold children of the worker
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        self._forget()
+
+
+def _read_line(fd: int) -> bytes:
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            return b""
+        data += chunk
+    return data
 
 
 def _resolve_server(params: SweepParams, base_url: str) -> prov_mod.ServerInfo:
@@ -295,10 +380,10 @@ def run_sweep(params: SweepParams | None = None, *, progress: Progress | None = 
 
     `overrides` set SweepParams fields by name (the MCP server passes its arguments this way). `progress` is
     called with (repeats done, repeats planned, message) as cells start and after every measured repeat.
-    `serve_config` (a tools.config.ServeConfig) names the server tools/ started: its URL is the default
+    `serve_config` (a tools.serving.config.ServeConfig) names the server tools/ started: its URL is the default
     base_url and its argv and engine start fields go into the provenance (default: the project's tpu.env).
     """
-    from tools import sweep_report
+    from tools.measure import sweep_report
 
     params = SweepParams(**{**asdict(params or SweepParams()), **overrides})
     params.validate()
@@ -325,6 +410,21 @@ def run_sweep(params: SweepParams | None = None, *, progress: Progress | None = 
 
     cells_plan = [(L, c) for L in params.input_lens for c in params.concurrencies]
     total = sum(params.repeats for L, c in cells_plan if max_len is None or L + params.output_len <= max_len)
+    with BenchWorker() as worker:
+        _run_cells(params, cells_plan, result, worker, base_url=base_url, model=model, tokenizer=tokenizer,
+                   max_len=max_len, raw_dir=raw_dir, run_dir=run_dir, progress=progress, total=total, t0=t0)
+
+    result.finished = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    result.wall_s = time.monotonic() - t0
+    result.files = sweep_report.write_run(result, run_dir, price_per_hour=params.price_per_hour, plot=True)
+    return result
+
+
+def _run_cells(params: SweepParams, cells_plan: list[tuple[int, int]], result: SweepResult, worker: BenchWorker, *,
+               base_url: str, model: str, tokenizer: str, max_len: int | None, raw_dir: Path, run_dir: Path,
+               progress: Progress | None, total: int, t0: float) -> None:
+    from tools import sweep_report
+
     done = 0
 
     def tick(msg: str) -> None:
@@ -365,11 +465,12 @@ def run_sweep(params: SweepParams | None = None, *, progress: Progress | None = 
                     "warmup_seed": prompt_seed(params.seed, L, c, 0, "warmup") if params.warmup else None,
                     "raw_dir": str(raw_dir)}
             stem = f"L{L}-c{c}"
+            spec["log_file"] = str(raw_dir / f"{stem}.log")
+            (raw_dir / f"{stem}.spec.json").write_text(json.dumps(spec, indent=2))
             for k in pending:  # a stale failure record must not survive a failed rerun
                 (raw_dir / raw_name(L, c, k)).unlink(missing_ok=True)
             tc = time.monotonic()
-            rc, why = _run_cell_subprocess(spec, raw_dir / f"{stem}.spec.json", raw_dir / f"{stem}.log",
-                                           params.cell_timeout_s * len(pending))
+            rc, why = worker.run_cell(spec, params.cell_timeout_s * len(pending))
             cell.wall_s = time.monotonic() - tc
             for k in pending:
                 rec = _load_done(raw_dir, L, c, k)
@@ -394,11 +495,6 @@ def run_sweep(params: SweepParams | None = None, *, progress: Progress | None = 
         # Save after every cell: a run stopped anywhere keeps tables of what it finished.
         result.wall_s = time.monotonic() - t0
         sweep_report.write_run(result, run_dir, price_per_hour=params.price_per_hour, plot=False)
-
-    result.finished = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    result.wall_s = time.monotonic() - t0
-    result.files = sweep_report.write_run(result, run_dir, price_per_hour=params.price_per_hour, plot=True)
-    return result
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -435,10 +531,31 @@ def _bench_args(spec: dict[str, Any], seed: int, num_prompts: int, output_len: i
     return parser.parse_args(argv)
 
 
-def _cell_main(spec_file: str) -> int:
-    spec = json.loads(Path(spec_file).read_text())
-    from vllm.benchmarks.serve import main as bench_main
+def _worker_main(answer_fd: int) -> int:
+    """The worker's loop: one JSON cell spec a line on stdin, one answer line per finished cell on answer_fd.
 
+    vLLM's benchmark prints to stdout and stderr: both are pointed at the cell's own log file for each cell.
+    """
+    from vllm.benchmarks.serve import main as bench_main  # the import this process exists to pay once
+
+    answers = os.fdopen(answer_fd, "w", buffering=1)
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        spec = json.loads(line)
+        with open(spec["log_file"], "ab") as log:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(log.fileno(), 1)
+            os.dup2(log.fileno(), 2)
+        _run_cell(spec, bench_main)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        answers.write(json.dumps({"done": [spec["input_len"], spec["concurrency"]]}) + "\n")
+    return 0
+
+
+def _run_cell(spec: dict[str, Any], bench_main: Callable[[argparse.Namespace], dict[str, Any]]) -> None:
     raw_dir = Path(spec["raw_dir"])
     base_url = spec["base_url"]
     warmup_s = None
@@ -455,7 +572,7 @@ def _cell_main(spec_file: str) -> int:
                                   num_prompts=spec["num_prompts"],
                                   raw_file=raw_name(spec["input_len"], spec["concurrency"], k))
                 _write_raw(raw_dir / rr.raw_file, {"repeat_result": rr.model_dump(mode="json"), "spec": spec})
-            return 0
+            return
         warmup_s = time.monotonic() - tw
     with httpx.Client() as client:
         for k in spec["repeats"]:
@@ -488,7 +605,6 @@ def _cell_main(spec_file: str) -> int:
                                                           "start_times", "input_lens", "output_lens",
                                                           "latencies", "queue_times")}}
             _write_raw(raw_dir / rr.raw_file, record)
-    return 0
 
 
 def _write_raw(out: Path, record: dict[str, Any]) -> None:
@@ -498,6 +614,7 @@ def _write_raw(out: Path, record: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(prog="python -m tools.sweep", description="Run one sweep cell (internal).")
-    ap.add_argument("--cell", required=True, help="cell spec JSON written by run_sweep")
-    raise SystemExit(_cell_main(ap.parse_args().cell))
+    ap = argparse.ArgumentParser(prog="python -m tools.measure.sweep", description="The sweep's benchmark worker (internal).")
+    ap.add_argument("--worker", action="store_true", required=True, help="read cell specs from stdin")
+    ap.add_argument("--answer-fd", type=int, required=True, help="file descriptor for one answer line per cell")
+    raise SystemExit(_worker_main(ap.parse_args().answer_fd))

@@ -43,7 +43,7 @@ def _serve_config(args: argparse.Namespace):
     if args.base_url and not args.env_file:
         return None
     try:
-        from tools.config import load_config
+        from tools.serving.config import load_config
 
         return load_config(args.env_file)
     except ImportError:
@@ -51,7 +51,7 @@ def _serve_config(args: argparse.Namespace):
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from tools.sweep import SweepParams, run_sweep
+    from tools.measure.sweep import SweepParams, run_sweep
 
     params = SweepParams(base_url=args.base_url, input_lens=args.input_lens, output_len=args.output_len,
                          concurrencies=args.concurrency, repeats=args.repeats,
@@ -75,11 +75,11 @@ def _read_text(path: str | None) -> str:
 
 
 def cmd_sweep_compare(args: argparse.Namespace) -> int:
-    from tools.sweep_report import compare_runs, plot_runs
+    from tools.measure.sweep_report import compare_runs, plot_runs
 
     cmp = compare_runs(args.runs, price_per_hour=args.price_per_hour, cost_cell=args.cost_at)
     if args.plot:
-        from tools.sweep_report import load_run
+        from tools.measure.sweep_report import load_run
 
         plot_runs([load_run(r) for r in args.runs], args.plot)
     _emit(args, cmp, cmp.markdown + (f"\nplot: {args.plot}" if args.plot else ""))
@@ -87,7 +87,7 @@ def cmd_sweep_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from tools.compare_tokens import CompareParams, check_against, compare_live, record_reference
+    from tools.measure.compare_tokens import CompareParams, check_against, compare_live, record_reference
 
     params = CompareParams(base_url=getattr(args, "base_url", None), prompts_file=getattr(args, "prompts", None),
                            max_tokens=getattr(args, "max_tokens", 160), top_logprobs=args.top_logprobs)
@@ -109,7 +109,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
-    from tools.sweep import DEFAULT_OUT, DEFAULT_PRICE_PER_HOUR
+    from tools.measure.sweep import DEFAULT_OUT, DEFAULT_PRICE_PER_HOUR
 
     def common(p: argparse.ArgumentParser, *, url: bool = True) -> None:
         if url:

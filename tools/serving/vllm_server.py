@@ -22,9 +22,9 @@ from typing import Any, Callable
 import httpx
 import psutil
 
-from tools import engine_log, turing_patch
-from tools.config import Platform, ServeConfig, looks_like_path
-from tools.engine_log import EngineStartFields
+from tools.serving import engine_log, turing_patch
+from tools.serving.config import Platform, ServeConfig, looks_like_path
+from tools.serving.engine_log import EngineStartFields
 from tools.errors import ToolFailure
 
 Progress = Callable[[float, str], None]

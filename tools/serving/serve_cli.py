@@ -15,7 +15,7 @@ from tools.cli_output import emit as _emit, guard as _guard
 
 
 def _config(args: argparse.Namespace, **overrides: Any):
-    from tools.config import load_config
+    from tools.serving.config import load_config
 
     return load_config(args.env_file, **overrides)
 
@@ -48,7 +48,7 @@ def _fmt_fields(f) -> list[str]:
 
 
 def cmd_start(args: argparse.Namespace) -> int:
-    from tools.vllm_server import start_server
+    from tools.serving.vllm_server import start_server
 
     cfg = _config(args, model=args.model, served_name=args.served_name, port=args.port,
                   max_model_len=args.max_model_len)
@@ -71,7 +71,7 @@ def cmd_start(args: argparse.Namespace) -> int:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    from tools.vllm_server import stop_server
+    from tools.serving.vllm_server import stop_server
 
     r = stop_server(_config(args), grace_s=args.grace)
     _emit(args, r, r.message)
@@ -79,7 +79,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from tools.vllm_server import server_status
+    from tools.serving.vllm_server import server_status
 
     st = server_status(_config(args))
     lines = [st.message]
@@ -95,7 +95,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_query(args: argparse.Namespace) -> int:
-    from tools.vllm_server import query
+    from tools.serving.vllm_server import query
 
     r = query(_config(args), args.prompt, max_tokens=args.max_tokens)
     _emit(args, r, r.text + "\n" + json.dumps(r.usage))
@@ -103,14 +103,14 @@ def cmd_query(args: argparse.Namespace) -> int:
 
 
 def cmd_log(args: argparse.Namespace) -> int:
-    from tools.vllm_server import read_log
+    from tools.serving.vllm_server import read_log
 
     print(read_log(_config(args), args.lines))
     return 0
 
 
 def cmd_swap(args: argparse.Namespace) -> int:
-    from tools.swap import ensure_swap, swap_report
+    from tools.serving.swap import ensure_swap, swap_report
 
     cfg = _config(args)
     r = swap_report(cfg) if args.report else ensure_swap(cfg)

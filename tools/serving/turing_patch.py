@@ -106,7 +106,7 @@ def apply(target: str | Path | None = None) -> PatchStatus:
     if text.count(ANCHOR) != 1 or missing:
         what = "the tile-size anchor" if text.count(ANCHOR) != 1 else ", ".join(repr(m) for m in missing)
         raise ToolFailure(f"{path} does not contain the code the Turing clamp expects ({what} not found): "
-                          "another vLLM version; pin the vLLM in pyproject.toml or update tools/turing_patch.py")
+                          "another vLLM version; pin the vLLM in pyproject.toml or update tools/serving/turing_patch.py")
     backup = _backup(path)
     if not backup.exists():
         shutil.copy2(path, backup)

@@ -139,7 +139,7 @@ class TokenComparison(BaseModel):
 
 def _default_base_url() -> str:
     try:
-        from tools.config import load_config
+        from tools.serving.config import load_config
 
         return load_config().base_url
     except ImportError:
@@ -225,7 +225,7 @@ def generate(base_url: str, prompts: list[str], *, max_tokens: int = 160, top_lo
                 progress(i + 1, len(prompts), f"{base}: prompt {i + 1}/{len(prompts)}, {len(ids)} tokens")
     sha = None
     if root and Path(root).is_dir():
-        from tools.provenance import config_sha256
+        from tools.measure.provenance import config_sha256
 
         sha = config_sha256(root)
     return TokenRecord(created=datetime.now(timezone.utc).isoformat(timespec="seconds"), base_url=base, model=model,

@@ -110,7 +110,7 @@ def server_info(base_url: str, *, timeout: float = 10.0) -> ServerInfo:
 
 def _gpu(notes: list[str], nvml: Any = None) -> tuple[str | None, str | None, int]:
     try:
-        from tools.vram import vram_status
+        from tools.gpu.vram import vram_status
     except ImportError as exc:
         notes.append(f"GPU not read: {exc}")
         return None, None, 0
@@ -128,8 +128,8 @@ def _started_server(base_url: str, notes: list[str], cfg: Any = None) -> tuple[l
     cfg is the ServeConfig to look in (default: the project's tpu.env).
     """
     try:
-        from tools.config import load_config
-        from tools.vllm_server import server_status
+        from tools.serving.config import load_config
+        from tools.serving.vllm_server import server_status
     except ImportError as exc:
         notes.append(f"server start record not read: {exc}")
         return None, None
@@ -168,7 +168,7 @@ def collect(base_url: str | None, *, nvml: Any = None, server: ServerInfo | None
             serve_config: Any = None) -> Provenance:
     """Build the provenance record for a measurement against base_url (None: no server involved).
 
-    serve_config: the tools.config.ServeConfig whose started server to describe (default: tpu.env's).
+    serve_config: the tools.serving.config.ServeConfig whose started server to describe (default: tpu.env's).
     """
     notes: list[str] = []
     gpu_name, driver, count = _gpu(notes, nvml)

@@ -1,0 +1,328 @@
+"""Accuracy with lm-evaluation-harness: the tiny model's pattern tasks against real vLLM CPU servers, the paired
+comparison, and bad input (one line, exit 2, no run folder)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from tools.errors import ToolFailure
+from tools.measure import evals
+from tools.measure.evals import CompareParams, EvalParams
+
+TASKS = ["tiny_pattern_mc", "tiny_pattern_gen"]
+
+
+def _cli(argv: list[str]) -> int:
+    from tools.cli import main
+
+    return main(argv)
+
+
+def _no_run_folder(out: Path) -> None:
+    left = sorted(p.name for p in out.iterdir()) if out.exists() else []
+    assert left == [], f"a failed eval left {left} in {out}"
+
+
+def _one_line_error(capsys, name: str) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err and err[-1].startswith(f"vllm-t4 {name}: "), err
+    return err[-1]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Without a server
+
+
+def test_shipped_task_data_follows_the_tiny_models_pattern():
+    """The JSONL files the tiny_pattern tasks read are what the tiny model's permutation gives (regenerate with
+    `python -m tools.measure.evals --write-tiny-tasks` when the pattern changes)."""
+    mc, gen = evals.tiny_pattern_docs(0)
+    folder = evals.TASKS_DIR / "tiny_pattern"
+    shipped_mc = [json.loads(x) for x in (folder / "tiny_pattern_mc.jsonl").read_text().splitlines()]
+    shipped_gen = [json.loads(x) for x in (folder / "tiny_pattern_gen.jsonl").read_text().splitlines()]
+    assert shipped_mc == mc and shipped_gen == gen
+    assert len(mc) >= 10
+    for d in mc:  # four distinct choices, the pattern's successor among them exactly once
+        assert len(set(d["choices"])) == 4
+        assert d["choices"][d["label"]] == next(g["target"] for g in gen if g["context"] == d["context"])
+
+
+def test_eval_flags_come_from_the_params_model():
+    from tools.cli import build_parser
+
+    args = build_parser().parse_args(["eval", "--tasks", "a,b", "--tasks", "c", "--include-path", "/x", "--limit",
+                                      "5", "--num-fewshot", "0", "--label", "emb4", "--out", "/o", "--base-url",
+                                      "http://h:1", "--json"])
+    p = evals.params_from_args(EvalParams, args)
+    assert p.tasks == ["a", "b", "c"] and p.include_path == "/x" and p.limit == 5 and p.num_fewshot == 0
+    assert p.label == "emb4" and p.out == "/o" and p.base_url == "http://h:1" and args.json
+    p = evals.params_from_args(EvalParams, build_parser().parse_args(["eval", "--tasks", "a"]))
+    assert p == EvalParams(tasks=["a"])  # unset flags keep the model's defaults
+    # Every field of the model is a flag, with its description as help.
+    helps = build_parser()._subparsers._group_actions[0].choices["eval"].format_help()
+    for name in EvalParams.model_fields:
+        assert "--" + name.replace("_", "-") in helps
+    args = build_parser().parse_args(["eval-compare", "r1", "r2"])
+    assert evals.params_from_args(CompareParams, args).runs == ["r1", "r2"]
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--limit", "0"], "--limit"),
+    (["--label", "a/b"], "--label"),
+])
+def test_eval_refuses_bad_flags_with_one_line(tmp_path, capsys, argv, needle):
+    rc = _cli(["eval", "--tasks", "x", "--out", str(tmp_path / "ev"), *argv])
+    assert rc == 2
+    assert needle in _one_line_error(capsys, "eval")
+    _no_run_folder(tmp_path / "ev")
+
+
+def test_eval_refuses_a_missing_include_path(tmp_path, capsys):
+    rc = _cli(["eval", "--tasks", "x", "--include-path", str(tmp_path / "nope"), "--out", str(tmp_path / "ev")])
+    assert rc == 2
+    line = _one_line_error(capsys, "eval")
+    assert "nope" in line and "not a folder" in line
+    _no_run_folder(tmp_path / "ev")
+
+
+def test_eval_refuses_when_no_server_answers(tmp_path, capsys):
+    from conftest import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+    rc = _cli(["eval", "--tasks", "tiny_pattern_mc", "--base-url", url, "--out", str(tmp_path / "ev"), "--json"])
+    assert rc == 2
+    out = json.loads(capsys.readouterr().out)
+    assert url in out["error"] and "./vllm-t4 start" in out["error"]
+    _no_run_folder(tmp_path / "ev")
+
+
+def _fake_run(folder: Path, label: str, per_doc: dict[int, float], *, hashes: dict[int, str] | None = None) -> Path:
+    """A run folder as run_eval writes it, with one task and per-document acc values."""
+    lm = folder / "lm_eval" / "m"
+    lm.mkdir(parents=True)
+    samples = lm / "samples_t_2026-01-01T00-00-00.jsonl"
+    samples.write_text("".join(json.dumps({"doc_id": d, "filter": "none", "acc": v,
+                                           "doc_hash": (hashes or {}).get(d, f"h{d}")}) + "\n"
+                               for d, v in per_doc.items()))
+    vals = list(per_doc.values())
+    mean = sum(vals) / len(vals)
+    se = math.sqrt(sum((v - mean) ** 2 for v in vals) / (len(vals) - 1) / len(vals))
+    res = evals.EvalResult(run_id=folder.name, run_dir=str(folder), label=label, model="m", base_url="u",
+                           tasks=["t"], started="s",
+                           scores=[evals.TaskScore(task="t", metric="acc", value=mean, stderr=se, n=len(vals))],
+                           files={"samples:t": str(samples)})
+    (folder / "summary.json").write_text(json.dumps(res.to_dict()))
+    return folder
+
+
+def test_paired_difference_matches_the_hand_computation(tmp_path):
+    a = {i: float(i % 2) for i in range(40)}                 # 0,1,0,1,...  acc 0.5
+    b = {i: 1.0 if i % 4 != 0 else 0.0 for i in range(40)}  # acc 0.75
+    ra, rb = _fake_run(tmp_path / "a", "ref", a), _fake_run(tmp_path / "b", "cand", b)
+    cmp = evals.compare_evals(CompareParams(runs=[str(ra), str(rb)]))
+    (row,) = cmp.rows
+    d = [b[i] - a[i] for i in range(40)]
+    mean = sum(d) / 40
+    se = math.sqrt(sum((x - mean) ** 2 for x in d) / 39 / 40)
+    assert row.paired and row.n_paired == 40
+    assert row.diff == pytest.approx(0.25) and row.diff_stderr == pytest.approx(se)
+    assert row.within_noise is (abs(mean) < 2 * se)
+    assert row.values == [0.5, 0.75] and "| t | acc |" in cmp.markdown
+
+    # The same documents scored the same way: within noise with a zero stderr.
+    rc = _fake_run(tmp_path / "c", "same", a)
+    (row,) = evals.compare_evals(CompareParams(runs=[str(ra), str(rc)])).rows
+    assert row.diff == 0 and row.diff_stderr == 0 and row.within_noise is True
+
+    # Documents whose content differs (doc_hash) are not paired.
+    rd = _fake_run(tmp_path / "d", "other", a, hashes={0: "x", 1: "y"})
+    (row,) = evals.compare_evals(CompareParams(runs=[str(ra), str(rd)])).rows
+    assert row.n_paired == 38 and "doc_hash" in row.note
+
+
+def test_eval_compare_refuses_a_folder_that_is_not_a_run(tmp_path, capsys):
+    rc = _cli(["eval-compare", str(tmp_path)])
+    assert rc == 2
+    assert "summary.json" in _one_line_error(capsys, "eval-compare")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Against the tiny model on vLLM's CPU backend
+
+
+@pytest.fixture(scope="module")
+def offline(tmp_path_factory):
+    """Datasets and hub lookups offline: the tasks must load from the repository's JSONL files alone."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("HF_DATASETS_OFFLINE", "1")
+    mp.setenv("HF_HUB_OFFLINE", "1")
+    mp.setenv("HF_DATASETS_CACHE", str(tmp_path_factory.mktemp("hf-datasets")))
+    yield
+    mp.undo()
+
+
+def _above_chance(score: evals.TaskScore, chance: float) -> None:
+    assert score.n == 17 and score.stderr is not None
+    # Measurably above chance: more than three standard errors, and a binomial tail below 1e-6.
+    k = round(score.value * score.n)
+    tail = sum(math.comb(score.n, i) * chance ** i * (1 - chance) ** (score.n - i) for i in range(k, score.n + 1))
+    assert score.value > chance + 3 * max(score.stderr, 1e-9) and tail < 1e-6, (score, tail)
+
+
+@pytest.fixture(scope="module")
+def emb4_run(emb4_server, offline, tmp_path_factory):
+    events: list[tuple[int, int, str]] = []
+    out = tmp_path_factory.mktemp("eval-emb4")
+    res = evals.run_eval(EvalParams(tasks=TASKS, label="emb4", out=str(out), base_url=emb4_server.base_url),
+                         progress=lambda d, t, m: events.append((d, t, m)), serve_config=emb4_server)
+    return res, events, out
+
+
+@pytest.mark.vllm
+def test_eval_scores_the_tiny_models_pattern_above_chance(emb4_run):
+    res, events, out = emb4_run
+    run = Path(res.run_dir)
+    assert run.parent == out and run.is_dir() and [p.name for p in out.iterdir()] == [run.name]
+    by = {(s.task, s.metric): s for s in res.scores}
+    _above_chance(by[("tiny_pattern_mc", "acc")], 0.25)
+    # Generation: chance of hitting the one right character among the 94 printable ones.
+    _above_chance(by[("tiny_pattern_gen", "exact_match")], 1 / 94)
+    # lm-eval's own results JSON and per-sample records, the summary and the provenance.
+    results = json.loads(Path(res.files["lm_eval_results"]).read_text())
+    assert results["results"]["tiny_pattern_mc"]["acc,none"] == by[("tiny_pattern_mc", "acc")].value
+    for task in TASKS:
+        lines = Path(res.files[f"samples:{task}"]).read_text().splitlines()
+        assert len(lines) == 17 and {"doc_id", "doc_hash"} <= set(json.loads(lines[0]))
+    summary = json.loads((run / "summary.json").read_text())
+    for row in summary["scores"]:
+        assert {"task", "metric", "value", "stderr", "n"} <= set(row)
+    md = (run / "summary.md").read_text()
+    assert "| tiny_pattern_mc | acc | none |" in md
+    prov = json.loads((run / "provenance.json").read_text())
+    assert prov["checkpoint_config_sha256"] and prov["eval"]["lm_eval_version"] == "0.4.13"
+    assert prov["eval"]["task_versions"] == {"tiny_pattern_mc": 1.0, "tiny_pattern_gen": 1.0}
+    assert prov["eval"]["model"] == "gemma-4-tiny-text-emb4" and prov["eval"]["limit"] is None
+    # Progress: lm-eval's phases and its request counter reaching the total.
+    assert any("loglikelihood" in m for _, _, m in events) and any("generate_until" in m for _, _, m in events)
+    assert any(t > 0 and d == t for d, t, _ in events)
+
+
+@pytest.mark.vllm
+def test_eval_cli_json_and_compare_the_two_builds(emb4_run, bf16_server, offline, tmp_path, capsys):
+    res, _, _ = emb4_run
+    out = tmp_path / "ev"
+    rc = _cli(["eval", "--tasks", ",".join(TASKS), "--label", "text", "--out", str(out), "--base-url",
+               bf16_server.base_url, "--limit", "12", "--json"])
+    cap = capsys.readouterr()
+    assert rc == 0, cap.err
+    summary = json.loads(cap.out)
+    rows = {(r["task"], r["metric"]): r for r in summary["scores"]}
+    assert rows[("tiny_pattern_mc", "acc")]["n"] == 12 and rows[("tiny_pattern_mc", "acc")]["value"] > 0.25
+    assert "tiny_pattern_mc" in cap.err and "requests" in cap.err  # progress on stderr
+
+    rc = _cli(["eval-compare", res.run_dir, summary["run_dir"], "--json"])
+    cmp = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    assert [r["label"] for r in cmp["runs"]] == ["emb4", "text"]
+    mc = next(r for r in cmp["rows"] if r["task"] == "tiny_pattern_mc")
+    assert mc["paired"] and mc["n_paired"] == 12 and mc["candidate"] == "text"
+    assert mc["within_noise"] is not None and mc["diff"] is not None
+    assert "| tiny_pattern_gen | exact_match |" in cmp["markdown"]
+
+
+@pytest.fixture(scope="module")
+def stub_server(tmp_path_factory):
+    """An HTTP server that describes itself as vLLM does (/v1/models, /version) and serves nothing else: enough for
+    the failures lm-eval reports before its first request, without starting vLLM."""
+    import http.server
+    import threading
+
+    from tools.demo.tiny_model import _write_tokenizer
+
+    tok = tmp_path_factory.mktemp("stub-tokenizer")
+    _write_tokenizer(tok)
+    body = json.dumps({"data": [{"id": "stub", "root": str(tok), "max_model_len": 512}]}).encode()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            data = body if self.path == "/v1/models" else b'{"version": "stub"}'
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+
+
+def test_eval_unknown_task_is_one_line_and_leaves_nothing(stub_server, offline, tmp_path, capsys):
+    rc = _cli(["eval", "--tasks", "tiny_pattern_mc,no_such_task_xyz", "--out", str(tmp_path / "ev"), "--base-url",
+               stub_server])
+    assert rc == 2
+    line = _one_line_error(capsys, "eval")
+    assert "unknown lm-eval task(s): no_such_task_xyz" in line
+    _no_run_folder(tmp_path / "ev")
+
+
+def test_eval_dataset_not_loadable_offline_is_one_line(stub_server, offline, tmp_path, capsys):
+    inc = tmp_path / "tasks"
+    inc.mkdir()
+    (inc / "hub_task.yaml").write_text(
+        "task: hub_only_task\ndataset_path: gemma4-t4-nonexistent/nonexistent-dataset\noutput_type: "
+        "multiple_choice\ntest_split: test\ndoc_to_text: q\ndoc_to_choice: c\ndoc_to_target: 0\n"
+        "metric_list:\n  - metric: acc\n")
+    rc = _cli(["eval", "--tasks", "hub_only_task", "--include-path", str(inc), "--out", str(tmp_path / "ev"),
+               "--base-url", stub_server])
+    assert rc == 2
+    line = _one_line_error(capsys, "eval")
+    assert "cannot be loaded offline" in line and "nonexistent-dataset" in line
+    _no_run_folder(tmp_path / "ev")
+
+
+def test_mcp_paths_stay_inside_the_roots(tmp_path):
+    from tools.mcp.paths import Roots
+
+    roots = Roots.from_env(models=[str(tmp_path / "models")], evidence=[str(tmp_path / "evidence")])
+    (tmp_path / "evidence" / "tasks").mkdir(parents=True)
+    p = evals.confine_eval_params(EvalParams(tasks=["t"], include_path="tasks", out="runs"), roots)
+    assert p.include_path == str(tmp_path / "evidence" / "tasks") and p.out == str(tmp_path / "evidence" / "runs")
+    # The project's own task folder is always allowed.
+    p = evals.confine_eval_params(EvalParams(tasks=["t"], include_path=str(evals.TASKS_DIR), out="r"), roots)
+    assert p.include_path == str(evals.TASKS_DIR)
+    with pytest.raises(ToolFailure, match="include_path .*outside the evidence roots"):
+        evals.confine_eval_params(EvalParams(tasks=["t"], include_path=str(tmp_path), out="r"), roots)
+    with pytest.raises(ToolFailure, match="out .*outside the evidence roots"):
+        evals.confine_eval_params(EvalParams(tasks=["t"], out=str(tmp_path / "elsewhere")), roots)
+    with pytest.raises(ToolFailure, match="run .*outside the evidence roots"):
+        evals.confine_compare_params(CompareParams(runs=[str(tmp_path)]), roots)
+
+
+def test_progress_is_read_from_lm_evals_output(tmp_path):
+    import io
+
+    out = (b"2026-01-01:00:00:00 INFO [api.task:312] Building contexts for tiny_pattern_mc on rank 0...\n"
+           b"2026-01-01:00:00:01 INFO [evaluator:570] Running loglikelihood requests\n"
+           b"Requesting API:   0%|          | 0/68 [00:00<?, ?it/s]\r"
+           b"Requesting API:  50%|#####     | 34/68 [00:01<00:01, 30it/s]\r"
+           b"Requesting API: 100%|##########| 68/68 [00:02<00:00, 30it/s]\n")
+    reader = evals._OutputReader(io.BytesIO(out), tmp_path / "log")
+    reader.thread.join(10)
+    events = []
+    while not reader.events.empty():
+        events.append(reader.events.get())
+    assert events[0] == (0, 0, "Building contexts for tiny_pattern_mc")
+    assert events[1] == (0, 0, "Running loglikelihood requests")
+    assert (34, 68, "Running loglikelihood requests: requests") in events
+    assert events[-1] == (68, 68, "Running loglikelihood requests: requests")
+    log = (tmp_path / "log").read_text()
+    assert "68/68" in log and "Running loglikelihood requests" in log
