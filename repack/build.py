@@ -1,8 +1,9 @@
 """One pass from a QAT checkpoint (or an intermediate build) to the requested build.
 
-Each source tensor is read once, through a memory map, in row blocks: int4 targets are grid-recovered and
-packed, everything else is copied byte for byte (renamed for text-only builds), towers are dropped without
-being read. The output is laid out in full before any data is computed (so every block is written by position,
+Each source tensor is read once, through a memory map, in row blocks: quantized targets are encoded by the build
+scheme that takes their table (`repack.schemes`: W4A16 grid recovery and packing by default, W8A8 int8 linears
+with `scheme="w8a8"`), everything else is copied byte for byte (renamed for text-only builds), towers are dropped
+without being read. The output is laid out in full before any data is computed (so every block is written by position,
 from several threads, and a full disk shows up at once), and written atomically.
 
 The article's three steps are this function with different options:
@@ -25,14 +26,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Literal
 
-import numpy as np
-
 from . import config as cfgmod
 from . import grid
+from . import schemes
 from .atomic import (REPORT, atomic_directory, check_destination, check_no_symlink_loop, check_stopped,
                      sweep_stale_partials)
 from .checkpoint import INDEX, MM_PREFIX, TOWER_PREFIXES, Checkpoint, check_unique_outputs, open_checkpoint
-from .errors import OffGridError, RepackError, clip
+from .errors import RepackError, clip
 from .report import TABLES, RepackReport, TableReport
 from .safetensors_io import MappedFile, OutShard, OutTensor, ShardWriter, TensorInfo, write_error
 
@@ -52,8 +52,10 @@ class BuildOptions:
     force: bool = False
     max_shard_bytes: int = 2 << 30
     threads: int = 0  # 0: one per available core
+    scheme: str = schemes.DEFAULT  # the build scheme of the linears (repack.schemes); tables follow its tables_via
 
     def __post_init__(self) -> None:
+        schemes.get(self.scheme)  # refuses an unknown name
         if self.scale_dtype not in ("fp16", "bf16"):
             raise RepackError(f"--scale-dtype {self.scale_dtype!r}: choose fp16 or bf16")
         if self.embed_tokens and not self.embed_int4:
@@ -73,6 +75,7 @@ class _Item:
     head: bool = False                 # also write the levels and scales as lm_head.*
     outs: dict[str, OutTensor] = field(default_factory=dict)
     writers: dict[str, int] = field(default_factory=dict)  # out key -> output shard index
+    scheme: type[schemes.Scheme] | None = None  # quant: the scheme that encodes it
 
 
 def _classify(name: str, info: TensorInfo, ck: Checkpoint, opt: BuildOptions) -> _Item:
@@ -121,7 +124,6 @@ def _plan(ck: Checkpoint, opt: BuildOptions) -> tuple[list[_Item], list[OutShard
     items: list[_Item] = []
     shards: list[OutShard] = []
     current: OutShard | None = None
-    scale_st = "F16" if opt.scale_dtype == "fp16" else "BF16"
 
     def add(t: OutTensor, it: _Item, key: str) -> None:
         nonlocal current
@@ -136,6 +138,7 @@ def _plan(ck: Checkpoint, opt: BuildOptions) -> tuple[list[_Item], list[OutShard
         sh_items = [_classify(n, i, ck, opt) for n, i in sorted(sh.tensors.items(), key=lambda kv: kv[1].offset)]
         for it in sh_items:
             if it.action == "quant":
+                it.scheme = schemes.for_table(opt.scheme, it.table)
                 _check_quantizable(it)
         items.extend(sh_items)
         unchanged = sh_items and all(it.action == "copy" and it.out_name == it.src.name for it in sh_items)
@@ -162,10 +165,8 @@ def _plan(ck: Checkpoint, opt: BuildOptions) -> tuple[list[_Item], list[OutShard
             prefix = it.out_name.removesuffix(".weight")
             names = [("", prefix)] + ([("head_", "lm_head")] if it.head else [])
             for key, mod in names:
-                add(OutTensor(f"{mod}.weight_packed", "I32", (rows, cols // 8), rows * cols // 2), it, key + "packed")
-                add(OutTensor(f"{mod}.weight_scale", scale_st, (rows, cols // 32), rows * cols // 16), it,
-                    key + "scale")
-                add(OutTensor(f"{mod}.weight_shape", "I64", (2,), 16), it, key + "shape")
+                for o in it.scheme.outputs(rows, cols, opt):  # type: ignore[union-attr]
+                    add(OutTensor(f"{mod}.{o.suffix}", o.dtype, o.shape, o.nbytes), it, key + o.key)
     n = len(shards)
     for i, sh in enumerate(shards):
         sh.filename = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
@@ -174,14 +175,15 @@ def _plan(ck: Checkpoint, opt: BuildOptions) -> tuple[list[_Item], list[OutShard
 
 def _output_config(ck: Checkpoint, opt: BuildOptions, items: list[_Item]) -> dict:
     config = cfgmod.text_only(ck.config) if opt.text_only else json.loads(json.dumps(ck.config))
-    packed_tables = {it.table for it in items if it.action == "quant"} | {
-        it.table for it in items if it.action == "copy" and it.src.name.endswith(".weight_packed")}
-    head = "lm_head" in packed_tables or any(it.head for it in items)
+    by_scheme: dict[type[schemes.Scheme], set[str]] = {}  # the tables each scheme quantized in this run
+    for it in items:
+        if it.action == "quant":
+            by_scheme.setdefault(it.scheme, set()).update([it.table] + (["lm_head"] if it.head else []))
+    carried = {it.table for it in items if it.action == "copy" and it.src.name.endswith(".weight_packed")}
+    head = "lm_head" in carried or any("lm_head" in t for t in by_scheme.values())
     towers = any(it.table == "towers" and it.action != "drop" for it in items)
-    prev = cfgmod.existing_targets(ck.config)
-    qc = cfgmod.quantization_config(linears="linears" in packed_tables or "linears" in prev,
-                                    ple="PLE" in packed_tables, embed="embed_tokens" in packed_tables,
-                                    head=head, towers=towers, version=_ct_version())
+    qc = cfgmod.quantization_config([s.config_group(sorted(t)) for s, t in by_scheme.items()], previous=ck.config,
+                                    carried_packed=carried, head=head, towers=towers, version=_ct_version())
     cfgmod.set_quantization(config, qc)
     if head:
         cfgmod.set_untied(config)
@@ -232,10 +234,11 @@ def build_checkpoint(src: str | Path, out: str | Path, options: BuildOptions | N
             h = tables["lm_head"]
             h.tensors += 1
             h.bytes_after += sum(o.nbytes for k, o in it.outs.items() if k.startswith("head_"))
-    report = RepackReport(source=str(src), output=str(out), options=asdict(opt), scale_dtype=opt.scale_dtype,
-                          other_dtype=other, implementation=grid.implementation(), tables=tables,
-                          output_shards=len(shards), hardlinked_shards=sum(1 for s in shards if s.hardlink_from),
-                          source_bytes=sum(i.nbytes for i in ck.tensors.values()))
+    report = schemes.SchemeReport(source=str(src), output=str(out), options=asdict(opt), scale_dtype=opt.scale_dtype,
+                                  other_dtype=other, implementation=grid.implementation(), tables=tables,
+                                  output_shards=len(shards),
+                                  hardlinked_shards=sum(1 for s in shards if s.hardlink_from),
+                                  source_bytes=sum(i.nbytes for i in ck.tensors.values()), scheme=opt.scheme)
     report.removed_partials = removed
     metadata = {"format": "pt"}
     for sh in shards:
@@ -247,7 +250,7 @@ def build_checkpoint(src: str | Path, out: str | Path, options: BuildOptions | N
                           f"free; free some space or choose another output folder")
 
     with atomic_directory(out, opt.force) as tmp:
-        report.bytes_read = _write_shards(ck, items, shards, tmp, opt, tables, progress, metadata)
+        report.bytes_read = _write_shards(ck, items, shards, tmp, opt, report, progress, metadata)
         weight_map = {t.name: sh.filename for sh in shards for t in sh.tensors}
         index = {"metadata": {"total_size": sum(sh.data_bytes for sh in shards)},
                  "weight_map": dict(sorted(weight_map.items()))}
@@ -286,7 +289,7 @@ def _free_bytes(out: Path) -> int | None:
 
 
 def _write_shards(ck: Checkpoint, items: list[_Item], shards: list[OutShard], tmp: Path, opt: BuildOptions,
-                  tables: dict[str, TableReport], progress: Progress | None, metadata: dict[str, str]) -> int:
+                  report: schemes.SchemeReport, progress: Progress | None, metadata: dict[str, str]) -> int:
     total = sum(it.src.nbytes for it in items if it.action != "drop")
     done = 0
     if progress:
@@ -308,7 +311,7 @@ def _write_shards(ck: Checkpoint, items: list[_Item], shards: list[OutShard], tm
             else:
                 writers[i] = ShardWriter(tmp / sh.filename, sh, metadata)
         for it in items:
-            if it.action == "drop" or (it.writers and shards[it.writers.get("data", it.writers.get("packed", 0))]
+            if it.action == "drop" or (it.writers and shards[next(iter(it.writers.values()))]
                                        .hardlink_from is not None):
                 continue
             mf = maps.get(it.src.file)
@@ -320,13 +323,13 @@ def _write_shards(ck: Checkpoint, items: list[_Item], shards: list[OutShard], tm
                     futures[pool.submit(_copy_block, mf, it, writers, start, length)] = (it, start, length)
             else:
                 rows, cols = it.src.shape
-                for key in ("shape", "head_shape"):
-                    if key in it.outs:
-                        writers[it.writers[key]].pwrite(np.array([rows, cols], dtype="<i8"), it.outs[key].offset)
+                for key, arr in it.scheme.constants(rows, cols).items():  # type: ignore[union-attr]
+                    for pre in ("", "head_") if it.head else ("",):
+                        writers[it.writers[pre + key]].pwrite(arr, it.outs[pre + key].offset)
                 per = max(1, BLOCK_BYTES // (cols * 2))
                 for r0 in range(0, rows, per):
                     n = min(per, rows - r0)
-                    futures[pool.submit(_quant_block, mf, it, writers, r0, n, opt.scale_dtype)] = (it, r0, n)
+                    futures[pool.submit(_quant_block, mf, it, writers, r0, n, opt)] = (it, r0, n)
         pending = set(futures)
         while pending:
             check_stopped()
@@ -335,16 +338,10 @@ def _write_shards(ck: Checkpoint, items: list[_Item], shards: list[OutShard], tm
                 it, a, n = futures.pop(fut)
                 stats = fut.result()  # re-raises a worker's error
                 if stats is not None:
-                    tables[it.table].processed.merge(stats)
+                    it.scheme.record(report, it.table, stats)  # type: ignore[union-attr]
                     if it.head:
-                        tables["lm_head"].processed.merge(stats)
-                    if stats.offgrid:
-                        row, group, err, err_o = stats.first_offgrid  # type: ignore[misc]
-                        hint = ""
-                        if err_o <= grid.TOL_ULPS:
-                            hint = f"it is on the grid with {'bf16' if opt.scale_dtype == 'fp16' else 'fp16'} scales: " \
-                                   f"try --scale-dtype {'bf16' if opt.scale_dtype == 'fp16' else 'fp16'}"
-                        raise OffGridError(it.src.name, row, group, err, hint)
+                        it.scheme.record(report, "lm_head", stats)  # type: ignore[union-attr]
+                    it.scheme.check_block(stats, it.src.name, opt)  # type: ignore[union-attr]
                     done += n * it.src.shape[1] * 2
                 else:
                     done += n
@@ -383,14 +380,14 @@ _tls = threading.local()
 
 
 def _quant_block(mf: MappedFile, it: _Item, writers: dict[int, ShardWriter], r0: int, n: int,
-                 scale_dtype: str) -> grid.GridStats:
-    cols = it.src.shape[1]
+                 opt: BuildOptions) -> object:
+    rows, cols = it.src.shape
     raw = mf.view(it.src, r0 * cols * 2, n * cols * 2).view("<u2").reshape(n, cols)
-    packed, scales, stats = grid.quantize(raw, scale_dtype)  # type: ignore[arg-type]
+    arrays, stats = it.scheme.quantize_rows(raw, opt, r0)  # type: ignore[union-attr]
     del raw
-    sbytes = grid.scales_to_bytes(scales, scale_dtype)  # type: ignore[arg-type]
     for pre in ("", "head_") if it.head else ("",):
-        writers[it.writers[pre + "packed"]].pwrite(packed, it.outs[pre + "packed"].offset + r0 * cols // 2)
-        writers[it.writers[pre + "scale"]].pwrite(sbytes, it.outs[pre + "scale"].offset + r0 * cols // 16)
+        for key, arr in arrays.items():
+            out = it.outs[pre + key]  # rows map to equal slices of every per-row output
+            writers[it.writers[pre + key]].pwrite(arr, out.offset + r0 * (out.nbytes // rows))
     mf.release(it.src, r0 * cols * 2, n * cols * 2)
-    return grid.GridStats.from_vector(stats, r0)
+    return stats

@@ -51,6 +51,15 @@ def add_scale_dtype(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
 
 
+def add_scheme(p: argparse.ArgumentParser) -> None:
+    from . import schemes
+
+    p.add_argument("--scheme", choices=schemes.names(), default=schemes.DEFAULT,
+                   help="how the linear layers are quantized: " + "; ".join(
+                       f"{n}: {schemes.get(n).summary}" for n in schemes.names()) +
+                   f" (default {schemes.DEFAULT})")
+
+
 def protected_folders() -> list[Path]:
     """What a command-line build may never replace or wrap: the working folder and the home folder (and, as for
     every build, the file system root)."""
@@ -106,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --embed-int4: also pack embed_tokens and write it again as an untied int4 lm_head")
     b.add_argument("--keep-linears", action="store_true", help="leave the linear layers bf16")
     b.add_argument("--max-shard-size", type=_positive_gib, default=2.0, metavar="GB", help="output shard size (GiB)")
+    add_scheme(b)
     add_scale_dtype(b)
     p = sub.add_parser("probe", help="tell whether a checkpoint's tensors sit on the 4-bit grid")
     p.add_argument("src", metavar="SRC")
@@ -119,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_build(args.src, args.out, dict(
             quantize_linears=not args.keep_linears, text_only=args.text_only, embed_int4=args.embed_int4,
             embed_tokens=args.embed_tokens, scale_dtype=args.scale_dtype, force=args.force,
-            max_shard_bytes=int(args.max_shard_size * (1 << 30))), args.json)
+            max_shard_bytes=int(args.max_shard_size * (1 << 30)), scheme=args.scheme), args.json)
     from .atomic import check_no_symlink_loop, find_stale_partials
     from .probe import probe_checkpoint
 

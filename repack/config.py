@@ -28,29 +28,64 @@ def _weights_args() -> dict[str, Any]:
             "block_structure": None}
 
 
-def quantization_config(*, linears: bool, ple: bool, embed: bool, head: bool, towers: bool,
+TABLE_TARGETS = {"linears": "Linear", "PLE": RE_PLE, "embed_tokens": RE_EMBED, "lm_head": RE_HEAD}
+
+
+def targets(tables: list[str] | set[str]) -> list[str]:
+    """The compressed-tensors targets naming the given report tables, in a fixed order."""
+    return [t for k, t in TABLE_TARGETS.items() if k in tables]
+
+
+def w4a16_group(tables: list[str] | set[str]) -> dict[str, Any]:
+    """The `pack-quantized` int4 group-32 config group for the given tables."""
+    return {"format": "pack-quantized", "targets": targets(tables), "weights": _weights_args(),
+            "input_activations": None, "output_activations": None}
+
+
+def _ordered(ts: list[str]) -> list[str]:
+    known = list(TABLE_TARGETS.values())
+    return [t for t in known if t in ts] + [t for i, t in enumerate(ts) if t not in known and t not in ts[:i]]
+
+
+def quantization_config(groups: list[dict[str, Any]], *, previous: dict[str, Any] | None = None,
+                        carried_packed: set[str] = frozenset(), head: bool, towers: bool,
                         version: str = "0.17.0") -> dict[str, Any] | None:
-    """The compressed-tensors `pack-quantized` W4A16 config for what a build holds (None if nothing is int4)."""
-    targets: list[str] = []
-    if linears:
-        targets.append("Linear")
-    if ple:
-        targets.append(RE_PLE)
-    if embed:
-        targets.append(RE_EMBED)
-    if head:
-        targets.append(RE_HEAD)
-    if not targets:
+    """The compressed-tensors quantization_config for what a build holds (None if nothing is quantized).
+
+    groups: the config groups of the schemes that quantized tables in this run. previous: the source's config,
+    whose groups are kept for the targets this run carries unchanged (an intermediate build's int4 linears);
+    carried_packed: tables carried as `weight_packed` that no previous group declares (declared int4).
+    Groups that quantize alike are merged, so a build made in steps declares what the one-pass build does."""
+    fresh = {t for g in groups for t in g["targets"]}
+    kept: list[dict[str, Any]] = []
+    prev = (previous or {}).get("quantization_config") or \
+        ((previous or {}).get("text_config") or {}).get("quantization_config") or {}
+    for g in (prev.get("config_groups") or {}).values():
+        keep = [t for t in g.get("targets", []) if t not in fresh]
+        if keep:
+            kept.append({"format": prev.get("format"), **copy.deepcopy(g), "targets": keep})
+    declared = fresh | {t for g in kept for t in g["targets"]}
+    missing = [t for t in targets(carried_packed) if t not in declared]
+    merged: list[dict[str, Any]] = []
+    for g in [copy.deepcopy(g) for g in groups] + kept + ([{**w4a16_group([]), "targets": missing}] if missing else []):
+        same = next((m for m in merged if {**m, "targets": None} == {**g, "targets": None}), None)
+        if same is None:
+            merged.append(g)
+        else:
+            same["targets"] = _ordered(same["targets"] + g["targets"])
+    if not merged:
         return None
+    known = list(TABLE_TARGETS.values())  # groups in a fixed order too: one pass and steps write the same
+    merged.sort(key=lambda g: known.index(g["targets"][0]) if g["targets"][0] in known else len(known))
+    formats = {g["format"] for g in merged}
     ignore: list[str] = [] if head else ["lm_head"]
     if towers:
         ignore += TOWER_IGNORE
     return {
         "quant_method": "compressed-tensors",
-        "format": "pack-quantized",
+        "format": formats.pop() if len(formats) == 1 else "mixed-precision",
         "quantization_status": "compressed",
-        "config_groups": {"group_0": {"format": "pack-quantized", "targets": targets, "weights": _weights_args(),
-                                      "input_activations": None, "output_activations": None}},
+        "config_groups": {f"group_{i}": g for i, g in enumerate(merged)},
         "ignore": ignore,
         "kv_cache_scheme": None,
         "sparsity_config": {},

@@ -1,0 +1,58 @@
+"""Build schemes, registered by name: ``w4a16`` (the QAT grid recovered exactly, the default) and ``w8a8``
+(int8 weights per output channel with dynamic per-token int8 activations).
+
+Every module of this package that defines a scheme registers it with ``@register``; the package imports them
+all, so a new scheme is one module (plus its test) and the build, the command line and the report find it here.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+from ..errors import RepackError
+from .base import ErrorStats, Output, Scheme, SchemeReport
+
+DEFAULT = "w4a16"
+REGISTRY: dict[str, type[Scheme]] = {}
+
+
+def register(cls: type[Scheme]) -> type[Scheme]:
+    if cls.name in REGISTRY and REGISTRY[cls.name] is not cls:
+        raise ValueError(f"two build schemes are named {cls.name!r}")
+    REGISTRY[cls.name] = cls
+    return cls
+
+
+def names() -> list[str]:
+    return sorted(REGISTRY)
+
+
+def get(name: str) -> type[Scheme]:
+    try:
+        return REGISTRY[name]
+    except (KeyError, TypeError):
+        raise RepackError(f"--scheme {name!r}: unknown build scheme; choose one of {', '.join(names())}",
+                          {"option": "--scheme", "value": str(name), "choices": names(),
+                           "problem": "unknown-scheme"}) from None
+
+
+def for_table(name: str, table: str) -> type[Scheme]:
+    """The scheme that quantizes `table` in a build of scheme `name` (its own, or the one it delegates to)."""
+    s = get(name)
+    seen = {s.name}
+    while table not in s.tables:
+        if s.tables_via is None or s.tables_via in seen:
+            raise RepackError(f"--scheme {name}: no scheme quantizes the {table} table",
+                              {"option": "--scheme", "value": name, "table": table, "problem": "no-scheme-for-table"})
+        s = get(s.tables_via)
+        seen.add(s.name)
+    return s
+
+
+for _m in pkgutil.iter_modules(__path__):
+    if _m.name != "base":
+        importlib.import_module(f"{__name__}.{_m.name}")
+
+__all__ = ["DEFAULT", "REGISTRY", "ErrorStats", "Output", "Scheme", "SchemeReport", "for_table", "get", "names",
+           "register"]

@@ -1,0 +1,94 @@
+"""W4A16: the QAT checkpoint's symmetric 4-bit grid recovered exactly, as compressed-tensors `pack-quantized`.
+
+Blocks are groups of 32 consecutive values along the input axis. The grid recovery itself (and its numba kernel,
+checked against the numpy reference) lives in `repack/grid.py`; this class only connects it to the build: the
+three tensors per module (`weight_packed` int32 [out, in/8], `weight_scale` [out, in/32] in the scale dtype,
+`weight_shape` int64 [2]), the config group, and the grid's exactness figures, which are the report's own
+columns (identical values, worst error in bf16 ulps, off-grid groups).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .. import config as cfgmod
+from .. import grid
+from ..errors import OffGridError
+from . import register
+from .base import Output, Scheme
+
+if TYPE_CHECKING:
+    from ..build import BuildOptions
+    from .base import SchemeReport
+
+
+def _options(options: "BuildOptions | None") -> "BuildOptions":
+    from ..build import BuildOptions
+
+    return options if options is not None else BuildOptions()
+
+
+@register
+class W4A16(Scheme):
+    name = "w4a16"
+    summary = "int4 weights, groups of 32 recovered exactly from the QAT grid, 16-bit activations (pack-quantized)"
+    tables = frozenset({"linears", "PLE", "embed_tokens", "lm_head"})
+    Stats = grid.GridStats
+
+    @classmethod
+    def quantize_blocks(cls, words: np.ndarray, options: "BuildOptions | None" = None
+                        ) -> tuple[np.ndarray, np.ndarray]:
+        """bf16 words [n_blocks, 32] -> (packed int32 [n_blocks, 4], scales float64 [n_blocks, 1])."""
+        packed, scales, _ = grid.quantize(np.ascontiguousarray(words), _options(options).scale_dtype)
+        return packed, scales
+
+    @classmethod
+    def dequantize_blocks(cls, q: np.ndarray, scale: np.ndarray) -> np.ndarray:
+        """(packed int32 [n_blocks, 4], scales [n_blocks, 1]) -> float64 values [n_blocks, 32]."""
+        return grid.decode(q, scale)
+
+    @classmethod
+    def outputs(cls, rows: int, cols: int, options: "BuildOptions") -> list[Output]:
+        scale_st = "F16" if options.scale_dtype == "fp16" else "BF16"
+        return [Output("packed", "weight_packed", "I32", (rows, cols // 8), rows * cols // 2),
+                Output("scale", "weight_scale", scale_st, (rows, cols // grid.GROUP), rows * cols // 16),
+                Output("shape", "weight_shape", "I64", (2,), 16)]
+
+    @classmethod
+    def constants(cls, rows: int, cols: int) -> dict[str, np.ndarray]:
+        return {"shape": np.array([rows, cols], dtype="<i8")}
+
+    @classmethod
+    def quantize_rows(cls, words: np.ndarray, options: "BuildOptions", row0: int
+                      ) -> tuple[dict[str, np.ndarray], grid.GridStats]:
+        packed, scales, stats = grid.quantize(words, options.scale_dtype)
+        return ({"packed": packed, "scale": grid.scales_to_bytes(scales, options.scale_dtype)},
+                grid.GridStats.from_vector(stats, row0))
+
+    @classmethod
+    def decode(cls, tensors: dict[str, np.ndarray]) -> np.ndarray:
+        scale = tensors["weight_scale"]
+        if scale.dtype == np.uint16:  # bf16 stored as raw words
+            scale = (scale.astype(np.uint32) << 16).view(np.float32)
+        return grid.decode(tensors["weight_packed"], scale)
+
+    @classmethod
+    def config_group(cls, tables: list[str]) -> dict[str, Any]:
+        return cfgmod.w4a16_group(tables)
+
+    @classmethod
+    def record(cls, report: "SchemeReport", table: str, stats: grid.GridStats) -> None:
+        report.tables[table].processed.merge(stats)
+
+    @classmethod
+    def check_block(cls, stats: grid.GridStats, tensor: str, options: "BuildOptions") -> None:
+        if not stats.offgrid:
+            return
+        row, group, err, err_o = stats.first_offgrid  # type: ignore[misc]
+        hint = ""
+        if err_o <= grid.TOL_ULPS:
+            hint = f"it is on the grid with {'bf16' if options.scale_dtype == 'fp16' else 'fp16'} scales: " \
+                   f"try --scale-dtype {'bf16' if options.scale_dtype == 'fp16' else 'fp16'}"
+        raise OffGridError(tensor, row, group, err, hint)
