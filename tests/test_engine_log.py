@@ -91,3 +91,16 @@ RuntimeError: Engine core initialization failed. See root cause above. Failed co
 
 def test_tail():
     assert tail("a\nb\nc\n", 2) == "b\nc" and tail("a", 0) == ""
+
+
+def test_w8a8_linears_name_their_int8_kernel_over_the_int4_heads():
+    from tools.serving.engine_log import parse_engine_log
+
+    log = """\
+(EngineCore pid=7) INFO 11-29 21:00:01 [cpu.py:40] Selected CPUInt8ScaledMMLinearKernel for CompressedTensorsW8A8Int8
+(EngineCore pid=7) INFO 11-29 21:00:02 [wna16.py:88] Using CPUWNA16LinearKernel for CompressedTensorsWNA16
+"""
+    f = parse_engine_log(log)
+    assert f.linear_kernel == "CPUInt8ScaledMMLinearKernel"
+    assert f.kernels == ["CPUInt8ScaledMMLinearKernel for CompressedTensorsW8A8Int8",
+                         "CPUWNA16LinearKernel for CompressedTensorsWNA16"]

@@ -22,6 +22,8 @@ _RE = {
     "concurrency": re.compile(rf"Maximum concurrency for {_NUM} tokens per request: {_NUM}x"),
     "torch_compile": re.compile(rf"torch\.compile (?:and initial profiling/warmup run together )?took {_NUM} s in total"),
     "linear_kernel": re.compile(r"Using (\w+) for CompressedTensorsWNA16"),
+    # int8 W8A8 linears (the body of a --scheme w8a8 build; its int4 head still logs a WNA16 line)
+    "linear_kernel_w8a8": re.compile(r"(?:Using|Selected) (\w+) for CompressedTensorsW8A8\w*"),
     "max_model_len": re.compile(r"Using max model len (\d+)"),
     "version": re.compile(r"(?:LLM engine \(v|version )(\d+\.\d+\.\d+\S*?)\)?(?:\s|$)"),
     "device": re.compile(r"device_config=(\w+)"),
@@ -105,7 +107,7 @@ def parse_engine_log(text: str) -> EngineStartFields:
     """Parses the log of one server start. Later lines win (a restart appended to the same text counts)."""
     f = EngineStartFields()
     warm_begin: datetime | None = None
-    saw_cold = saw_warm = False
+    saw_cold = saw_warm = saw_w8a8 = False
     kernels: list[str] = []
     for line in text.splitlines():
         if m := _RE["model_loading"].search(line):
@@ -120,10 +122,12 @@ def parse_engine_log(text: str) -> EngineStartFields:
             f.max_concurrency_tokens, f.max_concurrency = int(_num(m.group(1))), _num(m.group(2))
         if m := _RE["torch_compile"].search(line):
             f.torch_compile_s = _num(m.group(1))
-        if m := _RE["linear_kernel"].search(line):
+        if m := _RE["linear_kernel_w8a8"].search(line):
+            f.linear_kernel, saw_w8a8 = m.group(1), True
+        elif (m := _RE["linear_kernel"].search(line)) and not saw_w8a8:
             f.linear_kernel = m.group(1)
-        if "Using " in line and " for " in line:
-            if km := re.search(r"Using (\w+Kernel) for (\w[\w -]*)", line):
+        if (" for " in line) and ("Using " in line or "Selected " in line):
+            if km := re.search(r"(?:Using|Selected) (\w+Kernel) for (\w[\w -]*)", line):
                 entry = f"{km.group(1)} for {km.group(2).strip()}"
                 if entry not in kernels:
                     kernels.append(entry)
