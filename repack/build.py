@@ -47,14 +47,29 @@ class BuildOptions:
     text_only: bool = True
     embed_int4: bool = True
     embed_tokens: bool = True
-    scale_dtype: Literal["fp16", "bf16"] = "fp16"
+    # The runtime dtype the scales are chosen for (float16: the T4); the stored scale dtype follows it
+    # (scale_dtype is the older spelling: fp16 = float16, bf16 = bfloat16).
+    target_dtype: str | None = None
+    objective: str = grid.DEFAULT_OBJECTIVE
+    scale_dtype: str | None = None
     force: bool = False
     max_shard_bytes: int = 2 << 30
     threads: int = 0  # 0: one per available core
 
     def __post_init__(self) -> None:
-        if self.scale_dtype not in ("fp16", "bf16"):
+        if self.scale_dtype is not None and self.scale_dtype not in ("fp16", "bf16"):
             raise RepackError(f"--scale-dtype {self.scale_dtype!r}: choose fp16 or bf16")
+        if self.target_dtype is not None and self.target_dtype not in grid.TARGETS:
+            raise RepackError(f"--target-dtype {self.target_dtype!r}: choose float16 or bfloat16")
+        if self.objective not in grid.OBJECTIVES:
+            raise RepackError(f"--objective {self.objective!r}: choose runtime-exact or min-error")
+        if self.target_dtype is None:
+            self.target_dtype = grid.target_of(self.scale_dtype) if self.scale_dtype else grid.DEFAULT_TARGET
+        elif self.scale_dtype is not None and grid.target_of(self.scale_dtype) != self.target_dtype:
+            raise RepackError(f"--scale-dtype {self.scale_dtype} does not match --target-dtype {self.target_dtype}: "
+                              f"the stored scales follow the target (float16: fp16, bfloat16: bf16); "
+                              f"pass --target-dtype alone")
+        self.scale_dtype = grid.SCALE_DTYPE[self.target_dtype]
         if self.embed_tokens and not self.embed_int4:
             raise RepackError("--embed-tokens needs --embed-int4 (embed_tokens is packed with the PLE table)")
         if self.max_shard_bytes <= 0:
@@ -205,8 +220,8 @@ def build_checkpoint(src: str | Path, out: str | Path, options: BuildOptions | N
     check_destination(out, opt.force, src)
     items, shards = _plan(ck, opt)
     config = _output_config(ck, opt, items)
-    other = "bf16" if opt.scale_dtype == "fp16" else "fp16"
-    tables = {name: TableReport(name) for name in TABLES}
+    other = grid.other_target(opt.target_dtype)  # type: ignore[arg-type]
+    tables = {name: TableReport(name, target_dtype=opt.target_dtype) for name in TABLES}  # type: ignore[arg-type]
     for it in items:
         t = tables[it.table]
         t.tensors += 1
@@ -217,7 +232,8 @@ def build_checkpoint(src: str | Path, out: str | Path, options: BuildOptions | N
             h.tensors += 1
             h.bytes_after += sum(o.nbytes for k, o in it.outs.items() if k.startswith("head_"))
     report = RepackReport(source=str(src), output=str(out), options=asdict(opt), scale_dtype=opt.scale_dtype,
-                          other_dtype=other, implementation=grid.implementation(), tables=tables,
+                          other_dtype=other, target_dtype=opt.target_dtype, objective=opt.objective,  # type: ignore[arg-type]
+                          implementation=grid.implementation(), tables=tables,
                           output_shards=len(shards), hardlinked_shards=sum(1 for s in shards if s.hardlink_from),
                           source_bytes=sum(i.nbytes for i in ck.tensors.values()))
     metadata = {"format": "pt"}
@@ -308,7 +324,8 @@ def _write_shards(ck: Checkpoint, items: list[_Item], shards: list[OutShard], tm
                 per = max(1, BLOCK_BYTES // (cols * 2))
                 for r0 in range(0, rows, per):
                     n = min(per, rows - r0)
-                    futures[pool.submit(_quant_block, mf, it, writers, r0, n, opt.scale_dtype)] = (it, r0, n)
+                    futures[pool.submit(_quant_block, mf, it, writers, r0, n, opt.target_dtype,
+                                             opt.objective)] = (it, r0, n)
         pending = set(futures)
         while pending:
             finished, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
@@ -322,9 +339,11 @@ def _write_shards(ck: Checkpoint, items: list[_Item], shards: list[OutShard], tm
                     if stats.offgrid:
                         row, group, err, err_o = stats.first_offgrid  # type: ignore[misc]
                         hint = ""
-                        if err_o <= grid.TOL_ULPS:
-                            hint = f"it is on the grid with {'bf16' if opt.scale_dtype == 'fp16' else 'fp16'} scales: " \
-                                   f"try --scale-dtype {'bf16' if opt.scale_dtype == 'fp16' else 'fp16'}"
+                        if stats.first_offgrid_nonfinite:
+                            hint = "the group holds a NaN or an infinity, which no 4-bit level represents"
+                        elif err_o <= grid.TOL_ULPS:
+                            other = grid.other_target(opt.target_dtype)  # type: ignore[arg-type]
+                            hint = f"it is on the grid for {other}: try --target-dtype {other}"
                         raise OffGridError(it.src.name, row, group, err, hint)
                     done += n * it.src.shape[1] * 2
                 else:
@@ -364,12 +383,12 @@ _tls = threading.local()
 
 
 def _quant_block(mf: MappedFile, it: _Item, writers: dict[int, ShardWriter], r0: int, n: int,
-                 scale_dtype: str) -> grid.GridStats:
+                 target: str, objective: str) -> grid.GridStats:
     cols = it.src.shape[1]
     raw = mf.view(it.src, r0 * cols * 2, n * cols * 2).view("<u2").reshape(n, cols)
-    packed, scales, stats = grid.quantize(raw, scale_dtype)  # type: ignore[arg-type]
+    packed, scales, stats = grid.quantize(raw, target, objective)
     del raw
-    sbytes = grid.scales_to_bytes(scales, scale_dtype)  # type: ignore[arg-type]
+    sbytes = grid.scales_to_bytes(scales, grid.SCALE_DTYPE[target])
     for pre in ("", "head_") if it.head else ("",):
         writers[it.writers[pre + "packed"]].pwrite(packed, it.outs[pre + "packed"].offset + r0 * cols // 2)
         writers[it.writers[pre + "scale"]].pwrite(sbytes, it.outs[pre + "scale"].offset + r0 * cols // 16)
