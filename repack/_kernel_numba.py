@@ -134,57 +134,70 @@ def _sq(c, q, x, w):
     return acc
 
 
-@nb.njit(cache=True)
+@nb.njit(cache=True, inline="always")
 def _search(s, q, qa, sa, da, has_a, same_a, x, lo, hi, recip, w, cand, auth, fb, ub, min_error):
     # the candidates of grid._search, in the same order (skipping those that cannot be valid or cannot be
     # strictly better: a duplicate of the first); stops once a candidate reproduces every value (count 32 and
     # no error: nothing can be strictly better). Returns (scale, uses the author's levels, count, sq).
     sig, minexp, vmax = w.sig, w.minexp, w.vmax
     cand[0], cand[1], cand[2] = _round_fmt(s, sig, minexp, vmax, fb, ub)
+    auth[0] = auth[1] = auth[2] = False
     nc = 3
-    lb, ubnd = _bounds(q, lo, hi, recip)
-    if lb <= ubnd:
-        cand[3], cand[4], cand[5] = _round_fmt(min(max(s, lb), ubnd), sig, minexp, vmax, fb, ub)
-        nc = 6
-    for j in range(nc):
-        auth[j] = False
-    if has_a:
-        cand[nc] = _round1(da, sig, minexp, vmax, fb, ub)
-        auth[nc] = not same_a
-        nc += 1
-        if not same_a:  # with the same levels this is the first candidate again
-            cand[nc] = _round1(sa, sig, minexp, vmax, fb, ub)
-            auth[nc] = True
-            nc += 1
-        cand[nc] = _round1(_round1(sa, 8, -133, 3.3895313892515355e38, fb, ub), sig, minexp, vmax, fb, ub)
-        auth[nc] = not same_a
-        nc += 1
     best = cand[0]
     ba = False
     bn = -1
     bsq = np.inf
-    for j in range(nc):
-        c = cand[j]
-        lv = qa if auth[j] else q
-        n = _count(c, lv, lo, hi)
-        if n == 32:
-            return c, auth[j], n, 0.0
-        if min_error:
-            sq = _sq(c, lv, x, w)
-            better = (sq < bsq) or (sq == bsq and n > bn)
-        elif n < bn:
-            continue
+    j = 0
+    stage = 0
+    while True:
+        while j < nc:
+            c = cand[j]
+            lv = qa if auth[j] else q
+            n = _count(c, lv, lo, hi)
+            if n == 32:
+                return c, auth[j], n, 0.0
+            if min_error:
+                sq = _sq(c, lv, x, w)
+                better = (sq < bsq) or (sq == bsq and n > bn)
+            elif n < bn:
+                j += 1
+                continue
+            else:
+                sq = _sq(c, lv, x, w)
+                better = (n > bn) or (sq < bsq)
+            if better or j == 0:
+                best, ba, bn, bsq = c, auth[j], n, sq
+            j += 1
+        # the next candidates, computed only when needed
+        if stage == 0:
+            stage = 1
+            lb, ubnd = _bounds(q, lo, hi, recip)
+            if lb <= ubnd:
+                cand[3], cand[4], cand[5] = _round_fmt(min(max(s, lb), ubnd), sig, minexp, vmax, fb, ub)
+                auth[3] = auth[4] = auth[5] = False
+                nc = 6
+        elif stage == 1:
+            stage = 2
+            if has_a:
+                cand[nc] = _round1(da, sig, minexp, vmax, fb, ub)
+                auth[nc] = not same_a
+                nc += 1
+                if not same_a:  # with the same levels this is the first candidate again
+                    cand[nc] = _round1(sa, sig, minexp, vmax, fb, ub)
+                    auth[nc] = True
+                    nc += 1
+                cand[nc] = _round1(_round1(sa, 8, -133, 3.3895313892515355e38, fb, ub), sig, minexp, vmax, fb, ub)
+                auth[nc] = not same_a
+                nc += 1
         else:
-            sq = _sq(c, lv, x, w)
-            better = (n > bn) or (sq < bsq)
-        if better or j == 0:
-            best, ba, bn, bsq = c, auth[j], n, sq
-    return best, ba, bn, bsq
+            return best, ba, bn, bsq
 
 
-@nb.njit(cache=True)
-def _errors(c, q, x, inv, nf, w):
+@nb.njit(cache=True, inline="always")
+def _errors(c, q, x, inv, nf, n, w):
     # worst and summed runtime error in bf16 ulps of the source (a group holding NaN/inf: worst is inf)
+    if n == 32:  # every value exact (and finite)
+        return 0.0, 0.0
     _sq(c, q, x, w)
     r = w.r
     m = 0.0
@@ -302,12 +315,13 @@ def quantize_rows(words, packed, scales, stats, ratio_table, lowbit, recip, valu
             has_a = m_a > 0
             sa = 0.0
             da = 0.0
-            if has_a:
-                sa = _levels(m_a / safe, x, qa, niba)
-                da = safe / m_a
             s = _levels(m / safe, x, q, nib)
+            if has_a:
+                # the same m gives the same levels and step (then only q is used)
+                sa = _levels(m_a / safe, x, qa, niba) if m_a != m else s
+                da = safe / m_a
             c, use_a, n, sq = _search(s, q, qa, sa, da, has_a, m_a == m, x, lo, hi, recip, wt, cand, auth, fb, bb, min_error)
-            e, et = _errors(c, qa if use_a else q, x, inv, nf, wt)
+            e, et = _errors(c, qa if use_a else q, x, inv, nf, n, wt)
             if e > 2.0:
                 # The ratio lookup is a fast first guess; on a miss every peak level is tried and the one whose
                 # least-squares fit is closest wins (ties: the smaller level, i.e. the coarser grid).
@@ -320,12 +334,14 @@ def quantize_rows(words, packed, scales, stats, ratio_table, lowbit, recip, valu
                         best_e, best_m = em, mm
                 m = best_m
                 s = _levels(m / safe, x, q, nib)
+                if has_a:
+                    sa = _levels(m_a / safe, x, qa, niba) if m_a != m else s
                 c, use_a, n, sq = _search(s, q, qa, sa, da, has_a, m_a == m, x, lo, hi, recip, wt, cand, auth, fb, bb,
                                           min_error)
-                e, et = _errors(c, qa if use_a else q, x, inv, nf, wt)
+                e, et = _errors(c, qa if use_a else q, x, inv, nf, n, wt)
             co, use_ao, no, sqo = _search(s, q, qa, sa, da, has_a, m_a == m, x, lo2, hi2, recip, wo, cand, auth, fb, bb,
                                           min_error)
-            eo, eto = _errors(co, qa if use_ao else q, x, inv, nf, wo)
+            eo, eto = _errors(co, qa if use_ao else q, x, inv, nf, no, wo)
             n_exact += n
             n_exact_o += no
             worst = max(worst, e)
