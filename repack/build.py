@@ -232,7 +232,8 @@ def build_checkpoint(src: str | Path, out: str | Path, options: BuildOptions | N
             h.tensors += 1
             h.bytes_after += sum(o.nbytes for k, o in it.outs.items() if k.startswith("head_"))
     report = RepackReport(source=str(src), output=str(out), options=asdict(opt), scale_dtype=opt.scale_dtype,
-                          other_dtype=other, target_dtype=opt.target_dtype, objective=opt.objective,  # type: ignore[arg-type]
+                          other_dtype=other, target_dtype=opt.target_dtype,  # type: ignore[arg-type]
+                          objective=opt.objective,
                           implementation=grid.implementation(), tables=tables,
                           output_shards=len(shards), hardlinked_shards=sum(1 for s in shards if s.hardlink_from),
                           source_bytes=sum(i.nbytes for i in ck.tensors.values()))
