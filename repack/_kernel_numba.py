@@ -320,7 +320,8 @@ def quantize_rows(words, packed, scales, stats, ratio_table, lowbit, recip, valu
                 # the same m gives the same levels and step (then only q is used)
                 sa = _levels(m_a / safe, x, qa, niba) if m_a != m else s
                 da = safe / m_a
-            c, use_a, n, sq = _search(s, q, qa, sa, da, has_a, m_a == m, x, lo, hi, recip, wt, cand, auth, fb, bb, min_error)
+            c, use_a, n, sq = _search(s, q, qa, sa, da, has_a, m_a == m, x, lo, hi, recip, wt, cand, auth, fb, bb,
+                                      min_error)
             e, et = _errors(c, qa if use_a else q, x, inv, nf, n, wt)
             if e > 2.0:
                 # The ratio lookup is a fast first guess; on a miss every peak level is tried and the one whose
