@@ -2,19 +2,25 @@
 
 Kept in its own module so that importing the library never triggers compilation; numba caches the compiled
 code next to this file (or in NUMBA_CACHE_DIR).
+
+Exactness is tested against per-value intervals (T(p) == x exactly when lo <= p <= hi, tables built by
+`grid`), so the runtime rounding itself is only computed for the values a candidate does not reproduce.
 """
 
 from __future__ import annotations
 
+from collections import namedtuple
+
 import numba as nb
 import numpy as np
 
-# A product scale * level has at most 15 significant bits and a rounding midpoint at most 9, so moving an
-# excluded end by this relative amount is the same as excluding it.
-EXCL = 2.0 ** -30
 # Adding and subtracting 1.5 * 2^52 rounds a float64 of magnitude below 2^51 to the nearest integer, ties to
 # even (the default rounding mode), exactly like rint but without a library call in the inner loops.
 RND = 6755399441055744.0
+AUTHOR_TOL = 2.0 ** -7
+
+# Scratch arrays (with their uint64 views) and the runtime format of one target.
+_Work = namedtuple("_Work", ["r", "ru", "s1", "s1u", "s2", "s2u", "sig", "minexp", "vmax"])
 
 
 @nb.njit(cache=True, inline="always")
@@ -55,59 +61,16 @@ def _round_fmt(s, sig, minexp, vmax, fb, ub):
 
 
 @nb.njit(cache=True, inline="always")
-def _count3(c0, c1, c2, q, lo, hi):
-    # three candidates in one pass over the group (one load of each bound, three independent sums)
-    n0 = 0
-    n1 = 0
-    n2 = 0
-    for i in range(32):
-        a = lo[i]
-        b = hi[i]
-        r0 = c0 * q[i]
-        r1 = c1 * q[i]
-        r2 = c2 * q[i]
-        n0 += (r0 >= a) & (r0 <= b)
-        n1 += (r1 >= a) & (r1 <= b)
-        n2 += (r2 >= a) & (r2 <= b)
-    return n0, n1, n2
+def _round1(s, sig, minexp, vmax, fb, ub):
+    c0, _, _ = _round_fmt(s, sig, minexp, vmax, fb, ub)
+    return c0
 
 
 @nb.njit(cache=True, inline="always")
-def _pick(best, bn, c0, c1, c2, n0, n1, n2):
-    # candidates in order; only a strict improvement replaces the best
-    if n0 > bn:
-        best, bn = c0, n0
-    if n1 > bn:
-        best, bn = c1, n1
-    if n2 > bn:
-        best, bn = c2, n2
-    return best, bn
-
-
-@nb.njit(cache=True, inline="always")
-def _best(s, lb, ub, sig, minexp, vmax, q, lo, hi, nvals, fb, bb):
-    # the rounded least-squares step and its neighbours; then, unless one reproduces every value, the
-    # representable values nearest the interval [lb, ub] of scales that would reproduce every value.
-    # A candidate only replaces the best on a strict improvement, so skipping when one reproduces all
-    # values changes nothing.
-    c0, cd, cu = _round_fmt(s, sig, minexp, vmax, fb, bb)
-    n0, nd, nu = _count3(c0, cd, cu, q, lo, hi)
-    best, bn = _pick(c0, n0, c0, cd, cu, n0, nd, nu)
-    if bn < nvals and lb <= ub:
-        k0, kd, ku = _round_fmt(min(max(s, lb), ub), sig, minexp, vmax, fb, bb)
-        m0, md, mu = _count3(k0, kd, ku, q, lo, hi)
-        best, bn = _pick(best, bn, k0, kd, ku, m0, md, mu)
-    return best, bn
-
-
-@nb.njit(cache=True, inline="always")
-def _fit(f, x, q, nib, lo, hi, recip):
-    # levels for the step 1/f (also as nibbles, level + 8, for packing), their least-squares step, and the
-    # interval of steps reproducing every value
+def _levels(f, x, q, nib):
+    # levels for the step 1/f (also as nibbles, level + 8, for packing) and their least-squares step
     sqx = 0.0
     sqq = 0.0
-    lb = 0.0
-    ub = np.inf
     for i in range(32):
         l = _rint(x[i] * f)
         if l < -8.0:
@@ -115,18 +78,137 @@ def _fit(f, x, q, nib, lo, hi, recip):
         elif l > 7.0:
             l = 7.0
         q[i] = l
-        li = int(l) + 8
-        nib[i] = np.uint32(li)
+        nib[i] = np.uint32(int(l) + 8)
         sqx += l * x[i]
         sqq += l * l
-        # the interval of steps that reproduce this value (none for level 0), without sign branches
-        rl = recip[li]
-        p1 = lo[i] * rl
-        p2 = hi[i] * rl
-        lb = max(lb, min(p1, p2))
-        ub = min(ub, max(p1, p2) if l != 0.0 else np.inf)
-    s = sqx / sqq if sqq > 0 else 0.0
-    return s, lb, ub
+    return sqx / sqq if sqq > 0 else 0.0
+
+
+@nb.njit(cache=True, inline="always")
+def _bounds(q, lo, hi, recip):
+    # the interval of scales reproducing every value exactly (level 0 constrains nothing)
+    lb = 0.0
+    ub = np.inf
+    for i in range(32):
+        l = q[i]
+        rl = recip[int(l) + 8]
+        if l > 0.0:
+            lb = max(lb, lo[i] * rl)
+            ub = min(ub, hi[i] * rl)
+        elif l < 0.0:
+            lb = max(lb, hi[i] * rl)
+            ub = min(ub, lo[i] * rl)
+    return lb, ub
+
+
+@nb.njit(cache=True, inline="always")
+def _count(c, q, lo, hi):
+    n = 0
+    for i in range(32):
+        r = c * q[i]
+        n += (r >= lo[i]) & (r <= hi[i])
+    return n
+
+
+@nb.njit(cache=True, inline="always")
+def _sq(c, q, x, w):
+    # The runtime values T(c * q[i]) into w.r, and the squared runtime error summed left to right (the
+    # reference's order). Branch-free, through bit patterns, so the rounding loops vectorize: the quantum 2^k of
+    # each product comes from its exponent field, and rint(p * 2^-k) * 2^k is the round-to-nearest-even value
+    # (a zero product gets the smallest quantum and stays 0; NaN/inf sources are 0 with level 0, so add 0).
+    r, ru, s1u, s2, s2u, sig, minexp, vmax = w.r, w.ru, w.s1u, w.s2, w.s2u, w.sig, w.minexp, w.vmax
+    s1 = w.s1
+    for i in range(32):
+        r[i] = c * q[i]
+    for i in range(32):
+        k = max(np.int64((ru[i] >> np.uint64(52)) & np.uint64(0x7FF)) - 1023 - sig + 1, minexp)
+        s1u[i] = np.uint64(1023 - k) << np.uint64(52)
+        s2u[i] = np.uint64(1023 + k) << np.uint64(52)
+    for i in range(32):
+        v = _rint(r[i] * s1[i]) * s2[i]
+        r[i] = v if abs(v) <= vmax else v * np.inf
+    acc = 0.0
+    for i in range(32):
+        d = r[i] - x[i]
+        acc += d * d
+    return acc
+
+
+@nb.njit(cache=True, inline="always")
+def _search(s, q, qa, sa, da, has_a, same_a, x, lo, hi, recip, w, cand, auth, fb, ub, min_error):
+    # the candidates of grid._search, in the same order (skipping those that cannot be valid or cannot be
+    # strictly better: a duplicate of the first); stops once a candidate reproduces every value (count 32 and
+    # no error: nothing can be strictly better). Returns (scale, uses the author's levels, count, sq).
+    sig, minexp, vmax = w.sig, w.minexp, w.vmax
+    cand[0], cand[1], cand[2] = _round_fmt(s, sig, minexp, vmax, fb, ub)
+    auth[0] = auth[1] = auth[2] = False
+    nc = 3
+    best = cand[0]
+    ba = False
+    bn = -1
+    bsq = np.inf
+    j = 0
+    stage = 0
+    while True:
+        while j < nc:
+            c = cand[j]
+            lv = qa if auth[j] else q
+            n = _count(c, lv, lo, hi)
+            if n == 32:
+                return c, auth[j], n, 0.0
+            if min_error:
+                sq = _sq(c, lv, x, w)
+                better = (sq < bsq) or (sq == bsq and n > bn)
+            elif n < bn:
+                j += 1
+                continue
+            else:
+                sq = _sq(c, lv, x, w)
+                better = (n > bn) or (sq < bsq)
+            if better or j == 0:
+                best, ba, bn, bsq = c, auth[j], n, sq
+            j += 1
+        # the next candidates, computed only when needed
+        if stage == 0:
+            stage = 1
+            lb, ubnd = _bounds(q, lo, hi, recip)
+            if lb <= ubnd:
+                cand[3], cand[4], cand[5] = _round_fmt(min(max(s, lb), ubnd), sig, minexp, vmax, fb, ub)
+                auth[3] = auth[4] = auth[5] = False
+                nc = 6
+        elif stage == 1:
+            stage = 2
+            if has_a:
+                cand[nc] = _round1(da, sig, minexp, vmax, fb, ub)
+                auth[nc] = not same_a
+                nc += 1
+                if not same_a:  # with the same levels this is the first candidate again
+                    cand[nc] = _round1(sa, sig, minexp, vmax, fb, ub)
+                    auth[nc] = True
+                    nc += 1
+                cand[nc] = _round1(_round1(sa, 8, -133, 3.3895313892515355e38, fb, ub), sig, minexp, vmax, fb, ub)
+                auth[nc] = not same_a
+                nc += 1
+        else:
+            return best, ba, bn, bsq
+
+
+@nb.njit(cache=True, inline="always")
+def _errors(c, q, x, inv, nf, n, w):
+    # worst and summed runtime error in bf16 ulps of the source (a group holding NaN/inf: worst is inf)
+    if n == 32:  # every value exact (and finite)
+        return 0.0, 0.0
+    _sq(c, q, x, w)
+    r = w.r
+    m = 0.0
+    t = 0.0
+    for i in range(32):
+        e = abs(r[i] - x[i]) * inv[i]
+        m = max(m, e)
+        t += e
+    if nf:
+        m = np.inf
+    return m, t
 
 
 @nb.njit(cache=True, inline="always")
@@ -137,94 +219,65 @@ def _err(c, q, x, inv):
     return w
 
 
-# Only the no-NaN / no-signed-zero assumptions, which hold here (every term is a finite value >= 0: inv is 0
-# exactly where x is 0 and the level 0), so the max reductions vectorize; no flag that changes rounding (no
-# contraction into FMA, no reassociation), so every product and difference is the same as in _err. Not
-# inlined at numba level, where the caller's (strict) flags would replace these.
-@nb.njit(cache=True, fastmath={"nnan", "nsz"})
-def _err2(c, co, q, x, inv):
-    w = 0.0
-    wo = 0.0
-    for i in range(32):
-        w = max(w, abs(c * q[i] - x[i]) * inv[i])
-        wo = max(wo, abs(co * q[i] - x[i]) * inv[i])
-    return w, wo
-
-
 @nb.njit(nogil=True, cache=True)
-def quantize_rows(words, packed, scales, stats, ratio_table, lowbit, half_ulp, inv_ulp, recip,
-                  sig, minexp, vmax, osig, ominexp, ovmax):
+def quantize_rows(words, packed, scales, stats, ratio_table, lowbit, recip, value_tab, inv_tab,
+                  lo_t, hi_t, lo_o, hi_o, sig, minexp, vmax, osig, ominexp, ovmax, min_error):
     rows, cols = words.shape
     ng = cols // 32
     fb = np.empty(1)
     bb = fb.view(np.uint64)
-    bits = np.empty(32, dtype=np.uint32)
-    f32 = bits.view(np.float32)
+    rr = np.empty(32)
+    s1 = np.empty(32)
+    s2 = np.empty(32)
+    wt = _Work(rr, rr.view(np.uint64), s1, s1.view(np.uint64), s2, s2.view(np.uint64), sig, minexp, vmax)
+    cand = np.empty(9)
+    auth = np.empty(9, dtype=np.bool_)
+    wo = _Work(rr, rr.view(np.uint64), s1, s1.view(np.uint64), s2, s2.view(np.uint64), osig, ominexp, ovmax)
     x = np.empty(32)
     q = np.empty(32)
+    qa = np.empty(32)
     lo = np.empty(32)
     hi = np.empty(32)
-    ibits = np.empty(32, dtype=np.uint64)
-    inv = ibits.view(np.float64)
-    hbits = np.empty(32, dtype=np.uint64)
-    h64 = hbits.view(np.float64)
-    sbits = np.empty(1, dtype=np.uint32)
-    sf32 = sbits.view(np.float32)
+    lo2 = np.empty(32)
+    hi2 = np.empty(32)
+    inv = np.empty(32)
     nib = np.empty(32, dtype=np.uint32)
-    n_ident = 0
-    n_ident_o = 0
+    niba = np.empty(32, dtype=np.uint32)
+    n_exact = 0
+    n_exact_o = 0
     worst = 0.0
     worst_o = 0.0
+    esum = 0.0
+    esum_o = 0.0
+    sqsum = 0.0
+    sqsum_o = 0.0
+    x2 = 0.0
+    n_negzero = 0
     n_off = 0
     n_nonfinite = 0
     for r in range(rows):
         for g in range(ng):
             base = g * 32
-            # Integer pass (vectorizes): the value bits (0 for NaN/inf), half an ulp and 1/ulp as float64 bits
-            # from the exponent field (exponent 0 is spaced like exponent 1), and the largest magnitude on
-            # each side of zero (a zero of either sign counts as positive, as max/min of the values would).
-            mp = -1
-            mn = -1
             nf = 0
+            pmax = -np.inf
+            pmin = np.inf
             for i in range(32):
-                w = np.int64(words[r, base + i])
-                e = (w >> 7) & 0xFF
-                fin = e != 0xFF
-                ee = max(e, 1)
-                bits[i] = np.uint32(w if fin else 0) << np.uint32(16)
-                hbits[i] = np.uint64(ee + (1023 - 135)) << np.uint64(52)
-                ibits[i] = np.uint64((1023 + 134) - ee) << np.uint64(52)
-                mag = (w & 0x7FFF) if fin else 0
-                neg = ((w >> 15) != 0) & (mag != 0)
-                mp = max(mp, -1 if neg else mag)
-                mn = max(mn, mag if neg else -1)
-                nf += not fin
-            # Branch-free on purpose: sign, parity and power-of-two flags of random data would mispredict on
-            # every value.
-            for i in range(32):
-                w = np.int64(words[r, base + i])
-                e = (w >> 7) & 0xFF
-                v = np.float64(f32[i])
-                h = h64[i]
-                pow2 = np.float64(((w & 0x7F) == 0) & (e > 1))
-                below = h - 0.5 * h * pow2  # a power of two has finer spacing below it
-                neg = np.float64(w >> 15)
-                a = v - (below + (h - below) * neg)  # toward zero the spacing is `below`, away from it `h`
-                b = v + (h + (below - h) * neg)
-                odd = np.float64(w & 1) * EXCL  # odd mantissa: ties round away, so the ends are excluded
-                lo[i] = a + abs(a) * odd
-                hi[i] = b - abs(b) * odd
+                w = words[r, base + i]
+                v = value_tab[w]
                 x[i] = v
-            if nf:  # NaN/inf: stored as level 0, counted, never identical
-                n_nonfinite += nf
-                for i in range(32):
-                    if (words[r, base + i] & 0x7F80) == 0x7F80:
-                        lo[i] = np.inf
-                        hi[i] = -np.inf
-                        inv[i] = 0.0
-            sbits[0] = np.uint32(max(mp, mn)) << np.uint32(16)
-            amax = np.float64(sf32[0])
-            neg_only = mn > mp
+                inv[i] = inv_tab[w]
+                lo[i] = lo_t[w]
+                hi[i] = hi_t[w]
+                lo2[i] = lo_o[w]
+                hi2[i] = hi_o[w]
+                nf += (w & 0x7F80) == 0x7F80
+                n_negzero += w == 0x8000
+                x2 += v * v
+                pmax = max(pmax, v)
+                pmin = min(pmin, v)
+            n_nonfinite += nf
+            amax = max(pmax, -pmin)
+            neg_only = -pmin > pmax
             safe = amax if amax > 0 else 1.0
             k = 1024.0 / safe
             mask = 0xFF
@@ -240,45 +293,89 @@ def quantize_rows(words, packed, scales, stats, ratio_table, lowbit, half_ulp, i
             m = lowbit[mask]
             if m == 0:
                 m = 8 if neg_only else 7
-            s, lb, ub = _fit(m / safe, x, q, nib, lo, hi, recip)
-            c, n = _best(s, lb, ub, sig, minexp, vmax, q, lo, hi, 32, fb, bb)
-            co, no = _best(s, lb, ub, osig, ominexp, ovmax, q, lo, hi, 32, fb, bb)
-            e, eo = _err2(c, co, q, x, inv)
+            # the article author's grid: the first m whose step amax/m puts every value within amax * 2^-7
+            m_a = 0
+            tol = safe * AUTHOR_TOL
+            for mm in range(1, 9):
+                d = safe / mm
+                fa = mm / safe
+                ok = True
+                for i in range(32):
+                    l = _rint(x[i] * fa)
+                    if l < -8.0:
+                        l = -8.0
+                    elif l > 7.0:
+                        l = 7.0
+                    if not abs(l * d - x[i]) <= tol:
+                        ok = False
+                        break
+                if ok:
+                    m_a = mm
+                    break
+            has_a = m_a > 0
+            sa = 0.0
+            da = 0.0
+            s = _levels(m / safe, x, q, nib)
+            if has_a:
+                # the same m gives the same levels and step (then only q is used)
+                sa = _levels(m_a / safe, x, qa, niba) if m_a != m else s
+                da = safe / m_a
+            c, use_a, n, sq = _search(s, q, qa, sa, da, has_a, m_a == m, x, lo, hi, recip, wt, cand, auth, fb, bb,
+                                      min_error)
+            e, et = _errors(c, qa if use_a else q, x, inv, nf, n, wt)
             if e > 2.0:
                 # The ratio lookup is a fast first guess; on a miss every peak level is tried and the one whose
                 # least-squares fit is closest wins (ties: the smaller level, i.e. the coarser grid).
                 best_m = m
                 best_e = np.inf
                 for mm in range(1, 9 if neg_only else 8):
-                    sm, _, _ = _fit(mm / safe, x, q, nib, lo, hi, recip)
+                    sm = _levels(mm / safe, x, q, nib)
                     em = _err(sm, q, x, inv)
                     if em < best_e:
                         best_e, best_m = em, mm
-                s, lb, ub = _fit(best_m / safe, x, q, nib, lo, hi, recip)
-                c, n = _best(s, lb, ub, sig, minexp, vmax, q, lo, hi, 32, fb, bb)
-                co, no = _best(s, lb, ub, osig, ominexp, ovmax, q, lo, hi, 32, fb, bb)
-                e, eo = _err2(c, co, q, x, inv)
-            n_ident += n
-            n_ident_o += no
+                m = best_m
+                s = _levels(m / safe, x, q, nib)
+                if has_a:
+                    sa = _levels(m_a / safe, x, qa, niba) if m_a != m else s
+                c, use_a, n, sq = _search(s, q, qa, sa, da, has_a, m_a == m, x, lo, hi, recip, wt, cand, auth, fb, bb,
+                                          min_error)
+                e, et = _errors(c, qa if use_a else q, x, inv, nf, n, wt)
+            co, use_ao, no, sqo = _search(s, q, qa, sa, da, has_a, m_a == m, x, lo2, hi2, recip, wo, cand, auth, fb, bb,
+                                          min_error)
+            eo, eto = _errors(co, qa if use_ao else q, x, inv, nf, no, wo)
+            n_exact += n
+            n_exact_o += no
             worst = max(worst, e)
             worst_o = max(worst_o, eo)
+            esum += et
+            esum_o += eto
+            sqsum += sq
+            sqsum_o += sqo
             if e > 2.0:
                 if n_off == 0:
                     stats[6] = r
                     stats[7] = g
                     stats[8] = e
                     stats[9] = eo
+                    stats[17] = nf > 0
                 n_off += 1
             scales[r, g] = c
+            src = niba if use_a else nib
             for j in range(4):
                 word = np.uint32(0)
                 for t in range(8):
-                    word |= nib[j * 8 + t] << np.uint32(4 * t)
+                    word |= src[j * 8 + t] << np.uint32(4 * t)
                 packed[r, g * 4 + j] = word
     stats[0] = rows * ng
-    stats[1] = n_ident
-    stats[2] = n_ident_o
+    stats[1] = n_exact
+    stats[2] = n_exact_o
     stats[3] = worst
     stats[4] = worst_o
     stats[5] = n_off
     stats[10] = n_nonfinite
+    stats[11] = esum
+    stats[12] = esum_o
+    stats[13] = sqsum
+    stats[14] = sqsum_o
+    stats[15] = x2
+    stats[16] = n_negzero

@@ -48,7 +48,11 @@ class BuildOptions:
     text_only: bool = True
     embed_int4: bool = True
     embed_tokens: bool = True
-    scale_dtype: Literal["fp16", "bf16"] = "fp16"
+    # The runtime dtype the scales are chosen for (float16: the T4); the stored scale dtype follows it
+    # (scale_dtype is the older spelling: fp16 = float16, bf16 = bfloat16).
+    target_dtype: str | None = None
+    objective: str = grid.DEFAULT_OBJECTIVE
+    scale_dtype: str | None = None
     force: bool = False
     max_shard_bytes: int = 2 << 30
     threads: int = 0  # 0: one per available core
@@ -56,8 +60,19 @@ class BuildOptions:
 
     def __post_init__(self) -> None:
         schemes.get(self.scheme)  # refuses an unknown name
-        if self.scale_dtype not in ("fp16", "bf16"):
+        if self.scale_dtype is not None and self.scale_dtype not in ("fp16", "bf16"):
             raise RepackError(f"--scale-dtype {self.scale_dtype!r}: choose fp16 or bf16")
+        if self.target_dtype is not None and self.target_dtype not in grid.TARGETS:
+            raise RepackError(f"--target-dtype {self.target_dtype!r}: choose float16 or bfloat16")
+        if self.objective not in grid.OBJECTIVES:
+            raise RepackError(f"--objective {self.objective!r}: choose runtime-exact or min-error")
+        if self.target_dtype is None:
+            self.target_dtype = grid.target_of(self.scale_dtype) if self.scale_dtype else grid.DEFAULT_TARGET
+        elif self.scale_dtype is not None and grid.target_of(self.scale_dtype) != self.target_dtype:
+            raise RepackError(f"--scale-dtype {self.scale_dtype} does not match --target-dtype {self.target_dtype}: "
+                              f"the stored scales follow the target (float16: fp16, bfloat16: bf16); "
+                              f"pass --target-dtype alone")
+        self.scale_dtype = grid.SCALE_DTYPE[self.target_dtype]
         if self.embed_tokens and not self.embed_int4:
             raise RepackError("--embed-tokens needs --embed-int4 (embed_tokens is packed with the PLE table)")
         if self.max_shard_bytes <= 0:
@@ -223,8 +238,8 @@ def build_checkpoint(src: str | Path, out: str | Path, options: BuildOptions | N
     items, shards = _plan(ck, opt)
     check_unique_outputs(((it.src.name, t.name) for it in items for t in it.outs.values()), ck.path)
     config = _output_config(ck, opt, items)
-    other = "bf16" if opt.scale_dtype == "fp16" else "fp16"
-    tables = {name: TableReport(name) for name in TABLES}
+    other = grid.other_target(opt.target_dtype)  # type: ignore[arg-type]
+    tables = {name: TableReport(name, target_dtype=opt.target_dtype) for name in TABLES}  # type: ignore[arg-type]
     for it in items:
         t = tables[it.table]
         t.tensors += 1
@@ -235,7 +250,8 @@ def build_checkpoint(src: str | Path, out: str | Path, options: BuildOptions | N
             h.tensors += 1
             h.bytes_after += sum(o.nbytes for k, o in it.outs.items() if k.startswith("head_"))
     report = schemes.SchemeReport(source=str(src), output=str(out), options=asdict(opt), scale_dtype=opt.scale_dtype,
-                                  other_dtype=other, implementation=grid.implementation(), tables=tables,
+                                  other_dtype=other, target_dtype=opt.target_dtype,  # type: ignore[arg-type]
+                                  objective=opt.objective, implementation=grid.implementation(), tables=tables,
                                   output_shards=len(shards),
                                   hardlinked_shards=sum(1 for s in shards if s.hardlink_from),
                                   source_bytes=sum(i.nbytes for i in ck.tensors.values()), scheme=opt.scheme)

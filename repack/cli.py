@@ -44,9 +44,16 @@ def progress_bar(enabled: bool | None = None) -> tuple[Callable[[int, int, str],
 
 
 def add_scale_dtype(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--scale-dtype", choices=["fp16", "bf16"], default="fp16",
-                   help="dtype of the stored group scales (default fp16: reproduces more source values exactly "
-                        "and is what the T4 computes in)")
+    from .grid import DEFAULT_OBJECTIVE, OBJECTIVES, TARGETS
+
+    p.add_argument("--target-dtype", choices=list(TARGETS), default=None,
+                   help="the dtype the model is served in, whose arithmetic the scales are chosen for; the scales "
+                        "are stored in it (default float16: the T4 computes fp16(level*scale))")
+    p.add_argument("--objective", choices=list(OBJECTIVES), default=DEFAULT_OBJECTIVE,
+                   help="runtime-exact: most values exact in the target's arithmetic, ties by squared error; "
+                        f"min-error: least squared error (default {DEFAULT_OBJECTIVE})")
+    p.add_argument("--scale-dtype", choices=["fp16", "bf16"], default=None,
+                   help="older spelling of --target-dtype: fp16 = float16, bf16 = bfloat16")
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
     p.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
 
@@ -128,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
             ap.error("--embed-tokens needs --embed-int4")
         return run_build(args.src, args.out, dict(
             quantize_linears=not args.keep_linears, text_only=args.text_only, embed_int4=args.embed_int4,
-            embed_tokens=args.embed_tokens, scale_dtype=args.scale_dtype, force=args.force,
+            embed_tokens=args.embed_tokens, scale_dtype=args.scale_dtype, target_dtype=args.target_dtype,
+            objective=args.objective, force=args.force,
             max_shard_bytes=int(args.max_shard_size * (1 << 30)), scheme=args.scheme), args.json)
     from .atomic import check_no_symlink_loop, find_stale_partials
     from .probe import probe_checkpoint

@@ -29,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     return run_build(args.src, args.out, dict(quantize_linears=False, text_only=False, embed_int4=True,
                                               embed_tokens=args.embed_tokens, scale_dtype=args.scale_dtype,
+                                              target_dtype=args.target_dtype, objective=args.objective,
                                               force=args.force), args.json)
 
 

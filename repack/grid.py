@@ -8,12 +8,22 @@ A QAT q4_0 export stores bf16(step * level) with level in [-8, 7] per group of 3
    set of peak levels its nearest fraction allows; the smallest m every value allows is the group's grid
    (never amax/8 or amax/7 by assumption).
 2. The step is refined by least squares over the group: s = sum(level * x) / sum(level^2).
-3. The stored scale is the fp16 (or bf16) value near s, among the rounded value and its two neighbours,
-   that reproduces the most source values bit-identically (bf16(scale * level) == source bits).
-4. A group whose worst value is more than 2 bf16 ulps from scale * level is off the grid.
+3. The stored scale is chosen for the runtime that will use it (the *target*): the GPU computes T(q * scale) in
+   the model's dtype T (`float16` on a T4: Marlin and vLLM's int4 embedding gather round q * scale to fp16;
+   `bfloat16` otherwise), with the scale stored in T. Candidates, all values of T: the rounded least-squares
+   step and its two neighbours; the values of T nearest the interval of scales that would reproduce every value;
+   and the article author's three (amax/m, the least-squares step, bf16 of the least-squares step, with the
+   levels of the author's own choice of m), so that no group ever reproduces fewer values than the author's
+   selection does. The objective picks among them:
+   - `runtime-exact`: the most values with T(q * scale) == source (equal in value: -0 equals +0), ties broken
+     by the squared runtime error;
+   - `min-error`: the smallest squared runtime error, ties broken by the number of exact values.
+4. A group whose worst runtime value is more than 2 bf16 ulps from its source value, or that holds a NaN or an
+   infinity, is off the grid.
 
-Two implementations compute exactly the same thing: a numba kernel (used when numba is importable; it is the
-fast path) and plain numpy (the reference, and the fallback). Values are handled as raw 16-bit words; torch
+The same search is run for the other dtype, for the report only (what `--target-dtype` of the other dtype would
+give). Two implementations compute exactly the same thing: a numba kernel (used when numba is importable; it is
+the fast path) and plain numpy (the reference, and the fallback). Values are handled as raw 16-bit words; torch
 is never imported.
 """
 
@@ -29,14 +39,35 @@ import numpy as np
 GROUP = 32
 TOL_ULPS = 2.0
 ScaleDtype = Literal["fp16", "bf16"]
+Target = Literal["float16", "bfloat16"]
+Objective = Literal["runtime-exact", "min-error"]
+TARGETS: tuple[str, ...] = ("float16", "bfloat16")
+OBJECTIVES: tuple[str, ...] = ("runtime-exact", "min-error")
+DEFAULT_TARGET: Target = "float16"  # the T4 computes in fp16
+DEFAULT_OBJECTIVE: Objective = "runtime-exact"  # the article's criterion; the one place the default is set
+SCALE_DTYPE: dict[str, ScaleDtype] = {"float16": "fp16", "bfloat16": "bf16"}
+_TARGET_OF = {"float16": "float16", "fp16": "float16", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 EXCL = 2.0 ** -30
+AUTHOR_TOL = 2.0 ** -7  # the author's test: every value within amax * 2^-7 of its level times amax / m
 _RATIO_BINS = 1024  # ratio lookup resolution: bins of 1/1024, well inside half the 1/56 fraction gap
 _FRACTION_TOL = 0.0085
 
-# Stats vector layout shared by both implementations.
-S_GROUPS, S_IDENT, S_IDENT_OTHER, S_WORST, S_WORST_OTHER, S_OFFGRID, S_OFF_ROW, S_OFF_GROUP, S_OFF_ERR, \
-    S_OFF_ERR_OTHER, S_NONFINITE = range(11)
-N_STATS = 11
+# Stats vector layout shared by both implementations ("_O": the same figure for the other dtype).
+(S_GROUPS, S_EXACT, S_EXACT_O, S_WORST, S_WORST_O, S_OFFGRID, S_OFF_ROW, S_OFF_GROUP, S_OFF_ERR, S_OFF_ERR_O,
+ S_NONFINITE, S_ERRSUM, S_ERRSUM_O, S_SQ, S_SQ_O, S_X2, S_NEGZERO, S_OFF_NONFINITE) = range(18)
+N_STATS = 18
+
+
+def target_of(name: str) -> Target:
+    """'float16'/'fp16' -> 'float16', 'bfloat16'/'bf16' -> 'bfloat16'; anything else is a ValueError."""
+    try:
+        return _TARGET_OF[name]  # type: ignore[return-value]
+    except KeyError:
+        raise ValueError(f"target dtype {name!r}: choose float16 or bfloat16") from None
+
+
+def other_target(t: str) -> Target:
+    return "bfloat16" if target_of(t) == "float16" else "float16"
 
 
 def _build_ratio_table() -> np.ndarray:
@@ -58,49 +89,7 @@ RATIO_TABLE = _build_ratio_table()
 # lowest set bit + 1 (0 for an empty mask)
 LOWBIT = np.array([0] + [((m & -m).bit_length()) for m in range(1, 256)], dtype=np.int8)
 
-
-def _bf16_value_tables() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Per 16-bit word: the signed bounds of the reals that round (RNE) to it, whether the ends are included
-    (even mantissa), and 1/ulp. Indexed by the raw word, so the kernels need no float bit tricks.
-    (Entries for inf/NaN words are meaningless; such values never sit on a grid.)"""
-    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-        return _bf16_value_tables_raw()
-
-
-def _bf16_value_tables_raw() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    mags = np.arange(0x8000, dtype=np.uint32)
-    val = (mags << 16).view(np.float32).astype(np.float64)
-    up = ((np.minimum(mags + 1, 0x7F80)) << 16).view(np.float32).astype(np.float64)
-    dn = np.where(mags > 0, ((np.maximum(mags, 1) - 1) << 16).view(np.float32).astype(np.float64), -val[1])
-    hi = (val + up) / 2
-    lo = (val + dn) / 2
-    inv_ulp = 1.0 / (up - val)
-    lo_all = np.concatenate([lo, -hi])
-    hi_all = np.concatenate([hi, -lo])
-    even = np.concatenate([(mags & 1) == 0, (mags & 1) == 0])
-    # odd mantissa: a tie rounds away from the value, so the ends are excluded; a product scale * level has
-    # at most 15 significant bits and a midpoint at most 9, so a relative nudge of 2^-30 is exact exclusion
-    lo_all = np.where(even, lo_all, lo_all + np.abs(lo_all) * EXCL)
-    hi_all = np.where(even, hi_all, hi_all - np.abs(hi_all) * EXCL)
-    inv = np.concatenate([inv_ulp, inv_ulp])
-    return lo_all, hi_all, even, inv
-
-
-LO_TABLE, HI_TABLE, EVEN_TABLE, INV_ULP_TABLE = _bf16_value_tables()
-with np.errstate(invalid="ignore"):
-    VALUE_TABLE = (np.arange(0x10000, dtype=np.uint32) << 16).view(np.float32).astype(np.float64)
-# NaN/inf words: value 0 (level 0), an empty interval (never identical), no error contribution
-_NONFINITE = (np.arange(0x10000) & 0x7F80) == 0x7F80
-VALUE_TABLE[_NONFINITE] = 0.0
-LO_TABLE[_NONFINITE], HI_TABLE[_NONFINITE], EVEN_TABLE[_NONFINITE], INV_ULP_TABLE[_NONFINITE] = np.inf, -np.inf, False, 0.0
-
-RECIP = np.array([1.0 / v if v else 0.0 for v in range(-8, 8)])  # 1/level, by level + 8
-
-# per bf16 exponent field: half an ulp and 1/ulp (exponent 0: zero and subnormals, spaced like exponent 1)
-HALF_ULP_E = np.ldexp(1.0, np.maximum(np.arange(256), 1) - 135)
-INV_ULP_E = 1.0 / (2 * HALF_ULP_E)
-
-# significand bits and smallest quantum of each scale dtype
+# significand bits, smallest quantum exponent and largest finite value of each format
 _FMT = {"fp16": (11, -24, 65504.0), "bf16": (8, -133, 3.3895313892515355e38)}
 
 
@@ -108,42 +97,98 @@ def bits_of(dtype: ScaleDtype) -> tuple[int, int, float]:
     return _FMT[dtype]
 
 
+with np.errstate(invalid="ignore"):
+    VALUE_TABLE = (np.arange(0x10000, dtype=np.uint32) << 16).view(np.float32).astype(np.float64)
+_NONFINITE = (np.arange(0x10000) & 0x7F80) == 0x7F80
+VALUE_TABLE[_NONFINITE] = 0.0  # NaN/inf: computed as 0, never exact, and the group is off the grid
+
+
+def _interval_tables(fmt: ScaleDtype) -> tuple[np.ndarray, np.ndarray]:
+    """Per bf16 word: the signed bounds [lo, hi] of the reals p that round (RNE) to the word's value in the
+    runtime format `fmt`, i.e. fmt(p) == value. Empty (inf, -inf) where the value is not representable in
+    `fmt` (too small for fp16's quantum, past its range) or not finite. A tie rounds to the even significand,
+    so an odd one excludes its ends: a product scale * level has at most 15 significant bits and a midpoint at
+    most 12, so a relative nudge of 2^-30 is exact exclusion."""
+    sig, minexp, vmax = _FMT[fmt]
+    x = VALUE_TABLE.copy()
+    a = np.abs(x)
+    _, e = np.frexp(a)
+    # exponent of the binade (zero and subnormals: the lowest normal one)
+    big = np.where(a > 0, np.maximum(e - 1, minexp + sig - 1), minexp + sig - 1)
+    u = np.ldexp(1.0, np.maximum(big - sig + 1, minexp))  # spacing above a
+    pow2 = (a > 0) & (np.frexp(a)[0] == 0.5)
+    ub = np.where(pow2 & (big - sig >= minexp), u / 2, u)  # spacing below a power of two is finer
+    n = a / u
+    rep = (n == np.floor(n)) & (a <= vmax) & ~_NONFINITE
+    odd = np.where(rep, np.fmod(n, 2.0) == 1.0, False)
+    lo = np.where(a > 0, a - ub / 2, -u / 2)
+    hi = a + u / 2
+    lo = np.where(odd, lo + np.abs(lo) * EXCL, lo)
+    hi = np.where(odd, hi - np.abs(hi) * EXCL, hi)
+    neg = np.signbit(x) & (a > 0)
+    lo_s = np.where(neg, -hi, lo)
+    hi_s = np.where(neg, -lo, hi)
+    return np.where(rep, lo_s, np.inf), np.where(rep, hi_s, -np.inf)
+
+
+LO16_TABLE, HI16_TABLE = _interval_tables("fp16")
+LOBF_TABLE, HIBF_TABLE = _interval_tables("bf16")
+INTERVALS = {"float16": (LO16_TABLE, HI16_TABLE), "bfloat16": (LOBF_TABLE, HIBF_TABLE)}
+# 1/ulp of each bf16 value, the unit of every error figure (zero and subnormals: spaced like exponent 1)
+INV_ULP_TABLE = np.ldexp(1.0, 134 - np.maximum((np.arange(0x10000) >> 7) & 0xFF, 1)).astype(np.float64)
+INV_ULP_TABLE[_NONFINITE] = 0.0
+
+RECIP = np.array([1.0 / v if v else 0.0 for v in range(-8, 8)])  # 1/level, by level + 8
+
+
 @dataclass
 class GridStats:
-    """Counts over the groups processed; merged across row blocks and tensors."""
+    """Counts and error sums over the groups processed; merged across row blocks and tensors.
+
+    Every figure is about the runtime: the value the GPU computes, T(level * scale) in the target dtype T, against
+    the source value. "exact" is equality in value (-0 equals +0); a -0 source value comes back as +0 (a 4-bit
+    level carries no sign of zero): those are counted in negzero. Errors are in bf16 ulps of the source value.
+    The "_other" figures are what a build for the other dtype would give (its own scales)."""
 
     groups: int = 0
     values: int = 0
-    identical: int = 0        # values bf16(scale * level) == source with the chosen scale dtype
-    identical_other: int = 0  # the same with the other scale dtype
+    exact: int = 0
+    exact_other: int = 0
     worst_ulps: float = 0.0
     worst_ulps_other: float = 0.0
+    err_ulps_sum: float = 0.0
+    err_ulps_sum_other: float = 0.0
+    sq_err: float = 0.0
+    sq_err_other: float = 0.0
+    sq_src: float = 0.0
+    negzero: int = 0
     offgrid: int = 0
     first_offgrid: tuple[int, int, float, float] | None = None  # (row, group, ulps chosen, ulps other)
-    nonfinite: int = 0  # NaN/inf source values: stored as level 0 and reported, never counted as identical
+    first_offgrid_nonfinite: bool = False  # the first off-grid group holds a NaN or an infinity
+    nonfinite: int = 0  # NaN/inf source values (their groups are off the grid)
 
     @classmethod
     def from_vector(cls, v: np.ndarray, row0: int = 0) -> "GridStats":
-        s = cls(groups=int(v[S_GROUPS]), values=int(v[S_GROUPS]) * GROUP, identical=int(v[S_IDENT]),
-                identical_other=int(v[S_IDENT_OTHER]), worst_ulps=float(v[S_WORST]),
-                worst_ulps_other=float(v[S_WORST_OTHER]), offgrid=int(v[S_OFFGRID]),
-                nonfinite=int(v[S_NONFINITE]))
+        s = cls(groups=int(v[S_GROUPS]), values=int(v[S_GROUPS]) * GROUP, exact=int(v[S_EXACT]),
+                exact_other=int(v[S_EXACT_O]), worst_ulps=float(v[S_WORST]), worst_ulps_other=float(v[S_WORST_O]),
+                err_ulps_sum=float(v[S_ERRSUM]), err_ulps_sum_other=float(v[S_ERRSUM_O]), sq_err=float(v[S_SQ]),
+                sq_err_other=float(v[S_SQ_O]), sq_src=float(v[S_X2]), negzero=int(v[S_NEGZERO]),
+                offgrid=int(v[S_OFFGRID]), nonfinite=int(v[S_NONFINITE]))
         if s.offgrid:
             s.first_offgrid = (row0 + int(v[S_OFF_ROW]), int(v[S_OFF_GROUP]), float(v[S_OFF_ERR]),
-                               float(v[S_OFF_ERR_OTHER]))
+                               float(v[S_OFF_ERR_O]))
+            s.first_offgrid_nonfinite = bool(v[S_OFF_NONFINITE])
         return s
 
     def merge(self, o: "GridStats") -> None:
-        self.groups += o.groups
-        self.values += o.values
-        self.identical += o.identical
-        self.identical_other += o.identical_other
+        for f in ("groups", "values", "exact", "exact_other", "err_ulps_sum", "err_ulps_sum_other", "sq_err",
+                  "sq_err_other", "sq_src", "negzero", "offgrid", "nonfinite"):
+            setattr(self, f, getattr(self, f) + getattr(o, f))
         self.worst_ulps = max(self.worst_ulps, o.worst_ulps)
         self.worst_ulps_other = max(self.worst_ulps_other, o.worst_ulps_other)
-        self.offgrid += o.offgrid
-        self.nonfinite += o.nonfinite
         if self.first_offgrid is None and o.first_offgrid is not None:
             self.first_offgrid = o.first_offgrid
+            self.first_offgrid_nonfinite = o.first_offgrid_nonfinite
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -163,43 +208,106 @@ def _round_to_format(s: np.ndarray, fmt: ScaleDtype) -> tuple[np.ndarray, np.nda
     return c0, np.maximum(c0 - qd, 0.0), np.minimum(c0 + qu0, vmax)
 
 
-def _best_scale(s: np.ndarray, lb: np.ndarray, ub: np.ndarray, fmt: ScaleDtype, q: np.ndarray,
-                words: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Among candidate scales (the rounded least-squares step, its neighbours, then the representable values
-    nearest the interval [lb, ub] of scales reproducing every value), the first one reproducing the most values;
-    its counts and worst error in ulps."""
-    lo, hi, inv = LO_TABLE[words], HI_TABLE[words], INV_ULP_TABLE[words]
-    feasible = lb <= ub
-    c = list(_round_to_format(s, fmt))
-    c += [np.where(feasible, k, c[0]) for k in _round_to_format(np.clip(s, lb, np.where(feasible, ub, lb)), fmt)]
-    best = c[0]
-    best_n = None
-    for cand in c:
-        r = cand[:, None] * q
-        ok = (r >= lo) & (r <= hi)
-        n = ok.sum(axis=1)
-        if best_n is None:
-            best_n = n
-        else:
-            better = n > best_n
-            best = np.where(better, cand, best)
-            best_n = np.where(better, n, best_n)
-    err = np.abs(best[:, None] * q - x) * inv
-    err = np.where(np.isnan(err), 0.0, err)  # 0 * inf for exact zeros
-    return best, best_n, err.max(axis=1)
+def runtime_values(p: np.ndarray, target: str) -> np.ndarray:
+    """T(p): the exact products level * scale rounded (RNE) to the target dtype, as the GPU computes them.
+    The products have at most 15 significant bits, so going through float32 is exact."""
+    with np.errstate(over="ignore"):
+        if target_of(target) == "float16":
+            return p.astype(np.float32).astype(np.float16).astype(np.float64)
+        b = p.astype(np.float32).view(np.uint32)
+        b = (b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+        return b.view(np.float32).astype(np.float64)
 
 
-def _fit(f: np.ndarray, x: np.ndarray, g: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Levels for steps 1/f, their least-squares steps, and the interval of steps reproducing every value."""
+def _seqsum(a: np.ndarray) -> np.ndarray:
+    """Row sums in the kernel's order (left to right), so the two implementations decide alike."""
+    acc = np.zeros(a.shape[0])
+    for i in range(a.shape[1]):
+        acc = acc + a[:, i]
+    return acc
+
+
+def _levels(f: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Levels for steps 1/f and their least-squares step."""
     q = np.clip(np.rint(x * f[:, None]), -8, 7)
-    qq = (q * q).sum(axis=1)
-    s = np.where(qq > 0, (q * x).sum(axis=1) / np.where(qq > 0, qq, 1.0), 0.0)
+    qq = _seqsum(q * q)
+    s = np.where(qq > 0, _seqsum(q * x) / np.where(qq > 0, qq, 1.0), 0.0)
+    return q, s
+
+
+def _bounds(q: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The interval of scales reproducing every value exactly in the runtime (level 0 constrains nothing)."""
     rl = RECIP[(q + 8).astype(np.int64)]
     with np.errstate(invalid="ignore"):
-        lo_w, hi_w = LO_TABLE[g] * rl, HI_TABLE[g] * rl
+        lo_w, hi_w = lo * rl, hi * rl
     lb = np.where(q > 0, lo_w, np.where(q < 0, hi_w, 0.0)).max(axis=1)
     ub = np.where(q > 0, hi_w, np.where(q < 0, lo_w, np.inf)).min(axis=1)
-    return q, s, lb, ub
+    return lb, ub
+
+
+def _author_levels(x: np.ndarray, safe: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The article author's grid: the first m in 1..8 whose step amax/m reproduces every value within
+    amax * 2^-7 (levels clipped to [-8, 7], as they must be stored). Returns (m, found)."""
+    m_a = np.zeros(len(x))
+    found = np.zeros(len(x), dtype=bool)
+    tol = safe * AUTHOR_TOL
+    for mm in range(1, 9):
+        d = safe / mm
+        q = np.clip(np.rint(x * (mm / safe)[:, None]), -8, 7)
+        ok = (np.abs(q * d[:, None] - x) <= tol[:, None]).all(axis=1) & ~found
+        m_a = np.where(ok, mm, m_a)
+        found |= ok
+    return m_a, found
+
+
+def _round1(s: np.ndarray, fmt: ScaleDtype) -> np.ndarray:
+    return _round_to_format(s, fmt)[0]
+
+
+@dataclass
+class _Choice:
+    scale: np.ndarray    # chosen scale per group
+    author: np.ndarray   # True where the chosen scale goes with the author's levels
+    exact: np.ndarray    # values exact in the runtime, per group
+    worst: np.ndarray    # worst runtime error in ulps (inf for a group holding NaN/inf)
+    err_sum: np.ndarray  # sum of runtime errors in ulps
+    sq: np.ndarray       # sum of squared runtime errors
+
+
+def _search(x: np.ndarray, g: np.ndarray, fin: np.ndarray, q: np.ndarray, s: np.ndarray, qa: np.ndarray,
+            sa: np.ndarray, da: np.ndarray, has_a: np.ndarray, target: Target, objective: str) -> _Choice:
+    """The chosen scale among the candidates (see the module docstring), for one target."""
+    fmt = SCALE_DTYPE[target]
+    lo_t, hi_t = INTERVALS[target]
+    lb, ub = _bounds(q, lo_t[g], hi_t[g])
+    feasible = lb <= ub
+    yes = np.ones(len(x), dtype=bool)
+    cands = [(c, False, yes) for c in _round_to_format(s, fmt)]
+    cands += [(c, False, feasible) for c in _round_to_format(np.clip(s, lb, np.where(feasible, ub, lb)), fmt)]
+    cands += [(_round1(da, fmt), True, has_a), (_round1(sa, fmt), True, has_a),
+              (_round1(_round1(sa, "bf16"), fmt), True, has_a)]
+    best = None
+    for c, author, valid in cands:
+        lv = qa if author else q
+        r = runtime_values(c[:, None] * lv, target)
+        n = ((r == x) & fin).sum(axis=1)
+        d = np.where(fin, r - x, 0.0)
+        sq = _seqsum(d * d)
+        if best is None:
+            best = [c, np.zeros(len(x), dtype=bool), n, sq, r]
+            continue
+        bc, ba, bn, bsq, br = best
+        if objective == "runtime-exact":
+            better = valid & ((n > bn) | ((n == bn) & (sq < bsq)))
+        else:
+            better = valid & ((sq < bsq) | ((sq == bsq) & (n > bn)))
+        best = [np.where(better, c, bc), np.where(better, author, ba), np.where(better, n, bn),
+                np.where(better, sq, bsq), np.where(better[:, None], r, br)]
+    bc, ba, bn, bsq, br = best  # type: ignore[misc]
+    with np.errstate(invalid="ignore"):
+        err = np.where(fin, np.abs(br - x) * INV_ULP_TABLE[g], 0.0)
+    worst = np.where(fin.all(axis=1), err.max(axis=1), np.inf)
+    return _Choice(bc, ba, bn, worst, err.sum(axis=1), bsq)
 
 
 def _max_err(c: np.ndarray, q: np.ndarray, x: np.ndarray, words: np.ndarray) -> np.ndarray:
@@ -207,15 +315,23 @@ def _max_err(c: np.ndarray, q: np.ndarray, x: np.ndarray, words: np.ndarray) -> 
     return np.where(np.isnan(err), 0.0, err).max(axis=1)
 
 
-def quantize_numpy(words: np.ndarray, scale_dtype: ScaleDtype = "fp16"
-                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """words: uint16 [rows, cols] bf16 bit patterns, cols % 32 == 0.
+def _check_objective(objective: str) -> None:
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective {objective!r}: choose runtime-exact or min-error")
 
-    Returns (packed int32 [rows, cols/8], scales float64 [rows, cols/32] (exact values of the chosen dtype),
+
+def quantize_numpy(words: np.ndarray, target: str = DEFAULT_TARGET, objective: str = DEFAULT_OBJECTIVE
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """words: uint16 [rows, cols] bf16 bit patterns, cols % 32 == 0; target float16|bfloat16 (fp16|bf16).
+
+    Returns (packed int32 [rows, cols/8], scales float64 [rows, cols/32] (exact values of the target dtype),
     stats vector)."""
+    tgt = target_of(target)
+    _check_objective(objective)
     rows, cols = words.shape
     g = words.reshape(-1, GROUP)
     x = VALUE_TABLE[g]
+    fin = ~_NONFINITE[g]
     pmax, pmin = x.max(axis=1), x.min(axis=1)
     amax = np.maximum(pmax, -pmin)
     neg_only = -pmin > pmax
@@ -226,41 +342,47 @@ def quantize_numpy(words: np.ndarray, scale_dtype: ScaleDtype = "fp16"
     mask = np.where(neg_only, mask, mask & 0x7F)
     m = LOWBIT[mask].astype(np.float64)
     m = np.where(m == 0, np.where(neg_only, 8.0, 7.0), m)  # no consistent fraction: the fallback decides
-    other: ScaleDtype = "bf16" if scale_dtype == "fp16" else "fp16"
-    q, s, lb, ub = _fit(m / safe, x, g)
-    c, n, err = _best_scale(s, lb, ub, scale_dtype, q, g, x)
-    miss = np.flatnonzero(err > TOL_ULPS)
+    m_a, has_a = _author_levels(x, safe)
+    qa, sa = _levels(m_a / safe, x)
+    da = safe / np.where(has_a, m_a, 1.0)
+    q, s = _levels(m / safe, x)
+    ch = _search(x, g, fin, q, s, qa, sa, da, has_a, tgt, objective)
+    miss = np.flatnonzero(ch.worst > TOL_ULPS)
     if len(miss):
         # every peak level for the groups the ratio lookup got wrong; the closest least-squares fit wins
         xs, gs = x[miss], g[miss]
         best_e = np.full(len(miss), np.inf)
         best_m = m[miss].copy()
         for mm in range(1, 9):
-            qm, sm, _, _ = _fit(np.full(len(miss), float(mm)) / safe[miss], xs, gs)
+            qm, sm = _levels(np.full(len(miss), float(mm)) / safe[miss], xs)
             em = _max_err(sm, qm, xs, gs)
             better = (em < best_e) & ((mm < 8) | neg_only[miss])
             best_e = np.where(better, em, best_e)
             best_m = np.where(better, mm, best_m)
         m[miss] = best_m
-        q, s, lb, ub = _fit(m / safe, x, g)
-        c, n, err = _best_scale(s, lb, ub, scale_dtype, q, g, x)
-    _, n_o, err_o = _best_scale(s, lb, ub, other, q, g, x)
-    nib = (q + 8).astype(np.uint8).reshape(rows, cols // 2, 2)
+        q, s = _levels(m / safe, x)
+        ch = _search(x, g, fin, q, s, qa, sa, da, has_a, tgt, objective)
+    cho = _search(x, g, fin, q, s, qa, sa, da, has_a, other_target(tgt), objective)
+    lv = np.where(ch.author[:, None], qa, q)
+    nib = (lv + 8).astype(np.uint8).reshape(rows, cols // 2, 2)
     packed = (nib[..., 0] | (nib[..., 1] << 4)).view("<i4").reshape(rows, cols // 8)
     stats = np.zeros(N_STATS)
     stats[S_GROUPS] = len(g)
-    stats[S_IDENT] = n.sum()
-    stats[S_IDENT_OTHER] = n_o.sum()
-    stats[S_WORST] = err.max(initial=0.0)
-    stats[S_WORST_OTHER] = err_o.max(initial=0.0)
-    bad = np.flatnonzero(err > TOL_ULPS)
+    stats[S_EXACT], stats[S_EXACT_O] = ch.exact.sum(), cho.exact.sum()
+    stats[S_WORST], stats[S_WORST_O] = ch.worst.max(initial=0.0), cho.worst.max(initial=0.0)
+    stats[S_ERRSUM], stats[S_ERRSUM_O] = ch.err_sum.sum(), cho.err_sum.sum()
+    stats[S_SQ], stats[S_SQ_O] = ch.sq.sum(), cho.sq.sum()
+    stats[S_X2] = (x * x).sum()
+    stats[S_NEGZERO] = np.count_nonzero(g == 0x8000)
+    stats[S_NONFINITE] = np.count_nonzero(~fin)
+    bad = np.flatnonzero(ch.worst > TOL_ULPS)
     stats[S_OFFGRID] = len(bad)
-    stats[S_NONFINITE] = np.count_nonzero((g & 0x7F80) == 0x7F80)
     if len(bad):
         first = int(bad[0])
         stats[S_OFF_ROW], stats[S_OFF_GROUP] = divmod(first, cols // GROUP)
-        stats[S_OFF_ERR], stats[S_OFF_ERR_OTHER] = err[first], err_o[first]
-    return np.ascontiguousarray(packed), c.reshape(rows, cols // GROUP), stats
+        stats[S_OFF_ERR], stats[S_OFF_ERR_O] = ch.worst[first], cho.worst[first]
+        stats[S_OFF_NONFINITE] = not fin[first].all()
+    return np.ascontiguousarray(packed), ch.scale.reshape(rows, cols // GROUP), stats
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -289,25 +411,32 @@ def implementation() -> str:
     return "numba" if _get_kernel() is not None else "numpy"
 
 
-def quantize(words: np.ndarray, scale_dtype: ScaleDtype = "fp16") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Grid recovery and packing of one row block; dispatches to the numba kernel when available."""
+def quantize(words: np.ndarray, target: str = DEFAULT_TARGET, objective: str = DEFAULT_OBJECTIVE
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Grid recovery and packing of one row block; dispatches to the numba kernel when available.
+    target: float16|bfloat16 (or the scale dtype names fp16|bf16); objective: runtime-exact|min-error."""
     k = _get_kernel()
     if k is None:
-        return quantize_numpy(words, scale_dtype)
+        return quantize_numpy(words, target, objective)
+    tgt = target_of(target)
+    _check_objective(objective)
+    oth = other_target(tgt)
     rows, cols = words.shape
     packed = np.empty((rows, cols // 8), dtype=np.int32)
     scales = np.empty((rows, cols // GROUP), dtype=np.float64)
     stats = np.zeros(N_STATS)
-    sig, minexp, vmax = _FMT[scale_dtype]
-    osig, ominexp, ovmax = _FMT["bf16" if scale_dtype == "fp16" else "fp16"]
-    k(np.ascontiguousarray(words), packed.view(np.uint32), scales, stats, RATIO_TABLE, LOWBIT, HALF_ULP_E,
-      INV_ULP_E, RECIP, sig, minexp, vmax, osig, ominexp, ovmax)
+    sig, minexp, vmax = _FMT[SCALE_DTYPE[tgt]]
+    osig, ominexp, ovmax = _FMT[SCALE_DTYPE[oth]]
+    (lo_t, hi_t), (lo_o, hi_o) = INTERVALS[tgt], INTERVALS[oth]
+    k(np.ascontiguousarray(words), packed.view(np.uint32), scales, stats, RATIO_TABLE, LOWBIT, RECIP, VALUE_TABLE,
+      INV_ULP_TABLE, lo_t, hi_t, lo_o, hi_o, sig, minexp, vmax, osig, ominexp, ovmax, objective == "min-error")
     return packed, scales, stats
 
 
 def scales_to_bytes(scales: np.ndarray, scale_dtype: ScaleDtype) -> np.ndarray:
-    """Exact conversion of representable scale values to the stored dtype's little-endian bits."""
-    if scale_dtype == "fp16":
+    """Exact conversion of representable scale values to the stored dtype's little-endian bits (the scale dtype
+    or the target dtype's name)."""
+    if SCALE_DTYPE.get(scale_dtype, scale_dtype) == "fp16":
         return scales.astype("<f2")
     return (scales.astype(np.float32).view(np.uint32) >> 16).astype("<u2")
 

@@ -25,7 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     add_scale_dtype(r)
     args = ap.parse_args(argv)
     return run_build(args.src, args.out, dict(quantize_linears=True, text_only=False, embed_int4=False,
-                                              embed_tokens=False, scale_dtype=args.scale_dtype, force=args.force),
+                                              embed_tokens=False, scale_dtype=args.scale_dtype,
+                                              target_dtype=args.target_dtype, objective=args.objective,
+                                              force=args.force),
                      args.json)
 
 

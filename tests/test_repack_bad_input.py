@@ -241,11 +241,11 @@ def test_failure_mid_build_leaves_nothing(good, tmp_path, monkeypatch, exc):
     calls = {"n": 0}
     real = grid.quantize
 
-    def failing(words, sd="fp16"):
+    def failing(words, *args):
         calls["n"] += 1
         if calls["n"] == 3:
             raise exc
-        return real(words, sd)
+        return real(words, *args)
 
     monkeypatch.setattr(grid, "quantize", failing)
     with pytest.raises(type(exc)):
@@ -259,8 +259,8 @@ def test_sigterm_leaves_nothing(good, tmp_path):
         "import sys, time; sys.path.insert(0, %r)\n"
         "from repack import grid, cli\n"
         "real = grid.quantize\n"
-        "def slow(w, sd='fp16'):\n"
-        "    time.sleep(0.5); return real(w, sd)\n"
+        "def slow(w, *args):\n"
+        "    time.sleep(0.5); return real(w, *args)\n"
         "grid.quantize = slow\n"
         "sys.exit(cli.main(['build', %r, %r, '--text-only', '--embed-int4', '--embed-tokens']))\n"
     ) % (str(ROOT), str(good), str(out))

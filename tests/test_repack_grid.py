@@ -14,20 +14,20 @@ def _values(words: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize("impl", ["numpy", "fast"])
-def test_recovers_the_grid_with_peaks_below_level_8(impl):
+@pytest.mark.parametrize("target", ["float16", "bfloat16"])
+def test_recovers_the_grid_with_peaks_below_level_8(impl, target):
     rng = np.random.default_rng(1)
     words = grid_words(64, 256, rng)  # peaks at levels 4..8: amax/8 or amax/7 would be wrong for most groups
     f = grid.quantize_numpy if impl == "numpy" else grid.quantize
-    packed, scales, stats = f(words, "fp16")
+    packed, scales, stats = f(words, target)
     s = grid.GridStats.from_vector(stats)
     assert s.groups == 64 * 8 and s.offgrid == 0
     decoded = grid.decode(packed, scales)
     src = _values(words)
-    # Steps are fp16 values here, so fp16 scales reproduce every source value bit for bit.
-    assert s.identical == s.values
-    bf = (decoded.astype(np.float32).view(np.uint32) + 0x7FFF + ((decoded.astype(np.float32).view(np.uint32) >> 16) & 1)) >> 16
-    assert np.array_equal(bf.astype(np.uint16), words)
-    assert np.abs(decoded - src).max() <= np.abs(src).max() * 2 ** -8
+    # the exact count is the runtime's: T(level * scale) equal in value to the source
+    runtime = grid.runtime_values(decoded, target)
+    assert s.exact == int((runtime == src).sum()) and s.exact > 0.6 * s.values
+    assert s.worst_ulps <= 1.0
     # levels as stored: nibble = level + 8, low nibble first
     u = packed.view(np.uint32)
     lv = np.stack([(u >> (4 * j)) & 0xF for j in range(8)], -1).reshape(64, 256).astype(int) - 8
@@ -36,28 +36,47 @@ def test_recovers_the_grid_with_peaks_below_level_8(impl):
     assert set(np.unique(peaks)) >= {4, 5, 6, 7, 8}
 
 
+def _special_groups(words: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    words = words.copy()
+    words[0, :32] = 0  # an all-zero group
+    words[1, 32:64] = words[1, 32:64] ^ 0x8000  # a sign-flipped group
+    words[2, 5] = 0x7FC0  # NaN
+    words[3, 40] = 0xFF80  # -inf
+    words[4, :32] = (rng.standard_normal(32).astype(np.float32).view(np.uint32) >> 16)  # no grid
+    words[5, :32] = rng.integers(0, 0x10000, 32)  # any words at all
+    for row, step in ((6, 1e-6), (7, 3e4), (8, 1e-30)):  # below fp16's normal range, near its top, far below
+        v = np.float32(step) * rng.integers(-8, 8, 32).astype(np.float32)
+        words[row, :32] = (v.view(np.uint32) >> 16).astype(np.uint16)
+    words[9, :32:3] = 0x8000  # minus zeros
+    return words
+
+
 def test_fast_kernel_matches_numpy_reference():
     rng = np.random.default_rng(2)
-    for step_dtype in (np.float16, np.float32):
-        words = grid_words(96, 512, rng, step_dtype=step_dtype)
-        words[0, :32] = 0  # an all-zero group
-        words[1, 32:64] = words[1, 32:64] ^ 0x8000  # a sign-flipped group
-        for sd in ("fp16", "bf16"):
-            a = grid.quantize_numpy(words, sd)
-            b = grid.quantize(words, sd)
-            assert np.array_equal(a[0], b[0])
-            assert np.array_equal(a[1], b[1])
-            assert np.allclose(a[2], b[2], rtol=0, atol=1e-9)
+    for step_dtype, jitter in ((np.float16, 0.0), (np.float32, 0.0), (np.float32, 0.3)):
+        words = _special_groups(grid_words(96, 512, rng, step_dtype=step_dtype, jitter=jitter), rng)
+        for target in ("float16", "bfloat16"):
+            for objective in ("runtime-exact", "min-error"):
+                a = grid.quantize_numpy(words, target, objective)
+                b = grid.quantize(words, target, objective)
+                assert np.array_equal(a[0], b[0]), (target, objective)
+                assert np.array_equal(a[1], b[1]), (target, objective)
+                assert np.allclose(a[2], b[2], rtol=1e-12, atol=0), (target, objective)
 
 
-def test_fp16_scales_reproduce_more_values_than_bf16():
+def test_scales_chosen_for_one_runtime_reproduce_fewer_values_in_the_other():
     rng = np.random.default_rng(3)
-    words = grid_words(128, 512, rng, step_dtype=np.float32)  # steps not representable in either format
-    s16 = grid.GridStats.from_vector(grid.quantize(words, "fp16")[2])
-    sbf = grid.GridStats.from_vector(grid.quantize(words, "bf16")[2])
-    assert s16.identical > sbf.identical
-    assert s16.identical_other == sbf.identical and sbf.identical_other == s16.identical
+    words = grid_words(128, 512, rng, step_dtype=np.float32)  # steps representable in neither format
+    src = _values(words)
+    p16, c16, st16 = grid.quantize(words, "float16")
+    pbf, cbf, stbf = grid.quantize(words, "bfloat16")
+    s16, sbf = grid.GridStats.from_vector(st16), grid.GridStats.from_vector(stbf)
+    # each figure for the other dtype is what the build for that dtype gives
+    assert s16.exact_other == sbf.exact and sbf.exact_other == s16.exact
     assert s16.worst_ulps <= 2 and sbf.worst_ulps <= 2
+    # the bf16 build's scales (as fp16 values, exact) computed in fp16 arithmetic: fewer exact values
+    cross = grid.runtime_values(grid.decode(pbf, cbf), "float16")
+    assert int((cross == src).sum()) < s16.exact
 
 
 def test_off_grid_group_is_reported_with_row_and_group():

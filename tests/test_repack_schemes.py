@@ -114,7 +114,12 @@ def test_w4a16_round_trip_delegates_to_the_grid():
     ref_packed, ref_scales, _ = grid.quantize_numpy(words)
     assert np.array_equal(packed, ref_packed) and np.array_equal(scales, ref_scales)
     dec = W4A16.dequantize_blocks(packed, scales)
-    assert np.array_equal(_words(dec), words)  # decoded levels x scales round back to the source bits
+    assert np.array_equal(dec, grid.decode(ref_packed, ref_scales))
+    # in the target's runtime arithmetic (fp16 of level x scale) every value is within one bf16 ulp of the source
+    src = _values(words)
+    runtime = dec.astype(np.float16).astype(np.float64)
+    ulp = np.exp2(np.floor(np.log2(np.maximum(np.abs(src), 1e-30))) - 7)
+    assert np.all(np.abs(runtime - src) <= ulp)
 
 
 def test_w8a8_compressed_tensors_quantize_and_decompress_agree():
@@ -327,3 +332,22 @@ def test_w8a8_build_serves_on_the_cpu_int8_kernel(w8a8_build, serve_config_facto
         assert wrong == 0  # the trained pattern continues under int8 weights and activations
     finally:
         stop_server(cfg)
+
+
+@pytest.mark.parametrize("bad", [0x7FC0, 0xFF80])  # NaN, -inf
+def test_w8a8_build_refuses_a_nonfinite_weight(tmp_path, bad):
+    """No int8 level represents NaN or an infinity: the build stops naming tensor, row and column, writes
+    nothing, and the command line says so in one line with exit 2."""
+    from repack.errors import RepackError
+    from repack.synthetic import grid_words, write_small_checkpoint
+
+    name = "model.language_model.layers.1.mlp.up_proj.weight"
+    w = grid_words(128, 64, np.random.default_rng(3))
+    w[77, 40] = bad
+    src = write_small_checkpoint(tmp_path / "src", extra={name: ("BF16", (128, 64), w)})
+    with pytest.raises(RepackError, match=r"up_proj.weight: row 77, column 40 holds a NaN or an infinity"):
+        build_checkpoint(src, tmp_path / "out", BuildOptions(scheme="w8a8", embed_int4=False, embed_tokens=False))
+    assert not (tmp_path / "out").exists()
+    r = _run("-m", "repack", "build", str(src), str(tmp_path / "out2"), "--scheme", "w8a8")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "row 77, column 40" in r.stderr
+    assert not (tmp_path / "out2").exists()

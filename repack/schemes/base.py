@@ -114,20 +114,26 @@ class ErrorStats:
     max_abs_error: float = 0.0
     sq_err: list[float] = field(default_factory=list)
     sq_ref: list[float] = field(default_factory=list)
+    first_nonfinite: tuple[int, int] | None = None  # (row, column) of the first NaN/inf source value
 
     @classmethod
-    def of(cls, ref: np.ndarray, decoded: np.ndarray) -> "ErrorStats":
+    def of(cls, ref: np.ndarray, decoded: np.ndarray, row0: int = 0) -> "ErrorStats":
         finite = np.isfinite(ref)
         nonfinite = int(ref.size - np.count_nonzero(finite))
+        first = None
         if nonfinite:
+            r, c = np.argwhere(~finite)[0]
+            first = (row0 + int(r), int(c))
             ref, decoded = np.where(finite, ref, 0.0), np.where(finite, decoded, 0.0)
         r = ref.astype(np.float64, copy=False).ravel()
         err = decoded.ravel() - r
-        return cls(values=ref.size, nonfinite=nonfinite,
+        return cls(values=ref.size, nonfinite=nonfinite, first_nonfinite=first,
                    max_abs_error=float(max(err.max(initial=0.0), -err.min(initial=0.0))),
                    sq_err=[float(np.dot(err, err))], sq_ref=[float(np.dot(r, r))])
 
     def merge(self, o: "ErrorStats") -> None:
+        if self.first_nonfinite is None:
+            self.first_nonfinite = o.first_nonfinite
         self.values += o.values
         self.nonfinite += o.nonfinite
         self.max_abs_error = max(self.max_abs_error, o.max_abs_error)

@@ -4,7 +4,7 @@ Blocks are groups of 32 consecutive values along the input axis. The grid recove
 checked against the numpy reference) lives in `repack/grid.py`; this class only connects it to the build: the
 three tensors per module (`weight_packed` int32 [out, in/8], `weight_scale` [out, in/32] in the scale dtype,
 `weight_shape` int64 [2]), the config group, and the grid's exactness figures, which are the report's own
-columns (identical values, worst error in bf16 ulps, off-grid groups).
+columns (values exact in each runtime's arithmetic, errors in bf16 ulps, off-grid groups).
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ class W4A16(Scheme):
     def quantize_blocks(cls, words: np.ndarray, options: "BuildOptions | None" = None
                         ) -> tuple[np.ndarray, np.ndarray]:
         """bf16 words [n_blocks, 32] -> (packed int32 [n_blocks, 4], scales float64 [n_blocks, 1])."""
-        packed, scales, _ = grid.quantize(np.ascontiguousarray(words), _options(options).scale_dtype)
+        opt = _options(options)
+        packed, scales, _ = grid.quantize(np.ascontiguousarray(words), opt.target_dtype, opt.objective)
         return packed, scales
 
     @classmethod
@@ -63,8 +64,8 @@ class W4A16(Scheme):
     @classmethod
     def quantize_rows(cls, words: np.ndarray, options: "BuildOptions", row0: int
                       ) -> tuple[dict[str, np.ndarray], grid.GridStats]:
-        packed, scales, stats = grid.quantize(words, options.scale_dtype)
-        return ({"packed": packed, "scale": grid.scales_to_bytes(scales, options.scale_dtype)},
+        packed, scales, stats = grid.quantize(words, options.target_dtype, options.objective)
+        return ({"packed": packed, "scale": grid.scales_to_bytes(scales, grid.SCALE_DTYPE[options.target_dtype])},
                 grid.GridStats.from_vector(stats, row0))
 
     @classmethod
@@ -88,7 +89,9 @@ class W4A16(Scheme):
             return
         row, group, err, err_o = stats.first_offgrid  # type: ignore[misc]
         hint = ""
-        if err_o <= grid.TOL_ULPS:
-            hint = f"it is on the grid with {'bf16' if options.scale_dtype == 'fp16' else 'fp16'} scales: " \
-                   f"try --scale-dtype {'bf16' if options.scale_dtype == 'fp16' else 'fp16'}"
+        if stats.first_offgrid_nonfinite:
+            hint = "the group holds a NaN or an infinity, which no 4-bit level represents"
+        elif err_o <= grid.TOL_ULPS:
+            other = grid.other_target(options.target_dtype)  # type: ignore[arg-type]
+            hint = f"it is on the grid for {other}: try --target-dtype {other}"
         raise OffGridError(tensor, row, group, err, hint)

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .. import config as cfgmod
+from ..errors import RepackError, clip
 from . import register
 from .base import ErrorStats, Output, Scheme, bf16_to_float
 
@@ -45,7 +46,8 @@ class W8A8(Scheme):
     def quantize_blocks(cls, words: np.ndarray, options: "BuildOptions | None" = None
                         ) -> tuple[np.ndarray, np.ndarray]:
         """bf16 words [n_blocks, block] (a block is an output row) -> (int8 [n_blocks, block], float32 scales
-        [n_blocks, 1]). NaN/inf values are stored as 0 and left out of the peak."""
+        [n_blocks, 1]). NaN/inf values are stored as 0 and left out of the peak (a build refuses them first:
+        check_block)."""
         x = bf16_to_float(words)
         if (words & 0x7F80).max(initial=0) == 0x7F80:  # an all-ones exponent: NaN or inf somewhere
             x = np.where(np.isfinite(x), x, np.float32(0))
@@ -70,8 +72,17 @@ class W8A8(Scheme):
     def quantize_rows(cls, words: np.ndarray, options: "BuildOptions", row0: int
                       ) -> tuple[dict[str, np.ndarray], ErrorStats]:
         q, scale = cls.quantize_blocks(words, options)
-        stats = ErrorStats.of(bf16_to_float(words), cls.dequantize_blocks(q, scale))
+        stats = ErrorStats.of(bf16_to_float(words), cls.dequantize_blocks(q, scale), row0)
         return {"weight": q, "scale": scale.astype("<f4")}, stats
+
+    @classmethod
+    def check_block(cls, stats: ErrorStats, tensor: str, options: "BuildOptions") -> None:
+        # no int8 level represents NaN or an infinity: a weight holding one is corrupt, not something to zero
+        if stats.first_nonfinite is not None:
+            row, col = stats.first_nonfinite
+            raise RepackError(f"{clip(tensor)}: row {row}, column {col} holds a NaN or an infinity, which no int8 "
+                              "level represents; the source checkpoint is corrupt (re-download it)",
+                              detail={"tensor": clip(tensor), "row": row, "column": col, "problem": "nonfinite"})
 
     @classmethod
     def decode(cls, tensors: dict[str, np.ndarray]) -> np.ndarray:

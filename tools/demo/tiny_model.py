@@ -8,8 +8,13 @@ tied head, sharded safetensors with an index, a byte-level tokenizer with a Gemm
 The text model is trained for a few seconds on a synthetic pattern (each token is followed by a fixed
 permutation of itself) so that greedy decoding is confident and does not flip between kernels, then every
 linear weight and both embedding tables are projected onto a symmetric 4-bit grid in groups of 32 along the
-input axis, as QAT leaves them: bf16 values equal to bf16(step * level) with level in [-8, 7] and the group's
-peak at a level between 4 and 8.
+input axis, as QAT leaves them: bf16 values equal to bf16(step * level), the exact product of an fp32 step and
+a level in [-8, 7] rounded once to bf16, with the group's peak at a level between 4 and 8. The steps are
+fp32 values, as a QAT run learns them, not values of fp16 or bf16: no scale dtype reproduces every value, and
+scales chosen for fp16 arithmetic differ from scales chosen for the least error, as on the real checkpoint.
+
+It has 16,384 positions (the real model's rope settings, which hold for that length), so long prompts can be
+served.
 
 torch and transformers are imported lazily: they come with vLLM, not with the repack library.
 """
@@ -45,7 +50,12 @@ TEXT_CONFIG: dict[str, Any] = dict(
                  "sliding_attention", "sliding_attention", "full_attention"],
     num_attention_heads=2, num_key_value_heads=1, head_dim=32, global_head_dim=64,
     hidden_size_per_layer_input=32, num_kv_shared_layers=2, use_double_wide_mlp=True,
-    final_logit_softcapping=30.0, sliding_window=64, max_position_embeddings=1024,
+    final_logit_softcapping=30.0, sliding_window=64, max_position_embeddings=16384,
+    # Gemma 4's own rope settings (sliding layers: theta 10k; full layers: proportional, a quarter of the head
+    # dimension rotated, theta 1M), unscaled: valid well past 16,384 positions.
+    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                     "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                        "rope_theta": 1000000.0}},
     bos_token_id=2, eos_token_id=1, pad_token_id=0,
 )
 VISION_CONFIG: dict[str, Any] = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -105,12 +115,23 @@ def project_to_grid(weight, *, seed: int):
     level = torch.randint(4, 8, amax.shape, generator=g).float()
     use_eight = peak_negative & (torch.rand(amax.shape, generator=g) < 0.5)
     level = torch.where(use_eight, torch.full_like(level, 8.0), level)
-    # Scales as a QAT export holds them: representable in fp16 (the source's scales are fp16/bf16 values).
-    step = (amax / level).half().float()
+    # The step as QAT learns it: an fp32 value, in general representable in neither fp16 nor bf16.
+    step = (amax / level).float()
     # An all-zero group (the pad token's embedding row) stays all zero; a step of 1 avoids 0/0.
     step = torch.where(step > 0, step, torch.ones_like(step))
     q = torch.clamp(torch.round(grp / step.unsqueeze(-1)), -8, 7)
-    return (q * step.unsqueeze(-1)).reshape(rows, cols).to(torch.bfloat16)
+    # step * level is exact in float64 (24 + 4 significant bits) and is rounded once, to nearest even bf16.
+    return _round_bf16(q.double() * step.double().unsqueeze(-1)).reshape(rows, cols).to(torch.bfloat16)
+
+
+def _round_bf16(v):
+    """Round float64 values (normal bf16 range) to the nearest bf16 value, ties to even, in one rounding (a cast
+    through float32 would round twice)."""
+    import torch
+
+    _, e = torch.frexp(v)
+    quantum = torch.ldexp(torch.ones_like(v), (e - 8).to(v.dtype))
+    return torch.round(v / quantum) * quantum  # the result has 8 significant bits: exact in bf16
 
 
 def _write_tokenizer(out: Path) -> None:
