@@ -108,3 +108,11 @@ def test_cli_sweep_compare_prints_tables_and_json():
     bad = subprocess.run([sys.executable, "-m", "tools.cli", "sweep-compare", str(RUNS[0])],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and "two or more" in bad.stderr
+
+
+def test_report_module_does_not_import_the_runner():
+    """sweep_report reads results; it must not import sweep (which imports it): no import cycle."""
+    code = "import sys, tools.measure.sweep_report; print('tools.measure.sweep' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"

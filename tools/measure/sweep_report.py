@@ -17,7 +17,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from tools.errors import ToolFailure
-from tools.measure.sweep import DEFAULT_PRICE_PER_HOUR, METRICS, SweepResult
+from tools.measure.results import DEFAULT_PRICE_PER_HOUR, METRICS, SweepResult
 
 CSV_COLUMNS = ("input_len", "output_len", "concurrency", "num_prompts", "status", "repeats_ok", "repeats",
                *(f"{m}" for m in METRICS), "output_throughput_spread_pct", "mean_ttft_ms_spread_pct", "reason")
