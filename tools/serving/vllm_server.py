@@ -451,6 +451,11 @@ def start_server(cfg: ServeConfig, *, progress: Progress | None = None, hardware
                 time.sleep(1.0)
         except KeyboardInterrupt:
             raise fail("start was interrupted") from None
+        except ToolFailure:
+            raise
+        except BaseException:  # e.g. a cancelled job's progress callback: leave no server behind, keep its reason
+            fail("start was cancelled")
+            raise
 
     startup_s = time.monotonic() - t0
     fields = engine_log.parse_engine_log(_read_text(log_path))
