@@ -47,7 +47,7 @@ def _cli(args: list[str], env: dict[str, str], timeout: float = 900) -> subproce
 
 @pytest.mark.vllm
 def test_lifecycle_through_the_command_line(emb4_build, tmp_path):
-    from conftest import SERVE_MAX_MODEL_LEN, free_port
+    from fixtures import SERVE_MAX_MODEL_LEN, free_port
 
     state_dir = tmp_path / "state"
     env = dict(os.environ, MODEL_NAME=str(emb4_build), SERVED_MODEL_NAME="tiny-emb4", PORT=str(free_port()),
@@ -268,7 +268,7 @@ def test_a_recycled_pid_is_never_signalled(serve_config_factory, tmp_path):
 
 
 def test_command_line_failures_are_one_line(tmp_path):
-    from conftest import free_port
+    from fixtures import free_port
 
     env = dict(os.environ, MODEL_NAME="m", STATE_DIR=str(tmp_path), PORT=str(free_port()))
     q = _cli(["query", "hi"], env, timeout=60)

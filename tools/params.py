@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import sys
 import types
 from typing import Annotated, Any, ClassVar, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 
 def _strip_optional(tp: Any) -> Any:
@@ -40,7 +41,7 @@ class OpParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    CLI_FLAGS: ClassVar[dict[str, str]] = {}        # field -> flag, where the command line keeps an older name
+    CLI_FLAGS: ClassVar[dict[str, str | tuple[str, ...]]] = {}  # field -> flag(s) where the CLI keeps older names
     CLI_EXCLUDE: ClassVar[frozenset[str]] = frozenset()
     CLI_POSITIONAL: ClassVar[tuple[str, ...]] = ()
     MCP_EXCLUDE: ClassVar[frozenset[str]] = frozenset()
@@ -58,7 +59,8 @@ class OpParams(BaseModel):
             if name in cls.CLI_POSITIONAL:
                 flag: list[str] = [name]
             else:
-                flag = [cls.CLI_FLAGS.get(name, "--" + name.replace("_", "-"))]
+                given = cls.CLI_FLAGS.get(name, "--" + name.replace("_", "-"))
+                flag = [given] if isinstance(given, str) else list(given)
                 kwargs["dest"] = name
                 if f.is_required():
                     kwargs["required"] = True
@@ -83,7 +85,15 @@ class OpParams(BaseModel):
     def from_cli_args(cls, args: argparse.Namespace, **fixed: Any) -> "OpParams":
         values = {name: getattr(args, name) for name in cls.model_fields
                   if name not in cls.CLI_EXCLUDE and hasattr(args, name)}
-        return cls(**{**values, **fixed})
+        try:
+            return cls(**{**values, **fixed})
+        except ValidationError as exc:  # a value argparse let through but the model refuses: a usage error
+            first = exc.errors()[0]
+            name = str(first["loc"][0]) if first["loc"] else "?"
+            flag = cls.CLI_FLAGS.get(name, "--" + name.replace("_", "-"))
+            flag = flag if isinstance(flag, str) else flag[-1]
+            print(f"error: argument {flag}: {first['msg']}", file=sys.stderr)
+            raise SystemExit(2) from None
 
     @classmethod
     def mcp_signature(cls) -> list[inspect.Parameter]:
