@@ -269,7 +269,7 @@ def run_demo(opts: DemoOptions | None = None, *, log: Log = _stderr) -> DemoRepo
             sweep = run_sweep(progress=_progress_printer(log, "sweep repeats", 0.0), base_url=start.base_url,
                               out=str(plan.evidence / "sweeps"), label=label, input_lens=plan.input_lens,
                               concurrencies=plan.concurrencies, output_len=plan.output_len, repeats=plan.repeats,
-                              run_id=f"{label}")
+                              run_id=f"{label}", serve_config=cfg)  # provenance: this server's argv
             sweep_dirs.append(sweep.run_dir)
             served.append(ServeStep(label=label, model=cfg.model, platform=start.platform,
                                     startup_s=start.startup_s, kv_cache_tokens=sf.kv_cache_tokens,
