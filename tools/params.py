@@ -45,6 +45,7 @@ class OpParams(BaseModel):
     CLI_EXCLUDE: ClassVar[frozenset[str]] = frozenset()
     CLI_POSITIONAL: ClassVar[tuple[str, ...]] = ()
     MCP_EXCLUDE: ClassVar[frozenset[str]] = frozenset()
+    MCP_DEFAULTS: ClassVar[dict[str, Any]] = {}     # where the MCP server's default differs (e.g. a root, not cwd)
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, *, exclude: frozenset[str] | set[str] = frozenset()
@@ -96,6 +97,10 @@ class OpParams(BaseModel):
             raise SystemExit(2) from None
 
     @classmethod
+    def from_mcp_args(cls, arguments: dict[str, Any]) -> "OpParams":
+        return cls.model_validate({**cls.MCP_DEFAULTS, **arguments})
+
+    @classmethod
     def mcp_signature(cls) -> list[inspect.Parameter]:
         """The MCP tool's keyword parameters: one per field, with its type, constraints and description."""
         out = []
@@ -103,6 +108,7 @@ class OpParams(BaseModel):
             if name in cls.MCP_EXCLUDE:
                 continue
             default = inspect.Parameter.empty if f.is_required() else f.get_default(call_default_factory=True)
+            default = cls.MCP_DEFAULTS.get(name, default)
             ann = Annotated[f.annotation, Field(description=f.description), *f.metadata]  # type: ignore[valid-type]
             out.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=ann))
         return out

@@ -168,7 +168,7 @@ def _handler(spec: ToolSpec, app: App) -> Callable[..., Any]:
     async def handler(**kwargs: Any) -> ToolResult:
         ctx = kwargs.pop("ctx", None)
         try:
-            params = model.model_validate(kwargs) if model is not None else None
+            params = model.from_mcp_args(kwargs) if model is not None else None
             if spec.long:
                 data = await run_long(app, spec, params, ctx)
             elif spec.is_async:

@@ -80,7 +80,7 @@ async def start_job(app, p: StartJobParams) -> Reply:
         raise ValueError(f"{p.tool[:80]} is not a long tool of this server")
     model = spec.params
     try:
-        params = model.model_validate(p.arguments)
+        params = model.from_mcp_args(p.arguments)
     except ValidationError as exc:
         first = exc.errors()[0]
         raise ValueError(f"{p.tool}: argument {'.'.join(map(str, first['loc'])) or '?'}: {first['msg']}") from None

@@ -21,7 +21,7 @@ def run_sweep(app, p: SweepParams, progress) -> Reply:
     from tools.measure.sweep import run_sweep as sweep
     from tools.measure.sweep_report import markdown_run
 
-    out = app.roots.confine(p.out if "out" in p.model_fields_set else ".", "evidence", what="out")
+    out = app.roots.confine(p.out, "evidence", what="out")
     base_url = p.base_url or app.managed_base_url()  # the managed server, not the config's default port
     res = sweep(p.model_copy(update={"out": out, "base_url": base_url}), serve_config=app.config(),
                 progress=lambda d, t, m: progress(d, t, m))

@@ -37,6 +37,7 @@ class SweepParams(OpParams):
 
     CLI_FLAGS: ClassVar[dict[str, str]] = {"concurrencies": "--concurrency", "cell_timeout_s": "--cell-timeout"}
     MCP_EXCLUDE: ClassVar[frozenset[str]] = frozenset({"run_id", "tokenizer", "model", "cell_timeout_s"})
+    MCP_DEFAULTS: ClassVar[dict[str, Any]] = {"out": "."}  # the first evidence root
 
     base_url: str | None = Field(None, description="Server to measure; default: the one this project started "
                                                    "(tpu.env)")
@@ -50,7 +51,8 @@ class SweepParams(OpParams):
     label: str = Field("build", description="Build name for tables and the run id, e.g. emb4 (no spaces)")
     price_per_hour: float = Field(DEFAULT_PRICE_PER_HOUR, description="Machine price for the $/M tokens column "
                                                                       "(default: the article's T4 VM)")
-    out: Path = Field(DEFAULT_OUT, description="Folder that receives the run folder <run-id>/")
+    out: Path = Field(DEFAULT_OUT, description="Folder that receives the run folder <run-id>/ (through MCP: "
+                                               "under an evidence root, default the first)")
     resume: bool = Field(False, description="Continue the latest matching run, skipping finished repeats")
     run_id: str | None = Field(None, description="Exact run folder name inside out (resumes it if present)")
     seed: int = Field(0, description="Base prompt seed: keep it equal across builds")
