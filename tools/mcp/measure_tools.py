@@ -13,7 +13,8 @@ from tools.mcp.registry import Reply, tool
 
 
 @tool(toolset="measure", title="Serving sweep (vllm bench serve)", params=SweepParams, result=SweepResult,
-      long=True, open_world=True, extra={"table_md": (str, "The run's markdown table")})
+      long=True, open_world=True, extra={"counts": (dict[str, int], "Cells by status: ok, infeasible, failed"),
+                                         "table_md": (str, "The run's markdown table")})
 def run_sweep(app, p: SweepParams, progress) -> Reply:
     """Measure the running server with vLLM's own benchmark over input lengths x concurrencies x repeats, the
     same prompts for every build; writes a run folder (summary, raw results, provenance) under an evidence root
@@ -32,7 +33,7 @@ def run_sweep(app, p: SweepParams, progress) -> Reply:
                f"{counts['infeasible']} infeasible cells"
                + (f"; best {best.median['output_throughput']:.2f} out tok/s at in={best.input_len} "
                   f"c={best.concurrency}" if best else ""))
-    return Reply(res, summary, {"table_md": markdown_run(res, price_per_hour=p.price_per_hour)})
+    return Reply(res, summary, {"counts": counts, "table_md": markdown_run(res, price_per_hour=p.price_per_hour)})
 
 
 @tool(toolset="measure", title="Compare sweep runs", params=CompareSweepsParams, result=SweepComparison,
