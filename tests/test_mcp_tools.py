@@ -223,7 +223,7 @@ def test_repack_as_job_then_busy_rule(tiny_mcp, tiny_qat):
     assert {t["name"]: t["groups"] for t in done["result"]["tables"]}.get("embed_tokens", 0) == 0
     assert done["progress"] == done["total"] and done["elapsed_s"] > 0
     assert [j["job_id"] for j in listing["jobs"]] == [done["job_id"]]
-    assert bad["state"] == "failed" and "exists" in bad["error"]
+    assert bad["state"] == "failed" and "exists" in bad["error"] and "force=true" in bad["error"]
     assert not (models / "other").exists()
 
 

@@ -83,7 +83,12 @@ class App:
         return st.base_url
 
     def run_job_work(self, spec: ToolSpec, params: Any, progress: ProgressFn) -> dict[str, Any]:
-        return spec.dump(spec.fn(self, params, progress))
+        try:
+            return spec.dump(spec.fn(self, params, progress))
+        except JobCancelled:
+            raise
+        except Exception as exc:  # job_status shows the error as a direct call would
+            raise to_tool_error(exc) from exc
 
     def shutdown(self, join_s: float = 20.0) -> None:
         """Cancel running jobs and foreground calls and give their clean-up up to `join_s` (SIGTERM)."""
