@@ -33,7 +33,7 @@ from repack.errors import RepackError
 from tools.errors import ToolFailure
 from tools.mcp.jobs import Busy, JobCancelled, JobRegistry, ProgressFn
 from tools.mcp.paths import PathNotAllowed, Roots
-from tools.mcp.registry import (DEFAULT_TOOLSETS, TOOLSETS, TOOLSETS_ENV, Reply, ToolSpec, load_all, mcp_wording,
+from tools.mcp.registry import (DEFAULT_TOOLSETS, TOOLSETS, TOOLSETS_ENV, ToolSpec, load_all, mcp_wording,
                                 one_line)
 
 SERVER_NAME = "gemma4-t4"
