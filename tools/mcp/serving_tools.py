@@ -74,7 +74,8 @@ def query_model(app, p: QueryParams) -> Reply:
     token ids. A quick check that a build answers sensibly."""
     from tools.serving.vllm_server import query
 
-    res = query(app.config(), p.prompt, max_tokens=p.max_tokens, base_url=app.managed_base_url())
+    app.managed_base_url()  # refuses when no server is recorded, instead of posting to the config's port
+    res = query(app.config(), p.prompt, max_tokens=p.max_tokens)  # the recorded server and its served name
     usage = res.usage or {}
     return Reply(res, f"{usage.get('completion_tokens', '?')} tokens in {res.latency_s:.2f} s "
                       f"({res.finish_reason}): {res.text[:120]!r}")
