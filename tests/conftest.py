@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from fixtures import ROOT, SERVE_MAX_MODEL_LEN, free_port
 
 
 @pytest.fixture(scope="session")
@@ -31,7 +31,6 @@ def tiny_base(tmp_path_factory) -> Path:
 # Serving fixtures: the two builds of `tiny_qat` the serving, measuring and MCP tests use, and a live vLLM server
 # for each (vLLM's CPU backend on machines without a GPU). Servers are shared by the whole session: one start each.
 
-SERVE_MAX_MODEL_LEN = 512  # the tiny model has max_position_embeddings 1024
 
 
 def _build(src: Path, out: Path, **options) -> Path:
@@ -54,14 +53,6 @@ def bf16_text_build(tiny_qat, tmp_path_factory) -> Path:
     """The text-only build with bf16 embeddings (W4A16 linears, tied head): the article's "-text" build."""
     out = tmp_path_factory.mktemp("text") / "gemma-4-tiny-text"
     return _build(tiny_qat, out, quantize_linears=True, text_only=True, embed_int4=False, embed_tokens=False)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

@@ -18,13 +18,9 @@ from fastmcp.exceptions import ToolError
 
 from tools.mcp.paths import PathNotAllowed, Roots
 
+from fixtures import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _initialize_body() -> dict:
@@ -35,14 +31,15 @@ def _initialize_body() -> dict:
 
 @pytest.fixture(scope="module")
 def http_server(tmp_path_factory):
-    port = _free_port()
-    token = "s3cret-" + os.urandom(8).hex()
+    port = free_port()
+    token = "s3cret-" + os.urandom(16).hex()
     models = tmp_path_factory.mktemp("models")
     env = dict(os.environ, GEMMA4_T4_MCP_TOKEN=token)
     log = tmp_path_factory.mktemp("log") / "server.log"
     with open(log, "wb") as fh:
         proc = subprocess.Popen([sys.executable, str(ROOT / "server.py"), "--http", "--port", str(port),
-                                 "--models-root", str(models)],
+                                 "--models-root", str(models), "--allowed-host", "mcp.example.test",
+                                 "--toolsets", "all"],
                                 env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True, cwd="/")
     try:
         deadline = time.time() + 60
@@ -105,7 +102,7 @@ async def _client_session(http_server, tmp_path):
 
 
 def test_generated_token_is_printed_when_none_is_configured(tmp_path):
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "GEMMA4_T4_MCP_TOKEN"}
     proc = subprocess.Popen([sys.executable, str(ROOT / "server.py"), "--http", "--port", str(port)], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True, text=True)
@@ -119,6 +116,87 @@ def test_generated_token_is_printed_when_none_is_configured(tmp_path):
         proc.wait(10)
 
 
+def test_http_checks_host_and_origin(http_server):
+    """DNS-rebinding protection: loopback names and --allowed-host pass; another Host gets 421 (fastmcp's
+    answer), another Origin 403."""
+    url, token, port, _ = http_server
+    headers = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json",
+               "Authorization": "Bearer " + token}
+
+    def post(**extra) -> int:
+        return httpx.post(url, json=_initialize_body(), headers={**headers, **extra}, timeout=10).status_code
+
+    assert post(Host=f"localhost:{port}") == 200
+    assert post(Host="mcp.example.test") == 200
+    assert post(Host="attacker.example") == 421
+    assert post(Origin="http://attacker.example") == 403
+    assert post(Origin=f"http://127.0.0.1:{port}") == 200
+
+
+def _server_exit(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "server.py"), *args], capture_output=True, text=True,
+                          timeout=60, env=env)
+
+
+def test_bad_port_short_token_and_plaintext_warning(tmp_path):
+    bad = _server_exit(["--http", "--port", "70000"])
+    assert bad.returncode == 2 and "70000 is not a port" in bad.stderr and "Traceback" not in bad.stderr
+    short = _server_exit(["--http", "--port", str(free_port())], env=dict(os.environ, GEMMA4_T4_MCP_TOKEN="x" * 31))
+    assert short.returncode == 2 and "at least 32" in short.stderr
+    port = free_port()
+    env = dict(os.environ, GEMMA4_T4_MCP_TOKEN="t" * 40)
+    proc = subprocess.Popen([sys.executable, str(ROOT / "server.py"), "--http", "--host", "0.0.0.0", "--port",
+                             str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        line = proc.stderr.readline()
+        assert "not loopback" in line and "plaintext" in line
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(30)
+
+
+def test_sigterm_cancels_a_running_job_and_exits_143(tmp_path, tiny_qat):
+    """A job running in a worker thread is cancelled on SIGTERM; its library clean-up runs before the exit."""
+    import json as _json
+
+    models = tmp_path / "models"
+    models.mkdir()
+    proc = subprocess.Popen([sys.executable, str(ROOT / "server.py"), "--models-root", str(models),
+                             "--models-root", str(tiny_qat.parent), "--toolsets", "jobs,repack"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            start_new_session=True)
+
+    def send(obj) -> None:
+        proc.stdin.write(_json.dumps(obj) + "\n")
+        proc.stdin.flush()
+
+    def answer(rid: int) -> dict:
+        while True:
+            msg = _json.loads(proc.stdout.readline())
+            if msg.get("id") == rid:
+                return msg
+
+    try:
+        send(_initialize_body())
+        answer(1)
+        send({"jsonrpc": "2.0", "method": "notifications/initialized"})
+        send({"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {"name": "start_job", "arguments": {
+            "tool": "repack_checkpoint", "arguments": {"source": str(tiny_qat), "output": "out"}}}})
+        job = answer(2)["result"]["structuredContent"]
+        assert job["state"] == "running"
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(60) == 143
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    # cancelled (nothing published, no partial left) or, on a fast machine, finished before the signal
+    leftovers = [p.name for p in models.iterdir() if p.name.startswith(".")]
+    assert leftovers == [], leftovers
+    assert not (models / "out").exists() or (models / "out" / "repack-report.json").is_file()
+
+
 # ---------------------------------------------------------------------------------------- confinement unit tests
 
 
@@ -127,6 +205,7 @@ def test_roots_confine(tmp_path):
     for d in (models, evidence, outside):
         d.mkdir()
     (models / "ckpt").mkdir()
+    (models / "ckpt" / "config.json").write_text("{}")
     (models / "escape").symlink_to(outside)
     roots = Roots.from_env([str(models)], [str(evidence)], environ={})
     assert roots.confine("ckpt", "models", must_exist=True) == models / "ckpt"

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -14,13 +13,9 @@ import pytest
 from fastmcp import Client
 from fastmcp.client.transports import StdioTransport
 
+from fixtures import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.vllm
@@ -29,10 +24,10 @@ def test_stdio_session_runs_the_article_on_the_tiny_model(tiny_qat, tmp_path):
     models.mkdir()
     evidence.mkdir()
     # Serving settings for the tiny model, the way a user overrides tpu.env: environment variables.
-    env = dict(os.environ, PORT=str(_free_port()), MAX_MODEL_LEN="512", MAX_NUM_SEQS="4", CPU_KVCACHE_SPACE_GIB="1",
+    env = dict(os.environ, PORT=str(free_port()), MAX_MODEL_LEN="512", MAX_NUM_SEQS="4", CPU_KVCACHE_SPACE_GIB="1",
                SPECULATIVE_CONFIG="", EXTRA_ARGS="", START_TIMEOUT_S="900")
     transport = StdioTransport(command=sys.executable, cwd="/", env=env, keep_alive=False, args=[
-        str(ROOT / "server.py"), "--models-root", str(models), "--models-root", str(tiny_qat.parent),
+        str(ROOT / "server.py"), "--toolsets", "all", "--models-root", str(models), "--models-root", str(tiny_qat.parent),
         "--evidence-root", str(evidence), "--state-dir", str(state)])
     progress: dict[str, list[float]] = {}
 
@@ -62,7 +57,7 @@ def test_stdio_session_runs_the_article_on_the_tiny_model(tiny_qat, tmp_path):
                 out["check"] = (await c.call_tool("compare_tokens", {"mode": "check",
                                                                      "reference": "tokens/emb4.json"})
                                 ).structured_content
-                sweep_args = {"output_dir": "sweeps", "input_lens": [32], "output_len": 8, "concurrencies": [1, 2],
+                sweep_args = {"out": "sweeps", "input_lens": [32], "output_len": 8, "concurrencies": [1, 2],
                               "repeats": 1, "warmup": False, "min_prompts": 2, "prompts_per_concurrency": 1}
                 out["sweep"] = (await c.call_tool("run_sweep", {**sweep_args, "label": "first"},
                                                   progress_handler=recorder("sweep"))).structured_content
@@ -94,15 +89,15 @@ def test_stdio_session_runs_the_article_on_the_tiny_model(tiny_qat, tmp_path):
         assert r["vram"]["reason"]
     assert r["query"]["token_ids"] and r["query"]["usage"]["completion_tokens"] == len(r["query"]["token_ids"])
 
-    assert r["record"]["mode"] == "record" and r["record"]["total"] == 2
-    assert (evidence / "tokens" / "emb4.json").is_file()
-    assert r["check"]["identical"] == r["check"]["total"] == 2 and r["check"]["all_identical"]
+    assert r["record"]["summary"].startswith("recorded 2 prompts") and "generations" not in r["record"]
+    assert r["record"]["path"] == str(evidence / "tokens" / "emb4.json") and Path(r["record"]["path"]).is_file()
+    assert r["check"]["identical"] == r["check"]["total"] == 2
     assert all(p["verdict"] == "identical" for p in r["check"]["prompts"])
 
     sweep = r["sweep"]
     assert Path(sweep["run_dir"]).is_relative_to(evidence / "sweeps")
     assert sweep["counts"]["ok"] == 2 and sweep["counts"]["failed"] == 0
-    assert all(c["output_tok_s"] and c["output_tok_s"] > 0 for c in sweep["cells"])
+    assert all(c["median"]["output_throughput"] > 0 for c in sweep["cells"])
     assert progress["sweep"] and max(progress["sweep"]) == 2
     assert Path(sweep["files"]["summary_json"]).is_file()
     assert r["cmp"]["labels"] == ["first", "second"] and len(r["cmp"]["cells"]) == 2

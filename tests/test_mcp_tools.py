@@ -12,29 +12,29 @@ import pytest
 from fastmcp import Client
 from fastmcp.exceptions import ToolError
 
-import server as mcp_server
+from tools.mcp.app import Settings, create_server
 from tools.mcp.paths import Roots
 
 ROOT = Path(__file__).resolve().parents[1]
 
 EXPECTED_TOOLS = {
-    # name: (readOnly, destructive, idempotent)
-    "vram_status": (True, False, True),
-    "probe_checkpoint": (True, False, True),
-    "server_status": (True, False, True),
-    "server_logs": (True, False, True),
-    "list_jobs": (True, False, True),
-    "job_status": (True, False, True),
-    "repack_checkpoint": (False, True, True),
-    "start_vllm_server": (False, False, False),
-    "stop_vllm_server": (False, True, True),
-    "query_model": (True, False, False),
-    "run_sweep": (False, False, False),
-    "compare_tokens": (False, False, False),
-    "compare_sweeps": (False, False, True),
-    "patch_turing": (False, True, True),
-    "start_job": (False, True, False),
-    "cancel_job": (False, True, True),
+    # name: (readOnly, destructive, idempotent, openWorld)
+    "vram_status": (True, False, True, False),
+    "probe_checkpoint": (True, False, True, False),
+    "server_status": (True, False, True, False),
+    "server_logs": (True, False, True, False),
+    "list_jobs": (True, False, True, False),
+    "job_status": (True, False, True, False),
+    "repack_checkpoint": (False, True, True, False),
+    "start_vllm_server": (False, False, False, True),   # may download a hub model
+    "stop_vllm_server": (False, True, True, False),
+    "query_model": (True, False, False, False),
+    "run_sweep": (False, False, False, True),           # any base_url
+    "compare_tokens": (False, True, False, True),       # record (force=true) replaces a file; any base_url
+    "compare_sweeps": (False, True, False, False),      # output (force=true) replaces a file
+    "patch_turing": (False, True, True, False),
+    "start_job": (False, True, False, True),
+    "cancel_job": (False, True, True, False),
 }
 
 
@@ -51,8 +51,8 @@ def roots(tmp_path) -> Roots:
 
 @pytest.fixture()
 def mcp(roots, tmp_path):
-    return mcp_server.create_server(mcp_server.Settings(roots=roots, config_overrides={
-        "state_dir": str(tmp_path / "run")}))
+    return create_server(Settings(roots=roots, config_overrides={"state_dir": str(tmp_path / "run")}),
+                         toolsets="all")
 
 
 def test_every_tool_is_listed_with_title_description_annotations_and_output_schema(mcp):
@@ -62,13 +62,12 @@ def test_every_tool_is_listed_with_title_description_annotations_and_output_sche
 
     tools = {t.name: t for t in run(go())}
     assert set(tools) == set(EXPECTED_TOOLS)
-    for name, (read_only, destructive, idempotent) in EXPECTED_TOOLS.items():
+    for name, hints in EXPECTED_TOOLS.items():
         t = tools[name]
         assert t.title and t.title != name, name
         assert t.description and len(t.description) > 60, name
         a = t.annotations
-        assert (a.read_only_hint, a.destructive_hint, a.idempotent_hint, a.open_world_hint) == \
-               (read_only, destructive, idempotent, False), name
+        assert (a.read_only_hint, a.destructive_hint, a.idempotent_hint, a.open_world_hint) == hints, name
         schema = t.output_schema
         assert schema and schema.get("type") == "object" and schema.get("properties"), name
         # every input parameter is described for the agent
@@ -106,6 +105,7 @@ def test_paths_outside_roots_are_refused(mcp, tmp_path):
 
     errors = run(go())
     assert all("outside the models roots" in e for e in errors), errors
+    assert not any("/etc" in e and "evil" in e for e in errors)
 
 
 def test_jobs_unknown_and_bad_arguments(mcp):
@@ -113,6 +113,8 @@ def test_jobs_unknown_and_bad_arguments(mcp):
         async with Client(mcp) as c:
             with pytest.raises(ToolError, match="no job 'job-99'"):
                 await c.call_tool("job_status", {"job_id": "job-99"})
+            with pytest.raises(ToolError, match="lost: the server restarted"):
+                await c.call_tool("job_status", {"job_id": "job-000000-1"})
             with pytest.raises(ToolError, match="repack_checkpoint: argument output: Field required"):
                 await c.call_tool("start_job", {"tool": "repack_checkpoint", "arguments": {"source": "x"}})
             with pytest.raises(ToolError, match="argument bogus: Extra inputs are not permitted"):
@@ -131,7 +133,7 @@ def test_server_never_imports_vllm_or_torch():
         "import server\n"
         "from fastmcp import Client\n"
         "async def go():\n"
-        "    async with Client(server.create_server()) as c:\n"
+        "    async with Client(server.create_server(toolsets='all')) as c:\n"
         "        await c.list_tools()\n"
         "        await c.call_tool('vram_status', {})\n"
         "        await c.call_tool('server_status', {}, raise_on_error=False)\n"
@@ -153,8 +155,8 @@ def tiny_mcp(tiny_qat, tiny_base, tmp_path):
     (tmp_path / "evidence").mkdir()
     roots = Roots.from_env([str(tmp_path / "models"), str(tiny_qat.parent), str(tiny_base.parent)],
                            [str(tmp_path / "evidence")], environ={})
-    return mcp_server.create_server(mcp_server.Settings(roots=roots, config_overrides={
-        "state_dir": str(tmp_path / "run")})), tmp_path / "models"
+    return create_server(Settings(roots=roots, config_overrides={"state_dir": str(tmp_path / "run")}),
+                         toolsets="all"), tmp_path / "models"
 
 
 def test_probe_and_repack_with_progress(tiny_mcp, tiny_qat, tiny_base):
@@ -170,8 +172,10 @@ def test_probe_and_repack_with_progress(tiny_mcp, tiny_qat, tiny_base):
             base = await c.call_tool("probe_checkpoint", {"path": str(tiny_base)})
             rep = await c.call_tool("repack_checkpoint", {"source": str(tiny_qat), "output": "emb4"},
                                     progress_handler=on_progress)
-            with pytest.raises(ToolError, match="exists"):
+            with pytest.raises(ToolError, match="exists") as again:
                 await c.call_tool("repack_checkpoint", {"source": str(tiny_qat), "output": "emb4"})
+            # worded for MCP: the argument, not the command-line flag
+            assert "force=true" in str(again.value) and "--force" not in str(again.value)
             with pytest.raises(ToolError, match="off the 4-bit grid"):
                 await c.call_tool("repack_checkpoint", {"source": str(tiny_base), "output": "base-emb4"})
             return probe.structured_content, base.structured_content, rep.structured_content
@@ -184,6 +188,7 @@ def test_probe_and_repack_with_progress(tiny_mcp, tiny_qat, tiny_base):
     tables = {t["name"]: t for t in rep["tables"]}
     assert tables["embed_tokens"]["groups"] > 0 and tables["lm_head"]["groups"] > 0
     assert all(t["offgrid_groups"] == 0 for t in rep["tables"])
+    assert all(t["nonfinite_values"] == 0 for t in rep["tables"])  # the library's field reaches MCP clients
     assert rep["total_bytes_after"] < rep["total_bytes_before"]
     cfg = json.loads((models / "emb4" / "config.json").read_text())
     assert cfg["quantization_config"]["format"] == "pack-quantized" and cfg["tie_word_embeddings"] is False
@@ -218,7 +223,7 @@ def test_repack_as_job_then_busy_rule(tiny_mcp, tiny_qat):
     assert {t["name"]: t["groups"] for t in done["result"]["tables"]}.get("embed_tokens", 0) == 0
     assert done["progress"] == done["total"] and done["elapsed_s"] > 0
     assert [j["job_id"] for j in listing["jobs"]] == [done["job_id"]]
-    assert bad["state"] == "failed" and "exists" in bad["error"]
+    assert bad["state"] == "failed" and "exists" in bad["error"] and "force=true" in bad["error"]
     assert not (models / "other").exists()
 
 
@@ -248,17 +253,213 @@ def test_serving_tools_without_a_server(mcp):
             stop = (await c.call_tool("stop_vllm_server", {})).structured_content
             patch = (await c.call_tool("patch_turing", {"action": "check"})).structured_content
             with pytest.raises(ToolError, match="no vLLM server is running"):
-                await c.call_tool("run_sweep", {"output_dir": "sweeps"})
+                await c.call_tool("run_sweep", {"out": "sweeps"})
             with pytest.raises(ToolError, match="no server log"):
                 await c.call_tool("server_logs", {})
             with pytest.raises(ToolError, match="outside the evidence roots"):
                 await c.call_tool("compare_tokens", {"mode": "record", "reference": "/tmp/x.json",
                                                      "base_url": "http://127.0.0.1:9"})
-            with pytest.raises(ToolError, match="no answer from|connect"):
+            with pytest.raises(ToolError, match="no vLLM server is running; start one with start_vllm_server"):
                 await c.call_tool("query_model", {"prompt": "hi"})
+            with pytest.raises(ToolError, match="mode check needs reference"):
+                await c.call_tool("compare_tokens", {"mode": "check"})
             return status, stop, patch
 
     status, stop, patch = run(go())
     assert status["alive"] is False and status["roots"]["models"]
     assert stop["was_running"] is False
     assert patch["target"].endswith("triton_unified_attention.py") and patch["applied"] in (True, False)
+
+
+# ------------------------------------------------------------------------------ toolsets, schemas, registry
+
+
+def _names(mcp) -> set[str]:
+    async def go():
+        async with Client(mcp) as c:
+            return {t.name: t for t in await c.list_tools()}
+
+    return run(go())
+
+
+def test_toolsets_filter_what_is_listed(roots, tmp_path, monkeypatch):
+    settings = Settings(roots=roots, config_overrides={"state_dir": str(tmp_path / "run")})
+    only_repack = _names(create_server(settings, toolsets="repack"))
+    assert set(only_repack) == {"probe_checkpoint", "repack_checkpoint"}
+    monkeypatch.setenv("GEMMA4_T4_TOOLSETS", "serve,jobs")
+    from_env = _names(create_server(settings))
+    assert "start_vllm_server" in from_env and "list_jobs" in from_env and "repack_checkpoint" not in from_env
+    # start_job offers exactly the long tools of the listed toolsets
+    prop = from_env["start_job"].input_schema["properties"]["tool"]
+    assert prop.get("enum", [prop.get("const")]) == ["start_vllm_server"]
+    with pytest.raises(ValueError, match="unknown toolset nope"):
+        create_server(settings, toolsets="repack,nope")
+
+
+def test_library_fields_reach_mcp_clients(mcp, tmp_path):
+    """No mirrored result models: a field the library adds (here the engine's compile-cache note) is in the
+    structured content without any MCP-side edit."""
+    import time as _time
+
+    from tools.serving.vllm_server import ServerState, _write_state
+
+    cfg = mcp.gemma.config()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    log = tmp_path / "vllm.log"
+    log.write_text("INFO 11-29 10:00:00 [backends.py:1] Compiling model again due to a load failure from "
+                   "/cache/x, reason: hash mismatch\n")
+    _write_state(cfg, ServerState(pid=dead.pid, pgid=dead.pid, create_time=_time.time() - 10, host=cfg.host,
+                                  port=cfg.port, base_url=cfg.base_url, model="m", served_name="m", argv=["x"],
+                                  platform="cpu", started_at="2026-01-01T00:00:00+00:00",
+                                  started_ts=_time.time() - 10, log_path=str(log)))
+
+    async def go():
+        async with Client(mcp) as c:
+            return (await c.call_tool("server_status", {})).structured_content
+
+    st = run(go())
+    assert st["died"] is True
+    assert st["start_fields"]["compile_cache_note"].endswith("hash mismatch")
+
+
+def test_readme_tool_table_matches_the_registry():
+    from tools.mcp.registry import load_all
+    from tools.mcp.readme import tool_table
+
+    readme = (ROOT / "README.md").read_text()
+    assert tool_table(load_all()) in readme, "README's tool table is stale: run python -m tools.mcp.readme"
+
+
+def test_default_toolsets_list_stays_lean(roots, tmp_path):
+    """Every agent that connects pays for tools/list; the default set stays under 24,000 characters."""
+    from tools.mcp.app import create_server as make
+
+    async def go():
+        async with Client(make(Settings(roots=roots))) as c:
+            res = await c.session.list_tools()
+            return res.model_dump_json(by_alias=True, exclude_none=True)
+
+    assert len(run(go())) < 24_000
+
+
+# ------------------------------------------------------------------------------ jobs
+
+
+def test_many_waiting_clients_hold_no_worker_thread(mcp):
+    """45 job_status waits on a running job, then a quick tool: it answers while every wait is still pending."""
+    import threading
+
+    app = mcp.gemma
+    release = threading.Event()
+    job = app.jobs.submit("demo", {}, lambda progress: (release.wait(60), {"ok": True})[1])
+
+    async def go():
+        async with Client(mcp) as c:
+            waits = [asyncio.create_task(c.call_tool("job_status", {"job_id": job.job_id, "wait_s": 60}))
+                     for _ in range(45)]
+            await asyncio.sleep(0.5)  # let every wait reach the server
+            vram = await asyncio.wait_for(c.call_tool("vram_status", {}), 30)
+            pending = sum(not w.done() for w in waits)
+            release.set()
+            done = await asyncio.gather(*waits)
+            return vram, pending, done
+
+    vram, pending, done = run(go())
+    assert vram.structured_content["summary"]
+    assert pending == 45  # the quick call did not wait for the waits to time out or end
+    assert all(d.structured_content["state"] == "succeeded" for d in done)
+
+
+def test_start_job_says_jobs_die_with_the_server(mcp):
+    tools = _names(mcp)
+    assert "die with it" in tools["start_job"].description
+
+
+# ------------------------------------------------------------------------------ paths and destructive outputs
+
+
+def test_model_is_a_folder_under_the_roots_or_a_hub_id(mcp, tmp_path, monkeypatch):
+    work = tmp_path / "workspace"
+    (work / "evidence" / "article-t4").mkdir(parents=True)
+    monkeypatch.chdir(work)  # the MCP client started the server from its own workspace
+
+    async def go():
+        async with Client(mcp) as c:
+            errors = []
+            for model in ("evidence/article-t4", "tools/..", "../workspace/evidence/article-t4"):
+                with pytest.raises(ToolError) as ei:
+                    await c.call_tool("start_vllm_server", {"model": model})
+                errors.append(str(ei.value))
+            return errors
+
+    errors = run(go())
+    assert "names a local folder outside the models roots" in errors[0]
+    assert "not a checkpoint folder" in errors[1]  # resolved against the root: the root itself
+    assert "outside the models roots" in errors[2]
+
+
+def test_errors_echo_little_of_an_input_and_hide_symlink_targets(mcp, roots, tmp_path):
+    secret = tmp_path / "very-secret-place"
+    secret.mkdir()
+    (roots.models[0] / "escape").symlink_to(secret)
+
+    async def go():
+        async with Client(mcp) as c:
+            with pytest.raises(ToolError) as long_err:
+                await c.call_tool("probe_checkpoint", {"path": "/x" + "a" * 5000})
+            with pytest.raises(ToolError) as link_err:
+                await c.call_tool("probe_checkpoint", {"path": "escape"})
+            return str(long_err.value), str(link_err.value)
+
+    long_msg, link_msg = run(go())
+    assert long_msg.count("a") < 260 and len(long_msg) < 600
+    assert "outside the models roots" in link_msg and "very-secret-place" not in link_msg
+
+
+def _fake_run(folder: Path, label: str, tok_s: float) -> Path:
+    from tools.measure.results import CellResult, SweepResult
+    from tools.measure.sweep_report import write_run
+
+    res = SweepResult(run_id=folder.name, run_dir=str(folder), label=label, params={}, started="2026-01-01",
+                      cells=[CellResult(input_len=32, output_len=8, concurrency=1, num_prompts=2, status="ok",
+                                        median={"output_throughput": tok_s})])
+    folder.mkdir(parents=True)
+    write_run(res, folder, plot=False)
+    return folder
+
+
+def test_compare_sweeps_never_overwrites_unless_forced_and_never_an_input(mcp, roots):
+    ev = roots.evidence[0]
+    a, b = _fake_run(ev / "run-a", "a", 10.0), _fake_run(ev / "run-b", "b", 20.0)
+    summary_before = (a / "summary.json").read_text()
+
+    async def go():
+        async with Client(mcp) as c:
+            args = {"run_dirs": [str(a), str(b)], "output": "cmp.md"}
+            first = (await c.call_tool("compare_sweeps", args)).structured_content
+            with pytest.raises(ToolError, match="exists; pass force=true") as again:
+                await c.call_tool("compare_sweeps", args)
+            forced = (await c.call_tool("compare_sweeps", {**args, "force": True})).structured_content
+            with pytest.raises(ToolError, match="inside the input run folder"):
+                await c.call_tool("compare_sweeps", {**args, "output": str(a / "summary.md"), "force": True})
+            return first, str(again.value), forced
+
+    first, again, forced = run(go())
+    assert first["report_path"] == str(ev / "cmp.md") and forced["report_path"] == first["report_path"]
+    assert "--force" not in again
+    assert (a / "summary.json").read_text() == summary_before
+
+
+def test_compare_tokens_record_refuses_an_existing_file(mcp, roots):
+    ref = roots.evidence[0] / "tokens.json"
+    ref.write_text("keep me\n")
+
+    async def go():
+        async with Client(mcp) as c:
+            with pytest.raises(ToolError, match="exists; pass force=true"):
+                await c.call_tool("compare_tokens", {"mode": "record", "reference": "tokens.json",
+                                                     "base_url": "http://127.0.0.1:9"})
+
+    run(go())
+    assert ref.read_text() == "keep me\n"

@@ -48,7 +48,7 @@ def _cli(args: list[str], env: dict[str, str], timeout: float = 900) -> subproce
 
 @pytest.mark.vllm
 def test_lifecycle_through_the_command_line(emb4_build, tmp_path):
-    from conftest import SERVE_MAX_MODEL_LEN, free_port
+    from fixtures import SERVE_MAX_MODEL_LEN, free_port
 
     state_dir = tmp_path / "state"
     env = dict(os.environ, MODEL_NAME=str(emb4_build), SERVED_MODEL_NAME="tiny-emb4", PORT=str(free_port()),
@@ -272,7 +272,7 @@ def test_a_recycled_pid_is_never_signalled(serve_config_factory, tmp_path):
 
 
 def test_command_line_failures_are_one_line(tmp_path):
-    from conftest import free_port
+    from fixtures import free_port
 
     env = dict(os.environ, MODEL_NAME="m", STATE_DIR=str(tmp_path), PORT=str(free_port()))
     q = _cli(["query", "hi"], env, timeout=60)
@@ -370,3 +370,28 @@ def test_stop_kills_what_ignores_sigterm(serve_config_factory, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+class _Cancelled(Exception):
+    """Stands in for a cancelled job: raised by the progress callback, not a KeyboardInterrupt."""
+
+
+def test_any_exception_from_progress_stops_the_server(serve_config_factory, tmp_path, monkeypatch):
+    from tools.serving.config import ServeConfig
+
+    cfg = serve_config_factory(tmp_path / "model", "cancelled")
+    (tmp_path / "model").mkdir()
+    # A stand-in for vLLM that never answers /health: the start loop reports progress until cancelled.
+    monkeypatch.setattr(ServeConfig, "vllm_argv", lambda self, platform: [
+        sys.executable, "-c", "import subprocess, time; subprocess.Popen(['sleep', '120']); time.sleep(120)"])
+    pgids: list[int] = []
+
+    def progress(frac: float, msg: str) -> None:
+        state = json.loads(cfg.state_file.read_text())
+        pgids.append(state["pgid"])
+        raise _Cancelled("job cancelled")
+
+    with pytest.raises(_Cancelled):  # the caller's exception stands; the library cleaned up beneath it
+        start_server(cfg, progress=progress)
+    assert pgids and _group_alive(pgids[0]) == []
+    assert not cfg.state_file.exists()

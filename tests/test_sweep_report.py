@@ -108,3 +108,32 @@ def test_cli_sweep_compare_prints_tables_and_json():
     bad = subprocess.run([sys.executable, "-m", "tools.cli", "sweep-compare", str(RUNS[0])],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and "two or more" in bad.stderr
+
+
+def test_report_module_does_not_import_the_runner():
+    """sweep_report reads results; it must not import sweep (which imports it): no import cycle."""
+    code = "import sys, tools.measure.sweep_report; print('tools.measure.sweep' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
+def test_cli_flags_and_mcp_signature_come_from_the_parameter_model():
+    """One definition: every SweepParams field is a `./vllm-t4 sweep` flag, and the MCP signature is the model's
+    fields minus the machine-local ones."""
+    import argparse
+
+    from tools.measure.results import SweepParams
+
+    parser = argparse.ArgumentParser()
+    SweepParams.add_cli_args(parser)
+    dests = {a.dest for a in parser._actions} - {"help"}
+    assert dests == set(SweepParams.model_fields)
+    args = parser.parse_args(["--concurrency", "1,2", "--no-warmup", "--label", "x"])
+    p = SweepParams.from_cli_args(args)
+    assert p.concurrencies == [1, 2] and p.warmup is False and p.label == "x"
+    mcp = {prm.name for prm in SweepParams.mcp_signature()}
+    assert mcp == set(SweepParams.model_fields) - SweepParams.MCP_EXCLUDE
+    bad = subprocess.run([str(ROOT / "vllm-t4"), "start", "--port", "70000"], capture_output=True, text=True,
+                         timeout=60)
+    assert bad.returncode == 2 and "--port" in bad.stderr and "Traceback" not in bad.stderr

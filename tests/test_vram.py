@@ -62,6 +62,9 @@ class FakeNvml:
     def nvmlDeviceGetGraphicsRunningProcesses(self, h):
         return [SimpleNamespace(pid=pid, usedGpuMemory=used) for pid, used in h.get("graphics", [])]
 
+    def nvmlDeviceGetCudaComputeCapability(self, h):
+        return h.get("cc", (7, 5))
+
 
 T4_TOTAL = 15360 * MIB
 
@@ -148,3 +151,22 @@ def test_nvml_failing_mid_read_is_reported():
 @pytest.mark.parametrize("pid", [None, 0, 2 ** 22 + 12345])
 def test_server_pids_of_missing_process_is_empty(pid):
     assert server_process_pids(pid) == set()
+
+
+def test_serving_hardware_reads_every_gpu_through_the_one_nvml_reader(monkeypatch):
+    """vLLM start checks (platform, Turing clamp, VRAM) see all GPUs, not GPU 0 only."""
+    from tools.gpu import vram as vram_mod
+    from tools.serving.vllm_server import Hardware
+
+    fake = FakeNvml([
+        {"name": "A100", "total": 40960 * MIB, "used": 1000 * MIB, "util": 5, "cc": (8, 0)},
+        {"name": "Tesla T4", "total": T4_TOTAL, "used": 9000 * MIB, "util": 90, "cc": (7, 5),
+         "compute": [(4242, 8000 * MIB)]},
+    ])
+    monkeypatch.setattr(vram_mod, "_load_nvml", lambda: fake)
+    hw = Hardware()
+    assert hw.platform() == "cuda"
+    assert hw.compute_capability() == (7, 5)  # the T4 on index 1 still needs the clamp
+    v = hw.vram([4242])
+    assert v.total_mib == 40960 + 15360 and v.used_mib == 10000
+    assert v.process_mib == 8000 and v.utilization_pct == 90

@@ -291,7 +291,8 @@ def run_demo(opts: DemoOptions | None = None, *, log: Log = _stderr) -> DemoRepo
             sf = start.start_fields
             log(f"    up after {start.startup_s:.0f} s; KV cache {sf.kv_cache_tokens} tokens, "
                 f"linear kernel {sf.linear_kernel}, embeddings {sf.embedding_method}")
-            params = CompareParams(base_url=start.base_url, max_tokens=plan.max_tokens)
+            # the demo's own evidence file, written fresh by every run
+            params = CompareParams(base_url=start.base_url, max_tokens=plan.max_tokens, force=True)
             if i == 0:
                 rec = record_reference(reference, params, progress=_progress_printer(log, "prompts"))
                 log(f"    {rec.summary()}")
@@ -301,7 +302,7 @@ def run_demo(opts: DemoOptions | None = None, *, log: Log = _stderr) -> DemoRepo
             sweep = run_sweep(progress=_progress_printer(log, "sweep repeats", 0.0), base_url=start.base_url,
                               out=str(plan.evidence / "sweeps"), label=label, input_lens=plan.input_lens,
                               concurrencies=plan.concurrencies, output_len=plan.output_len, repeats=plan.repeats,
-                              run_id=f"{label}")
+                              run_id=f"{label}", serve_config=cfg)  # provenance: this server's argv
             sweep_dirs.append(sweep.run_dir)
             served.append(ServeStep(label=label, model=cfg.model, platform=start.platform,
                                     startup_s=start.startup_s, kv_cache_tokens=sf.kv_cache_tokens,
@@ -367,16 +368,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _cli(args: argparse.Namespace) -> int:
+    from repack.errors import RepackError
+
     try:
         run_demo(_options(args))
-    except ToolFailure as exc:
+    except (ToolFailure, RepackError) as exc:
         _stderr(f"demo: {exc}")
         return 2
-    except Exception as exc:
-        if type(exc).__name__ == "RepackError":
-            _stderr(f"demo: {exc}")
-            return 2
-        raise
     return 0
 
 

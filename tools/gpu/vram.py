@@ -178,3 +178,25 @@ def vram_status(*, server_pid: int | None = None, server_pids: set[int] | None =
             nv.nvmlShutdown()
         except Exception:
             pass
+
+
+def compute_capabilities(*, nvml: Any = None) -> list[tuple[int, int]]:
+    """(major, minor) of every GPU NVML lists; empty on a machine without an NVIDIA driver."""
+    try:
+        nv = nvml if nvml is not None else _load_nvml()
+        nv.nvmlInit()
+    except Exception:  # no library, no driver: a machine without a GPU
+        return []
+    try:
+        caps = []
+        for index in range(int(nv.nvmlDeviceGetCount())):
+            major, minor = nv.nvmlDeviceGetCudaComputeCapability(nv.nvmlDeviceGetHandleByIndex(index))
+            caps.append((int(major), int(minor)))
+        return caps
+    except Exception:
+        return []
+    finally:
+        try:
+            nv.nvmlShutdown()
+        except Exception:
+            pass

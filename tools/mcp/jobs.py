@@ -7,7 +7,9 @@ job id, `job_status` reports state, progress and, once done, the same structured
 returns.
 
 Jobs live in this process (module state, not MCP session state: sessions come and go, the vLLM server and a
-running repack do not). Long operations share one machine (2 CPU cores or one T4) and one vLLM server, so only
+running repack do not) and die with it: job ids carry a per-process prefix, so an id from an earlier server
+process is answered "lost: the server restarted" rather than "no job". Waiting for a job is asynchronous (an
+event set from the job's thread): any number of waiting clients hold no worker thread. Long operations share one machine (2 CPU cores or one T4) and one vLLM server, so only
 one runs at a time, foreground or background; a second is refused with the name of the one running.
 Cancelling is cooperative: the job's progress callback raises `JobCancelled` at the next progress report, and the
 library beneath cleans up as it does on any error.
@@ -15,7 +17,10 @@ library beneath cleans up as it does on any error.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import re
+import secrets
 import threading
 import time
 import traceback
@@ -70,6 +75,8 @@ class _Job:
         self.error: str | None = None
         self.cancel_event = threading.Event()
         self.thread: threading.Thread | None = None
+        self.done = threading.Event()
+        self.waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
 
     def info(self) -> JobInfo:
         end = self.finished_at or time.time()
@@ -79,25 +86,34 @@ class _Job:
                        elapsed_s=round(end - self.started_at, 3), result=self.result, error=self.error)
 
 
+JOB_ID = re.compile(r"^job-([0-9a-f]{6})-\d+$")
+
+
 class JobRegistry:
     def __init__(self) -> None:
         self._jobs: dict[str, _Job] = {}
         self._lock = threading.Lock()
         self._busy: str | None = None  # description of the long operation running now
         self._ids = itertools.count(1)
+        self.boot = secrets.token_hex(3)  # this server process's job-id prefix
+        self._foreground: set[threading.Event] = set()
 
     @contextmanager
-    def exclusive(self, what: str) -> Iterator[None]:
-        """Hold the single long-operation slot for `what`, or raise Busy naming the holder."""
+    def exclusive(self, what: str) -> Iterator[threading.Event]:
+        """Hold the single long-operation slot for `what`, or raise Busy naming the holder. Yields the event
+        that cancel_all() sets (a foreground call's progress callback checks it)."""
         with self._lock:
             if self._busy is not None:
                 raise Busy(f"{self._busy} is running; wait for it (job_status) or cancel it (cancel_job) first")
             self._busy = what
+            cancel = threading.Event()
+            self._foreground.add(cancel)
         try:
-            yield
+            yield cancel
         finally:
             with self._lock:
                 self._busy = None
+                self._foreground.discard(cancel)
 
     def submit(self, tool: str, arguments: dict[str, Any],
                work: Callable[[ProgressFn], BaseModel | dict[str, Any]]) -> JobInfo:
@@ -105,7 +121,7 @@ class JobRegistry:
         with self._lock:
             if self._busy is not None:
                 raise Busy(f"{self._busy} is running; wait for it (job_status) or cancel it (cancel_job) first")
-            job = _Job(f"job-{next(self._ids)}", tool, arguments)
+            job = _Job(f"job-{self.boot}-{next(self._ids)}", tool, arguments)
             self._busy = f"{tool} ({job.job_id})"
             self._jobs[job.job_id] = job
 
@@ -130,6 +146,13 @@ class JobRegistry:
                 job.finished_at = time.time()
                 with self._lock:
                     self._busy = None
+                    waiters, job.waiters = job.waiters, []
+                    job.done.set()
+                for loop, event in waiters:
+                    try:
+                        loop.call_soon_threadsafe(event.set)
+                    except RuntimeError:  # that waiter's loop is closed
+                        pass
 
         job.thread = threading.Thread(target=run, name=job.job_id, daemon=True)
         job.thread.start()
@@ -138,16 +161,38 @@ class JobRegistry:
     def get(self, job_id: str) -> JobInfo:
         job = self._jobs.get(job_id)
         if job is None:
+            m = JOB_ID.match(job_id)
+            if m and m.group(1) != self.boot:
+                raise KeyError(f"job {job_id} is lost: the server restarted (jobs live only as long as the "
+                               f"server process); start it again with start_job")
             known = ", ".join(self._jobs) or "none"
-            raise KeyError(f"no job {job_id!r} (known jobs: {known})")
+            raise KeyError(f"no job {job_id[:80]!r} (known jobs: {known})")
         return job.info()
 
     def wait(self, job_id: str, timeout: float | None = None) -> JobInfo:
-        job = self._jobs.get(job_id)
-        if job is None:
-            return self.get(job_id)
-        if job.thread is not None:
-            job.thread.join(timeout)
+        """Block the calling thread until the job ends or `timeout` passes (command-line and test use)."""
+        self.get(job_id)
+        self._jobs[job_id].done.wait(timeout)
+        return self._jobs[job_id].info()
+
+    async def wait_async(self, job_id: str, timeout: float) -> JobInfo:
+        """Wait in the event loop, holding no thread, until the job ends or `timeout` passes."""
+        self.get(job_id)
+        job = self._jobs[job_id]
+        event = asyncio.Event()
+        with self._lock:
+            if job.done.is_set():
+                return job.info()
+            entry = (asyncio.get_running_loop(), event)
+            job.waiters.append(entry)
+        try:
+            await asyncio.wait_for(event.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            with self._lock:
+                if entry in job.waiters:
+                    job.waiters.remove(entry)
         return job.info()
 
     def cancel(self, job_id: str) -> JobInfo:
@@ -159,3 +204,13 @@ class JobRegistry:
 
     def list(self) -> list[JobInfo]:
         return [j.info() for j in self._jobs.values()]
+
+    def cancel_all(self) -> list[threading.Thread]:
+        """Cancel every running job and foreground call (server shutdown); returns the job threads to join."""
+        with self._lock:
+            for event in self._foreground:
+                event.set()
+            running = [j for j in self._jobs.values() if j.state == JobState.running]
+        for job in running:
+            job.cancel_event.set()
+        return [j.thread for j in running if j.thread is not None]

@@ -22,7 +22,14 @@ PROJECT_ROOT = Path(__file__).resolve().parents[2]
 Kind = Literal["models", "evidence"]
 ENV = {"models": "GEMMA4_T4_MODELS_ROOTS", "evidence": "GEMMA4_T4_EVIDENCE_ROOTS"}
 # A Hugging Face hub id such as "google/gemma-4-E2B-it": served by vLLM from its cache, not a path we open.
-HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
+SHOWN = 200  # characters of an input echoed in an error
+
+
+def shown(text: object) -> str:
+    """An input as echoed in an error: one line, at most SHOWN characters."""
+    t = " ".join(str(text).split())
+    return t if len(t) <= SHOWN else t[:SHOWN] + f"… ({len(t)} characters)"
 
 
 class PathNotAllowed(ValueError):
@@ -58,29 +65,59 @@ class Roots:
         return {"models": [str(p) for p in self.models], "evidence": [str(p) for p in self.evidence]}
 
     def confine(self, path: str | Path, kind: Kind, *, must_exist: bool = False, what: str = "path") -> Path:
-        """Resolve `path` and return it if it lies inside a `kind` root; raise PathNotAllowed otherwise."""
+        """Resolve `path` and return it if it lies inside a `kind` root; raise PathNotAllowed otherwise.
+
+        The message names the input as given (cut to SHOWN characters) and the roots, never where a symlink
+        outside the roots points.
+        """
         roots = self.of(kind)
         if not roots:
-            raise PathNotAllowed(f"{what} {path!s}: no {kind} root is configured; start the server with "
+            raise PathNotAllowed(f"{what} {shown(path)}: no {kind} root is configured; start the server with "
                                  f"--{kind}-root DIR")
         text = str(path).strip()
         if not text:
             raise PathNotAllowed(f"{what} is empty: give a path under {roots[0]}")
+        if "\x00" in text:
+            raise PathNotAllowed(f"{what} {shown(text)} contains a NUL character")
         p = Path(text).expanduser()
         if not p.is_absolute():
             p = roots[0] / p
-        resolved = _resolve(p)
+        try:
+            resolved = _resolve(p)
+        except (OSError, RuntimeError, ValueError):
+            raise PathNotAllowed(f"{what} {shown(text)} cannot be resolved (a symlink loop?)") from None
         if not any(resolved == r or r in resolved.parents for r in roots):
             allowed = ", ".join(str(r) for r in roots)
-            raise PathNotAllowed(f"{what} {text} resolves to {resolved}, outside the {kind} roots ({allowed}); "
-                                 f"use a path under one of them or start the server with --{kind}-root")
+            raise PathNotAllowed(f"{what} {shown(text)} is outside the {kind} roots ({allowed}); use a path under "
+                                 f"one of them or start the server with --{kind}-root")
         if must_exist and not resolved.exists():
-            raise PathNotAllowed(f"{what} {resolved} does not exist")
+            raise PathNotAllowed(f"{what} {shown(text)} does not exist under the {kind} roots")
         return resolved
 
-    def confine_model(self, model: str, *, what: str = "model") -> str:
-        """A model to serve: a local checkpoint folder under a models root, or a hub id passed through."""
+    def confine_model(self, model: str, *, what: str = "model", also_relative_to: tuple[Path, ...] = ()) -> str:
+        """A model to serve: a local checkpoint folder under a models root, or a hub id passed through.
+
+        A string of the hub-id form (`owner/name`) is a hub id only when it names no local folder: not under a
+        models root (then it is that folder), and not relative to this process's working directory or to
+        `also_relative_to` (where vLLM would look for it first) — such a folder outside the roots is refused.
+        """
         text = model.strip()
-        if HUB_ID.match(text) and not (self.models and (self.models[0] / text).exists()) and not Path(text).exists():
+        if HUB_ID.match(text) and ".." not in text:
+            for root in self.models:
+                if (root / text).exists():
+                    return str(self._checkpoint(self.confine(text if root == self.models[0] else root / text,
+                                                             "models", must_exist=True, what=what), text, what))
+            for base in (Path.cwd(), *also_relative_to):
+                if (base / text).exists():
+                    raise PathNotAllowed(f"{what} {shown(text)} names a local folder outside the models roots "
+                                         f"({', '.join(map(str, self.models))}); give a folder under a models "
+                                         f"root, or a hub id (owner/name) that is not a local path")
             return text
-        return str(self.confine(text, "models", must_exist=True, what=what))
+        return str(self._checkpoint(self.confine(text, "models", must_exist=True, what=what), text, what))
+
+    def _checkpoint(self, folder: Path, text: str, what: str) -> Path:
+        """A model folder is a checkpoint (config.json), never a root itself."""
+        if folder in self.models or not (folder / "config.json").is_file():
+            raise PathNotAllowed(f"{what} {shown(text)} is not a checkpoint folder (no config.json, or a models "
+                                 f"root itself); give the folder repack_checkpoint wrote")
+        return folder

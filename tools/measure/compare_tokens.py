@@ -13,15 +13,15 @@ near-tie (the other side's token within the reference's top-k) or diverged for r
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Callable, ClassVar, Literal
 
 import httpx
 from pydantic import BaseModel, Field
 
 from tools.errors import ToolFailure
+from tools.params import OpParams
 
 RECORD_KIND = "gemma4-t4/token-record"
 RECORD_VERSION = 1
@@ -41,20 +41,27 @@ DEFAULT_PROMPTS: tuple[str, ...] = (
 Progress = Callable[[int, int, str], None]
 
 
-@dataclass
-class CompareParams:
-    """Options of a token comparison; the CLI flags and MCP arguments are these names."""
+class CompareParams(OpParams):
+    """Options of a token comparison; the `./vllm-t4 compare` flags and the compare_tokens MCP arguments are
+    derived from these."""
 
-    mode: Literal["record", "check", "live"] = "check"
-    base_url: str | None = None           # record/check: the build under test (default: tools/' server)
-    other_url: str | None = None          # live: the second endpoint (base_url is the reference)
-    reference: str | Path | None = None   # record: file to write; check: file to read
-    prompts: list[str] | None = None      # record/live: default DEFAULT_PROMPTS (check uses the file's)
-    prompts_file: str | Path | None = None
-    max_tokens: int = 160
-    top_logprobs: int = 5
-    timeout_s: float = 600.0
-    long: bool = False                    # record/live: add the ~2k/8k/14k-token needle prompts that fit
+    MCP_EXCLUDE: ClassVar[frozenset[str]] = frozenset({"prompts_file", "timeout_s"})
+
+    mode: Literal["record", "check", "live"] = Field(
+        "check", description="record: save the running build's greedy tokens to `reference`; check: compare the "
+                             "running build with that record; live: compare base_url (reference) with other_url")
+    reference: str | None = Field(None, description="Token record file (record: written, check: read)")
+    base_url: str | None = Field(None, description="Build under test (live: the reference); default: the server "
+                                                   "this project started")
+    other_url: str | None = Field(None, description="live: the candidate's endpoint")
+    prompts: list[str] | None = Field(None, description="record/live: prompts; default: the article's eight")
+    prompts_file: str | None = Field(None, description="record/live: a JSON list or one prompt per line")
+    max_tokens: int = Field(160, ge=1, description="Generated tokens per prompt")
+    top_logprobs: int = Field(5, ge=0, le=20, description="Alternatives kept per position for the near-tie check")
+    force: bool = Field(False, description="record: replace an existing reference file")
+    timeout_s: float = Field(600.0, description="Seconds per request")
+    long: bool = Field(False, description="record/live: add the ~2k/8k/14k-token needle-in-a-haystack prompts "
+                                          "that fit the server's max_model_len")
 
 
 class Generation(BaseModel):
@@ -150,12 +157,9 @@ def short_prompt(prompt: str, prompt_tokens: int | None = None) -> str:
 
 
 def _default_base_url() -> str:
-    try:
-        from tools.serving.config import load_config
+    from tools.serving.config import load_config
 
-        return load_config().base_url
-    except ImportError:
-        return "http://127.0.0.1:8000"
+    return load_config().base_url
 
 
 def load_prompts(path: str | Path) -> list[str]:
@@ -333,6 +337,9 @@ def record_reference(out: str | Path, params: CompareParams | None = None, *, pr
                      ) -> TokenRecord:
     """Record the reference build's tokens (the server at params.base_url) to `out`."""
     params = params or CompareParams()
+    if Path(out).exists() and not params.force:
+        raise ToolFailure(f"{out} exists; pass --force to replace it, or give another file",
+                          detail={"path": str(out)})
     base = (params.base_url or _default_base_url()).rstrip("/")
     rec = generate(base, _prompts(params, base), max_tokens=params.max_tokens, top_logprobs=params.top_logprobs,
                    timeout_s=params.timeout_s, progress=progress)
@@ -375,7 +382,7 @@ def compare_live(url_a: str, url_b: str, params: CompareParams | None = None, *,
 def compare_tokens(params: CompareParams | None = None, *, progress: Progress | None = None,
                    **overrides: Any) -> TokenComparison | TokenRecord:
     """One entry point for the three modes (the MCP tool): record -> TokenRecord, check/live -> TokenComparison."""
-    params = CompareParams(**{**asdict(params or CompareParams()), **overrides})
+    params = CompareParams(**{**(params or CompareParams()).model_dump(), **overrides})
     if params.mode == "record":
         if not params.reference:
             raise ToolFailure("mode 'record' needs reference: the file to write the tokens to")

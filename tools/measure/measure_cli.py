@@ -14,16 +14,6 @@ from typing import Callable
 from tools.cli_output import emit as _emit, guard as _guard
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        vals = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
-    if not vals or any(v <= 0 for v in vals):
-        raise argparse.ArgumentTypeError(f"{text!r}: give positive integers, comma separated")
-    return vals
-
-
 def _cost_cell(text: str) -> tuple[int, int]:
     try:
         a, b = text.split(":")
@@ -42,23 +32,16 @@ def _serve_config(args: argparse.Namespace):
     """The configured server (tpu.env or --env-file), for the default URL and its start record."""
     if args.base_url and not args.env_file:
         return None
-    try:
-        from tools.serving.config import load_config
+    from tools.serving.config import load_config
 
-        return load_config(args.env_file)
-    except ImportError:
-        return None
+    return load_config(args.env_file)
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from tools.measure.sweep import SweepParams, run_sweep
+    from tools.measure.results import SweepParams
+    from tools.measure.sweep import run_sweep
 
-    params = SweepParams(base_url=args.base_url, input_lens=args.input_lens, output_len=args.output_len,
-                         concurrencies=args.concurrency, repeats=args.repeats,
-                         prompts_per_concurrency=args.prompts_per_concurrency, min_prompts=args.min_prompts,
-                         label=args.label, price_per_hour=args.price_per_hour, out=args.out, resume=args.resume,
-                         run_id=args.run_id, seed=args.seed, tokenizer=args.tokenizer, warmup=not args.no_warmup,
-                         cell_timeout_s=args.cell_timeout)
+    params = SweepParams.from_cli_args(args)
     res = run_sweep(params, progress=_progress(args), serve_config=_serve_config(args))
     counts = res.counts
     text = _read_text(res.files.get("table_md"))
@@ -91,7 +74,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     params = CompareParams(base_url=getattr(args, "base_url", None), prompts_file=getattr(args, "prompts", None),
                            max_tokens=getattr(args, "max_tokens", 160), top_logprobs=args.top_logprobs,
-                           long=getattr(args, "long", False))
+                           long=getattr(args, "long", False), force=getattr(args, "force", False))
     if params.base_url is None and args.action != "live":
         cfg = _serve_config(args)
         params.base_url = cfg.base_url if cfg is not None else None
@@ -112,7 +95,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
-    from tools.measure.sweep import DEFAULT_OUT, DEFAULT_PRICE_PER_HOUR
+    from tools.measure.results import DEFAULT_PRICE_PER_HOUR, SweepParams
 
     def common(p: argparse.ArgumentParser, *, url: bool = True) -> None:
         if url:
@@ -126,23 +109,7 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
                                    "--ignore-eos; writes evidence/<run-id>/ (raw, summary.json/.csv/.md, plot.png, "
                                    "provenance.json).")
     common(p)
-    p.add_argument("--input-lens", type=_ints, default=[512, 4096], help="prompt lengths (default 512,4096)")
-    p.add_argument("--output-len", type=int, default=128, help="output tokens per request (default 128)")
-    p.add_argument("--concurrency", type=_ints, default=[1, 4, 8, 16], help="default 1,4,8,16")
-    p.add_argument("--repeats", type=int, default=3, help="repeats per cell (default 3)")
-    p.add_argument("--prompts-per-concurrency", type=int, default=4,
-                   help="prompts per cell = max(--min-prompts, concurrency x this) (default 4)")
-    p.add_argument("--min-prompts", type=int, default=4)
-    p.add_argument("--label", default="build", help="name of the build (goes into the run id)")
-    p.add_argument("--out", default=str(DEFAULT_OUT), help="folder that receives <run-id>/ (default evidence/)")
-    p.add_argument("--resume", action="store_true", help="continue the latest matching run, skipping done repeats")
-    p.add_argument("--run-id", default=None, help="exact run folder name inside --out")
-    p.add_argument("--price-per-hour", type=float, default=DEFAULT_PRICE_PER_HOUR,
-                   help=f"machine price for $/M tokens (default {DEFAULT_PRICE_PER_HOUR}, the article's T4 VM)")
-    p.add_argument("--seed", type=int, default=0, help="base prompt seed; keep it equal across builds (default 0)")
-    p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the folder the server loaded)")
-    p.add_argument("--no-warmup", action="store_true", help="skip the per-cell warm-up of `concurrency` requests")
-    p.add_argument("--cell-timeout", type=float, default=3600.0, help="seconds per repeat before a cell is stopped")
+    SweepParams.add_cli_args(p, exclude={"base_url"})  # --base-url comes with common()
     p.set_defaults(func=_guard("sweep", cmd_sweep))
 
     p = sub.add_parser("sweep-compare", help="compare sweep runs in the article's form (last run vs each other)",
@@ -168,6 +135,7 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     a.add_argument("--top-logprobs", type=int, default=5, help="alternatives kept per position (default 5)")
     a.add_argument("--long", action="store_true", help="add needle-in-a-haystack prompts of ~2k, 8k and 14k tokens "
                                                        "(those within the server's max_model_len)")
+    a.add_argument("--force", action="store_true", help="replace an existing reference file")
     a = acts.add_parser("check", help="compare the serving build with a recorded reference")
     a.add_argument("reference", help="file written by `compare record`")
     common(a)

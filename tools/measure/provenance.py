@@ -109,11 +109,8 @@ def server_info(base_url: str, *, timeout: float = 10.0) -> ServerInfo:
 
 
 def _gpu(notes: list[str], nvml: Any = None) -> tuple[str | None, str | None, int]:
-    try:
-        from tools.gpu.vram import vram_status
-    except ImportError as exc:
-        notes.append(f"GPU not read: {exc}")
-        return None, None, 0
+    from tools.gpu.vram import vram_status
+
     st = vram_status(nvml=nvml)
     if not st.available:
         notes.append(f"no GPU: {st.reason}")
@@ -127,12 +124,9 @@ def _started_server(base_url: str, notes: list[str], cfg: Any = None) -> tuple[l
 
     cfg is the ServeConfig to look in (default: the project's tpu.env).
     """
-    try:
-        from tools.serving.config import load_config
-        from tools.serving.vllm_server import server_status
-    except ImportError as exc:
-        notes.append(f"server start record not read: {exc}")
-        return None, None
+    from tools.serving.config import load_config
+    from tools.serving.vllm_server import server_status
+
     try:
         cfg = cfg if cfg is not None else load_config()
         st = server_status(cfg)

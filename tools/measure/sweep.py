@@ -24,87 +24,22 @@ import json
 import os
 import select
 import signal
-import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Callable
 
 import httpx
-from pydantic import BaseModel, Field
 
 from tools.measure import provenance as prov_mod
 from tools.errors import ToolFailure
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_OUT = PROJECT_ROOT / "evidence"
-DEFAULT_PRICE_PER_HOUR = 0.5241  # the article's n1-standard-2 + T4 VM, us-west2 on-demand
-PREFIX_CACHE_POLICY = ("prefix caching left as served; every measured repeat uses prompts from its own seed "
-                       "(derived from base seed, input length, concurrency, repeat) and the warm-up uses "
-                       "separate seeds, so no measured prompt was sent before; hits are read from /metrics")
+from tools.measure.results import (DEFAULT_OUT, DEFAULT_PRICE_PER_HOUR, METRICS, PREFIX_CACHE_POLICY,  # noqa: F401
+                                   PROJECT_ROOT, CellResult, RepeatResult, SweepParams, SweepResult, aggregate)
 
 Progress = Callable[[int, int, str], None]
-
-# Per-repeat metrics kept from vLLM's result JSON, in table order.
-METRICS: tuple[str, ...] = (
-    "output_throughput", "request_throughput", "total_token_throughput",
-    "mean_ttft_ms", "median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms",
-    "mean_tpot_ms", "median_tpot_ms", "p90_tpot_ms", "p99_tpot_ms",
-    "mean_itl_ms", "median_itl_ms", "p90_itl_ms", "p99_itl_ms",
-    "completed", "failed", "duration", "total_input_tokens", "total_output_tokens",
-)
-
-
-@dataclass
-class SweepParams:
-    """Options of one sweep; the CLI flags and MCP arguments are these names."""
-
-    base_url: str | None = None               # default: the server tools/ is configured to start
-    input_lens: list[int] = field(default_factory=lambda: [512, 4096])
-    output_len: int = 128
-    concurrencies: list[int] = field(default_factory=lambda: [1, 4, 8, 16])
-    repeats: int = 3
-    prompts_per_concurrency: int = 4          # prompts per cell = max(min_prompts, concurrency * this)
-    min_prompts: int = 4
-    label: str = "build"
-    price_per_hour: float = DEFAULT_PRICE_PER_HOUR
-    out: str | Path = DEFAULT_OUT            # the run folder is created inside
-    resume: bool = False                      # reuse the latest matching run folder, skip finished repeats
-    run_id: str | None = None                 # explicit folder name inside `out` (implies resume if present)
-    seed: int = 0                             # base of every prompt seed: keep it equal across builds
-    tokenizer: str | None = None              # default: the folder the server loaded
-    model: str | None = None                  # served model name; default: the first of /v1/models
-    warmup: bool = True
-    cell_timeout_s: float = 3600.0            # per repeat; the cell's limit is this x its pending repeats
-
-    def num_prompts(self, concurrency: int) -> int:
-        return max(self.min_prompts, concurrency * self.prompts_per_concurrency)
-
-    def validate(self) -> None:
-        def positive(name: str, values: list[int]) -> None:
-            if not values or any(int(v) <= 0 for v in values):
-                raise ToolFailure(f"{name} must be a non-empty list of positive integers, got {values!r}")
-
-        positive("input_lens", self.input_lens)
-        positive("concurrencies", self.concurrencies)
-        positive("output_len", [self.output_len])
-        positive("repeats", [self.repeats])
-        positive("prompts_per_concurrency", [self.prompts_per_concurrency])
-        positive("min_prompts", [self.min_prompts])
-        if self.price_per_hour < 0:
-            raise ToolFailure(f"price_per_hour must be >= 0, got {self.price_per_hour}")
-        if not self.label or any(c in self.label for c in "/\\ \t\n"):
-            raise ToolFailure(f"label {self.label!r} must be a non-empty name without slashes or spaces")
-
-    def identity(self) -> dict[str, Any]:
-        """What makes two runs the same measurement (for resume): not the label, URL or output folder."""
-        return {"input_lens": list(self.input_lens), "output_len": self.output_len,
-                "concurrencies": list(self.concurrencies), "repeats": self.repeats,
-                "prompts_per_concurrency": self.prompts_per_concurrency, "min_prompts": self.min_prompts,
-                "seed": self.seed, "warmup": self.warmup}
 
 
 def prompt_seed(base: int, input_len: int, concurrency: int, repeat: int, kind: str = "measure") -> int:
@@ -117,85 +52,8 @@ def prompt_seed(base: int, input_len: int, concurrency: int, repeat: int, kind: 
     return int.from_bytes(h[:4], "little") & 0x7FFFFFFF
 
 
-class RepeatResult(BaseModel):
-    repeat: int
-    seed: int
-    status: Literal["ok", "failed"]
-    reason: str | None = None
-    num_prompts: int
-    metrics: dict[str, float | None] = Field(default_factory=dict)
-    prefix_cache_queries: float | None = Field(None, description="Prompt tokens looked up in the prefix cache")
-    prefix_cache_hits: float | None = Field(None, description="Prompt tokens served from the prefix cache")
-    warmup_s: float | None = None
-    measure_s: float | None = Field(None, description="Wall time of vLLM's benchmark call for this repeat")
-    raw_file: str | None = None
-
-
-class CellResult(BaseModel):
-    input_len: int
-    output_len: int
-    concurrency: int
-    num_prompts: int
-    status: Literal["ok", "infeasible", "failed"]
-    reason: str | None = None
-    repeats: list[RepeatResult] = Field(default_factory=list)
-    median: dict[str, float | None] = Field(default_factory=dict, description="Median over ok repeats")
-    spread_pct: dict[str, float | None] = Field(default_factory=dict,
-                                                description="(max - min) / median x 100 over ok repeats")
-    wall_s: float | None = Field(None, description="Wall time of the cell's subprocess (warm-up included)")
-
-    @property
-    def key(self) -> tuple[int, int]:
-        return self.input_len, self.concurrency
-
-
-class SweepResult(BaseModel):
-    run_id: str
-    run_dir: str
-    label: str
-    params: dict[str, Any]
-    prefix_cache_policy: str = PREFIX_CACHE_POLICY
-    max_model_len: int | None = None
-    model: str | None = None
-    started: str
-    finished: str | None = None
-    wall_s: float | None = None
-    cells: list[CellResult] = Field(default_factory=list)
-    provenance: dict[str, Any] = Field(default_factory=dict)
-    files: dict[str, str] = Field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        return self.model_dump(mode="json")
-
-    @property
-    def counts(self) -> dict[str, int]:
-        out = {"ok": 0, "infeasible": 0, "failed": 0}
-        for c in self.cells:
-            out[c.status] += 1
-        return out
-
-    def cell(self, input_len: int, concurrency: int) -> CellResult | None:
-        return next((c for c in self.cells if c.key == (input_len, concurrency)), None)
-
-
 def raw_name(input_len: int, concurrency: int, repeat: int) -> str:
     return f"L{input_len}-c{concurrency}-r{repeat}.json"
-
-
-def aggregate(repeats: list[RepeatResult]) -> tuple[dict[str, float | None], dict[str, float | None]]:
-    """Median and spread (max-min)/median in percent of every metric over the ok repeats."""
-    ok = [r for r in repeats if r.status == "ok"]
-    median: dict[str, float | None] = {}
-    spread: dict[str, float | None] = {}
-    for m in METRICS:
-        vals = [float(r.metrics[m]) for r in ok if r.metrics.get(m) is not None]
-        if not vals:
-            median[m] = spread[m] = None
-            continue
-        med = statistics.median(vals)
-        median[m] = med
-        spread[m] = (max(vals) - min(vals)) / med * 100.0 if med else None
-    return median, spread
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -203,12 +61,9 @@ def aggregate(repeats: list[RepeatResult]) -> tuple[dict[str, float | None], dic
 
 
 def _default_base_url() -> str:
-    try:
-        from tools.serving.config import load_config
+    from tools.serving.config import load_config
 
-        return load_config().base_url
-    except ImportError:
-        return "http://127.0.0.1:8000"
+    return load_config().base_url
 
 
 def healthy(base_url: str, timeout: float = 5.0) -> bool:
@@ -385,7 +240,7 @@ def run_sweep(params: SweepParams | None = None, *, progress: Progress | None = 
     """
     from tools.measure import sweep_report
 
-    params = SweepParams(**{**asdict(params or SweepParams()), **overrides})
+    params = SweepParams(**{**(params or SweepParams()).model_dump(), **overrides})
     params.validate()
     base_url = (params.base_url or (serve_config.base_url if serve_config is not None else _default_base_url()))
     base_url = base_url.rstrip("/")
@@ -403,7 +258,7 @@ def run_sweep(params: SweepParams | None = None, *, progress: Progress | None = 
 
     t0 = time.monotonic()
     result = SweepResult(run_id=run_dir.name, run_dir=str(run_dir), label=params.label,
-                         params={**asdict(params), "out": str(params.out)}, max_model_len=max_len, model=model,
+                         params=params.model_dump(mode="json"), max_model_len=max_len, model=model,
                          started=datetime.now(timezone.utc).isoformat(timespec="seconds"))
     result.provenance = prov_mod.collect(base_url, server=server, serve_config=serve_config).to_dict()
     prov_mod.write(prov_mod.Provenance.model_validate(result.provenance), run_dir / "provenance.json")

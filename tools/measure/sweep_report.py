@@ -17,7 +17,8 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from tools.errors import ToolFailure
-from tools.measure.sweep import DEFAULT_PRICE_PER_HOUR, METRICS, SweepResult
+from tools.measure.results import DEFAULT_PRICE_PER_HOUR, METRICS, SweepResult
+from tools.params import OpParams
 
 CSV_COLUMNS = ("input_len", "output_len", "concurrency", "num_prompts", "status", "repeats_ok", "repeats",
                *(f"{m}" for m in METRICS), "output_throughput_spread_pct", "mean_ttft_ms_spread_pct", "reason")
@@ -291,3 +292,39 @@ def markdown_comparison(cmp: SweepComparison) -> str:
             lines.append(f"| {row.label} | {_fmt(row.out_tok_s)} | {usd} |")
         lines.append("")
     return "\n".join(lines)
+
+
+class CompareSweepsParams(OpParams):
+    """What compare_sweeps is asked (`./vllm-t4 sweep-compare` reads the same fields)."""
+
+    run_dirs: list[str] = Field(min_length=2, description="Sweep run folders (run_sweep's run_dir), baselines "
+                                                          "first, the candidate last")
+    output: str | None = Field(None, description="Optional .md file to write the comparison to (a .json beside "
+                                                 "it); never inside an input run folder")
+    price_per_hour: float = Field(DEFAULT_PRICE_PER_HOUR, ge=0, description="Machine price for the cost table "
+                                                                           "(default: the article's T4 VM)")
+    force: bool = Field(False, description="Replace an existing output")
+
+
+def write_comparison(cmp: SweepComparison, out: str | Path, *, force: bool = False) -> Path:
+    """Write the comparison as OUT (markdown) and OUT.json, atomically.
+
+    Refuses an output inside an input run folder (it would replace that run's own summary files) and an
+    existing output unless `force`; nothing is written when it refuses.
+    """
+    md = Path(out)
+    js = md.with_suffix(".json")
+    for run in cmp.run_dirs:
+        r = Path(run).resolve()
+        for f in (md, js):
+            if r == f.resolve().parent or r in f.resolve().parents:
+                raise ToolFailure(f"output {f} lies inside the input run folder {run}; write the comparison "
+                                  f"somewhere else", detail={"output": str(f), "run_dir": str(run)})
+    existing = [str(f) for f in (md, js) if f.exists()]
+    if existing and not force:
+        raise ToolFailure(f"{', '.join(existing)} exists; pass --force to replace it, or give another output",
+                          detail={"existing": existing})
+    md.parent.mkdir(parents=True, exist_ok=True)
+    _atomic(md, cmp.markdown + "\n")
+    _atomic(js, json.dumps(cmp.to_dict(), indent=2) + "\n")
+    return md

@@ -12,6 +12,7 @@ import sys
 from typing import Any, Callable
 
 from tools.cli_output import emit as _emit, guard as _guard
+from tools.serving.ops import LogParams, QueryParams, StartParams, StopParams
 
 
 def _config(args: argparse.Namespace, **overrides: Any):
@@ -50,8 +51,7 @@ def _fmt_fields(f) -> list[str]:
 def cmd_start(args: argparse.Namespace) -> int:
     from tools.serving.vllm_server import start_server
 
-    cfg = _config(args, model=args.model, served_name=args.served_name, port=args.port,
-                  max_model_len=args.max_model_len)
+    cfg = _config(args, **StartParams.from_cli_args(args).overrides())
     last = [-1]
 
     def progress(frac: float, msg: str) -> None:
@@ -73,7 +73,7 @@ def cmd_start(args: argparse.Namespace) -> int:
 def cmd_stop(args: argparse.Namespace) -> int:
     from tools.serving.vllm_server import stop_server
 
-    r = stop_server(_config(args), grace_s=args.grace)
+    r = stop_server(_config(args), grace_s=StopParams.from_cli_args(args).grace_s)
     _emit(args, r, r.message)
     return 0
 
@@ -97,7 +97,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_query(args: argparse.Namespace) -> int:
     from tools.serving.vllm_server import query
 
-    r = query(_config(args), args.prompt, max_tokens=args.max_tokens)
+    p = QueryParams.from_cli_args(args)
+    r = query(_config(args), p.prompt, max_tokens=p.max_tokens)
     _emit(args, r, r.text + "\n" + json.dumps(r.usage))
     return 0
 
@@ -105,7 +106,7 @@ def cmd_query(args: argparse.Namespace) -> int:
 def cmd_log(args: argparse.Namespace) -> int:
     from tools.serving.vllm_server import read_log
 
-    print(read_log(_config(args), args.lines))
+    print(read_log(_config(args), LogParams.from_cli_args(args).lines))
     return 0
 
 
@@ -128,24 +129,19 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
         return p
 
     p = add("start", cmd_start, "start vLLM detached with the flags in tpu.env and wait until it answers")
-    p.add_argument("--model", default=None, help="checkpoint folder or hub id for this start (overrides MODEL_NAME)")
-    p.add_argument("--served-name", default=None, help="name clients use (overrides SERVED_MODEL_NAME)")
-    p.add_argument("--port", type=int, default=None, help="port for this start (overrides PORT)")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="context length for this start (overrides MAX_MODEL_LEN; small models need less)")
+    StartParams.add_cli_args(p)
 
     p = add("stop", cmd_stop, "stop the server: SIGTERM to its process group, SIGKILL after a grace period")
-    p.add_argument("--grace", type=float, default=20.0, help="seconds between SIGTERM and SIGKILL (default 20)")
+    StopParams.add_cli_args(p)
 
     p = add("status", cmd_status, "is the server alive and healthy; what its start reported (exit 3 if not serving)")
     p.add_argument("--any", action="store_true", help="exit 0 even when no healthy server runs")
 
     p = add("query", cmd_query, "one chat completion at temperature 0: prints the text and the usage")
-    p.add_argument("prompt", help="the user message")
-    p.add_argument("--max-tokens", type=int, default=64)
+    QueryParams.add_cli_args(p)
 
     p = add("log", cmd_log, "print the last lines of the server log", json_opt=False)
-    p.add_argument("-n", "--lines", type=int, default=50)
+    LogParams.add_cli_args(p)
 
     p = add("swap", cmd_swap, "create and enable the swapfile from tpu.env when it is not on (root), and report")
     p.add_argument("--report", action="store_true", help="only report what swap is on")

@@ -49,60 +49,42 @@ class Vram:
 
 
 class Hardware:
-    """The machine as the serving tools see it. Subclass and override to simulate a GPU in tests."""
+    """The machine as the serving tools see it. Subclass and override to simulate a GPU in tests.
+
+    GPUs are read through tools.gpu.vram, the project's one NVML reader, over every GPU the driver lists.
+    """
 
     def platform(self) -> Platform:
-        return "cuda" if self._nvml_handle() is not None else "cpu"
+        return "cuda" if self._capabilities() else "cpu"
 
     def compute_capability(self) -> tuple[int, int] | None:
-        handle = self._nvml_handle()
-        if handle is None:
-            return None
-        import pynvml
-
-        major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
-        return int(major), int(minor)
+        """The oldest GPU's: it decides whether the Turing attention clamp is needed."""
+        caps = self._capabilities()
+        return min(caps) if caps else None
 
     def vram(self, pids: list[int]) -> Vram | None:
-        handle = self._nvml_handle()
-        if handle is None:
-            return None
-        import pynvml
+        from tools.gpu import vram
 
-        mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
-        try:
-            util: int | None = int(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
-        except pynvml.NVMLError:
-            util = None
-        # vLLM's memory belongs to its engine subprocess, not the API server: sum the whole group.
-        held = 0
-        found = False
-        for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
-            if proc.pid in pids and proc.usedGpuMemory is not None:
-                held += int(proc.usedGpuMemory)
-                found = True
-        return Vram(used_mib=int(mem.used) // 2**20, total_mib=int(mem.total) // 2**20, utilization_pct=util,
-                    process_mib=held // 2**20 if found else None)
+        st = vram.vram_status(server_pids=set(pids))
+        if not st.available or not st.gpus:
+            return None
+        utils = [g.utilization_gpu_pct for g in st.gpus if g.utilization_gpu_pct is not None]
+        # vLLM's memory belongs to its engine subprocess, not the API server: the whole group is counted.
+        return Vram(used_mib=sum(g.used_mib for g in st.gpus), total_mib=sum(g.total_mib for g in st.gpus),
+                    utilization_pct=max(utils) if utils else None, process_mib=st.server_used_mib)
 
     def host_memory(self) -> tuple[int, int]:
         """(RAM bytes, swap bytes enabled)."""
         return int(psutil.virtual_memory().total), int(psutil.swap_memory().total)
 
-    _handle: Any = None
-    _probed = False
+    _caps: list[tuple[int, int]] | None = None
 
-    def _nvml_handle(self) -> Any:
-        if not self._probed:
-            self._probed = True
-            try:
-                import pynvml
+    def _capabilities(self) -> list[tuple[int, int]]:
+        if self._caps is None:
+            from tools.gpu import vram
 
-                pynvml.nvmlInit()
-                if pynvml.nvmlDeviceGetCount() > 0:
-                    self._handle = pynvml.nvmlDeviceGetHandleByIndex(0)
-            except Exception:  # no driver, no library, no device: a machine without a GPU
-                self._handle = None
-        return self._handle
+            self._caps = vram.compute_capabilities()
+        return self._caps
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -460,6 +442,11 @@ def start_server(cfg: ServeConfig, *, progress: Progress | None = None, hardware
                 time.sleep(1.0)
         except KeyboardInterrupt:
             raise fail("start was interrupted") from None
+        except ToolFailure:
+            raise
+        except BaseException:  # e.g. a cancelled job's progress callback: leave no server behind, keep its reason
+            fail("start was cancelled")
+            raise
 
     startup_s = time.monotonic() - t0
     fields = engine_log.parse_engine_log(_read_text(log_path))

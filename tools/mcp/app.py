@@ -1,0 +1,242 @@
+"""The MCP app: builds a FastMCP server from the tool registry, over one set of settings and one job registry.
+
+Every tool calls the same library function the `./vllm-t4` command line calls and returns its result as
+structured content (output schema derived from the library type) plus a one-line summary; the library's errors
+become MCP tool errors with the library's own message, worded for MCP (arguments and tool names, not flags).
+
+This module imports neither vllm nor torch nor numpy: library modules are imported inside the tool functions,
+so `tools/list` is answered as fast as FastMCP itself starts.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.from_thread
+import anyio.to_thread
+from fastmcp import Context, FastMCP
+from fastmcp.exceptions import ToolError
+from fastmcp.tools.base import ToolResult
+from mcp_types import TextContent, ToolAnnotations
+from pydantic import ValidationError
+
+from repack.errors import RepackError
+from tools.errors import ToolFailure
+from tools.mcp.jobs import Busy, JobCancelled, JobRegistry, ProgressFn
+from tools.mcp.paths import PathNotAllowed, Roots
+from tools.mcp.registry import (DEFAULT_TOOLSETS, TOOLSETS, TOOLSETS_ENV, ToolSpec, load_all, mcp_wording,
+                                one_line)
+
+SERVER_NAME = "gemma4-t4"
+
+INSTRUCTIONS = """\
+Deploy and benchmark Gemma 4 E2B 4-bit builds with vLLM (one Tesla T4, or vLLM's CPU backend).
+Typical order: probe_checkpoint -> repack_checkpoint -> patch_turing (T4 only) -> start_vllm_server ->
+query_model -> compare_tokens (record with build A, check with build B) -> run_sweep -> compare_sweeps ->
+stop_vllm_server. Long tools stream progress; if your client times out tool calls, run them with start_job and
+follow with job_status. One long operation runs at a time. Paths must lie under the roots (server_status.roots).
+Every result has `summary`, one line for people; chain the other fields."""
+
+# The errors whose message is written for the caller; anything else is named by its type as well.
+OURS: tuple[type[BaseException], ...] = (RepackError, ToolFailure, PathNotAllowed, Busy, JobCancelled, KeyError,
+                                         ValueError, FileNotFoundError, FileExistsError)
+
+
+@dataclass
+class Settings:
+    roots: Roots = field(default_factory=Roots.from_env)
+    env_file: Path | None = None                                   # serving config (tpu.env); None: the default
+    config_overrides: dict[str, Any] = field(default_factory=dict)  # e.g. state_dir for an isolated server
+
+
+class App:
+    """What the tool functions share: settings, the job registry, the serving config."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.roots = settings.roots
+        self.jobs = JobRegistry()
+        self.specs: dict[str, ToolSpec] = {}
+
+    def config(self, **overrides: Any) -> Any:
+        from tools.serving.config import load_config
+
+        merged = {**self.settings.config_overrides, **{k: v for k, v in overrides.items() if v is not None}}
+        return load_config(str(self.settings.env_file) if self.settings.env_file else None, **merged)
+
+    def managed_base_url(self) -> str:
+        """The base URL of the server this project started (state file), for tools that measure it."""
+        from tools.serving.vllm_server import server_status
+
+        st = server_status(self.config())
+        if not st.alive or not st.base_url:
+            raise ToolFailure("no vLLM server is running; start one with start_vllm_server (or pass base_url)")
+        return st.base_url
+
+    def run_job_work(self, spec: ToolSpec, params: Any, progress: ProgressFn) -> dict[str, Any]:
+        try:
+            return spec.dump(spec.fn(self, params, progress))
+        except JobCancelled:
+            raise
+        except Exception as exc:  # job_status shows the error as a direct call would
+            raise to_tool_error(exc) from exc
+
+    def shutdown(self, join_s: float = 20.0) -> None:
+        """Cancel running jobs and foreground calls and give their clean-up up to `join_s` (SIGTERM)."""
+        threads = self.jobs.cancel_all()
+        deadline = time.monotonic() + join_s
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        remove_partial_builds()
+
+
+def remove_partial_builds() -> None:
+    """Removes the partial build folders this process's repacks left (the repack library tracks them by owner
+    pid and start time), after asking any build still running in a worker thread to stop."""
+    from repack.atomic import cleanup_own_partials
+
+    cleanup_own_partials()
+
+
+# ------------------------------------------------------------------------------------------------ plumbing
+
+
+def to_tool_error(exc: BaseException) -> ToolError:
+    """The library's one-line message, worded for MCP; the type named when it is not one of ours."""
+    if isinstance(exc, ValidationError):
+        first = exc.errors()[0]
+        loc = ".".join(map(str, first["loc"])) or "?"
+        return ToolError(one_line(f"argument {loc}: {first['msg']}"))
+    msg = str(exc).strip() or type(exc).__name__
+    if isinstance(exc, KeyError):
+        msg = msg.strip("'\"")
+    if not isinstance(exc, OURS):
+        msg = f"{type(exc).__name__}: {msg}"
+    return ToolError(one_line(mcp_wording(msg), 600))
+
+
+def _result(data: dict[str, Any]) -> ToolResult:
+    """Structured content plus text for clients that show only text: the summary, then the same JSON."""
+    return ToolResult(content=[TextContent(type="text", text=str(data.get("summary", ""))),
+                               TextContent(type="text", text=json.dumps(data, indent=1))],
+                      structured_content=data)
+
+
+async def in_thread(fn: Callable[[], Any]) -> Any:
+    return await anyio.to_thread.run_sync(fn)
+
+
+async def run_long(app: App, spec: ToolSpec, params: Any, ctx: Context | None) -> dict[str, Any]:
+    """A long tool in the foreground: exclusive, in a worker thread, progress sent as MCP notifications."""
+    last = [0.0]
+
+    def call() -> dict[str, Any]:
+        with app.jobs.exclusive(spec.name) as cancelled:
+            def progress(done: float, total: float | None, message: str) -> None:
+                if cancelled.is_set():
+                    raise JobCancelled(f"{spec.name} cancelled: the server is shutting down")
+                anyio.from_thread.check_cancelled()  # the client cancelled the request: stop at this report
+                now = time.monotonic()
+                final = total is not None and done >= total
+                if ctx is None or (now - last[0] < 0.2 and not final):
+                    return
+                last[0] = now
+                try:
+                    anyio.from_thread.run(ctx.report_progress, float(done),
+                                          None if total is None else float(total), message)
+                except Exception:  # a client that went away must not fail the work
+                    pass
+
+            return spec.dump(spec.fn(app, params, progress))
+
+    return await in_thread(call)
+
+
+def _handler(spec: ToolSpec, app: App) -> Callable[..., Any]:
+    # A parameter model may depend on the app (start_job offers the long tools this server lists).
+    model = spec.params.for_app(app) if hasattr(spec.params, "for_app") else spec.params
+
+    async def handler(**kwargs: Any) -> ToolResult:
+        ctx = kwargs.pop("ctx", None)
+        try:
+            params = model.from_mcp_args(kwargs) if model is not None else None
+            if spec.long:
+                data = await run_long(app, spec, params, ctx)
+            elif spec.is_async:
+                data = spec.dump(await spec.fn(app, params))
+            else:
+                data = await in_thread(lambda: spec.dump(spec.fn(app, params)))
+        except ToolError:
+            raise
+        except Exception as exc:
+            raise to_tool_error(exc) from exc
+        return _result(data)
+
+    sig = model.mcp_signature() if model is not None else []
+    if spec.long:
+        sig.append(inspect.Parameter("ctx", inspect.Parameter.KEYWORD_ONLY, default=None,
+                                     annotation=Context | None))
+    handler.__signature__ = inspect.Signature(sig, return_annotation=ToolResult)  # type: ignore[attr-defined]
+    handler.__annotations__ = {p.name: p.annotation for p in sig} | {"return": ToolResult}
+    handler.__name__ = spec.name
+    handler.__doc__ = None
+    return handler
+
+
+def parse_toolsets(value: str | Iterable[str] | None) -> tuple[str, ...]:
+    """`repack,serve` -> ("repack", "serve"); "all" -> every toolset; None/"" -> the default set."""
+    if value is None or value == "":
+        return DEFAULT_TOOLSETS
+    names = [v.strip() for v in (value.split(",") if isinstance(value, str) else value) if v.strip()]
+    if "all" in names:
+        return tuple(TOOLSETS)
+    unknown = [n for n in names if n not in TOOLSETS]
+    if unknown:
+        raise ValueError(f"unknown toolset {', '.join(unknown)[:200]}; choose from {', '.join(TOOLSETS)} or all")
+    return tuple(dict.fromkeys(names))
+
+
+def create_server(settings: Settings | None = None, *, auth: Any = None,
+                  toolsets: str | Iterable[str] | None = None) -> FastMCP:
+    """The MCP server over `settings`; `auth` is a fastmcp auth provider (HTTP only); `toolsets` picks what is
+    listed (default: $GEMMA4_T4_TOOLSETS, else the default set)."""
+    settings = settings or Settings()
+    chosen = parse_toolsets(toolsets if toolsets is not None else os.environ.get(TOOLSETS_ENV))
+    app = App(settings)
+    specs = load_all()
+    app.specs = {name: s for name, s in specs.items() if s.toolset in chosen}
+    mcp = FastMCP(SERVER_NAME, instructions=INSTRUCTIONS, mask_error_details=False, auth=auth)
+    mcp.gemma = app  # type: ignore[attr-defined]  # tests and the demo reach the registry through it
+    for spec in specs.values():
+        mcp.tool(_handler(spec, app), name=spec.name, title=spec.title, description=spec.description,
+                 tags={spec.toolset}, output_schema=spec.output_schema(),
+                 annotations=ToolAnnotations(readOnlyHint=spec.read_only, destructiveHint=spec.destructive,
+                                             idempotentHint=spec.idempotent, openWorldHint=spec.open_world))
+    mcp.enable(tags=set(chosen), only=True)
+    return mcp
+
+
+def install_sigterm(app: App) -> None:
+    """SIGTERM cancels running jobs and foreground calls (their library clean-up runs), then exits 143."""
+    import signal
+
+    def on_term(signum: int, frame: object) -> None:
+        threading.Thread(target=_shutdown_then_exit, args=(app,), daemon=True).start()
+
+    signal.signal(signal.SIGTERM, on_term)
+
+
+def _shutdown_then_exit(app: App) -> None:
+    try:
+        app.shutdown()
+    finally:
+        os._exit(143)

@@ -1,0 +1,83 @@
+"""Measuring tools: token identity between builds, serving sweeps and their comparison (tools/measure does
+the work)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tools.errors import ToolFailure
+from tools.measure.compare_tokens import CompareParams, TokenComparison, TokenRecord
+from tools.measure.results import SweepParams, SweepResult
+from tools.measure.sweep_report import CompareSweepsParams, SweepComparison
+from tools.mcp.registry import Reply, tool
+
+
+@tool(toolset="measure", title="Serving sweep (vllm bench serve)", params=SweepParams, result=SweepResult,
+      long=True, open_world=True, extra={"counts": (dict[str, int], "Cells by status: ok, infeasible, failed"),
+                                         "table_md": (str, "The run's markdown table")})
+def run_sweep(app, p: SweepParams, progress) -> Reply:
+    """Measure the running server with vLLM's own benchmark over input lengths x concurrencies x repeats, the
+    same prompts for every build; writes a run folder (summary, raw results, provenance) under an evidence root
+    (`out`, default: the first). Long: progress in repeats."""
+    from tools.measure.sweep import run_sweep as sweep
+    from tools.measure.sweep_report import markdown_run
+
+    out = app.roots.confine(p.out, "evidence", what="out")
+    base_url = p.base_url or app.managed_base_url()  # the managed server, not the config's default port
+    res = sweep(p.model_copy(update={"out": out, "base_url": base_url}), serve_config=app.config(),
+                progress=lambda d, t, m: progress(d, t, m))
+    counts = res.counts
+    oks = [c for c in res.cells if c.status == "ok" and c.median.get("output_throughput")]
+    best = max(oks, key=lambda c: c.median["output_throughput"], default=None)
+    summary = (f"sweep {res.run_id} ({res.label}): {counts['ok']} ok, {counts['failed']} failed, "
+               f"{counts['infeasible']} infeasible cells"
+               + (f"; best {best.median['output_throughput']:.2f} out tok/s at in={best.input_len} "
+                  f"c={best.concurrency}" if best else ""))
+    return Reply(res, summary, {"counts": counts, "table_md": markdown_run(res, price_per_hour=p.price_per_hour)})
+
+
+@tool(toolset="measure", title="Compare sweep runs", params=CompareSweepsParams, result=SweepComparison,
+      destructive=True, extra={"report_path": (str | None, "Where the comparison was written, when asked")})
+def compare_sweeps(app, p: CompareSweepsParams) -> Reply:
+    """The article's comparison of sweep runs: per cell the median output tok/s of each run and the last run's
+    ratio to each earlier one, plus cost per million tokens. Writes `output` only when given (force=true to
+    replace one)."""
+    from tools.measure.sweep_report import compare_runs, write_comparison
+
+    dirs = [app.roots.confine(d, "evidence", must_exist=True, what="run_dir") for d in p.run_dirs]
+    out = app.roots.confine(p.output, "evidence", what="output") if p.output else None
+    cmp = compare_runs([str(d) for d in dirs], price_per_hour=p.price_per_hour)
+    if out is not None:
+        write_comparison(cmp, out, force=p.force)
+    first = cmp.cells[0].ratios.items() if cmp.cells else []
+    summary = f"compared {', '.join(cmp.labels)} over {len(cmp.cells)} cells" + (
+        "; first cell " + "; ".join(f"{k}: {v:.3f}" if v else f"{k}: —" for k, v in first) if first else "")
+    return Reply(cmp, summary, {"report_path": str(out) if out else None})
+
+
+@tool(toolset="measure", title="Greedy token identity between builds", params=CompareParams,
+      result=TokenComparison | TokenRecord, long=True, destructive=True, open_world=True,
+      extra={"report": (str, "The comparison as text (the article's SAME TOKENS lines)")})
+def compare_tokens(app, p: CompareParams, progress) -> Reply:
+    """Exact greedy token ids of two builds, prompt by prompt, with the first divergence and whether it is a
+    near-tie. One T4 serves one build at a time: mode=record with build A, restart with build B, mode=check.
+    Long: progress in prompts."""
+    from tools.measure.compare_tokens import compare_tokens as compare
+
+    if p.mode in ("record", "check") and not p.reference:
+        raise ToolFailure(f"mode {p.mode} needs reference: the token record file under an evidence root "
+                          f"({'written' if p.mode == 'record' else 'read'} by this call)")
+    if p.mode == "live" and not p.other_url:
+        raise ToolFailure("mode live needs other_url: the candidate's endpoint (base_url is the reference)")
+    ref = None
+    if p.reference:
+        ref = app.roots.confine(p.reference, "evidence", must_exist=p.mode == "check", what="reference")
+    base_url = p.base_url or app.managed_base_url()
+    res = compare(p.model_copy(update={"reference": str(ref) if ref else None, "base_url": base_url}),
+                  progress=lambda d, t, m: progress(d, t, m))
+    if isinstance(res, TokenRecord):
+        # The record itself is in the file; the reply lists what was recorded, not every token's logprobs.
+        lines = [f"{len(g.token_ids)} tokens ({g.finish_reason}): {g.prompt}" for g in res.generations]
+        return Reply(res.model_dump(mode="json", exclude={"generations"}), res.summary(),
+                     {"report": "\n".join(lines + [f"written to {Path(res.path or str(ref))}"])})
+    return Reply(res, f"{res.summary} ({res.reference} vs {res.candidate})", {"report": res.text()})

@@ -1,0 +1,166 @@
+"""What a sweep is asked and what it returns: the parameter and result models, shared by the sweep runner
+(tools/measure/sweep.py), its evidence files and comparisons (tools/measure/sweep_report.py), the command line
+and the MCP server. Kept apart so that neither of the two modules has to import the other.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, Field
+
+from tools.errors import ToolFailure
+from tools.params import OpParams
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_OUT = PROJECT_ROOT / "evidence"
+
+DEFAULT_PRICE_PER_HOUR = 0.5241  # the article's n1-standard-2 + T4 VM, us-west2 on-demand
+PREFIX_CACHE_POLICY = ("prefix caching left as served; every measured repeat uses prompts from its own seed "
+                       "(derived from base seed, input length, concurrency, repeat) and the warm-up uses "
+                       "separate seeds, so no measured prompt was sent before; hits are read from /metrics")
+
+# Per-repeat metrics kept from vLLM's result JSON, in table order.
+METRICS: tuple[str, ...] = (
+    "output_throughput", "request_throughput", "total_token_throughput",
+    "mean_ttft_ms", "median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms",
+    "mean_tpot_ms", "median_tpot_ms", "p90_tpot_ms", "p99_tpot_ms",
+    "mean_itl_ms", "median_itl_ms", "p90_itl_ms", "p99_itl_ms",
+    "completed", "failed", "duration", "total_input_tokens", "total_output_tokens",
+)
+
+
+class SweepParams(OpParams):
+    """Options of one sweep: `./vllm-t4 sweep` flags and the run_sweep MCP arguments are derived from these."""
+
+    CLI_FLAGS: ClassVar[dict[str, str]] = {"concurrencies": "--concurrency", "cell_timeout_s": "--cell-timeout"}
+    MCP_EXCLUDE: ClassVar[frozenset[str]] = frozenset({"run_id", "tokenizer", "model", "cell_timeout_s"})
+    MCP_DEFAULTS: ClassVar[dict[str, Any]] = {"out": "."}  # the first evidence root
+
+    base_url: str | None = Field(None, description="Server to measure; default: the one this project started "
+                                                   "(tpu.env)")
+    input_lens: list[int] = Field(default_factory=lambda: [512, 4096], description="Prompt lengths in tokens")
+    output_len: int = Field(128, description="Output tokens per request (ignore_eos)")
+    concurrencies: list[int] = Field(default_factory=lambda: [1, 4, 8, 16],
+                                     description="Concurrent requests per cell")
+    repeats: int = Field(3, description="Repeats per cell (medians reported)")
+    prompts_per_concurrency: int = Field(4, description="Prompts per cell = max(min_prompts, concurrency x this)")
+    min_prompts: int = Field(4, description="Fewest prompts per cell")
+    label: str = Field("build", description="Build name for tables and the run id, e.g. emb4 (no spaces)")
+    price_per_hour: float = Field(DEFAULT_PRICE_PER_HOUR, description="Machine price for the $/M tokens column "
+                                                                      "(default: the article's T4 VM)")
+    out: Path = Field(DEFAULT_OUT, description="Folder that receives the run folder <run-id>/ (through MCP: "
+                                               "under an evidence root, default the first)")
+    resume: bool = Field(False, description="Continue the latest matching run, skipping finished repeats")
+    run_id: str | None = Field(None, description="Exact run folder name inside out (resumes it if present)")
+    seed: int = Field(0, description="Base prompt seed: keep it equal across builds")
+    tokenizer: str | None = Field(None, description="Tokenizer folder; default: the folder the server loaded")
+    model: str | None = Field(None, description="Served model name; default: the first of /v1/models")
+    warmup: bool = Field(True, description="Warm each cell with separate-seed prompts first")
+    cell_timeout_s: float = Field(3600.0, description="Seconds per repeat before a cell is stopped")
+
+    def num_prompts(self, concurrency: int) -> int:
+        return max(self.min_prompts, concurrency * self.prompts_per_concurrency)
+
+    def validate(self) -> None:
+        def positive(name: str, values: list[int]) -> None:
+            if not values or any(int(v) <= 0 for v in values):
+                raise ToolFailure(f"{name} must be a non-empty list of positive integers, got {values!r}")
+
+        positive("input_lens", self.input_lens)
+        positive("concurrencies", self.concurrencies)
+        positive("output_len", [self.output_len])
+        positive("repeats", [self.repeats])
+        positive("prompts_per_concurrency", [self.prompts_per_concurrency])
+        positive("min_prompts", [self.min_prompts])
+        if self.price_per_hour < 0:
+            raise ToolFailure(f"price_per_hour must be >= 0, got {self.price_per_hour}")
+        if not self.label or any(c in self.label for c in "/\\ \t\n"):
+            raise ToolFailure(f"label {self.label!r} must be a non-empty name without slashes or spaces")
+
+    def identity(self) -> dict[str, Any]:
+        """What makes two runs the same measurement (for resume): not the label, URL or output folder."""
+        return {"input_lens": list(self.input_lens), "output_len": self.output_len,
+                "concurrencies": list(self.concurrencies), "repeats": self.repeats,
+                "prompts_per_concurrency": self.prompts_per_concurrency, "min_prompts": self.min_prompts,
+                "seed": self.seed, "warmup": self.warmup}
+
+
+
+class RepeatResult(BaseModel):
+    repeat: int
+    seed: int
+    status: Literal["ok", "failed"]
+    reason: str | None = None
+    num_prompts: int
+    metrics: dict[str, float | None] = Field(default_factory=dict)
+    prefix_cache_queries: float | None = Field(None, description="Prompt tokens looked up in the prefix cache")
+    prefix_cache_hits: float | None = Field(None, description="Prompt tokens served from the prefix cache")
+    warmup_s: float | None = None
+    measure_s: float | None = Field(None, description="Wall time of vLLM's benchmark call for this repeat")
+    raw_file: str | None = None
+
+
+class CellResult(BaseModel):
+    input_len: int
+    output_len: int
+    concurrency: int
+    num_prompts: int
+    status: Literal["ok", "infeasible", "failed"]
+    reason: str | None = None
+    repeats: list[RepeatResult] = Field(default_factory=list)
+    median: dict[str, float | None] = Field(default_factory=dict, description="Median over ok repeats")
+    spread_pct: dict[str, float | None] = Field(default_factory=dict,
+                                                description="(max - min) / median x 100 over ok repeats")
+    wall_s: float | None = Field(None, description="Wall time of the cell's subprocess (warm-up included)")
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return self.input_len, self.concurrency
+
+
+class SweepResult(BaseModel):
+    run_id: str
+    run_dir: str
+    label: str
+    params: dict[str, Any]
+    prefix_cache_policy: str = PREFIX_CACHE_POLICY
+    max_model_len: int | None = None
+    model: str | None = None
+    started: str
+    finished: str | None = None
+    wall_s: float | None = None
+    cells: list[CellResult] = Field(default_factory=list)
+    provenance: dict[str, Any] = Field(default_factory=dict)
+    files: dict[str, str] = Field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    @property
+    def counts(self) -> dict[str, int]:
+        out = {"ok": 0, "infeasible": 0, "failed": 0}
+        for c in self.cells:
+            out[c.status] += 1
+        return out
+
+    def cell(self, input_len: int, concurrency: int) -> CellResult | None:
+        return next((c for c in self.cells if c.key == (input_len, concurrency)), None)
+
+
+def aggregate(repeats: list[RepeatResult]) -> tuple[dict[str, float | None], dict[str, float | None]]:
+    """Median and spread (max-min)/median in percent of every metric over the ok repeats."""
+    ok = [r for r in repeats if r.status == "ok"]
+    median: dict[str, float | None] = {}
+    spread: dict[str, float | None] = {}
+    for m in METRICS:
+        vals = [float(r.metrics[m]) for r in ok if r.metrics.get(m) is not None]
+        if not vals:
+            median[m] = spread[m] = None
+            continue
+        med = statistics.median(vals)
+        median[m] = med
+        spread[m] = (max(vals) - min(vals)) / med * 100.0 if med else None
+    return median, spread
