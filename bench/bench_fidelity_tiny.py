@@ -58,6 +58,9 @@ def main() -> int:
                          "logprobs only)")
     ap.add_argument("--source-dtypes", default="float16",
                     help="dtypes in which the unquantized QAT source is also served as a reference")
+    ap.add_argument("--objective", default=None, choices=["runtime-exact", "min-error"],
+                    help="the scale objective both builds are made with (default: the library's); run once per "
+                         "objective to compare them")
     ap.add_argument("--work", default=None, help="folder for the builds (default: a temporary one)")
     ap.add_argument("--tiny", default=None, help="an already built tiny QAT checkpoint to reuse (its position "
                                                  "limit is raised in a copy) instead of training one")
@@ -98,11 +101,17 @@ def main() -> int:
         "bf16-embeddings": work / "gemma-4-tiny-text",
         "emb4": work / "gemma-4-tiny-text-emb4",
     }
+    from repack.grid import DEFAULT_OBJECTIVE
+
+    objective = args.objective or DEFAULT_OBJECTIVE
     build_checkpoint(info.path, builds["bf16-embeddings"],
-                     BuildOptions(quantize_linears=True, text_only=True, embed_int4=False, embed_tokens=False))
-    build_checkpoint(info.path, builds["emb4"], BuildOptions(text_only=True, embed_int4=True, embed_tokens=True))
+                     BuildOptions(quantize_linears=True, text_only=True, embed_int4=False, embed_tokens=False,
+                                  objective=objective, force=True))
+    build_checkpoint(info.path, builds["emb4"], BuildOptions(text_only=True, embed_int4=True, embed_tokens=True,
+                                                             objective=objective, force=True))
     builds["source"] = info.path
-    report: dict = {"tiny_pattern_accuracy": None if args.tiny else info.accuracy, "dtypes": {}}
+    report: dict = {"tiny_pattern_accuracy": None if args.tiny else info.accuracy, "objective": objective,
+                    "dtypes": {}}
 
     def serve(build: str, dtype: str):
         cfg = load_config(ROOT / "tpu.env", model=str(builds[build]), served_name=f"tiny-{build}",

@@ -362,9 +362,9 @@ import sys, time
 sys.path.insert(0, {root!r})
 from repack import grid, cli
 real = grid.quantize
-def slow(w, sd="fp16"):
+def slow(*args, **kwargs):
     time.sleep(0.3)
-    return real(w, sd)
+    return real(*args, **kwargs)
 grid.quantize = slow
 {extra}
 sys.exit(cli.main(["build", {src!r}, {out!r}, "--text-only", "--embed-int4", "--embed-tokens"]))
@@ -508,10 +508,10 @@ def test_cleanup_own_partials_stops_builds_in_threads(src, tmp_path, monkeypatch
     real = grid.quantize
     started = threading.Event()
 
-    def slow(w, sd="fp16"):
+    def slow(*args, **kwargs):
         started.set()
         time.sleep(0.2)
-        return real(w, sd)
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(grid, "quantize", slow)
     errors = []
@@ -555,9 +555,9 @@ sys.path.insert(0, {root!r})
 from repack import atomic, grid
 from repack.build import BuildOptions, build_checkpoint
 real = grid.quantize
-def slow(w, sd="fp16"):
+def slow(*args, **kwargs):
     time.sleep(0.3)
-    return real(w, sd)
+    return real(*args, **kwargs)
 grid.quantize = slow
 def on_term(signum, frame):
     atomic.cleanup_own_partials()
