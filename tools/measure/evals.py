@@ -78,7 +78,9 @@ class EvalParams(OpParams):
     num_concurrent: int = Field(8, ge=1, le=64, description="requests in flight (the T4 setup serves 8 at once)")
     timeout_s: float = Field(24 * 3600.0, gt=0, description="stop lm-eval after this many seconds")
 
-    MCP_EXCLUDE: ClassVar[frozenset[str]] = frozenset({"timeout_s"})
+    # The tokenizer defaults to the folder the server loaded; a local path from a client would escape the roots.
+    MCP_EXCLUDE: ClassVar[frozenset[str]] = frozenset({"timeout_s", "tokenizer"})
+    MCP_DEFAULTS: ClassVar[dict[str, Any]] = {"out": "."}  # the first evidence root
     CLI_COMMA: ClassVar[frozenset[str]] = frozenset({"tasks"})
     CLI_BAD_INPUT: ClassVar[type[Exception] | None] = ToolFailure
 

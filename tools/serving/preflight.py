@@ -65,6 +65,7 @@ class PreflightParams(OpParams):
     source: str | None = Field(None, description="repack: the source checkpoint folder (default SOURCE_CHECKPOINT)")
     out: str | None = Field(None, description="repack: the output folder (default MODEL_NAME)")
 
+    MCP_EXCLUDE: ClassVar[frozenset[str]] = frozenset({"env_file"})  # the MCP server checks its own config
     CLI_BAD_INPUT: ClassVar[type[Exception] | None] = BadInput
 
 
@@ -487,16 +488,16 @@ def ensure(step: Step, **kwargs: Any) -> list[Check]:
     return checks
 
 
-def run_preflight(params: PreflightParams, *, hardware: Any = None, nvml: Any = None,
+def run_preflight(params: PreflightParams, *, cfg: Any = None, hardware: Any = None, nvml: Any = None,
                   turing_target: Path | None = None) -> PreflightReport:
     """Every check of `params.step`; never raises for what it finds (a failing check is a result), only for bad
-    input (BadInput: an env_file that does not exist)."""
+    input (BadInput: an env_file that does not exist). `cfg`: a loaded serving config, instead of env_file."""
     if params.env_file is not None and not Path(params.env_file).expanduser().is_file():
         raise BadInput(f"--env-file {params.env_file} does not exist; pass an existing tpu.env")
     from tools.serving.vllm_server import Hardware
 
     hw = hardware or Hardware()
-    checks = checks_for(params.step, env_file=params.env_file, source=params.source, out=params.out,
+    checks = checks_for(params.step, cfg=cfg, env_file=params.env_file, source=params.source, out=params.out,
                         hardware=hw, nvml=nvml, turing_target=turing_target)
     platform = hw.platform()
     failed = [c.name for c in checks if c.status == "fail"]
