@@ -57,17 +57,17 @@ def test_eval_flags_come_from_the_params_model():
     args = build_parser().parse_args(["eval", "--tasks", "a,b", "--tasks", "c", "--include-path", "/x", "--limit",
                                       "5", "--num-fewshot", "0", "--label", "emb4", "--out", "/o", "--base-url",
                                       "http://h:1", "--json"])
-    p = evals.params_from_args(EvalParams, args)
+    p = EvalParams.from_cli_args(args)
     assert p.tasks == ["a", "b", "c"] and p.include_path == "/x" and p.limit == 5 and p.num_fewshot == 0
     assert p.label == "emb4" and p.out == "/o" and p.base_url == "http://h:1" and args.json
-    p = evals.params_from_args(EvalParams, build_parser().parse_args(["eval", "--tasks", "a"]))
+    p = EvalParams.from_cli_args(build_parser().parse_args(["eval", "--tasks", "a"]))
     assert p == EvalParams(tasks=["a"])  # unset flags keep the model's defaults
     # Every field of the model is a flag, with its description as help.
     helps = build_parser()._subparsers._group_actions[0].choices["eval"].format_help()
     for name in EvalParams.model_fields:
         assert "--" + name.replace("_", "-") in helps
     args = build_parser().parse_args(["eval-compare", "r1", "r2"])
-    assert evals.params_from_args(CompareParams, args).runs == ["r1", "r2"]
+    assert CompareParams.from_cli_args(args).runs == ["r1", "r2"]
 
 
 @pytest.mark.parametrize("argv, needle", [

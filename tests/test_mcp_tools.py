@@ -35,6 +35,11 @@ EXPECTED_TOOLS = {
     "patch_turing": (False, True, True, False),
     "start_job": (False, True, False, True),
     "cancel_job": (False, True, True, False),
+    "compare_logprobs": (False, True, False, True),     # record (force=true) replaces a file; any base_url
+    "run_eval": (False, False, False, True),            # any base_url
+    "compare_evals": (True, False, True, False),
+    "preflight": (True, False, True, False),
+    "fetch_checkpoint": (False, False, True, True),     # the hub; the same fetch again changes nothing
 }
 
 
@@ -463,3 +468,140 @@ def test_compare_tokens_record_refuses_an_existing_file(mcp, roots):
 
     run(go())
     assert ref.read_text() == "keep me\n"
+
+
+# ------------------------------------------------------------------------------ fidelity, eval, deploy
+
+
+def _refusals(mcp, calls):
+    async def go():
+        out = []
+        async with Client(mcp) as c:
+            for tool, args in calls:
+                with pytest.raises(ToolError) as ei:
+                    await c.call_tool(tool, args)
+                out.append(str(ei.value))
+        return out
+
+    return run(go())
+
+
+def test_compare_logprobs_confines_its_paths_and_refuses_an_existing_record(mcp, roots, tmp_path):
+    ev = roots.evidence[0]
+    ref = ev / "REF.json"
+    ref.write_text("keep me\n")
+    outside = tmp_path / "corpus.txt"
+    outside.write_text("text outside the roots " * 50)
+    dead = "http://127.0.0.1:9"
+    errors = _refusals(mcp, [
+        ("compare_logprobs", {"mode": "record", "reference": "/tmp/evil.json", "base_url": dead}),
+        ("compare_logprobs", {"mode": "record", "reference": "new.json", "corpus": str(outside), "base_url": dead}),
+        ("compare_logprobs", {"mode": "check", "reference": "missing.json", "base_url": dead}),
+        ("compare_logprobs", {"mode": "record", "reference": "REF.json", "base_url": dead}),
+    ])
+    assert "reference" in errors[0] and "outside the evidence roots" in errors[0]
+    assert "corpus" in errors[1] and "outside the evidence roots" in errors[1]
+    assert "does not exist under the evidence roots" in errors[2]
+    assert "exists; pass force=true" in errors[3] and "--force" not in errors[3]
+    assert ref.read_text() == "keep me\n" and not (ev / "new.json").exists()
+    # The shipped corpus is allowed by its path; the server refusal then comes from the library.
+    from tools.measure.fidelity import DEFAULT_CORPUS
+
+    (err,) = _refusals(mcp, [("compare_logprobs", {"mode": "record", "reference": "new.json",
+                                                   "corpus": str(DEFAULT_CORPUS), "base_url": dead})])
+    assert "outside" not in err and dead in err
+    assert not (ev / "new.json").exists()
+
+
+def test_run_eval_confines_its_paths_and_refuses_without_a_server(mcp, roots, tmp_path):
+    from conftest import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+    (tmp_path / "tasks").mkdir()
+    errors = _refusals(mcp, [
+        ("run_eval", {"tasks": ["tiny_pattern_mc"], "out": "/tmp/evil", "base_url": url}),
+        ("run_eval", {"tasks": ["tiny_pattern_mc"], "include_path": str(tmp_path / "tasks"), "base_url": url}),
+        ("run_eval", {"tasks": ["tiny_pattern_mc"], "tokenizer": "/etc", "base_url": url}),
+        ("run_eval", {"tasks": ["tiny_pattern_mc"], "base_url": url}),
+    ])
+    assert "out" in errors[0] and "outside the evidence roots" in errors[0]
+    assert "include_path" in errors[1] and "outside the evidence roots" in errors[1]
+    assert "tokenizer" in errors[2] and "Unexpected keyword argument" in errors[2]
+    assert url in errors[3] and "start_vllm_server" in errors[3] and "--base-url" not in errors[3]
+    assert list(roots.evidence[0].iterdir()) == []  # no run folder left behind
+
+
+def test_compare_evals_reads_runs_under_the_evidence_roots_only(mcp, roots, tmp_path):
+    from test_evals import _fake_run
+
+    ev = roots.evidence[0]
+    a = _fake_run(ev / "a", "ref", {i: float(i % 2) for i in range(20)})
+    b = _fake_run(ev / "b", "cand", {i: 1.0 for i in range(20)})
+    outside = _fake_run(tmp_path / "outside", "x", {i: 1.0 for i in range(20)})
+
+    async def go():
+        async with Client(mcp) as c:
+            return (await c.call_tool("compare_evals", {"runs": [str(a), "b"]})).structured_content
+
+    data = run(go())
+    assert [r["label"] for r in data["runs"]] == ["ref", "cand"]
+    (row,) = data["rows"]
+    assert row["candidate"] == "cand" and row["paired"] is True and abs(row["diff"] - 0.5) < 1e-9
+    assert data["summary"].startswith("compared 2 eval runs over 1 rows")
+    (err,) = _refusals(mcp, [("compare_evals", {"runs": [str(a), str(outside)]})])
+    assert "outside the evidence roots" in err
+
+
+def test_preflight_on_this_machine_is_a_result(mcp, tmp_path):
+    async def go():
+        async with Client(mcp) as c:
+            return await c.call_tool("preflight", {"step": "repack", "source": "qat", "out": "build"})
+
+    r = run(go())
+    assert r.is_error is False
+    data = r.structured_content
+    names = [c["name"] for c in data["checks"]]
+    assert names == ["source", "disk"]
+    source = data["checks"][0]
+    assert source["status"] == "fail" and str(tmp_path / "models" / "qat") in source["value"]
+    assert data["ready"] is False and data["failed"] == ["source"] and data["summary"] == r.content[0].text
+    errors = _refusals(mcp, [("preflight", {"step": "repack", "source": "/etc"}),
+                             ("preflight", {"step": "repack", "out": "/tmp/evil"}),
+                             ("preflight", {"env_file": "/etc/passwd"})])
+    assert "outside the models roots" in errors[0] and "outside the models roots" in errors[1]
+    assert "env_file" in errors[2] and "Unexpected keyword argument" in errors[2]
+
+
+def test_fetch_checkpoint_publishes_under_the_models_root(mcp, roots, tmp_path, monkeypatch):
+    from test_fetch import COMMIT, REPO, StandInHub
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    files = {"config.json": b'{"model_type": "gemma4"}', "model.safetensors": bytes(range(256)) * 64,
+             "tokenizer.json": b"{}", "README.md": b"# not a build file"}
+    seen = []
+
+    async def on_progress(done, total, message):
+        seen.append((done, total, message))
+
+    async def go():
+        async with Client(mcp, progress_handler=on_progress) as c:
+            return (await c.call_tool("fetch_checkpoint", {"repo_id": REPO})).structured_content
+
+    with StandInHub(files) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        data = run(go())
+        errors = _refusals(mcp, [("fetch_checkpoint", {"repo_id": REPO, "out": "/tmp/evil"}),
+                                 ("fetch_checkpoint", {"repo_id": "../etc/passwd"}),
+                                 ("fetch_checkpoint", {"repo_id": REPO, "roots": ["/"]})])
+    out = roots.models[0] / "gemma-4-tiny-qat"
+    assert data["out"] == str(out) and data["commit"] == COMMIT and not data["already_present"]
+    assert sorted(f["path"] for f in data["files"]) == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert (out / "model.safetensors").read_bytes() == files["model.safetensors"]
+    assert seen and seen[-1][0] == seen[-1][1]  # progress in bytes, to the end
+    assert "outside the models roots" in errors[0] and not Path("/tmp/evil").exists()
+    assert "not owner/name" in errors[1]
+    assert "roots" in errors[2] and "Unexpected keyword argument" in errors[2]

@@ -3,8 +3,10 @@
 Like vLLM's benchmark arguments, the model owns `add_cli_args` / `from_cli_args`: each field becomes
 `--field-name` (a flag name of its own where `CLI_FLAGS` says so), its description is the help text, a
 `bool` defaulting to true gets `--no-...`, a `list[int]` is written comma separated and a `Literal` gives the
-choices. Fields in `CLI_EXCLUDE` are set by the caller, fields in `MCP_EXCLUDE` are not offered to MCP clients
-(machine-local knobs such as timeouts).
+choices; a `list[str]` named in `CLI_COMMA` is written comma separated and may be repeated. Fields in
+`CLI_EXCLUDE` are set by the caller, fields in `MCP_EXCLUDE` are not offered to MCP clients (machine-local knobs
+such as timeouts). A value the model refuses exits 2 with argparse's one line, or raises `CLI_BAD_INPUT` (naming
+the flag) where a command prints its own one-line errors.
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ def _int_list(text: str) -> list[int]:
     return vals
 
 
+def _str_list(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
 class OpParams(BaseModel):
     """Base of every operation's parameter model."""
 
@@ -46,6 +52,8 @@ class OpParams(BaseModel):
     CLI_POSITIONAL: ClassVar[tuple[str, ...]] = ()
     MCP_EXCLUDE: ClassVar[frozenset[str]] = frozenset()
     MCP_DEFAULTS: ClassVar[dict[str, Any]] = {}     # where the MCP server's default differs (e.g. a root, not cwd)
+    CLI_COMMA: ClassVar[frozenset[str]] = frozenset()  # list[str] fields written `--x a,b --x c`
+    CLI_BAD_INPUT: ClassVar[type[Exception] | None] = None  # raised (message, detail) instead of exit 2
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, *, exclude: frozenset[str] | set[str] = frozenset()
@@ -73,11 +81,14 @@ class OpParams(BaseModel):
                 kwargs["choices"] = list(get_args(tp))
             elif get_origin(tp) is list and _strip_optional(get_args(tp)[0]) is int:
                 kwargs["type"] = _int_list
+            elif name in cls.CLI_COMMA and name not in cls.CLI_POSITIONAL:
+                kwargs["type"] = _str_list
+                kwargs["action"] = "extend"
             elif get_origin(tp) is list:
                 kwargs["nargs"] = "+"
             elif tp in (int, float):
                 kwargs["type"] = tp
-            if default not in (None, False, "") and "action" not in kwargs:
+            if default not in (None, False, "") and kwargs.get("action") in (None, "extend"):
                 shown = ",".join(map(str, default)) if isinstance(default, list) else default
                 kwargs["help"] = f"{help_} (default {shown})"
             parser.add_argument(*flag, **kwargs)
@@ -93,6 +104,11 @@ class OpParams(BaseModel):
             name = str(first["loc"][0]) if first["loc"] else "?"
             flag = cls.CLI_FLAGS.get(name, "--" + name.replace("_", "-"))
             flag = flag if isinstance(flag, str) else flag[-1]
+            if name in cls.CLI_POSITIONAL:
+                flag = name
+            if cls.CLI_BAD_INPUT is not None:
+                raise cls.CLI_BAD_INPUT(f"{flag}: {first['msg']}",
+                                        {"field": name, "input": repr(first.get("input"))[:200]}) from None
             print(f"error: argument {flag}: {first['msg']}", file=sys.stderr)
             raise SystemExit(2) from None
 

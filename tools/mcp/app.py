@@ -22,6 +22,7 @@ from typing import Any
 
 import anyio
 import anyio.from_thread
+import anyio.lowlevel
 import anyio.to_thread
 from fastmcp import Context, FastMCP
 from fastmcp.exceptions import ToolError
@@ -138,21 +139,28 @@ async def in_thread(fn: Callable[[], Any]) -> Any:
 async def run_long(app: App, spec: ToolSpec, params: Any, ctx: Context | None) -> dict[str, Any]:
     """A long tool in the foreground: exclusive, in a worker thread, progress sent as MCP notifications."""
     last = [0.0]
+    lock = threading.Lock()
+    # A library may report from threads of its own (the hub client's download pool): those reach the loop by
+    # its token, and only the worker thread can see the client's cancellation.
+    token = anyio.lowlevel.current_token()
 
     def call() -> dict[str, Any]:
+        worker = threading.get_ident()
         with app.jobs.exclusive(spec.name) as cancelled:
             def progress(done: float, total: float | None, message: str) -> None:
                 if cancelled.is_set():
                     raise JobCancelled(f"{spec.name} cancelled: the server is shutting down")
-                anyio.from_thread.check_cancelled()  # the client cancelled the request: stop at this report
+                if threading.get_ident() == worker:
+                    anyio.from_thread.check_cancelled()  # the client cancelled the request: stop at this report
                 now = time.monotonic()
                 final = total is not None and done >= total
-                if ctx is None or (now - last[0] < 0.2 and not final):
-                    return
-                last[0] = now
+                with lock:
+                    if ctx is None or (now - last[0] < 0.2 and not final):
+                        return
+                    last[0] = now
                 try:
                     anyio.from_thread.run(ctx.report_progress, float(done),
-                                          None if total is None else float(total), message)
+                                          None if total is None else float(total), message, token=token)
                 except Exception:  # a client that went away must not fail the work
                     pass
 

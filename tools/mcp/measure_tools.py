@@ -7,6 +7,7 @@ from pathlib import Path
 
 from tools.errors import ToolFailure
 from tools.measure.compare_tokens import CompareParams, TokenComparison, TokenRecord
+from tools.measure.fidelity import CheckLogprobsResult, CompareLogprobsParams, RecordLogprobsResult
 from tools.measure.results import SweepParams, SweepResult
 from tools.measure.sweep_report import CompareSweepsParams, SweepComparison
 from tools.mcp.registry import Reply, tool
@@ -81,3 +82,31 @@ def compare_tokens(app, p: CompareParams, progress) -> Reply:
         return Reply(res.model_dump(mode="json", exclude={"generations"}), res.summary(),
                      {"report": "\n".join(lines + [f"written to {Path(res.path or str(ref))}"])})
     return Reply(res, f"{res.summary} ({res.reference} vs {res.candidate})", {"report": res.text()})
+
+
+@tool(toolset="fidelity", title="Logprob fidelity between builds (KLD)", params=CompareLogprobsParams,
+      result=RecordLogprobsResult | CheckLogprobsResult, long=True, destructive=True, open_world=True)
+def compare_logprobs(app, p: CompareLogprobsParams, progress) -> Reply:
+    """Full-distribution fidelity of two builds over a text corpus: mode=record scores it with the reference
+    build into `reference` (REF.json under an evidence root; force=true to replace one), restart with the other
+    build, mode=check: mean/p99/max KLD, top-1 agreement, perplexity ratio. Long: progress in windows."""
+    from tools.measure.fidelity import DEFAULT_CORPUS, compare_logprobs as compare
+
+    ref = app.roots.confine(p.reference, "evidence", must_exist=p.mode == "check", what="reference")
+    corpus = None
+    if p.corpus is not None and Path(p.corpus).expanduser().resolve() != DEFAULT_CORPUS:
+        try:
+            corpus = app.roots.confine(p.corpus, "evidence", must_exist=True, what="corpus")
+        except ValueError as first:
+            try:
+                corpus = app.roots.confine(p.corpus, "models", must_exist=True, what="corpus")
+            except ValueError:
+                raise first from None
+    base_url = p.base_url or app.managed_base_url()
+    res = compare(p.model_copy(update={"reference": str(ref), "corpus": str(corpus) if corpus else None,
+                                       "base_url": base_url}), progress=lambda d, t, m: progress(d, t, m))
+    if isinstance(res, RecordLogprobsResult):
+        return Reply(res, f"recorded {res.tokens} positions ({res.windows} windows) from {res.model}: {res.path}")
+    return Reply(res, f"{res.candidate_model} vs {res.reference_model}: mean KLD {res.mean_kld:.4g}, p99 "
+                      f"{res.p99_kld:.4g}, top-1 agreement {100 * res.top1_agreement:.2f}%, PPL ratio "
+                      f"{res.ppl_ratio:.4f} over {res.tokens} tokens")

@@ -36,15 +36,15 @@ import subprocess
 import sys
 import threading
 import time
-import types
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Literal, Union, get_args, get_origin
+from typing import Any, Callable, ClassVar
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator
 
 from tools.errors import ToolFailure
+from tools.params import OpParams
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = PROJECT_ROOT / "evidence"
@@ -56,16 +56,7 @@ Progress = Callable[[int, int, str], None]
 # Parameters and results
 
 
-class _Params(BaseModel):
-    """An operation's parameters: CLI flags and MCP arguments are derived from the fields."""
-
-    model_config = ConfigDict(extra="forbid")
-    CLI_POSITIONAL: ClassVar[tuple[str, ...]] = ()
-    CLI_EXCLUDE: ClassVar[frozenset[str]] = frozenset()
-    MCP_EXCLUDE: ClassVar[frozenset[str]] = frozenset()
-
-
-class EvalParams(_Params):
+class EvalParams(OpParams):
     """One lm-eval run against a live OpenAI-compatible server."""
 
     tasks: list[str] = Field(description="lm-eval task or group names, comma separated (e.g. arc_easy,hellaswag), "
@@ -87,7 +78,11 @@ class EvalParams(_Params):
     num_concurrent: int = Field(8, ge=1, le=64, description="requests in flight (the T4 setup serves 8 at once)")
     timeout_s: float = Field(24 * 3600.0, gt=0, description="stop lm-eval after this many seconds")
 
-    MCP_EXCLUDE: ClassVar[frozenset[str]] = frozenset({"timeout_s"})
+    # The tokenizer defaults to the folder the server loaded; a local path from a client would escape the roots.
+    MCP_EXCLUDE: ClassVar[frozenset[str]] = frozenset({"timeout_s", "tokenizer"})
+    MCP_DEFAULTS: ClassVar[dict[str, Any]] = {"out": "."}  # the first evidence root
+    CLI_COMMA: ClassVar[frozenset[str]] = frozenset({"tasks"})
+    CLI_BAD_INPUT: ClassVar[type[Exception] | None] = ToolFailure
 
     @field_validator("tasks", mode="before")
     @classmethod
@@ -108,12 +103,13 @@ class EvalParams(_Params):
         return v
 
 
-class CompareParams(_Params):
+class CompareParams(OpParams):
     """Eval runs to put side by side; the first is the reference."""
 
     runs: list[str] = Field(min_length=1, description="evidence folders written by `eval`, the reference first")
 
     CLI_POSITIONAL: ClassVar[tuple[str, ...]] = ("runs",)
+    CLI_BAD_INPUT: ClassVar[type[Exception] | None] = ToolFailure
 
 
 class TaskScore(BaseModel):
@@ -181,65 +177,6 @@ class EvalComparison(BaseModel):
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Command line flags from the parameter models
-
-
-def _strip_optional(tp: Any) -> Any:
-    if get_origin(tp) in (Union, types.UnionType):
-        args = [a for a in get_args(tp) if a is not type(None)]
-        if len(args) == 1:
-            return args[0]
-    return tp
-
-
-def _comma_list(text: str) -> list[str]:
-    return [t.strip() for t in text.split(",") if t.strip()]
-
-
-def add_params_arguments(parser: argparse.ArgumentParser, model: type[_Params]) -> None:
-    """One flag per field (`--field-name`, its description as help); defaults stay the model's own."""
-    for name, f in model.model_fields.items():
-        if name in model.CLI_EXCLUDE:
-            continue
-        tp = _strip_optional(f.annotation)
-        default = None if f.is_required() else f.get_default(call_default_factory=True)
-        kwargs: dict[str, Any] = {"help": f.description or ""}
-        if name in model.CLI_POSITIONAL:
-            flags = [name]
-            if get_origin(tp) is list:
-                kwargs["nargs"] = "+"
-        else:
-            flags = ["--" + name.replace("_", "-")]
-            kwargs["dest"] = name
-            kwargs["default"] = argparse.SUPPRESS  # unset flags take the model's default
-            if f.is_required():
-                kwargs["required"] = True
-            if tp is bool:
-                kwargs["action"] = argparse.BooleanOptionalAction if default else "store_true"
-            elif get_origin(tp) is Literal:
-                kwargs["choices"] = list(get_args(tp))
-            elif get_origin(tp) is list:
-                kwargs["type"] = _comma_list  # --tasks a,b (repeatable)
-                kwargs["action"] = "extend"
-            elif tp in (int, float):
-                kwargs["type"] = tp
-            if default not in (None, False, "") and tp is not bool:
-                kwargs["help"] += f" (default {default})"
-        parser.add_argument(*flags, **kwargs)
-
-
-def params_from_args(model: type[_Params], args: argparse.Namespace) -> Any:
-    values = {name: getattr(args, name) for name in model.model_fields if hasattr(args, name)}
-    try:
-        return model(**values)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        field = ".".join(str(x) for x in err.get("loc", ())) or "arguments"
-        raise ToolFailure(f"--{field.replace('_', '-')}: {err.get('msg')}",
-                          {"field": field, "input": err.get("input")}) from None
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -837,7 +774,7 @@ def _guarded(name: str, func: Callable[[argparse.Namespace], int]) -> Callable[[
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    params = params_from_args(EvalParams, args)
+    params = EvalParams.from_cli_args(args)
     res = run_eval(params, progress=_progress_printer)
     if args.json:
         print(json.dumps(res.to_dict()))
@@ -847,7 +784,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_eval_compare(args: argparse.Namespace) -> int:
-    cmp = compare_evals(params_from_args(CompareParams, args))
+    cmp = compare_evals(CompareParams.from_cli_args(args))
     print(json.dumps(cmp.to_dict()) if args.json else cmp.markdown)
     return 0
 
@@ -858,7 +795,7 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
                        description="lm-eval's local-completions model against a live server, greedy; writes "
                                    "<out>/<run-id>/ (lm-eval's results and samples, summary.json/.md, "
                                    "provenance.json). Exit 2 with one line when it cannot run.")
-    add_params_arguments(p, EvalParams)
+    EvalParams.add_cli_args(p)
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.set_defaults(func=_guarded("eval", cmd_eval))
 
@@ -866,7 +803,7 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
                        description="Per task and metric: each run's value ± stderr, and each later run minus the "
                                    "first, paired over the documents both scored, with its stderr and whether it "
                                    "is within noise (|diff| < 2 stderr).")
-    add_params_arguments(p, CompareParams)
+    CompareParams.add_cli_args(p)
     p.add_argument("--json", action="store_true", help="print the comparison as one JSON object")
     p.set_defaults(func=_guarded("eval-compare", cmd_eval_compare))
 

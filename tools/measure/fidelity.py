@@ -44,16 +44,15 @@ import math
 import os
 import sys
 import time
-import types
-import typing
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Callable, ClassVar, Literal
 
 import httpx
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field
 
 from tools.errors import ToolFailure
+from tools.params import OpParams
 
 RECORD_KIND = "gemma4-t4/logprob-record"
 RECORD_VERSION = 1
@@ -81,7 +80,7 @@ class BadInput(ToolFailure):
 # Parameters and results (the CLI flags and the MCP tool's arguments are derived from these models)
 
 
-class RecordLogprobsParams(BaseModel):
+class RecordLogprobsParams(OpParams):
     out: str = Field(description="REF.json to write (refused if it exists, unless force)")
     corpus: str | None = Field(None, description="UTF-8 text file to score (default: the corpus shipped in "
                                                  "tools/measure/data/)")
@@ -96,16 +95,21 @@ class RecordLogprobsParams(BaseModel):
     force: bool = Field(False, description="replace an existing out file")
     timeout_s: float = Field(600.0, gt=0, description="seconds per window request")
 
+    CLI_BAD_INPUT: ClassVar[type[Exception] | None] = BadInput
 
-class CheckLogprobsParams(BaseModel):
+
+class CheckLogprobsParams(OpParams):
     reference: str = Field(description="REF.json written by `fidelity record`")
     base_url: str | None = Field(None, description="the candidate build's vLLM server (default: the one "
                                                    "tpu.env configures)")
     worst: int = Field(10, ge=0, le=1000, description="how many positions with the largest KLD to list")
     timeout_s: float = Field(600.0, gt=0, description="seconds per window request")
 
+    CLI_POSITIONAL: ClassVar[tuple[str, ...]] = ("reference",)
+    CLI_BAD_INPUT: ClassVar[type[Exception] | None] = BadInput
 
-class CompareLogprobsParams(BaseModel):
+
+class CompareLogprobsParams(OpParams):
     """Both modes in one argument set (the MCP tool `compare_logprobs`)."""
 
     mode: Literal["record", "check"] = Field(description="record: score the serving build into reference; "
@@ -638,52 +642,6 @@ def compare_logprobs(params: CompareLogprobsParams, progress: Progress | None = 
 # Command line: `./vllm-t4 fidelity record|check`, flags derived from the params models
 
 
-def _plain_type(annotation: Any) -> Any:
-    """int for `int | None`, etc."""
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        if len(args) == 1:
-            return args[0]
-    return annotation
-
-
-def add_model_arguments(parser, model: type[BaseModel], *, positional: tuple[str, ...] = (),
-                        rename: dict[str, str] | None = None) -> None:
-    """One argparse option per field of `model`: --kebab-name, the field's type, default and description."""
-    rename = rename or {}
-    for name, field in model.model_fields.items():
-        typ = _plain_type(field.annotation)
-        help_text = field.description or ""
-        if name in positional:
-            parser.add_argument(name, help=help_text)
-            continue
-        flag = "--" + rename.get(name, name).replace("_", "-")
-        if typ is bool:
-            parser.add_argument(flag, dest=name, action="store_true", help=help_text)
-            continue
-        kwargs: dict[str, Any] = {"dest": name, "help": help_text}
-        if typing.get_origin(typ) is Literal:
-            kwargs["choices"] = list(typing.get_args(typ))
-        elif typ in (int, float):
-            kwargs["type"] = typ
-        if field.is_required():
-            kwargs["required"] = True
-        else:
-            kwargs["default"] = field.default
-        parser.add_argument(flag, **kwargs)
-
-
-def params_from_args(model: type[BaseModel], args) -> BaseModel:
-    """The params model from parsed arguments; a validation error becomes one BadInput line naming the flag."""
-    values = {n: getattr(args, n) for n in model.model_fields if hasattr(args, n)}
-    try:
-        return model(**values)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        name = str(err["loc"][0]) if err.get("loc") else "?"
-        raise BadInput(f"--{name.replace('_', '-')}: {err['msg']} (got {err.get('input')!r})") from None
-
-
 def _run(name: str, func: Callable[[Any], int]) -> Callable[[Any], int]:
     """Failures as one line on stderr (and the JSON error under --json): exit 2 for bad input, 1 otherwise."""
     def run(args) -> int:
@@ -702,13 +660,13 @@ def _progress(done: int, total: int, msg: str) -> None:
 
 
 def _cmd_record(args) -> int:
-    res = record_logprobs(params_from_args(RecordLogprobsParams, args), progress=_progress)
+    res = record_logprobs(RecordLogprobsParams.from_cli_args(args), progress=_progress)
     print(json.dumps(res.to_dict()) if args.json else res.text())
     return 0
 
 
 def _cmd_check(args) -> int:
-    res = check_logprobs(params_from_args(CheckLogprobsParams, args), progress=_progress)
+    res = check_logprobs(CheckLogprobsParams.from_cli_args(args), progress=_progress)
     print(json.dumps(res.to_dict()) if args.json else res.text())
     return 0
 
@@ -721,10 +679,10 @@ def register(sub) -> None:
                                    "on bad input, 1 when the server fails.")
     acts = p.add_subparsers(dest="action", required=True, metavar="ACTION")
     a = acts.add_parser("record", help="score the corpus on the serving build into REF.json")
-    add_model_arguments(a, RecordLogprobsParams)
+    RecordLogprobsParams.add_cli_args(a)
     a.add_argument("--json", action="store_true", help="print the result as one JSON object")
     a.set_defaults(func=_run("record", _cmd_record))
     a = acts.add_parser("check", help="compare the serving build with REF.json")
-    add_model_arguments(a, CheckLogprobsParams, positional=("reference",))
+    CheckLogprobsParams.add_cli_args(a)
     a.add_argument("--json", action="store_true", help="print the result as one JSON object")
     a.set_defaults(func=_run("check", _cmd_check))

@@ -29,12 +29,13 @@ import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 from pydantic import BaseModel, Field
 
 from tools.errors import ToolFailure
-from tools.serving.params_cli import BadInput, add_model_arguments, params_from_args
+from tools.params import OpParams
+from tools.serving.params_cli import BadInput
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 MANIFEST = "fetch-manifest.json"
@@ -52,7 +53,7 @@ DISK_MARGIN_BYTES = 512 << 20
 Progress = Callable[[int, int, str], None]
 
 
-class FetchParams(BaseModel):
+class FetchParams(OpParams):
     repo_id: str = Field(description="Hugging Face model id, owner/name (e.g. "
                                      "google/gemma-4-E2B-it-qat-q4_0-unquantized)")
     revision: str = Field("main", description="Branch, tag or 40-hex commit to fetch")
@@ -60,6 +61,11 @@ class FetchParams(BaseModel):
                                               "unless it holds this same fetch")
     roots: list[str] | None = Field(None, description="Allowed models roots: the output must resolve inside one "
                                                       "(relative outputs resolve against the first)")
+
+    CLI_POSITIONAL: ClassVar[tuple[str, ...]] = ("repo_id",)
+    CLI_EXCLUDE: ClassVar[frozenset[str]] = frozenset({"roots"})  # the MCP server passes its models roots
+    MCP_EXCLUDE: ClassVar[frozenset[str]] = frozenset({"roots"})
+    CLI_BAD_INPUT: ClassVar[type[Exception] | None] = BadInput
 
 
 class FetchedFile(BaseModel):
@@ -440,7 +446,7 @@ def _cli(args: argparse.Namespace) -> int:
             print(f"  {done / 2**20:,.1f} / {total / 2**20:,.1f} MiB  {message}", file=sys.stderr, flush=True)
 
     try:
-        params = params_from_args(FetchParams, args)
+        params = FetchParams.from_cli_args(args)
         result = fetch_checkpoint(params, progress=show)
     except BadInput as exc:
         print(f"vllm-t4 fetch: {exc}", file=sys.stderr)
@@ -464,6 +470,6 @@ def register(sub: Any) -> None:
     p = sub.add_parser("fetch", help="download a checkpoint's build files from the Hugging Face hub into models/",
                        description=__doc__.split("\n\n")[0] + " Exit status: 0 fetched, 1 the fetch failed, "
                                                               "2 bad input.")
-    add_model_arguments(p, FetchParams, positional=["repo_id"], skip=["roots"])
+    FetchParams.add_cli_args(p)
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.set_defaults(func=_cli)

@@ -21,12 +21,13 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field
 
 from tools.errors import ToolFailure
-from tools.serving.params_cli import BadInput, add_model_arguments, params_from_args
+from tools.params import OpParams
+from tools.serving.params_cli import BadInput
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 # The QAT source every build is made from; gated on the hub (the licence must be accepted once, with a token).
@@ -56,13 +57,16 @@ class Check(BaseModel):
         return f"{self.name}: {self.value}" + (f"; {self.fix}" if self.fix else "")
 
 
-class PreflightParams(BaseModel):
+class PreflightParams(OpParams):
     step: Step = Field("all", description="Which checks: all (the whole deployment), start (serving the configured "
                                           "model), repack (a build of --source into --out), fetch (downloading the "
                                           "source checkpoint)")
     env_file: str | None = Field(None, description="Serving configuration to check (default: the project's tpu.env)")
     source: str | None = Field(None, description="repack: the source checkpoint folder (default SOURCE_CHECKPOINT)")
     out: str | None = Field(None, description="repack: the output folder (default MODEL_NAME)")
+
+    MCP_EXCLUDE: ClassVar[frozenset[str]] = frozenset({"env_file"})  # the MCP server checks its own config
+    CLI_BAD_INPUT: ClassVar[type[Exception] | None] = BadInput
 
 
 class PreflightReport(BaseModel):
@@ -484,16 +488,16 @@ def ensure(step: Step, **kwargs: Any) -> list[Check]:
     return checks
 
 
-def run_preflight(params: PreflightParams, *, hardware: Any = None, nvml: Any = None,
+def run_preflight(params: PreflightParams, *, cfg: Any = None, hardware: Any = None, nvml: Any = None,
                   turing_target: Path | None = None) -> PreflightReport:
     """Every check of `params.step`; never raises for what it finds (a failing check is a result), only for bad
-    input (BadInput: an env_file that does not exist)."""
+    input (BadInput: an env_file that does not exist). `cfg`: a loaded serving config, instead of env_file."""
     if params.env_file is not None and not Path(params.env_file).expanduser().is_file():
         raise BadInput(f"--env-file {params.env_file} does not exist; pass an existing tpu.env")
     from tools.serving.vllm_server import Hardware
 
     hw = hardware or Hardware()
-    checks = checks_for(params.step, env_file=params.env_file, source=params.source, out=params.out,
+    checks = checks_for(params.step, cfg=cfg, env_file=params.env_file, source=params.source, out=params.out,
                         hardware=hw, nvml=nvml, turing_target=turing_target)
     platform = hw.platform()
     failed = [c.name for c in checks if c.status == "fail"]
@@ -518,7 +522,7 @@ def _cli(args: argparse.Namespace) -> int:
     import sys
 
     try:
-        params = params_from_args(PreflightParams, args)
+        params = PreflightParams.from_cli_args(args)
         report = run_preflight(params)
     except BadInput as exc:
         print(f"vllm-t4 doctor: {exc}", file=sys.stderr)
@@ -532,6 +536,6 @@ def register(sub: Any) -> None:
     p = sub.add_parser("doctor", help="check this machine and configuration for a deployment (preflight)",
                        description=__doc__.split("\n\n")[0] + " Exit status: 0 no check fails (warnings allowed), "
                                    "1 a check fails, 2 bad input.")
-    add_model_arguments(p, PreflightParams)
+    PreflightParams.add_cli_args(p)
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     p.set_defaults(func=_cli)

@@ -1,0 +1,47 @@
+"""Deployment tools: check this machine for a deployment, fetch a checkpoint from the hub (tools/serving does
+the work)."""
+
+from __future__ import annotations
+
+from tools.errors import ToolFailure
+from tools.mcp.registry import Reply, tool
+from tools.serving.fetch import FetchParams, FetchResult
+from tools.serving.preflight import PreflightParams, PreflightReport
+
+
+@tool(toolset="deploy", title="Preflight checks", params=PreflightParams, result=PreflightReport, read_only=True,
+      idempotent=True)
+def preflight(app, p: PreflightParams) -> Reply:
+    """Check this machine and the serving config before a step (driver, GPU memory and capability, vLLM build,
+    T4 clamp, host memory, disk, port, max_model_len, hub token, checkpoints): each check ok, warn, fail or n/a,
+    with a one-line fix. A failing check is a result, not an error. Writes nothing."""
+    from tools.serving.preflight import run_preflight
+
+    update = {"env_file": str(app.settings.env_file) if app.settings.env_file else None}
+    if p.source:
+        update["source"] = str(app.roots.confine(p.source, "models", what="source"))
+    if p.out:
+        update["out"] = str(app.roots.confine(p.out, "models", what="out"))
+    try:
+        cfg = app.config()
+    except ToolFailure:  # reported as the failing `config` check
+        cfg = None
+    report = run_preflight(p.model_copy(update=update), cfg=cfg)
+    return Reply(report, report.summary)
+
+
+@tool(toolset="deploy", title="Fetch a checkpoint from the hub", params=FetchParams, result=FetchResult, long=True,
+      idempotent=True, open_world=True)
+def fetch_checkpoint(app, p: FetchParams, progress) -> Reply:
+    """Download a Hugging Face model's build files (weights, configs, tokenizer, chat template) at a revision and
+    publish them under a models root (`out`, default: <first models root>/<repo name>), with sha256 per file in
+    fetch-manifest.json; resumes from the hub cache, never replaces a different folder. Long: progress in bytes."""
+    from tools.serving.fetch import fetch_checkpoint as fetch
+
+    if not app.roots.models:  # no roots would mean an unconfined output
+        raise ToolFailure("no models root is configured; start the server with --models-root DIR")
+    res = fetch(p.model_copy(update={"roots": [str(r) for r in app.roots.models]}),
+                progress=lambda d, t, m: progress(d, t, m))
+    state = "already there" if res.already_present else ("from the cache" if res.offline else "fetched")
+    return Reply(res, f"{res.repo_id}@{res.commit[:12]} {state}: {res.out} ({len(res.files)} files, "
+                      f"{res.total_bytes / 2**30:.2f} GiB)")

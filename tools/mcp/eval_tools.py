@@ -1,0 +1,40 @@
+"""Accuracy tools: lm-evaluation-harness against the server and eval runs side by side (tools/measure/evals.py
+does the work)."""
+
+from __future__ import annotations
+
+from tools.measure.evals import CompareParams, EvalComparison, EvalParams, EvalResult
+from tools.mcp.registry import Reply, tool
+
+
+@tool(toolset="eval", title="Accuracy with lm-eval", params=EvalParams, result=EvalResult, long=True,
+      open_world=True, extra={"table_md": (str, "The run's scores as a markdown table")})
+def run_eval(app, p: EvalParams, progress) -> Reply:
+    """Score the running server with lm-evaluation-harness (greedy, local-completions) on the given tasks; writes
+    a run folder (lm-eval's results and samples, summary, provenance) under an evidence root (`out`, default: the
+    first). Long: lm-eval's progress."""
+    from tools.measure.evals import confine_eval_params, run_eval as evaluate, summary_markdown
+
+    confined = confine_eval_params(p, app.roots)
+    base_url = p.base_url or app.managed_base_url()  # the managed server, not the config's default port
+    res = evaluate(confined.model_copy(update={"base_url": base_url}), progress=lambda d, t, m: progress(d, t, m),
+                   serve_config=app.config())
+    first = ", ".join(f"{s.task} {s.metric} {s.value:.4f}" for s in res.scores[:3] if s.value is not None)
+    summary = (f"eval {res.run_id}: {len(res.scores)} scores over {', '.join(res.tasks)}"
+               + (f"; {first}" if first else "") + f" ({res.run_dir})")
+    return Reply(res, summary, {"table_md": summary_markdown(res)})
+
+
+@tool(toolset="eval", title="Compare eval runs", params=CompareParams, result=EvalComparison, read_only=True,
+      idempotent=True)
+def compare_evals(app, p: CompareParams) -> Reply:
+    """Eval runs side by side, the first the reference: per task and metric each run's value with its stderr,
+    and each later run minus the first paired over the documents both scored, with whether it is within noise.
+    Writes nothing."""
+    from tools.measure.evals import compare_evals as compare, confine_compare_params
+
+    cmp = compare(confine_compare_params(p, app.roots))
+    noisy = sum(1 for r in cmp.rows if r.within_noise is False)
+    summary = (f"compared {len(cmp.runs)} eval runs over {len(cmp.rows)} rows"
+               + (f"; {noisy} differences beyond noise" if noisy else ""))
+    return Reply(cmp, summary)
