@@ -101,7 +101,7 @@ def main() -> int:
         "mb_per_cpu_s_read": round(rep["bytes_read"] / 1e6 / build_cpu, 1), "peak_rss_mib": round(rep["peak_rss_bytes"] / 2**20, 1),
         "implementation": rep["implementation"], "cores": len(os.sched_getaffinity(0)),
         "loadavg_before": [round(x, 2) for x in load_before], "loadavg_after": [round(x, 2) for x in load],
-        "identical_pct": {t["name"]: t["identical_pct"] for t in rep["tables"] if t["groups"]},
+        "exact_runtime_fp16_pct": {t["name"]: t["exact_runtime_fp16_pct"] for t in rep["tables"] if t["groups"]},
     }
     print(f"source {size / 1e9:.2f} GB (read {rep['bytes_read'] / 1e9:.2f} GB: towers are dropped unread), "
           f"wrote {rep['bytes_written'] / 1e9:.2f} GB")

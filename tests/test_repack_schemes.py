@@ -247,7 +247,7 @@ def test_w8a8_report_has_its_own_columns(w8a8_build):
     assert 0 < lin["max_abs_error"] and 0 < lin["rel_l2_error"] < 0.01 and 40 < lin["snr_db"] < 80
     tables = {t["name"]: t for t in rep["tables"]}
     assert tables["linears"]["groups"] == 0  # the grid's exactness figures do not apply to int8
-    assert tables["PLE"]["groups"] > 0 and tables["PLE"]["identical_pct"] is not None  # the int4 tables keep them
+    assert tables["PLE"]["groups"] > 0 and tables["PLE"]["exact_runtime_fp16_pct"] is not None  # the int4 tables keep them
     assert tables["linears"]["bytes_after"] < tables["linears"]["bytes_before"] * 0.52
 
 
