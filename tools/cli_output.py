@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    import subprocess
 
 from tools.errors import ToolFailure
 
@@ -18,8 +21,10 @@ def emit(args: argparse.Namespace, obj: Any, text: str) -> None:
         print(text)
 
 
-def guard(name: str, func: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-    """Turns a ToolFailure into `vllm-t4 NAME: reason` on stderr (and the JSON error under --json), exit 1."""
+def guard(name: str, func: Callable[[argparse.Namespace], int],
+          status: Callable[[ToolFailure], int] = lambda exc: 1) -> Callable[[argparse.Namespace], int]:
+    """Turns a ToolFailure into `vllm-t4 NAME: reason` on stderr (and the JSON error under --json); the exit
+    status is `status(exc)` (1 unless the command says otherwise, e.g. 2 for bad input)."""
     def run(args: argparse.Namespace) -> int:
         try:
             return func(args)
@@ -27,5 +32,23 @@ def guard(name: str, func: Callable[[argparse.Namespace], int]) -> Callable[[arg
             if getattr(args, "json", False):
                 print(json.dumps(exc.to_dict(), default=str))
             print(f"vllm-t4 {name}: {exc}", file=sys.stderr)
-            return 1
+            return status(exc)
     return run
+
+
+def kill_group(proc: "subprocess.Popen") -> None:
+    """Ends a child started with start_new_session=True and everything it started: SIGTERM to its process
+    group, SIGKILL after 10 s."""
+    import os
+    import signal
+    import subprocess
+
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=10)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()

@@ -31,7 +31,6 @@ import os
 import queue
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -43,6 +42,7 @@ from typing import Any, Callable, ClassVar
 import httpx
 from pydantic import BaseModel, Field, ValidationError, field_validator
 
+from tools.cli_output import guard, kill_group
 from tools.errors import ToolFailure
 from tools.params import OpParams
 
@@ -232,16 +232,6 @@ def _sweep_stale_tmp(out: Path) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=10)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
 
 
 _TQDM = re.compile(r"^(?P<desc>[^:|]*?):?\s*(?P<pct>\d+)%\|[^|]*\|\s*(?P<done>\d+)/(?P<total>\d+)")
@@ -479,11 +469,11 @@ def run_eval(params: EvalParams, progress: Progress | None = None, *, serve_conf
                 if event is None and proc.poll() is not None:
                     break
                 if time.monotonic() > deadline:
-                    _kill_group(proc)
+                    kill_group(proc)
                     raise ToolFailure(f"lm-eval ran past its limit of {params.timeout_s:.0f} s and was stopped; "
                                       f"give a larger timeout or a smaller --limit", {"timeout_s": params.timeout_s})
         except BaseException:
-            _kill_group(proc)  # Ctrl-C, a cancelled call or a failing progress consumer: never leave lm-eval running
+            kill_group(proc)  # Ctrl-C, a cancelled call or a failing progress consumer: never leave lm-eval running
             raise
         finally:
             reader.thread.join(timeout=30)
@@ -762,15 +752,7 @@ def _progress_printer(done: int, total: int, msg: str) -> None:
 
 def _guarded(name: str, func: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
     """Bad input and failed runs: `vllm-t4 NAME: reason` on stderr (the JSON error under --json), exit 2."""
-    def run(args: argparse.Namespace) -> int:
-        try:
-            return func(args)
-        except ToolFailure as exc:
-            if getattr(args, "json", False):
-                print(json.dumps(exc.to_dict(), default=str))
-            print(f"vllm-t4 {name}: {exc}", file=sys.stderr)
-            return 2
-    return run
+    return guard(name, func, status=lambda exc: 2)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:

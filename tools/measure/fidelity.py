@@ -644,15 +644,9 @@ def compare_logprobs(params: CompareLogprobsParams, progress: Progress | None = 
 
 def _run(name: str, func: Callable[[Any], int]) -> Callable[[Any], int]:
     """Failures as one line on stderr (and the JSON error under --json): exit 2 for bad input, 1 otherwise."""
-    def run(args) -> int:
-        try:
-            return func(args)
-        except ToolFailure as exc:
-            if getattr(args, "json", False):
-                print(json.dumps(exc.to_dict(), default=str))
-            print(f"vllm-t4 fidelity {name}: {exc}", file=sys.stderr)
-            return 2 if isinstance(exc, BadInput) else 1
-    return run
+    from tools.cli_output import guard
+
+    return guard(f"fidelity {name}", func, status=lambda exc: 2 if isinstance(exc, BadInput) else 1)
 
 
 def _progress(done: int, total: int, msg: str) -> None:

@@ -34,6 +34,7 @@ from typing import Any, Callable
 import httpx
 
 from tools.measure import provenance as prov_mod
+from tools.cli_output import kill_group
 from tools.errors import ToolFailure
 
 from tools.measure.results import (DEFAULT_OUT, DEFAULT_PRICE_PER_HOUR, METRICS, PREFIX_CACHE_POLICY,  # noqa: F401
@@ -105,16 +106,6 @@ def _log_tail(path: Path, n: int = 1) -> str:
     return " | ".join(lines[-n:])[-400:]
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=10)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
 
 
 class BenchWorker:
@@ -198,7 +189,7 @@ class BenchWorker:
                     proc.stdin.close()  # EOF: the worker's loop ends by itself
                     proc.wait(timeout=5)
                 except (OSError, subprocess.TimeoutExpired, AssertionError):
-                    _kill_group(proc)
+                    kill_group(proc)
             else:
                 proc.wait()
             try:  # the group may hold children of the worker
