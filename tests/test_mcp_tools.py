@@ -605,3 +605,26 @@ def test_fetch_checkpoint_publishes_under_the_models_root(mcp, roots, tmp_path, 
     assert "outside the models roots" in errors[0] and not Path("/tmp/evil").exists()
     assert "not owner/name" in errors[1]
     assert "roots" in errors[2] and "Unexpected keyword argument" in errors[2]
+
+
+@pytest.mark.vllm
+def test_run_eval_through_mcp_scores_the_served_tiny_model(mcp, roots, emb4_server, monkeypatch):
+    """One MCP call runs lm-eval against the live server and returns lm-eval's own scores with stderr; the run
+    folder (lm-eval's results JSON, samples, summary, provenance) lands under the evidence root."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    async def go():
+        async with Client(mcp) as c:
+            return (await c.call_tool("run_eval", {"tasks": ["tiny_pattern_mc"], "label": "mcp-emb4",
+                                                   "base_url": emb4_server.base_url})).structured_content
+
+    data = run(go())
+    (score,) = [s for s in data["scores"] if s["metric"] == "acc"]
+    assert score["task"] == "tiny_pattern_mc" and score["n"] == 17 and score["stderr"] is not None
+    assert score["value"] > 0.25 + 3 * score["stderr"]  # four choices: measurably above chance
+    run_dir = Path(data["run_dir"])
+    assert run_dir.parent == roots.evidence[0]
+    results = json.loads(Path(data["files"]["lm_eval_results"]).read_text())
+    assert results["results"]["tiny_pattern_mc"]["acc,none"] == score["value"]
+    assert (run_dir / "summary.md").is_file() and (run_dir / "provenance.json").is_file()
