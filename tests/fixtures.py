@@ -14,3 +14,24 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def fake_t4_hardware():
+    """A Tesla T4 on a small host (compute capability 7.5, `ram` bytes of RAM, `swap` bytes of swap), as the
+    serving code's Hardware sees it: the class is built on first use so importing this module stays light."""
+    from tools.serving.vllm_server import Hardware
+
+    class FakeT4(Hardware):
+        def __init__(self, ram: int = 64 << 30, swap: int = 0) -> None:
+            self.ram, self.swap = ram, swap
+
+        def platform(self):
+            return "cuda"
+
+        def compute_capability(self):
+            return (7, 5)
+
+        def host_memory(self):
+            return self.ram, self.swap
+
+    return FakeT4

@@ -18,24 +18,13 @@ from tools.serving.config import DEFAULT_ENV_FILE, load_config
 from tools.errors import ToolFailure
 from tools.serving.params_cli import BadInput
 from tools.serving.preflight import PreflightParams, checks_for, ensure, run_preflight
-from tools.serving.vllm_server import Hardware
+from fixtures import fake_t4_hardware
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 1 << 20
 
 
-class FakeT4(Hardware):
-    def __init__(self, ram: int = 64 << 30, swap: int = 0) -> None:
-        self.ram, self.swap = ram, swap
-
-    def platform(self):
-        return "cuda"
-
-    def compute_capability(self):
-        return (7, 5)
-
-    def host_memory(self):
-        return self.ram, self.swap
+FakeT4 = fake_t4_hardware()
 
 
 class FakeNvml:

@@ -22,7 +22,8 @@ import pytest
 from tools.serving import turing_patch
 from tools.serving.config import load_config
 from tools.errors import ToolFailure
-from tools.serving.vllm_server import Hardware, server_status, start_server, stop_server
+from fixtures import fake_t4_hardware
+from tools.serving.vllm_server import server_status, start_server, stop_server
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["abcdef", "The quick brown fox", "0123456789", "Gemma on a T4", "zyxw vut"]
@@ -199,20 +200,7 @@ def test_a_folder_that_is_not_a_model_fails_fast_without_orphans(tmp_path, serve
 # ---------------------------------------------------------------------------------------------------------------
 # Refusals and bookkeeping that need no server start.
 
-class FakeT4(Hardware):
-    """A Tesla T4 on a small host: compute capability 7.5, 15360 MiB, `ram` bytes of RAM and no swap."""
-
-    def __init__(self, ram: int = 64 << 30, swap: int = 0) -> None:
-        self.ram, self.swap = ram, swap
-
-    def platform(self):
-        return "cuda"
-
-    def compute_capability(self):
-        return (7, 5)
-
-    def host_memory(self):
-        return self.ram, self.swap
+FakeT4 = fake_t4_hardware()  # a Tesla T4 on a small host
 
 
 def test_turing_gpu_needs_the_clamp_then_memory_needs_swap(tmp_path, serve_config_factory):
