@@ -357,16 +357,20 @@ def test_exchange_is_what_publishes_by_default(src, old_build, monkeypatch):
 
 # -- 3. leftovers of killed builds; builds in worker threads ----------------------------------------------------
 
-_SLOW_CHILD = """
-import sys, time
-sys.path.insert(0, {root!r})
-from repack import grid, cli
+# every block of the grid kernel takes 0.3 s longer: a child build lives long enough to be signalled mid-way
+_SLOW_QUANTIZE = """
 real = grid.quantize
 def slow(*args, **kwargs):
     time.sleep(0.3)
     return real(*args, **kwargs)
 grid.quantize = slow
-{extra}
+"""
+
+_SLOW_CHILD = """
+import sys, time
+sys.path.insert(0, {root!r})
+from repack import grid, cli
+""" + _SLOW_QUANTIZE + """{extra}
 sys.exit(cli.main(["build", {src!r}, {out!r}, "--text-only", "--embed-int4", "--embed-tokens"]))
 """
 # copied blocks reach the kernel through pwrite, which answers EFAULT for a vanished page instead of SIGBUS:
@@ -554,12 +558,7 @@ import os, signal, sys, threading, time
 sys.path.insert(0, {root!r})
 from repack import atomic, grid
 from repack.build import BuildOptions, build_checkpoint
-real = grid.quantize
-def slow(*args, **kwargs):
-    time.sleep(0.3)
-    return real(*args, **kwargs)
-grid.quantize = slow
-def on_term(signum, frame):
+""" + _SLOW_QUANTIZE + """def on_term(signum, frame):
     atomic.cleanup_own_partials()
     os._exit(143)
 signal.signal(signal.SIGTERM, on_term)
