@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .grid import GridStats
+from .grid import DEFAULT_OBJECTIVE, GridStats
 
 TABLES = ["PLE", "embed_tokens", "lm_head", "linears", "rest", "towers"]
 SHORT = {"float16": "fp16", "bfloat16": "bf16"}
@@ -83,7 +83,7 @@ class RepackReport:
     implementation: str  # "numba" or "numpy"
     tables: dict[str, TableReport]
     target_dtype: str = "float16"
-    objective: str = "runtime-exact"
+    objective: str = DEFAULT_OBJECTIVE
     output_shards: int = 0
     hardlinked_shards: int = 0
     source_bytes: int = 0      # every tensor of the source checkpoint

@@ -78,13 +78,13 @@ def test_decoded_values_match_the_source(builds):
         decoded = grid.decode(packed, scales)
         source = (words.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
         # tiny_model's steps are fp32 values, as QAT learns them: what a T4 computes, fp16(level * scale), is
-        # within 2 bf16 ulps of every source value, and most values come back exactly (-0.0 as +0.0: a level
-        # has no sign of zero)
+        # within 2 bf16 ulps of every source value, and many values come back exactly (-0.0 as +0.0: a level
+        # has no sign of zero; the default objective, min-error, trades exact values for a lower squared error)
         assert ((words & 0x7F80) != 0x7F80).all()
         runtime = grid.runtime_values(decoded, "float16")
         ulp = np.ldexp(1.0, np.maximum((words.astype(np.int64) >> 7) & 0xFF, 1) - 134)
         assert (np.abs(runtime - source) <= 2 * ulp).all(), name
-        assert (runtime == source).mean() > 0.5, name
+        assert (runtime == source).mean() > 0.3, name
         n_checked += 1
     assert n_checked == 53  # every linear and both embedding tables
 
@@ -210,7 +210,7 @@ def test_report_json(builds):
         assert t["max_err_ulp_bf16_runtime_fp16"] <= 2 and t["max_err_ulp_bf16_runtime_bf16"] <= 2
         assert 0 < t["rel_l2_runtime_fp16"] < 0.01 and 0 < t["mean_err_ulp_bf16_runtime_fp16"] < 1
     assert tables["towers"]["bytes_after"] == 0 and tables["towers"]["bytes_before"] > 0
-    assert rep["target_dtype"] == "float16" and rep["objective"] == "runtime-exact"
+    assert rep["target_dtype"] == "float16" and rep["objective"] == grid.DEFAULT_OBJECTIVE
     assert rep["scale_dtype"] == "fp16" and rep["other_dtype"] == "bfloat16"
     assert rep["wall_s"] > 0 and rep["peak_rss_bytes"] > 0 and rep["bytes_read"] > 0
 

@@ -293,8 +293,17 @@ def test_the_objective_changes_the_stored_scales(tmp_path):
     assert lin["min-error"]["rel_l2_runtime_fp16"] < lin["runtime-exact"]["rel_l2_runtime_fp16"]
 
 
-def test_default_objective_is_one_constant():
-    assert BuildOptions().objective == grid.DEFAULT_OBJECTIVE == "runtime-exact"
+def test_default_objective_is_the_one_the_fidelity_measurement_chose():
+    """The rule: the objective with the lower mean KLD against the unpacked source sets the default; runtime-exact
+    (the article's criterion) when the two are within run-to-run noise (the recorded runs are deterministic)."""
+    evidence = Path(__file__).resolve().parents[1] / "evidence"
+    kld = {}
+    for obj in grid.OBJECTIVES:
+        run = json.loads((evidence / f"fidelity-objective-{obj}.json").read_text())
+        assert run["objective"] == obj
+        kld[obj] = run["dtypes"]["float16"]["kld_emb4_vs_source"]["mean_kld"]
+    chosen = min(kld, key=kld.get) if abs(kld["min-error"] - kld["runtime-exact"]) > 0 else "runtime-exact"
+    assert BuildOptions().objective == grid.DEFAULT_OBJECTIVE == chosen
     assert BuildOptions().target_dtype == "float16" and BuildOptions().scale_dtype == "fp16"
 
 
