@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import signal
 import sys
@@ -43,28 +42,33 @@ def progress_bar(enabled: bool | None = None) -> tuple[Callable[[int, int, str],
     return update, close
 
 
-def add_scale_dtype(p: argparse.ArgumentParser) -> None:
-    from .grid import DEFAULT_OBJECTIVE, OBJECTIVES, TARGETS
+# The flags each of the article's step scripts takes; the rest of BuildParams is fixed by the step.
+STEP_FLAGS = frozenset({"source", "output", "target_dtype", "objective", "scale_dtype", "force"})
 
-    p.add_argument("--target-dtype", choices=list(TARGETS), default=None,
-                   help="the dtype the model is served in, whose arithmetic the scales are chosen for; the scales "
-                        "are stored in it (default float16: the T4 computes fp16(level*scale))")
-    p.add_argument("--objective", choices=list(OBJECTIVES), default=DEFAULT_OBJECTIVE,
-                   help="runtime-exact: most values exact in the target's arithmetic, ties by squared error; "
-                        f"min-error: least squared error (default {DEFAULT_OBJECTIVE})")
-    p.add_argument("--scale-dtype", choices=["fp16", "bf16"], default=None,
-                   help="older spelling of --target-dtype: fp16 = float16, bf16 = bfloat16")
-    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+
+def build_parser(p: argparse.ArgumentParser, *, only: frozenset[str] | None = None) -> None:
+    """BuildParams' flags (only those named in `only`, if given), plus --json."""
+    from .params import BuildParams
+
+    skip = frozenset() if only is None else frozenset(BuildParams.model_fields) - only
+    BuildParams.add_cli_args(p, exclude=skip)
+    if only is None or "quantize_linears" in only:  # the older spelling of --no-quantize-linears
+        p.add_argument("--keep-linears", dest="quantize_linears", action="store_false",
+                       help="leave the linear layers bf16 (same as --no-quantize-linears)")
     p.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
 
 
-def add_scheme(p: argparse.ArgumentParser) -> None:
-    from . import schemes
+def build_from_args(args: argparse.Namespace, **fixed) -> int:
+    """Parse the flags into BuildParams (fixed: what a step script decides) and run the build."""
+    from .params import BuildParams
 
-    p.add_argument("--scheme", choices=schemes.names(), default=schemes.DEFAULT,
-                   help="how the linear layers are quantized: " + "; ".join(
-                       f"{n}: {schemes.get(n).summary}" for n in schemes.names()) +
-                   f" (default {schemes.DEFAULT})")
+    try:
+        params = BuildParams.from_cli_args(args, **fixed)
+        options = params.options()
+    except RepackError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return run_build(params.source, params.output, options, args.json)
 
 
 def protected_folders() -> list[Path]:
@@ -78,16 +82,16 @@ def protected_folders() -> list[Path]:
     return folders
 
 
-def run_build(src: str, out: str, options_kwargs: dict, as_json: bool = False) -> int:
+def run_build(src: str, out: str, options, as_json: bool = False) -> int:
     """Runs a build and prints its report; every failure is one line on stderr and status 2; a signal exits
     128 + its number (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP)."""
     from .atomic import signals_as_exceptions
-    from .build import BuildOptions, build_checkpoint
+    from .build import build_checkpoint
 
     update, close = progress_bar()
     try:
         with signals_as_exceptions():
-            report = build_checkpoint(src, out, BuildOptions(**options_kwargs), progress=update,
+            report = build_checkpoint(src, out, options, progress=update,
                                       protected_roots=protected_folders(),
                                       notice=lambda line: print(f"repack: {line}", file=sys.stderr))
     except RepackError as e:
@@ -111,44 +115,30 @@ def run_build(src: str, out: str, options_kwargs: dict, as_json: bool = False) -
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .params import ProbeParams
+
     ap = argparse.ArgumentParser(prog="python3 -m repack", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    b = sub.add_parser("build", help="SRC to the final build in one pass (no intermediate checkpoint)")
-    b.add_argument("src", metavar="SRC")
-    b.add_argument("out", metavar="OUT")
-    b.add_argument("--text-only", action="store_true", help="drop the vision/audio towers; Gemma4ForCausalLM")
-    b.add_argument("--embed-int4", action="store_true", help="pack the per-layer embedding table (PLE) as int4")
-    b.add_argument("--embed-tokens", action="store_true",
-                   help="with --embed-int4: also pack embed_tokens and write it again as an untied int4 lm_head")
-    b.add_argument("--keep-linears", action="store_true", help="leave the linear layers bf16")
-    b.add_argument("--max-shard-size", type=_positive_gib, default=2.0, metavar="GB", help="output shard size (GiB)")
-    add_scheme(b)
-    add_scale_dtype(b)
+    build_parser(sub.add_parser("build", help="SRC to the final build in one pass (no intermediate checkpoint)"))
     p = sub.add_parser("probe", help="tell whether a checkpoint's tensors sit on the 4-bit grid")
-    p.add_argument("src", metavar="SRC")
-    p.add_argument("--rows", type=int, default=16, help="rows sampled per tensor (default 16)")
+    ProbeParams.add_cli_args(p)
     p.add_argument("--verbose", action="store_true", help="list every tensor")
     p.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if args.cmd == "build":
-        if args.embed_tokens and not args.embed_int4:
-            ap.error("--embed-tokens needs --embed-int4")
-        return run_build(args.src, args.out, dict(
-            quantize_linears=not args.keep_linears, text_only=args.text_only, embed_int4=args.embed_int4,
-            embed_tokens=args.embed_tokens, scale_dtype=args.scale_dtype, target_dtype=args.target_dtype,
-            objective=args.objective, force=args.force,
-            max_shard_bytes=int(args.max_shard_size * (1 << 30)), scheme=args.scheme), args.json)
+        return build_from_args(args)
     from .atomic import check_no_symlink_loop, find_stale_partials
     from .probe import probe_checkpoint
 
     try:
-        check_no_symlink_loop(args.src, "source folder")
-        rep = probe_checkpoint(args.src, rows_per_tensor=max(1, args.rows))
+        params = ProbeParams.from_cli_args(args)
+        check_no_symlink_loop(params.path, "source folder")
+        rep = probe_checkpoint(params.path, rows_per_tensor=params.rows)
     except RepackError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     # read-only: leftovers of dead builds beside SRC are only reported; the next build there removes them
-    stale = [lo.describe() for lo in find_stale_partials(Path(os.path.abspath(args.src)).parent)]
+    stale = [lo.describe() for lo in find_stale_partials(Path(os.path.abspath(params.path)).parent)]
     if args.json:
         print(json.dumps({**rep.to_dict(), "stale_partials": stale}, indent=2))
     else:
@@ -156,13 +146,3 @@ def main(argv: list[str] | None = None) -> int:
         for line in stale:
             print(f"stale partial build: {line}; the next build in that folder removes it")
     return 0
-
-
-def _positive_gib(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        v = math.nan
-    if not math.isfinite(v) or v <= 0 or v * (1 << 30) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive size in GiB (e.g. 2 or 0.5)")
-    return v

@@ -15,22 +15,15 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from repack.cli import add_scale_dtype, run_build  # noqa: E402
+from repack.cli import STEP_FLAGS, build_from_args, build_parser  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="embed_int4.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("src", metavar="SRC")
-    ap.add_argument("out", metavar="OUT")
-    ap.add_argument("--embed-tokens", action="store_true",
-                    help="also pack embed_tokens and write it as an untied int4 lm_head")
-    add_scale_dtype(ap)
+    build_parser(ap, only=STEP_FLAGS | {"embed_tokens"})
     args = ap.parse_args(argv)
-    return run_build(args.src, args.out, dict(quantize_linears=False, text_only=False, embed_int4=True,
-                                              embed_tokens=args.embed_tokens, scale_dtype=args.scale_dtype,
-                                              target_dtype=args.target_dtype, objective=args.objective,
-                                              force=args.force), args.json)
+    return build_from_args(args, quantize_linears=False, text_only=False, embed_int4=True)
 
 
 if __name__ == "__main__":

@@ -32,19 +32,13 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 
+from .choices import DEFAULT_OBJECTIVE, DEFAULT_TARGET, OBJECTIVES, TARGETS, Objective, ScaleDtype, Target  # noqa: F401
+
 GROUP = 32
 TOL_ULPS = 2.0
-ScaleDtype = Literal["fp16", "bf16"]
-Target = Literal["float16", "bfloat16"]
-Objective = Literal["runtime-exact", "min-error"]
-TARGETS: tuple[str, ...] = ("float16", "bfloat16")
-OBJECTIVES: tuple[str, ...] = ("runtime-exact", "min-error")
-DEFAULT_TARGET: Target = "float16"  # the T4 computes in fp16
-DEFAULT_OBJECTIVE: Objective = "min-error"  # lower KLD vs the source (evidence/fidelity-objectives.md); set here only
 SCALE_DTYPE: dict[str, ScaleDtype] = {"float16": "fp16", "bfloat16": "bf16"}
 _TARGET_OF = {"float16": "float16", "fp16": "float16", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 EXCL = 2.0 ** -30

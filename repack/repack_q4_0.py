@@ -12,7 +12,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the project root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from repack.cli import add_scale_dtype, run_build  # noqa: E402
+from repack.cli import STEP_FLAGS, build_from_args, build_parser  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,15 +20,9 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("repack", help="SRC (QAT q4_0-unquantized) to OUT with int4 linears")
-    r.add_argument("src", metavar="SRC")
-    r.add_argument("out", metavar="OUT")
-    add_scale_dtype(r)
+    build_parser(r, only=STEP_FLAGS)
     args = ap.parse_args(argv)
-    return run_build(args.src, args.out, dict(quantize_linears=True, text_only=False, embed_int4=False,
-                                              embed_tokens=False, scale_dtype=args.scale_dtype,
-                                              target_dtype=args.target_dtype, objective=args.objective,
-                                              force=args.force),
-                     args.json)
+    return build_from_args(args, quantize_linears=True, text_only=False, embed_int4=False, embed_tokens=False)
 
 
 if __name__ == "__main__":

@@ -52,6 +52,7 @@ class OpParams(BaseModel):
     CLI_POSITIONAL: ClassVar[tuple[str, ...]] = ()
     MCP_EXCLUDE: ClassVar[frozenset[str]] = frozenset()
     MCP_DEFAULTS: ClassVar[dict[str, Any]] = {}     # where the MCP server's default differs (e.g. a root, not cwd)
+    CLI_DEFAULTS: ClassVar[dict[str, Any]] = {}     # where the command line's default differs
     CLI_COMMA: ClassVar[frozenset[str]] = frozenset()  # list[str] fields written `--x a,b --x c`
     CLI_BAD_INPUT: ClassVar[type[Exception] | None] = None  # raised (message, detail) instead of exit 2
 
@@ -64,6 +65,7 @@ class OpParams(BaseModel):
             tp = _strip_optional(f.annotation)
             help_ = f.description or ""
             default = None if f.is_required() else f.get_default(call_default_factory=True)
+            default = cls.CLI_DEFAULTS.get(name, default)
             kwargs: dict[str, Any] = {"help": help_}
             if name in cls.CLI_POSITIONAL:
                 flag: list[str] = [name]

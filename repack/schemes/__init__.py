@@ -13,7 +13,7 @@ import pkgutil
 from ..errors import RepackError
 from .base import ErrorStats, Output, Scheme, SchemeReport
 
-DEFAULT = "w4a16"
+from ..choices import DEFAULT_SCHEME as DEFAULT
 REGISTRY: dict[str, type[Scheme]] = {}
 
 

@@ -7,11 +7,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from tools.mcp.registry import Reply, tool
-from tools.params import OpParams
-
-
-class ProbeParams(OpParams):
-    path: str = Field(description="Checkpoint folder under a models root")
+from repack.params import BuildParams, ProbeParams
 
 
 @tool(toolset="repack", title="Probe a checkpoint", params=ProbeParams, read_only=True, idempotent=True,
@@ -26,7 +22,7 @@ def probe_checkpoint(app, p: ProbeParams) -> Reply:
     src = app.roots.confine(p.path, "models", must_exist=True, what="path")
     from repack.probe import probe_checkpoint as probe
 
-    report = probe(src, roots=list(app.roots.models))
+    report = probe(src, rows_per_tensor=p.rows, roots=list(app.roots.models))
     d = report.to_dict()
     tensors = d.pop("tensors")
     off = [t for t in tensors if t.get("on_grid") is False]
@@ -37,25 +33,7 @@ def probe_checkpoint(app, p: ProbeParams) -> Reply:
                               "table": report.format_table()})
 
 
-class RepackParams(OpParams):
-    source: str = Field(description="QAT checkpoint folder (config.json + safetensors) under a models root")
-    output: str = Field(description="Folder to write, under a models root")
-    quantize_linears: bool = Field(True, description="Pack every linear layer as W4A16")
-    text_only: bool = Field(True, description="Drop vision/audio towers (Gemma4ForCausalLM)")
-    embed_int4: bool = Field(True, description="Pack the per-layer embedding table (PLE) as int4")
-    embed_tokens: bool | None = Field(None, description="Also pack embed_tokens and write an untied int4 lm_head; "
-                                                        "default: same as embed_int4")
-    scheme: str = Field("w4a16", description="Build scheme of the linears: w4a16 (the QAT grid, int4) or w8a8 "
-                                             "(int8 weights, dynamic int8 activations); the tables stay int4")
-    target_dtype: Literal["float16", "bfloat16"] = Field(
-        "float16", description="The runtime dtype the scales are chosen and stored for; float16 for the T4")
-    objective: Literal["runtime-exact", "min-error"] | None = Field(
-        None, description="Scale choice: most values exact in the target's arithmetic, or least squared error; "
-                          "default: the library's (see the README)")
-    force: bool = Field(False, description="Replace an empty folder or exactly a build this tool wrote")
-
-
-@tool(toolset="repack", title="Repack a QAT checkpoint to all-4-bit", params=RepackParams, long=True,
+@tool(toolset="repack", title="Repack a QAT checkpoint to all-4-bit", params=BuildParams, long=True,
       destructive=True, idempotent=True,
       extra={"output": (str, "The written checkpoint folder; pass it to start_vllm_server as model"),
              "tables": (list[dict[str, Any]], "Per table (PLE, embed_tokens, lm_head, linears, rest, towers): "
@@ -63,20 +41,15 @@ class RepackParams(OpParams):
                                               "and bf16, errors in bf16 ulps, sign-of-zero changes"),
              "removed_partials": (list[str], "Leftovers of dead builds beside the output, removed first"),
              "table": (str, "The report as a fixed-width table, for people")})
-def repack_checkpoint(app, p: RepackParams, progress) -> Reply:
+def repack_checkpoint(app, p: BuildParams, progress) -> Reply:
     """Build the all-4-bit checkpoint from a QAT checkpoint in one pass (W4A16 linears, text only, int4 PLE and
     embed_tokens, or embed_int4=false for the bf16-embedding build). Aborts on any off-grid group, leaves nothing
     half written; replaces an existing output only with force=true. Long: progress in bytes."""
     src = app.roots.confine(p.source, "models", must_exist=True, what="source")
     out = app.roots.confine(p.output, "models", what="output")
-    from repack.build import BuildOptions, build_checkpoint
+    from repack.build import build_checkpoint
 
-    from repack.grid import DEFAULT_OBJECTIVE
-
-    opts = BuildOptions(quantize_linears=p.quantize_linears, text_only=p.text_only, embed_int4=p.embed_int4,
-                        embed_tokens=p.embed_int4 if p.embed_tokens is None else p.embed_tokens,
-                        target_dtype=p.target_dtype, objective=p.objective or DEFAULT_OBJECTIVE, force=p.force,
-                        scheme=p.scheme)
+    opts = p.options()
     # a root itself, or a folder above one, is never an output (repack refuses, naming it)
     report = build_checkpoint(src, out, opts, progress=lambda d, t, m: progress(d, t, m),
                               protected_roots=[*app.roots.models, *app.roots.evidence], roots=list(app.roots.models))
