@@ -84,6 +84,10 @@ def run_build(src: str, out: str, options_kwargs: dict, as_json: bool = False) -
     from .atomic import signals_as_exceptions
     from .build import BuildOptions, build_checkpoint
 
+    refused = _preflight(src, out)
+    if refused:
+        print(f"error: {refused}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     update, close = progress_bar()
     try:
         with signals_as_exceptions():
@@ -108,6 +112,24 @@ def run_build(src: str, out: str, options_kwargs: dict, as_json: bool = False) -
     print(json.dumps(report.to_dict(), indent=2) if as_json else report.format_table())
     print(f"wrote {out} (report in {out}/repack-report.json)", file=sys.stderr)
     return 0
+
+
+def _preflight(src: str, out: str) -> str | None:
+    """The deployment preflight's repack checks (the source's config.json, free disk for what the build writes
+    plus headroom): the first failing check's line, or None. Skipped where the tools package is not installed
+    beside the library."""
+    if not Path(src).is_dir():  # the library's own error says what is wrong with it (missing, a file, a loop)
+        return None
+    try:
+        from tools.errors import ToolFailure
+        from tools.serving.preflight import ensure
+    except ImportError:
+        return None
+    try:
+        ensure("repack", source=Path(os.path.abspath(src)), out=Path(os.path.abspath(out)))
+    except ToolFailure as e:
+        return str(e)
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:

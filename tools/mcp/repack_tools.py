@@ -70,6 +70,9 @@ def repack_checkpoint(app, p: RepackParams, progress) -> Reply:
     src = app.roots.confine(p.source, "models", must_exist=True, what="source")
     out = app.roots.confine(p.output, "models", what="output")
     from repack.build import BuildOptions, build_checkpoint
+    from tools.serving.preflight import ensure
+
+    ensure("repack", source=src, out=out)  # the source's config.json and free disk: refused before any write
 
     from repack.grid import DEFAULT_OBJECTIVE
 
