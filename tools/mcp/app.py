@@ -229,7 +229,14 @@ def create_server(settings: Settings | None = None, *, auth: Any = None,
                  tags={spec.toolset}, output_schema=spec.output_schema(),
                  annotations=ToolAnnotations(readOnlyHint=spec.read_only, destructiveHint=spec.destructive,
                                              idempotentHint=spec.idempotent, openWorldHint=spec.open_world))
-    mcp.enable(tags=set(chosen), only=True)
+    # Every tool carries its one toolset's tag: hiding the other toolsets' tags leaves the chosen tools, and the
+    # untagged resources and prompts, which cost a client nothing until it asks for them.
+    hidden = set(TOOLSETS) - set(chosen)
+    if hidden:
+        mcp.disable(tags=hidden)
+    from tools.mcp import resources
+
+    resources.register(mcp, app)
     return mcp
 
 
