@@ -209,7 +209,8 @@ class Step:
 CONDITIONS = {
     "source_missing": "the source folder does not exist yet",
     "turing": "preflight's turing_clamp check fails (a T4 whose vLLM lacks the clamp)",
-    "build_a_missing": "build_a does not exist yet",
+    "build_b_missing": "build_b does not exist yet",
+    "a_not_served": "server_status shows no server, or one serving another model than build_a",
 }
 
 
@@ -311,21 +312,26 @@ prompt(PromptSpec(
 prompt(PromptSpec(
     name="compare_builds", title="Compare two builds (tokens and throughput)",
     description="The article's comparison of two builds on one GPU: record A's greedy tokens, start B, check B "
-                "against them, sweep both, compare the sweeps.",
-    arguments={"build_a": (_BUILD, "The reference build (the bf16-embedding build by default)"),
-               "build_b": (_BUILD + "-emb4", "The candidate build (the all-4-bit build by default)"),
-               "label_a": ("bf16-emb", "Label of build A in the sweep tables (no spaces)"),
-               "label_b": ("int4-emb", "Label of build B (no spaces)"),
-               "source": (SOURCE_REPO.split("/")[1], "The QAT source, to build build_a when it is missing")},
+                "against them, sweep both, compare the sweeps. A is the build deploy_t4 left serving, so it is "
+                "not started again.",
+    arguments={"build_a": (_BUILD + "-emb4", "The build whose tokens are recorded (the all-4-bit build deploy_t4 "
+                                             "serves)"),
+               "build_b": (_BUILD, "The build checked against A (the bf16-embedding build by default; repacked "
+                                   "from source when missing)"),
+               "label_a": ("int4-emb", "Label of build A in the sweep tables (no spaces)"),
+               "label_b": ("bf16-emb", "Label of build B (no spaces)"),
+               "source": (SOURCE_REPO.split("/")[1], "The QAT source, to build build_b when it is missing")},
     toolsets=("repack", "serve", "measure"),
-    intro="Compare {build_a} (A, the reference) with {build_b} (B) with the gemma4-t4 MCP tools. One GPU serves "
-          "one build at a time, so A's tokens are recorded to a file and B is checked against it. Call the tools "
-          "in this order and read each `summary`; a failed call's error names the fix.",
+    intro="Compare {build_a} (A) with {build_b} (B) with the gemma4-t4 MCP tools. One GPU serves one build at a "
+          "time, so A's greedy tokens are recorded to a file and B is checked against it. Call the tools in this "
+          "order and read each `summary`; a failed call's error names the fix.",
     steps=[
-        Step("repack_checkpoint", {"source": "{source}", "output": "{build_a}", "embed_int4": False},
-             "the bf16-embedding build", when="{build_a} does not exist", condition="build_a_missing"),
-        Step("stop_vllm_server", {}, "one build at a time (safe when nothing runs)"),
-        Step("start_vllm_server", {"model": "{build_a}"}, "serves A"),
+        Step("repack_checkpoint", {"source": "{source}", "output": "{build_b}", "embed_int4": False},
+             "the bf16-embedding build", when="{build_b} does not exist", condition="build_b_missing"),
+        Step("stop_vllm_server", {}, "one build at a time (safe when nothing runs)",
+             when="server_status shows the server is not serving {build_a}", condition="a_not_served"),
+        Step("start_vllm_server", {"model": "{build_a}"}, "serves A",
+             when="server_status shows the server is not serving {build_a}", condition="a_not_served"),
         Step("compare_tokens", {"mode": "record", "reference": "tokens/{label_a}.json"},
              "A's greedy tokens for the eight article prompts, written under the evidence root"),
         Step("run_sweep", {"label": "{label_a}", "out": "sweeps"},
@@ -335,9 +341,10 @@ prompt(PromptSpec(
         Step("compare_tokens", {"mode": "check", "reference": "tokens/{label_a}.json"},
              "B against A's record: identical prompts, else the first divergence and whether it is a near-tie"),
         Step("run_sweep", {"label": "{label_b}", "out": "sweeps"}, "B's throughput over the same grid and prompts"),
-        Step("compare_sweeps", {"run_dirs": [Ref(5, "run_dir"), Ref(9, "run_dir")],
+        Step("compare_sweeps", {"run_dirs": [Ref(9, "run_dir"), Ref(5, "run_dir")],
                                 "output": "sweeps/{label_a}-vs-{label_b}.md"},
-             "per cell each build's median output tok/s and B's ratio to A, with cost per million tokens"),
+             "per cell each build's median output tok/s and A's ratio to B (B's run first: the baseline), with "
+             "cost per million tokens"),
         Step("stop_vllm_server", {}, "done: free the GPU"),
     ],
     outro=f"The runs' summaries are readable as resources ({SCHEME}://evidence/runs lists them)."))
