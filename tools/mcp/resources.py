@@ -52,7 +52,7 @@ def resource(uri: str, *, title: str, mime_type: str) -> Callable[[Callable[...,
 
     def register(fn: Callable[..., str]) -> Callable[..., str]:
         RESOURCES[uri] = ResourceSpec(uri=uri, name=fn.__name__, title=title,
-                                      description=inspect.cleandoc(fn.__doc__ or ""), mime_type=mime_type, fn=fn)
+                                      description=" ".join((fn.__doc__ or "").split()), mime_type=mime_type, fn=fn)
         return fn
 
     return register
