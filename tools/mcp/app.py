@@ -45,7 +45,9 @@ Typical order: probe_checkpoint -> repack_checkpoint -> patch_turing (T4 only) -
 query_model -> compare_tokens (record with build A, check with build B) -> run_sweep -> compare_sweeps ->
 stop_vllm_server. Long tools stream progress; if your client times out tool calls, run them with start_job and
 follow with job_status. One long operation runs at a time. Paths must lie under the roots (server_status.roots).
-Every result has `summary`, one line for people; chain the other fields."""
+Every result has `summary`, one line for people; chain the other fields. The prompts deploy_t4 and compare_builds
+list the calls in order; the resources hold the serving config, evidence run summaries, the demo report and the
+server log."""
 
 # The errors whose message is written for the caller; anything else is named by its type as well.
 OURS: tuple[type[BaseException], ...] = (RepackError, ToolFailure, PathNotAllowed, Busy, JobCancelled, KeyError,
