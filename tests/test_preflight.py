@@ -311,3 +311,15 @@ def test_start_through_mcp_refuses_with_the_port_checks_line(clean_env, tmp_path
         err = _call(mcp, "start_vllm_server", {"model": "m", "port": port})
     assert err.startswith(f"port: port {port} on 127.0.0.1 is already in use by pid {os.getpid()}"), err
     assert not (tmp_path / "run" / "vllm.log").exists()
+
+
+def test_a_broken_serving_config_does_not_block_a_repack_given_its_folders(clean_env, tmp_path):
+    from repack.synthetic import write_small_checkpoint
+
+    bad = tmp_path / "tpu.env"
+    bad.write_text("PORT=eighty\n")
+    src = write_small_checkpoint(tmp_path / "src")
+    assert [c.name for c in ensure("repack", env_file=bad, source=src, out=tmp_path / "out")] == ["source", "disk"]
+    # without them the config is where the source would come from: its error is the failing check
+    c = _by_name(checks_for("repack", env_file=bad))
+    assert c["config"].status == "fail" and "PORT='eighty' is invalid" in c["config"].value
