@@ -88,6 +88,10 @@ def run_build(src: str, out: str, options, as_json: bool = False) -> int:
     from .atomic import signals_as_exceptions
     from .build import build_checkpoint
 
+    refused = _preflight(src, out)
+    if refused:
+        print(f"error: {refused}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     update, close = progress_bar()
     try:
         with signals_as_exceptions():
@@ -112,6 +116,21 @@ def run_build(src: str, out: str, options, as_json: bool = False) -> int:
     print(json.dumps(report.to_dict(), indent=2) if as_json else report.format_table())
     print(f"wrote {out} (report in {out}/repack-report.json)", file=sys.stderr)
     return 0
+
+
+def _preflight(src: str, out: str) -> str | None:
+    """The deployment preflight's repack checks (the source's config.json, free disk for what the build writes
+    plus headroom): the first failing check's line, or None."""
+    if not Path(src).is_dir():  # the library's own error says what is wrong with it (missing, a file, a loop)
+        return None
+    from tools.errors import ToolFailure
+    from tools.serving.preflight import ensure
+
+    try:
+        ensure("repack", source=Path(os.path.abspath(src)), out=Path(os.path.abspath(out)))
+    except ToolFailure as e:
+        return str(e)
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:

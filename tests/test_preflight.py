@@ -234,3 +234,92 @@ def test_vllm_build_against_the_pin(clean_env, tmp_path, monkeypatch):
     assert c.status == "fail" and "not installed" in c.value and "setup.sh" in c.fix
     with pytest.raises(ToolFailure, match="^vllm_build: vLLM's CPU build"):
         ensure("start", env_file=env_file, cfg=load_config(env_file, model=str(tmp_path)))
+
+
+# ---------------------------------------------------------------------- the repack and start refuse before acting
+
+
+def _mcp_over(tmp_path):
+    from tools.mcp.app import Settings, create_server
+    from tools.mcp.paths import Roots
+
+    (tmp_path / "models").mkdir(exist_ok=True)
+    (tmp_path / "evidence").mkdir(exist_ok=True)
+    roots = Roots.from_env([str(tmp_path / "models")], [str(tmp_path / "evidence")], environ={})
+    return create_server(Settings(roots=roots, config_overrides={"state_dir": str(tmp_path / "run")}),
+                         toolsets="all")
+
+
+def _call(mcp, tool, args) -> str:
+    import asyncio
+
+    from fastmcp import Client
+    from fastmcp.exceptions import ToolError
+
+    async def go():
+        async with Client(mcp) as c:
+            with pytest.raises(ToolError) as ei:
+                await c.call_tool(tool, args)
+            return str(ei.value)
+
+    return asyncio.run(go())
+
+
+def test_repack_refuses_with_the_disk_checks_line_through_mcp_and_the_command_line(clean_env, tmp_path,
+                                                                                    monkeypatch, capsys):
+    from repack import cli
+    from repack.synthetic import write_small_checkpoint
+    from tools.serving import preflight
+
+    mcp = _mcp_over(tmp_path)
+    src = write_small_checkpoint(tmp_path / "models" / "src")
+    monkeypatch.setattr(preflight, "_free_bytes", lambda p: (p, 4096))  # a full disk, as the preflight reads it
+    err = _call(mcp, "repack_checkpoint", {"source": "src", "output": "build"})
+    assert err.startswith("disk: 0.00 GiB free at ") and "free 1.00 GiB on" in err, err
+    assert not (tmp_path / "models" / "build").exists()
+    assert not [p for p in (tmp_path / "models").iterdir() if p.name.startswith(".build")]
+
+    capsys.readouterr()  # the MCP server's own log of the refusal
+    rc = cli.main(["build", str(src), str(tmp_path / "models" / "cli-build"), "--text-only", "--embed-int4"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: disk: 0.00 GiB free at "), lines
+    assert not (tmp_path / "models" / "cli-build").exists()
+
+    monkeypatch.setattr(preflight, "_free_bytes", lambda p: (p, 1 << 40))  # room again: the build runs
+    assert cli.main(["build", str(src), str(tmp_path / "models" / "cli-build")]) == 0
+    assert (tmp_path / "models" / "cli-build" / "config.json").is_file()
+
+
+def test_repack_of_a_folder_without_config_says_to_fetch_it(clean_env, tmp_path):
+    mcp = _mcp_over(tmp_path)
+    (tmp_path / "models" / "empty").mkdir()
+    err = _call(mcp, "repack_checkpoint", {"source": "empty", "output": "build"})
+    assert err.startswith(f"source: source checkpoint {tmp_path / 'models' / 'empty'} has no config.json"), err
+    assert "fetch_checkpoint (repo_id=google/gemma-4-E2B-it-qat-q4_0-unquantized, out=" in err
+    assert "./vllm-t4" not in err and "--out" not in err and not (tmp_path / "models" / "build").exists()
+
+
+def test_start_through_mcp_refuses_with_the_port_checks_line(clean_env, tmp_path):
+    mcp = _mcp_over(tmp_path)
+    model = tmp_path / "models" / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        err = _call(mcp, "start_vllm_server", {"model": "m", "port": port})
+    assert err.startswith(f"port: port {port} on 127.0.0.1 is already in use by pid {os.getpid()}"), err
+    assert not (tmp_path / "run" / "vllm.log").exists()
+
+
+def test_a_broken_serving_config_does_not_block_a_repack_given_its_folders(clean_env, tmp_path):
+    from repack.synthetic import write_small_checkpoint
+
+    bad = tmp_path / "tpu.env"
+    bad.write_text("PORT=eighty\n")
+    src = write_small_checkpoint(tmp_path / "src")
+    assert [c.name for c in ensure("repack", env_file=bad, source=src, out=tmp_path / "out")] == ["source", "disk"]
+    # without them the config is where the source would come from: its error is the failing check
+    c = _by_name(checks_for("repack", env_file=bad))
+    assert c["config"].status == "fail" and "PORT='eighty' is invalid" in c["config"].value

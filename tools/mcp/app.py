@@ -45,7 +45,9 @@ Typical order: probe_checkpoint -> repack_checkpoint -> patch_turing (T4 only) -
 query_model -> compare_tokens (record with build A, check with build B) -> run_sweep -> compare_sweeps ->
 stop_vllm_server. Long tools stream progress; if your client times out tool calls, run them with start_job and
 follow with job_status. One long operation runs at a time. Paths must lie under the roots (server_status.roots).
-Every result has `summary`, one line for people; chain the other fields."""
+Every result has `summary`, one line for people; chain the other fields. The prompts deploy_t4 and compare_builds
+list the calls in order; the resources hold the serving config, evidence run summaries, the demo report and the
+server log."""
 
 # The errors whose message is written for the caller; anything else is named by its type as well.
 OURS: tuple[type[BaseException], ...] = (RepackError, ToolFailure, PathNotAllowed, Busy, JobCancelled, KeyError,
@@ -229,7 +231,14 @@ def create_server(settings: Settings | None = None, *, auth: Any = None,
                  tags={spec.toolset}, output_schema=spec.output_schema(),
                  annotations=ToolAnnotations(readOnlyHint=spec.read_only, destructiveHint=spec.destructive,
                                              idempotentHint=spec.idempotent, openWorldHint=spec.open_world))
-    mcp.enable(tags=set(chosen), only=True)
+    # Every tool carries its one toolset's tag: hiding the other toolsets' tags leaves the chosen tools, and the
+    # untagged resources and prompts, which cost a client nothing until it asks for them.
+    hidden = set(TOOLSETS) - set(chosen)
+    if hidden:
+        mcp.disable(tags=hidden)
+    from tools.mcp import resources
+
+    resources.register(mcp, app)
     return mcp
 
 

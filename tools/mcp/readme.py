@@ -1,5 +1,6 @@
-"""The README's MCP tool table, rendered from the tool registry: `python -m tools.mcp.readme` rewrites it
-(between the `tools:start` / `tools:end` markers); a test keeps the two equal."""
+"""The README's MCP tool table, and its resources, prompts and walk-through, rendered from the registries:
+`python -m tools.mcp.readme` rewrites them (between the `tools:` and `resources:` start / end markers); tests keep
+them equal."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from tools.mcp.registry import DEFAULT_TOOLSETS, TOOLSETS, ToolSpec, load_all
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 START, END = "<!-- tools:start (python -m tools.mcp.readme) -->", "<!-- tools:end -->"
+RES_START, RES_END = "<!-- resources:start (python -m tools.mcp.readme) -->", "<!-- resources:end -->"
 
 
 def _hints(s: ToolSpec) -> str:
@@ -32,14 +34,37 @@ def tool_table(specs: dict[str, ToolSpec]) -> str:
     return "\n".join(lines)
 
 
+def resources_section() -> str:
+    """Resources and templates, prompts, and the fresh-VM walk-through (deploy_t4 then compare_builds)."""
+    from tools.mcp.resources import PROMPTS, RESOURCES
+
+    lines = ["| Resource | What it holds |", "|---|---|"]
+    for r in RESOURCES.values():
+        first = re.split(r"(?<=[.;])\s", " ".join(r.description.split()), maxsplit=1)[0].rstrip(";.")
+        lines.append(f"| `{r.uri}` ({r.mime_type}) | {first} |")
+    lines += ["", "| Prompt | Arguments (defaults) | What it walks through |", "|---|---|---|"]
+    for p in PROMPTS.values():
+        args = ", ".join(f"`{k}` (`{d}`)" for k, (d, _) in p.arguments.items())
+        lines.append(f"| `{p.name}` | {args} | {p.description} |")
+    for p in PROMPTS.values():
+        lines += ["", f"`{p.name}` with its defaults (toolsets {', '.join(p.toolsets)}):", "", p.steps_text()]
+    return "\n".join(lines)
+
+
+def _replace(text: str, start: str, end: str, body: str) -> str:
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    return f"{head}{start}\n{body}\n{end}{tail}"
+
+
 def main() -> int:
     text = README.read_text()
-    if START not in text or END not in text:
-        print(f"{README}: no {START} ... {END} markers", file=sys.stderr)
-        return 2
-    head, rest = text.split(START, 1)
-    _, tail = rest.split(END, 1)
-    README.write_text(f"{head}{START}\n{tool_table(load_all())}\n{END}{tail}")
+    for start, end in ((START, END), (RES_START, RES_END)):
+        if start not in text or end not in text:
+            print(f"{README}: no {start} ... {end} markers", file=sys.stderr)
+            return 2
+    text = _replace(text, START, END, tool_table(load_all()))
+    README.write_text(_replace(text, RES_START, RES_END, resources_section()))
     return 0
 
 

@@ -199,6 +199,9 @@ _CLI_WORDS = (
     (re.compile(r"`?\./vllm-t4 log`?"), "server_logs"),
     (re.compile(r"`?(?:python3? )?(?:\./)?patch_triton_turing\.py`?"), "patch_turing (toolset gpu)"),
     (re.compile(r"`?python3? -m repack probe`?(?: [^;,.)]*)?"), "probe_checkpoint"),
+    (re.compile(r"`?\./vllm-t4 fetch ([\w./-]+) --out ([^\s,;`]+)`?"), r"fetch_checkpoint (repo_id=\1, out=\2)"),
+    (re.compile(r"`?\./vllm-t4 fetch ([\w./-]+)`?"), r"fetch_checkpoint (repo_id=\1)"),
+    (re.compile(r"`?\./vllm-t4 doctor`?"), "preflight"),
 )
 
 

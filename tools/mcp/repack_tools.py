@@ -48,6 +48,9 @@ def repack_checkpoint(app, p: BuildParams, progress) -> Reply:
     src = app.roots.confine(p.source, "models", must_exist=True, what="source")
     out = app.roots.confine(p.output, "models", what="output")
     from repack.build import build_checkpoint
+    from tools.serving.preflight import ensure
+
+    ensure("repack", source=src, out=out)  # the source's config.json and free disk: refused before any write
 
     opts = p.options()
     # a root itself, or a folder above one, is never an output (repack refuses, naming it)

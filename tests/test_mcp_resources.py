@@ -1,0 +1,229 @@
+"""MCP resources and prompts over an in-memory MCP client: listing, reading, the evidence template confined to the
+evidence roots, clean errors for what is missing, the prompts' tool calls valid against the tools they name, and
+the README equal to the declarations."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from pathlib import Path
+
+import pytest
+from fastmcp import Client
+
+from tools.mcp.app import Settings, create_server
+from tools.mcp.paths import Roots
+from tools.mcp.resources import CONDITIONS, PROMPTS, RESOURCES, SCHEME, Ref, walkthrough
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+@pytest.fixture()
+def mcp(tmp_path, monkeypatch):
+    for name in ("PORT", "MODEL_NAME", "STATE_DIR", "MAX_MODEL_LEN"):
+        monkeypatch.delenv(name, raising=False)
+    (tmp_path / "models").mkdir()
+    (tmp_path / "evidence").mkdir()
+    roots = Roots.from_env([str(tmp_path / "models")], [str(tmp_path / "evidence")], environ={})
+    return create_server(Settings(roots=roots, config_overrides={"state_dir": str(tmp_path / "run")}))
+
+
+async def _read(c: Client, uri: str) -> str:
+    return (await c.read_resource(uri))[0].text
+
+
+async def _refused(c: Client, uri: str) -> str:
+    with pytest.raises(Exception) as ei:
+        await c.read_resource(uri)
+    return str(ei.value)
+
+
+def test_resources_templates_and_prompts_are_listed_under_the_default_toolsets(mcp):
+    async def go():
+        async with Client(mcp) as c:
+            return (await c.list_resources(), await c.list_resource_templates(), await c.list_prompts())
+
+    res, templates, prompts = run(go())
+    listed = {str(r.uri): r for r in res} | {t.uri_template: t for t in templates}
+    assert set(listed) == set(RESOURCES)
+    assert {f"{SCHEME}://evidence/{{run*}}/summary.md", f"{SCHEME}://evidence/{{run*}}/summary.json"} == {
+        t.uri_template for t in templates}
+    for uri, spec in RESOURCES.items():
+        assert listed[uri].mime_type == spec.mime_type and listed[uri].description and listed[uri].title, uri
+    by_name = {p.name: p for p in prompts}
+    assert set(by_name) == {"deploy_t4", "compare_builds"}
+    assert [a.name for a in by_name["compare_builds"].arguments] == list(PROMPTS["compare_builds"].arguments)
+    assert all(a.description and not a.required for p in prompts for a in p.arguments)
+
+
+def test_config_marks_what_the_environment_and_the_server_override(mcp, tmp_path, monkeypatch):
+    monkeypatch.setenv("PORT", "8123")
+
+    async def go():
+        async with Client(mcp) as c:
+            return json.loads(await _read(c, f"{SCHEME}://config"))
+
+    cfg = run(go())
+    rows = {r["name"]: r for r in cfg["variables"]}
+    assert cfg["env_file"] == str(ROOT / "tpu.env")
+    assert rows["PORT"] == {"name": "PORT", "value": 8123, "source": "environment", "file_value": "8000"}
+    assert rows["STATE_DIR"]["source"] == "override" and rows["STATE_DIR"]["value"] == str(tmp_path / "run")
+    assert rows["MODEL_NAME"]["source"] == "file" and "file_value" not in rows["MODEL_NAME"]
+    assert cfg["overridden"] == ["PORT", "STATE_DIR"] and cfg["base_url"].endswith(":8123")
+
+
+def test_evidence_runs_are_listed_and_read_inside_the_roots_only(mcp, tmp_path):
+    ev = tmp_path / "evidence"
+    sweep = ev / "sweeps" / "20261129-emb4"
+    sweep.mkdir(parents=True)
+    (sweep / "summary.md").write_text("| cell | tok/s |\n")
+    (sweep / "summary.json").write_text('{"label": "emb4"}')
+    (ev / "evals" / "e1").mkdir(parents=True)
+    (ev / "evals" / "e1" / "summary.json").write_text("{}")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "summary.md").write_text("SECRET")
+    (ev / "escape").symlink_to(outside)
+
+    async def go():
+        async with Client(mcp) as c:
+            index = json.loads(await _read(c, f"{SCHEME}://evidence/runs"))
+            md = await _read(c, f"{SCHEME}://evidence/sweeps/20261129-emb4/summary.md")
+            js = await _read(c, f"{SCHEME}://evidence/sweeps/20261129-emb4/summary.json")
+            missing = await _refused(c, f"{SCHEME}://evidence/sweeps/nope/summary.md")
+            no_md = await _refused(c, f"{SCHEME}://evidence/evals/e1/summary.md")
+            escape = await _refused(c, f"{SCHEME}://evidence/escape/summary.md")
+            return index, md, js, missing, no_md, escape
+
+    index, md, js, missing, no_md, escape = run(go())
+    runs = {r["run"]: r for r in index["runs"]}
+    assert set(runs) == {"sweeps/20261129-emb4", "evals/e1"}  # the symlink out of the roots is not a run
+    assert runs["evals/e1"]["uris"] == [f"{SCHEME}://evidence/evals/e1/summary.json"]
+    assert md == "| cell | tok/s |\n" and json.loads(js) == {"label": "emb4"}
+    assert missing.startswith("no summary.md for run sweeps/nope under the evidence roots")
+    assert f"{SCHEME}://evidence/runs" in missing and "Traceback" not in missing
+    assert no_md.startswith("no summary.md for run evals/e1")
+    assert "outside the evidence roots" in escape and "SECRET" not in escape and str(outside) not in escape
+
+
+@pytest.mark.parametrize("uri", ["evidence/../outside/summary.md", "evidence/sweeps/../../outside/summary.md",
+                                 "evidence//etc/summary.md", "evidence/%2E%2E/outside/summary.md",
+                                 "evidence/..%2Foutside/summary.md"])
+def test_traversal_in_the_uri_is_refused_by_the_server(mcp, tmp_path, uri):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "summary.md").write_text("SECRET")
+
+    async def go():
+        # straight to the server: a client may normalise `..` away before sending, a hostile one does not
+        with pytest.raises(Exception) as ei:
+            await mcp.read_resource(f"{SCHEME}://{uri}")
+        return str(ei.value)
+
+    err = run(go())
+    assert "SECRET" not in err and "Unknown resource" in err, err
+    # and behind FastMCP's screening, the resource itself confines what it reads
+    from tools.mcp.resources import ResourceFailure, run_summary_md
+
+    with pytest.raises(ResourceFailure, match="outside the evidence roots"):
+        run_summary_md(mcp.gemma, "../outside")
+
+
+def test_latest_demo_report_and_a_clean_error_without_one(mcp, tmp_path):
+    ev = tmp_path / "evidence"
+
+    async def read():
+        async with Client(mcp) as c:
+            try:
+                return await _read(c, f"{SCHEME}://demo/latest")
+            except Exception as exc:
+                return f"ERROR {exc}"
+
+    assert run(read()) == (f"ERROR no demo report under the evidence roots ({ev}); run ./vllm-t4 demo")
+    for name, t in (("demo-old", 1_000_000), ("demo-new", 2_000_000), ("not-a-demo", 3_000_000)):
+        (ev / name).mkdir()
+        body = {"probe_verdict": "qat", "served": []} if name.startswith("demo") else {"cells": []}
+        (ev / name / "report.json").write_text(json.dumps(body))
+        (ev / name / "report.md").write_text(f"# {name}\n")
+        os.utime(ev / name / "report.json", (t, t))
+    assert run(read()) == f"<!-- {ev / 'demo-new'} -->\n# demo-new\n"
+
+
+def test_server_log_tail_and_a_clean_error_without_a_log(mcp, tmp_path):
+    async def read():
+        async with Client(mcp) as c:
+            try:
+                return await _read(c, f"{SCHEME}://server/log")
+            except Exception as exc:
+                return f"ERROR {exc}"
+
+    err = run(read())
+    assert err == f"ERROR no server log at {tmp_path / 'run' / 'vllm.log'}; start one with start_vllm_server"
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "vllm.log").write_text("".join(f"line {i}\n" for i in range(300)))
+    tail = run(read()).splitlines()
+    assert tail[0] == "line 100" and tail[-1] == "line 299" and len(tail) == 200
+
+
+def _sample(v):
+    """A value for a placeholder taken from an earlier result."""
+    if isinstance(v, Ref):
+        return f"sweeps/run-of-step-{v.step}"
+    if isinstance(v, list):
+        return [_sample(x) for x in v]
+    return v
+
+
+def test_prompt_steps_name_real_tools_with_valid_arguments():
+    from tools.mcp.registry import TOOLSETS, load_all
+
+    tools = load_all()
+    for spec in PROMPTS.values():
+        assert set(spec.toolsets) <= set(TOOLSETS)
+        for i, step in enumerate(spec.bind(), 1):
+            assert step.tool in tools, (spec.name, step.tool)
+            assert tools[step.tool].toolset in spec.toolsets, (spec.name, step.tool)
+            params = tools[step.tool].params
+            if params is None:
+                assert step.args == {}, (spec.name, step.tool)
+            else:  # the documented call is one the tool accepts
+                params.from_mcp_args({k: _sample(v) for k, v in step.args.items()})
+            assert (step.condition in CONDITIONS) if step.when else not step.condition, (spec.name, i)
+            for ref in [v for v in step.args.values() if isinstance(v, list)] + [list(step.args.values())]:
+                for r in (x for x in ref if isinstance(x, Ref)):
+                    assert r.step < i and spec.steps[r.step - 1].tool == "run_sweep"
+    # the article's orders
+    assert [s.tool for s in PROMPTS["deploy_t4"].steps] == [
+        "preflight", "fetch_checkpoint", "probe_checkpoint", "preflight", "repack_checkpoint", "patch_turing",
+        "start_vllm_server", "query_model"]
+    cmp = [s.tool for s in PROMPTS["compare_builds"].steps]
+    assert cmp.index("compare_tokens") < cmp.index("stop_vllm_server", 3) < cmp.index("compare_sweeps")
+    assert [s.tool for _, _, s in walkthrough()][0] == "preflight" and walkthrough()[-2][2].tool == "compare_sweeps"
+
+
+def test_prompts_render_the_callers_arguments(mcp):
+    async def go():
+        async with Client(mcp) as c:
+            d = await c.get_prompt("deploy_t4", {"source": "qat", "output": "emb4"})
+            b = await c.get_prompt("compare_builds", {})
+            return d.messages[0].content.text, b.messages[0].content.text
+
+    deploy, compare = run(go())
+    assert '2. `fetch_checkpoint(repo_id="google/gemma-4-E2B-it-qat-q4_0-unquantized", out="qat")` — only when' in deploy
+    assert '5. `repack_checkpoint(source="qat", output="emb4")`' in deploy
+    assert "7. `start_vllm_server(model=\"emb4\")`" in deploy and "start_job" in deploy
+    assert 'compare_sweeps(run_dirs=[<run_dir from step 9>, <run_dir from step 5>], ' \
+           'output="sweeps/int4-emb-vs-bf16-emb.md")' in compare
+    assert compare.endswith(f"({SCHEME}://evidence/runs lists them).")
+
+
+def test_readme_shows_the_declared_resources_prompts_and_walkthrough():
+    from tools.mcp.readme import resources_section
+
+    readme = (ROOT / "README.md").read_text()
+    assert resources_section() in readme, "README's resources section is stale: run python -m tools.mcp.readme"

@@ -1,0 +1,406 @@
+"""MCP resources and prompts, declared once: what a client reads and the workflows it is offered besides tools.
+
+Resources: the serving configuration as read (each value's source marked), the evidence runs (an index, and each
+run's summary.md / summary.json through a template confined to the evidence roots), the latest demo report and
+the vLLM server's log tail. Prompts: the article's workflows as numbered tool calls with their arguments
+(`deploy_t4`, `compare_builds`), built from `Step` lists that the README's walk-through and the end-to-end test
+use too, so the three cannot drift apart. The app (tools/mcp/app.py) registers both; nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import Field
+
+SCHEME = "gemma4-t4"
+LOG_LINES = 200          # the log resource's tail
+MAX_RUNS = 500           # evidence runs listed by the index
+RUN_DEPTH = 4            # folders below an evidence root searched for runs
+SUMMARIES = ("summary.md", "summary.json")
+
+
+class ResourceFailure(ValueError):
+    """A resource that cannot be read now; the message says why and what to do."""
+
+
+# ------------------------------------------------------------------------------------------------ resources
+
+
+@dataclass
+class ResourceSpec:
+    uri: str                     # a template when it holds {param}
+    name: str
+    title: str
+    description: str
+    mime_type: str
+    fn: Callable[..., str]       # fn(app, **params) -> text
+
+
+RESOURCES: dict[str, ResourceSpec] = {}
+
+
+def resource(uri: str, *, title: str, mime_type: str) -> Callable[[Callable[..., str]], Callable[..., str]]:
+    """Declare a resource; the function's name is its name, its docstring its description."""
+
+    def register(fn: Callable[..., str]) -> Callable[..., str]:
+        RESOURCES[uri] = ResourceSpec(uri=uri, name=fn.__name__, title=title,
+                                      description=" ".join((fn.__doc__ or "").split()), mime_type=mime_type, fn=fn)
+        return fn
+
+    return register
+
+
+@resource(f"{SCHEME}://config", title="Serving configuration", mime_type="application/json")
+def serving_config(app) -> str:
+    """The serving configuration start_vllm_server uses: every tpu.env variable with its value and where it came
+    from (file, environment, override, default); `overridden` lists the variables the environment or this MCP
+    server changes from the file."""
+    from tools.serving.config import ENV_NAMES, parse_env_file
+
+    cfg = app.config()
+    in_file = parse_env_file(cfg.env_file) if cfg.env_file else {}
+    rows = []
+    for key, name in ENV_NAMES.items():
+        value = getattr(cfg, key)
+        row: dict[str, Any] = {"name": name, "value": str(value) if isinstance(value, Path) else value,
+                               "source": cfg.sources.get(key, "default")}
+        if row["source"] != "file" and name in in_file:
+            row["file_value"] = in_file[name]  # what tpu.env says, shadowed by the environment or the server
+        rows.append(row)
+    overridden = [r["name"] for r in rows if r["source"] in ("environment", "override")]
+    return json.dumps({"env_file": str(cfg.env_file), "base_url": cfg.base_url, "variables": rows,
+                       "overridden": overridden}, indent=1, default=str)
+
+
+def _runs(app) -> list[dict[str, Any]]:
+    """Folders under the evidence roots holding a summary.md or summary.json, newest first."""
+    seen: dict[str, dict[str, Any]] = {}
+    for root in app.roots.evidence:
+        if not root.is_dir():
+            continue
+        for here, dirs, files in os.walk(root):  # symlinks are not followed: a run is a real folder inside
+            depth = len(Path(here).relative_to(root).parts)
+            if depth >= RUN_DEPTH:
+                dirs[:] = []
+            dirs.sort()
+            found = [f for f in SUMMARIES if f in files]
+            if found and depth > 0:
+                run = Path(here).relative_to(root).as_posix()
+                if run not in seen:  # the first root holding a name is the one the template reads
+                    seen[run] = {"run": run, "root": str(root), "mtime": os.stat(here).st_mtime,
+                                 "uris": [f"{SCHEME}://evidence/{run}/{f}" for f in found]}
+            if len(seen) >= MAX_RUNS:
+                break
+    return sorted(seen.values(), key=lambda r: -r["mtime"])
+
+
+@resource(f"{SCHEME}://evidence/runs", title="Evidence runs", mime_type="application/json")
+def evidence_runs(app) -> str:
+    """Every evidence run (a folder under an evidence root with summary.md or summary.json: sweep, eval and
+    comparison runs), newest first, with the URIs that read its summaries."""
+    runs = _runs(app)
+    return json.dumps({"roots": [str(r) for r in app.roots.evidence],
+                       "runs": [{k: v for k, v in r.items() if k != "mtime"} for r in runs]}, indent=1)
+
+
+def _summary(app, run: str, name: str) -> str:
+    from tools.mcp.paths import PathNotAllowed, shown
+
+    run = run.strip().strip("/")
+    if not run:
+        raise ResourceFailure(f"no run named; list them with {SCHEME}://evidence/runs")
+    last: PathNotAllowed | None = None
+    for root in app.roots.evidence:
+        try:
+            path = app.roots.confine(root / run / name, "evidence", what=f"run {shown(run)}")
+        except PathNotAllowed as exc:  # a symlink out of the roots, say: refused, never read
+            last = exc
+            continue
+        if path.is_file():
+            return path.read_text(errors="replace")
+    if last is not None:
+        raise ResourceFailure(str(last))
+    raise ResourceFailure(f"no {name} for run {shown(run)} under the evidence roots "
+                          f"({', '.join(map(str, app.roots.evidence))}); list the runs with {SCHEME}://evidence/runs")
+
+
+@resource(f"{SCHEME}://evidence/{{run*}}/summary.md", title="Evidence run summary (markdown)",
+          mime_type="text/markdown")
+def run_summary_md(app, run: str) -> str:
+    """A run's summary.md (run: its folder relative to the evidence root, as evidence/runs lists it)."""
+    return _summary(app, run, "summary.md")
+
+
+@resource(f"{SCHEME}://evidence/{{run*}}/summary.json", title="Evidence run summary (JSON)",
+          mime_type="application/json")
+def run_summary_json(app, run: str) -> str:
+    """A run's summary.json (run: its folder relative to the evidence root, as evidence/runs lists it)."""
+    return _summary(app, run, "summary.json")
+
+
+@resource(f"{SCHEME}://demo/latest", title="Latest demo report", mime_type="text/markdown")
+def demo_report(app) -> str:
+    """The newest `./vllm-t4 demo` report (report.md of the newest folder directly under an evidence root whose
+    report.json is a demo report), preceded by a comment naming its folder."""
+    found = []
+    for root in app.roots.evidence:
+        for folder in (root.iterdir() if root.is_dir() else ()):
+            rj, rm = folder / "report.json", folder / "report.md"
+            if folder.is_symlink() or not (rj.is_file() and rm.is_file()):
+                continue
+            try:
+                data = json.loads(rj.read_text())
+            except (OSError, ValueError):
+                continue
+            if isinstance(data, dict) and "probe_verdict" in data and "served" in data:
+                found.append((rj.stat().st_mtime, folder))
+    if not found:
+        raise ResourceFailure("no demo report under the evidence roots "
+                              f"({', '.join(map(str, app.roots.evidence))}); run ./vllm-t4 demo")
+    folder = max(found)[1]
+    return f"<!-- {folder} -->\n" + (folder / "report.md").read_text(errors="replace")
+
+
+@resource(f"{SCHEME}://server/log", title="vLLM server log tail", mime_type="text/plain")
+def server_log(app) -> str:
+    """The last 200 lines of the log of the vLLM server start_vllm_server started (the last start's, after a
+    failure or a stop)."""
+    from tools.errors import ToolFailure
+    from tools.serving.vllm_server import read_log
+
+    try:
+        return read_log(app.config(), LOG_LINES)
+    except ToolFailure as exc:
+        raise ResourceFailure(str(exc).replace("start a server first", "start one with start_vllm_server")) from None
+
+
+# ------------------------------------------------------------------------------------------------ prompts
+
+
+@dataclass(frozen=True)
+class Ref:
+    """A value taken from an earlier step's result: `field` of step number `step` (1-based)."""
+
+    step: int
+    field: str
+
+    def __str__(self) -> str:
+        return f"<{self.field} from step {self.step}>"
+
+
+@dataclass(frozen=True)
+class Step:
+    tool: str
+    args: dict[str, Any]
+    why: str                       # what the step does and what to look at in its result
+    when: str = ""                 # empty: always; else the condition, for people
+    condition: str = ""            # the same condition by key, for programs (see CONDITIONS)
+
+
+# The conditions steps may carry, by key: the walk-through test decides each on the machine at hand.
+CONDITIONS = {
+    "source_missing": "the source folder does not exist yet",
+    "turing": "preflight's turing_clamp check fails (a T4 whose vLLM lacks the clamp)",
+    "build_b_missing": "build_b does not exist yet",
+    "a_not_served": "server_status shows no server, or one serving another model than build_a",
+}
+
+
+@dataclass
+class PromptSpec:
+    name: str
+    title: str
+    description: str
+    arguments: dict[str, tuple[str, str]]  # name -> (default, description)
+    intro: str
+    steps: list[Step]
+    toolsets: tuple[str, ...]
+    outro: str = ""
+
+    def bind(self, values: dict[str, str] | None = None) -> list[Step]:
+        """The steps with the arguments filled in ({name} in string values)."""
+        vals = self.values(values)
+
+        def fill(v: Any) -> Any:
+            if isinstance(v, str):
+                return v.format(**vals)
+            if isinstance(v, list):
+                return [fill(x) for x in v]
+            return v
+
+        return [Step(s.tool, {k: fill(v) for k, v in s.args.items()}, s.why.format(**vals), s.when.format(**vals),
+                     s.condition) for s in self.steps]
+
+    def values(self, given: dict[str, str] | None = None) -> dict[str, str]:
+        return {k: d for k, (d, _) in self.arguments.items()} | {k: v for k, v in (given or {}).items() if v}
+
+    def steps_text(self, values: dict[str, str] | None = None) -> str:
+        """The numbered tool calls, one a line, in markdown."""
+        lines = []
+        for i, s in enumerate(self.bind(values), 1):
+            args = ", ".join(f"{k}={_shown(v)}" for k, v in s.args.items())
+            lines.append(f"{i}. `{s.tool}({args})`" + (f" — only when {s.when}" if s.when else "") + f": {s.why}")
+        return "\n".join(lines)
+
+    def render(self, values: dict[str, str] | None = None) -> str:
+        """The prompt's text: what to do, the numbered calls, and where to look afterwards."""
+        return "\n\n".join(x for x in (self.intro.format(**self.values(values)), self.steps_text(values), self.outro)
+                           if x)
+
+
+def _shown(v: Any) -> str:
+    if isinstance(v, Ref):
+        return str(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(_shown(x) for x in v) + "]"
+    return json.dumps(v)
+
+
+PROMPTS: dict[str, PromptSpec] = {}
+
+
+def prompt(spec: PromptSpec) -> PromptSpec:
+    PROMPTS[spec.name] = spec
+    return spec
+
+
+from tools.serving.preflight import SOURCE_REPO  # noqa: E402  (pydantic only; the deploy tools load it anyway)
+
+_BUILD = "gemma-4-E2B-it-qat-q4_0-w4a16-ct-text"
+
+prompt(PromptSpec(
+    name="deploy_t4", title="Deploy Gemma 4 E2B on a T4",
+    description="From a bare machine to a served all-4-bit build: preflight, fetch, probe, repack, clamp, start, "
+                "check; each call either succeeds or its result or error says what to do.",
+    arguments={"source": (SOURCE_REPO.split("/")[1], "The QAT source folder (relative: under the first models "
+                                                     "root)"),
+               "output": (_BUILD + "-emb4", "The all-4-bit build to write and serve (under a models root)"),
+               "repo_id": (SOURCE_REPO, "The hub repo the source is fetched from when it is missing")},
+    toolsets=("deploy", "repack", "serve", "gpu"),
+    intro="Deploy {output} from {source} with the gemma4-t4 MCP tools (toolsets deploy, repack, serve and gpu: "
+          "start the server with --toolsets all). Call the tools in this order; after each, read `summary`. When "
+          "a call fails, its error is one line naming the argument or the fix: do that, then repeat the call. "
+          "Long calls stream progress; if your client times out, run them through start_job and job_status.",
+    steps=[
+        Step("preflight", {"step": "all"}, "every check ok, warn, fail or n/a with a one-line fix; do each failing "
+                                           "check's fix before going on"),
+        Step("fetch_checkpoint", {"repo_id": "{repo_id}", "out": "{source}"},
+             "downloads the build files into the models root (the licence must be accepted on the hub and HF_TOKEN "
+             "set; the error says so)", when="the source folder does not exist", condition="source_missing"),
+        Step("probe_checkpoint", {"path": "{source}"}, "the verdict must be qat (every text tensor on the 4-bit "
+                                                       "grid)"),
+        Step("preflight", {"step": "repack", "source": "{source}", "out": "{output}"},
+             "the source's config.json and the free disk the repack needs"),
+        Step("repack_checkpoint", {"source": "{source}", "output": "{output}"},
+             "writes the all-4-bit build; force=true replaces a build this tool wrote"),
+        Step("patch_turing", {"action": "apply"}, "the one-time attention clamp vLLM needs on a T4 (sm_75)",
+             when="preflight's turing_clamp check fails", condition="turing"),
+        Step("start_vllm_server", {"model": "{output}"}, "serves the build; the result has the KV cache size "
+                                                         "and the start time"),
+        Step("query_model", {"prompt": "Write one sentence about the Tesla T4."},
+             "one greedy answer: the build serves sensible text"),
+    ]))
+
+prompt(PromptSpec(
+    name="compare_builds", title="Compare two builds (tokens and throughput)",
+    description="The article's comparison of two builds on one GPU: record A's greedy tokens, start B, check B "
+                "against them, sweep both, compare the sweeps. A is the build deploy_t4 left serving, so it is "
+                "not started again.",
+    arguments={"build_a": (_BUILD + "-emb4", "The build whose tokens are recorded (the all-4-bit build deploy_t4 "
+                                             "serves)"),
+               "build_b": (_BUILD, "The build checked against A (the bf16-embedding build by default; repacked "
+                                   "from source when missing)"),
+               "label_a": ("int4-emb", "Label of build A in the sweep tables (no spaces)"),
+               "label_b": ("bf16-emb", "Label of build B (no spaces)"),
+               "source": (SOURCE_REPO.split("/")[1], "The QAT source, to build build_b when it is missing")},
+    toolsets=("repack", "serve", "measure"),
+    intro="Compare {build_a} (A) with {build_b} (B) with the gemma4-t4 MCP tools. One GPU serves one build at a "
+          "time, so A's greedy tokens are recorded to a file and B is checked against it. Call the tools in this "
+          "order and read each `summary`; a failed call's error names the fix.",
+    steps=[
+        Step("repack_checkpoint", {"source": "{source}", "output": "{build_b}", "embed_int4": False},
+             "the bf16-embedding build", when="{build_b} does not exist", condition="build_b_missing"),
+        Step("stop_vllm_server", {}, "one build at a time (safe when nothing runs)",
+             when="server_status shows the server is not serving {build_a}", condition="a_not_served"),
+        Step("start_vllm_server", {"model": "{build_a}"}, "serves A",
+             when="server_status shows the server is not serving {build_a}", condition="a_not_served"),
+        Step("compare_tokens", {"mode": "record", "reference": "tokens/{label_a}.json"},
+             "A's greedy tokens for the eight article prompts, written under the evidence root"),
+        Step("run_sweep", {"label": "{label_a}", "out": "sweeps"},
+             "A's throughput over the article's grid (input_lens, concurrencies: narrow them for a quick look)"),
+        Step("stop_vllm_server", {}, "frees the GPU for B"),
+        Step("start_vllm_server", {"model": "{build_b}"}, "serves B"),
+        Step("compare_tokens", {"mode": "check", "reference": "tokens/{label_a}.json"},
+             "B against A's record: identical prompts, else the first divergence and whether it is a near-tie"),
+        Step("run_sweep", {"label": "{label_b}", "out": "sweeps"}, "B's throughput over the same grid and prompts"),
+        Step("compare_sweeps", {"run_dirs": [Ref(9, "run_dir"), Ref(5, "run_dir")],
+                                "output": "sweeps/{label_a}-vs-{label_b}.md"},
+             "per cell each build's median output tok/s and A's ratio to B (B's run first: the baseline), with "
+             "cost per million tokens"),
+        Step("stop_vllm_server", {}, "done: free the GPU"),
+    ],
+    outro=f"The runs' summaries are readable as resources ({SCHEME}://evidence/runs lists them)."))
+
+
+def walkthrough() -> list[tuple[str, int, Step]]:
+    """The fresh-VM walk-through: deploy_t4 then compare_builds with their defaults, as (prompt, step no., step)."""
+    out = []
+    for name in ("deploy_t4", "compare_builds"):
+        out += [(name, i, s) for i, s in enumerate(PROMPTS[name].bind(), 1)]
+    return out
+
+
+def prompt_function(spec: PromptSpec) -> Callable[..., str]:
+    """The FastMCP prompt function of `spec`: its arguments (strings with defaults) and the rendered text."""
+
+    def fn(**kwargs: str) -> str:
+        return spec.render({k: v for k, v in kwargs.items() if v})
+
+    params = [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=d,
+                                annotation=Annotated[str, Field(description=desc)])
+              for k, (d, desc) in spec.arguments.items()]
+    fn.__signature__ = inspect.Signature(params, return_annotation=str)  # type: ignore[attr-defined]
+    fn.__annotations__ = {p.name: p.annotation for p in params} | {"return": str}
+    fn.__name__ = spec.name
+    fn.__doc__ = spec.description
+    return fn
+
+
+def resource_function(spec: ResourceSpec, app: Any) -> Callable[..., str]:
+    """The FastMCP resource function of `spec` over `app`: run in a worker thread, failures as one line."""
+    import anyio.to_thread
+    from fastmcp.exceptions import ResourceError
+
+    names = [p for p in inspect.signature(spec.fn).parameters if p != "app"]
+
+    async def fn(**kwargs: str) -> str:
+        try:
+            return await anyio.to_thread.run_sync(lambda: spec.fn(app, **kwargs))
+        except Exception as exc:  # worded as the tools' errors are; an expected refusal, not a server fault
+            from tools.mcp.app import to_tool_error
+
+            raise ResourceError(str(to_tool_error(exc)), log_level=logging.DEBUG) from None
+
+    params = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, annotation=str) for n in names]
+    fn.__signature__ = inspect.Signature(params, return_annotation=str)  # type: ignore[attr-defined]
+    fn.__annotations__ = {n: str for n in names} | {"return": str}
+    fn.__name__ = spec.name
+    fn.__doc__ = spec.description
+    return fn
+
+
+def register(mcp: Any, app: Any) -> None:
+    """Adds every declared resource, resource template and prompt to the FastMCP server `mcp`."""
+    for spec in RESOURCES.values():
+        mcp.resource(spec.uri, name=spec.name, title=spec.title, description=spec.description,
+                     mime_type=spec.mime_type)(resource_function(spec, app))
+    for p in PROMPTS.values():
+        mcp.prompt(prompt_function(p), name=p.name, title=p.title, description=p.description)
