@@ -88,13 +88,13 @@ def plan(cfg: ServeConfig, hw: Any) -> ServeConfig:
     others = running(cfg, exclude=cfg.instance)
     for name, st in others.items():
         if st.port == cfg.port:
-            raise BadInput(f"port {cfg.port} is instance {name!r}'s ({st.served_name}, pid {st.pid}); pass another "
+            raise BadInput(f"port {cfg.port} is held by instance {name!r} ({st.served_name}, pid {st.pid}); pass another "
                            "--port", {"port": cfg.port, "instance": name})
     from tools.serving import router
 
     r = router.recorded(cfg)
     if r is not None and r.port == cfg.port:
-        raise BadInput(f"port {cfg.port} is the router's (pid {r.pid}); pass another --port", {"port": cfg.port})
+        raise BadInput(f"port {cfg.port} is held by the router (pid {r.pid}); pass another --port", {"port": cfg.port})
     ranks = cfg.tensor_parallel_size * cfg.data_parallel_size
     if hw.platform() == "cpu":
         return _plan_cpu(cfg, hw, others, ranks)

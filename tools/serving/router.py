@@ -185,8 +185,8 @@ def start_router(cfg: ServeConfig, instances: list[str], *, policy: str = "round
                                   "with ./vllm-t4 router stop", {"pid": old.pid})
             state_file(cfg).unlink(missing_ok=True)
         backends = []
-        for name in names:
-            st = inst_mod.resolve(cfg, name)
+        states = {name: inst_mod.resolve(cfg, name) for name in names}  # every name running, before any probe
+        for name, st in states.items():
             try:
                 ok = httpx.get(f"{st.base_url}/health", timeout=3.0).status_code == 200
             except httpx.HTTPError:
@@ -198,7 +198,7 @@ def start_router(cfg: ServeConfig, instances: list[str], *, policy: str = "round
         taken = {n: st.port for n, st in inst_mod.running(cfg).items()}
         if port in taken.values():
             owner = next(n for n, p in taken.items() if p == port)
-            raise BadInput(f"--port {port} is instance {owner!r}'s; pass another --port", {"port": port})
+            raise BadInput(f"--port {port} is held by instance {owner!r}; pass another --port", {"port": port})
         holder = _port_holder(host, port)
         if holder is not None:
             raise BadInput(f"--port {port} on {host} is already in use by {holder}; pass another --port",
