@@ -184,7 +184,7 @@ def fleet_status(cfg: ServeConfig, *, hardware: Any = None) -> Any:
     default_cfg = replace(cfg, instance="")
     had_default = default_cfg.state_file.is_file()
     top = server_status(default_cfg, hardware=hardware)
-    listed = [top] if had_default else []
+    listed = [replace(top)] if had_default else []  # a copy: the top level must not list itself
     listed += [server_status(c, hardware=hardware) for c in instance_configs(cfg)[1:]]
     r = router.router_status(cfg) if router.state_file(cfg).is_file() else None
     top.instances = listed

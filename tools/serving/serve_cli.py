@@ -92,8 +92,8 @@ def cmd_stop(args: argparse.Namespace) -> int:
     return 0
 
 
-def _status_lines(st) -> list[str]:
-    lines = [f"[{st.instance}] {st.message}"]
+def _status_lines(st, named: bool = True) -> list[str]:
+    lines = [f"[{st.instance}] {st.message}" if named else st.message]
     if st.alive:
         lines.append(f"  model {st.model}, up {st.uptime_s:g} s, health {'ok' if st.healthy else 'failing'}")
         if st.gpus is not None or st.cpu_cores is not None:
@@ -118,7 +118,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     from tools.serving.instances import fleet_status
 
     st = fleet_status(cfg)
-    lines = [ln for i in st.instances for ln in _status_lines(i)] or [st.message]
+    # The default instance alone reads as before instances; several are each labelled with their name.
+    named = any(i.instance != "default" for i in st.instances)
+    lines = [ln for i in st.instances for ln in _status_lines(i, named)] or [st.message]
     if st.router is not None:
         lines.append(f"[router] {st.router['message']}")
     _emit(args, st, "\n".join(lines))
