@@ -42,14 +42,39 @@ def _no_vllm_child() -> bool:
                    for c in me.children(recursive=True))
 
 
+# A stand-in for a vLLM server, for the router's process handling: /health, /v1/models, /v1/completions and the
+# /metrics counter a sweep's per-backend counts are read from.
+FAKE_WORKER = r"""
+import json, sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+done = [0]
+class H(BaseHTTPRequestHandler):
+    def log_message(self, *a): pass
+    def send(self, code, body, ctype="application/json"):
+        data = body.encode()
+        self.send_response(code); self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(data))); self.end_headers(); self.wfile.write(data)
+    def do_GET(self):
+        if self.path == "/health": self.send(200, "")
+        elif self.path == "/v1/models": self.send(200, json.dumps({"object": "list", "data": [{"id": "m", "object": "model", "root": "m", "max_model_len": 512}]}))
+        elif self.path == "/metrics": self.send(200, 'vllm:request_success_total{finished_reason="length",model_name="m"} %d.0\n' % done[0], "text/plain")
+        else: self.send(404, "{}")
+    def do_POST(self):
+        n = int(self.headers.get("Content-Length") or 0); self.rfile.read(n); done[0] += 1
+        self.send(200, json.dumps({"id": "x", "object": "text_completion", "model": "m", "choices": [{"index": 0, "text": "ok", "finish_reason": "length"}], "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}))
+ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
 @pytest.fixture()
 def fleet(tmp_path):
     """Fake running instances: make(name, port, platform, **state) starts a `sleep` in its own session and
     writes its state file; everything is killed at the end."""
     procs: list[subprocess.Popen] = []
 
-    def make(name: str, port: int, platform: str = "cpu", **state):
-        p = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    def make(name: str, port: int, platform: str = "cpu", serve: bool = False, **state):
+        argv = [sys.executable, "-c", FAKE_WORKER, str(port)] if serve else ["sleep", "300"]
+        p = subprocess.Popen(argv, start_new_session=True)
         procs.append(p)
         d = tmp_path / "run" / name if name != "default" else tmp_path / "run"
         d.mkdir(parents=True, exist_ok=True)
@@ -292,3 +317,51 @@ def test_vram_marks_each_instances_processes(tmp_path, fleet):
     procs = {p.pid: p for p in st.gpus[0].processes}
     assert (procs[a["pid"]].instance, procs[b["pid"]].instance, procs[1].instance) == ("a", "b", None)
     assert procs[a["pid"]].is_vllm_server and not procs[1].is_vllm_server and st.server_used_mib == 5900
+
+
+def test_router_lifecycle_over_stand_in_workers(tmp_path, fleet):
+    """vllm-router itself over two stand-in servers: started only over running instances, ready when it routes,
+    requests spread over both (the /metrics deltas a sweep records), stopped with its whole group."""
+    import httpx
+
+    from tools.serving import router
+    from tools.serving.router import Backend, request_counts
+
+    pa, pb, pr = free_port(), free_port(), free_port()
+    fleet("a", pa, serve=True)
+    fleet("b", pb, serve=True)
+    for port in (pa, pb):  # the stand-ins listen
+        for _ in range(100):
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+    env = _env(tmp_path / "run")
+    r = _cli(["router", "start", "--instances", "a,b", "--port", str(pr), "--json"], env)
+    assert r.returncode == 0, r.stderr
+    started = json.loads(r.stdout)
+    try:
+        assert [b["instance"] for b in started["backends"]] == ["a", "b"]
+        assert (tmp_path / "run" / "router.json").is_file() and (tmp_path / "run" / "router.log").is_file()
+        clash = _cli(["start", "--instance", "c", "--port", str(pr)], env)
+        assert clash.returncode == 2 and "held by the router" in clash.stderr
+        backends = [Backend("a", f"http://127.0.0.1:{pa}"), Backend("b", f"http://127.0.0.1:{pb}")]
+        before = request_counts(backends)
+        for _ in range(6):
+            out = httpx.post(f"http://127.0.0.1:{pr}/v1/completions", json={"model": "m", "prompt": "x",
+                                                                           "max_tokens": 1}, timeout=30)
+            assert out.status_code == 200, out.text
+        after = request_counts(backends)
+        assert after["a"] - before["a"] > 0 and after["b"] - before["b"] > 0  # round robin reached both
+        st = _cli(["router", "status", "--json"], env)
+        assert st.returncode == 0 and json.loads(st.stdout)["backends_healthy"] == {"a": True, "b": True}
+        status = _cli(["status", "--json"], env)
+        assert json.loads(status.stdout)["router"]["alive"]
+    finally:
+        stop = _cli(["stop", "--all", "--json"], env)
+    assert stop.returncode == 0, stop.stderr
+    assert json.loads(stop.stdout)["stopped"][0]["was_running"]
+    assert not psutil.pid_exists(started["pid"]) or psutil.Process(started["pid"]).status() == psutil.STATUS_ZOMBIE
+    assert not list((tmp_path / "run").rglob("*.json"))
+    assert router.router_status(load_config(ROOT / "tpu.env", state_dir=tmp_path / "run")).alive is False
