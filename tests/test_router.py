@@ -149,6 +149,8 @@ def test_mcp_status_then_stop_all_leaves_no_process(fleet):
     status = fleet.call("server_status", {})
     assert {i["instance"] for i in status["instances"]} == {"a", "b"}
     assert status["router"] is None or status["router"]["alive"]
+    live = fleet.call("compare_tokens", {"mode": "live", "instance": "a", "other_instance": "b", "max_tokens": 8})
+    assert live["total"] == 8 and live["identical"] == 8
     one = fleet.call("server_status", {"instance": "b"})
     assert one["alive"] and one["healthy"] and one["instance"] == "b"
     stop_b = fleet.call("stop_vllm_server", {"instance": "b", "grace_s": 10})

@@ -62,8 +62,8 @@ def compare_sweeps(app, p: CompareSweepsParams) -> Reply:
       extra={"report": (str, "The comparison as text (the article's SAME TOKENS lines)")})
 def compare_tokens(app, p: CompareParams, progress) -> Reply:
     """Exact greedy token ids of two builds, prompt by prompt, with the first divergence and whether it is a
-    near-tie. One T4 serves one build at a time: mode=record with build A, restart with build B, mode=check.
-    Long: progress in prompts."""
+    near-tie. mode=record with build A, restart with build B, mode=check; or both as instances on one card:
+    mode=live, instance and other_instance. Long: progress in prompts."""
     from tools.measure.compare_tokens import compare_tokens as compare
 
     if p.mode in ("record", "check") and not p.reference:
@@ -76,8 +76,14 @@ def compare_tokens(app, p: CompareParams, progress) -> Reply:
     if p.reference:
         ref = app.roots.confine(p.reference, "evidence", must_exist=p.mode == "check", what="reference")
     base_url = resolve_endpoint(p, app.config(), managed=True).base_url
+    other = p.other_url
+    if p.mode == "live" and p.other_instance:  # this server's instances (its state dir), not tpu.env's
+        from tools.serving.endpoint import resolve_name
+
+        other = resolve_name(p.other_instance, app.config()).base_url
     res = compare(p.model_copy(update={"reference": str(ref) if ref else None, "base_url": base_url,
-                                       "instance": None, "router": False}),
+                                       "instance": None, "router": False, "other_url": other,
+                                       "other_instance": None}),
                   progress=lambda d, t, m: progress(d, t, m))
     if isinstance(res, TokenRecord):
         # The record itself is in the file; the reply lists what was recorded, not every token's logprobs.
