@@ -188,6 +188,11 @@ def test_gpu_room_and_parallelism_on_a_t4(tmp_path, fleet):
         instances.plan(cfg("b", gpus=[1]), hw)
     with pytest.raises(BadInput, match="DATA_PARALLEL_SIZE=2 needs 2 GPUs, 1 visible"):
         instances.plan(cfg("b", data_parallel_size=2), hw)
+    # On a 4-T4 VM a new instance without --gpus takes the least claimed GPU.
+    four = fake_t4_hardware()()
+    four.gpu_count = lambda: 4
+    assert instances.plan(cfg("b"), four).gpus == [1]
+    assert instances.plan(cfg("b", tensor_parallel_size=2), four).gpus == [1, 2]
     argv = load_config(ROOT / "tpu.env", tensor_parallel_size=2, data_parallel_size=2).vllm_argv("cuda")
     assert argv[argv.index("--tensor-parallel-size") + 1] == "2" and "--data-parallel-size" in argv
 

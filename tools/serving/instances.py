@@ -148,11 +148,16 @@ def _plan_gpu(cfg: ServeConfig, hw: Any, others: dict[str, Any], ranks: int) -> 
                        + (f" (--gpus {','.join(map(str, gpus))})" if gpus is not None else "")
                        + "; lower them in tpu.env or give more --gpus",
                        {"ranks": ranks, "visible": visible})
-    used = gpus if gpus is not None else list(range(ranks))
     # vLLM's --gpu-memory-utilization is each instance's share of a card's total: shares on one card add up.
+    def claims_on(g: int) -> dict[str, float]:
+        return {n: (st.gpu_memory_utilization or 0.9) for n, st in others.items() if st.platform == "cuda" and g in
+                (st.gpus if st.gpus is not None else range(st.tensor_parallel_size * st.data_parallel_size))}
+
+    # Without --gpus: the least claimed GPUs (one instance per GPU on a multi-T4 VM), lowest index first.
+    by_room = sorted(range(count), key=lambda g: sum(claims_on(g).values()))
+    used = gpus if gpus is not None else sorted(by_room[:ranks])
     for g in used:
-        claims = {n: (st.gpu_memory_utilization or 0.9) for n, st in others.items() if st.platform == "cuda"
-                  and g in (st.gpus if st.gpus is not None else range(st.tensor_parallel_size * st.data_parallel_size))}
+        claims = claims_on(g)
         total = sum(claims.values())
         if claims and total + cfg.gpu_memory_utilization > 1.0 + 1e-9:
             room = max(0.0, 1.0 - total)
