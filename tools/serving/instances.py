@@ -224,4 +224,5 @@ def process_owners(cfg: ServeConfig) -> dict[int, str]:
     return owners
 
 
-__all__ = ["locked", "instance_configs", "running", "resolve", "plan", "all_status", "fleet_status", "stop_all", "process_owners"]
+__all__ = ["locked", "instance_configs", "running", "resolve", "plan", "all_status", "fleet_status", "stop_all",
+           "process_owners"]
