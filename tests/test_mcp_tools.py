@@ -40,6 +40,9 @@ EXPECTED_TOOLS = {
     "compare_evals": (True, False, True, False),
     "preflight": (True, False, True, False),
     "fetch_checkpoint": (False, False, True, True),     # the hub; the same fetch again changes nothing
+    "start_router": (False, False, False, True),        # routes to any instance URL
+    "router_status": (True, False, True, False),
+    "stop_router": (False, True, True, False),
 }
 
 

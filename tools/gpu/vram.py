@@ -24,6 +24,7 @@ class GpuProcess(BaseModel):
     used_mib: int | None = Field(None, description="GPU memory of this process; null when NVML does not report it")
     is_vllm_server: bool = Field(False, description="True for the vLLM server this project started (API server "
                                                     "or its engine-core child)")
+    instance: str | None = Field(None, description="The named instance (or 'default') this process serves")
 
 
 class GpuInfo(BaseModel):
@@ -112,13 +113,15 @@ def _load_nvml() -> Any:
 
 
 def vram_status(*, server_pid: int | None = None, server_pids: set[int] | None = None,
-                nvml: Any = None) -> VramStatus:
+                nvml: Any = None, owners: dict[int, str] | None = None) -> VramStatus:
     """Read every GPU's memory and processes through NVML.
 
     `server_pid` is the vLLM API server's pid (its process tree is collected); `server_pids` may give the set
-    directly. `nvml` replaces the `pynvml` module (tests inject a fake); it needs the pynvml function names.
+    directly. `owners` maps the pids of every running instance to its name (their processes are marked with it).
+    `nvml` replaces the `pynvml` module (tests inject a fake); it needs the pynvml function names.
     """
-    pids = set(server_pids or ()) | server_process_pids(server_pid)
+    owners = owners or {}
+    pids = set(server_pids or ()) | server_process_pids(server_pid) | set(owners)
     try:
         nv = nvml if nvml is not None else _load_nvml()
     except ImportError as exc:
@@ -161,7 +164,7 @@ def vram_status(*, server_pid: int | None = None, server_pids: set[int] | None =
                             procs[pid].used_mib = used_mib
                         continue
                     procs[pid] = GpuProcess(pid=pid, name=_process_name(pid), used_mib=used_mib,
-                                            is_vllm_server=pid in pids)
+                                            is_vllm_server=pid in pids, instance=owners.get(pid))
             for p in procs.values():
                 if p.is_vllm_server and p.used_mib is not None:
                     server_total = (server_total or 0) + p.used_mib

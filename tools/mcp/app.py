@@ -76,13 +76,14 @@ class App:
         merged = {**self.settings.config_overrides, **{k: v for k, v in overrides.items() if v is not None}}
         return load_config(str(self.settings.env_file) if self.settings.env_file else None, **merged)
 
-    def managed_base_url(self) -> str:
+    def managed_base_url(self, instance: str | None = None) -> str:
         """The base URL of the server this project started (state file), for tools that measure it."""
         from tools.serving.vllm_server import server_status
 
-        st = server_status(self.config())
+        st = server_status(self.config(instance=instance))
         if not st.alive or not st.base_url:
-            raise ToolFailure("no vLLM server is running; start one with start_vllm_server (or pass base_url)")
+            which = f"instance {instance!r} is not running" if instance else "no vLLM server is running"
+            raise ToolFailure(f"{which}; start one with start_vllm_server (or pass base_url)")
         return st.base_url
 
     def run_job_work(self, spec: ToolSpec, params: Any, progress: ProgressFn) -> dict[str, Any]:

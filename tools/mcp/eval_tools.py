@@ -16,9 +16,10 @@ def run_eval(app, p: EvalParams, progress) -> Reply:
     from tools.measure.evals import confine_eval_params, run_eval as evaluate, summary_markdown
 
     confined = confine_eval_params(p, app.roots)
-    base_url = p.base_url or app.managed_base_url()  # the managed server, not the config's default port
-    res = evaluate(confined.model_copy(update={"base_url": base_url}), progress=lambda d, t, m: progress(d, t, m),
-                   serve_config=app.config())
+    from tools.serving.endpoint import resolve_endpoint
+
+    resolve_endpoint(p, app.config(), managed=True)  # a managed server, not whatever holds the config's port
+    res = evaluate(confined, progress=lambda d, t, m: progress(d, t, m), serve_config=app.config())
     first = ", ".join(f"{s.task} {s.metric} {s.value:.4f}" for s in res.scores[:3] if s.value is not None)
     summary = (f"eval {res.run_id}: {len(res.scores)} scores over {', '.join(res.tasks)}"
                + (f"; {first}" if first else "") + f" ({res.run_dir})")

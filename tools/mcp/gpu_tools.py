@@ -15,16 +15,16 @@ from tools.serving.turing_patch import PatchStatus
 
 @tool(toolset="gpu", title="GPU memory (NVML)", result=VramStatus, read_only=True, idempotent=True)
 def vram_status(app, p) -> Reply:
-    """Per-GPU memory and utilization, with the vLLM server's processes marked; use it to see what a build
-    takes on the GPU. Without an NVIDIA driver: available=false and the reason, not an error."""
+    """Per-GPU memory and utilization, with each vLLM instance's processes marked (`instance`); use it to see
+    what a build takes on the GPU. Without an NVIDIA driver: available=false and the reason, not an error."""
     from tools.gpu import vram
-    from tools.serving.vllm_server import server_status
+    from tools.serving.instances import process_owners
 
     try:
-        pid = server_status(app.config()).pid
-    except ToolFailure:  # no serving config or an unreadable state file: VRAM is still worth reading
-        pid = None
-    st = vram.vram_status(server_pid=pid)
+        owners = process_owners(app.config())
+    except ToolFailure:  # no serving config: VRAM is still worth reading
+        owners = {}
+    st = vram.vram_status(owners=owners)
     return Reply(st, st.summary_line())
 
 

@@ -11,6 +11,7 @@ from tools.measure.fidelity import CheckLogprobsResult, CompareLogprobsParams, R
 from tools.measure.results import SweepParams, SweepResult
 from tools.measure.sweep_report import CompareSweepsParams, SweepComparison
 from tools.mcp.registry import Reply, tool
+from tools.serving.endpoint import resolve_endpoint
 
 
 @tool(toolset="measure", title="Serving sweep (vllm bench serve)", params=SweepParams, result=SweepResult,
@@ -24,8 +25,8 @@ def run_sweep(app, p: SweepParams, progress) -> Reply:
     from tools.measure.sweep_report import markdown_run
 
     out = app.roots.confine(p.out, "evidence", what="out")
-    base_url = p.base_url or app.managed_base_url()  # the managed server, not the config's default port
-    res = sweep(p.model_copy(update={"out": out, "base_url": base_url}), serve_config=app.config(),
+    resolve_endpoint(p, app.config(), managed=True)  # a managed server, not whatever holds the config's port
+    res = sweep(p.model_copy(update={"out": out}), serve_config=app.config(),
                 progress=lambda d, t, m: progress(d, t, m))
     counts = res.counts
     oks = [c for c in res.cells if c.status == "ok" and c.median.get("output_throughput")]
@@ -61,20 +62,28 @@ def compare_sweeps(app, p: CompareSweepsParams) -> Reply:
       extra={"report": (str, "The comparison as text (the article's SAME TOKENS lines)")})
 def compare_tokens(app, p: CompareParams, progress) -> Reply:
     """Exact greedy token ids of two builds, prompt by prompt, with the first divergence and whether it is a
-    near-tie. One T4 serves one build at a time: mode=record with build A, restart with build B, mode=check.
-    Long: progress in prompts."""
+    near-tie. mode=record with build A, restart with build B, mode=check; or both as instances on one card:
+    mode=live, instance and other_instance. Long: progress in prompts."""
     from tools.measure.compare_tokens import compare_tokens as compare
 
     if p.mode in ("record", "check") and not p.reference:
         raise ToolFailure(f"mode {p.mode} needs reference: the token record file under an evidence root "
                           f"({'written' if p.mode == 'record' else 'read'} by this call)")
-    if p.mode == "live" and not p.other_url:
-        raise ToolFailure("mode live needs other_url: the candidate's endpoint (base_url is the reference)")
+    if p.mode == "live" and bool(p.other_url) == bool(p.other_instance):
+        raise ToolFailure("mode live needs other_url (or other_instance): the candidate (base_url, instance "
+                          "or router is the reference)")
     ref = None
     if p.reference:
         ref = app.roots.confine(p.reference, "evidence", must_exist=p.mode == "check", what="reference")
-    base_url = p.base_url or app.managed_base_url()
-    res = compare(p.model_copy(update={"reference": str(ref) if ref else None, "base_url": base_url}),
+    base_url = resolve_endpoint(p, app.config(), managed=True).base_url
+    other = p.other_url
+    if p.mode == "live" and p.other_instance:  # this server's instances (its state dir), not tpu.env's
+        from tools.serving.endpoint import resolve_name
+
+        other = resolve_name(p.other_instance, app.config()).base_url
+    res = compare(p.model_copy(update={"reference": str(ref) if ref else None, "base_url": base_url,
+                                       "instance": None, "router": False, "other_url": other,
+                                       "other_instance": None}),
                   progress=lambda d, t, m: progress(d, t, m))
     if isinstance(res, TokenRecord):
         # The record itself is in the file; the reply lists what was recorded, not every token's logprobs.
@@ -102,9 +111,10 @@ def compare_logprobs(app, p: CompareLogprobsParams, progress) -> Reply:
                 corpus = app.roots.confine(p.corpus, "models", must_exist=True, what="corpus")
             except ValueError:
                 raise first from None
-    base_url = p.base_url or app.managed_base_url()
+    base_url = resolve_endpoint(p, app.config(), managed=True).base_url
     res = compare(p.model_copy(update={"reference": str(ref), "corpus": str(corpus) if corpus else None,
-                                       "base_url": base_url}), progress=lambda d, t, m: progress(d, t, m))
+                                       "base_url": base_url, "instance": None, "router": False}),
+                  progress=lambda d, t, m: progress(d, t, m))
     if isinstance(res, RecordLogprobsResult):
         return Reply(res, f"recorded {res.tokens} positions ({res.windows} windows) from {res.model}: {res.path}")
     return Reply(res, f"{res.candidate_model} vs {res.reference_model}: mean KLD {res.mean_kld:.4g}, p99 "

@@ -27,6 +27,7 @@ TOOLSETS: dict[str, str] = {
     "fidelity": "logprob fidelity between builds: KLD, top-1 agreement, perplexity ratio",
     "eval": "accuracy with lm-evaluation-harness against the server, and runs side by side",
     "deploy": "check this machine for a deployment and fetch a checkpoint from the hub",
+    "fleet": "vllm-router in front of named instances: start, status, stop",
 }
 # The article's workflow end to end: probe -> repack -> serve -> compare tokens -> sweep -> compare, with jobs for
 # clients that time out long calls. `gpu` (VRAM, the one-time T4 clamp) is added where a T4 is set up.
@@ -105,8 +106,8 @@ def tool(*, toolset: str, title: str, params: type | None = None, result: Any = 
 
 def load_all() -> dict[str, ToolSpec]:
     """Import every capability module (each registers its tools on import)."""
-    from tools.mcp import (deploy_tools, eval_tools, gpu_tools, job_tools, measure_tools,  # noqa: F401
-                           repack_tools, serving_tools)
+    from tools.mcp import (deploy_tools, eval_tools, fleet_tools, gpu_tools, job_tools,  # noqa: F401
+                           measure_tools, repack_tools, serving_tools)
 
     return TOOLS
 

@@ -1,11 +1,11 @@
-"""Serving tools: the vLLM server this project starts (tools/serving does the work)."""
+"""Serving tools: the vLLM servers (named instances) this project starts (tools/serving does the work)."""
 
 from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
 from tools.mcp.registry import Reply, tool
-from tools.serving.ops import LogParams, QueryParams, StartParams, StopParams
+from tools.serving.ops import LogParams, QueryParams, StartParams, StatusParams, StopParams
 from tools.serving.vllm_server import QueryResult, ServerStatus, StartResult, StopResult
 
 
@@ -17,8 +17,8 @@ def start_vllm_server(app, p: StartParams, progress) -> Reply:
     id (owner/name, downloaded by vLLM). Long: CPU ~1 min, a cold T4 start compiles."""
     from tools.serving.vllm_server import start_server
 
-    base = app.config()
-    also = (base.state_dir,)  # vLLM runs there and would read a relative model string from there first
+    base = app.config(instance=p.instance)
+    also = (base.state_dir, base.instance_dir)  # vLLM runs there and would read a relative model string from there
     if p.model is not None:
         model = app.roots.confine_model(p.model, also_relative_to=also)
     else:  # the config's own MODEL_NAME: a folder there must be inside the roots too
@@ -30,25 +30,46 @@ def start_vllm_server(app, p: StartParams, progress) -> Reply:
                       f"{res.startup_s:.0f} s; KV cache {sf.kv_cache_tokens or '?'} tokens")
 
 
-@tool(toolset="serve", title="Stop the vLLM server", params=StopParams, result=StopResult, destructive=True,
-      idempotent=True)
+class StopAll(BaseModel):
+    stopped: list[dict] = Field(description="Each stop's result: the router first, then every instance")
+
+
+@tool(toolset="serve", title="Stop the vLLM server", params=StopParams, result=StopResult | StopAll,
+      destructive=True, idempotent=True)
 def stop_vllm_server(app, p: StopParams) -> Reply:
-    """Stop the server this project started (SIGTERM to its process group, SIGKILL after grace_s) and free the
-    GPU; safe to call when nothing runs."""
+    """Stop a server this project started (SIGTERM to its process group, SIGKILL after grace_s) and free the
+    GPU; all=true stops the router and every instance. Safe to call when nothing runs."""
     from tools.serving.vllm_server import stop_server
 
-    res = stop_server(app.config(), grace_s=p.grace_s)
+    if p.all:
+        from tools.errors import ToolFailure
+        from tools.serving.instances import stop_all
+
+        if p.instance is not None:
+            raise ToolFailure("all and instance exclude each other: pass one")
+        results = stop_all(app.config(), grace_s=p.grace_s)
+        return Reply(StopAll(stopped=[r.to_dict() for r in results]), "; ".join(r.message for r in results))
+    res = stop_server(app.config(instance=p.instance), grace_s=p.grace_s)
     return Reply(res, res.message or "stopped")
 
 
-@tool(toolset="serve", title="vLLM server status", result=ServerStatus, read_only=True, idempotent=True,
-      extra={"roots": (dict[str, list[str]], "Where tools may read and write paths")})
-def server_status(app, p) -> Reply:
-    """Whether the server this project started runs and answers /health, with its model, base_url, command line
-    and engine figures; also lists the path roots tools accept. Use it first when unsure what is running."""
+@tool(toolset="serve", title="vLLM server status", params=StatusParams, result=ServerStatus, read_only=True,
+      idempotent=True, extra={"roots": (dict[str, list[str]], "Where tools may read and write paths")})
+def server_status(app, p: StatusParams) -> Reply:
+    """Whether the servers this project started run and answer /health: the default one's model, base_url,
+    command line and engine figures, `instances` (every instance) and `router`; also lists the path roots
+    tools accept. Use it first when unsure what is running."""
     from tools.serving.vllm_server import server_status as status
 
-    res = status(app.config())
+    if p.instance is not None:
+        res = status(app.config(instance=p.instance))
+    else:
+        from tools.serving.instances import fleet_status
+
+        res = fleet_status(app.config())
+        if res.instances and len(res.instances) > 1:
+            res.message += "; " + ", ".join(f"{i.instance}: {'serving' if i.healthy else 'down'}"
+                                            for i in res.instances)
     return Reply(res, res.message, {"roots": app.roots.describe()})
 
 
@@ -63,19 +84,19 @@ def server_logs(app, p: LogParams) -> Reply:
     a start failed or the server misbehaves."""
     from tools.serving.vllm_server import read_log
 
-    cfg = app.config()
+    cfg = app.config(instance=p.instance)
     out = read_log(cfg, p.lines).splitlines()
     return Reply(LogTail(log_path=str(cfg.log_file), lines=out), f"{len(out)} line(s) of {cfg.log_file}")
 
 
 @tool(toolset="serve", title="Ask the served model", params=QueryParams, result=QueryResult, read_only=True)
 def query_model(app, p: QueryParams) -> Reply:
-    """One greedy chat completion (temperature 0) from the server start_vllm_server started: text, usage and
+    """One greedy chat completion (temperature 0) from a server start_vllm_server started: text, usage and
     token ids. A quick check that a build answers sensibly."""
     from tools.serving.vllm_server import query
 
-    app.managed_base_url()  # refuses when no server is recorded, instead of posting to the config's port
-    res = query(app.config(), p.prompt, max_tokens=p.max_tokens)  # the recorded server and its served name
+    app.managed_base_url(p.instance)  # refuses when no server is recorded, instead of posting to the config's port
+    res = query(app.config(instance=p.instance), p.prompt, max_tokens=p.max_tokens)
     usage = res.usage or {}
     return Reply(res, f"{usage.get('completion_tokens', '?')} tokens in {res.latency_s:.2f} s "
                       f"({res.finish_reason}): {res.text[:120]!r}")

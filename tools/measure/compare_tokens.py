@@ -21,7 +21,7 @@ import httpx
 from pydantic import BaseModel, Field
 
 from tools.errors import ToolFailure
-from tools.params import OpParams
+from tools.serving.endpoint import EndpointParams
 
 RECORD_KIND = "gemma4-t4/token-record"
 RECORD_VERSION = 1
@@ -41,7 +41,7 @@ DEFAULT_PROMPTS: tuple[str, ...] = (
 Progress = Callable[[int, int, str], None]
 
 
-class CompareParams(OpParams):
+class CompareParams(EndpointParams):
     """Options of a token comparison; the `./vllm-t4 compare` flags and the compare_tokens MCP arguments are
     derived from these."""
 
@@ -49,11 +49,11 @@ class CompareParams(OpParams):
 
     mode: Literal["record", "check", "live"] = Field(
         "check", description="record: save the running build's greedy tokens to `reference`; check: compare the "
-                             "running build with that record; live: compare base_url (reference) with other_url")
+                             "running build with that record; live: compare the endpoint (reference) with other_url or other_instance")
     reference: str | None = Field(None, description="Token record file (record: written, check: read)")
-    base_url: str | None = Field(None, description="Build under test (live: the reference); default: the server "
-                                                   "this project started")
-    other_url: str | None = Field(None, description="live: the candidate's endpoint")
+    other_url: str | None = Field(None, description="live: the candidate's endpoint (base_url, instance or router "
+                                                    "is the reference)")
+    other_instance: str | None = Field(None, description="live: the candidate as a named instance")
     prompts: list[str] | None = Field(None, description="record/live: prompts; default: the article's eight")
     prompts_file: str | None = Field(None, description="record/live: a JSON list or one prompt per line")
     max_tokens: int = Field(160, ge=1, description="Generated tokens per prompt")
@@ -156,10 +156,11 @@ def short_prompt(prompt: str, prompt_tokens: int | None = None) -> str:
     return f"{flat[:60]} … {flat[-80:]}{size}"
 
 
-def _default_base_url() -> str:
-    from tools.serving.config import load_config
+def _default_base_url(params: Any = None) -> str:
+    """The endpoint params choose (base_url, instance or router), else the default instance or tpu.env's port."""
+    from tools.serving.endpoint import resolve_endpoint
 
-    return load_config().base_url
+    return resolve_endpoint(params).base_url
 
 
 def load_prompts(path: str | Path) -> list[str]:
@@ -328,7 +329,7 @@ def _prompts(params: CompareParams, base_url: str | None = None) -> list[str]:
     if params.long:
         from tools.measure.long_prompts import long_prompts
 
-        prompts += long_prompts(base_url or _default_base_url(), max_tokens=params.max_tokens,
+        prompts += long_prompts(base_url or _default_base_url(params), max_tokens=params.max_tokens,
                                 timeout_s=params.timeout_s)
     return prompts
 
@@ -340,7 +341,7 @@ def record_reference(out: str | Path, params: CompareParams | None = None, *, pr
     if Path(out).exists() and not params.force:
         raise ToolFailure(f"{out} exists; pass --force to replace it, or give another file",
                           detail={"path": str(out)})
-    base = (params.base_url or _default_base_url()).rstrip("/")
+    base = _default_base_url(params)
     rec = generate(base, _prompts(params, base), max_tokens=params.max_tokens, top_logprobs=params.top_logprobs,
                    timeout_s=params.timeout_s, progress=progress)
     save_record(rec, out)
@@ -352,7 +353,7 @@ def check_against(reference: str | Path, params: CompareParams | None = None, *,
     """Compare the server at params.base_url with a recorded reference (its prompts and max_tokens)."""
     params = params or CompareParams()
     ref = load_record(reference)
-    base = (params.base_url or _default_base_url()).rstrip("/")
+    base = _default_base_url(params)
     cand = generate(base, [g.prompt for g in ref.generations], max_tokens=ref.max_tokens,
                     top_logprobs=max(ref.top_logprobs, params.top_logprobs if params.top_logprobs else 0),
                     timeout_s=params.timeout_s, progress=progress)
@@ -392,7 +393,11 @@ def compare_tokens(params: CompareParams | None = None, *, progress: Progress | 
             raise ToolFailure("mode 'check' needs reference: a file written by mode 'record'")
         return check_against(params.reference, params, progress=progress)
     if params.mode == "live":
-        if not params.other_url:
-            raise ToolFailure("mode 'live' needs other_url: the second build's endpoint (base_url is the reference)")
-        return compare_live(params.base_url or _default_base_url(), params.other_url, params, progress=progress)
+        if bool(params.other_url) == bool(params.other_instance):
+            raise ToolFailure("mode 'live' needs other_url (or other_instance): the second build's endpoint "
+                              "(base_url, instance or router is the reference)")
+        from tools.serving.endpoint import resolve_name
+
+        other = params.other_url or resolve_name(params.other_instance).base_url
+        return compare_live(_default_base_url(params), other, params, progress=progress)
     raise ToolFailure(f"mode {params.mode!r} is not one of record, check, live")

@@ -45,6 +45,7 @@ from pydantic import BaseModel, Field, ValidationError, field_validator
 from tools.cli_output import guard, kill_group
 from tools.errors import ToolFailure
 from tools.params import OpParams
+from tools.serving.endpoint import EndpointParams
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = PROJECT_ROOT / "evidence"
@@ -56,7 +57,7 @@ Progress = Callable[[int, int, str], None]
 # Parameters and results
 
 
-class EvalParams(OpParams):
+class EvalParams(EndpointParams):
     """One lm-eval run against a live OpenAI-compatible server."""
 
     tasks: list[str] = Field(description="lm-eval task or group names, comma separated (e.g. arc_easy,hellaswag), "
@@ -69,7 +70,6 @@ class EvalParams(OpParams):
                                                             "own)")
     label: str = Field("build", description="name of the build; goes into the run folder name and the tables")
     out: str = Field(str(DEFAULT_OUT), description="folder that receives the run folder")
-    base_url: str | None = Field(None, description="server root URL (default: the one tpu.env configures)")
     model: str | None = Field(None, description="served model name (default: the first of /v1/models)")
     tokenizer: str | None = Field(None, description="tokenizer folder or hub id (default: the folder the server "
                                                     "loaded)")
@@ -398,9 +398,13 @@ def run_eval(params: EvalParams, progress: Progress | None = None, *, serve_conf
     if not include.is_dir():
         raise ToolFailure(f"include path {params.include_path} is not a folder: give a folder of lm-eval task "
                           f"YAMLs", {"include_path": params.include_path})
-    base_url = (params.base_url or (serve_config.base_url if serve_config is not None else _default_base_url()))
-    base_url = base_url.rstrip("/").removesuffix("/v1")
-    params.base_url = base_url
+    from tools.serving.endpoint import resolve_endpoint
+
+    endpoint = resolve_endpoint(params, serve_config)
+    if endpoint.config is not None:  # the instance scored: its start record goes into the provenance
+        serve_config = endpoint.config
+    base_url = endpoint.base_url.rstrip("/").removesuffix("/v1")
+    params = params.model_copy(update={"base_url": base_url, "instance": None, "router": False})
     server = _server(base_url)
     model = params.model or server.model_id
     if not model:

@@ -53,6 +53,7 @@ from pydantic import BaseModel, Field
 
 from tools.errors import ToolFailure
 from tools.params import OpParams
+from tools.serving.endpoint import EndpointParams
 
 RECORD_KIND = "gemma4-t4/logprob-record"
 RECORD_VERSION = 1
@@ -80,7 +81,7 @@ class BadInput(ToolFailure):
 # Parameters and results (the CLI flags and the MCP tool's arguments are derived from these models)
 
 
-class RecordLogprobsParams(OpParams):
+class RecordLogprobsParams(EndpointParams):
     out: str = Field(description="REF.json to write (refused if it exists, unless force)")
     corpus: str | None = Field(None, description="UTF-8 text file to score (default: the corpus shipped in "
                                                  "tools/measure/data/)")
@@ -90,18 +91,14 @@ class RecordLogprobsParams(OpParams):
                                                           "the server's max_model_len - 1 - BOS)")
     top_k: int = Field(MAX_TOP_K, ge=1, le=MAX_TOP_K, description="top tokens kept per position (vLLM allows "
                                                                   "up to max_logprobs, 20 by default)")
-    base_url: str | None = Field(None, description="the reference build's vLLM server (default: the one "
-                                                   "tpu.env configures)")
     force: bool = Field(False, description="replace an existing out file")
     timeout_s: float = Field(600.0, gt=0, description="seconds per window request")
 
     CLI_BAD_INPUT: ClassVar[type[Exception] | None] = BadInput
 
 
-class CheckLogprobsParams(OpParams):
+class CheckLogprobsParams(EndpointParams):
     reference: str = Field(description="REF.json written by `fidelity record`")
-    base_url: str | None = Field(None, description="the candidate build's vLLM server (default: the one "
-                                                   "tpu.env configures)")
     worst: int = Field(10, ge=0, le=1000, description="how many positions with the largest KLD to list")
     timeout_s: float = Field(600.0, gt=0, description="seconds per window request")
 
@@ -109,7 +106,7 @@ class CheckLogprobsParams(OpParams):
     CLI_BAD_INPUT: ClassVar[type[Exception] | None] = BadInput
 
 
-class CompareLogprobsParams(OpParams):
+class CompareLogprobsParams(EndpointParams):
     """Both modes in one argument set (the MCP tool `compare_logprobs`)."""
 
     mode: Literal["record", "check"] = Field(description="record: score the serving build into reference; "
@@ -119,7 +116,6 @@ class CompareLogprobsParams(OpParams):
     max_corpus_tokens: int | None = Field(None, ge=1, description="record: at most this many corpus tokens")
     window: int = Field(DEFAULT_WINDOW, ge=8, description="record: tokens per window (default 1024)")
     top_k: int = Field(MAX_TOP_K, ge=1, le=MAX_TOP_K, description="record: top tokens kept per position")
-    base_url: str | None = Field(None, description="the serving build's vLLM server")
     force: bool = Field(False, description="record: replace an existing reference file")
     worst: int = Field(10, ge=0, le=1000, description="check: positions with the largest KLD to list")
 
@@ -265,6 +261,17 @@ def _default_base_url() -> str:
         return load_config().base_url
     except ImportError:
         return "http://127.0.0.1:8000"
+
+
+def _endpoint_url(params: EndpointParams) -> str:
+    """The server the params choose: base_url, a named instance, the router, else the default instance."""
+    from tools.serving.endpoint import resolve_endpoint
+
+    return resolve_endpoint(params).base_url
+
+
+def _endpoint_of(params: EndpointParams) -> dict[str, Any]:
+    return {k: getattr(params, k) for k in EndpointParams.model_fields}
 
 
 class _Server:
@@ -492,7 +499,7 @@ def record_logprobs(params: RecordLogprobsParams, progress: Progress | None = No
     if out.is_dir():
         raise BadInput(f"{out} is a folder; --out takes a file path")
     corpus_path, text, corpus_sha = load_corpus(params.corpus)
-    srv = _Server(params.base_url, params.timeout_s)
+    srv = _Server(_endpoint_url(params), params.timeout_s)
     writer: _RefWriter | None = None
     try:
         digest, probe_info = srv.fingerprint()
@@ -563,7 +570,7 @@ def check_logprobs(params: CheckLogprobsParams, progress: Progress | None = None
 
     t0 = time.monotonic()
     header, footer, windows = _read_reference(params.reference)
-    srv = _Server(params.base_url, params.timeout_s)
+    srv = _Server(_endpoint_url(params), params.timeout_s)
     try:
         digest, _ = srv.fingerprint()
         _check_same_model(header, srv, digest, params.reference)
@@ -633,8 +640,8 @@ def compare_logprobs(params: CompareLogprobsParams, progress: Progress | None = 
     if params.mode == "record":
         return record_logprobs(RecordLogprobsParams(
             out=params.reference, corpus=params.corpus, max_corpus_tokens=params.max_corpus_tokens,
-            window=params.window, top_k=params.top_k, base_url=params.base_url, force=params.force), progress)
-    return check_logprobs(CheckLogprobsParams(reference=params.reference, base_url=params.base_url,
+            window=params.window, top_k=params.top_k, force=params.force, **_endpoint_of(params)), progress)
+    return check_logprobs(CheckLogprobsParams(reference=params.reference, **_endpoint_of(params),
                                               worst=params.worst), progress)
 
 

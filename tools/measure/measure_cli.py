@@ -22,6 +22,13 @@ def _cost_cell(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(f"{text!r} is not INPUT_LEN:CONCURRENCY (e.g. 512:8)") from None
 
 
+def _bad_input_2(exc: Exception) -> int:
+    """An endpoint option that names nothing running, or two at once: exit 2 (bad input); other failures 1."""
+    from tools.serving.params_cli import BadInput
+
+    return 2 if isinstance(exc, BadInput) else 1
+
+
 def _progress(args: argparse.Namespace) -> Callable[[int, int, str], None]:
     def show(done: int, total: int, msg: str) -> None:
         print(f"[{done}/{total}] {msg}", file=sys.stderr, flush=True)
@@ -30,7 +37,7 @@ def _progress(args: argparse.Namespace) -> Callable[[int, int, str], None]:
 
 def _serve_config(args: argparse.Namespace):
     """The configured server (tpu.env or --env-file), for the default URL and its start record."""
-    if args.base_url and not args.env_file:
+    if getattr(args, "base_url", None) and not args.env_file:
         return None
     from tools.serving.config import load_config
 
@@ -72,12 +79,15 @@ def cmd_sweep_compare(args: argparse.Namespace) -> int:
 def cmd_compare(args: argparse.Namespace) -> int:
     from tools.measure.compare_tokens import CompareParams, check_against, compare_live, record_reference
 
+    from tools.serving.endpoint import resolve_endpoint, resolve_name
+
     params = CompareParams(base_url=getattr(args, "base_url", None), prompts_file=getattr(args, "prompts", None),
                            max_tokens=getattr(args, "max_tokens", 160), top_logprobs=args.top_logprobs,
-                           long=getattr(args, "long", False), force=getattr(args, "force", False))
-    if params.base_url is None and args.action != "live":
-        cfg = _serve_config(args)
-        params.base_url = cfg.base_url if cfg is not None else None
+                           long=getattr(args, "long", False), force=getattr(args, "force", False),
+                           instance=getattr(args, "instance", None), router=getattr(args, "router", False))
+    if args.action != "live":  # one endpoint: --base-url, --instance or --router, else the started server
+        params = params.model_copy(update={"base_url": resolve_endpoint(params, _serve_config(args)).base_url,
+                                           "instance": None, "router": False})
     prog = _progress(args)
     if args.action == "record":
         rec = record_reference(args.out, params, progress=prog)
@@ -89,7 +99,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
         res = check_against(args.reference, params, progress=prog)
         _emit(args, res, res.text())
     else:
-        res = compare_live(args.url_a, args.url_b, params, progress=prog)
+        # each a URL or the name of a running instance
+        res = compare_live(resolve_name(args.url_a).base_url, resolve_name(args.url_b).base_url, params,
+                           progress=prog)
         _emit(args, res, res.text())
     return 0
 
@@ -101,6 +113,8 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
         if url:
             p.add_argument("--base-url", default=None,
                            help="OpenAI-compatible vLLM server (default: the one tpu.env configures)")
+            p.add_argument("--instance", default=None, help="a named instance this project started")
+            p.add_argument("--router", action="store_true", help="through the router (./vllm-t4 router)")
         p.add_argument("--env-file", default=None, help="configuration file (default: the project's tpu.env)")
         p.add_argument("--json", action="store_true", help="print the result as one JSON object")
 
@@ -109,8 +123,8 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
                                    "--ignore-eos; writes evidence/<run-id>/ (raw, summary.json/.csv/.md, plot.png, "
                                    "provenance.json).")
     common(p)
-    SweepParams.add_cli_args(p, exclude={"base_url"})  # --base-url comes with common()
-    p.set_defaults(func=_guard("sweep", cmd_sweep))
+    SweepParams.add_cli_args(p, exclude={"base_url", "instance", "router"})  # the endpoint comes with common()
+    p.set_defaults(func=_guard("sweep", cmd_sweep, status=_bad_input_2))
 
     p = sub.add_parser("sweep-compare", help="compare sweep runs in the article's form (last run vs each other)",
                        description="Output tok/s per cell for every run, the last run against each earlier one "
@@ -140,11 +154,11 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     a.add_argument("reference", help="file written by `compare record`")
     common(a)
     a.add_argument("--top-logprobs", type=int, default=5)
-    a = acts.add_parser("live", help="compare two live endpoints (URL_A is the reference)")
-    a.add_argument("url_a")
-    a.add_argument("url_b")
+    a = acts.add_parser("live", help="compare two live endpoints (A is the reference)")
+    a.add_argument("url_a", metavar="A", help="reference: a URL or the name of a running instance")
+    a.add_argument("url_b", metavar="B", help="candidate: a URL or the name of a running instance")
     a.add_argument("--prompts", default=None)
     a.add_argument("--max-tokens", type=int, default=160)
     a.add_argument("--top-logprobs", type=int, default=5)
     a.add_argument("--json", action="store_true", help="print the result as one JSON object")
-    p.set_defaults(func=_guard("compare", cmd_compare), env_file=None)
+    p.set_defaults(func=_guard("compare", cmd_compare, status=_bad_input_2), env_file=None)

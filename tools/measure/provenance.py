@@ -44,6 +44,9 @@ class Provenance(BaseModel):
     server_start_fields: dict[str, Any] | None = Field(None, description="Parsed engine-log start fields")
     checkpoint_config_sha256: str | None = Field(None, description="sha256 of the served folder's config.json")
     checkpoint_config_path: str | None = None
+    endpoint: dict[str, Any] | None = Field(None, description="How the server was chosen (url, instance or "
+                                                              "router); a router's backends and, after a "
+                                                              "sweep, the requests each finished")
     notes: list[str] = Field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:

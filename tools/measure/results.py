@@ -13,6 +13,7 @@ from pydantic import BaseModel, Field
 
 from tools.errors import ToolFailure
 from tools.params import OpParams
+from tools.serving.endpoint import EndpointParams
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = PROJECT_ROOT / "evidence"
@@ -32,15 +33,13 @@ METRICS: tuple[str, ...] = (
 )
 
 
-class SweepParams(OpParams):
+class SweepParams(EndpointParams):
     """Options of one sweep: `./vllm-t4 sweep` flags and the run_sweep MCP arguments are derived from these."""
 
     CLI_FLAGS: ClassVar[dict[str, str]] = {"concurrencies": "--concurrency", "cell_timeout_s": "--cell-timeout"}
     MCP_EXCLUDE: ClassVar[frozenset[str]] = frozenset({"run_id", "tokenizer", "model", "cell_timeout_s"})
     MCP_DEFAULTS: ClassVar[dict[str, Any]] = {"out": "."}  # the first evidence root
 
-    base_url: str | None = Field(None, description="Server to measure; default: the one this project started "
-                                                   "(tpu.env)")
     input_lens: list[int] = Field(default_factory=lambda: [512, 4096], description="Prompt lengths in tokens")
     output_len: int = Field(128, description="Output tokens per request (ignore_eos)")
     concurrencies: list[int] = Field(default_factory=lambda: [1, 4, 8, 16],

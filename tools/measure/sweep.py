@@ -233,9 +233,13 @@ def run_sweep(params: SweepParams | None = None, *, progress: Progress | None = 
 
     params = SweepParams(**{**(params or SweepParams()).model_dump(), **overrides})
     params.validate()
-    base_url = (params.base_url or (serve_config.base_url if serve_config is not None else _default_base_url()))
-    base_url = base_url.rstrip("/")
-    params.base_url = base_url
+    from tools.serving import router as router_mod
+    from tools.serving.endpoint import resolve_endpoint
+
+    endpoint = resolve_endpoint(params, serve_config)
+    base_url = endpoint.base_url
+    if endpoint.config is not None:  # the instance measured: its start record goes into the provenance
+        serve_config = endpoint.config
     server = _resolve_server(params, base_url)
     model = params.model or server.model_id
     tokenizer = params.tokenizer or server.model_root or model
@@ -251,8 +255,12 @@ def run_sweep(params: SweepParams | None = None, *, progress: Progress | None = 
     result = SweepResult(run_id=run_dir.name, run_dir=str(run_dir), label=params.label,
                          params=params.model_dump(mode="json"), max_model_len=max_len, model=model,
                          started=datetime.now(timezone.utc).isoformat(timespec="seconds"))
-    result.provenance = prov_mod.collect(base_url, server=server, serve_config=serve_config).to_dict()
-    prov_mod.write(prov_mod.Provenance.model_validate(result.provenance), run_dir / "provenance.json")
+    prov = prov_mod.collect(base_url, server=server, serve_config=serve_config)
+    prov.endpoint = endpoint.to_dict()
+    backends = [router_mod.Backend(**b) for b in endpoint.backends]
+    before = router_mod.request_counts(backends) if backends else {}
+    result.provenance = prov.to_dict()
+    prov_mod.write(prov, run_dir / "provenance.json")
 
     cells_plan = [(L, c) for L in params.input_lens for c in params.concurrencies]
     total = sum(params.repeats for L, c in cells_plan if max_len is None or L + params.output_len <= max_len)
@@ -260,6 +268,12 @@ def run_sweep(params: SweepParams | None = None, *, progress: Progress | None = 
         _run_cells(params, cells_plan, result, worker, base_url=base_url, model=model, tokenizer=tokenizer,
                    max_len=max_len, raw_dir=raw_dir, run_dir=run_dir, progress=progress, total=total, t0=t0)
 
+    if backends:  # how the router spread the sweep: each instance's finished requests, warm-ups included
+        after = router_mod.request_counts(backends)
+        prov.endpoint["requests"] = {n: (None if before.get(n) is None or after.get(n) is None
+                                         else int(after[n] - before[n])) for n in after}
+        result.provenance = prov.to_dict()
+        prov_mod.write(prov, run_dir / "provenance.json")
     result.finished = datetime.now(timezone.utc).isoformat(timespec="seconds")
     result.wall_s = time.monotonic() - t0
     result.files = sweep_report.write_run(result, run_dir, price_per_hour=params.price_per_hour, plot=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import sys
 from dataclasses import asdict, dataclass, field, fields
@@ -44,7 +45,27 @@ ENV_NAMES: dict[str, str] = {
     "state_dir": "STATE_DIR",
     "start_timeout_s": "START_TIMEOUT_S",
     "source_checkpoint": "SOURCE_CHECKPOINT",
+    "tensor_parallel_size": "TENSOR_PARALLEL_SIZE",
+    "data_parallel_size": "DATA_PARALLEL_SIZE",
 }
+
+# An instance name becomes a folder under STATE_DIR: letters, digits, '_' and '-', starting with a letter or digit.
+INSTANCE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,31}")
+DEFAULT_INSTANCE = "default"  # the unnamed instance: state and log directly in STATE_DIR, as before instances
+
+
+def check_instance_name(name: str | None) -> str:
+    """The instance's name, "" for the default one; a one-line refusal (exit 2) for a name that could escape
+    STATE_DIR or is not a plain word."""
+    from tools.serving.params_cli import BadInput
+
+    if name is None or name == DEFAULT_INSTANCE:
+        return ""
+    if not isinstance(name, str) or not INSTANCE_NAME.fullmatch(name):
+        shown = repr(name)[:60]
+        raise BadInput(f"--instance {shown} is not a valid instance name: use 1-32 letters, digits, '_' or '-', "
+                       "starting with a letter or digit (no '/', '..' or spaces)", {"instance": shown})
+    return name
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -73,6 +94,12 @@ class ServeConfig:
     state_dir: Path = PROJECT_ROOT / "run"
     start_timeout_s: float = 900.0
     source_checkpoint: str = ""  # the QAT checkpoint the builds are made from (the demo's T4 path)
+    tensor_parallel_size: int = 1   # vLLM's --tensor-parallel-size: one model split over this many GPUs
+    data_parallel_size: int = 1     # vLLM's --data-parallel-size: this many engine replicas behind one port
+    instance: str = ""              # "" = the default instance (state in STATE_DIR); else run/NAME/
+    gpus: list[int] | None = None   # CUDA device indices for this instance (CUDA_VISIBLE_DEVICES); None: all
+    cpus: int | None = None         # CPU: cores asked for this instance (None: an even share of the free ones)
+    cpu_cores: list[list[int]] | None = None  # CPU: the cores of each vLLM rank (VLLM_CPU_OMP_THREADS_BIND)
     env_file: Path | None = None  # where the values came from, for messages
     # Where each field's value came from: "file", "environment" or "override" (absent: the dataclass default).
     # A value given for this start (override or environment) is a demand; one from the file is a preference.
@@ -86,12 +113,21 @@ class ServeConfig:
         return f"http://{self.host}:{self.port}"
 
     @property
+    def instance_name(self) -> str:
+        return self.instance or DEFAULT_INSTANCE
+
+    @property
+    def instance_dir(self) -> Path:
+        """Where this instance's state and log live: STATE_DIR itself for the default instance."""
+        return Path(self.state_dir) / self.instance if self.instance else Path(self.state_dir)
+
+    @property
     def state_file(self) -> Path:
-        return Path(self.state_dir) / "vllm.json"
+        return self.instance_dir / "vllm.json"
 
     @property
     def log_file(self) -> Path:
-        return Path(self.state_dir) / "vllm.log"
+        return self.instance_dir / "vllm.log"
 
     def vllm_argv(self, platform: Platform) -> list[str]:
         """The full command line of the server: vLLM's OpenAI server module run by this interpreter.
@@ -120,6 +156,10 @@ class ServeConfig:
             argv.append("--language-model-only")
         if self.speculative_config:
             argv += ["--speculative-config", self.speculative_config]
+        if self.tensor_parallel_size > 1:
+            argv += ["--tensor-parallel-size", str(self.tensor_parallel_size)]
+        if self.data_parallel_size > 1:
+            argv += ["--data-parallel-size", str(self.data_parallel_size)]
         return argv + list(self.extra_args)
 
     def server_env(self, platform: Platform) -> dict[str, str]:
@@ -127,6 +167,10 @@ class ServeConfig:
         env = {"PYTHONUNBUFFERED": "1"}
         if platform == "cpu":
             env["VLLM_CPU_KVCACHE_SPACE"] = str(self.cpu_kvcache_space_gib)
+            if self.cpu_cores:  # one core list per rank, '|' between ranks (vLLM's format)
+                env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, c)) for c in self.cpu_cores)
+        elif self.gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.gpus))
         return env
 
     def to_dict(self) -> dict[str, Any]:
@@ -167,7 +211,8 @@ def _convert(name: str, key: str, raw: Any, source: str) -> Any:
     if not isinstance(raw, str):
         return raw  # keyword overrides arrive typed
     try:
-        if key in ("port", "max_model_len", "max_num_seqs", "cpu_kvcache_space_gib", "swap_size_gib"):
+        if key in ("port", "max_model_len", "max_num_seqs", "cpu_kvcache_space_gib", "swap_size_gib",
+                   "tensor_parallel_size", "data_parallel_size"):
             return int(raw)
         if key in ("gpu_memory_utilization", "memory_margin_gib", "start_timeout_s"):
             return float(raw)
@@ -241,12 +286,14 @@ def load_config(env_file: str | Path | None = None, **overrides: Any) -> ServeCo
         source = str((path.parent / source).resolve())
     values["source_checkpoint"] = source
 
+    values["instance"] = check_instance_name(values.get("instance"))
     cfg = ServeConfig(**values, env_file=path.resolve(), sources=sources)
     if not 0 < cfg.port < 65536:
         raise ToolFailure(f"{path}: PORT={cfg.port} is not a TCP port (1-65535)")
     if not 0 < cfg.gpu_memory_utilization <= 1:
         raise ToolFailure(f"{path}: GPU_MEMORY_UTILIZATION={cfg.gpu_memory_utilization} must be in (0, 1]")
-    for key in ("max_model_len", "max_num_seqs", "cpu_kvcache_space_gib"):
+    for key in ("max_model_len", "max_num_seqs", "cpu_kvcache_space_gib", "tensor_parallel_size",
+                "data_parallel_size"):
         if getattr(cfg, key) <= 0:
             raise ToolFailure(f"{path}: {ENV_NAMES[key]}={getattr(cfg, key)} must be positive")
     return cfg

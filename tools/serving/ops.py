@@ -1,17 +1,30 @@
-"""Parameter models of the serving operations: `./vllm-t4 start|stop|query|log` flags and the MCP tools'
-arguments are derived from these. The results are tools.serving.vllm_server's StartResult, StopResult,
-ServerStatus and QueryResult."""
+"""Parameter models of the serving operations: `./vllm-t4 start|stop|status|query|log|router` flags and the MCP
+tools' arguments are derived from these. The results are tools.serving.vllm_server's StartResult, StopResult,
+ServerStatus and QueryResult, and tools.serving.router's."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
 from tools.params import OpParams
+from tools.serving.params_cli import BadInput
+
+INSTANCE_HELP = "Named instance (state and log in STATE_DIR/NAME/); default: the default one"
 
 
-class StartParams(OpParams):
+class InstanceParams(OpParams):
+    """The instance an operation acts on."""
+
+    CLI_BAD_INPUT: ClassVar[type[Exception] | None] = BadInput
+
+    instance: str | None = Field(None, description=INSTANCE_HELP)
+
+
+class StartParams(InstanceParams):
+    MCP_EXCLUDE: ClassVar[frozenset[str]] = frozenset({"cpus"})  # a machine-local knob
+
     model: str | None = Field(None, description="Checkpoint folder or hub id for this start; default: MODEL_NAME "
                                                 "of the serving config (tpu.env)")
     served_name: str | None = Field(None, description="Name clients send as model; default: SERVED_MODEL_NAME")
@@ -19,26 +32,55 @@ class StartParams(OpParams):
     max_model_len: int | None = Field(None, ge=16, description="Context length for this start; default: "
                                                                 "MAX_MODEL_LEN (small models need less)")
     max_num_seqs: int | None = Field(None, ge=1, description="Concurrent sequences; default: MAX_NUM_SEQS")
+    gpus: list[int] | None = Field(None, description="GPU indices (CUDA_VISIBLE_DEVICES); default: the first, or "
+                                                     "TENSOR_PARALLEL_SIZE x DATA_PARALLEL_SIZE of them")
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1, description="This instance's share of its GPUs "
+                                                 "(two on one card: 0.45 each); default: GPU_MEMORY_UTILIZATION")
+    cpus: int | None = Field(None, ge=1, description="CPU backend: cores bound to this instance; default: an even "
+                                                     "share of the free cores (none bound for a lone default "
+                                                     "instance)")
 
     def overrides(self) -> dict[str, Any]:
         """The serving-config overrides this start asks for (unset fields keep tpu.env's values)."""
         return {k: v for k, v in self.model_dump().items() if v is not None}
 
 
-class StopParams(OpParams):
+class StopParams(InstanceParams):
     CLI_FLAGS = {"grace_s": "--grace"}
 
     grace_s: float = Field(20.0, ge=0, le=300, description="Seconds between SIGTERM and SIGKILL")
+    all: bool = Field(False, description="Stop the router and every instance")
 
 
-class QueryParams(OpParams):
+class StatusParams(InstanceParams):
+    pass
+
+
+class QueryParams(InstanceParams):
     CLI_POSITIONAL = ("prompt",)
 
     prompt: str = Field(min_length=1, description="User message (chat template applied)")
     max_tokens: int = Field(64, ge=1, le=4096, description="Tokens to generate at most")
 
 
-class LogParams(OpParams):
+class LogParams(InstanceParams):
     CLI_FLAGS = {"lines": ("-n", "--lines")}
 
     lines: int = Field(50, ge=1, le=2000, description="How many last lines")
+
+
+class RouterStartParams(OpParams):
+    CLI_COMMA: ClassVar[frozenset[str]] = frozenset({"instances"})
+    CLI_BAD_INPUT: ClassVar[type[Exception] | None] = BadInput
+
+    instances: list[str] = Field(min_length=1, description="Running instances to route to, comma separated "
+                                                           "(default names the default instance)")
+    policy: Literal["round_robin", "cache_aware", "power_of_two", "random", "consistent_hash", "kv_aware",
+                    "sticky_least_loaded"] = Field("round_robin", description="vllm-router's load-balancing policy")
+    port: int = Field(8100, ge=1, le=65535, description="Port the router listens on")
+
+
+class RouterStopParams(OpParams):
+    CLI_FLAGS = {"grace_s": "--grace"}
+
+    grace_s: float = Field(10.0, ge=0, le=300, description="Seconds between SIGTERM and SIGKILL")

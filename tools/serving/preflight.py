@@ -190,11 +190,13 @@ def check_gpu_memory(ctx: _Context) -> Check:
     if not v.available or not v.gpus:
         return Check(name="gpu_memory", status="fail", value=f"NVML cannot read GPU memory ({v.reason})",
                      fix="install the NVIDIA driver and nvidia-ml-py (./setup.sh)")
-    g = v.gpus[0]
+    # The instance's first GPU (--gpus), else GPU 0; other instances' memory there is already used memory.
+    index = ctx.cfg.gpus[0] if ctx.cfg is not None and ctx.cfg.gpus else 0
+    g = next((x for x in v.gpus if x.index == index), v.gpus[0])
     util = ctx.cfg.gpu_memory_utilization if ctx.cfg is not None else 0.9
     want = int(g.total_mib * util)
     detail = {"total_mib": g.total_mib, "free_mib": g.free_mib, "wanted_mib": want, "utilization": util}
-    value = f"{g.free_mib} MiB free of {g.total_mib} MiB; vLLM takes {util:g} x total = {want} MiB"
+    value = f"GPU{g.index}: {g.free_mib} MiB free of {g.total_mib} MiB; vLLM takes {util:g} x total = {want} MiB"
     if g.free_mib < want:
         others = [f"pid {p.pid} ({p.name or '?'}, {p.used_mib} MiB)" for p in g.processes]
         return Check(name="gpu_memory", status="fail", value=value, detail=detail,

@@ -77,6 +77,17 @@ class Hardware:
         """(RAM bytes, swap bytes enabled)."""
         return int(psutil.virtual_memory().total), int(psutil.swap_memory().total)
 
+    def gpu_count(self) -> int:
+        """GPUs NVML lists (0 without a driver); a platform that reports CUDA has at least one."""
+        return len(self._capabilities()) or (1 if self.platform() == "cuda" else 0)
+
+    def cpu_cores(self) -> list[int]:
+        """The cores this process may run on: what instances are bound to."""
+        try:
+            return sorted(os.sched_getaffinity(0))
+        except AttributeError:  # not Linux
+            return list(range(os.cpu_count() or 1))
+
     _caps: list[tuple[int, int]] | None = None
 
     def _capabilities(self) -> list[tuple[int, int]]:
@@ -108,6 +119,13 @@ class ServerState:
     started_ts: float
     log_path: str
     version: int = STATE_VERSION
+    # Written since named instances: what the next start must not take again (older files lack them).
+    instance: str = ""
+    gpus: list[int] | None = None               # CUDA devices (None: the first visible, or all with TP/DP)
+    gpu_memory_utilization: float | None = None
+    cpu_cores: list[list[int]] | None = None    # CPU cores per rank; None on the CPU: unbound (every core)
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -152,6 +170,7 @@ class StopResult:
 @dataclass
 class ServerStatus:
     alive: bool
+    instance: str = "default"
     pid: int | None = None
     uptime_s: float | None = None
     healthy: bool = False
@@ -165,12 +184,21 @@ class ServerStatus:
     vram: Vram | None = None
     died: bool = False                 # a state file was left by a server that is gone
     leftover_pids: list[int] = field(default_factory=list)
+    gpus: list[int] | None = None
+    cpu_cores: list[list[int]] | None = None
+    kv_cache_tokens: int | None = None
     message: str = ""
+    # `status` without an instance: the fields above describe the default instance, these every instance
+    instances: list["ServerStatus"] | None = None
+    router: dict[str, Any] | None = None
+    all_healthy: bool | None = None    # every instance (and router) reported is alive and answers /health
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["start_fields"] = self.start_fields.to_dict() if self.start_fields else None
         d["vram"] = self.vram.to_dict() if self.vram else None
+        if self.instances is not None:
+            d["instances"] = [i.to_dict() for i in self.instances]
         return d
 
 
@@ -350,45 +378,55 @@ def start_server(cfg: ServeConfig, *, progress: Progress | None = None, hardware
     attention clamp, or host memory cannot hold the checkpoint without swap. On a failed start the process group
     is gone, the state file removed, and the failure carries the log tail and the line that explains it.
     """
+    from tools.serving import instances
+
     hw = hardware or Hardware()
-    state = _load_state(cfg)
-    if state is not None:
-        if _leader(state) is not None:
-            raise ToolFailure(f"a server started from {cfg.state_dir} is already running (pid {state.pid}, "
-                              f"{state.served_name} at {state.base_url}); stop it first with ./vllm-t4 stop",
-                              detail={"state": state.to_dict()})
-        if _our_group(state):
-            raise ToolFailure(f"processes of a previous server (group {state.pgid}) are still running; "
-                              "run ./vllm-t4 stop to end them")
-        _clear_state(cfg)  # left by a server that died: not an obstacle
+    # Checks and launch under the state dir's lock: two starts at once must not both take one port, core or GPU.
+    with instances.locked(cfg):
+        state = _load_state(cfg)
+        if state is not None:
+            if _leader(state) is not None:
+                which = f" --instance {cfg.instance}" if cfg.instance else ""
+                raise ToolFailure(f"a server started from {cfg.instance_dir} is already running (pid {state.pid}, "
+                                  f"{state.served_name} at {state.base_url}); stop it first with ./vllm-t4 stop"
+                                  + which, detail={"state": state.to_dict()})
+            if _our_group(state):
+                raise ToolFailure(f"processes of a previous server (group {state.pgid}) are still running; "
+                                  "run ./vllm-t4 stop to end them")
+            _clear_state(cfg)  # left by a server that died: not an obstacle
 
-    # The port, the model folder and its length limit, the Turing clamp, host memory, the vLLM build and the GPU's
-    # free memory: refused here with the failing check's line rather than by vLLM a minute into the start.
-    from tools.serving.preflight import ensure
+        # Ports, cores and GPU memory other instances hold, and TP/DP against the GPUs: refused before launching.
+        cfg = instances.plan(cfg, hw)
+        # The port, the model folder and its length limit, the Turing clamp, host memory, the vLLM build and the
+        # GPU's free memory: refused here with the failing check's line rather than by vLLM a minute into the start.
+        from tools.serving.preflight import ensure
 
-    ensure("start", cfg=cfg, hardware=hw, turing_target=turing_target)
-    platform = hw.platform()
-    cfg, max_len_note = _fit_to_model(cfg)
+        ensure("start", cfg=cfg, hardware=hw, turing_target=turing_target)
+        platform = hw.platform()
+        cfg, max_len_note = _fit_to_model(cfg)
 
-    argv = cfg.vllm_argv(platform)
-    env = dict(os.environ)
-    env.update(cfg.server_env(platform))
-    cfg.state_dir.mkdir(parents=True, exist_ok=True)
-    log_path = cfg.log_file
-    t0 = time.monotonic()
-    with open(log_path, "wb") as log:  # one log per start: the parser reads this start only
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                cwd=str(cfg.state_dir), start_new_session=True)
-    try:
-        create_time = psutil.Process(proc.pid).create_time()
-    except psutil.Error:
-        create_time = time.time()
-    now = datetime.now(timezone.utc)
-    state = ServerState(pid=proc.pid, pgid=proc.pid, create_time=create_time, host=cfg.host, port=cfg.port,
-                        base_url=cfg.base_url, model=cfg.model, served_name=cfg.served_name, argv=argv,
-                        platform=platform, started_at=now.isoformat(timespec="seconds"),
-                        started_ts=now.timestamp(), log_path=str(log_path))
-    _write_state(cfg, state)
+        argv = cfg.vllm_argv(platform)
+        env = dict(os.environ)
+        env.update(cfg.server_env(platform))
+        cfg.instance_dir.mkdir(parents=True, exist_ok=True)
+        log_path = cfg.log_file
+        t0 = time.monotonic()
+        with open(log_path, "wb") as log:  # one log per start: the parser reads this start only
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                    cwd=str(cfg.instance_dir), start_new_session=True)
+        try:
+            create_time = psutil.Process(proc.pid).create_time()
+        except psutil.Error:
+            create_time = time.time()
+        now = datetime.now(timezone.utc)
+        state = ServerState(pid=proc.pid, pgid=proc.pid, create_time=create_time, host=cfg.host, port=cfg.port,
+                            base_url=cfg.base_url, model=cfg.model, served_name=cfg.served_name, argv=argv,
+                            platform=platform, started_at=now.isoformat(timespec="seconds"),
+                            started_ts=now.timestamp(), log_path=str(log_path), instance=cfg.instance,
+                            gpus=cfg.gpus, gpu_memory_utilization=cfg.gpu_memory_utilization,
+                            cpu_cores=cfg.cpu_cores, tensor_parallel_size=cfg.tensor_parallel_size,
+                            data_parallel_size=cfg.data_parallel_size)
+        _write_state(cfg, state)
 
     def fail(reason: str) -> ToolFailure:
         _kill_group(proc.pid, proc.pid, grace_s=5)
@@ -525,7 +563,7 @@ def stop_server(cfg: ServeConfig, *, grace_s: float = 20) -> StopResult:
     """SIGTERM to the server's process group, SIGKILL after grace_s; idempotent. Raises if a process remains."""
     state = _load_state(cfg)
     if state is None:
-        return StopResult(was_running=False, message=f"no server recorded in {cfg.state_dir}")
+        return StopResult(was_running=False, message=f"no server recorded in {cfg.instance_dir}")
     if _pid_recycled(state):
         _clear_state(cfg)
         return StopResult(was_running=False, pid=state.pid,
@@ -548,10 +586,13 @@ def server_status(cfg: ServeConfig, *, hardware: Hardware | None = None) -> Serv
     """Whether the server of this state dir runs and answers; clears the state file of a server that died."""
     state = _load_state(cfg)
     if state is None:
-        return ServerStatus(alive=False, message=f"not running (no server recorded in {cfg.state_dir})")
+        return ServerStatus(alive=False, instance=cfg.instance_name,
+                            message=f"not running (no server recorded in {cfg.instance_dir})")
     fields = engine_log.parse_engine_log(_read_text(Path(state.log_path)))
     common = dict(pid=state.pid, model=state.model, served_name=state.served_name, base_url=state.base_url,
-                  argv=state.argv, platform=state.platform, log_path=state.log_path, start_fields=fields)
+                  argv=state.argv, platform=state.platform, log_path=state.log_path, start_fields=fields,
+                  instance=cfg.instance_name, gpus=state.gpus, cpu_cores=state.cpu_cores,
+                  kv_cache_tokens=fields.kv_cache_tokens)
     leader = _leader(state)
     if leader is None:
         leftovers = [p.pid for p in _our_group(state)]
@@ -580,7 +621,7 @@ def server_status(cfg: ServeConfig, *, hardware: Hardware | None = None) -> Serv
 
 
 def read_log(cfg: ServeConfig, lines: int = 50) -> str:
-    """The last `lines` lines of the server log of this state dir."""
+    """The last `lines` lines of the server log of this instance."""
     state = _load_state(cfg)
     path = Path(state.log_path) if state else cfg.log_file
     if not path.is_file():

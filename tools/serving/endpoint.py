@@ -1,0 +1,101 @@
+"""The server a measurement talks to, chosen one way everywhere: a URL, a named instance, or the router.
+
+Every measuring operation's parameter model inherits `EndpointParams` (so `--base-url | --instance | --router` and
+the MCP arguments come from one place), and calls `resolve_endpoint` to turn them into a base URL, what it is,
+and for the router the instances behind it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+from pydantic import Field
+
+from tools.errors import ToolFailure
+from tools.params import OpParams
+from tools.serving.params_cli import BadInput
+
+
+class EndpointParams(OpParams):
+    """Where to measure: at most one of base_url, instance, router."""
+
+    base_url: str | None = Field(None, description="Server URL; default: the server this project started")
+    instance: str | None = Field(None, description="A named instance this project started (instead of base_url)")
+    router: bool = Field(False, description="Through the router in front of the instances (./vllm-t4 router)")
+
+
+@dataclass
+class Endpoint:
+    base_url: str
+    kind: Literal["url", "instance", "router", "config"]  # config: tpu.env's HOST:PORT, nothing recorded there
+    name: str | None = None                               # the instance's name
+    policy: str | None = None                             # the router's
+    backends: list[dict[str, str]] = field(default_factory=list)  # the router's: [{instance, base_url}]
+    config: Any = field(default=None, repr=False, compare=False)  # the instance's serving config (provenance)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("config")
+        return d
+
+    def describe(self) -> str:
+        if self.kind == "router":
+            return f"the router at {self.base_url} over " + ", ".join(b["instance"] for b in self.backends)
+        if self.kind == "instance":
+            return f"instance {self.name} at {self.base_url}"
+        return self.base_url
+
+
+def resolve_endpoint(params: Any, cfg: Any = None, *, env_file: Any = None, managed: bool = False) -> Endpoint:
+    """base_url, instance or router of `params` (an EndpointParams) as an Endpoint.
+
+    None of them: the default instance when it runs, else (managed=False) the config's HOST:PORT and
+    (managed=True, the MCP tools) a refusal: the config's port may belong to anything.
+    """
+    base_url = getattr(params, "base_url", None)
+    instance = getattr(params, "instance", None)
+    router = bool(getattr(params, "router", False))
+    given = [n for n, v in (("base_url", base_url), ("instance", instance), ("router", router)) if v]
+    if len(given) > 1:
+        raise BadInput(f"{' and '.join(given)} exclude each other: give one endpoint", {"given": given})
+    if base_url:
+        return Endpoint(base_url=base_url.rstrip("/"), kind="url")
+    if cfg is None:
+        from tools.serving.config import load_config
+
+        cfg = load_config(env_file)
+    if router:
+        from tools.serving import router as router_mod
+
+        st = router_mod.recorded(cfg)
+        if st is None:
+            raise ToolFailure("no router is running; start one with ./vllm-t4 router start --instances a,b "
+                              "(MCP: start_router)", {"router": True})
+        return Endpoint(base_url=st.base_url, kind="router", policy=st.policy,
+                        backends=[asdict(b) for b in st.backends], config=cfg)
+    from dataclasses import replace
+
+    from tools.serving import instances
+
+    if instance:
+        st = instances.resolve(cfg, instance)
+        return Endpoint(base_url=st.base_url, kind="instance", name=instance,
+                        config=replace(cfg, instance=st.instance))
+    alive = instances.running(cfg)
+    if "default" in alive:
+        return Endpoint(base_url=alive["default"].base_url, kind="instance", name="default",
+                        config=replace(cfg, instance=""))
+    if managed:
+        named = ", ".join(alive)
+        raise ToolFailure("no vLLM server is running" + (f" as the default instance (running: {named}; pass "
+                                                         "instance)" if named else "")
+                          + "; start one with start_vllm_server (or pass base_url)")
+    return Endpoint(base_url=cfg.base_url, kind="config", config=cfg)
+
+
+def resolve_name(text: str, cfg: Any = None, *, env_file: Any = None) -> Endpoint:
+    """A URL (it has '://') or an instance name: `compare live A B`'s endpoints."""
+    if "://" in text:
+        return Endpoint(base_url=text.rstrip("/"), kind="url")
+    return resolve_endpoint(EndpointParams(instance=text), cfg, env_file=env_file)

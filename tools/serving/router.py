@@ -1,0 +1,336 @@
+"""vLLM's router (`vllm-router`, a Rust load balancer) in front of running instances, as a managed process.
+
+Tracked like a server: its own process session and group, a state file (STATE_DIR/router.json, pid + start time)
+and a log (STATE_DIR/router.log); stopped with SIGTERM to the group, SIGKILL after a grace period. It is started
+only over instances that run and answer /health, and is ready when its own /health and /v1/models answer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+import psutil
+
+from tools.errors import ToolFailure
+from tools.serving.config import ServeConfig
+from tools.serving.params_cli import BadInput
+
+Policy = Literal["round_robin", "cache_aware", "power_of_two", "random", "consistent_hash", "kv_aware",
+                 "sticky_least_loaded"]
+POLICIES: tuple[str, ...] = Policy.__args__  # type: ignore[attr-defined]
+DEFAULT_ROUTER_PORT = 8100
+
+
+@dataclass
+class Backend:
+    instance: str
+    base_url: str
+
+
+@dataclass
+class RouterState:
+    pid: int
+    pgid: int
+    create_time: float
+    host: str
+    port: int
+    base_url: str
+    policy: str
+    backends: list[Backend]
+    argv: list[str]
+    started_at: str
+    started_ts: float
+    log_path: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "RouterState":
+        d = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
+        d["backends"] = [Backend(**b) for b in d.get("backends", [])]
+        return cls(**d)
+
+
+@dataclass
+class RouterStatus:
+    alive: bool
+    healthy: bool = False
+    pid: int | None = None
+    base_url: str | None = None
+    policy: str | None = None
+    backends: list[Backend] = field(default_factory=list)
+    backends_healthy: dict[str, bool] = field(default_factory=dict)
+    log_path: str | None = None
+    uptime_s: float | None = None
+    message: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class RouterStartResult:
+    pid: int
+    pgid: int
+    base_url: str
+    policy: str
+    backends: list[Backend]
+    argv: list[str]
+    log_path: str
+    state_file: str
+    startup_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def state_file(cfg: ServeConfig) -> Path:
+    return Path(cfg.state_dir) / "router.json"
+
+
+def log_file(cfg: ServeConfig) -> Path:
+    return Path(cfg.state_dir) / "router.log"
+
+
+def _load(cfg: ServeConfig) -> RouterState | None:
+    path = state_file(cfg)
+    if not path.is_file():
+        return None
+    try:
+        return RouterState.from_dict(json.loads(path.read_text()))
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ToolFailure(f"router state file {path} is unreadable ({exc}); check no router of it runs, then "
+                          "delete it")
+
+
+def _write(cfg: ServeConfig, st: RouterState) -> None:
+    path = state_file(cfg)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(st.to_dict(), indent=2))
+    os.replace(tmp, path)
+
+
+def _alive(st: RouterState) -> bool:
+    from tools.serving.vllm_server import _is_running, _reap
+
+    _reap(st.pid)
+    try:
+        proc = psutil.Process(st.pid)
+        return abs(proc.create_time() - st.create_time) <= 1.0 and _is_running(proc)
+    except psutil.Error:
+        return False
+
+
+def _group(st: RouterState) -> list[psutil.Process]:
+    from tools.serving.vllm_server import _group_members
+
+    try:
+        if abs(psutil.Process(st.pid).create_time() - st.create_time) > 1.0:
+            return []  # the pid was recycled: its group is a stranger's
+    except psutil.Error:
+        pass
+    return _group_members(st.pgid)
+
+
+def recorded(cfg: ServeConfig) -> RouterState | None:
+    """The router's state when its process (group) is still there; None otherwise."""
+    try:
+        st = _load(cfg)
+    except ToolFailure:
+        return None
+    return st if st is not None and (_alive(st) or _group(st)) else None
+
+
+def router_binary() -> str:
+    here = Path(sys.executable).parent / "vllm-router"
+    found = str(here) if here.is_file() else shutil.which("vllm-router")
+    if not found:
+        raise ToolFailure("vllm-router is not installed; run ./setup.sh (or pip install -e '.[router]')")
+    return found
+
+
+def start_router(cfg: ServeConfig, instances: list[str], *, policy: str = "round_robin", port: int | None = None,
+                 host: str | None = None, timeout_s: float = 60.0) -> RouterStartResult:
+    """Starts vllm-router over the named running instances and waits until it answers /health and /v1/models.
+
+    Refused (nothing launched, no state written) when a router runs, an instance is not running or not healthy,
+    the policy is unknown or the port is taken.
+    """
+    from tools.serving import instances as inst_mod
+    from tools.serving.vllm_server import _kill_group, _port_holder, _read_text
+
+    if policy not in POLICIES:
+        raise BadInput(f"--policy {policy!r} is not one of {', '.join(POLICIES)}", {"policy": policy})
+    names = list(dict.fromkeys(instances))
+    if not names:
+        raise BadInput("--instances: name at least one running instance (e.g. a,b)", {})
+    host = host or cfg.host
+    port = port or DEFAULT_ROUTER_PORT
+    with inst_mod.locked(cfg):
+        old = _load(cfg)
+        if old is not None:
+            if _alive(old) or _group(old):
+                raise ToolFailure(f"a router is already running (pid {old.pid} at {old.base_url}); stop it first "
+                                  "with ./vllm-t4 router stop", {"pid": old.pid})
+            state_file(cfg).unlink(missing_ok=True)
+        backends = []
+        states = {name: inst_mod.resolve(cfg, name) for name in names}  # every name running, before any probe
+        for name, st in states.items():
+            try:
+                ok = httpx.get(f"{st.base_url}/health", timeout=3.0).status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            if not ok:
+                raise ToolFailure(f"instance {name!r} at {st.base_url} does not answer /health; check ./vllm-t4 "
+                                  f"status --instance {name}", {"instance": name})
+            backends.append(Backend(instance=st.instance or "default", base_url=st.base_url))
+        taken = {n: st.port for n, st in inst_mod.running(cfg).items()}
+        if port in taken.values():
+            owner = next(n for n, p in taken.items() if p == port)
+            raise BadInput(f"--port {port} is held by instance {owner!r}; pass another --port", {"port": port})
+        holder = _port_holder(host, port)
+        if holder is not None:
+            raise BadInput(f"--port {port} on {host} is already in use by {holder}; pass another --port",
+                           {"port": port, "holder": holder})
+        argv = [router_binary(), "--host", host, "--port", str(port), "--policy", policy,
+                "--worker-urls", *[b.base_url for b in backends]]
+        log_path = log_file(cfg)
+        t0 = time.monotonic()
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    cwd=str(cfg.state_dir), start_new_session=True)
+        try:
+            create_time = psutil.Process(proc.pid).create_time()
+        except psutil.Error:
+            create_time = time.time()
+        now = datetime.now(timezone.utc)
+        st = RouterState(pid=proc.pid, pgid=proc.pid, create_time=create_time, host=host, port=port,
+                         base_url=f"http://{host}:{port}", policy=policy, backends=backends, argv=argv,
+                         started_at=now.isoformat(timespec="seconds"), started_ts=now.timestamp(),
+                         log_path=str(log_path))
+        _write(cfg, st)
+
+    def fail(reason: str) -> ToolFailure:
+        _kill_group(proc.pid, proc.pid, grace_s=5)
+        state_file(cfg).unlink(missing_ok=True)
+        tail = _read_text(log_path).strip().splitlines()[-5:]
+        return ToolFailure(f"vllm-router {reason} (log: {log_path})", {"log_tail": tail, "argv": argv})
+
+    try:
+        with httpx.Client(timeout=3.0) as client:
+            while True:
+                code = proc.poll()
+                if code is not None:
+                    raise fail(f"exited with code {code} while starting")
+                if time.monotonic() - t0 > timeout_s:
+                    raise fail(f"did not answer /health and /v1/models within {timeout_s:g} s")
+                try:
+                    if (client.get(f"{st.base_url}/health").status_code == 200
+                            and client.get(f"{st.base_url}/v1/models").status_code == 200):
+                        break
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.3)
+    except ToolFailure:
+        raise
+    except BaseException:  # interrupted or cancelled: leave no router behind
+        fail("start was cancelled")
+        raise
+    return RouterStartResult(pid=proc.pid, pgid=proc.pid, base_url=st.base_url, policy=policy, backends=backends,
+                             argv=argv, log_path=str(log_path), state_file=str(state_file(cfg)),
+                             startup_s=round(time.monotonic() - t0, 2))
+
+
+def router_status(cfg: ServeConfig) -> RouterStatus:
+    """Whether the router runs and answers /health, and which of its backends do."""
+    st = _load(cfg)
+    if st is None:
+        return RouterStatus(alive=False, message="no router running")
+    if not _alive(st):
+        if _group(st):
+            return RouterStatus(alive=False, pid=st.pid, base_url=st.base_url, log_path=st.log_path,
+                                message=f"router pid {st.pid} died; processes of its group remain: run "
+                                        "./vllm-t4 router stop")
+        state_file(cfg).unlink(missing_ok=True)
+        return RouterStatus(alive=False, pid=st.pid, base_url=st.base_url, log_path=st.log_path,
+                            message=f"router pid {st.pid} died; its state file was cleared")
+
+    def health(url: str) -> bool:
+        try:
+            return httpx.get(f"{url}/health", timeout=3.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    ok = health(st.base_url)
+    back = {b.instance: health(b.base_url) for b in st.backends}
+    word = "routing" if ok else "running but not healthy"
+    return RouterStatus(alive=True, healthy=ok, pid=st.pid, base_url=st.base_url, policy=st.policy,
+                        backends=st.backends, backends_healthy=back, log_path=st.log_path,
+                        uptime_s=round(time.time() - st.started_ts, 1),
+                        message=f"{word}: {st.base_url} ({st.policy}) over "
+                                + ", ".join(f"{b.instance} {b.base_url}" for b in st.backends))
+
+
+@dataclass
+class RouterStopResult:
+    was_running: bool
+    pid: int | None = None
+    signal: str | None = None
+    stopped_pids: list[int] = field(default_factory=list)
+    message: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def stop_router(cfg: ServeConfig, *, grace_s: float = 10) -> RouterStopResult:
+    """SIGTERM to the router's group, SIGKILL after grace_s; idempotent. Raises if a process remains."""
+    from tools.serving.vllm_server import _kill_group
+
+    st = _load(cfg)
+    if st is None:
+        return RouterStopResult(was_running=False, message="no router recorded")
+    members = _group(st)
+    if not members:
+        state_file(cfg).unlink(missing_ok=True)
+        return RouterStopResult(was_running=False, pid=st.pid,
+                                message=f"router pid {st.pid} was no longer running; its state file was cleared")
+    last, pids, remaining = _kill_group(st.pgid, st.pid if _alive(st) else None, grace_s)
+    if remaining:
+        raise ToolFailure(f"processes {remaining} of the router's group {st.pgid} survived SIGKILL; end them by "
+                          "hand", {"remaining": remaining})
+    state_file(cfg).unlink(missing_ok=True)
+    return RouterStopResult(was_running=True, pid=st.pid, signal=last, stopped_pids=pids,
+                            message=f"stopped the router (pid {st.pid}, {last})")
+
+
+def request_counts(backends: list[Backend], *, timeout: float = 5.0) -> dict[str, float | None]:
+    """instance -> requests its vLLM has finished (`vllm:request_success_total`, every finish reason summed);
+    None where /metrics does not answer. Deltas over a run tell how the router spread it."""
+    out: dict[str, float | None] = {}
+    for b in backends:
+        try:
+            text = httpx.get(f"{b.base_url}/metrics", timeout=timeout).text
+        except httpx.HTTPError:
+            out[b.instance] = None
+            continue
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith("vllm:request_success_total"):
+                try:
+                    total += float(line.rsplit(" ", 1)[1])
+                except (IndexError, ValueError):
+                    pass
+        out[b.instance] = total
+    return out
