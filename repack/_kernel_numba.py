@@ -3,13 +3,24 @@
 Kept in its own module so that importing the library never triggers compilation; numba caches the compiled
 code next to this file (or in NUMBA_CACHE_DIR).
 
-Exactness is tested against per-value intervals (T(p) == x exactly when lo <= p <= hi, tables built by
-`grid`), so the runtime rounding itself is only computed for the values a candidate does not reproduce.
+Where the time would go, and how it is avoided without changing any decision of the reference:
+- A candidate scale c has only 8 runtime magnitudes, R[a] = T(c * a) for a = 1..8 (T(-p) = -T(p)), so the
+  runtime rounding is emulated 8 times per candidate, not 32.
+- Its squared runtime error is sum x^2 + sum_a R[a] * (A[a] * R[a] - 2 * B[a]), with A[a] the number of values
+  at level +-a and B[a] the sum of their magnitudes (both per group, shared by every candidate with the same
+  levels): 8 lanes instead of 32 values. Every term is an integer multiple of 2^(2k) (2^k: the smallest quantum
+  of the source values and of c), so when every partial sum stays below 2^(53+2k) this sum, in any order, and
+  the reference's left-to-right sum of (T(c*q) - x)^2 are both exact, hence equal. That holds when
+  max(R[8], amax) < 2^(23+k) (the partial sums are bounded by 128 * max^2); otherwise the group takes the
+  per-value left-to-right sum.
+- Exactness is tested against per-value intervals (T(p) == x exactly when lo <= p <= hi, tables built by
+  `grid`), and only where the objective needs the count: min-error counts only on a tie of squared errors and
+  for the chosen scale.
+- A candidate equal to one already evaluated (same value, same levels) cannot be strictly better, so it is not
+  evaluated again.
 """
 
 from __future__ import annotations
-
-from collections import namedtuple
 
 import numba as nb
 import numpy as np
@@ -18,9 +29,7 @@ import numpy as np
 # even (the default rounding mode), exactly like rint but without a library call in the inner loops.
 RND = 6755399441055744.0
 AUTHOR_TOL = 2.0 ** -7
-
-# Scratch arrays (with their uint64 views) and the runtime format of one target.
-_Work = namedtuple("_Work", ["r", "ru", "s1", "s1u", "s2", "s2u", "sig", "minexp", "vmax"])
+NO_QUANTUM = 10000  # exponent standing for "no nonzero source value"
 
 
 @nb.njit(cache=True, inline="always")
@@ -67,10 +76,14 @@ def _round1(s, sig, minexp, vmax, fb, ub):
 
 
 @nb.njit(cache=True, inline="always")
-def _levels(f, x, q, nib):
-    # levels for the step 1/f (also as nibbles, level + 8, for packing) and their least-squares step
+def _levels(f, x, q, nib, agg):
+    # levels for the step 1/f (also as nibbles, level + 8, for packing), their least-squares step, and per
+    # magnitude a = 1..8 the count (agg[0, a]) and summed magnitude (agg[1, a]) of the values at level +-a
     sqx = 0.0
     sqq = 0.0
+    for a in range(9):
+        agg[0, a] = 0.0
+        agg[1, a] = 0.0
     for i in range(32):
         l = _rint(x[i] * f)
         if l < -8.0:
@@ -81,6 +94,10 @@ def _levels(f, x, q, nib):
         nib[i] = np.uint32(int(l) + 8)
         sqx += l * x[i]
         sqq += l * l
+    for i in range(32):
+        a = int(abs(q[i]))
+        agg[0, a] += 1.0
+        agg[1, a] += abs(x[i])
     return sqx / sqq if sqq > 0 else 0.0
 
 
@@ -111,35 +128,66 @@ def _count(c, q, lo, hi):
 
 
 @nb.njit(cache=True, inline="always")
-def _sq(c, q, x, w):
-    # The runtime values T(c * q[i]) into w.r, and the squared runtime error summed left to right (the
-    # reference's order). Branch-free, through bit patterns, so the rounding loops vectorize: the quantum 2^k of
-    # each product comes from its exponent field, and rint(p * 2^-k) * 2^k is the round-to-nearest-even value
-    # (a zero product gets the smallest quantum and stays 0; NaN/inf sources are 0 with level 0, so add 0).
-    r, ru, s1u, s2, s2u, sig, minexp, vmax = w.r, w.ru, w.s1u, w.s2, w.s2u, w.sig, w.minexp, w.vmax
-    s1 = w.s1
-    for i in range(32):
-        r[i] = c * q[i]
-    for i in range(32):
-        k = max(np.int64((ru[i] >> np.uint64(52)) & np.uint64(0x7FF)) - 1023 - sig + 1, minexp)
-        s1u[i] = np.uint64(1023 - k) << np.uint64(52)
-        s2u[i] = np.uint64(1023 + k) << np.uint64(52)
-    for i in range(32):
-        v = _rint(r[i] * s1[i]) * s2[i]
-        r[i] = v if abs(v) <= vmax else v * np.inf
+def _runtime_mags(c, w):
+    # w[0][a] = T(c * a) for a = 0..8, branch-free through bit patterns: the quantum 2^k of each product comes
+    # from its exponent field and rint(p * 2^-k) * 2^k is the round-to-nearest-even value (a zero product gets
+    # the smallest quantum and stays 0); past the format's largest value: inf
+    rm, rmu, s1, s1u, s2, s2u = w[0], w[1], w[2], w[3], w[4], w[5]
+    sig, minexp, vmax = int(w[6][0]), int(w[6][1]), w[6][2]
+    for a in range(9):
+        rm[a] = c * a
+    for a in range(9):
+        k = max(np.int64((rmu[a] >> np.uint64(52)) & np.uint64(0x7FF)) - 1023 - sig + 1, minexp)
+        s1u[a] = np.uint64(1023 - k) << np.uint64(52)
+        s2u[a] = np.uint64(1023 + k) << np.uint64(52)
+    for a in range(9):
+        v = _rint(rm[a] * s1[a]) * s2[a]
+        rm[a] = v if v <= vmax else np.inf
+
+
+@nb.njit(cache=True, inline="always")
+def _sq_agg(rm, agg, sxx):
+    acc = sxx
+    for a in range(1, 9):
+        acc += rm[a] * (agg[0, a] * rm[a] - 2.0 * agg[1, a])
+    return acc
+
+
+@nb.njit(cache=True, inline="always")
+def _sq_seq(rm, q, x):
+    # the reference's order: (T(c*q) - x)^2 summed left to right
     acc = 0.0
     for i in range(32):
-        d = r[i] - x[i]
+        l = q[i]
+        r = rm[int(abs(l))]
+        d = (r if l >= 0.0 else -r) - x[i]
         acc += d * d
     return acc
 
 
 @nb.njit(cache=True, inline="always")
-def _search(s, q, qa, sa, da, has_a, same_a, x, lo, hi, recip, w, cand, auth, fb, ub, min_error):
-    # the candidates of grid._search, in the same order (skipping those that cannot be valid or cannot be
-    # strictly better: a duplicate of the first); stops once a candidate reproduces every value (count 32 and
-    # no error: nothing can be strictly better). Returns (scale, uses the author's levels, count, sq).
-    sig, minexp, vmax = w.sig, w.minexp, w.vmax
+def _sq(c, lv, lagg, x, sxx, amax, kx, w, fb, ub):
+    # squared runtime error of scale c with levels lv: exact aggregate form when provably equal, else per value
+    rm = w[0]
+    sig, minexp = int(w[6][0]), int(w[6][1])
+    _runtime_mags(c, w)
+    if c > 0.0:
+        kr = max(_ilogb(c, fb, ub) - sig + 1, minexp)
+        k = min(kx, kr)
+        mx = max(rm[8], amax)
+        if k < 1000 and mx < _exp2(23 + k, fb, ub):
+            return _sq_agg(rm, lagg, sxx)
+        return _sq_seq(rm, lv, x)
+    return sxx  # every runtime value is 0
+
+
+@nb.njit(cache=True, inline="always")
+def _search(s, q, qa, sa, da, has_a, same_a, x, lo, hi, recip, agg, agga, sxx, amax, kx, nvalid, w, cand, auth,
+            fb, ub, min_error):
+    # the candidates of grid._search, in the same order, skipping those that cannot be valid or cannot be
+    # strictly better (a duplicate of one evaluated); stops once nothing can be strictly better (every finite
+    # value exact). Returns (scale, uses the author's levels, count, sq).
+    sig, minexp, vmax = int(w[6][0]), int(w[6][1]), w[6][2]
     cand[0], cand[1], cand[2] = _round_fmt(s, sig, minexp, vmax, fb, ub)
     auth[0] = auth[1] = auth[2] = False
     nc = 3
@@ -152,21 +200,37 @@ def _search(s, q, qa, sa, da, has_a, same_a, x, lo, hi, recip, w, cand, auth, fb
     while True:
         while j < nc:
             c = cand[j]
-            lv = qa if auth[j] else q
-            n = _count(c, lv, lo, hi)
-            if n == 32:
-                return c, auth[j], n, 0.0
-            if min_error:
-                sq = _sq(c, lv, x, w)
-                better = (sq < bsq) or (sq == bsq and n > bn)
-            elif n < bn:
+            a = auth[j]
+            dup = False
+            for t in range(j):
+                if cand[t] == c and auth[t] == a:
+                    dup = True
+            if dup:
                 j += 1
                 continue
+            lv = qa if a else q
+            if min_error:
+                sq = _sq(c, lv, agga if a else agg, x, sxx, amax, kx, w, fb, ub)
+                if j == 0 or sq < bsq:
+                    best, ba, bn, bsq = c, a, -1, sq
+                elif sq == bsq:
+                    n = _count(c, lv, lo, hi)
+                    if bn < 0:
+                        bn = _count(best, qa if ba else q, lo, hi)
+                    if n > bn:
+                        best, ba, bn, bsq = c, a, n, sq
+                if bsq == 0.0:
+                    if bn < 0:
+                        bn = nvalid
+                    return best, ba, bn, bsq
             else:
-                sq = _sq(c, lv, x, w)
-                better = (n > bn) or (sq < bsq)
-            if better or j == 0:
-                best, ba, bn, bsq = c, auth[j], n, sq
+                n = _count(c, lv, lo, hi)
+                if n == 32:
+                    return c, a, n, 0.0
+                if n >= bn:
+                    sq = _sq(c, lv, agga if a else agg, x, sxx, amax, kx, w, fb, ub)
+                    if j == 0 or n > bn or sq < bsq:
+                        best, ba, bn, bsq = c, a, n, sq
             j += 1
         # the next candidates, computed only when needed
         if stage == 0:
@@ -190,6 +254,8 @@ def _search(s, q, qa, sa, da, has_a, same_a, x, lo, hi, recip, w, cand, auth, fb
                 auth[nc] = not same_a
                 nc += 1
         else:
+            if bn < 0:
+                bn = _count(best, qa if ba else q, lo, hi)
             return best, ba, bn, bsq
 
 
@@ -198,12 +264,14 @@ def _errors(c, q, x, inv, nf, n, w):
     # worst and summed runtime error in bf16 ulps of the source (a group holding NaN/inf: worst is inf)
     if n == 32:  # every value exact (and finite)
         return 0.0, 0.0
-    _sq(c, q, x, w)
-    r = w.r
+    rm = w[0]
+    _runtime_mags(c, w)
     m = 0.0
     t = 0.0
     for i in range(32):
-        e = abs(r[i] - x[i]) * inv[i]
+        l = q[i]
+        r = rm[int(abs(l))]
+        e = abs((r if l >= 0.0 else -r) - x[i]) * inv[i]
         m = max(m, e)
         t += e
     if nf:
@@ -226,13 +294,17 @@ def quantize_rows(words, packed, scales, stats, ratio_table, lowbit, recip, valu
     ng = cols // 32
     fb = np.empty(1)
     bb = fb.view(np.uint64)
-    rr = np.empty(32)
-    s1 = np.empty(32)
-    s2 = np.empty(32)
-    wt = _Work(rr, rr.view(np.uint64), s1, s1.view(np.uint64), s2, s2.view(np.uint64), sig, minexp, vmax)
+    rm = np.empty(9)
+    s1 = np.empty(9)
+    s2 = np.empty(9)
+    fmt_t = np.array([float(sig), float(minexp), vmax])
+    fmt_o = np.array([float(osig), float(ominexp), ovmax])
+    wt = (rm, rm.view(np.uint64), s1, s1.view(np.uint64), s2, s2.view(np.uint64), fmt_t)
+    wo = (rm, rm.view(np.uint64), s1, s1.view(np.uint64), s2, s2.view(np.uint64), fmt_o)
     cand = np.empty(9)
     auth = np.empty(9, dtype=np.bool_)
-    wo = _Work(rr, rr.view(np.uint64), s1, s1.view(np.uint64), s2, s2.view(np.uint64), osig, ominexp, ovmax)
+    agg = np.empty((2, 9))
+    agga = np.empty((2, 9))
     x = np.empty(32)
     q = np.empty(32)
     qa = np.empty(32)
@@ -261,6 +333,8 @@ def quantize_rows(words, packed, scales, stats, ratio_table, lowbit, recip, valu
             nf = 0
             pmax = -np.inf
             pmin = np.inf
+            sxx = 0.0
+            kx = NO_QUANTUM
             for i in range(32):
                 w = words[r, base + i]
                 v = value_tab[w]
@@ -272,9 +346,13 @@ def quantize_rows(words, packed, scales, stats, ratio_table, lowbit, recip, valu
                 hi2[i] = hi_o[w]
                 nf += (w & 0x7F80) == 0x7F80
                 n_negzero += w == 0x8000
-                x2 += v * v
+                sxx += v * v
                 pmax = max(pmax, v)
                 pmin = min(pmin, v)
+                # quantum exponent of a nonzero bf16 value (subnormals: that of the lowest binade)
+                kq = max(np.int64((w >> 7) & 0xFF), 1) - 134
+                kx = min(kx, kq if v != 0.0 else NO_QUANTUM)
+            x2 += sxx
             n_nonfinite += nf
             amax = max(pmax, -pmin)
             neg_only = -pmin > pmax
@@ -315,13 +393,14 @@ def quantize_rows(words, packed, scales, stats, ratio_table, lowbit, recip, valu
             has_a = m_a > 0
             sa = 0.0
             da = 0.0
-            s = _levels(m / safe, x, q, nib)
+            s = _levels(m / safe, x, q, nib, agg)
             if has_a:
                 # the same m gives the same levels and step (then only q is used)
-                sa = _levels(m_a / safe, x, qa, niba) if m_a != m else s
+                sa = _levels(m_a / safe, x, qa, niba, agga) if m_a != m else s
                 da = safe / m_a
-            c, use_a, n, sq = _search(s, q, qa, sa, da, has_a, m_a == m, x, lo, hi, recip, wt, cand, auth, fb, bb,
-                                      min_error)
+            nvalid = 32 - nf
+            c, use_a, n, sq = _search(s, q, qa, sa, da, has_a, m_a == m, x, lo, hi, recip, agg, agga, sxx, amax,
+                                      kx, nvalid, wt, cand, auth, fb, bb, min_error)
             e, et = _errors(c, qa if use_a else q, x, inv, nf, n, wt)
             if e > 2.0:
                 # The ratio lookup is a fast first guess; on a miss every peak level is tried and the one whose
@@ -329,19 +408,19 @@ def quantize_rows(words, packed, scales, stats, ratio_table, lowbit, recip, valu
                 best_m = m
                 best_e = np.inf
                 for mm in range(1, 9 if neg_only else 8):
-                    sm = _levels(mm / safe, x, q, nib)
+                    sm = _levels(mm / safe, x, q, nib, agg)
                     em = _err(sm, q, x, inv)
                     if em < best_e:
                         best_e, best_m = em, mm
                 m = best_m
-                s = _levels(m / safe, x, q, nib)
+                s = _levels(m / safe, x, q, nib, agg)
                 if has_a:
-                    sa = _levels(m_a / safe, x, qa, niba) if m_a != m else s
-                c, use_a, n, sq = _search(s, q, qa, sa, da, has_a, m_a == m, x, lo, hi, recip, wt, cand, auth, fb, bb,
-                                          min_error)
+                    sa = _levels(m_a / safe, x, qa, niba, agga) if m_a != m else s
+                c, use_a, n, sq = _search(s, q, qa, sa, da, has_a, m_a == m, x, lo, hi, recip, agg, agga, sxx,
+                                          amax, kx, nvalid, wt, cand, auth, fb, bb, min_error)
                 e, et = _errors(c, qa if use_a else q, x, inv, nf, n, wt)
-            co, use_ao, no, sqo = _search(s, q, qa, sa, da, has_a, m_a == m, x, lo2, hi2, recip, wo, cand, auth, fb, bb,
-                                          min_error)
+            co, use_ao, no, sqo = _search(s, q, qa, sa, da, has_a, m_a == m, x, lo2, hi2, recip, agg, agga, sxx,
+                                          amax, kx, nvalid, wo, cand, auth, fb, bb, min_error)
             eo, eto = _errors(co, qa if use_ao else q, x, inv, nf, no, wo)
             n_exact += n
             n_exact_o += no
