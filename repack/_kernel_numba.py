@@ -3,33 +3,62 @@
 Kept in its own module so that importing the library never triggers compilation; numba caches the compiled
 code next to this file (or in NUMBA_CACHE_DIR).
 
-Where the time would go, and how it is avoided without changing any decision of the reference:
-- A candidate scale c has only 8 runtime magnitudes, R[a] = T(c * a) for a = 1..8 (T(-p) = -T(p)), so the
-  runtime rounding is emulated 8 times per candidate, not 32.
+It takes every decision the reference takes, on the same numbers; what makes it fast:
+- A candidate scale c = N * 2^k (N an integer of the format's significand bits) has only 8 runtime magnitudes,
+  R[a] = T(c * a) for a = 1..8 (T(-p) = -T(p)): the integer N * a rounded to the format's significand bits,
+  ties to even, times 2^k. The runtime rounding is emulated 8 times per candidate, in integers, not 32 times.
 - Its squared runtime error is sum x^2 + sum_a R[a] * (A[a] * R[a] - 2 * B[a]), with A[a] the number of values
-  at level +-a and B[a] the sum of their magnitudes (both per group, shared by every candidate with the same
-  levels): 8 lanes instead of 32 values. Every term is an integer multiple of 2^(2k) (2^k: the smallest quantum
-  of the source values and of c), so when every partial sum stays below 2^(53+2k) this sum, in any order, and
-  the reference's left-to-right sum of (T(c*q) - x)^2 are both exact, hence equal. That holds when
-  max(R[8], amax) < 2^(23+k) (the partial sums are bounded by 128 * max^2); otherwise the group takes the
-  per-value left-to-right sum.
-- Exactness is tested against per-value intervals (T(p) == x exactly when lo <= p <= hi, tables built by
-  `grid`), and only where the objective needs the count: min-error counts only on a tie of squared errors and
-  for the chosen scale.
-- A candidate equal to one already evaluated (same value, same levels) cannot be strictly better, so it is not
-  evaluated again.
+  at level +-a and B[a] the sum of their magnitudes (per group, shared by every candidate with those levels).
+  Every term is an integer multiple of 2^(2k) (2^k: the smallest quantum among the source values and c), and
+  the partial sums of both this form and the reference's left-to-right sum of (T(c*q) - x)^2 are bounded by
+  128 * max(R[8], amax)^2; when that is below 2^(53+2k) both are exact, hence equal. Otherwise (values spread
+  over more than ~15 binades, overflow) the per-value left-to-right sum is taken.
+- Values are counted exact (T(c*q) == x) only where the objective needs the count: every candidate for
+  runtime-exact; for min-error a tie of squared errors and the chosen scale.
+- The interval of scales reproducing every value is empty as soon as two values at one level differ (T(c*l)
+  is one value); otherwise it is bounded by one value per level.
+- The article author's m is the first m in 1..8 passing its test, and a passing m is always in the group's
+  ratio mask (its tolerance, 2^-7 plus half a ratio bin, is inside the table's 0.0085, and fractions with
+  denominators up to 8 are 1/56 apart): only the mask's m are tried.
+- A candidate equal to one already evaluated (same value, same levels) cannot be strictly better.
 """
 
 from __future__ import annotations
 
 import numba as nb
 import numpy as np
+from llvmlite import ir
+from numba.core import types
+from numba.extending import intrinsic
 
 # Adding and subtracting 1.5 * 2^52 rounds a float64 of magnitude below 2^51 to the nearest integer, ties to
 # even (the default rounding mode), exactly like rint but without a library call in the inner loops.
 RND = 6755399441055744.0
 AUTHOR_TOL = 2.0 ** -7
 NO_QUANTUM = 10000  # exponent standing for "no nonzero source value"
+BF16_MAX = 3.3895313892515355e38
+
+
+@intrinsic
+def _f2u(typingctx, v):
+    """The bits of a float64 as an int64 (no memory round trip)."""
+    if v != types.float64:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.IntType(64))
+    return types.int64(types.float64), codegen
+
+
+@intrinsic
+def _u2f(typingctx, v):
+    """An int64 bit pattern as a float64."""
+    if v != types.int64:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.DoubleType())
+    return types.float64(types.int64), codegen
 
 
 @nb.njit(cache=True, inline="always")
@@ -38,52 +67,48 @@ def _rint(v):
 
 
 @nb.njit(cache=True, inline="always")
-def _ilogb(v, fb, ub):
-    # floor(log2(v)) of a positive normal float64, from its exponent bits (no libm call)
-    fb[0] = v
-    return np.int64((ub[0] >> np.uint64(52)) & np.uint64(0x7FF)) - 1023
+def _ilogb(v):
+    # floor(log2(v)) of a positive normal float64, from its exponent bits
+    return ((_f2u(v) >> 52) & 0x7FF) - 1023
 
 
 @nb.njit(cache=True, inline="always")
-def _exp2(k, fb, ub):
-    ub[0] = np.uint64(k + 1023) << np.uint64(52)
-    return fb[0]
+def _exp2(k):
+    return _u2f((k + 1023) << 52)
 
 
 @nb.njit(cache=True, inline="always")
-def _round_fmt(s, sig, minexp, vmax, fb, ub):
+def _round_fmt(s, sig, minexp, vmax):
     # nearest representable value of a format with `sig` significand bits, and its two neighbours
     if s <= 0.0:
         return 0.0, 0.0, 0.0
     if s > vmax:
         s = vmax
-    kq = max(_ilogb(s, fb, ub) - sig + 1, minexp)
-    qu = _exp2(kq, fb, ub)
+    kq = max(_ilogb(s) - sig + 1, minexp)
+    qu = _exp2(kq)
     # s * 2^-kq is s / qu exactly (a power-of-two scaling, far from overflow and underflow), without a division
-    c0 = np.rint(s * _exp2(-kq, fb, ub)) * qu
-    e0 = _ilogb(c0, fb, ub)
-    qu0 = _exp2(max(e0 - sig + 1, minexp), fb, ub)
+    c0 = _rint(s * _exp2(-kq)) * qu
+    e0 = _ilogb(c0)
+    qu0 = _exp2(max(e0 - sig + 1, minexp))
     qd = qu0
-    if c0 == _exp2(e0, fb, ub) and e0 - sig >= minexp:  # a power of two: finer spacing below
+    if c0 == _exp2(e0) and e0 - sig >= minexp:  # a power of two: finer spacing below
         qd = qu0 * 0.5
     return c0, max(c0 - qd, 0.0), min(c0 + qu0, vmax)
 
 
 @nb.njit(cache=True, inline="always")
-def _round1(s, sig, minexp, vmax, fb, ub):
-    c0, _, _ = _round_fmt(s, sig, minexp, vmax, fb, ub)
+def _round1(s, sig, minexp, vmax):
+    c0, _, _ = _round_fmt(s, sig, minexp, vmax)
     return c0
 
 
 @nb.njit(cache=True, inline="always")
-def _levels(f, x, q, nib, agg):
-    # levels for the step 1/f (also as nibbles, level + 8, for packing), their least-squares step, and per
-    # magnitude a = 1..8 the count (agg[0, a]) and summed magnitude (agg[1, a]) of the values at level +-a
+def _levels(f, x, wm, q, qi, nib, agg, wmin, wmax):
+    # levels for the step 1/f (as floats, as table indices level + 8, as nibbles for packing), their
+    # least-squares step, and per magnitude a = 1..8: the count (agg[0, a]) and summed magnitude (agg[1, a]) of
+    # the values at level +-a, and the smallest and largest magnitude word among them
     sqx = 0.0
     sqq = 0.0
-    for a in range(9):
-        agg[0, a] = 0.0
-        agg[1, a] = 0.0
     for i in range(32):
         l = _rint(x[i] * f)
         if l < -8.0:
@@ -91,104 +116,105 @@ def _levels(f, x, q, nib, agg):
         elif l > 7.0:
             l = 7.0
         q[i] = l
-        nib[i] = np.uint32(int(l) + 8)
+        li = int(l) + 8
+        qi[i] = li
+        nib[i] = np.uint32(li)
         sqx += l * x[i]
         sqq += l * l
+    for a in range(9):
+        agg[0, a] = 0.0
+        agg[1, a] = 0.0
+        wmin[a] = 0x10000
+        wmax[a] = -1
     for i in range(32):
-        a = int(abs(q[i]))
+        a = abs(qi[i] - 8)
         agg[0, a] += 1.0
         agg[1, a] += abs(x[i])
+        wmin[a] = min(wmin[a], wm[i])
+        wmax[a] = max(wmax[a], wm[i])
     return sqx / sqq if sqq > 0 else 0.0
 
 
 @nb.njit(cache=True, inline="always")
-def _bounds(q, lo, hi, recip):
-    # the interval of scales reproducing every value exactly (level 0 constrains nothing)
+def _bounds(agg, wmin, wmax, lo_t, hi_t, recip):
+    # The interval of scales reproducing every value exactly (level 0 constrains nothing); the reference takes
+    # max/min over the values of lo/l and hi/l, which for equal values at each level are the terms below
+    # (a negative value's bounds are the negated bounds of its magnitude, and 1/-l = -(1/l) exactly).
     lb = 0.0
     ub = np.inf
-    for i in range(32):
-        l = q[i]
-        rl = recip[int(l) + 8]
-        if l > 0.0:
-            lb = max(lb, lo[i] * rl)
-            ub = min(ub, hi[i] * rl)
-        elif l < 0.0:
-            lb = max(lb, hi[i] * rl)
-            ub = min(ub, lo[i] * rl)
+    for a in range(1, 9):
+        if agg[0, a] > 0.0:
+            if wmin[a] != wmax[a]:
+                return 1.0, 0.0  # two values at one level: no scale reproduces both
+            rl = recip[a + 8]
+            lb = max(lb, lo_t[wmax[a]] * rl)
+            ub = min(ub, hi_t[wmax[a]] * rl)
     return lb, ub
 
 
 @nb.njit(cache=True, inline="always")
-def _count(c, q, lo, hi):
-    n = 0
-    for i in range(32):
-        r = c * q[i]
-        n += (r >= lo[i]) & (r <= hi[i])
-    return n
-
-
-@nb.njit(cache=True, inline="always")
-def _runtime_mags(c, w):
-    # w[0][a] = T(c * a) for a = 0..8, branch-free through bit patterns: the quantum 2^k of each product comes
-    # from its exponent field and rint(p * 2^-k) * 2^k is the round-to-nearest-even value (a zero product gets
-    # the smallest quantum and stays 0); past the format's largest value: inf
-    rm, rmu, s1, s1u, s2, s2u = w[0], w[1], w[2], w[3], w[4], w[5]
-    sig, minexp, vmax = int(w[6][0]), int(w[6][1]), w[6][2]
-    for a in range(9):
-        rm[a] = c * a
-    for a in range(9):
-        k = max(np.int64((rmu[a] >> np.uint64(52)) & np.uint64(0x7FF)) - 1023 - sig + 1, minexp)
-        s1u[a] = np.uint64(1023 - k) << np.uint64(52)
-        s2u[a] = np.uint64(1023 + k) << np.uint64(52)
-    for a in range(9):
-        v = _rint(rm[a] * s1[a]) * s2[a]
-        rm[a] = v if v <= vmax else np.inf
-
-
-@nb.njit(cache=True, inline="always")
-def _sq_agg(rm, agg, sxx):
-    acc = sxx
+def _runtime(c, rs, sig, minexp, vmax):
+    # rs[l + 8] = T(c * l) for l = -8..8 (index 16: level 8); returns T(8c) (inf past the format's range)
+    if c <= 0.0:
+        for a in range(17):
+            rs[a] = 0.0
+        return 0.0
+    kc = max(_ilogb(c) - sig + 1, minexp)
+    n = np.int64(c * _exp2(-kc))
+    sc = _exp2(kc)
+    top = np.int64(1) << sig
+    rs[8] = 0.0
     for a in range(1, 9):
-        acc += rm[a] * (agg[0, a] * rm[a] - 2.0 * agg[1, a])
-    return acc
+        v = n * a
+        sh = np.int64(v >= top) + np.int64(v >= 2 * top) + np.int64(v >= 4 * top)
+        half = (np.int64(1) << sh) >> 1
+        odd = (v >> sh) & 1
+        rv = ((v + half - np.int64(sh > 0) + odd * np.int64(sh > 0)) >> sh) << sh
+        r = rv * sc
+        if r > vmax:
+            r = np.inf
+        rs[8 + a] = r
+        rs[8 - a] = -r
+    return rs[16]
 
 
 @nb.njit(cache=True, inline="always")
-def _sq_seq(rm, q, x):
-    # the reference's order: (T(c*q) - x)^2 summed left to right
+def _sq(c, qi, agg, x, sxx, amax, kx, rs, sig, minexp, vmax):
+    # squared runtime error of scale c with levels qi: the per-level form where provably equal to the
+    # reference's left-to-right sum, else that sum
+    r8 = _runtime(c, rs, sig, minexp, vmax)
+    if c > 0.0:
+        k = min(kx, max(_ilogb(c) - sig + 1, minexp))
+        if max(r8, amax) < _exp2(23 + k):
+            acc = sxx
+            for a in range(1, 9):
+                r = rs[8 + a]
+                acc += r * (agg[0, a] * r - 2.0 * agg[1, a])
+            return acc
     acc = 0.0
     for i in range(32):
-        l = q[i]
-        r = rm[int(abs(l))]
-        d = (r if l >= 0.0 else -r) - x[i]
+        d = rs[qi[i]] - x[i]
         acc += d * d
     return acc
 
 
 @nb.njit(cache=True, inline="always")
-def _sq(c, lv, lagg, x, sxx, amax, kx, w, fb, ub):
-    # squared runtime error of scale c with levels lv: exact aggregate form when provably equal, else per value
-    rm = w[0]
-    sig, minexp = int(w[6][0]), int(w[6][1])
-    _runtime_mags(c, w)
-    if c > 0.0:
-        kr = max(_ilogb(c, fb, ub) - sig + 1, minexp)
-        k = min(kx, kr)
-        mx = max(rm[8], amax)
-        if k < 1000 and mx < _exp2(23 + k, fb, ub):
-            return _sq_agg(rm, lagg, sxx)
-        return _sq_seq(rm, lv, x)
-    return sxx  # every runtime value is 0
+def _count(c, qi, x, rs, nf, sig, minexp, vmax):
+    # values with T(c*q) == x (NaN/inf sources are 0 at level 0: counted here, so taken off)
+    _runtime(c, rs, sig, minexp, vmax)
+    n = 0
+    for i in range(32):
+        n += rs[qi[i]] == x[i]
+    return n - nf
 
 
 @nb.njit(cache=True, inline="always")
-def _search(s, q, qa, sa, da, has_a, same_a, x, lo, hi, recip, agg, agga, sxx, amax, kx, nvalid, w, cand, auth,
-            fb, ub, min_error):
+def _search(s, qi, qia, sa, da, has_a, same_a, x, agg, agga, wmin, wmax, lo_t, hi_t, recip, sxx, amax, kx, nf,
+            rs, cand, auth, sig, minexp, vmax, min_error):
     # the candidates of grid._search, in the same order, skipping those that cannot be valid or cannot be
     # strictly better (a duplicate of one evaluated); stops once nothing can be strictly better (every finite
     # value exact). Returns (scale, uses the author's levels, count, sq).
-    sig, minexp, vmax = int(w[6][0]), int(w[6][1]), w[6][2]
-    cand[0], cand[1], cand[2] = _round_fmt(s, sig, minexp, vmax, fb, ub)
+    cand[0], cand[1], cand[2] = _round_fmt(s, sig, minexp, vmax)
     auth[0] = auth[1] = auth[2] = False
     nc = 3
     best = cand[0]
@@ -203,75 +229,69 @@ def _search(s, q, qa, sa, da, has_a, same_a, x, lo, hi, recip, agg, agga, sxx, a
             a = auth[j]
             dup = False
             for t in range(j):
-                if cand[t] == c and auth[t] == a:
-                    dup = True
+                dup |= (cand[t] == c) & (auth[t] == a)
             if dup:
                 j += 1
                 continue
-            lv = qa if a else q
+            lv = qia if a else qi
             if min_error:
-                sq = _sq(c, lv, agga if a else agg, x, sxx, amax, kx, w, fb, ub)
+                sq = _sq(c, lv, agga if a else agg, x, sxx, amax, kx, rs, sig, minexp, vmax)
                 if j == 0 or sq < bsq:
                     best, ba, bn, bsq = c, a, -1, sq
                 elif sq == bsq:
-                    n = _count(c, lv, lo, hi)
+                    n = _count(c, lv, x, rs, nf, sig, minexp, vmax)
                     if bn < 0:
-                        bn = _count(best, qa if ba else q, lo, hi)
+                        bn = _count(best, qia if ba else qi, x, rs, nf, sig, minexp, vmax)
                     if n > bn:
                         best, ba, bn, bsq = c, a, n, sq
-                if bsq == 0.0:
-                    if bn < 0:
-                        bn = nvalid
-                    return best, ba, bn, bsq
+                if bsq == 0.0:  # every value exact: sq == 0 for no other count
+                    return best, ba, 32 - nf, bsq
             else:
-                n = _count(c, lv, lo, hi)
+                n = _count(c, lv, x, rs, nf, sig, minexp, vmax)
                 if n == 32:
                     return c, a, n, 0.0
                 if n >= bn:
-                    sq = _sq(c, lv, agga if a else agg, x, sxx, amax, kx, w, fb, ub)
+                    sq = _sq(c, lv, agga if a else agg, x, sxx, amax, kx, rs, sig, minexp, vmax)
                     if j == 0 or n > bn or sq < bsq:
                         best, ba, bn, bsq = c, a, n, sq
             j += 1
         # the next candidates, computed only when needed
         if stage == 0:
             stage = 1
-            lb, ubnd = _bounds(q, lo, hi, recip)
+            lb, ubnd = _bounds(agg, wmin, wmax, lo_t, hi_t, recip)
             if lb <= ubnd:
-                cand[3], cand[4], cand[5] = _round_fmt(min(max(s, lb), ubnd), sig, minexp, vmax, fb, ub)
+                cand[3], cand[4], cand[5] = _round_fmt(min(max(s, lb), ubnd), sig, minexp, vmax)
                 auth[3] = auth[4] = auth[5] = False
                 nc = 6
         elif stage == 1:
             stage = 2
             if has_a:
-                cand[nc] = _round1(da, sig, minexp, vmax, fb, ub)
+                cand[nc] = _round1(da, sig, minexp, vmax)
                 auth[nc] = not same_a
                 nc += 1
                 if not same_a:  # with the same levels this is the first candidate again
-                    cand[nc] = _round1(sa, sig, minexp, vmax, fb, ub)
+                    cand[nc] = _round1(sa, sig, minexp, vmax)
                     auth[nc] = True
                     nc += 1
-                cand[nc] = _round1(_round1(sa, 8, -133, 3.3895313892515355e38, fb, ub), sig, minexp, vmax, fb, ub)
+                cand[nc] = _round1(_round1(sa, 8, -133, BF16_MAX), sig, minexp, vmax)
                 auth[nc] = not same_a
                 nc += 1
         else:
             if bn < 0:
-                bn = _count(best, qa if ba else q, lo, hi)
+                bn = _count(best, qia if ba else qi, x, rs, nf, sig, minexp, vmax)
             return best, ba, bn, bsq
 
 
 @nb.njit(cache=True, inline="always")
-def _errors(c, q, x, inv, nf, n, w):
+def _errors(c, qi, x, inv, nf, n, rs, sig, minexp, vmax):
     # worst and summed runtime error in bf16 ulps of the source (a group holding NaN/inf: worst is inf)
     if n == 32:  # every value exact (and finite)
         return 0.0, 0.0
-    rm = w[0]
-    _runtime_mags(c, w)
+    _runtime(c, rs, sig, minexp, vmax)
     m = 0.0
     t = 0.0
     for i in range(32):
-        l = q[i]
-        r = rm[int(abs(l))]
-        e = abs((r if l >= 0.0 else -r) - x[i]) * inv[i]
+        e = abs(rs[qi[i]] - x[i]) * inv[i]
         m = max(m, e)
         t += e
     if nf:
@@ -292,26 +312,21 @@ def quantize_rows(words, packed, scales, stats, ratio_table, lowbit, recip, valu
                   lo_t, hi_t, lo_o, hi_o, sig, minexp, vmax, osig, ominexp, ovmax, min_error):
     rows, cols = words.shape
     ng = cols // 32
-    fb = np.empty(1)
-    bb = fb.view(np.uint64)
-    rm = np.empty(9)
-    s1 = np.empty(9)
-    s2 = np.empty(9)
-    fmt_t = np.array([float(sig), float(minexp), vmax])
-    fmt_o = np.array([float(osig), float(ominexp), ovmax])
-    wt = (rm, rm.view(np.uint64), s1, s1.view(np.uint64), s2, s2.view(np.uint64), fmt_t)
-    wo = (rm, rm.view(np.uint64), s1, s1.view(np.uint64), s2, s2.view(np.uint64), fmt_o)
+    rs = np.empty(17)
     cand = np.empty(9)
     auth = np.empty(9, dtype=np.bool_)
     agg = np.empty((2, 9))
     agga = np.empty((2, 9))
+    wmin = np.empty(9, dtype=np.int64)
+    wmax = np.empty(9, dtype=np.int64)
+    wmina = np.empty(9, dtype=np.int64)
+    wmaxa = np.empty(9, dtype=np.int64)
     x = np.empty(32)
+    wm = np.empty(32, dtype=np.int64)
     q = np.empty(32)
     qa = np.empty(32)
-    lo = np.empty(32)
-    hi = np.empty(32)
-    lo2 = np.empty(32)
-    hi2 = np.empty(32)
+    qi = np.empty(32, dtype=np.int64)
+    qia = np.empty(32, dtype=np.int64)
     inv = np.empty(32)
     nib = np.empty(32, dtype=np.uint32)
     niba = np.empty(32, dtype=np.uint32)
@@ -336,21 +351,18 @@ def quantize_rows(words, packed, scales, stats, ratio_table, lowbit, recip, valu
             sxx = 0.0
             kx = NO_QUANTUM
             for i in range(32):
-                w = words[r, base + i]
+                w = np.int64(words[r, base + i])
                 v = value_tab[w]
                 x[i] = v
                 inv[i] = inv_tab[w]
-                lo[i] = lo_t[w]
-                hi[i] = hi_t[w]
-                lo2[i] = lo_o[w]
-                hi2[i] = hi_o[w]
+                wm[i] = w & 0x7FFF
                 nf += (w & 0x7F80) == 0x7F80
                 n_negzero += w == 0x8000
                 sxx += v * v
                 pmax = max(pmax, v)
                 pmin = min(pmin, v)
                 # quantum exponent of a nonzero bf16 value (subnormals: that of the lowest binade)
-                kq = max(np.int64((w >> 7) & 0xFF), 1) - 134
+                kq = max((w >> 7) & 0xFF, 1) - 134
                 kx = min(kx, kq if v != 0.0 else NO_QUANTUM)
             x2 += sxx
             n_nonfinite += nf
@@ -371,10 +383,13 @@ def quantize_rows(words, packed, scales, stats, ratio_table, lowbit, recip, valu
             m = lowbit[mask]
             if m == 0:
                 m = 8 if neg_only else 7
-            # the article author's grid: the first m whose step amax/m puts every value within amax * 2^-7
+            # the article author's grid: the first m whose step amax/m puts every value within amax * 2^-7;
+            # only the m of the ratio mask can pass (see the module docstring)
             m_a = 0
             tol = safe * AUTHOR_TOL
             for mm in range(1, 9):
+                if not (mask >> (mm - 1)) & 1:
+                    continue
                 d = safe / mm
                 fa = mm / safe
                 ok = True
@@ -393,35 +408,42 @@ def quantize_rows(words, packed, scales, stats, ratio_table, lowbit, recip, valu
             has_a = m_a > 0
             sa = 0.0
             da = 0.0
-            s = _levels(m / safe, x, q, nib, agg)
+            s = _levels(m / safe, x, wm, q, qi, nib, agg, wmin, wmax)
             if has_a:
                 # the same m gives the same levels and step (then only q is used)
-                sa = _levels(m_a / safe, x, qa, niba, agga) if m_a != m else s
+                if m_a != m:
+                    sa = _levels(m_a / safe, x, wm, qa, qia, niba, agga, wmina, wmaxa)
+                else:
+                    sa = s
                 da = safe / m_a
-            nvalid = 32 - nf
-            c, use_a, n, sq = _search(s, q, qa, sa, da, has_a, m_a == m, x, lo, hi, recip, agg, agga, sxx, amax,
-                                      kx, nvalid, wt, cand, auth, fb, bb, min_error)
-            e, et = _errors(c, qa if use_a else q, x, inv, nf, n, wt)
+            c, use_a, n, sq = _search(s, qi, qia, sa, da, has_a, m_a == m, x, agg, agga, wmin, wmax, lo_t, hi_t,
+                                      recip, sxx, amax, kx, nf, rs, cand, auth, sig, minexp, vmax, min_error)
+            e, et = _errors(c, qia if use_a else qi, x, inv, nf, n, rs, sig, minexp, vmax)
             if e > 2.0:
                 # The ratio lookup is a fast first guess; on a miss every peak level is tried and the one whose
                 # least-squares fit is closest wins (ties: the smaller level, i.e. the coarser grid).
                 best_m = m
                 best_e = np.inf
                 for mm in range(1, 9 if neg_only else 8):
-                    sm = _levels(mm / safe, x, q, nib, agg)
+                    sm = _levels(mm / safe, x, wm, q, qi, nib, agg, wmin, wmax)
                     em = _err(sm, q, x, inv)
                     if em < best_e:
                         best_e, best_m = em, mm
                 m = best_m
-                s = _levels(m / safe, x, q, nib, agg)
+                s = _levels(m / safe, x, wm, q, qi, nib, agg, wmin, wmax)
                 if has_a:
-                    sa = _levels(m_a / safe, x, qa, niba, agga) if m_a != m else s
-                c, use_a, n, sq = _search(s, q, qa, sa, da, has_a, m_a == m, x, lo, hi, recip, agg, agga, sxx,
-                                          amax, kx, nvalid, wt, cand, auth, fb, bb, min_error)
-                e, et = _errors(c, qa if use_a else q, x, inv, nf, n, wt)
-            co, use_ao, no, sqo = _search(s, q, qa, sa, da, has_a, m_a == m, x, lo2, hi2, recip, agg, agga, sxx,
-                                          amax, kx, nvalid, wo, cand, auth, fb, bb, min_error)
-            eo, eto = _errors(co, qa if use_ao else q, x, inv, nf, no, wo)
+                    if m_a != m:
+                        sa = _levels(m_a / safe, x, wm, qa, qia, niba, agga, wmina, wmaxa)
+                    else:
+                        sa = s
+                c, use_a, n, sq = _search(s, qi, qia, sa, da, has_a, m_a == m, x, agg, agga, wmin, wmax, lo_t,
+                                          hi_t, recip, sxx, amax, kx, nf, rs, cand, auth, sig, minexp, vmax,
+                                          min_error)
+                e, et = _errors(c, qia if use_a else qi, x, inv, nf, n, rs, sig, minexp, vmax)
+            co, use_ao, no, sqo = _search(s, qi, qia, sa, da, has_a, m_a == m, x, agg, agga, wmin, wmax, lo_o,
+                                          hi_o, recip, sxx, amax, kx, nf, rs, cand, auth, osig, ominexp, ovmax,
+                                          min_error)
+            eo, eto = _errors(co, qia if use_ao else qi, x, inv, nf, no, rs, osig, ominexp, ovmax)
             n_exact += n
             n_exact_o += no
             worst = max(worst, e)
