@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from repack import grid  # noqa: E402
-from repack.synthetic import write_e2b_checkpoint  # noqa: E402
+from repack.synthetic import grid_words, write_e2b_checkpoint  # noqa: E402
 
 STEPS = {"fp32": np.float32, "fp16": np.float16}
 ROUNDING = {"exact": 0.0, "other-way": 0.26}
@@ -43,6 +43,39 @@ ROUNDING = {"exact": 0.0, "other-way": 0.26}
 def _child_cpu() -> float:
     r = resource.getrusage(resource.RUSAGE_CHILDREN)
     return r.ru_utime + r.ru_stime
+
+
+def kernel_only(args) -> int:
+    """The grid kernel alone, one thread, CPU time per value, on every distribution, target and objective:
+    row blocks of E2B's widths (1536: q/gate/up, 6144 and 12288: down projections, 8960: the PLE table)."""
+    import itertools
+
+    out = []
+    rng = np.random.default_rng(0)
+    widths = (1536, 6144, 8960, 12288)
+    grid.quantize(np.zeros((1, 32), np.uint16))  # compile or load from the cache outside the timing
+    for levels, steps, rounding in itertools.product(("uniform", "peaked"), tuple(STEPS), tuple(ROUNDING)):
+        blocks = [grid_words(max(1, (4 << 20) // (2 * w)), w, rng, STEPS[steps], ROUNDING[rounding], levels)
+                  for w in widths]
+        n = sum(b.size for b in blocks)
+        for target, objective in itertools.product(grid.TARGETS, grid.OBJECTIVES):
+            best = float("inf")
+            for _ in range(args.repeat):
+                t = time.process_time()
+                for b in blocks:
+                    grid.quantize(b, target, objective)
+                best = min(best, time.process_time() - t)
+            row = {"levels": levels, "steps": steps, "rounding": rounding, "target_dtype": target,
+                   "objective": objective, "values": n, "cpu_s": round(best, 4),
+                   "m_values_per_cpu_s": round(n / best / 1e6, 1), "mb_bf16_per_cpu_s": round(2 * n / best / 1e6, 1)}
+            out.append(row)
+            print(f"{levels:8} {steps} {rounding:9} {target:9} {objective:14} {row['m_values_per_cpu_s']:7.1f} M values "
+                  f"per CPU s ({row['mb_bf16_per_cpu_s']:.0f} MB of bf16)", flush=True)
+    if args.result:
+        args.result.parent.mkdir(parents=True, exist_ok=True)
+        args.result.write_text(json.dumps({"implementation": grid.implementation(), "loadavg": os.getloadavg(),
+                                           "rows": out}, indent=2) + "\n")
+    return 0
 
 
 def main() -> int:
@@ -58,7 +91,12 @@ def main() -> int:
                     help="exact: every value the nearest bf16 of step * level; other-way: a quarter the other way")
     ap.add_argument("--target-dtype", choices=grid.TARGETS, default=grid.DEFAULT_TARGET)
     ap.add_argument("--objective", choices=grid.OBJECTIVES, default=grid.DEFAULT_OBJECTIVE)
+    ap.add_argument("--kernel-only", action="store_true",
+                    help="time the grid kernel alone on every distribution, target and objective (no build)")
+    ap.add_argument("--repeat", type=int, default=3, help="--kernel-only: best of this many runs")
     args = ap.parse_args()
+    if args.kernel_only:
+        return kernel_only(args)
 
     dist = f"{args.levels}-{args.steps}-{args.rounding}"
     # the default distribution keeps its former directory name, so a kept source is reused
