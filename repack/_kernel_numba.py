@@ -4,9 +4,8 @@ Kept in its own module so that importing the library never triggers compilation;
 code next to this file (or in NUMBA_CACHE_DIR).
 
 It takes every decision the reference takes, on the same numbers; what makes it fast:
-- A candidate scale c = N * 2^k (N an integer of the format's significand bits) has only 8 runtime magnitudes,
-  R[a] = T(c * a) for a = 1..8 (T(-p) = -T(p)): the integer N * a rounded to the format's significand bits,
-  ties to even, times 2^k. The runtime rounding is emulated 8 times per candidate, in integers, not 32 times.
+- A candidate scale c has only 8 runtime magnitudes, R[a] = T(c * a) for a = 1..8 (T(-p) = -T(p)), each
+  rounded branch-free by a magic-number add in its binade: 8 roundings per candidate, not 32.
 - Its squared runtime error is sum x^2 + sum_a R[a] * (A[a] * R[a] - 2 * B[a]), with A[a] the number of values
   at level +-a and B[a] the sum of their magnitudes (per group, shared by every candidate with those levels).
   Every term is an integer multiple of 2^(2k) (2^k: the smallest quantum among the source values and c), and
