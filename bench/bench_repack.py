@@ -2,6 +2,12 @@
 
     .venv/bin/python bench/bench_repack.py --scale 0.25            # a quarter of the vocabulary, layers, towers
     .venv/bin/python bench/bench_repack.py --scale 1 --keep        # full size (~10.2 GB source)
+    .venv/bin/python bench/bench_repack.py --scale 0.26 --levels peaked --steps fp16 --rounding exact \
+        --target-dtype bfloat16 --objective runtime-exact               # another distribution and build
+
+The grid tensors' distribution: levels uniform over what each group's peak allows or peaked (Laplace-like),
+steps drawn as float32 or float16 values, values the bf16 nearest to step * level (exact) or with a quarter
+of them rounded the other way (other-way: the project's default synthetic data, like Google's export).
 
 Writes the checkpoint once (kept with --keep and reused), copies it with `cp -r` for reference, runs
 `python3 -m repack build SRC OUT --text-only --embed-int4 --embed-tokens` in a fresh process and prints: MB/s of
@@ -22,15 +28,54 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from repack.synthetic import write_e2b_checkpoint  # noqa: E402
+from repack import grid  # noqa: E402
+from repack.synthetic import grid_words, write_e2b_checkpoint  # noqa: E402
+
+STEPS = {"fp32": np.float32, "fp16": np.float16}
+ROUNDING = {"exact": 0.0, "other-way": 0.26}
 
 
 def _child_cpu() -> float:
     r = resource.getrusage(resource.RUSAGE_CHILDREN)
     return r.ru_utime + r.ru_stime
+
+
+def kernel_only(args) -> int:
+    """The grid kernel alone, one thread, CPU time per value, on every distribution, target and objective:
+    row blocks of E2B's widths (1536: q/gate/up, 6144 and 12288: down projections, 8960: the PLE table)."""
+    import itertools
+
+    out = []
+    rng = np.random.default_rng(0)
+    widths = (1536, 6144, 8960, 12288)
+    grid.quantize(np.zeros((1, 32), np.uint16))  # compile or load from the cache outside the timing
+    for levels, steps, rounding in itertools.product(("uniform", "peaked"), tuple(STEPS), tuple(ROUNDING)):
+        blocks = [grid_words(max(1, (4 << 20) // (2 * w)), w, rng, STEPS[steps], ROUNDING[rounding], levels)
+                  for w in widths]
+        n = sum(b.size for b in blocks)
+        for target, objective in itertools.product(grid.TARGETS, grid.OBJECTIVES):
+            best = float("inf")
+            for _ in range(args.repeat):
+                t = time.process_time()
+                for b in blocks:
+                    grid.quantize(b, target, objective)
+                best = min(best, time.process_time() - t)
+            row = {"levels": levels, "steps": steps, "rounding": rounding, "target_dtype": target,
+                   "objective": objective, "values": n, "cpu_s": round(best, 4),
+                   "m_values_per_cpu_s": round(n / best / 1e6, 1), "mb_bf16_per_cpu_s": round(2 * n / best / 1e6, 1)}
+            out.append(row)
+            print(f"{levels:8} {steps} {rounding:9} {target:9} {objective:14} {row['m_values_per_cpu_s']:7.1f} M values "
+                  f"per CPU s ({row['mb_bf16_per_cpu_s']:.0f} MB of bf16)", flush=True)
+    if args.result:
+        args.result.parent.mkdir(parents=True, exist_ok=True)
+        args.result.write_text(json.dumps({"implementation": grid.implementation(), "loadavg": os.getloadavg(),
+                                           "rows": out}, indent=2) + "\n")
+    return 0
 
 
 def main() -> int:
@@ -40,14 +85,29 @@ def main() -> int:
     ap.add_argument("--keep", action="store_true", help="keep the synthetic source for the next run")
     ap.add_argument("--threads", type=int, default=0, help="worker threads (0: one per core)")
     ap.add_argument("--result", type=Path, help="also write the figures as JSON here")
+    ap.add_argument("--levels", choices=("uniform", "peaked"), default="uniform", help="level distribution")
+    ap.add_argument("--steps", choices=tuple(STEPS), default="fp32", help="dtype the group steps are drawn in")
+    ap.add_argument("--rounding", choices=tuple(ROUNDING), default="other-way",
+                    help="exact: every value the nearest bf16 of step * level; other-way: a quarter the other way")
+    ap.add_argument("--target-dtype", choices=grid.TARGETS, default=grid.DEFAULT_TARGET)
+    ap.add_argument("--objective", choices=grid.OBJECTIVES, default=grid.DEFAULT_OBJECTIVE)
+    ap.add_argument("--kernel-only", action="store_true",
+                    help="time the grid kernel alone on every distribution, target and objective (no build)")
+    ap.add_argument("--repeat", type=int, default=3, help="--kernel-only: best of this many runs")
     args = ap.parse_args()
+    if args.kernel_only:
+        return kernel_only(args)
 
-    src = args.workdir / f"e2b-synthetic-{args.scale:g}"
+    dist = f"{args.levels}-{args.steps}-{args.rounding}"
+    # the default distribution keeps its former directory name, so a kept source is reused
+    src = args.workdir / (f"e2b-synthetic-{args.scale:g}" if dist == "uniform-fp32-other-way"
+                          else f"e2b-synthetic-{args.scale:g}-{dist}")
     stamp = src / ".complete"
     if not stamp.exists():
         shutil.rmtree(src, ignore_errors=True)
         t = time.perf_counter()
-        size = write_e2b_checkpoint(src, args.scale, progress=sys.stdout.isatty())
+        size = write_e2b_checkpoint(src, args.scale, progress=sys.stdout.isatty(), jitter=ROUNDING[args.rounding],
+                                    step_dtype=STEPS[args.steps], levels=args.levels)
         stamp.write_text(str(size))
         print(f"wrote {src} ({size / 1e9:.2f} GB) in {time.perf_counter() - t:.1f} s")
     size = int(stamp.read_text())
@@ -72,7 +132,7 @@ def main() -> int:
     out = args.workdir / "build-out"
     shutil.rmtree(out, ignore_errors=True)
     cmd = [sys.executable, "-m", "repack", "build", str(src), str(out), "--text-only", "--embed-int4",
-           "--embed-tokens", "--json"]
+           "--embed-tokens", "--json", "--target-dtype", args.target_dtype, "--objective", args.objective]
     env = dict(os.environ)
     c0 = _child_cpu()
     t = time.perf_counter()
@@ -90,7 +150,8 @@ def main() -> int:
 
     load = os.getloadavg()
     figures = {
-        "scale": args.scale, "source_bytes": size, "bytes_read": rep["bytes_read"],
+        "scale": args.scale, "levels": args.levels, "steps": args.steps, "rounding": args.rounding,
+        "target_dtype": args.target_dtype, "objective": args.objective, "source_bytes": size, "bytes_read": rep["bytes_read"],
         "bytes_written": rep["bytes_written"], "build_wall_s": round(build_s, 2),
         "build_internal_wall_s": rep["wall_s"], "cp_wall_s": round(cp_s, 2),
         "mb_per_s_read": round(rep["bytes_read"] / 1e6 / build_s, 1),
@@ -102,7 +163,10 @@ def main() -> int:
         "implementation": rep["implementation"], "cores": len(os.sched_getaffinity(0)),
         "loadavg_before": [round(x, 2) for x in load_before], "loadavg_after": [round(x, 2) for x in load],
         "exact_runtime_fp16_pct": {t["name"]: t["exact_runtime_fp16_pct"] for t in rep["tables"] if t["groups"]},
+        "exact_runtime_bf16_pct": {t["name"]: t["exact_runtime_bf16_pct"] for t in rep["tables"] if t["groups"]},
+        "offgrid_groups": sum(t.get("offgrid_groups", 0) for t in rep["tables"]),
     }
+    print(f"distribution {dist}, build for {args.target_dtype} / {args.objective}")
     print(f"source {size / 1e9:.2f} GB (read {rep['bytes_read'] / 1e9:.2f} GB: towers are dropped unread), "
           f"wrote {rep['bytes_written'] / 1e9:.2f} GB")
     print(f"one-pass build: {build_s:.1f} s wall (process start included) = {figures['mb_per_s_read']} MB/s of "

@@ -80,6 +80,7 @@ def _build_ratio_table() -> np.ndarray:
 
 
 RATIO_TABLE = _build_ratio_table()
+_RATIO_TABLE32 = RATIO_TABLE.astype(np.int32)  # the kernel gathers 32-bit words (vectorizable)
 # lowest set bit + 1 (0 for an empty mask)
 LOWBIT = np.array([0] + [((m & -m).bit_length()) for m in range(1, 256)], dtype=np.int8)
 
@@ -422,7 +423,7 @@ def quantize(words: np.ndarray, target: str = DEFAULT_TARGET, objective: str = D
     sig, minexp, vmax = _FMT[SCALE_DTYPE[tgt]]
     osig, ominexp, ovmax = _FMT[SCALE_DTYPE[oth]]
     (lo_t, hi_t), (lo_o, hi_o) = INTERVALS[tgt], INTERVALS[oth]
-    k(np.ascontiguousarray(words), packed.view(np.uint32), scales, stats, RATIO_TABLE, LOWBIT, RECIP, VALUE_TABLE,
+    k(np.ascontiguousarray(words), packed.view(np.uint32), scales, stats, _RATIO_TABLE32, LOWBIT, RECIP, VALUE_TABLE,
       INV_ULP_TABLE, lo_t, hi_t, lo_o, hi_o, sig, minexp, vmax, osig, ominexp, ovmax, objective == "min-error")
     return packed, scales, stats
 

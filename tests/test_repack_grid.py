@@ -19,7 +19,7 @@ def test_recovers_the_grid_with_peaks_below_level_8(impl, target):
     rng = np.random.default_rng(1)
     words = grid_words(64, 256, rng)  # peaks at levels 4..8: amax/8 or amax/7 would be wrong for most groups
     f = grid.quantize_numpy if impl == "numpy" else grid.quantize
-    packed, scales, stats = f(words, target)
+    packed, scales, stats = f(words, target, "runtime-exact")  # the exactness figures below are its criterion
     s = grid.GridStats.from_vector(stats)
     assert s.groups == 64 * 8 and s.offgrid == 0
     decoded = grid.decode(packed, scales)
@@ -68,8 +68,8 @@ def test_scales_chosen_for_one_runtime_reproduce_fewer_values_in_the_other():
     rng = np.random.default_rng(3)
     words = grid_words(128, 512, rng, step_dtype=np.float32)  # steps representable in neither format
     src = _values(words)
-    p16, c16, st16 = grid.quantize(words, "float16")
-    pbf, cbf, stbf = grid.quantize(words, "bfloat16")
+    p16, c16, st16 = grid.quantize(words, "float16", "runtime-exact")
+    pbf, cbf, stbf = grid.quantize(words, "bfloat16", "runtime-exact")
     s16, sbf = grid.GridStats.from_vector(st16), grid.GridStats.from_vector(stbf)
     # each figure for the other dtype is what the build for that dtype gives
     assert s16.exact_other == sbf.exact and sbf.exact_other == s16.exact
@@ -107,3 +107,78 @@ def test_packing_matches_compressed_tensors_pack_to_int32():
     lv = (np.stack([(u >> (4 * j)) & 0xF for j in range(8)], -1).reshape(16, 128).astype(np.int8) - 8)
     theirs = pack_to_int32(torch.from_numpy(lv), 4).numpy()
     assert theirs.dtype == np.int32 and np.array_equal(theirs, packed)
+
+
+def _adversarial(rng: np.random.Generator) -> np.ndarray:
+    """Groups aimed at the kernel's shortcuts: the per-level squared-error form and its exactness bound, the
+    per-level interval test, the author's m read from the ratio mask, integer runtime rounding."""
+    rows = []
+    for levels in ("uniform", "peaked"):
+        for step_dtype in (np.float16, np.float32):
+            for jitter in (0.0, 0.26):
+                rows.append(grid_words(8, 256, rng, step_dtype=step_dtype, jitter=jitter, levels=levels))
+    w = np.concatenate(rows)
+    g = w.reshape(-1, 32)
+    n = len(g)
+    k = 0
+
+    def put(vals):
+        nonlocal k
+        g[k % n] = vals
+        k += 1
+
+    def words_of(v):
+        b = np.asarray(v, dtype=np.float32).view(np.uint32)
+        return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)
+
+    lv = rng.integers(-8, 8, 32).astype(np.float32)
+    for step in (2.0 ** -140, 2.0 ** -130, 1e-38, 3e-8, 6e-5, 2e3, 8.2e3, 9e3, 4e4, 1e36):  # subnormal..overflow
+        put(words_of(lv * np.float32(step)))
+    put(words_of(np.where(np.arange(32) == 5, -8.0, 7.0) * np.float32(0.01)))  # peak -8 against 7s
+    put(words_of(np.where(np.arange(32) == 5, 7.0, -7.0) * np.float32(0.01)))  # +7 and -7: a tie of peaks
+    put(words_of(np.full(32, 0.37, np.float32)))  # every value equal
+    put(words_of(np.full(32, -0.37, np.float32)))
+    put(np.where(np.arange(32) % 2 == 0, 0x8000, 0x0000).astype(np.uint16))  # only zeros of both signs
+    v = lv * np.float32(0.02)
+    v[3] = np.float32(1e-30)  # one value 100 binades below the rest: the exactness bound fails
+    put(words_of(v))
+    v = lv * np.float32(0.02)
+    v[7] = 0.0
+    v[9] = -0.0
+    put(words_of(v))
+    put(rng.integers(0, 0x0080, 32).astype(np.uint16) | (rng.integers(0, 2, 32) << 15).astype(np.uint16))  # subnormals
+    for m in range(1, 9):  # every peak level, levels all multiples of a divisor of it
+        d = next(dd for dd in (4, 2, 1) if m % dd == 0 and m > dd) if m > 1 else 1
+        l = rng.integers(-m // d, m // d + 1, 32) * d
+        l[0] = -m if m == 8 else m
+        put(words_of(l.astype(np.float32) * np.float32(0.013)))
+    return w
+
+
+def test_fast_kernel_matches_numpy_reference_on_adversarial_groups():
+    rng = np.random.default_rng(21)
+    words = _adversarial(rng)
+    for target in ("float16", "bfloat16"):
+        for objective in ("runtime-exact", "min-error"):
+            a = grid.quantize_numpy(words, target, objective)
+            b = grid.quantize(words, target, objective)
+            assert np.array_equal(a[0], b[0]), (target, objective)
+            assert np.array_equal(a[1], b[1]), (target, objective)
+            assert np.allclose(a[2], b[2], rtol=1e-12, atol=0), (target, objective)
+            s = grid.GridStats.from_vector(b[2])
+            assert s.offgrid >= 1  # the group with one value 100 binades down is reported off the grid
+
+
+def test_synthetic_level_distributions_differ():
+    rng = np.random.default_rng(22)
+    u = grid_words(64, 256, rng, levels="uniform")
+    p = grid_words(64, 256, rng, levels="peaked")
+    lv = {}
+    for name, w in (("u", u), ("p", p)):
+        packed, scales, stats = grid.quantize(w)
+        assert grid.GridStats.from_vector(stats).offgrid == 0
+        x = packed.view(np.uint32)
+        lv[name] = np.stack([(x >> (4 * j)) & 0xF for j in range(8)], -1).astype(int) - 8
+    assert np.mean(np.abs(lv["p"]) <= 1) > 2 * np.mean(np.abs(lv["u"]) <= 1)
+    with pytest.raises(ValueError, match="levels"):
+        grid_words(1, 32, rng, levels="normal")
