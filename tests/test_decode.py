@@ -248,3 +248,22 @@ def test_decode_refuses_a_bad_label_with_status_2(tmp_path):
 def test_decode_sweep_refuses_negative_draft_tokens():
     with pytest.raises(BadInput, match="draft-tokens"):
         run_decode_sweep(DecodeSweepParams(draft_tokens=[0, -1], drafter="/m/d"))
+
+
+def test_sweep_records_acceptance_per_cell():
+    from tools.measure.results import CellResult, RepeatResult, SweepResult, cell_acceptance
+    from tools.measure.sweep_report import markdown_run
+
+    reps = [RepeatResult(repeat=0, seed=1, status="ok", num_prompts=2,
+                         spec_decode={"draft_tokens": 30.0, "accepted_tokens": 12.0}),
+            RepeatResult(repeat=1, seed=2, status="ok", num_prompts=2,
+                         spec_decode={"draft_tokens": 10.0, "accepted_tokens": 8.0}),
+            RepeatResult(repeat=2, seed=3, status="failed", num_prompts=2,
+                         spec_decode={"draft_tokens": 100.0, "accepted_tokens": 0.0})]
+    assert cell_acceptance(reps) == pytest.approx(0.5)
+    assert cell_acceptance([RepeatResult(repeat=0, seed=1, status="ok", num_prompts=2)]) is None
+    cell = CellResult(input_len=64, output_len=8, concurrency=4, num_prompts=2, status="ok", repeats=reps,
+                      acceptance_rate=cell_acceptance(reps))
+    res = SweepResult(run_id="r", run_dir="r", label="b", params={}, started="now", cells=[cell],
+                      speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    assert "Drafts accepted per cell: in=64 c=4: 50%" in markdown_run(res)

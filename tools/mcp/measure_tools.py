@@ -7,7 +7,7 @@ from pathlib import Path
 
 from tools.errors import ToolFailure
 from tools.measure.compare_tokens import CompareParams, TokenComparison, TokenRecord
-from tools.measure.decode import DecodeParams, DecodeResult
+from tools.measure.decode import DecodeParams, DecodeSummary
 from tools.measure.fidelity import CheckLogprobsResult, CompareLogprobsParams, RecordLogprobsResult
 from tools.measure.results import SweepParams, SweepResult
 from tools.measure.sweep_report import CompareSweepsParams, SweepComparison
@@ -114,7 +114,7 @@ def compare_logprobs(app, p: CompareLogprobsParams, progress) -> Reply:
 
 
 @tool(toolset="measure", title="Single-stream decode benchmark (speculative decoding)", params=DecodeParams,
-      result=DecodeResult, long=True, open_world=True)
+      result=DecodeSummary, long=True, open_world=True)
 def run_decode_bench(app, p: DecodeParams, progress) -> Reply:
     """Time per output token for one user: twenty chat prompts one at a time, streamed, with the drafter's
     acceptance from /metrics when the server runs speculative decoding; writes a run folder under an evidence

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, ClassVar, Literal
 
 import httpx
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, create_model
 
 from tools.errors import ToolFailure
 from tools.measure import evidence
@@ -113,6 +113,11 @@ class DecodeResult(BaseModel):
     spec_metrics_found: bool = Field(False, description="Whether /metrics had the speculative counters at all")
     wall_s: float | None = None
     files: dict[str, str] = Field(default_factory=dict)
+
+
+# The MCP reply: the result without the per-prompt records (token ids and texts stay in the run folder).
+DecodeSummary = create_model("DecodeSummary", __doc__="A decode run without its per-prompt records.",
+                             **{n: (f.annotation, f) for n, f in DecodeResult.model_fields.items() if n != "prompts"})
 
 
 # --------------------------------------------------------------------------------------------------------------
