@@ -3,7 +3,8 @@
 It has the real layout of `google/gemma-4-E2B-it-qat-q4_0-unquantized` at a small size: a nested
 `Gemma4ForConditionalGeneration` config with text, vision and audio towers, `model.language_model.*` names,
 per-layer embeddings (PLE), KV-shared layers without k/v projections, double-wide MLPs on shared layers, a
-tied head, sharded safetensors with an index, a byte-level tokenizer with a Gemma chat template.
+tied head, sharded safetensors with an index, a byte-level tokenizer with a Gemma chat template. A matching
+tiny drafter in the layout of Google's `gemma4_assistant` (build_tiny_drafter) is trained on the same pattern.
 
 The text model is trained for a few seconds on a synthetic pattern (each token is followed by a fixed
 permutation of itself) so that greedy decoding is confident and does not flip between kernels, then every
@@ -323,7 +324,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--train-steps", type=int, default=200)
     ap.add_argument("--off-grid", action="store_true", help="skip the 4-bit projection (a base-model stand-in)")
+    ap.add_argument("--drafter-of", metavar="TARGET", default=None,
+                    help="write instead the tiny gemma4_assistant drafter for the tiny target in TARGET")
     args = ap.parse_args(argv)
+    if args.drafter_of:
+        d = build_tiny_drafter(args.out, args.drafter_of, seed=args.seed)
+        print(f"{d.path}: drafter for {args.drafter_of}, first-draft accuracy on the pattern {d.accuracy:.3f}")
+        return 0
     info = build_tiny_qat_checkpoint(args.out, seed=args.seed, train_steps=args.train_steps,
                                      on_grid=not args.off_grid)
     print(f"{info.path}: {len(info.grid_tensors)} tensors on the 4-bit grid, pattern accuracy {info.accuracy:.3f}")

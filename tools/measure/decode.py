@@ -321,7 +321,7 @@ def run_decode(params: DecodeParams | None = None, *, progress: Progress | None 
     run = evidence.EvidenceRun.create(params.out, evidence.run_id(params.label, "decode"))
     t0 = time.monotonic()
     try:
-        prov = run.write_provenance(base_url, serve_config=serve_config, server_argv=server_argv)
+        prov = evidence.collect_provenance(base_url, serve_config=serve_config, server_argv=server_argv).to_dict()
         spec = speculative_from_argv(prov.get("server_argv"))
         extra = dict(extra_provenance or {})
         extra.setdefault("speculative_config", spec)
@@ -332,7 +332,7 @@ def run_decode(params: DecodeParams | None = None, *, progress: Progress | None 
         extra.setdefault("server_startup_s", start.get("startup_s"))
         extra.setdefault("decode_params", params.model_dump(mode="json"))
         extra.setdefault("sampling_params", sampling)
-        run.write_provenance(base_url, serve_config=serve_config, server_argv=server_argv, extra=extra)
+        evidence.write_json(run.dir / "provenance.json", {**prov, **extra})
 
         records: list[PromptRecord] = []
         with httpx.Client() as client:

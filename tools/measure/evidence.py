@@ -123,10 +123,10 @@ class EvidenceRun:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def collect_provenance(base_url: str | None, *, serve_config: Any = None,
+def collect_provenance(base_url: str | None, *, serve_config: Any = None, server: Any = None,
                        server_argv: list[str] | None = None) -> prov_mod.Provenance:
     """provenance.collect, with the argv given by a caller that started the server (it knows it for sure)."""
-    prov = prov_mod.collect(base_url, serve_config=serve_config)
+    prov = prov_mod.collect(base_url, serve_config=serve_config, server=server)
     if server_argv:
         prov.server_argv = list(server_argv)
         prov.notes = [n for n in prov.notes if "argv unknown" not in n]

@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import httpx
 
-from tools.measure import provenance as prov_mod
+from tools.measure import evidence, provenance as prov_mod
 from tools.cli_output import kill_group
 from tools.errors import ToolFailure
 
@@ -252,8 +252,10 @@ def run_sweep(params: SweepParams | None = None, *, progress: Progress | None = 
     result = SweepResult(run_id=run_dir.name, run_dir=str(run_dir), label=params.label,
                          params=params.model_dump(mode="json"), max_model_len=max_len, model=model,
                          started=datetime.now(timezone.utc).isoformat(timespec="seconds"))
-    result.provenance = prov_mod.collect(base_url, server=server, serve_config=serve_config).to_dict()
-    prov_mod.write(prov_mod.Provenance.model_validate(result.provenance), run_dir / "provenance.json")
+    # The sweep's folder stays in place while it runs (resume continues it), so it shares the evidence module's
+    # files and provenance rather than its rename-when-complete folder.
+    result.provenance = evidence.collect_provenance(base_url, server=server, serve_config=serve_config).to_dict()
+    evidence.write_json(run_dir / "provenance.json", result.provenance)
     from tools.measure.decode import speculative_from_argv
 
     result.speculative_config = speculative_from_argv(result.provenance.get("server_argv"))
@@ -476,9 +478,7 @@ def _run_cell(spec: dict[str, Any], bench_main: Callable[[argparse.Namespace], d
 
 
 def _write_raw(out: Path, record: dict[str, Any]) -> None:
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record, indent=2, default=str))
-    tmp.replace(out)
+    evidence.write_json(out, record)
 
 
 if __name__ == "__main__":
