@@ -632,42 +632,39 @@ def run_decode_sweep(params: DecodeSweepParams, *, progress: Progress | None = N
     results: list[DecodeResult] = []
     startup: dict[str, float | None] = {}
     total = len(specs) * len(params.sampling)
-    try:
-        for k, spec in specs.items():
-            cfg = load_config(params.env_file, **{**config_overrides, "speculative_config": spec})
-            if progress is not None:
-                progress(len(results), total, f"starting the server with {k} draft tokens")
-            start = start_server(cfg)
-            startup[f"k{k}"] = start.startup_s
-            try:
-                for s in params.sampling:
-                    if progress is not None:
-                        progress(len(results), total, f"{k} draft tokens, {s}")
-                    res = run_decode(DecodeParams(base_url=start.base_url, prompts=params.prompts,
-                                                  max_tokens=params.max_tokens, sampling=s, label=f"k{k}-{s}",
-                                                  out=runs_out, seed=params.seed,
-                                                  request_timeout_s=params.request_timeout_s),
-                                     serve_config=cfg, server_argv=list(start.argv),
-                                     extra_provenance={"server_startup_s": start.startup_s})
-                    results.append(res)
-            finally:
-                stop_server(cfg)
-        for r in results:  # the paths the runs will have once the sweep folder is in place
-            r.run_dir = str(run.path / "runs" / r.run_id)
-        cmp = compare_decode_runs(results)
-        md = (f"# Decode sweep {run.name}\n\n{len(params.draft_tokens)} settings x {len(params.sampling)} "
-              f"samplings, {params.prompts} prompts, max {params.max_tokens} tokens, one request at a time.\n\n"
-              + cmp.markdown)
-        res = DecodeSweepResult(run_dir=str(run.path), runs=[r.run_dir for r in results], comparison=cmp,
-                                startup_s=startup, wall_s=time.monotonic() - t0)
-        res.comparison.files = run.write_summary(res, md)
-        evidence.write_text(run.dir / "table.md", cmp.markdown)
-        res.comparison.files["table_md"] = str(run.path / "table.md")
-        evidence.write_json(run.dir / "summary.json", res)
-        run.finish()
-    except BaseException:
-        # Finished runs stay: keep the partial folder under its own name for inspection.
-        raise
+    # A setting that fails stops the sweep; the runs finished so far stay in the .partial folder.
+    for k, spec in specs.items():
+        cfg = load_config(params.env_file, **{**config_overrides, "speculative_config": spec})
+        if progress is not None:
+            progress(len(results), total, f"starting the server with {k} draft tokens")
+        start = start_server(cfg)
+        startup[f"k{k}"] = start.startup_s
+        try:
+            for s in params.sampling:
+                if progress is not None:
+                    progress(len(results), total, f"{k} draft tokens, {s}")
+                res = run_decode(DecodeParams(base_url=start.base_url, prompts=params.prompts,
+                                              max_tokens=params.max_tokens, sampling=s, label=f"k{k}-{s}",
+                                              out=runs_out, seed=params.seed,
+                                              request_timeout_s=params.request_timeout_s),
+                                 serve_config=cfg, server_argv=list(start.argv),
+                                 extra_provenance={"server_startup_s": start.startup_s})
+                results.append(res)
+        finally:
+            stop_server(cfg)
+    for r in results:  # the paths the runs will have once the sweep folder is in place
+        r.run_dir = str(run.path / "runs" / r.run_id)
+    cmp = compare_decode_runs(results)
+    md = (f"# Decode sweep {run.name}\n\n{len(params.draft_tokens)} settings x {len(params.sampling)} "
+          f"samplings, {params.prompts} prompts, max {params.max_tokens} tokens, one request at a time.\n\n"
+          + cmp.markdown)
+    res = DecodeSweepResult(run_dir=str(run.path), runs=[r.run_dir for r in results], comparison=cmp,
+                            startup_s=startup, wall_s=time.monotonic() - t0)
+    res.comparison.files = run.write_summary(res, md)
+    evidence.write_text(run.dir / "table.md", cmp.markdown)
+    res.comparison.files["table_md"] = str(run.path / "table.md")
+    evidence.write_json(run.dir / "summary.json", res)
+    run.finish()
     return res
 
 
