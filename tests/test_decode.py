@@ -267,3 +267,39 @@ def test_sweep_records_acceptance_per_cell():
     res = SweepResult(run_id="r", run_dir="r", label="b", params={}, started="now", cells=[cell],
                       speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     assert "Drafts accepted per cell: in=64 c=4: 50%" in markdown_run(res)
+
+
+def _fake_target(folder: Path, width: int = 128) -> Path:
+    """A stand-in for the tiny target: only what the drafter build reads (the embedding) and its config."""
+    import torch
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True)
+    name = "model.language_model.embed_tokens.weight"
+    save_file({name: torch.randn(512, width, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)},
+              str(folder / "model-00001-of-00001.safetensors"))
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {name: "model-00001-of-00001.safetensors"}}))
+    (folder / "config.json").write_text(json.dumps({"text_config": {"vocab_size": 512, "hidden_size": width}}))
+    return folder
+
+
+def test_tiny_drafter_has_the_assistant_layout_and_learns_the_pattern(tmp_path):
+    from safetensors import safe_open
+
+    from tools.demo.tiny_model import build_tiny_drafter
+
+    target = _fake_target(tmp_path / "models" / "target")
+    info = build_tiny_drafter(tmp_path / "models" / "drafter", target, train_steps=300)
+    assert info.accuracy > 0.95
+    cfg = json.loads((info.path / "config.json").read_text())
+    assert cfg["model_type"] == "gemma4_assistant" and cfg["backbone_hidden_size"] == 128
+    assert cfg["text_config"]["hidden_size"] == 64 and cfg["text_config"]["vocab_size"] == 512
+    with safe_open(str(info.path / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        assert f.get_slice("pre_projection.weight").get_shape() == [64, 256]
+    assert not any(".k_proj." in n or ".v_proj." in n for n in names)  # every layer reads the target's KV cache
+    validate_speculative_config(json.dumps({"model": str(info.path), "num_speculative_tokens": 3}), str(target),
+                                models_roots=((tmp_path / "models").resolve(),))
+    with pytest.raises(ValueError, match="expected"):
+        build_tiny_drafter(tmp_path / "d2", _fake_target(tmp_path / "wide", width=256))
