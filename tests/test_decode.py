@@ -303,3 +303,38 @@ def test_tiny_drafter_has_the_assistant_layout_and_learns_the_pattern(tmp_path):
                                 models_roots=((tmp_path / "models").resolve(),))
     with pytest.raises(ValueError, match="expected"):
         build_tiny_drafter(tmp_path / "d2", _fake_target(tmp_path / "wide", width=256))
+
+
+def test_stream_chat_reads_token_ids_usage_and_sends_the_sampling():
+    import httpx
+
+    from tools.measure.decode import stream_chat
+
+    sent = {}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        sent.update(json.loads(request.content))
+        chunks = [{"choices": [{"delta": {"role": "assistant", "content": ""}, "token_ids": []}]},
+                  {"choices": [{"delta": {"content": "ab"}, "token_ids": [20, 21]}]},  # two tokens in one step
+                  {"choices": [{"delta": {"content": "c"}, "token_ids": [22], "finish_reason": "length"}]},
+                  {"choices": [], "usage": {"completion_tokens": 3}}]
+        body = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+        return httpx.Response(200, text=body, headers={"content-type": "text/event-stream"})
+
+    with httpx.Client(transport=httpx.MockTransport(handler)) as client:
+        r = stream_chat(client, "http://x", "m", "hi", max_tokens=3, sampling={"temperature": 1.0, "top_k": 64},
+                        seed=7, timeout=10)
+    assert r["token_ids"] == [20, 21, 22] and r["output_tokens"] == 3 and r["text"] == "abc"
+    assert r["finish_reason"] == "length" and 0 < r["ttft_ms"] <= r["e2e_ms"]
+    assert sent["stream"] and sent["return_token_ids"] and sent["stream_options"] == {"include_usage": True}
+    assert (sent["temperature"], sent["top_k"], sent["seed"]) == (1.0, 64, 7)
+
+
+def test_checkpoint_sampling_reads_generation_config(tmp_path):
+    from tools.measure.decode import checkpoint_sampling
+
+    f = tmp_path / "generation_config.json"
+    f.write_text(json.dumps({"temperature": 1.0, "top_k": 64, "top_p": 0.95, "do_sample": True}))
+    assert checkpoint_sampling(f) == {"temperature": 1.0, "top_k": 64, "top_p": 0.95}
+    with pytest.raises(BadInput, match="no generation_config.json"):
+        checkpoint_sampling(tmp_path / "missing.json")
