@@ -30,6 +30,7 @@ EXPECTED_TOOLS = {
     "stop_vllm_server": (False, True, True, False),
     "query_model": (True, False, False, False),
     "run_sweep": (False, False, False, True),           # any base_url
+    "run_decode_bench": (False, False, False, True),    # any base_url
     "compare_tokens": (False, True, False, True),       # record (force=true) replaces a file; any base_url
     "compare_sweeps": (False, True, False, False),      # output (force=true) replaces a file
     "patch_turing": (False, True, True, False),

@@ -17,7 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve_cli.register(sub)    # start, stop, status, query, log, swap
-    measure_cli.register(sub)  # sweep, sweep-compare, compare
+    measure_cli.register(sub)  # sweep, sweep-compare, compare, decode, decode-sweep, decode-compare
     demo.register(sub)         # demo: the whole pipeline, ending in an evidence report
     __import__("tools.measure.evals", fromlist=["register"]).register(sub)  # eval, eval-compare (lm-eval)
     __import__("tools.measure.fidelity", fromlist=["register"]).register(sub)  # fidelity record|check

@@ -3,7 +3,8 @@
 It has the real layout of `google/gemma-4-E2B-it-qat-q4_0-unquantized` at a small size: a nested
 `Gemma4ForConditionalGeneration` config with text, vision and audio towers, `model.language_model.*` names,
 per-layer embeddings (PLE), KV-shared layers without k/v projections, double-wide MLPs on shared layers, a
-tied head, sharded safetensors with an index, a byte-level tokenizer with a Gemma chat template.
+tied head, sharded safetensors with an index, a byte-level tokenizer with a Gemma chat template. A matching
+tiny drafter in the layout of Google's `gemma4_assistant` (build_tiny_drafter) is trained on the same pattern.
 
 The text model is trained for a few seconds on a synthetic pattern (each token is followed by a fixed
 permutation of itself) so that greedy decoding is confident and does not flip between kernels, then every
@@ -226,6 +227,94 @@ def build_tiny_qat_checkpoint(out_dir: str | Path, *, seed: int = 0, train_steps
     return TinyModelInfo(path=out, accuracy=accuracy, grid_tensors=grid_tensors, permutation_seed=seed)
 
 
+# The drafter (Google's `gemma4_assistant` layout, served by vLLM as `gemma4_mtp`): its own, narrower width
+# (hidden_size differs from the target's by design), every layer reading the target's KV cache (no k/v
+# projections), one sliding and one full layer with the target's head sizes, no per-layer inputs.
+DRAFTER_TEXT_CONFIG: dict[str, Any] = dict(
+    vocab_size=VOCAB, vocab_size_per_layer_input=0, hidden_size=64, intermediate_size=128,
+    num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"],
+    num_attention_heads=2, num_key_value_heads=1, head_dim=32, global_head_dim=64,
+    hidden_size_per_layer_input=0, num_kv_shared_layers=2, use_double_wide_mlp=False,
+    final_logit_softcapping=30.0, sliding_window=64, max_position_embeddings=16384,
+    rope_parameters=TEXT_CONFIG["rope_parameters"],
+    bos_token_id=2, eos_token_id=1, pad_token_id=0,
+)
+
+
+@dataclass(frozen=True)
+class TinyDrafterInfo:
+    path: Path
+    accuracy: float  # share of tokens t for which the drafter's first draft is the pattern's perm[t]
+
+
+def build_tiny_drafter(out_dir: str | Path, target_dir: str | Path, *, seed: int = 0,
+                       train_steps: int = 300) -> TinyDrafterInfo:
+    """Writes a tiny `gemma4_assistant` drafter for the tiny target in target_dir (out_dir replaced if present).
+
+    vLLM feeds the drafter [target_embedding(token) * sqrt(backbone_hidden), target_hidden_state] and lets its
+    attention read the target's KV cache. The pattern needs only the token: the drafter is trained to map t to
+    perm[t] through its MLPs with the attention output projection and the hidden-state half of pre_projection
+    zero, so its drafts do not depend on the target's internals and are accepted whenever the target follows the
+    pattern.
+    """
+    import torch
+    from safetensors import safe_open
+    from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM
+
+    target = Path(target_dir)
+    index = json.loads((target / "model.safetensors.index.json").read_text())["weight_map"]
+    emb_name = "model.language_model.embed_tokens.weight"
+    with safe_open(str(target / index[emb_name]), framework="pt") as f:
+        target_emb = f.get_tensor(emb_name).float()
+    backbone = int(TEXT_CONFIG["hidden_size"])
+    if target_emb.shape != (VOCAB, backbone):
+        raise ValueError(f"{target}: {emb_name} has shape {tuple(target_emb.shape)}, "
+                         f"expected {(VOCAB, backbone)} (a tiny target from build_tiny_qat_checkpoint)")
+
+    out = Path(out_dir)
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    torch.manual_seed(seed)
+    perm = pattern_permutation(seed)
+    cfg = Gemma4AssistantConfig(text_config=dict(DRAFTER_TEXT_CONFIG, model_type="gemma4_text"),
+                                backbone_hidden_size=backbone)
+    model = Gemma4AssistantForCausalLM(cfg)
+    layers = model.model.layers
+    with torch.no_grad():
+        for layer in layers:
+            layer.self_attn.o_proj.weight.zero_()
+
+    def draft_logits(tokens):
+        emb = target_emb[tokens] * backbone ** 0.5
+        x = model.pre_projection(torch.cat([emb, torch.zeros_like(emb)], dim=-1))
+        for layer in layers:  # the attention branch is zero (o_proj = 0): only the MLP path remains
+            x = x + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(x)))
+            x = x * layer.layer_scalar
+        logits = model.lm_head(model.model.norm(x))
+        cap = DRAFTER_TEXT_CONFIG["final_logit_softcapping"]
+        return torch.tanh(logits / cap) * cap
+
+    params = [p for n, p in model.named_parameters() if ".self_attn." not in n]
+    opt = torch.optim.AdamW(params, lr=3e-3, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(train_steps):
+        tokens = torch.randint(FIRST_BYTE_ID, VOCAB, (256,), generator=gen)
+        loss = torch.nn.functional.cross_entropy(draft_logits(tokens), perm[tokens])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        model.pre_projection.weight[:, backbone:].zero_()
+        tokens = torch.arange(FIRST_BYTE_ID, VOCAB)
+        accuracy = float((draft_logits(tokens).argmax(-1) == perm[tokens]).float().mean())
+    model.to(torch.bfloat16)
+    model.generation_config.do_sample = False
+    model.save_pretrained(out)
+    _write_tokenizer(out)
+    return TinyDrafterInfo(path=out, accuracy=accuracy)
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -235,7 +324,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--train-steps", type=int, default=200)
     ap.add_argument("--off-grid", action="store_true", help="skip the 4-bit projection (a base-model stand-in)")
+    ap.add_argument("--drafter-of", metavar="TARGET", default=None,
+                    help="write instead the tiny gemma4_assistant drafter for the tiny target in TARGET")
     args = ap.parse_args(argv)
+    if args.drafter_of:
+        d = build_tiny_drafter(args.out, args.drafter_of, seed=args.seed)
+        print(f"{d.path}: drafter for {args.drafter_of}, first-draft accuracy on the pattern {d.accuracy:.3f}")
+        return 0
     info = build_tiny_qat_checkpoint(args.out, seed=args.seed, train_steps=args.train_steps,
                                      on_grid=not args.off_grid)
     print(f"{info.path}: {len(info.grid_tensors)} tensors on the 4-bit grid, pattern accuracy {info.accuracy:.3f}")

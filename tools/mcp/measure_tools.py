@@ -7,6 +7,7 @@ from pathlib import Path
 
 from tools.errors import ToolFailure
 from tools.measure.compare_tokens import CompareParams, TokenComparison, TokenRecord
+from tools.measure.decode import DecodeParams, DecodeSummary
 from tools.measure.fidelity import CheckLogprobsResult, CompareLogprobsParams, RecordLogprobsResult
 from tools.measure.results import SweepParams, SweepResult
 from tools.measure.sweep_report import CompareSweepsParams, SweepComparison
@@ -120,3 +121,23 @@ def compare_logprobs(app, p: CompareLogprobsParams, progress) -> Reply:
     return Reply(res, f"{res.candidate_model} vs {res.reference_model}: mean KLD {res.mean_kld:.4g}, p99 "
                       f"{res.p99_kld:.4g}, top-1 agreement {100 * res.top1_agreement:.2f}%, PPL ratio "
                       f"{res.ppl_ratio:.4f} over {res.tokens} tokens")
+
+
+@tool(toolset="decode", title="Single-stream decode benchmark (speculative decoding)", params=DecodeParams,
+      result=DecodeSummary, long=True, open_world=True)
+def run_decode_bench(app, p: DecodeParams, progress) -> Reply:
+    """Time per output token for one user: twenty chat prompts one at a time, streamed, with the drafter's
+    acceptance from /metrics when the server runs speculative decoding; writes a run folder under an evidence
+    root. Long: progress in prompts."""
+    from tools.measure.decode import run_decode
+
+    out = app.roots.confine(p.out, "evidence", what="out")
+    resolve_endpoint(p, app.config(), managed=True)  # a managed server, not whatever holds the config's port
+    res = run_decode(p.model_copy(update={"out": out}), serve_config=app.config(),
+                     progress=lambda d, t, m: progress(d, t, m))
+    acc = (f", {100 * res.acceptance_rate:.0f}% of {res.draft_tokens:.0f} draft tokens accepted"
+           if res.acceptance_rate is not None else ", no drafts")
+    summary = (f"decode {res.run_id}: median {res.median_tpot_ms or 0:.2f} ms per token, TTFT "
+               f"{res.median_ttft_ms or 0:.0f} ms over {len(res.prompts)} prompts{acc}")
+    # The per-prompt token ids and texts stay in the run folder.
+    return Reply(res.model_dump(mode="json", exclude={"prompts"}), summary)

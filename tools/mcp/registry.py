@@ -27,6 +27,7 @@ TOOLSETS: dict[str, str] = {
     "fidelity": "logprob fidelity between builds: KLD, top-1 agreement, perplexity ratio",
     "eval": "accuracy with lm-evaluation-harness against the server, and runs side by side",
     "deploy": "check this machine for a deployment and fetch a checkpoint from the hub",
+    "decode": "single-stream decode benchmark: time per token and the drafter's acceptance (speculative decoding)",
     "fleet": "vllm-router in front of named instances: start, status, stop",
 }
 # The article's workflow end to end: probe -> repack -> serve -> compare tokens -> sweep -> compare, with jobs for

@@ -1,5 +1,6 @@
 """`./vllm-t4 sweep | sweep-compare | compare`: the measurements on the command line.
 
+`decode | decode-sweep | decode-compare` measure single-stream decode and speculative decoding.
 `sweep` prints progress on stderr and the evidence folder as its last line; `sweep-compare` prints the article's
 comparison tables; `compare record|check|live` prints per-prompt SAME TOKENS lines and exits 0 whether or not
 tokens differ (1 only when the comparison could not be made). `--json` prints one JSON object instead.
@@ -106,6 +107,39 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_decode(args: argparse.Namespace) -> int:
+    from tools.measure.decode import DecodeParams, markdown_run, run_decode
+
+    params = DecodeParams.from_cli_args(args)
+    res = run_decode(params, progress=_progress(args), serve_config=_serve_config(args))
+    _emit(args, res.model_dump(mode="json", exclude={"prompts"}), markdown_run(res) + res.run_dir)
+    return 0
+
+
+def cmd_decode_sweep(args: argparse.Namespace) -> int:
+    from tools.measure.decode import DecodeSweepParams, run_decode_sweep
+
+    res = run_decode_sweep(DecodeSweepParams.from_cli_args(args, sampling=args.sampling), progress=_progress(args))
+    _emit(args, res.model_dump(mode="json"), res.comparison.markdown + res.run_dir)
+    return 0
+
+
+def _samplings(text: str) -> list[str]:
+    vals = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [v for v in vals if v not in ("greedy", "checkpoint")]
+    if bad or not vals:
+        raise argparse.ArgumentTypeError(f"{text!r}: give greedy, checkpoint or greedy,checkpoint")
+    return vals
+
+
+def cmd_decode_compare(args: argparse.Namespace) -> int:
+    from tools.measure.decode import compare_decode_runs
+
+    cmp = compare_decode_runs(args.runs)
+    _emit(args, cmp.model_dump(mode="json"), cmp.markdown)
+    return 0
+
+
 def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     from tools.measure.results import DEFAULT_PRICE_PER_HOUR, SweepParams
 
@@ -162,3 +196,30 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     a.add_argument("--top-logprobs", type=int, default=5)
     a.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.set_defaults(func=_guard("compare", cmd_compare, status=_bad_input_2), env_file=None)
+
+    from tools.measure.decode import DecodeParams, DecodeSweepParams
+
+    p = sub.add_parser("decode", help="single-stream decode benchmark: TTFT, time per token, drafts accepted",
+                       description="Twenty shipped chat prompts, one at a time, streamed; per prompt TTFT, TPOT, "
+                                   "tokens and e2e time, and the speculative-decoding acceptance from /metrics "
+                                   "deltas; writes an evidence folder (raw/, summary.json/md, provenance.json).")
+    common(p)
+    DecodeParams.add_cli_args(p, exclude={"base_url", "instance", "router"})  # the endpoint comes with common()
+    p.set_defaults(func=_guard("decode", cmd_decode, status=_bad_input_2))
+
+    p = sub.add_parser("decode-sweep", help="the drafter table: restart the server per draft-token setting",
+                       description="For each --draft-tokens setting (0 = no drafter) start the server with that "
+                                   "SPECULATIVE_CONFIG, run the decode benchmark for each --sampling, stop it; "
+                                   "writes the article's table and the greedy answers that differ.")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    DecodeSweepParams.add_cli_args(p)
+    p.add_argument("--sampling", type=_samplings, default=["greedy"],
+                   help="samplings to run at each setting, comma separated: greedy,checkpoint (default greedy)")
+    p.set_defaults(func=_guard("decode-sweep", cmd_decode_sweep, status=_bad_input_2))
+
+    p = sub.add_parser("decode-compare", help="the drafter table from existing decode runs",
+                       description="Time per token, drafts accepted, speedup against the no-drafter run of the "
+                                   "same sampling, greedy answers that differ from the no-drafter ones.")
+    p.add_argument("runs", nargs="+", help="decode run folders (or a decode-sweep folder's runs/*)")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    p.set_defaults(func=_guard("decode-compare", cmd_decode_compare, status=_bad_input_2))

@@ -97,6 +97,9 @@ class RepeatResult(BaseModel):
     metrics: dict[str, float | None] = Field(default_factory=dict)
     prefix_cache_queries: float | None = Field(None, description="Prompt tokens looked up in the prefix cache")
     prefix_cache_hits: float | None = Field(None, description="Prompt tokens served from the prefix cache")
+    spec_decode: dict[str, Any] | None = Field(None, description="Speculative decoding during the repeat, from "
+                                                                 "/metrics deltas: drafts, draft_tokens, "
+                                                                 "accepted_tokens, acceptance_rate, per_position")
     warmup_s: float | None = None
     measure_s: float | None = Field(None, description="Wall time of vLLM's benchmark call for this repeat")
     raw_file: str | None = None
@@ -114,6 +117,8 @@ class CellResult(BaseModel):
     spread_pct: dict[str, float | None] = Field(default_factory=dict,
                                                 description="(max - min) / median x 100 over ok repeats")
     wall_s: float | None = Field(None, description="Wall time of the cell's subprocess (warm-up included)")
+    acceptance_rate: float | None = Field(None, description="Accepted / draft tokens over the ok repeats (none "
+                                                            "without speculative decoding)")
 
     @property
     def key(self) -> tuple[int, int]:
@@ -133,6 +138,7 @@ class SweepResult(BaseModel):
     wall_s: float | None = None
     cells: list[CellResult] = Field(default_factory=list)
     provenance: dict[str, Any] = Field(default_factory=dict)
+    speculative_config: dict[str, Any] | None = Field(None, description="The server's --speculative-config")
     files: dict[str, str] = Field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -147,6 +153,13 @@ class SweepResult(BaseModel):
 
     def cell(self, input_len: int, concurrency: int) -> CellResult | None:
         return next((c for c in self.cells if c.key == (input_len, concurrency)), None)
+
+
+def cell_acceptance(repeats: list[RepeatResult]) -> float | None:
+    """Accepted / draft tokens summed over the ok repeats that recorded speculative decoding."""
+    specs = [r.spec_decode for r in repeats if r.status == "ok" and r.spec_decode]
+    drafted = sum(float(s.get("draft_tokens") or 0) for s in specs)
+    return sum(float(s.get("accepted_tokens") or 0) for s in specs) / drafted if drafted else None
 
 
 def aggregate(repeats: list[RepeatResult]) -> tuple[dict[str, float | None], dict[str, float | None]]:

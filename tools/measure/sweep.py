@@ -33,12 +33,13 @@ from typing import Any, Callable
 
 import httpx
 
-from tools.measure import provenance as prov_mod
+from tools.measure import evidence, provenance as prov_mod
 from tools.cli_output import kill_group
 from tools.errors import ToolFailure
 
 from tools.measure.results import (DEFAULT_OUT, DEFAULT_PRICE_PER_HOUR, METRICS, PREFIX_CACHE_POLICY,  # noqa: F401
-                                   PROJECT_ROOT, CellResult, RepeatResult, SweepParams, SweepResult, aggregate)
+                                   PROJECT_ROOT, CellResult, RepeatResult, SweepParams, SweepResult, aggregate,
+                                   cell_acceptance)
 
 Progress = Callable[[int, int, str], None]
 
@@ -255,12 +256,17 @@ def run_sweep(params: SweepParams | None = None, *, progress: Progress | None = 
     result = SweepResult(run_id=run_dir.name, run_dir=str(run_dir), label=params.label,
                          params=params.model_dump(mode="json"), max_model_len=max_len, model=model,
                          started=datetime.now(timezone.utc).isoformat(timespec="seconds"))
-    prov = prov_mod.collect(base_url, server=server, serve_config=serve_config)
+    # The sweep's folder stays in place while it runs (resume continues it), so it shares the evidence module's
+    # files and provenance rather than its rename-when-complete folder.
+    prov = evidence.collect_provenance(base_url, server=server, serve_config=serve_config)
     prov.endpoint = endpoint.to_dict()
     backends = [router_mod.Backend(**b) for b in endpoint.backends]
     before = router_mod.request_counts(backends) if backends else {}
     result.provenance = prov.to_dict()
-    prov_mod.write(prov, run_dir / "provenance.json")
+    evidence.write_json(run_dir / "provenance.json", result.provenance)
+    from tools.measure.decode import speculative_from_argv
+
+    result.speculative_config = speculative_from_argv(result.provenance.get("server_argv"))
 
     cells_plan = [(L, c) for L in params.input_lens for c in params.concurrencies]
     total = sum(params.repeats for L, c in cells_plan if max_len is None or L + params.output_len <= max_len)
@@ -273,7 +279,7 @@ def run_sweep(params: SweepParams | None = None, *, progress: Progress | None = 
         prov.endpoint["requests"] = {n: (None if before.get(n) is None or after.get(n) is None
                                          else int(after[n] - before[n])) for n in after}
         result.provenance = prov.to_dict()
-        prov_mod.write(prov, run_dir / "provenance.json")
+        evidence.write_json(run_dir / "provenance.json", result.provenance)
     result.finished = datetime.now(timezone.utc).isoformat(timespec="seconds")
     result.wall_s = time.monotonic() - t0
     result.files = sweep_report.write_run(result, run_dir, price_per_hour=params.price_per_hour, plot=True)
@@ -352,6 +358,7 @@ def _run_cells(params: SweepParams, cells_plan: list[tuple[int, int]], result: S
             cell.status = "failed"
             cell.reason = f"{len(bad)} of {params.repeats} repeats failed; first: {bad[0].reason}"
         cell.median, cell.spread_pct = aggregate(cell.repeats)
+        cell.acceptance_rate = cell_acceptance(cell.repeats)
         # Save after every cell: a run stopped anywhere keeps tables of what it finished.
         result.wall_s = time.monotonic() - t0
         sweep_report.write_run(result, run_dir, price_per_hour=params.price_per_hour, plot=False)
@@ -373,6 +380,16 @@ def _prefix_counters(client: httpx.Client, base_url: str) -> tuple[float | None,
         elif line.startswith("vllm:prefix_cache_hits_total"):
             h = (h or 0.0) + float(line.rsplit(" ", 1)[1])
     return q, h
+
+
+def _spec_counters(client: httpx.Client, base_url: str) -> dict[str, Any] | None:
+    """The speculative-decoding counters (tools.measure.decode.parse_spec_counters), None when unreadable."""
+    from tools.measure.decode import parse_spec_counters
+
+    try:
+        return parse_spec_counters(client.get(f"{base_url}/metrics", timeout=10).text)
+    except httpx.HTTPError:
+        return None
 
 
 def _bench_args(spec: dict[str, Any], seed: int, num_prompts: int, output_len: int) -> argparse.Namespace:
@@ -441,6 +458,7 @@ def _run_cell(spec: dict[str, Any], bench_main: Callable[[argparse.Namespace], d
                               raw_file=raw_name(spec["input_len"], spec["concurrency"], k))
             warmup_s = None  # the warm-up belongs to the cell's first measured repeat
             q0, h0 = _prefix_counters(client, base_url)
+            s0 = _spec_counters(client, base_url)
             tm = time.monotonic()
             raw: dict[str, Any] = {}
             try:
@@ -451,6 +469,12 @@ def _run_cell(spec: dict[str, Any], bench_main: Callable[[argparse.Namespace], d
             q1, h1 = _prefix_counters(client, base_url)
             if None not in (q0, q1, h0, h1):
                 rr.prefix_cache_queries, rr.prefix_cache_hits = q1 - q0, h1 - h0
+            s1 = _spec_counters(client, base_url)
+            if s0 is not None and s1 is not None:
+                from tools.measure.decode import spec_delta
+
+                stats, found = spec_delta(s0, s1)
+                rr.spec_decode = stats.model_dump(mode="json") if found else None
             rr.metrics = {m: (float(raw[m]) if isinstance(raw.get(m), (int, float)) else None) for m in METRICS}
             if rr.status == "ok":
                 completed, failed = int(raw.get("completed") or 0), int(raw.get("failed") or 0)
@@ -468,9 +492,7 @@ def _run_cell(spec: dict[str, Any], bench_main: Callable[[argparse.Namespace], d
 
 
 def _write_raw(out: Path, record: dict[str, Any]) -> None:
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record, indent=2, default=str))
-    tmp.replace(out)
+    evidence.write_json(out, record)
 
 
 if __name__ == "__main__":

@@ -63,6 +63,13 @@ def markdown_run(res: SweepResult, *, price_per_hour: float = DEFAULT_PRICE_PER_
                 f"| {'—' if spread is None else f'{spread:.1f}%'} "
                 f"| {_fmt(cost_per_million(m.get('output_throughput'), price_per_hour))} | {status} |")
         lines.append("")
+    if res.speculative_config:  # the concurrency question of speculative decoding: acceptance per cell
+        import json
+
+        lines += [f"Speculative decoding: `{json.dumps(res.speculative_config)}`. Drafts accepted per cell: "
+                  + ", ".join(f"in={c.input_len} c={c.concurrency}: "
+                              + ("—" if c.acceptance_rate is None else f"{100 * c.acceptance_rate:.0f}%")
+                              for c in res.cells if c.status == "ok"), ""]
     return "\n".join(lines)
 
 

@@ -1,0 +1,101 @@
+"""The decode benchmark and the drafter table against real vLLM CPU servers of the tiny text build with its tiny
+drafter: three server starts (one with the drafter for `decode`, two for a decode-sweep over 0 and 2 tokens)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from fixtures import ROOT, SERVE_MAX_MODEL_LEN, free_port
+
+pytestmark = pytest.mark.vllm
+
+# vLLM 0.32's CPU backend serves the gemma4_assistant drafter as gemma4_mtp (see the README's decode section).
+METHOD = "mtp"
+
+
+@pytest.fixture(scope="module")
+def tiny_drafter(tiny_qat, tmp_path_factory) -> Path:
+    from tools.demo.tiny_model import build_tiny_drafter
+
+    info = build_tiny_drafter(tmp_path_factory.mktemp("drafter") / "gemma-4-tiny-assistant", tiny_qat)
+    assert info.accuracy > 0.95, f"tiny drafter did not learn the pattern (accuracy {info.accuracy:.3f})"
+    return info.path
+
+
+def _spec(drafter: Path, k: int) -> str:
+    if METHOD == "ngram":
+        return json.dumps({"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
+                           "prompt_lookup_min": 1})
+    return json.dumps({"model": str(drafter), "num_speculative_tokens": k})
+
+
+@pytest.fixture(scope="module")
+def spec_server(bf16_text_build, tiny_drafter, serve_config_factory):
+    from tools.serving.vllm_server import start_server, stop_server
+
+    cfg = serve_config_factory(bf16_text_build, "gemma-4-tiny-text-spec", speculative_config=_spec(tiny_drafter, 3))
+    start_server(cfg)
+    try:
+        yield cfg
+    finally:
+        stop_server(cfg)
+
+
+def test_decode_measures_real_acceptance(spec_server, tmp_path):
+    from tools.measure.decode import DecodeParams, run_decode
+
+    res = run_decode(DecodeParams(prompts=3, max_tokens=24, out=tmp_path, label="spec3"), serve_config=spec_server)
+    assert res.draft_tokens > 0 and res.accepted_tokens > 0 and 0 < res.acceptance_rate <= 1
+    assert res.mean_accepted_length > 1 and len(res.per_position_acceptance) == 3
+    assert res.median_tpot_ms > 0 and res.median_ttft_ms > 0 and res.decode_tok_s > 0
+    assert all(p.output_tokens == len(p.token_ids) > 1 for p in res.prompts)
+    run = Path(res.run_dir)
+    assert sorted(f.name for f in (run / "raw").iterdir()) == [
+        "00-code-python-fib.json", "01-code-sql-join.json", "02-code-bash-rename.json"]
+    prov = json.loads((run / "provenance.json").read_text())
+    assert "--speculative-config" in prov["server_argv"]
+    assert prov["speculative_config"]["num_speculative_tokens"] == 3
+    if METHOD == "mtp":
+        assert prov["drafter_config_sha256"]
+    assert json.loads((run / "summary.json").read_text())["acceptance_rate"] == res.acceptance_rate
+
+    # The command line's --json against the same server.
+    out = subprocess.run([str(ROOT / "vllm-t4"), "decode", "--base-url", spec_server.base_url, "--prompts", "2",
+                          "--max-tokens", "16", "--out", str(tmp_path / "cli"), "--json"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    data = json.loads(out.stdout)
+    for key in ("median_tpot_ms", "median_ttft_ms", "decode_tok_s", "draft_tokens", "accepted_tokens",
+                "acceptance_rate"):
+        assert data[key] is not None, key
+    assert data["acceptance_rate"] > 0
+
+
+def test_decode_sweep_writes_the_drafter_table(bf16_text_build, tiny_drafter, tmp_path, monkeypatch):
+    from tools.measure.decode import DecodeSweepParams, run_decode_sweep
+    from tools.serving.config import load_config
+    from tools.serving.vllm_server import server_status
+
+    monkeypatch.setenv("GEMMA4_T4_MODELS_ROOTS", str(tiny_drafter.parent))
+    overrides = dict(model=str(bf16_text_build), served_name="gemma-4-tiny-text-sweep", host="127.0.0.1",
+                     port=free_port(), state_dir=str(tmp_path / "state"), max_model_len=SERVE_MAX_MODEL_LEN,
+                     max_num_seqs=8, cpu_kvcache_space_gib=1, extra_args="", start_timeout_s=900.0)
+    params = DecodeSweepParams(draft_tokens=[0, 2], prompts=3, max_tokens=24, out=tmp_path / "ev",
+                               **({"method": "ngram"} if METHOD == "ngram" else {"drafter": str(tiny_drafter)}))
+    res = run_decode_sweep(params, **overrides)
+    assert not server_status(load_config(None, **overrides)).alive  # stopped after the last setting
+    rows = {r.draft_tokens: r for r in res.comparison.rows}
+    assert rows[0].acceptance_rate is None and rows[0].speedup is None
+    assert rows[2].acceptance_rate > 0 and rows[2].speedup is not None
+    assert rows[2].greedy_checked  # the no-drafter token ids were compared, prompt by prompt
+    table = (Path(res.run_dir) / "table.md").read_text()
+    assert "| No drafter, greedy |" in table and "| 2 draft tokens" in table
+    assert len(res.runs) == 2 and all((Path(r) / "summary.json").is_file() for r in res.runs)
+    # decode-compare prints the same table from the run folders
+    out = subprocess.run([str(ROOT / "vllm-t4"), "decode-compare", *res.runs], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == res.comparison.markdown.strip()

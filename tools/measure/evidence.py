@@ -1,0 +1,150 @@
+"""An evidence folder: one run of a measurement, kept so that every figure can be checked and traced.
+
+Layout of `<out>/<run-id>/`: `raw/<name>.json` (one record per prompt, cell or repeat), `summary.json` (the
+operation's result model), `summary.md` (its table), `provenance.json` (tools.measure.provenance, with the
+server's argv). The folder is built as `<out>/.<run-id>.partial/` and renamed into place by `finish()`: a run
+stopped anywhere (a signal, a kill, a full disk) leaves no folder that looks complete. Every file is written
+through a temporary name and renamed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from tools.errors import ToolFailure
+from tools.measure import provenance as prov_mod
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def write_json(path: str | Path, data: Any) -> Path:
+    """Atomic JSON write: a temporary file in the same folder, fsynced, renamed over the target."""
+    p = Path(path)
+    if isinstance(data, BaseModel):
+        data = data.model_dump(mode="json")
+    tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.write(json.dumps(data, indent=2, default=str) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.replace(p)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return p
+
+
+def write_text(path: str | Path, text: str) -> Path:
+    p = Path(path)
+    tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text)
+        tmp.replace(p)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return p
+
+
+def run_id(label: str, kind: str) -> str:
+    """`<kind>-<UTC stamp>-<label>`: sortable by time, named for what it measured."""
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    return f"{kind}-{stamp}-{label}"
+
+
+def check_name(value: str, what: str) -> str:
+    if not value or not _NAME.match(value):
+        raise ToolFailure(f"{what} {value!r} must be a name of letters, digits, '.', '_' or '-' (no spaces or "
+                          f"slashes)", detail={"field": what, "value": value})
+    return value
+
+
+class EvidenceRun:
+    """A run folder being written. Use `create`, write records, then `finish` (or `abandon` on failure)."""
+
+    def __init__(self, out: Path, name: str) -> None:
+        self.out = out
+        self.name = name
+        self.final = out / name
+        self.dir = out / f".{name}.partial"
+        self.raw = self.dir / "raw"
+
+    @classmethod
+    def create(cls, out: str | Path, name: str) -> "EvidenceRun":
+        check_name(name, "run id")
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        run = cls(out, name)
+        if run.final.exists():
+            raise ToolFailure(f"{run.final} already exists: choose another label or out folder, or remove it",
+                              detail={"path": str(run.final)})
+        shutil.rmtree(run.dir, ignore_errors=True)  # a partial folder of a run that was stopped
+        run.raw.mkdir(parents=True)
+        return run
+
+    @property
+    def path(self) -> Path:
+        """Where the folder will be once finished (what results report)."""
+        return self.final
+
+    def write_raw(self, name: str, record: Any) -> Path:
+        return write_json(self.raw / f"{check_name(name, 'record name')}.json", record)
+
+    def write_summary(self, result: BaseModel | dict[str, Any], markdown: str) -> dict[str, str]:
+        write_json(self.dir / "summary.json", result)
+        write_text(self.dir / "summary.md", markdown)
+        return {"summary_json": str(self.final / "summary.json"), "summary_md": str(self.final / "summary.md")}
+
+    def write_provenance(self, base_url: str | None, *, serve_config: Any = None, server_argv: list[str] | None
+                         = None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        """provenance.json: collect() for base_url, the given argv where the caller started the server itself,
+        plus extra fields (e.g. the speculative config). Returns what was written."""
+        prov = collect_provenance(base_url, serve_config=serve_config, server_argv=server_argv)
+        data = prov.to_dict()
+        data.update(extra or {})
+        write_json(self.dir / "provenance.json", data)
+        return data
+
+    def finish(self) -> Path:
+        if self.final.exists():
+            raise ToolFailure(f"{self.final} appeared while the run was measuring: the run is kept in {self.dir}",
+                              detail={"path": str(self.final), "partial": str(self.dir)})
+        os.rename(self.dir, self.final)
+        return self.final
+
+    def abandon(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def collect_provenance(base_url: str | None, *, serve_config: Any = None, server: Any = None,
+                       server_argv: list[str] | None = None) -> prov_mod.Provenance:
+    """provenance.collect, with the argv given by a caller that started the server (it knows it for sure)."""
+    prov = prov_mod.collect(base_url, serve_config=serve_config, server=server)
+    if server_argv:
+        prov.server_argv = list(server_argv)
+        prov.notes = [n for n in prov.notes if "argv unknown" not in n]
+        if prov.checkpoint_config_sha256 is None and "--model" in prov.server_argv:
+            model = prov.server_argv[prov.server_argv.index("--model") + 1]
+            if Path(model).is_dir():
+                prov.checkpoint_config_sha256 = prov_mod.config_sha256(model)
+                prov.checkpoint_config_path = str(Path(model) / "config.json")
+    return prov
+
+
+def argv_option(argv: list[str] | None, flag: str) -> str | None:
+    """The value after `flag` in an argv (`--flag value` or `--flag=value`), or None."""
+    if not argv:
+        return None
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
