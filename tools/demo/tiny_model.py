@@ -21,9 +21,11 @@ torch and transformers are imported lazily: they come with vLLM, not with the re
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -226,6 +228,71 @@ def build_tiny_qat_checkpoint(out_dir: str | Path, *, seed: int = 0, train_steps
     return TinyModelInfo(path=out, accuracy=accuracy, grid_tensors=grid_tensors, permutation_seed=seed)
 
 
+CACHE_ENV = "GEMMA4_T4_CACHE"
+
+
+def default_cache_dir() -> Path | None:
+    """Where trained tiny models are kept between runs: $GEMMA4_T4_CACHE (empty: no cache), else
+    $XDG_CACHE_HOME/gemma4-t4 (~/.cache/gemma4-t4)."""
+    raw = os.environ.get(CACHE_ENV)
+    if raw is not None:
+        return Path(raw).expanduser() if raw.strip() else None
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "gemma4-t4"
+
+
+def cache_key(**build_args: Any) -> str:
+    """The content address of a tiny model: this module's source, the build arguments and the versions of the
+    libraries that train and write it. Any change to one of them trains a new model."""
+    import inspect
+    from importlib.metadata import version
+
+    # Defaults filled in, so that naming a default argument or not gives the same address.
+    bound = inspect.signature(build_tiny_qat_checkpoint).bind("", **build_args)
+    bound.apply_defaults()
+    args = {k: v for k, v in bound.arguments.items() if k != "out_dir"}
+    h = hashlib.sha256(Path(__file__).read_bytes())
+    h.update(json.dumps(args, sort_keys=True).encode())
+    for dist in ("torch", "transformers", "safetensors", "tokenizers"):
+        h.update(f"{dist}=={version(dist)}".encode())
+    return h.hexdigest()[:24]
+
+
+def cached_tiny_qat_checkpoint(out_dir: str | Path, *, cache_dir: str | Path | None | bool = True,
+                               **build_args: Any) -> TinyModelInfo:
+    """build_tiny_qat_checkpoint, trained once per content address and copied from the cache after that.
+
+    cache_dir True: default_cache_dir(); None or False: no cache (always trains). An entry is written to a
+    temporary folder and renamed into place whole, so concurrent runs and kills never leave a partial one.
+    """
+    root = default_cache_dir() if cache_dir is True else (Path(cache_dir) if cache_dir else None)
+    if root is None:
+        return build_tiny_qat_checkpoint(out_dir, **build_args)
+    entry = root / "tiny-model" / cache_key(**build_args)
+    if not (entry / "info.json").is_file():
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        tmp = entry.parent / f".{entry.name}.{os.getpid()}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            info = build_tiny_qat_checkpoint(tmp / "model", **build_args)
+            (tmp / "info.json").write_text(json.dumps(dict(asdict(info), path=None), indent=1))
+            try:
+                os.rename(tmp, entry)
+            except OSError:
+                if not (entry / "info.json").is_file():  # not another run's finished entry: a real failure
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    out = Path(out_dir)
+    if out.exists():
+        shutil.rmtree(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(entry / "model", out)
+    meta = json.loads((entry / "info.json").read_text())
+    return TinyModelInfo(path=out, accuracy=meta["accuracy"], grid_tensors=meta["grid_tensors"],
+                         permutation_seed=meta["permutation_seed"])
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -235,9 +302,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--train-steps", type=int, default=200)
     ap.add_argument("--off-grid", action="store_true", help="skip the 4-bit projection (a base-model stand-in)")
+    ap.add_argument("--no-cache", action="store_true",
+                    help=f"train even if the same model is cached (cache: ${CACHE_ENV}, default ~/.cache/gemma4-t4)")
     args = ap.parse_args(argv)
-    info = build_tiny_qat_checkpoint(args.out, seed=args.seed, train_steps=args.train_steps,
-                                     on_grid=not args.off_grid)
+    info = cached_tiny_qat_checkpoint(args.out, cache_dir=not args.no_cache, seed=args.seed,
+                                      train_steps=args.train_steps, on_grid=not args.off_grid)
     print(f"{info.path}: {len(info.grid_tensors)} tensors on the 4-bit grid, pattern accuracy {info.accuracy:.3f}")
     return 0
 
