@@ -69,6 +69,11 @@ MM_TOKEN_IDS = dict(boi_token_id=7, eoi_token_id=8, image_token_id=9, video_toke
                     boa_token_id=11, eoa_token_index=12, audio_token_id=13)
 
 
+# Trained text-model weights by (seed, train_steps), kept for the process: a second build from the same training
+# (the base-model stand-in after the QAT one) skips the seconds of torch training.
+_TRAINED: dict[tuple[int, int], tuple[dict[str, Any], Any]] = {}
+
+
 @dataclass(frozen=True)
 class TinyModelInfo:
     path: Path
@@ -175,6 +180,20 @@ def build_tiny_qat_checkpoint(out_dir: str | Path, *, seed: int = 0, train_steps
     on_grid=False leaves the trained bf16 weights as they are: a stand-in for a base (non-QAT) model.
     """
     import torch
+
+    # One thread: the model is too small to gain from more, and on a shared machine several threads of several
+    # processes wait on each other at every op (10 training steps took 14 s on one thread, 308 s on two, at a
+    # load average of 15 on 2 cores). It also makes the trained weights independent of the machine's core count.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _build(out_dir, seed=seed, train_steps=train_steps, on_grid=on_grid, max_shard_size=max_shard_size)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _build(out_dir: str | Path, *, seed: int, train_steps: int, on_grid: bool, max_shard_size: str) -> TinyModelInfo:
+    import torch
     from transformers import Gemma4Config, Gemma4ForCausalLM, Gemma4ForConditionalGeneration, Gemma4TextConfig
 
     out = Path(out_dir)
@@ -185,15 +204,24 @@ def build_tiny_qat_checkpoint(out_dir: str | Path, *, seed: int = 0, train_steps
     perm = pattern_permutation(seed)
 
     text = Gemma4ForCausalLM(Gemma4TextConfig(**TEXT_CONFIG))
-    text.train()
-    opt = torch.optim.AdamW(text.parameters(), lr=3e-3, weight_decay=0.0)
-    gen = torch.Generator().manual_seed(seed)
-    for _ in range(train_steps):
-        ids = _batch(perm, 32, 24, gen)
-        loss = text(input_ids=ids, labels=ids).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    trained = _TRAINED.get((seed, train_steps))
+    if trained is None:
+        text.train()
+        opt = torch.optim.AdamW(text.parameters(), lr=3e-3, weight_decay=0.0)
+        gen = torch.Generator().manual_seed(seed)
+        for _ in range(train_steps):
+            ids = _batch(perm, 32, 24, gen)
+            loss = text(input_ids=ids, labels=ids).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        _TRAINED[(seed, train_steps)] = ({k: v.detach().clone() for k, v in text.state_dict().items()},
+                                         torch.get_rng_state())
+    else:
+        # The same training done earlier in this process (the on- and off-grid models share it): its weights,
+        # and the random state it left, so what follows draws the same numbers and writes the same files.
+        text.load_state_dict(trained[0])
+        torch.set_rng_state(trained[1])
     text.eval()
 
     cfg = Gemma4Config(text_config=dict(TEXT_CONFIG), vision_config=VISION_CONFIG, audio_config=AUDIO_CONFIG,
