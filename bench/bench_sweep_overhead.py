@@ -14,6 +14,7 @@
 Usage (against a running server; on a CPU box start one with ./vllm-t4 start or by hand):
 
     python bench/bench_sweep_overhead.py --base-url http://127.0.0.1:8000 [--input-len 64 --output-len 32]
+        [--parts 1,3]   (the parts to run; default all three)
 
 Writes evidence/sweep-overhead-<UTC date>.json and .md and prints the markdown.
 """
@@ -68,105 +69,120 @@ def main() -> int:
     ap.add_argument("--concurrencies", default="1,2,4")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--ab-rounds", type=int, default=4, help="alternating direct/run_sweep rounds for part 2")
+    ap.add_argument("--parts", default="1,2,3", help="which parts to run, e.g. 1,3 (part 2 takes the longest)")
     ap.add_argument("--out", default=str(ROOT / "evidence"))
     args = ap.parse_args()
+    parts = {int(x) for x in args.parts.split(",")}
     info = server_info(args.base_url)
     model, tokenizer = info.model_id, info.model_root
     concs = [int(c) for c in args.concurrencies.split(",")]
 
-    with tempfile.TemporaryDirectory() as tmp:
-        tmpd = Path(tmp)
-        # Part 1: a small sweep, where its wall time goes.
-        p = SweepParams(base_url=args.base_url, input_lens=[args.input_len], output_len=args.output_len,
-                        concurrencies=concs, repeats=args.repeats, label="overhead", out=tmpd / "sweep")
-        t = time.monotonic()
-        res = run_sweep(p)
-        wall = time.monotonic() - t
-        measured = sum(r.metrics["duration"] for c in res.cells for r in c.repeats if r.status == "ok")
-        bench_calls = sum(r.measure_s or 0 for c in res.cells for r in c.repeats)
-        warm = sum(r.warmup_s or 0 for c in res.cells for r in c.repeats)
-        part1 = {"wall_s": wall, "sum_measured_duration_s": measured, "sum_bench_call_s": bench_calls,
-                 "sum_warmup_s": warm, "other_s": wall - bench_calls - warm,
-                 "cells": len(res.cells), "repeats": sum(len(c.repeats) for c in res.cells)}
-
-        # Part 2: one cell, same seed, run_sweep (no warm-up, one repeat) vs a direct vllm bench serve call.
-        c = concs[-1]
-        n = p.num_prompts(c)
-        seed = prompt_seed(p.seed, args.input_len, c, 0)
-        a_vals: list[float] = []
-        b_vals: list[float] = []
-        hits: list[float | None] = []
-        for i in range(args.ab_rounds):
-            # Alternate which side goes first: with the same seed the second side may find the first side's
-            # prompts in the prefix cache (whole blocks only), so neither side always gets that advantage.
-            for side in (("direct", "sweep") if i % 2 == 0 else ("sweep", "direct")):
-                if side == "direct":
-                    d, _ = direct_cell(args.base_url, model, tokenizer, args.input_len, args.output_len, c, n, seed,
-                                       tmpd / f"direct{i}.json")
-                    a_vals.append(d["output_throughput"])
-                else:
-                    one = run_sweep(SweepParams(base_url=args.base_url, input_lens=[args.input_len],
-                                                output_len=args.output_len, concurrencies=[c], repeats=1,
-                                                label="overhead-cell", out=tmpd / f"cell{i}", warmup=False))
-                    rep = one.cells[0].repeats[0]
-                    b_vals.append(rep.metrics["output_throughput"])
-                    hits.append(rep.prefix_cache_hits)
-
-        # Part 3: marginal cost of a cell. Distinct input lengths make distinct cells of the same size.
-        base_len = max(8, args.input_len - 6)
-        outside: dict[int, float] = {}
-        walls: dict[int, float] = {}
-        for ncells in (3, 6):
-            lens = [base_len + i for i in range(ncells)]
-            t = time.monotonic()
-            r = run_sweep(SweepParams(base_url=args.base_url, input_lens=lens, output_len=args.output_len,
-                                      concurrencies=[1], repeats=1, label=f"marginal{ncells}",
-                                      out=tmpd / f"marginal{ncells}"))
-            walls[ncells] = time.monotonic() - t
-            inside = sum((rep.metrics.get("duration") or 0) + (rep.warmup_s or 0)
-                         for c3 in r.cells for rep in c3.repeats)
-            outside[ncells] = walls[ncells] - inside
-        part3 = {"input_lens_from": base_len, "wall_s": walls, "outside_measured_and_warmup_s": outside,
-                 "marginal_outside_s_per_cell": (outside[6] - outside[3]) / 3}
+    part1: dict | None = None
+    part2: dict | None = None
+    part3: dict | None = None
+    md_parts: list[str] = []
 
     def spread(v: list[float]) -> float:
         return (max(v) - min(v)) / statistics.median(v) * 100
 
-    part2 = {"concurrency": c, "num_prompts": n, "seed": seed, "direct_out_tok_s": a_vals,
-             "run_sweep_out_tok_s": b_vals, "run_sweep_prefix_cache_hit_tokens": hits, "direct_median": statistics.median(a_vals),
-             "run_sweep_median": statistics.median(b_vals),
-             "difference_pct": (statistics.median(b_vals) / statistics.median(a_vals) - 1) * 100,
-             "direct_spread_pct": spread(a_vals), "run_sweep_spread_pct": spread(b_vals)}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmpd = Path(tmp)
+        p = SweepParams(base_url=args.base_url, input_lens=[args.input_len], output_len=args.output_len,
+                        concurrencies=concs, repeats=args.repeats, label="overhead", out=tmpd / "sweep")
+        if 1 in parts:
+            # Part 1: a small sweep, where its wall time goes.
+            t = time.monotonic()
+            res = run_sweep(p)
+            wall = time.monotonic() - t
+            measured = sum(r.metrics["duration"] for c in res.cells for r in c.repeats if r.status == "ok")
+            bench_calls = sum(r.measure_s or 0 for c in res.cells for r in c.repeats)
+            warm = sum(r.warmup_s or 0 for c in res.cells for r in c.repeats)
+            part1 = {"wall_s": wall, "sum_measured_duration_s": measured, "sum_bench_call_s": bench_calls,
+                     "sum_warmup_s": warm, "other_s": wall - bench_calls - warm,
+                     "cells": len(res.cells), "repeats": sum(len(c.repeats) for c in res.cells)}
+            md_parts += [
+                f"## A sweep's wall time ({part1['cells']} cells, {part1['repeats']} repeats, concurrency {concs})",
+                "", "| | seconds |", "|---|---|",
+                f"| sweep wall time | {wall:.1f} |",
+                f"| sum of vLLM's measured durations | {measured:.1f} |",
+                f"| sum of benchmark calls (dataset, tokenizer, requests) | {bench_calls:.1f} |",
+                f"| warm-ups | {warm:.1f} |",
+                f"| everything else (worker start, imports, files) | {part1['other_s']:.1f} |", ""]
+
+        if 2 in parts:
+            # Part 2: one cell, same seed, run_sweep (no warm-up, one repeat) vs a direct vllm bench serve call.
+            c = concs[-1]
+            n = p.num_prompts(c)
+            seed = prompt_seed(p.seed, args.input_len, c, 0)
+            a_vals: list[float] = []
+            b_vals: list[float] = []
+            hits: list[float | None] = []
+            for i in range(args.ab_rounds):
+                # Alternate which side goes first: with the same seed the second side may find the first side's
+                # prompts in the prefix cache (whole blocks only), so neither side always gets that advantage.
+                for side in (("direct", "sweep") if i % 2 == 0 else ("sweep", "direct")):
+                    if side == "direct":
+                        d, _ = direct_cell(args.base_url, model, tokenizer, args.input_len, args.output_len, c, n,
+                                           seed, tmpd / f"direct{i}.json")
+                        a_vals.append(d["output_throughput"])
+                    else:
+                        one = run_sweep(SweepParams(base_url=args.base_url, input_lens=[args.input_len],
+                                                    output_len=args.output_len, concurrencies=[c], repeats=1,
+                                                    label="overhead-cell", out=tmpd / f"cell{i}", warmup=False))
+                        rep = one.cells[0].repeats[0]
+                        b_vals.append(rep.metrics["output_throughput"])
+                        hits.append(rep.prefix_cache_hits)
+            part2 = {"concurrency": c, "num_prompts": n, "seed": seed, "direct_out_tok_s": a_vals,
+                     "run_sweep_out_tok_s": b_vals, "run_sweep_prefix_cache_hit_tokens": hits,
+                     "direct_median": statistics.median(a_vals), "run_sweep_median": statistics.median(b_vals),
+                     "difference_pct": (statistics.median(b_vals) / statistics.median(a_vals) - 1) * 100,
+                     "direct_spread_pct": spread(a_vals), "run_sweep_spread_pct": spread(b_vals)}
+            md_parts += [
+                f"## One cell, same seed: run_sweep vs direct `vllm bench serve` (c={c}, {n} prompts, "
+                f"{args.ab_rounds} rounds, order alternating)", "",
+                "| | out tok/s per round | median | spread |", "|---|---|---|---|",
+                f"| direct | {', '.join(f'{v:.1f}' for v in a_vals)} | {part2['direct_median']:.1f} "
+                f"| {part2['direct_spread_pct']:.1f}% |",
+                f"| run_sweep | {', '.join(f'{v:.1f}' for v in b_vals)} | {part2['run_sweep_median']:.1f} "
+                f"| {part2['run_sweep_spread_pct']:.1f}% |", "",
+                f"Difference of medians: {part2['difference_pct']:+.1f}%.", ""]
+
+        if 3 in parts:
+            # Part 3: marginal cost of a cell. Distinct input lengths make distinct cells of the same size.
+            base_len = max(8, args.input_len - 6)
+            outside: dict[int, float] = {}
+            walls: dict[int, float] = {}
+            for ncells in (3, 6):
+                lens = [base_len + i for i in range(ncells)]
+                t = time.monotonic()
+                r = run_sweep(SweepParams(base_url=args.base_url, input_lens=lens, output_len=args.output_len,
+                                          concurrencies=[1], repeats=1, label=f"marginal{ncells}",
+                                          out=tmpd / f"marginal{ncells}"))
+                walls[ncells] = time.monotonic() - t
+                inside = sum((rep.metrics.get("duration") or 0) + (rep.warmup_s or 0)
+                             for c3 in r.cells for rep in c3.repeats)
+                outside[ncells] = walls[ncells] - inside
+            part3 = {"input_lens_from": base_len, "wall_s": walls, "outside_measured_and_warmup_s": outside,
+                     "marginal_outside_s_per_cell": (outside[6] - outside[3]) / 3}
+            md_parts += [
+                "## The marginal cost of one more cell (concurrency 1, one repeat, warm-up on)", "",
+                "| cells | wall s | outside vLLM's measured durations and warm-ups, s |", "|---|---|---|",
+                *[f"| {k} | {walls[k]:.1f} | {outside[k]:.1f} |" for k in (3, 6)], "",
+                f"Per added cell: {part3['marginal_outside_s_per_cell']:.2f} s outside the measured work.", ""]
+
     prov = collect(args.base_url).to_dict()
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
     load = os.getloadavg()  # other work on the machine widens every spread; say how busy it was
-    record = {"date": stamp, "load_average_1_5_15": load, "input_len": args.input_len, "output_len": args.output_len, "concurrencies": concs,
-              "repeats": args.repeats, "part1_sweep_wall_time": part1, "part2_same_cell": part2,
+    record = {"date": stamp, "load_average_1_5_15": load, "input_len": args.input_len,
+              "output_len": args.output_len, "concurrencies": concs, "repeats": args.repeats,
+              "command": " ".join(["python", *sys.argv]), "part1_sweep_wall_time": part1, "part2_same_cell": part2,
               "part3_marginal_cell": part3, "provenance": prov}
     md = "\n".join([
         f"# Sweep harness overhead ({stamp})", "",
         f"Server `{model}` at {args.base_url}, {prov.get('gpu_name') or 'CPU: ' + str(prov.get('cpu_model'))}, "
         f"vLLM {prov.get('vllm_version_server')}. Input {args.input_len}, output {args.output_len} tokens. "
         f"Load average at the end: {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} on {os.cpu_count()} CPUs.", "",
-        f"## A sweep's wall time ({part1['cells']} cells, {part1['repeats']} repeats, concurrency {concs})", "",
-        "| | seconds |", "|---|---|",
-        f"| sweep wall time | {wall:.1f} |",
-        f"| sum of vLLM's measured durations | {measured:.1f} |",
-        f"| sum of benchmark calls (dataset, tokenizer, requests) | {bench_calls:.1f} |",
-        f"| warm-ups | {warm:.1f} |",
-        f"| everything else (process start, imports, files) | {part1['other_s']:.1f} |", "",
-        f"## One cell, same seed: run_sweep vs direct `vllm bench serve` (c={c}, {n} prompts, "
-        f"{args.ab_rounds} rounds, order alternating)", "",
-        "| | out tok/s per round | median | spread |", "|---|---|---|---|",
-        f"| direct | {', '.join(f'{v:.1f}' for v in a_vals)} | {part2['direct_median']:.1f} "
-        f"| {part2['direct_spread_pct']:.1f}% |",
-        f"| run_sweep | {', '.join(f'{v:.1f}' for v in b_vals)} | {part2['run_sweep_median']:.1f} "
-        f"| {part2['run_sweep_spread_pct']:.1f}% |", "",
-        f"Difference of medians: {part2['difference_pct']:+.1f}%.", "",
-        "## The marginal cost of one more cell (concurrency 1, one repeat, warm-up on)", "",
-        "| cells | wall s | outside vLLM's measured durations and warm-ups, s |", "|---|---|---|",
-        *[f"| {k} | {walls[k]:.1f} | {outside[k]:.1f} |" for k in (3, 6)], "",
-        f"Per added cell: {part3['marginal_outside_s_per_cell']:.2f} s outside the measured work.", ""])
+        f"Command: `{record['command']}`", "", *md_parts])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"sweep-overhead-{stamp}.json").write_text(json.dumps(record, indent=2) + "\n")

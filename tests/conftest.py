@@ -11,10 +11,11 @@ from fixtures import ROOT, SERVE_MAX_MODEL_LEN, free_port
 
 @pytest.fixture(scope="session")
 def tiny_qat(tmp_path_factory) -> Path:
-    """The tiny multimodal QAT-like checkpoint (sharded, towers, tied head), built once per session."""
-    from tools.demo.tiny_model import build_tiny_qat_checkpoint
+    """The tiny multimodal QAT-like checkpoint (sharded, towers, tied head), built once per session (trained once
+    per content address: tools.demo.tiny_model's cache)."""
+    from tools.demo.tiny_model import cached_tiny_qat_checkpoint
 
-    info = build_tiny_qat_checkpoint(tmp_path_factory.mktemp("tiny") / "gemma-4-tiny-qat")
+    info = cached_tiny_qat_checkpoint(tmp_path_factory.mktemp("tiny") / "gemma-4-tiny-qat")
     assert info.accuracy > 0.95, f"tiny model did not learn its pattern (accuracy {info.accuracy:.3f})"
     return info.path
 
@@ -22,9 +23,9 @@ def tiny_qat(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_base(tmp_path_factory) -> Path:
     """The same tiny model left off the grid: a stand-in for a base (non-QAT) bf16 checkpoint."""
-    from tools.demo.tiny_model import build_tiny_qat_checkpoint
+    from tools.demo.tiny_model import cached_tiny_qat_checkpoint
 
-    return build_tiny_qat_checkpoint(tmp_path_factory.mktemp("tiny-base") / "gemma-4-tiny-base", on_grid=False).path
+    return cached_tiny_qat_checkpoint(tmp_path_factory.mktemp("tiny-base") / "gemma-4-tiny-base", on_grid=False).path
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -130,10 +130,10 @@ class StandInHub:
 
 @pytest.fixture(scope="module")
 def hub_files(tmp_path_factory) -> dict[str, bytes]:
-    from tools.demo.tiny_model import build_tiny_qat_checkpoint
+    from tools.demo.tiny_model import cached_tiny_qat_checkpoint
 
     # The tiny model's files as the hub would hold them; what the weights predict does not matter here.
-    tiny = build_tiny_qat_checkpoint(tmp_path_factory.mktemp("hub") / "gemma-4-tiny-qat", train_steps=1).path
+    tiny = cached_tiny_qat_checkpoint(tmp_path_factory.mktemp("hub") / "gemma-4-tiny-qat", train_steps=1).path
     files = {p.name: p.read_bytes() for p in sorted(tiny.iterdir()) if p.is_file()}
     files["README.md"] = b"# not a build file\n"  # left on the hub: a build does not read it
     return files

@@ -19,10 +19,10 @@ def other_server(serve_config_factory, tmp_path_factory):
     """The tiny model trained on another pattern (seed 1), built text-only with bf16 embeddings like
     `bf16_text_build`, served for this module only."""
     from repack.build import BuildOptions, build_checkpoint
-    from tools.demo.tiny_model import build_tiny_qat_checkpoint
+    from tools.demo.tiny_model import cached_tiny_qat_checkpoint
     from tools.serving.vllm_server import start_server, stop_server
 
-    src = build_tiny_qat_checkpoint(tmp_path_factory.mktemp("tiny-seed1") / "gemma-4-tiny-qat-seed1", seed=1)
+    src = cached_tiny_qat_checkpoint(tmp_path_factory.mktemp("tiny-seed1") / "gemma-4-tiny-qat-seed1", seed=1)
     assert src.accuracy > 0.95
     out = tmp_path_factory.mktemp("seed1-text") / "gemma-4-tiny-seed1-text"
     build_checkpoint(src.path, out, BuildOptions(quantize_linears=True, text_only=True, embed_int4=False,

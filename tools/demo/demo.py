@@ -231,10 +231,11 @@ def run_demo(opts: DemoOptions | None = None, *, log: Log = _stderr) -> DemoRepo
 
     # 0. The source: the tiny QAT-like model is built here; the real one must exist.
     if not plan.gpu and not (plan.source / "config.json").is_file():
-        from tools.demo.tiny_model import build_tiny_qat_checkpoint
+        from tools.demo.tiny_model import cached_tiny_qat_checkpoint, default_cache_dir
 
-        log(f"[1/6] building the tiny QAT-like model in {plan.source} (trains ~15 s)")
-        info = build_tiny_qat_checkpoint(plan.source)
+        log(f"[1/6] building the tiny QAT-like model in {plan.source} (trained once, then copied from the "
+            f"cache in {default_cache_dir() or 'nowhere: $GEMMA4_T4_CACHE is empty'})")
+        info = cached_tiny_qat_checkpoint(plan.source)
         log(f"    next-token accuracy {info.accuracy:.3f} on its pattern")
     else:
         log(f"[1/6] source checkpoint {plan.source}")

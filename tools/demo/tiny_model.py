@@ -22,9 +22,11 @@ torch and transformers are imported lazily: they come with vLLM, not with the re
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +68,11 @@ AUDIO_CONFIG: dict[str, Any] = dict(hidden_size=64, num_hidden_layers=2, num_att
                                     subsampling_conv_channels=[32, 32], output_proj_dims=128)
 MM_TOKEN_IDS = dict(boi_token_id=7, eoi_token_id=8, image_token_id=9, video_token_id=10,
                     boa_token_id=11, eoa_token_index=12, audio_token_id=13)
+
+
+# Trained text-model weights by (seed, train_steps), kept for the process: a second build from the same training
+# (the base-model stand-in after the QAT one) skips the seconds of torch training.
+_TRAINED: dict[tuple[int, int], tuple[dict[str, Any], Any]] = {}
 
 
 @dataclass(frozen=True)
@@ -174,6 +181,20 @@ def build_tiny_qat_checkpoint(out_dir: str | Path, *, seed: int = 0, train_steps
     on_grid=False leaves the trained bf16 weights as they are: a stand-in for a base (non-QAT) model.
     """
     import torch
+
+    # One thread: the model is too small to gain from more, and on a shared machine several threads of several
+    # processes wait on each other at every op (10 training steps took 14 s on one thread, 308 s on two, at a
+    # load average of 15 on 2 cores). It also makes the trained weights independent of the machine's core count.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _build(out_dir, seed=seed, train_steps=train_steps, on_grid=on_grid, max_shard_size=max_shard_size)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _build(out_dir: str | Path, *, seed: int, train_steps: int, on_grid: bool, max_shard_size: str) -> TinyModelInfo:
+    import torch
     from transformers import Gemma4Config, Gemma4ForCausalLM, Gemma4ForConditionalGeneration, Gemma4TextConfig
 
     out = Path(out_dir)
@@ -184,15 +205,24 @@ def build_tiny_qat_checkpoint(out_dir: str | Path, *, seed: int = 0, train_steps
     perm = pattern_permutation(seed)
 
     text = Gemma4ForCausalLM(Gemma4TextConfig(**TEXT_CONFIG))
-    text.train()
-    opt = torch.optim.AdamW(text.parameters(), lr=3e-3, weight_decay=0.0)
-    gen = torch.Generator().manual_seed(seed)
-    for _ in range(train_steps):
-        ids = _batch(perm, 32, 24, gen)
-        loss = text(input_ids=ids, labels=ids).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    trained = _TRAINED.get((seed, train_steps))
+    if trained is None:
+        text.train()
+        opt = torch.optim.AdamW(text.parameters(), lr=3e-3, weight_decay=0.0)
+        gen = torch.Generator().manual_seed(seed)
+        for _ in range(train_steps):
+            ids = _batch(perm, 32, 24, gen)
+            loss = text(input_ids=ids, labels=ids).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        _TRAINED[(seed, train_steps)] = ({k: v.detach().clone() for k, v in text.state_dict().items()},
+                                         torch.get_rng_state())
+    else:
+        # The same training done earlier in this process (the on- and off-grid models share it): its weights,
+        # and the random state it left, so what follows draws the same numbers and writes the same files.
+        text.load_state_dict(trained[0])
+        torch.set_rng_state(trained[1])
     text.eval()
 
     cfg = Gemma4Config(text_config=dict(TEXT_CONFIG), vision_config=VISION_CONFIG, audio_config=AUDIO_CONFIG,
@@ -258,6 +288,17 @@ def build_tiny_drafter(out_dir: str | Path, target_dir: str | Path, *, seed: int
     pattern.
     """
     import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as for the target: small model, shared cores
+    try:
+        return _build_drafter(out_dir, target_dir, seed=seed, train_steps=train_steps)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _build_drafter(out_dir: str | Path, target_dir: str | Path, *, seed: int, train_steps: int) -> TinyDrafterInfo:
+    import torch
     from safetensors import safe_open
     from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM
 
@@ -315,6 +356,71 @@ def build_tiny_drafter(out_dir: str | Path, target_dir: str | Path, *, seed: int
     return TinyDrafterInfo(path=out, accuracy=accuracy)
 
 
+CACHE_ENV = "GEMMA4_T4_CACHE"
+
+
+def default_cache_dir() -> Path | None:
+    """Where trained tiny models are kept between runs: $GEMMA4_T4_CACHE (empty: no cache), else
+    $XDG_CACHE_HOME/gemma4-t4 (~/.cache/gemma4-t4)."""
+    raw = os.environ.get(CACHE_ENV)
+    if raw is not None:
+        return Path(raw).expanduser() if raw.strip() else None
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "gemma4-t4"
+
+
+def cache_key(**build_args: Any) -> str:
+    """The content address of a tiny model: this module's source, the build arguments and the versions of the
+    libraries that train and write it. Any change to one of them trains a new model."""
+    import inspect
+    from importlib.metadata import version
+
+    # Defaults filled in, so that naming a default argument or not gives the same address.
+    bound = inspect.signature(build_tiny_qat_checkpoint).bind("", **build_args)
+    bound.apply_defaults()
+    args = {k: v for k, v in bound.arguments.items() if k != "out_dir"}
+    h = hashlib.sha256(Path(__file__).read_bytes())
+    h.update(json.dumps(args, sort_keys=True).encode())
+    for dist in ("torch", "transformers", "safetensors", "tokenizers"):
+        h.update(f"{dist}=={version(dist)}".encode())
+    return h.hexdigest()[:24]
+
+
+def cached_tiny_qat_checkpoint(out_dir: str | Path, *, cache_dir: str | Path | None | bool = True,
+                               **build_args: Any) -> TinyModelInfo:
+    """build_tiny_qat_checkpoint, trained once per content address and copied from the cache after that.
+
+    cache_dir True: default_cache_dir(); None or False: no cache (always trains). An entry is written to a
+    temporary folder and renamed into place whole, so concurrent runs and kills never leave a partial one.
+    """
+    root = default_cache_dir() if cache_dir is True else (Path(cache_dir) if cache_dir else None)
+    if root is None:
+        return build_tiny_qat_checkpoint(out_dir, **build_args)
+    entry = root / "tiny-model" / cache_key(**build_args)
+    if not (entry / "info.json").is_file():
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        tmp = entry.parent / f".{entry.name}.{os.getpid()}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            info = build_tiny_qat_checkpoint(tmp / "model", **build_args)
+            (tmp / "info.json").write_text(json.dumps(dict(asdict(info), path=None), indent=1))
+            try:
+                os.rename(tmp, entry)
+            except OSError:
+                if not (entry / "info.json").is_file():  # not another run's finished entry: a real failure
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    out = Path(out_dir)
+    if out.exists():
+        shutil.rmtree(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(entry / "model", out)
+    meta = json.loads((entry / "info.json").read_text())
+    return TinyModelInfo(path=out, accuracy=meta["accuracy"], grid_tensors=meta["grid_tensors"],
+                         permutation_seed=meta["permutation_seed"])
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -326,13 +432,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--off-grid", action="store_true", help="skip the 4-bit projection (a base-model stand-in)")
     ap.add_argument("--drafter-of", metavar="TARGET", default=None,
                     help="write instead the tiny gemma4_assistant drafter for the tiny target in TARGET")
+    ap.add_argument("--no-cache", action="store_true",
+                    help=f"train even if the same model is cached (cache: ${CACHE_ENV}, default ~/.cache/gemma4-t4)")
     args = ap.parse_args(argv)
     if args.drafter_of:
         d = build_tiny_drafter(args.out, args.drafter_of, seed=args.seed)
         print(f"{d.path}: drafter for {args.drafter_of}, first-draft accuracy on the pattern {d.accuracy:.3f}")
         return 0
-    info = build_tiny_qat_checkpoint(args.out, seed=args.seed, train_steps=args.train_steps,
-                                     on_grid=not args.off_grid)
+    info = cached_tiny_qat_checkpoint(args.out, cache_dir=not args.no_cache, seed=args.seed,
+                                      train_steps=args.train_steps, on_grid=not args.off_grid)
     print(f"{info.path}: {len(info.grid_tensors)} tensors on the 4-bit grid, pattern accuracy {info.accuracy:.3f}")
     return 0
 
