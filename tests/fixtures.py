@@ -6,7 +6,7 @@ import socket
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SERVE_MAX_MODEL_LEN = 512  # the tiny model has max_position_embeddings 1024
+SERVE_MAX_MODEL_LEN = 512  # short contexts keep the CPU KV cache small; tests that need more ask for it
 
 
 def free_port() -> int:
@@ -35,3 +35,27 @@ def fake_t4_hardware():
             return self.ram, self.swap
 
     return FakeT4
+
+
+def fake_eval_run(folder: Path, label: str, per_doc: dict[int, float], *, hashes: dict[int, str] | None = None) -> Path:
+    """A run folder as run_eval writes it, with one task and per-document acc values."""
+    import json
+    import math
+
+    from tools.measure import evals
+
+    lm = folder / "lm_eval" / "m"
+    lm.mkdir(parents=True)
+    samples = lm / "samples_t_2026-01-01T00-00-00.jsonl"
+    samples.write_text("".join(json.dumps({"doc_id": d, "filter": "none", "acc": v,
+                                           "doc_hash": (hashes or {}).get(d, f"h{d}")}) + "\n"
+                               for d, v in per_doc.items()))
+    vals = list(per_doc.values())
+    mean = sum(vals) / len(vals)
+    se = math.sqrt(sum((v - mean) ** 2 for v in vals) / (len(vals) - 1) / len(vals))
+    res = evals.EvalResult(run_id=folder.name, run_dir=str(folder), label=label, model="m", base_url="u",
+                           tasks=["t"], started="s",
+                           scores=[evals.TaskScore(task="t", metric="acc", value=mean, stderr=se, n=len(vals))],
+                           files={"samples:t": str(samples)})
+    (folder / "summary.json").write_text(json.dumps(res.to_dict()))
+    return folder

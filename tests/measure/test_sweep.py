@@ -14,7 +14,7 @@ from tools.measure.compare_tokens import CompareParams, check_against, compare_l
 from tools.measure.sweep import SweepParams, raw_name, run_sweep
 
 pytestmark = pytest.mark.vllm
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 INPUT_LEN, OUTPUT_LEN = 48, 16
 
 

@@ -19,7 +19,7 @@ from fastmcp.client.transports import StdioTransport
 from fixtures import free_port
 from tools.mcp.resources import PROMPTS, SCHEME, Ref
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # What the tiny CPU run changes in the documented calls: a short sweep grid and short token records (the check
 # reads its prompts from the record).

@@ -20,7 +20,7 @@ from tools.serving.params_cli import BadInput
 from tools.serving.preflight import PreflightParams, checks_for, ensure, run_preflight
 from fixtures import fake_t4_hardware
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MIB = 1 << 20
 
 

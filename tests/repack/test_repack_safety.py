@@ -22,7 +22,7 @@ from repack.checkpoint import open_checkpoint
 from repack.errors import RepackError
 from repack.synthetic import write_small_checkpoint
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FULL = ["--text-only", "--embed-int4", "--embed-tokens"]
 
 

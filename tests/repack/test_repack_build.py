@@ -17,7 +17,7 @@ from repack import grid
 from repack.build import BuildOptions, build_checkpoint
 from repack.checkpoint import open_checkpoint
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TOWERS = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
 
 

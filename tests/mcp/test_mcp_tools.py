@@ -15,7 +15,7 @@ from fastmcp.exceptions import ToolError
 from tools.mcp.app import Settings, create_server
 from tools.mcp.paths import Roots
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 EXPECTED_TOOLS = {
     # name: (readOnly, destructive, idempotent, openWorld)
@@ -518,7 +518,7 @@ def test_compare_logprobs_confines_its_paths_and_refuses_an_existing_record(mcp,
 
 
 def test_run_eval_confines_its_paths_and_refuses_without_a_server(mcp, roots, tmp_path):
-    from conftest import free_port
+    from fixtures import free_port
 
     url = f"http://127.0.0.1:{free_port()}"
     (tmp_path / "tasks").mkdir()
@@ -536,12 +536,12 @@ def test_run_eval_confines_its_paths_and_refuses_without_a_server(mcp, roots, tm
 
 
 def test_compare_evals_reads_runs_under_the_evidence_roots_only(mcp, roots, tmp_path):
-    from test_evals import _fake_run
+    from fixtures import fake_eval_run
 
     ev = roots.evidence[0]
-    a = _fake_run(ev / "a", "ref", {i: float(i % 2) for i in range(20)})
-    b = _fake_run(ev / "b", "cand", {i: 1.0 for i in range(20)})
-    outside = _fake_run(tmp_path / "outside", "x", {i: 1.0 for i in range(20)})
+    a = fake_eval_run(ev / "a", "ref", {i: float(i % 2) for i in range(20)})
+    b = fake_eval_run(ev / "b", "cand", {i: 1.0 for i in range(20)})
+    outside = fake_eval_run(tmp_path / "outside", "x", {i: 1.0 for i in range(20)})
 
     async def go():
         async with Client(mcp) as c:
@@ -577,7 +577,7 @@ def test_preflight_on_this_machine_is_a_result(mcp, tmp_path):
 
 
 def test_fetch_checkpoint_publishes_under_the_models_root(mcp, roots, tmp_path, monkeypatch):
-    from test_fetch import COMMIT, REPO, StandInHub
+    from stand_in_hub import COMMIT, REPO, StandInHub
 
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))

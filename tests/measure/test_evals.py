@@ -13,6 +13,8 @@ from tools.errors import ToolFailure
 from tools.measure import evals
 from tools.measure.evals import CompareParams, EvalParams
 
+from fixtures import fake_eval_run
+
 TASKS = ["tiny_pattern_mc", "tiny_pattern_gen"]
 
 
@@ -90,7 +92,7 @@ def test_eval_refuses_a_missing_include_path(tmp_path, capsys):
 
 
 def test_eval_refuses_when_no_server_answers(tmp_path, capsys):
-    from conftest import free_port
+    from fixtures import free_port
 
     url = f"http://127.0.0.1:{free_port()}"
     rc = _cli(["eval", "--tasks", "tiny_pattern_mc", "--base-url", url, "--out", str(tmp_path / "ev"), "--json"])
@@ -100,29 +102,10 @@ def test_eval_refuses_when_no_server_answers(tmp_path, capsys):
     _no_run_folder(tmp_path / "ev")
 
 
-def _fake_run(folder: Path, label: str, per_doc: dict[int, float], *, hashes: dict[int, str] | None = None) -> Path:
-    """A run folder as run_eval writes it, with one task and per-document acc values."""
-    lm = folder / "lm_eval" / "m"
-    lm.mkdir(parents=True)
-    samples = lm / "samples_t_2026-01-01T00-00-00.jsonl"
-    samples.write_text("".join(json.dumps({"doc_id": d, "filter": "none", "acc": v,
-                                           "doc_hash": (hashes or {}).get(d, f"h{d}")}) + "\n"
-                               for d, v in per_doc.items()))
-    vals = list(per_doc.values())
-    mean = sum(vals) / len(vals)
-    se = math.sqrt(sum((v - mean) ** 2 for v in vals) / (len(vals) - 1) / len(vals))
-    res = evals.EvalResult(run_id=folder.name, run_dir=str(folder), label=label, model="m", base_url="u",
-                           tasks=["t"], started="s",
-                           scores=[evals.TaskScore(task="t", metric="acc", value=mean, stderr=se, n=len(vals))],
-                           files={"samples:t": str(samples)})
-    (folder / "summary.json").write_text(json.dumps(res.to_dict()))
-    return folder
-
-
 def test_paired_difference_matches_the_hand_computation(tmp_path):
     a = {i: float(i % 2) for i in range(40)}                 # 0,1,0,1,...  acc 0.5
     b = {i: 1.0 if i % 4 != 0 else 0.0 for i in range(40)}  # acc 0.75
-    ra, rb = _fake_run(tmp_path / "a", "ref", a), _fake_run(tmp_path / "b", "cand", b)
+    ra, rb = fake_eval_run(tmp_path / "a", "ref", a), fake_eval_run(tmp_path / "b", "cand", b)
     cmp = evals.compare_evals(CompareParams(runs=[str(ra), str(rb)]))
     (row,) = cmp.rows
     d = [b[i] - a[i] for i in range(40)]
@@ -134,12 +117,12 @@ def test_paired_difference_matches_the_hand_computation(tmp_path):
     assert row.values == [0.5, 0.75] and "| t | acc |" in cmp.markdown
 
     # The same documents scored the same way: within noise with a zero stderr.
-    rc = _fake_run(tmp_path / "c", "same", a)
+    rc = fake_eval_run(tmp_path / "c", "same", a)
     (row,) = evals.compare_evals(CompareParams(runs=[str(ra), str(rc)])).rows
     assert row.diff == 0 and row.diff_stderr == 0 and row.within_noise is True
 
     # Documents whose content differs (doc_hash) are not paired.
-    rd = _fake_run(tmp_path / "d", "other", a, hashes={0: "x", 1: "y"})
+    rd = fake_eval_run(tmp_path / "d", "other", a, hashes={0: "x", 1: "y"})
     (row,) = evals.compare_evals(CompareParams(runs=[str(ra), str(rd)])).rows
     assert row.n_paired == 38 and "doc_hash" in row.note
 

@@ -18,7 +18,7 @@ from tools.measure.decode import (DecodeResult, DecodeSweepParams, PromptRecord,
                                   spec_delta, speculative_json, summarize, validate_speculative_config)
 from tools.serving.params_cli import BadInput
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ARTICLE = ROOT / "evidence" / "article-t4" / "decode"
 
 METRICS_BEFORE = """\

@@ -16,7 +16,7 @@ from tools.mcp.app import Settings, create_server
 from tools.mcp.paths import Roots
 from tools.mcp.resources import CONDITIONS, PROMPTS, RESOURCES, SCHEME, Ref, walkthrough
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run(coro):

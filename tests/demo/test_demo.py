@@ -12,7 +12,7 @@ import pytest
 
 from tools.demo import demo
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.vllm

@@ -25,7 +25,7 @@ from tools.errors import ToolFailure
 from fixtures import fake_t4_hardware
 from tools.serving.vllm_server import server_status, start_server, stop_server
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ["abcdef", "The quick brown fox", "0123456789", "Gemma on a T4", "zyxw vut"]
 
 

@@ -18,7 +18,7 @@ from repack import cli, grid, safetensors_io
 from repack.build import BuildOptions, build_checkpoint
 from repack.synthetic import grid_words, write_small_checkpoint
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FULL = ["--text-only", "--embed-int4", "--embed-tokens"]
 UP0 = "model.language_model.layers.0.mlp.up_proj.weight"
 

@@ -20,7 +20,7 @@ from tools.mcp.paths import PathNotAllowed, Roots
 
 from fixtures import free_port
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _initialize_body() -> dict:

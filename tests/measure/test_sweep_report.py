@@ -13,7 +13,7 @@ from tools.errors import ToolFailure
 from tools.measure.sweep import RepeatResult, SweepParams, _run_dir, aggregate, prompt_seed
 from tools.measure.sweep_report import compare_runs, cost_per_million, load_run, markdown_run
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ARTICLE = ROOT / "evidence" / "article-t4"
 RUNS = [ARTICLE / "bf16", ARTICLE / "qat-w4a16", ARTICLE / "emb4"]
 

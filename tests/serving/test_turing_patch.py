@@ -14,7 +14,7 @@ import pytest
 from tools.serving import turing_patch
 from tools.errors import ToolFailure
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture()

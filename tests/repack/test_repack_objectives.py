@@ -17,7 +17,7 @@ from repack.checkpoint import open_checkpoint
 from repack.errors import OffGridError, RepackError
 from repack.synthetic import grid_words, write_small_checkpoint
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 IMPLS = {"numpy": grid.quantize_numpy, "fast": grid.quantize}
 
 
@@ -296,7 +296,7 @@ def test_the_objective_changes_the_stored_scales(tmp_path):
 def test_default_objective_is_the_one_the_fidelity_measurement_chose():
     """The rule: the objective with the lower mean KLD against the unpacked source sets the default; runtime-exact
     (the article's criterion) when the two are within run-to-run noise (the recorded runs are deterministic)."""
-    evidence = Path(__file__).resolve().parents[1] / "evidence"
+    evidence = ROOT / "evidence"
     kld = {}
     for obj in grid.OBJECTIVES:
         run = json.loads((evidence / f"fidelity-objective-{obj}.json").read_text())
