@@ -22,6 +22,8 @@ torch and transformers are imported lazily: they come with vLLM, not with the re
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import hashlib
 import json
 import os
@@ -180,15 +182,21 @@ def build_tiny_qat_checkpoint(out_dir: str | Path, *, seed: int = 0, train_steps
 
     on_grid=False leaves the trained bf16 weights as they are: a stand-in for a base (non-QAT) model.
     """
+    with _one_thread():
+        return _build(out_dir, seed=seed, train_steps=train_steps, on_grid=on_grid, max_shard_size=max_shard_size)
+
+
+@contextmanager
+def _one_thread():
+    """Train on one thread: the models are too small to gain from more, and on a shared machine several threads
+    of several processes wait on each other at every op (10 training steps took 14 s on one thread, 308 s on
+    two, at a load average of 15 on 2 cores). It also makes the trained weights independent of the core count."""
     import torch
 
-    # One thread: the model is too small to gain from more, and on a shared machine several threads of several
-    # processes wait on each other at every op (10 training steps took 14 s on one thread, 308 s on two, at a
-    # load average of 15 on 2 cores). It also makes the trained weights independent of the machine's core count.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _build(out_dir, seed=seed, train_steps=train_steps, on_grid=on_grid, max_shard_size=max_shard_size)
+        yield
     finally:
         torch.set_num_threads(threads)
 
@@ -287,14 +295,8 @@ def build_tiny_drafter(out_dir: str | Path, target_dir: str | Path, *, seed: int
     zero, so its drafts do not depend on the target's internals and are accepted whenever the target follows the
     pattern.
     """
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as for the target: small model, shared cores
-    try:
+    with _one_thread():
         return _build_drafter(out_dir, target_dir, seed=seed, train_steps=train_steps)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _build_drafter(out_dir: str | Path, target_dir: str | Path, *, seed: int, train_steps: int) -> TinyDrafterInfo:

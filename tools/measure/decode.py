@@ -43,26 +43,31 @@ Progress = Callable[[int, int, str], None]
 # Parameters and results
 
 
-class DecodeParams(EndpointParams):
+class _DecodeRequests(OpParams):
+    """What every decode run sends: the shipped prompts, the output length, the seeds."""
+
+    prompts: int = Field(20, ge=1, le=20, description="How many of the twenty shipped prompts to send")
+    max_tokens: int = Field(256, ge=2, description="Output tokens per request at most")
+    seed: int = Field(0, description="Sampling seed of prompt i is seed + i (checkpoint sampling)")
+    request_timeout_s: float = Field(600.0, description="Seconds per request before the run fails")
+
+
+class DecodeParams(_DecodeRequests, EndpointParams):
     """Options of one decode benchmark: `./vllm-t4 decode` flags and the run_decode_bench MCP arguments."""
 
     CLI_BAD_INPUT: ClassVar[type[Exception] | None] = BadInput
     MCP_EXCLUDE: ClassVar[frozenset[str]] = frozenset({"model", "request_timeout_s", "generation_config"})
     MCP_DEFAULTS: ClassVar[dict[str, Any]] = {"out": "."}
 
-    prompts: int = Field(20, ge=1, le=20, description="How many of the twenty shipped prompts to send")
-    max_tokens: int = Field(256, ge=2, description="Output tokens per request at most")
     sampling: Literal["greedy", "checkpoint"] = Field(
         "greedy", description="greedy (temperature 0) or the checkpoint's generation_config.json (temperature, "
                               "top_k, top_p)")
     label: str = Field("decode", description="Name of this setting for tables and the run id (no spaces)")
     out: Path = Field(DEFAULT_OUT, description="Folder that receives the run folder (through MCP: under an "
                                                "evidence root, default the first)")
-    seed: int = Field(0, description="Sampling seed of prompt i is seed + i (checkpoint sampling)")
     generation_config: str | None = Field(None, description="generation_config.json to read for --sampling "
                                                             "checkpoint (default: the served model folder's)")
     model: str | None = Field(None, description="Served model name; default: the first of /v1/models")
-    request_timeout_s: float = Field(600.0, description="Seconds per request before the run fails")
 
 
 class PromptRecord(BaseModel):
@@ -409,7 +414,7 @@ def _pct(v: float | None) -> str:
 # Settings side by side: decode-sweep and decode-compare
 
 
-class DecodeSweepParams(OpParams):
+class DecodeSweepParams(_DecodeRequests):
     """Options of `./vllm-t4 decode-sweep`: one server start per drafter setting, the decode benchmark per
     sampling, the article's table."""
 
@@ -424,13 +429,9 @@ class DecodeSweepParams(OpParams):
     drafter: str | None = Field(None, description="Drafter folder or hub id (default: the model of tpu.env's "
                                                   "SPECULATIVE_CONFIG)")
     method: str | None = Field(None, description="Speculative method instead of a drafter model, e.g. ngram")
-    prompts: int = Field(20, ge=1, le=20, description="How many of the twenty shipped prompts to send")
-    max_tokens: int = Field(256, ge=2, description="Output tokens per request at most")
     label: str = Field("decode-sweep", description="Name of the sweep folder (no spaces)")
     out: Path = Field(DEFAULT_OUT, description="Folder that receives the sweep folder")
-    seed: int = Field(0, description="Base sampling seed")
     env_file: str | None = Field(None, description="Configuration file (default: the project's tpu.env)")
-    request_timeout_s: float = Field(600.0, description="Seconds per request before the run fails")
 
 
 class GreedyDiff(BaseModel):
