@@ -36,10 +36,32 @@ def _snapshot(d: Path) -> dict[str, bytes]:
             and p.name != ".instances.lock"} if d.exists() else {}
 
 
+def _vllm_children() -> set[int]:
+    out = set()
+    for c in psutil.Process().children(recursive=True):
+        try:
+            cmd = " ".join(c.cmdline())
+        except psutil.Error:
+            continue
+        if "api_server" in cmd or "vllm-router" in cmd:
+            out.add(c.pid)
+    return out
+
+
+_BEFORE: set[int] = set()
+
+
+@pytest.fixture(autouse=True)
+def _vllm_children_before():
+    """The servers already running when a test starts (the session's shared ones, in a whole-suite run)."""
+    _BEFORE.clear()
+    _BEFORE.update(_vllm_children())
+    yield
+
+
 def _no_vllm_child() -> bool:
-    me = psutil.Process()
-    return not any("api_server" in " ".join(c.cmdline()) or "vllm-router" in " ".join(c.cmdline())
-                   for c in me.children(recursive=True))
+    """This test started no vLLM server and no router."""
+    return not (_vllm_children() - _BEFORE)
 
 
 # A stand-in for a vLLM server, for the router's process handling: /health, /v1/models, /v1/completions and the
@@ -308,7 +330,7 @@ def test_mcp_tools_take_an_instance(tmp_path, fleet):
 
 
 def test_vram_marks_each_instances_processes(tmp_path, fleet):
-    from tests.test_vram import T4_TOTAL, FakeNvml
+    from tests.gpu.test_vram import T4_TOTAL, FakeNvml
     from tools.gpu.vram import MIB, vram_status
     from tools.serving.instances import process_owners
 
