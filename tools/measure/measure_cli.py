@@ -142,13 +142,11 @@ def cmd_decode_compare(args: argparse.Namespace) -> int:
 
 def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     from tools.measure.results import DEFAULT_PRICE_PER_HOUR, SweepParams
+    from tools.serving.endpoint import EndpointParams
 
     def common(p: argparse.ArgumentParser, *, url: bool = True) -> None:
-        if url:
-            p.add_argument("--base-url", default=None,
-                           help="OpenAI-compatible vLLM server (default: the one tpu.env configures)")
-            p.add_argument("--instance", default=None, help="a named instance this project started")
-            p.add_argument("--router", action="store_true", help="through the router (./vllm-t4 router)")
+        if url:  # --base-url | --instance | --router, from the one endpoint model
+            EndpointParams.add_cli_args(p)
         p.add_argument("--env-file", default=None, help="configuration file (default: the project's tpu.env)")
         p.add_argument("--json", action="store_true", help="print the result as one JSON object")
 
@@ -156,8 +154,8 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
                        description="Random prompts x concurrency x repeats against a live server, greedy, "
                                    "--ignore-eos; writes evidence/<run-id>/ (raw, summary.json/.csv/.md, plot.png, "
                                    "provenance.json).")
-    common(p)
-    SweepParams.add_cli_args(p, exclude={"base_url", "instance", "router"})  # the endpoint comes with common()
+    common(p, url=False)
+    SweepParams.add_cli_args(p)
     p.set_defaults(func=_guard("sweep", cmd_sweep, status=_bad_input_2))
 
     p = sub.add_parser("sweep-compare", help="compare sweep runs in the article's form (last run vs each other)",
@@ -203,8 +201,8 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
                        description="Twenty shipped chat prompts, one at a time, streamed; per prompt TTFT, TPOT, "
                                    "tokens and e2e time, and the speculative-decoding acceptance from /metrics "
                                    "deltas; writes an evidence folder (raw/, summary.json/md, provenance.json).")
-    common(p)
-    DecodeParams.add_cli_args(p, exclude={"base_url", "instance", "router"})  # the endpoint comes with common()
+    common(p, url=False)
+    DecodeParams.add_cli_args(p)
     p.set_defaults(func=_guard("decode", cmd_decode, status=_bad_input_2))
 
     p = sub.add_parser("decode-sweep", help="the drafter table: restart the server per draft-token setting",
