@@ -86,6 +86,11 @@ class OpParams(BaseModel):
             elif name in cls.CLI_COMMA and name not in cls.CLI_POSITIONAL:
                 kwargs["type"] = _str_list
                 kwargs["action"] = "extend"
+                if default:  # argparse would extend the default list: leave it to the model (from_cli_args)
+                    kwargs["default"] = None
+                    help_ = f"{help_}, comma separated"
+                    kwargs["help"] = f"{help_} (default {','.join(map(str, default))})"
+                    default = None
             elif get_origin(tp) is list:
                 kwargs["nargs"] = "+"
             elif tp in (int, float):
@@ -98,7 +103,8 @@ class OpParams(BaseModel):
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace, **fixed: Any) -> "OpParams":
         values = {name: getattr(args, name) for name in cls.model_fields
-                  if name not in cls.CLI_EXCLUDE and hasattr(args, name)}
+                  if name not in cls.CLI_EXCLUDE and hasattr(args, name)
+                  and not (name in cls.CLI_COMMA and getattr(args, name) is None)}  # not given: the default
         try:
             return cls(**{**values, **fixed})
         except ValidationError as exc:  # a value argparse let through but the model refuses: a usage error

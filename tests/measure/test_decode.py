@@ -338,3 +338,52 @@ def test_checkpoint_sampling_reads_generation_config(tmp_path):
     assert checkpoint_sampling(f) == {"temperature": 1.0, "top_k": 64, "top_p": 0.95}
     with pytest.raises(BadInput, match="no generation_config.json"):
         checkpoint_sampling(tmp_path / "missing.json")
+
+
+def _sweep_args(*argv: str) -> DecodeSweepParams:
+    import argparse
+
+    p = argparse.ArgumentParser()
+    DecodeSweepParams.add_cli_args(p)
+    return DecodeSweepParams.from_cli_args(p.parse_args(list(argv)))
+
+
+def test_decode_sweep_sampling_flag_replaces_the_default_and_is_checked():
+    assert _sweep_args().sampling == ["greedy"]
+    assert _sweep_args("--sampling", "checkpoint").sampling == ["checkpoint"]  # not added to the default
+    assert _sweep_args("--sampling", "greedy,checkpoint").sampling == ["greedy", "checkpoint"]
+    assert _sweep_args("--sampling", "greedy", "--sampling", "checkpoint").sampling == ["greedy", "checkpoint"]
+    for bad in ("bogus", ","):
+        with pytest.raises(BadInput, match="--sampling") as e:
+            _sweep_args("--sampling", bad)
+        assert e.value.detail["field"] == "sampling"
+
+
+def test_decode_sweep_runs_record_the_paths_they_have_once_finished(models, tmp_path, monkeypatch):
+    """Each setting's summary.json names its folder inside the finished sweep folder, not the .partial one."""
+    import types
+
+    from tools.measure import decode as decode_mod
+    from tools.serving import vllm_server
+
+    root, target, _ = models
+    monkeypatch.setenv("GEMMA4_T4_MODELS_ROOTS", str(root))
+    monkeypatch.setattr(vllm_server, "start_server",
+                        lambda cfg: types.SimpleNamespace(startup_s=1.0, base_url="http://127.0.0.1:9", argv=["x"]))
+    monkeypatch.setattr(vllm_server, "stop_server", lambda cfg: None)
+
+    def fake_run_decode(params, **kw):  # what run_decode writes: a finished run folder under params.out
+        run = evidence.EvidenceRun.create(params.out, params.label)
+        res = DecodeResult(run_id=run.name, run_dir=str(run.path), label=params.label, sampling=params.sampling,
+                           sampling_params={}, max_tokens=params.max_tokens, prompts=[])
+        res.files = run.write_summary(res, "# r\n")
+        run.finish()
+        return res
+
+    monkeypatch.setattr(decode_mod, "run_decode", fake_run_decode)
+    res = run_decode_sweep(DecodeSweepParams(draft_tokens=[0], method="ngram", out=tmp_path / "ev"),
+                           model=str(target), state_dir=str(tmp_path / "state"))
+    [one] = res.runs
+    data = json.loads((Path(one) / "summary.json").read_text())
+    assert data["run_dir"] == one and Path(one).is_dir() and ".partial" not in one
+    assert all(Path(v).is_file() for v in data["files"].values())

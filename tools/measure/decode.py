@@ -419,13 +419,14 @@ class DecodeSweepParams(_DecodeRequests):
     sampling, the article's table."""
 
     CLI_BAD_INPUT: ClassVar[type[Exception] | None] = BadInput
-    CLI_EXCLUDE: ClassVar[frozenset[str]] = frozenset({"sampling"})  # the command adds --sampling a,b itself
+    CLI_COMMA: ClassVar[frozenset[str]] = frozenset({"sampling"})
     MCP_EXCLUDE: ClassVar[frozenset[str]] = frozenset({"env_file", "request_timeout_s"})
 
     draft_tokens: list[int] = Field(default_factory=lambda: [0, 2, 3, 4, 6],
                                     description="num_speculative_tokens per setting; 0 = no drafter")
-    sampling: list[Literal["greedy", "checkpoint"]] = Field(default_factory=lambda: ["greedy"],
-                                                            description="Samplings to run at each setting")
+    sampling: list[Literal["greedy", "checkpoint"]] = Field(default_factory=lambda: ["greedy"], min_length=1,
+                                                            description="Samplings to run at each setting: "
+                                                                        "greedy, checkpoint")
     drafter: str | None = Field(None, description="Drafter folder or hub id (default: the model of tpu.env's "
                                                   "SPECULATIVE_CONFIG)")
     method: str | None = Field(None, description="Speculative method instead of a drafter model, e.g. ngram")
@@ -649,8 +650,12 @@ def run_decode_sweep(params: DecodeSweepParams, *, progress: Progress | None = N
                 results.append(res)
         finally:
             stop_server(cfg)
-    for r in results:  # the paths the runs will have once the sweep folder is in place
-        r.run_dir = str(run.path / "runs" / r.run_id)
+    final_runs = run.path / "runs"
+    for r in results:  # each run's summary names the paths it will have once the sweep folder is in place
+        r.run_dir = str(final_runs / r.run_id)
+        r.files = {k: str(final_runs / Path(v).relative_to(runs_out)) if Path(v).is_relative_to(runs_out) else v
+                   for k, v in r.files.items()}
+        evidence.write_json(runs_out / r.run_id / "summary.json", r)
     cmp = compare_decode_runs(results)
     md = (f"# Decode sweep {run.name}\n\n{len(params.draft_tokens)} settings x {len(params.sampling)} "
           f"samplings, {params.prompts} prompts, max {params.max_tokens} tokens, one request at a time.\n\n"

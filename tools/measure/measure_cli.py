@@ -119,17 +119,9 @@ def cmd_decode(args: argparse.Namespace) -> int:
 def cmd_decode_sweep(args: argparse.Namespace) -> int:
     from tools.measure.decode import DecodeSweepParams, run_decode_sweep
 
-    res = run_decode_sweep(DecodeSweepParams.from_cli_args(args, sampling=args.sampling), progress=_progress(args))
+    res = run_decode_sweep(DecodeSweepParams.from_cli_args(args), progress=_progress(args))
     _emit(args, res.model_dump(mode="json"), res.comparison.markdown + res.run_dir)
     return 0
-
-
-def _samplings(text: str) -> list[str]:
-    vals = [t.strip() for t in text.split(",") if t.strip()]
-    bad = [v for v in vals if v not in ("greedy", "checkpoint")]
-    if bad or not vals:
-        raise argparse.ArgumentTypeError(f"{text!r}: give greedy, checkpoint or greedy,checkpoint")
-    return vals
 
 
 def cmd_decode_compare(args: argparse.Namespace) -> int:
@@ -211,8 +203,6 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
                                    "writes the article's table and the greedy answers that differ.")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     DecodeSweepParams.add_cli_args(p)
-    p.add_argument("--sampling", type=_samplings, default=["greedy"],
-                   help="samplings to run at each setting, comma separated: greedy,checkpoint (default greedy)")
     p.set_defaults(func=_guard("decode-sweep", cmd_decode_sweep, status=_bad_input_2))
 
     p = sub.add_parser("decode-compare", help="the drafter table from existing decode runs",
