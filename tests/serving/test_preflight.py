@@ -323,3 +323,35 @@ def test_a_broken_serving_config_does_not_block_a_repack_given_its_folders(clean
     # without them the config is where the source would come from: its error is the failing check
     c = _by_name(checks_for("repack", env_file=bad))
     assert c["config"].status == "fail" and "PORT='eighty' is invalid" in c["config"].value
+
+
+def test_start_checks_the_configured_drafter_against_the_model(clean_env, tmp_path):
+    """SPECULATIVE_CONFIG's drafter is checked before vLLM starts: a drafter made for another target, or a folder
+    that is not a checkpoint, fails the start with the drafter check's line; a matching one passes."""
+    from tools.serving.vllm_server import start_server
+
+    def ckpt(path, cfg):
+        path.mkdir(parents=True)
+        (path / "config.json").write_text(json.dumps(cfg))
+        return path
+
+    model = ckpt(tmp_path / "m", {"text_config": {"vocab_size": 512, "hidden_size": 128}})
+    good = ckpt(tmp_path / "d", {"model_type": "gemma4_assistant", "backbone_hidden_size": 128,
+                                 "text_config": {"vocab_size": 512}})
+    other = ckpt(tmp_path / "o", {"backbone_hidden_size": 64, "text_config": {"vocab_size": 512}})
+
+    def cfg_with(drafter):
+        spec = json.dumps({"model": str(drafter), "num_speculative_tokens": 3})
+        env = _env_file(tmp_path, MODEL_NAME=str(model), SPECULATIVE_CONFIG=f"'{spec}'")
+        return load_config(env, served_name="m", state_dir=tmp_path / "st")
+
+    ok = _by_name(checks_for("start", cfg=cfg_with(good)))["drafter"]
+    assert ok.status == "ok" and "3 draft tokens" in ok.value
+    bad = _by_name(checks_for("start", cfg=cfg_with(other)))["drafter"]
+    assert bad.status == "fail" and "backbone_hidden_size 64" in bad.value
+    with pytest.raises(ToolFailure) as exc:
+        start_server(cfg_with(tmp_path / "missing"))
+    assert str(exc.value).startswith("drafter: drafter ") and "no config.json" in str(exc.value)
+    assert exc.value.detail["check"] == "drafter" and not (tmp_path / "st" / "vllm.log").exists()
+    assert _by_name(checks_for("start", cfg=load_config(_env_file(tmp_path, MODEL_NAME=str(model)))))[
+        "drafter"].status == "n/a"

@@ -13,7 +13,7 @@ from tools.serving.preflight import PreflightParams, PreflightReport
       idempotent=True)
 def preflight(app, p: PreflightParams) -> Reply:
     """Check this machine and the serving config before a step (driver, GPU memory and capability, vLLM build,
-    T4 clamp, host memory, disk, port, max_model_len, hub token, checkpoints): each check ok, warn, fail or n/a,
+    T4 clamp, host memory, disk, port, max_model_len, hub token, checkpoints, drafter): each check ok, warn, fail or n/a,
     with a one-line fix. A failing check is a result, not an error. Writes nothing."""
     from tools.serving.preflight import run_preflight
 

@@ -670,10 +670,11 @@ def run_decode_sweep(params: DecodeSweepParams, *, progress: Progress | None = N
     return res
 
 
-def validate_speculative_config(spec: str, target: str, *, models_roots: tuple[Path, ...] | None = None
-                                ) -> dict[str, Any]:
+def validate_speculative_config(spec: str, target: str, *, models_roots: tuple[Path, ...] | None = None,
+                                enforce_roots: bool = True) -> dict[str, Any]:
     """Refuse a speculative config that cannot work, before any server starts: not JSON, a drafter folder
-    outside the models roots, a drafter whose vocabulary or backbone_hidden_size does not match the target."""
+    outside the models roots (unless enforce_roots is False: the operator's own tpu.env, like MODEL_NAME), a
+    drafter whose vocabulary or backbone_hidden_size does not match the target."""
     val = parse_speculative_config(spec)
     drafter = val.get("model")
     if not drafter or val.get("method") == "ngram":
@@ -686,7 +687,7 @@ def validate_speculative_config(spec: str, target: str, *, models_roots: tuple[P
 
     dp = dp.resolve()
     roots = models_roots if models_roots is not None else Roots.from_env().models
-    if not any(dp == r or r in dp.parents for r in roots):
+    if enforce_roots and not any(dp == r or r in dp.parents for r in roots):
         raise BadInput(f"drafter {dp} is outside the models roots ({', '.join(map(str, roots))}): move it "
                           f"under one or add its folder to {ENV['models']}",
                           detail={"field": "drafter", "path": str(dp)})

@@ -46,7 +46,7 @@ Step = Literal["all", "start", "repack", "fetch"]
 class Check(BaseModel):
     name: str = Field(description="What is checked: nvidia_driver, gpu_memory, compute_capability, vllm_build, "
                                   "turing_clamp, host_memory, disk, port, max_model_len, hf_token, checkpoints, "
-                                  "source, config")
+                                  "drafter, source, config")
     status: Status = Field(description="ok; warn (works, but read the fix); fail (the step will not work); "
                                        "n/a (does not apply on this machine or configuration)")
     value: str = Field(description="What was measured, in one line")
@@ -418,6 +418,23 @@ def check_checkpoints(ctx: _Context, *, step: str) -> Check:
                  fix=fix)
 
 
+def check_drafter(ctx: _Context) -> Check:
+    """SPECULATIVE_CONFIG's drafter against the served model: a wrong one otherwise fails a minute into the start."""
+    cfg = ctx.cfg
+    if cfg is None or not cfg.speculative_config:
+        return Check(name="drafter", status="n/a", value="no SPECULATIVE_CONFIG")
+    from tools.measure.decode import validate_speculative_config
+
+    try:
+        val = validate_speculative_config(cfg.speculative_config, cfg.model, enforce_roots=False)
+    except ToolFailure as exc:
+        return Check(name="drafter", status="fail", value=str(exc), detail=exc.detail,
+                     fix="fix SPECULATIVE_CONFIG in tpu.env or the environment, or leave it empty")
+    what = val.get("model") or val.get("method") or "?"
+    return Check(name="drafter", status="ok", detail=val,
+                 value=f"{what}, {val.get('num_speculative_tokens', '?')} draft tokens per step")
+
+
 def check_source(source: Path | None) -> Check:
     if source is None:
         return Check(name="source", status="fail", value="no source checkpoint given and SOURCE_CHECKPOINT is empty",
@@ -466,7 +483,7 @@ def checks_for(step: Step, *, cfg: Any = None, env_file: str | Path | None = Non
         Path(cfg.source_checkpoint).expanduser() if cfg is not None and cfg.source_checkpoint else None)
     dst = Path(out).expanduser() if out else None
     if step == "start":
-        checks += [check_port(ctx), check_checkpoints(ctx, step=step), check_max_model_len(ctx),
+        checks += [check_port(ctx), check_checkpoints(ctx, step=step), check_max_model_len(ctx), check_drafter(ctx),
                    check_turing_clamp(ctx), check_host_memory(ctx), check_vllm_build(ctx), check_nvidia_driver(ctx),
                    check_gpu_memory(ctx)]
     elif step == "repack":
@@ -478,7 +495,7 @@ def checks_for(step: Step, *, cfg: Any = None, env_file: str | Path | None = Non
         checks += [check_nvidia_driver(ctx), check_gpu_memory(ctx), check_compute_capability(ctx),
                    check_vllm_build(ctx), check_turing_clamp(ctx), check_host_memory(ctx),
                    check_disk(ctx, step=step, source=src, out=dst), check_port(ctx), check_max_model_len(ctx),
-                   check_hf_token(ctx, step=step), check_checkpoints(ctx, step=step)]
+                   check_hf_token(ctx, step=step), check_checkpoints(ctx, step=step), check_drafter(ctx)]
     return checks
 
 
