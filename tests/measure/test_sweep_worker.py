@@ -1,7 +1,9 @@
 """The sweep's benchmark worker: one process for many cells, and the failure rules around it.
 
 vLLM's benchmark is replaced by a stand-in package on the worker's PYTHONPATH (it shadows the installed
-`vllm.benchmarks.serve`), so these tests need no server and can make a cell crash or hang on purpose.
+`vllm.benchmarks.serve`, with the module-level functions its `main` looks up the same way), so these tests need no
+vLLM server and can make a cell crash or hang on purpose. Where counters matter, a small HTTP server stands in
+for the server's /metrics and the stand-in benchmark adds its requests' tokens to them.
 """
 
 from __future__ import annotations
@@ -9,37 +11,62 @@ from __future__ import annotations
 import json
 import os
 import textwrap
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import psutil
 import pytest
 
-from tools.measure.sweep import BenchWorker, raw_name
+from tools.measure.results import SweepParams, SweepResult
+from tools.measure.sweep import BenchWorker, _run_cells, raw_name
 
 FAKE_SERVE = '''
-import argparse, json, os, time
+import argparse, asyncio, json, os, time, urllib.request
 
 FLAGS = ["--backend", "--base-url", "--endpoint", "--model", "--tokenizer", "--dataset-name",
          "--random-input-len", "--random-output-len", "--temperature", "--max-concurrency", "--num-prompts",
-         "--seed", "--percentile-metrics", "--metric-percentiles", "--num-warmups"]
+         "--seed", "--percentile-metrics", "--metric-percentiles", "--num-warmups", "--ready-check-timeout-sec"]
 
 def add_cli_args(parser):
     for flag in FLAGS:
         parser.add_argument(flag)
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--disable-tqdm", action="store_true")
+    parser.add_argument("--save-detailed", action="store_true")
+
+def get_tokenizer(name, **kwargs):
+    with open(os.path.join(os.environ["FAKE_BENCH_LOG"], "tokenizer-loads"), "a") as f:
+        f.write(name + "\\n")
+    return name
+
+async def fetch_spec_decode_metrics(base_url, session):
+    with open(os.path.join(os.environ["FAKE_BENCH_LOG"], "vllm-metrics-reads"), "a") as f:
+        f.write(base_url + "\\n")
+    return {}
+
+async def fetch_diffusion_metrics(base_url, session):
+    return await fetch_spec_decode_metrics(base_url, session)
 
 def main(args):
     with open(os.path.join(os.environ["FAKE_BENCH_PIDS"], str(os.getpid())), "a") as f:
         f.write(args.random_input_len + "\\n")
-    n = int(args.random_input_len)
+    get_tokenizer(args.tokenizer, tokenizer_mode="auto", trust_remote_code=False)
+    asyncio.run(fetch_spec_decode_metrics(args.base_url, None))
+    n, prompts = int(args.random_input_len), int(args.num_prompts)
     if n == 13:
         os._exit(3)          # the worker dies mid-cell
     if n == 14:
         time.sleep(600)      # the worker hangs
+    if n == 15:              # the server is gone: every request fails, the call itself returns
+        return {"completed": 0, "failed": prompts, "errors": ["Cannot connect to host"] * prompts}
+    try:                     # the requests' prompt tokens, as the server's prefix-cache counters would count them
+        urllib.request.urlopen(f"{args.base_url}/add?{n * prompts}", timeout=5).read()
+    except OSError:
+        pass
     print("benchmark output for", n)
-    return {"completed": int(args.num_prompts), "failed": 0, "output_throughput": float(n),
-            "duration": 0.1, "total_output_tokens": 4 * int(args.num_prompts)}
+    return {"completed": prompts, "failed": 0, "output_throughput": float(n),
+            "duration": 0.1, "total_output_tokens": 4 * prompts, "errors": [""] * prompts}
 '''
 
 
@@ -55,20 +82,62 @@ def fake_vllm(tmp_path, monkeypatch):
     (pkg / "utils" / "argparse_utils.py").write_text("from argparse import ArgumentParser as FlexibleArgumentParser\n")
     pids = tmp_path / "pids"
     pids.mkdir()
+    log = tmp_path / "bench-log"
+    log.mkdir()
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "fake"))
     monkeypatch.setenv("FAKE_BENCH_PIDS", str(pids))
+    monkeypatch.setenv("FAKE_BENCH_LOG", str(log))
     return pids
 
 
-def _spec(raw: Path, input_len: int, repeats=(0, 1)) -> dict:
-    return {"base_url": "http://127.0.0.1:9", "model": "m", "tokenizer": "t", "input_len": input_len,
-            "output_len": 4, "concurrency": 1, "num_prompts": 2, "repeats": list(repeats),
-            "seeds": {str(k): 100 + k for k in repeats}, "warmup_seed": 7, "raw_dir": str(raw),
+@pytest.fixture
+def metrics_server():
+    """A stand-in for the server's /metrics: prefix-cache counters that GET /add?N raises by N queries (and N//4
+    hits); yields (base_url, state) where state counts the /metrics reads."""
+    state = {"queries": 0, "hits": 0, "reads": 0}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            if self.path.startswith("/add?"):
+                n = int(self.path.split("?", 1)[1])
+                state["queries"] += n
+                state["hits"] += n // 4
+                body = b"ok"
+            elif self.path == "/metrics":
+                state["reads"] += 1
+                body = (f'vllm:prefix_cache_queries_total{{engine="0"}} {state["queries"]}.0\n'
+                        f'vllm:prefix_cache_hits_total{{engine="0"}} {state["hits"]}.0\n').encode()
+            else:
+                self.send_error(404)
+                return
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        yield f"http://127.0.0.1:{srv.server_address[1]}", state
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def _spec(raw: Path, input_len: int, repeats=(0, 1), *, concurrency: int = 1, base_url: str = "http://127.0.0.1:9",
+          warmup: bool = True) -> dict:
+    return {"base_url": base_url, "model": "m", "tokenizer": "t", "input_len": input_len,
+            "output_len": 4, "concurrency": concurrency, "num_prompts": 2, "repeats": list(repeats),
+            "seeds": {str(k): 100 + k for k in repeats}, "warmup_seed": 7 if warmup else None, "raw_dir": str(raw),
             "log_file": str(raw / f"L{input_len}.log")}
 
 
-def _record(raw: Path, input_len: int, k: int) -> dict:
-    return json.loads((raw / raw_name(input_len, 1, k)).read_text())["repeat_result"]
+def _record(raw: Path, input_len: int, k: int, concurrency: int = 1) -> dict:
+    return json.loads((raw / raw_name(input_len, concurrency, k)).read_text())["repeat_result"]
 
 
 def test_one_worker_serves_every_cell(fake_vllm, tmp_path):
@@ -134,3 +203,86 @@ def test_an_interrupt_ends_the_worker(fake_vllm, tmp_path, monkeypatch):
         worker.run_cell(_spec(raw, 14), timeout_s=60)
     assert calls and worker.proc is None
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_the_tokenizer_is_loaded_once_per_worker_and_vllm_reads_no_metrics_itself(fake_vllm, tmp_path):
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    with BenchWorker() as worker:
+        for n, c in ((10, 1), (10, 2), (11, 1)):  # two cells with the same lengths, and one more
+            assert worker.run_cell(_spec(raw, n, concurrency=c), timeout_s=60) == (0, None)
+        assert worker.stats["bench_calls"] == 9  # per cell: one warm-up and two measured repeats
+        assert worker.stats["tokenizer_loads"] == 1
+    log = tmp_path / "bench-log"
+    assert (log / "tokenizer-loads").read_text().split() == ["t"]  # vLLM's loader ran once, for nine calls
+    assert not (log / "vllm-metrics-reads").exists()  # its /metrics reads are the worker's, not four per call
+    assert _record(raw, 10, 1, concurrency=2)["status"] == "ok"
+
+
+def test_one_metrics_read_per_repeat_and_the_counters_stay_exact(fake_vllm, metrics_server, tmp_path):
+    url, state = metrics_server
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    with BenchWorker() as worker:
+        worker.run_cell(_spec(raw, 10, base_url=url), timeout_s=60)                  # warm-up, then 2 repeats
+        worker.run_cell(_spec(raw, 11, (0, 1, 2), base_url=url, warmup=False), timeout_s=60)
+        worker.run_cell(_spec(raw, 12, base_url=url), timeout_s=60)
+        assert worker.stats["metrics_reads"] == state["reads"]
+    # After each warm-up one read starts the cell; every repeat ends with one read, which starts the next
+    # repeat, and the next cell too when no warm-up comes between.
+    assert state["reads"] == (1 + 2) + 3 + (1 + 2)
+    for n, repeats in ((10, 2), (11, 3), (12, 2)):
+        for k in range(repeats):
+            rec = _record(raw, n, k)
+            assert rec["status"] == "ok"
+            # exactly the measured requests' tokens: no warm-up, no other repeat, no other cell
+            assert (rec["prefix_cache_queries"], rec["prefix_cache_hits"]) == (n * 2, n * 2 // 4)
+
+
+def test_requests_that_fail_fail_the_cell_from_their_results(fake_vllm, tmp_path):
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    with BenchWorker() as worker:
+        assert worker.run_cell(_spec(raw, 15), timeout_s=60) == (0, None)
+        assert worker.run_cell(_spec(raw, 15, warmup=False), timeout_s=60) == (0, None)
+    assert worker.starts == 1
+    rec = _record(raw, 15, 0)
+    assert rec["status"] == "failed"
+    assert rec["reason"] == "0 of 2 requests completed, 2 failed: Cannot connect to host"
+    (raw / raw_name(15, 1, 0)).unlink()
+    (raw / raw_name(15, 1, 1)).unlink()
+    with BenchWorker() as worker:
+        worker.run_cell(_spec(raw, 15), timeout_s=60)
+    for k in (0, 1):
+        assert _record(raw, 15, k)["reason"] == "warm-up failed: 0 of 1 requests completed, 1 failed: Cannot connect to host"
+
+
+def test_health_is_asked_only_after_a_failed_cell(fake_vllm, tmp_path, monkeypatch):
+    from tools.measure import sweep
+
+    asked: list[str] = []
+    answers = iter([False, False, True])
+
+    def healthy(base_url, timeout=5.0):
+        asked.append(base_url)
+        return next(answers)
+
+    monkeypatch.setattr(sweep, "healthy", healthy)
+    run_dir = tmp_path / "run"
+    (run_dir / "raw").mkdir(parents=True)
+    params = SweepParams(input_lens=[10], concurrencies=[1], repeats=2, prompts_per_concurrency=2, min_prompts=2,
+                         out=tmp_path)
+    res = SweepResult(run_id="run", run_dir=str(run_dir), label="t", params={}, started="now")
+    with BenchWorker() as worker:
+        _run_cells(params, [(10, 1), (11, 1), (13, 1), (16, 1), (12, 1)], res, worker, base_url="http://127.0.0.1:9",
+                   model="m", tokenizer="t", max_len=None, raw_dir=run_dir / "raw", run_dir=run_dir, progress=None,
+                   total=10, t0=0.0)
+    # 10 and 11 ran without a /health. 13 killed its worker: one /health for its reason (down), one before 16
+    # (down: 16 fails without being sent), one before 12 (up again: 12 runs).
+    assert [c.status for c in res.cells] == ["ok", "ok", "failed", "failed", "ok"]
+    assert len(asked) == 3
+    assert "no longer answers /health" in res.cells[2].reason
+    assert "did not answer /health" in res.cells[3].reason
+    sent = [x for f in fake_vllm.iterdir() for x in f.read_text().split()]
+    assert "16" not in sent and sent.count("12") == 3
+    assert json.loads((run_dir / "summary.json").read_text())["cells"][4]["status"] == "ok"

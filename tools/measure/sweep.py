@@ -8,7 +8,8 @@ never imports vLLM, and a process can be timed, killed and survive a crash. A ce
 that dies, fails that cell only; the next cell gets a fresh worker. The worker first warms the server with
 `concurrency` requests of the cell's shape built from their own seed, then measures each pending repeat and
 writes `raw/L<in>-c<c>-r<k>.json` as soon as that repeat ends, so a run that stops anywhere keeps every
-finished repeat.
+finished repeat. Between cells the worker keeps the tokenizer and reads /metrics once per repeat; the server's
+/health is asked again only after a cell failed (a server that dies shows in the requests' results).
 
 Prompts: vLLM's random dataset is deterministic in its seed. Each (input length, concurrency, repeat) gets its
 own seed derived from the sweep's base seed, so every build answers the same prompts, and no measured prompt
@@ -121,6 +122,9 @@ class BenchWorker:
         self.proc: subprocess.Popen | None = None
         self._answers: int | None = None
         self.starts = 0
+        # The worker's own counts after its last answered cell (tokenizer_loads, metrics_reads, bench_calls):
+        # what it kept between cells, as it saw it.
+        self.stats: dict[str, int] = {}
 
     def __enter__(self) -> "BenchWorker":
         return self
@@ -162,6 +166,7 @@ class BenchWorker:
                 if ready:
                     line = _read_line(self._answers)
                     if line:
+                        self.stats = {k: v for k, v in json.loads(line).items() if k != "done"}
                         return 0, None
                     break  # EOF: the worker is gone
                 if proc.poll() is not None:
@@ -292,6 +297,10 @@ def _run_cells(params: SweepParams, cells_plan: list[tuple[int, int]], result: S
     from tools.measure import sweep_report
 
     done = 0
+    # /health is asked only after a cell failed: the sweep began with the server answering, and a server that
+    # dies mid-cell shows in that cell's request results. Once it is found down, the remaining cells fail
+    # without being sent.
+    suspect = False
 
     def tick(msg: str) -> None:
         if progress is not None:
@@ -317,7 +326,7 @@ def _run_cells(params: SweepParams, cells_plan: list[tuple[int, int]], result: S
                 pending.append(k)
         if not pending:
             tick(f"in={L} c={c}: {params.repeats} repeats already measured, skipped")
-        elif not healthy(base_url):
+        elif suspect and not healthy(base_url):
             for k in pending:
                 repeats[k] = RepeatResult(repeat=k, seed=prompt_seed(params.seed, L, c, k), status="failed",
                                           num_prompts=n, reason=f"server at {base_url} did not answer /health")
@@ -332,18 +341,21 @@ def _run_cells(params: SweepParams, cells_plan: list[tuple[int, int]], result: S
                     "raw_dir": str(raw_dir)}
             stem = f"L{L}-c{c}"
             spec["log_file"] = str(raw_dir / f"{stem}.log")
-            (raw_dir / f"{stem}.spec.json").write_text(json.dumps(spec, indent=2))
+            evidence.write_json(raw_dir / f"{stem}.spec.json", spec)
             for k in pending:  # a stale failure record must not survive a failed rerun
                 (raw_dir / raw_name(L, c, k)).unlink(missing_ok=True)
             tc = time.monotonic()
             rc, why = worker.run_cell(spec, params.cell_timeout_s * len(pending))
             cell.wall_s = time.monotonic() - tc
+            down: bool | None = None  # asked once per cell, when a repeat has no record
             for k in pending:
                 rec = _load_done(raw_dir, L, c, k)
                 if rec is None:
                     reason = why or (f"benchmark process exited with code {rc} before this repeat: "
                                      f"{_log_tail(raw_dir / f'{stem}.log')}")
-                    if not healthy(base_url):
+                    if down is None:
+                        down = not healthy(base_url)
+                    if down:
                         reason += f" (server at {base_url} no longer answers /health)"
                     rec = RepeatResult(repeat=k, seed=spec["seeds"][str(k)], status="failed", num_prompts=n,
                                        reason=reason)
@@ -354,6 +366,7 @@ def _run_cells(params: SweepParams, cells_plan: list[tuple[int, int]], result: S
                         else f" ({rec.reason})"))
         cell.repeats = [repeats[k] for k in sorted(repeats)]
         bad = [r for r in cell.repeats if r.status != "ok"]
+        suspect = bool(bad)
         if bad:
             cell.status = "failed"
             cell.reason = f"{len(bad)} of {params.repeats} repeats failed; first: {bad[0].reason}"
@@ -365,56 +378,112 @@ def _run_cells(params: SweepParams, cells_plan: list[tuple[int, int]], result: S
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The child side: one cell in its own process, vLLM's benchmark called in-process.
+# The child side: the benchmark worker, vLLM's benchmark called in-process, cell after cell.
 
 
-def _prefix_counters(client: httpx.Client, base_url: str) -> tuple[float | None, float | None]:
-    try:
-        text = client.get(f"{base_url}/metrics", timeout=10).text
-    except httpx.HTTPError:
-        return None, None
-    q = h = None
-    for line in text.splitlines():
-        if line.startswith("vllm:prefix_cache_queries_total"):
-            q = (q or 0.0) + float(line.rsplit(" ", 1)[1])
-        elif line.startswith("vllm:prefix_cache_hits_total"):
-            h = (h or 0.0) + float(line.rsplit(" ", 1)[1])
-    return q, h
+class _Counters:
+    """The /metrics counters a repeat reports (prefix-cache queries and hits, speculative decoding), from one
+    read of the page. The reading that ends one repeat starts the next when nothing reached the server between."""
+
+    def __init__(self, prefix: tuple[float | None, float | None], spec: dict[str, Any]) -> None:
+        self.prefix, self.spec = prefix, spec
+
+    @classmethod
+    def parse(cls, text: str) -> "_Counters":
+        from tools.measure.decode import parse_spec_counters
+
+        q = h = None
+        for line in text.splitlines():
+            if line.startswith("vllm:prefix_cache_queries_total"):
+                q = (q or 0.0) + float(line.rsplit(" ", 1)[1])
+            elif line.startswith("vllm:prefix_cache_hits_total"):
+                h = (h or 0.0) + float(line.rsplit(" ", 1)[1])
+        return cls((q, h), parse_spec_counters(text))
 
 
-def _spec_counters(client: httpx.Client, base_url: str) -> dict[str, Any] | None:
-    """The speculative-decoding counters (tools.measure.decode.parse_spec_counters), None when unreadable."""
-    from tools.measure.decode import parse_spec_counters
+class _Bench:
+    """vLLM's benchmark as the worker runs it, with what does not change between cells kept between them.
 
-    try:
-        return parse_spec_counters(client.get(f"{base_url}/metrics", timeout=10).text)
-    except httpx.HTTPError:
-        return None
+    `vllm.benchmarks.serve.main` loads the tokenizer on every call, sends an unmeasured test prompt first (the
+    first measured prompt itself, so the measured run would find it in the prefix cache) and reads /metrics four
+    times. Here the argument parser is built once, the tokenizer is loaded once per tokenizer (the module's
+    `get_tokenizer` is replaced by a memo), the test prompt is skipped (`--ready-check-timeout-sec 0`: a dead
+    server shows in the requests' results instead) and vLLM's own /metrics reads are off: the worker reads the
+    counters it reports itself, once per repeat. The random dataset is still sampled per call: every call has
+    a seed of its own (no prompt is measured twice), and sampling takes milliseconds.
+    """
+
+    def __init__(self) -> None:
+        import vllm.benchmarks.serve as serve  # the import this process exists to pay once
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+        self.parser = FlexibleArgumentParser()
+        serve.add_cli_args(self.parser)
+        self.main: Callable[[argparse.Namespace], dict[str, Any]] = serve.main
+        self.tokenizer_loads = 0
+        self.metrics_reads = 0
+        self.bench_calls = 0
+        self._client: httpx.Client | None = None
+        self._last: tuple[str, _Counters] | None = None  # (base_url, counters) while nothing was sent since
+        load, tokenizers = serve.get_tokenizer, {}
+
+        def get_tokenizer(name: Any, *args: Any, **kwargs: Any) -> Any:
+            key = repr((name, args, sorted(kwargs.items())))
+            if key not in tokenizers:
+                tokenizers[key] = load(name, *args, **kwargs)
+                self.tokenizer_loads += 1
+            return tokenizers[key]
+
+        async def no_metrics(*args: Any, **kwargs: Any) -> None:
+            return None
+
+        serve.get_tokenizer = get_tokenizer
+        serve.fetch_spec_decode_metrics = no_metrics
+        serve.fetch_diffusion_metrics = no_metrics
+
+    def run(self, spec: dict[str, Any], seed: int, num_prompts: int) -> dict[str, Any]:
+        self._last = None  # requests reach the server: the last counters no longer describe it
+        self.bench_calls += 1
+        return self.main(self.parser.parse_args(_bench_argv(spec, seed, num_prompts)))
+
+    def counters(self, base_url: str, *, fresh: bool = False) -> _Counters | None:
+        """The server's counters now: the last reading when nothing was sent since (and not `fresh`)."""
+        if not fresh and self._last is not None and self._last[0] == base_url:
+            return self._last[1]
+        if self._client is None:
+            self._client = httpx.Client()  # one client per worker: building one costs tens of ms (TLS setup)
+        self.metrics_reads += 1
+        try:
+            got = _Counters.parse(self._client.get(f"{base_url}/metrics", timeout=10).text)
+        except httpx.HTTPError:
+            self._last = None
+            return None
+        self._last = (base_url, got)
+        return got
+
+    def stats(self) -> dict[str, int]:
+        return {"tokenizer_loads": self.tokenizer_loads, "metrics_reads": self.metrics_reads,
+                "bench_calls": self.bench_calls}
 
 
-def _bench_args(spec: dict[str, Any], seed: int, num_prompts: int, output_len: int) -> argparse.Namespace:
-    from vllm.benchmarks.serve import add_cli_args
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    parser = FlexibleArgumentParser()
-    add_cli_args(parser)
-    argv = ["--backend", "openai", "--base-url", spec["base_url"], "--endpoint", "/v1/completions",
+def _bench_argv(spec: dict[str, Any], seed: int, num_prompts: int) -> list[str]:
+    return ["--backend", "openai", "--base-url", spec["base_url"], "--endpoint", "/v1/completions",
             "--model", spec["model"], "--tokenizer", spec["tokenizer"],
             "--dataset-name", "random", "--random-input-len", str(spec["input_len"]),
-            "--random-output-len", str(output_len), "--ignore-eos", "--temperature", "0",
+            "--random-output-len", str(spec["output_len"]), "--ignore-eos", "--temperature", "0",
             "--max-concurrency", str(spec["concurrency"]), "--num-prompts", str(num_prompts),
             "--seed", str(seed), "--percentile-metrics", "ttft,tpot,itl,e2el",
-            "--metric-percentiles", "50,90,99", "--disable-tqdm", "--num-warmups", "0"]
-    return parser.parse_args(argv)
+            "--metric-percentiles", "50,90,99", "--disable-tqdm", "--num-warmups", "0",
+            "--ready-check-timeout-sec", "0", "--save-detailed"]
 
 
 def _worker_main(answer_fd: int) -> int:
-    """The worker's loop: one JSON cell spec a line on stdin, one answer line per finished cell on answer_fd.
+    """The worker's loop: one JSON cell spec a line on stdin, one answer line per finished cell on answer_fd
+    (with the worker's counters: tokenizer loads, /metrics reads, benchmark calls).
 
     vLLM's benchmark prints to stdout and stderr: both are pointed at the cell's own log file for each cell.
     """
-    from vllm.benchmarks.serve import main as bench_main  # the import this process exists to pay once
-
+    bench = _Bench()
     answers = os.fdopen(answer_fd, "w", buffering=1)
     for line in sys.stdin:
         if not line.strip():
@@ -425,14 +494,24 @@ def _worker_main(answer_fd: int) -> int:
             sys.stderr.flush()
             os.dup2(log.fileno(), 1)
             os.dup2(log.fileno(), 2)
-        _run_cell(spec, bench_main)
+        _run_cell(spec, bench)
         sys.stdout.flush()
         sys.stderr.flush()
-        answers.write(json.dumps({"done": [spec["input_len"], spec["concurrency"]]}) + "\n")
+        answers.write(json.dumps({"done": [spec["input_len"], spec["concurrency"]], **bench.stats()}) + "\n")
     return 0
 
 
-def _run_cell(spec: dict[str, Any], bench_main: Callable[[argparse.Namespace], dict[str, Any]]) -> None:
+def _failed_requests(raw: dict[str, Any], expected: int) -> str | None:
+    """Why a benchmark call's requests did not all complete (None: they did), from its own results."""
+    completed, failed = int(raw.get("completed") or 0), int(raw.get("failed") or 0)
+    if not failed and completed == expected:
+        return None
+    errs = [e for e in raw.get("errors", []) if e] if isinstance(raw.get("errors"), list) else []
+    return (f"{completed} of {expected} requests completed, {failed} failed"
+            + (f": {str(errs[0]).splitlines()[0][:200]}" if errs else ""))
+
+
+def _run_cell(spec: dict[str, Any], bench: _Bench) -> None:
     raw_dir = Path(spec["raw_dir"])
     base_url = spec["base_url"]
     warmup_s = None
@@ -441,9 +520,11 @@ def _run_cell(spec: dict[str, Any], bench_main: Callable[[argparse.Namespace], d
         # prompt, which the prefix cache would then serve to the measured run.
         tw = time.monotonic()
         try:
-            bench_main(_bench_args(spec, spec["warmup_seed"], spec["concurrency"], spec["output_len"]))
-        except Exception as exc:  # no measurement without the warm-up: every pending repeat fails with why
-            reason = f"warm-up failed: {type(exc).__name__}: {exc}".splitlines()[0][:300]
+            why = _failed_requests(bench.run(spec, spec["warmup_seed"], spec["concurrency"]), spec["concurrency"])
+        except Exception as exc:
+            why = f"{type(exc).__name__}: {exc}"
+        if why is not None:  # no measurement without the warm-up: every pending repeat fails with why
+            reason = f"warm-up failed: {why}".splitlines()[0][:300]
             for k in spec["repeats"]:
                 rr = RepeatResult(repeat=k, seed=int(spec["seeds"][str(k)]), status="failed", reason=reason,
                                   num_prompts=spec["num_prompts"],
@@ -451,44 +532,39 @@ def _run_cell(spec: dict[str, Any], bench_main: Callable[[argparse.Namespace], d
                 _write_raw(raw_dir / rr.raw_file, {"repeat_result": rr.model_dump(mode="json"), "spec": spec})
             return
         warmup_s = time.monotonic() - tw
-    with httpx.Client() as client:
-        for k in spec["repeats"]:
-            seed = int(spec["seeds"][str(k)])
-            rr = RepeatResult(repeat=k, seed=seed, status="ok", num_prompts=spec["num_prompts"], warmup_s=warmup_s,
-                              raw_file=raw_name(spec["input_len"], spec["concurrency"], k))
-            warmup_s = None  # the warm-up belongs to the cell's first measured repeat
-            q0, h0 = _prefix_counters(client, base_url)
-            s0 = _spec_counters(client, base_url)
-            tm = time.monotonic()
-            raw: dict[str, Any] = {}
-            try:
-                raw = bench_main(_bench_args(spec, seed, spec["num_prompts"], spec["output_len"]))
-            except Exception as exc:  # recorded per repeat; the next repeat and cell still run
-                rr.status, rr.reason = "failed", f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
-            rr.measure_s = time.monotonic() - tm
-            q1, h1 = _prefix_counters(client, base_url)
+    for k in spec["repeats"]:
+        seed = int(spec["seeds"][str(k)])
+        rr = RepeatResult(repeat=k, seed=seed, status="ok", num_prompts=spec["num_prompts"], warmup_s=warmup_s,
+                          raw_file=raw_name(spec["input_len"], spec["concurrency"], k))
+        warmup_s = None  # the warm-up belongs to the cell's first measured repeat
+        c0 = bench.counters(base_url)
+        tm = time.monotonic()
+        raw: dict[str, Any] = {}
+        try:
+            raw = bench.run(spec, seed, spec["num_prompts"])
+        except Exception as exc:  # recorded per repeat; the next repeat and cell still run
+            rr.status, rr.reason = "failed", f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        rr.measure_s = time.monotonic() - tm
+        c1 = bench.counters(base_url, fresh=True)
+        if c0 is not None and c1 is not None:
+            (q0, h0), (q1, h1) = c0.prefix, c1.prefix
             if None not in (q0, q1, h0, h1):
                 rr.prefix_cache_queries, rr.prefix_cache_hits = q1 - q0, h1 - h0
-            s1 = _spec_counters(client, base_url)
-            if s0 is not None and s1 is not None:
-                from tools.measure.decode import spec_delta
+            from tools.measure.decode import spec_delta
 
-                stats, found = spec_delta(s0, s1)
-                rr.spec_decode = stats.model_dump(mode="json") if found else None
-            rr.metrics = {m: (float(raw[m]) if isinstance(raw.get(m), (int, float)) else None) for m in METRICS}
-            if rr.status == "ok":
-                completed, failed = int(raw.get("completed") or 0), int(raw.get("failed") or 0)
-                if failed or completed != spec["num_prompts"]:
-                    errs = [e for e in raw.get("errors", []) if e] if isinstance(raw.get("errors"), list) else []
-                    rr.status = "failed"
-                    rr.reason = (f"{completed} of {spec['num_prompts']} requests completed, {failed} failed"
-                                 + (f": {str(errs[0]).splitlines()[0][:200]}" if errs else ""))
-            record = {"repeat_result": rr.model_dump(mode="json"), "spec": {**spec, "seed": seed},
-                      "vllm_bench_result": {k2: v for k2, v in raw.items()
-                                            if k2 not in ("errors", "generated_texts", "itls", "ttfts",
-                                                          "start_times", "input_lens", "output_lens",
-                                                          "latencies", "queue_times")}}
-            _write_raw(raw_dir / rr.raw_file, record)
+            stats, found = spec_delta(c0.spec, c1.spec)
+            rr.spec_decode = stats.model_dump(mode="json") if found else None
+        rr.metrics = {m: (float(raw[m]) if isinstance(raw.get(m), (int, float)) else None) for m in METRICS}
+        if rr.status == "ok":
+            why = _failed_requests(raw, spec["num_prompts"])
+            if why is not None:
+                rr.status, rr.reason = "failed", why
+        record = {"repeat_result": rr.model_dump(mode="json"), "spec": {**spec, "seed": seed},
+                  "vllm_bench_result": {k2: v for k2, v in raw.items()
+                                        if k2 not in ("errors", "generated_texts", "itls", "ttfts",
+                                                      "start_times", "input_lens", "output_lens",
+                                                      "latencies", "queue_times")}}
+        _write_raw(raw_dir / rr.raw_file, record)
 
 
 def _write_raw(out: Path, record: dict[str, Any]) -> None:
