@@ -4,6 +4,7 @@
     .venv/bin/python bench/bench_repack.py --scale 1 --keep        # full size (~10.2 GB source)
     .venv/bin/python bench/bench_repack.py --scale 0.26 --levels peaked --steps fp16 --rounding exact \
         --target-dtype bfloat16 --objective runtime-exact               # another distribution and build
+    .venv/bin/python bench/bench_repack.py --ab OLD_kernel.py repack/_kernel_numba.py   # a kernel change, A/B
 
 The grid tensors' distribution: levels uniform over what each group's peak allows or peaked (Laplace-like),
 steps drawn as float32 or float16 values, values the bf16 nearest to step * level (exact) or with a quarter
@@ -78,6 +79,73 @@ def kernel_only(args) -> int:
     return 0
 
 
+def _load_kernel(path: Path):
+    import hashlib
+    import importlib.util
+
+    # numba's on-disk cache records the module name: one name per file, stable across runs
+    name = "kernel_" + hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    sys.modules[name] = mod  # numba's cache pickles the module name
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    return mod.quantize_rows
+
+
+def _run_kernel(k, words: np.ndarray, target: str, objective: str):
+    """One call of a `quantize_rows` kernel with grid.quantize's arguments (same tables, same order)."""
+    tgt = grid.target_of(target)
+    oth = grid.other_target(tgt)
+    rows, cols = words.shape
+    packed = np.empty((rows, cols // 8), dtype=np.int32)
+    scales = np.empty((rows, cols // grid.GROUP))
+    stats = np.zeros(grid.N_STATS)
+    (lo_t, hi_t), (lo_o, hi_o) = grid.INTERVALS[tgt], grid.INTERVALS[oth]
+    k(words, packed.view(np.uint32), scales, stats, grid._RATIO_TABLE32, grid.LOWBIT, grid.RECIP, grid.VALUE_TABLE,
+      grid.INV_ULP_TABLE, lo_t, hi_t, lo_o, hi_o, *grid.bits_of(grid.SCALE_DTYPE[tgt]),
+      *grid.bits_of(grid.SCALE_DTYPE[oth]), objective == "min-error")
+    return packed, scales, stats
+
+
+def kernel_ab(args) -> int:
+    """Two versions of the kernel module (files) in one process, alternating, thread CPU time, best of
+    --repeat; their outputs (levels, scales, stats) must be identical on every block, else it stops."""
+    import itertools
+
+    ka, kb = _load_kernel(args.ab[0]), _load_kernel(args.ab[1])
+    rng = np.random.default_rng(0)
+    out = []
+    for levels, steps, rounding in itertools.product(("uniform", "peaked"), tuple(STEPS), tuple(ROUNDING)):
+        blocks = [grid_words(max(1, (1 << 20) // (2 * w)), w, rng, STEPS[steps], ROUNDING[rounding], levels)
+                  for w in (1536, 6144, 8960, 12288)]
+        n = sum(b.size for b in blocks)
+        for b in blocks:
+            a, c = _run_kernel(ka, b, args.target_dtype, args.objective), _run_kernel(kb, b, args.target_dtype,
+                                                                                      args.objective)
+            if not (np.array_equal(a[0], c[0]) and np.array_equal(a[1], c[1])
+                    and np.allclose(a[2], c[2], rtol=1e-12, atol=0)):
+                print(f"{levels} {steps} {rounding}: the two kernels' outputs differ", file=sys.stderr)
+                return 1
+        best = [float("inf")] * 2
+        for _ in range(args.repeat):
+            for i, k in enumerate((ka, kb)):
+                t = time.thread_time()
+                for b in blocks:
+                    _run_kernel(k, b, args.target_dtype, args.objective)
+                best[i] = min(best[i], time.thread_time() - t)
+        row = {"levels": levels, "steps": steps, "rounding": rounding, "target_dtype": args.target_dtype,
+               "objective": args.objective, "m_values_per_cpu_s_a": round(n / best[0] / 1e6, 1),
+               "m_values_per_cpu_s_b": round(n / best[1] / 1e6, 1)}
+        out.append(row)
+        print(f"{levels:8} {steps} {rounding:9} A {row['m_values_per_cpu_s_a']:6.1f}  B "
+              f"{row['m_values_per_cpu_s_b']:6.1f} M values per CPU s  (B/A {best[0] / best[1]:.2f})", flush=True)
+    if args.result:
+        args.result.parent.mkdir(parents=True, exist_ok=True)
+        args.result.write_text(json.dumps({"a": str(args.ab[0]), "b": str(args.ab[1]), "loadavg": os.getloadavg(),
+                                           "rows": out}, indent=2) + "\n")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scale", type=float, default=0.1, help="fraction of the full E2B size (default 0.1)")
@@ -93,8 +161,13 @@ def main() -> int:
     ap.add_argument("--objective", choices=grid.OBJECTIVES, default=grid.DEFAULT_OBJECTIVE)
     ap.add_argument("--kernel-only", action="store_true",
                     help="time the grid kernel alone on every distribution, target and objective (no build)")
-    ap.add_argument("--repeat", type=int, default=3, help="--kernel-only: best of this many runs")
+    ap.add_argument("--repeat", type=int, default=3, help="--kernel-only, --ab: best of this many runs")
+    ap.add_argument("--ab", nargs=2, type=Path, metavar=("KERNEL_A", "KERNEL_B"),
+                    help="time two copies of repack/_kernel_numba.py against each other (no build), asserting "
+                         "identical outputs; for --target-dtype / --objective")
     args = ap.parse_args()
+    if args.ab:
+        return kernel_ab(args)
     if args.kernel_only:
         return kernel_only(args)
 
