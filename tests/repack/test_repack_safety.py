@@ -401,7 +401,7 @@ def _wait_for_partial(folder: Path, p: subprocess.Popen) -> str:
     raise AssertionError(f"no partial folder appeared (exit {p.poll()})")
 
 
-def test_sigkill_leftover_is_reported_by_probe_and_removed_by_the_next_build(src, tmp_path):
+def test_sigkill_leftover_is_reported_by_probe_and_removed_by_the_next_build(src, tmp_path, capsys):
     out = tmp_path / "out"
     p = _start_slow_build(src, out)
     try:
@@ -417,19 +417,21 @@ def test_sigkill_leftover_is_reported_by_probe_and_removed_by_the_next_build(src
     assert _leftovers(tmp_path) == [name]
     size = sum(f.stat().st_size for f in (tmp_path / name).iterdir())
     assert size > 0
-    r = subprocess.run([sys.executable, "-m", "repack", "probe", str(src), "--json"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    stale = json.loads(r.stdout)["stale_partials"]
+    # The killed build was a process of its own; probe and the next build run in this one (the commands' exit
+    # statuses as scripts are test_commands_exit_2_as_scripts' and test_two_real_builds_of_one_output_at_once's).
+    capsys.readouterr()
+    rc = cli.main(["probe", str(src), "--json"])
+    out_, err = capsys.readouterr()
+    assert rc == 0, err
+    stale = json.loads(out_)["stale_partials"]
     assert len(stale) == 1 and name in stale[0] and f"pid {p.pid}" in stale[0]
     assert _leftovers(tmp_path) == [name]  # probe only reads
-    r = subprocess.run([sys.executable, "-m", "repack", "probe", str(src)], cwd=ROOT, capture_output=True,
-                       text=True, timeout=300)
-    assert "stale partial build" in r.stdout and name in r.stdout
-    r = subprocess.run([sys.executable, "-m", "repack", "build", str(src), str(tmp_path / "b2"), *FULL],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    assert f"removed {tmp_path / name}" in r.stderr and f"pid {p.pid}" in r.stderr
+    cli.main(["probe", str(src)])
+    out_ = capsys.readouterr().out
+    assert "stale partial build" in out_ and name in out_
+    rc, err = _cli(capsys, "build", src, tmp_path / "b2", *FULL)
+    assert rc == 0, err
+    assert f"removed {tmp_path / name}" in err and f"pid {p.pid}" in err
     assert _leftovers(tmp_path) == []
     rep = json.loads((tmp_path / "b2" / "repack-report.json").read_text())
     assert len(rep["removed_partials"]) == 1 and name in rep["removed_partials"][0]
