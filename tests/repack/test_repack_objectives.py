@@ -307,7 +307,9 @@ def test_default_objective_is_the_one_the_fidelity_measurement_chose():
     assert BuildOptions().target_dtype == "float16" and BuildOptions().scale_dtype == "fp16"
 
 
-def test_scale_dtype_is_an_alias_and_a_mismatch_is_refused(tmp_path):
+def test_scale_dtype_is_an_alias_and_a_mismatch_is_refused(tmp_path, capsys):
+    from repack import cli, embed_int4, repack_q4_0
+
     assert BuildOptions(scale_dtype="bf16").target_dtype == "bfloat16"
     assert BuildOptions(target_dtype="bfloat16").scale_dtype == "bf16"
     assert BuildOptions(scale_dtype="fp16", target_dtype="float16").target_dtype == "float16"
@@ -316,19 +318,21 @@ def test_scale_dtype_is_an_alias_and_a_mismatch_is_refused(tmp_path):
     with pytest.raises(RepackError, match="objective"):
         BuildOptions(objective="fastest")
     src = write_small_checkpoint(tmp_path / "src")
-    for script in (["-m", "repack", "build", str(src), str(tmp_path / "o")],
-                   ["repack/repack_q4_0.py", "repack", str(src), str(tmp_path / "o")],
-                   ["repack/embed_int4.py", str(src), str(tmp_path / "o")]):
-        r = subprocess.run([sys.executable, *script, "--scale-dtype", "bf16", "--target-dtype", "float16"],
-                           cwd=ROOT, capture_output=True, text=True, timeout=600)
-        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
-        assert "--scale-dtype bf16 does not match --target-dtype float16" in r.stderr
+    # The commands' main() in this process; as scripts they exit 2 in test_commands_exit_2_as_scripts and
+    # test_the_article_scripts_refuse_too.
+    for main, args in ((cli.main, ["build", str(src), str(tmp_path / "o")]),
+                       (repack_q4_0.main, ["repack", str(src), str(tmp_path / "o")]),
+                       (embed_int4.main, [str(src), str(tmp_path / "o")])):
+        rc = main([*args, "--scale-dtype", "bf16", "--target-dtype", "float16"])
+        err = capsys.readouterr().err
+        assert rc == 2 and len(err.strip().splitlines()) == 1, err
+        assert "--scale-dtype bf16 does not match --target-dtype float16" in err
         assert not (tmp_path / "o").exists()
-    r = subprocess.run([sys.executable, "repack/embed_int4.py", str(src), str(tmp_path / "o"), "--target-dtype",
-                        "bfloat16", "--objective", "min-error", "--json"], cwd=ROOT, capture_output=True,
-                       text=True, timeout=600)
-    assert r.returncode == 0, r.stderr
-    rep = json.loads(r.stdout)
+    rc = embed_int4.main([str(src), str(tmp_path / "o"), "--target-dtype", "bfloat16", "--objective", "min-error",
+                          "--json"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    rep = json.loads(out)
     assert (rep["target_dtype"], rep["scale_dtype"], rep["objective"]) == ("bfloat16", "bf16", "min-error")
     assert open_checkpoint(tmp_path / "o").tensors[
         "model.language_model.embed_tokens_per_layer.weight_scale"].dtype == "BF16"
