@@ -4,8 +4,6 @@ objectives, the runtime figures of the report, NaN/inf as off-grid values, the t
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -201,14 +199,14 @@ def _checkpoint_with(tmp_path: Path, name: str, words: np.ndarray) -> Path:
 LINEAR = "model.language_model.layers.1.mlp.up_proj.weight"
 
 
-def test_build_aborts_on_nan_naming_tensor_row_and_group(tmp_path):
+def test_build_aborts_on_nan_naming_tensor_row_and_group(tmp_path, capsys):
+    from repack import cli
+
     words = grid_words(128, 64, np.random.default_rng(17), step_dtype=np.float32)
     words[77, 40] = 0x7FC0
     src = _checkpoint_with(tmp_path, LINEAR, words)
-    r = subprocess.run([sys.executable, "-m", "repack", "build", str(src), str(tmp_path / "out")], cwd=ROOT,
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 2
-    lines = r.stderr.strip().splitlines()
+    assert cli.main(["build", str(src), str(tmp_path / "out")]) == 2  # the command's main(), in this process
+    lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ")
     assert LINEAR in lines[0] and "row 77, group 1" in lines[0] and "NaN" in lines[0]
     assert not (tmp_path / "out").exists()
