@@ -277,9 +277,9 @@ sys.exit(cli.main(["build", {src!r}, {out!r}, "--force"]))
 
 @pytest.mark.parametrize("mode,step", [("exchange", s) for s in STEPS_EXCHANGE] +
                          [("journal", s) for s in STEPS_JOURNAL])
-def test_sigkill_at_each_step_then_the_next_build_recovers(src, old_build, tmp_path, mode, step):
-    """SIGKILL at each step of a real `repack build` process; the next build beside it rolls forward or back and
-    says what it removed: OUT is complete in every case and nothing is left over."""
+def test_sigkill_at_each_step_then_the_next_build_recovers(src, old_build, tmp_path, capsys, mode, step):
+    """SIGKILL at each step of a real `repack build` process; the next build beside it (run in this process) rolls
+    forward or back and says what it removed: OUT is complete in every case and nothing is left over."""
     code = _KILL_CHILD.format(root=str(ROOT), no_exchange=mode == "journal", step=step, src=str(src),
                               out=str(old_build))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
@@ -290,15 +290,14 @@ def test_sigkill_at_each_step_then_the_next_build_recovers(src, old_build, tmp_p
         assert not old_build.exists()  # the crash window the journal exists for
     else:
         assert _kind(old_build) == ("new" if WRITTEN_AFTER[step] else "old")
-    r = subprocess.run([sys.executable, "-m", "repack", "build", str(src), str(tmp_path / "other"), "--keep-linears"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
+    rc, err = _cli(capsys, "build", src, tmp_path / "other", "--keep-linears")
+    assert rc == 0, err
     assert _leftovers(tmp_path) == []
     assert _kind(old_build) == ("new" if WRITTEN_AFTER[step] and step != "old-aside" else "old")
     for name in left:
-        assert name in r.stderr
+        assert name in err
     if mode == "journal" and step == "old-aside":
-        assert "restored" in r.stderr
+        assert "restored" in err
 
 
 def _dead_owner() -> tuple[int, int]:
