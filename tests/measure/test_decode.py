@@ -290,7 +290,8 @@ def test_tiny_drafter_has_the_assistant_layout_and_learns_the_pattern(tmp_path):
     from tools.demo.tiny_model import build_tiny_drafter
 
     target = _fake_target(tmp_path / "models" / "target")
-    info = build_tiny_drafter(tmp_path / "models" / "drafter", target, train_steps=300)
+    # 80 steps: the pattern is learnt whole by 40 (seeds 0-2); the default 300 is margin for the served drafter.
+    info = build_tiny_drafter(tmp_path / "models" / "drafter", target, train_steps=80)
     assert info.accuracy > 0.95
     cfg = json.loads((info.path / "config.json").read_text())
     assert cfg["model_type"] == "gemma4_assistant" and cfg["backbone_hidden_size"] == 128
