@@ -114,14 +114,22 @@ def fleet(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["../x", "a/b", "..", "", "a b", "-a", "x" * 33, "a;b", "ä"])
-def test_bad_instance_name_is_refused_in_one_line(tmp_path, name):
+def test_bad_instance_name_is_refused_in_one_line(tmp_path, name, capsys, monkeypatch):
     env = _env(tmp_path / "run")
     flag = f"--instance={name}"
     every = [["start", flag], ["status", flag], ["stop", flag], ["log", flag], ["query", "hi", flag]]
-    for args in every if name == "../x" else every[:1]:
-        r = _cli(args, env)
-        assert r.returncode == 2, (args, r.stderr)
-        assert len(r.stderr.strip().splitlines()) == 1 and "not a valid instance name" in r.stderr, r.stderr
+    if name == "../x":  # every command, each as the script
+        for args in every:
+            r = _cli(args, env)
+            assert r.returncode == 2, (args, r.stderr)
+            assert len(r.stderr.strip().splitlines()) == 1 and "not a valid instance name" in r.stderr, r.stderr
+    else:  # the other names through the same main(), in this process
+        from tools.cli import main
+
+        monkeypatch.setenv("STATE_DIR", str(tmp_path / "run"))
+        assert main(every[0]) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and "not a valid instance name" in err, err
     assert not (tmp_path / "run").exists()  # nothing written, not even the state dir
 
 
