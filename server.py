@@ -18,7 +18,7 @@ import os
 import secrets
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 # `python /path/to/server.py` from any directory: the project's packages sit next to this file.
 PROJECT_ROOT = Path(__file__).resolve().parent
@@ -27,6 +27,9 @@ if str(PROJECT_ROOT) not in sys.path:
 
 from tools.mcp.paths import Roots  # noqa: E402
 from tools.mcp.registry import DEFAULT_TOOLSETS, TOOLSETS, TOOLSETS_ENV  # noqa: E402
+
+if TYPE_CHECKING:
+    from tools.mcp.app import Settings, create_server
 
 __all__ = ["Settings", "create_server", "main", "parse_args"]
 
