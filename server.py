@@ -18,18 +18,30 @@ import os
 import secrets
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 # `python /path/to/server.py` from any directory: the project's packages sit next to this file.
 PROJECT_ROOT = Path(__file__).resolve().parent
 if str(PROJECT_ROOT) not in sys.path:
     sys.path.insert(0, str(PROJECT_ROOT))
 
-from tools.mcp.app import Settings, create_server, install_sigterm, parse_toolsets  # noqa: E402
 from tools.mcp.paths import Roots  # noqa: E402
 from tools.mcp.registry import DEFAULT_TOOLSETS, TOOLSETS, TOOLSETS_ENV  # noqa: E402
 
+if TYPE_CHECKING:
+    from tools.mcp.app import Settings, create_server
+
 __all__ = ["Settings", "create_server", "main", "parse_args"]
+
+
+def __getattr__(name: str) -> Any:
+    # The app (fastmcp, over a second of imports) loads once the arguments are checked: a bad port or token is
+    # answered at once.
+    if name in ("Settings", "create_server", "install_sigterm"):
+        from tools.mcp import app
+
+        return getattr(app, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 TOKEN_ENV = "GEMMA4_T4_MCP_TOKEN"
 MIN_TOKEN_CHARS = 32
@@ -63,6 +75,8 @@ def _port(text: str) -> int:
 
 
 def _toolsets(text: str) -> tuple[str, ...]:
+    from tools.mcp.app import parse_toolsets
+
     try:
         return parse_toolsets(text)
     except ValueError as exc:
@@ -112,8 +126,33 @@ def _host_origin_lists(port: int, extra: list[str]) -> tuple[list[str], list[str
     return names, origins
 
 
+def _http_token(args: argparse.Namespace) -> str | None:
+    """The bearer token (generated and printed if none is configured), with the plaintext warning; None, said in
+    one line, when the configured one is too short."""
+    token = os.environ.get(args.token_env, "").strip()
+    if token and len(token) < MIN_TOKEN_CHARS:
+        print(f"server.py: ${args.token_env} is {len(token)} characters; use a token of at least "
+              f"{MIN_TOKEN_CHARS} (e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))')",
+              file=sys.stderr)
+        return None
+    if not token:
+        token = secrets.token_urlsafe(32)
+        print(f"server.py: no ${args.token_env}; bearer token for this run: {token}", file=sys.stderr, flush=True)
+    if not _is_loopback(args.host):
+        print(f"server.py: warning: listening on {args.host}, not loopback: the transport is plaintext HTTP, so "
+              "the bearer token and every result cross the network unencrypted; put TLS in front of it",
+              file=sys.stderr, flush=True)
+    return token
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.http:  # a bad token is refused before the app loads
+        token = _http_token(args)
+        if token is None:
+            return 2
+    from tools.mcp.app import Settings, create_server, install_sigterm
+
     overrides: dict[str, Any] = {}
     if args.state_dir is not None:
         overrides["state_dir"] = str(args.state_dir)
@@ -127,19 +166,6 @@ def main(argv: list[str] | None = None) -> int:
         finally:  # the client closed stdin: a job still running goes with this process, cleaned up
             mcp.gemma.shutdown()  # type: ignore[attr-defined]
         return 0
-    token = os.environ.get(args.token_env, "").strip()
-    if token and len(token) < MIN_TOKEN_CHARS:
-        print(f"server.py: ${args.token_env} is {len(token)} characters; use a token of at least "
-              f"{MIN_TOKEN_CHARS} (e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))')",
-              file=sys.stderr)
-        return 2
-    if not token:
-        token = secrets.token_urlsafe(32)
-        print(f"server.py: no ${args.token_env}; bearer token for this run: {token}", file=sys.stderr, flush=True)
-    if not _is_loopback(args.host):
-        print(f"server.py: warning: listening on {args.host}, not loopback: the transport is plaintext HTTP, so "
-              "the bearer token and every result cross the network unencrypted; put TLS in front of it",
-              file=sys.stderr, flush=True)
     mcp = create_server(settings, auth=bearer_verifier(token), toolsets=args.toolsets)
     hosts, origins = _host_origin_lists(args.port, args.allowed_host)
     print(f"server.py: MCP over HTTP at http://{args.host}:{args.port}/mcp (Authorization: Bearer ...)",

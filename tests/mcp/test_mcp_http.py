@@ -143,6 +143,13 @@ def test_bad_port_short_token_and_plaintext_warning(tmp_path):
     assert bad.returncode == 2 and "70000 is not a port" in bad.stderr and "Traceback" not in bad.stderr
     short = _server_exit(["--http", "--port", str(free_port())], env=dict(os.environ, GEMMA4_T4_MCP_TOKEN="x" * 31))
     assert short.returncode == 2 and "at least 32" in short.stderr
+    # Refused before the app (fastmcp) is loaded.
+    probe = ("import os, sys\nimport server\ntry:\n    server.main(['--http', '--port', '70000'])\n"
+             "except SystemExit:\n    pass\nos.environ['GEMMA4_T4_MCP_TOKEN'] = 'x' * 31\n"
+             "assert server.main(['--http']) == 2\n"
+             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('fastmcp', 'mcp')))\n")
+    r = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", (r.stdout, r.stderr)
     port = free_port()
     env = dict(os.environ, GEMMA4_T4_MCP_TOKEN="t" * 40)
     proc = subprocess.Popen([sys.executable, str(ROOT / "server.py"), "--http", "--host", "0.0.0.0", "--port",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -243,7 +244,7 @@ def stub_server(tmp_path_factory):
             pass
 
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
     yield f"http://127.0.0.1:{srv.server_address[1]}"
     srv.shutdown()
 
@@ -270,6 +271,46 @@ def test_eval_dataset_not_loadable_offline_is_one_line(stub_server, offline, tmp
     line = _one_line_error(capsys, "eval")
     assert "cannot be loaded offline" in line and "nonexistent-dataset" in line
     _no_run_folder(tmp_path / "ev")
+
+
+def test_the_task_check_passes_what_lm_eval_may_resolve(offline, tmp_path, monkeypatch):
+    # Builtin names (lm-eval's own YAMLs), glob patterns and include-folder tasks whose hub dataset some local
+    # cache holds all go on to lm-eval; only what it would certainly refuse is refused early.
+    evals._check_tasks_before_running(EvalParams(tasks=["arc_easy", "tiny_pattern_mc", "no_such_*"]),
+                                      evals.TASKS_DIR)
+    inc = tmp_path / "tasks"
+    inc.mkdir()
+    (inc / "_base.yaml").write_text("dataset_path: some-org/cached-set\noutput_type: multiple_choice\n"
+                                    "doc_to_text: !function utils.text\n")
+    (inc / "hub_task.yaml").write_text("include: _base.yaml\ntask: hub_task\ntest_split: test\n")
+    params = EvalParams(tasks=["hub_task"], include_path=str(inc))
+    with pytest.raises(ToolFailure, match="hub_task reads the hub dataset some-org/cached-set"):
+        evals._check_tasks_before_running(params, inc)
+    cache = Path(os.environ["HF_DATASETS_CACHE"])
+    (cache / "some-org___cached-set").mkdir()
+    try:
+        evals._check_tasks_before_running(params, inc)
+    finally:
+        (cache / "some-org___cached-set").rmdir()
+    monkeypatch.delenv("HF_DATASETS_OFFLINE")
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    evals._check_tasks_before_running(params, inc)  # online, the hub may have it
+
+
+def test_lm_evals_own_refusals_are_explained_in_one_line():
+    # What lm-eval prints when a name or a dataset passes the early check and fails inside it.
+    params = EvalParams(tasks=["x_*"])
+    msg, detail = evals._explain_failure("Traceback (most recent call last):\n  ...\nValueError: Tasks not found: "
+                                         "x_*\n", 1, params)
+    assert msg.startswith("unknown lm-eval task(s): x_*; see `python -m lm_eval ls tasks`")
+    assert detail["returncode"] == 1
+    log = ("Traceback (most recent call last):\n  ...\nConnectionError: Couldn't reach 'org/set' on the Hub "
+           "(LocalEntryNotFoundError)\n")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_DATASETS_OFFLINE", "1")
+        msg, _ = evals._explain_failure(log, 1, params)
+    assert msg.startswith("a task's dataset cannot be loaded offline: ConnectionError: Couldn't reach 'org/set'")
+    assert msg.endswith("unset HF_DATASETS_OFFLINE/HF_HUB_OFFLINE")
 
 
 def test_mcp_paths_stay_inside_the_roots(tmp_path):

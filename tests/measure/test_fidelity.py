@@ -144,7 +144,8 @@ class FakeVllm:
                     self._send(404, {"detail": "Not Found"})
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        # shutdown() waits for the serve loop's next poll: 0.05 s, not the default 0.5 s
+        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
 
     @property
     def url(self):

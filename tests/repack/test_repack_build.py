@@ -37,18 +37,29 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def builds(tiny_qat, tmp_path_factory) -> dict[str, Path]:
-    """The one-pass build and the article's three steps, run as commands."""
+    """The one-pass build and the article's three steps. The first step runs as a command, the others through
+    their main() in this process (each script runs as a command in test_the_article_scripts_refuse_too, `repack
+    build` in test_two_real_builds_of_one_output_at_once); each prints its report."""
+    import contextlib
+    import io
+
+    from repack import cli, embed_int4, text_only
+
     d = tmp_path_factory.mktemp("repack-builds")
     out = {"src": tiny_qat, "one": d / "one", "s1": d / "s1", "s2": d / "s2", "s3": d / "s3", "bf16text": d / "t"}
-    for args in (["-m", "repack", "build", str(tiny_qat), str(out["one"]), "--text-only", "--embed-int4",
-                  "--embed-tokens"],
-                 ["repack/repack_q4_0.py", "repack", str(tiny_qat), str(out["s1"])],
-                 ["repack/text_only.py", str(out["s1"]), str(out["s2"])],
-                 ["repack/embed_int4.py", str(out["s2"]), str(out["s3"]), "--embed-tokens"],
-                 ["repack/text_only.py", str(tiny_qat), str(out["bf16text"])]):
-        r = _run(*args)
-        assert r.returncode == 0, r.stderr
-        assert "table" in r.stdout and "PLE" in r.stdout  # the printed report
+    r = _run("repack/repack_q4_0.py", "repack", str(tiny_qat), str(out["s1"]))
+    assert r.returncode == 0, r.stderr
+    assert "table" in r.stdout and "PLE" in r.stdout  # the printed report
+    for main, args in ((cli.main, ["build", str(tiny_qat), str(out["one"]), "--text-only", "--embed-int4",
+                                   "--embed-tokens"]),
+                       (text_only.main, [str(out["s1"]), str(out["s2"])]),
+                       (embed_int4.main, [str(out["s2"]), str(out["s3"]), "--embed-tokens"]),
+                       (text_only.main, [str(tiny_qat), str(out["bf16text"])])):
+        stdout, stderr = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            rc = main(args)
+        assert rc == 0, stderr.getvalue()
+        assert "table" in stdout.getvalue() and "PLE" in stdout.getvalue()
     return out
 
 

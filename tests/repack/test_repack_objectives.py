@@ -4,8 +4,6 @@ objectives, the runtime figures of the report, NaN/inf as off-grid values, the t
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -201,14 +199,14 @@ def _checkpoint_with(tmp_path: Path, name: str, words: np.ndarray) -> Path:
 LINEAR = "model.language_model.layers.1.mlp.up_proj.weight"
 
 
-def test_build_aborts_on_nan_naming_tensor_row_and_group(tmp_path):
+def test_build_aborts_on_nan_naming_tensor_row_and_group(tmp_path, capsys):
+    from repack import cli
+
     words = grid_words(128, 64, np.random.default_rng(17), step_dtype=np.float32)
     words[77, 40] = 0x7FC0
     src = _checkpoint_with(tmp_path, LINEAR, words)
-    r = subprocess.run([sys.executable, "-m", "repack", "build", str(src), str(tmp_path / "out")], cwd=ROOT,
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 2
-    lines = r.stderr.strip().splitlines()
+    assert cli.main(["build", str(src), str(tmp_path / "out")]) == 2  # the command's main(), in this process
+    lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ")
     assert LINEAR in lines[0] and "row 77, group 1" in lines[0] and "NaN" in lines[0]
     assert not (tmp_path / "out").exists()
@@ -307,7 +305,9 @@ def test_default_objective_is_the_one_the_fidelity_measurement_chose():
     assert BuildOptions().target_dtype == "float16" and BuildOptions().scale_dtype == "fp16"
 
 
-def test_scale_dtype_is_an_alias_and_a_mismatch_is_refused(tmp_path):
+def test_scale_dtype_is_an_alias_and_a_mismatch_is_refused(tmp_path, capsys):
+    from repack import cli, embed_int4, repack_q4_0
+
     assert BuildOptions(scale_dtype="bf16").target_dtype == "bfloat16"
     assert BuildOptions(target_dtype="bfloat16").scale_dtype == "bf16"
     assert BuildOptions(scale_dtype="fp16", target_dtype="float16").target_dtype == "float16"
@@ -316,19 +316,21 @@ def test_scale_dtype_is_an_alias_and_a_mismatch_is_refused(tmp_path):
     with pytest.raises(RepackError, match="objective"):
         BuildOptions(objective="fastest")
     src = write_small_checkpoint(tmp_path / "src")
-    for script in (["-m", "repack", "build", str(src), str(tmp_path / "o")],
-                   ["repack/repack_q4_0.py", "repack", str(src), str(tmp_path / "o")],
-                   ["repack/embed_int4.py", str(src), str(tmp_path / "o")]):
-        r = subprocess.run([sys.executable, *script, "--scale-dtype", "bf16", "--target-dtype", "float16"],
-                           cwd=ROOT, capture_output=True, text=True, timeout=600)
-        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
-        assert "--scale-dtype bf16 does not match --target-dtype float16" in r.stderr
+    # The commands' main() in this process; as scripts they exit 2 in test_commands_exit_2_as_scripts and
+    # test_the_article_scripts_refuse_too.
+    for main, args in ((cli.main, ["build", str(src), str(tmp_path / "o")]),
+                       (repack_q4_0.main, ["repack", str(src), str(tmp_path / "o")]),
+                       (embed_int4.main, [str(src), str(tmp_path / "o")])):
+        rc = main([*args, "--scale-dtype", "bf16", "--target-dtype", "float16"])
+        err = capsys.readouterr().err
+        assert rc == 2 and len(err.strip().splitlines()) == 1, err
+        assert "--scale-dtype bf16 does not match --target-dtype float16" in err
         assert not (tmp_path / "o").exists()
-    r = subprocess.run([sys.executable, "repack/embed_int4.py", str(src), str(tmp_path / "o"), "--target-dtype",
-                        "bfloat16", "--objective", "min-error", "--json"], cwd=ROOT, capture_output=True,
-                       text=True, timeout=600)
-    assert r.returncode == 0, r.stderr
-    rep = json.loads(r.stdout)
+    rc = embed_int4.main([str(src), str(tmp_path / "o"), "--target-dtype", "bfloat16", "--objective", "min-error",
+                          "--json"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    rep = json.loads(out)
     assert (rep["target_dtype"], rep["scale_dtype"], rep["objective"]) == ("bfloat16", "bf16", "min-error")
     assert open_checkpoint(tmp_path / "o").tensors[
         "model.language_model.embed_tokens_per_layer.weight_scale"].dtype == "BF16"

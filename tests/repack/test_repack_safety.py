@@ -127,17 +127,16 @@ def test_filesystem_root_is_refused(src):
         build_checkpoint(src, "/", BuildOptions(force=True))
 
 
-def test_build_into_the_working_folder_is_refused(src, tmp_path):
+def test_build_into_the_working_folder_is_refused(src, tmp_path, capsys, monkeypatch):
     work = tmp_path / "work"
     work.mkdir()
     (work / "mine.txt").write_text("x")
+    monkeypatch.chdir(work)
     for out in (".", "..", str(work)):
-        r = subprocess.run([sys.executable, "-m", "repack", "build", str(src), out, "--force"], cwd=work,
-                           capture_output=True, text=True, timeout=300,
-                           env={**os.environ, "PYTHONPATH": str(ROOT)})
-        assert r.returncode == 2, r.stderr
-        _one_line_error(r.stderr, "working folder")
-        assert "Traceback" not in r.stderr
+        rc, err = _cli(capsys, "build", src, out, "--force")
+        assert rc == 2, err
+        _one_line_error(err, "working folder")
+        assert "Traceback" not in err
     assert _tree(work) == {"mine.txt": b"x"} and (tmp_path / "qat" / "config.json").exists()
 
 
@@ -277,9 +276,9 @@ sys.exit(cli.main(["build", {src!r}, {out!r}, "--force"]))
 
 @pytest.mark.parametrize("mode,step", [("exchange", s) for s in STEPS_EXCHANGE] +
                          [("journal", s) for s in STEPS_JOURNAL])
-def test_sigkill_at_each_step_then_the_next_build_recovers(src, old_build, tmp_path, mode, step):
-    """SIGKILL at each step of a real `repack build` process; the next build beside it rolls forward or back and
-    says what it removed: OUT is complete in every case and nothing is left over."""
+def test_sigkill_at_each_step_then_the_next_build_recovers(src, old_build, tmp_path, capsys, mode, step):
+    """SIGKILL at each step of a real `repack build` process; the next build beside it (run in this process) rolls
+    forward or back and says what it removed: OUT is complete in every case and nothing is left over."""
     code = _KILL_CHILD.format(root=str(ROOT), no_exchange=mode == "journal", step=step, src=str(src),
                               out=str(old_build))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
@@ -290,15 +289,14 @@ def test_sigkill_at_each_step_then_the_next_build_recovers(src, old_build, tmp_p
         assert not old_build.exists()  # the crash window the journal exists for
     else:
         assert _kind(old_build) == ("new" if WRITTEN_AFTER[step] else "old")
-    r = subprocess.run([sys.executable, "-m", "repack", "build", str(src), str(tmp_path / "other"), "--keep-linears"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
+    rc, err = _cli(capsys, "build", src, tmp_path / "other", "--keep-linears")
+    assert rc == 0, err
     assert _leftovers(tmp_path) == []
     assert _kind(old_build) == ("new" if WRITTEN_AFTER[step] and step != "old-aside" else "old")
     for name in left:
-        assert name in r.stderr
+        assert name in err
     if mode == "journal" and step == "old-aside":
-        assert "restored" in r.stderr
+        assert "restored" in err
 
 
 def _dead_owner() -> tuple[int, int]:
@@ -401,7 +399,7 @@ def _wait_for_partial(folder: Path, p: subprocess.Popen) -> str:
     raise AssertionError(f"no partial folder appeared (exit {p.poll()})")
 
 
-def test_sigkill_leftover_is_reported_by_probe_and_removed_by_the_next_build(src, tmp_path):
+def test_sigkill_leftover_is_reported_by_probe_and_removed_by_the_next_build(src, tmp_path, capsys):
     out = tmp_path / "out"
     p = _start_slow_build(src, out)
     try:
@@ -417,19 +415,21 @@ def test_sigkill_leftover_is_reported_by_probe_and_removed_by_the_next_build(src
     assert _leftovers(tmp_path) == [name]
     size = sum(f.stat().st_size for f in (tmp_path / name).iterdir())
     assert size > 0
-    r = subprocess.run([sys.executable, "-m", "repack", "probe", str(src), "--json"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    stale = json.loads(r.stdout)["stale_partials"]
+    # The killed build was a process of its own; probe and the next build run in this one (the commands' exit
+    # statuses as scripts are test_commands_exit_2_as_scripts' and test_two_real_builds_of_one_output_at_once's).
+    capsys.readouterr()
+    rc = cli.main(["probe", str(src), "--json"])
+    out_, err = capsys.readouterr()
+    assert rc == 0, err
+    stale = json.loads(out_)["stale_partials"]
     assert len(stale) == 1 and name in stale[0] and f"pid {p.pid}" in stale[0]
     assert _leftovers(tmp_path) == [name]  # probe only reads
-    r = subprocess.run([sys.executable, "-m", "repack", "probe", str(src)], cwd=ROOT, capture_output=True,
-                       text=True, timeout=300)
-    assert "stale partial build" in r.stdout and name in r.stdout
-    r = subprocess.run([sys.executable, "-m", "repack", "build", str(src), str(tmp_path / "b2"), *FULL],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    assert f"removed {tmp_path / name}" in r.stderr and f"pid {p.pid}" in r.stderr
+    cli.main(["probe", str(src)])
+    out_ = capsys.readouterr().out
+    assert "stale partial build" in out_ and name in out_
+    rc, err = _cli(capsys, "build", src, tmp_path / "b2", *FULL)
+    assert rc == 0, err
+    assert f"removed {tmp_path / name}" in err and f"pid {p.pid}" in err
     assert _leftovers(tmp_path) == []
     rep = json.loads((tmp_path / "b2" / "repack-report.json").read_text())
     assert len(rep["removed_partials"]) == 1 and name in rep["removed_partials"][0]

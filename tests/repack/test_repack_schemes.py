@@ -160,13 +160,20 @@ def test_w8a8_compressed_tensors_quantize_and_decompress_agree():
 
 @pytest.fixture(scope="module")
 def w8a8_build(tiny_qat, tmp_path_factory) -> Path:
-    """The article's W8A8 build, through the command line: int8 linears, int4 embeddings and untied int4 head,
-    text only."""
+    """The article's W8A8 build, through the command line's main() in this process: int8 linears, int4 embeddings
+    and untied int4 head, text only."""
+    import contextlib
+    import io
+
+    from repack import cli
+
     out = tmp_path_factory.mktemp("w8a8") / "gemma-4-tiny-text-w8a8"
-    r = _run("-m", "repack", "build", str(tiny_qat), str(out), "--scheme", "w8a8", "--text-only", "--embed-int4",
-             "--embed-tokens")
-    assert r.returncode == 0, r.stderr
-    assert "w8a8:" in r.stdout and "snr_db" in r.stdout  # the scheme's own report section
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        rc = cli.main(["build", str(tiny_qat), str(out), "--scheme", "w8a8", "--text-only", "--embed-int4",
+                       "--embed-tokens"])
+    assert rc == 0, stderr.getvalue()
+    assert "w8a8:" in stdout.getvalue() and "snr_db" in stdout.getvalue()  # the scheme's own report section
     return out
 
 
@@ -336,7 +343,7 @@ def test_w8a8_build_serves_on_the_cpu_int8_kernel(w8a8_build, serve_config_facto
 
 
 @pytest.mark.parametrize("bad", [0x7FC0, 0xFF80])  # NaN, -inf
-def test_w8a8_build_refuses_a_nonfinite_weight(tmp_path, bad):
+def test_w8a8_build_refuses_a_nonfinite_weight(tmp_path, capsys, bad):
     """No int8 level represents NaN or an infinity: the build stops naming tensor, row and column, writes
     nothing, and the command line says so in one line with exit 2."""
     from repack.errors import RepackError
@@ -349,6 +356,9 @@ def test_w8a8_build_refuses_a_nonfinite_weight(tmp_path, bad):
     with pytest.raises(RepackError, match=r"up_proj.weight: row 77, column 40 holds a NaN or an infinity"):
         build_checkpoint(src, tmp_path / "out", BuildOptions(scheme="w8a8", embed_int4=False, embed_tokens=False))
     assert not (tmp_path / "out").exists()
-    r = _run("-m", "repack", "build", str(src), str(tmp_path / "out2"), "--scheme", "w8a8")
-    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "row 77, column 40" in r.stderr
+    from repack import cli
+
+    rc = cli.main(["build", str(src), str(tmp_path / "out2"), "--scheme", "w8a8"])  # the command, in-process
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "row 77, column 40" in err
     assert not (tmp_path / "out2").exists()

@@ -173,8 +173,14 @@ def test_command_line_bad_input_exits_2_with_one_line(tmp_path):
 def test_an_interrupted_fetch_resumes_through_the_cache(hub_files, hub_env, tmp_path, monkeypatch):
     """huggingface_hub 2.4 resumes a dropped connection inside one fetch (a ranged GET from the bytes it has) and,
     across fetches, keeps every file it completed; a file cut off for good is fetched whole next time."""
-    from huggingface_hub import constants
+    import types
 
+    from huggingface_hub import constants, file_download
+
+    # huggingface_hub waits 1 s before each of its 5 retries of a dropped download: the retries are what this test
+    # is about, not the waiting.
+    backoff: list[float] = []
+    monkeypatch.setattr(file_download, "time", types.SimpleNamespace(sleep=backoff.append))
     models = tmp_path / "models"
     # A file over two of huggingface_hub's download chunks: it keeps the chunks it received whole.
     chunk = constants.DOWNLOAD_CHUNK_SIZE
@@ -187,6 +193,7 @@ def test_an_interrupted_fetch_resumes_through_the_cache(hub_files, hub_env, tmp_
             fetch_checkpoint(FetchParams(repo_id=REPO, roots=[str(models)]))
         assert exc.value.detail["kind"] == "dropped" and "\n" not in str(exc.value)
         assert (big, chunk) in hub.ranges  # the retry asked for what it lacked, from its first whole chunk on
+        assert backoff and set(backoff) == {1}
     assert not models.exists() or list(models.iterdir()) == []  # nothing half-done in the models root
     blobs = {p.name for p in hub_env.glob("models--acme--gemma-4-tiny-qat/blobs/*")}
     done_before = {n for n in hub_files if hashlib.sha256(hub_files[n]).hexdigest() in blobs}

@@ -31,6 +31,27 @@ def _cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
                           text=True, timeout=120)
 
 
+@pytest.fixture
+def cli_here(capsys, monkeypatch):
+    """run(args, env): the command through tools.cli.main in this process, as a CompletedProcess (./vllm-t4 exits
+    with main's return value; the script itself runs in the ../x, port-clash and router-lifecycle tests)."""
+    from tools.cli import main
+
+    def run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+        for k, v in env.items():
+            if os.environ.get(k) != v:
+                monkeypatch.setenv(k, v)
+        capsys.readouterr()
+        try:
+            rc = main(args)
+        except SystemExit as e:  # argparse's usage errors
+            rc = e.code
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(args, rc, out, err)
+
+    return run
+
+
 def _snapshot(d: Path) -> dict[str, bytes]:
     return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()
             and p.name != ".instances.lock"} if d.exists() else {}
@@ -114,14 +135,22 @@ def fleet(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["../x", "a/b", "..", "", "a b", "-a", "x" * 33, "a;b", "ä"])
-def test_bad_instance_name_is_refused_in_one_line(tmp_path, name):
+def test_bad_instance_name_is_refused_in_one_line(tmp_path, name, capsys, monkeypatch):
     env = _env(tmp_path / "run")
     flag = f"--instance={name}"
     every = [["start", flag], ["status", flag], ["stop", flag], ["log", flag], ["query", "hi", flag]]
-    for args in every if name == "../x" else every[:1]:
-        r = _cli(args, env)
-        assert r.returncode == 2, (args, r.stderr)
-        assert len(r.stderr.strip().splitlines()) == 1 and "not a valid instance name" in r.stderr, r.stderr
+    if name == "../x":  # every command, each as the script
+        for args in every:
+            r = _cli(args, env)
+            assert r.returncode == 2, (args, r.stderr)
+            assert len(r.stderr.strip().splitlines()) == 1 and "not a valid instance name" in r.stderr, r.stderr
+    else:  # the other names through the same main(), in this process
+        from tools.cli import main
+
+        monkeypatch.setenv("STATE_DIR", str(tmp_path / "run"))
+        assert main(every[0]) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and "not a valid instance name" in err, err
     assert not (tmp_path / "run").exists()  # nothing written, not even the state dir
 
 
@@ -219,59 +248,59 @@ def test_gpu_room_and_parallelism_on_a_t4(tmp_path, fleet):
     assert argv[argv.index("--tensor-parallel-size") + 1] == "2" and "--data-parallel-size" in argv
 
 
-def test_data_parallel_beyond_the_gpus_from_the_cli(tmp_path):
+def test_data_parallel_beyond_the_gpus_from_the_cli(cli_here, tmp_path):
     env = _env(tmp_path / "run", DATA_PARALLEL_SIZE="3")
-    r = _cli(["start", "--instance", "a", "--port", str(free_port())], env)
+    r = cli_here(["start", "--instance", "a", "--port", str(free_port())], env)
     # On this machine (no GPU: the CPU path) three ranks need three free cores; on a GPU machine three GPUs.
     if (os.cpu_count() or 1) < 3:
         assert r.returncode == 2 and "3 vLLM ranks" in r.stderr, r.stderr
         assert not (tmp_path / "run" / "a").exists()
 
 
-def test_router_over_an_instance_not_running(tmp_path, fleet):
+def test_router_over_an_instance_not_running(cli_here, tmp_path, fleet):
     fleet("a", free_port())
     env = _env(tmp_path / "run")
     before = _snapshot(tmp_path / "run")
-    r = _cli(["router", "start", "--instances", "a,b"], env)
+    r = cli_here(["router", "start", "--instances", "a,b"], env)
     assert r.returncode == 2 and "instance 'b' is not running (running: a)" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
-    r = _cli(["router", "start", "--instances", "a", "--policy", "fastest"], env)
+    r = cli_here(["router", "start", "--instances", "a", "--policy", "fastest"], env)
     assert r.returncode == 2 and "fastest" in r.stderr
     assert _snapshot(tmp_path / "run") == before and _no_vllm_child()
-    st = _cli(["router", "status"], env)
+    st = cli_here(["router", "status"], env)
     assert st.returncode == 3 and "no router running" in st.stdout
 
 
-def test_status_lists_every_instance_and_fails_unless_all_healthy(tmp_path, fleet):
+def test_status_lists_every_instance_and_fails_unless_all_healthy(cli_here, tmp_path, fleet):
     fleet("a", free_port(), cpu_cores=[[0]])
     fleet("b", free_port(), cpu_cores=[[1]])
-    r = _cli(["status", "--json"], _env(tmp_path / "run"))
+    r = cli_here(["status", "--json"], _env(tmp_path / "run"))
     data = json.loads(r.stdout)
     assert r.returncode == 3  # alive (the sleeps) but nothing answers /health
     assert [i["instance"] for i in data["instances"]] == ["a", "b"]
     assert all(i["alive"] and not i["healthy"] for i in data["instances"]) and data["all_healthy"] is False
     assert data["instances"][1]["cpu_cores"] == [[1]]
-    one = _cli(["status", "--instance", "a", "--json"], _env(tmp_path / "run"))
+    one = cli_here(["status", "--instance", "a", "--json"], _env(tmp_path / "run"))
     assert one.returncode == 3 and json.loads(one.stdout)["instance"] == "a"
 
 
-def test_stop_all_and_one_instance(tmp_path, fleet):
+def test_stop_all_and_one_instance(cli_here, tmp_path, fleet):
     a = fleet("a", free_port())
     b = fleet("b", free_port())
     env = _env(tmp_path / "run")
-    r = _cli(["stop", "--instance", "a", "--grace", "5"], env)
+    r = cli_here(["stop", "--instance", "a", "--grace", "5"], env)
     assert r.returncode == 0, r.stderr
     assert not psutil.pid_exists(a["pid"]) or psutil.Process(a["pid"]).status() == psutil.STATUS_ZOMBIE
     assert (tmp_path / "run" / "b" / "vllm.json").exists()
-    r = _cli(["stop", "--all", "--json"], env)
+    r = cli_here(["stop", "--all", "--json"], env)
     assert r.returncode == 0, r.stderr
     stopped = json.loads(r.stdout)["stopped"]
     assert [s["was_running"] for s in stopped] == [False, True]  # no router, then b
     assert not (tmp_path / "run" / "b" / "vllm.json").exists()
-    assert _cli(["stop", "--all", "--instance", "a"], env).returncode == 2
+    assert cli_here(["stop", "--all", "--instance", "a"], env).returncode == 2
 
 
-def test_endpoint_choice_is_one_of_three(tmp_path, fleet):
+def test_endpoint_choice_is_one_of_three(cli_here, tmp_path, fleet):
     from tools.serving.endpoint import EndpointParams, resolve_endpoint
 
     cfg = load_config(ROOT / "tpu.env", state_dir=tmp_path / "run")
@@ -290,7 +319,7 @@ def test_endpoint_choice_is_one_of_three(tmp_path, fleet):
     assert (ep.kind, ep.name, ep.base_url) == ("instance", "a", f"http://127.0.0.1:{port}")
     with pytest.raises(ToolFailure, match=r"as the default instance \(running: a; pass instance\)"):
         resolve_endpoint(EndpointParams(), cfg, managed=True)
-    r = _cli(["sweep", "--instance", "a", "--router"], _env(tmp_path / "run"))
+    r = cli_here(["sweep", "--instance", "a", "--router"], _env(tmp_path / "run"))
     assert r.returncode == 2 and "instance and router exclude each other" in r.stderr
 
 

@@ -288,6 +288,126 @@ class _OutputReader:
                 log.write(buf.rstrip() + "\n")
 
 
+def _unknown_tasks_message(names: str, params: EvalParams) -> str:
+    where = params.include_path or str(TASKS_DIR)
+    return (f"unknown lm-eval task(s): {names}; see `python -m lm_eval ls tasks` or put a task YAML in the include "
+            f"folder ({where})")
+
+
+def _offline_hint() -> tuple[bool, str]:
+    offline = os.environ.get("HF_DATASETS_OFFLINE") == "1" or os.environ.get("HF_HUB_OFFLINE") == "1"
+    return offline, ("run once online so the datasets cache holds it, or unset HF_DATASETS_OFFLINE/HF_HUB_OFFLINE"
+                     if offline else "check the task's dataset_path/data_files and the network")
+
+
+def _yaml_load(data: bytes) -> Any:
+    """lm-eval task YAML without running it: `!function` and other tags load as None."""
+    import yaml  # PyYAML comes with lm-eval
+
+    class TagsIgnored(yaml.SafeLoader):
+        pass
+
+    TagsIgnored.add_multi_constructor("", lambda loader, suffix, node: None)
+    return yaml.load(data, Loader=TagsIgnored)  # noqa: S506 (a SafeLoader)
+
+
+def _task_yamls(root: Path) -> list[Path]:
+    # The files lm-eval indexes: every *.yaml under the folder.
+    return sorted(p for p in root.glob("**/*.yaml") if not ({"__pycache__", ".ipynb_checkpoints"} & set(p.parts)))
+
+
+def _read_task_yaml(path: Path, seen: frozenset[Path] = frozenset()) -> dict[str, Any] | None:
+    """A task YAML with its `include:` files merged as lm-eval merges them; None when it cannot be read."""
+    path = path.resolve()
+    if path in seen:
+        return None
+    try:
+        cfg = _yaml_load(path.read_bytes())
+    except Exception:  # unreadable or not YAML: lm-eval will say so itself
+        return None
+    if not isinstance(cfg, dict):
+        return None
+    if "include" not in cfg:
+        return cfg
+    includes = cfg.pop("include")
+    merged: dict[str, Any] = {}
+    for inc in includes if isinstance(includes, list) else [includes]:
+        base = _read_task_yaml(path.parent / str(inc), seen | {path})
+        if base is None:
+            return None
+        base.pop("task_list", None)
+        merged.update(base)
+    merged.update(cfg)
+    return merged
+
+
+def _lm_eval_tasks_dir() -> Path | None:
+    import importlib.util
+
+    spec = importlib.util.find_spec("lm_eval")  # finds the package without importing it (datasets, torch)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    tasks = Path(list(spec.submodule_search_locations)[0]) / "tasks"
+    return tasks if tasks.is_dir() else None
+
+
+def _hub_dataset_cached(repo_id: str) -> bool:
+    """Whether a hub dataset may be in a local cache (the datasets cache, or the hub's) for an offline load.
+
+    Errs towards yes: any cache entry whose name ends with the dataset's name counts."""
+    hf_home = Path(os.path.expanduser(os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")))
+    caches = [Path(os.path.expanduser(os.environ.get("HF_DATASETS_CACHE") or hf_home / "datasets")),
+              Path(os.path.expanduser(os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
+                                      or hf_home / "hub"))]
+    name = repo_id.rsplit("/", 1)[-1].lower()
+    for cache in caches:
+        try:
+            if any(e.name.lower().endswith(name) for e in cache.iterdir()):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def _check_tasks_before_running(params: EvalParams, include: Path) -> None:
+    """Refuses, in about a second, what lm-eval would refuse only after indexing its ~15,000 task YAMLs (10 s and
+    more on two cores): task names that occur in no task YAML, and, offline, a task of the include folder whose
+    hub dataset is in no local cache. One-sided: anything it cannot rule out is left for lm-eval to judge."""
+    texts = {p: p.read_bytes() for p in _task_yamls(include) if p.is_file()}
+    unknown = []
+    for name in params.tasks:
+        # Glob patterns, YAML files and folders are lm-eval's to resolve.
+        if any(c in name for c in "*?[") or name.endswith(".yaml") or (include / name).exists():
+            continue
+        needle = name.encode()
+        if any(needle in t for t in texts.values()):
+            continue
+        builtin = _lm_eval_tasks_dir()
+        if builtin is None:
+            return
+        if not any(needle in p.read_bytes() for p in _task_yamls(builtin) if p.is_file()):
+            unknown.append(name)
+    if unknown:
+        raise ToolFailure(_unknown_tasks_message(", ".join(unknown), params), {"unknown_tasks": unknown})
+    offline, hint = _offline_hint()
+    if not offline:
+        return
+    for path in texts:
+        cfg = _read_task_yaml(path)
+        if not cfg or cfg.get("task") not in params.tasks or "class" in cfg or "group" in cfg:
+            continue
+        ds, kwargs = cfg.get("dataset_path"), cfg.get("dataset_kwargs") or {}
+        # Only `namespace/name` hub ids: packaged builders (json, csv...) and legacy names have no '/'.
+        if (not isinstance(ds, str) or ds.count("/") != 1 or ds.startswith(("/", ".", "~"))
+                or (include / ds).exists() or not isinstance(kwargs, dict) or "cache_dir" in kwargs):
+            continue
+        if not _hub_dataset_cached(ds):
+            raise ToolFailure(f"a task's dataset cannot be loaded offline: task {cfg['task']} reads the hub "
+                              f"dataset {ds}, which no local cache holds; {hint}",
+                              {"task": cfg["task"], "dataset_path": ds, "yaml": str(path)})
+
+
 def _explain_failure(log_text: str, rc: int, params: EvalParams) -> tuple[str, dict[str, Any]]:
     """One actionable line from lm-eval's output: the last exception, with what to do about it."""
     lines = [ln.strip() for ln in log_text.splitlines() if ln.strip()]
@@ -298,18 +418,14 @@ def _explain_failure(log_text: str, rc: int, params: EvalParams) -> tuple[str, d
     low = log_text.lower()
     m = re.search(r"^\s*ValueError: Tasks not found: (.*)$", log_text, re.M)
     if m:
-        where = params.include_path or str(TASKS_DIR)
-        return (f"unknown lm-eval task(s): {m.group(1).strip()}; see `python -m lm_eval ls tasks` or put a task "
-                f"YAML in the include folder ({where})", detail)
+        return _unknown_tasks_message(m.group(1).strip(), params), detail
     if "clientconnectorerror" in low or "connection refused" in low or "cannot connect to host" in low:
         return (f"lm-eval could not reach the server at {params.base_url} (connection refused); check ./vllm-t4 "
                 f"status and rerun", detail)
-    offline = os.environ.get("HF_DATASETS_OFFLINE") == "1" or os.environ.get("HF_HUB_OFFLINE") == "1"
+    offline, hint = _offline_hint()
     if any(k in low for k in ("couldn't reach", "offline mode", "localentrynotfound", "datasetnotfounderror",
                               "unable to find", "connectionerror", "doesn't exist on the hub",
                               "cannot find the requested files", "no (supported) data files")):
-        hint = ("run once online so the datasets cache holds it, or unset HF_DATASETS_OFFLINE/HF_HUB_OFFLINE"
-                if offline else "check the task's dataset_path/data_files and the network")
         return f"a task's dataset cannot be loaded{' offline' if offline else ''}: {text[:300]}; {hint}", detail
     return f"lm-eval failed (exit code {rc}): {text[:300]}; see the log lines in detail", detail
 
@@ -398,6 +514,7 @@ def run_eval(params: EvalParams, progress: Progress | None = None, *, serve_conf
     if not include.is_dir():
         raise ToolFailure(f"include path {params.include_path} is not a folder: give a folder of lm-eval task "
                           f"YAMLs", {"include_path": params.include_path})
+    _check_tasks_before_running(params, include)
     from tools.serving.endpoint import resolve_endpoint
 
     endpoint = resolve_endpoint(params, serve_config)
