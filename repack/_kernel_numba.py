@@ -369,6 +369,30 @@ def _errors(c, qi, j, x, inv, nf, n, rm, rs, sig, minexp, vmax):
     return (ne - nf if n < 0 else n), m, t
 
 
+@nb.njit(cache=True, _nrt=False)
+def _min_worst(s, qi, sa, da, has_a, same_a, x, agg, wmin, wmax, lo_t, hi_t, recip, inv, nf, rm, rs, cand,
+               sig, minexp, vmax):
+    # grid._min_worst: the smallest worst runtime error over every candidate of _search (the rare off-grid path)
+    cand[0], cand[1], cand[2] = _round_fmt(s, sig, minexp, vmax)
+    nc = 3
+    lb, ubnd = _bounds(agg, wmin, wmax, lo_t, hi_t, recip)
+    if lb <= ubnd:
+        cand[3], cand[4], cand[5] = _round_fmt(min(max(s, lb), ubnd), sig, minexp, vmax)
+        nc = 6
+    best = np.inf
+    for j in range(nc):
+        best = min(best, _errors(cand[j], qi, 0, x, inv, nf, -1, rm, rs, sig, minexp, vmax)[1])
+    if has_a:
+        a = 0 if same_a else 1  # the same m gives the same levels (row 0)
+        best = min(best, _errors(_round1(da, sig, minexp, vmax), qi, a, x, inv, nf, -1, rm, rs, sig, minexp,
+                                 vmax)[1])
+        best = min(best, _errors(_round1(sa, sig, minexp, vmax), qi, a, x, inv, nf, -1, rm, rs, sig, minexp,
+                                 vmax)[1])
+        best = min(best, _errors(_round1(_round1(sa, 8, -133, BF16_MAX), sig, minexp, vmax), qi, a, x, inv, nf,
+                                 -1, rm, rs, sig, minexp, vmax)[1])
+    return best
+
+
 @nb.njit(cache=True, inline="always", _nrt=False)
 def _err(c, q, x, inv):
     w = 0.0
@@ -483,7 +507,12 @@ def _rows(words, packed, scales, stats, ratio_table, lowbit, recip, value_tab, i
             esum_o += eto
             sqsum += sq
             sqsum_o += sqo
-            if e > 2.0:
+            if e > 2.0 and nf == 0:  # past the tolerance: on the grid all the same if another candidate is within
+                e_min = _min_worst(s, qi, sa, da, has_a, m_a == m, x, agg, wmin, wmax, lo_t, hi_t, recip, inv, nf,
+                                   rm, rs, cand, sig, minexp, vmax)
+            else:
+                e_min = e
+            if e_min > 2.0:
                 if n_off == 0:
                     stats[6] = r
                     stats[7] = g
