@@ -29,6 +29,12 @@ def pytest_collection_modifyitems(config, items):
     vllm.sort(key=lambda item: item.get_closest_marker("ends_shared_server") is not None)  # stable
     for item in vllm:
         item.add_marker(pytest.mark.xdist_group("vllm"))
+        if getattr(config.option, "loadgroup", False) and hasattr(item, "_id"):
+            # xdist 3.8.0 marks a group by rewriting item._nodeid, which pytest 9.2 no longer reads (the node id
+            # is item._id): without this the group is silently ignored and both workers start vLLM servers.
+            from _pytest.nodeid import NodeId
+
+            item._id = NodeId.parse(f"{item.nodeid}@vllm")
     rest = [item for item in items if not item.get_closest_marker("vllm")]
     items[:] = vllm + rest
 
@@ -187,7 +193,9 @@ _start_log = None
 def pytest_sessionstart(session):
     global _start_log
     out = os.environ.get("GEMMA4_T4_START_LOG")
-    if out:
+    # Not in xdist's controller: its temporary folder holds the workers', and it does not run their tests.
+    controller = getattr(session.config.option, "numprocesses", None) and not hasattr(session.config, "workerinput")
+    if out and not controller:
         from start_log import StartLog
 
         basetemp = session.config._tmp_path_factory.getbasetemp()
