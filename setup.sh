@@ -17,4 +17,9 @@ else
     # `import transformers`; vLLM's text path needs none of them.
     .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 fi
+# The repack grid kernel (numba) compiles on first use and caches its machine code in repack/__pycache__:
+# compile it here, as part of installing (like building an extension), so the first build or test run does not
+# pay for it.
+echo "setup.sh: compiling the repack grid kernel (numba, once per install; one to a few minutes on 2 cores)"
+.venv/bin/python -m repack.kernel_cache
 .venv/bin/python -c 'import vllm, fastmcp, numpy; print("gemma4-t4 ready: vllm", vllm.__version__, "fastmcp", fastmcp.__version__)'

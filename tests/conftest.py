@@ -2,11 +2,41 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from fixtures import ROOT, SERVE_MAX_MODEL_LEN, free_port
+
+
+def pytest_configure(config):
+    """With xdist workers, compile (or load) the grid kernel once here first: after an edit of the kernel, two
+    workers would otherwise both compile it at once (minutes of CPU each), and a test's job would time out."""
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        from repack.kernel_cache import warm
+
+        warm()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Every vllm-marked test joins one xdist group (pyproject's `--dist loadgroup`): one worker runs them all, in
+    collection order, against one set of session servers, so the two cores never host two vLLM halves at once.
+    They are put first so that worker starts on them at once while the other takes everything else; a test that
+    ends a shared server (marked ends_shared_server) runs after every other vllm test."""
+    vllm = [item for item in items if item.get_closest_marker("vllm")]
+    vllm.sort(key=lambda item: item.get_closest_marker("ends_shared_server") is not None)  # stable
+    for item in vllm:
+        item.add_marker(pytest.mark.xdist_group("vllm"))
+        if getattr(config.option, "loadgroup", False) and hasattr(item, "_id"):
+            # xdist 3.8.0 marks a group by rewriting item._nodeid, which pytest 9.2 no longer reads (the node id
+            # is item._id): without this the group is silently ignored and both workers start vLLM servers.
+            from _pytest.nodeid import NodeId
+
+            item._id = NodeId.parse(f"{item.nodeid}@vllm")
+    rest = [item for item in items if not item.get_closest_marker("vllm")]
+    items[:] = vllm + rest
 
 
 @pytest.fixture(scope="session")
@@ -82,10 +112,22 @@ def _require_plugin() -> None:
 
 
 def _serve(cfg):
+    """Starts a shared server for the session. On the CPU its model worker runs inside vLLM's engine process
+    (VLLM_ENABLE_V1_MULTIPROCESSING=0 for that start only): one Python process fewer to import vLLM into, 30 s ->
+    23 s per start here, same greedy tokens (evidence/suite-speed.md). The product's own process layout is what
+    every other start in the suite runs (the command line, the demo, the MCP server, instances, the decode sweep)."""
     from tools.serving.vllm_server import start_server, stop_server
 
     _require_plugin()
-    start_server(cfg)
+    old = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # read by the server process, copied at its launch
+    try:
+        start_server(cfg)
+    finally:
+        if old is None:
+            del os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"]
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = old
     try:
         yield cfg
     finally:
@@ -102,3 +144,80 @@ def emb4_server(emb4_build, serve_config_factory):
 def bf16_server(bf16_text_build, serve_config_factory):
     """A live vLLM server of `bf16_text_build` for the whole session; yields its ServeConfig."""
     yield from _serve(serve_config_factory(bf16_text_build, "gemma-4-tiny-text"))
+
+
+def perturb_scales(build: Path, out: Path) -> list[str]:
+    """A copy of `build` with wrong scales: ×1.5 on every other output row of the first two decoder layers'
+    weight_scale, and ×-1.5 on every other row of the lm_head's. The tiny model predicts its pattern so
+    confidently that the layers' ×1.5 alone leaves every top-1 token in place (measured); the head's sign makes
+    the top-1 fail wherever the predicted token is on a perturbed row."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(build, out)
+    changed: list[str] = []
+    for shard in sorted(out.glob("*.safetensors")):
+        tensors = load_file(shard)
+        for name, t in tensors.items():
+            if not name.endswith("weight_scale"):
+                continue
+            factor = -1.5 if name.startswith("lm_head") else 1.5
+            if name.startswith("lm_head") or ".layers.0." in name or ".layers.1." in name:
+                t = t.clone()
+                t[::2] = (t[::2].float() * factor).to(t.dtype)
+                tensors[name] = t
+                changed.append(name)
+        save_file(tensors, shard, metadata={"format": "pt"})
+    assert changed, f"no weight_scale tensors found in {build}"
+    return changed
+
+
+@pytest.fixture(scope="session")
+def perturbed_server(emb4_build, emb4_server, serve_config_factory, tmp_path_factory):
+    """A live server of `emb4_build` with wrong scales (perturb_scales): the negative control of the fidelity
+    metrics and the "other build" the token comparisons diverge from. Yields (ServeConfig, changed tensor names).
+    The test that kills it is marked ends_shared_server, which runs it after every other vllm test."""
+    bad = tmp_path_factory.mktemp("badscales") / "gemma-4-tiny-text-emb4-badscales"
+    changed = perturb_scales(emb4_build, bad)
+    for cfg in _serve(serve_config_factory(bad, "gemma-4-tiny-badscales", cpu_dtype=emb4_server.cpu_dtype)):
+        yield cfg, changed
+
+
+# --------------------------------------------------------------------------------------------------------------
+# GEMMA4_T4_START_LOG=<file>: one JSON line per vLLM server start (tests/start_log.py), to see where time goes.
+
+_start_log = None
+
+
+def pytest_sessionstart(session):
+    global _start_log
+    out = os.environ.get("GEMMA4_T4_START_LOG")
+    # Not in xdist's controller: its temporary folder holds the workers', and it does not run their tests.
+    controller = getattr(session.config.option, "numprocesses", None) and not hasattr(session.config, "workerinput")
+    if out and not controller:
+        from start_log import StartLog
+
+        basetemp = session.config._tmp_path_factory.getbasetemp()
+        _start_log = StartLog(Path(out).resolve(), str(basetemp))
+        _start_log.start()
+
+
+def pytest_runtest_logstart(nodeid, location):
+    if _start_log is not None:
+        _start_log.current = (nodeid, "setup")
+
+
+def pytest_runtest_call(item):
+    if _start_log is not None:
+        _start_log.current = (item.nodeid, "call")
+
+
+def pytest_runtest_teardown(item, nextitem):
+    if _start_log is not None:
+        _start_log.current = (item.nodeid, "teardown")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _start_log is not None:
+        _start_log.close()

@@ -1,5 +1,6 @@
 """The decode benchmark and the drafter table against real vLLM CPU servers of the tiny text build with its tiny
-drafter: three server starts (one with the drafter for `decode`, two for a decode-sweep over 0 and 2 tokens)."""
+drafter: one decode-sweep over 0 and 2 draft tokens (two server starts); the command line's `decode` runs against
+the sweep's drafter server while it is up."""
 
 from __future__ import annotations
 
@@ -26,56 +27,8 @@ def tiny_drafter(tiny_qat, tmp_path_factory) -> Path:
     return info.path
 
 
-def _spec(drafter: Path, k: int) -> str:
-    if METHOD == "ngram":
-        return json.dumps({"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
-                           "prompt_lookup_min": 1})
-    return json.dumps({"model": str(drafter), "num_speculative_tokens": k})
-
-
-@pytest.fixture(scope="module")
-def spec_server(bf16_text_build, tiny_drafter, serve_config_factory):
-    from tools.serving.vllm_server import start_server, stop_server
-
-    cfg = serve_config_factory(bf16_text_build, "gemma-4-tiny-text-spec", speculative_config=_spec(tiny_drafter, 3))
-    start_server(cfg)
-    try:
-        yield cfg
-    finally:
-        stop_server(cfg)
-
-
-def test_decode_measures_real_acceptance(spec_server, tmp_path):
-    from tools.measure.decode import DecodeParams, run_decode
-
-    res = run_decode(DecodeParams(prompts=3, max_tokens=24, out=tmp_path, label="spec3"), serve_config=spec_server)
-    assert res.draft_tokens > 0 and res.accepted_tokens > 0 and 0 < res.acceptance_rate <= 1
-    assert res.mean_accepted_length > 1 and len(res.per_position_acceptance) == 3
-    assert res.median_tpot_ms > 0 and res.median_ttft_ms > 0 and res.decode_tok_s > 0
-    assert all(p.output_tokens == len(p.token_ids) > 1 for p in res.prompts)
-    run = Path(res.run_dir)
-    assert sorted(f.name for f in (run / "raw").iterdir()) == [
-        "00-code-python-fib.json", "01-code-sql-join.json", "02-code-bash-rename.json"]
-    prov = json.loads((run / "provenance.json").read_text())
-    assert "--speculative-config" in prov["server_argv"]
-    assert prov["speculative_config"]["num_speculative_tokens"] == 3
-    if METHOD == "mtp":
-        assert prov["drafter_config_sha256"]
-    assert json.loads((run / "summary.json").read_text())["acceptance_rate"] == res.acceptance_rate
-
-    # The command line's --json against the same server.
-    out = subprocess.run([str(ROOT / "vllm-t4"), "decode", "--base-url", spec_server.base_url, "--prompts", "2",
-                          "--max-tokens", "16", "--out", str(tmp_path / "cli"), "--json"],
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
-    data = json.loads(out.stdout)
-    for key in ("median_tpot_ms", "median_ttft_ms", "decode_tok_s", "draft_tokens", "accepted_tokens",
-                "acceptance_rate"):
-        assert data[key] is not None, key
-    assert data["acceptance_rate"] > 0
-
-
-def test_decode_sweep_writes_the_drafter_table(bf16_text_build, tiny_drafter, tmp_path, monkeypatch):
+def test_decode_sweep_writes_the_drafter_table_and_measures_real_acceptance(bf16_text_build, tiny_drafter, tmp_path,
+                                                                           monkeypatch):
     from tools.measure.decode import DecodeSweepParams, run_decode_sweep
     from tools.serving.config import load_config
     from tools.serving.vllm_server import server_status
@@ -86,7 +39,17 @@ def test_decode_sweep_writes_the_drafter_table(bf16_text_build, tiny_drafter, tm
                      max_num_seqs=8, cpu_kvcache_space_gib=1, extra_args="", start_timeout_s=900.0)
     params = DecodeSweepParams(draft_tokens=[0, 2], prompts=3, max_tokens=24, out=tmp_path / "ev",
                                **({"method": "ngram"} if METHOD == "ngram" else {"drafter": str(tiny_drafter)}))
-    res = run_decode_sweep(params, **overrides)
+    base_url = load_config(None, **overrides).base_url
+    cli: dict[str, subprocess.CompletedProcess] = {}
+
+    def progress(done: int, total: int, msg: str) -> None:
+        # The command line's --json against the drafter server, before the sweep measures it.
+        if msg.startswith("2 draft tokens") and not cli:
+            cli["decode"] = subprocess.run(
+                [str(ROOT / "vllm-t4"), "decode", "--base-url", base_url, "--prompts", "2", "--max-tokens", "16",
+                 "--out", str(tmp_path / "cli"), "--json"], capture_output=True, text=True, timeout=600)
+
+    res = run_decode_sweep(params, progress=progress, **overrides)
     assert not server_status(load_config(None, **overrides)).alive  # stopped after the last setting
     rows = {r.draft_tokens: r for r in res.comparison.rows}
     assert rows[0].acceptance_rate is None and rows[0].speedup is None
@@ -99,3 +62,27 @@ def test_decode_sweep_writes_the_drafter_table(bf16_text_build, tiny_drafter, tm
     out = subprocess.run([str(ROOT / "vllm-t4"), "decode-compare", *res.runs], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == res.comparison.markdown.strip()
+
+    # The drafter run: real acceptance from vLLM's counters, its raw records and provenance.
+    (run,) = [Path(r) for r in res.runs if json.loads((Path(r) / "summary.json").read_text())["label"] == "k2-greedy"]
+    s = json.loads((run / "summary.json").read_text())
+    assert s["draft_tokens"] > 0 and s["accepted_tokens"] > 0 and 0 < s["acceptance_rate"] <= 1
+    assert s["mean_accepted_length"] > 1 and len(s["per_position_acceptance"]) == 2
+    assert s["median_tpot_ms"] > 0 and s["median_ttft_ms"] > 0 and s["decode_tok_s"] > 0
+    assert len(s["prompts"]) == 3 and all(p["output_tokens"] == len(p["token_ids"]) > 1 for p in s["prompts"])
+    assert s["acceptance_rate"] == rows[2].acceptance_rate  # the table is the runs' figures
+    assert sorted(f.name for f in (run / "raw").iterdir()) == [
+        "00-code-python-fib.json", "01-code-sql-join.json", "02-code-bash-rename.json"]
+    prov = json.loads((run / "provenance.json").read_text())
+    assert "--speculative-config" in prov["server_argv"]
+    assert prov["speculative_config"]["num_speculative_tokens"] == 2
+    if METHOD == "mtp":
+        assert prov["drafter_config_sha256"]
+
+    assert "decode" in cli, "the sweep never reported its drafter setting"
+    assert cli["decode"].returncode == 0, cli["decode"].stderr[-2000:]
+    data = json.loads(cli["decode"].stdout)
+    for key in ("median_tpot_ms", "median_ttft_ms", "decode_tok_s", "draft_tokens", "accepted_tokens",
+                "acceptance_rate"):
+        assert data[key] is not None, key
+    assert data["acceptance_rate"] > 0

@@ -1,11 +1,16 @@
-"""Against a second, different build served by a server this module owns: token divergences between builds,
-and a sweep whose server dies mid-run (the module kills its own server last)."""
+"""Against a second, different build: token divergences between builds, and a sweep whose server is killed
+(SIGKILL) mid-run, which status reports as died and stop cleans up. The killed server is the session's
+`perturbed_server`: its test is marked ends_shared_server, so it runs after every other test that uses it."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tools.measure.compare_tokens import CompareParams, check_against, compare_live, record_reference
@@ -14,25 +19,22 @@ from tools.measure.sweep import SweepParams, raw_name, run_sweep
 pytestmark = pytest.mark.vllm
 
 
-@pytest.fixture(scope="module")
-def other_server(serve_config_factory, tmp_path_factory):
-    """The tiny model trained on another pattern (seed 1), built text-only with bf16 embeddings like
-    `bf16_text_build`, served for this module only."""
-    from repack.build import BuildOptions, build_checkpoint
-    from tools.demo.tiny_model import cached_tiny_qat_checkpoint
-    from tools.serving.vllm_server import start_server, stop_server
+def _group_alive(pgid: int) -> list[int]:
+    alive = []
+    for proc in psutil.process_iter():
+        try:
+            if os.getpgid(proc.pid) == pgid and proc.status() != psutil.STATUS_ZOMBIE:
+                alive.append(proc.pid)
+        except (ProcessLookupError, psutil.Error):
+            continue
+    return alive
 
-    src = cached_tiny_qat_checkpoint(tmp_path_factory.mktemp("tiny-seed1") / "gemma-4-tiny-qat-seed1", seed=1)
-    assert src.accuracy > 0.95
-    out = tmp_path_factory.mktemp("seed1-text") / "gemma-4-tiny-seed1-text"
-    build_checkpoint(src.path, out, BuildOptions(quantize_linears=True, text_only=True, embed_int4=False,
-                                                 embed_tokens=False))
-    cfg = serve_config_factory(out, "gemma-4-tiny-seed1-text")
-    start_server(cfg)
-    try:
-        yield cfg
-    finally:
-        stop_server(cfg)
+
+@pytest.fixture(scope="module")
+def other_server(perturbed_server):
+    """The second build: the int4-embedding build with wrong scales on two layers and the head (the session's
+    `perturbed_server`, shared with the fidelity negative control), so greedy tokens diverge from `emb4_server`'s."""
+    return perturbed_server[0]
 
 
 def test_different_builds_report_divergences_with_positions(emb4_server, other_server):
@@ -64,13 +66,28 @@ def test_recorded_reference_against_another_build(emb4_server, other_server, tmp
             assert g.token_ids[p.first_divergence] == p.reference_token
 
 
+@pytest.mark.ends_shared_server
 def test_server_dying_mid_run_keeps_finished_cells_and_fails_the_rest(other_server, tmp_path):
-    """Runs last in this module: it stops the module's own server while the sweep's second cell starts."""
-    from tools.serving.vllm_server import stop_server
+    """Runs after every other vllm test (conftest's collection hook): it kills the server's leader (SIGKILL) while the sweep's second
+    cell starts, checks that status reports it died, then lets stop end what is left of its process group."""
+    from tools.serving.vllm_server import server_status, stop_server
+
+    seen: dict = {}
 
     def progress(done: int, total: int, msg: str) -> None:
-        if "c=2: measuring" in msg:  # after the health check of cell 2, before its benchmark process
-            stop_server(other_server, grace_s=5)
+        if "c=2: measuring" in msg and not seen:  # after the health check of cell 2, before its benchmark process
+            st = server_status(other_server)
+            seen["pid"], seen["pgid"] = st.pid, json.loads(other_server.state_file.read_text())["pgid"]
+            os.kill(st.pid, signal.SIGKILL)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                st = server_status(other_server)
+                if not st.alive:
+                    break
+                time.sleep(0.5)
+            seen["status"] = st
+            stop_server(other_server, grace_s=5)  # ends the leader's orphans (the engine core)
+            seen["left"] = _group_alive(seen["pgid"])
 
     params = SweepParams(base_url=other_server.base_url, input_lens=[32], output_len=8, concurrencies=[1, 2, 3],
                          repeats=2, prompts_per_concurrency=1, min_prompts=2, label="dies", out=tmp_path,
@@ -86,3 +103,10 @@ def test_server_dying_mid_run_keeps_finished_cells_and_fails_the_rest(other_serv
     assert [c["status"] for c in saved["cells"]] == ["ok", "failed", "failed"]
     assert saved["cells"][0]["median"]["completed"] == 2
     assert (Path(res.run_dir) / "plot.png").is_file()
+
+    st = seen["status"]
+    assert not st.alive and st.died and not st.healthy
+    assert str(seen["pid"]) in st.message and "died" in st.message
+    assert seen["left"] == []
+    assert not other_server.state_file.exists()
+    assert server_status(other_server).died is False
