@@ -271,20 +271,26 @@ class _Choice:
     sq: np.ndarray       # sum of squared runtime errors
 
 
-def _search(x: np.ndarray, g: np.ndarray, fin: np.ndarray, q: np.ndarray, s: np.ndarray, qa: np.ndarray,
-            sa: np.ndarray, da: np.ndarray, has_a: np.ndarray, target: Target, objective: str) -> _Choice:
-    """The chosen scale among the candidates (see the module docstring), for one target."""
+def _candidates(g: np.ndarray, q: np.ndarray, s: np.ndarray, sa: np.ndarray, da: np.ndarray, has_a: np.ndarray,
+                target: Target) -> list[tuple[np.ndarray, bool, np.ndarray]]:
+    """(scale per group, goes with the author's levels, valid per group) for each candidate, in search order."""
     fmt = SCALE_DTYPE[target]
     lo_t, hi_t = INTERVALS[target]
     lb, ub = _bounds(q, lo_t[g], hi_t[g])
     feasible = lb <= ub
-    yes = np.ones(len(x), dtype=bool)
+    yes = np.ones(len(g), dtype=bool)
     cands = [(c, False, yes) for c in _round_to_format(s, fmt)]
     cands += [(c, False, feasible) for c in _round_to_format(np.clip(s, lb, np.where(feasible, ub, lb)), fmt)]
     cands += [(_round1(da, fmt), True, has_a), (_round1(sa, fmt), True, has_a),
               (_round1(_round1(sa, "bf16"), fmt), True, has_a)]
+    return cands
+
+
+def _search(x: np.ndarray, g: np.ndarray, fin: np.ndarray, q: np.ndarray, s: np.ndarray, qa: np.ndarray,
+            sa: np.ndarray, da: np.ndarray, has_a: np.ndarray, target: Target, objective: str) -> _Choice:
+    """The chosen scale among the candidates (see the module docstring), for one target."""
     best = None
-    for c, author, valid in cands:
+    for c, author, valid in _candidates(g, q, s, sa, da, has_a, target):
         lv = qa if author else q
         r = runtime_values(c[:, None] * lv, target)
         n = ((r == x) & fin).sum(axis=1)
@@ -310,17 +316,8 @@ def _search(x: np.ndarray, g: np.ndarray, fin: np.ndarray, q: np.ndarray, s: np.
 def _min_worst(x: np.ndarray, g: np.ndarray, fin: np.ndarray, q: np.ndarray, s: np.ndarray, qa: np.ndarray,
                sa: np.ndarray, da: np.ndarray, has_a: np.ndarray, target: Target) -> np.ndarray:
     """Per group, the smallest worst runtime error (bf16 ulps) over the candidates `_search` chooses from."""
-    fmt = SCALE_DTYPE[target]
-    lo_t, hi_t = INTERVALS[target]
-    lb, ub = _bounds(q, lo_t[g], hi_t[g])
-    feasible = lb <= ub
-    yes = np.ones(len(x), dtype=bool)
-    cands = [(c, False, yes) for c in _round_to_format(s, fmt)]
-    cands += [(c, False, feasible) for c in _round_to_format(np.clip(s, lb, np.where(feasible, ub, lb)), fmt)]
-    cands += [(_round1(da, fmt), True, has_a), (_round1(sa, fmt), True, has_a),
-              (_round1(_round1(sa, "bf16"), fmt), True, has_a)]
     best = np.full(len(x), np.inf)
-    for c, author, valid in cands:
+    for c, author, valid in _candidates(g, q, s, sa, da, has_a, target):
         r = runtime_values(c[:, None] * (qa if author else q), target)
         with np.errstate(invalid="ignore"):
             err = np.where(fin, np.abs(r - x) * INV_ULP_TABLE[g], 0.0).max(axis=1)
