@@ -16,6 +16,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def group_alive(pgid: int) -> list[int]:
+    """The live (not zombie) processes of process group `pgid`."""
+    import os
+
+    import psutil
+
+    alive = []
+    for proc in psutil.process_iter():
+        try:
+            if os.getpgid(proc.pid) == pgid and proc.status() != psutil.STATUS_ZOMBIE:
+                alive.append(proc.pid)
+        except (ProcessLookupError, psutil.Error):
+            continue
+    return alive
+
+
 def fake_t4_hardware():
     """A Tesla T4 on a small host (compute capability 7.5, `ram` bytes of RAM, `swap` bytes of swap), as the
     serving code's Hardware sees it: the class is built on first use so importing this module stays light."""

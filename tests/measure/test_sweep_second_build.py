@@ -10,24 +10,15 @@ import signal
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from tools.measure.compare_tokens import CompareParams, check_against, compare_live, record_reference
 from tools.measure.sweep import SweepParams, raw_name, run_sweep
 
+from fixtures import group_alive
+
 pytestmark = pytest.mark.vllm
 
-
-def _group_alive(pgid: int) -> list[int]:
-    alive = []
-    for proc in psutil.process_iter():
-        try:
-            if os.getpgid(proc.pid) == pgid and proc.status() != psutil.STATUS_ZOMBIE:
-                alive.append(proc.pid)
-        except (ProcessLookupError, psutil.Error):
-            continue
-    return alive
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +78,7 @@ def test_server_dying_mid_run_keeps_finished_cells_and_fails_the_rest(other_serv
                 time.sleep(0.5)
             seen["status"] = st
             stop_server(other_server, grace_s=5)  # ends the leader's orphans (the engine core)
-            seen["left"] = _group_alive(seen["pgid"])
+            seen["left"] = group_alive(seen["pgid"])
 
     params = SweepParams(base_url=other_server.base_url, input_lens=[32], output_len=8, concurrencies=[1, 2, 3],
                          repeats=2, prompts_per_concurrency=1, min_prompts=2, label="dies", out=tmp_path,

@@ -11,10 +11,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import psutil
 import pytest
 
-from tests.fixtures import ROOT, SERVE_MAX_MODEL_LEN, free_port
+from tests.fixtures import ROOT, SERVE_MAX_MODEL_LEN, free_port, group_alive
 
 pytestmark = pytest.mark.vllm
 
@@ -23,16 +22,6 @@ def _cli(args: list[str], env: dict[str, str], timeout: float = 300) -> subproce
     return subprocess.run([sys.executable, "-m", "tools.cli", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
-
-def _group_alive(pgid: int) -> list[int]:
-    out = []
-    for p in psutil.process_iter():
-        try:
-            if os.getpgid(p.pid) == pgid and p.status() != psutil.STATUS_ZOMBIE:
-                out.append(p.pid)
-        except (ProcessLookupError, psutil.Error):
-            continue
-    return out
 
 
 class Fleet:
@@ -158,7 +147,7 @@ def test_mcp_status_then_stop_all_leaves_no_process(fleet):
     assert fleet.call("server_status", {"instance": "a"})["healthy"]  # a is untouched
     out = _cli(["stop", "--all", "--json"], fleet.env, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert all(_group_alive(g) == [] for g in fleet.pgids)
+    assert all(group_alive(g) == [] for g in fleet.pgids)
     assert not list(fleet.state.rglob("*.json"))  # no state file left: instances and router
     gone = _cli(["status", "--json"], fleet.env, timeout=60)
     assert gone.returncode == 3 and json.loads(gone.stdout)["instances"] == []

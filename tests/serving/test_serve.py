@@ -21,22 +21,12 @@ import pytest
 
 from tools.serving import turing_patch
 from tools.errors import ToolFailure
-from fixtures import fake_t4_hardware
+from fixtures import fake_t4_hardware, group_alive
 from tools.serving.vllm_server import server_status, start_server, stop_server
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ["abcdef", "The quick brown fox", "0123456789", "Gemma on a T4", "zyxw vut"]
 
-
-def _group_alive(pgid: int) -> list[int]:
-    alive = []
-    for proc in psutil.process_iter():
-        try:
-            if os.getpgid(proc.pid) == pgid and proc.status() != psutil.STATUS_ZOMBIE:
-                alive.append(proc.pid)
-        except (ProcessLookupError, psutil.Error):
-            continue
-    return alive
 
 
 def _cli(args: list[str], env: dict[str, str], timeout: float = 900) -> subprocess.CompletedProcess:
@@ -95,12 +85,12 @@ def test_lifecycle_through_the_command_line(emb4_build, tmp_path):
         assert again.returncode != 0 and "already running" in again.stderr
         assert len(again.stderr.strip().splitlines()) == 2  # the "starting" notice and the one-line reason
 
-        members = _group_alive(pgid)
+        members = group_alive(pgid)
         assert result["pid"] in members and len(members) >= 2  # API server and engine core
         stop = _cli(["stop", "--json"], env, timeout=120)
         assert stop.returncode == 0, stop.stderr
         assert json.loads(stop.stdout)["was_running"]
-        assert _group_alive(pgid) == []
+        assert group_alive(pgid) == []
         assert not (state_dir / "vllm.json").exists()
         assert _cli(["stop"], env, timeout=60).returncode == 0  # idempotent
         gone = _cli(["status", "--json"], env, timeout=60)
@@ -172,7 +162,7 @@ def test_a_folder_that_is_not_a_model_fails_fast_without_orphans(tmp_path, serve
     assert detail["explanation"] in str(exc.value)
     assert elapsed < cfg.start_timeout_s / 2  # it noticed the exit; it did not wait for the timeout
     assert not cfg.state_file.exists()
-    assert _group_alive(detail["pgid"]) == []
+    assert group_alive(detail["pgid"]) == []
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -301,17 +291,17 @@ def test_status_reports_vram_on_a_gpu_and_stop_ends_the_group(serve_config_facto
                              "subprocess.Popen(['sleep', '60']); import time; time.sleep(60)"], start_new_session=True)
     try:
         deadline = time.monotonic() + 10
-        while len(_group_alive(proc.pid)) < 2 and time.monotonic() < deadline:
+        while len(group_alive(proc.pid)) < 2 and time.monotonic() < deadline:
             time.sleep(0.1)
         _adopt(cfg, proc, platform="cuda")
         hw = FakeT4WithVram()
         st = server_status(cfg, hardware=hw)
         assert st.alive and not st.healthy and st.uptime_s >= 5  # nothing answers HTTP on its port
         assert st.vram.used_mib == 13581 and st.vram.total_mib == 15360
-        assert set(hw.asked) == set(_group_alive(proc.pid)) and len(hw.asked) == 2
+        assert set(hw.asked) == set(group_alive(proc.pid)) and len(hw.asked) == 2
         r = stop_server(cfg, grace_s=10)
         assert r.was_running and r.signal == "SIGTERM" and len(r.stopped_pids) == 2
-        assert _group_alive(proc.pid) == [] and not cfg.state_file.exists()
+        assert group_alive(proc.pid) == [] and not cfg.state_file.exists()
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -331,7 +321,7 @@ def test_stop_kills_what_ignores_sigterm(serve_config_factory, tmp_path):
         _adopt(cfg, proc)
         r = stop_server(cfg, grace_s=1)
         assert r.was_running and r.signal == "SIGKILL"
-        assert _group_alive(proc.pid) == [] and not cfg.state_file.exists()
+        assert group_alive(proc.pid) == [] and not cfg.state_file.exists()
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -359,5 +349,5 @@ def test_any_exception_from_progress_stops_the_server(serve_config_factory, tmp_
 
     with pytest.raises(_Cancelled):  # the caller's exception stands; the library cleaned up beneath it
         start_server(cfg, progress=progress)
-    assert pgids and _group_alive(pgids[0]) == []
+    assert pgids and group_alive(pgids[0]) == []
     assert not cfg.state_file.exists()
