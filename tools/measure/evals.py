@@ -226,7 +226,7 @@ def _pid_alive(pid: int) -> bool:
 
 def _sweep_stale_tmp(out: Path) -> None:
     """Remove temporary run folders whose writer is gone (a run killed with SIGKILL cannot clean up)."""
-    for p in out.glob(".eval-*.tmp-*"):
+    for p in out.glob(".*-eval-*.tmp-*"):  # `.<stamp>-eval-<label>-<digest>.tmp-<pid>`: _run_dir_name's form
         m = re.search(r"\.tmp-(\d+)$", p.name)
         if m and p.is_dir() and not _pid_alive(int(m.group(1))):
             shutil.rmtree(p, ignore_errors=True)
