@@ -557,7 +557,9 @@ def run_eval(params: EvalParams, progress: Progress | None = None, *, serve_conf
             "tokenizer_backend=huggingface", f"tokenizer={_arg_safe('tokenizer', tokenizer)}",
             f"max_length={max_len}", f"num_concurrent={params.num_concurrent}", "max_retries=3",
             "tokenized_requests=True"])
-        cmd = [sys.executable, "-m", "lm_eval", "run", "--model", "local-completions", "--model_args", model_args,
+        # parent_watch: lm-eval ends with this process even when it is killed with SIGKILL
+        cmd = [sys.executable, "-m", "tools.measure.parent_watch", "lm_eval", "run", "--model", "local-completions",
+               "--model_args", model_args,
                "--tasks", ",".join(params.tasks), "--include_path", str(include),
                "--output_path", str(lm_dir), "--log_samples", "--gen_kwargs", "temperature=0"]
         if params.limit is not None:
@@ -567,6 +569,8 @@ def run_eval(params: EvalParams, progress: Progress | None = None, *, serve_conf
         if params.apply_chat_template:
             cmd += ["--apply_chat_template"]
         env = dict(os.environ)
+        # this checkout's tools/ (parent_watch), whatever the cwd
+        env["PYTHONPATH"] = str(PROJECT_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         env.setdefault("PYTHONUNBUFFERED", "1")
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         log_path = tmp / "lm_eval.log"

@@ -483,7 +483,11 @@ def _worker_main(answer_fd: int) -> int:
 
     vLLM's benchmark prints to stdout and stderr: both are pointed at the cell's own log file for each cell.
     """
-    _end_with_parent()
+    # Stdin's EOF is read only between cells, and a cell can run for minutes: a killed sweep's worker must not
+    # finish it, loading the server and writing into a folder that a resumed sweep measures again.
+    from tools.measure.parent_watch import end_with_parent
+
+    end_with_parent()
     bench = _Bench()
     answers = os.fdopen(answer_fd, "w", buffering=1)
     for line in sys.stdin:
@@ -500,22 +504,6 @@ def _worker_main(answer_fd: int) -> int:
         sys.stderr.flush()
         answers.write(json.dumps({"done": [spec["input_len"], spec["concurrency"]], **bench.stats()}) + "\n")
     return 0
-
-
-def _end_with_parent() -> None:
-    """Ends the worker's group when the sweep that started it is gone (SIGKILL leaves it no clean-up): stdin's
-    EOF is read only between cells, and a cell can run for many minutes, its client still loading the server
-    and writing raw files into a folder a resumed sweep may be measuring into again."""
-    import threading
-
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.5)
-        os.killpg(0, signal.SIGKILL)  # the worker leads its own session: its group is itself and its children
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def _failed_requests(raw: dict[str, Any], expected: int) -> str | None:
