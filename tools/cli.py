@@ -3,7 +3,24 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread like Ctrl-C: every clean-up that Ctrl-C runs (the sweep's benchmark
+    worker, a server being started or a decode-sweep's server, lm-eval) runs for SIGTERM too."""
+
+
+_terminating = False
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    global _terminating
+    if _terminating:  # a second SIGTERM must not cut the clean-up short (SIG_IGN would pass to children)
+        return
+    _terminating = True
+    raise Terminated
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,8 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         return int(args.func(args) or 0)
+    except Terminated:
+        print("vllm-t4: terminated", file=sys.stderr)
+        return 143
     except KeyboardInterrupt:
         print("vllm-t4: interrupted", file=sys.stderr)
         return 130

@@ -431,6 +431,7 @@ def _fake_run(folder: Path, label: str, tok_s: float) -> Path:
     from tools.measure.sweep_report import write_run
 
     res = SweepResult(run_id=folder.name, run_dir=str(folder), label=label, params={}, started="2026-01-01",
+                      finished="2026-01-01",
                       cells=[CellResult(input_len=32, output_len=8, concurrency=1, num_prompts=2, status="ok",
                                         median={"output_throughput": tok_s})])
     folder.mkdir(parents=True)

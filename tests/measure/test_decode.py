@@ -398,3 +398,23 @@ def test_decode_sweep_runs_record_the_paths_they_have_once_finished(models, tmp_
     data = json.loads((Path(one) / "summary.json").read_text())
     assert data["run_dir"] == one and Path(one).is_dir() and ".partial" not in one
     assert all(Path(v).is_file() for v in data["files"].values())
+
+
+def test_a_decode_sweep_stopped_before_any_run_leaves_no_partial_folder(models, tmp_path, monkeypatch):
+    """A first start that is refused (a server already runs) or interrupted (Ctrl-C, SIGTERM) leaves nothing in
+    --out: an empty .partial folder per try would pile up."""
+    from tools.serving import vllm_server
+
+    root, target, _ = models
+    monkeypatch.setenv("GEMMA4_T4_MODELS_ROOTS", str(root))
+    stops = []
+    monkeypatch.setattr(vllm_server, "stop_server", lambda cfg: stops.append(cfg))
+    for exc in (ToolFailure("a server started from the state dir is already running"), KeyboardInterrupt()):
+        def refused(cfg, exc=exc):
+            raise exc
+        monkeypatch.setattr(vllm_server, "start_server", refused)
+        with pytest.raises(type(exc)):
+            run_decode_sweep(DecodeSweepParams(draft_tokens=[0, 2], method="ngram", out=tmp_path / "ev"),
+                             model=str(target), state_dir=str(tmp_path / "state"))
+        assert list((tmp_path / "ev").iterdir()) == []
+    assert stops == []  # nothing was started: a server the refusal names is not this sweep's to stop

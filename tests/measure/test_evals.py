@@ -350,3 +350,19 @@ def test_progress_is_read_from_lm_evals_output(tmp_path):
     assert events[-1] == (68, 68, "Running loglikelihood requests: requests")
     log = (tmp_path / "log").read_text()
     assert "68/68" in log and "Running loglikelihood requests" in log
+
+
+def test_a_killed_runs_temporary_folder_is_removed_by_the_next_run(tmp_path):
+    """SIGKILL leaves the run's `.<run-id>.tmp-<pid>` folder; the next eval into the same --out removes it once
+    its writer is gone, and keeps a live writer's."""
+    import subprocess
+    import sys
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    name = evals._run_dir_name(EvalParams(tasks=TASKS, label="killed"), "m")
+    gone, live = tmp_path / f".{name}.tmp-{dead.pid}", tmp_path / f".{name}.tmp-{os.getpid()}"
+    for d in (gone, live):
+        (d / "lm_eval").mkdir(parents=True)
+    evals._sweep_stale_tmp(tmp_path)
+    assert not gone.exists() and live.is_dir()

@@ -137,3 +137,14 @@ def test_cli_flags_and_mcp_signature_come_from_the_parameter_model():
     bad = subprocess.run([str(ROOT / "vllm-t4"), "start", "--port", "70000"], capture_output=True, text=True,
                          timeout=60)
     assert bad.returncode == 2 and "--port" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_a_stopped_sweep_is_not_compared_as_a_finished_one(tmp_path):
+    """A sweep killed mid-run leaves its folder in place (for --resume) with the tables of the cells it finished;
+    without its finish time it must not pass for a complete run."""
+    run = json.loads((ARTICLE / "emb4" / "summary.json").read_text())
+    run["finished"] = None
+    (tmp_path / "summary.json").write_text(json.dumps(run))
+    with pytest.raises(ToolFailure, match="stopped before it finished.*sweep --resume --label") as exc:
+        compare_runs([RUNS[0], tmp_path])
+    assert exc.value.detail["finished"] is None

@@ -286,3 +286,77 @@ def test_health_is_asked_only_after_a_failed_cell(fake_vllm, tmp_path, monkeypat
     sent = [x for f in fake_vllm.iterdir() for x in f.read_text().split()]
     assert "16" not in sent and sent.count("12") == 3
     assert json.loads((run_dir / "summary.json").read_text())["cells"][4]["status"] == "ok"
+
+
+# A sweep stopped from outside: the CLI's main() running a command that holds a worker inside a hung cell.
+_HOLDER = '''
+import argparse, json, sys
+from tools import cli
+from tools.measure.sweep import BenchWorker
+
+def hold(args):
+    with BenchWorker() as worker:
+        worker.run_cell(json.loads(sys.argv[1]), timeout_s=600)
+    return 0
+
+def parser():
+    p = argparse.ArgumentParser()
+    p.set_defaults(func=hold)
+    return p
+
+cli.build_parser = parser
+raise SystemExit(cli.main([]))
+'''
+
+
+def _hold_a_hung_cell(fake_vllm, tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, json.dumps(_spec(raw, 14, warmup=False))],
+                            cwd=str(Path(__file__).resolve().parents[2]))
+    deadline = time.monotonic() + 60
+    while not any(fake_vllm.iterdir()):  # the worker is inside the hung benchmark call
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.1)
+    return proc, int(next(fake_vllm.iterdir()).name)
+
+
+def _gone(pid: int, wait_s: float = 30) -> bool:
+    try:
+        psutil.Process(pid).wait(wait_s)
+    except psutil.NoSuchProcess:
+        pass
+    except psutil.TimeoutExpired:
+        return False
+    return True
+
+
+def test_sigterm_ends_the_worker_and_exits_143(fake_vllm, tmp_path):
+    import signal
+
+    proc, worker = _hold_a_hung_cell(fake_vllm, tmp_path)
+    try:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 143
+        assert _gone(worker, 0)  # ended before the command returned, not left to finish its cell
+    finally:
+        for pid in (proc.pid, worker):
+            if psutil.pid_exists(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_the_worker_ends_when_the_sweep_is_killed(fake_vllm, tmp_path):
+    import signal
+
+    proc, worker = _hold_a_hung_cell(fake_vllm, tmp_path)
+    try:
+        proc.kill()
+        proc.wait(60)
+        assert _gone(worker)  # not left running its cell for minutes with no sweep to answer
+    finally:
+        if psutil.pid_exists(worker):
+            os.kill(worker, signal.SIGKILL)

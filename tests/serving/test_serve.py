@@ -351,3 +351,24 @@ def test_any_exception_from_progress_stops_the_server(serve_config_factory, tmp_
         start_server(cfg, progress=progress)
     assert pgids and group_alive(pgids[0]) == []
     assert not cfg.state_file.exists()
+
+
+def test_an_interrupted_start_stops_the_server_and_stays_an_interrupt(serve_config_factory, tmp_path, monkeypatch):
+    """Ctrl-C (and SIGTERM, raised as KeyboardInterrupt by the CLI) during a start: the server is ended and the
+    interrupt reaches the CLI, which exits 130 / 143 rather than 1 as for a failed start."""
+    from tools.serving.config import ServeConfig
+
+    cfg = serve_config_factory(tmp_path / "model", "interrupted")
+    (tmp_path / "model").mkdir()
+    monkeypatch.setattr(ServeConfig, "vllm_argv", lambda self, platform: [
+        sys.executable, "-c", "import subprocess, time; subprocess.Popen(['sleep', '120']); time.sleep(120)"])
+    pgids: list[int] = []
+
+    def progress(frac: float, msg: str) -> None:
+        pgids.append(json.loads(cfg.state_file.read_text())["pgid"])
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        start_server(cfg, progress=progress)
+    assert pgids and _group_alive(pgids[0]) == []
+    assert not cfg.state_file.exists()

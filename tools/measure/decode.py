@@ -630,26 +630,32 @@ def run_decode_sweep(params: DecodeSweepParams, *, progress: Progress | None = N
     results: list[DecodeResult] = []
     startup: dict[str, float | None] = {}
     total = len(specs) * len(params.sampling)
-    # A setting that fails stops the sweep; the runs finished so far stay in the .partial folder.
-    for k, spec in specs.items():
-        cfg = load_config(params.env_file, **{**config_overrides, "speculative_config": spec})
-        if progress is not None:
-            progress(len(results), total, f"starting the server with {k} draft tokens")
-        start = start_server(cfg)
-        startup[f"k{k}"] = start.startup_s
-        try:
-            for s in params.sampling:
-                if progress is not None:
-                    progress(len(results), total, f"{k} draft tokens, {s}")
-                res = run_decode(DecodeParams(base_url=start.base_url, prompts=params.prompts,
-                                              max_tokens=params.max_tokens, sampling=s, label=f"k{k}-{s}",
-                                              out=runs_out, seed=params.seed,
-                                              request_timeout_s=params.request_timeout_s),
-                                 serve_config=cfg, server_argv=list(start.argv),
-                                 extra_provenance={"server_startup_s": start.startup_s})
-                results.append(res)
-        finally:
-            stop_server(cfg)
+    # A setting that fails stops the sweep; the runs finished so far stay in the .partial folder; one stopped
+    # before any run finished (a refused or interrupted first start) leaves none: an empty one per try piles up.
+    try:
+        for k, spec in specs.items():
+            cfg = load_config(params.env_file, **{**config_overrides, "speculative_config": spec})
+            if progress is not None:
+                progress(len(results), total, f"starting the server with {k} draft tokens")
+            start = start_server(cfg)
+            startup[f"k{k}"] = start.startup_s
+            try:
+                for s in params.sampling:
+                    if progress is not None:
+                        progress(len(results), total, f"{k} draft tokens, {s}")
+                    res = run_decode(DecodeParams(base_url=start.base_url, prompts=params.prompts,
+                                                  max_tokens=params.max_tokens, sampling=s, label=f"k{k}-{s}",
+                                                  out=runs_out, seed=params.seed,
+                                                  request_timeout_s=params.request_timeout_s),
+                                     serve_config=cfg, server_argv=list(start.argv),
+                                     extra_provenance={"server_startup_s": start.startup_s})
+                    results.append(res)
+            finally:
+                stop_server(cfg)
+    except BaseException:
+        if not results:
+            run.abandon()
+        raise
     final_runs = run.path / "runs"
     for r in results:  # each run's summary names the paths it will have once the sweep folder is in place
         r.run_dir = str(final_runs / r.run_id)

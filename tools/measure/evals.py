@@ -226,7 +226,7 @@ def _pid_alive(pid: int) -> bool:
 
 def _sweep_stale_tmp(out: Path) -> None:
     """Remove temporary run folders whose writer is gone (a run killed with SIGKILL cannot clean up)."""
-    for p in out.glob(".eval-*.tmp-*"):
+    for p in out.glob(".*-eval-*.tmp-*"):  # `.<stamp>-eval-<label>-<digest>.tmp-<pid>`: _run_dir_name's form
         m = re.search(r"\.tmp-(\d+)$", p.name)
         if m and p.is_dir() and not _pid_alive(int(m.group(1))):
             shutil.rmtree(p, ignore_errors=True)
@@ -557,7 +557,9 @@ def run_eval(params: EvalParams, progress: Progress | None = None, *, serve_conf
             "tokenizer_backend=huggingface", f"tokenizer={_arg_safe('tokenizer', tokenizer)}",
             f"max_length={max_len}", f"num_concurrent={params.num_concurrent}", "max_retries=3",
             "tokenized_requests=True"])
-        cmd = [sys.executable, "-m", "lm_eval", "run", "--model", "local-completions", "--model_args", model_args,
+        # parent_watch: lm-eval ends with this process even when it is killed with SIGKILL
+        cmd = [sys.executable, "-m", "tools.measure.parent_watch", "lm_eval", "run", "--model", "local-completions",
+               "--model_args", model_args,
                "--tasks", ",".join(params.tasks), "--include_path", str(include),
                "--output_path", str(lm_dir), "--log_samples", "--gen_kwargs", "temperature=0"]
         if params.limit is not None:
@@ -567,6 +569,8 @@ def run_eval(params: EvalParams, progress: Progress | None = None, *, serve_conf
         if params.apply_chat_template:
             cmd += ["--apply_chat_template"]
         env = dict(os.environ)
+        # this checkout's tools/ (parent_watch), whatever the cwd
+        env["PYTHONPATH"] = str(PROJECT_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         env.setdefault("PYTHONUNBUFFERED", "1")
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         log_path = tmp / "lm_eval.log"

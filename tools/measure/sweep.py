@@ -483,6 +483,11 @@ def _worker_main(answer_fd: int) -> int:
 
     vLLM's benchmark prints to stdout and stderr: both are pointed at the cell's own log file for each cell.
     """
+    # Stdin's EOF is read only between cells, and a cell can run for minutes: a killed sweep's worker must not
+    # finish it, loading the server and writing into a folder that a resumed sweep measures again.
+    from tools.measure.parent_watch import end_with_parent
+
+    end_with_parent()
     bench = _Bench()
     answers = os.fdopen(answer_fd, "w", buffering=1)
     for line in sys.stdin:

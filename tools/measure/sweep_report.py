@@ -179,10 +179,15 @@ def load_run(path: str | Path) -> SweepResult:
     if not f.is_file():
         raise ToolFailure(f"{p}: no summary.json; pass a sweep run folder (evidence/<run-id>/)")
     try:
-        return SweepResult.model_validate_json(f.read_text())
+        res = SweepResult.model_validate_json(f.read_text())
     except ValueError as exc:
         raise ToolFailure(f"{f}: not a sweep summary ({str(exc).splitlines()[0]}); pass a folder written by "
                           f"./vllm-t4 sweep") from exc
+    if res.finished is None:  # the folder stays in place while a sweep runs (for --resume): unfinished looks alike
+        raise ToolFailure(f"{p}: this sweep was stopped before it finished ({len(res.cells)} cells begun); "
+                          f"complete it with ./vllm-t4 sweep --resume --label {res.label} and its other options",
+                          detail={"path": str(p), "finished": None, "cells": len(res.cells)})
+    return res
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -478,12 +478,10 @@ def start_server(cfg: ServeConfig, *, progress: Progress | None = None, hardware
                         last_line = engine_log.strip_prefix(lines[-1])[:200]
                     progress(min(0.99, (time.monotonic() - t0) / cfg.start_timeout_s), last_line)
                 time.sleep(1.0)
-        except KeyboardInterrupt:
-            raise fail("start was interrupted") from None
         except ToolFailure:
             raise
-        except BaseException:  # e.g. a cancelled job's progress callback: leave no server behind, keep its reason
-            fail("start was cancelled")
+        except BaseException:  # Ctrl-C, SIGTERM, a cancelled job: leave no server behind, keep the exit status
+            fail("start was interrupted")
             raise
 
     startup_s = time.monotonic() - t0
