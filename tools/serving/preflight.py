@@ -539,7 +539,6 @@ def run_preflight(params: PreflightParams, *, cfg: Any = None, hardware: Any = N
 # ./vllm-t4 doctor
 
 def _cli(args: argparse.Namespace) -> int:
-    import json
     import sys
 
     try:
