@@ -370,5 +370,5 @@ def test_an_interrupted_start_stops_the_server_and_stays_an_interrupt(serve_conf
 
     with pytest.raises(KeyboardInterrupt):
         start_server(cfg, progress=progress)
-    assert pgids and _group_alive(pgids[0]) == []
+    assert pgids and group_alive(pgids[0]) == []
     assert not cfg.state_file.exists()
