@@ -16,6 +16,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def repack_cli(capsys, *args) -> tuple[int, str]:
+    """`python -m repack ARGS` in-process: its exit status and what it wrote to stderr."""
+    from repack import cli
+
+    rc = cli.main([str(a) for a in args])
+    return rc, capsys.readouterr().err
+
+
+def one_line_error(err: str, *needles: str) -> str:
+    """The one `error: ` line a refused command printed, containing every needle."""
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+    return lines[0]
+
+
 def group_alive(pgid: int) -> list[int]:
     """The live (not zombie) processes of process group `pgid`."""
     import os

@@ -18,6 +18,8 @@ from repack import cli, grid, safetensors_io
 from repack.build import BuildOptions, build_checkpoint
 from repack.synthetic import grid_words, write_small_checkpoint
 
+from fixtures import one_line_error
+
 ROOT = Path(__file__).resolve().parents[2]
 FULL = ["--text-only", "--embed-int4", "--embed-tokens"]
 UP0 = "model.language_model.layers.0.mlp.up_proj.weight"
@@ -34,12 +36,6 @@ def _assert_nothing_written(out: Path) -> None:
     leftovers = [p.name for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")]
     assert leftovers == []
 
-
-def _one_line_error(err: str, *needles: str) -> None:
-    lines = [ln for ln in err.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    for n in needles:
-        assert n in lines[0], (n, lines[0])
 
 
 @pytest.fixture
@@ -59,10 +55,10 @@ def test_not_a_folder(tmp_path, capsys):
     f.write_text("x")
     rc, err = _build_cli(f, tmp_path / "out", capsys, *FULL)
     assert rc == 2
-    _one_line_error(err, str(f), "not a folder")
+    one_line_error(err, str(f), "not a folder")
     rc, err = _build_cli(tmp_path / "missing", tmp_path / "out", capsys)
     assert rc == 2
-    _one_line_error(err, "no such folder")
+    one_line_error(err, "no such folder")
     _assert_nothing_written(tmp_path / "out")
 
 
@@ -70,7 +66,7 @@ def test_no_config(good, tmp_path, capsys):
     (good / "config.json").unlink()
     rc, err = _build_cli(good, tmp_path / "out", capsys)
     assert rc == 2
-    _one_line_error(err, "no config.json")
+    one_line_error(err, "no config.json")
     _assert_nothing_written(tmp_path / "out")
 
 
@@ -79,11 +75,11 @@ def test_truncated_header(good, tmp_path, capsys):
     st.write_bytes(st.read_bytes()[:100])  # the length prefix promises more header than is left
     rc, err = _build_cli(good, tmp_path / "out", capsys)
     assert rc == 2
-    _one_line_error(err, "model.safetensors", "truncated")
+    one_line_error(err, "model.safetensors", "truncated")
     st.write_bytes(b"\x01\x02")
     rc, err = _build_cli(good, tmp_path / "out", capsys)
     assert rc == 2
-    _one_line_error(err, "model.safetensors", "truncated")
+    one_line_error(err, "model.safetensors", "truncated")
     _assert_nothing_written(tmp_path / "out")
 
 
@@ -94,7 +90,7 @@ def test_corrupt_header(good, tmp_path, capsys):
     st.write_bytes(bytes(raw))
     rc, err = _build_cli(good, tmp_path / "out", capsys)
     assert rc == 2
-    _one_line_error(err, "model.safetensors", "corrupt safetensors header")
+    one_line_error(err, "model.safetensors", "corrupt safetensors header")
     _assert_nothing_written(tmp_path / "out")
 
 
@@ -104,7 +100,7 @@ def test_tensor_bytes_past_end_of_file(good, tmp_path, capsys):
     st.write_bytes(data[:-1000])
     rc, err = _build_cli(good, tmp_path / "out", capsys)
     assert rc == 2
-    _one_line_error(err, "model.safetensors", "past the end of the file")
+    one_line_error(err, "model.safetensors", "past the end of the file")
     _assert_nothing_written(tmp_path / "out")
 
 
@@ -112,7 +108,7 @@ def test_unsupported_dtype_in_header(tmp_path, capsys):
     src = write_small_checkpoint(tmp_path / "src", extra={"model.language_model.odd": ("Q4_0", (4,), b"\0" * 4)})
     rc, err = _build_cli(src, tmp_path / "out", capsys)
     assert rc == 2
-    _one_line_error(err, "model.language_model.odd", "unsupported dtype 'Q4_0'")
+    one_line_error(err, "model.language_model.odd", "unsupported dtype 'Q4_0'")
     _assert_nothing_written(tmp_path / "out")
 
 
@@ -121,7 +117,7 @@ def test_non_bf16_target(tmp_path, capsys):
     src = write_small_checkpoint(tmp_path / "src", extra={UP0: ("F32", (128, 64), f32)})
     rc, err = _build_cli(src, tmp_path / "out", capsys)
     assert rc == 2
-    _one_line_error(err, UP0, "is F32", "BF16")
+    one_line_error(err, UP0, "is F32", "BF16")
     _assert_nothing_written(tmp_path / "out")
 
 
@@ -130,7 +126,7 @@ def test_last_dimension_not_divisible_by_32(tmp_path, capsys):
     src = write_small_checkpoint(tmp_path / "src", extra={UP0: ("BF16", (128, 48), w.tobytes())})
     rc, err = _build_cli(src, tmp_path / "out", capsys)
     assert rc == 2
-    _one_line_error(err, UP0, "[128, 48]", "multiple of 32")
+    one_line_error(err, UP0, "[128, 48]", "multiple of 32")
     _assert_nothing_written(tmp_path / "out")
 
 
@@ -139,14 +135,14 @@ def test_off_grid_group_aborts_naming_tensor_row_group(tmp_path, capsys, tensor,
     src = write_small_checkpoint(tmp_path / "src", off_grid=(tensor, row, group))
     rc, err = _build_cli(src, tmp_path / "out", capsys, *FULL)
     assert rc == 2
-    _one_line_error(err, tensor, f"row {row}", f"group {group}", "bf16 ulps off")
+    one_line_error(err, tensor, f"row {row}", f"group {group}", "bf16 ulps off")
     _assert_nothing_written(tmp_path / "out")
 
 
 def test_base_model_is_refused(tiny_base, tmp_path, capsys):
     rc, err = _build_cli(tiny_base, tmp_path / "out", capsys, *FULL)
     assert rc == 2
-    _one_line_error(err, "off the 4-bit grid", "row", "group")
+    one_line_error(err, "off the 4-bit grid", "row", "group")
     _assert_nothing_written(tmp_path / "out")
     rc = cli.main(["probe", str(tiny_base)])
     assert rc == 0 and "verdict: base" in capsys.readouterr().out
@@ -170,7 +166,7 @@ def test_full_disk_found_before_writing(good, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**6, 10**6 - 1000, 1000))
     rc, err = _build_cli(good, tmp_path / "out", capsys, *FULL)
     assert rc == 2
-    _one_line_error(err, "disk: 0.00 GiB free", "headroom")  # the command's preflight, before the build opens OUT
+    one_line_error(err, "disk: 0.00 GiB free", "headroom")  # the command's preflight, before the build opens OUT
     _assert_nothing_written(tmp_path / "out")
     from repack.errors import RepackError
 
@@ -193,7 +189,7 @@ def test_full_disk_while_writing(good, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(safetensors_io.os, "pwrite", pwrite)
     rc, err = _build_cli(good, tmp_path / "out", capsys, *FULL)
     assert rc == 2 and calls["n"] > 4
-    _one_line_error(err, "no space left on the device")
+    one_line_error(err, "no space left on the device")
     _assert_nothing_written(tmp_path / "out")
 
 
@@ -217,7 +213,7 @@ def test_full_disk_on_a_real_small_file_system(tmp_path, capsys, monkeypatch):
     try:
         rc, err = _build_cli(big, mnt / "out", capsys, "--keep-linears")
         assert rc == 2
-        _one_line_error(err, "no space left on the device")
+        one_line_error(err, "no space left on the device")
         _assert_nothing_written(mnt / "out")
     finally:
         if mounted:
@@ -230,11 +226,11 @@ def test_existing_output_refused_without_force(good, tmp_path, capsys):
     (out / "keep.txt").write_text("mine")
     rc, err = _build_cli(good, out, capsys)
     assert rc == 2
-    _one_line_error(err, "already exists", "--force")
+    one_line_error(err, "already exists", "--force")
     assert (out / "keep.txt").read_text() == "mine"
     rc, err = _build_cli(good, out, capsys, "--force")  # --force replaces only an empty folder or a build
     assert rc == 2
-    _one_line_error(err, "keep.txt", "--force replaces only")
+    one_line_error(err, "keep.txt", "--force replaces only")
     assert (out / "keep.txt").read_text() == "mine"
     (out / "keep.txt").unlink()
     rc, _ = _build_cli(good, out, capsys, "--force")
@@ -299,4 +295,4 @@ def test_commands_exit_2_as_scripts(tmp_path):
                  ["-m", "repack", "probe", str(tmp_path / "nope")]):
         r = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert r.returncode == 2, (args, r.stderr)
-        _one_line_error(r.stderr, "no such folder")
+        one_line_error(r.stderr, "no such folder")

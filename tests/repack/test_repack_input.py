@@ -16,7 +16,6 @@ import pytest
 import safetensors
 from safetensors import safe_open
 
-from repack import cli
 from repack.build import BuildOptions, build_checkpoint
 from repack.checkpoint import open_checkpoint
 from repack.errors import RepackError
@@ -24,33 +23,24 @@ from repack.probe import probe_checkpoint
 from repack.safetensors_io import DTYPES, MappedFile
 from repack.synthetic import grid_words, write_small_checkpoint
 
+from fixtures import one_line_error, repack_cli
+
 FULL = ["--text-only", "--embed-int4", "--embed-tokens"]
 UP0 = "model.language_model.layers.0.mlp.up_proj.weight"
 
 
-def _cli(capsys, *args: str) -> tuple[int, str]:
-    rc = cli.main([*args])
-    return rc, capsys.readouterr().err
-
-
-def _one_line_error(err: str, *needles: str) -> str:
-    lines = [ln for ln in err.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    for n in needles:
-        assert n in lines[0], (n, lines[0])
-    return lines[0]
 
 
 def _refused(src: Path, tmp_path: Path, capsys, *needles: str) -> str:
     """The build and the probe both refuse SRC with one line and status 2, and write nothing."""
     out = tmp_path / "out"
-    rc, err = _cli(capsys, "build", str(src), str(out), *FULL)
+    rc, err = repack_cli(capsys, "build", str(src), str(out), *FULL)
     assert rc == 2, err
-    line = _one_line_error(err, *needles)
+    line = one_line_error(err, *needles)
     assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]
-    rc, err = _cli(capsys, "probe", str(src))
+    rc, err = repack_cli(capsys, "probe", str(src))
     assert rc == 2, err
-    _one_line_error(err, *needles)
+    one_line_error(err, *needles)
     return line
 
 
@@ -144,7 +134,7 @@ def test_header_order_is_free(tmp_path, capsys):
     shuffled = dict(reversed(list(header.items())))
     _write_raw(st, shuffled, raw[8 + n:])
     assert not _library_refuses(st)
-    rc, err = _cli(capsys, "build", str(src), str(tmp_path / "out"), *FULL)
+    rc, err = repack_cli(capsys, "build", str(src), str(tmp_path / "out"), *FULL)
     assert rc == 0, err
 
 
@@ -225,21 +215,21 @@ def test_two_sources_for_one_output_name(tmp_path, capsys):
     norm = np.ones(64, dtype="<u2").tobytes()
     src = write_small_checkpoint(tmp_path / "src", extra={"model.norm.weight": ("BF16", (64,), norm)})
     out = tmp_path / "out"
-    rc, err = _cli(capsys, "build", str(src), str(out), *FULL)
+    rc, err = repack_cli(capsys, "build", str(src), str(out), *FULL)
     assert rc == 2
-    _one_line_error(err, "model.language_model.norm.weight", "model.norm.weight", "both")
+    one_line_error(err, "model.language_model.norm.weight", "model.norm.weight", "both")
     assert not out.exists()
     # without the rename there is no collision: the multimodal build keeps both
-    rc, err = _cli(capsys, "build", str(src), str(out))
+    rc, err = repack_cli(capsys, "build", str(src), str(out))
     assert rc == 0, err
     assert {"model.norm.weight", "model.language_model.norm.weight"} <= set(open_checkpoint(out).tensors)
 
 
 def test_linear_with_no_columns(tmp_path, capsys):
     src = write_small_checkpoint(tmp_path / "src", extra={UP0: ("BF16", (128, 0), b"")})
-    rc, err = _cli(capsys, "build", str(src), str(tmp_path / "out"), *FULL)
+    rc, err = repack_cli(capsys, "build", str(src), str(tmp_path / "out"), *FULL)
     assert rc == 2
-    _one_line_error(err, UP0, "[128, 0]")
+    one_line_error(err, UP0, "[128, 0]")
     assert not (tmp_path / "out").exists()
 
 
@@ -254,9 +244,9 @@ def test_symlink_loop_is_named(tmp_path, capsys):
     _refused(src, tmp_path, capsys, "model.safetensors", "symlink loop")
     loop = tmp_path / "loop"
     os.symlink(loop, loop)
-    rc, err = _cli(capsys, "build", str(loop), str(tmp_path / "out"))
+    rc, err = repack_cli(capsys, "build", str(loop), str(tmp_path / "out"))
     assert rc == 2
-    _one_line_error(err, "symlink loop")
+    one_line_error(err, "symlink loop")
 
 
 def test_symlink_loop_in_an_indexed_shard(tmp_path, capsys):
@@ -286,9 +276,9 @@ def test_link_out_of_the_checkpoint_folder_is_refused(tmp_path, capsys, name):
     line = _refused(src, tmp_path, capsys, name, "outside the checkpoint folder") if name != "tokenizer.json" \
         else None
     if line is None:  # side files are opened by the build only (the probe reads weights)
-        rc, err = _cli(capsys, "build", str(src), str(tmp_path / "out"), *FULL)
+        rc, err = repack_cli(capsys, "build", str(src), str(tmp_path / "out"), *FULL)
         assert rc == 2
-        line = _one_line_error(err, name, "outside the checkpoint folder")
+        line = one_line_error(err, name, "outside the checkpoint folder")
         assert not (tmp_path / "out").exists()
     assert "secret-place" not in line
 
@@ -318,7 +308,7 @@ def _hf_cache_snapshot(tmp_path: Path) -> Path:
 
 def test_hugging_face_cache_snapshot_is_read(tmp_path, capsys):
     snap = _hf_cache_snapshot(tmp_path)
-    rc, err = _cli(capsys, "build", str(snap), str(tmp_path / "out"), *FULL)
+    rc, err = repack_cli(capsys, "build", str(snap), str(tmp_path / "out"), *FULL)
     assert rc == 0, err
 
 

@@ -22,21 +22,12 @@ from repack.checkpoint import open_checkpoint
 from repack.errors import RepackError
 from repack.synthetic import write_small_checkpoint
 
+from fixtures import one_line_error, repack_cli
+
 ROOT = Path(__file__).resolve().parents[2]
 FULL = ["--text-only", "--embed-int4", "--embed-tokens"]
 
 
-def _cli(capsys, *args: str) -> tuple[int, str]:
-    rc = cli.main([str(a) for a in args])
-    return rc, capsys.readouterr().err
-
-
-def _one_line_error(err: str, *needles: str) -> str:
-    lines = [ln for ln in err.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    for n in needles:
-        assert n in lines[0], (n, lines[0])
-    return lines[0]
 
 
 def _tree(p: Path) -> dict[str, bytes]:
@@ -73,9 +64,9 @@ def test_output_above_the_source_is_refused_and_nothing_is_touched(tmp_path, cap
     src = write_small_checkpoint(models / "qat")
     (models / "notes.txt").write_text("keep me")
     before = _tree(models)
-    rc, err = _cli(capsys, "build", src, models, *FULL, "--force")
+    rc, err = repack_cli(capsys, "build", src, models, *FULL, "--force")
     assert rc == 2
-    _one_line_error(err, str(models), "above the source")
+    one_line_error(err, str(models), "above the source")
     assert _tree(models) == before and _leftovers(tmp_path) == [] and _leftovers(models) == []
 
 
@@ -88,7 +79,7 @@ def test_the_article_scripts_refuse_too(tmp_path):
                  ["repack/embed_int4.py", str(src), str(models), "--embed-tokens", "--force"]):
         r = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert r.returncode == 2, (args, r.stderr)
-        _one_line_error(r.stderr, "above the source")
+        one_line_error(r.stderr, "above the source")
     assert _tree(models) == before and _leftovers(tmp_path) == []
 
 
@@ -104,9 +95,9 @@ def test_output_is_never_the_source_inside_or_around_it(tmp_path, capsys, where)
     if where == "link-above-source":
         (tmp_path / "ln2").mkdir()
         out.symlink_to(models)
-    rc, err = _cli(capsys, "build", src, out, *FULL, "--force")
+    rc, err = repack_cli(capsys, "build", src, out, *FULL, "--force")
     assert rc == 2
-    _one_line_error(err, "source")
+    one_line_error(err, "source")
     assert _tree(tmp_path) == before
     assert not (src / "sub").exists()
 
@@ -133,9 +124,9 @@ def test_build_into_the_working_folder_is_refused(src, tmp_path, capsys, monkeyp
     (work / "mine.txt").write_text("x")
     monkeypatch.chdir(work)
     for out in (".", "..", str(work)):
-        rc, err = _cli(capsys, "build", src, out, "--force")
+        rc, err = repack_cli(capsys, "build", src, out, "--force")
         assert rc == 2, err
-        _one_line_error(err, "working folder")
+        one_line_error(err, "working folder")
         assert "Traceback" not in err
     assert _tree(work) == {"mine.txt": b"x"} and (tmp_path / "qat" / "config.json").exists()
 
@@ -144,32 +135,32 @@ def test_force_replaces_only_an_empty_folder_or_exactly_a_build(src, tmp_path, c
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    rc, err = _cli(capsys, "build", src, out, "--force")
+    rc, err = repack_cli(capsys, "build", src, out, "--force")
     assert rc == 2
-    _one_line_error(err, "keep.txt", "--force replaces only")
+    one_line_error(err, "keep.txt", "--force replaces only")
     assert _tree(out) == {"keep.txt": b"mine"}
 
     (out / "keep.txt").unlink()  # an empty folder: replaced
-    rc, err = _cli(capsys, "build", src, out, "--keep-linears", "--force")
+    rc, err = repack_cli(capsys, "build", src, out, "--keep-linears", "--force")
     assert rc == 0, err
     rep = json.loads((out / "repack-report.json").read_text())
     assert rep["files"] == sorted(os.listdir(out)) and "repack-report.json" in rep["files"]
-    rc, err = _cli(capsys, "build", src, out, "--force")  # exactly a build this tool wrote: replaced
+    rc, err = repack_cli(capsys, "build", src, out, "--force")  # exactly a build this tool wrote: replaced
     assert rc == 0, err
     assert _kind(out) == "new"
 
     (out / "notes.md").write_text("my notes on this build")  # a build plus a file of the user's: refused
     before = _tree(out)
-    rc, err = _cli(capsys, "build", src, out, "--force", "--keep-linears")
-    _one_line_error(err, "notes.md", "does not list")
+    rc, err = repack_cli(capsys, "build", src, out, "--force", "--keep-linears")
+    one_line_error(err, "notes.md", "does not list")
     assert rc == 2 and _tree(out) == before
     (out / "notes.md").unlink()
 
     rep.pop("files")  # a report without a file list (an older build): refused
     (out / "repack-report.json").write_text(json.dumps(rep))
     before = _tree(out)
-    rc, err = _cli(capsys, "build", src, out, "--force")
-    _one_line_error(err, "no file list")
+    rc, err = repack_cli(capsys, "build", src, out, "--force")
+    one_line_error(err, "no file list")
     assert rc == 2 and _tree(out) == before and _leftovers(tmp_path) == []
 
 
@@ -177,9 +168,9 @@ def test_force_refuses_a_symlinked_output(src, tmp_path, capsys):
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     (tmp_path / "out").symlink_to(elsewhere)
-    rc, err = _cli(capsys, "build", src, tmp_path / "out", "--force")
+    rc, err = repack_cli(capsys, "build", src, tmp_path / "out", "--force")
     assert rc == 2
-    _one_line_error(err, "symbolic link")
+    one_line_error(err, "symbolic link")
     assert (tmp_path / "out").is_symlink() and elsewhere.is_dir()
 
 
@@ -224,8 +215,8 @@ def test_sigterm_at_each_step_of_the_swap(src, old_build, tmp_path, capsys, monk
     if mode == "journal":
         _no_exchange(monkeypatch)
     monkeypatch.setattr(atomic, "_step", lambda s: os.kill(os.getpid(), signal.SIGTERM) if s == step else None)
-    rc, err = _cli(capsys, "build", src, old_build, "--force")
-    line = _one_line_error(err, "SIGTERM")
+    rc, err = repack_cli(capsys, "build", src, old_build, "--force")
+    line = one_line_error(err, "SIGTERM")
     assert rc == 143
     if WRITTEN_AFTER[step]:
         assert "was written: it is complete" in line and _kind(old_build) == "new"
@@ -289,7 +280,7 @@ def test_sigkill_at_each_step_then_the_next_build_recovers(src, old_build, tmp_p
         assert not old_build.exists()  # the crash window the journal exists for
     else:
         assert _kind(old_build) == ("new" if WRITTEN_AFTER[step] else "old")
-    rc, err = _cli(capsys, "build", src, tmp_path / "other", "--keep-linears")
+    rc, err = repack_cli(capsys, "build", src, tmp_path / "other", "--keep-linears")
     assert rc == 0, err
     assert _leftovers(tmp_path) == []
     assert _kind(old_build) == ("new" if WRITTEN_AFTER[step] and step != "old-aside" else "old")
@@ -317,7 +308,7 @@ def test_a_crashed_replacement_of_out_is_rolled_back_before_out_is_judged(src, o
     os.rename(old_build, tmp_path / f".out.old-{token}")
     (tmp_path / f".out.partial-{token}").mkdir()
     (tmp_path / f".out.partial-{token}" / "model-00001-of-00001.safetensors").write_bytes(b"x" * 1000)
-    rc, err = _cli(capsys, "build", src, old_build)
+    rc, err = repack_cli(capsys, "build", src, old_build)
     assert rc == 2
     assert f"restored {os.path.realpath(old_build)}" in err and f".out.partial-{token}" in err
     assert "already exists" in err.splitlines()[-1]
@@ -427,7 +418,7 @@ def test_sigkill_leftover_is_reported_by_probe_and_removed_by_the_next_build(src
     cli.main(["probe", str(src)])
     out_ = capsys.readouterr().out
     assert "stale partial build" in out_ and name in out_
-    rc, err = _cli(capsys, "build", src, tmp_path / "b2", *FULL)
+    rc, err = repack_cli(capsys, "build", src, tmp_path / "b2", *FULL)
     assert rc == 0, err
     assert f"removed {tmp_path / name}" in err and f"pid {p.pid}" in err
     assert _leftovers(tmp_path) == []
@@ -598,9 +589,9 @@ def test_two_builds_publishing_at_once(src, tmp_path, capsys, monkeypatch):
             build_checkpoint(src, out, BuildOptions(quantize_linears=False))
 
     monkeypatch.setattr(atomic, "_step", other_publishes)
-    rc, err = _cli(capsys, "build", src, out)
+    rc, err = repack_cli(capsys, "build", src, out)
     assert rc == 2
-    _one_line_error(err, str(out), "another build wrote it")
+    one_line_error(err, str(out), "another build wrote it")
     assert _kind(out) == "old" and _leftovers(tmp_path) == []
 
 
@@ -614,7 +605,7 @@ def test_two_real_builds_of_one_output_at_once(src, tmp_path):
     codes = sorted(p.returncode for p in procs)
     assert codes == [0, 2], errs
     loser = errs[[p.returncode for p in procs].index(2)]
-    line = _one_line_error(loser, str(out))
+    line = one_line_error(loser, str(out))
     assert "already exists" in line or "another build wrote it" in line
     assert _kind(out) == "new" and _leftovers(tmp_path) == []
 
@@ -637,9 +628,9 @@ def test_rename_race_enotempty(src, tmp_path, capsys, monkeypatch):
 
     monkeypatch.setattr(atomic, "_renameat2", no_renameat2)
     monkeypatch.setattr(atomic.os, "rename", racing)
-    rc, err = _cli(capsys, "build", src, out)
+    rc, err = repack_cli(capsys, "build", src, out)
     assert rc == 2
-    _one_line_error(err, "another build wrote it")
+    one_line_error(err, "another build wrote it")
     assert _kind(out) == "old" and _leftovers(tmp_path) == []
 
 
@@ -657,9 +648,9 @@ def test_output_folders_get_the_umask_mode(src, tmp_path, umask):
 def test_failed_build_removes_the_parent_folders_it_created(tmp_path, capsys):
     bad = write_small_checkpoint(tmp_path / "bad", off_grid=("model.language_model.layers.0.mlp.up_proj.weight", 1, 0))
     (tmp_path / "a").mkdir()
-    rc, err = _cli(capsys, "build", bad, tmp_path / "a" / "b" / "c" / "out")
+    rc, err = repack_cli(capsys, "build", bad, tmp_path / "a" / "b" / "c" / "out")
     assert rc == 2
-    _one_line_error(err, "off the 4-bit grid")
+    one_line_error(err, "off the 4-bit grid")
     assert list((tmp_path / "a").iterdir()) == []  # a existed before: kept; b and c removed
 
 
@@ -676,22 +667,22 @@ def test_sigterm_exits_143_and_sighup_129(src, tmp_path):
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
         assert p.returncode == code, err
-        _one_line_error(err, signal.Signals(sig).name, "was not written")
+        one_line_error(err, signal.Signals(sig).name, "was not written")
         assert not out.exists() and _leftovers(tmp_path) == []
 
 
 def test_symlink_loop_is_reported_as_such(tmp_path, capsys, src):
     loop = tmp_path / "loop"
     loop.symlink_to(loop)
-    rc, err = _cli(capsys, "build", loop, tmp_path / "out")
+    rc, err = repack_cli(capsys, "build", loop, tmp_path / "out")
     assert rc == 2
-    _one_line_error(err, "symlink loop")
-    rc, err = _cli(capsys, "build", src, loop / "out")
+    one_line_error(err, "symlink loop")
+    rc, err = repack_cli(capsys, "build", src, loop / "out")
     assert rc == 2
-    _one_line_error(err, "symlink loop")
-    rc, err = _cli(capsys, "probe", loop)
+    one_line_error(err, "symlink loop")
+    rc, err = repack_cli(capsys, "probe", loop)
     assert rc == 2
-    _one_line_error(err, "symlink loop")
+    one_line_error(err, "symlink loop")
 
 
 @pytest.mark.parametrize("value", ["nan", "inf", "-inf", "0", "-1", "1e-12", "big"])
