@@ -51,17 +51,23 @@ def _special_groups(words: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     return words
 
 
+def _kernel_equals_reference(words: np.ndarray, target: str, objective: str):
+    """The numba kernel's (packed, scales, stats) for words, asserted equal to the numpy reference's."""
+    a = grid.quantize_numpy(words, target, objective)
+    b = grid.quantize(words, target, objective)
+    assert np.array_equal(a[0], b[0]), (target, objective)
+    assert np.array_equal(a[1], b[1]), (target, objective)
+    assert np.allclose(a[2], b[2], rtol=1e-12, atol=0), (target, objective)
+    return b
+
+
 def test_fast_kernel_matches_numpy_reference():
     rng = np.random.default_rng(2)
     for step_dtype, jitter in ((np.float16, 0.0), (np.float32, 0.0), (np.float32, 0.3)):
         words = _special_groups(grid_words(96, 512, rng, step_dtype=step_dtype, jitter=jitter), rng)
         for target in ("float16", "bfloat16"):
             for objective in ("runtime-exact", "min-error"):
-                a = grid.quantize_numpy(words, target, objective)
-                b = grid.quantize(words, target, objective)
-                assert np.array_equal(a[0], b[0]), (target, objective)
-                assert np.array_equal(a[1], b[1]), (target, objective)
-                assert np.allclose(a[2], b[2], rtol=1e-12, atol=0), (target, objective)
+                _kernel_equals_reference(words, target, objective)
 
 
 def test_scales_chosen_for_one_runtime_reproduce_fewer_values_in_the_other():
@@ -160,12 +166,7 @@ def test_fast_kernel_matches_numpy_reference_on_adversarial_groups():
     words = _adversarial(rng)
     for target in ("float16", "bfloat16"):
         for objective in ("runtime-exact", "min-error"):
-            a = grid.quantize_numpy(words, target, objective)
-            b = grid.quantize(words, target, objective)
-            assert np.array_equal(a[0], b[0]), (target, objective)
-            assert np.array_equal(a[1], b[1]), (target, objective)
-            assert np.allclose(a[2], b[2], rtol=1e-12, atol=0), (target, objective)
-            s = grid.GridStats.from_vector(b[2])
+            s = grid.GridStats.from_vector(_kernel_equals_reference(words, target, objective)[2])
             assert s.offgrid >= 1  # the group with one value 100 binades down is reported off the grid
 
 
