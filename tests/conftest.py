@@ -19,24 +19,65 @@ def pytest_configure(config):
         warm()
 
 
+# The session's shared vLLM servers: every test using one runs in lane 0, so that one worker starts each of them.
+SHARED_SERVERS = frozenset({"emb4_server", "bf16_server", "perturbed_server"})
+VLLM_LANES = 2
+
+
+def vllm_lane(item) -> int:
+    """The xdist lane of a vllm-marked test: 0 for the tests on the shared servers and the modules marked
+    `vllm_lane(0)` (to even out the lanes' lengths), 1 for the other tests, which start servers of their own."""
+    mark = item.get_closest_marker("vllm_lane")
+    if mark is not None:
+        return int(mark.args[0]) % VLLM_LANES
+    return 0 if SHARED_SERVERS & set(item.fixturenames) else 1
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Every vllm-marked test joins one xdist group (pyproject's `--dist loadgroup`): one worker runs them all, in
-    collection order, against one set of session servers, so the two cores never host two vLLM halves at once.
-    They are put first so that worker starts on them at once while the other takes everything else; a test that
-    ends a shared server (marked ends_shared_server) runs after every other vllm test."""
+    """The vllm-marked tests run in two xdist groups (pyproject's `--dist loadgroup`), the lanes of vllm_lane: each
+    lane runs on one worker, in collection order, and the two lanes run side by side, each lane's servers on a core
+    of their own (pytest_runtest_setup). They are put first so that the workers start on them at once; the other
+    tests follow. A test that ends a shared server (marked ends_shared_server) runs after every other vllm test."""
     vllm = [item for item in items if item.get_closest_marker("vllm")]
     vllm.sort(key=lambda item: item.get_closest_marker("ends_shared_server") is not None)  # stable
     for item in vllm:
-        item.add_marker(pytest.mark.xdist_group("vllm"))
+        group = f"vllm{vllm_lane(item)}"
+        item.add_marker(pytest.mark.xdist_group(group))
         if getattr(config.option, "loadgroup", False) and hasattr(item, "_id"):
             # xdist 3.8.0 marks a group by rewriting item._nodeid, which pytest 9.2 no longer reads (the node id
             # is item._id): without this the group is silently ignored and both workers start vLLM servers.
             from _pytest.nodeid import NodeId
 
-            item._id = NodeId.parse(f"{item.nodeid}@vllm")
+            item._id = NodeId.parse(f"{item.nodeid}@{group}")
     rest = [item for item in items if not item.get_closest_marker("vllm")]
     items[:] = vllm + rest
+
+
+_USER_CPU_BIND = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+
+
+def lane_cores(config) -> list[int] | None:
+    """The cores the two lanes' servers compute on, one each, when the lanes run side by side (xdist workers,
+    --dist loadgroup, at least two cores, no VLLM_CPU_OMP_THREADS_BIND of the caller's); None otherwise, and
+    vLLM binds as it would for a user (its "auto": one core, the other left to its scheduler process)."""
+    if _USER_CPU_BIND is not None or not hasattr(config, "workerinput"):
+        return None
+    if not getattr(config.option, "loadgroup", False):
+        return None
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    return cores if len(cores) >= VLLM_LANES else None
+
+
+def pytest_runtest_setup(item):
+    """Before a vllm test's fixtures start servers: its lane's core, for every vLLM server started from here on
+    (the environment is inherited by the command line, the MCP server and vLLM's own processes). Two servers of
+    the two lanes then never share a core; vLLM's OpenMP threads would otherwise both bind to vLLM's auto choice."""
+    if not item.get_closest_marker("vllm"):
+        return
+    cores = lane_cores(item.config)
+    if cores is not None:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(cores[vllm_lane(item) % len(cores)])
 
 
 @pytest.fixture(scope="session")
@@ -119,15 +160,21 @@ def _serve(cfg):
     from tools.serving.vllm_server import start_server, stop_server
 
     _require_plugin()
-    old = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # read by the server process, copied at its launch
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # read by the server process, copied at its launch
+    if os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "").isdigit():
+        # Bound to one core (a lane's): in this layout vLLM binds no OpenMP threads itself, so one thread, not one
+        # per core of the machine, and the other lane's server keeps its core to itself.
+        env["OMP_NUM_THREADS"] = "1"
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
         start_server(cfg)
     finally:
-        if old is None:
-            del os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"]
-        else:
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = old
+        for k, v in old.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
     try:
         yield cfg
     finally:

@@ -15,7 +15,7 @@ import pytest
 
 from tests.fixtures import ROOT, SERVE_MAX_MODEL_LEN, free_port, group_alive
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.vllm_lane(0)]  # lane 0: evens out the two lanes
 
 
 def _cli(args: list[str], env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
