@@ -372,3 +372,37 @@ def test_an_interrupted_start_stops_the_server_and_stays_an_interrupt(serve_conf
         start_server(cfg, progress=progress)
     assert pgids and group_alive(pgids[0]) == []
     assert not cfg.state_file.exists()
+
+
+def test_an_interrupt_between_launch_and_state_file_ends_the_server(serve_config_factory, tmp_path, monkeypatch):
+    """Ctrl-C arriving after vLLM is launched and before its state file names it: the interrupt waits for the
+    state file, then the start ends the group it launched, removes the file, and the interrupt stands. Without
+    that, the server would run on with nothing pointing at it."""
+    import signal
+
+    from tools.serving import vllm_server
+    from tools.serving.config import ServeConfig
+
+    cfg = serve_config_factory(tmp_path / "model", "interrupted-launch")
+    (tmp_path / "model").mkdir()
+    monkeypatch.setattr(ServeConfig, "vllm_argv", lambda self, platform: [
+        sys.executable, "-c", "import subprocess, time; subprocess.Popen(['sleep', '120']); time.sleep(120)"])
+    real_write = vllm_server._write_state
+    seen: dict = {}
+
+    def write_after_an_interrupt(cfg_, state):
+        seen["pgid"] = state.pgid
+        status = Path(f"/proc/{state.pid}/status").read_text()
+        seen["blocked"] = int(status.split("SigBlk:")[1].split()[0], 16)  # the server's own signal mask
+        os.kill(os.getpid(), signal.SIGINT)  # arrives before the write
+        real_write(cfg_, state)
+        seen["written"] = cfg_.state_file.exists()
+
+    monkeypatch.setattr(vllm_server, "_write_state", write_after_an_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        start_server(cfg)
+    assert seen.get("written") is True  # the interrupt was held until the state file named the group
+    assert seen["blocked"] & (1 << (signal.SIGTERM - 1)) == 0  # holding it did not make the server deaf to SIGTERM
+    assert group_alive(seen["pgid"]) == []
+    assert not cfg.state_file.exists()
+    assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, [])  # the mask is as it was

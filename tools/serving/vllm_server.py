@@ -8,11 +8,13 @@ VRAM, memory) goes through a `Hardware` object, so tests can stand in a T4.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
@@ -370,6 +372,31 @@ def _read_text(path: Path) -> str:
 # ----------------------------------------------------------------------------------------------------------------
 # Public API
 
+_DEFERRED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def _signals_deferred():
+    """Holds SIGINT, SIGTERM and SIGHUP for the block and delivers them, to the handlers they had, when it ends.
+    Python handlers, not a blocked signal mask: a child started in the block would inherit the mask and ignore
+    SIGTERM, while a handler reverts to the default at exec. Main thread only (where Python runs handlers)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+    old = {}
+    for sig in _DEFERRED_SIGNALS:
+        if signal.getsignal(sig) is not None:  # None: a handler not set from Python, left as it is
+            old[sig] = signal.signal(sig, lambda signum, frame: pending.append(signum))
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+        for sig in dict.fromkeys(pending):
+            signal.raise_signal(sig)
+
+
 def start_server(cfg: ServeConfig, *, progress: Progress | None = None, hardware: Hardware | None = None,
                  turing_target: Path | None = None) -> StartResult:
     """Starts vLLM detached and waits until /health answers and a one-token greedy completion returns text.
@@ -411,22 +438,36 @@ def start_server(cfg: ServeConfig, *, progress: Progress | None = None, hardware
         cfg.instance_dir.mkdir(parents=True, exist_ok=True)
         log_path = cfg.log_file
         t0 = time.monotonic()
-        with open(log_path, "wb") as log:  # one log per start: the parser reads this start only
-            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                    cwd=str(cfg.instance_dir), start_new_session=True)
+        proc: subprocess.Popen | None = None
         try:
-            create_time = psutil.Process(proc.pid).create_time()
-        except psutil.Error:
-            create_time = time.time()
-        now = datetime.now(timezone.utc)
-        state = ServerState(pid=proc.pid, pgid=proc.pid, create_time=create_time, host=cfg.host, port=cfg.port,
-                            base_url=cfg.base_url, model=cfg.model, served_name=cfg.served_name, argv=argv,
-                            platform=platform, started_at=now.isoformat(timespec="seconds"),
-                            started_ts=now.timestamp(), log_path=str(log_path), instance=cfg.instance,
-                            gpus=cfg.gpus, gpu_memory_utilization=cfg.gpu_memory_utilization,
-                            cpu_cores=cfg.cpu_cores, tensor_parallel_size=cfg.tensor_parallel_size,
-                            data_parallel_size=cfg.data_parallel_size)
-        _write_state(cfg, state)
+            # Ctrl-C / SIGTERM wait until the state file names the new group (they are raised on leaving the
+            # block, and the except below ends the group): between the launch and that write, an interrupt
+            # would leave a server that no state file points at.
+            with _signals_deferred():
+                with open(log_path, "wb") as log:  # one log per start: the parser reads this start only
+                    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                            env=env, cwd=str(cfg.instance_dir), start_new_session=True)
+                try:
+                    create_time = psutil.Process(proc.pid).create_time()
+                except psutil.Error:
+                    create_time = time.time()
+                now = datetime.now(timezone.utc)
+                state = ServerState(pid=proc.pid, pgid=proc.pid, create_time=create_time, host=cfg.host,
+                                    port=cfg.port, base_url=cfg.base_url, model=cfg.model,
+                                    served_name=cfg.served_name, argv=argv, platform=platform,
+                                    started_at=now.isoformat(timespec="seconds"), started_ts=now.timestamp(),
+                                    log_path=str(log_path), instance=cfg.instance, gpus=cfg.gpus,
+                                    gpu_memory_utilization=cfg.gpu_memory_utilization, cpu_cores=cfg.cpu_cores,
+                                    tensor_parallel_size=cfg.tensor_parallel_size,
+                                    data_parallel_size=cfg.data_parallel_size)
+                _write_state(cfg, state)
+        except BaseException:
+            if proc is not None:
+                _kill_group(proc.pid, proc.pid, grace_s=5)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=5)
+                _clear_state(cfg)
+            raise
 
     def fail(reason: str) -> ToolFailure:
         _kill_group(proc.pid, proc.pid, grace_s=5)
