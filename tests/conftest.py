@@ -57,46 +57,30 @@ def pytest_collection_modifyitems(config, items):
 _USER_CPU_BIND = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
 
 
-def lane_cores(config) -> list[int] | None:
-    """The cores the two lanes' servers compute on, one each, when the lanes run side by side (xdist workers,
-    --dist loadgroup, at least two cores, no VLLM_CPU_OMP_THREADS_BIND of the caller's); None otherwise, and
-    vLLM binds as it would for a user (its "auto": one core, the other left to its scheduler process)."""
+def lane_cores(config) -> list[str] | None:
+    """VLLM_CPU_OMP_THREADS_BIND for each lane when the lanes run side by side (xdist workers, --dist loadgroup,
+    at least two cores, no binding of the caller's): the cores split in two halves, one per lane. None otherwise,
+    and vLLM binds as it would for a user (its "auto")."""
     if _USER_CPU_BIND is not None or not hasattr(config, "workerinput"):
         return None
     if not getattr(config.option, "loadgroup", False):
         return None
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    return cores if len(cores) >= VLLM_LANES else None
+    if len(cores) < VLLM_LANES:
+        return None
+    per = len(cores) // VLLM_LANES
+    return [",".join(map(str, cores[i * per:(i + 1) * per])) for i in range(VLLM_LANES)]
 
 
 def pytest_runtest_setup(item):
-    """Before a vllm test's fixtures start servers: its lane's core, for every vLLM server started from here on
-    (the environment is inherited by the command line, the MCP server and vLLM's own processes). Two servers of
-    the two lanes then never share a core; vLLM's OpenMP threads would otherwise both bind to vLLM's auto choice."""
+    """Before a vllm test's fixtures start servers: its lane's cores, for every vLLM server started from here on
+    (the environment is inherited by the command line, the MCP server and vLLM's own processes). The two lanes'
+    servers then never share a core; vLLM's OpenMP threads would otherwise all bind to vLLM's auto choice."""
     if not item.get_closest_marker("vllm"):
         return
-    cores = lane_cores(item.config)
-    if cores is not None:
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(cores[vllm_lane(item) % len(cores)])
-
-
-@pytest.fixture(scope="session")
-def tiny_qat(tmp_path_factory) -> Path:
-    """The tiny multimodal QAT-like checkpoint (sharded, towers, tied head), built once per session (trained once
-    per content address: tools.demo.tiny_model's cache)."""
-    from tools.demo.tiny_model import cached_tiny_qat_checkpoint
-
-    info = cached_tiny_qat_checkpoint(tmp_path_factory.mktemp("tiny") / "gemma-4-tiny-qat")
-    assert info.accuracy > 0.95, f"tiny model did not learn its pattern (accuracy {info.accuracy:.3f})"
-    return info.path
-
-
-@pytest.fixture(scope="session")
-def tiny_base(tmp_path_factory) -> Path:
-    """The same tiny model left off the grid: a stand-in for a base (non-QAT) bf16 checkpoint."""
-    from tools.demo.tiny_model import cached_tiny_qat_checkpoint
-
-    return cached_tiny_qat_checkpoint(tmp_path_factory.mktemp("tiny-base") / "gemma-4-tiny-base", on_grid=False).path
+    binds = lane_cores(item.config)
+    if binds is not None:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = binds[vllm_lane(item)]
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -161,10 +145,11 @@ def _serve(cfg):
 
     _require_plugin()
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # read by the server process, copied at its launch
-    if os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "").isdigit():
-        # Bound to one core (a lane's): in this layout vLLM binds no OpenMP threads itself, so one thread, not one
-        # per core of the machine, and the other lane's server keeps its core to itself.
-        env["OMP_NUM_THREADS"] = "1"
+    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
+    if bind and all(c.isdigit() for c in bind.split(",")):
+        # Bound to a list of cores (a lane's): in this layout vLLM binds no OpenMP threads itself, so as many
+        # threads as those cores, not one per core of the machine, and the other lane keeps its cores to itself.
+        env["OMP_NUM_THREADS"] = str(len(bind.split(",")))
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
