@@ -90,14 +90,28 @@ class PreflightReport(BaseModel):
 
 class _Context:
     def __init__(self, cfg: Any, cfg_error: str | None, hardware: Any, nvml: Any, turing_target: Path | None):
-        from tools.serving.vllm_server import Hardware
-
         self.cfg, self.cfg_error = cfg, cfg_error
-        self.hw = hardware or Hardware()
+        self._hw = hardware
         self.nvml = nvml
         self.turing_target = turing_target
-        self.platform = self.hw.platform()
         self._vram: Any = None
+        self._platform: str | None = None
+
+    # the hardware only when a check asks: a repack's checks need none, and importing the server module costs
+    # ~0.1 s of every `python -m repack build`
+    @property
+    def hw(self) -> Any:
+        if self._hw is None:
+            from tools.serving.vllm_server import Hardware
+
+            self._hw = Hardware()
+        return self._hw
+
+    @property
+    def platform(self) -> str:
+        if self._platform is None:
+            self._platform = self.hw.platform()
+        return self._platform
 
     @property
     def vram(self) -> Any:
