@@ -83,6 +83,25 @@ def pytest_runtest_setup(item):
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = binds[vllm_lane(item)]
 
 
+@pytest.fixture(scope="session")
+def tiny_qat(tmp_path_factory) -> Path:
+    """The tiny multimodal QAT-like checkpoint (sharded, towers, tied head), built once per session (trained once
+    per content address: tools.demo.tiny_model's cache)."""
+    from tools.demo.tiny_model import cached_tiny_qat_checkpoint
+
+    info = cached_tiny_qat_checkpoint(tmp_path_factory.mktemp("tiny") / "gemma-4-tiny-qat")
+    assert info.accuracy > 0.95, f"tiny model did not learn its pattern (accuracy {info.accuracy:.3f})"
+    return info.path
+
+
+@pytest.fixture(scope="session")
+def tiny_base(tmp_path_factory) -> Path:
+    """The same tiny model left off the grid: a stand-in for a base (non-QAT) bf16 checkpoint."""
+    from tools.demo.tiny_model import cached_tiny_qat_checkpoint
+
+    return cached_tiny_qat_checkpoint(tmp_path_factory.mktemp("tiny-base") / "gemma-4-tiny-base", on_grid=False).path
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Serving fixtures: the two builds of `tiny_qat` the serving, measuring and MCP tests use, and a live vLLM server
 # for each (vLLM's CPU backend on machines without a GPU). Servers are shared by the whole session: one start each.
