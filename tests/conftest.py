@@ -13,6 +13,7 @@ from fixtures import ROOT, SERVE_MAX_MODEL_LEN, free_port
 def pytest_configure(config):
     """With xdist workers, compile (or load) the grid kernel once here first: after an edit of the kernel, two
     workers would otherwise both compile it at once (minutes of CPU each), and a test's job would time out."""
+    config.pluginmanager.register(_XdistGroups(), "gemma4-t4-xdist-groups")
     if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
         from repack.kernel_cache import warm
 
@@ -37,6 +38,25 @@ def pytest_collection_modifyitems(config, items):
             item._id = NodeId.parse(f"{item.nodeid}@vllm")
     rest = [item for item in items if not item.get_closest_marker("vllm")]
     items[:] = vllm + rest
+
+
+class _XdistGroups:
+    """The other xdist groups (tests marked `pytest.mark.xdist_group(name)`, e.g. fixtures.IN_PROCESS_TORCH) get the
+    same node-id suffix the vllm group gets above, which pytest 9.2 needs for `--dist loadgroup` to see them."""
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, config, items):
+        if not getattr(config.option, "loadgroup", False):
+            return
+        from _pytest.nodeid import NodeId
+
+        for item in items:
+            mark = item.get_closest_marker("xdist_group")
+            if mark is None or item.get_closest_marker("vllm") or not hasattr(item, "_id"):
+                continue  # vllm-marked tests keep the vllm group
+            name = mark.args[0] if mark.args else mark.kwargs.get("name", "default")
+            if not item.nodeid.endswith(f"@{name}"):
+                item._id = NodeId.parse(f"{item.nodeid}@{name}")
 
 
 @pytest.fixture(scope="session")
