@@ -15,6 +15,7 @@ without an NVIDIA driver the GPU checks are `n/a` and the CPU path (vLLM's CPU b
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.metadata
 import importlib.util
 import os
@@ -90,14 +91,23 @@ class PreflightReport(BaseModel):
 
 class _Context:
     def __init__(self, cfg: Any, cfg_error: str | None, hardware: Any, nvml: Any, turing_target: Path | None):
-        from tools.serving.vllm_server import Hardware
-
         self.cfg, self.cfg_error = cfg, cfg_error
-        self.hw = hardware or Hardware()
+        self._hw = hardware
         self.nvml = nvml
         self.turing_target = turing_target
-        self.platform = self.hw.platform()
         self._vram: Any = None
+
+    # Asked for only by the checks that need them: a repack's checks (source, disk) then never import the
+    # serving module or probe the GPUs, a fifth of a `python -m repack build` start.
+    @functools.cached_property
+    def hw(self) -> Any:
+        from tools.serving.vllm_server import Hardware
+
+        return self._hw or Hardware()
+
+    @functools.cached_property
+    def platform(self) -> str:
+        return self.hw.platform()
 
     @property
     def vram(self) -> Any:
