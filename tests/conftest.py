@@ -10,13 +10,49 @@ import pytest
 from fixtures import ROOT, SERVE_MAX_MODEL_LEN, free_port
 
 
+_KERNEL_LOCK = "GEMMA4_T4_KERNEL_LOCK"
+
+
 def pytest_configure(config):
-    """With xdist workers, compile (or load) the grid kernel once here first: after an edit of the kernel, two
-    workers would otherwise both compile it at once (minutes of CPU each), and a test's job would time out."""
+    """With xdist workers, compile (or load) the grid kernel once here, while the workers start and collect; they
+    wait for it before their first test (pytest_runtestloop): after an edit of the kernel, two workers would
+    otherwise both compile it at once (minutes of CPU each), and a test's job would time out. In a thread, not
+    before the workers start: loading a current cache held back every worker's start by a second."""
+    config.pluginmanager.register(_XdistGroups(), "gemma4-t4-xdist-groups")
     if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        import fcntl
+        import tempfile
+        import threading
+
         from repack.kernel_cache import warm
 
-        warm()
+        fd, path = tempfile.mkstemp(prefix="gemma4-t4-kernel-", suffix=".lock")
+        fcntl.flock(fd, fcntl.LOCK_EX)  # taken before any worker starts; released when warm() returns
+        os.environ[_KERNEL_LOCK] = path  # the workers inherit it
+
+        def run() -> None:
+            try:
+                warm()
+            finally:
+                os.close(fd)
+
+        threading.Thread(target=run, name="grid-kernel-warm", daemon=True).start()  # Ctrl-C does not wait for it
+
+
+def pytest_unconfigure(config):
+    path = os.environ.pop(_KERNEL_LOCK, None)
+    if path and not hasattr(config, "workerinput"):
+        os.unlink(path)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtestloop(session):
+    path = os.environ.get(_KERNEL_LOCK)
+    if path and hasattr(session.config, "workerinput"):
+        import fcntl
+
+        with open(path) as lock:
+            fcntl.flock(lock, fcntl.LOCK_SH)  # the controller's warm() has returned
 
 
 # The session's shared vLLM servers: every test using one runs in lane 0, so that one worker starts each of them.
@@ -81,6 +117,25 @@ def pytest_runtest_setup(item):
     binds = lane_cores(item.config)
     if binds is not None:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = binds[vllm_lane(item)]
+
+
+class _XdistGroups:
+    """The other xdist groups (tests marked `pytest.mark.xdist_group(name)`, e.g. fixtures.IN_PROCESS_TORCH) get the
+    same node-id suffix the vllm lanes get above, which pytest 9.2 needs for `--dist loadgroup` to see them."""
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, config, items):
+        if not getattr(config.option, "loadgroup", False):
+            return
+        from _pytest.nodeid import NodeId
+
+        for item in items:
+            mark = item.get_closest_marker("xdist_group")
+            if mark is None or item.get_closest_marker("vllm") or not hasattr(item, "_id"):
+                continue  # vllm-marked tests keep their lane
+            name = mark.args[0] if mark.args else mark.kwargs.get("name", "default")
+            if not item.nodeid.endswith(f"@{name}"):
+                item._id = NodeId.parse(f"{item.nodeid}@{name}")
 
 
 @pytest.fixture(scope="session")

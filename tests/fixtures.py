@@ -5,8 +5,15 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SERVE_MAX_MODEL_LEN = 512  # short contexts keep the CPU KV cache small; tests that need more ask for it
+
+# Tests that import torch, vLLM, transformers or compressed-tensors into the test process, and the modules whose
+# shared fixtures they use: one xdist worker runs them all (tests/conftest.py gives the group to xdist), so those
+# imports (seconds each) and the fixtures are paid once per run instead of once per worker.
+IN_PROCESS_TORCH = pytest.mark.xdist_group("torch")
 
 
 def free_port() -> int:

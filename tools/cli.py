@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import signal
 import sys
 
@@ -23,16 +24,37 @@ def _on_sigterm(signum: int, frame: object) -> None:
     raise Terminated
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from tools.demo import demo
-    from tools.measure import measure_cli
-    from tools.serving import serve_cli
+# The module that registers each command: main() imports only the one its command line names (all of them cost a
+# quarter of a second of every start, more than a `status` itself). tests/test_cli.py keeps it equal to what the
+# modules register.
+COMMANDS: dict[str, str] = {
+    **dict.fromkeys(("start", "stop", "status", "query", "log", "router", "swap"), "tools.serving.serve_cli"),
+    **dict.fromkeys(("sweep", "sweep-compare", "compare", "decode", "decode-sweep", "decode-compare"),
+                    "tools.measure.measure_cli"),
+    "demo": "tools.demo.demo",
+    "eval": "tools.measure.evals",
+    "eval-compare": "tools.measure.evals",
+    "fidelity": "tools.measure.fidelity",
+    "doctor": "tools.serving.preflight",
+    "fetch": "tools.serving.fetch",
+}
 
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The command line's parser: every command, or only the module that registers `command` (COMMANDS) when it
+    names one."""
     parser = argparse.ArgumentParser(
         prog="vllm-t4",
         description="Serve and measure Gemma 4 E2B builds with vLLM (Tesla T4, or vLLM's CPU backend).",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    if command in COMMANDS:
+        importlib.import_module(COMMANDS[command]).register(sub)
+        return parser
+    from tools.demo import demo
+    from tools.measure import measure_cli
+    from tools.serving import serve_cli
+
     serve_cli.register(sub)    # start, stop, status, query, log, swap
     measure_cli.register(sub)  # sweep, sweep-compare, compare, decode, decode-sweep, decode-compare
     demo.register(sub)         # demo: the whole pipeline, ending in an evidence report
@@ -44,8 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(argv[0] if argv else None).parse_args(argv)
     signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         return int(args.func(args) or 0)

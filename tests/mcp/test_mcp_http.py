@@ -21,6 +21,8 @@ from tools.mcp.paths import PathNotAllowed, Roots
 from fixtures import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
+# The tests of the module's one HTTP server run on one xdist worker: one server start per run, not one per worker.
+ON_THE_SHARED_SERVER = pytest.mark.xdist_group("mcp-http")
 
 
 def _initialize_body() -> dict:
@@ -62,6 +64,7 @@ def http_server(tmp_path_factory):
             proc.wait()
 
 
+@ON_THE_SHARED_SERVER
 def test_http_refuses_without_or_with_a_wrong_token(http_server):
     url, token, _, _ = http_server
     headers = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
@@ -75,6 +78,7 @@ def test_http_refuses_without_or_with_a_wrong_token(http_server):
     assert r.status_code == 200
 
 
+@ON_THE_SHARED_SERVER
 def test_http_binds_loopback_only(http_server):
     _, _, port, _ = http_server
     import psutil
@@ -84,6 +88,7 @@ def test_http_binds_loopback_only(http_server):
     assert listening and all(c.laddr.ip == "127.0.0.1" for c in listening)
 
 
+@ON_THE_SHARED_SERVER
 def test_http_client_with_token_lists_and_confines(http_server, tmp_path):
     asyncio.run(_client_session(http_server, tmp_path))
 
@@ -116,6 +121,7 @@ def test_generated_token_is_printed_when_none_is_configured(tmp_path):
         proc.wait(10)
 
 
+@ON_THE_SHARED_SERVER
 def test_http_checks_host_and_origin(http_server):
     """DNS-rebinding protection: loopback names and --allowed-host pass; another Host gets 421 (fastmcp's
     answer), another Origin 403."""

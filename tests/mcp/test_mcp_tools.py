@@ -208,8 +208,19 @@ def test_probe_and_repack_with_progress(tiny_mcp, tiny_qat, tiny_base):
     assert not (models / "base-emb4").exists()
 
 
-def test_repack_as_job_then_busy_rule(tiny_mcp, tiny_qat):
+def test_repack_as_job_then_busy_rule(tiny_mcp, tiny_qat, monkeypatch):
+    import threading
+
+    from repack import build
+
     mcp, models = tiny_mcp
+    checked, real = threading.Event(), build.build_checkpoint
+
+    def held(*args, **kwargs):  # the job is still running when the second call comes, however fast the build
+        checked.wait(60)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(build, "build_checkpoint", held)
 
     async def go():
         async with Client(mcp) as c:
@@ -217,8 +228,11 @@ def test_repack_as_job_then_busy_rule(tiny_mcp, tiny_qat):
                 "source": str(tiny_qat), "output": "text", "embed_int4": False}})).structured_content
             assert job["state"] == "running" and job["tool"] == "repack_checkpoint"
             # one long operation at a time, foreground or background
-            with pytest.raises(ToolError, match=f"repack_checkpoint \\({job['job_id']}\\) is running"):
-                await c.call_tool("repack_checkpoint", {"source": str(tiny_qat), "output": "other"})
+            try:
+                with pytest.raises(ToolError, match=f"repack_checkpoint \\({job['job_id']}\\) is running"):
+                    await c.call_tool("repack_checkpoint", {"source": str(tiny_qat), "output": "other"})
+            finally:
+                checked.set()
             done = (await c.call_tool("job_status", {"job_id": job["job_id"], "wait_s": 120})).structured_content
             listing = (await c.call_tool("list_jobs", {})).structured_content
             bad = (await c.call_tool("start_job", {"tool": "repack_checkpoint", "arguments": {

@@ -18,6 +18,8 @@ from tools.measure.decode import (DecodeResult, DecodeSweepParams, PromptRecord,
                                   spec_delta, speculative_json, summarize, validate_speculative_config)
 from tools.serving.params_cli import BadInput
 
+from fixtures import IN_PROCESS_TORCH
+
 ROOT = Path(__file__).resolve().parents[2]
 ARTICLE = ROOT / "evidence" / "article-t4" / "decode"
 
@@ -294,6 +296,7 @@ def _fake_target(folder: Path, width: int = 128) -> Path:
     return folder
 
 
+@IN_PROCESS_TORCH
 def test_tiny_drafter_has_the_assistant_layout_and_learns_the_pattern(tmp_path):
     from safetensors import safe_open
 

@@ -299,7 +299,7 @@ def hold(args):
         worker.run_cell(json.loads(sys.argv[1]), timeout_s=600)
     return 0
 
-def parser():
+def parser(command=None):
     p = argparse.ArgumentParser()
     p.set_defaults(func=hold)
     return p

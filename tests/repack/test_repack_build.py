@@ -17,6 +17,9 @@ from repack import grid
 from repack.build import BuildOptions, build_checkpoint
 from repack.checkpoint import open_checkpoint
 
+from fixtures import IN_PROCESS_TORCH
+
+pytestmark = IN_PROCESS_TORCH  # the module's builds fixture, and vLLM's, compressed-tensors' and transformers' oracles
 ROOT = Path(__file__).resolve().parents[2]
 TOWERS = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
 

@@ -8,6 +8,8 @@ import pytest
 from repack import grid
 from repack.synthetic import grid_words
 
+from fixtures import IN_PROCESS_TORCH
+
 
 def _values(words: np.ndarray) -> np.ndarray:
     return (words.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
@@ -102,6 +104,7 @@ def test_base_model_values_are_off_grid():
     assert s.offgrid == s.groups
 
 
+@IN_PROCESS_TORCH
 def test_packing_matches_compressed_tensors_pack_to_int32():
     import torch
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32

@@ -17,6 +17,8 @@ from repack.build import BuildOptions, build_checkpoint
 from repack.checkpoint import open_checkpoint
 from repack.errors import RepackError
 
+from fixtures import IN_PROCESS_TORCH
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -123,6 +125,7 @@ def test_w4a16_round_trip_delegates_to_the_grid():
     assert np.all(np.abs(runtime - src) <= ulp)
 
 
+@IN_PROCESS_TORCH
 def test_w8a8_compressed_tensors_quantize_and_decompress_agree():
     """Oracle: compressed-tensors' int-quantized compressor, given our scales, quantizes to our int8 values, and its
     decompression equals our dequantized weights."""
@@ -177,6 +180,7 @@ def w8a8_build(tiny_qat, tmp_path_factory) -> Path:
     return out
 
 
+@IN_PROCESS_TORCH
 def test_w8a8_build_layout(w8a8_build, tiny_qat):
     src, out = open_checkpoint(tiny_qat), open_checkpoint(w8a8_build)
     t = out.tensors
@@ -195,6 +199,7 @@ def test_w8a8_build_layout(w8a8_build, tiny_qat):
     assert not any(n.startswith(("model.vision_tower", "model.audio_tower", "model.language_model")) for n in t)
 
 
+@IN_PROCESS_TORCH
 def test_w8a8_config_is_matched_by_vllm_as_int8_and_int4(w8a8_build):
     """vLLM's own config parsing and scheme matching: the linears get CompressedTensorsW8A8Int8 with per-channel
     weights and dynamic per-token symmetric inputs; the embedding tables and head keep their int4 schemes."""
@@ -223,6 +228,7 @@ def test_w8a8_config_is_matched_by_vllm_as_int8_and_int4(w8a8_build):
     assert isinstance(ct.get_scheme(ParallelLMHead(), layer_name="lm_head"), CompressedTensorsWNA16)
 
 
+@IN_PROCESS_TORCH
 def test_w8a8_weights_decompress_with_compressed_tensors(w8a8_build, tiny_qat):
     """Oracle: compressed-tensors parses the written config and decompresses the stored int8 weights to exactly our
     decode, which is within half a step of every source value."""
@@ -246,6 +252,7 @@ def test_w8a8_weights_decompress_with_compressed_tensors(w8a8_build, tiny_qat):
         assert (np.abs(ours - ref) <= s.astype(np.float64) / 2 * (1 + 1e-12)).all(), short
 
 
+@IN_PROCESS_TORCH
 def test_w8a8_report_has_its_own_columns(w8a8_build):
     rep = json.loads((w8a8_build / "repack-report.json").read_text())
     assert rep["scheme"] == "w8a8" and rep["options"]["scheme"] == "w8a8"

@@ -7,10 +7,10 @@ from importlib.metadata import entry_points
 
 import numpy as np
 import pytest
-import torch
 
-import gemma4_t4_vllm
-from gemma4_t4_vllm import EMBEDDING_MODULE, dequant_gather_torch
+from fixtures import IN_PROCESS_TORCH
+
+pytestmark = IN_PROCESS_TORCH  # torch and vLLM, imported by the tests (not at collection, on every worker)
 
 
 def _pack_reference(levels: np.ndarray) -> np.ndarray:
@@ -23,8 +23,13 @@ def _pack_reference(levels: np.ndarray) -> np.ndarray:
     return words.astype(np.uint32).view(np.int32)
 
 
-@pytest.mark.parametrize("groups, dtype", [(6, torch.float16), (1, torch.bfloat16), (6, torch.bfloat16)])
-def test_gather_matches_reference(groups, dtype):
+@pytest.mark.parametrize("groups, dtype_name", [(6, "float16"), (1, "bfloat16"), (6, "bfloat16")])
+def test_gather_matches_reference(groups, dtype_name):
+    import torch
+
+    from gemma4_t4_vllm import dequant_gather_torch
+
+    dtype = getattr(torch, dtype_name)
     rng = np.random.default_rng(0)
     vocab, hidden = 64, 192
     levels = rng.integers(-8, 8, size=(vocab, hidden))
@@ -47,6 +52,10 @@ def test_gather_matches_reference(groups, dtype):
 
 
 def test_gather_of_8_bit_words():
+    import torch
+
+    from gemma4_t4_vllm import dequant_gather_torch
+
     rng = np.random.default_rng(1)
     levels = rng.integers(-128, 128, size=(4, 64))
     words = ((levels + 128).astype(np.uint64).reshape(4, 16, 4) << (np.arange(4, dtype=np.uint64) * 8)).sum(-1)
@@ -63,6 +72,9 @@ def test_entry_point_is_declared():
 
 
 def test_register_swaps_the_triton_gather_on_cpu(monkeypatch):
+    import gemma4_t4_vllm
+    from gemma4_t4_vllm import EMBEDDING_MODULE, dequant_gather_torch
+
     module = importlib.import_module(EMBEDDING_MODULE)
     original = module._dequant_gather_triton
     create = module.CompressedTensorsEmbeddingWNA16Int.create_weights

@@ -121,6 +121,9 @@ class BenchWorker:
     def __init__(self) -> None:
         self.proc: subprocess.Popen | None = None
         self._answers: int | None = None
+        # A cell was sent and not answered: the worker is inside vLLM's benchmark and reads stdin again only
+        # when the cell ends, so closing stdin would not end it (close() then ends its group at once).
+        self._in_cell = False
         self.starts = 0
         # The worker's own counts after its last answered cell (tokenizer_loads, metrics_reads, bench_calls):
         # what it kept between cells, as it saw it.
@@ -154,6 +157,7 @@ class BenchWorker:
         proc = self.proc if self.proc is not None and self.proc.poll() is None else self._start()
         assert proc.stdin is not None and self._answers is not None
         try:
+            self._in_cell = True
             proc.stdin.write((json.dumps(spec) + "\n").encode())
             proc.stdin.flush()
             deadline = time.monotonic() + timeout_s
@@ -166,6 +170,7 @@ class BenchWorker:
                 if ready:
                     line = _read_line(self._answers)
                     if line:
+                        self._in_cell = False
                         self.stats = {k: v for k, v in json.loads(line).items() if k != "done"}
                         return 0, None
                     break  # EOF: the worker is gone
@@ -185,11 +190,14 @@ class BenchWorker:
             os.close(self._answers)
             self._answers = None
         self.proc = None
+        self._in_cell = False
 
     def close(self) -> None:
         proc = self.proc
         if proc is not None:
-            if proc.poll() is None:
+            if proc.poll() is None and self._in_cell:
+                kill_group(proc)  # mid-cell (a time limit, Ctrl-C, a cancelled job): EOF would wait for the cell
+            elif proc.poll() is None:
                 try:
                     assert proc.stdin is not None
                     proc.stdin.close()  # EOF: the worker's loop ends by itself

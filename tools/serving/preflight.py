@@ -15,6 +15,7 @@ without an NVIDIA driver the GPU checks are `n/a` and the CPU path (vLLM's CPU b
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.metadata
 import importlib.util
 import os
@@ -95,23 +96,18 @@ class _Context:
         self.nvml = nvml
         self.turing_target = turing_target
         self._vram: Any = None
-        self._platform: str | None = None
 
-    # the hardware only when a check asks: a repack's checks need none, and importing the server module costs
-    # ~0.1 s of every `python -m repack build`
-    @property
+    # Asked for only by the checks that need them: a repack's checks (source, disk) then never import the
+    # serving module or probe the GPUs, a fifth of a `python -m repack build` start.
+    @functools.cached_property
     def hw(self) -> Any:
-        if self._hw is None:
-            from tools.serving.vllm_server import Hardware
+        from tools.serving.vllm_server import Hardware
 
-            self._hw = Hardware()
-        return self._hw
+        return self._hw or Hardware()
 
-    @property
+    @functools.cached_property
     def platform(self) -> str:
-        if self._platform is None:
-            self._platform = self.hw.platform()
-        return self._platform
+        return self.hw.platform()
 
     @property
     def vram(self) -> Any:
