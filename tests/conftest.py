@@ -10,9 +10,7 @@ import pytest
 from fixtures import ROOT, SERVE_MAX_MODEL_LEN, free_port
 
 
-_KERNEL_LOCK = "GEMMA4_T4_KERNEL_LOCK"
-
-
+@pytest.hookimpl(trylast=True)  # after pytest's own configure: the temporary-folder factory is needed
 def pytest_configure(config):
     """With xdist workers, compile (or load) the grid kernel once here, while the workers start and collect; they
     wait for it before their first test (pytest_runtestloop): after an edit of the kernel, two workers would
@@ -21,14 +19,13 @@ def pytest_configure(config):
     config.pluginmanager.register(_XdistGroups(), "gemma4-t4-xdist-groups")
     if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
         import fcntl
-        import tempfile
         import threading
 
         from repack.kernel_cache import warm
 
-        fd, path = tempfile.mkstemp(prefix="gemma4-t4-kernel-", suffix=".lock")
+        # In the run's temporary folder, the parent of each worker's own: pytest removes it with old runs.
+        fd = os.open(config._tmp_path_factory.getbasetemp() / _KERNEL_LOCK, os.O_CREAT | os.O_RDWR, 0o600)
         fcntl.flock(fd, fcntl.LOCK_EX)  # taken before any worker starts; released when warm() returns
-        os.environ[_KERNEL_LOCK] = path  # the workers inherit it
 
         def run() -> None:
             try:
@@ -39,20 +36,19 @@ def pytest_configure(config):
         threading.Thread(target=run, name="grid-kernel-warm", daemon=True).start()  # Ctrl-C does not wait for it
 
 
-def pytest_unconfigure(config):
-    path = os.environ.pop(_KERNEL_LOCK, None)
-    if path and not hasattr(config, "workerinput"):
-        os.unlink(path)
+_KERNEL_LOCK = "grid-kernel.lock"
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtestloop(session):
-    path = os.environ.get(_KERNEL_LOCK)
-    if path and hasattr(session.config, "workerinput"):
-        import fcntl
+    config = session.config
+    if hasattr(config, "workerinput"):
+        lock = config._tmp_path_factory.getbasetemp().parent / _KERNEL_LOCK
+        if lock.exists():
+            import fcntl
 
-        with open(path) as lock:
-            fcntl.flock(lock, fcntl.LOCK_SH)  # the controller's warm() has returned
+            with open(lock) as f:
+                fcntl.flock(f, fcntl.LOCK_SH)  # the controller's warm() has returned
 
 
 # The session's shared vLLM servers: every test using one runs in lane 0, so that one worker starts each of them.
