@@ -51,17 +51,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     if command in COMMANDS:
         importlib.import_module(COMMANDS[command]).register(sub)
         return parser
-    from tools.demo import demo
-    from tools.measure import measure_cli
-    from tools.serving import serve_cli
-
-    serve_cli.register(sub)    # start, stop, status, query, log, swap
-    measure_cli.register(sub)  # sweep, sweep-compare, compare, decode, decode-sweep, decode-compare
-    demo.register(sub)         # demo: the whole pipeline, ending in an evidence report
-    __import__("tools.measure.evals", fromlist=["register"]).register(sub)  # eval, eval-compare (lm-eval)
-    __import__("tools.measure.fidelity", fromlist=["register"]).register(sub)  # fidelity record|check
-    __import__("tools.serving.preflight", fromlist=["register"]).register(sub)  # doctor: preflight checks
-    __import__("tools.serving.fetch", fromlist=["register"]).register(sub)  # fetch: a checkpoint from the hub
+    for module in dict.fromkeys(COMMANDS.values()):  # every registering module once, in the table's order
+        importlib.import_module(module).register(sub)
     return parser
 
 
