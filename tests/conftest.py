@@ -16,7 +16,6 @@ def pytest_configure(config):
     wait for it before their first test (pytest_runtestloop): after an edit of the kernel, two workers would
     otherwise both compile it at once (minutes of CPU each), and a test's job would time out. In a thread, not
     before the workers start: loading a current cache held back every worker's start by a second."""
-    config.pluginmanager.register(_XdistGroups(), "gemma4-t4-xdist-groups")
     if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
         import fcntl
         import threading
@@ -65,6 +64,17 @@ def vllm_lane(item) -> int:
     return 0 if SHARED_SERVERS & set(item.fixturenames) else 1
 
 
+def _xdist_group(item) -> str | None:
+    """The xdist group a test runs in: its vllm lane for a vllm-marked test (whatever other group it is marked
+    with), else the name of its `pytest.mark.xdist_group` (e.g. fixtures.IN_PROCESS_TORCH), else none."""
+    if item.get_closest_marker("vllm"):
+        return f"vllm{vllm_lane(item)}"
+    mark = item.get_closest_marker("xdist_group")
+    if mark is None:
+        return None
+    return mark.args[0] if mark.args else mark.kwargs.get("name", "default")
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """The vllm-marked tests run in two xdist groups (pyproject's `--dist loadgroup`), the lanes of vllm_lane: each
@@ -73,17 +83,21 @@ def pytest_collection_modifyitems(config, items):
     tests follow. A test that ends a shared server (marked ends_shared_server) runs after every other vllm test."""
     vllm = [item for item in items if item.get_closest_marker("vllm")]
     vllm.sort(key=lambda item: item.get_closest_marker("ends_shared_server") is not None)  # stable
-    for item in vllm:
-        group = f"vllm{vllm_lane(item)}"
-        item.add_marker(pytest.mark.xdist_group(group))
-        if getattr(config.option, "loadgroup", False) and hasattr(item, "_id"):
+    rest = [item for item in items if not item.get_closest_marker("vllm")]
+    items[:] = vllm + rest
+    loadgroup = getattr(config.option, "loadgroup", False)
+    for item in items:
+        group = _xdist_group(item)
+        if group is None:
+            continue
+        if item.get_closest_marker("vllm"):
+            item.add_marker(pytest.mark.xdist_group(group))
+        if loadgroup and hasattr(item, "_id") and not item.nodeid.endswith(f"@{group}"):
             # xdist 3.8.0 marks a group by rewriting item._nodeid, which pytest 9.2 no longer reads (the node id
-            # is item._id): without this the group is silently ignored and both workers start vLLM servers.
+            # is item._id): without this every group is silently ignored (both workers would start vLLM servers).
             from _pytest.nodeid import NodeId
 
             item._id = NodeId.parse(f"{item.nodeid}@{group}")
-    rest = [item for item in items if not item.get_closest_marker("vllm")]
-    items[:] = vllm + rest
 
 
 _USER_CPU_BIND = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
@@ -113,25 +127,6 @@ def pytest_runtest_setup(item):
     binds = lane_cores(item.config)
     if binds is not None:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = binds[vllm_lane(item)]
-
-
-class _XdistGroups:
-    """The other xdist groups (tests marked `pytest.mark.xdist_group(name)`, e.g. fixtures.IN_PROCESS_TORCH) get the
-    same node-id suffix the vllm lanes get above, which pytest 9.2 needs for `--dist loadgroup` to see them."""
-
-    @pytest.hookimpl(trylast=True)
-    def pytest_collection_modifyitems(self, config, items):
-        if not getattr(config.option, "loadgroup", False):
-            return
-        from _pytest.nodeid import NodeId
-
-        for item in items:
-            mark = item.get_closest_marker("xdist_group")
-            if mark is None or item.get_closest_marker("vllm") or not hasattr(item, "_id"):
-                continue  # vllm-marked tests keep their lane
-            name = mark.args[0] if mark.args else mark.kwargs.get("name", "default")
-            if not item.nodeid.endswith(f"@{name}"):
-                item._id = NodeId.parse(f"{item.nodeid}@{name}")
 
 
 @pytest.fixture(scope="session")
