@@ -397,6 +397,15 @@ def _signals_deferred():
             signal.raise_signal(sig)
 
 
+def _end_launched(cfg: ServeConfig, proc: subprocess.Popen) -> None:
+    """Ends a server this start launched, with its group, and removes its state file: a start that fails or is
+    interrupted leaves nothing behind."""
+    _kill_group(proc.pid, proc.pid, grace_s=5)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=5)
+    _clear_state(cfg)
+
+
 def start_server(cfg: ServeConfig, *, progress: Progress | None = None, hardware: Hardware | None = None,
                  turing_target: Path | None = None) -> StartResult:
     """Starts vLLM detached and waits until /health answers and a one-token greedy completion returns text.
@@ -463,19 +472,11 @@ def start_server(cfg: ServeConfig, *, progress: Progress | None = None, hardware
                 _write_state(cfg, state)
         except BaseException:
             if proc is not None:
-                _kill_group(proc.pid, proc.pid, grace_s=5)
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(timeout=5)
-                _clear_state(cfg)
+                _end_launched(cfg, proc)
             raise
 
     def fail(reason: str) -> ToolFailure:
-        _kill_group(proc.pid, proc.pid, grace_s=5)
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
-        _clear_state(cfg)
+        _end_launched(cfg, proc)
         text = _read_text(log_path)
         why = engine_log.explain_failure(text)
         msg = f"vLLM {reason}" + (f": {why}" if why else "") + f" (log: {log_path})"
