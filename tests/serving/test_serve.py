@@ -328,18 +328,25 @@ def test_stop_kills_what_ignores_sigterm(serve_config_factory, tmp_path):
             proc.wait()
 
 
+def _stand_in_start(serve_config_factory, tmp_path, monkeypatch, name: str):
+    """The ServeConfig of a start whose "vLLM" never answers /health: a process group (a parent and a child) that
+    sleeps, so that what ends it can be checked."""
+    from tools.serving.config import ServeConfig
+
+    cfg = serve_config_factory(tmp_path / "model", name)
+    (tmp_path / "model").mkdir()
+    monkeypatch.setattr(ServeConfig, "vllm_argv", lambda self, platform: [
+        sys.executable, "-c", "import subprocess, time; subprocess.Popen(['sleep', '120']); time.sleep(120)"])
+    return cfg
+
+
 class _Cancelled(Exception):
     """Stands in for a cancelled job: raised by the progress callback, not a KeyboardInterrupt."""
 
 
 def test_any_exception_from_progress_stops_the_server(serve_config_factory, tmp_path, monkeypatch):
-    from tools.serving.config import ServeConfig
-
-    cfg = serve_config_factory(tmp_path / "model", "cancelled")
-    (tmp_path / "model").mkdir()
-    # A stand-in for vLLM that never answers /health: the start loop reports progress until cancelled.
-    monkeypatch.setattr(ServeConfig, "vllm_argv", lambda self, platform: [
-        sys.executable, "-c", "import subprocess, time; subprocess.Popen(['sleep', '120']); time.sleep(120)"])
+    # The start loop reports progress until cancelled.
+    cfg = _stand_in_start(serve_config_factory, tmp_path, monkeypatch, "cancelled")
     pgids: list[int] = []
 
     def progress(frac: float, msg: str) -> None:
@@ -356,12 +363,7 @@ def test_any_exception_from_progress_stops_the_server(serve_config_factory, tmp_
 def test_an_interrupted_start_stops_the_server_and_stays_an_interrupt(serve_config_factory, tmp_path, monkeypatch):
     """Ctrl-C (and SIGTERM, raised as KeyboardInterrupt by the CLI) during a start: the server is ended and the
     interrupt reaches the CLI, which exits 130 / 143 rather than 1 as for a failed start."""
-    from tools.serving.config import ServeConfig
-
-    cfg = serve_config_factory(tmp_path / "model", "interrupted")
-    (tmp_path / "model").mkdir()
-    monkeypatch.setattr(ServeConfig, "vllm_argv", lambda self, platform: [
-        sys.executable, "-c", "import subprocess, time; subprocess.Popen(['sleep', '120']); time.sleep(120)"])
+    cfg = _stand_in_start(serve_config_factory, tmp_path, monkeypatch, "interrupted")
     pgids: list[int] = []
 
     def progress(frac: float, msg: str) -> None:
@@ -381,12 +383,8 @@ def test_an_interrupt_between_launch_and_state_file_ends_the_server(serve_config
     import signal
 
     from tools.serving import vllm_server
-    from tools.serving.config import ServeConfig
 
-    cfg = serve_config_factory(tmp_path / "model", "interrupted-launch")
-    (tmp_path / "model").mkdir()
-    monkeypatch.setattr(ServeConfig, "vllm_argv", lambda self, platform: [
-        sys.executable, "-c", "import subprocess, time; subprocess.Popen(['sleep', '120']); time.sleep(120)"])
+    cfg = _stand_in_start(serve_config_factory, tmp_path, monkeypatch, "interrupted-launch")
     real_write = vllm_server._write_state
     seen: dict = {}
 
