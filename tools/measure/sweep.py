@@ -195,17 +195,17 @@ class BenchWorker:
     def close(self) -> None:
         proc = self.proc
         if proc is not None:
-            if proc.poll() is None and self._in_cell:
+            if proc.poll() is not None:
+                proc.wait()
+            elif self._in_cell:
                 kill_group(proc)  # mid-cell (a time limit, Ctrl-C, a cancelled job): EOF would wait for the cell
-            elif proc.poll() is None:
+            else:
                 try:
                     assert proc.stdin is not None
                     proc.stdin.close()  # EOF: the worker's loop ends by itself
                     proc.wait(timeout=5)
                 except (OSError, subprocess.TimeoutExpired, AssertionError):
                     kill_group(proc)
-            else:
-                proc.wait()
             try:  # the group may hold children of the worker
                 os.killpg(proc.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
