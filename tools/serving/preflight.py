@@ -95,7 +95,6 @@ class _Context:
         self._hw = hardware
         self.nvml = nvml
         self.turing_target = turing_target
-        self._vram: Any = None
 
     # Asked for only by the checks that need them: a repack's checks (source, disk) then never import the
     # serving module or probe the GPUs, a fifth of a `python -m repack build` start.
@@ -109,13 +108,11 @@ class _Context:
     def platform(self) -> str:
         return self.hw.platform()
 
-    @property
+    @functools.cached_property
     def vram(self) -> Any:
-        if self._vram is None:
-            from tools.gpu.vram import vram_status
+        from tools.gpu.vram import vram_status
 
-            self._vram = vram_status(nvml=self.nvml)
-        return self._vram
+        return vram_status(nvml=self.nvml)
 
 
 def _gib(n: float) -> str:
