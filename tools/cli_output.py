@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
     import subprocess
+    from pathlib import Path
 
 from tools.errors import ToolFailure
 
@@ -52,3 +53,14 @@ def kill_group(proc: "subprocess.Popen") -> None:
         except ProcessLookupError:
             pass
         proc.wait()
+
+
+def python_child_env(project_root: "Path") -> dict[str, str]:
+    """The environment of a Python child that runs this checkout's modules (`python -m tools...`) whatever its cwd:
+    the caller's, with `project_root` first on PYTHONPATH and unbuffered output."""
+    import os
+
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(project_root) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env

@@ -42,7 +42,7 @@ from typing import Any, Callable, ClassVar
 import httpx
 from pydantic import BaseModel, Field, ValidationError, field_validator
 
-from tools.cli_output import guard, kill_group
+from tools.cli_output import guard, kill_group, python_child_env
 from tools.errors import ToolFailure
 from tools.params import OpParams
 from tools.serving.endpoint import EndpointParams
@@ -568,10 +568,7 @@ def run_eval(params: EvalParams, progress: Progress | None = None, *, serve_conf
             cmd += ["--num_fewshot", str(params.num_fewshot)]
         if params.apply_chat_template:
             cmd += ["--apply_chat_template"]
-        env = dict(os.environ)
-        # this checkout's tools/ (parent_watch), whatever the cwd
-        env["PYTHONPATH"] = str(PROJECT_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        env.setdefault("PYTHONUNBUFFERED", "1")
+        env = python_child_env(PROJECT_ROOT)  # this checkout's tools/ (parent_watch), whatever the cwd
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         log_path = tmp / "lm_eval.log"
         log_path.write_text("$ " + " ".join(cmd) + "\n")

@@ -35,7 +35,7 @@ from typing import Any, Callable
 import httpx
 
 from tools.measure import evidence, provenance as prov_mod
-from tools.cli_output import kill_group
+from tools.cli_output import kill_group, python_child_env
 from tools.errors import ToolFailure
 
 from tools.measure.results import (DEFAULT_OUT, DEFAULT_PRICE_PER_HOUR, METRICS, PREFIX_CACHE_POLICY,  # noqa: F401
@@ -137,9 +137,7 @@ class BenchWorker:
 
     def _start(self) -> subprocess.Popen:
         r, w = os.pipe()
-        env = dict(os.environ)
-        env["PYTHONPATH"] = str(PROJECT_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        env.setdefault("PYTHONUNBUFFERED", "1")
+        env = python_child_env(PROJECT_ROOT)
         try:
             self.proc = subprocess.Popen([sys.executable, "-m", "tools.measure.sweep", "--worker", "--answer-fd", str(w)],
                                          cwd=str(PROJECT_ROOT), env=env, stdin=subprocess.PIPE,
