@@ -209,22 +209,14 @@ def _serve(cfg):
     from tools.serving.vllm_server import start_server, stop_server
 
     _require_plugin()
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # read by the server process, copied at its launch
-    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
-    if bind and all(c.isdigit() for c in bind.split(",")):
-        # Bound to a list of cores (a lane's): in this layout vLLM binds no OpenMP threads itself, so as many
-        # threads as those cores, not one per core of the machine, and the other lane keeps its cores to itself.
-        env["OMP_NUM_THREADS"] = str(len(bind.split(",")))
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with pytest.MonkeyPatch.context() as mp:  # for this start only: read by the server process at its launch
+        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
+        if bind and all(c.isdigit() for c in bind.split(",")):
+            # Bound to a list of cores (a lane's): in this layout vLLM binds no OpenMP threads itself, so as many
+            # threads as those cores, not one per core of the machine, and the other lane keeps its cores to itself.
+            mp.setenv("OMP_NUM_THREADS", str(len(bind.split(","))))
         start_server(cfg)
-    finally:
-        for k, v in old.items():
-            if v is None:
-                del os.environ[k]
-            else:
-                os.environ[k] = v
     try:
         yield cfg
     finally:
