@@ -4,18 +4,21 @@ Kept in its own module so that importing the library never triggers compilation;
 code next to this file (or in NUMBA_CACHE_DIR).
 
 It takes every decision the reference takes, on the same numbers; what makes it fast:
-- A candidate scale c has only 8 runtime magnitudes, R[a] = T(c * a) for a = 1..8 (T(-p) = -T(p)), each
-  rounded branch-free by a magic-number add in its binade: 8 roundings per candidate, not 32.
-- Its squared runtime error is sum x^2 + sum_a R[a] * (A[a] * R[a] - 2 * B[a]), with A[a] the number of values
-  at level +-a and B[a] the sum of their magnitudes (per group, shared by every candidate with those levels).
-  Every term is an integer multiple of 2^(2k) (2^k: the smallest quantum among the source values and c), and
-  the partial sums of both this form and the reference's left-to-right sum of (T(c*q) - x)^2 are bounded by
-  128 * max(R[8], amax)^2; when that is below 2^(53+2k) both are exact, hence equal. Otherwise (values spread
-  over more than ~15 binades, overflow) the per-value left-to-right sum is taken.
+- The loops over a group's 32 values run on vector registers: values, 1/ulp and extremes come from the words'
+  bits (no table lookups; integer maxima where LLVM would not vectorize a float one), and the runtime values
+  T(c * |q|) are float32 lanes: the product has at most 14 significant bits, so it is exact in float32, and
+  T is the hardware's float16 conversion (F16C) or round-to-nearest-even on the bfloat16 bits.
+- (T(c*q) - x)^2 = (T(c*|q|) - |x|)^2 (a level has its value's sign or is 0). Every difference is an integer
+  multiple of 2^k (2^k: the smallest quantum among the source values and c); when T(8c) and the largest
+  magnitude are below 2^(23+k), each difference is exact in float32 and every partial sum of the squares is
+  exact in float64, so a vector sum in any order equals the reference's left-to-right sum. Otherwise (values
+  spread over more than ~15 binades, overflow) the left-to-right sum itself is taken.
+- A reduction over 32 values runs to the array's length, not the constant 32: LLVM fully unrolls a short
+  constant loop into a scalar chain before it would vectorize it.
 - Values are counted exact (T(c*q) == x) only where the objective needs the count: every candidate for
   runtime-exact; for min-error a tie of squared errors and the chosen scale.
-- The interval of scales reproducing every value is empty as soon as two values at one level differ (T(c*l)
-  is one value); otherwise it is bounded by one value per level.
+- The interval of scales reproducing every value is the reference's max/min over the values' bounds; two
+  different values at one level have disjoint intervals, so that case needs no test of its own.
 - The article author's m is the first m in 1..8 passing its test, and a passing m is always in the group's
   ratio mask (its tolerance, 2^-7 plus half a ratio bin, is inside the table's 0.0085, and fractions with
   denominators up to 8 are 1/56 apart): only the mask's m are tried.
@@ -32,10 +35,13 @@ from numba.extending import intrinsic
 
 # Adding and subtracting 1.5 * 2^52 rounds a float64 of magnitude below 2^51 to the nearest integer, ties to
 # even (the default rounding mode), exactly like rint but without a library call in the inner loops.
+# Functions that run once per group are inlined (numba's inline="always") unless they carry fastmath flags of
+# their own: a call passes every array as seven arguments, which costs more than the small loops themselves.
 RND = 6755399441055744.0
 AUTHOR_TOL = 2.0 ** -7
 NO_QUANTUM = 10000  # exponent standing for "no nonzero source value"
 BF16_MAX = 3.3895313892515355e38
+FP16_SIG = 11  # float16's significand bits: the runtime is float16, else bfloat16
 
 
 @intrinsic
@@ -103,33 +109,85 @@ def _round1(s, sig, minexp, vmax):
 
 # Reductions are separate (not numba-inlined) functions so that their own fastmath flags apply: "reassoc" lets
 # LLVM vectorize a float sum, which is only done where every partial sum is exact (then any order gives the
-# reference's left-to-right result) or where the figure is a report total compared with a tolerance.
+# reference's left-to-right result) or where the figure is a report total compared with a tolerance. Their trip
+# count is the array's length, not the constant 32: LLVM fully unrolls a short constant loop into a scalar chain
+# before it would vectorize it.
+
+
+@intrinsic
+def _bf16_value(typingctx, w):
+    """The float64 value of a bf16 word held in an int64's low 16 bits (the word shifted into a float32)."""
+    if w != types.int64:
+        return None
+
+    def codegen(context, builder, sig, args):
+        hi = builder.shl(builder.trunc(args[0], ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
+        return builder.fpext(builder.bitcast(hi, ir.FloatType()), ir.DoubleType())
+    return types.float64(types.int64), codegen
+
+
+@intrinsic
+def _fp16_round(typingctx, v):
+    """A float32 rounded to float16 (RNE; past its range: inf) and back: the hardware conversion (F16C)."""
+    if v != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.fpext(builder.fptrunc(args[0], ir.HalfType()), ir.FloatType())
+    return types.float32(types.float32), codegen
+
+
+@intrinsic
+def _bf16_round(typingctx, v):
+    """A float32 >= 0 rounded to bfloat16 (RNE on the bits; past its range: inf), as a float32."""
+    if v != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        i32 = ir.IntType(32)
+        b = builder.bitcast(args[0], i32)
+        odd = builder.and_(builder.lshr(b, ir.Constant(i32, 16)), ir.Constant(i32, 1))
+        r = builder.add(builder.add(b, ir.Constant(i32, 0x7FFF)), odd)
+        return builder.bitcast(builder.and_(r, ir.Constant(i32, 0xFFFF0000)), ir.FloatType())
+    return types.float32(types.float32), codegen
 
 
 @nb.njit(cache=True, fastmath={"reassoc", "nnan", "nsz"}, _nrt=False)
-def _scan(words, r, base, value_tab, inv_tab, x, inv, wm):
-    # decodes one group; returns (NaN/inf count, -0 count, sum x^2, max, min, smallest quantum exponent)
+def _scan(words, r, base, x, ax, af, inv, wm):
+    # decodes one group; returns (NaN/inf count, -0 count, sum x^2, largest magnitude word among the values
+    # >= 0 and among the values < 0 (-1: none), smallest quantum exponent). Everything comes from the words'
+    # bits (no table lookups) and the extremes are integer maxima (the magnitude words of finite bf16 values
+    # order as their values do), so the loop runs on vector registers.
     nf = 0
     nz = 0
     sxx = 0.0
-    pmax = -np.inf
-    pmin = np.inf
+    posmag = -1
+    negmag = -1
     kx = NO_QUANTUM
+    row = words[r]
     for i in range(32):
-        w = np.int64(words[r, base + i])
-        v = value_tab[w]
+        w = np.int64(row[np.uint64(base + i)])  # an unsigned index: no negative-index wrap
+        e = (w >> 7) & 0xFF
+        fin = e != 0xFF
+        v = _bf16_value(w if fin else np.int64(0))  # NaN/inf: computed as 0, never exact
         x[i] = v
-        inv[i] = inv_tab[w]
-        wm[i] = w & 0x7FFF
-        nf += (w & 0x7F80) == 0x7F80
+        ax[i] = abs(v)
+        af[i] = np.float32(abs(v))  # exact: a bf16 value
+        # 1/ulp of the value (zero and subnormals: spaced like exponent 1); NaN/inf: 0
+        ie = max(e, 1)
+        inv[i] = _u2f((1157 - ie) << 52) if fin else 0.0
+        mag = w & 0x7FFF
+        wm[i] = mag
+        nf += not fin
         nz += w == 0x8000
         sxx += v * v
-        pmax = max(pmax, v)
-        pmin = min(pmin, v)
+        fm = mag if fin else 0
+        neg = (w >> 15) != 0 and fm != 0  # -0 counts as a zero, not as a negative value
+        posmag = max(posmag, -1 if neg else fm)
+        negmag = max(negmag, fm if neg else -1)
         # quantum exponent of a nonzero bf16 value (subnormals: that of the lowest binade)
-        kq = max((w >> 7) & 0xFF, 1) - 134
-        kx = min(kx, kq if v != 0.0 else NO_QUANTUM)
-    return nf, nz, sxx, pmax, pmin, kx
+        kx = min(kx, ie - 134 if fin and mag != 0 else NO_QUANTUM)
+    return nf, nz, sxx, posmag, negmag, kx
 
 
 @nb.njit(cache=True, _nrt=False)
@@ -152,14 +210,15 @@ def _author_misses(x, fa, d, tol):
     return bad
 
 
-@nb.njit(cache=True, _nrt=False)
-def _quantize_levels(f, x, q, qi, nib, j):
-    # levels for the step 1/f (as floats, as table indices level + 8, as nibbles for packing) into row j;
-    # returns sum q^2
+@nb.njit(cache=True, inline="always", _nrt=False)
+def _quantize_levels(f, x, q, qi, aq, nib, j):
+    # levels for the step 1/f (as floats, their magnitudes as floats, as table indices level + 8, as nibbles for
+    # packing) into row j; returns sum q^2
     sqq = 0
     for i in range(32):
         l = min(max(_rint(x[i] * f), -8.0), 7.0)
         q[j, i] = l
+        aq[j, i] = np.float32(abs(l))
         li = int(l) + 8
         qi[j, i] = li
         nib[j, i] = np.uint32(li)
@@ -170,7 +229,7 @@ def _quantize_levels(f, x, q, qi, nib, j):
 @nb.njit(cache=True, fastmath={"reassoc"}, _nrt=False)
 def _dot_any_order(q, j, x):
     acc = 0.0
-    for i in range(32):
+    for i in range(len(x)):
         acc += q[j, i] * x[i]
     return acc
 
@@ -184,101 +243,109 @@ def _dot_in_order(q, j, x):
 
 
 @nb.njit(cache=True, inline="always", _nrt=False)
-def _levels(f, x, wm, q, qi, nib, agg, wmin, wmax, regular, j):
-    # levels for the step 1/f, their least-squares step, and per magnitude a = 1..8: the count (agg[0, a]) and
-    # summed magnitude (agg[1, a]) of the values at level +-a, and the smallest and largest magnitude word among
-    # them. `regular`: every partial sum of level * x is exact (any order gives the reference's sum).
-    sqq = _quantize_levels(f, x, q, qi, nib, j)
+def _levels(f, x, q, qi, aq, nib, regular, j):
+    # levels for the step 1/f and their least-squares step. `regular`: every partial sum of level * x is exact
+    # (any order gives the reference's sum).
+    sqq = _quantize_levels(f, x, q, qi, aq, nib, j)
     sqx = _dot_any_order(q, j, x) if regular else _dot_in_order(q, j, x)
-    for a in range(9):
-        agg[j, 0, a] = 0.0
-        agg[j, 1, a] = 0.0
-        wmin[j, a] = 0x10000
-        wmax[j, a] = -1
-    for i in range(32):
-        a = abs(qi[j, i] - 8)
-        agg[j, 0, a] += 1.0
-        agg[j, 1, a] += abs(x[i])
-        wmin[j, a] = min(wmin[j, a], wm[i])
-        wmax[j, a] = max(wmax[j, a], wm[i])
     return sqx / sqq if sqq > 0 else 0.0
 
 
 @nb.njit(cache=True, inline="always", _nrt=False)
-def _bounds(agg, wmin, wmax, lo_t, hi_t, recip):
+def _bounds(aq, wm, lo_t, hi_t):
     # (levels of row 0: the interval candidates go with the ratio levels)
-    # The interval of scales reproducing every value exactly (level 0 constrains nothing); the reference takes
-    # max/min over the values of lo/l and hi/l, which for equal values at each level are the terms below
-    # (a negative value's bounds are the negated bounds of its magnitude, and 1/-l = -(1/l) exactly).
-    lb = 0.0
-    ub = np.inf
-    for a in range(1, 9):
-        if agg[0, 0, a] > 0.0:
-            if wmin[0, a] != wmax[0, a]:
-                return 1.0, 0.0  # two values at one level: no scale reproduces both
-            rl = recip[a + 8]
-            lb = max(lb, lo_t[wmax[0, a]] * rl)
-            ub = min(ub, hi_t[wmax[0, a]] * rl)
-    return lb, ub
+    # The interval of scales reproducing every value exactly, as the reference takes it: the largest lo/l and
+    # the smallest hi/l over the values (level 0 constrains nothing; a negative value's bounds are the negated
+    # bounds of its magnitude and 1/-l = -(1/l) exactly, so each value's magnitude word and |l| give its terms).
+    # Two different values at one level have disjoint intervals, so then lb > ub. Maxima as integer maxima of
+    # the bits (lb >= 0, ub > 0 and the same order for values >= 0), so the loop runs on vector registers.
+    lbb = 0
+    ubb = _f2u(np.inf)
+    for i in range(len(wm)):
+        a = aq[0, i]
+        if a > 0.0:
+            w = wm[i]
+            rl = 1.0 / np.float64(a)  # the reference's RECIP: lo * (1/l), not lo / l
+            lbb = max(lbb, _f2u(lo_t[w] * rl))
+            ubb = min(ubb, _f2u(hi_t[w] * rl))
+    return _u2f(lbb), _u2f(ubb)
 
 
 @nb.njit(cache=True, inline="always", _nrt=False)
-def _runtime(c, rm, sig, minexp, vmax):
-    # rm[a] = T(c * a) for a = 0..8, branch-free: with 2^kq the format's quantum in the product's binade,
-    # (p + 1.5 * 2^(52+kq)) - 1.5 * 2^(52+kq) is p rounded to a multiple of 2^kq, ties to even (p < 2^(51+kq));
-    # past the format's largest value: inf. Returns T(8c).
-    for a in range(9):
-        p = c * a
-        kq = max(((_f2u(p) >> 52) & 0x7FF) - 1023 - sig + 1, minexp)
-        mg = _u2f(((kq + 1075) << 52) | (np.int64(1) << 51))
-        r = (p + mg) - mg
-        rm[a] = r if r <= vmax else np.inf
-    return rm[8]
+def _round_t(p, sig, minexp, vmax):
+    # T(p) for p >= 0, branch-free: with 2^kq the format's quantum in p's binade, (p + 1.5 * 2^(52+kq)) -
+    # 1.5 * 2^(52+kq) is p rounded to a multiple of 2^kq, ties to even (p < 2^(51+kq)); past the format's largest
+    # value: inf. (Never compiled with fastmath: reassociation would cancel the rounding.)
+    kq = max(((_f2u(p) >> 52) & 0x7FF) - 1023 - sig + 1, minexp)
+    mg = _u2f(((kq + 1075) << 52) | (np.int64(1) << 51))
+    v = (p + mg) - mg
+    return v if v <= vmax else np.inf
 
 
 @nb.njit(cache=True, inline="always", _nrt=False)
-def _signed(rm, rs):
-    # rs[l + 8] = T(c * l) for l = -8..8 (T(-p) = -T(p))
-    for a in range(9):
-        rs[8 + a] = rm[a]
-        rs[8 - a] = -rm[a]
+def _runtime(c, aq, j, rt, sig):
+    # rt[i] = T(c * |level i|) of row j: the runtime value's magnitude (T(-p) = -T(p), and a level has the sign
+    # of its value or is 0). The product has at most 14 significant bits, so it is exact in float32, and T is
+    # float16 or bfloat16: float32 lanes, 16 to a vector register, as the reference computes it.
+    c32 = np.float32(c)
+    if sig == FP16_SIG:
+        for i in range(len(rt)):  # not range(32): see the note on reductions
+            rt[i] = _fp16_round(c32 * aq[j, i])
+    else:
+        for i in range(len(rt)):
+            rt[i] = _bf16_round(c32 * aq[j, i])
 
 
-@nb.njit(cache=True, inline="always", _nrt=False)
-def _sq(c, qi, j, agg, x, sxx, amax, kx, rm, rs, sig, minexp, vmax):
-    # squared runtime error of scale c with levels qi: the per-level form where provably equal to the
-    # reference's left-to-right sum, else that sum
-    r8 = _runtime(c, rm, sig, minexp, vmax)
-    if c > 0.0:
-        k = min(kx, max(_ilogb(c) - sig + 1, minexp))
-        if max(r8, amax) < _exp2(23 + k):
-            acc = sxx
-            for a in range(1, 9):
-                r = rm[a]
-                acc += r * (agg[j, 0, a] * r - 2.0 * agg[j, 1, a])
-            return acc
-    _signed(rm, rs)
+@nb.njit(cache=True, fastmath={"reassoc"}, _nrt=False)
+def _sq_any_order(rt, af):
+    # only where every |T(c*q) - x| is a multiple of 2^k below 2^(23+k): exact in float32, its square in float64
     acc = 0.0
-    for i in range(32):
-        d = rs[qi[j, i]] - x[i]
+    for i in range(len(af)):
+        d = np.float64(rt[i] - af[i])
         acc += d * d
     return acc
 
 
-@nb.njit(cache=True, inline="always", _nrt=False)
-def _count(c, qi, j, x, rm, rs, nf, sig, minexp, vmax):
-    # values with T(c*q) == x (NaN/inf sources are 0 at level 0: counted here, so taken off)
-    _runtime(c, rm, sig, minexp, vmax)
-    _signed(rm, rs)
-    n = 0
+@nb.njit(cache=True, _nrt=False)
+def _sq_in_order(rt, ax):
+    acc = 0.0
     for i in range(32):
-        n += rs[qi[j, i]] == x[i]
-    return n - nf
+        d = np.float64(rt[i]) - ax[i]
+        acc += d * d
+    return acc
+
+
+@nb.njit(cache=True, _nrt=False)
+def _n_equal(rt, af):
+    n = 0
+    for i in range(len(af)):
+        n += rt[i] == af[i]
+    return n
 
 
 @nb.njit(cache=True, inline="always", _nrt=False)
-def _search(s, qi, sa, da, has_a, same_a, x, agg, wmin, wmax, lo_t, hi_t, recip, sxx, amax, kx, nf,
-            rm, rs, cand, auth, sig, minexp, vmax, min_error):
+def _sq(c, aq, j, ax, af, rt, amax, kx, sig, minexp, vmax):
+    # squared runtime error of scale c with the levels of row j: (T(c*q) - x)^2 = (T(c*|q|) - |x|)^2 exactly. A
+    # vector sum where every partial sum is exact in any order (then equal to the reference's left-to-right
+    # sum), else the left-to-right sum itself
+    _runtime(c, aq, j, rt, sig)
+    if c > 0.0:
+        k = min(kx, max(_ilogb(c) - sig + 1, minexp))
+        if max(_round_t(8.0 * c, sig, minexp, vmax), amax) < _exp2(23 + k):
+            return _sq_any_order(rt, af)
+    return _sq_in_order(rt, ax)
+
+
+@nb.njit(cache=True, inline="always", _nrt=False)
+def _count(c, aq, j, af, rt, nf, sig):
+    # values with T(c*q) == x (NaN/inf sources are 0 at level 0: counted there, so taken off)
+    _runtime(c, aq, j, rt, sig)
+    return _n_equal(rt, af) - nf
+
+
+@nb.njit(cache=True, inline="always", _nrt=False)
+def _search(s, qi, aq, sa, da, has_a, same_a, ax, af, wm, lo_t, hi_t, amax, kx, nf,
+            rt, cand, auth, sig, minexp, vmax, min_error):
     # the candidates of grid._search, in the same order, skipping those that cannot be valid or cannot be
     # strictly better (a duplicate of one evaluated); stops once nothing can be strictly better (every finite
     # value exact). Returns (scale, uses the author's levels, count, sq).
@@ -302,30 +369,30 @@ def _search(s, qi, sa, da, has_a, same_a, x, agg, wmin, wmax, lo_t, hi_t, recip,
                 j += 1
                 continue
             if min_error:
-                sq = _sq(c, qi, int(a), agg, x, sxx, amax, kx, rm, rs, sig, minexp, vmax)
+                sq = _sq(c, aq, int(a), ax, af, rt, amax, kx, sig, minexp, vmax)
                 if j == 0 or sq < bsq:
                     best, ba, bn, bsq = c, a, -1, sq
                 elif sq == bsq:
-                    n = _count(c, qi, int(a), x, rm, rs, nf, sig, minexp, vmax)
+                    n = _count(c, aq, int(a), af, rt, nf, sig)
                     if bn < 0:
-                        bn = _count(best, qi, int(ba), x, rm, rs, nf, sig, minexp, vmax)
+                        bn = _count(best, aq, int(ba), af, rt, nf, sig)
                     if n > bn:
                         best, ba, bn, bsq = c, a, n, sq
                 if bsq == 0.0:  # every value exact: sq == 0 for no other count
                     return best, ba, 32 - nf, bsq
             else:
-                n = _count(c, qi, int(a), x, rm, rs, nf, sig, minexp, vmax)
+                n = _count(c, aq, int(a), af, rt, nf, sig)
                 if n == 32:
                     return c, a, n, 0.0
                 if n >= bn:
-                    sq = _sq(c, qi, int(a), agg, x, sxx, amax, kx, rm, rs, sig, minexp, vmax)
+                    sq = _sq(c, aq, int(a), ax, af, rt, amax, kx, sig, minexp, vmax)
                     if j == 0 or n > bn or sq < bsq:
                         best, ba, bn, bsq = c, a, n, sq
             j += 1
         # the next candidates, computed only when needed
         if stage == 0:
             stage = 1
-            lb, ubnd = _bounds(agg, wmin, wmax, lo_t, hi_t, recip)
+            lb, ubnd = _bounds(aq, wm, lo_t, hi_t)
             if lb <= ubnd:
                 cand[3], cand[4], cand[5] = _round_fmt(min(max(s, lb), ubnd), sig, minexp, vmax)
                 auth[3] = auth[4] = auth[5] = False
@@ -347,49 +414,53 @@ def _search(s, qi, sa, da, has_a, same_a, x, agg, wmin, wmax, lo_t, hi_t, recip,
             return best, ba, bn, bsq  # bn < 0: not counted yet
 
 
+@nb.njit(cache=True, fastmath={"reassoc", "nnan", "nsz"}, _nrt=False)
+def _error_sums(rt, ax, inv):
+    # exact values, worst and summed error in ulps (no NaN: a NaN/inf source is 0 at level 0, where T(0) = 0);
+    # the worst as the integer maximum of the errors' bits (equal order for values >= 0: a vector reduction)
+    ne = 0
+    mb = 0
+    t = 0.0
+    for i in range(len(ax)):
+        r = np.float64(rt[i])
+        ne += r == ax[i]
+        e = abs(r - ax[i]) * inv[i]
+        mb = max(mb, _f2u(e))
+        t += e
+    return ne, _u2f(mb), t
+
+
 @nb.njit(cache=True, inline="always", _nrt=False)
-def _errors(c, qi, j, x, inv, nf, n, rm, rs, sig, minexp, vmax):
+def _errors(c, aq, j, ax, inv, rt, nf, n, sig):
     # exact values (when n < 0), worst and summed runtime error in bf16 ulps of the source (a group holding
     # NaN/inf: worst is inf)
     if n == 32:  # every value exact (and finite)
         return n, 0.0, 0.0
-    _runtime(c, rm, sig, minexp, vmax)
-    _signed(rm, rs)
-    m = 0.0
-    t = 0.0
-    ne = 0
-    for i in range(32):
-        r = rs[qi[j, i]]
-        ne += r == x[i]
-        e = abs(r - x[i]) * inv[i]
-        m = max(m, e)
-        t += e
+    _runtime(c, aq, j, rt, sig)
+    ne, m, t = _error_sums(rt, ax, inv)
     if nf:
         m = np.inf
     return (ne - nf if n < 0 else n), m, t
 
 
 @nb.njit(cache=True, _nrt=False)
-def _min_worst(s, qi, sa, da, has_a, same_a, x, agg, wmin, wmax, lo_t, hi_t, recip, inv, nf, rm, rs, cand,
+def _min_worst(s, qi, aq, sa, da, has_a, same_a, ax, wm, lo_t, hi_t, inv, nf, rt, cand,
                sig, minexp, vmax):
     # grid._min_worst: the smallest worst runtime error over every candidate of _search (the rare off-grid path)
     cand[0], cand[1], cand[2] = _round_fmt(s, sig, minexp, vmax)
     nc = 3
-    lb, ubnd = _bounds(agg, wmin, wmax, lo_t, hi_t, recip)
+    lb, ubnd = _bounds(aq, wm, lo_t, hi_t)
     if lb <= ubnd:
         cand[3], cand[4], cand[5] = _round_fmt(min(max(s, lb), ubnd), sig, minexp, vmax)
         nc = 6
     best = np.inf
     for j in range(nc):
-        best = min(best, _errors(cand[j], qi, 0, x, inv, nf, -1, rm, rs, sig, minexp, vmax)[1])
+        best = min(best, _errors(cand[j], aq, 0, ax, inv, rt, nf, -1, sig)[1])
     if has_a:
         a = 0 if same_a else 1  # the same m gives the same levels (row 0)
-        best = min(best, _errors(_round1(da, sig, minexp, vmax), qi, a, x, inv, nf, -1, rm, rs, sig, minexp,
-                                 vmax)[1])
-        best = min(best, _errors(_round1(sa, sig, minexp, vmax), qi, a, x, inv, nf, -1, rm, rs, sig, minexp,
-                                 vmax)[1])
-        best = min(best, _errors(_round1(_round1(sa, 8, -133, BF16_MAX), sig, minexp, vmax), qi, a, x, inv, nf,
-                                 -1, rm, rs, sig, minexp, vmax)[1])
+        for c in (_round1(da, sig, minexp, vmax), _round1(sa, sig, minexp, vmax),
+                  _round1(_round1(sa, 8, -133, BF16_MAX), sig, minexp, vmax)):
+            best = min(best, _errors(c, aq, a, ax, inv, rt, nf, -1, sig)[1])
     return best
 
 
@@ -402,22 +473,21 @@ def _err(c, q, x, inv):
 
 
 @nb.njit(nogil=True, cache=True)
-def quantize_rows(words, packed, scales, stats, ratio_table, lowbit, recip, value_tab, inv_tab,
-                  lo_t, hi_t, lo_o, hi_o, sig, minexp, vmax, osig, ominexp, ovmax, min_error):
+def quantize_rows(words, packed, scales, stats, ratio_table, lowbit, lo_t, hi_t, lo_o, hi_o, sig, minexp, vmax,
+                  osig, ominexp, ovmax, min_error):
     # scratch space, allocated once per block; the work itself runs without reference counting (arrays are
     # only indexed there), which would otherwise cost atomic operations in the innermost loops
     # rows 0 / 1 of the 2-row arrays: the levels of the ratio lookup's m / of the article author's m
-    _rows(words, packed, scales, stats, ratio_table, lowbit, recip, value_tab, inv_tab, lo_t, hi_t, lo_o, hi_o,
-          sig, minexp, vmax, osig, ominexp, ovmax, min_error, np.empty(17), np.empty(9), np.empty(9),
-          np.empty(9, dtype=np.bool_), np.empty((2, 2, 9)), np.empty((2, 9), dtype=np.int64),
-          np.empty((2, 9), dtype=np.int64), np.empty(32), np.empty(32, dtype=np.int64), np.empty((2, 32)),
-          np.empty((2, 32), dtype=np.int64), np.empty(32), np.empty((2, 32), dtype=np.uint32))
+    _rows(words, packed, scales, stats, ratio_table, lowbit, lo_t, hi_t, lo_o, hi_o, sig, minexp, vmax, osig,
+          ominexp, ovmax, min_error, np.empty(32, dtype=np.float32), np.empty(9), np.empty(9, dtype=np.bool_),
+          np.empty(32), np.empty(32), np.empty(32, dtype=np.float32), np.empty(32, dtype=np.int64),
+          np.empty((2, 32)), np.empty((2, 32), dtype=np.int64), np.empty((2, 32), dtype=np.float32), np.empty(32),
+          np.empty((2, 32), dtype=np.uint32))
 
 
 @nb.njit(nogil=True, cache=True, _nrt=False)
-def _rows(words, packed, scales, stats, ratio_table, lowbit, recip, value_tab, inv_tab,
-          lo_t, hi_t, lo_o, hi_o, sig, minexp, vmax, osig, ominexp, ovmax, min_error,
-          rs, rm, cand, auth, agg, wmin, wmax, x, wm, q, qi, inv, nib):
+def _rows(words, packed, scales, stats, ratio_table, lowbit, lo_t, hi_t, lo_o, hi_o, sig, minexp, vmax, osig, ominexp,
+          ovmax, min_error, rt, cand, auth, x, ax, af, wm, q, qi, aq, inv, nib):
     rows, cols = words.shape
     ng = cols // 32
     n_exact = 0
@@ -435,12 +505,12 @@ def _rows(words, packed, scales, stats, ratio_table, lowbit, recip, value_tab, i
     for r in range(rows):
         for g in range(ng):
             base = g * 32
-            nf, nz, sxx, pmax, pmin, kx = _scan(words, r, base, value_tab, inv_tab, x, inv, wm)
+            nf, nz, sxx, posmag, negmag, kx = _scan(words, r, base, x, ax, af, inv, wm)
             x2 += sxx
             n_negzero += nz
             n_nonfinite += nf
-            amax = max(pmax, -pmin)
-            neg_only = -pmin > pmax
+            amax = _bf16_value(max(posmag, negmag))
+            neg_only = negmag > posmag
             safe = amax if amax > 0 else 1.0
             # level * x sums: multiples of 2^kx below 2^8 * amax, exact when amax < 2^(45+kx)
             regular = kx == NO_QUANTUM or amax < _exp2(45 + kx)
@@ -463,42 +533,41 @@ def _rows(words, packed, scales, stats, ratio_table, lowbit, recip, value_tab, i
             has_a = m_a > 0
             sa = 0.0
             da = 0.0
-            s = _levels(m / safe, x, wm, q, qi, nib, agg, wmin, wmax, regular, 0)
+            s = _levels(m / safe, x, q, qi, aq, nib, regular, 0)
             if has_a:
                 # the same m gives the same levels and step (then only q is used)
                 if m_a != m:
-                    sa = _levels(m_a / safe, x, wm, q, qi, nib, agg, wmin, wmax, regular, 1)
+                    sa = _levels(m_a / safe, x, q, qi, aq, nib, regular, 1)
                 else:
                     sa = s
                 da = safe / m_a
-            c, use_a, n, sq = _search(s, qi, sa, da, has_a, m_a == m, x, agg, wmin, wmax, lo_t, hi_t,
-                                      recip, sxx, amax, kx, nf, rm, rs, cand, auth, sig, minexp, vmax, min_error)
-            n, e, et = _errors(c, qi, int(use_a), x, inv, nf, n, rm, rs, sig, minexp, vmax)
+            c, use_a, n, sq = _search(s, qi, aq, sa, da, has_a, m_a == m, ax, af, wm, lo_t, hi_t,
+                                      amax, kx, nf, rt, cand, auth, sig, minexp, vmax, min_error)
+            n, e, et = _errors(c, aq, int(use_a), ax, inv, rt, nf, n, sig)
             if e > 2.0:
                 # The ratio lookup is a fast first guess; on a miss every peak level is tried and the one whose
                 # least-squares fit is closest wins (ties: the smaller level, i.e. the coarser grid).
                 best_m = m
                 best_e = np.inf
                 for mm in range(1, 9 if neg_only else 8):
-                    sm = _levels(mm / safe, x, wm, q, qi, nib, agg, wmin, wmax, regular, 0)
+                    sm = _levels(mm / safe, x, q, qi, aq, nib, regular, 0)
                     em = _err(sm, q, x, inv)
                     if em < best_e:
                         best_e, best_m = em, mm
                 m = best_m
-                s = _levels(m / safe, x, wm, q, qi, nib, agg, wmin, wmax, regular, 0)
+                s = _levels(m / safe, x, q, qi, aq, nib, regular, 0)
                 if has_a:
                     if m_a != m:
-                        sa = _levels(m_a / safe, x, wm, q, qi, nib, agg, wmin, wmax, regular, 1)
+                        sa = _levels(m_a / safe, x, q, qi, aq, nib, regular, 1)
                     else:
                         sa = s
-                c, use_a, n, sq = _search(s, qi, sa, da, has_a, m_a == m, x, agg, wmin, wmax, lo_t,
-                                          hi_t, recip, sxx, amax, kx, nf, rm, rs, cand, auth, sig, minexp, vmax,
+                c, use_a, n, sq = _search(s, qi, aq, sa, da, has_a, m_a == m, ax, af, wm, lo_t,
+                                          hi_t, amax, kx, nf, rt, cand, auth, sig, minexp, vmax,
                                           min_error)
-                n, e, et = _errors(c, qi, int(use_a), x, inv, nf, n, rm, rs, sig, minexp, vmax)
-            co, use_ao, no, sqo = _search(s, qi, sa, da, has_a, m_a == m, x, agg, wmin, wmax, lo_o,
-                                          hi_o, recip, sxx, amax, kx, nf, rm, rs, cand, auth, osig, ominexp, ovmax,
-                                          min_error)
-            no, eo, eto = _errors(co, qi, int(use_ao), x, inv, nf, no, rm, rs, osig, ominexp, ovmax)
+                n, e, et = _errors(c, aq, int(use_a), ax, inv, rt, nf, n, sig)
+            co, use_ao, no, sqo = _search(s, qi, aq, sa, da, has_a, m_a == m, ax, af, wm, lo_o, hi_o,
+                                          amax, kx, nf, rt, cand, auth, osig, ominexp, ovmax, min_error)
+            no, eo, eto = _errors(co, aq, int(use_ao), ax, inv, rt, nf, no, osig)
             n_exact += n
             n_exact_o += no
             worst = max(worst, e)
@@ -508,8 +577,8 @@ def _rows(words, packed, scales, stats, ratio_table, lowbit, recip, value_tab, i
             sqsum += sq
             sqsum_o += sqo
             if e > 2.0 and nf == 0:  # past the tolerance: on the grid all the same if another candidate is within
-                e_min = _min_worst(s, qi, sa, da, has_a, m_a == m, x, agg, wmin, wmax, lo_t, hi_t, recip, inv, nf,
-                                   rm, rs, cand, sig, minexp, vmax)
+                e_min = _min_worst(s, qi, aq, sa, da, has_a, m_a == m, ax, wm, lo_t, hi_t, inv, nf,
+                                   rt, cand, sig, minexp, vmax)
             else:
                 e_min = e
             if e_min > 2.0:

@@ -119,8 +119,9 @@ def test_packing_matches_compressed_tensors_pack_to_int32():
 
 
 def _adversarial(rng: np.random.Generator) -> np.ndarray:
-    """Groups aimed at the kernel's shortcuts: the per-level squared-error form and its exactness bound, the
-    per-level interval test, the author's m read from the ratio mask, integer runtime rounding."""
+    """Groups aimed at the kernel's shortcuts: the vector sum of squared errors and its exactness bound, float32
+    runtime rounding (overflow, subnormals), the interval over the values' bounds, the author's m read from the
+    ratio mask, extremes from the words' bits (zeros of both signs, negative peaks)."""
     rows = []
     for levels in ("uniform", "peaked"):
         for step_dtype in (np.float16, np.float32):
