@@ -100,8 +100,7 @@ def _run_kernel(k, words: np.ndarray, target: str, objective: str):
     packed = np.empty((rows, cols // 8), dtype=np.int32)
     scales = np.empty((rows, cols // grid.GROUP))
     stats = np.zeros(grid.N_STATS)
-    (lo_t, hi_t), (lo_o, hi_o) = grid.INTERVALS[tgt], grid.INTERVALS[oth]
-    k(words, packed.view(np.uint32), scales, stats, grid._RATIO_TABLE32, grid.LOWBIT, lo_t, hi_t, lo_o, hi_o,
+    k(words, packed.view(np.uint32), scales, stats, grid._RATIO_TABLE32, grid.LOWBIT,
       *grid.bits_of(grid.SCALE_DTYPE[tgt]), *grid.bits_of(grid.SCALE_DTYPE[oth]), objective == "min-error")
     return packed, scales, stats
 

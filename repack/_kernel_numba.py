@@ -41,6 +41,7 @@ RND = 6755399441055744.0
 AUTHOR_TOL = 2.0 ** -7
 NO_QUANTUM = 10000  # exponent standing for "no nonzero source value"
 BF16_MAX = 3.3895313892515355e38
+EXCL = 2.0 ** -30  # grid.EXCL: the relative nudge that excludes an interval's end
 FP16_SIG = 11  # float16's significand bits: the runtime is float16, else bfloat16
 
 
@@ -153,7 +154,7 @@ def _bf16_round(typingctx, v):
 
 
 @nb.njit(cache=True, fastmath={"reassoc", "nnan", "nsz"}, _nrt=False)
-def _scan(words, r, base, x, ax, af, inv, wm):
+def _scan(words, r, base, x, ax, af, inv):
     # decodes one group; returns (NaN/inf count, -0 count, sum x^2, largest magnitude word among the values
     # >= 0 and among the values < 0 (-1: none), smallest quantum exponent). Everything comes from the words'
     # bits (no table lookups) and the extremes are integer maxima (the magnitude words of finite bf16 values
@@ -177,7 +178,6 @@ def _scan(words, r, base, x, ax, af, inv, wm):
         ie = max(e, 1)
         inv[i] = _u2f((1157 - ie) << 52) if fin else 0.0
         mag = w & 0x7FFF
-        wm[i] = mag
         nf += not fin
         nz += w == 0x8000
         sxx += v * v
@@ -252,22 +252,44 @@ def _levels(f, x, q, qi, aq, nib, regular, j):
 
 
 @nb.njit(cache=True, inline="always", _nrt=False)
-def _bounds(aq, wm, lo_t, hi_t):
+def _value_bounds(v, sig, minexp, vmax):
+    # grid._interval_tables for one magnitude v > 0, computed rather than looked up (the tables are 512 KiB
+    # each, and a lookup per value missed the cache): the reals p with T(p) == v as [lo, hi], ends excluded by
+    # a relative nudge where v's significand in T is odd (ties go to even); (inf, -inf) where v is not a value
+    # of T. Every step is the table's own expression on the same numbers.
+    e = _ilogb(v)
+    big = max(e, minexp + sig - 1)  # the binade (below the normal range: the lowest normal one)
+    k = max(big - sig + 1, minexp)
+    u = _exp2(k)  # the spacing above v
+    pow2 = (_f2u(v) & 0xFFFFFFFFFFFFF) == 0
+    ub = u * 0.5 if pow2 and big - sig >= minexp else u  # below a power of two the spacing is finer
+    n = v * _exp2(-k)  # v / u exactly, below 2^12
+    rep = n == _rint(n) and v <= vmax
+    lo = v - ub * 0.5
+    hi = v + u * 0.5
+    if (np.int64(n) & 1) == 1:
+        lo = lo + abs(lo) * EXCL
+        hi = hi - abs(hi) * EXCL
+    return (lo, hi) if rep else (np.inf, -np.inf)
+
+
+@nb.njit(cache=True, inline="always", _nrt=False)
+def _bounds(aq, ax, sig, minexp, vmax):
     # (levels of row 0: the interval candidates go with the ratio levels)
     # The interval of scales reproducing every value exactly, as the reference takes it: the largest lo/l and
     # the smallest hi/l over the values (level 0 constrains nothing; a negative value's bounds are the negated
-    # bounds of its magnitude and 1/-l = -(1/l) exactly, so each value's magnitude word and |l| give its terms).
+    # bounds of its magnitude and 1/-l = -(1/l) exactly, so each value's magnitude and |l| give its terms).
     # Two different values at one level have disjoint intervals, so then lb > ub. Maxima as integer maxima of
-    # the bits (lb >= 0, ub > 0 and the same order for values >= 0), so the loop runs on vector registers.
+    # the bits (lb >= 0, ub > 0 or -inf, the same order for values >= 0), so the loop runs on vector registers.
     lbb = 0
     ubb = _f2u(np.inf)
-    for i in range(len(wm)):
+    for i in range(len(ax)):
         a = aq[0, i]
         if a > 0.0:
-            w = wm[i]
+            lo, hi = _value_bounds(ax[i], sig, minexp, vmax)
             rl = 1.0 / np.float64(a)  # the reference's RECIP: lo * (1/l), not lo / l
-            lbb = max(lbb, _f2u(lo_t[w] * rl))
-            ubb = min(ubb, _f2u(hi_t[w] * rl))
+            lbb = max(lbb, _f2u(lo * rl))
+            ubb = min(ubb, _f2u(hi * rl))
     return _u2f(lbb), _u2f(ubb)
 
 
@@ -344,7 +366,7 @@ def _count(c, aq, j, af, rt, nf, sig):
 
 
 @nb.njit(cache=True, inline="always", _nrt=False)
-def _search(s, qi, aq, sa, da, has_a, same_a, ax, af, wm, lo_t, hi_t, amax, kx, nf,
+def _search(s, qi, aq, sa, da, has_a, same_a, ax, af, amax, kx, nf,
             rt, cand, auth, sig, minexp, vmax, min_error):
     # the candidates of grid._search, in the same order, skipping those that cannot be valid or cannot be
     # strictly better (a duplicate of one evaluated); stops once nothing can be strictly better (every finite
@@ -392,7 +414,7 @@ def _search(s, qi, aq, sa, da, has_a, same_a, ax, af, wm, lo_t, hi_t, amax, kx, 
         # the next candidates, computed only when needed
         if stage == 0:
             stage = 1
-            lb, ubnd = _bounds(aq, wm, lo_t, hi_t)
+            lb, ubnd = _bounds(aq, ax, sig, minexp, vmax)
             if lb <= ubnd:
                 cand[3], cand[4], cand[5] = _round_fmt(min(max(s, lb), ubnd), sig, minexp, vmax)
                 auth[3] = auth[4] = auth[5] = False
@@ -444,12 +466,12 @@ def _errors(c, aq, j, ax, inv, rt, nf, n, sig):
 
 
 @nb.njit(cache=True, _nrt=False)
-def _min_worst(s, qi, aq, sa, da, has_a, same_a, ax, wm, lo_t, hi_t, inv, nf, rt, cand,
+def _min_worst(s, qi, aq, sa, da, has_a, same_a, ax, inv, nf, rt, cand,
                sig, minexp, vmax):
     # grid._min_worst: the smallest worst runtime error over every candidate of _search (the rare off-grid path)
     cand[0], cand[1], cand[2] = _round_fmt(s, sig, minexp, vmax)
     nc = 3
-    lb, ubnd = _bounds(aq, wm, lo_t, hi_t)
+    lb, ubnd = _bounds(aq, ax, sig, minexp, vmax)
     if lb <= ubnd:
         cand[3], cand[4], cand[5] = _round_fmt(min(max(s, lb), ubnd), sig, minexp, vmax)
         nc = 6
@@ -473,21 +495,20 @@ def _err(c, q, x, inv):
 
 
 @nb.njit(nogil=True, cache=True)
-def quantize_rows(words, packed, scales, stats, ratio_table, lowbit, lo_t, hi_t, lo_o, hi_o, sig, minexp, vmax,
-                  osig, ominexp, ovmax, min_error):
+def quantize_rows(words, packed, scales, stats, ratio_table, lowbit, sig, minexp, vmax, osig, ominexp, ovmax,
+                  min_error):
     # scratch space, allocated once per block; the work itself runs without reference counting (arrays are
     # only indexed there), which would otherwise cost atomic operations in the innermost loops
     # rows 0 / 1 of the 2-row arrays: the levels of the ratio lookup's m / of the article author's m
-    _rows(words, packed, scales, stats, ratio_table, lowbit, lo_t, hi_t, lo_o, hi_o, sig, minexp, vmax, osig,
-          ominexp, ovmax, min_error, np.empty(32, dtype=np.float32), np.empty(9), np.empty(9, dtype=np.bool_),
-          np.empty(32), np.empty(32), np.empty(32, dtype=np.float32), np.empty(32, dtype=np.int64),
-          np.empty((2, 32)), np.empty((2, 32), dtype=np.int64), np.empty((2, 32), dtype=np.float32), np.empty(32),
-          np.empty((2, 32), dtype=np.uint32))
+    _rows(words, packed, scales, stats, ratio_table, lowbit, sig, minexp, vmax, osig, ominexp, ovmax, min_error,
+          np.empty(32, dtype=np.float32), np.empty(9), np.empty(9, dtype=np.bool_), np.empty(32), np.empty(32),
+          np.empty(32, dtype=np.float32), np.empty((2, 32)), np.empty((2, 32), dtype=np.int64),
+          np.empty((2, 32), dtype=np.float32), np.empty(32), np.empty((2, 32), dtype=np.uint32))
 
 
 @nb.njit(nogil=True, cache=True, _nrt=False)
-def _rows(words, packed, scales, stats, ratio_table, lowbit, lo_t, hi_t, lo_o, hi_o, sig, minexp, vmax, osig, ominexp,
-          ovmax, min_error, rt, cand, auth, x, ax, af, wm, q, qi, aq, inv, nib):
+def _rows(words, packed, scales, stats, ratio_table, lowbit, sig, minexp, vmax, osig, ominexp, ovmax, min_error,
+          rt, cand, auth, x, ax, af, q, qi, aq, inv, nib):
     rows, cols = words.shape
     ng = cols // 32
     n_exact = 0
@@ -505,7 +526,7 @@ def _rows(words, packed, scales, stats, ratio_table, lowbit, lo_t, hi_t, lo_o, h
     for r in range(rows):
         for g in range(ng):
             base = g * 32
-            nf, nz, sxx, posmag, negmag, kx = _scan(words, r, base, x, ax, af, inv, wm)
+            nf, nz, sxx, posmag, negmag, kx = _scan(words, r, base, x, ax, af, inv)
             x2 += sxx
             n_negzero += nz
             n_nonfinite += nf
@@ -541,7 +562,7 @@ def _rows(words, packed, scales, stats, ratio_table, lowbit, lo_t, hi_t, lo_o, h
                 else:
                     sa = s
                 da = safe / m_a
-            c, use_a, n, sq = _search(s, qi, aq, sa, da, has_a, m_a == m, ax, af, wm, lo_t, hi_t,
+            c, use_a, n, sq = _search(s, qi, aq, sa, da, has_a, m_a == m, ax, af,
                                       amax, kx, nf, rt, cand, auth, sig, minexp, vmax, min_error)
             n, e, et = _errors(c, aq, int(use_a), ax, inv, rt, nf, n, sig)
             if e > 2.0:
@@ -561,11 +582,11 @@ def _rows(words, packed, scales, stats, ratio_table, lowbit, lo_t, hi_t, lo_o, h
                         sa = _levels(m_a / safe, x, q, qi, aq, nib, regular, 1)
                     else:
                         sa = s
-                c, use_a, n, sq = _search(s, qi, aq, sa, da, has_a, m_a == m, ax, af, wm, lo_t,
-                                          hi_t, amax, kx, nf, rt, cand, auth, sig, minexp, vmax,
+                c, use_a, n, sq = _search(s, qi, aq, sa, da, has_a, m_a == m, ax, af,
+                                          amax, kx, nf, rt, cand, auth, sig, minexp, vmax,
                                           min_error)
                 n, e, et = _errors(c, aq, int(use_a), ax, inv, rt, nf, n, sig)
-            co, use_ao, no, sqo = _search(s, qi, aq, sa, da, has_a, m_a == m, ax, af, wm, lo_o, hi_o,
+            co, use_ao, no, sqo = _search(s, qi, aq, sa, da, has_a, m_a == m, ax, af,
                                           amax, kx, nf, rt, cand, auth, osig, ominexp, ovmax, min_error)
             no, eo, eto = _errors(co, aq, int(use_ao), ax, inv, rt, nf, no, osig)
             n_exact += n
@@ -577,7 +598,7 @@ def _rows(words, packed, scales, stats, ratio_table, lowbit, lo_t, hi_t, lo_o, h
             sqsum += sq
             sqsum_o += sqo
             if e > 2.0 and nf == 0:  # past the tolerance: on the grid all the same if another candidate is within
-                e_min = _min_worst(s, qi, aq, sa, da, has_a, m_a == m, ax, wm, lo_t, hi_t, inv, nf,
+                e_min = _min_worst(s, qi, aq, sa, da, has_a, m_a == m, ax, inv, nf,
                                    rt, cand, sig, minexp, vmax)
             else:
                 e_min = e

@@ -446,9 +446,8 @@ def quantize(words: np.ndarray, target: str = DEFAULT_TARGET, objective: str = D
     stats = np.zeros(N_STATS)
     sig, minexp, vmax = _FMT[SCALE_DTYPE[tgt]]
     osig, ominexp, ovmax = _FMT[SCALE_DTYPE[oth]]
-    (lo_t, hi_t), (lo_o, hi_o) = INTERVALS[tgt], INTERVALS[oth]
-    k(np.ascontiguousarray(words), packed.view(np.uint32), scales, stats, _RATIO_TABLE32, LOWBIT, lo_t, hi_t, lo_o,
-      hi_o, sig, minexp, vmax, osig, ominexp, ovmax, objective == "min-error")
+    k(np.ascontiguousarray(words), packed.view(np.uint32), scales, stats, _RATIO_TABLE32, LOWBIT, sig, minexp, vmax,
+      osig, ominexp, ovmax, objective == "min-error")
     return packed, scales, stats
 
 

@@ -218,3 +218,28 @@ def test_a_group_is_on_the_grid_when_any_candidate_is_within_the_tolerance(targe
     for st in (grid.quantize_numpy(bad, target, objective)[2], grid.quantize(bad, target, objective)[2]):
         off = grid.GridStats.from_vector(st)
         assert off.offgrid == 1 and off.first_offgrid[:2] == (1, 0)
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "bf16"])
+def test_kernel_interval_bounds_equal_the_reference_tables_for_every_value(fmt):
+    """The kernel computes each value's interval of runtime-reproducing reals instead of reading grid's tables:
+    for every positive finite bf16 value, the same two numbers (or the same empty interval)."""
+    pytest.importorskip("numba")
+    import numba
+
+    from repack import _kernel_numba as k
+
+    assert k.EXCL == grid.EXCL
+    sig, minexp, vmax = grid.bits_of(fmt)
+
+    @numba.njit
+    def all_bounds(v, lo, hi):
+        for i in range(len(v)):
+            lo[i], hi[i] = k._value_bounds(v[i], sig, minexp, vmax)
+
+    words = np.arange(1, 0x7F80)  # every positive finite magnitude word
+    v = grid.VALUE_TABLE[words]
+    lo, hi = np.empty_like(v), np.empty_like(v)
+    all_bounds(v, lo, hi)
+    lo_t, hi_t = grid.INTERVALS[grid.target_of(fmt)]
+    assert np.array_equal(lo, lo_t[words]) and np.array_equal(hi, hi_t[words])
