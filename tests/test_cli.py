@@ -46,3 +46,20 @@ def test_an_unknown_command_lists_every_command(capsys):
         cli.main(["bogus"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and all(f"'{c}'" in err for c in cli.COMMANDS), err
+
+
+def test_main_in_process_leaves_the_sigterm_handler_as_it_was(capsys):
+    """main() handles SIGTERM while its command runs; called in-process (tests, an embedding program) it gives the
+    caller's handler back on return, and a later call handles SIGTERM again."""
+    import signal
+
+    def caller_handler(signum, frame):
+        pass
+
+    before = signal.signal(signal.SIGTERM, caller_handler)
+    try:
+        assert cli.main(["status", "--instance=../x"]) == 2
+        assert signal.getsignal(signal.SIGTERM) is caller_handler
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    capsys.readouterr()

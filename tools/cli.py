@@ -59,7 +59,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(argv[0] if argv else None).parse_args(argv)
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    global _terminating
+    _terminating = False
+    # main() may run in-process (tests, an embedding program): the caller's handler comes back on return
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         return int(args.func(args) or 0)
     except Terminated:
@@ -68,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("vllm-t4: interrupted", file=sys.stderr)
         return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

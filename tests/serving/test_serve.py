@@ -397,8 +397,13 @@ def test_an_interrupt_between_launch_and_state_file_ends_the_server(serve_config
         seen["written"] = cfg_.state_file.exists()
 
     monkeypatch.setattr(vllm_server, "_write_state", write_after_an_interrupt)
-    with pytest.raises(KeyboardInterrupt):
-        start_server(cfg)
+    # Ctrl-C as Python handles it by default, whatever an earlier test in this worker left installed
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            start_server(cfg)
+    finally:
+        signal.signal(signal.SIGINT, before)
     assert seen.get("written") is True  # the interrupt was held until the state file named the group
     assert seen["blocked"] & (1 << (signal.SIGTERM - 1)) == 0  # holding it did not make the server deaf to SIGTERM
     assert group_alive(seen["pgid"]) == []
