@@ -211,18 +211,17 @@ def _author_misses(x, fa, d, tol):
 
 
 @nb.njit(cache=True, inline="always", _nrt=False)
-def _quantize_levels(f, x, q, qi, aq, nib, j):
-    # levels for the step 1/f (as floats, their magnitudes as floats, as table indices level + 8, as nibbles for
-    # packing) into row j; returns sum q^2
+def _quantize_levels(f, x, q, aq, nib, j):
+    # levels for the step 1/f (as floats, their magnitudes as floats, as nibbles level + 8 for packing) into
+    # row j; returns sum q^2
     sqq = 0
     for i in range(32):
         l = min(max(_rint(x[i] * f), -8.0), 7.0)
         q[j, i] = l
         aq[j, i] = np.float32(abs(l))
-        li = int(l) + 8
-        qi[j, i] = li
-        nib[j, i] = np.uint32(li)
-        sqq += (li - 8) * (li - 8)
+        li = int(l)
+        nib[j, i] = np.uint32(li + 8)
+        sqq += li * li
     return sqq
 
 
@@ -243,10 +242,10 @@ def _dot_in_order(q, j, x):
 
 
 @nb.njit(cache=True, inline="always", _nrt=False)
-def _levels(f, x, q, qi, aq, nib, regular, j):
+def _levels(f, x, q, aq, nib, regular, j):
     # levels for the step 1/f and their least-squares step. `regular`: every partial sum of level * x is exact
     # (any order gives the reference's sum).
-    sqq = _quantize_levels(f, x, q, qi, aq, nib, j)
+    sqq = _quantize_levels(f, x, q, aq, nib, j)
     sqx = _dot_any_order(q, j, x) if regular else _dot_in_order(q, j, x)
     return sqx / sqq if sqq > 0 else 0.0
 
@@ -294,14 +293,9 @@ def _bounds(aq, ax, sig, minexp, vmax):
 
 
 @nb.njit(cache=True, inline="always", _nrt=False)
-def _round_t(p, sig, minexp, vmax):
-    # T(p) for p >= 0, branch-free: with 2^kq the format's quantum in p's binade, (p + 1.5 * 2^(52+kq)) -
-    # 1.5 * 2^(52+kq) is p rounded to a multiple of 2^kq, ties to even (p < 2^(51+kq)); past the format's largest
-    # value: inf. (Never compiled with fastmath: reassociation would cancel the rounding.)
-    kq = max(((_f2u(p) >> 52) & 0x7FF) - 1023 - sig + 1, minexp)
-    mg = _u2f(((kq + 1075) << 52) | (np.int64(1) << 51))
-    v = (p + mg) - mg
-    return v if v <= vmax else np.inf
+def _round_t(p, sig):
+    # T(p) for a float32 p >= 0 (exact products: see _runtime), as a float32; past T's range: inf
+    return _fp16_round(p) if sig == FP16_SIG else _bf16_round(p)
 
 
 @nb.njit(cache=True, inline="always", _nrt=False)
@@ -353,7 +347,7 @@ def _sq(c, aq, j, ax, af, rt, amax, kx, sig, minexp, vmax):
     _runtime(c, aq, j, rt, sig)
     if c > 0.0:
         k = min(kx, max(_ilogb(c) - sig + 1, minexp))
-        if max(_round_t(8.0 * c, sig, minexp, vmax), amax) < _exp2(23 + k):
+        if max(np.float64(_round_t(np.float32(8.0 * c), sig)), amax) < _exp2(23 + k):
             return _sq_any_order(rt, af)
     return _sq_in_order(rt, ax)
 
@@ -366,7 +360,7 @@ def _count(c, aq, j, af, rt, nf, sig):
 
 
 @nb.njit(cache=True, inline="always", _nrt=False)
-def _search(s, qi, aq, sa, da, has_a, same_a, ax, af, amax, kx, nf,
+def _search(s, aq, sa, da, has_a, same_a, ax, af, amax, kx, nf,
             rt, cand, auth, sig, minexp, vmax, min_error):
     # the candidates of grid._search, in the same order, skipping those that cannot be valid or cannot be
     # strictly better (a duplicate of one evaluated); stops once nothing can be strictly better (every finite
@@ -466,7 +460,7 @@ def _errors(c, aq, j, ax, inv, rt, nf, n, sig):
 
 
 @nb.njit(cache=True, _nrt=False)
-def _min_worst(s, qi, aq, sa, da, has_a, same_a, ax, inv, nf, rt, cand,
+def _min_worst(s, aq, sa, da, has_a, same_a, ax, inv, nf, rt, cand,
                sig, minexp, vmax):
     # grid._min_worst: the smallest worst runtime error over every candidate of _search (the rare off-grid path)
     cand[0], cand[1], cand[2] = _round_fmt(s, sig, minexp, vmax)
@@ -502,13 +496,13 @@ def quantize_rows(words, packed, scales, stats, ratio_table, lowbit, sig, minexp
     # rows 0 / 1 of the 2-row arrays: the levels of the ratio lookup's m / of the article author's m
     _rows(words, packed, scales, stats, ratio_table, lowbit, sig, minexp, vmax, osig, ominexp, ovmax, min_error,
           np.empty(32, dtype=np.float32), np.empty(9), np.empty(9, dtype=np.bool_), np.empty(32), np.empty(32),
-          np.empty(32, dtype=np.float32), np.empty((2, 32)), np.empty((2, 32), dtype=np.int64),
-          np.empty((2, 32), dtype=np.float32), np.empty(32), np.empty((2, 32), dtype=np.uint32))
+          np.empty(32, dtype=np.float32), np.empty((2, 32)), np.empty((2, 32), dtype=np.float32), np.empty(32),
+          np.empty((2, 32), dtype=np.uint32))
 
 
 @nb.njit(nogil=True, cache=True, _nrt=False)
 def _rows(words, packed, scales, stats, ratio_table, lowbit, sig, minexp, vmax, osig, ominexp, ovmax, min_error,
-          rt, cand, auth, x, ax, af, q, qi, aq, inv, nib):
+          rt, cand, auth, x, ax, af, q, aq, inv, nib):
     rows, cols = words.shape
     ng = cols // 32
     n_exact = 0
@@ -554,15 +548,15 @@ def _rows(words, packed, scales, stats, ratio_table, lowbit, sig, minexp, vmax, 
             has_a = m_a > 0
             sa = 0.0
             da = 0.0
-            s = _levels(m / safe, x, q, qi, aq, nib, regular, 0)
+            s = _levels(m / safe, x, q, aq, nib, regular, 0)
             if has_a:
                 # the same m gives the same levels and step (then only q is used)
                 if m_a != m:
-                    sa = _levels(m_a / safe, x, q, qi, aq, nib, regular, 1)
+                    sa = _levels(m_a / safe, x, q, aq, nib, regular, 1)
                 else:
                     sa = s
                 da = safe / m_a
-            c, use_a, n, sq = _search(s, qi, aq, sa, da, has_a, m_a == m, ax, af,
+            c, use_a, n, sq = _search(s, aq, sa, da, has_a, m_a == m, ax, af,
                                       amax, kx, nf, rt, cand, auth, sig, minexp, vmax, min_error)
             n, e, et = _errors(c, aq, int(use_a), ax, inv, rt, nf, n, sig)
             if e > 2.0:
@@ -571,22 +565,22 @@ def _rows(words, packed, scales, stats, ratio_table, lowbit, sig, minexp, vmax, 
                 best_m = m
                 best_e = np.inf
                 for mm in range(1, 9 if neg_only else 8):
-                    sm = _levels(mm / safe, x, q, qi, aq, nib, regular, 0)
+                    sm = _levels(mm / safe, x, q, aq, nib, regular, 0)
                     em = _err(sm, q, x, inv)
                     if em < best_e:
                         best_e, best_m = em, mm
                 m = best_m
-                s = _levels(m / safe, x, q, qi, aq, nib, regular, 0)
+                s = _levels(m / safe, x, q, aq, nib, regular, 0)
                 if has_a:
                     if m_a != m:
-                        sa = _levels(m_a / safe, x, q, qi, aq, nib, regular, 1)
+                        sa = _levels(m_a / safe, x, q, aq, nib, regular, 1)
                     else:
                         sa = s
-                c, use_a, n, sq = _search(s, qi, aq, sa, da, has_a, m_a == m, ax, af,
+                c, use_a, n, sq = _search(s, aq, sa, da, has_a, m_a == m, ax, af,
                                           amax, kx, nf, rt, cand, auth, sig, minexp, vmax,
                                           min_error)
                 n, e, et = _errors(c, aq, int(use_a), ax, inv, rt, nf, n, sig)
-            co, use_ao, no, sqo = _search(s, qi, aq, sa, da, has_a, m_a == m, ax, af,
+            co, use_ao, no, sqo = _search(s, aq, sa, da, has_a, m_a == m, ax, af,
                                           amax, kx, nf, rt, cand, auth, osig, ominexp, ovmax, min_error)
             no, eo, eto = _errors(co, aq, int(use_ao), ax, inv, rt, nf, no, osig)
             n_exact += n
@@ -598,7 +592,7 @@ def _rows(words, packed, scales, stats, ratio_table, lowbit, sig, minexp, vmax, 
             sqsum += sq
             sqsum_o += sqo
             if e > 2.0 and nf == 0:  # past the tolerance: on the grid all the same if another candidate is within
-                e_min = _min_worst(s, qi, aq, sa, da, has_a, m_a == m, ax, inv, nf,
+                e_min = _min_worst(s, aq, sa, da, has_a, m_a == m, ax, inv, nf,
                                    rt, cand, sig, minexp, vmax)
             else:
                 e_min = e
