@@ -148,3 +148,36 @@ def test_a_stopped_sweep_is_not_compared_as_a_finished_one(tmp_path):
     with pytest.raises(ToolFailure, match="stopped before it finished.*sweep --resume --label") as exc:
         compare_runs([RUNS[0], tmp_path])
     assert exc.value.detail["finished"] is None
+
+
+@pytest.mark.parametrize("folder", ["out.md", "out.json"])
+def test_comparison_output_that_is_a_folder_is_refused_before_anything_is_written(tmp_path, folder):
+    from tools.measure.sweep_report import write_comparison
+
+    cmp = compare_runs(RUNS)
+    (tmp_path / folder).mkdir()
+    with pytest.raises(ToolFailure, match=f"{folder} is a folder") as exc:
+        write_comparison(cmp, tmp_path / "out.md", force=True)
+    assert "\n" not in str(exc.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [folder]  # no .md without its .json, no temp file
+    assert not any((tmp_path / folder).iterdir())
+
+
+@pytest.mark.parametrize("failing", [".json", ".md"])
+def test_comparison_is_written_whole_or_not_at_all(tmp_path, monkeypatch, failing):
+    from tools.measure import sweep_report
+
+    cmp = compare_runs(RUNS)
+    sweep_report.write_comparison(cmp, tmp_path / "out.md")
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    real = Path.replace
+
+    def fail_on_json(self, target):  # one file's publication fails (a full disk, a signal)
+        if str(target).endswith(failing):
+            raise OSError(28, "No space left on device")
+        return real(self, target)
+
+    monkeypatch.setattr(Path, "replace", fail_on_json)
+    with pytest.raises(OSError):
+        sweep_report.write_comparison(compare_runs(RUNS, price_per_hour=9.0), tmp_path / "out.md", force=True)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # the old pair, untouched, no temps

@@ -53,6 +53,32 @@ def write_text(path: str | Path, text: str) -> Path:
     return p
 
 
+def write_texts(*files: tuple[Path, str]) -> None:
+    """Write each file whole, all or none: every temp file first, then the renames; a failed rename puts the
+    files already replaced back as they were."""
+    done: list[tuple[Path, bytes | None]] = []
+    tmps = [f.with_name(f".{f.name}.{os.getpid()}.tmp") for f, _ in files]
+    try:
+        for (f, text), tmp in zip(files, tmps):
+            tmp.write_text(text)
+        for (f, _), tmp in zip(files, tmps):
+            old = f.read_bytes() if f.is_file() else None
+            tmp.replace(f)
+            done.append((f, old))
+    except BaseException:
+        for f, old in reversed(done):
+            if old is None:
+                f.unlink(missing_ok=True)
+            else:
+                back = f.with_name(f".{f.name}.{os.getpid()}.back")
+                back.write_bytes(old)
+                back.replace(f)
+        raise
+    finally:
+        for tmp in tmps:
+            tmp.unlink(missing_ok=True)
+
+
 def run_id(label: str, kind: str) -> str:
     """`<kind>-<UTC stamp>-<label>`: sortable by time, named for what it measured."""
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")

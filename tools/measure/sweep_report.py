@@ -17,6 +17,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from tools.errors import ToolFailure
+from tools.measure.evidence import write_text, write_texts
 from tools.measure.results import DEFAULT_PRICE_PER_HOUR, METRICS, SweepResult
 from tools.params import OpParams
 
@@ -150,12 +151,6 @@ def plot_runs(runs: list[SweepResult], path: str | Path) -> Path:
     return path
 
 
-def _atomic(path: Path, text: str) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-
-
 def write_run(res: SweepResult, run_dir: str | Path, *, price_per_hour: float = DEFAULT_PRICE_PER_HOUR,
               plot: bool = True) -> dict[str, str]:
     """Write summary.json, summary.csv, summary.md (and plot.png) into run_dir; returns name -> path."""
@@ -165,11 +160,11 @@ def write_run(res: SweepResult, run_dir: str | Path, *, price_per_hour: float = 
     if plot:
         files["plot_png"] = d / "plot.png"
     res.files = {k: str(v) for k, v in files.items()}
-    _atomic(files["summary_csv"], csv_run(res))
-    _atomic(files["table_md"], markdown_run(res, price_per_hour=price_per_hour))
+    write_text(files["summary_csv"], csv_run(res))
+    write_text(files["table_md"], markdown_run(res, price_per_hour=price_per_hour))
     if plot:
         plot_runs([res], files["plot_png"])
-    _atomic(files["summary_json"], json.dumps(res.to_dict(), indent=2) + "\n")
+    write_text(files["summary_json"], json.dumps(res.to_dict(), indent=2) + "\n")
     return res.files
 
 
@@ -332,11 +327,15 @@ def write_comparison(cmp: SweepComparison, out: str | Path, *, force: bool = Fal
             if r == f.resolve().parent or r in f.resolve().parents:
                 raise ToolFailure(f"output {f} lies inside the input run folder {run}; write the comparison "
                                   f"somewhere else", detail={"output": str(f), "run_dir": str(run)})
+    for f in (md, js):  # --force replaces a file, never a folder (or anything else) in the way
+        if (f.exists() or f.is_symlink()) and not f.is_file():
+            raise ToolFailure(f"output {f} is a folder or not a regular file; give another output",
+                              detail={"output": str(f)})
     existing = [str(f) for f in (md, js) if f.exists()]
     if existing and not force:
         raise ToolFailure(f"{', '.join(existing)} exists; pass --force to replace it, or give another output",
                           detail={"existing": existing})
     md.parent.mkdir(parents=True, exist_ok=True)
-    _atomic(md, cmp.markdown + "\n")
-    _atomic(js, json.dumps(cmp.to_dict(), indent=2) + "\n")
+    write_texts((js, json.dumps(cmp.to_dict(), indent=2) + "\n"), (md, cmp.markdown + "\n"))
     return md
+
