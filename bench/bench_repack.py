@@ -83,7 +83,13 @@ def _load_kernel(path: Path):
     import hashlib
     import importlib.util
 
-    # numba's on-disk cache records the module name: one name per file, stable across runs
+    from repack import _kernel_numba
+
+    # numba's on-disk cache is keyed by the source file and records the module name: the project's own kernel
+    # loaded under another name would leave cache entries that `repack` then fails to load (no such module)
+    if path.resolve() == Path(_kernel_numba.__file__).resolve():
+        return _kernel_numba.quantize_rows
+    # one name per file, stable across runs
     name = "kernel_" + hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]
     spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]

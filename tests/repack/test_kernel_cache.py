@@ -18,3 +18,21 @@ def test_without_numba_it_says_builds_fall_back(monkeypatch, capsys):
     monkeypatch.setenv("REPACK_NO_NUMBA", "1")
     assert kernel_cache.main() == 1
     assert "numba is not importable" in capsys.readouterr().out
+
+
+def test_the_kernel_benchmark_loads_the_project_kernel_as_the_project_does():
+    # Loading repack/_kernel_numba.py under another module name wrote numba cache entries for that file that
+    # name the other module; the next `python -m repack` then failed with "No module named 'kernel_…'".
+    import sys
+    from pathlib import Path
+
+    from repack import _kernel_numba
+
+    bench = Path(__file__).resolve().parents[2] / "bench"
+    sys.path.insert(0, str(bench))
+    try:
+        import bench_repack
+    finally:
+        sys.path.remove(str(bench))
+    assert bench_repack._load_kernel(Path(_kernel_numba.__file__)) is _kernel_numba.quantize_rows
+    assert not [m for m in sys.modules if m.startswith("kernel_")]
