@@ -475,6 +475,18 @@ def test_compare_sweeps_never_overwrites_unless_forced_and_never_an_input(mcp, r
     assert (a / "summary.json").read_text() == summary_before
 
 
+def test_compare_sweeps_refuses_a_summary_linked_out_of_the_roots(mcp, roots, tmp_path):
+    ev = roots.evidence[0]
+    a = _fake_run(ev / "run-a", "a", 10.0)
+    outside = _fake_run(tmp_path / "outside-run", "secret-label", 99.0)
+    (ev / "run-link").mkdir()  # a real folder inside the root, its summary a link out of it
+    (ev / "run-link" / "summary.json").symlink_to(outside / "summary.json")
+
+    (err,) = _refusals(mcp, [("compare_sweeps", {"run_dirs": [str(a), "run-link"]})])
+    assert "run_dir run-link" in err and "outside the evidence roots" in err
+    assert "secret-label" not in err and "outside-run" not in err
+
+
 def test_compare_tokens_record_refuses_an_existing_file(mcp, roots):
     ref = roots.evidence[0] / "tokens.json"
     ref.write_text("keep me\n")
