@@ -583,6 +583,35 @@ def test_compare_evals_reads_runs_under_the_evidence_roots_only(mcp, roots, tmp_
     assert "outside the evidence roots" in err
 
 
+def test_compare_evals_refuses_run_files_linked_out_of_the_roots(mcp, roots, tmp_path):
+    import json
+
+    from fixtures import fake_eval_run
+
+    ev = roots.evidence[0]
+    a = fake_eval_run(ev / "a", "ref", {i: float(i % 2) for i in range(20)})
+    outside = fake_eval_run(tmp_path / "outside", "secret-label", {i: 1.0 for i in range(20)})
+    (ev / "linked").mkdir()  # a real folder inside the root whose files link to a run outside
+    for f in outside.iterdir():
+        (ev / "linked" / f.name).symlink_to(f)
+    # summary.json itself inside, its samples entry a link (in a subfolder) out of the roots
+    inner = fake_eval_run(ev / "inner", "inner", {i: 1.0 for i in range(20)})
+    samples = next((inner / "lm_eval" / "m").iterdir())
+    samples.unlink()
+    samples.symlink_to(next((outside / "lm_eval" / "m").iterdir()))
+    # an entry naming a file outside the run folder
+    dotdot = fake_eval_run(ev / "dotdot", "dotdot", {i: 1.0 for i in range(20)})
+    s = json.loads((dotdot / "summary.json").read_text())
+    s["files"]["samples:t"] = str(dotdot) + "/../../outside/lm_eval/m/" + samples.name
+    (dotdot / "summary.json").write_text(json.dumps(s))
+
+    errors = _refusals(mcp, [("compare_evals", {"runs": ["a", name]}) for name in ("linked", "inner", "dotdot")])
+    assert "run " in errors[0] and "outside the evidence roots" in errors[0]
+    assert "run " in errors[1] and "outside the evidence roots" in errors[1]
+    assert "not a file inside the run folder" in errors[2]
+    assert not any("secret-label" in e for e in errors)
+
+
 def test_preflight_on_this_machine_is_a_result(mcp, tmp_path):
     async def go():
         async with Client(mcp) as c:
