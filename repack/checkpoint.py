@@ -12,7 +12,7 @@ import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from . import config as cfgmod
 from .errors import RepackError, clip
@@ -44,16 +44,39 @@ class Checkpoint:
         output, where it could be read back."""
         skip = {INDEX, SINGLE, "config.json", "repack-report.json"}
         shard_names = {s.path.name for s in self.shards}
-        out = []
-        for p in sorted(self.path.iterdir()):
-            if p.name in skip or p.name in shard_names or p.name.endswith(".safetensors") or p.name.startswith("."):
-                continue
-            if p.is_symlink() or p.is_file():
-                if p.is_symlink() and p.is_dir():
-                    continue
-                os.close(open_confined(p, self.within))  # refuses a loop, a broken link or a link outside
-                out.append(p)
-        return out
+        return _folder_files(self.path, self.within, lambda name: not (
+            name in skip or name in shard_names or name.endswith(".safetensors")))
+
+
+def _folder_files(folder: Path, within: Within, wanted: Callable[[str], bool] = lambda name: True) -> list[Path]:
+    """The files directly in `folder` whose names are `wanted` (hidden ones and folders aside), each opened through
+    open_confined: a symlink loop, a broken link or a link outside `within` is refused."""
+    out = []
+    for p in sorted(folder.iterdir()):
+        if p.name.startswith(".") or not wanted(p.name) or not (p.is_symlink() or p.is_file()):
+            continue
+        if p.is_symlink() and p.is_dir():
+            continue
+        os.close(open_confined(p, within))
+        out.append(p)
+    return out
+
+
+def confinement(src: str | Path, roots: Sequence[str | Path] | None = None) -> Within:
+    """Where a checkpoint's files may resolve: inside the folder (a hub cache snapshot's blobs included) and, when
+    roots are given, inside one of them too."""
+    within: list[tuple[str, Sequence[Path]]] = [("the checkpoint folder", _folder_dirs(Path(os.path.realpath(src))))]
+    if roots:
+        within.append(("the allowed roots", [Path(os.path.realpath(r)) for r in roots]))
+    return tuple(within)
+
+
+def check_files(src: str | Path, roots: Sequence[str | Path] | None = None) -> None:
+    """Every file a server would load from the checkpoint folder `src` (config, weights, tokenizer, templates)
+    passes the checks open_checkpoint and the build apply; raises RepackError naming the first that does not.
+
+    For callers that hand the folder to another reader (vLLM): it follows links wherever they lead."""
+    _folder_files(Path(src), confinement(src, roots))
 
 
 def _folder_dirs(real: Path) -> list[Path]:
@@ -99,9 +122,7 @@ def open_checkpoint(src: str | Path, roots: Sequence[str | Path] | None = None) 
     if not stat.S_ISDIR(st.st_mode):
         raise RepackError(f"{clip(src)}: not a folder; pass the checkpoint folder that holds config.json",
                           {"file": clip(src), "problem": "not-a-folder"})
-    within: list[tuple[str, Sequence[Path]]] = [("the checkpoint folder", _folder_dirs(Path(os.path.realpath(src))))]
-    if roots:
-        within.append(("the allowed roots", [Path(os.path.realpath(r)) for r in roots]))
+    within = confinement(src, roots)
 
     cfg_path = src / "config.json"
     if not os.path.lexists(cfg_path):
@@ -148,7 +169,7 @@ def open_checkpoint(src: str | Path, roots: Sequence[str | Path] | None = None) 
                 raise RepackError(f"{clip(index_path)}: lists {clip(name)} in {clip(f)}, but that shard does not "
                                   f"hold it; re-download the checkpoint",
                                   {"file": clip(index_path), "tensor": clip(name), "problem": "index-mismatch"})
-    ck = Checkpoint(src, config, shards, tensors, tuple(within))
+    ck = Checkpoint(src, config, shards, tensors, within)
     _check_layout(ck, cfg_path)
     return ck
 

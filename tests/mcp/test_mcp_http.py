@@ -240,6 +240,56 @@ def test_roots_confine(tmp_path):
         roots.confine_model(str(outside))
 
 
+@pytest.mark.parametrize("linked", ["model.safetensors", "config.json", "tokenizer.json"])
+def test_confine_model_refuses_a_checkpoint_file_linked_out_as_probe_does(tmp_path, linked):
+    from repack.errors import RepackError
+    from repack.probe import probe_checkpoint
+    from repack.synthetic import write_small_checkpoint
+
+    models, outside = tmp_path / "models", tmp_path / "outside"
+    models.mkdir()
+    src = write_small_checkpoint(outside / "ckpt")
+    ckpt = models / "linked"
+    ckpt.mkdir()
+    for f in src.iterdir():  # a real folder inside the root; one of its files a link out of it
+        (ckpt / f.name).symlink_to(f) if f.name == linked else (ckpt / f.name).write_bytes(f.read_bytes())
+    roots = Roots.from_env([str(models)], [str(tmp_path / "evidence")], environ={})
+    with pytest.raises(PathNotAllowed) as served:
+        roots.confine_model("linked")
+    msg = str(served.value)
+    assert msg.startswith("model linked: ") and "a link to a file outside the checkpoint folder" in msg
+    assert str(outside) not in msg
+    if linked != "tokenizer.json":  # probe reads config and weights; the build (and the start) every file
+        with pytest.raises(RepackError, match="a link to a file outside the checkpoint folder"):
+            probe_checkpoint(ckpt, roots=[models])
+
+
+def test_confine_model_accepts_links_that_stay_in_the_checkpoint(tmp_path):
+    """A hub cache snapshot under a models root (files linking to ../../blobs) and a link between a folder's own
+    files are what probe and repack read too: served alike."""
+    from repack.probe import probe_checkpoint
+    from repack.synthetic import write_small_checkpoint
+
+    models = tmp_path / "models"
+    src = write_small_checkpoint(tmp_path / "src")
+    repo = models / "hub" / "models--google--tiny"
+    snap, blobs = repo / "snapshots" / ("a" * 40), repo / "blobs"
+    snap.mkdir(parents=True)
+    blobs.mkdir()
+    for i, f in enumerate(sorted(src.iterdir())):
+        (blobs / f"blob{i}").write_bytes(f.read_bytes())
+        (snap / f.name).symlink_to(Path("../../blobs") / f"blob{i}")
+    own = models / "own"
+    own.mkdir()
+    for f in src.iterdir():
+        (own / f.name).write_bytes(f.read_bytes())
+    (own / "tokenizer.model").symlink_to("tokenizer.json")
+    roots = Roots.from_env([str(models)], [str(tmp_path / "evidence")], environ={})
+    for folder in (snap, own):
+        assert roots.confine_model(str(folder)) == str(folder)
+        probe_checkpoint(folder, roots=[models])
+
+
 def test_roots_from_environment(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     roots = Roots.from_env(environ={"GEMMA4_T4_MODELS_ROOTS": f"{a}{os.pathsep}{b}"})

@@ -153,6 +153,19 @@ def test_latest_demo_report_and_a_clean_error_without_one(mcp, tmp_path):
         os.utime(ev / name / "report.json", (t, t))
     assert run(read()) == f"<!-- {ev / 'demo-new'} -->\n# demo-new\n"
 
+    # A newer demo folder inside the root whose report links out of the roots is not read: the newest of ours is.
+    secret = tmp_path / "secret.md"
+    secret.write_text("outside the roots\n")
+    for name, linked in (("demo-link-md", "report.md"), ("demo-link-json", "report.json")):
+        (ev / name).mkdir()
+        (ev / name / "report.json").write_text(json.dumps({"probe_verdict": "qat", "served": []}))
+        (ev / name / "report.md").write_text(f"# {name}\n")
+        os.utime(ev / name / "report.json", (4_000_000, 4_000_000))
+        (ev / name / linked).unlink()
+        (ev / name / linked).symlink_to(secret if linked == "report.md" else tmp_path / "demo.json")
+    (tmp_path / "demo.json").write_text(json.dumps({"probe_verdict": "qat", "served": []}))
+    assert run(read()) == f"<!-- {ev / 'demo-new'} -->\n# demo-new\n"
+
 
 def test_server_log_tail_and_a_clean_error_without_a_log(mcp, tmp_path):
     async def read():

@@ -475,6 +475,18 @@ def test_compare_sweeps_never_overwrites_unless_forced_and_never_an_input(mcp, r
     assert (a / "summary.json").read_text() == summary_before
 
 
+def test_compare_sweeps_refuses_a_summary_linked_out_of_the_roots(mcp, roots, tmp_path):
+    ev = roots.evidence[0]
+    a = _fake_run(ev / "run-a", "a", 10.0)
+    outside = _fake_run(tmp_path / "outside-run", "secret-label", 99.0)
+    (ev / "run-link").mkdir()  # a real folder inside the root, its summary a link out of it
+    (ev / "run-link" / "summary.json").symlink_to(outside / "summary.json")
+
+    (err,) = _refusals(mcp, [("compare_sweeps", {"run_dirs": [str(a), "run-link"]})])
+    assert "run_dir run-link" in err and "outside the evidence roots" in err
+    assert "secret-label" not in err and "outside-run" not in err
+
+
 def test_compare_tokens_record_refuses_an_existing_file(mcp, roots):
     ref = roots.evidence[0] / "tokens.json"
     ref.write_text("keep me\n")
@@ -569,6 +581,35 @@ def test_compare_evals_reads_runs_under_the_evidence_roots_only(mcp, roots, tmp_
     assert data["summary"].startswith("compared 2 eval runs over 1 rows")
     (err,) = _refusals(mcp, [("compare_evals", {"runs": [str(a), str(outside)]})])
     assert "outside the evidence roots" in err
+
+
+def test_compare_evals_refuses_run_files_linked_out_of_the_roots(mcp, roots, tmp_path):
+    import json
+
+    from fixtures import fake_eval_run
+
+    ev = roots.evidence[0]
+    a = fake_eval_run(ev / "a", "ref", {i: float(i % 2) for i in range(20)})
+    outside = fake_eval_run(tmp_path / "outside", "secret-label", {i: 1.0 for i in range(20)})
+    (ev / "linked").mkdir()  # a real folder inside the root whose files link to a run outside
+    for f in outside.iterdir():
+        (ev / "linked" / f.name).symlink_to(f)
+    # summary.json itself inside, its samples entry a link (in a subfolder) out of the roots
+    inner = fake_eval_run(ev / "inner", "inner", {i: 1.0 for i in range(20)})
+    samples = next((inner / "lm_eval" / "m").iterdir())
+    samples.unlink()
+    samples.symlink_to(next((outside / "lm_eval" / "m").iterdir()))
+    # an entry naming a file outside the run folder
+    dotdot = fake_eval_run(ev / "dotdot", "dotdot", {i: 1.0 for i in range(20)})
+    s = json.loads((dotdot / "summary.json").read_text())
+    s["files"]["samples:t"] = str(dotdot) + "/../../outside/lm_eval/m/" + samples.name
+    (dotdot / "summary.json").write_text(json.dumps(s))
+
+    errors = _refusals(mcp, [("compare_evals", {"runs": ["a", name]}) for name in ("linked", "inner", "dotdot")])
+    assert "run " in errors[0] and "outside the evidence roots" in errors[0]
+    assert "run " in errors[1] and "outside the evidence roots" in errors[1]
+    assert "not a file inside the run folder" in errors[2]
+    assert not any("secret-label" in e for e in errors)
 
 
 def test_preflight_on_this_machine_is_a_result(mcp, tmp_path):

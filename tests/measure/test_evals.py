@@ -134,6 +134,24 @@ def test_eval_compare_refuses_a_folder_that_is_not_a_run(tmp_path, capsys):
     assert "summary.json" in _one_line_error(capsys, "eval-compare")
 
 
+@pytest.mark.parametrize("entry", ["dotdot", "absolute"])
+def test_eval_compare_refuses_a_samples_entry_outside_the_run(tmp_path, capsys, entry):
+    ref = fake_eval_run(tmp_path / "ev" / "ref", "ref", {0: 1.0, 1: 0.0, 2: 1.0})
+    outside = fake_eval_run(tmp_path / "outside", "secret", {0: 1.0, 1: 1.0, 2: 1.0})
+    secret = outside / "lm_eval" / "m" / "samples_t_2026-01-01T00-00-00.jsonl"
+    bad = fake_eval_run(tmp_path / "ev" / "bad", "bad", {0: 1.0, 1: 1.0, 2: 1.0})
+    summary = json.loads((bad / "summary.json").read_text())
+    summary["files"]["samples:t"] = (f"{bad}/../../outside/{secret.relative_to(outside)}" if entry == "dotdot"
+                                     else str(secret))
+    (bad / "summary.json").write_text(json.dumps(summary))
+
+    rc = _cli(["eval-compare", str(ref), str(bad)])
+    assert rc == 2
+    line = _one_line_error(capsys, "eval-compare")
+    assert f"run {bad}" in line and "samples:t" in line and "not a file inside the run folder" in line
+    assert "./vllm-t4 eval wrote" in line
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Against the tiny model on vLLM's CPU backend
 

@@ -91,6 +91,32 @@ def test_resume_picks_the_latest_matching_run_folder(tmp_path):
     assert _run_dir(SweepParams(label="bf16", out=tmp_path, resume=True), tmp_path) != first
 
 
+def test_resume_refuses_a_run_folder_holding_links(tmp_path):
+    from tools.measure.sweep import _refuse_links
+
+    out, outside = tmp_path / "ev", tmp_path / "outside"
+    (outside / "raw").mkdir(parents=True)
+    p = SweepParams(label="emb4", out=out, resume=True)
+    out.mkdir()
+    linked = _run_dir(SweepParams(label="emb4", out=out), out)
+    linked.symlink_to(outside)  # the folder itself a link out
+    first = _run_dir(p, out)
+    with pytest.raises(ToolFailure, match="is a symbolic link, which a resumed sweep would read and write through"):
+        _refuse_links(first, out)
+    linked.unlink()
+    linked.mkdir()
+    (linked / "raw").symlink_to(outside / "raw")  # raw/ a link out
+    with pytest.raises(ToolFailure, match=r"raw is a symbolic link"):
+        _refuse_links(_run_dir(p, out), out)
+    (linked / "raw").unlink()
+    (linked / "raw").mkdir()
+    (linked / "raw" / "in512-c1-r0.log").symlink_to(outside / "victim.log")  # a cell's log, appended to
+    with pytest.raises(ToolFailure, match=r"in512-c1-r0.log is a symbolic link"):
+        _refuse_links(_run_dir(p, out), out)
+    (linked / "raw" / "in512-c1-r0.log").unlink()
+    _refuse_links(_run_dir(p, out), out)  # a folder of its own files resumes
+
+
 def test_bad_options_are_refused_in_one_line():
     with pytest.raises(ToolFailure, match="concurrencies"):
         SweepParams(concurrencies=[0]).validate()

@@ -313,6 +313,34 @@ def test_start_through_mcp_refuses_with_the_port_checks_line(clean_env, tmp_path
     assert not (tmp_path / "run" / "vllm.log").exists()
 
 
+def test_start_refuses_a_model_whose_files_link_out_of_its_folder(clean_env, tmp_path, capsys):
+    """./vllm-t4 start and start_vllm_server refuse, before vLLM, the folder probe and repack refuse: a weight
+    file that links out of the checkpoint folder (and, through MCP, out of the models roots)."""
+    from repack.synthetic import write_small_checkpoint
+    from tools.cli import main
+
+    src = write_small_checkpoint(tmp_path / "outside" / "ckpt")
+    model = tmp_path / "models" / "linked"
+    model.mkdir(parents=True)
+    for f in src.iterdir():
+        (model / f.name).symlink_to(f) if f.name == "model.safetensors" else (model / f.name).write_bytes(
+            f.read_bytes())
+    checks = _by_name(checks_for("start", env_file=_env_file(tmp_path, MODEL_NAME=str(model))))
+    c = checks["checkpoints"]
+    assert c.status == "fail" and "a link to a file outside the checkpoint folder" in c.value, c
+    assert str(src) not in c.line()
+
+    env = _env_file(tmp_path, MODEL_NAME=str(model), STATE_DIR=str(tmp_path / "st"))
+    rc = main(["start", "--env-file", str(env)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and "a link to a file outside the checkpoint folder" in err[-1], err  # after "starting ..."
+    assert not (tmp_path / "st" / "vllm.log").exists()
+
+    err = _call(_mcp_over(tmp_path), "start_vllm_server", {"model": "linked"})
+    assert err.startswith("model linked: ") and "a link to a file outside the checkpoint folder" in err, err
+    assert not (tmp_path / "run" / "vllm.log").exists()
+
+
 def test_a_broken_serving_config_does_not_block_a_repack_given_its_folders(clean_env, tmp_path):
     from repack.synthetic import write_small_checkpoint
 

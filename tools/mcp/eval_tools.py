@@ -34,7 +34,7 @@ def compare_evals(app, p: CompareParams) -> Reply:
     Writes nothing."""
     from tools.measure.evals import compare_evals as compare, confine_compare_params
 
-    cmp = compare(confine_compare_params(p, app.roots))
+    cmp = compare(confine_compare_params(p, app.roots), roots=app.roots)
     noisy = sum(1 for r in cmp.rows if r.within_noise is False)
     summary = (f"compared {len(cmp.runs)} eval runs over {len(cmp.rows)} rows"
                + (f"; {noisy} differences beyond noise" if noisy else ""))

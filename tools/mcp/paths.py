@@ -116,8 +116,16 @@ class Roots:
         return str(self._checkpoint(self.confine(text, "models", must_exist=True, what=what), text, what))
 
     def _checkpoint(self, folder: Path, text: str, what: str) -> Path:
-        """A model folder is a checkpoint (config.json), never a root itself."""
+        """A model folder is a checkpoint (config.json), never a root itself, and its files pass the checks
+        probe_checkpoint and repack_checkpoint make: vLLM follows a link in it wherever it leads."""
         if folder in self.models or not (folder / "config.json").is_file():
             raise PathNotAllowed(f"{what} {shown(text)} is not a checkpoint folder (no config.json, or a models "
                                  f"root itself); give the folder repack_checkpoint wrote")
+        from repack.checkpoint import check_files
+        from repack.errors import RepackError
+
+        try:
+            check_files(folder, self.models)
+        except RepackError as exc:
+            raise PathNotAllowed(f"{what} {shown(text)}: {exc}") from None
         return folder

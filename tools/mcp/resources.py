@@ -150,23 +150,29 @@ def run_summary_json(app, run: str) -> str:
 def demo_report(app) -> str:
     """The newest `./vllm-t4 demo` report (report.md of the newest folder directly under an evidence root whose
     report.json is a demo report), preceded by a comment naming its folder."""
+    from tools.mcp.paths import PathNotAllowed
+
     found = []
     for root in app.roots.evidence:
         for folder in (root.iterdir() if root.is_dir() else ()):
             rj, rm = folder / "report.json", folder / "report.md"
             if folder.is_symlink() or not (rj.is_file() and rm.is_file()):
                 continue
+            try:  # the files read, not only their folder: a report linked out of the roots is none of ours
+                rj, rm = (app.roots.confine(f, "evidence", what="demo report") for f in (rj, rm))
+            except PathNotAllowed:
+                continue
             try:
                 data = json.loads(rj.read_text())
             except (OSError, ValueError):
                 continue
             if isinstance(data, dict) and "probe_verdict" in data and "served" in data:
-                found.append((rj.stat().st_mtime, folder))
+                found.append((rj.stat().st_mtime, str(folder), rm))
     if not found:
         raise ResourceFailure("no demo report under the evidence roots "
                               f"({', '.join(map(str, app.roots.evidence))}); run ./vllm-t4 demo")
-    folder = max(found)[1]
-    return f"<!-- {folder} -->\n" + (folder / "report.md").read_text(errors="replace")
+    _, folder, report = max(found)
+    return f"<!-- {folder} -->\n" + report.read_text(errors="replace")
 
 
 @resource(f"{SCHEME}://server/log", title="vLLM server log tail", mime_type="text/plain")

@@ -696,9 +696,15 @@ def confine_compare_params(params: CompareParams, roots: Any) -> CompareParams:
 
 
 class _Run:
-    def __init__(self, folder: str) -> None:
+    """An eval run folder as a comparison reads it. A samples entry of summary.json must name a file inside the
+    run folder; with `roots` (the MCP server's) every file read must resolve inside the evidence roots too, so a
+    link in a confined folder cannot read a file outside them."""
+
+    def __init__(self, folder: str, roots: Any = None) -> None:
+        self.name = folder
         self.dir = Path(folder).expanduser()
-        summary = self.dir / "summary.json"
+        self.roots = roots
+        summary = self._file(self.dir / "summary.json")
         if not summary.is_file():
             raise ToolFailure(f"{folder} is not an eval run folder (no summary.json): give folders written by "
                               f"./vllm-t4 eval", {"run": folder})
@@ -707,23 +713,47 @@ class _Run:
         except (ValueError, ValidationError) as exc:
             raise ToolFailure(f"{summary} cannot be read as an eval summary: {str(exc).splitlines()[0]}",
                               {"run": folder}) from exc
-        prov = self.dir / "provenance.json"
+        prov = self._file(self.dir / "provenance.json")
         try:
             self.config_sha = json.loads(prov.read_text()).get("checkpoint_config_sha256") if prov.is_file() else None
         except ValueError:
             self.config_sha = None
         self._samples: dict[str, list[dict[str, Any]] | None] = {}
 
+    def _file(self, path: Path) -> Path:
+        if self.roots is None:
+            return path
+        from tools.mcp.paths import shown
+
+        try:
+            return self.roots.confine(path, "evidence", what=f"run {shown(self.name)}")
+        except ValueError as exc:
+            raise ToolFailure(str(exc), {"run": self.name}) from None
+
     def samples(self, task: str) -> list[dict[str, Any]] | None:
         if task not in self._samples:
             path = self.result.files.get(f"samples:{task}")
-            p = self.dir / Path(path).relative_to(self.result.run_dir) if path else None
+            p = self._file(self.dir / self._inside(path, task)) if path else None
             if p is None or not p.is_file():
                 self._samples[task] = None
             else:
                 with open(p, encoding="utf-8") as f:
                     self._samples[task] = [json.loads(line) for line in f if line.strip()]
         return self._samples[task]
+
+    def _inside(self, path: str, task: str) -> Path:
+        """The samples entry relative to the run folder; refused when it leads out of it ('..', another folder)."""
+        from tools.mcp.paths import shown
+
+        try:
+            rel = Path(path).relative_to(self.result.run_dir)
+        except ValueError:
+            rel = None
+        if rel is None or ".." in rel.parts:
+            raise ToolFailure(f"run {shown(self.name)}: summary.json's samples:{shown(task)} entry {shown(path)} "
+                              f"is not a file inside the run folder; compare the run folder ./vllm-t4 eval wrote, "
+                              f"with its summary.json unchanged", {"run": self.name, "task": task})
+        return rel
 
 
 def _per_doc(samples: list[dict[str, Any]] | None, metric: str, filt: str) -> dict[int, tuple[float, str | None]]:
@@ -752,9 +782,11 @@ def paired_difference(ref: dict[int, tuple[float, str | None]], cand: dict[int, 
     return mean, math.sqrt(var / n), n, len(mismatched)
 
 
-def compare_evals(params: CompareParams) -> EvalComparison:
-    """Runs side by side per task and metric; each later run against the first, paired over shared documents."""
-    runs = [_Run(r) for r in params.runs]
+def compare_evals(params: CompareParams, roots: Any = None) -> EvalComparison:
+    """Runs side by side per task and metric; each later run against the first, paired over shared documents.
+
+    roots: the MCP server's (a tools Roots); every file read must then resolve inside its evidence roots."""
+    runs = [_Run(r, roots) for r in params.runs]
     ref = runs[0]
     infos = [RunInfo(label=r.result.label, run_dir=str(r.dir), model=r.result.model,
                      checkpoint_config_sha256=r.config_sha) for r in runs]

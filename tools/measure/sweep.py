@@ -89,6 +89,17 @@ def _run_dir(params: SweepParams, out: Path) -> Path:
     return out / f"{stamp}{suffix}"
 
 
+def _refuse_links(run_dir: Path, out: Path) -> None:
+    """A resumed run folder is read and written in place: a link in it (the folder, raw/ or a file in raw/) would
+    lead both out of `out`, and out of the MCP server's roots."""
+    raw_dir = run_dir / "raw"
+    links = [p for p in (run_dir, raw_dir, *(raw_dir.iterdir() if raw_dir.is_dir() else ())) if p.is_symlink()]
+    if links:
+        raise ToolFailure(f"{run_dir}: {links[0].relative_to(out)} is a symbolic link, which a resumed sweep "
+                          f"would read and write through; remove the links, or sweep into a new folder (no resume)",
+                          detail={"path": str(run_dir), "links": [str(p) for p in links[:10]]})
+
+
 def _load_done(raw_dir: Path, input_len: int, concurrency: int, repeat: int) -> RepeatResult | None:
     f = raw_dir / raw_name(input_len, concurrency, repeat)
     if not f.is_file():
@@ -261,6 +272,7 @@ def run_sweep(params: SweepParams | None = None, *, progress: Progress | None = 
     out.mkdir(parents=True, exist_ok=True)
     run_dir = _run_dir(params, out)
     raw_dir = run_dir / "raw"
+    _refuse_links(run_dir, out)
     raw_dir.mkdir(parents=True, exist_ok=True)
 
     t0 = time.monotonic()

@@ -413,6 +413,15 @@ def check_checkpoints(ctx: _Context, *, step: str) -> Check:
         return Check(name="checkpoints", status="ok", detail=detail,
                      value=value + f"; MODEL_NAME {cfg.model} is a hub id vLLM fetches")
     if _is_built(cfg.model):
+        from repack.checkpoint import check_files
+        from repack.errors import RepackError
+
+        try:  # vLLM follows a link wherever it leads: the folder's files pass the checks probe and repack make
+            check_files(cfg.model)
+        except RepackError as exc:
+            return Check(name="checkpoints", status="fail" if step == "start" else "warn",
+                         detail={**detail, **(exc.detail or {})}, value=f"model {cfg.model}: {exc}",
+                         fix="or point MODEL_NAME at another build")
         return Check(name="checkpoints", status="ok", detail=detail, value=value + f"; serving {cfg.model}")
     where = "MODEL_NAME in " + str(cfg.env_file) if cfg.sources.get("model") == "file" else "--model"
     fix = (f"build it with `./vllm-t4 demo` or `python -m repack build SOURCE {cfg.model} --text-only "
