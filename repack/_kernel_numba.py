@@ -13,10 +13,14 @@ It takes every decision the reference takes, on the same numbers; what makes it 
   magnitude are below 2^(23+k), each difference is exact in float32 and every partial sum of the squares is
   exact in float64, so a vector sum in any order equals the reference's left-to-right sum. Otherwise (values
   spread over more than ~15 binades, overflow) the left-to-right sum itself is taken.
+  Near the best scale the differences are small enough that the squares and their sum are exact in float32
+  (checked on the sum itself), which halves the vectors again.
 - A reduction over 32 values runs to the array's length, not the constant 32: LLVM fully unrolls a short
   constant loop into a scalar chain before it would vectorize it.
 - Values are counted exact (T(c*q) == x) only where the objective needs the count: every candidate for
   runtime-exact; for min-error a tie of squared errors and the chosen scale.
+- Whether any scale reproduces every value is first decided on float32 lanes with a margin that rounding
+  cannot cross, for both dtypes in one pass; only an undecided group pays for the exact float64 interval.
 - The interval of scales reproducing every value is the reference's max/min over the values' bounds; two
   different values at one level have disjoint intervals, so that case needs no test of its own.
 - The article author's m is the first m in 1..8 passing its test, and a passing m is always in the group's
@@ -292,6 +296,70 @@ def _bounds(aq, ax, sig, minexp, vmax):
     return _u2f(lbb), _u2f(ubb)
 
 
+@intrinsic
+def _f32bits(typingctx, v):
+    """The bits of a float32 as an int32."""
+    if v != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+    return types.int32(types.float32), codegen
+
+
+@intrinsic
+def _bitsf32(typingctx, v):
+    """An int32 bit pattern as a float32."""
+    if v != types.int32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.FloatType())
+    return types.float32(types.int32), codegen
+
+
+@nb.njit(cache=True, inline="always", _nrt=False)
+def _half_spacing(e, sig, minexp):
+    # half the spacing of T above a value of exponent e (the reference's u / 2), as a float32
+    return _bitsf32(np.int32((max(max(e, minexp + sig - 1) - sig, -126) + 127) << 23))
+
+
+@nb.njit(cache=True, _nrt=False)
+def _surely_unbounded(aq, af, sig, minexp, osig, ominexp):
+    # For T and for the other dtype: True only where _bounds is certain to give lb > ub (no scale reproduces
+    # every value), decided in one pass on float32 lanes instead of two exact ones in float64 (most groups of
+    # real data have no such scale: 80-100% on the benchmark's distributions). Each value's interval is taken
+    # as [v - h, v + h] / l, h half T's spacing above v: it holds the reference's (whose lower end is v - h or
+    # v - h/2, nudged inwards). With every value >= 2^-96 nothing is subnormal, and the computed ends are
+    # within 2^-22 (relative) of these: if the largest lower end exceeds the smallest upper end by more than
+    # 2^-18, the reference's lb > ub (its own rounding is within 2^-51). Otherwise _bounds decides.
+    inf_bits = np.int32(0x7F800000)
+    lb1 = np.int32(0)
+    ub1 = inf_bits
+    lb2 = np.int32(0)
+    ub2 = inf_bits
+    tiny = False
+    for i in range(len(af)):
+        a = aq[0, i]
+        v = af[i]
+        on = a > 0  # level 0 constrains nothing
+        ra = np.float32(1.0) / (a if on else np.float32(1.0))
+        r = v * ra
+        e = ((_f32bits(v) >> 23) & 0xFF) - 127
+        d1 = _half_spacing(e, sig, minexp) * ra  # exact: a power of two times ra
+        d2 = _half_spacing(e, osig, ominexp) * ra
+        lb1 = max(lb1, _f32bits(max(r - d1, np.float32(0.0))) if on else np.int32(0))
+        ub1 = min(ub1, _f32bits(r + d1) if on else inf_bits)
+        lb2 = max(lb2, _f32bits(max(r - d2, np.float32(0.0))) if on else np.int32(0))
+        ub2 = min(ub2, _f32bits(r + d2) if on else inf_bits)
+        tiny |= on and v < np.float32(2.0 ** -96)
+    if tiny:
+        return False, False
+    margin = 1.0 + 2.0 ** -18
+    return (np.float64(_bitsf32(lb1)) > np.float64(_bitsf32(ub1)) * margin,
+            np.float64(_bitsf32(lb2)) > np.float64(_bitsf32(ub2)) * margin)
+
+
 @nb.njit(cache=True, inline="always", _nrt=False)
 def _round_t(p, sig):
     # T(p) for a float32 p >= 0 (exact products: see _runtime), as a float32; past T's range: inf
@@ -322,6 +390,16 @@ def _sq_any_order(rt, af):
     return acc
 
 
+@nb.njit(cache=True, fastmath={"reassoc"}, _nrt=False)
+def _sq32_any_order(rt, af):
+    # the same sum on float32 lanes (half the vectors): exact where the result is below 2^(24+2k), see _sq
+    acc = np.float32(0.0)
+    for i in range(len(af)):
+        d = rt[i] - af[i]
+        acc += d * d
+    return acc
+
+
 @nb.njit(cache=True, _nrt=False)
 def _sq_in_order(rt, ax):
     acc = 0.0
@@ -348,6 +426,14 @@ def _sq(c, aq, j, ax, af, rt, amax, kx, sig, minexp, vmax):
     if c > 0.0:
         k = min(kx, max(_ilogb(c) - sig + 1, minexp))
         if max(np.float64(_round_t(np.float32(8.0 * c), sig)), amax) < _exp2(23 + k):
+            # Each difference d is a multiple of 2^k, exact in float32. Near the best scale d is small: with
+            # |d| < 2^(12+k), d^2 and every partial sum below 2^(24+2k) are exact in float32 (2k >= -148: no
+            # subnormals; k <= 51: no overflow), and a float32 sum below 2^(24+2k) means no term or partial sum
+            # reached it (squares and sums of terms >= 0 round monotonically); else the float64 sum.
+            if -74 <= k <= 51:
+                a32 = _sq32_any_order(rt, af)
+                if a32 < _exp2(24 + 2 * k):
+                    return np.float64(a32)
             return _sq_any_order(rt, af)
     return _sq_in_order(rt, ax)
 
@@ -361,7 +447,7 @@ def _count(c, aq, j, af, rt, nf, sig):
 
 @nb.njit(cache=True, inline="always", _nrt=False)
 def _search(s, aq, sa, da, has_a, same_a, ax, af, amax, kx, nf,
-            rt, cand, auth, sig, minexp, vmax, min_error):
+            rt, cand, auth, sig, minexp, vmax, min_error, no_interval):
     # the candidates of grid._search, in the same order, skipping those that cannot be valid or cannot be
     # strictly better (a duplicate of one evaluated); stops once nothing can be strictly better (every finite
     # value exact). Returns (scale, uses the author's levels, count, sq).
@@ -408,7 +494,7 @@ def _search(s, aq, sa, da, has_a, same_a, ax, af, amax, kx, nf,
         # the next candidates, computed only when needed
         if stage == 0:
             stage = 1
-            lb, ubnd = _bounds(aq, ax, sig, minexp, vmax)
+            lb, ubnd = (1.0, 0.0) if no_interval else _bounds(aq, ax, sig, minexp, vmax)
             if lb <= ubnd:
                 cand[3], cand[4], cand[5] = _round_fmt(min(max(s, lb), ubnd), sig, minexp, vmax)
                 auth[3] = auth[4] = auth[5] = False
@@ -556,8 +642,9 @@ def _rows(words, packed, scales, stats, ratio_table, lowbit, sig, minexp, vmax, 
                 else:
                     sa = s
                 da = safe / m_a
+            no_iv, no_iv_o = _surely_unbounded(aq, af, sig, minexp, osig, ominexp)
             c, use_a, n, sq = _search(s, aq, sa, da, has_a, m_a == m, ax, af,
-                                      amax, kx, nf, rt, cand, auth, sig, minexp, vmax, min_error)
+                                      amax, kx, nf, rt, cand, auth, sig, minexp, vmax, min_error, no_iv)
             n, e, et = _errors(c, aq, int(use_a), ax, inv, rt, nf, n, sig)
             if e > 2.0:
                 # The ratio lookup is a fast first guess; on a miss every peak level is tried and the one whose
@@ -576,12 +663,14 @@ def _rows(words, packed, scales, stats, ratio_table, lowbit, sig, minexp, vmax, 
                         sa = _levels(m_a / safe, x, q, aq, nib, regular, 1)
                     else:
                         sa = s
+                no_iv, no_iv_o = _surely_unbounded(aq, af, sig, minexp, osig, ominexp)
                 c, use_a, n, sq = _search(s, aq, sa, da, has_a, m_a == m, ax, af,
                                           amax, kx, nf, rt, cand, auth, sig, minexp, vmax,
-                                          min_error)
+                                          min_error, no_iv)
                 n, e, et = _errors(c, aq, int(use_a), ax, inv, rt, nf, n, sig)
             co, use_ao, no, sqo = _search(s, aq, sa, da, has_a, m_a == m, ax, af,
-                                          amax, kx, nf, rt, cand, auth, osig, ominexp, ovmax, min_error)
+                                          amax, kx, nf, rt, cand, auth, osig, ominexp, ovmax, min_error,
+                                          no_iv_o)
             no, eo, eto = _errors(co, aq, int(use_ao), ax, inv, rt, nf, no, osig)
             n_exact += n
             n_exact_o += no

@@ -243,3 +243,60 @@ def test_kernel_interval_bounds_equal_the_reference_tables_for_every_value(fmt):
     all_bounds(v, lo, hi)
     lo_t, hi_t = grid.INTERVALS[grid.target_of(fmt)]
     assert np.array_equal(lo, lo_t[words]) and np.array_equal(hi, hi_t[words])
+
+
+def test_kernel_float32_no_interval_decision_is_never_wrong():
+    """The kernel skips the exact interval of scales that reproduce every value when a float32 pass says none
+    exists: that pass must never say so where the exact interval (grid's own expressions) is not empty, for any
+    levels and values, including ends that touch, subnormals and overflow; and it must decide most groups of
+    off-grid-rounded data, or the shortcut saves nothing."""
+    pytest.importorskip("numba")
+    import numba
+
+    from repack import _kernel_numba as k
+
+    (s16, e16, v16), (sbf, ebf, vbf) = grid.bits_of("fp16"), grid.bits_of("bf16")
+
+    @numba.njit
+    def decide(aq_all, ax_all, out):
+        aq = np.empty((2, 32), dtype=np.float32)
+        for g in range(ax_all.shape[0]):
+            ax = ax_all[g]
+            af = ax.astype(np.float32)
+            aq[0] = aq_all[g]
+            sure16, surebf = k._surely_unbounded(aq, af, s16, e16, sbf, ebf)
+            lb16, ub16 = k._bounds(aq, ax, s16, e16, v16)
+            lbbf, ubbf = k._bounds(aq, ax, sbf, ebf, vbf)
+            out[g, 0], out[g, 1] = sure16, not lb16 <= ub16
+            out[g, 2], out[g, 3] = surebf, not lbbf <= ubbf
+
+    def bf16(v):
+        b = np.asarray(v, dtype=np.float32).view(np.uint32)
+        return ((b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000).view(np.float32).astype(np.float64)
+
+    rng = np.random.default_rng(5)
+    n = 40000
+    lv = rng.integers(0, 9, (n, 32))
+    lv[rng.random(n) < 0.2] = rng.integers(0, 2, 32)  # few distinct levels: wide intervals
+    step = np.exp2(rng.uniform(-140, 120, n))[:, None]
+    step[: n // 2] = np.exp2(rng.uniform(-30, 10, n // 2))[:, None]  # weights' own range
+    # exactly on a grid, off by a few float16/bfloat16 half-spacings (ends that touch or nearly do), or rounded
+    nudge = rng.choice([0.0, 2.0 ** -12, 2.0 ** -11, 2.0 ** -9, 2.0 ** -8, 1e-3], (n, 1))
+    rel = 1 + nudge * rng.choice([-1.0, 0.0, 1.0], (n, 32))
+    ax = np.abs(bf16(np.minimum(step * lv * rel, 3e38)))
+    ax[lv == 0] = np.abs(bf16(step * rng.uniform(0, 0.4, (n, 32))))[lv == 0]
+    n_made = len(ax)
+    for levels in ("uniform", "peaked"):  # the benchmark's data, levels as the kernel computes them
+        for sd, jit in ((np.float16, 0.0), (np.float32, 0.0), (np.float32, 0.26)):
+            w = grid_words(64, 512, rng, step_dtype=sd, jitter=jit, levels=levels).reshape(-1, 32)
+            v = np.abs(grid.VALUE_TABLE[w])
+            amax = np.maximum(v.max(1, keepdims=True), 1e-30)
+            lv = np.vstack([lv, np.clip(np.rint(v / amax * 7), 0, 8).astype(lv.dtype)])
+            ax = np.vstack([ax, v])
+    ax[~np.isfinite(ax)] = 0.0
+    out = np.zeros((len(ax), 4), dtype=np.bool_)
+    decide(lv.astype(np.float32), np.ascontiguousarray(ax), out)
+    for sure, empty in ((out[:, 0], out[:, 1]), (out[:, 2], out[:, 3])):
+        assert not (sure & ~empty).any()  # never says "no interval" where there is one
+        assert sure[n_made:].sum() >= 0.9 * empty[n_made:].sum()  # and decides most empty ones of grid data
+    assert out[:, 1].any() and (~out[:, 1]).any() and (~out[:, 3]).any()  # both cases were tried
