@@ -24,6 +24,9 @@ ENV = {"models": "GEMMA4_T4_MODELS_ROOTS", "evidence": "GEMMA4_T4_EVIDENCE_ROOTS
 # A Hugging Face hub id such as "google/gemma-4-E2B-it": served by vLLM from its cache, not a path we open.
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
 SHOWN = 200  # characters of an input echoed in an error
+# Longest file name and path Linux file systems take (ext4, xfs, tmpfs): longer ones fail every system call with
+# ENAMETOOLONG, so they are refused here, naming the argument, rather than as an OSError from somewhere later.
+NAME_MAX, PATH_MAX = 255, 4096
 
 
 def shown(text: object) -> str:
@@ -34,6 +37,14 @@ def shown(text: object) -> str:
 
 class PathNotAllowed(ValueError):
     """A path outside the configured roots (or otherwise unusable); the message says what to do."""
+
+
+def _check_length(text: str, what: str) -> None:
+    longest = max((len(os.fsencode(part)) for part in Path(text).parts), default=0)
+    if longest > NAME_MAX or len(os.fsencode(text)) >= PATH_MAX:
+        raise PathNotAllowed(f"{what} {shown(text)} is too long for a path (a name of {longest} bytes, at most "
+                             f"{NAME_MAX}; {len(os.fsencode(text))} bytes in all, at most {PATH_MAX - 1}): give a "
+                             f"shorter one")
 
 
 def _resolve(p: str | Path) -> Path:
@@ -79,6 +90,7 @@ class Roots:
             raise PathNotAllowed(f"{what} is empty: give a path under {roots[0]}")
         if "\x00" in text:
             raise PathNotAllowed(f"{what} {shown(text)} contains a NUL character")
+        _check_length(text, what)
         p = Path(text).expanduser()
         if not p.is_absolute():
             p = roots[0] / p
@@ -102,6 +114,7 @@ class Roots:
         `also_relative_to` (where vLLM would look for it first) — such a folder outside the roots is refused.
         """
         text = model.strip()
+        _check_length(text, what)
         if HUB_ID.match(text) and ".." not in text:
             for root in self.models:
                 if (root / text).exists():

@@ -224,5 +224,10 @@ def mcp_wording(message: str) -> str:
 
 
 def one_line(text: str, limit: int = 400) -> str:
+    """`text` on one line, at most `limit` characters: an over-long one loses its middle, since a message ends
+    with what to do."""
     text = " ".join(str(text).split())
-    return text if len(text) <= limit else text[: limit - 1] + "…"
+    if len(text) <= limit:
+        return text
+    head = (limit - 3) // 2
+    return f"{text[:head]} … {text[len(text) - (limit - 3 - head):]}"

@@ -1,0 +1,54 @@
+"""Tool errors over an in-memory MCP client: one line naming the argument and the fix, a little of the input,
+and a machine-readable detail."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from fastmcp import Client
+
+from tools.mcp.app import Settings, create_server
+from tools.mcp.paths import Roots
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+@pytest.fixture()
+def roots(tmp_path) -> Roots:
+    (tmp_path / "models").mkdir()
+    (tmp_path / "evidence").mkdir()
+    return Roots.from_env([str(tmp_path / "models")], [str(tmp_path / "evidence")], environ={})
+
+
+@pytest.fixture()
+def mcp(roots, tmp_path):
+    return create_server(Settings(roots=roots, config_overrides={"state_dir": str(tmp_path / "run")}),
+                         toolsets="all")
+
+
+async def _errors(mcp, calls: list[tuple[str, dict]]) -> list:
+    async with Client(mcp) as c:
+        return [await c.call_tool(name, args, raise_on_error=False) for name, args in calls]
+
+
+def test_over_long_inputs_are_named_echoed_short_and_keep_the_fix(mcp):
+    long = "x" * 3000
+    results = run(_errors(mcp, [
+        ("probe_checkpoint", {"path": long}),
+        ("compare_tokens", {"mode": "check", "reference": long, "base_url": "http://127.0.0.1:9"}),
+        ("start_vllm_server", {"model": "a/" + long}),
+        ("repack_checkpoint", {"source": "a", "output": "b", "scheme": long}),
+        ("run_sweep", {"base_url": "http://127.0.0.1:9", "label": "a b" + long}),
+        ("job_status", {"job_id": "job-abcdef-" + "1" * 3000}),
+    ]))
+    texts = [r.content[0].text for r in results]
+    assert all(r.is_error for r in results), texts
+    for text, (name, fix) in zip(texts, [("path", "shorter"), ("reference", "shorter"), ("model", "shorter"),
+                                         ("scheme", "choose one of"), ("label", "without slashes or spaces"),
+                                         ("job", "start it again")]):
+        assert "\n" not in text and not text.startswith("OSError"), text
+        assert text.startswith(name) and fix in text, text
+        assert text.count("x") + text.count("1") <= 210 and len(text) < 600, text
