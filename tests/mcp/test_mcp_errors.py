@@ -52,3 +52,30 @@ def test_over_long_inputs_are_named_echoed_short_and_keep_the_fix(mcp):
         assert "\n" not in text and not text.startswith("OSError"), text
         assert text.startswith(name) and fix in text, text
         assert text.count("x") + text.count("1") <= 210 and len(text) < 600, text
+
+
+def test_error_results_carry_the_message_and_a_machine_readable_detail(mcp):
+    bad_instance, outside = run(_errors(mcp, [("server_status", {"instance": "../x"}),
+                                              ("probe_checkpoint", {"path": "../outside"})]))
+    for r in (bad_instance, outside):
+        assert r.is_error and r.structured_content["error"] == r.content[0].text, r
+        assert isinstance(r.structured_content["detail"], dict), r.structured_content
+    assert "../x" in bad_instance.structured_content["detail"]["instance"]
+    assert outside.structured_content["detail"] == {"argument": "path", "input": "../outside",
+                                                    "problem": "outside-roots"}
+
+
+def test_a_failed_job_carries_the_detail_a_direct_call_would(mcp, roots):
+    async def go():
+        async with Client(mcp) as c:
+            # a checkpoint without weights: refused inside the job, by the library
+            (roots.models[0] / "empty").mkdir()
+            (roots.models[0] / "empty" / "config.json").write_text("{}")
+            started = await c.call_tool("start_job", {"tool": "repack_checkpoint",
+                                                      "arguments": {"source": "empty", "output": "out"}})
+            return (await c.call_tool("job_status", {"job_id": started.structured_content["job_id"],
+                                                     "wait_s": 30})).structured_content
+
+    info = run(go())
+    assert info["state"] == "failed" and info["error"], info
+    assert isinstance(info["error_detail"], dict), info

@@ -34,8 +34,8 @@ from repack.errors import RepackError
 from tools.errors import ToolFailure
 from tools.mcp.jobs import Busy, JobCancelled, JobRegistry, ProgressFn
 from tools.mcp.paths import PathNotAllowed, Roots
-from tools.mcp.registry import (DEFAULT_TOOLSETS, TOOLSETS, TOOLSETS_ENV, ToolSpec, load_all, mcp_wording,
-                                one_line)
+from tools.mcp.registry import (DEFAULT_TOOLSETS, TOOLSETS, TOOLSETS_ENV, ToolSpec, argument_error, load_all,
+                                mcp_wording, one_line)
 
 SERVER_NAME = "gemma4-t4"
 
@@ -51,7 +51,7 @@ server log."""
 
 # The errors whose message is written for the caller; anything else is named by its type as well.
 OURS: tuple[type[BaseException], ...] = (RepackError, ToolFailure, PathNotAllowed, Busy, JobCancelled, KeyError,
-                                         ValueError, FileNotFoundError, FileExistsError)
+                                         ValueError, FileNotFoundError, FileExistsError, ToolError)
 
 
 @dataclass
@@ -114,18 +114,33 @@ def remove_partial_builds() -> None:
 # ------------------------------------------------------------------------------------------------ plumbing
 
 
-def to_tool_error(exc: BaseException) -> ToolError:
+class ToolRefusal(ToolError):
+    """A tool error: the one-line message and the library's machine-readable detail (None where it gave none)."""
+
+    def __init__(self, message: str, detail: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.detail = detail
+
+
+def to_tool_error(exc: BaseException) -> ToolRefusal:
     """The library's one-line message, worded for MCP; the type named when it is not one of ours."""
     if isinstance(exc, ValidationError):
-        first = exc.errors()[0]
-        loc = ".".join(map(str, first["loc"])) or "?"
-        return ToolError(one_line(f"argument {loc}: {first['msg']}"))
+        exc = argument_error(exc)
     msg = str(exc).strip() or type(exc).__name__
     if isinstance(exc, KeyError):
         msg = msg.strip("'\"")
     if not isinstance(exc, OURS):
         msg = f"{type(exc).__name__}: {msg}"
-    return ToolError(one_line(mcp_wording(msg), 600))
+    detail = getattr(exc, "detail", None)
+    return ToolRefusal(one_line(mcp_wording(msg), 600), detail if isinstance(detail, dict) else None)
+
+
+def error_result(exc: BaseException) -> ToolResult:
+    """A failed call's result (isError): the one line as text, and as structured content {error, detail} as the
+    command line's --json prints it. Clients check only successful results against the output schema."""
+    err = exc if isinstance(exc, ToolRefusal) else to_tool_error(exc)
+    return ToolResult(content=[TextContent(type="text", text=str(err))],
+                      structured_content={"error": str(err), "detail": err.detail}, is_error=True)
 
 
 def _result(data: dict[str, Any]) -> ToolResult:
@@ -186,10 +201,8 @@ def _handler(spec: ToolSpec, app: App) -> Callable[..., Any]:
                 data = spec.dump(await spec.fn(app, params))
             else:
                 data = await in_thread(lambda: spec.dump(spec.fn(app, params)))
-        except ToolError:
-            raise
         except Exception as exc:
-            raise to_tool_error(exc) from exc
+            return error_result(exc)
         return _result(data)
 
     sig = model.mcp_signature() if model is not None else []

@@ -36,7 +36,12 @@ def shown(text: object) -> str:
 
 
 class PathNotAllowed(ValueError):
-    """A path outside the configured roots (or otherwise unusable); the message says what to do."""
+    """A path outside the configured roots (or otherwise unusable); the message says what to do, `detail` names
+    the argument, the input (cut as in the message) and the problem for programs."""
+
+    def __init__(self, message: str, what: str = "path", text: object = "", problem: str = "") -> None:
+        super().__init__(message)
+        self.detail = {"argument": what, "input": shown(text), "problem": problem}
 
 
 def _check_length(text: str, what: str) -> None:
@@ -44,7 +49,7 @@ def _check_length(text: str, what: str) -> None:
     if longest > NAME_MAX or len(os.fsencode(text)) >= PATH_MAX:
         raise PathNotAllowed(f"{what} {shown(text)} is too long for a path (a name of {longest} bytes, at most "
                              f"{NAME_MAX}; {len(os.fsencode(text))} bytes in all, at most {PATH_MAX - 1}): give a "
-                             f"shorter one")
+                             f"shorter one", what, text, "too-long")
 
 
 def _resolve(p: str | Path) -> Path:
@@ -84,12 +89,12 @@ class Roots:
         roots = self.of(kind)
         if not roots:
             raise PathNotAllowed(f"{what} {shown(path)}: no {kind} root is configured; start the server with "
-                                 f"--{kind}-root DIR")
+                                 f"--{kind}-root DIR", what, path, "no-root")
         text = str(path).strip()
         if not text:
-            raise PathNotAllowed(f"{what} is empty: give a path under {roots[0]}")
+            raise PathNotAllowed(f"{what} is empty: give a path under {roots[0]}", what, text, "empty")
         if "\x00" in text:
-            raise PathNotAllowed(f"{what} {shown(text)} contains a NUL character")
+            raise PathNotAllowed(f"{what} {shown(text)} contains a NUL character", what, text, "nul")
         _check_length(text, what)
         p = Path(text).expanduser()
         if not p.is_absolute():
@@ -97,13 +102,15 @@ class Roots:
         try:
             resolved = _resolve(p)
         except (OSError, RuntimeError, ValueError):
-            raise PathNotAllowed(f"{what} {shown(text)} cannot be resolved (a symlink loop?)") from None
+            raise PathNotAllowed(f"{what} {shown(text)} cannot be resolved (a symlink loop?)", what, text,
+                                 "unresolvable") from None
         if not any(resolved == r or r in resolved.parents for r in roots):
             allowed = ", ".join(str(r) for r in roots)
             raise PathNotAllowed(f"{what} {shown(text)} is outside the {kind} roots ({allowed}); use a path under "
-                                 f"one of them or start the server with --{kind}-root")
+                                 f"one of them or start the server with --{kind}-root", what, text, "outside-roots")
         if must_exist and not resolved.exists():
-            raise PathNotAllowed(f"{what} {shown(text)} does not exist under the {kind} roots")
+            raise PathNotAllowed(f"{what} {shown(text)} does not exist under the {kind} roots", what, text,
+                                 "missing")
         return resolved
 
     def confine_model(self, model: str, *, what: str = "model", also_relative_to: tuple[Path, ...] = ()) -> str:
@@ -124,7 +131,8 @@ class Roots:
                 if (base / text).exists():
                     raise PathNotAllowed(f"{what} {shown(text)} names a local folder outside the models roots "
                                          f"({', '.join(map(str, self.models))}); give a folder under a models "
-                                         f"root, or a hub id (owner/name) that is not a local path")
+                                         f"root, or a hub id (owner/name) that is not a local path", what, text,
+                                         "outside-roots")
             return text
         return str(self._checkpoint(self.confine(text, "models", must_exist=True, what=what), text, what))
 
@@ -132,5 +140,6 @@ class Roots:
         """A model folder is a checkpoint (config.json), never a root itself."""
         if folder in self.models or not (folder / "config.json").is_file():
             raise PathNotAllowed(f"{what} {shown(text)} is not a checkpoint folder (no config.json, or a models "
-                                 f"root itself); give the folder repack_checkpoint wrote")
+                                 f"root itself); give the folder repack_checkpoint wrote", what, text,
+                                 "not-a-checkpoint")
         return folder

@@ -14,7 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import TypeAdapter
+from pydantic import TypeAdapter, ValidationError
+
+from tools.errors import ToolFailure
 
 # Toolsets: what a client sees is chosen with --toolsets / GEMMA4_T4_TOOLSETS (fastmcp tags do the filtering).
 TOOLSETS: dict[str, str] = {
@@ -221,6 +223,20 @@ def mcp_wording(message: str) -> str:
         return f"{name}=true" if name in ("force", "resume", "text_only", "embed_int4", "embed_tokens") else name
 
     return _FLAG.sub(flag, message)
+
+
+def argument_error(exc: ValidationError, tool: str | None = None) -> ToolFailure:
+    """Arguments a tool's parameter model refuses, as one line naming the (first) argument and the problem."""
+    first = exc.errors(include_url=False)[0]
+    loc = ".".join(map(str, first["loc"])) or "?"
+    detail: dict[str, Any] = {"argument": loc, "problem": first["type"], "errors": exc.error_count()}
+    if "input" in first and not first["type"].startswith("missing"):
+        from tools.mcp.paths import shown
+
+        detail["input"] = shown(first["input"])
+    if tool:
+        detail["tool"] = tool
+    return ToolFailure(f"{tool + ': ' if tool else ''}argument {loc}: {first['msg']}", detail)
 
 
 def one_line(text: str, limit: int = 400) -> str:
