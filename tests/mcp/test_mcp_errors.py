@@ -79,3 +79,29 @@ def test_a_failed_job_carries_the_detail_a_direct_call_would(mcp, roots):
     info = run(go())
     assert info["state"] == "failed" and info["error"], info
     assert isinstance(info["error_detail"], dict), info
+
+
+def test_arguments_the_schema_refuses_are_one_line_naming_the_argument(mcp):
+    calls = [("probe_checkpoint", {}), ("probe_checkpoint", {"path": 5}), ("probe_checkpoint", {"path": "x", "bogus": 1}),
+             ("job_status", {"job_id": "x", "wait_s": -1}), ("server_logs", {"lines": 10**9}),
+             ("start_job", {"tool": "repack_checkpoint", "arguments": {"source": 3, "output": "o"}})]
+    results = run(_errors(mcp, calls))
+    for (name, _), r, argument in zip(calls, results, ["path", "path", "bogus", "wait_s", "lines", "source"]):
+        text = r.content[0].text
+        assert r.is_error and "\n" not in text and "pydantic" not in text, text
+        assert text.startswith(f"{name if name != 'start_job' else 'repack_checkpoint'}: argument {argument}: "), text
+        assert r.structured_content["detail"]["argument"] == argument, r.structured_content
+
+
+def test_booleans_and_numbers_are_strict_as_the_schema_says(mcp):
+    results = run(_errors(mcp, [
+        ("repack_checkpoint", {"source": "a", "output": "b", "force": "yes"}),
+        ("repack_checkpoint", {"source": "a", "output": "b", "text_only": 0}),
+        ("start_job", {"tool": "repack_checkpoint", "arguments": {"source": "a", "output": "b", "force": "yes"}}),
+        ("server_logs", {"lines": "5"}),
+        ("job_status", {"job_id": "x", "wait_s": 1}),  # an integer is a number: accepted, then no such job
+    ]))
+    texts = [r.content[0].text for r in results]
+    assert [t.split(": ")[1] for t in texts[:4]] == ["argument force", "argument text_only", "argument force",
+                                                     "argument lines"], texts
+    assert "no job 'x'" in texts[4], texts

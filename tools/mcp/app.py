@@ -25,7 +25,8 @@ import anyio.from_thread
 import anyio.lowlevel
 import anyio.to_thread
 from fastmcp import Context, FastMCP
-from fastmcp.exceptions import ToolError
+from fastmcp.exceptions import ToolError, ValidationError as ArgumentsRefused
+from fastmcp.server.middleware import Middleware
 from fastmcp.tools.base import ToolResult
 from mcp_types import TextContent, ToolAnnotations
 from pydantic import ValidationError
@@ -150,6 +151,20 @@ def _result(data: dict[str, Any]) -> ToolResult:
                       structured_content=data)
 
 
+class ArgumentErrors(Middleware):
+    """FastMCP checks a call's arguments against the tool's input schema before the tool runs and answers a
+    refusal with pydantic's multi-line text; this answers it as every other tool error: one line naming the
+    argument, with its detail."""
+
+    async def on_call_tool(self, context: Any, call_next: Any) -> Any:
+        try:
+            return await call_next(context)
+        except ArgumentsRefused as exc:
+            if not isinstance(exc.__cause__, ValidationError):
+                raise
+            return error_result(argument_error(exc.__cause__, context.message.name))
+
+
 async def in_thread(fn: Callable[[], Any]) -> Any:
     return await anyio.to_thread.run_sync(fn)
 
@@ -238,7 +253,9 @@ def create_server(settings: Settings | None = None, *, auth: Any = None,
     app = App(settings)
     specs = load_all()
     app.specs = {name: s for name, s in specs.items() if s.toolset in chosen}
-    mcp = FastMCP(SERVER_NAME, instructions=INSTRUCTIONS, mask_error_details=False, auth=auth)
+    # Strict: the input schema is the contract, so "yes" is no boolean and "5" no integer (5 is a number).
+    mcp = FastMCP(SERVER_NAME, instructions=INSTRUCTIONS, mask_error_details=False, auth=auth,
+                  strict_input_validation=True, middleware=[ArgumentErrors()])
     mcp.gemma = app  # type: ignore[attr-defined]  # tests and the demo reach the registry through it
     for spec in specs.values():
         mcp.tool(_handler(spec, app), name=spec.name, title=spec.title, description=spec.description,

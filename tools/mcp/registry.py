@@ -225,18 +225,25 @@ def mcp_wording(message: str) -> str:
     return _FLAG.sub(flag, message)
 
 
+# FastMCP checks a direct call against the tool function's signature, start_job against the parameter model: the
+# signature's words for a missing or unknown argument become the model's, so both say the same.
+_MODEL_WORDS = {"missing_keyword_only_argument": ("missing", "Field required"),
+                "unexpected_keyword_argument": ("extra_forbidden", "Extra inputs are not permitted")}
+
+
 def argument_error(exc: ValidationError, tool: str | None = None) -> ToolFailure:
     """Arguments a tool's parameter model refuses, as one line naming the (first) argument and the problem."""
     first = exc.errors(include_url=False)[0]
     loc = ".".join(map(str, first["loc"])) or "?"
-    detail: dict[str, Any] = {"argument": loc, "problem": first["type"], "errors": exc.error_count()}
-    if "input" in first and not first["type"].startswith("missing"):
+    problem, msg = _MODEL_WORDS.get(first["type"], (first["type"], first["msg"]))
+    detail: dict[str, Any] = {"argument": loc, "problem": problem, "errors": exc.error_count()}
+    if "input" in first and problem != "missing":
         from tools.mcp.paths import shown
 
         detail["input"] = shown(first["input"])
     if tool:
         detail["tool"] = tool
-    return ToolFailure(f"{tool + ': ' if tool else ''}argument {loc}: {first['msg']}", detail)
+    return ToolFailure(f"{tool + ': ' if tool else ''}argument {loc}: {msg}", detail)
 
 
 def one_line(text: str, limit: int = 400) -> str:
