@@ -105,3 +105,28 @@ def test_booleans_and_numbers_are_strict_as_the_schema_says(mcp):
     assert [t.split(": ")[1] for t in texts[:4]] == ["argument force", "argument text_only", "argument force",
                                                      "argument lines"], texts
     assert "no job 'x'" in texts[4], texts
+
+
+def test_start_job_refuses_what_a_direct_call_refuses_before_handing_out_a_job_id(mcp, roots):
+    (roots.models[0] / "src").mkdir()
+    (roots.models[0] / "src" / "config.json").write_text("{}")
+    calls = [("repack_checkpoint", {"source": "src", "output": "../outside/x"}),
+             ("start_vllm_server", {"instance": "../../x"}),
+             ("start_vllm_server", {"model": "../elsewhere"}),
+             ("run_sweep", {"base_url": "http://127.0.0.1:9", "label": "a b"}),
+             ("compare_tokens", {"mode": "check"})]
+
+    async def go():
+        async with Client(mcp) as c:
+            out = []
+            for tool, args in calls:
+                direct = await c.call_tool(tool, args, raise_on_error=False)
+                job = await c.call_tool("start_job", {"tool": tool, "arguments": args}, raise_on_error=False)
+                out.append((direct, job))
+            return out, (await c.call_tool("list_jobs", {})).structured_content["jobs"]
+
+    pairs, jobs = run(go())
+    for (direct, job), (tool, _) in zip(pairs, calls):
+        assert direct.is_error and job.is_error, (tool, job.structured_content)
+        assert job.structured_content == direct.structured_content, tool
+    assert jobs == []

@@ -63,6 +63,7 @@ class ToolSpec:
     open_world: bool = False
     extra: dict[str, tuple[Any, str]] = field(default_factory=dict)  # added fields: name -> (type, description)
     is_async: bool = False
+    check: Callable[[Any, Any], Any] | None = None  # a long tool's quick input checks: `check(app, params)`
 
     def output_schema(self) -> dict[str, Any]:
         return lean_schema(self.result, self.extra)
@@ -84,11 +85,14 @@ TOOLS: dict[str, ToolSpec] = {}
 
 def tool(*, toolset: str, title: str, params: type | None = None, result: Any = None, long: bool = False,
          read_only: bool = False, destructive: bool = False, idempotent: bool = False, open_world: bool = False,
-         extra: dict[str, tuple[Any, str]] | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+         extra: dict[str, tuple[Any, str]] | None = None,
+         check: Callable[[Any, Any], Any] | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Declare a tool. The function's docstring is its description (one or two sentences: when to use it).
 
     Quick tools: `fn(app, params) -> Reply` (run in a worker thread) or `async fn(app, params) -> Reply`.
-    Long tools: `fn(app, params, progress) -> Reply`, `progress(done, total, message)`.
+    Long tools: `fn(app, params, progress) -> Reply`, `progress(done, total, message)`. A long tool's `check`
+    does its input checks that need no long work (paths in the roots, names, the endpoint) and returns what the
+    tool uses of them; the tool calls it first, and start_job before it hands out a job id.
     """
     if toolset not in TOOLSETS:
         raise ValueError(f"unknown toolset {toolset!r}")
@@ -101,7 +105,7 @@ def tool(*, toolset: str, title: str, params: type | None = None, result: Any = 
                                description=inspect.cleandoc(fn.__doc__ or ""), params=params, result=result,
                                long=long, read_only=read_only, destructive=destructive, idempotent=idempotent,
                                open_world=open_world, extra=dict(extra or {}),
-                               is_async=inspect.iscoroutinefunction(fn))
+                               is_async=inspect.iscoroutinefunction(fn), check=check)
         return fn
 
     return register
