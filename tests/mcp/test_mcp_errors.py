@@ -130,3 +130,52 @@ def test_start_job_refuses_what_a_direct_call_refuses_before_handing_out_a_job_i
         assert direct.is_error and job.is_error, (tool, job.structured_content)
         assert job.structured_content == direct.structured_content, tool
     assert jobs == []
+
+
+def test_unreadable_resources_are_invalid_params_and_never_listed(mcp, roots, tmp_path):
+    import json
+
+    from mcp_types import INVALID_PARAMS
+
+    ev = roots.evidence[0]
+    (ev / "ok").mkdir()
+    (ev / "ok" / "summary.md").write_text("# ok\n")
+    (tmp_path / "outside.md").write_text("outside the roots\n")
+    (ev / "linked").mkdir()
+    (ev / "linked" / "summary.md").symlink_to(tmp_path / "outside.md")
+
+    async def go():
+        async with Client(mcp) as c:
+            index = json.loads((await c.read_resource("gemma4-t4://evidence/runs"))[0].text)
+            codes = []
+            for uri in ("gemma4-t4://evidence/nonexistent/summary.md", "gemma4-t4://evidence/linked/summary.md"):
+                with pytest.raises(Exception) as ei:
+                    await c.read_resource(uri)
+                codes.append((ei.value.error.code, str(ei.value)))
+            return index, codes
+
+    index, codes = run(go())
+    assert [r["run"] for r in index["runs"]] == ["ok"], index
+    assert [c for c, _ in codes] == [INVALID_PARAMS, INVALID_PARAMS], codes
+    assert "evidence/runs" in codes[0][1] and "outside the evidence roots" in codes[1][1], codes
+    assert "outside the roots" not in codes[1][1]
+
+
+def test_prompts_refuse_unknown_and_over_long_arguments(mcp):
+    from mcp_types import INVALID_PARAMS
+
+    async def go():
+        async with Client(mcp) as c:
+            out = []
+            for args in ({"bogus": "x"}, {"output": "x" * 100_000}):
+                with pytest.raises(Exception) as ei:
+                    await c.get_prompt("deploy_t4", args)
+                out.append((ei.value.error.code, str(ei.value)))
+            ok = await c.get_prompt("deploy_t4", {"output": "my-build"})
+            return out, ok.messages[0].content.text
+
+    refused, text = run(go())
+    assert all(code == INVALID_PARAMS for code, _ in refused), refused
+    assert "unknown argument bogus" in refused[0][1] and "source, output, repo_id" in refused[0][1]
+    assert "argument output is 100000 characters" in refused[1][1] and len(refused[1][1]) < 300
+    assert "my-build" in text

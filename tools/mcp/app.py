@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 import os
 import threading
 import time
@@ -154,7 +155,18 @@ def _result(data: dict[str, Any]) -> ToolResult:
 class ArgumentErrors(Middleware):
     """FastMCP checks a call's arguments against the tool's input schema before the tool runs and answers a
     refusal with pydantic's multi-line text; this answers it as every other tool error: one line naming the
-    argument, with its detail."""
+    argument, with its detail. A prompt's arguments are checked here too (FastMCP drops unknown ones)."""
+
+    async def on_get_prompt(self, context: Any, call_next: Any) -> Any:
+        from tools.mcp.resources import PROMPTS
+
+        spec = PROMPTS.get(context.message.name)
+        if spec is not None:
+            try:
+                spec.check(context.message.arguments)
+            except ValueError as exc:
+                raise ArgumentsRefused(str(exc), log_level=logging.DEBUG) from None
+        return await call_next(context)
 
     async def on_call_tool(self, context: Any, call_next: Any) -> Any:
         try:
