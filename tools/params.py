@@ -18,6 +18,7 @@ import types
 from typing import Annotated, Any, ClassVar, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic_core import to_json
 
 
 def _strip_optional(tp: Any) -> Any:
@@ -122,7 +123,9 @@ class OpParams(BaseModel):
 
     @classmethod
     def from_mcp_args(cls, arguments: dict[str, Any]) -> "OpParams":
-        return cls.model_validate({**cls.MCP_DEFAULTS, **arguments})
+        """MCP arguments (JSON) validated strictly, as the server validates a direct call's (start_job passes
+        them here unchecked): no string for a boolean or a number."""
+        return cls.model_validate_json(to_json({**cls.MCP_DEFAULTS, **arguments}), strict=True)
 
     @classmethod
     def mcp_signature(cls) -> list[inspect.Parameter]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from ..errors import RepackError
+from ..errors import RepackError, clip
 from .base import ErrorStats, Output, Scheme, SchemeReport
 
 from ..choices import DEFAULT_SCHEME as DEFAULT
@@ -32,8 +32,8 @@ def get(name: str) -> type[Scheme]:
     try:
         return REGISTRY[name]
     except (KeyError, TypeError):
-        raise RepackError(f"--scheme {name!r}: unknown build scheme; choose one of {', '.join(names())}",
-                          {"option": "--scheme", "value": str(name), "choices": names(),
+        raise RepackError(f"--scheme {clip(repr(name))}: unknown build scheme; choose one of {', '.join(names())}",
+                          {"option": "--scheme", "value": clip(name), "choices": names(),
                            "problem": "unknown-scheme"}) from None
 
 

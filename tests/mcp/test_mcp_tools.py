@@ -557,7 +557,7 @@ def test_run_eval_confines_its_paths_and_refuses_without_a_server(mcp, roots, tm
     ])
     assert "out" in errors[0] and "outside the evidence roots" in errors[0]
     assert "include_path" in errors[1] and "outside the evidence roots" in errors[1]
-    assert "tokenizer" in errors[2] and "Unexpected keyword argument" in errors[2]
+    assert "tokenizer" in errors[2] and "Extra inputs are not permitted" in errors[2]
     assert url in errors[3] and "start_vllm_server" in errors[3] and "--base-url" not in errors[3]
     assert list(roots.evidence[0].iterdir()) == []  # no run folder left behind
 
@@ -629,7 +629,7 @@ def test_preflight_on_this_machine_is_a_result(mcp, tmp_path):
                              ("preflight", {"step": "repack", "out": "/tmp/evil"}),
                              ("preflight", {"env_file": "/etc/passwd"})])
     assert "outside the models roots" in errors[0] and "outside the models roots" in errors[1]
-    assert "env_file" in errors[2] and "Unexpected keyword argument" in errors[2]
+    assert "env_file" in errors[2] and "Extra inputs are not permitted" in errors[2]
 
 
 def test_fetch_checkpoint_publishes_under_the_models_root(mcp, roots, tmp_path, monkeypatch):
@@ -664,7 +664,7 @@ def test_fetch_checkpoint_publishes_under_the_models_root(mcp, roots, tmp_path, 
     assert seen and seen[-1][0] == seen[-1][1]  # progress in bytes, to the end
     assert "outside the models roots" in errors[0] and not Path("/tmp/evil").exists()
     assert "not owner/name" in errors[1]
-    assert "roots" in errors[2] and "Unexpected keyword argument" in errors[2]
+    assert "roots" in errors[2] and "Extra inputs are not permitted" in errors[2]
 
 
 @pytest.mark.vllm

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 import os
 import threading
 import time
@@ -25,7 +26,8 @@ import anyio.from_thread
 import anyio.lowlevel
 import anyio.to_thread
 from fastmcp import Context, FastMCP
-from fastmcp.exceptions import ToolError
+from fastmcp.exceptions import ToolError, ValidationError as ArgumentsRefused
+from fastmcp.server.middleware import Middleware
 from fastmcp.tools.base import ToolResult
 from mcp_types import TextContent, ToolAnnotations
 from pydantic import ValidationError
@@ -34,8 +36,8 @@ from repack.errors import RepackError
 from tools.errors import ToolFailure
 from tools.mcp.jobs import Busy, JobCancelled, JobRegistry, ProgressFn
 from tools.mcp.paths import PathNotAllowed, Roots
-from tools.mcp.registry import (DEFAULT_TOOLSETS, TOOLSETS, TOOLSETS_ENV, ToolSpec, load_all, mcp_wording,
-                                one_line)
+from tools.mcp.registry import (DEFAULT_TOOLSETS, TOOLSETS, TOOLSETS_ENV, ToolSpec, argument_error, load_all,
+                                mcp_wording, one_line)
 
 SERVER_NAME = "gemma4-t4"
 
@@ -51,7 +53,7 @@ server log."""
 
 # The errors whose message is written for the caller; anything else is named by its type as well.
 OURS: tuple[type[BaseException], ...] = (RepackError, ToolFailure, PathNotAllowed, Busy, JobCancelled, KeyError,
-                                         ValueError, FileNotFoundError, FileExistsError)
+                                         ValueError, FileNotFoundError, FileExistsError, ToolError)
 
 
 @dataclass
@@ -114,18 +116,33 @@ def remove_partial_builds() -> None:
 # ------------------------------------------------------------------------------------------------ plumbing
 
 
-def to_tool_error(exc: BaseException) -> ToolError:
+class ToolRefusal(ToolError):
+    """A tool error: the one-line message and the library's machine-readable detail (None where it gave none)."""
+
+    def __init__(self, message: str, detail: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.detail = detail
+
+
+def to_tool_error(exc: BaseException) -> ToolRefusal:
     """The library's one-line message, worded for MCP; the type named when it is not one of ours."""
     if isinstance(exc, ValidationError):
-        first = exc.errors()[0]
-        loc = ".".join(map(str, first["loc"])) or "?"
-        return ToolError(one_line(f"argument {loc}: {first['msg']}"))
+        exc = argument_error(exc)
     msg = str(exc).strip() or type(exc).__name__
     if isinstance(exc, KeyError):
         msg = msg.strip("'\"")
     if not isinstance(exc, OURS):
         msg = f"{type(exc).__name__}: {msg}"
-    return ToolError(one_line(mcp_wording(msg), 600))
+    detail = getattr(exc, "detail", None)
+    return ToolRefusal(one_line(mcp_wording(msg), 600), detail if isinstance(detail, dict) else None)
+
+
+def error_result(exc: BaseException) -> ToolResult:
+    """A failed call's result (isError): the one line as text, and as structured content {error, detail} as the
+    command line's --json prints it. Clients check only successful results against the output schema."""
+    err = exc if isinstance(exc, ToolRefusal) else to_tool_error(exc)
+    return ToolResult(content=[TextContent(type="text", text=str(err))],
+                      structured_content={"error": str(err), "detail": err.detail}, is_error=True)
 
 
 def _result(data: dict[str, Any]) -> ToolResult:
@@ -133,6 +150,31 @@ def _result(data: dict[str, Any]) -> ToolResult:
     return ToolResult(content=[TextContent(type="text", text=str(data.get("summary", ""))),
                                TextContent(type="text", text=json.dumps(data, indent=1))],
                       structured_content=data)
+
+
+class ArgumentErrors(Middleware):
+    """FastMCP checks a call's arguments against the tool's input schema before the tool runs and answers a
+    refusal with pydantic's multi-line text; this answers it as every other tool error: one line naming the
+    argument, with its detail. A prompt's arguments are checked here too (FastMCP drops unknown ones)."""
+
+    async def on_get_prompt(self, context: Any, call_next: Any) -> Any:
+        from tools.mcp.resources import PROMPTS
+
+        spec = PROMPTS.get(context.message.name)
+        if spec is not None:
+            try:
+                spec.check(context.message.arguments)
+            except ValueError as exc:
+                raise ArgumentsRefused(str(exc), log_level=logging.DEBUG) from None
+        return await call_next(context)
+
+    async def on_call_tool(self, context: Any, call_next: Any) -> Any:
+        try:
+            return await call_next(context)
+        except ArgumentsRefused as exc:
+            if not isinstance(exc.__cause__, ValidationError):
+                raise
+            return error_result(argument_error(exc.__cause__, context.message.name))
 
 
 async def in_thread(fn: Callable[[], Any]) -> Any:
@@ -186,10 +228,8 @@ def _handler(spec: ToolSpec, app: App) -> Callable[..., Any]:
                 data = spec.dump(await spec.fn(app, params))
             else:
                 data = await in_thread(lambda: spec.dump(spec.fn(app, params)))
-        except ToolError:
-            raise
         except Exception as exc:
-            raise to_tool_error(exc) from exc
+            return error_result(exc)
         return _result(data)
 
     sig = model.mcp_signature() if model is not None else []
@@ -225,7 +265,9 @@ def create_server(settings: Settings | None = None, *, auth: Any = None,
     app = App(settings)
     specs = load_all()
     app.specs = {name: s for name, s in specs.items() if s.toolset in chosen}
-    mcp = FastMCP(SERVER_NAME, instructions=INSTRUCTIONS, mask_error_details=False, auth=auth)
+    # Strict: the input schema is the contract, so "yes" is no boolean and "5" no integer (5 is a number).
+    mcp = FastMCP(SERVER_NAME, instructions=INSTRUCTIONS, mask_error_details=False, auth=auth,
+                  strict_input_validation=True, middleware=[ArgumentErrors()])
     mcp.gemma = app  # type: ignore[attr-defined]  # tests and the demo reach the registry through it
     for spec in specs.values():
         mcp.tool(_handler(spec, app), name=spec.name, title=spec.title, description=spec.description,

@@ -30,18 +30,22 @@ def preflight(app, p: PreflightParams) -> Reply:
     return Reply(report, report.summary)
 
 
+def _fetch_inputs(app, p: FetchParams) -> FetchParams:
+    """The fetch confined to the models roots (none configured would mean an unconfined output)."""
+    if not app.roots.models:
+        raise ToolFailure("no models root is configured; start the server with --models-root DIR")
+    return p.model_copy(update={"roots": [str(r) for r in app.roots.models]})
+
+
 @tool(toolset="deploy", title="Fetch a checkpoint from the hub", params=FetchParams, result=FetchResult, long=True,
-      idempotent=True, open_world=True)
+      idempotent=True, open_world=True, check=_fetch_inputs)
 def fetch_checkpoint(app, p: FetchParams, progress) -> Reply:
     """Download a Hugging Face model's build files (weights, configs, tokenizer, chat template) at a revision and
     publish them under a models root (`out`, default: <first models root>/<repo name>), with sha256 per file in
     fetch-manifest.json; resumes from the hub cache, never replaces a different folder. Long: progress in bytes."""
     from tools.serving.fetch import fetch_checkpoint as fetch
 
-    if not app.roots.models:  # no roots would mean an unconfined output
-        raise ToolFailure("no models root is configured; start the server with --models-root DIR")
-    res = fetch(p.model_copy(update={"roots": [str(r) for r in app.roots.models]}),
-                progress=lambda d, t, m: progress(d, t, m))
+    res = fetch(_fetch_inputs(app, p), progress=lambda d, t, m: progress(d, t, m))
     state = "already there" if res.already_present else ("from the cache" if res.offline else "fetched")
     return Reply(res, f"{res.repo_id}@{res.commit[:12]} {state}: {res.out} ({len(res.files)} files, "
                       f"{res.total_bytes / 2**30:.2f} GiB)")

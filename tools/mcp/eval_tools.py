@@ -7,19 +7,25 @@ from tools.measure.evals import CompareParams, EvalComparison, EvalParams, EvalR
 from tools.mcp.registry import Reply, tool
 
 
+def _eval_inputs(app, p: EvalParams) -> EvalParams:
+    """The eval's paths confined, the server a managed one."""
+    from tools.measure.evals import confine_eval_params
+    from tools.serving.endpoint import resolve_endpoint
+
+    confined = confine_eval_params(p, app.roots)
+    resolve_endpoint(p, app.config(), managed=True)  # a managed server, not whatever holds the config's port
+    return confined
+
+
 @tool(toolset="eval", title="Accuracy with lm-eval", params=EvalParams, result=EvalResult, long=True,
-      open_world=True, extra={"table_md": (str, "The run's scores as a markdown table")})
+      open_world=True, extra={"table_md": (str, "The run's scores as a markdown table")}, check=_eval_inputs)
 def run_eval(app, p: EvalParams, progress) -> Reply:
     """Score the running server with lm-evaluation-harness (greedy, local-completions) on the given tasks; writes
     a run folder (lm-eval's results and samples, summary, provenance) under an evidence root (`out`, default: the
     first). Long: lm-eval's progress."""
-    from tools.measure.evals import confine_eval_params, run_eval as evaluate, summary_markdown
+    from tools.measure.evals import run_eval as evaluate, summary_markdown
 
-    confined = confine_eval_params(p, app.roots)
-    from tools.serving.endpoint import resolve_endpoint
-
-    resolve_endpoint(p, app.config(), managed=True)  # a managed server, not whatever holds the config's port
-    res = evaluate(confined, progress=lambda d, t, m: progress(d, t, m), serve_config=app.config())
+    res = evaluate(_eval_inputs(app, p), progress=lambda d, t, m: progress(d, t, m), serve_config=app.config())
     first = ", ".join(f"{s.task} {s.metric} {s.value:.4f}" for s in res.scores[:3] if s.value is not None)
     summary = (f"eval {res.run_id}: {len(res.scores)} scores over {', '.join(res.tasks)}"
                + (f"; {first}" if first else "") + f" ({res.run_dir})")

@@ -7,7 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, create_model
 
 from tools.mcp.jobs import JobInfo
-from tools.mcp.registry import Reply, tool
+from tools.mcp.registry import Reply, argument_error, tool
 from tools.params import OpParams
 
 
@@ -82,8 +82,11 @@ async def start_job(app, p: StartJobParams) -> Reply:
     try:
         params = model.from_mcp_args(p.arguments)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        raise ValueError(f"{p.tool}: argument {'.'.join(map(str, first['loc'])) or '?'}: {first['msg']}") from None
+        raise argument_error(exc, p.tool) from None
+    if spec.check is not None:  # refused now, as a direct call is, rather than as a job that fails at once
+        import anyio.to_thread
+
+        await anyio.to_thread.run_sync(lambda: spec.check(app, params))
     info = app.jobs.submit(p.tool, params.model_dump(mode="json", exclude_none=True, exclude_defaults=True),
                            lambda progress: app.run_job_work(spec, params, progress))
     return Reply(info, _job_summary(info))

@@ -31,6 +31,8 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from tools.mcp.paths import shown
+
 # progress(done, total, message); total None when unknown
 ProgressFn = Callable[[float, float | None, str], None]
 
@@ -63,6 +65,8 @@ class JobInfo(BaseModel):
     elapsed_s: float
     result: dict[str, Any] | None = Field(None, description="The tool's structured result, once succeeded")
     error: str | None = Field(None, description="One-line error, once failed")
+    error_detail: dict[str, Any] | None = Field(None, description="The error's machine-readable detail, as a "
+                                                                 "direct call's error result carries it")
 
 
 class _Job:
@@ -73,6 +77,7 @@ class _Job:
         self.started_at, self.finished_at = time.time(), None
         self.result: dict[str, Any] | None = None
         self.error: str | None = None
+        self.error_detail: dict[str, Any] | None = None
         self.cancel_event = threading.Event()
         self.thread: threading.Thread | None = None
         self.done = threading.Event()
@@ -83,7 +88,8 @@ class _Job:
         return JobInfo(job_id=self.job_id, tool=self.tool, arguments=self.arguments, state=self.state,
                        progress=self.progress, total=self.total, message=self.message,
                        started_at=self.started_at, finished_at=self.finished_at,
-                       elapsed_s=round(end - self.started_at, 3), result=self.result, error=self.error)
+                       elapsed_s=round(end - self.started_at, 3), result=self.result, error=self.error,
+                       error_detail=self.error_detail)
 
 
 JOB_ID = re.compile(r"^job-([0-9a-f]{6})-\d+$")
@@ -140,6 +146,8 @@ class JobRegistry:
             except BaseException as exc:  # reported through job_status, never lost in a thread
                 job.state = JobState.failed
                 job.error = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                detail = getattr(exc, "detail", None)
+                job.error_detail = detail if isinstance(detail, dict) else None
                 job.message = "failed"
                 job.traceback = traceback.format_exc()  # type: ignore[attr-defined]
             finally:
@@ -163,10 +171,10 @@ class JobRegistry:
         if job is None:
             m = JOB_ID.match(job_id)
             if m and m.group(1) != self.boot:
-                raise KeyError(f"job {job_id} is lost: the server restarted (jobs live only as long as the "
+                raise KeyError(f"job {shown(job_id)} is lost: the server restarted (jobs live only as long as the "
                                f"server process); start it again with start_job")
             known = ", ".join(self._jobs) or "none"
-            raise KeyError(f"no job {job_id[:80]!r} (known jobs: {known})")
+            raise KeyError(f"no job {shown(job_id)!r} (known jobs: {known})")
         return job.info()
 
     def wait(self, job_id: str, timeout: float | None = None) -> JobInfo:

@@ -15,8 +15,16 @@ from tools.mcp.registry import Reply, tool
 from tools.serving.endpoint import resolve_endpoint
 
 
+def _sweep_inputs(app, p: SweepParams) -> SweepParams:
+    """The sweep's parameters checked, its folder confined, the server a managed one."""
+    out = app.roots.confine(p.out, "evidence", what="out")
+    p.validate()
+    resolve_endpoint(p, app.config(), managed=True)  # a managed server, not whatever holds the config's port
+    return p.model_copy(update={"out": out})
+
+
 @tool(toolset="measure", title="Serving sweep (vllm bench serve)", params=SweepParams, result=SweepResult,
-      long=True, open_world=True, extra={"counts": (dict[str, int], "Cells by status: ok, infeasible, failed"),
+      long=True, open_world=True, check=_sweep_inputs, extra={"counts": (dict[str, int], "Cells by status: ok, infeasible, failed"),
                                          "table_md": (str, "The run's markdown table")})
 def run_sweep(app, p: SweepParams, progress) -> Reply:
     """Measure the running server with vLLM's own benchmark over input lengths x concurrencies x repeats, the
@@ -25,9 +33,7 @@ def run_sweep(app, p: SweepParams, progress) -> Reply:
     from tools.measure.sweep import run_sweep as sweep
     from tools.measure.sweep_report import markdown_run
 
-    out = app.roots.confine(p.out, "evidence", what="out")
-    resolve_endpoint(p, app.config(), managed=True)  # a managed server, not whatever holds the config's port
-    res = sweep(p.model_copy(update={"out": out}), serve_config=app.config(),
+    res = sweep(_sweep_inputs(app, p), serve_config=app.config(),
                 progress=lambda d, t, m: progress(d, t, m))
     counts = res.counts
     oks = [c for c in res.cells if c.status == "ok" and c.median.get("output_throughput")]
@@ -63,15 +69,8 @@ def compare_sweeps(app, p: CompareSweepsParams) -> Reply:
     return Reply(cmp, summary, {"report_path": str(out) if out else None})
 
 
-@tool(toolset="measure", title="Greedy token identity between builds", params=CompareParams,
-      result=TokenComparison | TokenRecord, long=True, destructive=True, open_world=True,
-      extra={"report": (str, "The comparison as text (the article's SAME TOKENS lines)")})
-def compare_tokens(app, p: CompareParams, progress) -> Reply:
-    """Exact greedy token ids of two builds, prompt by prompt, with the first divergence and whether it is a
-    near-tie. mode=record with build A, restart with build B, mode=check; or both as instances on one card:
-    mode=live, instance and other_instance. Long: progress in prompts."""
-    from tools.measure.compare_tokens import compare_tokens as compare
-
+def _token_inputs(app, p: CompareParams) -> CompareParams:
+    """The comparison's mode and reference checked and confined, its endpoints resolved."""
     if p.mode in ("record", "check") and not p.reference:
         raise ToolFailure(f"mode {p.mode} needs reference: the token record file under an evidence root "
                           f"({'written' if p.mode == 'record' else 'read'} by this call)")
@@ -87,25 +86,32 @@ def compare_tokens(app, p: CompareParams, progress) -> Reply:
         from tools.serving.endpoint import resolve_name
 
         other = resolve_name(p.other_instance, app.config()).base_url
-    res = compare(p.model_copy(update={"reference": str(ref) if ref else None, "base_url": base_url,
-                                       "instance": None, "router": False, "other_url": other,
-                                       "other_instance": None}),
-                  progress=lambda d, t, m: progress(d, t, m))
+    return p.model_copy(update={"reference": str(ref) if ref else None, "base_url": base_url, "instance": None,
+                                "router": False, "other_url": other, "other_instance": None})
+
+
+@tool(toolset="measure", title="Greedy token identity between builds", params=CompareParams,
+      result=TokenComparison | TokenRecord, long=True, destructive=True, open_world=True, check=_token_inputs,
+      extra={"report": (str, "The comparison as text (the article's SAME TOKENS lines)")})
+def compare_tokens(app, p: CompareParams, progress) -> Reply:
+    """Exact greedy token ids of two builds, prompt by prompt, with the first divergence and whether it is a
+    near-tie. mode=record with build A, restart with build B, mode=check; or both as instances on one card:
+    mode=live, instance and other_instance. Long: progress in prompts."""
+    from tools.measure.compare_tokens import compare_tokens as compare
+
+    checked = _token_inputs(app, p)
+    res = compare(checked, progress=lambda d, t, m: progress(d, t, m))
     if isinstance(res, TokenRecord):
         # The record itself is in the file; the reply lists what was recorded, not every token's logprobs.
         lines = [f"{len(g.token_ids)} tokens ({g.finish_reason}): {g.prompt}" for g in res.generations]
         return Reply(res.model_dump(mode="json", exclude={"generations"}), res.summary(),
-                     {"report": "\n".join(lines + [f"written to {Path(res.path or str(ref))}"])})
+                     {"report": "\n".join(lines + [f"written to {Path(res.path or str(checked.reference))}"])})
     return Reply(res, f"{res.summary} ({res.reference} vs {res.candidate})", {"report": res.text()})
 
 
-@tool(toolset="fidelity", title="Logprob fidelity between builds (KLD)", params=CompareLogprobsParams,
-      result=RecordLogprobsResult | CheckLogprobsResult, long=True, destructive=True, open_world=True)
-def compare_logprobs(app, p: CompareLogprobsParams, progress) -> Reply:
-    """Full-distribution fidelity of two builds over a text corpus: mode=record scores it with the reference
-    build into `reference` (REF.json under an evidence root; force=true to replace one), restart with the other
-    build, mode=check: mean/p99/max KLD, top-1 agreement, perplexity ratio. Long: progress in windows."""
-    from tools.measure.fidelity import DEFAULT_CORPUS, compare_logprobs as compare
+def _logprob_inputs(app, p: CompareLogprobsParams) -> CompareLogprobsParams:
+    """The reference and corpus confined (the corpus under an evidence or a models root), the endpoint resolved."""
+    from tools.measure.fidelity import DEFAULT_CORPUS
 
     ref = app.roots.confine(p.reference, "evidence", must_exist=p.mode == "check", what="reference")
     corpus = None
@@ -118,9 +124,20 @@ def compare_logprobs(app, p: CompareLogprobsParams, progress) -> Reply:
             except ValueError:
                 raise first from None
     base_url = resolve_endpoint(p, app.config(), managed=True).base_url
-    res = compare(p.model_copy(update={"reference": str(ref), "corpus": str(corpus) if corpus else None,
-                                       "base_url": base_url, "instance": None, "router": False}),
-                  progress=lambda d, t, m: progress(d, t, m))
+    return p.model_copy(update={"reference": str(ref), "corpus": str(corpus) if corpus else None,
+                                "base_url": base_url, "instance": None, "router": False})
+
+
+@tool(toolset="fidelity", title="Logprob fidelity between builds (KLD)", params=CompareLogprobsParams,
+      result=RecordLogprobsResult | CheckLogprobsResult, long=True, destructive=True, open_world=True,
+      check=_logprob_inputs)
+def compare_logprobs(app, p: CompareLogprobsParams, progress) -> Reply:
+    """Full-distribution fidelity of two builds over a text corpus: mode=record scores it with the reference
+    build into `reference` (REF.json under an evidence root; force=true to replace one), restart with the other
+    build, mode=check: mean/p99/max KLD, top-1 agreement, perplexity ratio. Long: progress in windows."""
+    from tools.measure.fidelity import compare_logprobs as compare
+
+    res = compare(_logprob_inputs(app, p), progress=lambda d, t, m: progress(d, t, m))
     if isinstance(res, RecordLogprobsResult):
         return Reply(res, f"recorded {res.tokens} positions ({res.windows} windows) from {res.model}: {res.path}")
     return Reply(res, f"{res.candidate_model} vs {res.reference_model}: mean KLD {res.mean_kld:.4g}, p99 "
@@ -128,17 +145,22 @@ def compare_logprobs(app, p: CompareLogprobsParams, progress) -> Reply:
                       f"{res.ppl_ratio:.4f} over {res.tokens} tokens")
 
 
+def _decode_inputs(app, p: DecodeParams) -> DecodeParams:
+    """The run's folder confined, the server a managed one."""
+    out = app.roots.confine(p.out, "evidence", what="out")
+    resolve_endpoint(p, app.config(), managed=True)  # a managed server, not whatever holds the config's port
+    return p.model_copy(update={"out": out})
+
+
 @tool(toolset="decode", title="Single-stream decode benchmark (speculative decoding)", params=DecodeParams,
-      result=DecodeSummary, long=True, open_world=True)
+      result=DecodeSummary, long=True, open_world=True, check=_decode_inputs)
 def run_decode_bench(app, p: DecodeParams, progress) -> Reply:
     """Time per output token for one user: twenty chat prompts one at a time, streamed, with the drafter's
     acceptance from /metrics when the server runs speculative decoding; writes a run folder under an evidence
     root. Long: progress in prompts."""
     from tools.measure.decode import run_decode
 
-    out = app.roots.confine(p.out, "evidence", what="out")
-    resolve_endpoint(p, app.config(), managed=True)  # a managed server, not whatever holds the config's port
-    res = run_decode(p.model_copy(update={"out": out}), serve_config=app.config(),
+    res = run_decode(_decode_inputs(app, p), serve_config=app.config(),
                      progress=lambda d, t, m: progress(d, t, m))
     acc = (f", {100 * res.acceptance_rate:.0f}% of {res.draft_tokens:.0f} draft tokens accepted"
            if res.acceptance_rate is not None else ", no drafts")

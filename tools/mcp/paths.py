@@ -24,6 +24,9 @@ ENV = {"models": "GEMMA4_T4_MODELS_ROOTS", "evidence": "GEMMA4_T4_EVIDENCE_ROOTS
 # A Hugging Face hub id such as "google/gemma-4-E2B-it": served by vLLM from its cache, not a path we open.
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
 SHOWN = 200  # characters of an input echoed in an error
+# Longest file name and path Linux file systems take (ext4, xfs, tmpfs): longer ones fail every system call with
+# ENAMETOOLONG, so they are refused here, naming the argument, rather than as an OSError from somewhere later.
+NAME_MAX, PATH_MAX = 255, 4096
 
 
 def shown(text: object) -> str:
@@ -33,7 +36,20 @@ def shown(text: object) -> str:
 
 
 class PathNotAllowed(ValueError):
-    """A path outside the configured roots (or otherwise unusable); the message says what to do."""
+    """A path outside the configured roots (or otherwise unusable); the message says what to do, `detail` names
+    the argument, the input (cut as in the message) and the problem for programs."""
+
+    def __init__(self, message: str, what: str = "path", text: object = "", problem: str = "") -> None:
+        super().__init__(message)
+        self.detail = {"argument": what, "input": shown(text), "problem": problem}
+
+
+def _check_length(text: str, what: str) -> None:
+    longest = max((len(os.fsencode(part)) for part in Path(text).parts), default=0)
+    if longest > NAME_MAX or len(os.fsencode(text)) >= PATH_MAX:
+        raise PathNotAllowed(f"{what} {shown(text)} is too long for a path (a name of {longest} bytes, at most "
+                             f"{NAME_MAX}; {len(os.fsencode(text))} bytes in all, at most {PATH_MAX - 1}): give a "
+                             f"shorter one", what, text, "too-long")
 
 
 def _resolve(p: str | Path) -> Path:
@@ -73,25 +89,28 @@ class Roots:
         roots = self.of(kind)
         if not roots:
             raise PathNotAllowed(f"{what} {shown(path)}: no {kind} root is configured; start the server with "
-                                 f"--{kind}-root DIR")
+                                 f"--{kind}-root DIR", what, path, "no-root")
         text = str(path).strip()
         if not text:
-            raise PathNotAllowed(f"{what} is empty: give a path under {roots[0]}")
+            raise PathNotAllowed(f"{what} is empty: give a path under {roots[0]}", what, text, "empty")
         if "\x00" in text:
-            raise PathNotAllowed(f"{what} {shown(text)} contains a NUL character")
+            raise PathNotAllowed(f"{what} {shown(text)} contains a NUL character", what, text, "nul")
+        _check_length(text, what)
         p = Path(text).expanduser()
         if not p.is_absolute():
             p = roots[0] / p
         try:
             resolved = _resolve(p)
         except (OSError, RuntimeError, ValueError):
-            raise PathNotAllowed(f"{what} {shown(text)} cannot be resolved (a symlink loop?)") from None
+            raise PathNotAllowed(f"{what} {shown(text)} cannot be resolved (a symlink loop?)", what, text,
+                                 "unresolvable") from None
         if not any(resolved == r or r in resolved.parents for r in roots):
             allowed = ", ".join(str(r) for r in roots)
             raise PathNotAllowed(f"{what} {shown(text)} is outside the {kind} roots ({allowed}); use a path under "
-                                 f"one of them or start the server with --{kind}-root")
+                                 f"one of them or start the server with --{kind}-root", what, text, "outside-roots")
         if must_exist and not resolved.exists():
-            raise PathNotAllowed(f"{what} {shown(text)} does not exist under the {kind} roots")
+            raise PathNotAllowed(f"{what} {shown(text)} does not exist under the {kind} roots", what, text,
+                                 "missing")
         return resolved
 
     def confine_model(self, model: str, *, what: str = "model", also_relative_to: tuple[Path, ...] = ()) -> str:
@@ -102,6 +121,7 @@ class Roots:
         `also_relative_to` (where vLLM would look for it first) — such a folder outside the roots is refused.
         """
         text = model.strip()
+        _check_length(text, what)
         if HUB_ID.match(text) and ".." not in text:
             for root in self.models:
                 if (root / text).exists():
@@ -111,7 +131,8 @@ class Roots:
                 if (base / text).exists():
                     raise PathNotAllowed(f"{what} {shown(text)} names a local folder outside the models roots "
                                          f"({', '.join(map(str, self.models))}); give a folder under a models "
-                                         f"root, or a hub id (owner/name) that is not a local path")
+                                         f"root, or a hub id (owner/name) that is not a local path", what, text,
+                                         "outside-roots")
             return text
         return str(self._checkpoint(self.confine(text, "models", must_exist=True, what=what), text, what))
 
@@ -120,12 +141,13 @@ class Roots:
         probe_checkpoint and repack_checkpoint make: vLLM follows a link in it wherever it leads."""
         if folder in self.models or not (folder / "config.json").is_file():
             raise PathNotAllowed(f"{what} {shown(text)} is not a checkpoint folder (no config.json, or a models "
-                                 f"root itself); give the folder repack_checkpoint wrote")
+                                 f"root itself); give the folder repack_checkpoint wrote", what, text,
+                                 "not-a-checkpoint")
         from repack.checkpoint import check_files
         from repack.errors import RepackError
 
         try:
             check_files(folder, self.models)
         except RepackError as exc:
-            raise PathNotAllowed(f"{what} {shown(text)}: {exc}") from None
+            raise PathNotAllowed(f"{what} {shown(text)}: {exc}", what, text, "links-out") from None
         return folder

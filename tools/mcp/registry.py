@@ -14,7 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import TypeAdapter
+from pydantic import TypeAdapter, ValidationError
+
+from tools.errors import ToolFailure
 
 # Toolsets: what a client sees is chosen with --toolsets / GEMMA4_T4_TOOLSETS (fastmcp tags do the filtering).
 TOOLSETS: dict[str, str] = {
@@ -61,6 +63,7 @@ class ToolSpec:
     open_world: bool = False
     extra: dict[str, tuple[Any, str]] = field(default_factory=dict)  # added fields: name -> (type, description)
     is_async: bool = False
+    check: Callable[[Any, Any], Any] | None = None  # a long tool's quick input checks: `check(app, params)`
 
     def output_schema(self) -> dict[str, Any]:
         return lean_schema(self.result, self.extra)
@@ -82,11 +85,14 @@ TOOLS: dict[str, ToolSpec] = {}
 
 def tool(*, toolset: str, title: str, params: type | None = None, result: Any = None, long: bool = False,
          read_only: bool = False, destructive: bool = False, idempotent: bool = False, open_world: bool = False,
-         extra: dict[str, tuple[Any, str]] | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+         extra: dict[str, tuple[Any, str]] | None = None,
+         check: Callable[[Any, Any], Any] | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Declare a tool. The function's docstring is its description (one or two sentences: when to use it).
 
     Quick tools: `fn(app, params) -> Reply` (run in a worker thread) or `async fn(app, params) -> Reply`.
-    Long tools: `fn(app, params, progress) -> Reply`, `progress(done, total, message)`.
+    Long tools: `fn(app, params, progress) -> Reply`, `progress(done, total, message)`. A long tool's `check`
+    does its input checks that need no long work (paths in the roots, names, the endpoint) and returns what the
+    tool uses of them; the tool calls it first, and start_job before it hands out a job id.
     """
     if toolset not in TOOLSETS:
         raise ValueError(f"unknown toolset {toolset!r}")
@@ -99,7 +105,7 @@ def tool(*, toolset: str, title: str, params: type | None = None, result: Any = 
                                description=inspect.cleandoc(fn.__doc__ or ""), params=params, result=result,
                                long=long, read_only=read_only, destructive=destructive, idempotent=idempotent,
                                open_world=open_world, extra=dict(extra or {}),
-                               is_async=inspect.iscoroutinefunction(fn))
+                               is_async=inspect.iscoroutinefunction(fn), check=check)
         return fn
 
     return register
@@ -223,6 +229,32 @@ def mcp_wording(message: str) -> str:
     return _FLAG.sub(flag, message)
 
 
+# FastMCP checks a direct call against the tool function's signature, start_job against the parameter model: the
+# signature's words for a missing or unknown argument become the model's, so both say the same.
+_MODEL_WORDS = {"missing_keyword_only_argument": ("missing", "Field required"),
+                "unexpected_keyword_argument": ("extra_forbidden", "Extra inputs are not permitted")}
+
+
+def argument_error(exc: ValidationError, tool: str | None = None) -> ToolFailure:
+    """Arguments a tool's parameter model refuses, as one line naming the (first) argument and the problem."""
+    first = exc.errors(include_url=False)[0]
+    loc = ".".join(map(str, first["loc"])) or "?"
+    problem, msg = _MODEL_WORDS.get(first["type"], (first["type"], first["msg"]))
+    detail: dict[str, Any] = {"argument": loc, "problem": problem, "errors": exc.error_count()}
+    if "input" in first and problem != "missing":
+        from tools.mcp.paths import shown
+
+        detail["input"] = shown(first["input"])
+    if tool:
+        detail["tool"] = tool
+    return ToolFailure(f"{tool + ': ' if tool else ''}argument {loc}: {msg}", detail)
+
+
 def one_line(text: str, limit: int = 400) -> str:
+    """`text` on one line, at most `limit` characters: an over-long one loses its middle, since a message ends
+    with what to do."""
     text = " ".join(str(text).split())
-    return text if len(text) <= limit else text[: limit - 1] + "…"
+    if len(text) <= limit:
+        return text
+    head = (limit - 3) // 2
+    return f"{text[:head]} … {text[len(text) - (limit - 3 - head):]}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field
@@ -33,8 +34,18 @@ def probe_checkpoint(app, p: ProbeParams) -> Reply:
                               "table": report.format_table()})
 
 
+def _repack_paths(app, p: BuildParams) -> tuple[Path, Path]:
+    """The source and output, confined to the models roots; the source's config.json and the free disk."""
+    from tools.serving.preflight import ensure
+
+    src = app.roots.confine(p.source, "models", must_exist=True, what="source")
+    out = app.roots.confine(p.output, "models", what="output")
+    ensure("repack", source=src, out=out)  # refused before any write
+    return src, out
+
+
 @tool(toolset="repack", title="Repack a QAT checkpoint to all-4-bit", params=BuildParams, long=True,
-      destructive=True, idempotent=True,
+      destructive=True, idempotent=True, check=_repack_paths,
       extra={"output": (str, "The written checkpoint folder; pass it to start_vllm_server as model"),
              "tables": (list[dict[str, Any]], "Per table (PLE, embed_tokens, lm_head, linears, rest, towers): "
                                               "bytes, groups, off-grid groups, values exact in runtime fp16 "
@@ -45,12 +56,8 @@ def repack_checkpoint(app, p: BuildParams, progress) -> Reply:
     """Build the all-4-bit checkpoint from a QAT checkpoint in one pass (W4A16 linears, text only, int4 PLE and
     embed_tokens, or embed_int4=false for the bf16-embedding build). Aborts on any off-grid group, leaves nothing
     half written; replaces an existing output only with force=true. Long: progress in bytes."""
-    src = app.roots.confine(p.source, "models", must_exist=True, what="source")
-    out = app.roots.confine(p.output, "models", what="output")
+    src, out = _repack_paths(app, p)
     from repack.build import build_checkpoint
-    from tools.serving.preflight import ensure
-
-    ensure("repack", source=src, out=out)  # the source's config.json and free disk: refused before any write
 
     opts = p.options()
     # a root itself, or a folder above one, is never an output (repack refuses, naming it)

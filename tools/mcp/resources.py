@@ -91,7 +91,7 @@ def _runs(app) -> list[dict[str, Any]]:
             if depth >= RUN_DEPTH:
                 dirs[:] = []
             dirs.sort()
-            found = [f for f in SUMMARIES if f in files]
+            found = [f for f in SUMMARIES if f in files and _readable(app, Path(here) / f)]
             if found and depth > 0:
                 run = Path(here).relative_to(root).as_posix()
                 if run not in seen:  # the first root holding a name is the one the template reads
@@ -100,6 +100,16 @@ def _runs(app) -> list[dict[str, Any]]:
             if len(seen) >= MAX_RUNS:
                 break
     return sorted(seen.values(), key=lambda r: -r["mtime"])
+
+
+def _readable(app, path: Path) -> bool:
+    """A summary the template would serve: a file resolving inside the evidence roots (not a link out of them)."""
+    from tools.mcp.paths import PathNotAllowed
+
+    try:
+        return app.roots.confine(path, "evidence").is_file()
+    except PathNotAllowed:
+        return False
 
 
 @resource(f"{SCHEME}://evidence/runs", title="Evidence runs", mime_type="application/json")
@@ -245,6 +255,19 @@ class PromptSpec:
         return [Step(s.tool, {k: fill(v) for k, v in s.args.items()}, s.why.format(**vals), s.when.format(**vals),
                      s.condition) for s in self.steps]
 
+    def check(self, given: dict[str, Any] | None) -> None:
+        """Refuse an argument this prompt does not take (FastMCP drops it silently) or a value longer than any path,
+        label or hub id it stands for."""
+        from tools.mcp.paths import PATH_MAX, shown
+
+        for k, v in (given or {}).items():
+            if k not in self.arguments:
+                raise ValueError(f"prompt {self.name}: unknown argument {shown(k)}; it takes "
+                                 f"{', '.join(self.arguments)}")
+            if len(str(v)) >= PATH_MAX:
+                raise ValueError(f"prompt {self.name}: argument {k} is {len(str(v))} characters; give at most "
+                                 f"{PATH_MAX - 1} (a path, a label or a hub id)")
+
     def values(self, given: dict[str, str] | None = None) -> dict[str, str]:
         return {k: d for k, (d, _) in self.arguments.items()} | {k: v for k, v in (given or {}).items() if v}
 
@@ -383,16 +406,21 @@ def prompt_function(spec: PromptSpec) -> Callable[..., str]:
 def resource_function(spec: ResourceSpec, app: Any) -> Callable[..., str]:
     """The FastMCP resource function of `spec` over `app`: run in a worker thread, failures as one line."""
     import anyio.to_thread
-    from fastmcp.exceptions import ResourceError
+    from fastmcp.exceptions import ResourceError, ValidationError as ArgumentsRefused
 
     names = [p for p in inspect.signature(spec.fn).parameters if p != "app"]
 
     async def fn(**kwargs: str) -> str:
+        from tools.mcp.app import to_tool_error
+        from tools.mcp.paths import PathNotAllowed
+
         try:
             return await anyio.to_thread.run_sync(lambda: spec.fn(app, **kwargs))
-        except Exception as exc:  # worded as the tools' errors are; an expected refusal, not a server fault
-            from tools.mcp.app import to_tool_error
-
+        except (ResourceFailure, PathNotAllowed) as exc:
+            # Nothing readable at this URI (no such run, a link out of the roots): invalid params, -32602, as the
+            # spec answers a resource not found (SEP-2164), not an internal error; worded as the tools' errors are.
+            raise ArgumentsRefused(str(to_tool_error(exc)), log_level=logging.DEBUG) from None
+        except Exception as exc:
             raise ResourceError(str(to_tool_error(exc)), log_level=logging.DEBUG) from None
 
     params = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, annotation=str) for n in names]

@@ -9,22 +9,26 @@ from tools.serving.ops import LogParams, QueryParams, StartParams, StatusParams,
 from tools.serving.vllm_server import QueryResult, ServerStatus, StartResult, StopResult
 
 
-@tool(toolset="serve", title="Start the vLLM server", params=StartParams, result=StartResult, long=True,
-      open_world=True)
-def start_vllm_server(app, p: StartParams, progress) -> Reply:
-    """Start vLLM detached with the serving config's flags, wait for /health and a first completion, and return
-    the engine's figures (KV cache tokens, kernels, load time). `model` is a folder under a models root or a hub
-    id (owner/name, downloaded by vLLM). Long: CPU ~1 min, a cold T4 start compiles."""
-    from tools.serving.vllm_server import start_server
-
+def _start_config(app, p: StartParams):
+    """The serving config of the instance with the model confined (a folder under a models root, or a hub id)."""
     base = app.config(instance=p.instance)
     also = (base.state_dir, base.instance_dir)  # vLLM runs there and would read a relative model string from there
     if p.model is not None:
         model = app.roots.confine_model(p.model, also_relative_to=also)
     else:  # the config's own MODEL_NAME: a folder there must be inside the roots too
         model = app.roots.confine_model(base.model, what="MODEL_NAME", also_relative_to=also)
-    cfg = app.config(**{**p.overrides(), "model": model})
-    res = start_server(cfg, progress=lambda frac, msg: progress(round(frac * 100, 1), 100, msg))
+    return app.config(**{**p.overrides(), "model": model})
+
+
+@tool(toolset="serve", title="Start the vLLM server", params=StartParams, result=StartResult, long=True,
+      open_world=True, check=_start_config)
+def start_vllm_server(app, p: StartParams, progress) -> Reply:
+    """Start vLLM detached with the serving config's flags, wait for /health and a first completion, and return
+    the engine's figures (KV cache tokens, kernels, load time). `model` is a folder under a models root or a hub
+    id (owner/name, downloaded by vLLM). Long: CPU ~1 min, a cold T4 start compiles."""
+    from tools.serving.vllm_server import start_server
+
+    res = start_server(_start_config(app, p), progress=lambda frac, msg: progress(round(frac * 100, 1), 100, msg))
     sf = res.start_fields
     return Reply(res, f"serving {res.served_name} at {res.base_url} (pid {res.pid}, {res.platform}) after "
                       f"{res.startup_s:.0f} s; KV cache {sf.kv_cache_tokens or '?'} tokens")

@@ -12,6 +12,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, Field
 
 from tools.errors import ToolFailure
+from tools.mcp.paths import shown
 from tools.params import OpParams
 from tools.serving.endpoint import EndpointParams
 
@@ -66,7 +67,7 @@ class SweepParams(EndpointParams):
     def validate(self) -> None:
         def positive(name: str, values: list[int]) -> None:
             if not values or any(int(v) <= 0 for v in values):
-                raise ToolFailure(f"{name} must be a non-empty list of positive integers, got {values!r}")
+                raise ToolFailure(f"{name} must be a non-empty list of positive integers, got {shown(values)}")
 
         positive("input_lens", self.input_lens)
         positive("concurrencies", self.concurrencies)
@@ -77,7 +78,8 @@ class SweepParams(EndpointParams):
         if self.price_per_hour < 0:
             raise ToolFailure(f"price_per_hour must be >= 0, got {self.price_per_hour}")
         if not self.label or any(c in self.label for c in "/\\ \t\n"):
-            raise ToolFailure(f"label {self.label!r} must be a non-empty name without slashes or spaces")
+            raise ToolFailure(f"label {shown(repr(self.label))} must be a non-empty name without slashes or spaces",
+                              {"argument": "label", "input": shown(self.label)})
 
     def identity(self) -> dict[str, Any]:
         """What makes two runs the same measurement (for resume): not the label, URL or output folder."""
