@@ -14,7 +14,8 @@ It takes every decision the reference takes, on the same numbers; what makes it 
   exact in float64, so a vector sum in any order equals the reference's left-to-right sum. Otherwise (values
   spread over more than ~15 binades, overflow) the left-to-right sum itself is taken.
   Near the best scale the differences are small enough that the squares and their sum are exact in float32
-  (checked on the sum itself), which halves the vectors again.
+  (checked on the sum itself), which halves the vectors again; the sums and counts compute the runtime
+  values on the way (no array in between), one function per format.
 - A reduction over 32 values runs to the array's length, not the constant 32: LLVM fully unrolls a short
   constant loop into a scalar chain before it would vectorize it.
 - Values are counted exact (T(c*q) == x) only where the objective needs the count: every candidate for
@@ -390,12 +391,25 @@ def _sq_any_order(rt, af):
     return acc
 
 
+# The same sum on float32 lanes (half the vectors), the runtime values computed on the way (no array in
+# between): exact where the result is below 2^(24+2k), see _sq. One function per format: with the format's
+# branch inside the loop LLVM no longer vectorizes it.
+
+
 @nb.njit(cache=True, fastmath={"reassoc"}, _nrt=False)
-def _sq32_any_order(rt, af):
-    # the same sum on float32 lanes (half the vectors): exact where the result is below 2^(24+2k), see _sq
+def _sq32_fp16(c32, aq, j, af):
     acc = np.float32(0.0)
     for i in range(len(af)):
-        d = rt[i] - af[i]
+        d = _fp16_round(c32 * aq[j, i]) - af[i]
+        acc += d * d
+    return acc
+
+
+@nb.njit(cache=True, fastmath={"reassoc"}, _nrt=False)
+def _sq32_bf16(c32, aq, j, af):
+    acc = np.float32(0.0)
+    for i in range(len(af)):
+        d = _bf16_round(c32 * aq[j, i]) - af[i]
         acc += d * d
     return acc
 
@@ -409,20 +423,11 @@ def _sq_in_order(rt, ax):
     return acc
 
 
-@nb.njit(cache=True, _nrt=False)
-def _n_equal(rt, af):
-    n = 0
-    for i in range(len(af)):
-        n += rt[i] == af[i]
-    return n
-
-
 @nb.njit(cache=True, inline="always", _nrt=False)
 def _sq(c, aq, j, ax, af, rt, amax, kx, sig, minexp, vmax):
     # squared runtime error of scale c with the levels of row j: (T(c*q) - x)^2 = (T(c*|q|) - |x|)^2 exactly. A
     # vector sum where every partial sum is exact in any order (then equal to the reference's left-to-right
     # sum), else the left-to-right sum itself
-    _runtime(c, aq, j, rt, sig)
     if c > 0.0:
         k = min(kx, max(_ilogb(c) - sig + 1, minexp))
         if max(np.float64(_round_t(np.float32(8.0 * c), sig)), amax) < _exp2(23 + k):
@@ -431,18 +436,40 @@ def _sq(c, aq, j, ax, af, rt, amax, kx, sig, minexp, vmax):
             # subnormals; k <= 51: no overflow), and a float32 sum below 2^(24+2k) means no term or partial sum
             # reached it (squares and sums of terms >= 0 round monotonically); else the float64 sum.
             if -74 <= k <= 51:
-                a32 = _sq32_any_order(rt, af)
+                c32 = np.float32(c)
+                a32 = _sq32_fp16(c32, aq, j, af) if sig == FP16_SIG else _sq32_bf16(c32, aq, j, af)
                 if a32 < _exp2(24 + 2 * k):
                     return np.float64(a32)
+            _runtime(c, aq, j, rt, sig)
             return _sq_any_order(rt, af)
+    _runtime(c, aq, j, rt, sig)
     return _sq_in_order(rt, ax)
 
 
+# Values with T(c*q) == x, the runtime values computed on the way; one function per format, as for _sq32_*.
+
+
+@nb.njit(cache=True, _nrt=False)
+def _n_equal_fp16(c32, aq, j, af):
+    n = 0
+    for i in range(len(af)):
+        n += _fp16_round(c32 * aq[j, i]) == af[i]
+    return n
+
+
+@nb.njit(cache=True, _nrt=False)
+def _n_equal_bf16(c32, aq, j, af):
+    n = 0
+    for i in range(len(af)):
+        n += _bf16_round(c32 * aq[j, i]) == af[i]
+    return n
+
+
 @nb.njit(cache=True, inline="always", _nrt=False)
-def _count(c, aq, j, af, rt, nf, sig):
+def _count(c, aq, j, af, nf, sig):
     # values with T(c*q) == x (NaN/inf sources are 0 at level 0: counted there, so taken off)
-    _runtime(c, aq, j, rt, sig)
-    return _n_equal(rt, af) - nf
+    c32 = np.float32(c)
+    return (_n_equal_fp16(c32, aq, j, af) if sig == FP16_SIG else _n_equal_bf16(c32, aq, j, af)) - nf
 
 
 @nb.njit(cache=True, inline="always", _nrt=False)
@@ -475,15 +502,15 @@ def _search(s, aq, sa, da, has_a, same_a, ax, af, amax, kx, nf,
                 if j == 0 or sq < bsq:
                     best, ba, bn, bsq = c, a, -1, sq
                 elif sq == bsq:
-                    n = _count(c, aq, int(a), af, rt, nf, sig)
+                    n = _count(c, aq, int(a), af, nf, sig)
                     if bn < 0:
-                        bn = _count(best, aq, int(ba), af, rt, nf, sig)
+                        bn = _count(best, aq, int(ba), af, nf, sig)
                     if n > bn:
                         best, ba, bn, bsq = c, a, n, sq
                 if bsq == 0.0:  # every value exact: sq == 0 for no other count
                     return best, ba, 32 - nf, bsq
             else:
-                n = _count(c, aq, int(a), af, rt, nf, sig)
+                n = _count(c, aq, int(a), af, nf, sig)
                 if n == 32:
                     return c, a, n, 0.0
                 if n >= bn:
