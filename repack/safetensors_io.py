@@ -101,13 +101,15 @@ def open_confined(path: Path, within: Within = ()) -> int:
 
     The error never says where a link outside points: that would tell a client what lies outside its roots."""
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        # O_NONBLOCK: opening a FIFO (or a link to one) would otherwise wait forever for a writer
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError as e:
         raise open_error(path, e) from None
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise RepackError(f"{clip(path)}: not a regular file; pass a checkpoint whose shards are files",
                               {"file": clip(path), "problem": "not-a-file"})
+        os.set_blocking(fd, True)
         if within:
             try:
                 real = os.readlink(f"/proc/self/fd/{fd}")
