@@ -32,7 +32,8 @@ from . import grid
 from . import schemes
 from .atomic import (REPORT, atomic_directory, check_destination, check_no_symlink_loop, check_stopped,
                      sweep_stale_partials)
-from .checkpoint import INDEX, MM_PREFIX, TOWER_PREFIXES, Checkpoint, check_unique_outputs, open_checkpoint
+from .checkpoint import (INDEX, MM_PREFIX, TOWER_PREFIXES, Checkpoint, check_source_folder, check_unique_outputs,
+                         confinement, open_checkpoint)
 from .errors import RepackError, clip
 from .report import TABLES, RepackReport, TableReport
 from .safetensors_io import MappedFile, OutShard, OutTensor, ShardWriter, TensorInfo, write_error
@@ -226,13 +227,16 @@ def build_checkpoint(src: str | Path, out: str | Path, options: BuildOptions | N
     opt = options or BuildOptions()
     t0 = time.perf_counter()
     src, out = Path(src), Path(out)
-    # first, whatever else fails: dead builds' leftovers go, and a crashed replacement of OUT itself is rolled
-    # back, so OUT is judged as it is
-    removed = sweep_stale_partials(Path(os.path.abspath(out)).parent)
+    protected_roots = list(protected_roots)
+    check_no_symlink_loop(src, "source folder")
+    check_source_folder(src)
+    # then, whatever else fails: dead builds' leftovers go, and a crashed replacement of OUT itself is rolled
+    # back, so OUT is judged as it is; never the source, the folders its files may lie in, or a protected one
+    keep = [src, *protected_roots, *(d for _, dirs in confinement(src, roots) for d in dirs)]
+    removed = sweep_stale_partials(Path(os.path.abspath(out)).parent, keep)
     for line in removed:
         if notice:
             notice(line)
-    check_no_symlink_loop(src, "source folder")
     ck = open_checkpoint(src, roots)
     check_destination(out, opt.force, src, protected_roots,
                       [ck.path / "config.json", *(sh.path for sh in ck.shards), *ck.side_files()])

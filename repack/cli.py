@@ -157,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     # read-only: leftovers of dead builds beside SRC are only reported; the next build there removes them
-    stale = [lo.describe() for lo in find_stale_partials(Path(os.path.abspath(params.path)).parent)]
+    stale = [lo.describe() for lo in find_stale_partials(Path(os.path.abspath(params.path)).parent,
+                                                         keep=[params.path])]
     if args.json:
         print(json.dumps({**rep.to_dict(), "stale_partials": stale}, indent=2))
     else:

@@ -49,3 +49,52 @@ def test_a_side_file_linking_to_a_fifo_is_refused(src, tmp_path):
     r = _cli_with_timeout("build", src, tmp_path / "out")
     assert r.returncode == 2, r.stderr
     one_line_error(r.stderr, "tokenizer_config.json", "not a regular file")
+
+
+# -- what the sweep of dead builds' leftovers may touch ----------------------------------------------------------
+
+TOKEN = "999999-1-0123abcd"
+
+
+def _tree(p: Path) -> dict[str, bytes]:
+    return {str(f.relative_to(p)): f.read_bytes() for f in sorted(p.rglob("*")) if f.is_file()}
+
+
+@pytest.mark.parametrize("where", [f".qat.partial-{TOKEN}", f".x.old-{TOKEN}", f".y.partial-{TOKEN}/qat"])
+@pytest.mark.parametrize("lock", [False, True])
+def test_the_sweep_never_touches_the_source(tmp_path, capsys, where, lock):
+    """A source named like a dead build's leftover (even with an unlocked lock file beside it), or inside one, is
+    neither removed nor renamed; the build reads it and succeeds."""
+    src = write_small_checkpoint(tmp_path / where)
+    before = _tree(src)
+    top = tmp_path / where.split("/")[0]
+    if lock:
+        (tmp_path / top.name.replace(".partial-", ".lock-").replace(".old-", ".lock-")).touch()
+    rc, err = repack_cli(capsys, "build", src, tmp_path / "out")
+    assert rc == 0, err
+    assert _tree(src) == before and not (tmp_path / "x").exists()
+    assert "removed" not in err and "restored" not in err
+
+
+def test_probe_does_not_report_its_own_source_as_a_leftover(tmp_path, capsys):
+    src = write_small_checkpoint(tmp_path / f".qat.partial-{TOKEN}")
+    (tmp_path / f".qat.lock-{TOKEN}").touch()
+    assert cli.main(["probe", str(src), "--json"]) == 0
+    import json
+    assert json.loads(capsys.readouterr().out)["stale_partials"] == []
+
+
+def test_the_sweep_skips_links_and_folders_that_are_not_a_builds(src, tmp_path, capsys):
+    """A link named like a leftover (even to a folder of data) and a leftover-named file are not a build's
+    temporary folders: kept, with the lock file that names them."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "keep").write_text("x")
+    (tmp_path / f".d.old-{TOKEN}").symlink_to(data)
+    (tmp_path / f".d.lock-{TOKEN}").touch()
+    (tmp_path / f".e.partial-{TOKEN}").write_text("not a folder")
+    (tmp_path / f".e.lock-{TOKEN}").touch()
+    rc, err = repack_cli(capsys, "build", src, tmp_path / "out")
+    assert rc == 0, err
+    assert (tmp_path / f".d.old-{TOKEN}").is_symlink() and not (tmp_path / "d").exists()
+    assert (data / "keep").read_text() == "x" and (tmp_path / f".e.partial-{TOKEN}").read_text() == "not a folder"
