@@ -156,10 +156,17 @@ def check_no_symlink_loop(path: str | Path, what: str = "folder") -> None:
                               f"itself; fix or remove that link") from None
 
 
-def _target(out: Path) -> Path:
-    """OUT with its parent folder's symbolic links resolved (the last component is kept as given)."""
-    p = Path(os.path.abspath(out))
-    return Path(os.path.realpath(p.parent)) / p.name if p.name else p
+def resolve_output(out: str | Path) -> Path:
+    """The folder the kernel would create for OUT (where a build is written, what messages should name): its parent resolved as the kernel walks it (a `..` after a
+    symbolic link leads out of the link's target, not back beside the link, so nothing is collapsed as text);
+    the last component is kept as given."""
+    s = os.fspath(out)
+    if not os.path.isabs(s):
+        s = os.path.join(os.getcwd(), s)
+    head, name = os.path.split(s.rstrip("/") or "/")
+    if name in ("", ".", ".."):
+        return Path(os.path.realpath(s))
+    return Path(os.path.realpath(head)) / name
 
 
 def _inside(a: Path, b: Path) -> bool:
@@ -203,7 +210,7 @@ def check_destination(out: str | Path, force: bool, src: str | Path | None = Non
     """Refuses (RepackError, nothing touched) an output that a build must not write or replace."""
     out = Path(out)
     check_no_symlink_loop(out, "output folder")
-    t = _target(out)
+    t = resolve_output(out)
     real = Path(os.path.realpath(t))
     if t == t.parent or real == real.parent:
         raise RepackError(f"{out}: the output folder is the file system root; choose a new folder")
@@ -583,7 +590,7 @@ def atomic_directory(out: str | Path, force: bool) -> Iterator[Path]:
     temporary folder and the parent folders this call created are removed and OUT is left as it was. If the
     exception comes after OUT was published, it carries `written = OUT` so a caller can say so."""
     shown = Path(out)
-    t = _target(shown)
+    t = resolve_output(shown)
     parent, name = t.parent, t.name
     state = _Publish()
     with signals_as_exceptions():

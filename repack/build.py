@@ -31,7 +31,7 @@ from . import config as cfgmod
 from . import grid
 from . import schemes
 from .atomic import (REPORT, atomic_directory, check_destination, check_no_symlink_loop, check_stopped,
-                     sweep_stale_partials)
+                     resolve_output, sweep_stale_partials)
 from .checkpoint import (INDEX, MM_PREFIX, TOWER_PREFIXES, Checkpoint, check_source_folder, check_unique_outputs,
                          confinement, open_checkpoint)
 from .errors import RepackError, clip
@@ -227,13 +227,14 @@ def build_checkpoint(src: str | Path, out: str | Path, options: BuildOptions | N
     opt = options or BuildOptions()
     t0 = time.perf_counter()
     src, out = Path(src), Path(out)
+    target = resolve_output(out)  # what the kernel makes of OUT: where the build goes, what the report names
     protected_roots = list(protected_roots)
     check_no_symlink_loop(src, "source folder")
     check_source_folder(src)
     # then, whatever else fails: dead builds' leftovers go, and a crashed replacement of OUT itself is rolled
     # back, so OUT is judged as it is; never the source, the folders its files may lie in, or a protected one
     keep = [src, *protected_roots, *(d for _, dirs in confinement(src, roots) for d in dirs)]
-    removed = sweep_stale_partials(Path(os.path.abspath(out)).parent, keep)
+    removed = sweep_stale_partials(target.parent, keep)
     for line in removed:
         if notice:
             notice(line)
@@ -254,7 +255,7 @@ def build_checkpoint(src: str | Path, out: str | Path, options: BuildOptions | N
             h = tables["lm_head"]
             h.tensors += 1
             h.bytes_after += sum(o.nbytes for k, o in it.outs.items() if k.startswith("head_"))
-    report = schemes.SchemeReport(source=str(src), output=str(out), options=asdict(opt), scale_dtype=opt.scale_dtype,
+    report = schemes.SchemeReport(source=str(src), output=str(target), options=asdict(opt), scale_dtype=opt.scale_dtype,
                                   other_dtype=other, target_dtype=opt.target_dtype,  # type: ignore[arg-type]
                                   objective=opt.objective, implementation=grid.implementation(), tables=tables,
                                   output_shards=len(shards),
@@ -265,7 +266,7 @@ def build_checkpoint(src: str | Path, out: str | Path, options: BuildOptions | N
     for sh in shards:
         sh.layout(metadata)  # fixes sizes for the space check
     need = sum(sh.size for sh in shards if sh.hardlink_from is None)
-    free = _free_bytes(out)
+    free = _free_bytes(target)
     if free is not None and need > free:
         raise RepackError(f"{out.parent}: the build needs {need / 1e9:.2f} GB and only {free / 1e9:.2f} GB is "
                           f"free; free some space or choose another output folder")

@@ -98,3 +98,29 @@ def test_the_sweep_skips_links_and_folders_that_are_not_a_builds(src, tmp_path, 
     assert rc == 0, err
     assert (tmp_path / f".d.old-{TOKEN}").is_symlink() and not (tmp_path / "d").exists()
     assert (data / "keep").read_text() == "x" and (tmp_path / f".e.partial-{TOKEN}").read_text() == "not a folder"
+
+
+# -- the output path -----------------------------------------------------------------------------------------------
+
+def test_dotdot_after_a_symlink_is_resolved_as_the_kernel_does(src, tmp_path, capsys):
+    """X/lnk/../out, lnk pointing into the source, is the source's subfolder to the kernel, not X/out: refused."""
+    (src / "deeper").mkdir()
+    (tmp_path / "X").mkdir()
+    (tmp_path / "X" / "lnk").symlink_to(src / "deeper")
+    rc, err = repack_cli(capsys, "build", src, f"{tmp_path}/X/lnk/../out")
+    assert rc == 2
+    one_line_error(err, "inside the source folder")
+    assert not (src / "out").exists() and not (tmp_path / "X" / "out").exists()
+
+
+def test_the_path_written_is_the_one_reported(src, tmp_path, capsys):
+    (tmp_path / "elsewhere" / "deeper").mkdir(parents=True)
+    (tmp_path / "X").mkdir()
+    (tmp_path / "X" / "lnk").symlink_to(tmp_path / "elsewhere" / "deeper")
+    rc, err = repack_cli(capsys, "build", src, f"{tmp_path}/X/lnk/../out")
+    assert rc == 0, err
+    real = tmp_path / "elsewhere" / "out"
+    assert (real / "repack-report.json").is_file() and not (tmp_path / "X" / "out").exists()
+    assert f"wrote {real} " in err
+    import json
+    assert json.loads((real / "repack-report.json").read_text())["output"] == str(real)
