@@ -169,6 +169,27 @@ def resolve_output(out: str | Path) -> Path:
     return Path(os.path.realpath(head)) / name
 
 
+# the longest temporary name is `.NAME.partial-PID-START-RAND`: PID up to 7 digits (Linux's pid_max is at most
+# 2**22), START 13 (milliseconds since 1970 until the year 2286), RAND 8
+_TEMP_EXTRA = len(".") + len(".partial-") + 7 + 1 + 13 + 1 + 8
+
+
+def _check_name_length(out: str | Path, t: Path) -> None:
+    """Refuses an output name too long to be written under its temporary name, before anything is touched."""
+    p = t.parent
+    while not os.path.exists(p) and p != p.parent:
+        p = p.parent
+    try:
+        limit = os.pathconf(p, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        limit = 255
+    n = len(os.fsencode(t.name))
+    if n + _TEMP_EXTRA > limit:
+        raise RepackError(f"{out}: the output folder's name is {n} bytes, too long: a build writes it first under a "
+                          f"temporary name {_TEMP_EXTRA} bytes longer, and this file system allows {limit} bytes per "
+                          f"name; choose a name of at most {limit - _TEMP_EXTRA} bytes")
+
+
 def _inside(a: Path, b: Path) -> bool:
     """a is b or below it."""
     return a == b or b in a.parents
@@ -214,6 +235,7 @@ def check_destination(out: str | Path, force: bool, src: str | Path | None = Non
     real = Path(os.path.realpath(t))
     if t == t.parent or real == real.parent:
         raise RepackError(f"{out}: the output folder is the file system root; choose a new folder")
+    _check_name_length(out, t)
     for root in protected_roots:
         r = Path(os.path.realpath(root))
         if _inside(r, real) or _inside(r, t):

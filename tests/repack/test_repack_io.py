@@ -124,3 +124,15 @@ def test_the_path_written_is_the_one_reported(src, tmp_path, capsys):
     assert f"wrote {real} " in err
     import json
     assert json.loads((real / "repack-report.json").read_text())["output"] == str(real)
+
+
+def test_an_output_name_too_long_for_its_temporary_name_is_refused_up_front(src, tmp_path, capsys):
+    out = tmp_path / ("b" * 230)
+    out.mkdir()  # a legal name here...
+    out.rmdir()
+    rc, err = repack_cli(capsys, "build", src, out)  # ...but not with the temporary name's 40 more bytes
+    assert rc == 2
+    one_line_error(err, "230 bytes", "at most 215 bytes")
+    assert list(tmp_path.iterdir()) == [src]
+    rc, err = repack_cli(capsys, "build", src, tmp_path / ("b" * 215))
+    assert rc == 0, err
