@@ -174,13 +174,18 @@ def resolve_output(out: str | Path) -> Path:
 _TEMP_EXTRA = len(".") + len(".partial-") + 7 + 1 + 13 + 1 + 8
 
 
-def _check_name_length(out: str | Path, t: Path) -> None:
-    """Refuses an output name too long to be written under its temporary name, before anything is touched."""
-    p = t.parent
+def existing_ancestor(p: Path) -> Path:
+    """The nearest folder above `p` that exists: the file system a build of `p` will be written on."""
+    p = p.parent
     while not os.path.exists(p) and p != p.parent:
         p = p.parent
+    return p
+
+
+def _check_name_length(out: str | Path, t: Path) -> None:
+    """Refuses an output name too long to be written under its temporary name, before anything is touched."""
     try:
-        limit = os.pathconf(p, "PC_NAME_MAX")
+        limit = os.pathconf(existing_ancestor(t), "PC_NAME_MAX")
     except (OSError, ValueError):
         limit = 255
     n = len(os.fsencode(t.name))

@@ -404,13 +404,27 @@ def _allocate(fd: int, size: int, path: Path) -> None:
             raise write_error(path, e) from None
 
 
-def write_error(path: Path, e: OSError) -> RepackError:
-    import errno
+class WriteError(RepackError):
+    """A failed write of an output file: `path` and the OSError's `errno` let a caller name the file as the user
+    knows it (a build writes under a temporary folder name)."""
 
-    if e.errno in (errno.ENOSPC, errno.EDQUOT):
-        return RepackError(f"{path}: no space left on the device while writing the output; free some space "
-                           f"or choose another output folder")
-    return RepackError(f"{path}: write failed ({e.strerror or e})")
+    def __init__(self, path: Path, e: OSError) -> None:
+        self.path, self.errno = Path(path), e.errno
+        if self.no_space:
+            super().__init__(f"{path}: no space left on the device while writing the output; free some space or "
+                             f"choose another output folder")
+        else:
+            super().__init__(f"{path}: write failed ({e.strerror or e})")
+
+    @property
+    def no_space(self) -> bool:
+        import errno
+
+        return self.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def write_error(path: Path, e: OSError) -> WriteError:
+    return WriteError(path, e)
 
 
 def iter_blocks(total: int, block: int) -> Iterator[tuple[int, int]]:

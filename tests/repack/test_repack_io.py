@@ -136,3 +136,76 @@ def test_an_output_name_too_long_for_its_temporary_name_is_refused_up_front(src,
     assert list(tmp_path.iterdir()) == [src]
     rc, err = repack_cli(capsys, "build", src, tmp_path / ("b" * 215))
     assert rc == 0, err
+
+
+# -- free space --------------------------------------------------------------------------------------------------
+
+def _with_tower_shard(src: Path) -> Path:
+    """src with a second shard holding only a tower tensor: unchanged by a build that keeps the towers, so it is
+    reused by a hard link where the output's file system allows one."""
+    import json
+    import struct
+
+    (src / "model.safetensors").rename(src / "model-00001-of-00002.safetensors")
+    name, rows, cols = "model.vision_tower.encoder.layers.1.mlp.up_proj.linear.weight", 1024, 1024
+    raw = json.dumps({name: {"dtype": "BF16", "shape": [rows, cols], "data_offsets": [0, rows * cols * 2]}}).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(src / "model-00002-of-00002.safetensors", "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw + bytes(rows * cols * 2))
+    b = (src / "model-00001-of-00002.safetensors").read_bytes()
+    n = struct.unpack("<Q", b[:8])[0]
+    wm = {k: "model-00001-of-00002.safetensors" for k in json.loads(b[8:8 + n]) if k != "__metadata__"}
+    wm[name] = "model-00002-of-00002.safetensors"
+    (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": wm}))
+    return src
+
+
+@pytest.fixture
+def other_fs(tmp_path):
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (not root)")
+    yield mnt
+    subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_the_space_check_counts_a_link_that_becomes_a_copy(src, tmp_path, other_fs, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    from repack.build import BuildOptions, build_checkpoint
+    from repack.errors import RepackError
+
+    _with_tower_shard(src)
+    opt = BuildOptions(text_only=False)
+    rep = build_checkpoint(src, tmp_path / "same_fs", opt)
+    assert rep.hardlinked_shards == 1
+    # room for what a build writes when the link works, not for the 2 MiB copy it makes across file systems
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(1 << 40, 0, rep.bytes_written + (1 << 20)))
+    with pytest.raises(RepackError, match="the build needs .* GB and only"):
+        build_checkpoint(src, other_fs / "out", opt)
+    assert list(other_fs.iterdir()) == []
+    build_checkpoint(src, tmp_path / "again", opt)  # on the source's file system the same room is enough
+
+
+def test_a_full_disk_names_the_output_and_the_space_needed(src, tmp_path, capsys, monkeypatch):
+    import errno
+
+    from repack import safetensors_io
+
+    real = os.pwrite
+    calls = {"n": 0}
+
+    def pwrite(fd, data, offset):
+        calls["n"] += 1
+        if calls["n"] > 4:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(safetensors_io.os, "pwrite", pwrite)
+    rc, err = repack_cli(capsys, "build", src, tmp_path / "out")
+    assert rc == 2
+    line = one_line_error(err, f"{tmp_path / 'out'}: no space left", "the build needs", "GB")
+    assert ".partial-" not in line and not (tmp_path / "out").exists()
