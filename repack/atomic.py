@@ -4,9 +4,13 @@ What the user can rely on, in every window:
 - The output is never a filesystem root, a protected folder (a configured root, the home or working folder) or
   a folder above one, never the source, inside it or above it. An existing output is replaced (--force) only
   when it is an empty folder or exactly a build this tool wrote (its repack-report.json lists every file in it).
-- The new build is written into `.OUT.partial-PID-START-TOKEN` beside OUT (PID and START, the owner's process
-  start time in ms, tell a live owner from a dead one or a recycled pid). An error, Ctrl-C, SIGTERM or SIGHUP
-  removes it; a SIGKILL or a crash leaves it, and the next build in that folder removes it.
+- The new build is written into `.OUT.partial-PID-START-RAND` beside OUT (PID and START, the owner's process
+  start time in ms, name the owner in messages). The owner holds an advisory lock (flock) on `.OUT.lock-PID-START-RAND`
+  from before its folders exist until after they are gone; the kernel drops it however the owner ends, and in
+  any PID namespace, so a lock that can be taken marks a dead build's leftovers. An error, Ctrl-C, SIGTERM or
+  SIGHUP removes them; a SIGKILL or a crash leaves them, and the next build in that folder removes them. Nothing
+  else is swept: not a folder named like a leftover without its lock file, a link, a mount point, nor the source
+  or a protected folder (nor anything holding one or inside one).
 - Publishing swaps the complete new folder with the old one in one step (Linux renameat2 RENAME_EXCHANGE), so
   OUT is always either the old build or the new one; the old one is then deleted from the temporary name.
   Where the file system cannot exchange, OUT is moved aside to `.OUT.old-PID-START-TOKEN` and the new folder
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import json
 import os
 import platform
@@ -28,6 +33,7 @@ import re
 import secrets
 import shutil
 import signal
+import stat
 import threading
 import time
 from contextlib import contextmanager
@@ -42,7 +48,7 @@ RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2
 _AT_FDCWD = -100
 _SYS_RENAMEAT2 = {"x86_64": 316, "aarch64": 276, "i686": 353, "i386": 353, "armv7l": 382, "ppc64le": 357,
                   "s390x": 347, "riscv64": 276}
-_NAME_RE = re.compile(r"^\.(?P<name>.+)\.(?P<kind>partial|old)-(?P<pid>\d+)-(?P<start>\d+)-(?P<rand>[0-9a-f]{8})$")
+_NAME_RE = re.compile(r"^\.(?P<name>.+)\.(?P<kind>partial|old|lock)-(?P<pid>\d+)-(?P<start>\d+)-(?P<rand>[0-9a-f]{8})$")
 
 
 class Terminated(KeyboardInterrupt):
@@ -138,11 +144,6 @@ def _own_id() -> tuple[int, int]:
     return _own
 
 
-def _owner_alive(pid: int, start: int) -> bool:
-    now = _start_ms(pid)
-    return now is not None and (now == -1 or abs(now - start) <= 1000)
-
-
 # -- paths ----------------------------------------------------------------------------------------------------
 
 def check_no_symlink_loop(path: str | Path, what: str = "folder") -> None:
@@ -155,10 +156,43 @@ def check_no_symlink_loop(path: str | Path, what: str = "folder") -> None:
                               f"itself; fix or remove that link") from None
 
 
-def _target(out: Path) -> Path:
-    """OUT with its parent folder's symbolic links resolved (the last component is kept as given)."""
-    p = Path(os.path.abspath(out))
-    return Path(os.path.realpath(p.parent)) / p.name if p.name else p
+def resolve_output(out: str | Path) -> Path:
+    """The folder the kernel would create for OUT (where a build is written, what messages should name): its parent resolved as the kernel walks it (a `..` after a
+    symbolic link leads out of the link's target, not back beside the link, so nothing is collapsed as text);
+    the last component is kept as given."""
+    s = os.fspath(out)
+    if not os.path.isabs(s):
+        s = os.path.join(os.getcwd(), s)
+    head, name = os.path.split(s.rstrip("/") or "/")
+    if name in ("", ".", ".."):
+        return Path(os.path.realpath(s))
+    return Path(os.path.realpath(head)) / name
+
+
+# the longest temporary name is `.NAME.partial-PID-START-RAND`: PID up to 7 digits (Linux's pid_max is at most
+# 2**22), START 13 (milliseconds since 1970 until the year 2286), RAND 8
+_TEMP_EXTRA = len(".") + len(".partial-") + 7 + 1 + 13 + 1 + 8
+
+
+def existing_ancestor(p: Path) -> Path:
+    """The nearest folder above `p` that exists: the file system a build of `p` will be written on."""
+    p = p.parent
+    while not os.path.exists(p) and p != p.parent:
+        p = p.parent
+    return p
+
+
+def _check_name_length(out: str | Path, t: Path) -> None:
+    """Refuses an output name too long to be written under its temporary name, before anything is touched."""
+    try:
+        limit = os.pathconf(existing_ancestor(t), "PC_NAME_MAX")
+    except (OSError, ValueError):
+        limit = 255
+    n = len(os.fsencode(t.name))
+    if n + _TEMP_EXTRA > limit:
+        raise RepackError(f"{out}: the output folder's name is {n} bytes, too long: a build writes it first under a "
+                          f"temporary name {_TEMP_EXTRA} bytes longer, and this file system allows {limit} bytes per "
+                          f"name; choose a name of at most {limit - _TEMP_EXTRA} bytes")
 
 
 def _inside(a: Path, b: Path) -> bool:
@@ -202,10 +236,11 @@ def check_destination(out: str | Path, force: bool, src: str | Path | None = Non
     """Refuses (RepackError, nothing touched) an output that a build must not write or replace."""
     out = Path(out)
     check_no_symlink_loop(out, "output folder")
-    t = _target(out)
+    t = resolve_output(out)
     real = Path(os.path.realpath(t))
     if t == t.parent or real == real.parent:
         raise RepackError(f"{out}: the output folder is the file system root; choose a new folder")
+    _check_name_length(out, t)
     for root in protected_roots:
         r = Path(os.path.realpath(root))
         if _inside(r, real) or _inside(r, t):
@@ -245,10 +280,10 @@ class Leftover:
 
     path: Path
     name: str     # the output folder's name
-    kind: str     # "partial" or "old"
+    kind: str     # "partial", "old" or "lock"
     pid: int
     start_ms: int
-    token: str    # pid-start-rand: shared by the two folders of one swap
+    token: str    # pid-start-rand: shared by the folders and the lock file of one build
 
     def describe(self) -> str:
         return f"{self.path} ({_size(_du(self.path))}, left by pid {self.pid}, which is no longer running)"
@@ -262,17 +297,123 @@ def _parse(p: Path) -> Leftover | None:
     return Leftover(p, m["name"], m["kind"], int(m["pid"]), int(m["start"]), token)
 
 
-def find_stale_partials(folder: str | Path) -> list[Leftover]:
-    """The build leftovers in `folder` whose owner process is gone. Reads only."""
+class _Lock:
+    """A build's hold on its lock file (see the module's docstring)."""
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path, self.fd = path, fd
+
+    @classmethod
+    def create(cls, path: Path) -> "_Lock | None":
+        """Creates and locks `path`; None when the name is taken (or was swept before the lock was held)."""
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        except FileExistsError:
+            return None
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)  # waits only while a sweep that saw the new file checks it
+            except OSError as e:
+                if e.errno not in _NO_LOCKS:
+                    raise
+                # no locks on this file system: sweeps cannot take it either, so they keep these folders
+            if not _same_file(fd, path):  # a sweep took the lock first and removed the file
+                os.close(fd)
+                return None
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(path, fd)
+
+    def release(self) -> None:
+        """Removes the lock file, then drops the lock (a sweep waiting on it then finds the file gone)."""
+        fd, self.fd = self.fd, -1
+        if fd < 0:
+            return
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+        os.close(fd)
+
+
+_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL)
+
+
+def _same_file(fd: int, path: Path) -> bool:
     try:
+        a, b = os.fstat(fd), os.stat(path, follow_symlinks=False)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def _take_dead_lock(path: Path, exclusive: bool) -> int | None:
+    """A descriptor holding the lock of a dead build's lock file; None while its owner lives (or when it cannot be
+    told: a link, another user's file, no lock support), so the folders are kept."""
+    try:
+        fd = os.open(path, (os.O_RDWR if exclusive else os.O_RDONLY) | os.O_NOFOLLOW | os.O_NONBLOCK
+                     | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+        if stat.S_ISREG(os.fstat(fd).st_mode) and _same_file(fd, path):
+            return fd
+    except OSError:
+        pass
+    os.close(fd)
+    return None
+
+
+def _related(p: Path, keep: list[Path]) -> bool:
+    return any(_inside(k, p) or _inside(p, k) for k in keep)
+
+
+def _leftover_groups(folder: Path, keep: Iterable[str | Path]) -> list[tuple[str, str, list[Leftover]]]:
+    """Each build's leftovers in `folder` that have a lock file: (output name, token, its folders). A build with
+    any folder that is not one a build makes (a link, a mount point) or that is, holds or lies inside a kept path
+    is left out whole: settling it partly could rename or delete what is not ours."""
+    try:
+        folder = Path(os.path.realpath(folder))
+        dev = os.stat(folder).st_dev
         entries = list(os.scandir(folder))
     except OSError:
         return []
-    found = []
+    kept = [Path(os.path.realpath(k)) for k in keep]
+    groups: dict[tuple[str, str], list[Leftover]] = {}
+    bad: set[tuple[str, str]] = set()
     for e in entries:
         lo = _parse(Path(e.path))
-        if lo is not None and not (lo.pid, lo.start_ms) == _own_id() and not _owner_alive(lo.pid, lo.start_ms):
-            found.append(lo)
+        if lo is None:
+            continue
+        key = (lo.name, lo.token)
+        groups.setdefault(key, []).append(lo)
+        try:
+            st = e.stat(follow_symlinks=False)
+        except OSError:
+            bad.add(key)
+            continue
+        want = stat.S_ISREG if lo.kind == "lock" else stat.S_ISDIR
+        if not want(st.st_mode) or st.st_dev != dev or _related(lo.path, kept):
+            bad.add(key)
+    out = []
+    for key, los in sorted(groups.items()):
+        if key in bad or not any(lo.kind == "lock" for lo in los):
+            continue  # without its lock file it is not a leftover of a build that can be judged
+        out.append((key[0], key[1], sorted((lo for lo in los if lo.kind != "lock"), key=lambda x: x.path.name)))
+    return out
+
+
+def find_stale_partials(folder: str | Path, keep: Iterable[str | Path] = ()) -> list[Leftover]:
+    """The build leftovers in `folder` whose owner is gone (its lock can be taken). Reads only. `keep`: paths never
+    reported (the source a command reads)."""
+    found = []
+    for name, token, los in _leftover_groups(Path(folder), keep):
+        fd = _take_dead_lock(Path(folder) / f".{name}.lock-{token}", exclusive=False)
+        if fd is not None:
+            os.close(fd)
+            found += los
     return sorted(found, key=lambda x: x.path.name)
 
 
@@ -296,18 +437,30 @@ def _settle(parent: Path, name: str, token: str) -> list[Path]:
     return removed
 
 
-def sweep_stale_partials(folder: str | Path) -> list[str]:
-    """Removes (or rolls back) the build leftovers in `folder` whose owner is gone; returns one line for each."""
-    stale = find_stale_partials(folder)
-    desc = {lo.path: lo.describe() for lo in stale}
+def sweep_stale_partials(folder: str | Path, keep: Iterable[str | Path] = ()) -> list[str]:
+    """Removes (or rolls back) the build leftovers in `folder` whose owner is gone; returns one line for each.
+    `keep`: paths that are never touched, nor anything holding them or inside them (the source, the roots)."""
+    folder = Path(os.path.realpath(folder))
     lines = []
-    for name, token in dict.fromkeys((lo.name, lo.token) for lo in stale):
-        old = Path(folder) / f".{name}.old-{token}"
-        removed = _settle(Path(folder), name, token)
-        lines += [f"removed {desc.get(p, p)}" for p in removed]
-        if old in desc and old not in removed and not os.path.lexists(old):
-            lines.append(f"restored {Path(folder) / name} from {old}: its replacement was interrupted when pid "
-                         f"{token.split('-')[0]} stopped")
+    for name, token, los in _leftover_groups(folder, keep):
+        lock = folder / f".{name}.lock-{token}"
+        fd = _take_dead_lock(lock, exclusive=True)
+        if fd is None:
+            continue
+        try:  # held while settling: another build's sweep skips this one meanwhile
+            desc = {lo.path: lo.describe() for lo in los}
+            old = folder / f".{name}.old-{token}"
+            removed = _settle(folder, name, token)
+            lines += [f"removed {desc.get(p, p)}" for p in removed]
+            if old in desc and old not in removed and not os.path.lexists(old):
+                lines.append(f"restored {folder / name} from {old}: its replacement was interrupted when pid "
+                             f"{token.split('-')[0]} stopped")
+            if not os.path.lexists(old):  # an old build that could not be restored keeps its lock file
+                os.unlink(lock)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
     return lines
 
 
@@ -336,7 +489,7 @@ def _size(n: int) -> str:
 # -- this process's builds -----------------------------------------------------------------------------------
 
 _live_lock = threading.RLock()  # re-entrant: cleanup_own_partials may run in a signal handler
-_live: dict[Path, tuple[Path, str, str]] = {}  # temporary folder -> (parent, output name, token)
+_live: dict[Path, tuple[Path, str, str, _Lock]] = {}  # temporary folder -> (parent, output name, token, lock)
 _stop = threading.Event()
 
 
@@ -361,8 +514,9 @@ def cleanup_own_partials(wait_s: float = 5.0) -> list[str]:
     with _live_lock:
         left = list(_live.values())
     removed = []
-    for parent, name, token in left:
+    for parent, name, token, lock in left:
         removed += [str(p) for p in _settle(parent, name, token)]
+        lock.release()
     return removed
 
 
@@ -431,16 +585,22 @@ def _remove_parents(created: list[Path]) -> None:
             break  # not empty any more: someone else uses it
 
 
-def _make_temp(parent: Path, name: str) -> tuple[Path, str]:
+def _make_temp(parent: Path, name: str) -> tuple[Path, str, _Lock]:
     pid, start = _own_id()
     for _ in range(100):
         token = f"{pid}-{start}-{secrets.token_hex(4)}"
+        lock = _Lock.create(parent / f".{name}.lock-{token}")  # first: a folder never exists unlocked
+        if lock is None:
+            continue
         tmp = parent / f".{name}.partial-{token}"
         try:
             os.mkdir(tmp)  # mode 0o777 less the umask, like any folder the user creates (mkdtemp would give 0700)
-            return tmp, token
-        except FileExistsError:
-            continue
+            return tmp, token, lock
+        except BaseException as e:
+            lock.release()
+            if isinstance(e, FileExistsError):
+                continue
+            raise
     raise RepackError(f"{parent}: cannot find a free temporary name for {name}")
 
 
@@ -457,38 +617,47 @@ def atomic_directory(out: str | Path, force: bool) -> Iterator[Path]:
     temporary folder and the parent folders this call created are removed and OUT is left as it was. If the
     exception comes after OUT was published, it carries `written = OUT` so a caller can say so."""
     shown = Path(out)
-    t = _target(shown)
+    t = resolve_output(shown)
     parent, name = t.parent, t.name
     state = _Publish()
     with signals_as_exceptions():
         created: list[Path] = []
         tmp: Path | None = None
+        lock: _Lock | None = None
         token = ""
         try:
             check_stopped(shown)
             with _signals_held():  # no window where a folder exists but is not yet ours to remove
                 try:
                     _make_parents(parent, created)
-                    tmp, token = _make_temp(parent, name)
+                    tmp, token, lock = _make_temp(parent, name)
                 except OSError as e:
                     raise RepackError(f"{shown}: cannot create the output folder ({e.strerror or e})") from None
                 with _live_lock:
-                    _live[tmp] = (parent, name, token)
+                    _live[tmp] = (parent, name, token, lock)
             yield tmp
             check_stopped(shown)
             _publish(tmp, token, t, shown, force, state)
         except BaseException as exc:
             if tmp is not None:
                 _settle(parent, name, token)
+            _forget(tmp, lock)  # before the parents: the lock file is in the innermost one
             if state.published:
                 exc.written = str(shown)  # type: ignore[attr-defined]
             else:
                 _remove_parents(created)
             raise
         finally:
-            if tmp is not None:
-                with _live_lock:
-                    _live.pop(tmp, None)
+            _forget(tmp, lock)
+
+
+def _forget(tmp: Path | None, lock: _Lock | None) -> None:
+    """A build's folders are settled: it is no longer this process's to clean up, and its lock goes."""
+    if tmp is not None:
+        with _live_lock:
+            _live.pop(tmp, None)
+    if lock is not None:
+        lock.release()
 
 
 def _publish(tmp: Path, token: str, t: Path, shown: Path, force: bool, state: _Publish) -> None:

@@ -31,11 +31,12 @@ from . import config as cfgmod
 from . import grid
 from . import schemes
 from .atomic import (REPORT, atomic_directory, check_destination, check_no_symlink_loop, check_stopped,
-                     sweep_stale_partials)
-from .checkpoint import INDEX, MM_PREFIX, TOWER_PREFIXES, Checkpoint, check_unique_outputs, open_checkpoint
+                     existing_ancestor, resolve_output, sweep_stale_partials)
+from .checkpoint import (INDEX, MM_PREFIX, TOWER_PREFIXES, Checkpoint, check_source_folder, check_unique_outputs,
+                         confinement, open_checkpoint)
 from .errors import RepackError, clip
 from .report import TABLES, RepackReport, TableReport
-from .safetensors_io import MappedFile, OutShard, OutTensor, ShardWriter, TensorInfo, write_error
+from .safetensors_io import MappedFile, OutShard, OutTensor, ShardWriter, TensorInfo, WriteError, write_error
 
 Progress = Callable[[int, int, str], None]
 BLOCK_BYTES = 4 << 20      # source bytes per work item: big enough to amortise, small enough to bound memory
@@ -226,13 +227,17 @@ def build_checkpoint(src: str | Path, out: str | Path, options: BuildOptions | N
     opt = options or BuildOptions()
     t0 = time.perf_counter()
     src, out = Path(src), Path(out)
-    # first, whatever else fails: dead builds' leftovers go, and a crashed replacement of OUT itself is rolled
-    # back, so OUT is judged as it is
-    removed = sweep_stale_partials(Path(os.path.abspath(out)).parent)
+    target = resolve_output(out)  # what the kernel makes of OUT: where the build goes, what the report names
+    protected_roots = list(protected_roots)
+    check_no_symlink_loop(src, "source folder")
+    check_source_folder(src)
+    # then, whatever else fails: dead builds' leftovers go, and a crashed replacement of OUT itself is rolled
+    # back, so OUT is judged as it is; never the source, the folders its files may lie in, or a protected one
+    keep = [src, *protected_roots, *(d for _, dirs in confinement(src, roots) for d in dirs)]
+    removed = sweep_stale_partials(target.parent, keep)
     for line in removed:
         if notice:
             notice(line)
-    check_no_symlink_loop(src, "source folder")
     ck = open_checkpoint(src, roots)
     check_destination(out, opt.force, src, protected_roots,
                       [ck.path / "config.json", *(sh.path for sh in ck.shards), *ck.side_files()])
@@ -250,7 +255,7 @@ def build_checkpoint(src: str | Path, out: str | Path, options: BuildOptions | N
             h = tables["lm_head"]
             h.tensors += 1
             h.bytes_after += sum(o.nbytes for k, o in it.outs.items() if k.startswith("head_"))
-    report = schemes.SchemeReport(source=str(src), output=str(out), options=asdict(opt), scale_dtype=opt.scale_dtype,
+    report = schemes.SchemeReport(source=str(src), output=str(target), options=asdict(opt), scale_dtype=opt.scale_dtype,
                                   other_dtype=other, target_dtype=opt.target_dtype,  # type: ignore[arg-type]
                                   objective=opt.objective, implementation=grid.implementation(), tables=tables,
                                   output_shards=len(shards),
@@ -260,32 +265,62 @@ def build_checkpoint(src: str | Path, out: str | Path, options: BuildOptions | N
     metadata = {"format": "pt"}
     for sh in shards:
         sh.layout(metadata)  # fixes sizes for the space check
-    need = sum(sh.size for sh in shards if sh.hardlink_from is None)
-    free = _free_bytes(out)
+    weight_map = {t.name: sh.filename for sh in shards for t in sh.tensors}
+    index = {"metadata": {"total_size": sum(sh.data_bytes for sh in shards)},
+             "weight_map": dict(sorted(weight_map.items()))}
+    texts = {INDEX: json.dumps(index, indent=2) + "\n",
+             "config.json": json.dumps(config, indent=2, sort_keys=True) + "\n"}
+    sides = [f for f in ck.side_files() if not (opt.text_only and f.name in TEXT_ONLY_SKIP_FILES)]
+    # everything the build writes: a shard reused by a hard link costs nothing only where the link will work
+    copied = [sh.size for sh in shards if sh.hardlink_from is None or not _can_link(sh.hardlink_from, target)]
+    need = sum(_blocks(n) for n in [*copied, *(len(t.encode()) for t in texts.values()),
+                                    *(os.stat(f).st_size for f in sides)]) + _REPORT_ROOM
+    free = _free_bytes(target)
     if free is not None and need > free:
-        raise RepackError(f"{out.parent}: the build needs {need / 1e9:.2f} GB and only {free / 1e9:.2f} GB is "
+        raise RepackError(f"{target.parent}: the build needs {need / 1e9:.2f} GB and only {free / 1e9:.2f} GB is "
                           f"free; free some space or choose another output folder")
 
     with atomic_directory(out, opt.force) as tmp:
-        report.bytes_read = _write_shards(ck, items, shards, tmp, opt, report, progress, metadata)
-        weight_map = {t.name: sh.filename for sh in shards for t in sh.tensors}
-        index = {"metadata": {"total_size": sum(sh.data_bytes for sh in shards)},
-                 "weight_map": dict(sorted(weight_map.items()))}
-        _write_text(tmp / INDEX, json.dumps(index, indent=2) + "\n")
-        _write_text(tmp / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
-        for f in ck.side_files():
-            if opt.text_only and f.name in TEXT_ONLY_SKIP_FILES:
-                continue
-            try:
-                shutil.copy2(f, tmp / f.name)
-            except OSError as e:
-                raise write_error(tmp / f.name, e) from None
-        report.bytes_written = sum(sh.size for sh in shards if sh.hardlink_from is None)
-        report.wall_s = time.perf_counter() - t0
-        report.peak_rss_bytes = _peak_rss()
-        report.files = sorted([*os.listdir(tmp), REPORT])  # what --force may later replace: exactly these
-        _write_text(tmp / REPORT, json.dumps(report.to_dict(), indent=2) + "\n")
+        try:
+            report.bytes_read = _write_shards(ck, items, shards, tmp, opt, report, progress, metadata)
+            for name, text in texts.items():
+                _write_text(tmp / name, text)
+            for f in sides:
+                try:
+                    shutil.copy2(f, tmp / f.name)
+                except OSError as e:
+                    raise write_error(tmp / f.name, e) from None
+            report.bytes_written = sum(sh.size for sh in shards if sh.hardlink_from is None)
+            report.wall_s = time.perf_counter() - t0
+            report.peak_rss_bytes = _peak_rss()
+            report.files = sorted([*os.listdir(tmp), REPORT])  # what --force may later replace: exactly these
+            _write_text(tmp / REPORT, json.dumps(report.to_dict(), indent=2) + "\n")
+        except WriteError as e:  # named as the user knows it, not by the temporary folder
+            where = target / e.path.relative_to(tmp) if e.path.is_relative_to(tmp) else e.path
+            if e.no_space:
+                was = f"{free / 1e9:.2f} GB" if free is not None else "an unknown amount"
+                raise RepackError(f"{target}: no space left on the device while writing {where.name}; the build "
+                                  f"needs {need / 1e9:.2f} GB ({was} was free when it started); free some space or "
+                                  f"choose another output folder") from None
+            raise RepackError(str(e).replace(str(e.path), str(where), 1)) from None
     return report
+
+
+_REPORT_ROOM = 64 << 10  # repack-report.json, written last: a few kB
+
+
+def _blocks(n: int) -> int:
+    return -(-n // 4096) * 4096
+
+
+def _can_link(src: Path, target: Path) -> bool:
+    """Whether a hard link of `src` into `target` will work rather than fall back to a copy: the same file
+    system, and a file the user owns or may write (fs.protected_hardlinks refuses others' files)."""
+    try:
+        st = os.stat(src)
+        return st.st_dev == os.stat(existing_ancestor(target)).st_dev and (st.st_uid == os.geteuid() or os.access(src, os.R_OK | os.W_OK))
+    except OSError:
+        return False
 
 
 def _write_text(path: Path, text: str) -> None:
@@ -295,12 +330,9 @@ def _write_text(path: Path, text: str) -> None:
         raise write_error(path, e) from None
 
 
-def _free_bytes(out: Path) -> int | None:
-    p = out.parent if str(out.parent) else Path(".")
-    while not p.exists() and p != p.parent:
-        p = p.parent
+def _free_bytes(target: Path) -> int | None:
     try:
-        return shutil.disk_usage(p).free
+        return shutil.disk_usage(existing_ancestor(target)).free
     except OSError:
         return None
 

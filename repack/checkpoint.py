@@ -104,11 +104,8 @@ def _read_json(path: Path, within: Within, what: str) -> Any:
     return loads_json(raw, clip(path))
 
 
-def open_checkpoint(src: str | Path, roots: Sequence[str | Path] | None = None) -> Checkpoint:
-    """Reads a checkpoint's config and every shard header; raises RepackError on anything unusable.
-
-    roots: when given (the MCP server's models roots), every file read must resolve inside one of them too."""
-    src = Path(src)
+def check_source_folder(src: Path) -> None:
+    """Raises RepackError unless `src` is an existing folder (the first check of open_checkpoint)."""
     try:
         st = os.stat(src)
     except OSError as e:
@@ -122,6 +119,14 @@ def open_checkpoint(src: str | Path, roots: Sequence[str | Path] | None = None) 
     if not stat.S_ISDIR(st.st_mode):
         raise RepackError(f"{clip(src)}: not a folder; pass the checkpoint folder that holds config.json",
                           {"file": clip(src), "problem": "not-a-folder"})
+
+
+def open_checkpoint(src: str | Path, roots: Sequence[str | Path] | None = None) -> Checkpoint:
+    """Reads a checkpoint's config and every shard header; raises RepackError on anything unusable.
+
+    roots: when given (the MCP server's models roots), every file read must resolve inside one of them too."""
+    src = Path(src)
+    check_source_folder(src)
     within = confinement(src, roots)
 
     cfg_path = src / "config.json"

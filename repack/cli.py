@@ -85,7 +85,7 @@ def protected_folders() -> list[Path]:
 def run_build(src: str, out: str, options, as_json: bool = False) -> int:
     """Runs a build and prints its report; every failure is one line on stderr and status 2; a signal exits
     128 + its number (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP)."""
-    from .atomic import signals_as_exceptions
+    from .atomic import resolve_output, signals_as_exceptions
     from .build import build_checkpoint
 
     refused = _preflight(src, out)
@@ -105,6 +105,7 @@ def run_build(src: str, out: str, options, as_json: bool = False) -> int:
     except KeyboardInterrupt as e:
         close()
         signum = getattr(e, "signum", signal.SIGINT)
+        out = str(resolve_output(out))
         how = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
         if getattr(e, "written", None):
             print(f"error: {how} after {out} was written: it is complete (report in {out}/repack-report.json)",
@@ -114,7 +115,7 @@ def run_build(src: str, out: str, options, as_json: bool = False) -> int:
         return 128 + signum
     close()
     print(json.dumps(report.to_dict(), indent=2) if as_json else report.format_table())
-    print(f"wrote {out} (report in {out}/repack-report.json)", file=sys.stderr)
+    print(f"wrote {report.output} (report in {report.output}/repack-report.json)", file=sys.stderr)
     return 0
 
 
@@ -126,8 +127,10 @@ def _preflight(src: str, out: str) -> str | None:
     from tools.errors import ToolFailure
     from tools.serving.preflight import ensure
 
+    from .atomic import resolve_output
+
     try:
-        ensure("repack", source=Path(os.path.abspath(src)), out=Path(os.path.abspath(out)))
+        ensure("repack", source=Path(os.path.abspath(src)), out=resolve_output(out))
     except ToolFailure as e:
         return str(e)
     return None
@@ -157,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     # read-only: leftovers of dead builds beside SRC are only reported; the next build there removes them
-    stale = [lo.describe() for lo in find_stale_partials(Path(os.path.abspath(params.path)).parent)]
+    stale = [lo.describe() for lo in find_stale_partials(Path(os.path.abspath(params.path)).parent,
+                                                         keep=[params.path])]
     if args.json:
         print(json.dumps({**rep.to_dict(), "stale_partials": stale}, indent=2))
     else:

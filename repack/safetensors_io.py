@@ -101,13 +101,15 @@ def open_confined(path: Path, within: Within = ()) -> int:
 
     The error never says where a link outside points: that would tell a client what lies outside its roots."""
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        # O_NONBLOCK: opening a FIFO (or a link to one) would otherwise wait forever for a writer
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError as e:
         raise open_error(path, e) from None
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise RepackError(f"{clip(path)}: not a regular file; pass a checkpoint whose shards are files",
                               {"file": clip(path), "problem": "not-a-file"})
+        os.set_blocking(fd, True)
         if within:
             try:
                 real = os.readlink(f"/proc/self/fd/{fd}")
@@ -402,13 +404,27 @@ def _allocate(fd: int, size: int, path: Path) -> None:
             raise write_error(path, e) from None
 
 
-def write_error(path: Path, e: OSError) -> RepackError:
-    import errno
+class WriteError(RepackError):
+    """A failed write of an output file: `path` and the OSError's `errno` let a caller name the file as the user
+    knows it (a build writes under a temporary folder name)."""
 
-    if e.errno in (errno.ENOSPC, errno.EDQUOT):
-        return RepackError(f"{path}: no space left on the device while writing the output; free some space "
-                           f"or choose another output folder")
-    return RepackError(f"{path}: write failed ({e.strerror or e})")
+    def __init__(self, path: Path, e: OSError) -> None:
+        self.path, self.errno = Path(path), e.errno
+        if self.no_space:
+            super().__init__(f"{path}: no space left on the device while writing the output; free some space or "
+                             f"choose another output folder")
+        else:
+            super().__init__(f"{path}: write failed ({e.strerror or e})")
+
+    @property
+    def no_space(self) -> bool:
+        import errno
+
+        return self.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def write_error(path: Path, e: OSError) -> WriteError:
+    return WriteError(path, e)
 
 
 def iter_blocks(total: int, block: int) -> Iterator[tuple[int, int]]:

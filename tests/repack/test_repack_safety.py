@@ -39,6 +39,11 @@ def _leftovers(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if ".partial-" in p.name or ".old-" in p.name)
 
 
+def _clean(folder: Path) -> bool:
+    """No temporary folder and no lock file of a build is left in `folder`."""
+    return _leftovers(folder) == [] and not [p for p in folder.iterdir() if ".lock-" in p.name]
+
+
 def _kind(out: Path) -> str:
     """Which of the two test builds OUT holds, checked complete: 'old' (bf16 linears) or 'new' (full build)."""
     rep = json.loads((out / "repack-report.json").read_text())
@@ -67,7 +72,7 @@ def test_output_above_the_source_is_refused_and_nothing_is_touched(tmp_path, cap
     rc, err = repack_cli(capsys, "build", src, models, *FULL, "--force")
     assert rc == 2
     one_line_error(err, str(models), "above the source")
-    assert _tree(models) == before and _leftovers(tmp_path) == [] and _leftovers(models) == []
+    assert _tree(models) == before and _clean(tmp_path) and _clean(models)
 
 
 def test_the_article_scripts_refuse_too(tmp_path):
@@ -80,7 +85,7 @@ def test_the_article_scripts_refuse_too(tmp_path):
         r = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert r.returncode == 2, (args, r.stderr)
         one_line_error(r.stderr, "above the source")
-    assert _tree(models) == before and _leftovers(tmp_path) == []
+    assert _tree(models) == before and _clean(tmp_path)
 
 
 @pytest.mark.parametrize("where", ["same", "inside", "link-to-source", "link-above-source"])
@@ -161,7 +166,7 @@ def test_force_replaces_only_an_empty_folder_or_exactly_a_build(src, tmp_path, c
     before = _tree(out)
     rc, err = repack_cli(capsys, "build", src, out, "--force")
     one_line_error(err, "no file list")
-    assert rc == 2 and _tree(out) == before and _leftovers(tmp_path) == []
+    assert rc == 2 and _tree(out) == before and _clean(tmp_path)
 
 
 def test_force_refuses_a_symlinked_output(src, tmp_path, capsys):
@@ -179,7 +184,7 @@ def test_temporary_folders_live_beside_the_output(src, tmp_path, monkeypatch):
     monkeypatch.setattr(atomic, "_step", lambda s: seen.extend(_leftovers(tmp_path / "m")))
     build_checkpoint(src, tmp_path / "m" / "out", BuildOptions())
     assert seen and all(n.startswith(f".out.partial-{os.getpid()}-") for n in seen)
-    assert _leftovers(tmp_path) == [] and _leftovers(tmp_path / "m") == []
+    assert _clean(tmp_path) and _clean(tmp_path / "m")
 
 
 # -- 2. the swap: OUT is always the old or the new build, and the message says which ---------------------------
@@ -222,7 +227,7 @@ def test_sigterm_at_each_step_of_the_swap(src, old_build, tmp_path, capsys, monk
         assert "was written: it is complete" in line and _kind(old_build) == "new"
     else:
         assert "was not written" in line and _kind(old_build) == "old"
-    assert _leftovers(tmp_path) == []
+    assert _clean(tmp_path)
 
 
 @pytest.mark.parametrize("mode,step", [("exchange", s) for s in STEPS_EXCHANGE] +
@@ -243,7 +248,7 @@ def test_error_at_each_step_of_the_swap(src, old_build, tmp_path, monkeypatch, m
     expect_new = step not in ("publish", "old-aside")
     assert (written is not None) == expect_new
     assert _kind(old_build) == ("new" if expect_new else "old")
-    assert _leftovers(tmp_path) == []
+    assert _clean(tmp_path)
 
 
 _KILL_CHILD = """
@@ -282,7 +287,7 @@ def test_sigkill_at_each_step_then_the_next_build_recovers(src, old_build, tmp_p
         assert _kind(old_build) == ("new" if WRITTEN_AFTER[step] else "old")
     rc, err = repack_cli(capsys, "build", src, tmp_path / "other", "--keep-linears")
     assert rc == 0, err
-    assert _leftovers(tmp_path) == []
+    assert _clean(tmp_path)
     assert _kind(old_build) == ("new" if WRITTEN_AFTER[step] and step != "old-aside" else "old")
     for name in left:
         assert name in err
@@ -305,6 +310,7 @@ def test_a_crashed_replacement_of_out_is_rolled_back_before_out_is_judged(src, o
     build of the same OUT restores the old build first, then treats OUT as existing."""
     pid, start = _dead_owner()
     token = f"{pid}-{start}-0badc0de"
+    (tmp_path / f".out.lock-{token}").touch()  # its lock file, no longer locked
     os.rename(old_build, tmp_path / f".out.old-{token}")
     (tmp_path / f".out.partial-{token}").mkdir()
     (tmp_path / f".out.partial-{token}" / "model-00001-of-00001.safetensors").write_bytes(b"x" * 1000)
@@ -312,7 +318,7 @@ def test_a_crashed_replacement_of_out_is_rolled_back_before_out_is_judged(src, o
     assert rc == 2
     assert f"restored {os.path.realpath(old_build)}" in err and f".out.partial-{token}" in err
     assert "already exists" in err.splitlines()[-1]
-    assert _kind(old_build) == "old" and _leftovers(tmp_path) == []
+    assert _kind(old_build) == "old" and _clean(tmp_path)
 
 
 def test_renameat2_through_the_raw_syscall(tmp_path, monkeypatch):
@@ -421,7 +427,7 @@ def test_sigkill_leftover_is_reported_by_probe_and_removed_by_the_next_build(src
     rc, err = repack_cli(capsys, "build", src, tmp_path / "b2", *FULL)
     assert rc == 0, err
     assert f"removed {tmp_path / name}" in err and f"pid {p.pid}" in err
-    assert _leftovers(tmp_path) == []
+    assert _clean(tmp_path)
     rep = json.loads((tmp_path / "b2" / "repack-report.json").read_text())
     assert len(rep["removed_partials"]) == 1 and name in rep["removed_partials"][0]
 
@@ -446,28 +452,52 @@ def test_sigbus_from_a_source_truncated_mid_build(tmp_path):
     r = subprocess.run([sys.executable, "-m", "repack", "build", str(src), str(tmp_path / "again")], cwd=ROOT,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "past the end of the file" in r.stderr.splitlines()[-1], r.stderr
-    assert f"removed {tmp_path / name}" in r.stderr and _leftovers(tmp_path) == []
+    assert f"removed {tmp_path / name}" in r.stderr and _clean(tmp_path)
 
 
-def test_a_live_owners_partial_is_kept_and_a_recycled_pid_is_not_trusted(src, tmp_path):
+_HOLD_LOCK = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("locked", flush=True)
+time.sleep(600)
+"""
+
+
+def _fake_leftover(folder: Path, name: str, token: str, lock: bool = True) -> Path:
+    d = folder / f".{name}.partial-{token}"
+    d.mkdir()
+    (d / "f").write_bytes(b"x" * 10)
+    if lock:
+        (folder / f".{name}.lock-{token}").touch()
+    return d
+
+
+def test_liveness_is_the_lock_not_the_pid(src, tmp_path):
+    """A partial whose lock is held is live even when the pid in its name is dead (a build in another PID
+    namespace names itself by a pid of that namespace); one whose lock is free is stale whatever its pid says;
+    one without a lock file is not a build's leftover and is left alone."""
     pid, start = atomic._own_id()
-    live = tmp_path / f".x.partial-{pid}-{start}-0123abcd"
-    recycled = tmp_path / f".y.partial-{pid}-{start - 3_600_000}-0123abcd"  # same pid, started an hour earlier
-    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    dead_pid, dead_start = _dead_owner()
+    dead = f"{dead_pid}-{dead_start}-0123abcd"
+    held = _fake_leftover(tmp_path, "a", dead)
+    free = _fake_leftover(tmp_path, "b", f"{pid}-{start}-0123abcd")  # this process's identity, but unlocked
+    foreign = _fake_leftover(tmp_path, "c", dead, lock=False)
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, str(tmp_path / f".a.lock-{dead}")],
+                              stdout=subprocess.PIPE, text=True)
     try:
-        other_start = atomic._start_ms(other.pid)
-        other_live = tmp_path / f".z.partial-{other.pid}-{other_start}-0123abcd"
-        for d in (live, recycled, other_live):
-            d.mkdir()
-            (d / "f").write_bytes(b"x" * 10)
-        build_checkpoint(src, tmp_path / "out", BuildOptions())
-        assert live.exists() and other_live.exists() and not recycled.exists()
+        assert holder.stdout.readline().strip() == "locked"
+        assert [lo.path.name for lo in atomic.find_stale_partials(tmp_path)] == [free.name]
+        rep = build_checkpoint(src, tmp_path / "out", BuildOptions())
+        assert held.exists() and foreign.exists() and not free.exists()
+        assert [free.name in ln for ln in rep.removed_partials] == [True]
+        assert not (tmp_path / f".b.lock-{pid}-{start}-0123abcd").exists()
     finally:
-        other.kill()
-        other.wait()
-    rep = build_checkpoint(src, tmp_path / "out2", BuildOptions())
-    assert not other_live.exists() and any(other_live.name in ln for ln in rep.removed_partials)
-    assert live.exists()  # this process's own: never swept by another build of it
+        holder.kill()
+        holder.wait()
+    rep = build_checkpoint(src, tmp_path / "out2", BuildOptions())  # its owner gone, the held one is stale now
+    assert not held.exists() and any(held.name in ln and f"pid {dead_pid}" in ln for ln in rep.removed_partials)
+    assert foreign.exists() and _leftovers(tmp_path) == [foreign.name]
 
 
 def test_job_cancelled_in_a_worker_thread_leaves_nothing(src, tmp_path):
@@ -518,7 +548,7 @@ def test_cleanup_own_partials_stops_builds_in_threads(src, tmp_path, monkeypatch
     t.join(60)
     assert removed == []  # the build removed its own folder
     assert [type(e) for e in errors] == [atomic.Stopped]
-    assert _leftovers(tmp_path) == [] and not (tmp_path / "out").exists()
+    assert _clean(tmp_path) and not (tmp_path / "out").exists()
     with pytest.raises(atomic.Stopped):  # and no new build starts in an exiting process
         build_checkpoint(src, tmp_path / "out", BuildOptions())
 
@@ -538,10 +568,10 @@ def test_cleanup_own_partials_removes_a_stuck_builds_folder(src, tmp_path, fresh
     assert entered.wait(120)
     [name] = _leftovers(tmp_path)
     removed = atomic.cleanup_own_partials(wait_s=0.2)
-    assert removed == [os.path.realpath(tmp_path / name)] and _leftovers(tmp_path) == []
+    assert removed == [os.path.realpath(tmp_path / name)] and _clean(tmp_path)
     release.set()
     t.join(120)
-    assert errors and not (tmp_path / "out").exists() and _leftovers(tmp_path) == []
+    assert errors and not (tmp_path / "out").exists() and _clean(tmp_path)
 
 
 _SERVER_CHILD = """
@@ -572,7 +602,7 @@ def test_server_sigterm_with_a_build_in_a_worker_thread_leaves_nothing(src, tmp_
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
     assert p.returncode == 143, err
-    assert _leftovers(tmp_path) == [] and not out.exists()
+    assert _clean(tmp_path) and not out.exists()
 
 
 # -- 8. the build side's edge cases ----------------------------------------------------------------------------
@@ -592,7 +622,7 @@ def test_two_builds_publishing_at_once(src, tmp_path, capsys, monkeypatch):
     rc, err = repack_cli(capsys, "build", src, out)
     assert rc == 2
     one_line_error(err, str(out), "another build wrote it")
-    assert _kind(out) == "old" and _leftovers(tmp_path) == []
+    assert _kind(out) == "old" and _clean(tmp_path)
 
 
 def test_two_real_builds_of_one_output_at_once(src, tmp_path):
@@ -607,7 +637,7 @@ def test_two_real_builds_of_one_output_at_once(src, tmp_path):
     loser = errs[[p.returncode for p in procs].index(2)]
     line = one_line_error(loser, str(out))
     assert "already exists" in line or "another build wrote it" in line
-    assert _kind(out) == "new" and _leftovers(tmp_path) == []
+    assert _kind(out) == "new" and _clean(tmp_path)
 
 
 def test_rename_race_enotempty(src, tmp_path, capsys, monkeypatch):
@@ -631,7 +661,7 @@ def test_rename_race_enotempty(src, tmp_path, capsys, monkeypatch):
     rc, err = repack_cli(capsys, "build", src, out)
     assert rc == 2
     one_line_error(err, "another build wrote it")
-    assert _kind(out) == "old" and _leftovers(tmp_path) == []
+    assert _kind(out) == "old" and _clean(tmp_path)
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o027, 0o002])
@@ -668,7 +698,7 @@ def test_sigterm_exits_143_and_sighup_129(src, tmp_path):
                 p.wait()
         assert p.returncode == code, err
         one_line_error(err, signal.Signals(sig).name, "was not written")
-        assert not out.exists() and _leftovers(tmp_path) == []
+        assert not out.exists() and _clean(tmp_path)
 
 
 def test_symlink_loop_is_reported_as_such(tmp_path, capsys, src):
