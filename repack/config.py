@@ -103,8 +103,9 @@ def validate(config: dict[str, Any], where: str) -> None:
                            {"file": where, "key": key, "problem": "bad-config"})
 
     def kind(v: Any) -> str:
-        return "null" if v is None else {list: "a list", str: "a string", bool: "a boolean"}.get(
-            type(v), f"a {type(v).__name__}")
+        names = {list: "a list", str: "a string", bool: "a boolean", int: "a number", float: "a number",
+                 dict: "an object"}
+        return "null" if v is None else names.get(type(v), f"a {type(v).__name__}")
 
     if "text_config" in config and not isinstance(config["text_config"], dict):
         raise fail("text_config", f"{kind(config['text_config'])}, not an object (a multimodal checkpoint's "
@@ -116,6 +117,9 @@ def validate(config: dict[str, Any], where: str) -> None:
         key = scope + "quantization_config"
         if not isinstance(qc, dict):
             raise fail(key, f"{kind(qc)}, not an object")
+        # a kept group's format becomes the output's format (compared and written as a string)
+        if not isinstance(qc.get("format", ""), (str, type(None))):
+            raise fail(key + ".format", f"{kind(qc['format'])}, not a string")
         groups = qc.get("config_groups")
         if groups is None:
             continue
@@ -127,6 +131,8 @@ def validate(config: dict[str, Any], where: str) -> None:
             targets = group.get("targets", [])
             if not (isinstance(targets, list) and all(isinstance(t, str) for t in targets)):
                 raise fail(clip(f"{key}.config_groups.{name}.targets", 120), "not a list of strings")
+            if not isinstance(group.get("format", ""), (str, type(None))):
+                raise fail(clip(f"{key}.config_groups.{name}.format", 120), f"{kind(group['format'])}, not a string")
 
 
 def existing_targets(config: dict[str, Any]) -> set[str]:

@@ -187,6 +187,19 @@ def test_quantization_config_of_the_wrong_type(tmp_path, capsys, qc):
     _refused(src, tmp_path, capsys, "config.json", "text_config.quantization_config")
 
 
+@pytest.mark.parametrize("where", ["top", "group"])
+@pytest.mark.parametrize("fmt", [["pack-quantized"], {"a": 1}, 4])
+def test_quantization_format_of_the_wrong_type(tmp_path, capsys, where, fmt):
+    """The format of a kept group names the output's format: it must be a string."""
+    src = write_small_checkpoint(tmp_path / "src")
+    group = {"targets": ["re:.*embed_tokens_per_layer$"]}
+    qc = {"format": fmt, "config_groups": {"g": group}} if where == "top" else \
+        {"format": "pack-quantized", "config_groups": {"g": {**group, "format": fmt}}}
+    _set_config(src, lambda c: c.update(quantization_config=qc))
+    _refused(src, tmp_path, capsys, "config.json", "quantization_config.",
+             "format" if where == "top" else "config_groups.g.format", "not a string")
+
+
 @pytest.mark.parametrize("depth", [100, 200_000])
 def test_deeply_nested_config(tmp_path, capsys, depth):
     src = write_small_checkpoint(tmp_path / "src")
