@@ -297,11 +297,11 @@ def _write_text(path: Path, text: str) -> None:
 
 def _free_bytes(out: Path) -> int | None:
     p = out.parent if str(out.parent) else Path(".")
-    while not p.exists() and p != p.parent:
-        p = p.parent
     try:
+        while not p.exists() and p != p.parent:
+            p = p.parent
         return shutil.disk_usage(p).free
-    except OSError:
+    except OSError:  # a name too long, a folder that cannot be searched: the writer names it
         return None
 
 

@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import signal
+import stat
 import sys
 from pathlib import Path
 from typing import Callable
@@ -121,7 +122,11 @@ def run_build(src: str, out: str, options, as_json: bool = False) -> int:
 def _preflight(src: str, out: str) -> str | None:
     """The deployment preflight's repack checks (the source's config.json, free disk for what the build writes
     plus headroom): the first failing check's line, or None."""
-    if not Path(src).is_dir():  # the library's own error says what is wrong with it (missing, a file, a loop)
+    try:
+        is_dir = stat.S_ISDIR(os.stat(src).st_mode)
+    except (OSError, ValueError):
+        is_dir = False
+    if not is_dir:  # the library's own error says what is wrong with it (missing, a file, a loop, a long name)
         return None
     from tools.errors import ToolFailure
     from tools.serving.preflight import ensure
