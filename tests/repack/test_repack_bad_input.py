@@ -362,3 +362,30 @@ def test_a_source_folder_that_cannot_be_listed_or_read(good, tmp_path, mode):
     line = one_line_error(r.stderr, str(good), "Permission denied")
     assert "no config.json" not in line
     _assert_nothing_written(out)
+
+
+@pytest.mark.parametrize("sig, rc, how", [(signal.SIGINT, 130, "interrupted"),
+                                          (signal.SIGTERM, 143, "stopped by SIGTERM")])
+def test_a_signal_stops_the_probe_with_one_line(good, sig, rc, how):
+    """The probe exits as the build does on a signal: one line and 128 + the signal, no traceback."""
+    script = (
+        "import sys, time; sys.path.insert(0, %r)\n"
+        "from repack import grid, cli\n"
+        "real = grid.quantize\n"
+        "def slow(w, *args):\n"
+        "    print('sampling', file=sys.stderr, flush=True); time.sleep(60); return real(w, *args)\n"
+        "grid.quantize = slow\n"
+        "sys.exit(cli.main(['probe', %r]))\n"
+    ) % (str(ROOT), str(good))
+    p = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True, start_new_session=True,
+                         env={**os.environ, "REPACK_NO_NUMBA": "1"})
+    try:
+        assert p.stderr.readline().strip() == "sampling"
+        p.send_signal(sig)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    assert p.returncode == rc, err
+    one_line_error(err, how)
