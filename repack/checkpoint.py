@@ -176,6 +176,10 @@ def open_checkpoint(src: str | Path, roots: Sequence[str | Path] | None = None) 
                                   f"{clip(tensors[name].file.name)}; re-download the checkpoint",
                                   {"file": clip(sh.path), "tensor": clip(name), "problem": "duplicate"})
             tensors[name] = info
+    if not tensors:  # else the build writes an empty checkpoint and reports success
+        where, verb = (index_path, "lists") if weight_map is not None else (src / SINGLE, "holds")
+        raise RepackError(f"{clip(where)}: {verb} no tensors; pass a checkpoint with weights, or re-download it",
+                          {"file": clip(where), "problem": "no-tensors"})
     if weight_map is not None:
         for name, f in weight_map.items():
             if name not in tensors or tensors[name].file.name != Path(f).name:

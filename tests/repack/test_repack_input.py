@@ -436,3 +436,15 @@ def test_mcp_tools_pass_their_roots(tmp_path):
     for msg in asyncio.run(go()):
         assert "outside the allowed roots" in msg and "blobs" not in msg, msg
     assert not (snap.parent / "out").exists()
+
+
+@pytest.mark.parametrize("how", ["empty-index", "empty-shard"])
+def test_a_checkpoint_with_no_tensors_is_refused(tmp_path, capsys, how):
+    """An empty weight_map or a shard without tensors would build an empty output with status 0."""
+    src = write_small_checkpoint(tmp_path / "src")
+    if how == "empty-index":
+        (src / "model.safetensors.index.json").write_text('{"weight_map": {}}')
+        _refused(src, tmp_path, capsys, "model.safetensors.index.json", "no tensors")
+    else:
+        _write_raw(src / "model.safetensors", {"__metadata__": {"format": "pt"}}, b"")
+        _refused(src, tmp_path, capsys, "model.safetensors", "no tensors")
