@@ -156,6 +156,8 @@ def open_checkpoint(src: str | Path, roots: Sequence[str | Path] | None = None) 
             raise RepackError(f"{clip(index_path)}: not a valid safetensors index (weight_map must map tensor "
                               f"names to shard file names); re-download it",
                               {"file": clip(index_path), "problem": "bad-index"})
+        # one file may be spelled two ways (./model.safetensors, model.safetensors): read it once
+        weight_map = {name: os.path.normpath(f) for name, f in weight_map.items()}
         files = sorted(set(weight_map.values()))
         for f in files:
             if not os.path.lexists(src / f):

@@ -448,3 +448,14 @@ def test_a_checkpoint_with_no_tensors_is_refused(tmp_path, capsys, how):
     else:
         _write_raw(src / "model.safetensors", {"__metadata__": {"format": "pt"}}, b"")
         _refused(src, tmp_path, capsys, "model.safetensors", "no tensors")
+
+
+def test_index_naming_one_shard_two_ways(tmp_path, capsys):
+    """`./model.safetensors` and `model.safetensors` are one file: not a tensor stored twice."""
+    src = write_small_checkpoint(tmp_path / "src")
+    names = [n for n in open_checkpoint(src).tensors]
+    wm = {n: "./model.safetensors" if i % 2 else "model.safetensors" for i, n in enumerate(names)}
+    (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": wm}))
+    rc, err = repack_cli(capsys, "build", str(src), str(tmp_path / "out"), *FULL)
+    assert rc == 0, err
+    assert open_checkpoint(tmp_path / "out").tensors
