@@ -121,7 +121,9 @@ def _classify(name: str, info: TensorInfo, ck: Checkpoint, opt: BuildOptions) ->
         return _Item(info, "quant" if q else "copy", "embed_tokens", out, head=q and "lm_head.weight" not in ck.tensors)
     if short == "lm_head.weight":
         return _Item(info, "quant" if opt.embed_int4 and opt.embed_tokens else "copy", "lm_head", out)
-    if short.endswith(".weight") and len(info.shape) == 2:
+    # every text weight of two or more dimensions is a linear layer's (norms are 1-D): one the build cannot pack
+    # is refused by _check_quantizable, never left bf16 under a config that declares every Linear int4
+    if short.endswith(".weight") and len(info.shape) >= 2:
         return _Item(info, "quant" if opt.quantize_linears else "copy", "linears", out)
     return _Item(info, "copy", "rest", out)
 

@@ -246,6 +246,16 @@ def test_linear_with_no_columns(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("shape", [(2, 64, 64), (2, 2, 32, 32)])
+def test_linear_of_more_than_two_dimensions(tmp_path, capsys, shape):
+    """Copied as bf16 it would sit beside a config declaring every Linear int4: refused like a (128, 0) one."""
+    src = write_small_checkpoint(tmp_path / "src", extra={UP0: ("BF16", shape, bytes(2 * int(np.prod(shape))))})
+    rc, err = repack_cli(capsys, "build", str(src), str(tmp_path / "out"), *FULL)
+    assert rc == 2
+    one_line_error(err, UP0, str(list(shape)))
+    assert not (tmp_path / "out").exists()
+
+
 # ---------------------------------------------------------------------------------------------- links
 
 
