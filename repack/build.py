@@ -138,6 +138,23 @@ def _check_quantizable(it: _Item) -> None:
                           f"needs 2 non-empty dimensions with the last a multiple of {grid.GROUP}")
 
 
+def _check_carried_linears(items: list[_Item], opt: BuildOptions) -> None:
+    """Linears an earlier build packed are carried as they are: refused when the scheme asked for would have
+    written them otherwise, since the output and its report would claim that scheme."""
+    if not opt.quantize_linears:
+        return
+    scheme = schemes.for_table(opt.scheme, "linears")
+    if "weight_packed" in {o.suffix for o in scheme.outputs(grid.GROUP, grid.GROUP, opt)}:  # names, any shape
+        return
+    for it in items:
+        if it.table == "linears" and it.action == "copy" and it.src.name.endswith(".weight_packed"):
+            raise RepackError(f"{clip(it.src.file)}: the source's linear layers are already packed as int4 "
+                              f"weight_packed (e.g. {clip(it.src.name, 120)}), which --scheme {opt.scheme} does "
+                              f"not write; give the bf16 QAT checkpoint as the source",
+                              {"file": clip(it.src.file), "tensor": clip(it.src.name), "option": "--scheme",
+                               "problem": "already-packed"})
+
+
 def _plan(ck: Checkpoint, opt: BuildOptions) -> tuple[list[_Item], list[OutShard]]:
     items: list[_Item] = []
     shards: list[OutShard] = []
@@ -158,6 +175,7 @@ def _plan(ck: Checkpoint, opt: BuildOptions) -> tuple[list[_Item], list[OutShard
             if it.action == "quant":
                 it.scheme = schemes.for_table(opt.scheme, it.table)
                 _check_quantizable(it)
+        _check_carried_linears(sh_items, opt)
         items.extend(sh_items)
         unchanged = sh_items and all(it.action == "copy" and it.out_name == it.src.name for it in sh_items)
         if unchanged:
