@@ -216,10 +216,13 @@ def _output_config(ck: Checkpoint, opt: BuildOptions, items: list[_Item]) -> dic
         if it.action == "quant":
             by_scheme.setdefault(it.scheme, set()).update([it.table] + (["lm_head"] if it.head else []))
     carried = {it.table for it in items if it.action == "copy" and it.src.name.endswith(".weight_packed")}
+    carried_bf16 = {it.table for it in items if it.action == "copy" and it.src.dtype == "BF16"
+                    and it.src.name.endswith(".weight")}
     head = "lm_head" in carried or any("lm_head" in t for t in by_scheme.values())
     towers = any(it.table == "towers" and it.action != "drop" for it in items)
     qc = cfgmod.quantization_config([s.config_group(sorted(t)) for s, t in by_scheme.items()], previous=ck.config,
-                                    carried_packed=carried, head=head, towers=towers, version=_ct_version())
+                                    carried_packed=carried, carried_bf16=carried_bf16, head=head, towers=towers,
+                                    version=_ct_version())
     cfgmod.set_quantization(config, qc)
     if head:
         cfgmod.set_untied(config)

@@ -200,6 +200,31 @@ def test_quantization_format_of_the_wrong_type(tmp_path, capsys, where, fmt):
              "format" if where == "top" else "config_groups.g.format", "not a string")
 
 
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity", "1e999"])
+def test_a_config_number_that_is_not_finite_is_refused(tmp_path, capsys, literal):
+    """Python reads these; the config written from them would not be JSON."""
+    src = write_small_checkpoint(tmp_path / "src")
+    text = (src / "config.json").read_text()
+    (src / "config.json").write_text(text.replace('"vocab_size": 64', f'"vocab_size": {literal}', 1))
+    assert literal in (src / "config.json").read_text()
+    _refused(src, tmp_path, capsys, "config.json", "text_config.vocab_size", "finite")
+
+
+def test_a_stale_quantization_group_is_not_kept_beside_bf16_weights(tmp_path, capsys):
+    """A source config declaring bf16 linears int4: a build that leaves them bf16 declares them bf16."""
+    src = write_small_checkpoint(tmp_path / "src")
+    _set_config(src, lambda c: c.update(quantization_config={
+        "format": "pack-quantized", "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 4}}}}))
+    out = tmp_path / "out"
+    rc, err = repack_cli(capsys, "build", str(src), str(out), "--no-quantize-linears", "--embed-int4")
+    assert rc == 0, err
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert [g["targets"] for g in qc["config_groups"].values()] == [["re:.*embed_tokens_per_layer$"]]
+    rc, err = repack_cli(capsys, "build", str(src), str(tmp_path / "out2"), "--no-quantize-linears")
+    assert rc == 0, err
+    assert "quantization_config" not in json.loads((tmp_path / "out2" / "config.json").read_text())
+
+
 @pytest.mark.parametrize("depth", [100, 200_000])
 def test_deeply_nested_config(tmp_path, capsys, depth):
     src = write_small_checkpoint(tmp_path / "src")
