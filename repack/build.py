@@ -122,7 +122,9 @@ def _classify(name: str, info: TensorInfo, ck: Checkpoint, opt: BuildOptions) ->
         return _Item(info, "quant" if q else "copy", "embed_tokens", out, head=q and "lm_head.weight" not in ck.tensors)
     if short == "lm_head.weight":
         return _Item(info, "quant" if opt.embed_int4 and opt.embed_tokens else "copy", "lm_head", out)
-    if short.endswith(".weight") and len(info.shape) == 2:
+    # every text weight of two or more dimensions is a linear layer's (norms are 1-D): one the build cannot pack
+    # is refused by _check_quantizable, never left bf16 under a config that declares every Linear int4
+    if short.endswith(".weight") and len(info.shape) >= 2:
         return _Item(info, "quant" if opt.quantize_linears else "copy", "linears", out)
     return _Item(info, "copy", "rest", out)
 
@@ -135,6 +137,23 @@ def _check_quantizable(it: _Item) -> None:
     if len(s.shape) != 2 or s.shape[1] % grid.GROUP or 0 in s.shape:
         raise RepackError(f"{s.file}: tensor {clip(s.name)} has shape {clip(list(s.shape), 80)}; a 4-bit target "
                           f"needs 2 non-empty dimensions with the last a multiple of {grid.GROUP}")
+
+
+def _check_carried_linears(items: list[_Item], opt: BuildOptions) -> None:
+    """Linears an earlier build packed are carried as they are: refused when the scheme asked for would have
+    written them otherwise, since the output and its report would claim that scheme."""
+    if not opt.quantize_linears:
+        return
+    scheme = schemes.for_table(opt.scheme, "linears")
+    if "weight_packed" in {o.suffix for o in scheme.outputs(grid.GROUP, grid.GROUP, opt)}:  # names, any shape
+        return
+    for it in items:
+        if it.table == "linears" and it.action == "copy" and it.src.name.endswith(".weight_packed"):
+            raise RepackError(f"{clip(it.src.file)}: the source's linear layers are already packed as int4 "
+                              f"weight_packed (e.g. {clip(it.src.name, 120)}), which --scheme {opt.scheme} does "
+                              f"not write; give the bf16 QAT checkpoint as the source",
+                              {"file": clip(it.src.file), "tensor": clip(it.src.name), "option": "--scheme",
+                               "problem": "already-packed"})
 
 
 def _plan(ck: Checkpoint, opt: BuildOptions) -> tuple[list[_Item], list[OutShard]]:
@@ -157,6 +176,7 @@ def _plan(ck: Checkpoint, opt: BuildOptions) -> tuple[list[_Item], list[OutShard
             if it.action == "quant":
                 it.scheme = schemes.for_table(opt.scheme, it.table)
                 _check_quantizable(it)
+        _check_carried_linears(sh_items, opt)
         items.extend(sh_items)
         unchanged = sh_items and all(it.action == "copy" and it.out_name == it.src.name for it in sh_items)
         if unchanged:
@@ -197,10 +217,13 @@ def _output_config(ck: Checkpoint, opt: BuildOptions, items: list[_Item]) -> dic
         if it.action == "quant":
             by_scheme.setdefault(it.scheme, set()).update([it.table] + (["lm_head"] if it.head else []))
     carried = {it.table for it in items if it.action == "copy" and it.src.name.endswith(".weight_packed")}
+    carried_bf16 = {it.table for it in items if it.action == "copy" and it.src.dtype == "BF16"
+                    and it.src.name.endswith(".weight")}
     head = "lm_head" in carried or any("lm_head" in t for t in by_scheme.values())
     towers = any(it.table == "towers" and it.action != "drop" for it in items)
     qc = cfgmod.quantization_config([s.config_group(sorted(t)) for s, t in by_scheme.items()], previous=ck.config,
-                                    carried_packed=carried, head=head, towers=towers, version=_ct_version())
+                                    carried_packed=carried, carried_bf16=carried_bf16, head=head, towers=towers,
+                                    version=_ct_version())
     cfgmod.set_quantization(config, qc)
     if head:
         cfgmod.set_untied(config)
@@ -333,7 +356,7 @@ def _write_text(path: Path, text: str) -> None:
 def _free_bytes(target: Path) -> int | None:
     try:
         return shutil.disk_usage(existing_ancestor(target)).free
-    except OSError:
+    except OSError:  # a name too long, a folder that cannot be searched: the writer names it
         return None
 
 

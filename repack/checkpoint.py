@@ -52,7 +52,13 @@ def _folder_files(folder: Path, within: Within, wanted: Callable[[str], bool] = 
     """The files directly in `folder` whose names are `wanted` (hidden ones and folders aside), each opened through
     open_confined: a symlink loop, a broken link or a link outside `within` is refused."""
     out = []
-    for p in sorted(folder.iterdir()):
+    try:
+        names = sorted(folder.iterdir())
+    except OSError as e:  # a folder that can be searched but not listed (mode 311): its config reads, this fails
+        raise RepackError(f"{clip(folder)}: cannot list the folder ({e.strerror or e}); make it readable or copy "
+                          f"the checkpoint to a folder you can read", {"file": clip(folder), "problem": "unlistable"}
+                          ) from None
+    for p in names:
         if p.name.startswith(".") or not wanted(p.name) or not (p.is_symlink() or p.is_file()):
             continue
         if p.is_symlink() and p.is_dir():
@@ -112,8 +118,11 @@ def check_source_folder(src: Path) -> None:
         if e.errno == errno.ELOOP:
             raise RepackError(f"{clip(src)}: a symlink loop, not a folder; pass the folder of a downloaded "
                               f"checkpoint", {"file": clip(src), "problem": "symlink-loop"}) from None
-        raise RepackError(f"{clip(src)}: no such folder; pass the folder of a downloaded checkpoint",
-                          {"file": clip(src), "problem": "missing"}) from None
+        if e.errno in (errno.ENOENT, errno.ENOTDIR):
+            raise RepackError(f"{clip(src)}: no such folder; pass the folder of a downloaded checkpoint",
+                              {"file": clip(src), "problem": "missing"}) from None
+        raise RepackError(f"{clip(src)}: cannot be read ({e.strerror or e}); pass the folder of a downloaded "
+                          f"checkpoint", {"file": clip(src), "problem": "unreadable"}) from None
     except ValueError:  # an embedded NUL
         raise RepackError(f"{clip(src)}: not a valid path; pass the folder of a downloaded checkpoint") from None
     if not stat.S_ISDIR(st.st_mode):
@@ -130,9 +139,13 @@ def open_checkpoint(src: str | Path, roots: Sequence[str | Path] | None = None) 
     within = confinement(src, roots)
 
     cfg_path = src / "config.json"
-    if not os.path.lexists(cfg_path):
+    try:
+        os.lstat(cfg_path)
+    except OSError as e:
+        if e.errno != errno.ENOENT:  # a folder that cannot be searched does not lack config.json: say why
+            raise open_error(cfg_path, e) from None
         raise RepackError(f"{clip(src)}: no config.json; pass the folder of a Hugging Face checkpoint",
-                          {"file": clip(cfg_path), "problem": "missing"})
+                          {"file": clip(cfg_path), "problem": "missing"}) from None
     config = _read_json(cfg_path, within, "a config.json")
     if not isinstance(config, dict):
         raise RepackError(f"{clip(cfg_path)}: not valid JSON (not an object); re-download it",
@@ -148,6 +161,8 @@ def open_checkpoint(src: str | Path, roots: Sequence[str | Path] | None = None) 
             raise RepackError(f"{clip(index_path)}: not a valid safetensors index (weight_map must map tensor "
                               f"names to shard file names); re-download it",
                               {"file": clip(index_path), "problem": "bad-index"})
+        # one file may be spelled two ways (./model.safetensors, model.safetensors): read it once
+        weight_map = {name: os.path.normpath(f) for name, f in weight_map.items()}
         files = sorted(set(weight_map.values()))
         for f in files:
             if not os.path.lexists(src / f):
@@ -168,6 +183,10 @@ def open_checkpoint(src: str | Path, roots: Sequence[str | Path] | None = None) 
                                   f"{clip(tensors[name].file.name)}; re-download the checkpoint",
                                   {"file": clip(sh.path), "tensor": clip(name), "problem": "duplicate"})
             tensors[name] = info
+    if not tensors:  # else the build writes an empty checkpoint and reports success
+        where, verb = (index_path, "lists") if weight_map is not None else (src / SINGLE, "holds")
+        raise RepackError(f"{clip(where)}: {verb} no tensors; pass a checkpoint with weights, or re-download it",
+                          {"file": clip(where), "problem": "no-tensors"})
     if weight_map is not None:
         for name, f in weight_map.items():
             if name not in tensors or tensors[name].file.name != Path(f).name:

@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import signal
+import stat
 import sys
 from pathlib import Path
 from typing import Callable
@@ -104,25 +105,36 @@ def run_build(src: str, out: str, options, as_json: bool = False) -> int:
         return EXIT_BAD_INPUT
     except KeyboardInterrupt as e:
         close()
-        signum = getattr(e, "signum", signal.SIGINT)
-        out = str(resolve_output(out))
-        how = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
-        if getattr(e, "written", None):
-            print(f"error: {how} after {out} was written: it is complete (report in {out}/repack-report.json)",
-                  file=sys.stderr)
-        else:
-            print(f"error: {how}; {out} was not written", file=sys.stderr)
-        return 128 + signum
+        return _stopped(e, str(resolve_output(out)))
     close()
     print(json.dumps(report.to_dict(), indent=2) if as_json else report.format_table())
     print(f"wrote {report.output} (report in {report.output}/repack-report.json)", file=sys.stderr)
     return 0
 
 
+def _stopped(e: KeyboardInterrupt, out: str | None = None) -> int:
+    """Prints the line for a command stopped by a signal (out: the build's output, None for the probe, which
+    writes nothing) and returns its status, 128 + the signal number."""
+    signum = getattr(e, "signum", signal.SIGINT)
+    how = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+    if out is None:
+        print(f"error: {how}", file=sys.stderr)
+    elif getattr(e, "written", None):
+        print(f"error: {how} after {out} was written: it is complete (report in {out}/repack-report.json)",
+              file=sys.stderr)
+    else:
+        print(f"error: {how}; {out} was not written", file=sys.stderr)
+    return 128 + signum
+
+
 def _preflight(src: str, out: str) -> str | None:
     """The deployment preflight's repack checks (the source's config.json, free disk for what the build writes
     plus headroom): the first failing check's line, or None."""
-    if not Path(src).is_dir():  # the library's own error says what is wrong with it (missing, a file, a loop)
+    try:
+        is_dir = stat.S_ISDIR(os.stat(src).st_mode)
+    except (OSError, ValueError):
+        is_dir = False
+    if not is_dir:  # the library's own error says what is wrong with it (missing, a file, a loop, a long name)
         return None
     from tools.errors import ToolFailure
     from tools.serving.preflight import ensure
@@ -149,16 +161,19 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.cmd == "build":
         return build_from_args(args)
-    from .atomic import check_no_symlink_loop, find_stale_partials
+    from .atomic import check_no_symlink_loop, find_stale_partials, signals_as_exceptions
     from .probe import probe_checkpoint
 
     try:
-        params = ProbeParams.from_cli_args(args)
-        check_no_symlink_loop(params.path, "source folder")
-        rep = probe_checkpoint(params.path, rows_per_tensor=params.rows)
+        with signals_as_exceptions():
+            params = ProbeParams.from_cli_args(args)
+            check_no_symlink_loop(params.path, "source folder")
+            rep = probe_checkpoint(params.path, rows_per_tensor=params.rows)
     except RepackError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except KeyboardInterrupt as e:
+        return _stopped(e)
     # read-only: leftovers of dead builds beside SRC are only reported; the next build there removes them
     stale = [lo.describe() for lo in find_stale_partials(Path(os.path.abspath(params.path)).parent,
                                                          keep=[params.path])]

@@ -11,6 +11,7 @@ classes too, so a multimodal build ignores them explicitly.
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any
 
 from .errors import RepackError, clip
@@ -48,20 +49,24 @@ def _ordered(ts: list[str]) -> list[str]:
 
 
 def quantization_config(groups: list[dict[str, Any]], *, previous: dict[str, Any] | None = None,
-                        carried_packed: set[str] = frozenset(), head: bool, towers: bool,
+                        carried_packed: set[str] = frozenset(), carried_bf16: set[str] = frozenset(),
+                        head: bool, towers: bool,
                         version: str = "0.17.0") -> dict[str, Any] | None:
     """The compressed-tensors quantization_config for what a build holds (None if nothing is quantized).
 
     groups: the config groups of the schemes that quantized tables in this run. previous: the source's config,
     whose groups are kept for the targets this run carries unchanged (an intermediate build's int4 linears);
-    carried_packed: tables carried as `weight_packed` that no previous group declares (declared int4).
+    carried_packed: tables carried as `weight_packed` that no previous group declares (declared int4);
+    carried_bf16: tables whose weights are carried bf16, none quantized, which no previous group may declare.
     Groups that quantize alike are merged, so a build made in steps declares what the one-pass build does."""
     fresh = {t for g in groups for t in g["targets"]}
+    # a source config declaring bf16 weights quantized is stale: kept, it would make the output unloadable
+    stale = set(targets(set(carried_bf16) - set(carried_packed)))
     kept: list[dict[str, Any]] = []
     prev = (previous or {}).get("quantization_config") or \
         ((previous or {}).get("text_config") or {}).get("quantization_config") or {}
     for g in (prev.get("config_groups") or {}).values():
-        keep = [t for t in g.get("targets", []) if t not in fresh]
+        keep = [t for t in g.get("targets", []) if t not in fresh and t not in stale]
         if keep:
             kept.append({"format": prev.get("format"), **copy.deepcopy(g), "targets": keep})
     declared = fresh | {t for g in kept for t in g["targets"]}
@@ -103,8 +108,20 @@ def validate(config: dict[str, Any], where: str) -> None:
                            {"file": where, "key": key, "problem": "bad-config"})
 
     def kind(v: Any) -> str:
-        return "null" if v is None else {list: "a list", str: "a string", bool: "a boolean"}.get(
-            type(v), f"a {type(v).__name__}")
+        names = {list: "a list", str: "a string", bool: "a boolean", int: "a number", float: "a number",
+                 dict: "an object"}
+        return "null" if v is None else names.get(type(v), f"a {type(v).__name__}")
+
+    # Python reads NaN, Infinity and 1e999; the config written back from them would not be JSON
+    stack: list[tuple[str, Any]] = [("", config)]
+    while stack:  # iterative: loads_json bounds the depth, not the breadth
+        key, v = stack.pop()
+        if isinstance(v, float) and not math.isfinite(v):
+            raise fail(clip(key, 120), f"{v}, not a finite number")
+        if isinstance(v, dict):
+            stack += [(f"{key}.{k}" if key else str(k), x) for k, x in v.items()]
+        elif isinstance(v, list):
+            stack += [(f"{key}[{i}]", x) for i, x in enumerate(v)]
 
     if "text_config" in config and not isinstance(config["text_config"], dict):
         raise fail("text_config", f"{kind(config['text_config'])}, not an object (a multimodal checkpoint's "
@@ -116,6 +133,9 @@ def validate(config: dict[str, Any], where: str) -> None:
         key = scope + "quantization_config"
         if not isinstance(qc, dict):
             raise fail(key, f"{kind(qc)}, not an object")
+        # a kept group's format becomes the output's format (compared and written as a string)
+        if not isinstance(qc.get("format", ""), (str, type(None))):
+            raise fail(key + ".format", f"{kind(qc['format'])}, not a string")
         groups = qc.get("config_groups")
         if groups is None:
             continue
@@ -127,6 +147,8 @@ def validate(config: dict[str, Any], where: str) -> None:
             targets = group.get("targets", [])
             if not (isinstance(targets, list) and all(isinstance(t, str) for t in targets)):
                 raise fail(clip(f"{key}.config_groups.{name}.targets", 120), "not a list of strings")
+            if not isinstance(group.get("format", ""), (str, type(None))):
+                raise fail(clip(f"{key}.config_groups.{name}.format", 120), f"{kind(group['format'])}, not a string")
 
 
 def existing_targets(config: dict[str, Any]) -> set[str]:

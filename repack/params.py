@@ -12,6 +12,8 @@ from tools.params import OpParams
 from .choices import DEFAULT_OBJECTIVE, DEFAULT_SCHEME, Objective, ScaleDtype, Target
 from .errors import RepackError
 
+MAX_SHARD_GIB = 1 << 20  # a pebibyte: far above any checkpoint, so one shard holds all of it
+
 
 class BuildParams(OpParams):
     """One build: which tables are packed, how the scales are chosen, where it goes."""
@@ -35,7 +37,9 @@ class BuildParams(OpParams):
                                             "runtime-exact: most values exact in it, ties by squared error")
     scale_dtype: ScaleDtype | None = Field(
         None, description="Older spelling of --target-dtype: fp16 = float16, bf16 = bfloat16")
-    max_shard_size: float = Field(2.0, gt=0, allow_inf_nan=False, description="Output shard size in GiB")
+    # bounded above so that the size in bytes stays an integer (a float beyond ~1.7e299 GiB is infinite in bytes)
+    max_shard_size: float = Field(2.0, gt=0, le=MAX_SHARD_GIB, allow_inf_nan=False,
+                                  description="Output shard size in GiB")
     force: bool = Field(False, description="Replace an empty folder or exactly a build this tool wrote")
 
     CLI_POSITIONAL: ClassVar[tuple[str, ...]] = ("source", "output")

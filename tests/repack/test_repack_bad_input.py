@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from repack import cli, grid, safetensors_io
 from repack.build import BuildOptions, build_checkpoint
 from repack.synthetic import grid_words, write_small_checkpoint
 
-from fixtures import one_line_error
+from fixtures import one_line_error, repack_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 FULL = ["--text-only", "--embed-int4", "--embed-tokens"]
@@ -296,3 +297,95 @@ def test_commands_exit_2_as_scripts(tmp_path):
         r = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert r.returncode == 2, (args, r.stderr)
         one_line_error(r.stderr, "no such folder")
+
+
+# ---------------------------------------------------------------------------------------------- unusable paths
+
+
+def test_over_long_name_in_the_source_or_the_output(good, tmp_path, capsys):
+    """A path component longer than the file system allows is named as such, not a traceback."""
+    long = "a" * 300
+    rc, err = _build_cli(tmp_path / long, tmp_path / "out", capsys)
+    assert rc == 2
+    one_line_error(err, "File name too long")
+    _assert_nothing_written(tmp_path / "out")
+    rc, err = repack_cli(capsys, "probe", tmp_path / long)
+    assert rc == 2
+    one_line_error(err, "File name too long")
+    rc, err = _build_cli(good, tmp_path / long / "out", capsys)
+    assert rc == 2
+    one_line_error(err, "File name too long")
+    assert sorted(os.listdir(tmp_path)) == ["src"]
+
+
+@pytest.mark.parametrize("kind", ["loop", "broken", "folder"])
+def test_a_config_json_that_is_there_but_unusable_is_named(good, tmp_path, capsys, kind):
+    """The command's preflight says "no config.json" only when there is none: a loop, a broken link or a
+    folder in its place is named as the probe names it."""
+    cfg = good / "config.json"
+    cfg.unlink()
+    if kind == "loop":
+        os.symlink("config.json", cfg)
+    elif kind == "broken":
+        os.symlink("nowhere.json", cfg)
+    else:
+        cfg.mkdir()
+    needle = {"loop": "symlink loop", "broken": "broken symlink", "folder": "not a regular file"}[kind]
+    rc, err = _build_cli(good, tmp_path / "out", capsys)
+    assert rc == 2
+    line = one_line_error(err, "config.json", needle)
+    assert "no config.json" not in line
+    _assert_nothing_written(tmp_path / "out")
+
+
+def _unprivileged() -> list[str]:
+    """A command prefix under which file permissions apply (root drops its override capabilities)."""
+    if os.geteuid() != 0:
+        return []
+    if not shutil.which("setpriv"):
+        pytest.skip("running as root without setpriv: permissions cannot be tested")
+    caps = "-dac_override,-dac_read_search"
+    return ["setpriv", "--bounding-set", caps, "--inh-caps", caps]
+
+
+@pytest.mark.parametrize("mode", [0o311, 0o000])
+def test_a_source_folder_that_cannot_be_listed_or_read(good, tmp_path, mode):
+    out = tmp_path / "out"
+    good.chmod(mode)
+    try:
+        r = subprocess.run([*_unprivileged(), sys.executable, "-m", "repack", "build", str(good), str(out)],
+                           cwd=ROOT, capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "REPACK_NO_NUMBA": "1"})
+    finally:
+        good.chmod(0o755)
+    assert r.returncode == 2, r.stderr
+    line = one_line_error(r.stderr, str(good), "Permission denied")
+    assert "no config.json" not in line
+    _assert_nothing_written(out)
+
+
+@pytest.mark.parametrize("sig, rc, how", [(signal.SIGINT, 130, "interrupted"),
+                                          (signal.SIGTERM, 143, "stopped by SIGTERM")])
+def test_a_signal_stops_the_probe_with_one_line(good, sig, rc, how):
+    """The probe exits as the build does on a signal: one line and 128 + the signal, no traceback."""
+    script = (
+        "import sys, time; sys.path.insert(0, %r)\n"
+        "from repack import grid, cli\n"
+        "real = grid.quantize\n"
+        "def slow(w, *args):\n"
+        "    print('sampling', file=sys.stderr, flush=True); time.sleep(60); return real(w, *args)\n"
+        "grid.quantize = slow\n"
+        "sys.exit(cli.main(['probe', %r]))\n"
+    ) % (str(ROOT), str(good))
+    p = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True, start_new_session=True,
+                         env={**os.environ, "REPACK_NO_NUMBA": "1"})
+    try:
+        assert p.stderr.readline().strip() == "sampling"
+        p.send_signal(sig)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    assert p.returncode == rc, err
+    one_line_error(err, how)

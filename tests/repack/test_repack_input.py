@@ -187,6 +187,44 @@ def test_quantization_config_of_the_wrong_type(tmp_path, capsys, qc):
     _refused(src, tmp_path, capsys, "config.json", "text_config.quantization_config")
 
 
+@pytest.mark.parametrize("where", ["top", "group"])
+@pytest.mark.parametrize("fmt", [["pack-quantized"], {"a": 1}, 4])
+def test_quantization_format_of_the_wrong_type(tmp_path, capsys, where, fmt):
+    """The format of a kept group names the output's format: it must be a string."""
+    src = write_small_checkpoint(tmp_path / "src")
+    group = {"targets": ["re:.*embed_tokens_per_layer$"]}
+    qc = {"format": fmt, "config_groups": {"g": group}} if where == "top" else \
+        {"format": "pack-quantized", "config_groups": {"g": {**group, "format": fmt}}}
+    _set_config(src, lambda c: c.update(quantization_config=qc))
+    _refused(src, tmp_path, capsys, "config.json", "quantization_config.",
+             "format" if where == "top" else "config_groups.g.format", "not a string")
+
+
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity", "1e999"])
+def test_a_config_number_that_is_not_finite_is_refused(tmp_path, capsys, literal):
+    """Python reads these; the config written from them would not be JSON."""
+    src = write_small_checkpoint(tmp_path / "src")
+    text = (src / "config.json").read_text()
+    (src / "config.json").write_text(text.replace('"vocab_size": 64', f'"vocab_size": {literal}', 1))
+    assert literal in (src / "config.json").read_text()
+    _refused(src, tmp_path, capsys, "config.json", "text_config.vocab_size", "finite")
+
+
+def test_a_stale_quantization_group_is_not_kept_beside_bf16_weights(tmp_path, capsys):
+    """A source config declaring bf16 linears int4: a build that leaves them bf16 declares them bf16."""
+    src = write_small_checkpoint(tmp_path / "src")
+    _set_config(src, lambda c: c.update(quantization_config={
+        "format": "pack-quantized", "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 4}}}}))
+    out = tmp_path / "out"
+    rc, err = repack_cli(capsys, "build", str(src), str(out), "--no-quantize-linears", "--embed-int4")
+    assert rc == 0, err
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert [g["targets"] for g in qc["config_groups"].values()] == [["re:.*embed_tokens_per_layer$"]]
+    rc, err = repack_cli(capsys, "build", str(src), str(tmp_path / "out2"), "--no-quantize-linears")
+    assert rc == 0, err
+    assert "quantization_config" not in json.loads((tmp_path / "out2" / "config.json").read_text())
+
+
 @pytest.mark.parametrize("depth", [100, 200_000])
 def test_deeply_nested_config(tmp_path, capsys, depth):
     src = write_small_checkpoint(tmp_path / "src")
@@ -230,6 +268,16 @@ def test_linear_with_no_columns(tmp_path, capsys):
     rc, err = repack_cli(capsys, "build", str(src), str(tmp_path / "out"), *FULL)
     assert rc == 2
     one_line_error(err, UP0, "[128, 0]")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("shape", [(2, 64, 64), (2, 2, 32, 32)])
+def test_linear_of_more_than_two_dimensions(tmp_path, capsys, shape):
+    """Copied as bf16 it would sit beside a config declaring every Linear int4: refused like a (128, 0) one."""
+    src = write_small_checkpoint(tmp_path / "src", extra={UP0: ("BF16", shape, bytes(2 * int(np.prod(shape))))})
+    rc, err = repack_cli(capsys, "build", str(src), str(tmp_path / "out"), *FULL)
+    assert rc == 2
+    one_line_error(err, UP0, str(list(shape)))
     assert not (tmp_path / "out").exists()
 
 
@@ -423,3 +471,26 @@ def test_mcp_tools_pass_their_roots(tmp_path):
     for msg in asyncio.run(go()):
         assert "outside the allowed roots" in msg and "blobs" not in msg, msg
     assert not (snap.parent / "out").exists()
+
+
+@pytest.mark.parametrize("how", ["empty-index", "empty-shard"])
+def test_a_checkpoint_with_no_tensors_is_refused(tmp_path, capsys, how):
+    """An empty weight_map or a shard without tensors would build an empty output with status 0."""
+    src = write_small_checkpoint(tmp_path / "src")
+    if how == "empty-index":
+        (src / "model.safetensors.index.json").write_text('{"weight_map": {}}')
+        _refused(src, tmp_path, capsys, "model.safetensors.index.json", "no tensors")
+    else:
+        _write_raw(src / "model.safetensors", {"__metadata__": {"format": "pt"}}, b"")
+        _refused(src, tmp_path, capsys, "model.safetensors", "no tensors")
+
+
+def test_index_naming_one_shard_two_ways(tmp_path, capsys):
+    """`./model.safetensors` and `model.safetensors` are one file: not a tensor stored twice."""
+    src = write_small_checkpoint(tmp_path / "src")
+    names = [n for n in open_checkpoint(src).tensors]
+    wm = {n: "./model.safetensors" if i % 2 else "model.safetensors" for i, n in enumerate(names)}
+    (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": wm}))
+    rc, err = repack_cli(capsys, "build", str(src), str(tmp_path / "out"), *FULL)
+    assert rc == 0, err
+    assert open_checkpoint(tmp_path / "out").tensors

@@ -370,3 +370,21 @@ def test_w8a8_build_refuses_a_nonfinite_weight(tmp_path, capsys, bad):
     err = capsys.readouterr().err
     assert rc == 2 and len(err.strip().splitlines()) == 1 and "row 77, column 40" in err
     assert not (tmp_path / "out2").exists()
+
+
+def test_a_scheme_is_refused_for_linears_already_packed_otherwise(tmp_path, capsys):
+    """An int4 build as the source of a w8a8 one: its linears would be carried int4 under a w8a8 report."""
+    from repack.synthetic import write_small_checkpoint
+
+    from fixtures import one_line_error, repack_cli
+
+    src = write_small_checkpoint(tmp_path / "src")
+    int4 = tmp_path / "int4"
+    build_checkpoint(src, int4, BuildOptions(text_only=False, embed_int4=False, embed_tokens=False))
+    rc, err = repack_cli(capsys, "build", int4, tmp_path / "w8", "--scheme", "w8a8")
+    assert rc == 2
+    one_line_error(err, "already packed", "weight_packed", "--scheme w8a8", "bf16")
+    assert not (tmp_path / "w8").exists()
+    # what the source holds is what the default scheme writes: the later steps carry it
+    rc, err = repack_cli(capsys, "build", int4, tmp_path / "again")
+    assert rc == 0, err

@@ -15,6 +15,7 @@ without an NVIDIA driver the GPU checks are `n/a` and the CPU path (vLLM's CPU b
 from __future__ import annotations
 
 import argparse
+import errno
 import functools
 import importlib.metadata
 import importlib.util
@@ -150,7 +151,12 @@ def _dir_bytes(path: Path) -> int:
 def _free_bytes(path: Path) -> tuple[Path, int]:
     """Free bytes on the filesystem that `path` (or its nearest existing parent) lives on."""
     p = path
-    while not p.exists() and p != p.parent:
+    while p != p.parent:
+        try:
+            if p.exists():
+                break
+        except OSError:  # a name too long, a folder that cannot be searched: the writer names it, not this check
+            pass
         p = p.parent
     return p, shutil.disk_usage(p).free
 
@@ -455,9 +461,31 @@ def check_source(source: Path | None) -> Check:
     if source is None:
         return Check(name="source", status="fail", value="no source checkpoint given and SOURCE_CHECKPOINT is empty",
                      fix=f"fetch it with ./vllm-t4 fetch {SOURCE_REPO} and set SOURCE_CHECKPOINT")
-    if not (source / "config.json").is_file():
-        return Check(name="source", status="fail", value=f"source checkpoint {source} has no config.json",
-                     fix=f"fetch it with ./vllm-t4 fetch {SOURCE_REPO} --out {source}, or fix the path")
+    try:
+        os.lstat(source / "config.json")
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+            return Check(name="source", status="fail", value=f"source checkpoint {source} has no config.json",
+                         fix=f"fetch it with ./vllm-t4 fetch {SOURCE_REPO} --out {source}, or fix the path")
+    if not _is_file(source / "config.json"):
+        # there but unusable (a loop, a broken link, not a file, no permission): the check probe and the build
+        # make names the problem
+        from repack.checkpoint import open_checkpoint
+        from repack.errors import RepackError
+
+        try:
+            open_checkpoint(source)
+        except RepackError as exc:
+            return Check(name="source", status="fail", value=str(exc), detail=exc.detail)
+    return Check(name="source", status="ok", value=f"{source}: {_gib(_dir_bytes(source))} of safetensors",
+                 detail={"bytes": _dir_bytes(source)})
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except OSError:
+        return False
     return Check(name="source", status="ok", value=f"{source}: {_gib(_dir_bytes(source))} of safetensors",
                  detail={"bytes": _dir_bytes(source)})
 
