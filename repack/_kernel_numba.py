@@ -50,26 +50,23 @@ EXCL = 2.0 ** -30  # grid.EXCL: the relative nudge that excludes an interval's e
 FP16_SIG = 11  # float16's significand bits: the runtime is float16, else bfloat16
 
 
-@intrinsic
-def _f2u(typingctx, v):
-    """The bits of a float64 as an int64 (no memory round trip)."""
-    if v != types.float64:
-        return None
+def _bitcast(name, src, dst, ir_dst):
+    """An intrinsic reading a `src` value's bits as a `dst` (no memory round trip)."""
+    def cast(typingctx, v):
+        if v != src:
+            return None
 
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(args[0], ir.IntType(64))
-    return types.int64(types.float64), codegen
+        def codegen(context, builder, sig, args):
+            return builder.bitcast(args[0], ir_dst)
+        return dst(src), codegen
+    cast.__name__ = cast.__qualname__ = name
+    return intrinsic(cast)
 
 
-@intrinsic
-def _u2f(typingctx, v):
-    """An int64 bit pattern as a float64."""
-    if v != types.int64:
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(args[0], ir.DoubleType())
-    return types.float64(types.int64), codegen
+_f2u = _bitcast("_f2u", types.float64, types.int64, ir.IntType(64))
+_u2f = _bitcast("_u2f", types.int64, types.float64, ir.DoubleType())
+_f32bits = _bitcast("_f32bits", types.float32, types.int32, ir.IntType(32))
+_bitsf32 = _bitcast("_bitsf32", types.int32, types.float32, ir.FloatType())
 
 
 @nb.njit(cache=True, inline="always", _nrt=False)
@@ -295,28 +292,6 @@ def _bounds(aq, ax, sig, minexp, vmax):
             lbb = max(lbb, _f2u(lo * rl))
             ubb = min(ubb, _f2u(hi * rl))
     return _u2f(lbb), _u2f(ubb)
-
-
-@intrinsic
-def _f32bits(typingctx, v):
-    """The bits of a float32 as an int32."""
-    if v != types.float32:
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(args[0], ir.IntType(32))
-    return types.int32(types.float32), codegen
-
-
-@intrinsic
-def _bitsf32(typingctx, v):
-    """An int32 bit pattern as a float32."""
-    if v != types.int32:
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(args[0], ir.FloatType())
-    return types.float32(types.int32), codegen
 
 
 @nb.njit(cache=True, inline="always", _nrt=False)

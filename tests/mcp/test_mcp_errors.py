@@ -8,25 +8,9 @@ import asyncio
 import pytest
 from fastmcp import Client
 
-from tools.mcp.app import Settings, create_server
-from tools.mcp.paths import Roots
-
 
 def run(coro):
     return asyncio.run(coro)
-
-
-@pytest.fixture()
-def roots(tmp_path) -> Roots:
-    (tmp_path / "models").mkdir()
-    (tmp_path / "evidence").mkdir()
-    return Roots.from_env([str(tmp_path / "models")], [str(tmp_path / "evidence")], environ={})
-
-
-@pytest.fixture()
-def mcp(roots, tmp_path):
-    return create_server(Settings(roots=roots, config_overrides={"state_dir": str(tmp_path / "run")}),
-                         toolsets="all")
 
 
 async def _errors(mcp, calls: list[tuple[str, dict]]) -> list:

@@ -51,19 +51,6 @@ def run(coro):
     return asyncio.run(coro)
 
 
-@pytest.fixture()
-def roots(tmp_path) -> Roots:
-    (tmp_path / "models").mkdir()
-    (tmp_path / "evidence").mkdir()
-    return Roots.from_env([str(tmp_path / "models")], [str(tmp_path / "evidence")], environ={})
-
-
-@pytest.fixture()
-def mcp(roots, tmp_path):
-    return create_server(Settings(roots=roots, config_overrides={"state_dir": str(tmp_path / "run")}),
-                         toolsets="all")
-
-
 def test_every_tool_is_listed_with_title_description_annotations_and_output_schema(mcp):
     async def go():
         async with Client(mcp) as c:
@@ -567,7 +554,7 @@ def test_compare_evals_reads_runs_under_the_evidence_roots_only(mcp, roots, tmp_
 
     ev = roots.evidence[0]
     a = fake_eval_run(ev / "a", "ref", {i: float(i % 2) for i in range(20)})
-    b = fake_eval_run(ev / "b", "cand", {i: 1.0 for i in range(20)})
+    fake_eval_run(ev / "b", "cand", {i: 1.0 for i in range(20)})
     outside = fake_eval_run(tmp_path / "outside", "x", {i: 1.0 for i in range(20)})
 
     async def go():
@@ -589,7 +576,7 @@ def test_compare_evals_refuses_run_files_linked_out_of_the_roots(mcp, roots, tmp
     from fixtures import fake_eval_run
 
     ev = roots.evidence[0]
-    a = fake_eval_run(ev / "a", "ref", {i: float(i % 2) for i in range(20)})
+    fake_eval_run(ev / "a", "ref", {i: float(i % 2) for i in range(20)})
     outside = fake_eval_run(tmp_path / "outside", "secret-label", {i: 1.0 for i in range(20)})
     (ev / "linked").mkdir()  # a real folder inside the root whose files link to a run outside
     for f in outside.iterdir():

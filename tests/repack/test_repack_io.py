@@ -188,24 +188,3 @@ def test_the_space_check_counts_a_link_that_becomes_a_copy(src, tmp_path, other_
         build_checkpoint(src, other_fs / "out", opt)
     assert list(other_fs.iterdir()) == []
     build_checkpoint(src, tmp_path / "again", opt)  # on the source's file system the same room is enough
-
-
-def test_a_full_disk_names_the_output_and_the_space_needed(src, tmp_path, capsys, monkeypatch):
-    import errno
-
-    from repack import safetensors_io
-
-    real = os.pwrite
-    calls = {"n": 0}
-
-    def pwrite(fd, data, offset):
-        calls["n"] += 1
-        if calls["n"] > 4:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real(fd, data, offset)
-
-    monkeypatch.setattr(safetensors_io.os, "pwrite", pwrite)
-    rc, err = repack_cli(capsys, "build", src, tmp_path / "out")
-    assert rc == 2
-    line = one_line_error(err, f"{tmp_path / 'out'}: no space left", "the build needs", "GB")
-    assert ".partial-" not in line and not (tmp_path / "out").exists()
