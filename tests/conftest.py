@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fixtures import ROOT, SERVE_MAX_MODEL_LEN, free_port
+from fixtures import ROOT, SERVE_MAX_MODEL_LEN, free_port, require_plugin
 
 
 @pytest.hookimpl(trylast=True)  # after pytest's own configure: the temporary-folder factory is needed
@@ -193,14 +193,6 @@ def serve_config_factory(tmp_path_factory):
     return make
 
 
-def _require_plugin() -> None:
-    from importlib.metadata import entry_points
-
-    names = {ep.name for ep in entry_points(group="vllm.general_plugins")}
-    assert "gemma4_t4_cpu_int4_embedding" in names, (
-        "the gemma4-t4 vLLM plugin is not installed: run `pip install -e .` (./setup.sh does)")
-
-
 def _serve(cfg):
     """Starts a shared server for the session. On the CPU its model worker runs inside vLLM's engine process
     (VLLM_ENABLE_V1_MULTIPROCESSING=0 for that start only): one Python process fewer to import vLLM into, 30 s ->
@@ -208,7 +200,7 @@ def _serve(cfg):
     every other start in the suite runs (the command line, the demo, the MCP server, instances, the decode sweep)."""
     from tools.serving.vllm_server import start_server, stop_server
 
-    _require_plugin()
+    require_plugin()
     with pytest.MonkeyPatch.context() as mp:  # for this start only: read by the server process at its launch
         mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")

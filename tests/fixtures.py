@@ -99,3 +99,11 @@ def fake_eval_run(folder: Path, label: str, per_doc: dict[int, float], *, hashes
                            files={"samples:t": str(samples)})
     (folder / "summary.json").write_text(json.dumps(res.to_dict()))
     return folder
+
+
+def require_plugin() -> None:
+    from importlib.metadata import entry_points
+
+    names = {ep.name for ep in entry_points(group="vllm.general_plugins")}
+    assert "gemma4_t4_cpu_int4_embedding" in names, (
+        "the gemma4-t4 vLLM plugin is not installed: run `pip install -e .` (./setup.sh does)")

@@ -319,11 +319,11 @@ def test_w8a8_steps_keep_the_int8_group(tmp_path):
 def test_w8a8_build_serves_on_the_cpu_int8_kernel(w8a8_build, serve_config_factory):
     import httpx
 
-    from conftest import _require_plugin
+    from fixtures import require_plugin
     from tools.demo.tiny_model import pattern_permutation
     from tools.serving.vllm_server import start_server, stop_server
 
-    _require_plugin()
+    require_plugin()
     cfg = serve_config_factory(w8a8_build, "gemma-4-tiny-text-w8a8")
     started = start_server(cfg)
     try:
