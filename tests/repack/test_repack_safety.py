@@ -371,11 +371,14 @@ sys.exit(cli.main(["build", {src!r}, {out!r}, "--text-only", "--embed-int4", "--
 # copied blocks reach the kernel through pwrite, which answers EFAULT for a vanished page instead of SIGBUS:
 # touched here first, every block reads the source as the grid kernel does
 _TOUCH_COPIES = """
+import os
 from repack import build
 real_copy = build._copy_block
 def touching(mf, it, writers, start, length):
     if length > 0:
         mf.view(it.src, start, length).tobytes()
+        if os.environ.get("MAPPED_MARK"):  # the source is mapped: what happens to it now happens under the map
+            open(os.environ["MAPPED_MARK"], "a").close()
     return real_copy(mf, it, writers, start, length)
 build._copy_block = touching
 """
@@ -432,15 +435,21 @@ def test_sigkill_leftover_is_reported_by_probe_and_removed_by_the_next_build(src
     assert len(rep["removed_partials"]) == 1 and name in rep["removed_partials"][0]
 
 
-def test_sigbus_from_a_source_truncated_mid_build(tmp_path):
+def test_sigbus_from_a_source_truncated_mid_build(tmp_path, tmp_path_factory, monkeypatch):
     """The source shrinks under the memory map: the build dies of SIGBUS; the next build beside it (even one that
     fails on its own bad source) removes the leftover."""
     src = write_small_checkpoint(tmp_path / "qat")
     shard = src / "model.safetensors"
     out = tmp_path / "out"
+    # truncated only once the build has mapped the shard (before that it refuses the changed file: exit 2)
+    mark = tmp_path_factory.mktemp("mark") / "mapped"
+    monkeypatch.setenv("MAPPED_MARK", str(mark))
     p = _start_slow_build(src, out, _TOUCH_COPIES)
     try:
         name = _wait_for_partial(tmp_path, p)
+        deadline = time.time() + 240
+        while not mark.exists() and p.poll() is None and time.time() < deadline:
+            time.sleep(0.01)
         os.truncate(shard, 4096)
         _, err = p.communicate(timeout=240)
     finally:
