@@ -36,7 +36,7 @@ from .checkpoint import (INDEX, MM_PREFIX, TOWER_PREFIXES, Checkpoint, check_sou
                          confinement, open_checkpoint)
 from .errors import RepackError, clip
 from .report import TABLES, RepackReport, TableReport
-from .safetensors_io import MappedFile, OutShard, OutTensor, ShardWriter, TensorInfo, WriteError, write_error
+from .safetensors_io import MappedFile, OutShard, OutTensor, ShardWriter, TensorInfo, WriteError
 
 Progress = Callable[[int, int, str], None]
 BLOCK_BYTES = 4 << 20      # source bytes per work item: big enough to amortise, small enough to bound memory
@@ -312,7 +312,7 @@ def build_checkpoint(src: str | Path, out: str | Path, options: BuildOptions | N
                 try:
                     shutil.copy2(f, tmp / f.name)
                 except OSError as e:
-                    raise write_error(tmp / f.name, e) from None
+                    raise WriteError(tmp / f.name, e) from None
             report.bytes_written = sum(sh.size for sh in shards if sh.hardlink_from is None)
             report.wall_s = time.perf_counter() - t0
             report.peak_rss_bytes = _peak_rss()
@@ -341,7 +341,8 @@ def _can_link(src: Path, target: Path) -> bool:
     system, and a file the user owns or may write (fs.protected_hardlinks refuses others' files)."""
     try:
         st = os.stat(src)
-        return st.st_dev == os.stat(existing_ancestor(target)).st_dev and (st.st_uid == os.geteuid() or os.access(src, os.R_OK | os.W_OK))
+        return (st.st_dev == os.stat(existing_ancestor(target)).st_dev
+                and (st.st_uid == os.geteuid() or os.access(src, os.R_OK | os.W_OK)))
     except OSError:
         return False
 
@@ -350,7 +351,7 @@ def _write_text(path: Path, text: str) -> None:
     try:
         path.write_text(text)
     except OSError as e:
-        raise write_error(path, e) from None
+        raise WriteError(path, e) from None
 
 
 def _free_bytes(target: Path) -> int | None:
@@ -450,7 +451,7 @@ def _link_or_copy(src: Path, dst: Path) -> None:
         try:
             shutil.copyfile(src, dst)
         except OSError as e:
-            raise write_error(dst, e) from None
+            raise WriteError(dst, e) from None
 
 
 def _copy_block(mf: MappedFile, it: _Item, writers: dict[int, ShardWriter], start: int, length: int) -> None:

@@ -381,7 +381,7 @@ class ShardWriter:
             try:
                 n = os.pwrite(self.fd, buf[done:], offset + done)
             except OSError as e:
-                raise write_error(self.path, e) from None
+                raise WriteError(self.path, e) from None
             done += n
 
     def close(self) -> None:
@@ -401,7 +401,7 @@ def _allocate(fd: int, size: int, path: Path) -> None:
         if e.errno in (95, 22):  # EOPNOTSUPP / EINVAL: the file system cannot preallocate
             os.ftruncate(fd, size)
         else:
-            raise write_error(path, e) from None
+            raise WriteError(path, e) from None
 
 
 class WriteError(RepackError):
@@ -422,9 +422,6 @@ class WriteError(RepackError):
 
         return self.errno in (errno.ENOSPC, errno.EDQUOT)
 
-
-def write_error(path: Path, e: OSError) -> WriteError:
-    return WriteError(path, e)
 
 
 def iter_blocks(total: int, block: int) -> Iterator[tuple[int, int]]:

@@ -151,12 +151,9 @@ def _dir_bytes(path: Path) -> int:
 def _free_bytes(path: Path) -> tuple[Path, int]:
     """Free bytes on the filesystem that `path` (or its nearest existing parent) lives on."""
     p = path
-    while p != p.parent:
-        try:
-            if p.exists():
-                break
-        except OSError:  # a name too long, a folder that cannot be searched: the writer names it, not this check
-            pass
+    # os.path.exists: False (not an error) for a name too long or a folder that cannot be searched; the writer
+    # names those, not this check
+    while not os.path.exists(p) and p != p.parent:
         p = p.parent
     return p, shutil.disk_usage(p).free
 
@@ -477,8 +474,8 @@ def check_source(source: Path | None) -> Check:
             open_checkpoint(source)
         except RepackError as exc:
             return Check(name="source", status="fail", value=str(exc), detail=exc.detail)
-    return Check(name="source", status="ok", value=f"{source}: {_gib(_dir_bytes(source))} of safetensors",
-                 detail={"bytes": _dir_bytes(source)})
+    size = _dir_bytes(source)
+    return Check(name="source", status="ok", value=f"{source}: {_gib(size)} of safetensors", detail={"bytes": size})
 
 
 def _is_file(path: Path) -> bool:
@@ -486,8 +483,6 @@ def _is_file(path: Path) -> bool:
         return path.is_file()
     except OSError:
         return False
-    return Check(name="source", status="ok", value=f"{source}: {_gib(_dir_bytes(source))} of safetensors",
-                 detail={"bytes": _dir_bytes(source)})
 
 
 # ----------------------------------------------------------------------------------------------------------------
