@@ -157,9 +157,9 @@ def check_no_symlink_loop(path: str | Path, what: str = "folder") -> None:
 
 
 def resolve_output(out: str | Path) -> Path:
-    """The folder the kernel would create for OUT (where a build is written, what messages should name): its parent resolved as the kernel walks it (a `..` after a
-    symbolic link leads out of the link's target, not back beside the link, so nothing is collapsed as text);
-    the last component is kept as given."""
+    """The folder the kernel would create for OUT (where a build is written, what messages should name): its
+    parent resolved as the kernel walks it (a `..` after a symbolic link leads out of the link's target, not back
+    beside the link, so nothing is collapsed as text); the last component is kept as given."""
     s = os.fspath(out)
     if not os.path.isabs(s):
         s = os.path.join(os.getcwd(), s)

@@ -24,8 +24,9 @@ def _sweep_inputs(app, p: SweepParams) -> SweepParams:
 
 
 @tool(toolset="measure", title="Serving sweep (vllm bench serve)", params=SweepParams, result=SweepResult,
-      long=True, open_world=True, check=_sweep_inputs, extra={"counts": (dict[str, int], "Cells by status: ok, infeasible, failed"),
-                                         "table_md": (str, "The run's markdown table")})
+      long=True, open_world=True, check=_sweep_inputs,
+      extra={"counts": (dict[str, int], "Cells by status: ok, infeasible, failed"),
+             "table_md": (str, "The run's markdown table")})
 def run_sweep(app, p: SweepParams, progress) -> Reply:
     """Measure the running server with vLLM's own benchmark over input lengths x concurrencies x repeats, the
     same prompts for every build; writes a run folder (summary, raw results, provenance) under an evidence root
