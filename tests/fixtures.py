@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -107,3 +112,15 @@ def require_plugin() -> None:
     names = {ep.name for ep in entry_points(group="vllm.general_plugins")}
     assert "gemma4_t4_cpu_int4_embedding" in names, (
         "the gemma4-t4 vLLM plugin is not installed: run `pip install -e .` (./setup.sh does)")
+
+
+@contextmanager
+def reaped(p: subprocess.Popen) -> Iterator[subprocess.Popen]:
+    """Kills the process group of `p` (started with start_new_session) if it still runs on the way out: a test
+    that fails midway leaves no build behind."""
+    try:
+        yield p
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()

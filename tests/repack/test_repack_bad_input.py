@@ -19,7 +19,7 @@ from repack import cli, grid, safetensors_io
 from repack.build import BuildOptions, build_checkpoint
 from repack.synthetic import grid_words, write_small_checkpoint
 
-from fixtures import one_line_error, repack_cli
+from fixtures import one_line_error, reaped, repack_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 FULL = ["--text-only", "--embed-int4", "--embed-tokens"]
@@ -273,7 +273,7 @@ def test_sigterm_leaves_nothing(good, tmp_path):
     ) % (str(ROOT), str(good), str(out))
     p = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True,
                          start_new_session=True)
-    try:
+    with reaped(p):
         deadline = time.time() + 120
         while time.time() < deadline and not any(x.name.startswith(".out.partial-") for x in tmp_path.iterdir()):
             time.sleep(0.05)
@@ -281,10 +281,6 @@ def test_sigterm_leaves_nothing(good, tmp_path):
         time.sleep(0.3)
         p.send_signal(signal.SIGTERM)
         _, err = p.communicate(timeout=120)
-    finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
     assert p.returncode == 143, err
     assert "stopped by SIGTERM" in err and "was not written" in err
     _assert_nothing_written(out)
@@ -381,13 +377,9 @@ def test_a_signal_stops_the_probe_with_one_line(good, sig, rc, how):
     ) % (str(ROOT), str(good))
     p = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True, start_new_session=True,
                          env={**os.environ, "REPACK_NO_NUMBA": "1"})
-    try:
+    with reaped(p):
         assert p.stderr.readline().strip() == "sampling"
         p.send_signal(sig)
         _, err = p.communicate(timeout=60)
-    finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
     assert p.returncode == rc, err
     one_line_error(err, how)

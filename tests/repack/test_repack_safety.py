@@ -22,7 +22,7 @@ from repack.checkpoint import open_checkpoint
 from repack.errors import RepackError
 from repack.synthetic import write_small_checkpoint
 
-from fixtures import one_line_error, repack_cli
+from fixtures import one_line_error, reaped, repack_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 FULL = ["--text-only", "--embed-int4", "--embed-tokens"]
@@ -402,16 +402,12 @@ def _wait_for_partial(folder: Path, p: subprocess.Popen) -> str:
 def test_sigkill_leftover_is_reported_by_probe_and_removed_by_the_next_build(src, tmp_path, capsys):
     out = tmp_path / "out"
     p = _start_slow_build(src, out)
-    try:
+    with reaped(p):
         name = _wait_for_partial(tmp_path, p)
         assert name.startswith(f".out.partial-{p.pid}-")  # the owner's pid (and start time) in the name
         time.sleep(0.5)
         p.send_signal(signal.SIGKILL)
         p.wait(timeout=60)
-    finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
     assert _leftovers(tmp_path) == [name]
     size = sum(f.stat().st_size for f in (tmp_path / name).iterdir())
     assert size > 0
@@ -445,17 +441,13 @@ def test_sigbus_from_a_source_truncated_mid_build(tmp_path, tmp_path_factory, mo
     mark = tmp_path_factory.mktemp("mark") / "mapped"
     monkeypatch.setenv("MAPPED_MARK", str(mark))
     p = _start_slow_build(src, out, _TOUCH_COPIES)
-    try:
+    with reaped(p):
         name = _wait_for_partial(tmp_path, p)
         deadline = time.time() + 240
         while not mark.exists() and p.poll() is None and time.time() < deadline:
             time.sleep(0.01)
         os.truncate(shard, 4096)
         _, err = p.communicate(timeout=240)
-    finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
     assert p.returncode == -signal.SIGBUS, err
     assert _leftovers(tmp_path) == [name] and not out.exists()
     r = subprocess.run([sys.executable, "-m", "repack", "build", str(src), str(tmp_path / "again")], cwd=ROOT,
@@ -602,14 +594,10 @@ def test_server_sigterm_with_a_build_in_a_worker_thread_leaves_nothing(src, tmp_
     out = tmp_path / "out"
     p = subprocess.Popen([sys.executable, "-c", _SERVER_CHILD.format(root=str(ROOT), src=str(src), out=str(out))],
                          stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
+    with reaped(p):
         _wait_for_partial(tmp_path, p)
         p.send_signal(signal.SIGTERM)
         _, err = p.communicate(timeout=120)
-    finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
     assert p.returncode == 143, err
     assert _clean(tmp_path) and not out.exists()
 
@@ -697,14 +685,10 @@ def test_sigterm_exits_143_and_sighup_129(src, tmp_path):
     for sig, code in ((signal.SIGTERM, 143), (signal.SIGHUP, 129)):
         out = tmp_path / f"out{code}"
         p = _start_slow_build(src, out)
-        try:
+        with reaped(p):
             _wait_for_partial(tmp_path, p)
             p.send_signal(sig)
             _, err = p.communicate(timeout=120)
-        finally:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
         assert p.returncode == code, err
         one_line_error(err, signal.Signals(sig).name, "was not written")
         assert not out.exists() and _clean(tmp_path)
