@@ -31,8 +31,10 @@ is never imported.
 
 from __future__ import annotations
 
+import importlib.abc
 import math
 import os
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -410,6 +412,27 @@ def quantize_numpy(words: np.ndarray, target: str = DEFAULT_TARGET, objective: s
 _kernel = None
 
 
+class _NoScipyLinalg(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "scipy.linalg" or name.startswith("scipy.linalg."):
+            raise ImportError(f"{name}: not imported while numba's array functions load")
+        return None
+
+
+def _import_numba_arrays_without_scipy() -> None:
+    """numba's array functions, imported when the kernel first loads, import scipy.linalg only to learn
+    whether np.dot may call BLAS: 0.1-0.2 s of a build's start, and the kernel calls no BLAS. Without it numba
+    takes its own loops. Where scipy.linalg is already imported nothing changes."""
+    if "numba.np.arraymath" in sys.modules or "scipy.linalg" in sys.modules:
+        return
+    finder = _NoScipyLinalg()
+    sys.meta_path.insert(0, finder)
+    try:
+        import numba.np.arraymath  # noqa: F401
+    finally:
+        sys.meta_path.remove(finder)
+
+
 def _get_kernel():
     global _kernel
     if _kernel is not None:
@@ -420,6 +443,7 @@ def _get_kernel():
         import numba  # noqa: F401
     except ImportError:
         return None
+    _import_numba_arrays_without_scipy()
     from . import _kernel_numba
 
     _kernel = _kernel_numba.quantize_rows

@@ -36,3 +36,28 @@ def test_the_kernel_benchmark_loads_the_project_kernel_as_the_project_does():
         sys.path.remove(str(bench))
     assert bench_repack._load_kernel(Path(_kernel_numba.__file__)) is _kernel_numba.quantize_rows
     assert not [m for m in sys.modules if m.startswith("kernel_")]
+
+
+def test_loading_the_kernel_does_not_import_scipy_linalg():
+    # numba's array functions import scipy.linalg (0.1-0.2 s of every build's start) only to know whether
+    # np.dot may call BLAS; a fresh process loads and runs the kernel without it, and the kernel still agrees
+    # with the numpy reference
+    import subprocess
+    import sys
+
+    code = ("import sys, numpy as np; from repack import grid; assert grid.implementation() == 'numba'; "
+            "w = (np.arange(64, dtype=np.uint16) + 0x3F00).reshape(2, 32); "
+            "a = grid.quantize(w); b = grid.quantize_numpy(w); "
+            "assert all(np.array_equal(x, y) for x, y in zip(a[:2], b[:2])); "
+            "print('scipy.linalg' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+
+
+def test_scipy_linalg_imports_normally_once_the_kernel_is_loaded():
+    import subprocess
+    import sys
+
+    code = "from repack import grid; grid.implementation(); import scipy.linalg; print(scipy.linalg.norm([3, 4]))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "5.0"
