@@ -7,7 +7,8 @@ It takes every decision the reference takes, on the same numbers; what makes it 
 - The loops over a group's 32 values run on vector registers: values, 1/ulp and extremes come from the words'
   bits (no table lookups; integer maxima where LLVM would not vectorize a float one), and the runtime values
   T(c * |q|) are float32 lanes: the product has at most 14 significant bits, so it is exact in float32, and
-  T is the hardware's float16 conversion (F16C) or round-to-nearest-even on the bfloat16 bits.
+  T is the hardware's float16 conversion (F16C) or round-to-nearest-even on the bfloat16 bits. The candidates'
+  sums and counts are single <32 x float> expressions (_group_pass).
 - (T(c*q) - x)^2 = (T(c*|q|) - |x|)^2 (a level has its value's sign or is 0). Every difference is an integer
   multiple of 2^k (2^k: the smallest quantum among the source values and c); when T(8c) and the largest
   magnitude are below 2^(23+k), each difference is exact in float32 and every partial sum of the squares is
@@ -21,8 +22,9 @@ It takes every decision the reference takes, on the same numbers; what makes it 
 - Values are counted exact (T(c*q) == x) only where the objective needs the count: every candidate for
   runtime-exact; for min-error a tie of squared errors and the chosen scale.
 - Whether any scale reproduces every value is first decided from the spread of the values' ratios to their
-  levels (one float32 pass for both dtypes, with a margin rounding cannot cross); only an undecided group pays
-  for the exact float64 interval.
+  levels (one float32 pass for both dtypes, with a margin rounding cannot cross), then, when a search needs
+  the interval, from each value's own spacing in T (a float32 pass for T); only an undecided group pays for
+  the exact float64 interval.
 - The interval of scales reproducing every value is the reference's max/min over the values' bounds; two
   different values at one level have disjoint intervals, so that case needs no test of its own.
 - The article author's m is the first m in 1..8 passing its test, and a passing m is always in the group's
@@ -36,7 +38,7 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 from llvmlite import ir
-from numba.core import types
+from numba.core import cgutils, types
 from numba.extending import intrinsic
 
 # Adding and subtracting 1.5 * 2^52 rounds a float64 of magnitude below 2^51 to the nearest integer, ties to
@@ -128,6 +130,20 @@ def _bf16_value(typingctx, w):
         hi = builder.shl(builder.trunc(args[0], ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
         return builder.fpext(builder.bitcast(hi, ir.FloatType()), ir.DoubleType())
     return types.float64(types.int64), codegen
+
+
+@intrinsic
+def _binade(typingctx, v):
+    """2^floor(log2 v) of a normal float32 v > 0: its exponent bits alone (on 32-bit lanes; numba's own integer
+    arithmetic would widen them to 64)."""
+    if v != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        i32 = ir.IntType(32)
+        e = builder.and_(builder.bitcast(args[0], i32), ir.Constant(i32, 0x7F800000))
+        return builder.bitcast(e, ir.FloatType())
+    return types.float32(types.float32), codegen
 
 
 @intrinsic
@@ -326,6 +342,40 @@ def _surely_unbounded(rmax, rmin, vmin, sig, minexp):
     return rmax * (1.0 - q) > rmin * (1.0 + q) * (1.0 + 2.0 ** -18)
 
 
+@nb.njit(cache=True, _nrt=False)
+def _interval_ends(aq, af, h_scale):
+    # For T: the largest (v - h) / l and the smallest (v + h) / l over the values v with a level l > 0, where
+    # h = 2^floor(log2 v) * h_scale, h_scale = 2^-sig (values too small for h to be normal fail the guard of
+    # _surely_unbounded). In T's normal range an interval's ends are within h of v (half a spacing; below a
+    # power of two a quarter, and an odd significand's ends are nudged inwards). v -+ h has at most 12
+    # significant bits (exact), times 1/l: within 2^-23 of the real quotient. Maxima as integer maxima of the
+    # bits (values >= 0), so the loop runs on vector registers.
+    inf_bits = np.int32(0x7F800000)
+    lo = np.int32(0)
+    hi = inf_bits
+    for i in range(len(af)):
+        a = aq[0, i]
+        on = a > 0  # level 0 constrains nothing
+        v = af[i]
+        rl = np.float32(1.0) / (a if on else np.float32(1.0))
+        h = _binade(v) * h_scale
+        lo = max(lo, _f32bits((v - h) * rl) if on else np.int32(0))
+        hi = min(hi, _f32bits((v + h) * rl) if on else inf_bits)
+    return np.float64(_bitsf32(lo)), np.float64(_bitsf32(hi))
+
+
+@nb.njit(cache=True, inline="always", _nrt=False)
+def _surely_unbounded_per_value(aq, af, vmin, sig, minexp):
+    # _surely_unbounded's decision from each value's own spacing rather than the widest one (it decides most of
+    # what the spread leaves open for bfloat16, whose spacing is 8 times float16's): each figure is within 2^-23
+    # of an end that contains the real interval, and the reference's rounding is within 2^-51, so an excess of
+    # more than 2^-20 cannot be crossed
+    if vmin < max(_exp2(minexp + sig - 1), 2.0 ** -96):
+        return False
+    lo, hi = _interval_ends(aq, af, np.float32(_exp2(-sig)))
+    return lo > hi * (1.0 + 2.0 ** -20)
+
+
 @nb.njit(cache=True, inline="always", _nrt=False)
 def _round_t(p, sig):
     # T(p) for a float32 p >= 0 (exact products: see _runtime), as a float32; past T's range: inf
@@ -356,27 +406,65 @@ def _sq_any_order(rt, af):
     return acc
 
 
-# The same sum on float32 lanes (half the vectors), the runtime values computed on the way (no array in
-# between): exact where the result is below 2^(24+2k), see _sq. One function per format: with the format's
-# branch inside the loop LLVM no longer vectorizes it.
+# The same sum on float32 lanes, the runtime values computed on the way (no array in between): exact where the
+# result is below 2^(24+2k), see _sq. Written as one <32 x float> vector expression (see _group_pass).
 
 
-@nb.njit(cache=True, fastmath={"reassoc"}, _nrt=False)
-def _sq32_fp16(c32, aq, j, af):
-    acc = np.float32(0.0)
-    for i in range(len(af)):
-        d = _fp16_round(c32 * aq[j, i]) - af[i]
-        acc += d * d
-    return acc
+def _group_pass(name, fp16, count):
+    """An intrinsic f(c32, aq, j, af) over a group's 32 values as one <32 x float> vector: T(c32 * aq[j, :]),
+    T float16 (`fp16`) or bfloat16 (round-to-nearest-even on the bits), compared with af; returns the number of
+    equal values (`count`) or the float32 sum of the squared differences, in any order (reassoc; used only
+    where every partial sum is exact). aq is the C-contiguous (2, 32) float32 level array, af the 32 float32
+    magnitudes. As a loop LLVM takes 8 lanes at a time and a serial chain of additions; one expression is two
+    16-lane registers and a tree."""
+    f32, i32, i64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
+    v32 = ir.VectorType(f32, 32)
+    iv32 = ir.VectorType(i32, 32)
+
+    def splat(builder, v, ty):
+        u = builder.insert_element(ir.Constant(ty, ir.Undefined), v, ir.Constant(i32, 0))
+        return builder.shuffle_vector(u, ir.Constant(ty, ir.Undefined), ir.Constant(iv32, [0] * 32))
+
+    def pass_(typingctx, c, aq, j, af):
+        if not (c == types.float32 and isinstance(j, types.Integer)
+                and isinstance(aq, types.Array) and aq.dtype == types.float32 and aq.ndim == 2 and aq.layout == "C"
+                and isinstance(af, types.Array) and af.dtype == types.float32 and af.ndim == 1 and af.layout == "C"):
+            return None
+
+        def codegen(context, builder, sig, args):
+            c, aqv, jv, afv = args
+            aqa = context.make_array(sig.args[1])(context, builder, aqv)
+            afa = context.make_array(sig.args[3])(context, builder, afv)
+            row = builder.mul(context.cast(builder, jv, sig.args[2], types.int64), ir.Constant(i64, 32))
+            q = builder.load(builder.bitcast(builder.gep(aqa.data, [row]), v32.as_pointer()), align=4)
+            x = builder.load(builder.bitcast(afa.data, v32.as_pointer()), align=4)
+            p = builder.fmul(q, splat(builder, c, v32))
+            if fp16:
+                t = builder.fpext(builder.fptrunc(p, ir.VectorType(ir.HalfType(), 32)), v32)
+            else:
+                bits = builder.bitcast(p, iv32)
+                odd = builder.and_(builder.lshr(bits, splat(builder, ir.Constant(i32, 16), iv32)),
+                                   splat(builder, ir.Constant(i32, 1), iv32))
+                r = builder.add(builder.add(bits, splat(builder, ir.Constant(i32, 0x7FFF), iv32)), odd)
+                t = builder.bitcast(builder.and_(r, splat(builder, ir.Constant(i32, 0xFFFF0000), iv32)), v32)
+            if count:
+                eq = builder.bitcast(builder.fcmp_ordered("==", t, x), i32)
+                ctpop = builder.module.declare_intrinsic("llvm.ctpop", [i32])
+                return builder.zext(builder.call(ctpop, [eq]), i64)
+            d = builder.fsub(t, x)
+            sq = builder.fmul(d, d)
+            red = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32, [f32, v32]),
+                                                 "llvm.vector.reduce.fadd.v32f32")
+            return builder.call(red, [ir.Constant(f32, 0.0), sq], fastmath=("reassoc",))
+        return (types.int64 if count else types.float32)(c, aq, j, af), codegen
+    pass_.__name__ = pass_.__qualname__ = name
+    return intrinsic(pass_)
 
 
-@nb.njit(cache=True, fastmath={"reassoc"}, _nrt=False)
-def _sq32_bf16(c32, aq, j, af):
-    acc = np.float32(0.0)
-    for i in range(len(af)):
-        d = _bf16_round(c32 * aq[j, i]) - af[i]
-        acc += d * d
-    return acc
+_sq32_fp16 = _group_pass("_sq32_fp16", True, False)
+_sq32_bf16 = _group_pass("_sq32_bf16", False, False)
+_n_equal_fp16 = _group_pass("_n_equal_fp16", True, True)
+_n_equal_bf16 = _group_pass("_n_equal_bf16", False, True)
 
 
 @nb.njit(cache=True, _nrt=False)
@@ -411,25 +499,6 @@ def _sq(c, aq, j, ax, af, rt, amax, kx, sig, minexp, vmax):
     return _sq_in_order(rt, ax)
 
 
-# Values with T(c*q) == x, the runtime values computed on the way; one function per format, as for _sq32_*.
-
-
-@nb.njit(cache=True, _nrt=False)
-def _n_equal_fp16(c32, aq, j, af):
-    n = 0
-    for i in range(len(af)):
-        n += _fp16_round(c32 * aq[j, i]) == af[i]
-    return n
-
-
-@nb.njit(cache=True, _nrt=False)
-def _n_equal_bf16(c32, aq, j, af):
-    n = 0
-    for i in range(len(af)):
-        n += _bf16_round(c32 * aq[j, i]) == af[i]
-    return n
-
-
 @nb.njit(cache=True, inline="always", _nrt=False)
 def _count(c, aq, j, af, nf, sig):
     # values with T(c*q) == x (NaN/inf sources are 0 at level 0: counted there, so taken off)
@@ -439,7 +508,7 @@ def _count(c, aq, j, af, nf, sig):
 
 @nb.njit(cache=True, inline="always", _nrt=False)
 def _search(s, aq, sa, da, has_a, same_a, ax, af, amax, kx, nf,
-            rt, cand, auth, sig, minexp, vmax, min_error, no_interval):
+            rt, cand, auth, sig, minexp, vmax, min_error, no_interval, vmin):
     # the candidates of grid._search, in the same order, skipping those that cannot be valid or cannot be
     # strictly better (a duplicate of one evaluated); stops once nothing can be strictly better (every finite
     # value exact). Returns (scale, uses the author's levels, count, sq).
@@ -486,7 +555,9 @@ def _search(s, aq, sa, da, has_a, same_a, ax, af, amax, kx, nf,
         # the next candidates, computed only when needed
         if stage == 0:
             stage = 1
-            lb, ubnd = (1.0, 0.0) if no_interval else _bounds(aq, ax, sig, minexp, vmax)
+            lb, ubnd = 1.0, 0.0
+            if not (no_interval or _surely_unbounded_per_value(aq, af, vmin, sig, minexp)):
+                lb, ubnd = _bounds(aq, ax, sig, minexp, vmax)
             if lb <= ubnd:
                 cand[3], cand[4], cand[5] = _round_fmt(min(max(s, lb), ubnd), sig, minexp, vmax)
                 auth[3] = auth[4] = auth[5] = False
@@ -638,7 +709,7 @@ def _rows(words, packed, scales, stats, ratio_table, lowbit, sig, minexp, vmax, 
             no_iv = _surely_unbounded(rmax, rmin, vmin, sig, minexp)
             no_iv_o = _surely_unbounded(rmax, rmin, vmin, osig, ominexp)
             c, use_a, n, sq = _search(s, aq, sa, da, has_a, m_a == m, ax, af,
-                                      amax, kx, nf, rt, cand, auth, sig, minexp, vmax, min_error, no_iv)
+                                      amax, kx, nf, rt, cand, auth, sig, minexp, vmax, min_error, no_iv, vmin)
             n, e, et = _errors(c, aq, int(use_a), ax, inv, rt, nf, n, sig)
             if e > 2.0:
                 # The ratio lookup is a fast first guess; on a miss every peak level is tried and the one whose
@@ -662,11 +733,11 @@ def _rows(words, packed, scales, stats, ratio_table, lowbit, sig, minexp, vmax, 
                 no_iv_o = _surely_unbounded(rmax, rmin, vmin, osig, ominexp)
                 c, use_a, n, sq = _search(s, aq, sa, da, has_a, m_a == m, ax, af,
                                           amax, kx, nf, rt, cand, auth, sig, minexp, vmax,
-                                          min_error, no_iv)
+                                          min_error, no_iv, vmin)
                 n, e, et = _errors(c, aq, int(use_a), ax, inv, rt, nf, n, sig)
             co, use_ao, no, sqo = _search(s, aq, sa, da, has_a, m_a == m, ax, af,
                                           amax, kx, nf, rt, cand, auth, osig, ominexp, ovmax, min_error,
-                                          no_iv_o)
+                                          no_iv_o, vmin)
             no, eo, eto = _errors(co, aq, int(use_ao), ax, inv, rt, nf, no, osig)
             n_exact += n
             n_exact_o += no

@@ -271,6 +271,9 @@ def test_kernel_float32_no_interval_decision_is_never_wrong():
             lbbf, ubbf = k._bounds(aq, ax, sbf, ebf, vbf)
             out[g, 0], out[g, 1] = sure16, not lb16 <= ub16
             out[g, 2], out[g, 3] = surebf, not lbbf <= ubbf
+            # the per-value decision, taken where the spread leaves the question open
+            out[g, 4] = k._surely_unbounded_per_value(aq, af, vmin, s16, e16)
+            out[g, 5] = k._surely_unbounded_per_value(aq, af, vmin, sbf, ebf)
 
     def bf16(v):
         b = np.asarray(v, dtype=np.float32).view(np.uint32)
@@ -296,9 +299,15 @@ def test_kernel_float32_no_interval_decision_is_never_wrong():
             lv = np.vstack([lv, np.clip(np.rint(v / amax * 7), 0, 8).astype(lv.dtype)])
             ax = np.vstack([ax, v])
     ax[~np.isfinite(ax)] = 0.0
-    out = np.zeros((len(ax), 4), dtype=np.bool_)
+    out = np.zeros((len(ax), 6), dtype=np.bool_)
     decide(lv.astype(np.float32), np.ascontiguousarray(ax), out)
     for sure, empty in ((out[:, 0], out[:, 1]), (out[:, 2], out[:, 3])):
         assert not (sure & ~empty).any()  # never says "no interval" where there is one
         assert sure[n_made:].sum() >= 0.9 * empty[n_made:].sum(), (sure[n_made:].sum(), empty[n_made:].sum())
+    for sure, empty, spread in ((out[:, 4], out[:, 1], out[:, 0]), (out[:, 5], out[:, 3], out[:, 2])):
+        assert not (sure & ~empty).any()
+        # it decides nearly all the empty cases of grid data, and most of those the spread left open
+        assert sure[n_made:].sum() >= 0.98 * empty[n_made:].sum(), (sure[n_made:].sum(), empty[n_made:].sum())
+        left = empty[n_made:] & ~spread[n_made:]
+        assert (sure[n_made:] & left).sum() >= 0.7 * left.sum(), ((sure[n_made:] & left).sum(), left.sum())
     assert out[:, 1].any() and (~out[:, 1]).any() and (~out[:, 3]).any()  # both cases were tried
