@@ -434,11 +434,18 @@ def _import_numba_arrays_without_scipy() -> None:
 
 
 def _get_kernel():
+    """The kernel's quantize_rows: the ahead-of-time module where it is current for this machine (no numba
+    import; see kernel_cache), else numba's JIT kernel; None without numba (REPACK_NO_NUMBA: as if absent)."""
     global _kernel
     if _kernel is not None:
         return _kernel
     if os.environ.get("REPACK_NO_NUMBA"):
         return None
+    from . import kernel_cache
+
+    _kernel = kernel_cache.load_aot()
+    if _kernel is not None:
+        return _kernel
     try:
         import numba  # noqa: F401
     except ImportError:
@@ -461,6 +468,15 @@ def quantize(words: np.ndarray, target: str = DEFAULT_TARGET, objective: str = D
     k = _get_kernel()
     if k is None:
         return quantize_numpy(words, target, objective)
+    return run_kernel(k, words, target, objective)
+
+
+def run_kernel(k, words: np.ndarray, target: str = DEFAULT_TARGET, objective: str = DEFAULT_OBJECTIVE
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`quantize` with a given kernel function (the JIT or the ahead-of-time quantize_rows). The arrays are
+    made here with the types and layouts the kernel takes (the ahead-of-time one checks none)."""
+    if words.dtype != np.uint16 or words.ndim != 2 or words.shape[1] % GROUP:
+        raise ValueError(f"words: uint16 [rows, cols] with cols % {GROUP} == 0, not {words.dtype} {words.shape}")
     tgt = target_of(target)
     _check_objective(objective)
     oth = other_target(tgt)
