@@ -223,9 +223,18 @@ def _ratio_mask(x, k, table):
 def _author_misses(x, fa, d, tol):
     # values farther than tol from their level (rounded, clipped to 4 bits) times d
     bad = 0
-    for i in range(32):
+    for i in range(len(x)):
         l = min(max(_rint(x[i] * fa), -8.0), 7.0)
         bad += not abs(l * d - x[i]) <= tol
+    return bad
+
+
+@nb.njit(cache=True, _nrt=False)
+def _level_misses(q, x, d, tol):
+    # _author_misses with the levels of row 0 (the same rounding of x * m / amax)
+    bad = 0
+    for i in range(len(x)):
+        bad += not abs(q[0, i] * d - x[i]) <= tol
     return bad
 
 
@@ -686,18 +695,23 @@ def _rows(words, packed, scales, stats, ratio_table, lowbit, sig, minexp, vmax, 
                 m = 8 if neg_only else 7
             # the article author's grid: the first m whose step amax/m puts every value within amax * 2^-7;
             # only the m of the ratio mask can pass (see the module docstring)
+            s = _levels(m / safe, x, q, aq, nib, regular, 0)
             m_a = 0
             tol = safe * AUTHOR_TOL
             for mm in range(1, 9):
                 if not (mask >> (mm - 1)) & 1:
                     continue
-                if _author_misses(x, mm / safe, safe / mm, tol) == 0:
+                # the ratio lookup's m (the mask's lowest bit, tried first) has its levels in row 0 already
+                if mm == m:
+                    misses = _level_misses(q, x, safe / mm, tol)
+                else:
+                    misses = _author_misses(x, mm / safe, safe / mm, tol)
+                if misses == 0:
                     m_a = mm
                     break
             has_a = m_a > 0
             sa = 0.0
             da = 0.0
-            s = _levels(m / safe, x, q, aq, nib, regular, 0)
             if has_a:
                 # the same m gives the same levels and step (then only q is used)
                 if m_a != m:
