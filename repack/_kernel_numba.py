@@ -172,41 +172,70 @@ def _bf16_round(typingctx, v):
     return types.float32(types.float32), codegen
 
 
-@nb.njit(cache=True, fastmath={"reassoc", "nnan", "nsz"}, _nrt=False)
-def _scan(words, r, base, x, ax, af, inv):
-    # decodes one group; returns (NaN/inf count, -0 count, sum x^2, largest magnitude word among the values
-    # >= 0 and among the values < 0 (-1: none), smallest quantum exponent). Everything comes from the words'
-    # bits (no table lookups) and the extremes are integer maxima (the magnitude words of finite bf16 values
-    # order as their values do), so the loop runs on vector registers.
-    nf = 0
-    nz = 0
-    sxx = 0.0
-    posmag = -1
-    negmag = -1
-    kx = NO_QUANTUM
-    row = words[r]
-    for i in range(32):
-        w = np.int64(row[np.uint64(base + i)])  # an unsigned index: no negative-index wrap
-        e = (w >> 7) & 0xFF
-        fin = e != 0xFF
-        v = _bf16_value(w if fin else np.int64(0))  # NaN/inf: computed as 0, never exact
-        x[i] = v
-        ax[i] = abs(v)
-        af[i] = np.float32(abs(v))  # exact: a bf16 value
-        # 1/ulp of the value (zero and subnormals: spaced like exponent 1); NaN/inf: 0
-        ie = max(e, 1)
-        inv[i] = _u2f((1157 - ie) << 52) if fin else 0.0
-        mag = w & 0x7FFF
-        nf += not fin
-        nz += w == 0x8000
-        sxx += v * v
-        fm = mag if fin else 0
-        neg = (w >> 15) != 0 and fm != 0  # -0 counts as a zero, not as a negative value
-        posmag = max(posmag, -1 if neg else fm)
-        negmag = max(negmag, fm if neg else -1)
-        # quantum exponent of a nonzero bf16 value (subnormals: that of the lowest binade)
-        kx = min(kx, ie - 134 if fin and mag != 0 else NO_QUANTUM)
-    return nf, nz, sxx, posmag, negmag, kx
+@intrinsic
+def _scan(typingctx, words, off, x, ax, af, inv):
+    """Decodes one group, the 32 bf16 words at flat index `off` of words (C-contiguous uint16): writes x (the
+    values, float64; NaN/inf computed as 0, never exact), ax = |x|, af = |x| as float32 (exact: bf16 values)
+    and inv (1/ulp of each value, zero and subnormals spaced like exponent 1; NaN/inf: 0). Returns (NaN/inf
+    count, -0 count, sum x^2 in any order, the largest magnitude word among the values >= 0 and among the values
+    < 0 (-1: none), the smallest quantum exponent of a nonzero value (NO_QUANTUM: none)). Everything comes from
+    the words' bits, as one vector expression (the magnitude words of finite bf16 values order as their values
+    do); as a loop LLVM also tested the five arrays for overlap at every call."""
+    def c1(a, ndim, dtype):
+        return isinstance(a, types.Array) and a.ndim == ndim and a.dtype == dtype and a.layout == "C"
+    if not (c1(words, 2, types.uint16) and isinstance(off, types.Integer) and c1(x, 1, types.float64)
+            and c1(ax, 1, types.float64) and c1(af, 1, types.float32) and c1(inv, 1, types.float64)):
+        return None
+    rtype = types.Tuple((types.int64, types.int64, types.float64, types.int64, types.int64, types.int64))
+
+    def codegen(context, builder, sig, args):
+        i16, i32, i64 = ir.IntType(16), ir.IntType(32), ir.IntType(64)
+        f32, f64 = ir.FloatType(), ir.DoubleType()
+        vi32, vi64, vf32, vf64 = (ir.VectorType(t, 32) for t in (i32, i64, f32, f64))
+
+        def k(ty, v):
+            return ir.Constant(ty, [v] * 32)
+
+        def data(i, ty):
+            return builder.bitcast(context.make_array(sig.args[i])(context, builder, args[i]).data,
+                                   ir.VectorType(ty, 32).as_pointer())
+
+        def intrin(name, rty, arg_tys):
+            return cgutils.get_or_insert_function(builder.module, ir.FunctionType(rty, arg_tys), name)
+
+        wa = context.make_array(sig.args[0])(context, builder, args[0])
+        o = context.cast(builder, args[1], sig.args[1], types.int64)
+        wp = builder.bitcast(builder.gep(wa.data, [o]), ir.VectorType(i16, 32).as_pointer())
+        w = builder.zext(builder.load(wp, align=2), vi32)
+        e = builder.and_(builder.lshr(w, k(vi32, 7)), k(vi32, 0xFF))
+        fin = builder.icmp_unsigned("!=", e, k(vi32, 0xFF))
+        v32 = builder.bitcast(builder.shl(builder.select(fin, w, k(vi32, 0)), k(vi32, 16)), vf32)
+        v = builder.fpext(v32, vf64)
+        builder.store(v, data(2, f64), align=8)
+        builder.store(builder.call(intrin("llvm.fabs.v32f64", vf64, [vf64]), [v]), data(3, f64), align=8)
+        builder.store(builder.call(intrin("llvm.fabs.v32f32", vf32, [vf32]), [v32]), data(4, f32), align=4)
+        ie = builder.select(builder.icmp_unsigned(">", e, k(vi32, 1)), e, k(vi32, 1))
+        invb = builder.shl(builder.sub(k(vi64, 1157), builder.zext(ie, vi64)), k(vi64, 52))
+        builder.store(builder.select(fin, builder.bitcast(invb, vf64), k(vf64, 0.0)), data(5, f64), align=8)
+        mag = builder.and_(w, k(vi32, 0x7FFF))
+        ctpop = intrin("llvm.ctpop.i32", i32, [i32])
+        nf = builder.call(ctpop, [builder.bitcast(builder.not_(fin), i32)])
+        nz = builder.call(ctpop, [builder.bitcast(builder.icmp_unsigned("==", w, k(vi32, 0x8000)), i32)])
+        sxx = builder.call(intrin("llvm.vector.reduce.fadd.v32f64", f64, [f64, vf64]),
+                           [ir.Constant(f64, 0.0), builder.fmul(v, v)], fastmath=("reassoc",))
+        fm = builder.select(fin, mag, k(vi32, 0))
+        neg = builder.and_(builder.icmp_unsigned("!=", builder.lshr(w, k(vi32, 15)), k(vi32, 0)),
+                           builder.icmp_unsigned("!=", fm, k(vi32, 0)))
+        smax = intrin("llvm.vector.reduce.smax.v32i32", i32, [vi32])
+        posmag = builder.call(smax, [builder.select(neg, k(vi32, -1), fm)])
+        negmag = builder.call(smax, [builder.select(neg, fm, k(vi32, -1))])
+        quantum = builder.and_(fin, builder.icmp_unsigned("!=", mag, k(vi32, 0)))
+        kx = builder.call(intrin("llvm.vector.reduce.smin.v32i32", i32, [vi32]),
+                          [builder.select(quantum, builder.sub(ie, k(vi32, 134)), k(vi32, NO_QUANTUM))])
+        out = [builder.zext(nf, i64), builder.zext(nz, i64), sxx,
+               builder.sext(posmag, i64), builder.sext(negmag, i64), builder.sext(kx, i64)]
+        return context.make_tuple(builder, sig.return_type, out)
+    return rtype(words, off, x, ax, af, inv), codegen
 
 
 @nb.njit(cache=True, _nrt=False)
@@ -678,7 +707,7 @@ def _rows(words, packed, scales, stats, ratio_table, lowbit, sig, minexp, vmax, 
     for r in range(rows):
         for g in range(ng):
             base = g * 32
-            nf, nz, sxx, posmag, negmag, kx = _scan(words, r, base, x, ax, af, inv)
+            nf, nz, sxx, posmag, negmag, kx = _scan(words, r * cols + base, x, ax, af, inv)
             x2 += sxx
             n_negzero += nz
             n_nonfinite += nf
