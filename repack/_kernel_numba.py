@@ -448,6 +448,26 @@ def _sq_any_order(rt, af):
 # result is below 2^(24+2k), see _sq. Written as one <32 x float> vector expression (see _group_pass).
 
 
+def _splat(builder, v, ty):
+    """A <32 x ...> vector of the scalar v (codegen helper of the vector expressions below)."""
+    i32 = ir.IntType(32)
+    u = builder.insert_element(ir.Constant(ty, ir.Undefined), v, ir.Constant(i32, 0))
+    return builder.shuffle_vector(u, ir.Constant(ty, ir.Undefined), ir.Constant(ir.VectorType(i32, 32), [0] * 32))
+
+
+def _runtime_vector(builder, p, fp16):
+    """T(p) of a <32 x float> p >= 0: float16 (the F16C conversion and back) or bfloat16 (round-to-nearest-even
+    on the bits), as float32 lanes (past T's range: inf), as _fp16_round / _bf16_round compute it."""
+    v32 = p.type
+    if fp16:
+        return builder.fpext(builder.fptrunc(p, ir.VectorType(ir.HalfType(), 32)), v32)
+    iv32 = ir.VectorType(ir.IntType(32), 32)
+    bits = builder.bitcast(p, iv32)
+    odd = builder.and_(builder.lshr(bits, ir.Constant(iv32, [16] * 32)), ir.Constant(iv32, [1] * 32))
+    r = builder.add(builder.add(bits, ir.Constant(iv32, [0x7FFF] * 32)), odd)
+    return builder.bitcast(builder.and_(r, ir.Constant(iv32, [0xFFFF0000] * 32)), v32)
+
+
 def _group_pass(name, fp16, count):
     """An intrinsic f(c32, aq, j, af) over a group's 32 values as one <32 x float> vector: T(c32 * aq[j, :]),
     T float16 (`fp16`) or bfloat16 (round-to-nearest-even on the bits), compared with af; returns the number of
@@ -457,11 +477,6 @@ def _group_pass(name, fp16, count):
     16-lane registers and a tree."""
     f32, i32, i64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
     v32 = ir.VectorType(f32, 32)
-    iv32 = ir.VectorType(i32, 32)
-
-    def splat(builder, v, ty):
-        u = builder.insert_element(ir.Constant(ty, ir.Undefined), v, ir.Constant(i32, 0))
-        return builder.shuffle_vector(u, ir.Constant(ty, ir.Undefined), ir.Constant(iv32, [0] * 32))
 
     def pass_(typingctx, c, aq, j, af):
         if not (c == types.float32 and isinstance(j, types.Integer)
@@ -476,15 +491,7 @@ def _group_pass(name, fp16, count):
             row = builder.mul(context.cast(builder, jv, sig.args[2], types.int64), ir.Constant(i64, 32))
             q = builder.load(builder.bitcast(builder.gep(aqa.data, [row]), v32.as_pointer()), align=4)
             x = builder.load(builder.bitcast(afa.data, v32.as_pointer()), align=4)
-            p = builder.fmul(q, splat(builder, c, v32))
-            if fp16:
-                t = builder.fpext(builder.fptrunc(p, ir.VectorType(ir.HalfType(), 32)), v32)
-            else:
-                bits = builder.bitcast(p, iv32)
-                odd = builder.and_(builder.lshr(bits, splat(builder, ir.Constant(i32, 16), iv32)),
-                                   splat(builder, ir.Constant(i32, 1), iv32))
-                r = builder.add(builder.add(bits, splat(builder, ir.Constant(i32, 0x7FFF), iv32)), odd)
-                t = builder.bitcast(builder.and_(r, splat(builder, ir.Constant(i32, 0xFFFF0000), iv32)), v32)
+            t = _runtime_vector(builder, builder.fmul(q, _splat(builder, c, v32)), fp16)
             if count:
                 eq = builder.bitcast(builder.fcmp_ordered("==", t, x), i32)
                 ctpop = builder.module.declare_intrinsic("llvm.ctpop", [i32])
@@ -499,6 +506,52 @@ def _group_pass(name, fp16, count):
     return intrinsic(pass_)
 
 
+def _error_pass(name, fp16):
+    """An intrinsic f(c32, aq, j, ax, inv) -> (values with T(c32 * aq[j, :]) == ax, the worst error in ulps
+    |T(.) - ax| * inv as the integer maximum of its bits (>= 0), their sum in any order (a report total)), on
+    float64 lanes: one vector expression, no array of runtime values in between."""
+    f32, f64, i32, i64 = ir.FloatType(), ir.DoubleType(), ir.IntType(32), ir.IntType(64)
+    v32, vd32, il32 = (ir.VectorType(t, 32) for t in (f32, f64, i64))
+
+    def pass_(typingctx, c, aq, j, ax, inv):
+        def c1(a, ndim, dtype):
+            return isinstance(a, types.Array) and a.ndim == ndim and a.dtype == dtype and a.layout == "C"
+        if not (c == types.float32 and isinstance(j, types.Integer) and c1(aq, 2, types.float32)
+                and c1(ax, 1, types.float64) and c1(inv, 1, types.float64)):
+            return None
+        rtype = types.Tuple((types.int64, types.float64, types.float64))
+
+        def codegen(context, builder, sig, args):
+            c, aqv, jv, axv, invv = args
+            aqa = context.make_array(sig.args[1])(context, builder, aqv)
+            row = builder.mul(context.cast(builder, jv, sig.args[2], types.int64), ir.Constant(i64, 32))
+            q = builder.load(builder.bitcast(builder.gep(aqa.data, [row]), v32.as_pointer()), align=4)
+
+            def load64(i, v):
+                a = context.make_array(sig.args[i])(context, builder, v)
+                return builder.load(builder.bitcast(a.data, vd32.as_pointer()), align=8)
+            x = load64(3, axv)
+            w = load64(4, invv)
+            r = builder.fpext(_runtime_vector(builder, builder.fmul(q, _splat(builder, c, v32)), fp16), vd32)
+            ctpop = builder.module.declare_intrinsic("llvm.ctpop", [i32])
+            ne = builder.zext(builder.call(ctpop, [builder.bitcast(builder.fcmp_ordered("==", r, x), i32)]), i64)
+            fabs = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vd32, [vd32]), "llvm.fabs.v32f64")
+            e = builder.fmul(builder.call(fabs, [builder.fsub(r, x)]), w)
+            smax = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i64, [il32]),
+                                                  "llvm.vector.reduce.smax.v32i64")
+            mb = builder.call(smax, [builder.bitcast(e, il32)])
+            mb = builder.select(builder.icmp_signed(">", mb, ir.Constant(i64, 0)), mb, ir.Constant(i64, 0))
+            red = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f64, [f64, vd32]),
+                                                 "llvm.vector.reduce.fadd.v32f64")
+            tot = builder.call(red, [ir.Constant(f64, 0.0), e], fastmath=("reassoc",))
+            return context.make_tuple(builder, rtype, [ne, builder.bitcast(mb, f64), tot])
+        return rtype(c, aq, j, ax, inv), codegen
+    pass_.__name__ = pass_.__qualname__ = name
+    return intrinsic(pass_)
+
+
+_errors_fp16 = _error_pass("_errors_fp16", True)
+_errors_bf16 = _error_pass("_errors_bf16", False)
 _sq32_fp16 = _group_pass("_sq32_fp16", True, False)
 _sq32_bf16 = _group_pass("_sq32_bf16", False, False)
 _n_equal_fp16 = _group_pass("_n_equal_fp16", True, True)
@@ -617,30 +670,14 @@ def _search(s, aq, sa, da, has_a, same_a, ax, af, amax, kx, nf,
             return best, ba, bn, bsq  # bn < 0: not counted yet
 
 
-@nb.njit(cache=True, fastmath={"reassoc", "nnan", "nsz"}, _nrt=False)
-def _error_sums(rt, ax, inv):
-    # exact values, worst and summed error in ulps (no NaN: a NaN/inf source is 0 at level 0, where T(0) = 0);
-    # the worst as the integer maximum of the errors' bits (equal order for values >= 0: a vector reduction)
-    ne = 0
-    mb = 0
-    t = 0.0
-    for i in range(len(ax)):
-        r = np.float64(rt[i])
-        ne += r == ax[i]
-        e = abs(r - ax[i]) * inv[i]
-        mb = max(mb, _f2u(e))
-        t += e
-    return ne, _u2f(mb), t
-
-
 @nb.njit(cache=True, inline="always", _nrt=False)
 def _errors(c, aq, j, ax, inv, rt, nf, n, sig):
     # exact values (when n < 0), worst and summed runtime error in bf16 ulps of the source (a group holding
     # NaN/inf: worst is inf)
     if n == 32:  # every value exact (and finite)
         return n, 0.0, 0.0
-    _runtime(c, aq, j, rt, sig)
-    ne, m, t = _error_sums(rt, ax, inv)
+    c32 = np.float32(c)
+    ne, m, t = _errors_fp16(c32, aq, j, ax, inv) if sig == FP16_SIG else _errors_bf16(c32, aq, j, ax, inv)
     if nf:
         m = np.inf
     return (ne - nf if n < 0 else n), m, t
