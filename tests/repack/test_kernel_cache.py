@@ -90,24 +90,70 @@ def _adversarial_words():
 
 
 @pytest.fixture(scope="module")
-def aot_dir(tmp_path_factory):
-    """An ahead-of-time module built for this machine into a folder of its own (a few seconds)."""
-    import shutil
+def aot_build(tmp_path_factory):
+    """An ahead-of-time module built for this machine into a folder of its own (a few seconds), by two builds at
+    once, the folder seeded with what builds clean up: returns (folder, path, what the builds and the folder
+    showed)."""
+    import tempfile
+    import threading
+    import warnings
 
     pytest.importorskip("numba")
-    if not (shutil.which("cc") or shutil.which("gcc")):
-        pytest.skip("no C compiler: the ahead-of-time module cannot be built here (builds use the JIT kernel)")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # numba.pycc is pending deprecation
+        from numba.pycc.platform import external_compiler_works
+
+        works = external_compiler_works()
+    if not works:
+        pytest.skip("no C and C++ compiler: the ahead-of-time module cannot be built here (builds use the JIT kernel)")
     d = tmp_path_factory.mktemp("aot")
+    tmp = tmp_path_factory.mktemp("aot-tmp")
     mp = pytest.MonkeyPatch()
     mp.setenv("NUMBA_CACHE_DIR", str(d))
     mp.delenv("REPACK_NO_AOT", raising=False)
-    try:
-        path = kernel_cache.build_aot()
-    except RuntimeError as e:
-        mp.undo()
-        pytest.fail(f"the ahead-of-time module did not build on this machine: {e}")
-    yield d, path
+    mp.setattr(tempfile, "tempdir", str(tmp))
+    key = kernel_cache.aot_key()
+    machine = key.split("-")[0]
+    suffix = kernel_cache.aot_path(key).name.split(key)[1]
+    older = d / f"_kernel_aot-{machine}-0000000000000000{suffix}"  # this machine, an older kernel source
+    other = d / f"_kernel_aot-000000000000-0000000000000000{suffix}"  # another machine or interpreter
+    for f in (older, other):
+        f.write_bytes(b"not a module")
+    (d / ".aot-interrupted").mkdir()
+    results, errors = [], []
+
+    def build():
+        try:
+            results.append(kernel_cache.build_aot(reuse=True))
+        except RuntimeError as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=build) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
     mp.undo()
+    if errors:
+        pytest.fail(f"the ahead-of-time module did not build on this machine: {errors[0]}")
+    seen = {"built": sorted(built for _, built in results), "older": older.exists(), "other": other.exists(),
+            "leftovers": sorted(p.name for p in d.glob(".aot-*")), "tmp": sorted(p.name for p in tmp.iterdir())}
+    yield d, results[0][0], seen
+
+
+@pytest.fixture
+def aot_dir(aot_build):
+    return aot_build[:2]
+
+
+def test_aot_builds_are_locked_reused_and_tidy(aot_build, monkeypatch):
+    # two builds at once into one folder: one builds, the other waits and reuses it; this machine's module of an
+    # older kernel source and an interrupted build's folder are removed, another machine's module is kept, and
+    # numba's temporary files stayed inside the build's own folder
+    d, path, seen = aot_build
+    assert seen == {"built": [False, True], "older": False, "other": True, "leftovers": [], "tmp": []}
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(d))
+    assert kernel_cache.current_aot_path() == path and kernel_cache.load_aot() is not None
 
 
 def test_aot_module_takes_the_same_decisions_as_the_jit_kernel_and_the_reference(aot_dir, monkeypatch):
@@ -179,8 +225,7 @@ def test_a_stale_or_broken_aot_module_is_not_used(aot_dir, monkeypatch, tmp_path
     bad.mkdir()
     monkeypatch.setenv("NUMBA_CACHE_DIR", str(bad))
     kernel_cache.aot_path(key).write_bytes(path.read_bytes()[:4096])
-    kernel_cache._digest_path(kernel_cache.aot_path(key)).write_bytes(
-        kernel_cache._digest_path(path).read_bytes())
+    kernel_cache._digest_path(kernel_cache.aot_path(key)).write_bytes(kernel_cache._digest_path(path).read_bytes())
     assert kernel_cache.load_aot() is None
     kernel_cache.aot_path(key).write_bytes(path.read_bytes())
     kernel_cache._digest_path(kernel_cache.aot_path(key)).unlink()
@@ -201,3 +246,29 @@ def test_the_kernel_refuses_words_it_would_misread():
     for bad in (np.zeros((2, 32), np.int32), np.zeros(64, np.uint16), np.zeros((2, 48), np.uint16)):
         with pytest.raises(ValueError, match="uint16"):
             grid.quantize(bad)
+
+
+def test_an_unwritable_cache_folder_is_one_line_and_builds_use_the_jit_kernel(tmp_path, monkeypatch, capsys):
+    # setup.sh runs this under `set -e`: a folder it cannot write must not end the install with a traceback
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(blocker))
+    with pytest.raises(RuntimeError, match="cannot write it into"):
+        kernel_cache.build_aot()
+    monkeypatch.setattr(kernel_cache, "warm", lambda: "numba")
+    assert kernel_cache.main() == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 2 and out[1].startswith("repack grid kernel: no ahead-of-time module (cannot write it into")
+    assert kernel_cache.load_aot() is None
+
+
+def test_with_repack_no_aot_a_current_module_is_reported_not_rebuilt(aot_dir, monkeypatch, capsys):
+    d, path = aot_dir
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(d))
+    monkeypatch.setenv("REPACK_NO_AOT", "1")
+    monkeypatch.setattr(kernel_cache, "warm", lambda: "numba")
+    before = path.stat().st_mtime_ns
+    assert kernel_cache.main() == 0
+    out = capsys.readouterr().out
+    assert "the ahead-of-time module is current" in out and "REPACK_NO_AOT is set, so builds ignore it" in out
+    assert path.stat().st_mtime_ns == before
