@@ -34,7 +34,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from repack import grid  # noqa: E402
+from repack import grid, kernel_cache  # noqa: E402
 from repack.synthetic import grid_words, write_e2b_checkpoint  # noqa: E402
 
 STEPS = {"fp32": np.float32, "fp16": np.float16}
@@ -206,6 +206,7 @@ def main() -> int:
     subprocess.run([sys.executable, "-c", "import numpy as np, repack.grid as g; "
                     "g.quantize(np.zeros((1, 32), np.uint16)); "
                     "g.quantize(np.frombuffer(bytes(64), np.uint16).reshape(1, 32))"], cwd=ROOT, check=True)
+    aot = kernel_cache.current_aot_path() is not None and not os.environ.get("REPACK_NO_AOT")
     out = args.workdir / "build-out"
     shutil.rmtree(out, ignore_errors=True)
     cmd = [sys.executable, "-m", "repack", "build", str(src), str(out), "--text-only", "--embed-int4",
@@ -238,6 +239,8 @@ def main() -> int:
         "build_cpu_s": round(build_cpu, 2), "cp_cpu_s": round(cp_cpu, 2),
         "mb_per_cpu_s_read": round(rep["bytes_read"] / 1e6 / build_cpu, 1), "peak_rss_mib": round(rep["peak_rss_bytes"] / 2**20, 1),
         "implementation": rep["implementation"], "cores": len(os.sched_getaffinity(0)),
+        # the kernel built ahead of time (no numba import at the build's start) or numba's JIT kernel
+        "kernel_module": "ahead-of-time" if aot else "jit",
         "loadavg_before": [round(x, 2) for x in load_before], "loadavg_after": [round(x, 2) for x in load],
         "exact_runtime_fp16_pct": {t["name"]: t["exact_runtime_fp16_pct"] for t in rep["tables"] if t["groups"]},
         "exact_runtime_bf16_pct": {t["name"]: t["exact_runtime_bf16_pct"] for t in rep["tables"] if t["groups"]},
@@ -250,7 +253,8 @@ def main() -> int:
           f"tensors read, {figures['mb_per_s_source']} MB/s of source")
     print(f"cp -r of the same source: {cp_s:.1f} s -> build/cp = {figures['build_vs_cp']}x")
     print(f"CPU time: build {build_cpu:.1f} s ({figures['mb_per_cpu_s_read']} MB per CPU second), cp {cp_cpu:.1f} s")
-    print(f"peak RSS of the build process: {figures['peak_rss_mib']} MiB; kernel {rep['implementation']}; "
+    print(f"peak RSS of the build process: {figures['peak_rss_mib']} MiB; kernel {rep['implementation']} "
+          f"({figures['kernel_module']}); "
           f"load average before {load_before[0]:.2f}, after {load[0]:.2f}")
     if args.result:
         args.result.parent.mkdir(parents=True, exist_ok=True)
