@@ -99,10 +99,12 @@ def aot_build(tmp_path_factory):
     import warnings
 
     pytest.importorskip("numba")
-    with warnings.catch_warnings():
+    probe_tmp = tmp_path_factory.mktemp("aot-probe")  # the probe leaves its files in the temporary folder
+    with warnings.catch_warnings(), pytest.MonkeyPatch.context() as probe_mp:
         warnings.simplefilter("ignore")  # numba.pycc is pending deprecation
         from numba.pycc.platform import external_compiler_works
 
+        probe_mp.setattr(tempfile, "tempdir", str(probe_tmp))
         works = external_compiler_works()
     if not works:
         pytest.skip("no C and C++ compiler: the ahead-of-time module cannot be built here (builds use the JIT kernel)")
