@@ -172,6 +172,38 @@ def _bf16_round(typingctx, v):
     return types.float32(types.float32), codegen
 
 
+# Helpers of the vector expressions (llvmlite intrinsics over a group's 32 values) below.
+
+
+def _c_array(a, ndim, dtype):
+    """Typing check: a C-contiguous array of this rank and dtype (its data is read as one vector)."""
+    return isinstance(a, types.Array) and a.ndim == ndim and a.dtype == dtype and a.layout == "C"
+
+
+def _llvm_fn(builder, name, rty, arg_tys):
+    """An LLVM intrinsic, declared once in the module being built."""
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(rty, arg_tys), name)
+
+
+def _vec_ptr(context, builder, ty, value, offset=None):
+    """A <32 x element> pointer to array `value` (numba type `ty`) at flat element `offset` (an i64; None: 0),
+    and the element's alignment."""
+    data = context.make_array(ty)(context, builder, value).data
+    if offset is not None:
+        data = builder.gep(data, [offset])
+    return builder.bitcast(data, ir.VectorType(data.type.pointee, 32).as_pointer()), ty.dtype.bitwidth // 8
+
+
+def _vec_load(context, builder, ty, value, offset=None):
+    ptr, align = _vec_ptr(context, builder, ty, value, offset)
+    return builder.load(ptr, align=align)
+
+
+def _vec_store(context, builder, vec, ty, value):
+    ptr, align = _vec_ptr(context, builder, ty, value)
+    builder.store(vec, ptr, align=align)
+
+
 @intrinsic
 def _scan(typingctx, words, off, x, ax, af, inv):
     """Decodes one group, the 32 bf16 words at flat index `off` of words (C-contiguous uint16): writes x (the
@@ -181,42 +213,38 @@ def _scan(typingctx, words, off, x, ax, af, inv):
     < 0 (-1: none), the smallest quantum exponent of a nonzero value (NO_QUANTUM: none)). Everything comes from
     the words' bits, as one vector expression (the magnitude words of finite bf16 values order as their values
     do); as a loop LLVM also tested the five arrays for overlap at every call."""
-    def c1(a, ndim, dtype):
-        return isinstance(a, types.Array) and a.ndim == ndim and a.dtype == dtype and a.layout == "C"
-    if not (c1(words, 2, types.uint16) and isinstance(off, types.Integer) and c1(x, 1, types.float64)
-            and c1(ax, 1, types.float64) and c1(af, 1, types.float32) and c1(inv, 1, types.float64)):
+    if not (_c_array(words, 2, types.uint16) and isinstance(off, types.Integer) and _c_array(x, 1, types.float64)
+            and _c_array(ax, 1, types.float64) and _c_array(af, 1, types.float32)
+            and _c_array(inv, 1, types.float64)):
         return None
     rtype = types.Tuple((types.int64, types.int64, types.float64, types.int64, types.int64, types.int64))
 
     def codegen(context, builder, sig, args):
-        i16, i32, i64 = ir.IntType(16), ir.IntType(32), ir.IntType(64)
+        i32, i64 = ir.IntType(32), ir.IntType(64)
         f32, f64 = ir.FloatType(), ir.DoubleType()
         vi32, vi64, vf32, vf64 = (ir.VectorType(t, 32) for t in (i32, i64, f32, f64))
 
         def k(ty, v):
             return ir.Constant(ty, [v] * 32)
 
-        def data(i, ty):
-            return builder.bitcast(context.make_array(sig.args[i])(context, builder, args[i]).data,
-                                   ir.VectorType(ty, 32).as_pointer())
+        def store(vec, i):
+            _vec_store(context, builder, vec, sig.args[i], args[i])
 
         def intrin(name, rty, arg_tys):
-            return cgutils.get_or_insert_function(builder.module, ir.FunctionType(rty, arg_tys), name)
+            return _llvm_fn(builder, name, rty, arg_tys)
 
-        wa = context.make_array(sig.args[0])(context, builder, args[0])
         o = context.cast(builder, args[1], sig.args[1], types.int64)
-        wp = builder.bitcast(builder.gep(wa.data, [o]), ir.VectorType(i16, 32).as_pointer())
-        w = builder.zext(builder.load(wp, align=2), vi32)
+        w = builder.zext(_vec_load(context, builder, sig.args[0], args[0], o), vi32)
         e = builder.and_(builder.lshr(w, k(vi32, 7)), k(vi32, 0xFF))
         fin = builder.icmp_unsigned("!=", e, k(vi32, 0xFF))
         v32 = builder.bitcast(builder.shl(builder.select(fin, w, k(vi32, 0)), k(vi32, 16)), vf32)
         v = builder.fpext(v32, vf64)
-        builder.store(v, data(2, f64), align=8)
-        builder.store(builder.call(intrin("llvm.fabs.v32f64", vf64, [vf64]), [v]), data(3, f64), align=8)
-        builder.store(builder.call(intrin("llvm.fabs.v32f32", vf32, [vf32]), [v32]), data(4, f32), align=4)
+        store(v, 2)
+        store(builder.call(intrin("llvm.fabs.v32f64", vf64, [vf64]), [v]), 3)
+        store(builder.call(intrin("llvm.fabs.v32f32", vf32, [vf32]), [v32]), 4)
         ie = builder.select(builder.icmp_unsigned(">", e, k(vi32, 1)), e, k(vi32, 1))
         invb = builder.shl(builder.sub(k(vi64, 1157), builder.zext(ie, vi64)), k(vi64, 52))
-        builder.store(builder.select(fin, builder.bitcast(invb, vf64), k(vf64, 0.0)), data(5, f64), align=8)
+        store(builder.select(fin, builder.bitcast(invb, vf64), k(vf64, 0.0)), 5)
         mag = builder.and_(w, k(vi32, 0x7FFF))
         ctpop = intrin("llvm.ctpop.i32", i32, [i32])
         nf = builder.call(ctpop, [builder.bitcast(builder.not_(fin), i32)])
@@ -368,13 +396,20 @@ def _ratio_spread(aq, af):
 
 
 @nb.njit(cache=True, inline="always", _nrt=False)
+def _normal_in_t(vmin, sig, minexp):
+    # every value with a level is in T's normal range and far from float32's subnormals (the float32 checks'
+    # bounds hold only there)
+    return vmin >= max(_exp2(minexp + sig - 1), 2.0 ** -96)
+
+
+@nb.njit(cache=True, inline="always", _nrt=False)
 def _surely_unbounded(rmax, rmin, vmin, sig, minexp):
     # True only where _bounds is certain to give lb > ub (no scale reproduces every value), decided from the
     # spread of v / l alone (most groups of real data have no such scale: 80-100% on the benchmark's
     # distributions). In T's normal range a value's interval is inside v (1 -+ 2^-sig) / l, and each computed
     # ratio is within 2^-23 of the real one: if the largest lower end exceeds the smallest upper end by more
     # than 2^-18, the reference's lb > ub (its own rounding is within 2^-51). Otherwise _bounds decides.
-    if vmin < max(_exp2(minexp + sig - 1), 2.0 ** -96):
+    if not _normal_in_t(vmin, sig, minexp):
         return False
     q = _exp2(-sig)
     return rmax * (1.0 - q) > rmin * (1.0 + q) * (1.0 + 2.0 ** -18)
@@ -408,7 +443,7 @@ def _surely_unbounded_per_value(aq, af, vmin, sig, minexp):
     # what the spread leaves open for bfloat16, whose spacing is 8 times float16's): each figure is within 2^-23
     # of an end that contains the real interval, and the reference's rounding is within 2^-51, so an excess of
     # more than 2^-20 cannot be crossed
-    if vmin < max(_exp2(minexp + sig - 1), 2.0 ** -96):
+    if not _normal_in_t(vmin, sig, minexp):
         return False
     lo, hi = _interval_ends(aq, af, np.float32(_exp2(-sig)))
     return lo > hi * (1.0 + 2.0 ** -20)
@@ -468,6 +503,17 @@ def _runtime_vector(builder, p, fp16):
     return builder.bitcast(builder.and_(r, ir.Constant(iv32, [0xFFFF0000] * 32)), v32)
 
 
+def _candidate_typing(c, aq, j):
+    return c == types.float32 and isinstance(j, types.Integer) and _c_array(aq, 2, types.float32)
+
+
+def _candidate_runtime(context, builder, sig, args, fp16):
+    """T(c32 * aq[j, :]) as <32 x float> from the first three arguments (c32, aq, j) of a pass."""
+    row = builder.mul(context.cast(builder, args[2], sig.args[2], types.int64), ir.Constant(ir.IntType(64), 32))
+    q = _vec_load(context, builder, sig.args[1], args[1], row)
+    return _runtime_vector(builder, builder.fmul(q, _splat(builder, args[0], q.type)), fp16)
+
+
 def _group_pass(name, fp16, count):
     """An intrinsic f(c32, aq, j, af) over a group's 32 values as one <32 x float> vector: T(c32 * aq[j, :]),
     T float16 (`fp16`) or bfloat16 (round-to-nearest-even on the bits), compared with af; returns the number of
@@ -479,28 +525,18 @@ def _group_pass(name, fp16, count):
     v32 = ir.VectorType(f32, 32)
 
     def pass_(typingctx, c, aq, j, af):
-        if not (c == types.float32 and isinstance(j, types.Integer)
-                and isinstance(aq, types.Array) and aq.dtype == types.float32 and aq.ndim == 2 and aq.layout == "C"
-                and isinstance(af, types.Array) and af.dtype == types.float32 and af.ndim == 1 and af.layout == "C"):
+        if not (_candidate_typing(c, aq, j) and _c_array(af, 1, types.float32)):
             return None
 
         def codegen(context, builder, sig, args):
-            c, aqv, jv, afv = args
-            aqa = context.make_array(sig.args[1])(context, builder, aqv)
-            afa = context.make_array(sig.args[3])(context, builder, afv)
-            row = builder.mul(context.cast(builder, jv, sig.args[2], types.int64), ir.Constant(i64, 32))
-            q = builder.load(builder.bitcast(builder.gep(aqa.data, [row]), v32.as_pointer()), align=4)
-            x = builder.load(builder.bitcast(afa.data, v32.as_pointer()), align=4)
-            t = _runtime_vector(builder, builder.fmul(q, _splat(builder, c, v32)), fp16)
+            t = _candidate_runtime(context, builder, sig, args, fp16)
+            x = _vec_load(context, builder, sig.args[3], args[3])
             if count:
                 eq = builder.bitcast(builder.fcmp_ordered("==", t, x), i32)
-                ctpop = builder.module.declare_intrinsic("llvm.ctpop", [i32])
-                return builder.zext(builder.call(ctpop, [eq]), i64)
+                return builder.zext(builder.call(_llvm_fn(builder, "llvm.ctpop.i32", i32, [i32]), [eq]), i64)
             d = builder.fsub(t, x)
-            sq = builder.fmul(d, d)
-            red = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32, [f32, v32]),
-                                                 "llvm.vector.reduce.fadd.v32f32")
-            return builder.call(red, [ir.Constant(f32, 0.0), sq], fastmath=("reassoc",))
+            red = _llvm_fn(builder, "llvm.vector.reduce.fadd.v32f32", f32, [f32, v32])
+            return builder.call(red, [ir.Constant(f32, 0.0), builder.fmul(d, d)], fastmath=("reassoc",))
         return (types.int64 if count else types.float32)(c, aq, j, af), codegen
     pass_.__name__ = pass_.__qualname__ = name
     return intrinsic(pass_)
@@ -510,39 +546,26 @@ def _error_pass(name, fp16):
     """An intrinsic f(c32, aq, j, ax, inv) -> (values with T(c32 * aq[j, :]) == ax, the worst error in ulps
     |T(.) - ax| * inv as the integer maximum of its bits (>= 0), their sum in any order (a report total)), on
     float64 lanes: one vector expression, no array of runtime values in between."""
-    f32, f64, i32, i64 = ir.FloatType(), ir.DoubleType(), ir.IntType(32), ir.IntType(64)
-    v32, vd32, il32 = (ir.VectorType(t, 32) for t in (f32, f64, i64))
+    f64, i32, i64 = ir.DoubleType(), ir.IntType(32), ir.IntType(64)
+    vd32, il32 = ir.VectorType(f64, 32), ir.VectorType(i64, 32)
 
     def pass_(typingctx, c, aq, j, ax, inv):
-        def c1(a, ndim, dtype):
-            return isinstance(a, types.Array) and a.ndim == ndim and a.dtype == dtype and a.layout == "C"
-        if not (c == types.float32 and isinstance(j, types.Integer) and c1(aq, 2, types.float32)
-                and c1(ax, 1, types.float64) and c1(inv, 1, types.float64)):
+        if not (_candidate_typing(c, aq, j) and _c_array(ax, 1, types.float64) and _c_array(inv, 1, types.float64)):
             return None
         rtype = types.Tuple((types.int64, types.float64, types.float64))
 
         def codegen(context, builder, sig, args):
-            c, aqv, jv, axv, invv = args
-            aqa = context.make_array(sig.args[1])(context, builder, aqv)
-            row = builder.mul(context.cast(builder, jv, sig.args[2], types.int64), ir.Constant(i64, 32))
-            q = builder.load(builder.bitcast(builder.gep(aqa.data, [row]), v32.as_pointer()), align=4)
-
-            def load64(i, v):
-                a = context.make_array(sig.args[i])(context, builder, v)
-                return builder.load(builder.bitcast(a.data, vd32.as_pointer()), align=8)
-            x = load64(3, axv)
-            w = load64(4, invv)
-            r = builder.fpext(_runtime_vector(builder, builder.fmul(q, _splat(builder, c, v32)), fp16), vd32)
-            ctpop = builder.module.declare_intrinsic("llvm.ctpop", [i32])
-            ne = builder.zext(builder.call(ctpop, [builder.bitcast(builder.fcmp_ordered("==", r, x), i32)]), i64)
-            fabs = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vd32, [vd32]), "llvm.fabs.v32f64")
+            r = builder.fpext(_candidate_runtime(context, builder, sig, args, fp16), vd32)
+            x = _vec_load(context, builder, sig.args[3], args[3])
+            w = _vec_load(context, builder, sig.args[4], args[4])
+            eq = builder.bitcast(builder.fcmp_ordered("==", r, x), i32)
+            ne = builder.zext(builder.call(_llvm_fn(builder, "llvm.ctpop.i32", i32, [i32]), [eq]), i64)
+            fabs = _llvm_fn(builder, "llvm.fabs.v32f64", vd32, [vd32])
             e = builder.fmul(builder.call(fabs, [builder.fsub(r, x)]), w)
-            smax = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i64, [il32]),
-                                                  "llvm.vector.reduce.smax.v32i64")
+            smax = _llvm_fn(builder, "llvm.vector.reduce.smax.v32i64", i64, [il32])
             mb = builder.call(smax, [builder.bitcast(e, il32)])
             mb = builder.select(builder.icmp_signed(">", mb, ir.Constant(i64, 0)), mb, ir.Constant(i64, 0))
-            red = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f64, [f64, vd32]),
-                                                 "llvm.vector.reduce.fadd.v32f64")
+            red = _llvm_fn(builder, "llvm.vector.reduce.fadd.v32f64", f64, [f64, vd32])
             tot = builder.call(red, [ir.Constant(f64, 0.0), e], fastmath=("reassoc",))
             return context.make_tuple(builder, rtype, [ne, builder.bitcast(mb, f64), tot])
         return rtype(c, aq, j, ax, inv), codegen
