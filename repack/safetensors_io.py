@@ -423,7 +423,6 @@ class WriteError(RepackError):
         return self.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
-
 def iter_blocks(total: int, block: int) -> Iterator[tuple[int, int]]:
     for start in range(0, total, block):
         yield start, min(block, total - start)

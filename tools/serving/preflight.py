@@ -150,11 +150,9 @@ def _dir_bytes(path: Path) -> int:
 
 def _free_bytes(path: Path) -> tuple[Path, int]:
     """Free bytes on the filesystem that `path` (or its nearest existing parent) lives on."""
-    p = path
-    # os.path.exists: False (not an error) for a name too long or a folder that cannot be searched; the writer
-    # names those, not this check
-    while not os.path.exists(p) and p != p.parent:
-        p = p.parent
+    from repack.atomic import existing_ancestor  # (os.path.exists: a name too long is not an error here)
+
+    p = path if os.path.exists(path) else existing_ancestor(path)
     return p, shutil.disk_usage(p).free
 
 
