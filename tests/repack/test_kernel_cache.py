@@ -40,23 +40,29 @@ def test_the_kernel_benchmark_loads_the_project_kernel_as_the_project_does():
     assert not [m for m in sys.modules if m.startswith("kernel_")]
 
 
-def test_loading_the_kernel_does_not_import_scipy_linalg():
-    # numba's array functions import scipy.linalg (0.1-0.2 s of every build's start) only to know whether
-    # np.dot may call BLAS; a fresh process loads and runs the kernel without it, and the kernel still agrees
-    # with the numpy reference
+def _fresh_process_quantizes(env: dict, compared: str, report: str) -> str:
+    """Runs the kernel in a new process as a build loads it, asserts its outputs (`compared`: the slice of
+    (packed, scales, stats)) equal to the numpy reference, and returns what `report` evaluates to there."""
     import subprocess
     import sys
-
-    import os
 
     code = ("import sys, numpy as np; from repack import grid; assert grid.implementation() == 'numba'; "
             "w = (np.arange(64, dtype=np.uint16) + 0x3F00).reshape(2, 32); "
             "a = grid.quantize(w); b = grid.quantize_numpy(w); "
-            "assert all(np.array_equal(x, y) for x, y in zip(a[:2], b[:2])); "
-            "print('numba' in sys.modules, 'scipy.linalg' in sys.modules)")
+            f"assert all(np.array_equal(x, y) for x, y in zip(a{compared}, b{compared})); print({report})")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          env=env).stdout.strip()
+
+
+def test_loading_the_kernel_does_not_import_scipy_linalg():
+    # numba's array functions import scipy.linalg (0.1-0.2 s of every build's start) only to know whether
+    # np.dot may call BLAS; a fresh process loads and runs the kernel without it, and the kernel still agrees
+    # with the numpy reference
+    import os
+
     env = dict(os.environ, REPACK_NO_AOT="1")  # the JIT kernel
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
-    assert out.strip() == "True False"
+    assert _fresh_process_quantizes(env, "[:2]", "'numba' in sys.modules, 'scipy.linalg' in sys.modules") == \
+        "True False"
 
 
 def test_scipy_linalg_imports_normally_once_the_kernel_is_loaded():
@@ -191,18 +197,11 @@ def test_aot_module_releases_the_gil_so_row_blocks_run_on_every_core(aot_dir):
 
 def test_a_build_process_with_a_current_aot_module_never_imports_numba(aot_dir):
     import os
-    import subprocess
-    import sys
 
     d, _ = aot_dir
-    code = ("import sys, numpy as np; from repack import grid; assert grid.implementation() == 'numba'; "
-            "w = (np.arange(64, dtype=np.uint16) + 0x3F00).reshape(2, 32); "
-            "a = grid.quantize(w); b = grid.quantize_numpy(w); "
-            "assert all(np.array_equal(x, y) for x, y in zip(a, b)); print('numba' in sys.modules)")
     env = {k: v for k, v in os.environ.items() if k != "REPACK_NO_AOT"}
     env["NUMBA_CACHE_DIR"] = str(d)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
-    assert out.strip() == "False"
+    assert _fresh_process_quantizes(env, "", "'numba' in sys.modules") == "False"
 
 
 def test_a_stale_or_broken_aot_module_is_not_used(aot_dir, monkeypatch, tmp_path):
