@@ -206,7 +206,7 @@ def main() -> int:
     subprocess.run([sys.executable, "-c", "import numpy as np, repack.grid as g; "
                     "g.quantize(np.zeros((1, 32), np.uint16)); "
                     "g.quantize(np.frombuffer(bytes(64), np.uint16).reshape(1, 32))"], cwd=ROOT, check=True)
-    aot = kernel_cache.current_aot_path() is not None and not os.environ.get("REPACK_NO_AOT")
+    aot = kernel_cache.load_aot() is not None  # the same decision a build process takes
     out = args.workdir / "build-out"
     shutil.rmtree(out, ignore_errors=True)
     cmd = [sys.executable, "-m", "repack", "build", str(src), str(out), "--text-only", "--embed-int4",
