@@ -18,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from tools.serving import turing_patch  # noqa: E402
-from tools.errors import ToolFailure  # noqa: E402
+from tools.core.errors import ToolFailure  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

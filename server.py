@@ -21,11 +21,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 # `python /path/to/server.py` from any directory: the project's packages sit next to this file.
-PROJECT_ROOT = Path(__file__).resolve().parent
-if str(PROJECT_ROOT) not in sys.path:
-    sys.path.insert(0, str(PROJECT_ROOT))
+_HERE = str(Path(__file__).resolve().parent)
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
 
-from tools.mcp.paths import Roots  # noqa: E402
+from tools.core.paths import Roots  # noqa: E402
+from tools.core.root import PROJECT_ROOT  # noqa: E402
 from tools.mcp.registry import DEFAULT_TOOLSETS, TOOLSETS, TOOLSETS_ENV  # noqa: E402
 
 if TYPE_CHECKING:

@@ -49,7 +49,7 @@ def main() -> int:
     args = ap.parse_args()
 
     from repack.build import BuildOptions, build_checkpoint
-    from tools.demo.tiny_model import cached_tiny_qat_checkpoint
+    from repack.tiny_model import cached_tiny_qat_checkpoint
     from tools.serving.config import load_config
     from tools.serving.vllm_server import start_server, stop_server
     from tools.measure.provenance import collect

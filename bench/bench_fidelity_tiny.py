@@ -74,7 +74,7 @@ def main() -> int:
     signal.signal(signal.SIGTERM, terminated)
 
     from repack.build import BuildOptions, build_checkpoint
-    from tools.demo import tiny_model
+    from repack import tiny_model
     from tools.measure.compare_tokens import CompareParams, check_against, record_reference
     from tools.serving.config import load_config
     from tools.measure.fidelity import CheckLogprobsParams, RecordLogprobsParams, check_logprobs, record_logprobs

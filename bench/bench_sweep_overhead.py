@@ -72,7 +72,7 @@ def tiny_server(workdir: Path):
     import socket
 
     from repack.build import BuildOptions, build_checkpoint
-    from tools.demo.tiny_model import cached_tiny_qat_checkpoint
+    from repack.tiny_model import cached_tiny_qat_checkpoint
     from tools.serving.config import load_config
     from tools.serving.vllm_server import start_server, stop_server
 

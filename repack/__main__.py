@@ -16,7 +16,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 #   worth collecting.
 gc.disable()
 
-from repack.cli import main  # noqa: E402
+from tools.cli.repack_cli import main  # noqa: E402
 
 rc = main()
 sys.stdout.flush()

@@ -8,30 +8,18 @@ from __future__ import annotations
 
 from typing import Any
 
-ECHO_LIMIT = 200  # characters of any one input (a name, a path) repeated in a message
+from tools.core.errors import BadInput
+from tools.core.text import ECHO_LIMIT, clip
+
+__all__ = ["ECHO_LIMIT", "OffGridError", "RepackError", "clip"]
 
 
-def clip(text: object, limit: int = ECHO_LIMIT) -> str:
-    """An input as it may appear in a message: control characters escaped, at most about `limit` characters.
+class RepackError(BadInput):
+    """Bad input or a failed write (exit status 2). ``str(err)`` is one line meant for the user; ``detail``
+    (optional) says the same for programs: the file, the tensor and a short problem code."""
 
-    Names come from headers a stranger may have written; a megabyte-long name or terminal escape codes must
-    not end up on the user's screen or in a client's log."""
-    s = str(text)
-    if not s.isprintable():
-        s = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in s)
-    if len(s) > limit:
-        half = (limit - 5) // 2
-        s = f"{s[:half]}[...]{s[-half:]}"
-    return s
-
-
-class RepackError(Exception):
-    """Bad input or a failed write. ``str(err)`` is one line meant for the user; ``detail`` (optional) says the
-    same for programs: the file, the tensor and a short problem code."""
-
-    def __init__(self, message: str, detail: dict[str, Any] | None = None) -> None:
-        super().__init__(" ".join(message.split()))
-        self.detail = detail
+    def __init__(self, message: str, detail: dict[str, Any] | None = None, *, field: str | None = None) -> None:
+        super().__init__(message, detail, field=field)
 
 
 class OffGridError(RepackError):

@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 
 from pydantic import Field, field_validator
 
-from tools.params import OpParams
+from tools.core.params import OpParams
 
 from .choices import DEFAULT_OBJECTIVE, DEFAULT_SCHEME, Objective, ScaleDtype, Target
 from .errors import RepackError

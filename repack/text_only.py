@@ -15,7 +15,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from repack.cli import build_from_args, build_parser  # noqa: E402
+from tools.cli.repack_cli import build_from_args, build_parser  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

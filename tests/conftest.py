@@ -132,8 +132,8 @@ def pytest_runtest_setup(item):
 @pytest.fixture(scope="session")
 def tiny_qat(tmp_path_factory) -> Path:
     """The tiny multimodal QAT-like checkpoint (sharded, towers, tied head), built once per session (trained once
-    per content address: tools.demo.tiny_model's cache)."""
-    from tools.demo.tiny_model import cached_tiny_qat_checkpoint
+    per content address: repack.tiny_model's cache)."""
+    from repack.tiny_model import cached_tiny_qat_checkpoint
 
     info = cached_tiny_qat_checkpoint(tmp_path_factory.mktemp("tiny") / "gemma-4-tiny-qat")
     assert info.accuracy > 0.95, f"tiny model did not learn its pattern (accuracy {info.accuracy:.3f})"
@@ -143,7 +143,7 @@ def tiny_qat(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_base(tmp_path_factory) -> Path:
     """The same tiny model left off the grid: a stand-in for a base (non-QAT) bf16 checkpoint."""
-    from tools.demo.tiny_model import cached_tiny_qat_checkpoint
+    from repack.tiny_model import cached_tiny_qat_checkpoint
 
     return cached_tiny_qat_checkpoint(tmp_path_factory.mktemp("tiny-base") / "gemma-4-tiny-base", on_grid=False).path
 

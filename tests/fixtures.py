@@ -30,7 +30,7 @@ def free_port() -> int:
 
 def repack_cli(capsys, *args) -> tuple[int, str]:
     """`python -m repack ARGS` in-process: its exit status and what it wrote to stderr."""
-    from repack import cli
+    from tools.cli import repack_cli as cli
 
     rc = cli.main([str(a) for a in args])
     return rc, capsys.readouterr().err

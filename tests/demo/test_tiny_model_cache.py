@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tools.demo import tiny_model
+from repack import tiny_model
 
 
 @pytest.fixture

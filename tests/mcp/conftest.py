@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tools.mcp.app import Settings, create_server
-from tools.mcp.paths import Roots
+from tools.core.paths import Roots
 
 
 @pytest.fixture()

@@ -16,7 +16,7 @@ import pytest
 from fastmcp import Client
 from fastmcp.exceptions import ToolError
 
-from tools.mcp.paths import PathNotAllowed, Roots
+from tools.core.paths import PathNotAllowed, Roots
 
 from fixtures import free_port
 

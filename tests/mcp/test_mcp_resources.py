@@ -13,7 +13,7 @@ import pytest
 from fastmcp import Client
 
 from tools.mcp.app import Settings, create_server
-from tools.mcp.paths import Roots
+from tools.core.paths import Roots
 from tools.mcp.resources import CONDITIONS, PROMPTS, RESOURCES, SCHEME, Ref, walkthrough
 
 ROOT = Path(__file__).resolve().parents[2]

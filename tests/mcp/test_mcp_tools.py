@@ -13,7 +13,7 @@ from fastmcp import Client
 from fastmcp.exceptions import ToolError
 
 from tools.mcp.app import Settings, create_server
-from tools.mcp.paths import Roots
+from tools.core.paths import Roots
 
 ROOT = Path(__file__).resolve().parents[2]
 

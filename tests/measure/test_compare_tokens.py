@@ -9,7 +9,7 @@ from pydantic import ValidationError
 
 from tools.measure.compare_tokens import (DEFAULT_PROMPTS, CompareParams, Generation, TokenRecord, compare_generations,
                                   compare_records, compare_tokens, load_prompts, load_record, save_record)
-from tools.errors import ToolFailure
+from tools.core.errors import ToolFailure
 
 
 def gen(ids, tops=None, prompt="p"):

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from tools.errors import ToolFailure
+from tools.core.errors import ToolFailure
 from tools.measure import evidence
 from tools.measure.decode import (DecodeResult, DecodeSweepParams, PromptRecord, compare_decode_runs,
                                   first_divergence, load_prompts, parse_spec_counters, run_decode_sweep,
                                   spec_delta, speculative_json, summarize, validate_speculative_config)
-from tools.serving.params_cli import BadInput
+from tools.core.errors import BadInput
 
 from fixtures import IN_PROCESS_TORCH
 
@@ -300,7 +300,7 @@ def _fake_target(folder: Path, width: int = 128) -> Path:
 def test_tiny_drafter_has_the_assistant_layout_and_learns_the_pattern(tmp_path):
     from safetensors import safe_open
 
-    from tools.demo.tiny_model import build_tiny_drafter
+    from repack.tiny_model import build_tiny_drafter
 
     target = _fake_target(tmp_path / "models" / "target")
     # 80 steps: the pattern is learnt whole by 40 (seeds 0-2); the default 300 is margin for the served drafter.

@@ -20,7 +20,7 @@ METHOD = "mtp"
 
 @pytest.fixture(scope="module")
 def tiny_drafter(tiny_qat, tmp_path_factory) -> Path:
-    from tools.demo.tiny_model import build_tiny_drafter
+    from repack.tiny_model import build_tiny_drafter
 
     info = build_tiny_drafter(tmp_path_factory.mktemp("drafter") / "gemma-4-tiny-assistant", tiny_qat)
     assert info.accuracy > 0.95, f"tiny drafter did not learn the pattern (accuracy {info.accuracy:.3f})"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.errors import ToolFailure
+from tools.core.errors import ToolFailure
 from tools.measure import evals
 from tools.measure.evals import CompareParams, EvalParams
 
@@ -243,7 +243,7 @@ def stub_server(tmp_path_factory):
     import http.server
     import threading
 
-    from tools.demo.tiny_model import _write_tokenizer
+    from repack.tiny_model import _write_tokenizer
 
     tok = tmp_path_factory.mktemp("stub-tokenizer")
     _write_tokenizer(tok)
@@ -332,7 +332,7 @@ def test_lm_evals_own_refusals_are_explained_in_one_line():
 
 
 def test_mcp_paths_stay_inside_the_roots(tmp_path):
-    from tools.mcp.paths import Roots
+    from tools.core.paths import Roots
 
     roots = Roots.from_env(models=[str(tmp_path / "models")], evidence=[str(tmp_path / "evidence")])
     (tmp_path / "evidence" / "tasks").mkdir(parents=True)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.errors import ToolFailure
+from tools.core.errors import ToolFailure
 from tools.measure.sweep import RepeatResult, SweepParams, _run_dir, aggregate, prompt_seed
 from tools.measure.sweep_report import compare_runs, cost_per_million, load_run, markdown_run
 

@@ -46,7 +46,8 @@ def builds(tiny_qat, tmp_path_factory) -> dict[str, Path]:
     import contextlib
     import io
 
-    from repack import cli, embed_int4, text_only
+    from repack import embed_int4, text_only
+    from tools.cli import repack_cli as cli
 
     d = tmp_path_factory.mktemp("repack-builds")
     out = {"src": tiny_qat, "one": d / "one", "s1": d / "s1", "s2": d / "s2", "s3": d / "s3", "bf16text": d / "t"}

@@ -450,7 +450,7 @@ def test_mcp_tools_pass_their_roots(tmp_path):
     from fastmcp.exceptions import ToolError
 
     import server as mcp_server
-    from tools.mcp.paths import Roots
+    from tools.core.paths import Roots
 
     snap = _hf_cache_snapshot(tmp_path)
     (tmp_path / "evidence").mkdir()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from repack import cli
+from tools.cli import repack_cli as cli
 from repack.synthetic import write_small_checkpoint
 
 from fixtures import one_line_error, repack_cli

@@ -200,7 +200,7 @@ LINEAR = "model.language_model.layers.1.mlp.up_proj.weight"
 
 
 def test_build_aborts_on_nan_naming_tensor_row_and_group(tmp_path, capsys):
-    from repack import cli
+    from tools.cli import repack_cli as cli
 
     words = grid_words(128, 64, np.random.default_rng(17), step_dtype=np.float32)
     words[77, 40] = 0x7FC0
@@ -306,7 +306,8 @@ def test_default_objective_is_the_one_the_fidelity_measurement_chose():
 
 
 def test_scale_dtype_is_an_alias_and_a_mismatch_is_refused(tmp_path, capsys):
-    from repack import cli, embed_int4, repack_q4_0
+    from repack import embed_int4, repack_q4_0
+    from tools.cli import repack_cli as cli
 
     assert BuildOptions(scale_dtype="bf16").target_dtype == "bfloat16"
     assert BuildOptions(target_dtype="bfloat16").scale_dtype == "bf16"

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from repack import atomic, cli, grid
+from repack import atomic, grid
+from tools.cli import repack_cli as cli
 from repack.build import BuildOptions, build_checkpoint
 from repack.checkpoint import open_checkpoint
 from repack.errors import RepackError
@@ -254,7 +255,8 @@ def test_error_at_each_step_of_the_swap(src, old_build, tmp_path, monkeypatch, m
 _KILL_CHILD = """
 import os, signal, sys
 sys.path.insert(0, {root!r})
-from repack import atomic, cli
+from repack import atomic
+from tools.cli import repack_cli as cli
 if {no_exchange}:
     real = atomic._renameat2
     def fake(a, b, flags):
@@ -364,7 +366,8 @@ grid.quantize = slow
 _SLOW_CHILD = """
 import sys, time
 sys.path.insert(0, {root!r})
-from repack import grid, cli
+from repack import grid
+from tools.cli import repack_cli as cli
 """ + _SLOW_QUANTIZE + """{extra}
 sys.exit(cli.main(["build", {src!r}, {out!r}, "--text-only", "--embed-int4", "--embed-tokens"]))
 """

@@ -168,7 +168,7 @@ def w8a8_build(tiny_qat, tmp_path_factory) -> Path:
     import contextlib
     import io
 
-    from repack import cli
+    from tools.cli import repack_cli as cli
 
     out = tmp_path_factory.mktemp("w8a8") / "gemma-4-tiny-text-w8a8"
     stdout, stderr = io.StringIO(), io.StringIO()
@@ -320,7 +320,7 @@ def test_w8a8_build_serves_on_the_cpu_int8_kernel(w8a8_build, serve_config_facto
     import httpx
 
     from fixtures import require_plugin
-    from tools.demo.tiny_model import pattern_permutation
+    from repack.tiny_model import pattern_permutation
     from tools.serving.vllm_server import start_server, stop_server
 
     require_plugin()
@@ -364,7 +364,7 @@ def test_w8a8_build_refuses_a_nonfinite_weight(tmp_path, capsys, bad):
     with pytest.raises(RepackError, match=r"up_proj.weight: row 77, column 40 holds a NaN or an infinity"):
         build_checkpoint(src, tmp_path / "out", BuildOptions(scheme="w8a8", embed_int4=False, embed_tokens=False))
     assert not (tmp_path / "out").exists()
-    from repack import cli
+    from tools.cli import repack_cli as cli
 
     rc = cli.main(["build", str(src), str(tmp_path / "out2"), "--scheme", "w8a8"])  # the command, in-process
     err = capsys.readouterr().err

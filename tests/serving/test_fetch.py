@@ -15,16 +15,16 @@ from pathlib import Path
 
 import pytest
 
-from tools.errors import ToolFailure
+from tools.core.errors import ToolFailure
 from tools.serving.fetch import MANIFEST, FetchParams, fetch_checkpoint
-from tools.serving.params_cli import BadInput
+from tools.core.errors import BadInput
 
 from stand_in_hub import COMMIT, REPO, StandInHub  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def hub_files(tmp_path_factory) -> dict[str, bytes]:
-    from tools.demo.tiny_model import cached_tiny_qat_checkpoint
+    from repack.tiny_model import cached_tiny_qat_checkpoint
 
     # The tiny model's files as the hub would hold them; what the weights predict does not matter here.
     tiny = cached_tiny_qat_checkpoint(tmp_path_factory.mktemp("hub") / "gemma-4-tiny-qat", train_steps=1).path

@@ -15,9 +15,9 @@ import psutil
 import pytest
 
 from tests.fixtures import ROOT, fake_t4_hardware, free_port
-from tools.errors import ToolFailure
+from tools.core.errors import ToolFailure
 from tools.serving.config import load_config
-from tools.serving.params_cli import BadInput
+from tools.core.errors import BadInput
 
 
 def _env(state_dir: Path, **extra: str) -> dict[str, str]:
@@ -328,7 +328,7 @@ def test_mcp_tools_take_an_instance(tmp_path, fleet):
     from fastmcp.exceptions import ToolError
 
     from tools.mcp.app import Settings, create_server
-    from tools.mcp.paths import Roots
+    from tools.core.paths import Roots
 
     roots = Roots.from_env([str(tmp_path)], [str(tmp_path)], environ={})
     mcp = create_server(Settings(roots=roots, config_overrides={"state_dir": str(tmp_path / "run")}),

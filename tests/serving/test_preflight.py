@@ -15,8 +15,8 @@ import pytest
 
 from tools.serving import turing_patch
 from tools.serving.config import DEFAULT_ENV_FILE, load_config
-from tools.errors import ToolFailure
-from tools.serving.params_cli import BadInput
+from tools.core.errors import ToolFailure
+from tools.core.errors import BadInput
 from tools.serving.preflight import PreflightParams, checks_for, ensure, run_preflight
 from fixtures import fake_t4_hardware
 
@@ -241,7 +241,7 @@ def test_vllm_build_against_the_pin(clean_env, tmp_path, monkeypatch):
 
 def _mcp_over(tmp_path):
     from tools.mcp.app import Settings, create_server
-    from tools.mcp.paths import Roots
+    from tools.core.paths import Roots
 
     (tmp_path / "models").mkdir(exist_ok=True)
     (tmp_path / "evidence").mkdir(exist_ok=True)
@@ -267,7 +267,7 @@ def _call(mcp, tool, args) -> str:
 
 def test_repack_refuses_with_the_disk_checks_line_through_mcp_and_the_command_line(clean_env, tmp_path,
                                                                                     monkeypatch, capsys):
-    from repack import cli
+    from tools.cli import repack_cli as cli
     from repack.synthetic import write_small_checkpoint
     from tools.serving import preflight
 

@@ -42,7 +42,7 @@ class Fleet:
 @pytest.fixture(scope="module")
 def fleet(emb4_build, tmp_path_factory):
     from tools.mcp.app import Settings, create_server
-    from tools.mcp.paths import Roots
+    from tools.core.paths import Roots
 
     base = tmp_path_factory.mktemp("fleet")
     state, evidence = base / "run", base / "evidence"

@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from tools.serving import turing_patch
-from tools.errors import ToolFailure
+from tools.core.errors import ToolFailure
 from fixtures import fake_t4_hardware, group_alive
 from tools.serving.vllm_server import server_status, start_server, stop_server
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from tools.serving.config import DEFAULT_ENV_FILE, load_config, parse_env_file
-from tools.errors import ToolFailure
+from tools.core.errors import ToolFailure
 
 
 def test_committed_tpu_env_has_the_t4_flags(monkeypatch):

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from tools.serving import turing_patch
-from tools.errors import ToolFailure
+from tools.core.errors import ToolFailure
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -2,7 +2,7 @@
 
     python3 -m tools.demo          (or ./vllm-t4 demo)
 
-Without an NVIDIA GPU it builds the tiny Gemma-4-shaped QAT-like model (tools.demo.tiny_model), so nothing is
+Without an NVIDIA GPU it builds the tiny Gemma-4-shaped QAT-like model (repack.tiny_model), so nothing is
 downloaded; on a machine where `nvidia-smi -L` answers (the T4 VM) it takes the real QAT checkpoint from
 SOURCE_CHECKPOINT in tpu.env (or --source), after the checks of `./vllm-t4 doctor`; with SOURCE_CHECKPOINT
 empty and a Hugging Face token set it fetches it first (`./vllm-t4 fetch`). Then, with the same library calls
@@ -34,9 +34,9 @@ from typing import Any, Callable
 
 from pydantic import BaseModel, Field
 
-from tools.errors import ToolFailure
+from tools.core.errors import ToolFailure
+from tools.core.root import PROJECT_ROOT
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
 SOURCE_KEY = "SOURCE_CHECKPOINT"
 
 Log = Callable[[str], None]
@@ -231,7 +231,7 @@ def run_demo(opts: DemoOptions | None = None, *, log: Log = _stderr) -> DemoRepo
 
     # 0. The source: the tiny QAT-like model is built here; the real one must exist.
     if not plan.gpu and not (plan.source / "config.json").is_file():
-        from tools.demo.tiny_model import cached_tiny_qat_checkpoint, default_cache_dir
+        from repack.tiny_model import cached_tiny_qat_checkpoint, default_cache_dir
 
         log(f"[1/6] building the tiny QAT-like model in {plan.source} (trained once, then copied from the "
             f"cache in {default_cache_dir() or 'nowhere: $GEMMA4_T4_CACHE is empty'})")

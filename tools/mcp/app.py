@@ -33,9 +33,9 @@ from mcp_types import TextContent, ToolAnnotations
 from pydantic import ValidationError
 
 from repack.errors import RepackError
-from tools.errors import ToolFailure
+from tools.core.errors import ToolFailure
 from tools.mcp.jobs import Busy, JobCancelled, JobRegistry, ProgressFn
-from tools.mcp.paths import PathNotAllowed, Roots
+from tools.core.paths import PathNotAllowed, Roots
 from tools.mcp.registry import (DEFAULT_TOOLSETS, TOOLSETS, TOOLSETS_ENV, ToolSpec, argument_error, load_all,
                                 mcp_wording, one_line)
 

@@ -3,7 +3,7 @@ the work)."""
 
 from __future__ import annotations
 
-from tools.errors import ToolFailure
+from tools.core.errors import ToolFailure
 from tools.mcp.registry import Reply, tool
 from tools.serving.fetch import FetchParams, FetchResult
 from tools.serving.preflight import PreflightParams, PreflightReport

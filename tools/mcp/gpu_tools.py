@@ -6,10 +6,10 @@ from typing import Literal
 
 from pydantic import Field
 
-from tools.errors import ToolFailure
+from tools.core.errors import ToolFailure
 from tools.gpu.vram import VramStatus
 from tools.mcp.registry import Reply, tool
-from tools.params import OpParams
+from tools.core.params import OpParams
 from tools.serving.turing_patch import PatchStatus
 
 

@@ -8,7 +8,7 @@ from pydantic import BaseModel, Field, create_model
 
 from tools.mcp.jobs import JobInfo
 from tools.mcp.registry import Reply, argument_error, tool
-from tools.params import OpParams
+from tools.core.params import OpParams
 
 
 class JobList(BaseModel):

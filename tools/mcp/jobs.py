@@ -31,7 +31,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from tools.mcp.paths import shown
+from tools.core.text import clip
 
 # progress(done, total, message); total None when unknown
 ProgressFn = Callable[[float, float | None, str], None]
@@ -171,10 +171,10 @@ class JobRegistry:
         if job is None:
             m = JOB_ID.match(job_id)
             if m and m.group(1) != self.boot:
-                raise KeyError(f"job {shown(job_id)} is lost: the server restarted (jobs live only as long as the "
+                raise KeyError(f"job {clip(job_id)} is lost: the server restarted (jobs live only as long as the "
                                f"server process); start it again with start_job")
             known = ", ".join(self._jobs) or "none"
-            raise KeyError(f"no job {shown(job_id)!r} (known jobs: {known})")
+            raise KeyError(f"no job {clip(job_id)!r} (known jobs: {known})")
         return job.info()
 
     def wait(self, job_id: str, timeout: float | None = None) -> JobInfo:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tools.errors import ToolFailure
+from tools.core.errors import ToolFailure
 from tools.measure.compare_tokens import CompareParams, TokenComparison, TokenRecord
 from tools.measure.decode import DecodeParams, DecodeSummary
 from tools.measure.fidelity import CheckLogprobsResult, CompareLogprobsParams, RecordLogprobsResult
@@ -54,12 +54,12 @@ def compare_sweeps(app, p: CompareSweepsParams) -> Reply:
     replace one)."""
     from tools.measure.sweep_report import compare_runs, write_comparison
 
-    from tools.mcp.paths import shown
+    from tools.core.text import clip
 
     dirs = [app.roots.confine(d, "evidence", must_exist=True, what="run_dir") for d in p.run_dirs]
     for given, d in zip(p.run_dirs, dirs):  # the file read, not only its folder: a link in it may lead out
         if d.is_dir():
-            app.roots.confine(d / "summary.json", "evidence", what=f"run_dir {shown(given)}")
+            app.roots.confine(d / "summary.json", "evidence", what=f"run_dir {clip(given)}")
     out = app.roots.confine(p.output, "evidence", what="output") if p.output else None
     cmp = compare_runs([str(d) for d in dirs], price_per_hour=p.price_per_hour)
     if out is not None:

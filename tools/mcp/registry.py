@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
-from tools.errors import ToolFailure
+from tools.core.errors import ToolFailure
 
 # Toolsets: what a client sees is chosen with --toolsets / GEMMA4_T4_TOOLSETS (fastmcp tags do the filtering).
 TOOLSETS: dict[str, str] = {
@@ -242,9 +242,9 @@ def argument_error(exc: ValidationError, tool: str | None = None) -> ToolFailure
     problem, msg = _MODEL_WORDS.get(first["type"], (first["type"], first["msg"]))
     detail: dict[str, Any] = {"argument": loc, "problem": problem, "errors": exc.error_count()}
     if "input" in first and problem != "missing":
-        from tools.mcp.paths import shown
+        from tools.core.text import clip
 
-        detail["input"] = shown(first["input"])
+        detail["input"] = clip(first["input"])
     if tool:
         detail["tool"] = tool
     return ToolFailure(f"{tool + ': ' if tool else ''}argument {loc}: {msg}", detail)

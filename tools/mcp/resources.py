@@ -104,7 +104,7 @@ def _runs(app) -> list[dict[str, Any]]:
 
 def _readable(app, path: Path) -> bool:
     """A summary the template would serve: a file resolving inside the evidence roots (not a link out of them)."""
-    from tools.mcp.paths import PathNotAllowed
+    from tools.core.paths import PathNotAllowed
 
     try:
         return app.roots.confine(path, "evidence").is_file()
@@ -122,7 +122,8 @@ def evidence_runs(app) -> str:
 
 
 def _summary(app, run: str, name: str) -> str:
-    from tools.mcp.paths import PathNotAllowed, shown
+    from tools.core.paths import PathNotAllowed
+    from tools.core.text import clip
 
     run = run.strip().strip("/")
     if not run:
@@ -130,7 +131,7 @@ def _summary(app, run: str, name: str) -> str:
     last: PathNotAllowed | None = None
     for root in app.roots.evidence:
         try:
-            path = app.roots.confine(root / run / name, "evidence", what=f"run {shown(run)}")
+            path = app.roots.confine(root / run / name, "evidence", what=f"run {clip(run)}")
         except PathNotAllowed as exc:  # a symlink out of the roots, say: refused, never read
             last = exc
             continue
@@ -138,7 +139,7 @@ def _summary(app, run: str, name: str) -> str:
             return path.read_text(errors="replace")
     if last is not None:
         raise ResourceFailure(str(last))
-    raise ResourceFailure(f"no {name} for run {shown(run)} under the evidence roots "
+    raise ResourceFailure(f"no {name} for run {clip(run)} under the evidence roots "
                           f"({', '.join(map(str, app.roots.evidence))}); list the runs with {SCHEME}://evidence/runs")
 
 
@@ -160,7 +161,7 @@ def run_summary_json(app, run: str) -> str:
 def demo_report(app) -> str:
     """The newest `./vllm-t4 demo` report (report.md of the newest folder directly under an evidence root whose
     report.json is a demo report), preceded by a comment naming its folder."""
-    from tools.mcp.paths import PathNotAllowed
+    from tools.core.paths import PathNotAllowed
 
     found = []
     for root in app.roots.evidence:
@@ -189,7 +190,7 @@ def demo_report(app) -> str:
 def server_log(app) -> str:
     """The last 200 lines of the log of the vLLM server start_vllm_server started (the last start's, after a
     failure or a stop)."""
-    from tools.errors import ToolFailure
+    from tools.core.errors import ToolFailure
     from tools.serving.vllm_server import read_log
 
     try:
@@ -258,11 +259,12 @@ class PromptSpec:
     def check(self, given: dict[str, Any] | None) -> None:
         """Refuse an argument this prompt does not take (FastMCP drops it silently) or a value longer than any path,
         label or hub id it stands for."""
-        from tools.mcp.paths import PATH_MAX, shown
+        from tools.core.paths import PATH_MAX
+        from tools.core.text import clip
 
         for k, v in (given or {}).items():
             if k not in self.arguments:
-                raise ValueError(f"prompt {self.name}: unknown argument {shown(k)}; it takes "
+                raise ValueError(f"prompt {self.name}: unknown argument {clip(k)}; it takes "
                                  f"{', '.join(self.arguments)}")
             if len(str(v)) >= PATH_MAX:
                 raise ValueError(f"prompt {self.name}: argument {k} is {len(str(v))} characters; give at most "
@@ -412,7 +414,7 @@ def resource_function(spec: ResourceSpec, app: Any) -> Callable[..., str]:
 
     async def fn(**kwargs: str) -> str:
         from tools.mcp.app import to_tool_error
-        from tools.mcp.paths import PathNotAllowed
+        from tools.core.paths import PathNotAllowed
 
         try:
             return await anyio.to_thread.run_sync(lambda: spec.fn(app, **kwargs))

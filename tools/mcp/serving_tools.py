@@ -46,7 +46,7 @@ def stop_vllm_server(app, p: StopParams) -> Reply:
     from tools.serving.vllm_server import stop_server
 
     if p.all:
-        from tools.errors import ToolFailure
+        from tools.core.errors import ToolFailure
         from tools.serving.instances import stop_all
 
         if p.instance is not None:

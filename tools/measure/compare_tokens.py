@@ -20,7 +20,7 @@ from typing import Any, Callable, ClassVar, Literal
 import httpx
 from pydantic import BaseModel, Field
 
-from tools.errors import ToolFailure
+from tools.core.errors import ToolFailure
 from tools.serving.endpoint import EndpointParams
 
 RECORD_KIND = "gemma4-t4/token-record"

@@ -42,12 +42,13 @@ from typing import Any, Callable, ClassVar
 import httpx
 from pydantic import BaseModel, Field, ValidationError, field_validator
 
-from tools.cli_output import guard, kill_group, python_child_env
-from tools.errors import ToolFailure
-from tools.params import OpParams
+from tools.cli.commands import guard
+from tools.core.process import kill_group, python_child_env
+from tools.core.errors import ToolFailure
+from tools.core.params import OpParams
 from tools.serving.endpoint import EndpointParams
+from tools.core.root import PROJECT_ROOT
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = PROJECT_ROOT / "evidence"
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"  # the project's own task definitions
 Progress = Callable[[int, int, str], None]
@@ -723,10 +724,10 @@ class _Run:
     def _file(self, path: Path) -> Path:
         if self.roots is None:
             return path
-        from tools.mcp.paths import shown
+        from tools.core.text import clip
 
         try:
-            return self.roots.confine(path, "evidence", what=f"run {shown(self.name)}")
+            return self.roots.confine(path, "evidence", what=f"run {clip(self.name)}")
         except ValueError as exc:
             raise ToolFailure(str(exc), {"run": self.name}) from None
 
@@ -743,14 +744,14 @@ class _Run:
 
     def _inside(self, path: str, task: str) -> Path:
         """The samples entry relative to the run folder; refused when it leads out of it ('..', another folder)."""
-        from tools.mcp.paths import shown
+        from tools.core.text import clip
 
         try:
             rel = Path(path).relative_to(self.result.run_dir)
         except ValueError:
             rel = None
         if rel is None or ".." in rel.parts:
-            raise ToolFailure(f"run {shown(self.name)}: summary.json's samples:{shown(task)} entry {shown(path)} "
+            raise ToolFailure(f"run {clip(self.name)}: summary.json's samples:{clip(task)} entry {clip(path)} "
                               f"is not a file inside the run folder; compare the run folder ./vllm-t4 eval wrote, "
                               f"with its summary.json unchanged", {"run": self.name, "task": task})
         return rel
@@ -872,7 +873,7 @@ def tiny_pattern_docs(seed: int = 0) -> tuple[list[dict[str, Any]], list[dict[st
     """
     import random
 
-    from tools.demo.tiny_model import FIRST_BYTE_ID, pattern_permutation
+    from repack.tiny_model import FIRST_BYTE_ID, pattern_permutation
 
     perm = pattern_permutation(seed)
     printable = [chr(b) for b in range(0x21, 0x7F)]

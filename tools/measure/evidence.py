@@ -19,7 +19,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from tools.errors import ToolFailure
+from tools.core.errors import ToolFailure
 from tools.measure import provenance as prov_mod
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")

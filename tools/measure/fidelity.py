@@ -51,8 +51,8 @@ from typing import Any, Callable, ClassVar, Literal
 import httpx
 from pydantic import BaseModel, Field
 
-from tools.errors import ToolFailure
-from tools.params import OpParams
+from tools.core.errors import BadInput, ToolFailure
+from tools.core.params import OpParams
 from tools.serving.endpoint import EndpointParams
 
 RECORD_KIND = "gemma4-t4/logprob-record"
@@ -73,8 +73,6 @@ LOGPROB_DIGITS = 7  # decimals kept in REF.json: float32 logits carry no more
 Progress = Callable[[int, int, str], None]
 
 
-class BadInput(ToolFailure):
-    """Bad input: a corpus, reference file, option or server that cannot be used. The CLI exits 2."""
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -651,7 +649,7 @@ def compare_logprobs(params: CompareLogprobsParams, progress: Progress | None = 
 
 def _run(name: str, func: Callable[[Any], int]) -> Callable[[Any], int]:
     """Failures as one line on stderr (and the JSON error under --json): exit 2 for bad input, 1 otherwise."""
-    from tools.cli_output import guard
+    from tools.cli.commands import guard
 
     return guard(f"fidelity {name}", func, status=lambda exc: 2 if isinstance(exc, BadInput) else 1)
 

@@ -11,12 +11,12 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field
 
-from tools.errors import ToolFailure
-from tools.mcp.paths import shown
-from tools.params import OpParams
+from tools.core.errors import ToolFailure
+from tools.core.text import clip
+from tools.core.params import OpParams
 from tools.serving.endpoint import EndpointParams
+from tools.core.root import PROJECT_ROOT
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = PROJECT_ROOT / "evidence"
 
 DEFAULT_PRICE_PER_HOUR = 0.5241  # the article's n1-standard-2 + T4 VM, us-west2 on-demand
@@ -67,7 +67,7 @@ class SweepParams(EndpointParams):
     def validate(self) -> None:
         def positive(name: str, values: list[int]) -> None:
             if not values or any(int(v) <= 0 for v in values):
-                raise ToolFailure(f"{name} must be a non-empty list of positive integers, got {shown(values)}")
+                raise ToolFailure(f"{name} must be a non-empty list of positive integers, got {clip(values)}")
 
         positive("input_lens", self.input_lens)
         positive("concurrencies", self.concurrencies)
@@ -78,8 +78,8 @@ class SweepParams(EndpointParams):
         if self.price_per_hour < 0:
             raise ToolFailure(f"price_per_hour must be >= 0, got {self.price_per_hour}")
         if not self.label or any(c in self.label for c in "/\\ \t\n"):
-            raise ToolFailure(f"label {shown(repr(self.label))} must be a non-empty name without slashes or spaces",
-                              {"argument": "label", "input": shown(self.label)})
+            raise ToolFailure(f"label {clip(repr(self.label))} must be a non-empty name without slashes or spaces",
+                              {"argument": "label", "input": clip(self.label)})
 
     def identity(self) -> dict[str, Any]:
         """What makes two runs the same measurement (for resume): not the label, URL or output folder."""

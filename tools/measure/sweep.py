@@ -35,8 +35,8 @@ from typing import Any, Callable
 import httpx
 
 from tools.measure import evidence, provenance as prov_mod
-from tools.cli_output import kill_group, python_child_env
-from tools.errors import ToolFailure
+from tools.core.process import kill_group, python_child_env
+from tools.core.errors import ToolFailure
 
 from tools.measure.results import (DEFAULT_OUT, DEFAULT_PRICE_PER_HOUR, METRICS, PREFIX_CACHE_POLICY,  # noqa: F401
                                    PROJECT_ROOT, CellResult, RepeatResult, SweepParams, SweepResult, aggregate,

@@ -16,10 +16,10 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from tools.errors import ToolFailure
+from tools.core.errors import ToolFailure
 from tools.measure.evidence import write_text, write_texts
 from tools.measure.results import DEFAULT_PRICE_PER_HOUR, METRICS, SweepResult
-from tools.params import OpParams
+from tools.core.params import OpParams
 
 CSV_COLUMNS = ("input_len", "output_len", "concurrency", "num_prompts", "status", "repeats_ok", "repeats",
                *(f"{m}" for m in METRICS), "output_throughput_spread_pct", "mean_ttft_ms_spread_pct", "reason")

@@ -15,9 +15,9 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
-from tools.errors import ToolFailure
+from tools.core.errors import ToolFailure
+from tools.core.root import PROJECT_ROOT
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_ENV_FILE = PROJECT_ROOT / "tpu.env"
 
 Platform = Literal["cpu", "cuda"]
@@ -57,7 +57,7 @@ DEFAULT_INSTANCE = "default"  # the unnamed instance: state and log directly in 
 def check_instance_name(name: str | None) -> str:
     """The instance's name, "" for the default one; a one-line refusal (exit 2) for a name that could escape
     STATE_DIR or is not a plain word."""
-    from tools.serving.params_cli import BadInput
+    from tools.core.errors import BadInput
 
     if name is None or name == DEFAULT_INSTANCE:
         return ""

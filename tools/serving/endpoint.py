@@ -12,9 +12,9 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from tools.errors import ToolFailure
-from tools.params import OpParams
-from tools.serving.params_cli import BadInput
+from tools.core.errors import ToolFailure
+from tools.core.params import OpParams
+from tools.core.errors import BadInput
 
 
 class EndpointParams(OpParams):

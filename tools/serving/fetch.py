@@ -33,11 +33,11 @@ from typing import Any, Callable, ClassVar
 
 from pydantic import BaseModel, Field
 
-from tools.errors import ToolFailure
-from tools.params import OpParams
-from tools.serving.params_cli import BadInput
+from tools.core.errors import ToolFailure
+from tools.core.params import OpParams
+from tools.core.errors import BadInput
+from tools.core.root import PROJECT_ROOT
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
 MANIFEST = "fetch-manifest.json"
 # What a build reads: weights, their index, the model and generation configs, the tokenizer and chat template.
 BUILD_FILES = ("*.safetensors", "*.safetensors.index.json", "config.json", "generation_config.json",
@@ -113,7 +113,7 @@ def check_revision(revision: str) -> str:
 def resolve_out(params: FetchParams, repo_id: str) -> Path:
     name = repo_id.split("/")[1]
     if params.roots:
-        from tools.mcp.paths import PathNotAllowed, Roots
+        from tools.core.paths import PathNotAllowed, Roots
 
         roots = Roots(models=tuple(Path(os.path.realpath(Path(r).expanduser())) for r in params.roots))
         try:

@@ -13,9 +13,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterator
 
-from tools.errors import ToolFailure
+from tools.core.errors import ToolFailure
 from tools.serving.config import INSTANCE_NAME, ServeConfig
-from tools.serving.params_cli import BadInput
+from tools.core.errors import BadInput
 
 
 @contextmanager

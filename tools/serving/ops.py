@@ -8,8 +8,8 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
-from tools.params import OpParams
-from tools.serving.params_cli import BadInput
+from tools.core.params import OpParams
+from tools.core.errors import BadInput
 
 INSTANCE_HELP = "Named instance (state and log in STATE_DIR/NAME/); default: the default one"
 

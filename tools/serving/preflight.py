@@ -27,11 +27,11 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field
 
-from tools.errors import ToolFailure
-from tools.params import OpParams
-from tools.serving.params_cli import BadInput
+from tools.core.errors import ToolFailure
+from tools.core.params import OpParams
+from tools.core.errors import BadInput
+from tools.core.root import PROJECT_ROOT
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
 # The QAT source every build is made from; gated on the hub (the licence must be accepted once, with a token).
 SOURCE_REPO = "google/gemma-4-E2B-it-qat-q4_0-unquantized"
 # The article: a 2.64 GiB all-4-bit build out of a 10.27 GB source, so a repack writes ~27.6% of its source.
@@ -440,7 +440,7 @@ def check_drafter(ctx: _Context) -> Check:
     cfg = ctx.cfg
     if cfg is None or not cfg.speculative_config:
         return Check(name="drafter", status="n/a", value="no SPECULATIVE_CONFIG")
-    from tools.measure.decode import validate_speculative_config
+    from tools.serving.speculative import validate_speculative_config
 
     try:
         val = validate_speculative_config(cfg.speculative_config, cfg.model, enforce_roots=False)

@@ -21,9 +21,9 @@ from typing import Any, Literal
 import httpx
 import psutil
 
-from tools.errors import ToolFailure
+from tools.core.errors import ToolFailure
 from tools.serving.config import ServeConfig
-from tools.serving.params_cli import BadInput
+from tools.core.errors import BadInput
 
 Policy = Literal["round_robin", "cache_aware", "power_of_two", "random", "consistent_hash", "kv_aware",
                  "sticky_least_loaded"]

@@ -15,7 +15,7 @@ from typing import Any
 import psutil
 
 from tools.serving.config import ServeConfig
-from tools.errors import ToolFailure
+from tools.core.errors import ToolFailure
 
 PROC_SWAPS = Path("/proc/swaps")
 

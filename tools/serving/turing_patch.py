@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from tools.errors import ToolFailure
+from tools.core.errors import ToolFailure
 
 RELATIVE_PATH = Path("v1/attention/ops/triton_unified_attention.py")
 BEGIN = "    # >>> gemma4-t4 turing clamp (patch_triton_turing.py) >>>\n"

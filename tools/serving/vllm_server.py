@@ -27,7 +27,7 @@ import psutil
 from tools.serving import engine_log, turing_patch
 from tools.serving.config import Platform, ServeConfig, looks_like_path
 from tools.serving.engine_log import EngineStartFields
-from tools.errors import ToolFailure
+from tools.core.errors import ToolFailure
 
 Progress = Callable[[float, str], None]
 STATE_VERSION = 1

@@ -426,7 +426,7 @@ def cached_tiny_qat_checkpoint(out_dir: str | Path, *, cache_dir: str | Path | N
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m tools.demo.tiny_model",
+    ap = argparse.ArgumentParser(prog="python -m repack.tiny_model",
                                  description="Write a tiny Gemma-4-shaped QAT-like multimodal checkpoint.")
     ap.add_argument("out", help="output folder (replaced if present)")
     ap.add_argument("--seed", type=int, default=0)

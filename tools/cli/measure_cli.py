@@ -12,7 +12,7 @@ import argparse
 import sys
 from typing import Callable
 
-from tools.cli_output import emit as _emit, guard as _guard
+from tools.cli.commands import emit as _emit, guard as _guard
 
 
 def _cost_cell(text: str) -> tuple[int, int]:
@@ -25,7 +25,7 @@ def _cost_cell(text: str) -> tuple[int, int]:
 
 def _bad_input_2(exc: Exception) -> int:
     """An endpoint option that names nothing running, or two at once: exit 2 (bad input); other failures 1."""
-    from tools.serving.params_cli import BadInput
+    from tools.core.errors import BadInput
 
     return 2 if isinstance(exc, BadInput) else 1
 

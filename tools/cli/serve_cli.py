@@ -11,10 +11,10 @@ import json
 import sys
 from typing import Any, Callable
 
-from tools.cli_output import emit as _emit, guard as _guard
+from tools.cli.commands import emit as _emit, guard as _guard
 from tools.serving.ops import (LogParams, QueryParams, RouterStartParams, RouterStopParams, StartParams,
                                StatusParams, StopParams)
-from tools.serving.params_cli import BadInput
+from tools.core.errors import BadInput
 
 
 def _config(args: argparse.Namespace, **overrides: Any):

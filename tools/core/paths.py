@@ -18,21 +18,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
+from tools.core.root import PROJECT_ROOT
+from tools.core.text import clip
+
 Kind = Literal["models", "evidence"]
 ENV = {"models": "GEMMA4_T4_MODELS_ROOTS", "evidence": "GEMMA4_T4_EVIDENCE_ROOTS"}
 # A Hugging Face hub id such as "google/gemma-4-E2B-it": served by vLLM from its cache, not a path we open.
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
-SHOWN = 200  # characters of an input echoed in an error
 # Longest file name and path Linux file systems take (ext4, xfs, tmpfs): longer ones fail every system call with
 # ENAMETOOLONG, so they are refused here, naming the argument, rather than as an OSError from somewhere later.
 NAME_MAX, PATH_MAX = 255, 4096
 
-
-def shown(text: object) -> str:
-    """An input as echoed in an error: one line, at most SHOWN characters."""
-    t = " ".join(str(text).split())
-    return t if len(t) <= SHOWN else t[:SHOWN] + f"… ({len(t)} characters)"
 
 
 class PathNotAllowed(ValueError):
@@ -41,13 +37,13 @@ class PathNotAllowed(ValueError):
 
     def __init__(self, message: str, what: str = "path", text: object = "", problem: str = "") -> None:
         super().__init__(message)
-        self.detail = {"argument": what, "input": shown(text), "problem": problem}
+        self.detail = {"argument": what, "input": clip(text), "problem": problem}
 
 
 def _check_length(text: str, what: str) -> None:
     longest = max((len(os.fsencode(part)) for part in Path(text).parts), default=0)
     if longest > NAME_MAX or len(os.fsencode(text)) >= PATH_MAX:
-        raise PathNotAllowed(f"{what} {shown(text)} is too long for a path (a name of {longest} bytes, at most "
+        raise PathNotAllowed(f"{what} {clip(text)} is too long for a path (a name of {longest} bytes, at most "
                              f"{NAME_MAX}; {len(os.fsencode(text))} bytes in all, at most {PATH_MAX - 1}): give a "
                              f"shorter one", what, text, "too-long")
 
@@ -88,13 +84,13 @@ class Roots:
         """
         roots = self.of(kind)
         if not roots:
-            raise PathNotAllowed(f"{what} {shown(path)}: no {kind} root is configured; start the server with "
+            raise PathNotAllowed(f"{what} {clip(path)}: no {kind} root is configured; start the server with "
                                  f"--{kind}-root DIR", what, path, "no-root")
         text = str(path).strip()
         if not text:
             raise PathNotAllowed(f"{what} is empty: give a path under {roots[0]}", what, text, "empty")
         if "\x00" in text:
-            raise PathNotAllowed(f"{what} {shown(text)} contains a NUL character", what, text, "nul")
+            raise PathNotAllowed(f"{what} {clip(text)} contains a NUL character", what, text, "nul")
         _check_length(text, what)
         p = Path(text).expanduser()
         if not p.is_absolute():
@@ -102,14 +98,14 @@ class Roots:
         try:
             resolved = _resolve(p)
         except (OSError, RuntimeError, ValueError):
-            raise PathNotAllowed(f"{what} {shown(text)} cannot be resolved (a symlink loop?)", what, text,
+            raise PathNotAllowed(f"{what} {clip(text)} cannot be resolved (a symlink loop?)", what, text,
                                  "unresolvable") from None
         if not any(resolved == r or r in resolved.parents for r in roots):
             allowed = ", ".join(str(r) for r in roots)
-            raise PathNotAllowed(f"{what} {shown(text)} is outside the {kind} roots ({allowed}); use a path under "
+            raise PathNotAllowed(f"{what} {clip(text)} is outside the {kind} roots ({allowed}); use a path under "
                                  f"one of them or start the server with --{kind}-root", what, text, "outside-roots")
         if must_exist and not resolved.exists():
-            raise PathNotAllowed(f"{what} {shown(text)} does not exist under the {kind} roots", what, text,
+            raise PathNotAllowed(f"{what} {clip(text)} does not exist under the {kind} roots", what, text,
                                  "missing")
         return resolved
 
@@ -129,7 +125,7 @@ class Roots:
                                                              "models", must_exist=True, what=what), text, what))
             for base in (Path.cwd(), *also_relative_to):
                 if (base / text).exists():
-                    raise PathNotAllowed(f"{what} {shown(text)} names a local folder outside the models roots "
+                    raise PathNotAllowed(f"{what} {clip(text)} names a local folder outside the models roots "
                                          f"({', '.join(map(str, self.models))}); give a folder under a models "
                                          f"root, or a hub id (owner/name) that is not a local path", what, text,
                                          "outside-roots")
@@ -140,7 +136,7 @@ class Roots:
         """A model folder is a checkpoint (config.json), never a root itself, and its files pass the checks
         probe_checkpoint and repack_checkpoint make: vLLM follows a link in it wherever it leads."""
         if folder in self.models or not (folder / "config.json").is_file():
-            raise PathNotAllowed(f"{what} {shown(text)} is not a checkpoint folder (no config.json, or a models "
+            raise PathNotAllowed(f"{what} {clip(text)} is not a checkpoint folder (no config.json, or a models "
                                  f"root itself); give the folder repack_checkpoint wrote", what, text,
                                  "not-a-checkpoint")
         from repack.checkpoint import check_files
@@ -149,5 +145,5 @@ class Roots:
         try:
             check_files(folder, self.models)
         except RepackError as exc:
-            raise PathNotAllowed(f"{what} {shown(text)}: {exc}", what, text, "links-out") from None
+            raise PathNotAllowed(f"{what} {clip(text)}: {exc}", what, text, "links-out") from None
         return folder

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from .errors import RepackError
+from repack.errors import RepackError
 
 EXIT_BAD_INPUT = 2
 
@@ -49,7 +49,7 @@ STEP_FLAGS = frozenset({"source", "output", "target_dtype", "objective", "scale_
 
 def build_parser(p: argparse.ArgumentParser, *, only: frozenset[str] | None = None) -> None:
     """BuildParams' flags (only those named in `only`, if given), plus --json."""
-    from .params import BuildParams
+    from repack.params import BuildParams
 
     skip = frozenset() if only is None else frozenset(BuildParams.model_fields) - only
     BuildParams.add_cli_args(p, exclude=skip)
@@ -61,7 +61,7 @@ def build_parser(p: argparse.ArgumentParser, *, only: frozenset[str] | None = No
 
 def build_from_args(args: argparse.Namespace, **fixed) -> int:
     """Parse the flags into BuildParams (fixed: what a step script decides) and run the build."""
-    from .params import BuildParams
+    from repack.params import BuildParams
 
     try:
         params = BuildParams.from_cli_args(args, **fixed)
@@ -86,8 +86,8 @@ def protected_folders() -> list[Path]:
 def run_build(src: str, out: str, options, as_json: bool = False) -> int:
     """Runs a build and prints its report; every failure is one line on stderr and status 2; a signal exits
     128 + its number (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP)."""
-    from .atomic import resolve_output, signals_as_exceptions
-    from .build import build_checkpoint
+    from repack.atomic import resolve_output, signals_as_exceptions
+    from repack.build import build_checkpoint
 
     refused = _preflight(src, out)
     if refused:
@@ -136,10 +136,10 @@ def _preflight(src: str, out: str) -> str | None:
         is_dir = False
     if not is_dir:  # the library's own error says what is wrong with it (missing, a file, a loop, a long name)
         return None
-    from tools.errors import ToolFailure
+    from tools.core.errors import ToolFailure
     from tools.serving.preflight import ensure
 
-    from .atomic import resolve_output
+    from repack.atomic import resolve_output
 
     try:
         ensure("repack", source=Path(os.path.abspath(src)), out=resolve_output(out))
@@ -149,7 +149,7 @@ def _preflight(src: str, out: str) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .params import ProbeParams
+    from repack.params import ProbeParams
 
     ap = argparse.ArgumentParser(prog="python3 -m repack", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -161,8 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.cmd == "build":
         return build_from_args(args)
-    from .atomic import check_no_symlink_loop, find_stale_partials, signals_as_exceptions
-    from .probe import probe_checkpoint
+    from repack.atomic import check_no_symlink_loop, find_stale_partials, signals_as_exceptions
+    from repack.probe import probe_checkpoint
 
     try:
         with signals_as_exceptions():

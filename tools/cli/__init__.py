@@ -28,9 +28,9 @@ def _on_sigterm(signum: int, frame: object) -> None:
 # quarter of a second of every start, more than a `status` itself). tests/test_cli.py keeps it equal to what the
 # modules register.
 COMMANDS: dict[str, str] = {
-    **dict.fromkeys(("start", "stop", "status", "query", "log", "router", "swap"), "tools.serving.serve_cli"),
+    **dict.fromkeys(("start", "stop", "status", "query", "log", "router", "swap"), "tools.cli.serve_cli"),
     **dict.fromkeys(("sweep", "sweep-compare", "compare", "decode", "decode-sweep", "decode-compare"),
-                    "tools.measure.measure_cli"),
+                    "tools.cli.measure_cli"),
     "demo": "tools.demo.demo",
     "eval": "tools.measure.evals",
     "eval-compare": "tools.measure.evals",

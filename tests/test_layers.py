@@ -1,0 +1,120 @@
+"""The code's shape, held by the suite: import-linter's layers and no-cycle contracts (pyproject.toml), no module
+taking another module's private names, imports of the project's own modules at the top of a module (a function-level
+import is for a heavy or optional dependency only), and modules and functions of one concern."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+from fixtures import ROOT
+
+PACKAGES = ("tools", "repack", "gemma4_t4_vllm")
+TOP_MODULES = ("server.py", "patch_triton_turing.py")
+# Third-party packages slow to import (or not installed everywhere): imported where they are used.
+HEAVY = {"vllm", "torch", "transformers", "matplotlib", "numba", "huggingface_hub", "lm_eval", "datasets",
+         "llvmlite", "compressed_tensors", "safetensors", "tokenizers", "pynvml", "prometheus_client", "fastmcp",
+         "mcp", "uvicorn", "starlette", "scipy"}
+# The project's modules that exist to hold a heavy dependency: importing them is importing it.
+HEAVY_OWN = {"repack._kernel_numba"}
+MODULE_LINES, FUNCTION_LINES = 500, 80
+REASON = "# Longer than"  # a module or function past the limit says why, in a comment starting so, at its top
+
+
+def _sources() -> list[Path]:
+    files = [p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")]
+    return sorted(files + [ROOT / m for m in TOP_MODULES])
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+def _resolve(node: ast.ImportFrom, here: str, is_pkg: bool) -> str:
+    if not node.level:
+        return node.module or ""
+    base = here.split(".") if is_pkg else here.split(".")[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _own(module: str) -> bool:
+    return module.split(".")[0] in PACKAGES or module in ("server", "patch_triton_turing")
+
+
+def test_import_linter_contracts_hold():
+    """Layers one way (core <- repack, plugin <- gpu <- serving <- measure <- front ends) and no cycles."""
+    proc = subprocess.run([str(Path(sys.executable).with_name("lint-imports")), "--no-cache"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert "0 broken" in proc.stdout
+
+
+def test_no_private_names_across_modules():
+    found = []
+    for path in _sources():
+        here = _module_name(path)
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                target = _resolve(node, here, path.name == "__init__.py")
+                if not _own(target) or target == here:
+                    continue
+                found += [f"{here}: from {target} import {a.name}" for a in node.names
+                          if a.name.startswith("_") and not a.name.startswith("__")]
+    assert not found, "\n".join(found)
+
+
+def test_nothing_imports_the_top_modules():
+    found = []
+    for path in _sources():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            found += [f"{path.name} imports {n}" for n in names if n in ("server", "patch_triton_turing")]
+    assert not found, found
+
+
+def _function_imports(tree: ast.AST):
+    for fn in ast.walk(tree):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(fn):
+                if isinstance(node, (ast.Import, ast.ImportFrom)):
+                    yield fn, node
+
+
+def test_function_level_imports_are_for_heavy_dependencies_only():
+    """A function-level import of the project's own module hides an edge (or a cycle) from a reader."""
+    found = []
+    for path in _sources():
+        here = _module_name(path)
+        for fn, node in _function_imports(ast.parse(path.read_text(), str(path))):
+            targets = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                       else [_resolve(node, here, path.name == "__init__.py")])
+            for t in targets:
+                if _own(t) and t not in HEAVY_OWN:
+                    found.append(f"{here}:{node.lineno} in {fn.name}(): import of {t}")
+    assert not found, f"{len(found)} function-level imports of the project's modules:\n" + "\n".join(found)
+
+
+def _has_reason(lines: list[str], start: int) -> bool:
+    return any(line.strip().startswith(REASON) for line in lines[start:start + 12])
+
+
+def test_modules_and_functions_of_one_concern():
+    long_modules, long_functions = [], []
+    for path in _sources():
+        text = path.read_text()
+        lines = text.splitlines()
+        if len(lines) > MODULE_LINES and not _has_reason(lines, 0):
+            long_modules.append(f"{path.relative_to(ROOT)}: {len(lines)} lines")
+        for fn in ast.walk(ast.parse(text, str(path))):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = fn.end_lineno - fn.lineno + 1
+                if n > FUNCTION_LINES and not _has_reason(lines, fn.lineno - 1):
+                    long_functions.append(f"{path.relative_to(ROOT)}:{fn.lineno} {fn.name}(): {n} lines")
+    assert not long_modules and not long_functions, "\n".join(long_modules + long_functions)

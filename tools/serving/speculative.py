@@ -1,0 +1,74 @@
+"""A speculative-decoding config (vLLM's `--speculative-config` JSON) checked before any server starts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tools.core.errors import BadInput
+from tools.core.paths import ENV, Roots
+
+
+def parse_speculative_config(text: str) -> dict[str, Any]:
+    try:
+        val = json.loads(text)
+    except ValueError as exc:
+        raise BadInput(f"SPECULATIVE_CONFIG is not JSON ({exc}): write it as "
+                          f"{{\"model\": \"PATH\", \"num_speculative_tokens\": 3}}",
+                          detail={"field": "speculative_config", "value": text[:200]}) from None
+    if not isinstance(val, dict):
+        raise BadInput(f"SPECULATIVE_CONFIG must be a JSON object, got {text[:100]!r}",
+                          detail={"field": "speculative_config", "value": text[:200]})
+    return val
+
+
+def validate_speculative_config(spec: str, target: str, *, models_roots: tuple[Path, ...] | None = None,
+                                enforce_roots: bool = True) -> dict[str, Any]:
+    """Refuse a speculative config that cannot work, before any server starts: not JSON, a drafter folder
+    outside the models roots (unless enforce_roots is False: the operator's own tpu.env, like MODEL_NAME), a
+    drafter whose vocabulary or backbone_hidden_size does not match the target."""
+    val = parse_speculative_config(spec)
+    drafter = val.get("model")
+    if not drafter or val.get("method") == "ngram":
+        return val
+    dp = Path(drafter).expanduser()
+    local = dp.is_absolute() or drafter.startswith(".") or dp.exists()
+    if not local:
+        return val  # a hub id: vLLM fetches and checks it
+    dp = dp.resolve()
+    roots = models_roots if models_roots is not None else Roots.from_env().models
+    if enforce_roots and not any(dp == r or r in dp.parents for r in roots):
+        raise BadInput(f"drafter {dp} is outside the models roots ({', '.join(map(str, roots))}): move it "
+                          f"under one or add its folder to {ENV['models']}",
+                          detail={"field": "drafter", "path": str(dp)})
+    dcfg = _read_config(dp, "drafter")
+    tp = Path(target).expanduser()
+    if not tp.is_dir():
+        return val
+    tcfg = _read_config(tp, "target")
+    ttext = tcfg.get("text_config", tcfg)
+    dtext = dcfg.get("text_config", dcfg)
+    if dtext.get("vocab_size") != ttext.get("vocab_size"):
+        raise BadInput(f"drafter {dp}: vocab_size {dtext.get('vocab_size')} does not match the target's "
+                          f"{ttext.get('vocab_size')} ({tp}): use the drafter made for this target",
+                          detail={"field": "vocab_size", "drafter": dtext.get("vocab_size"),
+                                  "target": ttext.get("vocab_size")})
+    backbone = dcfg.get("backbone_hidden_size")
+    if backbone is not None and backbone != ttext.get("hidden_size"):
+        raise BadInput(f"drafter {dp}: backbone_hidden_size {backbone} does not match the target's "
+                          f"hidden_size {ttext.get('hidden_size')} ({tp}): use the drafter made for this target",
+                          detail={"field": "backbone_hidden_size", "drafter": backbone,
+                                  "target": ttext.get("hidden_size")})
+    return val
+
+
+def _read_config(folder: Path, what: str) -> dict[str, Any]:
+    f = folder / "config.json"
+    try:
+        return json.loads(f.read_text())
+    except FileNotFoundError:
+        raise BadInput(f"{what} {folder} has no config.json: give a checkpoint folder",
+                          detail={"field": what, "path": str(folder)}) from None
+    except ValueError as exc:
+        raise BadInput(f"{f}: not JSON ({exc})", detail={"field": what, "path": str(f)}) from None
