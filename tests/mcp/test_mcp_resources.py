@@ -1,6 +1,6 @@
 """MCP resources and prompts over an in-memory MCP client: listing, reading, the evidence template confined to the
 evidence roots, clean errors for what is missing, the prompts' tool calls valid against the tools they name, and
-the README equal to the declarations."""
+docs/mcp.md equal to the declarations."""
 
 from __future__ import annotations
 
@@ -238,5 +238,5 @@ def test_prompts_render_the_callers_arguments(mcp):
 def test_readme_shows_the_declared_resources_prompts_and_walkthrough():
     from tools.mcp.readme import resources_section
 
-    readme = (ROOT / "README.md").read_text()
-    assert resources_section() in readme, "README's resources section is stale: run python -m tools.mcp.readme"
+    doc = (ROOT / "docs" / "mcp.md").read_text()
+    assert resources_section() in doc, "docs/mcp.md's resources section is stale: run python -m tools.mcp.readme"

@@ -337,8 +337,8 @@ def test_readme_tool_table_matches_the_registry():
     from tools.mcp.registry import load_all
     from tools.mcp.readme import tool_table
 
-    readme = (ROOT / "README.md").read_text()
-    assert tool_table(load_all()) in readme, "README's tool table is stale: run python -m tools.mcp.readme"
+    doc = (ROOT / "docs" / "mcp.md").read_text()
+    assert tool_table(load_all()) in doc, "docs/mcp.md's tool table is stale: run python -m tools.mcp.readme"
 
 
 def test_default_toolsets_list_stays_lean(roots, tmp_path):

@@ -1,4 +1,4 @@
-"""The README's MCP tool table, and its resources, prompts and walk-through, rendered from the registries:
+"""The MCP tool table, resources, prompts and walk-through of docs/mcp.md, rendered from the registries:
 `python -m tools.mcp.readme` rewrites them (between the `tools:` and `resources:` start / end markers); tests keep
 them equal."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 from tools.mcp.registry import DEFAULT_TOOLSETS, TOOLSETS, ToolSpec, load_all
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "mcp.md"
 START, END = "<!-- tools:start (python -m tools.mcp.readme) -->", "<!-- tools:end -->"
 RES_START, RES_END = "<!-- resources:start (python -m tools.mcp.readme) -->", "<!-- resources:end -->"
 
@@ -58,13 +58,13 @@ def _replace(text: str, start: str, end: str, body: str) -> str:
 
 
 def main() -> int:
-    text = README.read_text()
+    text = DOC.read_text()
     for start, end in ((START, END), (RES_START, RES_END)):
         if start not in text or end not in text:
-            print(f"{README}: no {start} ... {end} markers", file=sys.stderr)
+            print(f"{DOC}: no {start} ... {end} markers", file=sys.stderr)
             return 2
     text = _replace(text, START, END, tool_table(load_all()))
-    README.write_text(_replace(text, RES_START, RES_END, resources_section()))
+    DOC.write_text(_replace(text, RES_START, RES_END, resources_section()))
     return 0
 
 
