@@ -23,9 +23,11 @@ import shutil
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Literal
+
+from tools.core.errors import param
 
 from . import config as cfgmod
 from . import grid
@@ -35,6 +37,7 @@ from .atomic import (REPORT, atomic_directory, check_destination, check_no_symli
 from .checkpoint import (INDEX, MM_PREFIX, TOWER_PREFIXES, Checkpoint, check_source_folder, check_unique_outputs,
                          confinement, open_checkpoint)
 from .errors import RepackError, clip
+from .params import BuildOptions
 from .report import TABLES, RepackReport, TableReport
 from .safetensors_io import MappedFile, OutShard, OutTensor, ShardWriter, TensorInfo, WriteError
 
@@ -42,43 +45,6 @@ Progress = Callable[[int, int, str], None]
 BLOCK_BYTES = 4 << 20      # source bytes per work item: big enough to amortise, small enough to bound memory
 PACKED_SUFFIXES = (".weight_packed", ".weight_scale", ".weight_shape", ".weight_zero_point", ".weight_g_idx")
 TEXT_ONLY_SKIP_FILES = {"preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json"}
-
-
-@dataclass
-class BuildOptions:
-    quantize_linears: bool = True
-    text_only: bool = True
-    embed_int4: bool = True
-    embed_tokens: bool = True
-    # The runtime dtype the scales are chosen for (float16: the T4); the stored scale dtype follows it
-    # (scale_dtype is the older spelling: fp16 = float16, bf16 = bfloat16).
-    target_dtype: str | None = None
-    objective: str = grid.DEFAULT_OBJECTIVE
-    scale_dtype: str | None = None
-    force: bool = False
-    max_shard_bytes: int = 2 << 30
-    threads: int = 0  # 0: one per available core
-    scheme: str = schemes.DEFAULT  # the build scheme of the linears (repack.schemes); tables follow its tables_via
-
-    def __post_init__(self) -> None:
-        schemes.get(self.scheme)  # refuses an unknown name
-        if self.scale_dtype is not None and self.scale_dtype not in ("fp16", "bf16"):
-            raise RepackError(f"--scale-dtype {self.scale_dtype!r}: choose fp16 or bf16")
-        if self.target_dtype is not None and self.target_dtype not in grid.TARGETS:
-            raise RepackError(f"--target-dtype {self.target_dtype!r}: choose float16 or bfloat16")
-        if self.objective not in grid.OBJECTIVES:
-            raise RepackError(f"--objective {self.objective!r}: choose runtime-exact or min-error")
-        if self.target_dtype is None:
-            self.target_dtype = grid.target_of(self.scale_dtype) if self.scale_dtype else grid.DEFAULT_TARGET
-        elif self.scale_dtype is not None and grid.target_of(self.scale_dtype) != self.target_dtype:
-            raise RepackError(f"--scale-dtype {self.scale_dtype} does not match --target-dtype {self.target_dtype}: "
-                              f"the stored scales follow the target (float16: fp16, bfloat16: bf16); "
-                              f"pass --target-dtype alone")
-        self.scale_dtype = grid.SCALE_DTYPE[self.target_dtype]
-        if self.embed_tokens and not self.embed_int4:
-            raise RepackError("--embed-tokens needs --embed-int4 (embed_tokens is packed with the PLE table)")
-        if self.max_shard_bytes <= 0:
-            raise RepackError(f"max shard size {self.max_shard_bytes}: must be positive")
 
 
 @dataclass
@@ -150,10 +116,10 @@ def _check_carried_linears(items: list[_Item], opt: BuildOptions) -> None:
     for it in items:
         if it.table == "linears" and it.action == "copy" and it.src.name.endswith(".weight_packed"):
             raise RepackError(f"{clip(it.src.file)}: the source's linear layers are already packed as int4 "
-                              f"weight_packed (e.g. {clip(it.src.name, 120)}), which --scheme {opt.scheme} does "
+                              f"weight_packed (e.g. {clip(it.src.name, 120)}), which {param('scheme')} {opt.scheme} does "
                               f"not write; give the bf16 QAT checkpoint as the source",
                               {"file": clip(it.src.file), "tensor": clip(it.src.name), "option": "--scheme",
-                               "problem": "already-packed"})
+                               "problem": "already-packed"}, field="scheme")
 
 
 def _plan(ck: Checkpoint, opt: BuildOptions) -> tuple[list[_Item], list[OutShard]]:
@@ -278,7 +244,7 @@ def build_checkpoint(src: str | Path, out: str | Path, options: BuildOptions | N
             h = tables["lm_head"]
             h.tensors += 1
             h.bytes_after += sum(o.nbytes for k, o in it.outs.items() if k.startswith("head_"))
-    report = schemes.SchemeReport(source=str(src), output=str(target), options=asdict(opt), scale_dtype=opt.scale_dtype,
+    report = schemes.SchemeReport(source=str(src), output=str(target), options=opt.report_dict(), scale_dtype=opt.scale_dtype,
                                   other_dtype=other, target_dtype=opt.target_dtype,  # type: ignore[arg-type]
                                   objective=opt.objective, implementation=grid.implementation(), tables=tables,
                                   output_shards=len(shards),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tools.core.errors import BadInput
+from tools.core.errors import BadInput, op
 from tools.core.text import ECHO_LIMIT, clip
 
 __all__ = ["ECHO_LIMIT", "OffGridError", "RepackError", "clip"]
@@ -29,7 +29,7 @@ class OffGridError(RepackError):
         self.tensor, self.row, self.group, self.worst_ulps = tensor, row, group, worst_ulps
         msg = (f"{clip(tensor)}: row {row}, group {group} (columns {group * 32}-{group * 32 + 31}) is off the 4-bit grid "
                f"(worst value {worst_ulps:.3g} bf16 ulps off, tolerance 2): this is not a QAT q4_0 export "
-               f"(a base model?); run `python3 -m repack probe` on the source to check")
+               f"(a base model?); run {op('probe')} on the source to check")
         if hint:
             msg += f"; {hint}"
         super().__init__(msg)

@@ -10,31 +10,11 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from ..errors import RepackError, clip
-from .base import ErrorStats, Output, Scheme, SchemeReport
-
 from ..choices import DEFAULT_SCHEME as DEFAULT
-REGISTRY: dict[str, type[Scheme]] = {}
+from tools.core.errors import param
 
-
-def register(cls: type[Scheme]) -> type[Scheme]:
-    if cls.name in REGISTRY and REGISTRY[cls.name] is not cls:
-        raise ValueError(f"two build schemes are named {cls.name!r}")
-    REGISTRY[cls.name] = cls
-    return cls
-
-
-def names() -> list[str]:
-    return sorted(REGISTRY)
-
-
-def get(name: str) -> type[Scheme]:
-    try:
-        return REGISTRY[name]
-    except (KeyError, TypeError):
-        raise RepackError(f"--scheme {clip(repr(name))}: unknown build scheme; choose one of {', '.join(names())}",
-                          {"option": "--scheme", "value": clip(name), "choices": names(),
-                           "problem": "unknown-scheme"}) from None
+from ..errors import RepackError
+from .base import REGISTRY, ErrorStats, Output, Scheme, SchemeOptions, SchemeReport, get, names, register
 
 
 def for_table(name: str, table: str) -> type[Scheme]:
@@ -43,8 +23,9 @@ def for_table(name: str, table: str) -> type[Scheme]:
     seen = {s.name}
     while table not in s.tables:
         if s.tables_via is None or s.tables_via in seen:
-            raise RepackError(f"--scheme {name}: no scheme quantizes the {table} table",
-                              {"option": "--scheme", "value": name, "table": table, "problem": "no-scheme-for-table"})
+            raise RepackError(f"{param('scheme')} {name}: no scheme quantizes the {table} table",
+                              {"option": "--scheme", "value": name, "table": table, "problem": "no-scheme-for-table"},
+                              field="scheme")
         s = get(s.tables_via)
         seen.add(s.name)
     return s
@@ -54,5 +35,5 @@ for _m in pkgutil.iter_modules(__path__):
     if _m.name != "base":
         importlib.import_module(f"{__name__}.{_m.name}")
 
-__all__ = ["DEFAULT", "REGISTRY", "ErrorStats", "Output", "Scheme", "SchemeReport", "for_table", "get", "names",
-           "register"]
+__all__ = ["DEFAULT", "REGISTRY", "ErrorStats", "Output", "Scheme", "SchemeOptions", "SchemeReport", "for_table", "get",
+           "names", "register"]

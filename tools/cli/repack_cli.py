@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 from repack.errors import RepackError
+from tools.cli.commands import CLI
 
 EXIT_BAD_INPUT = 2
 
@@ -67,7 +68,7 @@ def build_from_args(args: argparse.Namespace, **fixed) -> int:
         params = BuildParams.from_cli_args(args, **fixed)
         options = params.options()
     except RepackError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {e.render(CLI)}", file=sys.stderr)
         return EXIT_BAD_INPUT
     return run_build(params.source, params.output, options, args.json)
 
@@ -101,7 +102,7 @@ def run_build(src: str, out: str, options, as_json: bool = False) -> int:
                                       notice=lambda line: print(f"repack: {line}", file=sys.stderr))
     except RepackError as e:
         close()
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {e.render(CLI)}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt as e:
         close()
@@ -170,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             check_no_symlink_loop(params.path, "source folder")
             rep = probe_checkpoint(params.path, rows_per_tensor=params.rows)
     except RepackError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {e.render(CLI)}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt as e:
         return _stopped(e)
