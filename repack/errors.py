@@ -6,12 +6,15 @@ commands print it as ``error: <message>`` and exit with status 2.
 
 from __future__ import annotations
 
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
+from tools.core.atomic import OutputRefused
 from tools.core.errors import BadInput, op
+from tools.core.paths import FileRefused
 from tools.core.text import ECHO_LIMIT, clip
 
-__all__ = ["ECHO_LIMIT", "OffGridError", "RepackError", "clip"]
+__all__ = ["ECHO_LIMIT", "OffGridError", "RepackError", "clip", "core_refusals"]
 
 
 class RepackError(BadInput):
@@ -33,3 +36,16 @@ class OffGridError(RepackError):
         if hint:
             msg += f"; {hint}"
         super().__init__(msg)
+
+
+@contextmanager
+def core_refusals() -> Iterator[None]:
+    """The core's refusals (an output folder, a confined file) raised as the library's own error, the same line;
+    an exception raised after the output was published keeps saying so (`written`)."""
+    try:
+        yield
+    except (OutputRefused, FileRefused) as exc:
+        err = RepackError(exc.message, exc.detail, field=exc.field)
+        if hasattr(exc, "written"):
+            err.written = exc.written  # type: ignore[attr-defined]
+        raise err from None

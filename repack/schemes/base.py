@@ -244,5 +244,5 @@ def _cell(v: Any) -> str:
     return str(v)
 
 
-__all__ = ["REGISTRY", "ErrorStats", "Output", "Scheme", "SchemeOptions", "SchemeReport", "SchemeStats", "bf16_to_float",
-           "get", "names", "register"]
+__all__ = ["REGISTRY", "ErrorStats", "Output", "Scheme", "SchemeOptions", "SchemeReport", "SchemeStats",
+           "bf16_to_float", "get", "names", "register"]
