@@ -10,11 +10,11 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 from tools.core.atomic import OutputRefused
-from tools.core.errors import BadInput, op
+from tools.core.errors import BadInput, op, param
 from tools.core.paths import FileRefused
 from tools.core.text import ECHO_LIMIT, clip
 
-__all__ = ["ECHO_LIMIT", "OffGridError", "RepackError", "clip", "core_refusals"]
+__all__ = ["ECHO_LIMIT", "OffGridError", "RepackError", "clip", "core_refusals", "unknown_scheme"]
 
 
 class RepackError(BadInput):
@@ -49,3 +49,11 @@ def core_refusals() -> Iterator[None]:
         if hasattr(exc, "written"):
             err.written = exc.written  # type: ignore[attr-defined]
         raise err from None
+
+
+def unknown_scheme(name: object, choices: list[str]) -> RepackError:
+    """The refusal of a build scheme name that is not registered."""
+    return RepackError(f"{param('scheme')} {clip(repr(name))}: unknown build scheme; choose one of "
+                       f"{', '.join(choices)}",
+                       {"option": "--scheme", "value": clip(name), "choices": choices, "problem": "unknown-scheme"},
+                       field="scheme")

@@ -16,10 +16,9 @@ from pydantic import Field, field_validator, model_validator
 from tools.core.errors import param
 from tools.core.params import OpParams
 
-from . import schemes
-from .choices import (DEFAULT_OBJECTIVE, DEFAULT_SCHEME, DEFAULT_TARGET, OBJECTIVES, TARGETS, Objective, ScaleDtype,
-                      Target)
-from .errors import RepackError, clip
+from .choices import (DEFAULT_OBJECTIVE, DEFAULT_SCHEME, DEFAULT_TARGET, OBJECTIVES, SCHEMES, TARGETS, Objective,
+                      ScaleDtype, Target)
+from .errors import RepackError, clip, unknown_scheme
 
 MAX_SHARD_GIB = 1 << 20  # a pebibyte: far above any checkpoint, so one shard holds all of it
 SCALE_DTYPES = ("fp16", "bf16")
@@ -73,7 +72,8 @@ class BuildOptions(OpParams):
     @field_validator("scheme", mode="before")
     @classmethod
     def _known_scheme(cls, v: Any) -> Any:
-        schemes.get(v)  # refuses an unknown name, listing the choices
+        if not isinstance(v, str) or v not in SCHEMES:
+            raise unknown_scheme(v, sorted(SCHEMES))
         return v
 
     # before pydantic's own check of the Literal: the library's one-line error, naming the parameter

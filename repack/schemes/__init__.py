@@ -2,7 +2,8 @@
 (int8 weights per output channel with dynamic per-token int8 activations).
 
 Every module of this package that defines a scheme registers it with ``@register``; the package imports them
-all, so a new scheme is one module (plus its test) and the build, the command line and the report find it here.
+all, so a new scheme is one module (plus its test and its name in repack.choices.SCHEMES, which the parameter
+models check without importing numpy) and the build, the command line and the report find it here.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import importlib
 import pkgutil
 
 from ..choices import DEFAULT_SCHEME as DEFAULT
+from ..choices import SCHEMES
 from tools.core.errors import param
 
 from ..errors import RepackError
@@ -34,6 +36,9 @@ def for_table(name: str, table: str) -> type[Scheme]:
 for _m in pkgutil.iter_modules(__path__):
     if _m.name != "base":
         importlib.import_module(f"{__name__}.{_m.name}")
+if sorted(REGISTRY) != sorted(SCHEMES):  # the parameter models check names against that list
+    raise ImportError(f"repack/schemes registers {sorted(REGISTRY)}, but repack.choices.SCHEMES lists "
+                      f"{sorted(SCHEMES)}: add the new scheme's name there")
 
 __all__ = ["DEFAULT", "REGISTRY", "ErrorStats", "Output", "Scheme", "SchemeOptions", "SchemeReport", "for_table", "get",
            "names", "register"]

@@ -22,9 +22,7 @@ from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
-from tools.core.errors import param
-
-from ..errors import RepackError, clip
+from ..errors import unknown_scheme
 from ..report import RepackReport
 
 
@@ -227,9 +225,7 @@ def get(name: str) -> type[Scheme]:
     try:
         return REGISTRY[name]
     except (KeyError, TypeError):
-        raise RepackError(f"{param('scheme')} {clip(repr(name))}: unknown build scheme; choose one of "
-                          f"{', '.join(names())}", {"option": "--scheme", "value": clip(name), "choices": names(),
-                                                    "problem": "unknown-scheme"}, field="scheme") from None
+        raise unknown_scheme(name, names()) from None
 
 
 def _cell(v: Any) -> str:

@@ -13,6 +13,7 @@ from typing import Callable
 
 from repack.build import build_checkpoint
 from repack.checks import check_disk, check_source, protected_folders
+from repack.errors import RepackError
 from repack.params import BuildOptions, BuildParams, ProbeParams
 from repack.probe import probe_checkpoint
 from tools.cli.commands import CLI
@@ -122,8 +123,9 @@ def _stopped(e: KeyboardInterrupt, out: str | None = None) -> int:
 
 
 def _preflight(src: str, out: str) -> None:
-    """The repack's own checks before the build (repack.checks: the source's config.json and weights, free disk
-    for what the build writes plus headroom); raises the first failing one."""
+    """The repack's own checks before the build (repack.checks: the source's config.json, free disk for what the
+    build writes plus headroom); raises the first failing one, named by its check as the deployment preflight
+    names it (`source: ...`, `disk: ...`)."""
     try:
         is_dir = stat.S_ISDIR(os.stat(src).st_mode)
     except (OSError, ValueError):
@@ -131,8 +133,11 @@ def _preflight(src: str, out: str) -> None:
     if not is_dir:  # the library's own error says what is wrong with it (missing, a file, a loop, a long name)
         return
     source = Path(os.path.abspath(src))
-    check_source(source)
-    check_disk(source, out)
+    for name, check in (("source", lambda: check_source(source)), ("disk", lambda: check_disk(source, out))):
+        try:
+            check()
+        except RepackError as e:
+            raise RepackError(f"{name}: {e.message}", e.detail, field=e.field) from None
 
 
 def main(argv: list[str] | None = None) -> int:
