@@ -10,7 +10,8 @@ The article's three steps are this function with different options:
   repack_q4_0.py repack  = BuildOptions(quantize_linears=True,  text_only=False, embed_int4=False)
   text_only.py           = BuildOptions(quantize_linears=False, text_only=True,  embed_int4=False)
   embed_int4.py          = BuildOptions(quantize_linears=False, text_only=False, embed_int4=True, embed_tokens=...)
-and `python3 -m repack build` does all of it in one read of the source.
+and `python3 -m repack build` does all of it in one read of the source. What happens to each tensor is planned
+in repack.plan; the options are repack.params.BuildOptions.
 """
 
 from __future__ import annotations
@@ -23,215 +24,27 @@ import shutil
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Literal
+from typing import Callable, Iterable
 
-from . import config as cfgmod
+from tools.core.atomic import (REPORT, atomic_directory, check_destination, check_stopped, existing_ancestor,
+                               resolve_output)
+from tools.core.atomic_leftovers import sweep_stale_partials
+from tools.core.paths import check_no_symlink_loop, confinement
+
 from . import grid
 from . import schemes
-from .atomic import (REPORT, atomic_directory, check_destination, check_no_symlink_loop, check_stopped,
-                     existing_ancestor, resolve_output, sweep_stale_partials)
-from .checkpoint import (INDEX, MM_PREFIX, TOWER_PREFIXES, Checkpoint, check_source_folder, check_unique_outputs,
-                         confinement, open_checkpoint)
-from .errors import RepackError, clip
+from .checkpoint import INDEX, Checkpoint, check_source_folder, check_unique_outputs, open_checkpoint
+from .errors import RepackError, core_refusals
+from .params import BuildOptions
+from .plan import Item, output_config, plan
 from .report import TABLES, RepackReport, TableReport
-from .safetensors_io import MappedFile, OutShard, OutTensor, ShardWriter, TensorInfo, WriteError
+from .safetensors_io import MappedFile, OutShard, ShardWriter, WriteError
 
 Progress = Callable[[int, int, str], None]
 BLOCK_BYTES = 4 << 20      # source bytes per work item: big enough to amortise, small enough to bound memory
-PACKED_SUFFIXES = (".weight_packed", ".weight_scale", ".weight_shape", ".weight_zero_point", ".weight_g_idx")
 TEXT_ONLY_SKIP_FILES = {"preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json"}
-
-
-@dataclass
-class BuildOptions:
-    quantize_linears: bool = True
-    text_only: bool = True
-    embed_int4: bool = True
-    embed_tokens: bool = True
-    # The runtime dtype the scales are chosen for (float16: the T4); the stored scale dtype follows it
-    # (scale_dtype is the older spelling: fp16 = float16, bf16 = bfloat16).
-    target_dtype: str | None = None
-    objective: str = grid.DEFAULT_OBJECTIVE
-    scale_dtype: str | None = None
-    force: bool = False
-    max_shard_bytes: int = 2 << 30
-    threads: int = 0  # 0: one per available core
-    scheme: str = schemes.DEFAULT  # the build scheme of the linears (repack.schemes); tables follow its tables_via
-
-    def __post_init__(self) -> None:
-        schemes.get(self.scheme)  # refuses an unknown name
-        if self.scale_dtype is not None and self.scale_dtype not in ("fp16", "bf16"):
-            raise RepackError(f"--scale-dtype {self.scale_dtype!r}: choose fp16 or bf16")
-        if self.target_dtype is not None and self.target_dtype not in grid.TARGETS:
-            raise RepackError(f"--target-dtype {self.target_dtype!r}: choose float16 or bfloat16")
-        if self.objective not in grid.OBJECTIVES:
-            raise RepackError(f"--objective {self.objective!r}: choose runtime-exact or min-error")
-        if self.target_dtype is None:
-            self.target_dtype = grid.target_of(self.scale_dtype) if self.scale_dtype else grid.DEFAULT_TARGET
-        elif self.scale_dtype is not None and grid.target_of(self.scale_dtype) != self.target_dtype:
-            raise RepackError(f"--scale-dtype {self.scale_dtype} does not match --target-dtype {self.target_dtype}: "
-                              f"the stored scales follow the target (float16: fp16, bfloat16: bf16); "
-                              f"pass --target-dtype alone")
-        self.scale_dtype = grid.SCALE_DTYPE[self.target_dtype]
-        if self.embed_tokens and not self.embed_int4:
-            raise RepackError("--embed-tokens needs --embed-int4 (embed_tokens is packed with the PLE table)")
-        if self.max_shard_bytes <= 0:
-            raise RepackError(f"max shard size {self.max_shard_bytes}: must be positive")
-
-
-@dataclass
-class _Item:
-    """What happens to one source tensor."""
-
-    src: TensorInfo
-    action: Literal["copy", "quant", "drop"]
-    table: str
-    out_name: str                      # copy: the tensor name; quant: the module prefix (".weight" removed)
-    head: bool = False                 # also write the levels and scales as lm_head.*
-    outs: dict[str, OutTensor] = field(default_factory=dict)
-    writers: dict[str, int] = field(default_factory=dict)  # out key -> output shard index
-    scheme: type[schemes.Scheme] | None = None  # quant: the scheme that encodes it
-
-
-def _classify(name: str, info: TensorInfo, ck: Checkpoint, opt: BuildOptions) -> _Item:
-    if name.startswith(TOWER_PREFIXES):
-        return _Item(info, "drop" if opt.text_only else "copy", "towers", name)
-    out = name
-    short = None
-    if ck.multimodal and name.startswith(MM_PREFIX):
-        short = name[len(MM_PREFIX):]
-        if opt.text_only:
-            out = "model." + short
-    elif not ck.multimodal and name.startswith("model."):
-        short = name[len("model."):]
-    elif name.startswith("lm_head."):
-        short = name
-    if short is None:
-        return _Item(info, "copy", "rest", out)
-    module = short.rsplit(".", 1)[0]
-    if short.endswith(PACKED_SUFFIXES):  # already int4 (an intermediate build): carried as is
-        table = ("PLE" if module == "embed_tokens_per_layer" else "embed_tokens" if module == "embed_tokens"
-                 else "lm_head" if module == "lm_head" else "linears")
-        return _Item(info, "copy", table, out)
-    if short == "embed_tokens_per_layer.weight":
-        return _Item(info, "quant" if opt.embed_int4 else "copy", "PLE", out)
-    if short == "embed_tokens.weight":
-        q = opt.embed_int4 and opt.embed_tokens
-        return _Item(info, "quant" if q else "copy", "embed_tokens", out, head=q and "lm_head.weight" not in ck.tensors)
-    if short == "lm_head.weight":
-        return _Item(info, "quant" if opt.embed_int4 and opt.embed_tokens else "copy", "lm_head", out)
-    # every text weight of two or more dimensions is a linear layer's (norms are 1-D): one the build cannot pack
-    # is refused by _check_quantizable, never left bf16 under a config that declares every Linear int4
-    if short.endswith(".weight") and len(info.shape) >= 2:
-        return _Item(info, "quant" if opt.quantize_linears else "copy", "linears", out)
-    return _Item(info, "copy", "rest", out)
-
-
-def _check_quantizable(it: _Item) -> None:
-    s = it.src
-    if s.dtype != "BF16":
-        raise RepackError(f"{s.file}: tensor {clip(s.name)} is {s.dtype}, but only BF16 tensors can be "
-                          f"repacked; use the bf16 QAT export (google/gemma-4-E2B-it-qat-q4_0-unquantized)")
-    if len(s.shape) != 2 or s.shape[1] % grid.GROUP or 0 in s.shape:
-        raise RepackError(f"{s.file}: tensor {clip(s.name)} has shape {clip(list(s.shape), 80)}; a 4-bit target "
-                          f"needs 2 non-empty dimensions with the last a multiple of {grid.GROUP}")
-
-
-def _check_carried_linears(items: list[_Item], opt: BuildOptions) -> None:
-    """Linears an earlier build packed are carried as they are: refused when the scheme asked for would have
-    written them otherwise, since the output and its report would claim that scheme."""
-    if not opt.quantize_linears:
-        return
-    scheme = schemes.for_table(opt.scheme, "linears")
-    if "weight_packed" in {o.suffix for o in scheme.outputs(grid.GROUP, grid.GROUP, opt)}:  # names, any shape
-        return
-    for it in items:
-        if it.table == "linears" and it.action == "copy" and it.src.name.endswith(".weight_packed"):
-            raise RepackError(f"{clip(it.src.file)}: the source's linear layers are already packed as int4 "
-                              f"weight_packed (e.g. {clip(it.src.name, 120)}), which --scheme {opt.scheme} does "
-                              f"not write; give the bf16 QAT checkpoint as the source",
-                              {"file": clip(it.src.file), "tensor": clip(it.src.name), "option": "--scheme",
-                               "problem": "already-packed"})
-
-
-def _plan(ck: Checkpoint, opt: BuildOptions) -> tuple[list[_Item], list[OutShard]]:
-    items: list[_Item] = []
-    shards: list[OutShard] = []
-    current: OutShard | None = None
-
-    def add(t: OutTensor, it: _Item, key: str) -> None:
-        nonlocal current
-        if current is None or (current.tensors and current.data_bytes + t.nbytes > opt.max_shard_bytes):
-            current = OutShard("")
-            shards.append(current)
-        current.add(t)
-        it.outs[key] = t
-        it.writers[key] = len(shards) - 1
-
-    for sh in ck.shards:
-        sh_items = [_classify(n, i, ck, opt) for n, i in sorted(sh.tensors.items(), key=lambda kv: kv[1].offset)]
-        for it in sh_items:
-            if it.action == "quant":
-                it.scheme = schemes.for_table(opt.scheme, it.table)
-                _check_quantizable(it)
-        _check_carried_linears(sh_items, opt)
-        items.extend(sh_items)
-        unchanged = sh_items and all(it.action == "copy" and it.out_name == it.src.name for it in sh_items)
-        if unchanged:
-            # every tensor kept as is: the shard itself is reused (hard link)
-            current = None
-            linked = OutShard("", hardlink_from=sh.path)
-            for it in sh_items:
-                t = OutTensor(it.out_name, it.src.dtype, it.src.shape, it.src.nbytes)
-                linked.add(t)
-                it.outs["data"] = t
-                it.writers["data"] = len(shards)
-            shards.append(linked)
-            current = None
-            continue
-        for it in sh_items:
-            s = it.src
-            if it.action == "drop":
-                continue
-            if it.action == "copy":
-                add(OutTensor(it.out_name, s.dtype, s.shape, s.nbytes), it, "data")
-                continue
-            rows, cols = s.shape
-            prefix = it.out_name.removesuffix(".weight")
-            names = [("", prefix)] + ([("head_", "lm_head")] if it.head else [])
-            for key, mod in names:
-                for o in it.scheme.outputs(rows, cols, opt):  # type: ignore[union-attr]
-                    add(OutTensor(f"{mod}.{o.suffix}", o.dtype, o.shape, o.nbytes), it, key + o.key)
-    n = len(shards)
-    for i, sh in enumerate(shards):
-        sh.filename = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-    return items, shards
-
-
-def _output_config(ck: Checkpoint, opt: BuildOptions, items: list[_Item]) -> dict:
-    config = cfgmod.text_only(ck.config) if opt.text_only else json.loads(json.dumps(ck.config))
-    by_scheme: dict[type[schemes.Scheme], set[str]] = {}  # the tables each scheme quantized in this run
-    for it in items:
-        if it.action == "quant":
-            by_scheme.setdefault(it.scheme, set()).update([it.table] + (["lm_head"] if it.head else []))
-    carried = {it.table for it in items if it.action == "copy" and it.src.name.endswith(".weight_packed")}
-    carried_bf16 = {it.table for it in items if it.action == "copy" and it.src.dtype == "BF16"
-                    and it.src.name.endswith(".weight")}
-    head = "lm_head" in carried or any("lm_head" in t for t in by_scheme.values())
-    towers = any(it.table == "towers" and it.action != "drop" for it in items)
-    qc = cfgmod.quantization_config([s.config_group(sorted(t)) for s, t in by_scheme.items()], previous=ck.config,
-                                    carried_packed=carried, carried_bf16=carried_bf16, head=head, towers=towers,
-                                    version=_ct_version())
-    cfgmod.set_quantization(config, qc)
-    if head:
-        cfgmod.set_untied(config)
-    return config
-
-
-def _ct_version() -> str:
-    return "0.17.0"  # the compressed-tensors format version the config follows (the pinned library)
 
 
 def _peak_rss() -> int:
@@ -250,8 +63,33 @@ def build_checkpoint(src: str | Path, out: str | Path, options: BuildOptions | N
     opt = options or BuildOptions()
     t0 = time.perf_counter()
     src, out = Path(src), Path(out)
-    target = resolve_output(out)  # what the kernel makes of OUT: where the build goes, what the report names
-    protected_roots = list(protected_roots)
+    with core_refusals():
+        ck, removed = _open_source(src, out, opt, list(protected_roots), notice, roots)
+        items, shards = plan(ck, opt)
+        check_unique_outputs(((it.src.name, t.name) for it in items for t in it.outs.values()), ck.path)
+        target = resolve_output(out)  # what the kernel makes of OUT: where the build goes, what the report names
+        report = _new_report(ck, src, target, opt, items, shards)
+        report.removed_partials = removed
+        metadata = {"format": "pt"}
+        for sh in shards:
+            sh.layout(metadata)  # fixes sizes for the space check
+        texts = _texts(output_config(ck, opt, items), shards)
+        sides = [f for f in ck.side_files() if not (opt.text_only and f.name in TEXT_ONLY_SKIP_FILES)]
+        room = _check_room(shards, texts, sides, target)
+        with atomic_directory(out, opt.force) as tmp:
+            try:
+                report.bytes_read = _write_shards(_Run(ck, items, shards, tmp, opt, report, progress, metadata))
+                _write_rest(tmp, texts, sides, report, shards, t0)
+            except WriteError as e:  # named as the user knows it, not by the temporary folder
+                raise _write_failure(e, tmp, target, room) from None
+    return report
+
+
+def _open_source(src: Path, out: Path, opt: BuildOptions, protected_roots: list[str | Path],
+                 notice: Callable[[str], None] | None, roots: list[Path] | None) -> tuple[Checkpoint, list[str]]:
+    """The source checked and opened, dead builds' leftovers beside OUT removed, OUT judged; returns the
+    checkpoint and one line per leftover removed."""
+    target = resolve_output(out)
     check_no_symlink_loop(src, "source folder")
     check_source_folder(src)
     # then, whatever else fails: dead builds' leftovers go, and a crashed replacement of OUT itself is rolled
@@ -264,10 +102,11 @@ def build_checkpoint(src: str | Path, out: str | Path, options: BuildOptions | N
     ck = open_checkpoint(src, roots)
     check_destination(out, opt.force, src, protected_roots,
                       [ck.path / "config.json", *(sh.path for sh in ck.shards), *ck.side_files()])
-    items, shards = _plan(ck, opt)
-    check_unique_outputs(((it.src.name, t.name) for it in items for t in it.outs.values()), ck.path)
-    config = _output_config(ck, opt, items)
-    other = grid.other_target(opt.target_dtype)  # type: ignore[arg-type]
+    return ck, removed
+
+
+def _new_report(ck: Checkpoint, src: Path, target: Path, opt: BuildOptions, items: list[Item],
+                shards: list[OutShard]) -> schemes.SchemeReport:
     tables = {name: TableReport(name, target_dtype=opt.target_dtype) for name in TABLES}  # type: ignore[arg-type]
     for it in items:
         t = tables[it.table]
@@ -278,22 +117,33 @@ def build_checkpoint(src: str | Path, out: str | Path, options: BuildOptions | N
             h = tables["lm_head"]
             h.tensors += 1
             h.bytes_after += sum(o.nbytes for k, o in it.outs.items() if k.startswith("head_"))
-    report = schemes.SchemeReport(source=str(src), output=str(target), options=asdict(opt), scale_dtype=opt.scale_dtype,
-                                  other_dtype=other, target_dtype=opt.target_dtype,  # type: ignore[arg-type]
-                                  objective=opt.objective, implementation=grid.implementation(), tables=tables,
-                                  output_shards=len(shards),
-                                  hardlinked_shards=sum(1 for s in shards if s.hardlink_from),
-                                  source_bytes=sum(i.nbytes for i in ck.tensors.values()), scheme=opt.scheme)
-    report.removed_partials = removed
-    metadata = {"format": "pt"}
-    for sh in shards:
-        sh.layout(metadata)  # fixes sizes for the space check
+    return schemes.SchemeReport(source=str(src), output=str(target), options=opt.report_dict(),
+                                scale_dtype=opt.scale_dtype,  # type: ignore[arg-type]
+                                other_dtype=grid.other_target(opt.target_dtype),  # type: ignore[arg-type]
+                                target_dtype=opt.target_dtype,  # type: ignore[arg-type]
+                                objective=opt.objective, implementation=grid.implementation(), tables=tables,
+                                output_shards=len(shards),
+                                hardlinked_shards=sum(1 for s in shards if s.hardlink_from),
+                                source_bytes=sum(i.nbytes for i in ck.tensors.values()), scheme=opt.scheme)
+
+
+def _texts(config: dict, shards: list[OutShard]) -> dict[str, str]:
+    """The index and the config, as written."""
     weight_map = {t.name: sh.filename for sh in shards for t in sh.tensors}
     index = {"metadata": {"total_size": sum(sh.data_bytes for sh in shards)},
              "weight_map": dict(sorted(weight_map.items()))}
-    texts = {INDEX: json.dumps(index, indent=2) + "\n",
-             "config.json": json.dumps(config, indent=2, sort_keys=True) + "\n"}
-    sides = [f for f in ck.side_files() if not (opt.text_only and f.name in TEXT_ONLY_SKIP_FILES)]
+    return {INDEX: json.dumps(index, indent=2) + "\n",
+            "config.json": json.dumps(config, indent=2, sort_keys=True) + "\n"}
+
+
+@dataclass(frozen=True)
+class _Room:
+    need: int          # bytes the build writes, in whole blocks
+    free: int | None   # free where it goes when it started (None: cannot be told)
+
+
+def _check_room(shards: list[OutShard], texts: dict[str, str], sides: list[Path], target: Path) -> _Room:
+    """Refuses a build the file system has no room for, before anything is written."""
     # everything the build writes: a shard reused by a hard link costs nothing only where the link will work
     copied = [sh.size for sh in shards if sh.hardlink_from is None or not _can_link(sh.hardlink_from, target)]
     need = sum(_blocks(n) for n in [*copied, *(len(t.encode()) for t in texts.values()),
@@ -302,31 +152,34 @@ def build_checkpoint(src: str | Path, out: str | Path, options: BuildOptions | N
     if free is not None and need > free:
         raise RepackError(f"{target.parent}: the build needs {need / 1e9:.2f} GB and only {free / 1e9:.2f} GB is "
                           f"free; free some space or choose another output folder")
+    return _Room(need, free)
 
-    with atomic_directory(out, opt.force) as tmp:
+
+def _write_rest(tmp: Path, texts: dict[str, str], sides: list[Path], report: schemes.SchemeReport,
+                shards: list[OutShard], t0: float) -> None:
+    """The texts, the side files and, last, the report (listing every file, which is what force may replace)."""
+    for name, text in texts.items():
+        _write_text(tmp / name, text)
+    for f in sides:
         try:
-            report.bytes_read = _write_shards(ck, items, shards, tmp, opt, report, progress, metadata)
-            for name, text in texts.items():
-                _write_text(tmp / name, text)
-            for f in sides:
-                try:
-                    shutil.copy2(f, tmp / f.name)
-                except OSError as e:
-                    raise WriteError(tmp / f.name, e) from None
-            report.bytes_written = sum(sh.size for sh in shards if sh.hardlink_from is None)
-            report.wall_s = time.perf_counter() - t0
-            report.peak_rss_bytes = _peak_rss()
-            report.files = sorted([*os.listdir(tmp), REPORT])  # what --force may later replace: exactly these
-            _write_text(tmp / REPORT, json.dumps(report.to_dict(), indent=2) + "\n")
-        except WriteError as e:  # named as the user knows it, not by the temporary folder
-            where = target / e.path.relative_to(tmp) if e.path.is_relative_to(tmp) else e.path
-            if e.no_space:
-                was = f"{free / 1e9:.2f} GB" if free is not None else "an unknown amount"
-                raise RepackError(f"{target}: no space left on the device while writing {where.name}; the build "
-                                  f"needs {need / 1e9:.2f} GB ({was} was free when it started); free some space or "
-                                  f"choose another output folder") from None
-            raise RepackError(str(e).replace(str(e.path), str(where), 1)) from None
-    return report
+            shutil.copy2(f, tmp / f.name)
+        except OSError as e:
+            raise WriteError(tmp / f.name, e) from None
+    report.bytes_written = sum(sh.size for sh in shards if sh.hardlink_from is None)
+    report.wall_s = time.perf_counter() - t0
+    report.peak_rss_bytes = _peak_rss()
+    report.files = sorted([*os.listdir(tmp), REPORT])
+    _write_text(tmp / REPORT, json.dumps(report.to_dict(), indent=2) + "\n")
+
+
+def _write_failure(e: WriteError, tmp: Path, target: Path, room: _Room) -> RepackError:
+    where = target / e.path.relative_to(tmp) if e.path.is_relative_to(tmp) else e.path
+    if e.no_space:
+        was = f"{room.free / 1e9:.2f} GB" if room.free is not None else "an unknown amount"
+        return RepackError(f"{target}: no space left on the device while writing {where.name}; the build "
+                           f"needs {room.need / 1e9:.2f} GB ({was} was free when it started); free some space or "
+                           f"choose another output folder")
+    return RepackError(str(e).replace(str(e.path), str(where), 1))
 
 
 _REPORT_ROOM = 64 << 10  # repack-report.json, written last: a few kB
@@ -361,87 +214,123 @@ def _free_bytes(target: Path) -> int | None:
         return None
 
 
-def _write_shards(ck: Checkpoint, items: list[_Item], shards: list[OutShard], tmp: Path, opt: BuildOptions,
-                  report: schemes.SchemeReport, progress: Progress | None, metadata: dict[str, str]) -> int:
-    total = sum(it.src.nbytes for it in items if it.action != "drop")
-    done = 0
-    if progress:
-        progress(0, total, "starting")
-    writers: dict[int, ShardWriter] = {}
-    maps: dict[Path, MappedFile] = {}
-    threads = opt.threads or max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                                 else (os.cpu_count() or 1))
-    pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="repack")
-    futures: dict[Future, tuple[_Item, int, int]] = {}
-    # finished blocks arrive on a queue: waiting on the set of pending futures instead installs a waiter on each of
-    # them at every completion, quadratic in the block count (about a CPU second taken from the workers at E2B's
-    # full size, ~2,300 blocks)
-    finished: queue.SimpleQueue[Future] = queue.SimpleQueue()
+@dataclass
+class _Run:
+    """One build's writing: what is read, what is written where, and what it reports."""
 
-    def submit(fn: Callable, args: tuple, what: tuple[_Item, int, int]) -> None:
-        fut = pool.submit(fn, *args)
-        futures[fut] = what
-        fut.add_done_callback(finished.put)
+    ck: Checkpoint
+    items: list[Item]
+    shards: list[OutShard]
+    tmp: Path
+    opt: BuildOptions
+    report: schemes.SchemeReport
+    progress: Progress | None
+    metadata: dict[str, str]
+    total: int = 0
+    done: int = 0
+    writers: dict[int, ShardWriter] = field(default_factory=dict)
+    maps: dict[Path, MappedFile] = field(default_factory=dict)
 
+    def advance(self, n: int, message: str) -> None:
+        self.done += n
+        if self.progress:
+            self.progress(self.done, self.total, message)
+
+
+class _Pool:
+    """Worker threads whose finished blocks arrive on a queue: waiting on the set of pending futures instead
+    installs a waiter on each of them at every completion, quadratic in the block count (about a CPU second taken
+    from the workers at E2B's full size, ~2,300 blocks)."""
+
+    def __init__(self, threads: int) -> None:
+        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="repack")
+        self.futures: dict[Future, tuple[Item, int, int]] = {}
+        self.finished: queue.SimpleQueue[Future] = queue.SimpleQueue()
+
+    def submit(self, fn: Callable, args: tuple, what: tuple[Item, int, int]) -> None:
+        fut = self.pool.submit(fn, *args)
+        self.futures[fut] = what
+        fut.add_done_callback(self.finished.put)
+
+
+def _threads(opt: BuildOptions) -> int:
+    return opt.threads or max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                              else (os.cpu_count() or 1))
+
+
+def _write_shards(run: _Run) -> int:
+    """Writes every shard (linking those kept whole); returns the source bytes read."""
+    run.total = sum(it.src.nbytes for it in run.items if it.action != "drop")
+    if run.progress:
+        run.progress(0, run.total, "starting")
+    pool = _Pool(_threads(run.opt))
     try:
-        for i, sh in enumerate(shards):
-            if sh.hardlink_from is not None:
-                _link_or_copy(sh.hardlink_from, tmp / sh.filename)
-                n = sum(t.nbytes for t in sh.tensors)
-                done += n
-                if progress:
-                    progress(done, total, f"linked {sh.filename}")
-            else:
-                writers[i] = ShardWriter(tmp / sh.filename, sh, metadata)
-        for it in items:
-            if it.action == "drop" or (it.writers and shards[next(iter(it.writers.values()))]
-                                       .hardlink_from is not None):
-                continue
-            mf = maps.get(it.src.file)
-            if mf is None:
-                mf = maps[it.src.file] = MappedFile(it.src.file, it.src.ident)
-            if it.action == "copy":
-                for start in range(0, max(it.src.nbytes, 1), BLOCK_BYTES):
-                    length = min(BLOCK_BYTES, it.src.nbytes - start)
-                    submit(_copy_block, (mf, it, writers, start, length), (it, start, length))
-            else:
-                rows, cols = it.src.shape
-                for key, arr in it.scheme.constants(rows, cols).items():  # type: ignore[union-attr]
-                    for pre in ("", "head_") if it.head else ("",):
-                        writers[it.writers[pre + key]].pwrite(arr, it.outs[pre + key].offset)
-                per = max(1, BLOCK_BYTES // (cols * 2))
-                for r0 in range(0, rows, per):
-                    n = min(per, rows - r0)
-                    submit(_quant_block, (mf, it, writers, r0, n, opt), (it, r0, n))
-        while futures:
-            check_stopped()
-            try:
-                fut = finished.get(timeout=0.5)
-            except queue.Empty:
-                continue
-            it, a, n = futures.pop(fut)
-            stats = fut.result()  # re-raises a worker's error
-            if stats is not None:
-                it.scheme.record(report, it.table, stats)  # type: ignore[union-attr]
-                if it.head:
-                    it.scheme.record(report, "lm_head", stats)  # type: ignore[union-attr]
-                it.scheme.check_block(stats, it.src.name, opt)  # type: ignore[union-attr]
-                done += n * it.src.shape[1] * 2
-            else:
-                done += n
-            if progress:
-                progress(done, total, it.src.name)
+        _open_shards(run)
+        for it in run.items:
+            _submit_item(run, pool, it)
+        _collect(run, pool)
     except BaseException:
-        for f in futures:
+        for f in pool.futures:
             f.cancel()
         raise
     finally:
-        pool.shutdown(wait=True, cancel_futures=True)
-        for w in writers.values():
+        pool.pool.shutdown(wait=True, cancel_futures=True)
+        for w in run.writers.values():
             w.close()
-        for m in maps.values():
+        for m in run.maps.values():
             m.close()
-    return total
+    return run.total
+
+
+def _open_shards(run: _Run) -> None:
+    for i, sh in enumerate(run.shards):
+        if sh.hardlink_from is not None:
+            _link_or_copy(sh.hardlink_from, run.tmp / sh.filename)
+            run.advance(sum(t.nbytes for t in sh.tensors), f"linked {sh.filename}")
+        else:
+            run.writers[i] = ShardWriter(run.tmp / sh.filename, sh, run.metadata)
+
+
+def _submit_item(run: _Run, pool: _Pool, it: Item) -> None:
+    """Queues one source tensor's blocks (none for a dropped tensor or one in a linked shard)."""
+    if it.action == "drop" or (it.writers and run.shards[next(iter(it.writers.values()))].hardlink_from is not None):
+        return
+    mf = run.maps.get(it.src.file)
+    if mf is None:
+        mf = run.maps[it.src.file] = MappedFile(it.src.file, it.src.ident)
+    if it.action == "copy":
+        for start in range(0, max(it.src.nbytes, 1), BLOCK_BYTES):
+            length = min(BLOCK_BYTES, it.src.nbytes - start)
+            pool.submit(_copy_block, (mf, it, run.writers, start, length), (it, start, length))
+        return
+    rows, cols = it.src.shape
+    for key, arr in it.scheme.constants(rows, cols).items():  # type: ignore[union-attr]
+        for pre in ("", "head_") if it.head else ("",):
+            run.writers[it.writers[pre + key]].pwrite(arr, it.outs[pre + key].offset)
+    per = max(1, BLOCK_BYTES // (cols * 2))
+    for r0 in range(0, rows, per):
+        n = min(per, rows - r0)
+        pool.submit(_quant_block, (mf, it, run.writers, r0, n, run.opt), (it, r0, n))
+
+
+def _collect(run: _Run, pool: _Pool) -> None:
+    """Takes the finished blocks as they come: records their statistics, stops at the first a scheme refuses."""
+    while pool.futures:
+        check_stopped()
+        try:
+            fut = pool.finished.get(timeout=0.5)
+        except queue.Empty:
+            continue
+        it, a, n = pool.futures.pop(fut)
+        stats = fut.result()  # re-raises a worker's error
+        if stats is not None:
+            it.scheme.record(run.report, it.table, stats)  # type: ignore[union-attr]
+            if it.head:
+                it.scheme.record(run.report, "lm_head", stats)  # type: ignore[union-attr]
+            it.scheme.check_block(stats, it.src.name, run.opt)  # type: ignore[union-attr]
+            run.advance(n * it.src.shape[1] * 2, it.src.name)
+        else:
+            run.advance(n, it.src.name)
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:
@@ -454,7 +343,7 @@ def _link_or_copy(src: Path, dst: Path) -> None:
             raise WriteError(dst, e) from None
 
 
-def _copy_block(mf: MappedFile, it: _Item, writers: dict[int, ShardWriter], start: int, length: int) -> None:
+def _copy_block(mf: MappedFile, it: Item, writers: dict[int, ShardWriter], start: int, length: int) -> None:
     if length > 0:
         writers[it.writers["data"]].pwrite(mf.view(it.src, start, length), it.outs["data"].offset + start)
         mf.release(it.src, start, length)
@@ -463,7 +352,7 @@ def _copy_block(mf: MappedFile, it: _Item, writers: dict[int, ShardWriter], star
 _tls = threading.local()
 
 
-def _quant_block(mf: MappedFile, it: _Item, writers: dict[int, ShardWriter], r0: int, n: int,
+def _quant_block(mf: MappedFile, it: Item, writers: dict[int, ShardWriter], r0: int, n: int,
                  opt: BuildOptions) -> object:
     rows, cols = it.src.shape
     raw = mf.view(it.src, r0 * cols * 2, n * cols * 2).view("<u2").reshape(n, cols)
@@ -475,3 +364,6 @@ def _quant_block(mf: MappedFile, it: _Item, writers: dict[int, ShardWriter], r0:
             writers[it.writers[pre + key]].pwrite(arr, out.offset + r0 * (out.nbytes // rows))
     mf.release(it.src, r0 * cols * 2, n * cols * 2)
     return stats
+
+
+__all__ = ["BLOCK_BYTES", "BuildOptions", "Progress", "build_checkpoint"]

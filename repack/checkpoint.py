@@ -14,9 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
+from tools.core import paths
+from tools.core.paths import confinement
+
 from . import config as cfgmod
-from .errors import RepackError, clip
-from .safetensors_io import SafetensorsHeader, TensorInfo, Within, loads_json, open_confined, open_error, read_header
+from .errors import RepackError, clip, core_refusals
+from .safetensors_io import (SafetensorsHeader, TensorInfo, Within, loads_json, open_confined, open_error,
+                             read_header)
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -51,30 +55,8 @@ class Checkpoint:
 def _folder_files(folder: Path, within: Within, wanted: Callable[[str], bool] = lambda name: True) -> list[Path]:
     """The files directly in `folder` whose names are `wanted` (hidden ones and folders aside), each opened through
     open_confined: a symlink loop, a broken link or a link outside `within` is refused."""
-    out = []
-    try:
-        names = sorted(folder.iterdir())
-    except OSError as e:  # a folder that can be searched but not listed (mode 311): its config reads, this fails
-        raise RepackError(f"{clip(folder)}: cannot list the folder ({e.strerror or e}); make it readable or copy "
-                          f"the checkpoint to a folder you can read", {"file": clip(folder), "problem": "unlistable"}
-                          ) from None
-    for p in names:
-        if p.name.startswith(".") or not wanted(p.name) or not (p.is_symlink() or p.is_file()):
-            continue
-        if p.is_symlink() and p.is_dir():
-            continue
-        os.close(open_confined(p, within))
-        out.append(p)
-    return out
-
-
-def confinement(src: str | Path, roots: Sequence[str | Path] | None = None) -> Within:
-    """Where a checkpoint's files may resolve: inside the folder (a hub cache snapshot's blobs included) and, when
-    roots are given, inside one of them too."""
-    within: list[tuple[str, Sequence[Path]]] = [("the checkpoint folder", _folder_dirs(Path(os.path.realpath(src))))]
-    if roots:
-        within.append(("the allowed roots", [Path(os.path.realpath(r)) for r in roots]))
-    return tuple(within)
+    with core_refusals():
+        return paths.folder_files(folder, within, wanted)
 
 
 def check_files(src: str | Path, roots: Sequence[str | Path] | None = None) -> None:
@@ -82,16 +64,8 @@ def check_files(src: str | Path, roots: Sequence[str | Path] | None = None) -> N
     passes the checks open_checkpoint and the build apply; raises RepackError naming the first that does not.
 
     For callers that hand the folder to another reader (vLLM): it follows links wherever they lead."""
-    _folder_files(Path(src), confinement(src, roots))
-
-
-def _folder_dirs(real: Path) -> list[Path]:
-    """The folders a checkpoint's files may resolve into: the folder itself, and for a Hugging Face cache
-    snapshot (models--OWNER--NAME/snapshots/REV, whose files link to ../../blobs) that repository's blobs."""
-    dirs = [real]
-    if real.parent.name == "snapshots" and real.parent.parent.name.startswith("models--"):
-        dirs.append(real.parent.parent / "blobs")
-    return dirs
+    with core_refusals():
+        paths.check_folder_files(src, roots)
 
 
 def _read_json(path: Path, within: Within, what: str) -> Any:
@@ -130,14 +104,9 @@ def check_source_folder(src: Path) -> None:
                           {"file": clip(src), "problem": "not-a-folder"})
 
 
-def open_checkpoint(src: str | Path, roots: Sequence[str | Path] | None = None) -> Checkpoint:
-    """Reads a checkpoint's config and every shard header; raises RepackError on anything unusable.
-
-    roots: when given (the MCP server's models roots), every file read must resolve inside one of them too."""
-    src = Path(src)
-    check_source_folder(src)
-    within = confinement(src, roots)
-
+def read_config(src: Path, within: Within = ()) -> dict[str, Any]:
+    """The checkpoint folder's config.json, read confined to `within`: a JSON object of a Gemma 4 config (the
+    first thing open_checkpoint reads); raises RepackError."""
     cfg_path = src / "config.json"
     try:
         os.lstat(cfg_path)
@@ -151,6 +120,19 @@ def open_checkpoint(src: str | Path, roots: Sequence[str | Path] | None = None) 
         raise RepackError(f"{clip(cfg_path)}: not valid JSON (not an object); re-download it",
                           {"file": clip(cfg_path), "problem": "bad-json"})
     cfgmod.validate(config, clip(cfg_path))
+    return config
+
+
+def open_checkpoint(src: str | Path, roots: Sequence[str | Path] | None = None) -> Checkpoint:
+    """Reads a checkpoint's config and every shard header; raises RepackError on anything unusable.
+
+    roots: when given (the MCP server's models roots), every file read must resolve inside one of them too."""
+    src = Path(src)
+    check_source_folder(src)
+    within = confinement(src, roots)
+
+    config = read_config(src, within)
+    cfg_path = src / "config.json"
 
     index_path = src / INDEX
     if os.path.lexists(index_path):

@@ -12,3 +12,6 @@ OBJECTIVES: tuple[str, ...] = get_args(Objective)
 DEFAULT_TARGET: Target = "float16"  # the T4 computes in fp16
 DEFAULT_OBJECTIVE: Objective = "min-error"  # lower KLD vs the source (evidence/fidelity-objectives.md); set here only
 DEFAULT_SCHEME = "w4a16"
+# The build schemes repack/schemes registers, named here so that the parameter models can check a name without
+# importing the schemes (numpy); the package checks at import that this list is what it registers.
+SCHEMES: tuple[str, ...] = ("w4a16", "w8a8")

@@ -1,54 +1,66 @@
-"""The parameters of `python -m repack build|probe`, of the article's three step scripts and of the MCP tools
-`repack_checkpoint` / `probe_checkpoint`: one model each, the flags and the tool signature derived from it."""
+"""The build options and the parameters of `python -m repack build|probe`, of the article's three step scripts
+and of the MCP tools `repack_checkpoint` / `probe_checkpoint`: one model each, the flags and the tool signature
+derived from it.
+
+`BuildOptions` is the one options model: the library's defaults are its defaults (the all-4-bit build); where the
+command line's defaults differ (the article's opt-in flags) the model says so in CLI_DEFAULTS. `BuildParams` is
+the same options plus the source and output folders of one operation.
+"""
 
 from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
+from tools.core.errors import param
 from tools.core.params import OpParams
 
-from .choices import DEFAULT_OBJECTIVE, DEFAULT_SCHEME, Objective, ScaleDtype, Target
-from .errors import RepackError
+from .choices import (DEFAULT_OBJECTIVE, DEFAULT_SCHEME, DEFAULT_TARGET, OBJECTIVES, SCHEMES, TARGETS, Objective,
+                      ScaleDtype, Target)
+from .errors import RepackError, clip, unknown_scheme
 
 MAX_SHARD_GIB = 1 << 20  # a pebibyte: far above any checkpoint, so one shard holds all of it
+SCALE_DTYPES = ("fp16", "bf16")
+_TARGET_OF = {"fp16": "float16", "bf16": "bfloat16"}
+_SCALE_OF = {v: k for k, v in _TARGET_OF.items()}
 
 
-class BuildParams(OpParams):
-    """One build: which tables are packed, how the scales are chosen, where it goes."""
+class BuildOptions(OpParams):
+    """One build: which tables are packed, how the scales are chosen, how it is written."""
 
-    source: str = Field(description="QAT checkpoint folder (config.json + safetensors)")
-    output: str = Field(description="Folder to write")
     quantize_linears: bool = Field(True, description="Pack every linear layer with the build scheme "
                                                      "(false: leave them bf16)")
-    text_only: bool = Field(False, description="Drop the vision/audio towers (Gemma4ForCausalLM)")
-    embed_int4: bool = Field(False, description="Pack the per-layer embedding table (PLE) as int4")
+    text_only: bool = Field(True, description="Drop the vision/audio towers (Gemma4ForCausalLM)")
+    embed_int4: bool = Field(True, description="Pack the per-layer embedding table (PLE) as int4")
+    # None: follows embed_int4 (the all-4-bit build packs both); resolved when the model is made
     embed_tokens: bool | None = Field(None, description="With embed_int4: also pack embed_tokens and write it "
                                                         "again as an untied int4 lm_head")
-    scheme: str = Field(DEFAULT_SCHEME, description="How the linear layers are quantized: a scheme registered in "
-                                                    "repack/schemes (w4a16: the QAT grid, int4; w8a8: int8 weights "
-                                                    "and activations); the tables stay int4")
+    # The runtime dtype the scales are chosen for (float16: the T4); the stored scale dtype follows it
+    # (scale_dtype is the older spelling: fp16 = float16, bf16 = bfloat16).
     target_dtype: Target | None = Field(
         None, description="The dtype the model is served in, whose arithmetic the scales are chosen for; the "
                           "scales are stored in it (default float16: the T4 computes fp16(level*scale))")
     objective: Objective = Field(
         DEFAULT_OBJECTIVE, description="min-error: least squared error in the target's arithmetic; "
-                                            "runtime-exact: most values exact in it, ties by squared error")
+                                       "runtime-exact: most values exact in it, ties by squared error")
     scale_dtype: ScaleDtype | None = Field(
         None, description="Older spelling of --target-dtype: fp16 = float16, bf16 = bfloat16")
+    force: bool = Field(False, description="Replace an empty folder or exactly a build this tool wrote")
     # bounded above so that the size in bytes stays an integer (a float beyond ~1.7e299 GiB is infinite in bytes)
     max_shard_size: float = Field(2.0, gt=0, le=MAX_SHARD_GIB, allow_inf_nan=False,
                                   description="Output shard size in GiB")
-    force: bool = Field(False, description="Replace an empty folder or exactly a build this tool wrote")
+    threads: int = Field(0, ge=0, description="Worker threads (0: one per available core)")
+    scheme: str = Field(DEFAULT_SCHEME, description="How the linear layers are quantized: a scheme registered in "
+                                                    "repack/schemes (w4a16: the QAT grid, int4; w8a8: int8 weights "
+                                                    "and activations); the tables stay int4")
 
-    CLI_POSITIONAL: ClassVar[tuple[str, ...]] = ("source", "output")
     CLI_BAD_INPUT: ClassVar[type[Exception] | None] = RepackError
-    # The command line keeps the article's opt-in flags; through MCP the all-4-bit build is the default, and
-    # embed_tokens left unset follows embed_int4 there (the command line asks for it by name).
-    CLI_DEFAULTS: ClassVar[dict[str, Any]] = {"embed_tokens": False}
-    MCP_DEFAULTS: ClassVar[dict[str, Any]] = {"text_only": True, "embed_int4": True}
-    MCP_EXCLUDE: ClassVar[frozenset[str]] = frozenset({"scale_dtype", "max_shard_size"})
+    CLI_EXCLUDE: ClassVar[frozenset[str]] = frozenset({"threads"})
+    # The command line keeps the article's opt-in flags (embed_tokens too is asked for by name there); the
+    # library and MCP build all-4-bit by default.
+    CLI_DEFAULTS: ClassVar[dict[str, Any]] = {"text_only": False, "embed_int4": False, "embed_tokens": False}
+    MCP_EXCLUDE: ClassVar[frozenset[str]] = frozenset({"scale_dtype", "max_shard_size", "threads"})
 
     @field_validator("max_shard_size")
     @classmethod
@@ -57,25 +69,74 @@ class BuildParams(OpParams):
             raise ValueError("must be at least one byte (a size in GiB, e.g. 2 or 0.5)")
         return v
 
-    @field_validator("scheme")
+    @field_validator("scheme", mode="before")
     @classmethod
-    def _known_scheme(cls, v: str) -> str:
-        from . import schemes
-
-        schemes.get(v)  # refuses an unknown name, listing the choices
+    def _known_scheme(cls, v: Any) -> Any:
+        if not isinstance(v, str) or v not in SCHEMES:
+            raise unknown_scheme(v, sorted(SCHEMES))
         return v
 
-    def options(self) -> Any:
-        """The library's BuildOptions (it checks the combinations: embed_tokens without embed_int4, a scale
-        dtype that contradicts the target)."""
-        from .build import BuildOptions
+    # before pydantic's own check of the Literal: the library's one-line error, naming the parameter
+    @field_validator("scale_dtype", mode="before")
+    @classmethod
+    def _known_scale_dtype(cls, v: Any) -> Any:
+        if v is not None and v not in SCALE_DTYPES:
+            raise RepackError(f"{param('scale_dtype')} {clip(repr(v))}: choose fp16 or bf16", field="scale_dtype")
+        return v
 
-        return BuildOptions(quantize_linears=self.quantize_linears, text_only=self.text_only,
-                            embed_int4=self.embed_int4,
-                            embed_tokens=self.embed_int4 if self.embed_tokens is None else self.embed_tokens,
-                            scheme=self.scheme, target_dtype=self.target_dtype, objective=self.objective,
-                            scale_dtype=self.scale_dtype, force=self.force,
-                            max_shard_bytes=int(self.max_shard_size * (1 << 30)))
+    @field_validator("target_dtype", mode="before")
+    @classmethod
+    def _known_target(cls, v: Any) -> Any:
+        if v is not None and v not in TARGETS:
+            raise RepackError(f"{param('target_dtype')} {clip(repr(v))}: choose float16 or bfloat16",
+                              field="target_dtype")
+        return v
+
+    @field_validator("objective", mode="before")
+    @classmethod
+    def _known_objective(cls, v: Any) -> Any:
+        if v not in OBJECTIVES:
+            raise RepackError(f"{param('objective')} {clip(repr(v))}: choose runtime-exact or min-error",
+                              field="objective")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "BuildOptions":
+        if self.target_dtype is None:
+            self.target_dtype = _TARGET_OF[self.scale_dtype] if self.scale_dtype else DEFAULT_TARGET
+        elif self.scale_dtype is not None and _TARGET_OF[self.scale_dtype] != self.target_dtype:
+            raise RepackError(f"{param('scale_dtype')} {self.scale_dtype} does not match {param('target_dtype')} "
+                              f"{self.target_dtype}: the stored scales follow the target (float16: fp16, "
+                              f"bfloat16: bf16); pass {param('target_dtype')} alone", field="scale_dtype")
+        self.scale_dtype = _SCALE_OF[self.target_dtype]  # type: ignore[index]
+        if self.embed_tokens is None:
+            self.embed_tokens = self.embed_int4
+        if self.embed_tokens and not self.embed_int4:
+            raise RepackError(f"{param('embed_tokens')} needs {param('embed_int4')} (embed_tokens is packed with "
+                              f"the PLE table)", field="embed_tokens")
+        return self
+
+    @property
+    def max_shard_bytes(self) -> int:
+        return int(self.max_shard_size * (1 << 30))
+
+    def report_dict(self) -> dict[str, Any]:
+        """The options as the build report records them (the shard size in bytes)."""
+        return {("max_shard_bytes" if k == "max_shard_size" else k): (self.max_shard_bytes if k == "max_shard_size"
+                                                                       else v) for k, v in self.model_dump().items()}
+
+
+class BuildParams(BuildOptions):
+    """One build operation: the options, the source and where it goes."""
+
+    source: str = Field(description="QAT checkpoint folder (config.json + safetensors)")
+    output: str = Field(description="Folder to write")
+
+    CLI_POSITIONAL: ClassVar[tuple[str, ...]] = ("source", "output")
+
+    def options(self) -> BuildOptions:
+        """The build options of this operation (already checked when the parameters were)."""
+        return BuildOptions.model_validate(self.model_dump(exclude={"source", "output"}))
 
 
 class ProbeParams(OpParams):
@@ -88,4 +149,4 @@ class ProbeParams(OpParams):
     CLI_BAD_INPUT: ClassVar[type[Exception] | None] = RepackError
 
 
-__all__ = ["BuildParams", "ProbeParams"]
+__all__ = ["BuildOptions", "BuildParams", "MAX_SHARD_GIB", "ProbeParams"]

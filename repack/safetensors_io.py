@@ -15,16 +15,18 @@ import errno
 import json
 import mmap
 import os
-import stat
 import struct
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator
 
 import numpy as np
 
-from .errors import RepackError, clip
+from tools.core import paths
+from tools.core.paths import Within
+
+from .errors import RepackError, clip, core_refusals
 
 # safetensors dtype name -> (numpy dtype used to view the raw bytes, bytes per element)
 DTYPES: dict[str, tuple[np.dtype, int]] = {
@@ -87,57 +89,16 @@ class SafetensorsHeader:
     ident: tuple[int, int, int] | None = None
 
 
-def _inside(path: str, dirs: Sequence[Path]) -> bool:
-    p = Path(path)
-    return any(p == d or d in p.parents for d in dirs)
-
-
-Within = Sequence[tuple[str, Sequence[Path]]]  # (what the folders are, for the message; the folders)
-
-
 def open_confined(path: Path, within: Within = ()) -> int:
-    """Opens a regular file read-only. With `within`, the file actually opened must lie inside one folder of
-    every group, checked on the open descriptor (so a link swapped after a check cannot redirect the read).
-
-    The error never says where a link outside points: that would tell a client what lies outside its roots."""
-    try:
-        # O_NONBLOCK: opening a FIFO (or a link to one) would otherwise wait forever for a writer
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except OSError as e:
-        raise open_error(path, e) from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise RepackError(f"{clip(path)}: not a regular file; pass a checkpoint whose shards are files",
-                              {"file": clip(path), "problem": "not-a-file"})
-        os.set_blocking(fd, True)
-        if within:
-            try:
-                real = os.readlink(f"/proc/self/fd/{fd}")
-            except OSError:
-                real = os.path.realpath(path)
-            for label, dirs in within:
-                if not _inside(real, dirs):
-                    raise RepackError(f"{clip(path)}: a link to a file outside {label}, which is not read; copy "
-                                      f"the file itself into the checkpoint folder",
-                                      {"file": clip(path), "problem": "outside"})
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+    """tools.core.paths.open_confined, refusing with the library's error."""
+    with core_refusals():
+        return paths.open_confined(path, within)
 
 
 def open_error(path: Path, e: OSError) -> RepackError:
     """The one-line message for a file that cannot be opened (a symlink loop is not "no such file")."""
-    if e.errno == errno.ELOOP:
-        why, code = "a symlink loop (the link points, directly or through others, back to itself)", "symlink-loop"
-    elif e.errno == errno.ENOENT and os.path.islink(path):
-        why, code = "a broken symlink (its target does not exist)", "broken-symlink"
-    elif e.errno == errno.ENOENT:
-        why, code = "no such file", "missing"
-    else:
-        why, code = f"cannot read ({e.strerror or e})", "unreadable"
-    return RepackError(f"{clip(path)}: {why}; fix the checkpoint folder or re-download it",
-                       {"file": clip(path), "problem": code})
+    refused = paths.open_error(path, e)
+    return RepackError(refused.message, refused.detail)
 
 
 def loads_json(raw: bytes | str, what: str) -> Any:
@@ -179,6 +140,21 @@ def read_header(path: str | Path, within: Within = ()) -> SafetensorsHeader:
     no byte is unaccounted for."""
     path = Path(path)
     p = clip(path)
+    raw, size, ident = _read_raw_header(path, within)
+    header = _parse_header(raw, p)
+    data_start = 8 + len(raw)
+    meta = header.pop("__metadata__", None)
+    if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+        raise RepackError(f"{p}: corrupt safetensors header (__metadata__ must map names to strings): "
+                          f"re-download it", {"file": p, "problem": "bad-header"})
+    tensors = {name: _tensor_entry(name, entry, path, data_start, size, ident) for name, entry in header.items()}
+    _check_contiguous(tensors, p, data_start, size - data_start)
+    return SafetensorsHeader(path, tensors, meta, data_start, size, ident)
+
+
+def _read_raw_header(path: Path, within: Within) -> tuple[bytes, int, tuple[int, int, int]]:
+    """The header's JSON bytes, the file size and the file's (device, inode, size)."""
+    p = clip(path)
     fd = open_confined(path, within)
     try:
         st = os.fstat(fd)
@@ -197,7 +173,10 @@ def read_header(path: str | Path, within: Within = ()) -> SafetensorsHeader:
         raise open_error(path, e) from None
     finally:
         os.close(fd)
-    ident = (st.st_dev, st.st_ino, size)
+    return raw, size, (st.st_dev, st.st_ino, size)
+
+
+def _parse_header(raw: bytes, p: str) -> dict[str, Any]:
     try:
         header = json.loads(raw.decode("utf-8"))
         if not isinstance(header, dict):
@@ -208,55 +187,57 @@ def read_header(path: str | Path, within: Within = ()) -> SafetensorsHeader:
     except (ValueError, UnicodeDecodeError) as e:
         raise RepackError(f"{p}: corrupt safetensors header ({clip(e, 120)}): re-download it",
                           {"file": p, "problem": "bad-header"}) from None
-    data_start = 8 + n
-    data_len = size - data_start
-    meta = header.pop("__metadata__", None)
-    if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
-        raise RepackError(f"{p}: corrupt safetensors header (__metadata__ must map names to strings): "
-                          f"re-download it", {"file": p, "problem": "bad-header"})
+    return header
 
-    def bad(name: str, why: str, code: str) -> RepackError:
-        return RepackError(f"{p}: tensor {clip(name)} {why}: the file is corrupt, re-download it",
-                           {"file": p, "tensor": clip(name), "problem": code})
 
-    tensors: dict[str, TensorInfo] = {}
-    for name, entry in header.items():
-        if not isinstance(entry, dict):
-            raise bad(name, "has a corrupt header entry", "bad-entry")
-        dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-        if not (isinstance(shape, list) and all(_uint(d) for d in shape) and isinstance(offsets, list)
-                and len(offsets) == 2 and all(_uint(o) for o in offsets) and isinstance(dtype, str)):
-            raise bad(name, "has a corrupt header entry (dtype, shape and data_offsets must be a string, "
-                            "non-negative integers and two offsets)", "bad-entry")
-        if dtype not in DTYPES:
-            raise RepackError(f"{p}: tensor {clip(name)} has unsupported dtype {clip(repr(dtype), 40)} "
-                              f"(supported: {', '.join(DTYPES)})",
-                              {"file": p, "tensor": clip(name), "problem": "dtype"})
-        begin, end = offsets
-        info = TensorInfo(name, dtype, tuple(shape), path, data_start + begin, end - begin, ident)
-        if end < begin or info.numel * DTYPES[dtype][1] != end - begin:
-            raise bad(name, f"has inconsistent offsets {begin}..{end} for {dtype} {clip(shape, 80)}", "size")
-        if end > data_len:
-            raise RepackError(f"{p}: tensor {clip(name)} ends at byte {data_start + end}, past the end of the file "
-                              f"({size} bytes): the file is truncated, re-download it",
-                              {"file": p, "tensor": clip(name), "problem": "truncated"})
-        tensors[name] = info
+def _corrupt(p: str, name: str, why: str, code: str) -> RepackError:
+    return RepackError(f"{p}: tensor {clip(name)} {why}: the file is corrupt, re-download it",
+                       {"file": p, "tensor": clip(name), "problem": code})
+
+
+def _tensor_entry(name: str, entry: Any, path: Path, data_start: int, size: int,
+                  ident: tuple[int, int, int]) -> TensorInfo:
+    """One header entry checked on its own: its fields, its dtype, its size and that it lies inside the file."""
+    p = clip(path)
+    if not isinstance(entry, dict):
+        raise _corrupt(p, name, "has a corrupt header entry", "bad-entry")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if not (isinstance(shape, list) and all(_uint(d) for d in shape) and isinstance(offsets, list)
+            and len(offsets) == 2 and all(_uint(o) for o in offsets) and isinstance(dtype, str)):
+        raise _corrupt(p, name, "has a corrupt header entry (dtype, shape and data_offsets must be a string, "
+                                "non-negative integers and two offsets)", "bad-entry")
+    if dtype not in DTYPES:
+        raise RepackError(f"{p}: tensor {clip(name)} has unsupported dtype {clip(repr(dtype), 40)} "
+                          f"(supported: {', '.join(DTYPES)})",
+                          {"file": p, "tensor": clip(name), "problem": "dtype"})
+    begin, end = offsets
+    info = TensorInfo(name, dtype, tuple(shape), path, data_start + begin, end - begin, ident)
+    if end < begin or info.numel * DTYPES[dtype][1] != end - begin:
+        raise _corrupt(p, name, f"has inconsistent offsets {begin}..{end} for {dtype} {clip(shape, 80)}", "size")
+    if end > size - data_start:
+        raise RepackError(f"{p}: tensor {clip(name)} ends at byte {data_start + end}, past the end of the file "
+                          f"({size} bytes): the file is truncated, re-download it",
+                          {"file": p, "tensor": clip(name), "problem": "truncated"})
+    return info
+
+
+def _check_contiguous(tensors: dict[str, TensorInfo], p: str, data_start: int, data_len: int) -> None:
+    """Sorted by offset, the tensors run contiguously from data byte 0 to the end of the file."""
     pos, last = 0, None
     for info in sorted(tensors.values(), key=lambda t: (t.offset, t.nbytes)):
         begin = info.offset - data_start
         if begin < pos:
-            raise bad(info.name, f"overlaps tensor {clip(last, 100)} (bytes {begin}..{begin + info.nbytes} of the "
-                                 f"data, which runs to {pos} before it)", "overlap")
+            raise _corrupt(p, info.name, f"overlaps tensor {clip(last, 100)} (bytes {begin}..{begin + info.nbytes} "
+                                         f"of the data, which runs to {pos} before it)", "overlap")
         if begin > pos:
-            raise bad(info.name, f"starts at data byte {begin}, leaving {begin - pos} bytes unaccounted for "
-                                 f"before it (tensors must be contiguous from byte 0)", "gap")
+            raise _corrupt(p, info.name, f"starts at data byte {begin}, leaving {begin - pos} bytes unaccounted "
+                                         f"for before it (tensors must be contiguous from byte 0)", "gap")
         pos, last = begin + info.nbytes, info.name
     if pos != data_len:
         after = f"after tensor {clip(last)}" if last is not None else "and no tensor"
         raise RepackError(f"{p}: {data_len - pos} trailing bytes {after} (the data must end at the end of the "
                           f"file): the file is corrupt, re-download it",
                           {"file": p, "tensor": clip(last) if last is not None else None, "problem": "trailing"})
-    return SafetensorsHeader(path, tensors, meta, data_start, size, ident)
 
 
 class MappedFile:
@@ -418,8 +399,6 @@ class WriteError(RepackError):
 
     @property
     def no_space(self) -> bool:
-        import errno
-
         return self.errno in (errno.ENOSPC, errno.EDQUOT)
 
 

@@ -2,7 +2,8 @@
 (int8 weights per output channel with dynamic per-token int8 activations).
 
 Every module of this package that defines a scheme registers it with ``@register``; the package imports them
-all, so a new scheme is one module (plus its test) and the build, the command line and the report find it here.
+all, so a new scheme is one module (plus its test and its name in repack.choices.SCHEMES, which the parameter
+models check without importing numpy) and the build, the command line and the report find it here.
 """
 
 from __future__ import annotations
@@ -10,31 +11,12 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from ..errors import RepackError, clip
-from .base import ErrorStats, Output, Scheme, SchemeReport
-
 from ..choices import DEFAULT_SCHEME as DEFAULT
-REGISTRY: dict[str, type[Scheme]] = {}
+from ..choices import SCHEMES
+from tools.core.errors import param
 
-
-def register(cls: type[Scheme]) -> type[Scheme]:
-    if cls.name in REGISTRY and REGISTRY[cls.name] is not cls:
-        raise ValueError(f"two build schemes are named {cls.name!r}")
-    REGISTRY[cls.name] = cls
-    return cls
-
-
-def names() -> list[str]:
-    return sorted(REGISTRY)
-
-
-def get(name: str) -> type[Scheme]:
-    try:
-        return REGISTRY[name]
-    except (KeyError, TypeError):
-        raise RepackError(f"--scheme {clip(repr(name))}: unknown build scheme; choose one of {', '.join(names())}",
-                          {"option": "--scheme", "value": clip(name), "choices": names(),
-                           "problem": "unknown-scheme"}) from None
+from ..errors import RepackError
+from .base import REGISTRY, ErrorStats, Output, Scheme, SchemeOptions, SchemeReport, get, names, register
 
 
 def for_table(name: str, table: str) -> type[Scheme]:
@@ -43,8 +25,9 @@ def for_table(name: str, table: str) -> type[Scheme]:
     seen = {s.name}
     while table not in s.tables:
         if s.tables_via is None or s.tables_via in seen:
-            raise RepackError(f"--scheme {name}: no scheme quantizes the {table} table",
-                              {"option": "--scheme", "value": name, "table": table, "problem": "no-scheme-for-table"})
+            raise RepackError(f"{param('scheme')} {name}: no scheme quantizes the {table} table",
+                              {"option": "--scheme", "value": name, "table": table, "problem": "no-scheme-for-table"},
+                              field="scheme")
         s = get(s.tables_via)
         seen.add(s.name)
     return s
@@ -53,6 +36,9 @@ def for_table(name: str, table: str) -> type[Scheme]:
 for _m in pkgutil.iter_modules(__path__):
     if _m.name != "base":
         importlib.import_module(f"{__name__}.{_m.name}")
+if sorted(REGISTRY) != sorted(SCHEMES):  # the parameter models check names against that list
+    raise ImportError(f"repack/schemes registers {sorted(REGISTRY)}, but repack.choices.SCHEMES lists "
+                      f"{sorted(SCHEMES)}: add the new scheme's name there")
 
-__all__ = ["DEFAULT", "REGISTRY", "ErrorStats", "Output", "Scheme", "SchemeReport", "for_table", "get", "names",
-           "register"]
+__all__ = ["DEFAULT", "REGISTRY", "ErrorStats", "Output", "Scheme", "SchemeOptions", "SchemeReport", "for_table", "get",
+           "names", "register"]

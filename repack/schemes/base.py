@@ -18,14 +18,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
+from ..errors import unknown_scheme
 from ..report import RepackReport
 
-if TYPE_CHECKING:
-    from ..build import BuildOptions
+
+class SchemeOptions(Protocol):
+    """What a scheme reads of the build options (repack.params.BuildOptions): the target's arithmetic, the
+    objective the scales are chosen by, and the stored scale dtype."""
+
+    target_dtype: str | None
+    objective: str
+    scale_dtype: str | None
 
 
 def bf16_to_float(words: np.ndarray) -> np.ndarray:
@@ -59,7 +66,7 @@ class Scheme:
     Stats: ClassVar[type]                     # a SchemeStats: what record() merges and the report shows
 
     @classmethod
-    def quantize_blocks(cls, words: np.ndarray, options: "BuildOptions") -> tuple[np.ndarray, np.ndarray]:
+    def quantize_blocks(cls, words: np.ndarray, options: "SchemeOptions") -> tuple[np.ndarray, np.ndarray]:
         raise NotImplementedError
 
     @classmethod
@@ -67,7 +74,7 @@ class Scheme:
         raise NotImplementedError
 
     @classmethod
-    def outputs(cls, rows: int, cols: int, options: "BuildOptions") -> list[Output]:
+    def outputs(cls, rows: int, cols: int, options: "SchemeOptions") -> list[Output]:
         raise NotImplementedError
 
     @classmethod
@@ -76,7 +83,7 @@ class Scheme:
         return {}
 
     @classmethod
-    def quantize_rows(cls, words: np.ndarray, options: "BuildOptions", row0: int
+    def quantize_rows(cls, words: np.ndarray, options: "SchemeOptions", row0: int
                       ) -> tuple[dict[str, np.ndarray], Any]:
         """bf16 words [n, cols] (rows row0.. of a tensor) -> {output key: its n rows, little-endian}, stats."""
         raise NotImplementedError
@@ -99,7 +106,7 @@ class Scheme:
         per[table].merge(stats)
 
     @classmethod
-    def check_block(cls, stats: Any, tensor: str, options: "BuildOptions") -> None:
+    def check_block(cls, stats: Any, tensor: str, options: "SchemeOptions") -> None:
         """Raises the library's error when a block could not be encoded faithfully (nothing by default)."""
 
 
@@ -195,9 +202,30 @@ class SchemeReport(RepackReport):
 
 
 def _summary(name: str) -> str:
-    from . import get
-
     return get(name).summary
+
+
+# -- the registry (filled by the package, which imports every scheme module) ------------------------------------
+
+REGISTRY: dict[str, type[Scheme]] = {}
+
+
+def register(cls: type[Scheme]) -> type[Scheme]:
+    if cls.name in REGISTRY and REGISTRY[cls.name] is not cls:
+        raise ValueError(f"two build schemes are named {cls.name!r}")
+    REGISTRY[cls.name] = cls
+    return cls
+
+
+def names() -> list[str]:
+    return sorted(REGISTRY)
+
+
+def get(name: str) -> type[Scheme]:
+    try:
+        return REGISTRY[name]
+    except (KeyError, TypeError):
+        raise unknown_scheme(name, names()) from None
 
 
 def _cell(v: Any) -> str:
@@ -212,4 +240,5 @@ def _cell(v: Any) -> str:
     return str(v)
 
 
-__all__ = ["Output", "Scheme", "SchemeStats", "ErrorStats", "SchemeReport", "bf16_to_float"]
+__all__ = ["REGISTRY", "ErrorStats", "Output", "Scheme", "SchemeOptions", "SchemeReport", "SchemeStats",
+           "bf16_to_float", "get", "names", "register"]

@@ -13,21 +13,17 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from tools.core.errors import param
+
 from .. import config as cfgmod
 from .. import grid
 from ..errors import OffGridError
 from . import register
-from .base import Output, Scheme
+from ..choices import DEFAULT_OBJECTIVE, DEFAULT_TARGET
+from .base import Output, Scheme, SchemeOptions
 
 if TYPE_CHECKING:
-    from ..build import BuildOptions
     from .base import SchemeReport
-
-
-def _options(options: "BuildOptions | None") -> "BuildOptions":
-    from ..build import BuildOptions
-
-    return options if options is not None else BuildOptions()
 
 
 @register
@@ -38,11 +34,12 @@ class W4A16(Scheme):
     Stats = grid.GridStats
 
     @classmethod
-    def quantize_blocks(cls, words: np.ndarray, options: "BuildOptions | None" = None
+    def quantize_blocks(cls, words: np.ndarray, options: "SchemeOptions | None" = None
                         ) -> tuple[np.ndarray, np.ndarray]:
         """bf16 words [n_blocks, 32] -> (packed int32 [n_blocks, 4], scales float64 [n_blocks, 1])."""
-        opt = _options(options)
-        packed, scales, _ = grid.quantize(np.ascontiguousarray(words), opt.target_dtype, opt.objective)
+        target, objective = ((options.target_dtype, options.objective) if options is not None
+                             else (DEFAULT_TARGET, DEFAULT_OBJECTIVE))  # the build's defaults
+        packed, scales, _ = grid.quantize(np.ascontiguousarray(words), target, objective)
         return packed, scales
 
     @classmethod
@@ -51,7 +48,7 @@ class W4A16(Scheme):
         return grid.decode(q, scale)
 
     @classmethod
-    def outputs(cls, rows: int, cols: int, options: "BuildOptions") -> list[Output]:
+    def outputs(cls, rows: int, cols: int, options: "SchemeOptions") -> list[Output]:
         scale_st = "F16" if options.scale_dtype == "fp16" else "BF16"
         return [Output("packed", "weight_packed", "I32", (rows, cols // 8), rows * cols // 2),
                 Output("scale", "weight_scale", scale_st, (rows, cols // grid.GROUP), rows * cols // 16),
@@ -62,7 +59,7 @@ class W4A16(Scheme):
         return {"shape": np.array([rows, cols], dtype="<i8")}
 
     @classmethod
-    def quantize_rows(cls, words: np.ndarray, options: "BuildOptions", row0: int
+    def quantize_rows(cls, words: np.ndarray, options: "SchemeOptions", row0: int
                       ) -> tuple[dict[str, np.ndarray], grid.GridStats]:
         packed, scales, stats = grid.quantize(words, options.target_dtype, options.objective)
         return ({"packed": packed, "scale": grid.scales_to_bytes(scales, grid.SCALE_DTYPE[options.target_dtype])},
@@ -84,7 +81,7 @@ class W4A16(Scheme):
         report.tables[table].processed.merge(stats)
 
     @classmethod
-    def check_block(cls, stats: grid.GridStats, tensor: str, options: "BuildOptions") -> None:
+    def check_block(cls, stats: grid.GridStats, tensor: str, options: "SchemeOptions") -> None:
         if not stats.offgrid:
             return
         row, group, err, err_o = stats.first_offgrid  # type: ignore[misc]
@@ -93,5 +90,5 @@ class W4A16(Scheme):
             hint = "the group holds a NaN or an infinity, which no 4-bit level represents"
         elif err_o <= grid.TOL_ULPS:
             other = grid.other_target(options.target_dtype)  # type: ignore[arg-type]
-            hint = f"it is on the grid for {other}: try --target-dtype {other}"
+            hint = f"it is on the grid for {other}: try {param('target_dtype', other)}"
         raise OffGridError(tensor, row, group, err, hint)

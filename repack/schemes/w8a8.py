@@ -18,17 +18,14 @@ W8A8 build kept "the same int4 embeddings".
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from .. import config as cfgmod
 from ..errors import RepackError, clip
 from . import register
-from .base import ErrorStats, Output, Scheme, bf16_to_float
-
-if TYPE_CHECKING:
-    from ..build import BuildOptions
+from .base import ErrorStats, Output, Scheme, SchemeOptions, bf16_to_float
 
 QMAX = 127
 
@@ -43,7 +40,7 @@ class W8A8(Scheme):
     Stats = ErrorStats
 
     @classmethod
-    def quantize_blocks(cls, words: np.ndarray, options: "BuildOptions | None" = None
+    def quantize_blocks(cls, words: np.ndarray, options: "SchemeOptions | None" = None
                         ) -> tuple[np.ndarray, np.ndarray]:
         """bf16 words [n_blocks, block] (a block is an output row) -> (int8 [n_blocks, block], float32 scales
         [n_blocks, 1]). NaN/inf values are stored as 0 and left out of the peak (a build refuses them first:
@@ -64,19 +61,19 @@ class W8A8(Scheme):
         return q.astype(np.float64) * scale.astype(np.float64)
 
     @classmethod
-    def outputs(cls, rows: int, cols: int, options: "BuildOptions") -> list[Output]:
+    def outputs(cls, rows: int, cols: int, options: "SchemeOptions") -> list[Output]:
         return [Output("weight", "weight", "I8", (rows, cols), rows * cols),
                 Output("scale", "weight_scale", "F32", (rows, 1), rows * 4)]
 
     @classmethod
-    def quantize_rows(cls, words: np.ndarray, options: "BuildOptions", row0: int
+    def quantize_rows(cls, words: np.ndarray, options: "SchemeOptions", row0: int
                       ) -> tuple[dict[str, np.ndarray], ErrorStats]:
         q, scale = cls.quantize_blocks(words, options)
         stats = ErrorStats.of(bf16_to_float(words), cls.dequantize_blocks(q, scale), row0)
         return {"weight": q, "scale": scale.astype("<f4")}, stats
 
     @classmethod
-    def check_block(cls, stats: ErrorStats, tensor: str, options: "BuildOptions") -> None:
+    def check_block(cls, stats: ErrorStats, tensor: str, options: "SchemeOptions") -> None:
         # no int8 level represents NaN or an infinity: a weight holding one is corrupt, not something to zero
         if stats.first_nonfinite is not None:
             row, col = stats.first_nonfinite

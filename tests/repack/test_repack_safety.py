@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from repack import atomic, grid
+from repack import grid
 from tools.cli import repack_cli as cli
+from tools.core import atomic, atomic_leftovers as leftovers, atomic_renames as renames
 from repack.build import BuildOptions, build_checkpoint
 from repack.checkpoint import open_checkpoint
 from repack.errors import RepackError
@@ -196,14 +197,14 @@ WRITTEN_AFTER = {"publish": False, "exchanged": True, "old-aside": True, "publis
 
 
 def _no_exchange(monkeypatch):
-    real = atomic._renameat2
+    real = renames.renameat2
 
     def fake(a, b, flags):
-        if flags == atomic.RENAME_EXCHANGE:
+        if flags == renames.RENAME_EXCHANGE:
             raise OSError(errno.EINVAL, "Invalid argument")
         return real(a, b, flags)
 
-    monkeypatch.setattr(atomic, "_renameat2", fake)
+    monkeypatch.setattr(renames, "renameat2", fake)
 
 
 @pytest.fixture
@@ -255,15 +256,15 @@ def test_error_at_each_step_of_the_swap(src, old_build, tmp_path, monkeypatch, m
 _KILL_CHILD = """
 import os, signal, sys
 sys.path.insert(0, {root!r})
-from repack import atomic
+from tools.core import atomic, atomic_renames as renames
 from tools.cli import repack_cli as cli
 if {no_exchange}:
-    real = atomic._renameat2
+    real = renames.renameat2
     def fake(a, b, flags):
-        if flags == atomic.RENAME_EXCHANGE:
+        if flags == renames.RENAME_EXCHANGE:
             raise OSError(22, "Invalid argument")
         return real(a, b, flags)
-    atomic._renameat2 = fake
+    renames.renameat2 = fake
 def step(s):
     if s == {step!r}:
         os.kill(os.getpid(), signal.SIGKILL)
@@ -300,7 +301,7 @@ def test_sigkill_at_each_step_then_the_next_build_recovers(src, old_build, tmp_p
 def _dead_owner() -> tuple[int, int]:
     p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
-        start = atomic._start_ms(p.pid)
+        start = leftovers.start_ms(p.pid)
     finally:
         p.kill()
         p.wait()
@@ -328,28 +329,28 @@ def test_renameat2_through_the_raw_syscall(tmp_path, monkeypatch):
     import ctypes
     import platform
 
-    if platform.machine() not in atomic._SYS_RENAMEAT2:
+    if platform.machine() not in renames._SYS_RENAMEAT2:
         pytest.skip(f"no renameat2 syscall number known for {platform.machine()}")
     libc = ctypes.CDLL(None, use_errno=True)
-    monkeypatch.setattr(atomic, "_libc", type("NoWrapper", (), {"syscall": libc.syscall})())
+    monkeypatch.setattr(renames, "_libc", type("NoWrapper", (), {"syscall": libc.syscall})())
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir()
     b.mkdir()
     (a / "x").write_text("a")
     (b / "y").write_text("b")
-    atomic._renameat2(a, b, atomic.RENAME_EXCHANGE)
+    renames.renameat2(a, b, renames.RENAME_EXCHANGE)
     assert (a / "y").read_text() == "b" and (b / "x").read_text() == "a"
     with pytest.raises(FileExistsError):
-        atomic._renameat2(a, b, atomic.RENAME_NOREPLACE)
+        renames.renameat2(a, b, renames.RENAME_NOREPLACE)
 
 
 def test_exchange_is_what_publishes_by_default(src, old_build, monkeypatch):
     calls = []
-    real = atomic._renameat2
-    monkeypatch.setattr(atomic, "_renameat2", lambda a, b, f: (calls.append(f), real(a, b, f))[1])
+    real = renames.renameat2
+    monkeypatch.setattr(renames, "renameat2", lambda a, b, f: (calls.append(f), real(a, b, f))[1])
     monkeypatch.setattr(atomic.os, "rename", lambda *a: pytest.fail("a plain rename was used"))
     build_checkpoint(src, old_build, BuildOptions(force=True))
-    assert calls == [atomic.RENAME_EXCHANGE] and _kind(old_build) == "new"
+    assert calls == [renames.RENAME_EXCHANGE] and _kind(old_build) == "new"
 
 
 # -- 3. leftovers of killed builds; builds in worker threads ----------------------------------------------------
@@ -481,7 +482,7 @@ def test_liveness_is_the_lock_not_the_pid(src, tmp_path):
     """A partial whose lock is held is live even when the pid in its name is dead (a build in another PID
     namespace names itself by a pid of that namespace); one whose lock is free is stale whatever its pid says;
     one without a lock file is not a build's leftover and is left alone."""
-    pid, start = atomic._own_id()
+    pid, start = leftovers.own_id()
     dead_pid, dead_start = _dead_owner()
     dead = f"{dead_pid}-{dead_start}-0123abcd"
     held = _fake_leftover(tmp_path, "a", dead)
@@ -491,7 +492,7 @@ def test_liveness_is_the_lock_not_the_pid(src, tmp_path):
                               stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
-        assert [lo.path.name for lo in atomic.find_stale_partials(tmp_path)] == [free.name]
+        assert [lo.path.name for lo in leftovers.find_stale_partials(tmp_path)] == [free.name]
         rep = build_checkpoint(src, tmp_path / "out", BuildOptions())
         assert held.exists() and foreign.exists() and not free.exists()
         assert [free.name in ln for ln in rep.removed_partials] == [True]
@@ -581,7 +582,8 @@ def test_cleanup_own_partials_removes_a_stuck_builds_folder(src, tmp_path, fresh
 _SERVER_CHILD = """
 import os, signal, sys, threading, time
 sys.path.insert(0, {root!r})
-from repack import atomic, grid
+from repack import grid
+from tools.core import atomic
 from repack.build import BuildOptions, build_checkpoint
 """ + _SLOW_QUANTIZE + """def on_term(signum, frame):
     atomic.cleanup_own_partials()
@@ -656,7 +658,7 @@ def test_rename_race_enotempty(src, tmp_path, capsys, monkeypatch):
     def no_renameat2(a, b, flags):
         raise OSError(errno.ENOSYS, "Function not implemented")
 
-    monkeypatch.setattr(atomic, "_renameat2", no_renameat2)
+    monkeypatch.setattr(renames, "renameat2", no_renameat2)
     monkeypatch.setattr(atomic.os, "rename", racing)
     rc, err = repack_cli(capsys, "build", src, out)
     assert rc == 2

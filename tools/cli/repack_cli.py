@@ -11,7 +11,16 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+from repack.build import build_checkpoint
+from repack.checks import check_disk, check_source, protected_folders
 from repack.errors import RepackError
+from repack.params import BuildOptions, BuildParams, ProbeParams
+from repack.probe import probe_checkpoint
+from tools.cli.commands import CLI
+from tools.core.atomic import resolve_output, signals_as_exceptions
+from tools.core.atomic_leftovers import find_stale_partials
+from tools.core.errors import ToolFailure
+from tools.core.paths import check_no_symlink_loop
 
 EXIT_BAD_INPUT = 2
 
@@ -49,8 +58,6 @@ STEP_FLAGS = frozenset({"source", "output", "target_dtype", "objective", "scale_
 
 def build_parser(p: argparse.ArgumentParser, *, only: frozenset[str] | None = None) -> None:
     """BuildParams' flags (only those named in `only`, if given), plus --json."""
-    from repack.params import BuildParams
-
     skip = frozenset() if only is None else frozenset(BuildParams.model_fields) - only
     BuildParams.add_cli_args(p, exclude=skip)
     if only is None or "quantize_linears" in only:  # the older spelling of --no-quantize-linears
@@ -61,48 +68,36 @@ def build_parser(p: argparse.ArgumentParser, *, only: frozenset[str] | None = No
 
 def build_from_args(args: argparse.Namespace, **fixed) -> int:
     """Parse the flags into BuildParams (fixed: what a step script decides) and run the build."""
-    from repack.params import BuildParams
-
     try:
         params = BuildParams.from_cli_args(args, **fixed)
         options = params.options()
-    except RepackError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    except ToolFailure as e:
+        return _failed(e)
     return run_build(params.source, params.output, options, args.json)
 
 
-def protected_folders() -> list[Path]:
-    """What a command-line build may never replace or wrap: the working folder and the home folder (and, as for
-    every build, the file system root)."""
-    folders = [Path.cwd()]
-    try:
-        folders.append(Path.home())
-    except (RuntimeError, KeyError):  # no HOME and no passwd entry
-        pass
-    return folders
+def _failed(e: ToolFailure) -> int:
+    """A failure as the command line prints it: one line, parameters as flags, operations as commands."""
+    print(f"error: {e.render(CLI)}", file=sys.stderr)
+    return EXIT_BAD_INPUT
 
 
-def run_build(src: str, out: str, options, as_json: bool = False) -> int:
+def run_build(src: str, out: str, options: BuildOptions, as_json: bool = False) -> int:
     """Runs a build and prints its report; every failure is one line on stderr and status 2; a signal exits
     128 + its number (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP)."""
-    from repack.atomic import resolve_output, signals_as_exceptions
-    from repack.build import build_checkpoint
-
-    refused = _preflight(src, out)
-    if refused:
-        print(f"error: {refused}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    try:
+        _preflight(src, out)
+    except ToolFailure as e:
+        return _failed(e)
     update, close = progress_bar()
     try:
         with signals_as_exceptions():
             report = build_checkpoint(src, out, options, progress=update,
                                       protected_roots=protected_folders(),
                                       notice=lambda line: print(f"repack: {line}", file=sys.stderr))
-    except RepackError as e:
+    except ToolFailure as e:
         close()
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return _failed(e)
     except KeyboardInterrupt as e:
         close()
         return _stopped(e, str(resolve_output(out)))
@@ -127,30 +122,25 @@ def _stopped(e: KeyboardInterrupt, out: str | None = None) -> int:
     return 128 + signum
 
 
-def _preflight(src: str, out: str) -> str | None:
-    """The deployment preflight's repack checks (the source's config.json, free disk for what the build writes
-    plus headroom): the first failing check's line, or None."""
+def _preflight(src: str, out: str) -> None:
+    """The repack's own checks before the build (repack.checks: the source's config.json, free disk for what the
+    build writes plus headroom); raises the first failing one, named by its check as the deployment preflight
+    names it (`source: ...`, `disk: ...`)."""
     try:
         is_dir = stat.S_ISDIR(os.stat(src).st_mode)
     except (OSError, ValueError):
         is_dir = False
     if not is_dir:  # the library's own error says what is wrong with it (missing, a file, a loop, a long name)
-        return None
-    from tools.core.errors import ToolFailure
-    from tools.serving.preflight import ensure
-
-    from repack.atomic import resolve_output
-
-    try:
-        ensure("repack", source=Path(os.path.abspath(src)), out=resolve_output(out))
-    except ToolFailure as e:
-        return str(e)
-    return None
+        return
+    source = Path(os.path.abspath(src))
+    for name, check in (("source", lambda: check_source(source)), ("disk", lambda: check_disk(source, out))):
+        try:
+            check()
+        except RepackError as e:
+            raise RepackError(f"{name}: {e.message}", e.detail, field=e.field) from None
 
 
 def main(argv: list[str] | None = None) -> int:
-    from repack.params import ProbeParams
-
     ap = argparse.ArgumentParser(prog="python3 -m repack", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
     build_parser(sub.add_parser("build", help="SRC to the final build in one pass (no intermediate checkpoint)"))
@@ -161,17 +151,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.cmd == "build":
         return build_from_args(args)
-    from repack.atomic import check_no_symlink_loop, find_stale_partials, signals_as_exceptions
-    from repack.probe import probe_checkpoint
-
     try:
         with signals_as_exceptions():
             params = ProbeParams.from_cli_args(args)
             check_no_symlink_loop(params.path, "source folder")
             rep = probe_checkpoint(params.path, rows_per_tensor=params.rows)
-    except RepackError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    except ToolFailure as e:
+        return _failed(e)
     except KeyboardInterrupt as e:
         return _stopped(e)
     # read-only: leftovers of dead builds beside SRC are only reported; the next build there removes them

@@ -5,6 +5,9 @@ a root of the right kind: "models" (checkpoints read and written, served models)
 token records, reports). Relative paths resolve against the first root of their kind. Anything else is refused
 with a one-line error naming the path and the roots, so the agent can retry with an allowed path.
 
+The same rules hold where a file is opened (`open_confined`: checked on the open descriptor, so a link swapped
+after a check cannot redirect the read) and where only a name is checked (`inside`).
+
 Roots come from `--models-root` / `--evidence-root` on the server command line, else from the environment
 (`GEMMA4_T4_MODELS_ROOTS`, `GEMMA4_T4_EVIDENCE_ROOTS`, os.pathsep-separated), else the project's own
 `models/` and `evidence/` folders.
@@ -12,12 +15,15 @@ Roots come from `--models-root` / `--evidence-root` on the server command line, 
 
 from __future__ import annotations
 
+import errno
 import os
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Callable, Literal, Sequence
 
+from tools.core.errors import BadInput
 from tools.core.root import PROJECT_ROOT
 from tools.core.text import clip
 
@@ -28,7 +34,9 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
 # Longest file name and path Linux file systems take (ext4, xfs, tmpfs): longer ones fail every system call with
 # ENAMETOOLONG, so they are refused here, naming the argument, rather than as an OSError from somewhere later.
 NAME_MAX, PATH_MAX = 255, 4096
-
+# Where a file opened through open_confined may resolve: (what the folders are, for the message; the folders),
+# one group after another, each of which must hold it.
+Within = Sequence[tuple[str, Sequence[Path]]]
 
 
 class PathNotAllowed(ValueError):
@@ -50,6 +58,122 @@ def _check_length(text: str, what: str) -> None:
 
 def _resolve(p: str | Path) -> Path:
     return Path(os.path.realpath(Path(p).expanduser()))
+
+
+def inside(path: str | Path, folder: str | Path) -> bool:
+    """`path` is `folder` or below it, by name (both as given: resolve them first where links matter)."""
+    p, f = Path(path), Path(folder)
+    return p == f or f in p.parents
+
+
+def inside_any(path: str | Path, folders: Sequence[str | Path]) -> bool:
+    return any(inside(path, f) for f in folders)
+
+
+class FileRefused(BadInput):
+    """A file of a checkpoint folder that is not read: missing, a loop or broken link, not a regular file, or a
+    link out of the folders it must stay in. `detail` names the file and the problem."""
+
+
+def open_error(path: Path, e: OSError) -> FileRefused:
+    """The one-line message for a file that cannot be opened (a symlink loop is not "no such file")."""
+    if e.errno == errno.ELOOP:
+        why, code = "a symlink loop (the link points, directly or through others, back to itself)", "symlink-loop"
+    elif e.errno == errno.ENOENT and os.path.islink(path):
+        why, code = "a broken symlink (its target does not exist)", "broken-symlink"
+    elif e.errno == errno.ENOENT:
+        why, code = "no such file", "missing"
+    else:
+        why, code = f"cannot read ({e.strerror or e})", "unreadable"
+    return FileRefused(f"{clip(path)}: {why}; fix the checkpoint folder or re-download it",
+                       {"file": clip(path), "problem": code})
+
+
+def open_confined(path: Path, within: Within = ()) -> int:
+    """Opens a regular file read-only. With `within`, the file actually opened must lie inside one folder of
+    every group, checked on the open descriptor (so a link swapped after a check cannot redirect the read).
+
+    The error never says where a link outside points: that would tell a client what lies outside its roots."""
+    try:
+        # O_NONBLOCK: opening a FIFO (or a link to one) would otherwise wait forever for a writer
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise open_error(path, e) from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise FileRefused(f"{clip(path)}: not a regular file; pass a checkpoint whose shards are files",
+                              {"file": clip(path), "problem": "not-a-file"})
+        os.set_blocking(fd, True)
+        if within:
+            try:
+                real = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                real = os.path.realpath(path)
+            for label, dirs in within:
+                if not inside_any(real, dirs):
+                    raise FileRefused(f"{clip(path)}: a link to a file outside {label}, which is not read; copy "
+                                      f"the file itself into the checkpoint folder",
+                                      {"file": clip(path), "problem": "outside"})
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def check_no_symlink_loop(path: str | Path, what: str = "folder") -> None:
+    """Raises FileRefused when a symbolic link in `path` loops (the OS answers ELOOP, not 'no such file')."""
+    try:
+        os.stat(path)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise FileRefused(f"{path}: symlink loop: a symbolic link on the way to the {what} points back into "
+                              f"itself; fix or remove that link") from None
+
+
+def folder_dirs(real: Path) -> list[Path]:
+    """The folders a checkpoint's files may resolve into: the folder itself, and for a Hugging Face cache
+    snapshot (models--OWNER--NAME/snapshots/REV, whose files link to ../../blobs) that repository's blobs."""
+    dirs = [real]
+    if real.parent.name == "snapshots" and real.parent.parent.name.startswith("models--"):
+        dirs.append(real.parent.parent / "blobs")
+    return dirs
+
+
+def confinement(src: str | Path, roots: Sequence[str | Path] | None = None) -> Within:
+    """Where a checkpoint's files may resolve: inside the folder (a hub cache snapshot's blobs included) and, when
+    roots are given, inside one of them too."""
+    within: list[tuple[str, Sequence[Path]]] = [("the checkpoint folder", folder_dirs(Path(os.path.realpath(src))))]
+    if roots:
+        within.append(("the allowed roots", [Path(os.path.realpath(r)) for r in roots]))
+    return tuple(within)
+
+
+def folder_files(folder: Path, within: Within, wanted: Callable[[str], bool] = lambda name: True) -> list[Path]:
+    """The files directly in `folder` whose names are `wanted` (hidden ones and folders aside), each opened through
+    open_confined: a symlink loop, a broken link or a link outside `within` is refused."""
+    out = []
+    try:
+        names = sorted(folder.iterdir())
+    except OSError as e:  # a folder that can be searched but not listed (mode 311): its config reads, this fails
+        raise FileRefused(f"{clip(folder)}: cannot list the folder ({e.strerror or e}); make it readable or copy "
+                          f"the checkpoint to a folder you can read", {"file": clip(folder), "problem": "unlistable"}
+                          ) from None
+    for p in names:
+        if p.name.startswith(".") or not wanted(p.name) or not (p.is_symlink() or p.is_file()):
+            continue
+        if p.is_symlink() and p.is_dir():
+            continue
+        os.close(open_confined(p, within))
+        out.append(p)
+    return out
+
+
+def check_folder_files(src: str | Path, roots: Sequence[str | Path] | None = None) -> None:
+    """Every file a server would load from the checkpoint folder `src` (config, weights, tokenizer, templates)
+    passes the checks a repack's reads apply; raises FileRefused naming the first that does not.
+
+    For callers that hand the folder to another reader (vLLM): it follows links wherever they lead."""
+    folder_files(Path(src), confinement(src, roots))
 
 
 @dataclass(frozen=True)
@@ -100,7 +224,7 @@ class Roots:
         except (OSError, RuntimeError, ValueError):
             raise PathNotAllowed(f"{what} {clip(text)} cannot be resolved (a symlink loop?)", what, text,
                                  "unresolvable") from None
-        if not any(resolved == r or r in resolved.parents for r in roots):
+        if not inside_any(resolved, roots):
             allowed = ", ".join(str(r) for r in roots)
             raise PathNotAllowed(f"{what} {clip(text)} is outside the {kind} roots ({allowed}); use a path under "
                                  f"one of them or start the server with --{kind}-root", what, text, "outside-roots")
@@ -139,11 +263,13 @@ class Roots:
             raise PathNotAllowed(f"{what} {clip(text)} is not a checkpoint folder (no config.json, or a models "
                                  f"root itself); give the folder repack_checkpoint wrote", what, text,
                                  "not-a-checkpoint")
-        from repack.checkpoint import check_files
-        from repack.errors import RepackError
-
         try:
-            check_files(folder, self.models)
-        except RepackError as exc:
+            check_folder_files(folder, self.models)
+        except FileRefused as exc:
             raise PathNotAllowed(f"{what} {clip(text)}: {exc}", what, text, "links-out") from None
         return folder
+
+
+__all__ = ["ENV", "HUB_ID", "NAME_MAX", "PATH_MAX", "FileRefused", "Kind", "PathNotAllowed", "Roots", "Within",
+           "check_folder_files", "check_no_symlink_loop", "confinement", "folder_dirs", "folder_files", "inside",
+           "inside_any", "open_confined", "open_error"]

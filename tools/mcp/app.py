@@ -108,7 +108,7 @@ class App:
 def remove_partial_builds() -> None:
     """Removes the partial build folders this process's repacks left (the repack library tracks the ones it
     owns), after asking any build still running in a worker thread to stop."""
-    from repack.atomic import cleanup_own_partials
+    from tools.core.atomic import cleanup_own_partials
 
     cleanup_own_partials()
 

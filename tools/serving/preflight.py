@@ -150,7 +150,7 @@ def _dir_bytes(path: Path) -> int:
 
 def _free_bytes(path: Path) -> tuple[Path, int]:
     """Free bytes on the filesystem that `path` (or its nearest existing parent) lives on."""
-    from repack.atomic import existing_ancestor  # (os.path.exists: a name too long is not an error here)
+    from tools.core.atomic import existing_ancestor  # (os.path.exists: a name too long is not an error here)
 
     p = path if os.path.exists(path) else existing_ancestor(path)
     return p, shutil.disk_usage(p).free
