@@ -208,9 +208,9 @@ def test_full_disk_on_a_real_small_file_system(tmp_path, capsys, monkeypatch):
             raise OSError(errno.ENOSPC, "No space left on device")
         monkeypatch.setattr(safetensors_io.os, "posix_fallocate", no_space)
     monkeypatch.setattr(build_mod, "_free_bytes", lambda out: None)  # reach the writer, not the pre-check
-    from tools.serving import preflight
+    from tools.serving import disk
 
-    monkeypatch.setattr(preflight, "_free_bytes", lambda p: (p, 1 << 40))  # nor the command's preflight
+    monkeypatch.setattr(disk, "free_bytes", lambda p: (p, 1 << 40))  # nor the command's preflight
     big = write_small_checkpoint(tmp_path / "big", extra={
         "model.language_model.embed_tokens_per_layer.weight":
             ("BF16", (4096, 128), grid_words(4096, 128, np.random.default_rng(1)).tobytes())})
