@@ -23,6 +23,7 @@ from tools.serving import turing_patch
 from tools.core.errors import ToolFailure
 from fixtures import fake_t4_hardware, group_alive
 from tools.serving.vllm_server import server_status, start_server, stop_server
+from tools.cli.commands import CLI
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ["abcdef", "The quick brown fox", "0123456789", "Gemma on a T4", "zyxw vut"]
@@ -132,7 +133,7 @@ def test_status_and_query_of_a_shared_server(emb4_server):
 def test_second_start_is_refused(emb4_server):
     with pytest.raises(ToolFailure, match="already running") as exc:
         start_server(emb4_server)
-    assert "./vllm-t4 stop" in str(exc.value)
+    assert "./vllm-t4 stop" in exc.value.render(CLI)
     assert server_status(emb4_server).healthy
 
 
