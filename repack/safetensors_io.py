@@ -19,35 +19,35 @@ import struct
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
-import numpy as np
 
 from tools.core import paths
 from tools.core.paths import Within
 
 from .errors import RepackError, clip, core_refusals
 
-# safetensors dtype name -> (numpy dtype used to view the raw bytes, bytes per element)
-DTYPES: dict[str, tuple[np.dtype, int]] = {
-    "BF16": (np.dtype("<u2"), 2),  # bf16 is handled as raw 16-bit words
-    "F16": (np.dtype("<f2"), 2),
-    "F32": (np.dtype("<f4"), 4),
-    "F64": (np.dtype("<f8"), 8),
-    "I8": (np.dtype("i1"), 1),
-    "U8": (np.dtype("u1"), 1),
-    "I16": (np.dtype("<i2"), 2),
-    "U16": (np.dtype("<u2"), 2),
-    "I32": (np.dtype("<i4"), 4),
-    "U32": (np.dtype("<u4"), 4),
-    "I64": (np.dtype("<i8"), 8),
-    "U64": (np.dtype("<u8"), 8),
-    "BOOL": (np.dtype("?"), 1),
-    "F8_E4M3": (np.dtype("u1"), 1),
-    "F8_E5M2": (np.dtype("u1"), 1),
+if TYPE_CHECKING:
+    import numpy as np
+
+# safetensors dtype name -> (the numpy dtype that views its raw bytes, bytes per element)
+DTYPES: dict[str, tuple[str, int]] = {
+    "BF16": ("<u2", 2),  # bf16 is handled as raw 16-bit words
+    "F16": ("<f2", 2),
+    "F32": ("<f4", 4),
+    "F64": ("<f8", 8),
+    "I8": ("i1", 1),
+    "U8": ("u1", 1),
+    "I16": ("<i2", 2),
+    "U16": ("<u2", 2),
+    "I32": ("<i4", 4),
+    "U32": ("<u4", 4),
+    "I64": ("<i8", 8),
+    "U64": ("<u8", 8),
+    "BOOL": ("?", 1),
+    "F8_E4M3": ("u1", 1),
+    "F8_E5M2": ("u1", 1),
 }
-NUMPY_TO_ST = {np.dtype("<f2"): "F16", np.dtype("<i4"): "I32", np.dtype("<i8"): "I64", np.dtype("<u2"): "BF16",
-               np.dtype("<f4"): "F32"}
 MAX_HEADER = 100 * 1024 * 1024  # the safetensors library's own limit
 PAGE = mmap.PAGESIZE
 
@@ -263,6 +263,8 @@ class MappedFile:
         """The bytes [start, start+length) of a tensor's data as a uint8 array (no copy)."""
         if length is None:
             length = info.nbytes - start
+        import numpy as np  # only a build views tensors; the checks before it read headers alone
+
         return np.frombuffer(self._mm, dtype=np.uint8, count=length, offset=info.offset + start)
 
     def release(self, info: TensorInfo, start: int, length: int) -> None:

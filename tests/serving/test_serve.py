@@ -23,6 +23,7 @@ from tools.serving import turing_patch
 from tools.core.errors import ToolFailure
 from fixtures import fake_t4_hardware, group_alive
 from tools.serving.vllm_server import server_status, start_server, stop_server
+from tools.cli.commands import CLI
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ["abcdef", "The quick brown fox", "0123456789", "Gemma on a T4", "zyxw vut"]
@@ -132,7 +133,7 @@ def test_status_and_query_of_a_shared_server(emb4_server):
 def test_second_start_is_refused(emb4_server):
     with pytest.raises(ToolFailure, match="already running") as exc:
         start_server(emb4_server)
-    assert "./vllm-t4 stop" in str(exc.value)
+    assert "./vllm-t4 stop" in exc.value.render(CLI)
     assert server_status(emb4_server).healthy
 
 
@@ -191,13 +192,13 @@ def test_turing_gpu_needs_the_clamp_then_memory_needs_swap(tmp_path, serve_confi
 
 
 def test_state_file_of_a_dead_server_is_detected_and_cleared(serve_config_factory, tmp_path):
-    from tools.serving.vllm_server import ServerState, _write_state
+    from tools.serving.state import ServerState, write_state
 
     cfg = serve_config_factory(tmp_path, "ghost")
     gone = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
     create_time = psutil.Process(gone.pid).create_time()
     gone.wait()
-    _write_state(cfg, ServerState(pid=gone.pid, pgid=gone.pid, create_time=create_time, host=cfg.host,
+    write_state(cfg, ServerState(pid=gone.pid, pgid=gone.pid, create_time=create_time, host=cfg.host,
                                   port=cfg.port, base_url=cfg.base_url, model="m", served_name="ghost",
                                   argv=["x"], platform="cpu", started_at="2026-01-01T00:00:00+00:00",
                                   started_ts=0.0, log_path=str(cfg.log_file)))
@@ -208,13 +209,13 @@ def test_state_file_of_a_dead_server_is_detected_and_cleared(serve_config_factor
 
 
 def test_a_recycled_pid_is_never_signalled(serve_config_factory, tmp_path):
-    from tools.serving.vllm_server import ServerState, _write_state
+    from tools.serving.state import ServerState, write_state
 
     cfg = serve_config_factory(tmp_path, "recycled")
     # A live process group that is not ours, at the pid the state file names (as if the pid had been reused).
     other = subprocess.Popen(["sleep", "60"], start_new_session=True)
     try:
-        _write_state(cfg, ServerState(pid=other.pid, pgid=other.pid, create_time=1.0, host=cfg.host,
+        write_state(cfg, ServerState(pid=other.pid, pgid=other.pid, create_time=1.0, host=cfg.host,
                                       port=cfg.port, base_url=cfg.base_url, model="m", served_name="recycled",
                                       argv=["x"], platform="cpu", started_at="2026-01-01T00:00:00+00:00",
                                       started_ts=0.0, log_path=str(cfg.log_file)))
@@ -276,9 +277,9 @@ class FakeT4WithVram(FakeT4):
 
 def _adopt(cfg, proc: subprocess.Popen, platform: str = "cpu") -> None:
     """Records a process this test started as if it were the server (its own session, so pgid == pid)."""
-    from tools.serving.vllm_server import ServerState, _write_state
+    from tools.serving.state import ServerState, write_state
 
-    _write_state(cfg, ServerState(pid=proc.pid, pgid=proc.pid, create_time=psutil.Process(proc.pid).create_time(),
+    write_state(cfg, ServerState(pid=proc.pid, pgid=proc.pid, create_time=psutil.Process(proc.pid).create_time(),
                                   host=cfg.host, port=cfg.port, base_url=cfg.base_url, model="m", served_name="fake",
                                   argv=["fake"], platform=platform, started_at="2026-01-01T00:00:00+00:00",
                                   started_ts=time.time() - 5, log_path=str(cfg.log_file)))
@@ -382,10 +383,10 @@ def test_an_interrupt_between_launch_and_state_file_ends_the_server(serve_config
     that, the server would run on with nothing pointing at it."""
     import signal
 
-    from tools.serving import vllm_server
+    from tools.serving import state
 
     cfg = _stand_in_start(serve_config_factory, tmp_path, monkeypatch, "interrupted-launch")
-    real_write = vllm_server._write_state
+    real_write = state.write_state
     seen: dict = {}
 
     def write_after_an_interrupt(cfg_, state):
@@ -396,7 +397,7 @@ def test_an_interrupt_between_launch_and_state_file_ends_the_server(serve_config
         real_write(cfg_, state)
         seen["written"] = cfg_.state_file.exists()
 
-    monkeypatch.setattr(vllm_server, "_write_state", write_after_an_interrupt)
+    monkeypatch.setattr(state, "write_state", write_after_an_interrupt)
     # Ctrl-C as Python handles it by default, whatever an earlier test in this worker left installed
     before = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:

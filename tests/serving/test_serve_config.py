@@ -145,17 +145,17 @@ def _model_with_limit(tmp_path, limit: int, nested: bool):
 
 @pytest.mark.parametrize("nested", [False, True])
 def test_max_model_len_from_tpu_env_is_fitted_to_the_model(tmp_path, monkeypatch, nested):
-    from tools.serving.vllm_server import _fit_to_model
+    from tools.serving.launch import fit_to_model
 
     monkeypatch.delenv("MAX_MODEL_LEN", raising=False)
     model = _model_with_limit(tmp_path, 2048, nested)
     cfg = load_config(DEFAULT_ENV_FILE, model=str(model), served_name="s")
     assert cfg.max_model_len == 16384 and not cfg.given_for_this_start("max_model_len")
-    fitted, note = _fit_to_model(cfg)
+    fitted, note = fit_to_model(cfg)
     assert fitted.max_model_len == 2048
     assert "--max-model-len 2048" in " ".join(fitted.vllm_argv("cpu"))
     assert "16384" in note and "2048" in note
-    same, none = _fit_to_model(load_config(DEFAULT_ENV_FILE, model=str(model), served_name="s", max_model_len=1024))
+    same, none = fit_to_model(load_config(DEFAULT_ENV_FILE, model=str(model), served_name="s", max_model_len=1024))
     assert same.max_model_len == 1024 and none is None
 
 

@@ -81,8 +81,8 @@ class ToolFailure(Exception):
 
     def __init__(self, message: str, detail: dict[str, Any] | None = None, *, field: str | None = None) -> None:
         # One line: the CLI prints it as the whole reason, MCP clients show it as the error text.
-        # (split on spaces only: str.split() would also take the marks, \x1e and \x1f, for whitespace)
-        self.message = " ".join(re.split(r"[ \t\n\r\v\f]+", str(message).strip(" \t\n\r\v\f")))
+        # (str.split would take the marks, \x1e and \x1f, for whitespace too)
+        self.message = re.sub(r"[^\S\x1e\x1f]+", " ", str(message)).strip(" ")
         self.detail = detail
         self.field = field
         super().__init__(render(self.message))

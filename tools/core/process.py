@@ -1,25 +1,146 @@
-"""Child processes: ending a process group, and the environment of a Python child that runs this checkout."""
+"""Processes: which one a recorded pid still is, ending a process group (the project's one group killer), who
+holds a port, and the environment of a Python child that runs this checkout."""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
+import time
 from pathlib import Path
+from typing import NamedTuple
+
+import psutil
+
+# A recorded start time matches when within this many seconds (psutil's clock and a state file's float).
+_SAME_START_S = 1.0
+
+
+def reap(pid: int) -> None:
+    """Collects the exit status of a child of this process, so it does not linger as a zombie."""
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+
+
+def is_running(proc: psutil.Process) -> bool:
+    """Alive and not a zombie."""
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def same_process(pid: int, create_time: float) -> psutil.Process | None:
+    """The process of `pid` if it is still the one recorded (same pid AND start time) and alive; None when it is
+    gone or the pid was recycled by an unrelated process."""
+    reap(pid)
+    try:
+        proc = psutil.Process(pid)
+        if abs(proc.create_time() - create_time) > _SAME_START_S:
+            return None
+        return proc if is_running(proc) else None
+    except psutil.Error:
+        return None
+
+
+def pid_recycled(pid: int, create_time: float) -> bool:
+    """True when another process now has the recorded pid. Linux does not hand out a pid that is still some
+    group's id, so the group of that number is then the newcomer's: nothing of it may be signalled."""
+    try:
+        return abs(psutil.Process(pid).create_time() - create_time) > _SAME_START_S
+    except psutil.Error:
+        return False
+
+
+def group_members(pgid: int) -> list[psutil.Process]:
+    """Live processes of a process group. A pgid is not reused while any member lives, so these are ours."""
+    members = []
+    for proc in psutil.process_iter():
+        try:
+            if os.getpgid(proc.pid) == pgid and is_running(proc):
+                members.append(proc)
+        except (ProcessLookupError, PermissionError, psutil.Error):
+            continue
+    return members
+
+
+class GroupEnd(NamedTuple):
+    signal: str | None          # the last signal needed: SIGTERM, or SIGKILL after the grace period; None: none ran
+    pids: list[int]             # the group's processes when it was asked to end
+    remaining: list[int]        # those still there after SIGKILL (a process in uninterruptible sleep)
+
+
+def end_group(pgid: int, grace_s: float = 10, *, leader: subprocess.Popen | int | None = None) -> GroupEnd:
+    """SIGTERM to process group `pgid`, SIGKILL after `grace_s` to what is left. `leader`: the group's leader
+    when this process started it (its Popen, or its pid), reaped on the way so it does not count as alive."""
+    def collect() -> None:
+        if isinstance(leader, subprocess.Popen):
+            leader.poll()  # through Popen, so it keeps the exit status
+        elif leader is not None:
+            reap(leader)
+
+    collect()
+    members = group_members(pgid)
+    pids = [p.pid for p in members]
+    if not members:
+        return GroupEnd(None, [], [])
+    last = "SIGTERM"
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        collect()
+        if not group_members(pgid):
+            break
+        time.sleep(0.1)
+    else:
+        last = "SIGKILL"
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        end = time.monotonic() + 10
+        while time.monotonic() < end and group_members(pgid):
+            collect()
+            time.sleep(0.1)
+    collect()
+    return GroupEnd(last, pids, [p.pid for p in group_members(pgid)])
 
 
 def kill_group(proc: subprocess.Popen, grace_s: float = 10) -> None:
-    """Ends a child started with start_new_session=True and everything it started: SIGTERM to its process
-    group, SIGKILL after `grace_s`."""
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=grace_s)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
+    """Ends a child started with start_new_session=True and everything it started (end_group on its group),
+    and waits for it."""
+    end_group(proc.pid, grace_s, leader=proc)
+    proc.wait()
+
+
+def port_holder(host: str, port: int) -> str | None:
+    """None when (host, port) can be bound; otherwise who holds it, as 'pid N (name)' when psutil can tell."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
+            s.bind((host, port))
+            return None
+        except OSError:
             pass
-        proc.wait()
+    try:
+        for conn in psutil.net_connections(kind="inet"):
+            if conn.laddr and conn.laddr.port == port and conn.status == psutil.CONN_LISTEN:
+                if conn.pid:
+                    try:
+                        name = " ".join(psutil.Process(conn.pid).cmdline()[:3]) or psutil.Process(conn.pid).name()
+                    except psutil.Error:
+                        name = "?"
+                    return f"pid {conn.pid} ({name})"
+                return "a process this user cannot see"
+    except (psutil.Error, PermissionError):
+        pass
+    return "an unknown process"
 
 
 def python_child_env(project_root: Path) -> dict[str, str]:
@@ -31,4 +152,5 @@ def python_child_env(project_root: Path) -> dict[str, str]:
     return env
 
 
-__all__ = ["kill_group", "python_child_env"]
+__all__ = ["GroupEnd", "end_group", "group_members", "is_running", "kill_group", "pid_recycled", "port_holder",
+           "python_child_env", "reap", "same_process"]

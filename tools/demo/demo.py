@@ -188,9 +188,9 @@ def _preflight(env_file: Path, *, source_given: bool = False) -> str:
 def _fetch_source(env_file: Path, log: Log) -> Path:
     """SOURCE_CHECKPOINT empty: fetch the gated QAT source into models/ (./vllm-t4 fetch), given a token."""
     from tools.serving.fetch import FetchParams, fetch_checkpoint
-    from tools.serving.preflight import SOURCE_REPO, _token
+    from tools.serving.hub import SOURCE_REPO, hf_token
 
-    if _token()[0] is None:
+    if hf_token()[0] is None:
         raise ToolFailure(f"{env_file}: {SOURCE_KEY} is not set and no Hugging Face token is set to fetch it: "
                           f"accept the licence at https://huggingface.co/{SOURCE_REPO} and export "
                           f"HF_TOKEN=<a read token>, or set {SOURCE_KEY} to a downloaded copy (or pass --source)")

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
-from tools.core.errors import ToolFailure
+from tools.core.errors import BadInput, ToolFailure, param
 from tools.core.root import PROJECT_ROOT
 
 DEFAULT_ENV_FILE = PROJECT_ROOT / "tpu.env"
@@ -57,13 +57,12 @@ DEFAULT_INSTANCE = "default"  # the unnamed instance: state and log directly in 
 def check_instance_name(name: str | None) -> str:
     """The instance's name, "" for the default one; a one-line refusal (exit 2) for a name that could escape
     STATE_DIR or is not a plain word."""
-    from tools.core.errors import BadInput
-
     if name is None or name == DEFAULT_INSTANCE:
         return ""
     if not isinstance(name, str) or not INSTANCE_NAME.fullmatch(name):
         shown = repr(name)[:60]
-        raise BadInput(f"--instance {shown} is not a valid instance name: use 1-32 letters, digits, '_' or '-', "
+        raise BadInput(f"{param('instance')} {shown} is not a valid instance name: use 1-32 letters, digits, "
+                       "'_' or '-', "
                        "starting with a letter or digit (no '/', '..' or spaces)", {"instance": shown})
     return name
 

@@ -7,14 +7,15 @@ and for the router the instances behind it.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
 from pydantic import Field
 
-from tools.core.errors import ToolFailure
+from tools.core.errors import BadInput, ToolFailure, op, param
 from tools.core.params import OpParams
-from tools.core.errors import BadInput
+from tools.serving import placement, router_state
+from tools.serving.config import load_config
 
 
 class EndpointParams(OpParams):
@@ -62,27 +63,19 @@ def resolve_endpoint(params: Any, cfg: Any = None, *, env_file: Any = None, mana
     if base_url:
         return Endpoint(base_url=base_url.rstrip("/"), kind="url")
     if cfg is None:
-        from tools.serving.config import load_config
-
         cfg = load_config(env_file)
     if router:
-        from tools.serving import router as router_mod
-
-        st = router_mod.recorded(cfg)
+        st = router_state.recorded(cfg)
         if st is None:
-            raise ToolFailure("no router is running; start one with ./vllm-t4 router start --instances a,b "
-                              "(MCP: start_router)", {"router": True})
+            raise ToolFailure(f"no router is running; start one with {op('router.start', instances='a,b')}",
+                              {"router": True})
         return Endpoint(base_url=st.base_url, kind="router", policy=st.policy,
                         backends=[asdict(b) for b in st.backends], config=cfg)
-    from dataclasses import replace
-
-    from tools.serving import instances
-
     if instance:
-        st = instances.resolve(cfg, instance)
+        st = placement.resolve(cfg, instance)
         return Endpoint(base_url=st.base_url, kind="instance", name=instance,
                         config=replace(cfg, instance=st.instance))
-    alive = instances.running(cfg)
+    alive = placement.running(cfg)
     if "default" in alive:
         return Endpoint(base_url=alive["default"].base_url, kind="instance", name="default",
                         config=replace(cfg, instance=""))
@@ -90,7 +83,7 @@ def resolve_endpoint(params: Any, cfg: Any = None, *, env_file: Any = None, mana
         named = ", ".join(alive)
         raise ToolFailure("no vLLM server is running" + (f" as the default instance (running: {named}; pass "
                                                          "instance)" if named else "")
-                          + "; start one with start_vllm_server (or pass base_url)")
+                          + f"; start one with {op('start')} (or pass {param('base_url')})")
     return Endpoint(base_url=cfg.base_url, kind="config", config=cfg)
 
 

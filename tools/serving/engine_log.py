@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 # The plugin's first-use line (gemma4_t4_vllm.FIRST_USE_MARK); repeated here so parsing imports nothing heavy.
@@ -185,6 +186,14 @@ def explain_failure(text: str) -> str | None:
         if _EXPLAIN[4].search(line):
             return _PREFIX.sub("", line).strip()[:500]
     return None
+
+
+def read_text(path: Path) -> str:
+    """A log file's text; "" when it is not there (yet)."""
+    try:
+        return path.read_text(errors="replace")
+    except FileNotFoundError:
+        return ""
 
 
 def tail(text: str, lines: int = 40) -> str:

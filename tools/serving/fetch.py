@@ -33,10 +33,12 @@ from typing import Any, Callable, ClassVar
 
 from pydantic import BaseModel, Field
 
-from tools.core.errors import ToolFailure
+from tools.core.errors import BadInput, ToolFailure
 from tools.core.params import OpParams
-from tools.core.errors import BadInput
+from tools.core.paths import PathNotAllowed, Roots
 from tools.core.root import PROJECT_ROOT
+from repack import checks as repack_checks
+from tools.serving.hub import hf_token, hub_env, hub_failure
 
 MANIFEST = "fetch-manifest.json"
 # What a build reads: weights, their index, the model and generation configs, the tokenizer and chat template.
@@ -113,8 +115,6 @@ def check_revision(revision: str) -> str:
 def resolve_out(params: FetchParams, repo_id: str) -> Path:
     name = repo_id.split("/")[1]
     if params.roots:
-        from tools.core.paths import PathNotAllowed, Roots
-
         roots = Roots(models=tuple(Path(os.path.realpath(Path(r).expanduser())) for r in params.roots))
         try:
             return roots.confine(params.out or name, "models", what="output")
@@ -124,67 +124,9 @@ def resolve_out(params: FetchParams, repo_id: str) -> Path:
     return Path(os.path.realpath(out))
 
 
-def _hub_env() -> tuple[str | None, str, bool]:
-    """(endpoint, cache dir, offline), read now: huggingface_hub reads them once, at import."""
-    endpoint = os.environ.get("HF_ENDPOINT") or None
-    cache = os.environ.get("HF_HUB_CACHE") or (
-        str(Path(os.environ["HF_HOME"]).expanduser() / "hub") if os.environ.get("HF_HOME") else None)
-    if cache is None:
-        from huggingface_hub import constants
-
-        cache = constants.HF_HUB_CACHE
-    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
-    return endpoint, str(Path(cache).expanduser()), offline
-
-
 def wanted(name: str) -> bool:
     """A top-level file a build reads."""
     return "/" not in name and any(fnmatch.fnmatch(name, p) for p in BUILD_FILES)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Errors from the hub, in one line with what to do
-
-def _hub_failure(exc: BaseException, repo_id: str, revision: str, endpoint: str | None, has_token: bool) -> ToolFailure:
-    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
-                                        OfflineModeIsEnabled, RepositoryNotFoundError, RevisionNotFoundError)
-
-    page = f"https://huggingface.co/{repo_id}"
-    token_fix = (f"accept the licence at {page} with the account of your token (HF_TOKEN)" if has_token else
-                 f"accept the licence at {page} and export HF_TOKEN=<a read token of that account>")
-    status = getattr(getattr(exc, "response", None), "status_code", None)
-    detail = {"repo_id": repo_id, "revision": revision, "endpoint": endpoint, "status": status,
-              "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
-    if isinstance(exc, GatedRepoError) or status == 403 or (status == 401 and not isinstance(
-            exc, RepositoryNotFoundError)):
-        who = "this token has no access" if has_token else "this machine has no Hugging Face token"
-        return ToolFailure(f"{repo_id} is gated and {who} (HTTP {status}): {token_fix}, then run the fetch again",
-                           detail={**detail, "kind": "gated"})
-    if isinstance(exc, RevisionNotFoundError):
-        return ToolFailure(f"revision {revision!r} not found in {repo_id}: pass a branch, tag or commit of {page}",
-                           detail={**detail, "kind": "revision"})
-    if isinstance(exc, RepositoryNotFoundError):
-        return ToolFailure(f"repo {repo_id} not found{'' if has_token else ' (or private/gated, and no token is set)'}"
-                           f": check the id at {page}" + ("" if has_token else "; if it is gated, " + token_fix),
-                           detail={**detail, "kind": "repo"})
-    if isinstance(exc, (OfflineModeIsEnabled, LocalEntryNotFoundError)):
-        return ToolFailure(f"{repo_id}@{revision} is not complete in the huggingface_hub cache and the hub cannot be "
-                           "reached (HF_HUB_OFFLINE=1 or no network): connect and unset HF_HUB_OFFLINE, then run the "
-                           "fetch again", detail={**detail, "kind": "offline"})
-    name = type(exc).__name__
-    if "Protocol" in name or "ReadError" in name or "Consistency check failed" in str(exc):
-        return ToolFailure(f"the download from {endpoint or 'https://huggingface.co'} was cut off ({name}); run the "
-                           "fetch again: it resumes from what the huggingface_hub cache already holds",
-                           detail={**detail, "kind": "dropped"})
-    if "Connect" in name or "Timeout" in name or "Network" in name or isinstance(exc, ConnectionError):
-        return ToolFailure(f"no network: cannot reach {endpoint or 'https://huggingface.co'} ({name}); check the "
-                           "connection, a proxy or HF_ENDPOINT, or set HF_HUB_OFFLINE=1 to use what is cached",
-                           detail={**detail, "kind": "network"})
-    if isinstance(exc, HfHubHTTPError):
-        return ToolFailure(f"the hub answered HTTP {status} for {repo_id}@{revision}: try again later",
-                           detail={**detail, "kind": "http"})
-    return ToolFailure(f"fetching {repo_id}@{revision} failed ({name}: {str(exc).splitlines()[0] if str(exc) else ''})",
-                       detail={**detail, "kind": "other"})
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -303,6 +245,103 @@ def _publish(snapshot: Path, names: list[str], out: Path, manifest: dict[str, An
 # ----------------------------------------------------------------------------------------------------------------
 # The operation
 
+def _listing(repo_id: str, revision: str, endpoint: str | None,
+             token: str | None) -> tuple[str, dict[str, int], dict[str, str]]:
+    """(commit, size of each build file, sha256 of each LFS file) of the repo at `revision`, from the hub."""
+    from huggingface_hub import HfApi
+
+    try:
+        info = HfApi(endpoint=endpoint, token=token).model_info(repo_id, revision=revision, files_metadata=True)
+    except Exception as exc:
+        raise hub_failure(exc, repo_id, revision, endpoint, bool(token)) from None
+    sizes: dict[str, int] = {}
+    expected_sha: dict[str, str] = {}
+    for s in info.siblings or []:
+        if wanted(s.rfilename):
+            sizes[s.rfilename] = int(s.lfs.size if s.lfs else (s.size or 0))
+            if s.lfs and s.lfs.sha256:
+                expected_sha[s.rfilename] = s.lfs.sha256
+    if not any(n.endswith(".safetensors") for n in sizes):
+        raise ToolFailure(f"{repo_id}@{revision} has no top-level .safetensors files: not a checkpoint this "
+                          f"project builds from (see https://huggingface.co/{repo_id}/tree/{revision})",
+                          detail={"repo_id": repo_id, "files": sorted(sizes)})
+    return info.sha or "", sizes, expected_sha
+
+
+def _earlier_fetch(out: Path, repo_id: str, commit: str) -> dict[str, Any] | None:
+    """The manifest of an earlier fetch of this commit at `out`; None for an empty or missing output; BadInput
+    for an output that holds something else."""
+    if not (out.is_dir() and any(out.iterdir())):
+        return None
+    done = _existing(out, repo_id, commit)
+    if done is None:
+        raise BadInput(f"output {out} already exists and does not hold {repo_id}@{commit}: pass another --out "
+                       "or remove it")
+    return done
+
+
+def _check_disk(repo_id: str, out: Path, cache_dir: str, commit: str, sizes: dict[str, int]) -> int:
+    """Refuses a fetch the disk cannot hold: what the cache lacks, plus the output when it cannot hard-link.
+    Returns the bytes already cached."""
+    total = sum(sizes.values())
+    cached = _cached_bytes(cache_dir, repo_id, commit, sizes)
+    need = total - cached + DISK_MARGIN_BYTES
+    at, free = repack_checks.free_bytes(Path(cache_dir))
+    out_at, out_free = repack_checks.free_bytes(out.parent)
+    if not _same_fs(at, out_at):
+        need_out = total + DISK_MARGIN_BYTES
+        if out_free < need_out:
+            raise ToolFailure(f"not enough disk for {repo_id} at {out_at}: {out_free / 2**30:.2f} GiB free, "
+                              f"{need_out / 2**30:.2f} GiB needed; free space there or pass another --out",
+                              detail={"free_bytes": out_free, "needed_bytes": need_out, "path": str(out_at)})
+    if free < need:
+        raise ToolFailure(f"not enough disk for {repo_id}: {free / 2**30:.2f} GiB free at {at} (the "
+                          f"huggingface_hub cache), {need / 2**30:.2f} GiB needed ({total / 2**30:.2f} GiB of "
+                          f"files, {cached / 2**30:.2f} GiB already cached); free space or set HF_HUB_CACHE",
+                          detail={"free_bytes": free, "needed_bytes": need, "path": str(at),
+                                  "repo_bytes": total, "cached_bytes": cached})
+    return cached
+
+
+def _download(repo_id: str, revision: str, commit: str, sizes: dict[str, int], cache_dir: str,
+              endpoint: str | None, token: str | None, progress: Progress | None, cached: int) -> Path:
+    """The snapshot of `commit` in the cache, downloaded where it lacks files."""
+    from huggingface_hub import snapshot_download
+
+    total = sum(sizes.values())
+    if progress is not None:
+        progress(cached, total, f"{len(sizes)} files, {total / 2**30:.2f} GiB")
+    try:
+        snapshot = Path(snapshot_download(
+            repo_id, revision=revision, allow_patterns=sorted(sizes), cache_dir=cache_dir, endpoint=endpoint,
+            token=token, tqdm_class=_progress_class(progress, total), max_workers=4))
+    except Exception as exc:
+        raise hub_failure(exc, repo_id, revision, endpoint, bool(token)) from None
+    if snapshot.name != commit:
+        raise ToolFailure(f"{repo_id}@{revision} moved to {snapshot.name} during the fetch (was {commit}): run "
+                          "the fetch again", detail={"before": commit, "after": snapshot.name})
+    return snapshot
+
+
+def _cached_snapshot(repo_id: str, revision: str, cache_dir: str, endpoint: str | None,
+                     token: str | None) -> tuple[Path, list[str]]:
+    """Offline: the cached snapshot of `revision` and its build files."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        # The patterns keep files a build does not read (README, other formats) out of the completeness
+        # check huggingface_hub makes against the listing it cached when the files were fetched.
+        snapshot = Path(snapshot_download(repo_id, revision=revision, cache_dir=cache_dir,
+                                          local_files_only=True, allow_patterns=list(BUILD_FILES)))
+    except Exception as exc:
+        raise hub_failure(exc, repo_id, revision, endpoint, bool(token)) from None
+    names = sorted(p.name for p in snapshot.iterdir() if wanted(p.name) and p.exists())
+    if not any(n.endswith(".safetensors") for n in names):
+        raise ToolFailure(f"the cached {repo_id}@{revision} holds no .safetensors: connect and unset "
+                          "HF_HUB_OFFLINE, then fetch again", detail={"snapshot": str(snapshot)})
+    return snapshot, names
+
+
 def fetch_checkpoint(params: FetchParams, progress: Progress | None = None) -> FetchResult:
     """Downloads the build files of `params.repo_id` at `params.revision` and publishes them at the output.
 
@@ -315,91 +354,28 @@ def fetch_checkpoint(params: FetchParams, progress: Progress | None = None) -> F
     out = resolve_out(params, repo_id)
     if out.exists() and not out.is_dir():
         raise BadInput(f"output {out} exists and is not a folder: pass another --out")
-    endpoint, cache_dir, offline = _hub_env()
-    from tools.serving.preflight import _free_bytes, _token
-
-    token, _ = _token()
-    from huggingface_hub import HfApi, snapshot_download
-
+    endpoint, cache_dir, offline = hub_env()
+    token, _ = hf_token()
     expected_sha: dict[str, str] = {}
-    sizes: dict[str, int] = {}
-    commit: str | None = None
     if not offline:
-        try:
-            info = HfApi(endpoint=endpoint, token=token).model_info(repo_id, revision=revision, files_metadata=True)
-        except Exception as exc:
-            raise _hub_failure(exc, repo_id, revision, endpoint, bool(token)) from None
-        commit = info.sha
-        for s in info.siblings or []:
-            if wanted(s.rfilename):
-                sizes[s.rfilename] = int(s.lfs.size if s.lfs else (s.size or 0))
-                if s.lfs and s.lfs.sha256:
-                    expected_sha[s.rfilename] = s.lfs.sha256
-        if not any(n.endswith(".safetensors") for n in sizes):
-            raise ToolFailure(f"{repo_id}@{revision} has no top-level .safetensors files: not a checkpoint this "
-                              f"project builds from (see https://huggingface.co/{repo_id}/tree/{revision})",
-                              detail={"repo_id": repo_id, "files": sorted(sizes)})
-        if out.is_dir() and any(out.iterdir()):
-            done = _existing(out, repo_id, commit or "")
-            if done is not None:
-                return _result(repo_id, revision, commit or "", out, done, offline, cache_dir, t0, present=True)
-            raise BadInput(f"output {out} already exists and does not hold {repo_id}@{commit}: pass another --out "
-                           "or remove it")
-        # Disk, before anything is downloaded: what the cache lacks, plus the output when it cannot hard-link.
-        total = sum(sizes.values())
-        cached = _cached_bytes(cache_dir, repo_id, commit or "", sizes)
-        need = total - cached + DISK_MARGIN_BYTES
-        at, free = _free_bytes(Path(cache_dir))
-        out_at, out_free = _free_bytes(out.parent)
-        same_fs = _same_fs(at, out_at)
-        if not same_fs:
-            need_out = total + DISK_MARGIN_BYTES
-            if out_free < need_out:
-                raise ToolFailure(f"not enough disk for {repo_id} at {out_at}: {out_free / 2**30:.2f} GiB free, "
-                                  f"{need_out / 2**30:.2f} GiB needed; free space there or pass another --out",
-                                  detail={"free_bytes": out_free, "needed_bytes": need_out, "path": str(out_at)})
-        if free < need:
-            raise ToolFailure(f"not enough disk for {repo_id}: {free / 2**30:.2f} GiB free at {at} (the "
-                              f"huggingface_hub cache), {need / 2**30:.2f} GiB needed ({total / 2**30:.2f} GiB of "
-                              f"files, {cached / 2**30:.2f} GiB already cached); free space or set HF_HUB_CACHE",
-                              detail={"free_bytes": free, "needed_bytes": need, "path": str(at),
-                                      "repo_bytes": total, "cached_bytes": cached})
-        if progress is not None:
-            progress(cached, total, f"{len(sizes)} files, {total / 2**30:.2f} GiB")
-        try:
-            snapshot = Path(snapshot_download(
-                repo_id, revision=revision, allow_patterns=sorted(sizes), cache_dir=cache_dir, endpoint=endpoint,
-                token=token, tqdm_class=_progress_class(progress, total), max_workers=4))
-        except Exception as exc:
-            raise _hub_failure(exc, repo_id, revision, endpoint, bool(token)) from None
-        if snapshot.name != commit:
-            raise ToolFailure(f"{repo_id}@{revision} moved to {snapshot.name} during the fetch (was {commit}): run "
-                              "the fetch again", detail={"before": commit, "after": snapshot.name})
+        commit, sizes, expected_sha = _listing(repo_id, revision, endpoint, token)
+        done = _earlier_fetch(out, repo_id, commit)
+        if done is not None:
+            return _result(repo_id, revision, commit, out, done, offline, cache_dir, t0, present=True)
+        cached = _check_disk(repo_id, out, cache_dir, commit, sizes)  # before anything is downloaded
+        snapshot = _download(repo_id, revision, commit, sizes, cache_dir, endpoint, token, progress, cached)
         names = sorted(sizes)
     else:
-        try:
-            # The patterns keep files a build does not read (README, other formats) out of the completeness
-            # check huggingface_hub makes against the listing it cached when the files were fetched.
-            snapshot = Path(snapshot_download(repo_id, revision=revision, cache_dir=cache_dir,
-                                              local_files_only=True, allow_patterns=list(BUILD_FILES)))
-        except Exception as exc:
-            raise _hub_failure(exc, repo_id, revision, endpoint, bool(token)) from None
+        snapshot, names = _cached_snapshot(repo_id, revision, cache_dir, endpoint, token)
         commit = snapshot.name
-        names = sorted(p.name for p in snapshot.iterdir() if wanted(p.name) and p.exists())
-        if not any(n.endswith(".safetensors") for n in names):
-            raise ToolFailure(f"the cached {repo_id}@{revision} holds no .safetensors: connect and unset "
-                              "HF_HUB_OFFLINE, then fetch again", detail={"snapshot": str(snapshot)})
-        if out.is_dir() and any(out.iterdir()):
-            done = _existing(out, repo_id, commit)
-            if done is not None:
-                return _result(repo_id, revision, commit, out, done, offline, cache_dir, t0, present=True)
-            raise BadInput(f"output {out} already exists and does not hold {repo_id}@{commit}: pass another --out "
-                           "or remove it")
+        done = _earlier_fetch(out, repo_id, commit)
+        if done is not None:
+            return _result(repo_id, revision, commit, out, done, offline, cache_dir, t0, present=True)
     manifest = {"repo_id": repo_id, "revision": revision, "commit": commit, "endpoint": endpoint or
                 "https://huggingface.co", "fetched_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 "offline": offline}
     _publish(snapshot, names, out, manifest, expected_sha, progress)
-    return _result(repo_id, revision, commit or "", out, json.loads((out / MANIFEST).read_text()), offline,
+    return _result(repo_id, revision, commit, out, json.loads((out / MANIFEST).read_text()), offline,
                    cache_dir, t0, present=False)
 
 

