@@ -42,9 +42,8 @@ from typing import Any, Callable, ClassVar
 import httpx
 from pydantic import BaseModel, Field, ValidationError, field_validator
 
-from tools.cli.commands import guard
 from tools.core.process import kill_group, python_child_env
-from tools.core.errors import ToolFailure
+from tools.core.errors import BadInput, ToolFailure
 from tools.core.params import OpParams
 from tools.serving.endpoint import EndpointParams
 from tools.core.root import PROJECT_ROOT
@@ -83,7 +82,7 @@ class EvalParams(EndpointParams):
     MCP_EXCLUDE: ClassVar[frozenset[str]] = frozenset({"timeout_s", "tokenizer"})
     MCP_DEFAULTS: ClassVar[dict[str, Any]] = {"out": "."}  # the first evidence root
     CLI_COMMA: ClassVar[frozenset[str]] = frozenset({"tasks"})
-    CLI_BAD_INPUT: ClassVar[type[Exception] | None] = ToolFailure
+    CLI_BAD_INPUT: ClassVar[type[Exception] | None] = BadInput
 
     @field_validator("tasks", mode="before")
     @classmethod
@@ -110,7 +109,7 @@ class CompareParams(OpParams):
     runs: list[str] = Field(min_length=1, description="evidence folders written by `eval`, the reference first")
 
     CLI_POSITIONAL: ClassVar[tuple[str, ...]] = ("runs",)
-    CLI_BAD_INPUT: ClassVar[type[Exception] | None] = ToolFailure
+    CLI_BAD_INPUT: ClassVar[type[Exception] | None] = BadInput
 
 
 class TaskScore(BaseModel):
@@ -895,54 +894,6 @@ def write_tiny_pattern_tasks(folder: Path = TASKS_DIR / "tiny_pattern", seed: in
     mc, gen = tiny_pattern_docs(seed)
     for name, docs in (("tiny_pattern_mc.jsonl", mc), ("tiny_pattern_gen.jsonl", gen)):
         (folder / name).write_text("".join(json.dumps(d) + "\n" for d in docs))
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Command line
-
-
-def _progress_printer(done: int, total: int, msg: str) -> None:
-    print(f"[{done}/{total}] {msg}" if total else f"... {msg}", file=sys.stderr, flush=True)
-
-
-def _guarded(name: str, func: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-    """Bad input and failed runs: `vllm-t4 NAME: reason` on stderr (the JSON error under --json), exit 2."""
-    return guard(name, func, status=lambda exc: 2)
-
-
-def cmd_eval(args: argparse.Namespace) -> int:
-    params = EvalParams.from_cli_args(args)
-    res = run_eval(params, progress=_progress_printer)
-    if args.json:
-        print(json.dumps(res.to_dict()))
-    else:
-        print(summary_markdown(res) + f"\n{res.wall_s:.0f} s\n{res.run_dir}")
-    return 0
-
-
-def cmd_eval_compare(args: argparse.Namespace) -> int:
-    cmp = compare_evals(CompareParams.from_cli_args(args))
-    print(json.dumps(cmp.to_dict()) if args.json else cmp.markdown)
-    return 0
-
-
-def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
-    p = sub.add_parser("eval", help="accuracy with lm-evaluation-harness against the server; prints the evidence "
-                                    "folder last",
-                       description="lm-eval's local-completions model against a live server, greedy; writes "
-                                   "<out>/<run-id>/ (lm-eval's results and samples, summary.json/.md, "
-                                   "provenance.json). Exit 2 with one line when it cannot run.")
-    EvalParams.add_cli_args(p)
-    p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
-    p.set_defaults(func=_guarded("eval", cmd_eval))
-
-    p = sub.add_parser("eval-compare", help="eval runs side by side, paired differences with stderr",
-                       description="Per task and metric: each run's value ± stderr, and each later run minus the "
-                                   "first, paired over the documents both scored, with its stderr and whether it "
-                                   "is within noise (|diff| < 2 stderr).")
-    CompareParams.add_cli_args(p)
-    p.add_argument("--json", action="store_true", help="print the comparison as one JSON object")
-    p.set_defaults(func=_guarded("eval-compare", cmd_eval_compare))
 
 
 if __name__ == "__main__":
