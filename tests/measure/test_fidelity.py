@@ -466,10 +466,9 @@ def test_long_prompts_hit_their_targets_within_max_model_len():
 
 def test_compare_record_long_adds_the_needle_prompts(tmp_path, monkeypatch, capsys):
     import tools.measure.compare_tokens as ct
-    import tools.measure.long_prompts as lp
 
     asked = {}
-    monkeypatch.setattr(lp, "long_prompts", lambda base, **kw: asked.setdefault("long", ["NEEDLE PROMPT"]))
+    monkeypatch.setattr(ct, "long_prompts", lambda base, **kw: asked.setdefault("long", ["NEEDLE PROMPT"]))
 
     def fake_generate(base, prompts, **kw):
         asked["prompts"] = prompts

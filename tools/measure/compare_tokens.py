@@ -21,7 +21,9 @@ import httpx
 from pydantic import BaseModel, Field
 
 from tools.core.errors import ToolFailure
-from tools.serving.endpoint import EndpointParams
+from tools.serving.endpoint import EndpointParams, resolve_endpoint, resolve_name
+from tools.measure.long_prompts import long_prompts
+from tools.measure.provenance import config_sha256
 
 RECORD_KIND = "gemma4-t4/token-record"
 RECORD_VERSION = 1
@@ -158,8 +160,6 @@ def short_prompt(prompt: str, prompt_tokens: int | None = None) -> str:
 
 def _default_base_url(params: Any = None) -> str:
     """The endpoint params choose (base_url, instance or router), else the default instance or tpu.env's port."""
-    from tools.serving.endpoint import resolve_endpoint
-
     return resolve_endpoint(params).base_url
 
 
@@ -244,8 +244,6 @@ def generate(base_url: str, prompts: list[str], *, max_tokens: int = 160, top_lo
                 progress(i + 1, len(prompts), f"{base}: prompt {i + 1}/{len(prompts)}, {len(ids)} tokens")
     sha = None
     if root and Path(root).is_dir():
-        from tools.measure.provenance import config_sha256
-
         sha = config_sha256(root)
     return TokenRecord(created=datetime.now(timezone.utc).isoformat(timespec="seconds"), base_url=base, model=model,
                        model_root=root, checkpoint_config_sha256=sha, max_tokens=max_tokens,
@@ -327,8 +325,6 @@ def _prompts(params: CompareParams, base_url: str | None = None) -> list[str]:
     else:
         prompts = list(DEFAULT_PROMPTS)
     if params.long:
-        from tools.measure.long_prompts import long_prompts
-
         prompts += long_prompts(base_url or _default_base_url(params), max_tokens=params.max_tokens,
                                 timeout_s=params.timeout_s)
     return prompts
@@ -396,7 +392,6 @@ def compare_tokens(params: CompareParams | None = None, *, progress: Progress | 
         if bool(params.other_url) == bool(params.other_instance):
             raise ToolFailure("mode 'live' needs other_url (or other_instance): the second build's endpoint "
                               "(base_url, instance or router is the reference)")
-        from tools.serving.endpoint import resolve_name
 
         other = params.other_url or resolve_name(params.other_instance).base_url
         return compare_live(_default_base_url(params), other, params, progress=progress)

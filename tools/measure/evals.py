@@ -45,8 +45,12 @@ from pydantic import BaseModel, Field, ValidationError, field_validator
 from tools.core.process import kill_group, python_child_env
 from tools.core.errors import BadInput, ToolFailure
 from tools.core.params import OpParams
-from tools.serving.endpoint import EndpointParams
+from tools.serving.endpoint import EndpointParams, resolve_endpoint
 from tools.core.root import PROJECT_ROOT
+from repack.tiny_model import FIRST_BYTE_ID, pattern_permutation
+from tools.core.text import clip
+from tools.measure import provenance as prov_mod
+from tools.serving.config import load_config
 
 DEFAULT_OUT = PROJECT_ROOT / "evidence"
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"  # the project's own task definitions
@@ -191,14 +195,10 @@ def lm_eval_version() -> str | None:
 
 
 def _default_base_url() -> str:
-    from tools.serving.config import load_config
-
     return load_config().base_url
 
 
 def _server(base_url: str):
-    from tools.measure import provenance as prov_mod
-
     try:
         return prov_mod.server_info(base_url)
     except (httpx.HTTPError, ValueError) as exc:
@@ -503,8 +503,6 @@ def run_eval(params: EvalParams, progress: Progress | None = None, *, serve_conf
     default base_url and its start record goes into the provenance. Raises ToolFailure with one line, leaving no
     run folder, when the tasks, include folder, server or datasets are unusable or lm-eval fails.
     """
-    from tools.measure import provenance as prov_mod
-
     params = EvalParams.model_validate(params.model_dump())
     version = lm_eval_version()
     if version is None:
@@ -515,7 +513,6 @@ def run_eval(params: EvalParams, progress: Progress | None = None, *, serve_conf
         raise ToolFailure(f"include path {params.include_path} is not a folder: give a folder of lm-eval task "
                           f"YAMLs", {"include_path": params.include_path})
     _check_tasks_before_running(params, include)
-    from tools.serving.endpoint import resolve_endpoint
 
     endpoint = resolve_endpoint(params, serve_config)
     if endpoint.config is not None:  # the instance scored: its start record goes into the provenance
@@ -723,7 +720,6 @@ class _Run:
     def _file(self, path: Path) -> Path:
         if self.roots is None:
             return path
-        from tools.core.text import clip
 
         try:
             return self.roots.confine(path, "evidence", what=f"run {clip(self.name)}")
@@ -743,8 +739,6 @@ class _Run:
 
     def _inside(self, path: str, task: str) -> Path:
         """The samples entry relative to the run folder; refused when it leads out of it ('..', another folder)."""
-        from tools.core.text import clip
-
         try:
             rel = Path(path).relative_to(self.result.run_dir)
         except ValueError:
@@ -872,7 +866,6 @@ def tiny_pattern_docs(seed: int = 0) -> tuple[list[dict[str, Any]], list[dict[st
     """
     import random
 
-    from repack.tiny_model import FIRST_BYTE_ID, pattern_permutation
 
     perm = pattern_permutation(seed)
     printable = [chr(b) for b in range(0x21, 0x7F)]

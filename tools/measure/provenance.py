@@ -7,6 +7,9 @@ null with the reason in `notes`, never a failure of the measurement itself.
 
 from __future__ import annotations
 
+from tools.gpu.vram import vram_status
+from tools.serving.config import load_config
+from tools.serving.vllm_server import server_status
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -112,8 +115,6 @@ def server_info(base_url: str, *, timeout: float = 10.0) -> ServerInfo:
 
 
 def _gpu(notes: list[str], nvml: Any = None) -> tuple[str | None, str | None, int]:
-    from tools.gpu.vram import vram_status
-
     st = vram_status(nvml=nvml)
     if not st.available:
         notes.append(f"no GPU: {st.reason}")
@@ -127,9 +128,6 @@ def _started_server(base_url: str, notes: list[str], cfg: Any = None) -> tuple[l
 
     cfg is the ServeConfig to look in (default: the project's tpu.env).
     """
-    from tools.serving.config import load_config
-    from tools.serving.vllm_server import server_status
-
     try:
         cfg = cfg if cfg is not None else load_config()
         st = server_status(cfg)

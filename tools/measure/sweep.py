@@ -34,13 +34,17 @@ from typing import Any, Callable
 
 import httpx
 
-from tools.measure import evidence, provenance as prov_mod
+from tools.measure import evidence, provenance as prov_mod, sweep_report
 from tools.core.process import kill_group, python_child_env
 from tools.core.errors import ToolFailure
-
 from tools.measure.results import (DEFAULT_OUT, DEFAULT_PRICE_PER_HOUR, METRICS, PREFIX_CACHE_POLICY,  # noqa: F401
                                    PROJECT_ROOT, CellResult, RepeatResult, SweepParams, SweepResult, aggregate,
                                    cell_acceptance)
+from tools.measure.spec_metrics import parse_spec_counters, spec_delta, speculative_from_argv
+from tools.measure.parent_watch import end_with_parent
+from tools.serving import router as router_mod
+from tools.serving.config import load_config
+from tools.serving.endpoint import resolve_endpoint
 
 Progress = Callable[[int, int, str], None]
 
@@ -64,8 +68,6 @@ def raw_name(input_len: int, concurrency: int, repeat: int) -> str:
 
 
 def _default_base_url() -> str:
-    from tools.serving.config import load_config
-
     return load_config().base_url
 
 
@@ -252,12 +254,8 @@ def run_sweep(params: SweepParams | None = None, *, progress: Progress | None = 
     `serve_config` (a tools.serving.config.ServeConfig) names the server tools/ started: its URL is the default
     base_url and its argv and engine start fields go into the provenance (default: the project's tpu.env).
     """
-    from tools.measure import sweep_report
-
     params = SweepParams(**{**(params or SweepParams()).model_dump(), **overrides})
     params.validate()
-    from tools.serving import router as router_mod
-    from tools.serving.endpoint import resolve_endpoint
 
     endpoint = resolve_endpoint(params, serve_config)
     base_url = endpoint.base_url
@@ -287,7 +285,6 @@ def run_sweep(params: SweepParams | None = None, *, progress: Progress | None = 
     before = router_mod.request_counts(backends) if backends else {}
     result.provenance = prov.to_dict()
     evidence.write_json(run_dir / "provenance.json", result.provenance)
-    from tools.measure.decode import speculative_from_argv
 
     result.speculative_config = speculative_from_argv(result.provenance.get("server_argv"))
 
@@ -312,8 +309,6 @@ def run_sweep(params: SweepParams | None = None, *, progress: Progress | None = 
 def _run_cells(params: SweepParams, cells_plan: list[tuple[int, int]], result: SweepResult, worker: BenchWorker, *,
                base_url: str, model: str, tokenizer: str, max_len: int | None, raw_dir: Path, run_dir: Path,
                progress: Progress | None, total: int, t0: float) -> None:
-    from tools.measure import sweep_report
-
     done = 0
     # /health is asked only after a cell failed: the sweep began with the server answering, and a server that
     # dies mid-cell shows in that cell's request results. Once it is found down, the remaining cells fail
@@ -408,8 +403,6 @@ class _Counters:
 
     @classmethod
     def parse(cls, text: str) -> "_Counters":
-        from tools.measure.decode import parse_spec_counters
-
         q = h = None
         for line in text.splitlines():
             if line.startswith("vllm:prefix_cache_queries_total"):
@@ -503,7 +496,6 @@ def _worker_main(answer_fd: int) -> int:
     """
     # Stdin's EOF is read only between cells, and a cell can run for minutes: a killed sweep's worker must not
     # finish it, loading the server and writing into a folder that a resumed sweep measures again.
-    from tools.measure.parent_watch import end_with_parent
 
     end_with_parent()
     bench = _Bench()
@@ -573,7 +565,6 @@ def _run_cell(spec: dict[str, Any], bench: _Bench) -> None:
             (q0, h0), (q1, h1) = c0.prefix, c1.prefix
             if None not in (q0, q1, h0, h1):
                 rr.prefix_cache_queries, rr.prefix_cache_hits = q1 - q0, h1 - h0
-            from tools.measure.decode import spec_delta
 
             stats, found = spec_delta(c0.spec, c1.spec)
             rr.spec_decode = stats.model_dump(mode="json") if found else None
