@@ -226,7 +226,7 @@ def run_decode(params: DecodeParams | None = None, *, progress: Progress | None 
     base_url = endpoint.base_url
     if endpoint.config is not None:  # the server measured: its start record goes into the provenance
         serve_config = endpoint.config
-    server, model = served_model(base_url, params.model)
+    server, model = prov_mod.served_model(base_url, params.model)
     sampling = sampling_params(params, server.model_root)
     prompts = load_prompts(params.prompts)
 
@@ -252,21 +252,6 @@ def run_decode(params: DecodeParams | None = None, *, progress: Progress | None 
         run.abandon()
         raise
     return res
-
-
-def served_model(base_url: str, model: str | None) -> tuple[prov_mod.ServerInfo, str]:
-    """The server at base_url (what /v1/models says) and the model name to send: `model`, else its first."""
-    try:
-        server = prov_mod.server_info(base_url)
-    except (httpx.HTTPError, ValueError) as exc:
-        raise ToolFailure(f"no vLLM server answers at {base_url} ({type(exc).__name__}); start one with "
-                          f"{op('start')} or pass {param('base_url')}", detail={"base_url": base_url},
-                          field="base_url") from exc
-    model = model or server.model_id
-    if not model:
-        raise ToolFailure(f"the server at {base_url} lists no model in /v1/models; pass {param('model')}",
-                          field="model")
-    return server, model
 
 
 def _write_provenance(run: evidence.EvidenceRun, params: DecodeParams, base_url: str, sampling: dict[str, Any], *,
