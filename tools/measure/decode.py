@@ -20,7 +20,7 @@ from typing import Any, Callable, ClassVar, Literal
 import httpx
 from pydantic import BaseModel, Field, create_model
 
-from tools.core.errors import BadInput, ToolFailure, op, param
+from tools.core.errors import BadInput, ToolFailure, param
 from tools.core.params import OpParams
 from tools.measure import evidence, provenance as prov_mod
 from tools.measure.results import DEFAULT_OUT
