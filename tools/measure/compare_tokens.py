@@ -20,7 +20,7 @@ from typing import Any, Callable, ClassVar, Literal
 import httpx
 from pydantic import BaseModel, Field
 
-from tools.core.errors import ToolFailure
+from tools.core.errors import ToolFailure, op, param
 from tools.serving.endpoint import EndpointParams, resolve_endpoint, resolve_name
 from tools.measure.long_prompts import long_prompts
 from tools.measure.provenance import config_sha256
@@ -190,7 +190,7 @@ def _model_of(client: httpx.Client, base_url: str) -> tuple[str, str | None]:
         data = r.json().get("data") or []
     except (httpx.HTTPError, ValueError) as exc:
         raise ToolFailure(f"no vLLM server answers at {base_url} ({type(exc).__name__}); start one with "
-                          f"./vllm-t4 start or pass --base-url") from exc
+                          f"{op('start')} or pass {param('base_url')}", field="base_url") from exc
     if not data:
         raise ToolFailure(f"the server at {base_url} lists no model in /v1/models")
     return data[0]["id"], data[0].get("root")
@@ -263,14 +263,14 @@ def save_record(rec: TokenRecord, path: str | Path) -> Path:
 def load_record(path: str | Path) -> TokenRecord:
     p = Path(path)
     if not p.is_file():
-        raise ToolFailure(f"{p}: reference file not found; write one with ./vllm-t4 compare record --out {p}")
+        raise ToolFailure(f"{p}: reference file not found; write one with {op('compare_tokens.record', out=str(p))}")
     try:
         data = json.loads(p.read_text())
     except ValueError as exc:
-        raise ToolFailure(f"{p}: not JSON ({exc}); pass a file written by ./vllm-t4 compare record") from exc
+        raise ToolFailure(f"{p}: not JSON ({exc}); pass a file written by {op('compare_tokens.record')}") from exc
     if not isinstance(data, dict) or data.get("kind") != RECORD_KIND:
         raise ToolFailure(f"{p}: not a token record (kind {data.get('kind') if isinstance(data, dict) else None!r});"
-                          f" pass a file written by ./vllm-t4 compare record")
+                          f" pass a file written by {op('compare_tokens.record')}")
     rec = TokenRecord.model_validate(data)
     rec.path = str(p)
     return rec
@@ -335,7 +335,7 @@ def record_reference(out: str | Path, params: CompareParams | None = None, *, pr
     """Record the reference build's tokens (the server at params.base_url) to `out`."""
     params = params or CompareParams()
     if Path(out).exists() and not params.force:
-        raise ToolFailure(f"{out} exists; pass --force to replace it, or give another file",
+        raise ToolFailure(f"{out} exists; pass {param('force', True)} to replace it, or give another file",
                           detail={"path": str(out)})
     base = _default_base_url(params)
     rec = generate(base, _prompts(params, base), max_tokens=params.max_tokens, top_logprobs=params.top_logprobs,
