@@ -13,9 +13,11 @@ import pytest
 
 from tools.core.errors import ToolFailure
 from tools.measure import evidence
-from tools.measure.decode import (DecodeResult, DecodeSweepParams, PromptRecord, compare_decode_runs,
-                                  first_divergence, load_prompts, parse_spec_counters, run_decode_sweep,
-                                  spec_delta, speculative_json, summarize, validate_speculative_config)
+from tools.measure.decode import DecodeResult, PromptRecord, load_prompts, summarize
+from tools.measure.decode_sweep import (DecodeSweepParams, compare_decode_runs, first_divergence, run_decode_sweep,
+                                        speculative_json)
+from tools.measure.spec_metrics import parse_spec_counters, spec_delta
+from tools.serving.speculative import validate_speculative_config
 from tools.core.errors import BadInput
 
 from fixtures import IN_PROCESS_TORCH
@@ -258,7 +260,7 @@ def test_decode_refuses_a_bad_label_with_status_2(tmp_path):
 
 
 def test_decode_sweep_refuses_negative_draft_tokens():
-    with pytest.raises(BadInput, match="draft-tokens"):
+    with pytest.raises(BadInput, match="draft_tokens"):  # the parameter, plainly (the CLI renders --draft-tokens)
         run_decode_sweep(DecodeSweepParams(draft_tokens=[0, -1], drafter="/m/d"))
 
 
@@ -377,14 +379,13 @@ def test_decode_sweep_runs_record_the_paths_they_have_once_finished(models, tmp_
     """Each setting's summary.json names its folder inside the finished sweep folder, not the .partial one."""
     import types
 
-    from tools.measure import decode as decode_mod
-    from tools.serving import vllm_server
+    from tools.measure import decode_sweep as decode_mod
 
     root, target, _ = models
     monkeypatch.setenv("GEMMA4_T4_MODELS_ROOTS", str(root))
-    monkeypatch.setattr(vllm_server, "start_server",
+    monkeypatch.setattr(decode_mod, "start_server",
                         lambda cfg: types.SimpleNamespace(startup_s=1.0, base_url="http://127.0.0.1:9", argv=["x"]))
-    monkeypatch.setattr(vllm_server, "stop_server", lambda cfg: None)
+    monkeypatch.setattr(decode_mod, "stop_server", lambda cfg: None)
 
     def fake_run_decode(params, **kw):  # what run_decode writes: a finished run folder under params.out
         run = evidence.EvidenceRun.create(params.out, params.label)
@@ -406,7 +407,7 @@ def test_decode_sweep_runs_record_the_paths_they_have_once_finished(models, tmp_
 def test_a_decode_sweep_stopped_before_any_run_leaves_no_partial_folder(models, tmp_path, monkeypatch):
     """A first start that is refused (a server already runs) or interrupted (Ctrl-C, SIGTERM) leaves nothing in
     --out: an empty .partial folder per try would pile up."""
-    from tools.serving import vllm_server
+    from tools.measure import decode_sweep as vllm_server  # the sweep's own start_server and stop_server
 
     root, target, _ = models
     monkeypatch.setenv("GEMMA4_T4_MODELS_ROOTS", str(root))

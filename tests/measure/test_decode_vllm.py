@@ -29,7 +29,7 @@ def tiny_drafter(tiny_qat, tmp_path_factory) -> Path:
 
 def test_decode_sweep_writes_the_drafter_table_and_measures_real_acceptance(bf16_text_build, tiny_drafter, tmp_path,
                                                                            monkeypatch):
-    from tools.measure.decode import DecodeSweepParams, run_decode_sweep
+    from tools.measure.decode_sweep import DecodeSweepParams, run_decode_sweep
     from tools.serving.config import load_config
     from tools.serving.vllm_server import server_status
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tools.core.errors import ToolFailure
-from tools.measure import evals
+from tools.measure import eval_tasks, evals
 from tools.measure.evals import CompareParams, EvalParams
 
 from fixtures import fake_eval_run
@@ -42,8 +42,8 @@ def _one_line_error(capsys, name: str) -> str:
 
 def test_shipped_task_data_follows_the_tiny_models_pattern():
     """The JSONL files the tiny_pattern tasks read are what the tiny model's permutation gives (regenerate with
-    `python -m tools.measure.evals --write-tiny-tasks` when the pattern changes)."""
-    mc, gen = evals.tiny_pattern_docs(0)
+    `python -m tools.measure.eval_tasks --write-tiny-tasks` when the pattern changes)."""
+    mc, gen = eval_tasks.tiny_pattern_docs(0)
     folder = evals.TASKS_DIR / "tiny_pattern"
     shipped_mc = [json.loads(x) for x in (folder / "tiny_pattern_mc.jsonl").read_text().splitlines()]
     shipped_gen = [json.loads(x) for x in (folder / "tiny_pattern_gen.jsonl").read_text().splitlines()]
@@ -149,7 +149,7 @@ def test_eval_compare_refuses_a_samples_entry_outside_the_run(tmp_path, capsys, 
     assert rc == 2
     line = _one_line_error(capsys, "eval-compare")
     assert f"run {bad}" in line and "samples:t" in line and "not a file inside the run folder" in line
-    assert "./vllm-t4 eval wrote" in line
+    assert "`./vllm-t4 eval` wrote" in line  # the operation as the command line renders it
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -294,7 +294,7 @@ def test_eval_dataset_not_loadable_offline_is_one_line(stub_server, offline, tmp
 def test_the_task_check_passes_what_lm_eval_may_resolve(offline, tmp_path, monkeypatch):
     # Builtin names (lm-eval's own YAMLs), glob patterns and include-folder tasks whose hub dataset some local
     # cache holds all go on to lm-eval; only what it would certainly refuse is refused early.
-    evals._check_tasks_before_running(EvalParams(tasks=["arc_easy", "tiny_pattern_mc", "no_such_*"]),
+    eval_tasks.check_tasks_before_running(EvalParams(tasks=["arc_easy", "tiny_pattern_mc", "no_such_*"]),
                                       evals.TASKS_DIR)
     inc = tmp_path / "tasks"
     inc.mkdir()
@@ -303,16 +303,16 @@ def test_the_task_check_passes_what_lm_eval_may_resolve(offline, tmp_path, monke
     (inc / "hub_task.yaml").write_text("include: _base.yaml\ntask: hub_task\ntest_split: test\n")
     params = EvalParams(tasks=["hub_task"], include_path=str(inc))
     with pytest.raises(ToolFailure, match="hub_task reads the hub dataset some-org/cached-set"):
-        evals._check_tasks_before_running(params, inc)
+        eval_tasks.check_tasks_before_running(params, inc)
     cache = Path(os.environ["HF_DATASETS_CACHE"])
     (cache / "some-org___cached-set").mkdir()
     try:
-        evals._check_tasks_before_running(params, inc)
+        eval_tasks.check_tasks_before_running(params, inc)
     finally:
         (cache / "some-org___cached-set").rmdir()
     monkeypatch.delenv("HF_DATASETS_OFFLINE")
     monkeypatch.delenv("HF_HUB_OFFLINE")
-    evals._check_tasks_before_running(params, inc)  # online, the hub may have it
+    eval_tasks.check_tasks_before_running(params, inc)  # online, the hub may have it
 
 
 def test_lm_evals_own_refusals_are_explained_in_one_line():

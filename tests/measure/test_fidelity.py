@@ -230,14 +230,14 @@ def test_record_streams_one_window_at_a_time(tmp_path, corpus, monkeypatch):
     """Each window is on disk before the next is scored."""
     ref = tmp_path / "ref.json"
     seen = []
-    real = fid._RefWriter.window
+    real = fid.RefWriter.window
 
     def spy(self, obj):
         real(self, obj)
         self.f.flush()
         seen.append(self.tmp.read_text().count('"index":'))
 
-    monkeypatch.setattr(fid._RefWriter, "window", spy)
+    monkeypatch.setattr(fid.RefWriter, "window", spy)
     with FakeVllm() as srv:
         fid.record_logprobs(fid.RecordLogprobsParams(out=str(ref), corpus=str(corpus), window=100,
                                                      base_url=srv.url))
@@ -289,7 +289,7 @@ def test_existing_out_is_kept_unless_force(tmp_path, corpus, capsys):
 def test_failure_midway_leaves_no_reference(tmp_path, corpus, monkeypatch):
     ref = tmp_path / "ref.json"
     calls = []
-    real = fid._Server.prompt_logprobs
+    real = fid.ServerClient.prompt_logprobs
 
     def fail_third(self, *a, **kw):
         calls.append(1)
@@ -297,7 +297,7 @@ def test_failure_midway_leaves_no_reference(tmp_path, corpus, monkeypatch):
             raise KeyboardInterrupt
         return real(self, *a, **kw)
 
-    monkeypatch.setattr(fid._Server, "prompt_logprobs", fail_third)
+    monkeypatch.setattr(fid.ServerClient, "prompt_logprobs", fail_third)
     with FakeVllm() as srv, pytest.raises(KeyboardInterrupt):
         fid.record_logprobs(fid.RecordLogprobsParams(out=str(ref), corpus=str(corpus), window=100,
                                                      base_url=srv.url))
@@ -466,10 +466,9 @@ def test_long_prompts_hit_their_targets_within_max_model_len():
 
 def test_compare_record_long_adds_the_needle_prompts(tmp_path, monkeypatch, capsys):
     import tools.measure.compare_tokens as ct
-    import tools.measure.long_prompts as lp
 
     asked = {}
-    monkeypatch.setattr(lp, "long_prompts", lambda base, **kw: asked.setdefault("long", ["NEEDLE PROMPT"]))
+    monkeypatch.setattr(ct, "long_prompts", lambda base, **kw: asked.setdefault("long", ["NEEDLE PROMPT"]))
 
     def fake_generate(base, prompts, **kw):
         asked["prompts"] = prompts

@@ -171,7 +171,7 @@ def test_a_stopped_sweep_is_not_compared_as_a_finished_one(tmp_path):
     run = json.loads((ARTICLE / "emb4" / "summary.json").read_text())
     run["finished"] = None
     (tmp_path / "summary.json").write_text(json.dumps(run))
-    with pytest.raises(ToolFailure, match="stopped before it finished.*sweep --resume --label") as exc:
+    with pytest.raises(ToolFailure, match=r"stopped before it finished.*sweep \(resume=True, label=") as exc:
         compare_runs([RUNS[0], tmp_path])
     assert exc.value.detail["finished"] is None
 

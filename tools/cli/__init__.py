@@ -32,9 +32,9 @@ COMMANDS: dict[str, str] = {
     **dict.fromkeys(("sweep", "sweep-compare", "compare", "decode", "decode-sweep", "decode-compare"),
                     "tools.cli.measure_cli"),
     "demo": "tools.demo.demo",
-    "eval": "tools.measure.evals",
-    "eval-compare": "tools.measure.evals",
-    "fidelity": "tools.measure.fidelity",
+    "eval": "tools.cli.evals_cli",
+    "eval-compare": "tools.cli.evals_cli",
+    "fidelity": "tools.cli.fidelity_cli",
     "doctor": "tools.serving.preflight",
     "fetch": "tools.serving.fetch",
 }

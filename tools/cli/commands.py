@@ -39,6 +39,7 @@ OPERATIONS: dict[str, str] = {
     "sweep": "./vllm-t4 sweep",
     "sweep_compare": "./vllm-t4 sweep-compare",
     "compare_tokens": "./vllm-t4 compare",
+    "compare_tokens.record": "./vllm-t4 compare record",
     "decode": "./vllm-t4 decode",
     "decode_sweep": "./vllm-t4 decode-sweep",
     "decode_compare": "./vllm-t4 decode-compare",

@@ -13,6 +13,15 @@ import sys
 from typing import Callable
 
 from tools.cli.commands import emit as _emit, guard as _guard
+from tools.core.errors import BadInput
+from tools.measure.compare_tokens import CompareParams, check_against, compare_live, record_reference, short_prompt
+from tools.measure.decode import DecodeParams, markdown_run, run_decode
+from tools.measure.decode_sweep import DecodeSweepParams, compare_decode_runs, run_decode_sweep
+from tools.measure.results import DEFAULT_PRICE_PER_HOUR, SweepParams
+from tools.measure.sweep import run_sweep
+from tools.measure.sweep_report import compare_runs, load_run, plot_runs
+from tools.serving.config import load_config
+from tools.serving.endpoint import EndpointParams, resolve_endpoint, resolve_name
 
 
 def _cost_cell(text: str) -> tuple[int, int]:
@@ -25,8 +34,6 @@ def _cost_cell(text: str) -> tuple[int, int]:
 
 def _bad_input_2(exc: Exception) -> int:
     """An endpoint option that names nothing running, or two at once: exit 2 (bad input); other failures 1."""
-    from tools.core.errors import BadInput
-
     return 2 if isinstance(exc, BadInput) else 1
 
 
@@ -40,15 +47,11 @@ def _serve_config(args: argparse.Namespace):
     """The configured server (tpu.env or --env-file), for the default URL and its start record."""
     if getattr(args, "base_url", None) and not args.env_file:
         return None
-    from tools.serving.config import load_config
 
     return load_config(args.env_file)
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from tools.measure.results import SweepParams
-    from tools.measure.sweep import run_sweep
-
     params = SweepParams.from_cli_args(args)
     res = run_sweep(params, progress=_progress(args), serve_config=_serve_config(args))
     counts = res.counts
@@ -66,22 +69,14 @@ def _read_text(path: str | None) -> str:
 
 
 def cmd_sweep_compare(args: argparse.Namespace) -> int:
-    from tools.measure.sweep_report import compare_runs, plot_runs
-
     cmp = compare_runs(args.runs, price_per_hour=args.price_per_hour, cost_cell=args.cost_at)
     if args.plot:
-        from tools.measure.sweep_report import load_run
-
         plot_runs([load_run(r) for r in args.runs], args.plot)
     _emit(args, cmp, cmp.markdown + (f"\nplot: {args.plot}" if args.plot else ""))
     return 0
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from tools.measure.compare_tokens import CompareParams, check_against, compare_live, record_reference
-
-    from tools.serving.endpoint import resolve_endpoint, resolve_name
-
     params = CompareParams(base_url=getattr(args, "base_url", None), prompts_file=getattr(args, "prompts", None),
                            max_tokens=getattr(args, "max_tokens", 160), top_logprobs=args.top_logprobs,
                            long=getattr(args, "long", False), force=getattr(args, "force", False),
@@ -92,7 +87,6 @@ def cmd_compare(args: argparse.Namespace) -> int:
     prog = _progress(args)
     if args.action == "record":
         rec = record_reference(args.out, params, progress=prog)
-        from tools.measure.compare_tokens import short_prompt
 
         lines = [f"PROMPT: {short_prompt(g.prompt, g.prompt_tokens)}\n  {len(g.token_ids)} tokens, finish {g.finish_reason}" for g in rec.generations]
         _emit(args, rec, "\n".join(lines + [f"{rec.summary()}", f"{args.out}"]))
@@ -108,8 +102,6 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_decode(args: argparse.Namespace) -> int:
-    from tools.measure.decode import DecodeParams, markdown_run, run_decode
-
     params = DecodeParams.from_cli_args(args)
     res = run_decode(params, progress=_progress(args), serve_config=_serve_config(args))
     _emit(args, res.model_dump(mode="json", exclude={"prompts"}), markdown_run(res) + res.run_dir)
@@ -117,25 +109,18 @@ def cmd_decode(args: argparse.Namespace) -> int:
 
 
 def cmd_decode_sweep(args: argparse.Namespace) -> int:
-    from tools.measure.decode import DecodeSweepParams, run_decode_sweep
-
     res = run_decode_sweep(DecodeSweepParams.from_cli_args(args), progress=_progress(args))
     _emit(args, res.model_dump(mode="json"), res.comparison.markdown + res.run_dir)
     return 0
 
 
 def cmd_decode_compare(args: argparse.Namespace) -> int:
-    from tools.measure.decode import compare_decode_runs
-
     cmp = compare_decode_runs(args.runs)
     _emit(args, cmp.model_dump(mode="json"), cmp.markdown)
     return 0
 
 
 def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
-    from tools.measure.results import DEFAULT_PRICE_PER_HOUR, SweepParams
-    from tools.serving.endpoint import EndpointParams
-
     def common(p: argparse.ArgumentParser, *, url: bool = True) -> None:
         if url:  # --base-url | --instance | --router, from the one endpoint model
             EndpointParams.add_cli_args(p)
@@ -187,7 +172,6 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     a.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.set_defaults(func=_guard("compare", cmd_compare, status=_bad_input_2), env_file=None)
 
-    from tools.measure.decode import DecodeParams, DecodeSweepParams
 
     p = sub.add_parser("decode", help="single-stream decode benchmark: TTFT, time per token, drafts accepted",
                        description="Twenty shipped chat prompts, one at a time, streamed; per prompt TTFT, TPOT, "

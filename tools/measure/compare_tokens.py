@@ -20,8 +20,10 @@ from typing import Any, Callable, ClassVar, Literal
 import httpx
 from pydantic import BaseModel, Field
 
-from tools.core.errors import ToolFailure
-from tools.serving.endpoint import EndpointParams
+from tools.core.errors import ToolFailure, op, param
+from tools.serving.endpoint import EndpointParams, resolve_endpoint, resolve_name
+from tools.measure.long_prompts import long_prompts
+from tools.measure.provenance import config_sha256
 
 RECORD_KIND = "gemma4-t4/token-record"
 RECORD_VERSION = 1
@@ -158,8 +160,6 @@ def short_prompt(prompt: str, prompt_tokens: int | None = None) -> str:
 
 def _default_base_url(params: Any = None) -> str:
     """The endpoint params choose (base_url, instance or router), else the default instance or tpu.env's port."""
-    from tools.serving.endpoint import resolve_endpoint
-
     return resolve_endpoint(params).base_url
 
 
@@ -190,7 +190,7 @@ def _model_of(client: httpx.Client, base_url: str) -> tuple[str, str | None]:
         data = r.json().get("data") or []
     except (httpx.HTTPError, ValueError) as exc:
         raise ToolFailure(f"no vLLM server answers at {base_url} ({type(exc).__name__}); start one with "
-                          f"./vllm-t4 start or pass --base-url") from exc
+                          f"{op('start')} or pass {param('base_url')}", field="base_url") from exc
     if not data:
         raise ToolFailure(f"the server at {base_url} lists no model in /v1/models")
     return data[0]["id"], data[0].get("root")
@@ -244,8 +244,6 @@ def generate(base_url: str, prompts: list[str], *, max_tokens: int = 160, top_lo
                 progress(i + 1, len(prompts), f"{base}: prompt {i + 1}/{len(prompts)}, {len(ids)} tokens")
     sha = None
     if root and Path(root).is_dir():
-        from tools.measure.provenance import config_sha256
-
         sha = config_sha256(root)
     return TokenRecord(created=datetime.now(timezone.utc).isoformat(timespec="seconds"), base_url=base, model=model,
                        model_root=root, checkpoint_config_sha256=sha, max_tokens=max_tokens,
@@ -265,14 +263,14 @@ def save_record(rec: TokenRecord, path: str | Path) -> Path:
 def load_record(path: str | Path) -> TokenRecord:
     p = Path(path)
     if not p.is_file():
-        raise ToolFailure(f"{p}: reference file not found; write one with ./vllm-t4 compare record --out {p}")
+        raise ToolFailure(f"{p}: reference file not found; write one with {op('compare_tokens.record', out=str(p))}")
     try:
         data = json.loads(p.read_text())
     except ValueError as exc:
-        raise ToolFailure(f"{p}: not JSON ({exc}); pass a file written by ./vllm-t4 compare record") from exc
+        raise ToolFailure(f"{p}: not JSON ({exc}); pass a file written by {op('compare_tokens.record')}") from exc
     if not isinstance(data, dict) or data.get("kind") != RECORD_KIND:
         raise ToolFailure(f"{p}: not a token record (kind {data.get('kind') if isinstance(data, dict) else None!r});"
-                          f" pass a file written by ./vllm-t4 compare record")
+                          f" pass a file written by {op('compare_tokens.record')}")
     rec = TokenRecord.model_validate(data)
     rec.path = str(p)
     return rec
@@ -327,8 +325,6 @@ def _prompts(params: CompareParams, base_url: str | None = None) -> list[str]:
     else:
         prompts = list(DEFAULT_PROMPTS)
     if params.long:
-        from tools.measure.long_prompts import long_prompts
-
         prompts += long_prompts(base_url or _default_base_url(params), max_tokens=params.max_tokens,
                                 timeout_s=params.timeout_s)
     return prompts
@@ -339,7 +335,7 @@ def record_reference(out: str | Path, params: CompareParams | None = None, *, pr
     """Record the reference build's tokens (the server at params.base_url) to `out`."""
     params = params or CompareParams()
     if Path(out).exists() and not params.force:
-        raise ToolFailure(f"{out} exists; pass --force to replace it, or give another file",
+        raise ToolFailure(f"{out} exists; pass {param('force', True)} to replace it, or give another file",
                           detail={"path": str(out)})
     base = _default_base_url(params)
     rec = generate(base, _prompts(params, base), max_tokens=params.max_tokens, top_logprobs=params.top_logprobs,
@@ -396,7 +392,6 @@ def compare_tokens(params: CompareParams | None = None, *, progress: Progress | 
         if bool(params.other_url) == bool(params.other_instance):
             raise ToolFailure("mode 'live' needs other_url (or other_instance): the second build's endpoint "
                               "(base_url, instance or router is the reference)")
-        from tools.serving.endpoint import resolve_name
 
         other = params.other_url or resolve_name(params.other_instance).base_url
         return compare_live(_default_base_url(params), other, params, progress=progress)

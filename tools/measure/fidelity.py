@@ -37,42 +37,30 @@ not used: it differs between builds of one model on purpose (quantization settin
 
 from __future__ import annotations
 
-import hashlib
 import heapq
 import json
 import math
-import os
-import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Literal
 
-import httpx
 from pydantic import BaseModel, Field
 
-from tools.core.errors import BadInput, ToolFailure
-from tools.core.params import OpParams
-from tools.serving.endpoint import EndpointParams
+from tools.core.errors import BadInput, param
+from tools.measure.fidelity_files import (DEFAULT_CORPUS, RECORD_KIND, RefWriter, load_corpus,  # noqa: F401
+                                          read_reference)
+from tools.measure.server_client import ServerClient
+from tools.serving.endpoint import EndpointParams, resolve_endpoint
 
-RECORD_KIND = "gemma4-t4/logprob-record"
-RECORD_VERSION = 1
-DEFAULT_CORPUS = Path(__file__).resolve().parent / "data" / "fidelity-corpus.txt"
 DEFAULT_WINDOW = 1024
 MAX_TOP_K = 20  # vLLM's default max_logprobs
-# Fixed text whose tokenization fingerprints a tokenizer: ASCII, digits, punctuation, whitespace runs,
-# accented and non-Latin script, an emoji.
-TOKENIZER_PROBE = ("The quick brown fox jumps over the lazy dog. 0123456789 +-*/=<>()[]{} \"'`~!?@#$%^&_|\\\n"
-                   "\t  tabs  and   spaces\r\nÀéîõü ßæøå Ωμέγα Привет 你好世界 こんにちは 🙂")
 # The config fields that make two checkpoints the same model to a tokenizer and a logit vector.
 SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "global_head_dim", "hidden_size_per_layer_input",
                 "vocab_size_per_layer_input", "num_kv_shared_layers", "layer_types")
-LOGPROB_DIGITS = 7  # decimals kept in REF.json: float32 logits carry no more
 
 Progress = Callable[[int, int, str], None]
-
-
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -252,123 +240,13 @@ def score_position(ref_top: dict[int, float], ref_actual: tuple[int, float], can
 # The server
 
 
-def _default_base_url() -> str:
-    try:
-        from tools.serving.config import load_config
-
-        return load_config().base_url
-    except ImportError:
-        return "http://127.0.0.1:8000"
-
-
 def _endpoint_url(params: EndpointParams) -> str:
     """The server the params choose: base_url, a named instance, the router, else the default instance."""
-    from tools.serving.endpoint import resolve_endpoint
-
     return resolve_endpoint(params).base_url
 
 
 def _endpoint_of(params: EndpointParams) -> dict[str, Any]:
     return {k: getattr(params, k) for k in EndpointParams.model_fields}
-
-
-class _Server:
-    """The few vLLM endpoints this module uses, with one-line failures."""
-
-    def __init__(self, base_url: str | None, timeout_s: float) -> None:
-        self.base = (base_url or _default_base_url()).rstrip("/")
-        self.client = httpx.Client(timeout=timeout_s)
-        try:
-            r = self.client.get(f"{self.base}/v1/models")
-            r.raise_for_status()
-            data = r.json().get("data") or []
-        except (httpx.HTTPError, ValueError) as exc:
-            self.client.close()
-            raise ToolFailure(f"no vLLM server answers at {self.base} ({type(exc).__name__}); start one with "
-                              f"./vllm-t4 start or pass --base-url") from exc
-        if not data:
-            self.client.close()
-            raise ToolFailure(f"the server at {self.base} lists no model in /v1/models")
-        self.model: str = data[0]["id"]
-        self.root: str | None = data[0].get("root")
-        self.max_model_len: int | None = data[0].get("max_model_len")
-
-    def close(self) -> None:
-        self.client.close()
-
-    def tokenize(self, text: str | None = None, *, messages: list[dict] | None = None,
-                 add_special_tokens: bool = False) -> list[int]:
-        body: dict[str, Any] = {"model": self.model, "add_special_tokens": add_special_tokens}
-        if messages is not None:
-            body |= {"messages": messages, "add_generation_prompt": True}
-        else:
-            body["prompt"] = text
-        try:
-            r = self.client.post(f"{self.base}/tokenize", json=body)
-        except httpx.HTTPError as exc:
-            raise ToolFailure(f"{self.base}/tokenize failed ({type(exc).__name__}: {exc})") from exc
-        if r.status_code == 404:
-            raise BadInput(f"{self.base} has no /tokenize endpoint: fidelity needs a vLLM server, whose tokenizer "
-                           f"it uses")
-        if r.status_code != 200:
-            raise ToolFailure(f"{self.base}/tokenize answered {r.status_code}: {r.text[:200]}")
-        return [int(t) for t in r.json()["tokens"]]
-
-    def detokenize(self, ids: list[int]) -> str | None:
-        try:
-            r = self.client.post(f"{self.base}/detokenize", json={"model": self.model, "tokens": ids})
-            return r.json().get("prompt") if r.status_code == 200 else None
-        except (httpx.HTTPError, ValueError):
-            return None
-
-    def prompt_logprobs(self, ids: list[int], top_k: int, first: int
-                        ) -> tuple[list[tuple[int, float]], list[dict[int, float]]]:
-        """Per position first..len(ids)-1: (actual token, its logprob) and the top-k dict."""
-        body = {"model": self.model, "prompt": ids, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": top_k}
-        try:
-            r = self.client.post(f"{self.base}/v1/completions", json=body)
-        except httpx.HTTPError as exc:
-            raise ToolFailure(f"{self.base}/v1/completions failed ({type(exc).__name__}: {exc})") from exc
-        if r.status_code != 200:
-            msg = r.text[:300]
-            if "logprob" in msg.lower():
-                raise BadInput(f"{self.base} refused prompt_logprobs={top_k} ({' '.join(msg.split())}); serve with "
-                               f"--max-logprobs {top_k} or more, or record with a smaller --top-k")
-            raise ToolFailure(f"{self.base}/v1/completions answered {r.status_code}: {msg}")
-        choice = (r.json().get("choices") or [{}])[0]
-        plp = choice.get("prompt_logprobs")
-        if not isinstance(plp, list) or len(plp) != len(ids):
-            raise BadInput(f"{self.base} returned no prompt_logprobs for a {len(ids)}-token prompt: fidelity needs "
-                           f"a vLLM server with prompt_logprobs support")
-        actual: list[tuple[int, float]] = []
-        tops: list[dict[int, float]] = []
-        for j in range(first, len(ids)):
-            entry = plp[j]
-            if not isinstance(entry, dict) or str(ids[j]) not in entry:
-                raise BadInput(f"{self.base} returned prompt_logprobs without the prompt token at position {j}: "
-                               f"it must be vLLM's format (token id -> logprob, rank)")
-            top: dict[int, float] = {}
-            for tok, info in entry.items():
-                if info.get("rank") is not None and int(info["rank"]) <= top_k:
-                    top[int(tok)] = round(float(info["logprob"]), LOGPROB_DIGITS)
-            # vLLM always lists the actual token; keep the k best if rank ties pushed more in.
-            if len(top) > top_k:
-                top = dict(sorted(top.items(), key=lambda kv: -kv[1])[:top_k])
-            actual.append((ids[j], round(float(entry[str(ids[j])]["logprob"]), LOGPROB_DIGITS)))
-            tops.append(top)
-        return actual, tops
-
-    def fingerprint(self) -> tuple[str, dict[str, Any]]:
-        """sha256 of the probe's tokenizations (plain, special tokens, chat template) and what was hashed."""
-        plain = self.tokenize(TOKENIZER_PROBE)
-        special = self.tokenize(TOKENIZER_PROBE, add_special_tokens=True)
-        try:
-            chat: list[int] | None = self.tokenize(messages=[{"role": "user", "content": TOKENIZER_PROBE}])
-        except ToolFailure:
-            chat = None  # a model without a chat template: hashed as null
-        payload = {"plain": plain, "special": special, "chat": chat}
-        digest = hashlib.sha256(json.dumps(payload, separators=(",", ":")).encode()).hexdigest()
-        return digest, {"probe_tokens": len(plain), "max_probe_id": max(plain + special + (chat or []))}
 
 
 def _text_shape(root: str | None) -> dict[str, Any]:
@@ -385,106 +263,6 @@ def _text_shape(root: str | None) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------------------------
-# The corpus
-
-
-def load_corpus(path: str | Path | None) -> tuple[Path, str, str]:
-    """(path, text, sha256 of its bytes); a one-line BadInput for a missing, empty or non-UTF-8 file."""
-    p = Path(path) if path else DEFAULT_CORPUS
-    if not p.is_file():
-        raise BadInput(f"corpus {p}: no such file; pass a UTF-8 text file with --corpus")
-    data = p.read_bytes()
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise BadInput(f"corpus {p}: not UTF-8 (byte {exc.start}: {data[exc.start:exc.start + 1]!r}); convert it "
-                       f"to UTF-8 text") from exc
-    if not text.strip():
-        raise BadInput(f"corpus {p}: empty; pass a text file with at least one window of tokens")
-    return p, text, hashlib.sha256(data).hexdigest()
-
-
-# ------------------------------------------------------------------------------------------------------------
-# The reference file: one JSON object, a window per line, so it can be written and read a window at a time.
-
-
-class _RefWriter:
-    def __init__(self, out: Path, header: dict[str, Any], *, force: bool) -> None:
-        self.out, self.force = out, force
-        out.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-        self.f = open(self.tmp, "w", encoding="utf-8")
-        head = {"kind": RECORD_KIND, "version": RECORD_VERSION, "header": header}
-        self.f.write(json.dumps(head)[:-1] + ",\n\"windows\": [\n")
-        self.n = 0
-
-    def window(self, obj: dict[str, Any]) -> None:
-        if self.n:
-            self.f.write(",\n")
-        self.f.write(json.dumps(obj, separators=(",", ":")))
-        self.n += 1
-
-    def commit(self, footer: dict[str, Any]) -> None:
-        self.f.write("\n],\n\"footer\": " + json.dumps(footer) + "}\n")
-        self.f.flush()
-        os.fsync(self.f.fileno())
-        self.f.close()
-        if self.force:
-            os.replace(self.tmp, self.out)
-        else:
-            try:
-                os.link(self.tmp, self.out)  # fails rather than replace a file created meanwhile
-            except FileExistsError as exc:
-                raise BadInput(f"{self.out} appeared while recording; nothing overwritten (pass --force to "
-                               f"replace it)") from exc
-            finally:
-                self.tmp.unlink(missing_ok=True)
-
-    def abort(self) -> None:
-        if not self.f.closed:
-            self.f.close()
-        self.tmp.unlink(missing_ok=True)
-
-
-def _read_reference(path: str | Path):
-    """(header, footer, iterator over windows): reads REF.json a line at a time."""
-    p = Path(path)
-    if not p.is_file():
-        raise BadInput(f"{p}: reference file not found; write one with ./vllm-t4 fidelity record --out {p}")
-    hint = f"{p}: not a logprob reference; pass a file written by ./vllm-t4 fidelity record"
-    try:
-        with open(p, "rb") as f:
-            first = f.readline().decode("utf-8").rstrip()
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 65536))
-            last = f.read().decode("utf-8", errors="replace").rstrip().splitlines()[-1]
-        head = json.loads(first.rstrip(",") + "}")
-        tail = json.loads("{" + last)
-    except (ValueError, IndexError, UnicodeDecodeError) as exc:
-        raise BadInput(hint) from exc
-    if not isinstance(head, dict) or head.get("kind") != RECORD_KIND or "footer" not in tail:
-        raise BadInput(hint)
-    if head.get("version") != RECORD_VERSION:
-        raise BadInput(f"{p}: reference version {head.get('version')}, this tool reads {RECORD_VERSION}; "
-                       f"record it again")
-
-    def windows():
-        with open(p, encoding="utf-8") as f:
-            f.readline()
-            f.readline()  # "windows": [
-            for line in f:
-                line = line.strip()
-                if line.startswith("]"):
-                    return
-                try:
-                    yield json.loads(line.rstrip(","))
-                except ValueError as exc:
-                    raise BadInput(f"{hint} (window line unreadable)") from exc
-
-    return head["header"], tail["footer"], windows()
-
-
-# ------------------------------------------------------------------------------------------------------------
 # The two operations
 
 
@@ -493,12 +271,13 @@ def record_logprobs(params: RecordLogprobsParams, progress: Progress | None = No
     t0 = time.monotonic()
     out = Path(params.out)
     if out.exists() and not params.force:
-        raise BadInput(f"{out} exists; pass --force to replace it or choose another --out")
+        raise BadInput(f"{out} exists; pass {param('force', True)} to replace it or choose another {param('out')}",
+                       field="out")
     if out.is_dir():
-        raise BadInput(f"{out} is a folder; --out takes a file path")
+        raise BadInput(f"{out} is a folder; {param('out')} takes a file path", field="out")
     corpus_path, text, corpus_sha = load_corpus(params.corpus)
-    srv = _Server(_endpoint_url(params), params.timeout_s)
-    writer: _RefWriter | None = None
+    srv = ServerClient(_endpoint_url(params), params.timeout_s)
+    writer: RefWriter | None = None
     try:
         digest, probe_info = srv.fingerprint()
         prefix = srv.tokenize("", add_special_tokens=True)  # the BOS the tokenizer puts in front, if any
@@ -513,8 +292,9 @@ def record_logprobs(params: RecordLogprobsParams, progress: Progress | None = No
             raise BadInput(f"{srv.base} serves max_model_len {srv.max_model_len}: too short for a window")
         n_windows = len(ids) // window
         if n_windows == 0:
-            raise BadInput(f"corpus {corpus_path}: {len(ids)} tokens{' (after --max-corpus-tokens)' if params.max_corpus_tokens else ''}"
-                           f", shorter than one window of {window}; pass a longer --corpus or a smaller --window")
+            cut = f" (after {param('max_corpus_tokens')})" if params.max_corpus_tokens else ""
+            raise BadInput(f"corpus {corpus_path}: {len(ids)} tokens{cut}, shorter than one window of {window}; pass "
+                           f"a longer {param('corpus')} or a smaller {param('window')}", field="window")
         shape = _text_shape(srv.root)
         first = max(1, len(prefix))  # position 0 has no logprob
         header = {
@@ -526,7 +306,7 @@ def record_logprobs(params: RecordLogprobsParams, progress: Progress | None = No
             "corpus": {"path": str(corpus_path), "sha256": corpus_sha, "tokens": corpus_tokens,
                        "tokens_used": n_windows * window},
         }
-        writer = _RefWriter(out, header, force=params.force)
+        writer = RefWriter(out, header, force=params.force)
         scored = 0
         for w in range(n_windows):
             chunk = prefix + ids[w * window:(w + 1) * window]
@@ -549,7 +329,7 @@ def record_logprobs(params: RecordLogprobsParams, progress: Progress | None = No
                                 vocab_size=shape.get("vocab_size"), wall_s=round(time.monotonic() - t0, 3))
 
 
-def _check_same_model(header: dict[str, Any], srv: _Server, digest: str, ref_path: str) -> None:
+def _check_same_model(header: dict[str, Any], srv: ServerClient, digest: str, ref_path: str) -> None:
     if header.get("tokenizer_sha256") != digest:
         raise BadInput(f"{ref_path} was recorded with another tokenizer ({header.get('model')}: "
                        f"{str(header.get('tokenizer_sha256'))[:12]}…, {srv.model}: {digest[:12]}…); compare builds of "
@@ -567,8 +347,8 @@ def check_logprobs(params: CheckLogprobsParams, progress: Progress | None = None
     import numpy as np
 
     t0 = time.monotonic()
-    header, footer, windows = _read_reference(params.reference)
-    srv = _Server(_endpoint_url(params), params.timeout_s)
+    header, footer, windows = read_reference(params.reference)
+    srv = ServerClient(_endpoint_url(params), params.timeout_s)
     try:
         digest, _ = srv.fingerprint()
         _check_same_model(header, srv, digest, params.reference)
@@ -577,7 +357,7 @@ def check_logprobs(params: CheckLogprobsParams, progress: Progress | None = None
         if srv.max_model_len and srv.max_model_len < need:
             raise BadInput(f"{params.reference} has {window}-token windows; {srv.base} serves max_model_len "
                            f"{srv.max_model_len} < {need}: serve with a larger MAX_MODEL_LEN or record with a "
-                           f"smaller --window")
+                           f"smaller {param('window')}")
         n_windows = int(footer.get("windows", header.get("windows", 0)))
         klds: list[float] = []
         lower_sum = matched = listed = 0.0
@@ -641,47 +421,3 @@ def compare_logprobs(params: CompareLogprobsParams, progress: Progress | None = 
             window=params.window, top_k=params.top_k, force=params.force, **_endpoint_of(params)), progress)
     return check_logprobs(CheckLogprobsParams(reference=params.reference, **_endpoint_of(params),
                                               worst=params.worst), progress)
-
-
-# ------------------------------------------------------------------------------------------------------------
-# Command line: `./vllm-t4 fidelity record|check`, flags derived from the params models
-
-
-def _run(name: str, func: Callable[[Any], int]) -> Callable[[Any], int]:
-    """Failures as one line on stderr (and the JSON error under --json): exit 2 for bad input, 1 otherwise."""
-    from tools.cli.commands import guard
-
-    return guard(f"fidelity {name}", func, status=lambda exc: 2 if isinstance(exc, BadInput) else 1)
-
-
-def _progress(done: int, total: int, msg: str) -> None:
-    print(f"[{done}/{total}] {msg}", file=sys.stderr, flush=True)
-
-
-def _cmd_record(args) -> int:
-    res = record_logprobs(RecordLogprobsParams.from_cli_args(args), progress=_progress)
-    print(json.dumps(res.to_dict()) if args.json else res.text())
-    return 0
-
-
-def _cmd_check(args) -> int:
-    res = check_logprobs(CheckLogprobsParams.from_cli_args(args), progress=_progress)
-    print(json.dumps(res.to_dict()) if args.json else res.text())
-    return 0
-
-
-def register(sub) -> None:
-    """Adds `fidelity record|check` to the `./vllm-t4` subcommands."""
-    p = sub.add_parser("fidelity", help="logprob fidelity between builds: KLD, top-1 agreement, perplexity",
-                       description="Score a text corpus with prompt_logprobs on the reference build (record), then "
-                                   "on another build (check): mean/p99/max KLD, top-1 agreement, PPL ratio. Exit 2 "
-                                   "on bad input, 1 when the server fails.")
-    acts = p.add_subparsers(dest="action", required=True, metavar="ACTION")
-    a = acts.add_parser("record", help="score the corpus on the serving build into REF.json")
-    RecordLogprobsParams.add_cli_args(a)
-    a.add_argument("--json", action="store_true", help="print the result as one JSON object")
-    a.set_defaults(func=_run("record", _cmd_record))
-    a = acts.add_parser("check", help="compare the serving build with REF.json")
-    CheckLogprobsParams.add_cli_args(a)
-    a.add_argument("--json", action="store_true", help="print the result as one JSON object")
-    a.set_defaults(func=_run("check", _cmd_check))

@@ -12,6 +12,8 @@ from __future__ import annotations
 import random
 from typing import Callable
 
+from tools.measure.server_client import ServerClient
+
 DEFAULT_TARGETS: tuple[int, ...] = (2048, 8192, 14336)
 NEEDLE_AT = 0.03  # share of the filler sentences before the fact
 
@@ -102,9 +104,7 @@ def build_long_prompts(count_tokens: Callable[[str], int], max_model_len: int, *
 def long_prompts(base_url: str, *, max_tokens: int, targets: tuple[int, ...] = DEFAULT_TARGETS,
                  timeout_s: float = 600.0) -> list[str]:
     """The needle prompts for the server at base_url, sized with its tokenizer and chat template."""
-    from tools.measure.fidelity import _Server
-
-    srv = _Server(base_url, timeout_s)
+    srv = ServerClient(base_url, timeout_s)
     try:
         def count(prompt: str) -> int:
             return len(srv.tokenize(messages=[{"role": "user", "content": prompt}], add_special_tokens=False))

@@ -21,6 +21,11 @@ from typing import Any
 import httpx
 from pydantic import BaseModel, Field
 
+from tools.core.errors import ToolFailure, op, param
+from tools.gpu.vram import vram_status
+from tools.serving.config import load_config
+from tools.serving.vllm_server import server_status
+
 
 class ServerInfo(BaseModel):
     base_url: str
@@ -111,9 +116,23 @@ def server_info(base_url: str, *, timeout: float = 10.0) -> ServerInfo:
                       max_model_len=int(mml) if mml is not None else None, vllm_version=version)
 
 
-def _gpu(notes: list[str], nvml: Any = None) -> tuple[str | None, str | None, int]:
-    from tools.gpu.vram import vram_status
+def served_model(base_url: str, model: str | None = None) -> tuple[ServerInfo, str]:
+    """The server at base_url (server_info) and the model name to send: `model`, else the first it lists.
+    A server that does not answer, or lists no model, is a one-line failure."""
+    try:
+        server = server_info(base_url)
+    except (httpx.HTTPError, ValueError) as exc:
+        raise ToolFailure(f"no vLLM server answers at {base_url} ({type(exc).__name__}); start one with "
+                          f"{op('start')} or pass {param('base_url')}", {"base_url": base_url},
+                          field="base_url") from exc
+    model = model or server.model_id
+    if not model:
+        raise ToolFailure(f"the server at {base_url} lists no model in /v1/models; pass {param('model')}",
+                          field="model")
+    return server, model
 
+
+def _gpu(notes: list[str], nvml: Any = None) -> tuple[str | None, str | None, int]:
     st = vram_status(nvml=nvml)
     if not st.available:
         notes.append(f"no GPU: {st.reason}")
@@ -127,9 +146,6 @@ def _started_server(base_url: str, notes: list[str], cfg: Any = None) -> tuple[l
 
     cfg is the ServeConfig to look in (default: the project's tpu.env).
     """
-    from tools.serving.config import load_config
-    from tools.serving.vllm_server import server_status
-
     try:
         cfg = cfg if cfg is not None else load_config()
         st = server_status(cfg)

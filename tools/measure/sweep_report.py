@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from tools.core.errors import ToolFailure
+from tools.core.errors import ToolFailure, op, param
 from tools.measure.evidence import write_text, write_texts
 from tools.measure.results import DEFAULT_PRICE_PER_HOUR, METRICS, SweepResult
 from tools.core.params import OpParams
@@ -177,10 +177,10 @@ def load_run(path: str | Path) -> SweepResult:
         res = SweepResult.model_validate_json(f.read_text())
     except ValueError as exc:
         raise ToolFailure(f"{f}: not a sweep summary ({str(exc).splitlines()[0]}); pass a folder written by "
-                          f"./vllm-t4 sweep") from exc
+                          f"{op('sweep')}") from exc
     if res.finished is None:  # the folder stays in place while a sweep runs (for --resume): unfinished looks alike
         raise ToolFailure(f"{p}: this sweep was stopped before it finished ({len(res.cells)} cells begun); "
-                          f"complete it with ./vllm-t4 sweep --resume --label {res.label} and its other options",
+                          f"complete it with {op('sweep', resume=True, label=res.label)} and its other options",
                           detail={"path": str(p), "finished": None, "cells": len(res.cells)})
     return res
 
@@ -333,7 +333,8 @@ def write_comparison(cmp: SweepComparison, out: str | Path, *, force: bool = Fal
                               detail={"output": str(f)})
     existing = [str(f) for f in (md, js) if f.exists()]
     if existing and not force:
-        raise ToolFailure(f"{', '.join(existing)} exists; pass --force to replace it, or give another output",
+        raise ToolFailure(f"{', '.join(existing)} exists; pass {param('force', True)} to replace it, or give another "
+                          f"output",
                           detail={"existing": existing})
     md.parent.mkdir(parents=True, exist_ok=True)
     write_texts((js, json.dumps(cmp.to_dict(), indent=2) + "\n"), (md, cmp.markdown + "\n"))
