@@ -81,8 +81,8 @@ class ToolFailure(Exception):
 
     def __init__(self, message: str, detail: dict[str, Any] | None = None, *, field: str | None = None) -> None:
         # One line: the CLI prints it as the whole reason, MCP clients show it as the error text.
-        # (split on spaces only: str.split() takes the marks, \x1e and \x1f, for whitespace and would drop them)
-        self.message = re.sub(r"[ \t\n\r\f\v]+", " ", str(message)).strip()
+        # (spaces only: str.split() and str.strip() take the marks, \x1e and \x1f, for whitespace and would drop them)
+        self.message = re.sub(r"[ \t\n\r\f\v]+", " ", str(message)).strip(" ")
         self.detail = detail
         self.field = field
         super().__init__(render(self.message))
