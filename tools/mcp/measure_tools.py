@@ -10,7 +10,7 @@ from tools.core.text import clip
 from tools.measure.compare_tokens import CompareParams, TokenComparison, TokenRecord, compare_tokens as compare
 from tools.measure.decode import DecodeParams, DecodeSummary, run_decode
 from tools.measure.fidelity import (DEFAULT_CORPUS, CheckLogprobsResult, CompareLogprobsParams,
-                                    RecordLogprobsResult, compare_logprobs)
+                                    RecordLogprobsResult, compare_logprobs as logprob_fidelity)
 from tools.measure.results import SweepParams, SweepResult
 from tools.measure.sweep import run_sweep as sweep
 from tools.measure.sweep_report import (CompareSweepsParams, SweepComparison, compare_runs, markdown_run,
@@ -127,7 +127,7 @@ def compare_logprobs(app, p: CompareLogprobsParams, progress) -> Reply:
     """Full-distribution fidelity of two builds over a text corpus: mode=record scores it with the reference
     build into `reference` (REF.json under an evidence root; force=true to replace one), restart with the other
     build, mode=check: mean/p99/max KLD, top-1 agreement, perplexity ratio. Long: progress in windows."""
-    res = compare_logprobs(_logprob_inputs(app, p), progress=lambda d, t, m: progress(d, t, m))
+    res = logprob_fidelity(_logprob_inputs(app, p), progress=lambda d, t, m: progress(d, t, m))
     if isinstance(res, RecordLogprobsResult):
         return Reply(res, f"recorded {res.tokens} positions ({res.windows} windows) from {res.model}: {res.path}")
     return Reply(res, f"{res.candidate_model} vs {res.reference_model}: mean KLD {res.mean_kld:.4g}, p99 "
