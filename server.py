@@ -27,7 +27,7 @@ if _HERE not in sys.path:
 
 from tools.core.paths import Roots  # noqa: E402
 from tools.core.root import PROJECT_ROOT  # noqa: E402
-from tools.mcp.registry import DEFAULT_TOOLSETS, TOOLSETS, TOOLSETS_ENV  # noqa: E402
+from tools.mcp.registry import DEFAULT_TOOLSETS, TOOLSETS, TOOLSETS_ENV, parse_toolsets  # noqa: E402
 
 if TYPE_CHECKING:
     from tools.mcp.app import Settings, create_server
@@ -35,13 +35,17 @@ if TYPE_CHECKING:
 __all__ = ["Settings", "create_server", "main", "parse_args"]
 
 
-def __getattr__(name: str) -> Any:
-    # The app (fastmcp, over a second of imports) loads once the arguments are checked: a bad port or token is
-    # answered at once.
-    if name in ("Settings", "create_server", "install_sigterm"):
-        from tools.mcp import app
+def _app() -> Any:
+    """The MCP app (tools/mcp/app.py, fastmcp: over a second of imports), loaded once the arguments are checked:
+    a bad port or token is answered at once."""
+    import tools.mcp.app
 
-        return getattr(app, name)
+    return tools.mcp.app
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("Settings", "create_server", "install_sigterm"):
+        return getattr(_app(), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 TOKEN_ENV = "GEMMA4_T4_MCP_TOKEN"
@@ -76,8 +80,6 @@ def _port(text: str) -> int:
 
 
 def _toolsets(text: str) -> tuple[str, ...]:
-    from tools.mcp.app import parse_toolsets
-
     try:
         return parse_toolsets(text)
     except ValueError as exc:
@@ -152,22 +154,21 @@ def main(argv: list[str] | None = None) -> int:
         token = _http_token(args)
         if token is None:
             return 2
-    from tools.mcp.app import Settings, create_server, install_sigterm
-
+    app = _app()
     overrides: dict[str, Any] = {}
     if args.state_dir is not None:
         overrides["state_dir"] = str(args.state_dir)
-    settings = Settings(roots=Roots.from_env(args.models_root, args.evidence_root), env_file=args.env_file,
+    settings = app.Settings(roots=Roots.from_env(args.models_root, args.evidence_root), env_file=args.env_file,
                         config_overrides=overrides)
     if not args.http:
-        mcp = create_server(settings, toolsets=args.toolsets)
-        install_sigterm(mcp.gemma)  # type: ignore[attr-defined]
+        mcp = app.create_server(settings, toolsets=args.toolsets)
+        app.install_sigterm(mcp.gemma)  # type: ignore[attr-defined]
         try:
             mcp.run("stdio", show_banner=False)
         finally:  # the client closed stdin: a job still running goes with this process, cleaned up
             mcp.gemma.shutdown()  # type: ignore[attr-defined]
         return 0
-    mcp = create_server(settings, auth=bearer_verifier(token), toolsets=args.toolsets)
+    mcp = app.create_server(settings, auth=bearer_verifier(token), toolsets=args.toolsets)
     hosts, origins = _host_origin_lists(args.port, args.allowed_host)
     print(f"server.py: MCP over HTTP at http://{args.host}:{args.port}/mcp (Authorization: Bearer ...)",
           file=sys.stderr, flush=True)

@@ -163,3 +163,26 @@ def test_prompts_refuse_unknown_and_over_long_arguments(mcp):
     assert "unknown argument bogus" in refused[0][1] and "source, output, repo_id" in refused[0][1]
     assert "argument output is 100000 characters" in refused[1][1] and len(refused[1][1]) < 300
     assert "my-build" in text
+
+
+def test_marked_parameters_and_operations_are_rendered_as_arguments_and_tools():
+    """A library message names a parameter by its field and a remedy by its operation; MCP spells them as the
+    argument and the tool (the command line as --flag and ./vllm-t4 ...), and the failure's field is
+    detail.argument."""
+    from repack.errors import RepackError
+    from tools.core.errors import BadInput, ToolFailure, op, param
+    from tools.mcp.errors import to_tool_error
+
+    err = to_tool_error(BadInput(f"{param('out')} holds something else: choose another or pass "
+                                 f"{param('force', True)} ({param('text_only', False)} for the full build); "
+                                 f"stop it first with {op('stop')}", field="out"))
+    assert str(err) == ("out holds something else: choose another or pass force=true (text_only=false for the "
+                        "full build); stop it first with stop_vllm_server")
+    assert err.detail == {"argument": "out"}
+    fetch = to_tool_error(ToolFailure(f"no source: {op('fetch', repo_id='google/x', out='qat')}, then "
+                                      f"{op('doctor')}, {op('probe')}, {op('patch_turing')}, {op('tiny_model')}"))
+    assert str(fetch) == ("no source: fetch_checkpoint (repo_id=google/x, out=qat), then preflight, "
+                          "probe_checkpoint, patch_turing, tiny_model")
+    assert str(to_tool_error(RepackError(f"{param('scheme')} 'x': unknown"))).startswith("scheme 'x'")
+    assert str(to_tool_error(ToolFailure(f"record first with {op('fidelity.record')}"))) == \
+        "record first with compare_logprobs (mode=record)"

@@ -193,7 +193,8 @@ def _sample(v):
 
 
 def test_prompt_steps_name_real_tools_with_valid_arguments():
-    from tools.mcp.registry import TOOLSETS, load_all
+    from tools.mcp.catalog import load_all
+    from tools.mcp.registry import TOOLSETS
 
     tools = load_all()
     for spec in PROMPTS.values():

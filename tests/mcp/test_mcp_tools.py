@@ -334,7 +334,7 @@ def test_library_fields_reach_mcp_clients(mcp, tmp_path):
 
 
 def test_readme_tool_table_matches_the_registry():
-    from tools.mcp.registry import load_all
+    from tools.mcp.catalog import load_all
     from tools.mcp.readme import tool_table
 
     doc = (ROOT / "docs" / "mcp.md").read_text()

@@ -34,8 +34,20 @@ from typing import Any, Callable
 
 from pydantic import BaseModel, Field
 
-from tools.core.errors import ToolFailure
+from repack.build import BuildOptions, build_checkpoint
+from repack.probe import ProbeReport, probe_checkpoint
+from repack.tiny_model import cached_tiny_qat_checkpoint, default_cache_dir
+from tools.cli.commands import Command, add_commands, exit_status, fail
+from tools.core.errors import BadInput, ToolFailure, param
 from tools.core.root import PROJECT_ROOT
+from tools.measure.compare_tokens import CompareParams, TokenComparison, check_against, record_reference
+from tools.measure.sweep import run_sweep
+from tools.measure.sweep_report import compare_runs, markdown_run
+from tools.serving.config import DEFAULT_ENV_FILE, load_config
+from tools.serving.fetch import FetchParams, fetch_checkpoint
+from tools.serving.hub import SOURCE_REPO, hf_token
+from tools.serving.preflight import PreflightParams, run_preflight
+from tools.serving.vllm_server import start_server, stop_server
 
 SOURCE_KEY = "SOURCE_CHECKPOINT"
 
@@ -133,8 +145,6 @@ class DemoReport(BaseModel):
 
 
 def _plan(opts: DemoOptions, log: Log) -> _Plan:
-    from tools.serving.config import DEFAULT_ENV_FILE, load_config
-
     gpu = has_nvidia_gpu() if opts.gpu is None else opts.gpu
     work = opts.work.resolve()
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
@@ -147,8 +157,8 @@ def _plan(opts: DemoOptions, log: Log) -> _Plan:
             raw = load_config(env_file).source_checkpoint
             src = Path(raw).expanduser() if raw else _fetch_source(env_file, log)
         if not (src / "config.json").is_file():
-            raise ToolFailure(f"source checkpoint {src} has no config.json; download "
-                              "google/gemma-4-E2B-it-qat-q4_0-unquantized there or fix --source")
+            raise BadInput(f"source checkpoint {src} has no config.json; download {SOURCE_REPO} there or fix "
+                           f"{param('source')}", field="source")
         models = PROJECT_ROOT / "models"
         plan = _Plan(gpu=True, source=src.resolve(), models=models, evidence=evidence, preflight=checked,
                      serve_overrides={"state_dir": work / "run"},
@@ -174,26 +184,22 @@ def _plan(opts: DemoOptions, log: Log) -> _Plan:
 
 def _preflight(env_file: Path, *, source_given: bool = False) -> str:
     """The T4 path starts with the same checks as ./vllm-t4 doctor: refused with the first failing check's line."""
-    from tools.serving.preflight import PreflightParams, run_preflight
-
     report = run_preflight(PreflightParams(env_file=str(env_file)))
     # With --source the gated download the token check is about does not happen.
     failed = [c for c in report.checks if c.status == "fail" and not (source_given and c.name == "hf_token")]
     if failed:
         first = failed[0]
-        raise ToolFailure(first.line(), detail={"preflight": report.model_dump()})
+        raise BadInput(first.line(), detail={"preflight": report.model_dump()})
     return report.summary
 
 
 def _fetch_source(env_file: Path, log: Log) -> Path:
     """SOURCE_CHECKPOINT empty: fetch the gated QAT source into models/ (./vllm-t4 fetch), given a token."""
-    from tools.serving.fetch import FetchParams, fetch_checkpoint
-    from tools.serving.hub import SOURCE_REPO, hf_token
-
     if hf_token()[0] is None:
-        raise ToolFailure(f"{env_file}: {SOURCE_KEY} is not set and no Hugging Face token is set to fetch it: "
-                          f"accept the licence at https://huggingface.co/{SOURCE_REPO} and export "
-                          f"HF_TOKEN=<a read token>, or set {SOURCE_KEY} to a downloaded copy (or pass --source)")
+        raise BadInput(f"{env_file}: {SOURCE_KEY} is not set and no Hugging Face token is set to fetch it: "
+                       f"accept the licence at https://huggingface.co/{SOURCE_REPO} and export "
+                       f"HF_TOKEN=<a read token>, or set {SOURCE_KEY} to a downloaded copy (or pass "
+                       f"{param('source')})")
     log(f"[0/6] {SOURCE_KEY} is empty: fetching {SOURCE_REPO} into models/")
     show = _progress_printer(log, "fetch, bytes", 10.0)
     result = fetch_checkpoint(FetchParams(repo_id=SOURCE_REPO), progress=lambda d, t, m: show(d, t, m))
@@ -225,14 +231,16 @@ def run_demo(opts: DemoOptions | None = None, *, log: Log = _stderr) -> DemoRepo
     log(f"gemma4-t4 demo on {'an NVIDIA GPU' if plan.gpu else 'the CPU (tiny model)'}; evidence in {plan.evidence}")
     if plan.preflight:
         log(f"[0/6] preflight: {plan.preflight}")
+    _source(plan, log)
+    probe = _probe(plan, log)
+    builds, paths = _repack(plan, opts.force, log)
+    served, comparison = _serve_builds(plan, opts, paths, log)
+    return _report(plan, probe, builds, served, comparison, time.monotonic() - t0, log)
 
-    from repack.build import BuildOptions, build_checkpoint
-    from repack.probe import probe_checkpoint
 
-    # 0. The source: the tiny QAT-like model is built here; the real one must exist.
+def _source(plan: _Plan, log: Log) -> None:
+    """The source: the tiny QAT-like model is built here (or copied from its cache); the real one must exist."""
     if not plan.gpu and not (plan.source / "config.json").is_file():
-        from repack.tiny_model import cached_tiny_qat_checkpoint, default_cache_dir
-
         log(f"[1/6] building the tiny QAT-like model in {plan.source} (trained once, then copied from the "
             f"cache in {default_cache_dir() or 'nowhere: $GEMMA4_T4_CACHE is empty'})")
         info = cached_tiny_qat_checkpoint(plan.source)
@@ -240,21 +248,25 @@ def run_demo(opts: DemoOptions | None = None, *, log: Log = _stderr) -> DemoRepo
     else:
         log(f"[1/6] source checkpoint {plan.source}")
 
-    # 1. Probe.
+
+def _probe(plan: _Plan, log: Log) -> ProbeReport:
     probe = probe_checkpoint(plan.source)
     log(f"[2/6] probe: verdict {probe.verdict} ({probe.text_on_grid} text tensors on the grid, "
         f"{probe.text_off_grid} off)")
     if probe.verdict != "qat":
-        raise ToolFailure(f"{plan.source}: probe verdict {probe.verdict!r}, not a QAT q4_0 export; repack would "
-                          "abort")
+        raise BadInput(f"{plan.source}: probe verdict {probe.verdict!r}, not a QAT q4_0 export; repack would "
+                       "abort")
+    return probe
 
-    # 2. Repack, one pass per build.
+
+def _repack(plan: _Plan, force: bool, log: Log) -> tuple[list[BuildStep], dict[str, Path]]:
+    """One repack pass per build (an existing build is reused unless `force`); each build's folder by label."""
     builds: list[BuildStep] = []
     paths: dict[str, Path] = {}
     for label, folder, options in plan.builds:
         out = plan.models / folder
         paths[label] = out
-        if (out / "config.json").is_file() and not opts.force:
+        if (out / "config.json").is_file() and not force:
             log(f"[3/6] {label}: {out} exists, reused (--force rebuilds)")
             size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
             builds.append(BuildStep(label=label, path=str(out), total_bytes_before=0, total_bytes_after=size,
@@ -262,25 +274,23 @@ def run_demo(opts: DemoOptions | None = None, *, log: Log = _stderr) -> DemoRepo
                                                       "safetensors); run with --force to rebuild"))
             continue
         log(f"[3/6] repacking {label} -> {out}")
-        report = build_checkpoint(plan.source, out, BuildOptions(**options, force=opts.force),
+        report = build_checkpoint(plan.source, out, BuildOptions(**options, force=force),
                                   progress=_progress_printer(log, "repack, bytes"))
         d = report.to_dict()
         builds.append(BuildStep(label=label, path=str(out), total_bytes_before=d["total_bytes_before"],
                                 total_bytes_after=d["total_bytes_after"], wall_s=d["wall_s"],
                                 table=report.format_table()))
         (plan.evidence / f"repack-{label}.json").write_text(json.dumps(d, indent=2) + "\n")
+    return builds, paths
 
-    # 3-4. Serve each build in turn: tokens and a short sweep.
-    from tools.measure.compare_tokens import check_against, record_reference, CompareParams
-    from tools.serving.config import load_config
-    from tools.measure.sweep import run_sweep
-    from tools.measure.sweep_report import compare_runs, markdown_run
-    from tools.serving.vllm_server import start_server, stop_server
 
+def _serve_builds(plan: _Plan, opts: DemoOptions, paths: dict[str, Path],
+                  log: Log) -> tuple[list[ServeStep], TokenComparison]:
+    """Each build served in turn: the first records its greedy tokens, the others are checked against them;
+    a short sweep of each. Every server is stopped, whatever fails."""
     reference = plan.evidence / "tokens-bf16-emb.json"
     served: list[ServeStep] = []
     comparison = None
-    sweep_dirs: list[str] = []
     for i, (label, _, _) in enumerate(plan.builds):
         overrides = dict(plan.serve_overrides, model=str(paths[label]), served_name=paths[label].name)
         if not plan.gpu:
@@ -300,29 +310,37 @@ def run_demo(opts: DemoOptions | None = None, *, log: Log = _stderr) -> DemoRepo
             else:
                 comparison = check_against(reference, params, progress=_progress_printer(log, "prompts"))
                 log(f"    {comparison.summary}")
-            sweep = run_sweep(progress=_progress_printer(log, "sweep repeats", 0.0), base_url=start.base_url,
-                              out=str(plan.evidence / "sweeps"), label=label, input_lens=plan.input_lens,
-                              concurrencies=plan.concurrencies, output_len=plan.output_len, repeats=plan.repeats,
-                              run_id=f"{label}", serve_config=cfg)  # provenance: this server's argv
-            sweep_dirs.append(sweep.run_dir)
-            served.append(ServeStep(label=label, model=cfg.model, platform=start.platform,
-                                    startup_s=start.startup_s, kv_cache_tokens=sf.kv_cache_tokens,
-                                    model_loading_gib=sf.model_loading_gib, linear_kernel=sf.linear_kernel,
-                                    embedding_method=sf.embedding_method, sweep_dir=sweep.run_dir,
-                                    sweep_table=markdown_run(sweep)))
+            served.append(_sweep(plan, label, cfg, start, log))
         finally:
             stop_server(cfg)
             log(f"    stopped {label}")
-
-    # 5. Compare and write the report.
-    cmp = compare_runs(sweep_dirs)
     assert comparison is not None
+    return served, comparison
+
+
+def _sweep(plan: _Plan, label: str, cfg: Any, start: Any, log: Log) -> ServeStep:
+    """The short sweep of one served build, with what its start reported."""
+    sweep = run_sweep(progress=_progress_printer(log, "sweep repeats", 0.0), base_url=start.base_url,
+                      out=str(plan.evidence / "sweeps"), label=label, input_lens=plan.input_lens,
+                      concurrencies=plan.concurrencies, output_len=plan.output_len, repeats=plan.repeats,
+                      run_id=f"{label}", serve_config=cfg)  # provenance: this server's argv
+    sf = start.start_fields
+    return ServeStep(label=label, model=cfg.model, platform=start.platform, startup_s=start.startup_s,
+                     kv_cache_tokens=sf.kv_cache_tokens, model_loading_gib=sf.model_loading_gib,
+                     linear_kernel=sf.linear_kernel, embedding_method=sf.embedding_method, sweep_dir=sweep.run_dir,
+                     sweep_table=markdown_run(sweep))
+
+
+def _report(plan: _Plan, probe: ProbeReport, builds: list[BuildStep], served: list[ServeStep],
+            comparison: TokenComparison, wall_s: float, log: Log) -> DemoReport:
+    """The sweeps compared, and report.md and report.json written into the evidence folder."""
+    cmp = compare_runs([s.sweep_dir for s in served])
     report_path = plan.evidence / "report.md"
     result = DemoReport(platform="cuda" if plan.gpu else "cpu", source=str(plan.source),
                         evidence_dir=str(plan.evidence), probe_verdict=probe.verdict, builds=builds, served=served,
                         tokens_identical=comparison.identical, tokens_total=comparison.total,
                         tokens_report=comparison.text(), sweep_comparison=cmp.markdown,
-                        wall_s=round(time.monotonic() - t0, 1), report_path=str(report_path))
+                        wall_s=round(wall_s, 1), report_path=str(report_path))
     report_path.write_text(render_markdown(result))
     (plan.evidence / "report.json").write_text(result.model_dump_json(indent=2) + "\n")
     log(f"[6/6] {comparison.summary}; report: {report_path}")
@@ -368,29 +386,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true", help="rebuild the builds even if they exist")
 
 
-def _cli(args: argparse.Namespace) -> int:
-    from repack.errors import RepackError
-
-    try:
-        run_demo(_options(args))
-    except (ToolFailure, RepackError) as exc:
-        _stderr(f"demo: {exc}")
-        return 2
+def _cmd(params: None, args: argparse.Namespace) -> int:
+    run_demo(_options(args))
     return 0
+
+
+COMMANDS = [Command("demo", help="run the whole pipeline here (tiny model on a CPU, the real one on a T4)",
+                    description=__doc__.split("\n\n")[0], run=_cmd, json=False, extra=add_arguments)]
 
 
 def register(sub: Any) -> None:
     """`./vllm-t4 demo`."""
-    p = sub.add_parser("demo", help="run the whole pipeline here (tiny model on a CPU, the real one on a T4)",
-                       description=__doc__.split("\n\n")[0])
-    add_arguments(p)
-    p.set_defaults(func=_cli)
+    add_commands(sub, COMMANDS)
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`python3 -m tools.demo`: the same command, on its own."""
     p = argparse.ArgumentParser(prog="python3 -m tools.demo", description=__doc__.split("\n\n")[0])
     add_arguments(p)
-    return _cli(p.parse_args(argv))
+    args = p.parse_args(argv)
+    try:
+        return _cmd(None, args)
+    except ToolFailure as exc:
+        fail("demo", exc, False)
+        return exit_status(exc)
 
 
 if __name__ == "__main__":

@@ -2,10 +2,11 @@
 
 Every tool calls the same library function the `./vllm-t4` command line calls and returns its result as
 structured content (output schema derived from the library type) plus a one-line summary; the library's errors
-become MCP tool errors with the library's own message, worded for MCP (arguments and tool names, not flags).
+become MCP tool errors with the library's own message, rendered for MCP (tools/mcp/errors.py: arguments and tool
+names, not flags).
 
-This module imports neither vllm nor torch nor numpy: library modules are imported inside the tool functions,
-so `tools/list` is answered as fast as FastMCP itself starts.
+Nothing this module loads imports vllm, torch or numpy (the repack tools load the numpy-backed repack modules when
+called), so `tools/list` is answered about as fast as FastMCP itself starts.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import inspect
 import json
 import logging
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -26,18 +28,22 @@ import anyio.from_thread
 import anyio.lowlevel
 import anyio.to_thread
 from fastmcp import Context, FastMCP
-from fastmcp.exceptions import ToolError, ValidationError as ArgumentsRefused
+from fastmcp.exceptions import ValidationError as ArgumentsRefused
 from fastmcp.server.middleware import Middleware
 from fastmcp.tools.base import ToolResult
 from mcp_types import TextContent, ToolAnnotations
 from pydantic import ValidationError
 
-from repack.errors import RepackError
-from tools.core.errors import ToolFailure
-from tools.mcp.jobs import Busy, JobCancelled, JobRegistry, ProgressFn
-from tools.core.paths import PathNotAllowed, Roots
-from tools.mcp.registry import (DEFAULT_TOOLSETS, TOOLSETS, TOOLSETS_ENV, ToolSpec, argument_error, load_all,
-                                mcp_wording, one_line)
+from tools.core.atomic import cleanup_own_partials
+from tools.core.errors import ToolFailure, op, param
+from tools.core.paths import Roots
+from tools.mcp import resources
+from tools.mcp.catalog import load_all
+from tools.mcp.errors import ToolRefusal, argument_error, to_tool_error
+from tools.mcp.jobs import JobCancelled, JobRegistry, ProgressFn
+from tools.mcp.registry import TOOLSETS, TOOLSETS_ENV, ToolSpec, parse_toolsets
+from tools.serving.config import load_config
+from tools.serving.vllm_server import server_status
 
 SERVER_NAME = "gemma4-t4"
 
@@ -50,11 +56,6 @@ follow with job_status. One long operation runs at a time. Paths must lie under 
 Every result has `summary`, one line for people; chain the other fields. The prompts deploy_t4 and compare_builds
 list the calls in order; the resources hold the serving config, evidence run summaries, the demo report and the
 server log."""
-
-# The errors whose message is written for the caller; anything else is named by its type as well.
-OURS: tuple[type[BaseException], ...] = (RepackError, ToolFailure, PathNotAllowed, Busy, JobCancelled, KeyError,
-                                         ValueError, FileNotFoundError, FileExistsError, ToolError)
-
 
 @dataclass
 class Settings:
@@ -73,19 +74,15 @@ class App:
         self.specs: dict[str, ToolSpec] = {}
 
     def config(self, **overrides: Any) -> Any:
-        from tools.serving.config import load_config
-
         merged = {**self.settings.config_overrides, **{k: v for k, v in overrides.items() if v is not None}}
         return load_config(str(self.settings.env_file) if self.settings.env_file else None, **merged)
 
     def managed_base_url(self, instance: str | None = None) -> str:
         """The base URL of the server this project started (state file), for tools that measure it."""
-        from tools.serving.vllm_server import server_status
-
         st = server_status(self.config(instance=instance))
         if not st.alive or not st.base_url:
             which = f"instance {instance!r} is not running" if instance else "no vLLM server is running"
-            raise ToolFailure(f"{which}; start one with start_vllm_server (or pass base_url)")
+            raise ToolFailure(f"{which}; start one with {op('start')} (or pass {param('base_url')})")
         return st.base_url
 
     def run_job_work(self, spec: ToolSpec, params: Any, progress: ProgressFn) -> dict[str, Any]:
@@ -108,33 +105,10 @@ class App:
 def remove_partial_builds() -> None:
     """Removes the partial build folders this process's repacks left (the repack library tracks the ones it
     owns), after asking any build still running in a worker thread to stop."""
-    from tools.core.atomic import cleanup_own_partials
-
     cleanup_own_partials()
 
 
 # ------------------------------------------------------------------------------------------------ plumbing
-
-
-class ToolRefusal(ToolError):
-    """A tool error: the one-line message and the library's machine-readable detail (None where it gave none)."""
-
-    def __init__(self, message: str, detail: dict[str, Any] | None = None) -> None:
-        super().__init__(message)
-        self.detail = detail
-
-
-def to_tool_error(exc: BaseException) -> ToolRefusal:
-    """The library's one-line message, worded for MCP; the type named when it is not one of ours."""
-    if isinstance(exc, ValidationError):
-        exc = argument_error(exc)
-    msg = str(exc).strip() or type(exc).__name__
-    if isinstance(exc, KeyError):
-        msg = msg.strip("'\"")
-    if not isinstance(exc, OURS):
-        msg = f"{type(exc).__name__}: {msg}"
-    detail = getattr(exc, "detail", None)
-    return ToolRefusal(one_line(mcp_wording(msg), 600), detail if isinstance(detail, dict) else None)
 
 
 def error_result(exc: BaseException) -> ToolResult:
@@ -158,9 +132,7 @@ class ArgumentErrors(Middleware):
     argument, with its detail. A prompt's arguments are checked here too (FastMCP drops unknown ones)."""
 
     async def on_get_prompt(self, context: Any, call_next: Any) -> Any:
-        from tools.mcp.resources import PROMPTS
-
-        spec = PROMPTS.get(context.message.name)
+        spec = resources.PROMPTS.get(context.message.name)
         if spec is not None:
             try:
                 spec.check(context.message.arguments)
@@ -243,19 +215,6 @@ def _handler(spec: ToolSpec, app: App) -> Callable[..., Any]:
     return handler
 
 
-def parse_toolsets(value: str | Iterable[str] | None) -> tuple[str, ...]:
-    """`repack,serve` -> ("repack", "serve"); "all" -> every toolset; None/"" -> the default set."""
-    if value is None or value == "":
-        return DEFAULT_TOOLSETS
-    names = [v.strip() for v in (value.split(",") if isinstance(value, str) else value) if v.strip()]
-    if "all" in names:
-        return tuple(TOOLSETS)
-    unknown = [n for n in names if n not in TOOLSETS]
-    if unknown:
-        raise ValueError(f"unknown toolset {', '.join(unknown)[:200]}; choose from {', '.join(TOOLSETS)} or all")
-    return tuple(dict.fromkeys(names))
-
-
 def create_server(settings: Settings | None = None, *, auth: Any = None,
                   toolsets: str | Iterable[str] | None = None) -> FastMCP:
     """The MCP server over `settings`; `auth` is a fastmcp auth provider (HTTP only); `toolsets` picks what is
@@ -279,16 +238,12 @@ def create_server(settings: Settings | None = None, *, auth: Any = None,
     hidden = set(TOOLSETS) - set(chosen)
     if hidden:
         mcp.disable(tags=hidden)
-    from tools.mcp import resources
-
     resources.register(mcp, app)
     return mcp
 
 
 def install_sigterm(app: App) -> None:
     """SIGTERM cancels running jobs and foreground calls (their library clean-up runs), then exits 143."""
-    import signal
-
     def on_term(signum: int, frame: object) -> None:
         threading.Thread(target=_shutdown_then_exit, args=(app,), daemon=True).start()
 

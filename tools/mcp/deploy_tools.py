@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from tools.core.errors import ToolFailure
 from tools.mcp.registry import Reply, tool
-from tools.serving.fetch import FetchParams, FetchResult
-from tools.serving.preflight import PreflightParams, PreflightReport
+from tools.serving.fetch import FetchParams, FetchResult, fetch_checkpoint as fetch
+from tools.serving.preflight import PreflightParams, PreflightReport, run_preflight
 
 
 @tool(toolset="deploy", title="Preflight checks", params=PreflightParams, result=PreflightReport, read_only=True,
@@ -15,8 +15,6 @@ def preflight(app, p: PreflightParams) -> Reply:
     """Check this machine and the serving config before a step (driver, GPU memory and capability, vLLM build,
     T4 clamp, host memory, disk, port, max_model_len, hub token, checkpoints, drafter): each check ok, warn, fail or n/a,
     with a one-line fix. A failing check is a result, not an error. Writes nothing."""
-    from tools.serving.preflight import run_preflight
-
     update = {"env_file": str(app.settings.env_file) if app.settings.env_file else None}
     if p.source:
         update["source"] = str(app.roots.confine(p.source, "models", what="source"))
@@ -43,8 +41,6 @@ def fetch_checkpoint(app, p: FetchParams, progress) -> Reply:
     """Download a Hugging Face model's build files (weights, configs, tokenizer, chat template) at a revision and
     publish them under a models root (`out`, default: <first models root>/<repo name>), with sha256 per file in
     fetch-manifest.json; resumes from the hub cache, never replaces a different folder. Long: progress in bytes."""
-    from tools.serving.fetch import fetch_checkpoint as fetch
-
     res = fetch(_fetch_inputs(app, p), progress=lambda d, t, m: progress(d, t, m))
     state = "already there" if res.already_present else ("from the cache" if res.offline else "fetched")
     return Reply(res, f"{res.repo_id}@{res.commit[:12]} {state}: {res.out} ({len(res.files)} files, "

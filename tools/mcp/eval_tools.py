@@ -3,15 +3,15 @@ does the work)."""
 
 from __future__ import annotations
 
-from tools.measure.evals import CompareParams, EvalComparison, EvalParams, EvalResult
+from tools.measure.evals import (CompareParams, EvalComparison, EvalParams, EvalResult, compare_evals as compare,
+                                 confine_compare_params, confine_eval_params, run_eval as evaluate,
+                                 summary_markdown)
 from tools.mcp.registry import Reply, tool
+from tools.serving.endpoint import resolve_endpoint
 
 
 def _eval_inputs(app, p: EvalParams) -> EvalParams:
     """The eval's paths confined, the server a managed one."""
-    from tools.measure.evals import confine_eval_params
-    from tools.serving.endpoint import resolve_endpoint
-
     confined = confine_eval_params(p, app.roots)
     resolve_endpoint(p, app.config(), managed=True)  # a managed server, not whatever holds the config's port
     return confined
@@ -23,8 +23,6 @@ def run_eval(app, p: EvalParams, progress) -> Reply:
     """Score the running server with lm-evaluation-harness (greedy, local-completions) on the given tasks; writes
     a run folder (lm-eval's results and samples, summary, provenance) under an evidence root (`out`, default: the
     first). Long: lm-eval's progress."""
-    from tools.measure.evals import run_eval as evaluate, summary_markdown
-
     res = evaluate(_eval_inputs(app, p), progress=lambda d, t, m: progress(d, t, m), serve_config=app.config())
     first = ", ".join(f"{s.task} {s.metric} {s.value:.4f}" for s in res.scores[:3] if s.value is not None)
     summary = (f"eval {res.run_id}: {len(res.scores)} scores over {', '.join(res.tasks)}"
@@ -38,8 +36,6 @@ def compare_evals(app, p: CompareParams) -> Reply:
     """Eval runs side by side, the first the reference: per task and metric each run's value with its stderr,
     and each later run minus the first paired over the documents both scored, with whether it is within noise.
     Writes nothing."""
-    from tools.measure.evals import compare_evals as compare, confine_compare_params
-
     cmp = compare(confine_compare_params(p, app.roots), roots=app.roots)
     noisy = sum(1 for r in cmp.rows if r.within_noise is False)
     summary = (f"compared {len(cmp.runs)} eval runs over {len(cmp.rows)} rows"

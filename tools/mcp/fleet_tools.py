@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from tools.mcp.registry import Reply, tool
 from tools.serving.ops import RouterStartParams, RouterStopParams
-from tools.serving.router import RouterStartResult, RouterStatus, RouterStopResult
+from tools.serving.router import (RouterStartResult, RouterStatus, RouterStopResult, router_status as status,
+                                  start_router as start, stop_router as stop)
 
 
 @tool(toolset="fleet", title="Start vllm-router", params=RouterStartParams, result=RouterStartResult,
@@ -12,8 +13,6 @@ from tools.serving.router import RouterStartResult, RouterStatus, RouterStopResu
 def start_router(app, p: RouterStartParams) -> Reply:
     """Start vLLM's router over running instances (start_vllm_server with `instance`), one URL for all of them;
     measure through it with run_sweep router=true. Refused when an instance is not running."""
-    from tools.serving.router import start_router as start
-
     res = start(app.config(), p.instances, policy=p.policy, port=p.port)
     return Reply(res, f"routing at {res.base_url} ({res.policy}) over "
                       + ", ".join(f"{b.instance} {b.base_url}" for b in res.backends))
@@ -22,8 +21,6 @@ def start_router(app, p: RouterStartParams) -> Reply:
 @tool(toolset="fleet", title="vllm-router status", result=RouterStatus, read_only=True, idempotent=True)
 def router_status(app, p) -> Reply:
     """Whether the router runs and answers /health, its policy and which backends answer."""
-    from tools.serving.router import router_status as status
-
     res = status(app.config())
     return Reply(res, res.message)
 
@@ -32,7 +29,5 @@ def router_status(app, p) -> Reply:
       destructive=True, idempotent=True)
 def stop_router(app, p: RouterStopParams) -> Reply:
     """Stop the router (SIGTERM to its process group, SIGKILL after grace_s); the instances keep running."""
-    from tools.serving.router import stop_router as stop
-
     res = stop(app.config(), grace_s=p.grace_s)
     return Reply(res, res.message)

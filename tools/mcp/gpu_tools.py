@@ -7,9 +7,12 @@ from typing import Literal
 from pydantic import Field
 
 from tools.core.errors import ToolFailure
+from tools.core.params import OpParams
+from tools.gpu import vram
 from tools.gpu.vram import VramStatus
 from tools.mcp.registry import Reply, tool
-from tools.core.params import OpParams
+from tools.serving import turing_patch
+from tools.serving.instances import process_owners
 from tools.serving.turing_patch import PatchStatus
 
 
@@ -17,9 +20,6 @@ from tools.serving.turing_patch import PatchStatus
 def vram_status(app, p) -> Reply:
     """Per-GPU memory and utilization, with each vLLM instance's processes marked (`instance`); use it to see
     what a build takes on the GPU. Without an NVIDIA driver: available=false and the reason, not an error."""
-    from tools.gpu import vram
-    from tools.serving.instances import process_owners
-
     try:
         owners = process_owners(app.config())
     except ToolFailure:  # no serving config: VRAM is still worth reading
@@ -39,8 +39,6 @@ class PatchParams(OpParams):
 def patch_turing(app, p: PatchParams) -> Reply:
     """Check, apply or revert the T4 (sm_75) shared-memory clamp in this environment's vLLM; start_vllm_server
     refuses on a Turing GPU until it is applied. Not needed on CPU or newer GPUs."""
-    from tools.serving import turing_patch
-
     res = {"check": turing_patch.check, "apply": turing_patch.apply, "revert": turing_patch.revert}[p.action]()
     return Reply(res, res.message)
 

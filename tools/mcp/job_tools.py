@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, create_model
+import anyio.to_thread
+from pydantic import BaseModel, Field, ValidationError, create_model
 
-from tools.mcp.jobs import JobInfo
-from tools.mcp.registry import Reply, argument_error, tool
 from tools.core.params import OpParams
+from tools.mcp.errors import argument_error
+from tools.mcp.jobs import JobInfo
+from tools.mcp.registry import Reply, tool
 
 
 class JobList(BaseModel):
@@ -73,8 +75,6 @@ class StartJobParams(OpParams):
 async def start_job(app, p: StartJobParams) -> Reply:
     """Start a long tool without waiting, for clients whose tool calls time out: returns a job_id at once;
     follow it with job_status. Jobs live in this server process and die with it (a restart loses them)."""
-    from pydantic import ValidationError
-
     spec = app.specs.get(p.tool)
     if spec is None or not spec.long:
         raise ValueError(f"{p.tool[:80]} is not a long tool of this server")
@@ -84,8 +84,6 @@ async def start_job(app, p: StartJobParams) -> Reply:
     except ValidationError as exc:
         raise argument_error(exc, p.tool) from None
     if spec.check is not None:  # refused now, as a direct call is, rather than as a job that fails at once
-        import anyio.to_thread
-
         await anyio.to_thread.run_sync(lambda: spec.check(app, params))
     info = app.jobs.submit(p.tool, params.model_dump(mode="json", exclude_none=True, exclude_defaults=True),
                            lambda progress: app.run_job_work(spec, params, progress))

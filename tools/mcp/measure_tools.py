@@ -6,13 +6,17 @@ from __future__ import annotations
 from pathlib import Path
 
 from tools.core.errors import ToolFailure
-from tools.measure.compare_tokens import CompareParams, TokenComparison, TokenRecord
-from tools.measure.decode import DecodeParams, DecodeSummary
-from tools.measure.fidelity import CheckLogprobsResult, CompareLogprobsParams, RecordLogprobsResult
+from tools.core.text import clip
+from tools.measure.compare_tokens import CompareParams, TokenComparison, TokenRecord, compare_tokens as compare
+from tools.measure.decode import DecodeParams, DecodeSummary, run_decode
+from tools.measure.fidelity import (DEFAULT_CORPUS, CheckLogprobsResult, CompareLogprobsParams,
+                                    RecordLogprobsResult, compare_logprobs as logprob_fidelity)
 from tools.measure.results import SweepParams, SweepResult
-from tools.measure.sweep_report import CompareSweepsParams, SweepComparison
+from tools.measure.sweep import run_sweep as sweep
+from tools.measure.sweep_report import (CompareSweepsParams, SweepComparison, compare_runs, markdown_run,
+                                        write_comparison)
 from tools.mcp.registry import Reply, tool
-from tools.serving.endpoint import resolve_endpoint
+from tools.serving.endpoint import resolve_endpoint, resolve_name
 
 
 def _sweep_inputs(app, p: SweepParams) -> SweepParams:
@@ -31,9 +35,6 @@ def run_sweep(app, p: SweepParams, progress) -> Reply:
     """Measure the running server with vLLM's own benchmark over input lengths x concurrencies x repeats, the
     same prompts for every build; writes a run folder (summary, raw results, provenance) under an evidence root
     (`out`, default: the first). Long: progress in repeats."""
-    from tools.measure.sweep import run_sweep as sweep
-    from tools.measure.sweep_report import markdown_run
-
     res = sweep(_sweep_inputs(app, p), serve_config=app.config(),
                 progress=lambda d, t, m: progress(d, t, m))
     counts = res.counts
@@ -52,10 +53,6 @@ def compare_sweeps(app, p: CompareSweepsParams) -> Reply:
     """The article's comparison of sweep runs: per cell the median output tok/s of each run and the last run's
     ratio to each earlier one, plus cost per million tokens. Writes `output` only when given (force=true to
     replace one)."""
-    from tools.measure.sweep_report import compare_runs, write_comparison
-
-    from tools.core.text import clip
-
     dirs = [app.roots.confine(d, "evidence", must_exist=True, what="run_dir") for d in p.run_dirs]
     for given, d in zip(p.run_dirs, dirs):  # the file read, not only its folder: a link in it may lead out
         if d.is_dir():
@@ -84,8 +81,6 @@ def _token_inputs(app, p: CompareParams) -> CompareParams:
     base_url = resolve_endpoint(p, app.config(), managed=True).base_url
     other = p.other_url
     if p.mode == "live" and p.other_instance:  # this server's instances (its state dir), not tpu.env's
-        from tools.serving.endpoint import resolve_name
-
         other = resolve_name(p.other_instance, app.config()).base_url
     return p.model_copy(update={"reference": str(ref) if ref else None, "base_url": base_url, "instance": None,
                                 "router": False, "other_url": other, "other_instance": None})
@@ -98,8 +93,6 @@ def compare_tokens(app, p: CompareParams, progress) -> Reply:
     """Exact greedy token ids of two builds, prompt by prompt, with the first divergence and whether it is a
     near-tie. mode=record with build A, restart with build B, mode=check; or both as instances on one card:
     mode=live, instance and other_instance. Long: progress in prompts."""
-    from tools.measure.compare_tokens import compare_tokens as compare
-
     checked = _token_inputs(app, p)
     res = compare(checked, progress=lambda d, t, m: progress(d, t, m))
     if isinstance(res, TokenRecord):
@@ -112,8 +105,6 @@ def compare_tokens(app, p: CompareParams, progress) -> Reply:
 
 def _logprob_inputs(app, p: CompareLogprobsParams) -> CompareLogprobsParams:
     """The reference and corpus confined (the corpus under an evidence or a models root), the endpoint resolved."""
-    from tools.measure.fidelity import DEFAULT_CORPUS
-
     ref = app.roots.confine(p.reference, "evidence", must_exist=p.mode == "check", what="reference")
     corpus = None
     if p.corpus is not None and Path(p.corpus).expanduser().resolve() != DEFAULT_CORPUS:
@@ -136,9 +127,7 @@ def compare_logprobs(app, p: CompareLogprobsParams, progress) -> Reply:
     """Full-distribution fidelity of two builds over a text corpus: mode=record scores it with the reference
     build into `reference` (REF.json under an evidence root; force=true to replace one), restart with the other
     build, mode=check: mean/p99/max KLD, top-1 agreement, perplexity ratio. Long: progress in windows."""
-    from tools.measure.fidelity import compare_logprobs as compare
-
-    res = compare(_logprob_inputs(app, p), progress=lambda d, t, m: progress(d, t, m))
+    res = logprob_fidelity(_logprob_inputs(app, p), progress=lambda d, t, m: progress(d, t, m))
     if isinstance(res, RecordLogprobsResult):
         return Reply(res, f"recorded {res.tokens} positions ({res.windows} windows) from {res.model}: {res.path}")
     return Reply(res, f"{res.candidate_model} vs {res.reference_model}: mean KLD {res.mean_kld:.4g}, p99 "
@@ -159,8 +148,6 @@ def run_decode_bench(app, p: DecodeParams, progress) -> Reply:
     """Time per output token for one user: twenty chat prompts one at a time, streamed, with the drafter's
     acceptance from /metrics when the server runs speculative decoding; writes a run folder under an evidence
     root. Long: progress in prompts."""
-    from tools.measure.decode import run_decode
-
     res = run_decode(_decode_inputs(app, p), serve_config=app.config(),
                      progress=lambda d, t, m: progress(d, t, m))
     acc = (f", {100 * res.acceptance_rate:.0f}% of {res.draft_tokens:.0f} draft tokens accepted"

@@ -8,7 +8,9 @@ import re
 import sys
 from pathlib import Path
 
-from tools.mcp.registry import DEFAULT_TOOLSETS, TOOLSETS, ToolSpec, load_all
+from tools.mcp.catalog import load_all
+from tools.mcp.registry import DEFAULT_TOOLSETS, TOOLSETS, ToolSpec
+from tools.mcp.resources import PROMPTS, RESOURCES
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "mcp.md"
 START, END = "<!-- tools:start (python -m tools.mcp.readme) -->", "<!-- tools:end -->"
@@ -36,8 +38,6 @@ def tool_table(specs: dict[str, ToolSpec]) -> str:
 
 def resources_section() -> str:
     """Resources and templates, prompts, and the fresh-VM walk-through (deploy_t4 then compare_builds)."""
-    from tools.mcp.resources import PROMPTS, RESOURCES
-
     lines = ["| Resource | What it holds |", "|---|---|"]
     for r in RESOURCES.values():
         first = re.split(r"(?<=[.;])\s", " ".join(r.description.split()), maxsplit=1)[0].rstrip(";.")

@@ -2,21 +2,20 @@
 
 The declaration names the tool's toolset, its parameter model (the MCP signature is derived from it), its
 library result type (the output schema is derived from it, plus a one-line `summary`) and whether it is long
-(then it streams progress, takes the one long-operation slot, and `start_job` offers it). The app
-(tools/mcp/app.py) turns the declarations into FastMCP tools; the README's tool table is rendered from them.
+(then it streams progress, takes the one long-operation slot, and `start_job` offers it). The tool modules
+(tools/mcp/*_tools.py) declare against this module and tools/mcp/catalog.py imports them all; the app
+(tools/mcp/app.py) turns the declarations into FastMCP tools; docs/mcp.md's tool table is rendered from them.
+Nothing here imports fastmcp: server.py reads the toolsets before it loads the app.
 """
 
 from __future__ import annotations
 
 import inspect
-import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import TypeAdapter, ValidationError
-
-from tools.core.errors import ToolFailure
+from pydantic import TypeAdapter
 
 # Toolsets: what a client sees is chosen with --toolsets / GEMMA4_T4_TOOLSETS (fastmcp tags do the filtering).
 TOOLSETS: dict[str, str] = {
@@ -111,12 +110,17 @@ def tool(*, toolset: str, title: str, params: type | None = None, result: Any = 
     return register
 
 
-def load_all() -> dict[str, ToolSpec]:
-    """Import every capability module (each registers its tools on import)."""
-    from tools.mcp import (deploy_tools, eval_tools, fleet_tools, gpu_tools, job_tools,  # noqa: F401
-                           measure_tools, repack_tools, serving_tools)
-
-    return TOOLS
+def parse_toolsets(value: str | Iterable[str] | None) -> tuple[str, ...]:
+    """`repack,serve` -> ("repack", "serve"); "all" -> every toolset; None/"" -> the default set."""
+    if value is None or value == "":
+        return DEFAULT_TOOLSETS
+    names = [v.strip() for v in (value.split(",") if isinstance(value, str) else value) if v.strip()]
+    if "all" in names:
+        return tuple(TOOLSETS)
+    unknown = [n for n in names if n not in TOOLSETS]
+    if unknown:
+        raise ValueError(f"unknown toolset {', '.join(unknown)[:200]}; choose from {', '.join(TOOLSETS)} or all")
+    return tuple(dict.fromkeys(names))
 
 
 # ------------------------------------------------------------------------------------------ lean output schemas
@@ -194,67 +198,3 @@ def lean_schema(result: Any, extra: dict[str, tuple[Any, str]] | None = None) ->
         props[name] = {**_leaner(_lean_prop(TypeAdapter(tp).json_schema(), {})), "description": description}
     props["summary"] = {"type": "string"}  # one line for people (the instructions say so once)
     return {"type": "object", "properties": props, "required": ["summary"]}
-
-
-# ------------------------------------------------------------------------------------------ errors, MCP-worded
-
-_FLAG = re.compile(r"(?<![\w-])--([a-z][a-z0-9-]*)")
-_SERVER_FLAGS = {"models-root", "evidence-root", "allowed-host", "toolsets", "env-file", "state-dir"}
-_CLI_WORDS = (
-    (re.compile(r"`?\./vllm-t4 start`?(?: [^;,.)]*)?"), "start_vllm_server"),
-    (re.compile(r"`?\./vllm-t4 stop`?"), "stop_vllm_server"),
-    (re.compile(r"`?\./vllm-t4 status`?"), "server_status"),
-    (re.compile(r"`?\./vllm-t4 log`?"), "server_logs"),
-    (re.compile(r"`?(?:python3? )?(?:\./)?patch_triton_turing\.py`?"), "patch_turing (toolset gpu)"),
-    (re.compile(r"`?python3? -m repack probe`?(?: [^;,.)]*)?"), "probe_checkpoint"),
-    (re.compile(r"`?\./vllm-t4 fetch ([\w./-]+) --out ([^\s,;`]+)`?"), r"fetch_checkpoint (repo_id=\1, out=\2)"),
-    (re.compile(r"`?\./vllm-t4 fetch ([\w./-]+)`?"), r"fetch_checkpoint (repo_id=\1)"),
-    (re.compile(r"`?\./vllm-t4 doctor`?"), "preflight"),
-)
-
-
-def mcp_wording(message: str) -> str:
-    """A library message names command-line flags and commands; through MCP it names arguments and tools."""
-    for pat, repl in _CLI_WORDS:
-        message = pat.sub(repl, message)
-
-    def flag(m: re.Match[str]) -> str:
-        if m.group(1) in _SERVER_FLAGS:  # the MCP server's own command line: still a flag
-            return m.group(0)
-        name = m.group(1).replace("-", "_")
-        if name.startswith("no_"):
-            return f"{name[3:]}=false"
-        return f"{name}=true" if name in ("force", "resume", "text_only", "embed_int4", "embed_tokens") else name
-
-    return _FLAG.sub(flag, message)
-
-
-# FastMCP checks a direct call against the tool function's signature, start_job against the parameter model: the
-# signature's words for a missing or unknown argument become the model's, so both say the same.
-_MODEL_WORDS = {"missing_keyword_only_argument": ("missing", "Field required"),
-                "unexpected_keyword_argument": ("extra_forbidden", "Extra inputs are not permitted")}
-
-
-def argument_error(exc: ValidationError, tool: str | None = None) -> ToolFailure:
-    """Arguments a tool's parameter model refuses, as one line naming the (first) argument and the problem."""
-    first = exc.errors(include_url=False)[0]
-    loc = ".".join(map(str, first["loc"])) or "?"
-    problem, msg = _MODEL_WORDS.get(first["type"], (first["type"], first["msg"]))
-    detail: dict[str, Any] = {"argument": loc, "problem": problem, "errors": exc.error_count()}
-    if "input" in first and problem != "missing":
-        from tools.core.text import clip
-
-        detail["input"] = clip(first["input"])
-    if tool:
-        detail["tool"] = tool
-    return ToolFailure(f"{tool + ': ' if tool else ''}argument {loc}: {msg}", detail)
-
-
-def one_line(text: str, limit: int = 400) -> str:
-    """`text` on one line, at most `limit` characters: an over-long one loses its middle, since a message ends
-    with what to do."""
-    text = " ".join(str(text).split())
-    if len(text) <= limit:
-        return text
-    head = (limit - 3) // 2
-    return f"{text[:head]} … {text[len(text) - (limit - 3 - head):]}"

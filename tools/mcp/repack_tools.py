@@ -1,4 +1,7 @@
-"""Repack tools: probe a checkpoint, build the all-4-bit checkpoint (repack/ does the work)."""
+"""Repack tools: probe a checkpoint, build the all-4-bit checkpoint (repack/ does the work).
+
+repack.probe and repack.build hold numpy: they load when a tool runs, not when the server lists its tools.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ from pydantic import Field
 
 from tools.mcp.registry import Reply, tool
 from repack.params import BuildParams, ProbeParams
+from tools.serving.preflight import ensure
 
 
 @tool(toolset="repack", title="Probe a checkpoint", params=ProbeParams, read_only=True, idempotent=True,
@@ -36,8 +40,6 @@ def probe_checkpoint(app, p: ProbeParams) -> Reply:
 
 def _repack_paths(app, p: BuildParams) -> tuple[Path, Path]:
     """The source and output, confined to the models roots; the source's config.json and the free disk."""
-    from tools.serving.preflight import ensure
-
     src = app.roots.confine(p.source, "models", must_exist=True, what="source")
     out = app.roots.confine(p.output, "models", what="output")
     ensure("repack", source=src, out=out)  # refused before any write

@@ -18,7 +18,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
+import anyio.to_thread
+from fastmcp.exceptions import ResourceError, ValidationError as ArgumentsRefused
 from pydantic import Field
+
+from tools.core.errors import ToolFailure
+from tools.core.paths import PATH_MAX, PathNotAllowed
+from tools.core.text import clip
+from tools.mcp.errors import MCP, to_tool_error
+from tools.serving.config import ENV_NAMES, parse_env_file
+from tools.serving.preflight import SOURCE_REPO
+from tools.serving.vllm_server import read_log
 
 SCHEME = "gemma4-t4"
 LOG_LINES = 200          # the log resource's tail
@@ -63,8 +73,6 @@ def serving_config(app) -> str:
     """The serving configuration start_vllm_server uses: every tpu.env variable with its value and where it came
     from (file, environment, override, default); `overridden` lists the variables the environment or this MCP
     server changes from the file."""
-    from tools.serving.config import ENV_NAMES, parse_env_file
-
     cfg = app.config()
     in_file = parse_env_file(cfg.env_file) if cfg.env_file else {}
     rows = []
@@ -104,8 +112,6 @@ def _runs(app) -> list[dict[str, Any]]:
 
 def _readable(app, path: Path) -> bool:
     """A summary the template would serve: a file resolving inside the evidence roots (not a link out of them)."""
-    from tools.core.paths import PathNotAllowed
-
     try:
         return app.roots.confine(path, "evidence").is_file()
     except PathNotAllowed:
@@ -122,9 +128,6 @@ def evidence_runs(app) -> str:
 
 
 def _summary(app, run: str, name: str) -> str:
-    from tools.core.paths import PathNotAllowed
-    from tools.core.text import clip
-
     run = run.strip().strip("/")
     if not run:
         raise ResourceFailure(f"no run named; list them with {SCHEME}://evidence/runs")
@@ -161,8 +164,6 @@ def run_summary_json(app, run: str) -> str:
 def demo_report(app) -> str:
     """The newest `./vllm-t4 demo` report (report.md of the newest folder directly under an evidence root whose
     report.json is a demo report), preceded by a comment naming its folder."""
-    from tools.core.paths import PathNotAllowed
-
     found = []
     for root in app.roots.evidence:
         for folder in (root.iterdir() if root.is_dir() else ()):
@@ -190,13 +191,10 @@ def demo_report(app) -> str:
 def server_log(app) -> str:
     """The last 200 lines of the log of the vLLM server start_vllm_server started (the last start's, after a
     failure or a stop)."""
-    from tools.core.errors import ToolFailure
-    from tools.serving.vllm_server import read_log
-
     try:
         return read_log(app.config(), LOG_LINES)
     except ToolFailure as exc:
-        raise ResourceFailure(str(exc).replace("start a server first", "start one with start_vllm_server")) from None
+        raise ResourceFailure(exc.render(MCP)) from None
 
 
 # ------------------------------------------------------------------------------------------------ prompts
@@ -259,9 +257,6 @@ class PromptSpec:
     def check(self, given: dict[str, Any] | None) -> None:
         """Refuse an argument this prompt does not take (FastMCP drops it silently) or a value longer than any path,
         label or hub id it stands for."""
-        from tools.core.paths import PATH_MAX
-        from tools.core.text import clip
-
         for k, v in (given or {}).items():
             if k not in self.arguments:
                 raise ValueError(f"prompt {self.name}: unknown argument {clip(k)}; it takes "
@@ -302,8 +297,6 @@ def prompt(spec: PromptSpec) -> PromptSpec:
     PROMPTS[spec.name] = spec
     return spec
 
-
-from tools.serving.preflight import SOURCE_REPO  # noqa: E402  (pydantic only; the deploy tools load it anyway)
 
 _BUILD = "gemma-4-E2B-it-qat-q4_0-w4a16-ct-text"
 
@@ -407,15 +400,9 @@ def prompt_function(spec: PromptSpec) -> Callable[..., str]:
 
 def resource_function(spec: ResourceSpec, app: Any) -> Callable[..., str]:
     """The FastMCP resource function of `spec` over `app`: run in a worker thread, failures as one line."""
-    import anyio.to_thread
-    from fastmcp.exceptions import ResourceError, ValidationError as ArgumentsRefused
-
     names = [p for p in inspect.signature(spec.fn).parameters if p != "app"]
 
     async def fn(**kwargs: str) -> str:
-        from tools.mcp.app import to_tool_error
-        from tools.core.paths import PathNotAllowed
-
         try:
             return await anyio.to_thread.run_sync(lambda: spec.fn(app, **kwargs))
         except (ResourceFailure, PathNotAllowed) as exc:

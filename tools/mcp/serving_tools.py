@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
+from tools.core.errors import ToolFailure
 from tools.mcp.registry import Reply, tool
+from tools.serving.instances import fleet_status, stop_all
 from tools.serving.ops import LogParams, QueryParams, StartParams, StatusParams, StopParams
-from tools.serving.vllm_server import QueryResult, ServerStatus, StartResult, StopResult
+from tools.serving.vllm_server import (QueryResult, ServerStatus, StartResult, StopResult, query, read_log,
+                                       server_status as status, start_server, stop_server)
 
 
 def _start_config(app, p: StartParams):
@@ -26,8 +29,6 @@ def start_vllm_server(app, p: StartParams, progress) -> Reply:
     """Start vLLM detached with the serving config's flags, wait for /health and a first completion, and return
     the engine's figures (KV cache tokens, kernels, load time). `model` is a folder under a models root or a hub
     id (owner/name, downloaded by vLLM). Long: CPU ~1 min, a cold T4 start compiles."""
-    from tools.serving.vllm_server import start_server
-
     res = start_server(_start_config(app, p), progress=lambda frac, msg: progress(round(frac * 100, 1), 100, msg))
     sf = res.start_fields
     return Reply(res, f"serving {res.served_name} at {res.base_url} (pid {res.pid}, {res.platform}) after "
@@ -43,12 +44,7 @@ class StopAll(BaseModel):
 def stop_vllm_server(app, p: StopParams) -> Reply:
     """Stop a server this project started (SIGTERM to its process group, SIGKILL after grace_s) and free the
     GPU; all=true stops the router and every instance. Safe to call when nothing runs."""
-    from tools.serving.vllm_server import stop_server
-
     if p.all:
-        from tools.core.errors import ToolFailure
-        from tools.serving.instances import stop_all
-
         if p.instance is not None:
             raise ToolFailure("all and instance exclude each other: pass one")
         results = stop_all(app.config(), grace_s=p.grace_s)
@@ -63,13 +59,9 @@ def server_status(app, p: StatusParams) -> Reply:
     """Whether the servers this project started run and answer /health: the default one's model, base_url,
     command line and engine figures, `instances` (every instance) and `router`; also lists the path roots
     tools accept. Use it first when unsure what is running."""
-    from tools.serving.vllm_server import server_status as status
-
     if p.instance is not None:
         res = status(app.config(instance=p.instance))
     else:
-        from tools.serving.instances import fleet_status
-
         res = fleet_status(app.config())
         if res.instances and len(res.instances) > 1:
             res.message += "; " + ", ".join(f"{i.instance}: {'serving' if i.healthy else 'down'}"
@@ -86,8 +78,6 @@ class LogTail(BaseModel):
 def server_logs(app, p: LogParams) -> Reply:
     """The last lines of the vLLM server log (this start's, or the last start's after a failure); use it when
     a start failed or the server misbehaves."""
-    from tools.serving.vllm_server import read_log
-
     cfg = app.config(instance=p.instance)
     out = read_log(cfg, p.lines).splitlines()
     return Reply(LogTail(log_path=str(cfg.log_file), lines=out), f"{len(out)} line(s) of {cfg.log_file}")
@@ -97,8 +87,6 @@ def server_logs(app, p: LogParams) -> Reply:
 def query_model(app, p: QueryParams) -> Reply:
     """One greedy chat completion (temperature 0) from a server start_vllm_server started: text, usage and
     token ids. A quick check that a build answers sensibly."""
-    from tools.serving.vllm_server import query
-
     app.managed_base_url(p.instance)  # refuses when no server is recorded, instead of posting to the config's port
     res = query(app.config(instance=p.instance), p.prompt, max_tokens=p.max_tokens)
     usage = res.usage or {}
