@@ -222,10 +222,12 @@ def test_repack_as_job_then_busy_rule(tiny_mcp, tiny_qat, monkeypatch):
                 checked.set()
             done = (await c.call_tool("job_status", {"job_id": job["job_id"], "wait_s": 120})).structured_content
             listing = (await c.call_tool("list_jobs", {})).structured_content
-            bad = (await c.call_tool("start_job", {"tool": "repack_checkpoint", "arguments": {
-                "source": str(tiny_qat), "output": "text"}})).structured_content
-            bad = (await c.call_tool("job_status", {"job_id": bad["job_id"], "wait_s": 60})).structured_content
-            return done, listing, bad
+            # an output that exists is refused before any job starts: the repack's own output check, in its
+            # preflight
+            with pytest.raises(ToolError) as bad:
+                await c.call_tool("start_job", {"tool": "repack_checkpoint", "arguments": {
+                    "source": str(tiny_qat), "output": "text"}})
+            return done, listing, str(bad.value)
 
     done, listing, bad = run(go())
     assert done["state"] == "succeeded", done
@@ -233,7 +235,8 @@ def test_repack_as_job_then_busy_rule(tiny_mcp, tiny_qat, monkeypatch):
     assert {t["name"]: t["groups"] for t in done["result"]["tables"]}.get("embed_tokens", 0) == 0
     assert done["progress"] == done["total"] and done["elapsed_s"] > 0
     assert [j["job_id"] for j in listing["jobs"]] == [done["job_id"]]
-    assert bad["state"] == "failed" and "exists" in bad["error"] and "force=true" in bad["error"]
+    assert "exists" in bad and "force=true" in bad, bad
+    assert len(listing["jobs"]) == 1
     assert not (models / "other").exists()
 
 

@@ -35,8 +35,8 @@ COMMANDS: dict[str, str] = {
     "eval": "tools.cli.evals_cli",
     "eval-compare": "tools.cli.evals_cli",
     "fidelity": "tools.cli.fidelity_cli",
-    "doctor": "tools.serving.preflight",
-    "fetch": "tools.serving.fetch",
+    "doctor": "tools.cli.doctor_cli",
+    "fetch": "tools.cli.doctor_cli",
 }
 
 

@@ -50,7 +50,7 @@ OPERATIONS: dict[str, str] = {
     "vram": "nvidia-smi",
 }
 # Arguments that are positional on the command line (written bare, in this order).
-POSITIONAL_ARGS: dict[str, tuple[str, ...]] = {"fetch": ("repo_id",), "probe": ("source",), "repack": ("source", "out")}
+POSITIONAL_ARGS: dict[str, tuple[str, ...]] = {"fetch": ("repo_id",), "probe": ("source",), "repack": ("source", "output")}
 
 
 def flag(name: str, *value: Any) -> str:

@@ -71,6 +71,18 @@ def render(message: str, renderer: Renderer = PLAIN) -> str:
     return "".join(out)
 
 
+def render_all(data: Any, renderer: Renderer = PLAIN) -> Any:
+    """`data` (a result as JSON: dicts, lists, strings) with the marks of every string rendered: a library result
+    may carry marked text (a check's remedy, a summary) for the front end to spell."""
+    if isinstance(data, str):
+        return render(data, renderer)
+    if isinstance(data, dict):
+        return {k: render_all(v, renderer) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [render_all(v, renderer) for v in data]
+    return data
+
+
 class ToolFailure(Exception):
     """A failure the caller can act on.
 
@@ -102,4 +114,4 @@ class BadInput(ToolFailure):
     the command line exits 2 and MCP reports it as the caller's to fix."""
 
 
-__all__ = ["PLAIN", "BadInput", "Renderer", "ToolFailure", "op", "param", "render"]
+__all__ = ["PLAIN", "BadInput", "Renderer", "ToolFailure", "op", "param", "render", "render_all"]

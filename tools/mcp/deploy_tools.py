@@ -24,7 +24,8 @@ def preflight(app, p: PreflightParams) -> Reply:
         cfg = app.config()
     except ToolFailure:  # reported as the failing `config` check
         cfg = None
-    report = run_preflight(p.model_copy(update=update), cfg=cfg)
+    report = run_preflight(p.model_copy(update=update), cfg=cfg,
+                           protected_roots=[*app.roots.models, *app.roots.evidence])
     return Reply(report, report.summary)
 
 

@@ -7,63 +7,20 @@ A library message marks the parameter or operation that fixes it (tools.core.err
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from fastmcp.exceptions import ToolError
 from pydantic import ValidationError
 
 from repack.errors import RepackError
-from tools.core.errors import Renderer, ToolFailure, render
+from tools.core.errors import ToolFailure, render
 from tools.core.paths import PathNotAllowed
 from tools.core.text import clip
 from tools.mcp.jobs import Busy, JobCancelled
+from tools.mcp.wording import MCP
 
-# Operations (tools.core.errors.op) as the MCP tools that do them, with the arguments that pick the mode.
-TOOL_NAMES: dict[str, tuple[str, dict[str, Any]]] = {
-    "start": ("start_vllm_server", {}),
-    "stop": ("stop_vllm_server", {}),
-    "status": ("server_status", {}),
-    "log": ("server_logs", {}),
-    "query": ("query_model", {}),
-    "router.start": ("start_router", {}),
-    "router.stop": ("stop_router", {}),
-    "router.status": ("router_status", {}),
-    "probe": ("probe_checkpoint", {}),
-    "repack": ("repack_checkpoint", {}),
-    "fetch": ("fetch_checkpoint", {}),
-    "doctor": ("preflight", {}),
-    "patch_turing": ("patch_turing", {}),
-    "sweep": ("run_sweep", {}),
-    "sweep_compare": ("compare_sweeps", {}),
-    "compare_tokens": ("compare_tokens", {}),
-    "decode": ("run_decode_bench", {}),
-    "eval": ("run_eval", {}),
-    "eval_compare": ("compare_evals", {}),
-    "fidelity.record": ("compare_logprobs", {"mode": "record"}),
-    "fidelity.check": ("compare_logprobs", {"mode": "check"}),
-    "vram": ("vram_status", {}),
-}
 MESSAGE_LIMIT = 600  # characters of an MCP error line
 
-
-def argument(name: str, *value: Any) -> str:
-    """A parameter as an MCP argument: `out`, `force=true`, `text_only=false`, `port=8001`."""
-    if not value:
-        return name
-    v = value[0]
-    return f"{name}={v if isinstance(v, str) else json.dumps(v)}"
-
-
-def tool_call(name: str, args: dict[str, Any]) -> str:
-    """An operation as the MCP tool that does it: `stop_vllm_server`, `fetch_checkpoint (repo_id=..., out=...)`;
-    an operation no tool does keeps its name."""
-    tool, fixed = TOOL_NAMES.get(name, (name, {}))
-    shown = {**fixed, **args}
-    return tool + (" (" + ", ".join(argument(k, v) for k, v in shown.items()) + ")" if shown else "")
-
-
-MCP = Renderer(param=argument, op=tool_call)
 
 # The errors whose message is written for the caller; anything else is named by its type as well.
 OURS: tuple[type[BaseException], ...] = (RepackError, ToolFailure, PathNotAllowed, Busy, JobCancelled, KeyError,
@@ -119,5 +76,4 @@ def to_tool_error(exc: BaseException) -> ToolRefusal:
     return ToolRefusal(one_line(msg), detail if isinstance(detail, dict) else None)
 
 
-__all__ = ["MCP", "OURS", "TOOL_NAMES", "ToolRefusal", "argument", "argument_error", "one_line", "to_tool_error",
-           "tool_call"]
+__all__ = ["MCP", "OURS", "ToolRefusal", "argument_error", "one_line", "to_tool_error"]

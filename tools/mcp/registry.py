@@ -17,6 +17,9 @@ from typing import Any
 
 from pydantic import TypeAdapter
 
+from tools.core.errors import render_all
+from tools.mcp.wording import MCP
+
 # Toolsets: what a client sees is chosen with --toolsets / GEMMA4_T4_TOOLSETS (fastmcp tags do the filtering).
 TOOLSETS: dict[str, str] = {
     "repack": "probe and repack a QAT checkpoint",
@@ -76,7 +79,7 @@ class ToolSpec:
             data = TypeAdapter(type(res)).dump_python(res, mode="json")
         data.update(reply.extra)
         data["summary"] = reply.summary
-        return data
+        return render_all(data, MCP)  # remedies in a result (a check's fix) name tools, not commands
 
 
 TOOLS: dict[str, ToolSpec] = {}

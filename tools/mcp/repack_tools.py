@@ -6,9 +6,8 @@ repack.probe and repack.build hold numpy: they load when a tool runs, not when t
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import Field
 
 from tools.mcp.registry import Reply, tool
 from repack.params import BuildParams, ProbeParams
@@ -42,7 +41,8 @@ def _repack_paths(app, p: BuildParams) -> tuple[Path, Path]:
     """The source and output, confined to the models roots; the source's config.json and the free disk."""
     src = app.roots.confine(p.source, "models", must_exist=True, what="source")
     out = app.roots.confine(p.output, "models", what="output")
-    ensure("repack", source=src, out=out)  # refused before any write
+    ensure("repack", source=src, out=out, force=p.force,  # the build's own refusals, before any write
+           protected_roots=[*app.roots.models, *app.roots.evidence])
     return src, out
 
 

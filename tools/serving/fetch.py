@@ -18,7 +18,6 @@ or already holding something else).
 
 from __future__ import annotations
 
-import argparse
 import fnmatch
 import hashlib
 import json
@@ -405,47 +404,3 @@ def _same_fs(a: Path, b: Path) -> bool:
         return a.stat().st_dev == b.stat().st_dev
     except OSError:
         return False
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# ./vllm-t4 fetch
-
-def _cli(args: argparse.Namespace) -> int:
-    import sys
-
-    last = [0.0]
-
-    def show(done: int, total: int, message: str) -> None:
-        now = time.monotonic()
-        if now - last[0] >= 2.0 or done >= total:
-            last[0] = now
-            print(f"  {done / 2**20:,.1f} / {total / 2**20:,.1f} MiB  {message}", file=sys.stderr, flush=True)
-
-    try:
-        params = FetchParams.from_cli_args(args)
-        result = fetch_checkpoint(params, progress=show)
-    except BadInput as exc:
-        print(f"vllm-t4 fetch: {exc}", file=sys.stderr)
-        return 2
-    except ToolFailure as exc:
-        if args.json:
-            print(json.dumps(exc.to_dict(), default=str))
-        print(f"vllm-t4 fetch: {exc}", file=sys.stderr)
-        return 1
-    if args.json:
-        print(result.model_dump_json())
-    else:
-        state = "already there" if result.already_present else ("from the cache" if result.offline else "fetched")
-        print(f"{result.repo_id}@{result.commit[:12]} {state}: {result.out} ({len(result.files)} files, "
-              f"{result.total_bytes / 2**30:.2f} GiB; manifest {MANIFEST})")
-    return 0
-
-
-def register(sub: Any) -> None:
-    """`./vllm-t4 fetch REPO_ID [--revision R] [--out DIR]`."""
-    p = sub.add_parser("fetch", help="download a checkpoint's build files from the Hugging Face hub into models/",
-                       description=__doc__.split("\n\n")[0] + " Exit status: 0 fetched, 1 the fetch failed, "
-                                                              "2 bad input.")
-    FetchParams.add_cli_args(p)
-    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
-    p.set_defaults(func=_cli)

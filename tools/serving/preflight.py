@@ -13,14 +13,12 @@ are `n/a` and the CPU path (vLLM's CPU build) is what is checked.
 
 from __future__ import annotations
 
-import argparse
-import sys
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field
 
-from tools.core.errors import BadInput, ToolFailure
+from tools.core.errors import BadInput, ToolFailure, param
 from tools.core.params import OpParams
 from tools.serving.config import load_config
 from tools.serving.hardware import Hardware
@@ -76,12 +74,13 @@ def _load(cfg: Any, env_file: str | Path | None) -> tuple[Any, str | None]:
 def checks_for(step: Step, *, cfg: Any = None, env_file: str | Path | None = None, source: str | Path | None = None,
                out: str | Path | None = None, repo_id: str | None = None, need_bytes: int | None = None,
                hardware: Any = None, nvml: Any = None, turing_target: Path | None = None,
-               force: bool = False) -> list[Check]:
+               force: bool = False, protected_roots: list[Path] | None = None) -> list[Check]:
     """The checks `step` needs, in the order their failures should be reported.
 
     start: the configured model (cfg or env_file) on this machine; repack: `source` into `out`; fetch: `repo_id`
     (`need_bytes`: its size, when known) into `out`; all: everything a deployment meets. `force`: the repack
-    may replace `out` (an empty folder or a build it wrote).
+    may replace `out` (an empty folder or a build it wrote); `protected_roots`: folders it may never replace or
+    wrap (default: the working and home folders, as for a build from a shell).
     """
     if step not in ("all", "start", "repack", "fetch"):
         raise BadInput(f"step {step!r} is not one of all, start, repack, fetch")
@@ -102,7 +101,7 @@ def checks_for(step: Step, *, cfg: Any = None, env_file: str | Path | None = Non
                    check_turing_clamp(ctx), check_host_memory(ctx), check_vllm_build(ctx), check_nvidia_driver(ctx),
                    check_gpu_memory(ctx)]
     elif step == "repack":
-        checks += [check_source(src, dst, force=force), check_disk(ctx, step=step, source=src, out=dst)]
+        checks += [check_source(src, dst, force=force, protected_roots=protected_roots), check_disk(ctx, step=step, source=src, out=dst)]
     elif step == "fetch":
         checks += [check_hf_token(ctx, step=step, repo_id=repo_id),
                    check_disk(ctx, step=step, out=dst, need_bytes=need_bytes)]
@@ -125,14 +124,15 @@ def ensure(step: Step, **kwargs: Any) -> list[Check]:
 
 
 def run_preflight(params: PreflightParams, *, cfg: Any = None, hardware: Any = None, nvml: Any = None,
-                  turing_target: Path | None = None) -> PreflightReport:
+                  turing_target: Path | None = None, protected_roots: list[Path] | None = None) -> PreflightReport:
     """Every check of `params.step`; never raises for what it finds (a failing check is a result), only for bad
     input (BadInput: an env_file that does not exist). `cfg`: a loaded serving config, instead of env_file."""
     if params.env_file is not None and not Path(params.env_file).expanduser().is_file():
-        raise BadInput(f"--env-file {params.env_file} does not exist; pass an existing tpu.env")
+        what = "is not a file" if Path(params.env_file).expanduser().exists() else "does not exist"
+        raise BadInput(f"{param('env_file')} {params.env_file} {what}; pass an existing tpu.env", field="env_file")
     hw = hardware or Hardware()
     checks = checks_for(params.step, cfg=cfg, env_file=params.env_file, source=params.source, out=params.out,
-                        hardware=hw, nvml=nvml, turing_target=turing_target)
+                        hardware=hw, nvml=nvml, turing_target=turing_target, protected_roots=protected_roots)
     platform = hw.platform()
     failed = [c.name for c in checks if c.status == "fail"]
     warnings = [c.name for c in checks if c.status == "warn"]
@@ -148,29 +148,5 @@ def run_preflight(params: PreflightParams, *, cfg: Any = None, hardware: Any = N
                            warnings=warnings, summary=summary)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# ./vllm-t4 doctor
-
-def _cli(args: argparse.Namespace) -> int:
-    try:
-        params = PreflightParams.from_cli_args(args)
-        report = run_preflight(params)
-    except BadInput as exc:
-        print(f"vllm-t4 doctor: {exc}", file=sys.stderr)
-        return 2
-    print(report.model_dump_json() if args.json else report.text())
-    return 0 if report.ready else 1
-
-
-def register(sub: Any) -> None:
-    """`./vllm-t4 doctor`: exit 0 when no check fails (warnings allowed), 1 when one fails, 2 for bad input."""
-    p = sub.add_parser("doctor", help="check this machine and configuration for a deployment (preflight)",
-                       description=__doc__.split("\n\n")[0] + " Exit status: 0 no check fails (warnings allowed), "
-                                   "1 a check fails, 2 bad input.")
-    PreflightParams.add_cli_args(p)
-    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    p.set_defaults(func=_cli)
-
-
 __all__ = ["SOURCE_REPO", "Check", "PreflightParams", "PreflightReport", "Step", "checks_for", "ensure", "hf_token",
-           "register", "run_preflight"]
+           "run_preflight"]

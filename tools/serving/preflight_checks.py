@@ -7,11 +7,9 @@ GPU facts come from NVML through tools.gpu.vram (driver, GPUs, memory) and tools
 
 from __future__ import annotations
 
-import errno
 import functools
 import importlib.metadata
 import importlib.util
-import os
 import re
 import tomllib
 from pathlib import Path
@@ -23,7 +21,7 @@ from repack import checks as repack_checks
 from repack.checkpoint import check_files
 from repack.checks import DISK_MARGIN_BYTES, REPACK_RATIO, SOURCE_BYTES_ESTIMATE, SOURCE_REPO
 from repack.errors import RepackError
-from tools.core.errors import ToolFailure
+from tools.core.errors import ToolFailure, op, param
 from tools.core.process import port_holder
 from tools.core.root import PROJECT_ROOT
 from tools.gpu.vram import vram_status
@@ -143,7 +141,7 @@ def check_gpu_memory(ctx: Context) -> Check:
         others = [f"pid {p.pid} ({p.name or '?'}, {p.used_mib} MiB)" for p in g.processes]
         return Check(name="gpu_memory", status="fail", value=value, detail=detail,
                      fix="free the GPU (" + (", ".join(others) or "another process holds memory") +
-                         ": ./vllm-t4 stop if it is ours) or lower GPU_MEMORY_UTILIZATION in tpu.env")
+                         f": {op('stop')} if it is ours) or lower GPU_MEMORY_UTILIZATION in tpu.env")
     return Check(name="gpu_memory", status="ok", value=value, detail=detail)
 
 
@@ -197,7 +195,7 @@ def check_turing_clamp(ctx: Context) -> Check:
     if not status.applied:
         return Check(name="turing_clamp", status="fail", detail=status.to_dict(),
                      value=f"GPU compute capability {cap[0]}.{cap[1]} (Turing) needs the attention clamp, which is "
-                           f"not applied to {status.target}", fix="run ./patch_triton_turing.py")
+                           f"not applied to {status.target}", fix=f"run {op('patch_turing')}")
     return Check(name="turing_clamp", status="ok", value=status.message, detail=status.to_dict())
 
 
@@ -218,10 +216,10 @@ def check_host_memory(ctx: Context) -> Check:
         return Check(name="host_memory", status="ok", value=value, detail=detail)
     if swap == 0:
         return Check(name="host_memory", status="fail", value=value + ": no swap is on", detail=detail,
-                     fix="run ./vllm-t4 swap first")
+                     fix=f"run {op('swap')} first")
     if ram + swap < need:
         return Check(name="host_memory", status="warn", value=value + ": RAM and swap together are short",
-                     detail=detail, fix="enlarge the swapfile (SWAP_SIZE_GIB in tpu.env, then ./vllm-t4 swap)")
+                     detail=detail, fix=f"enlarge the swapfile (SWAP_SIZE_GIB in tpu.env, then {op('swap')})")
     return Check(name="host_memory", status="ok", value=value + " (loading goes through swap)", detail=detail)
 
 
@@ -275,7 +273,7 @@ def check_port(ctx: Context) -> Check:
         return Check(name="port", status="ok", value=f"port {cfg.port} on {cfg.host} is free", detail=detail)
     return Check(name="port", status="fail", detail=detail,
                  value=f"port {cfg.port} on {cfg.host} is already in use by {holder}",
-                 fix="stop it (./vllm-t4 stop if it is the server started from here) or set PORT")
+                 fix=f"stop it ({op('stop')} if it is the server started from here) or set PORT")
 
 
 def check_max_model_len(ctx: Context) -> Check:
@@ -353,9 +351,9 @@ def check_checkpoints(ctx: Context, *, step: str) -> Check:
                          detail={**detail, **(exc.detail or {})}, value=f"model {cfg.model}: {exc}",
                          fix="or point MODEL_NAME at another build")
         return Check(name="checkpoints", status="ok", detail=detail, value=value + f"; serving {cfg.model}")
-    where = "MODEL_NAME in " + str(cfg.env_file) if cfg.sources.get("model") == "file" else "--model"
-    fix = (f"build it with `./vllm-t4 demo` or `python -m repack build SOURCE {cfg.model} --text-only "
-           "--embed-int4 --embed-tokens`, or point MODEL_NAME at a build or a Hugging Face id")
+    where = "MODEL_NAME in " + str(cfg.env_file) if cfg.sources.get("model") == "file" else param("model")
+    build = op("repack", source="SOURCE", output=cfg.model, text_only=True, embed_int4=True, embed_tokens=True)
+    fix = f"build it with {op('demo')} or {build}, or point MODEL_NAME at a build or a Hugging Face id"
     if not Path(cfg.model).is_dir():
         return Check(name="checkpoints", status="fail" if step == "start" else "warn", detail=detail,
                      value=f"model folder {cfg.model} does not exist ({where})", fix=fix)
@@ -379,17 +377,18 @@ def check_drafter(ctx: Context) -> Check:
                  value=f"{what}, {val.get('num_speculative_tokens', '?')} draft tokens per step")
 
 
-def check_source(source: Path | None, out: Path | None = None, *, force: bool = False) -> Check:
+def check_source(source: Path | None, out: Path | None = None, *, force: bool = False,
+                 protected_roots: list[Path] | None = None) -> Check:
     """The repack's own checks of its source (and, given one, of its output): the same functions the build runs."""
     if source is None:
         return Check(name="source", status="fail", value="no source checkpoint given and SOURCE_CHECKPOINT is empty",
-                     fix=f"fetch it with ./vllm-t4 fetch {SOURCE_REPO} and set SOURCE_CHECKPOINT")
+                     fix=f"fetch it with {op('fetch', repo_id=SOURCE_REPO)} and set SOURCE_CHECKPOINT")
     try:
         repack_checks.check_source(source)
         if out is not None:
-            repack_checks.check_output(source, out, force=force)
+            repack_checks.check_output(source, out, force=force, protected_roots=protected_roots)
     except RepackError as exc:
-        return Check(name="source", status="fail", value=str(exc), detail=exc.detail)
+        return Check(name="source", status="fail", value=exc.message, detail=exc.detail)
     size = _dir_bytes(source)
     return Check(name="source", status="ok", value=f"{source}: {_gib(size)} of safetensors", detail={"bytes": size})
 

@@ -87,7 +87,7 @@ def read_log(cfg: ServeConfig, lines: int = 50) -> str:
     state = load_state(cfg)
     path = Path(state.log_path) if state else cfg.log_file
     if not path.is_file():
-        raise ToolFailure(f"no server log at {path}; start a server first")
+        raise ToolFailure(f"no server log at {path}; start one with {op('start')}")
     return engine_log.tail(engine_log.read_text(path), lines)
 
 
