@@ -18,9 +18,7 @@ else
     .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 fi
 # The repack grid kernel (numba) compiles on first use and caches its machine code in repack/__pycache__:
-# compile it here, as part of installing (like building an extension), so the first build or test run does not
-# pay for it; and build it ahead of time into an extension module (numba.pycc, with the C and C++ compilers where
-# there are), which builds load without importing numba.
-echo "setup.sh: compiling the repack grid kernel (numba, once per install; one to a few minutes on 2 cores)"
+# compile it here, as part of installing, so the first build or test run does not pay for it.
+echo "setup.sh: compiling the repack grid kernel (numba, once per install)"
 .venv/bin/python -m repack.kernel_cache
 .venv/bin/python -c 'import vllm, fastmcp, numpy; print("gemma4-t4 ready: vllm", vllm.__version__, "fastmcp", fastmcp.__version__)'

@@ -7,8 +7,10 @@
     .venv/bin/python bench/bench_repack.py --ab OLD_kernel.py repack/_kernel_numba.py   # a kernel change, A/B
 
 The grid tensors' distribution: levels uniform over what each group's peak allows or peaked (Laplace-like),
-steps drawn as float32 or float16 values, values the bf16 nearest to step * level (exact) or with a quarter
-of them rounded the other way (other-way: the project's default synthetic data, like Google's export).
+steps drawn as float32 or float16 values, log-uniformly over [e^-9, e^-3] (synthetic.grid_words' own draw) or
+uniformly over the same range (--step-draw uniform: most steps then lie in the top two binades), values the
+bf16 nearest to step * level (exact) or with a quarter of them rounded the other way (other-way: the
+project's default synthetic data, like Google's export).
 
 Writes the checkpoint once (kept with --keep and reused), copies it with `cp -r` for reference, runs
 `python3 -m repack build SRC OUT --text-only --embed-int4 --embed-tokens` in a fresh process and prints: MB/s of
@@ -34,11 +36,39 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from repack import grid, kernel_cache  # noqa: E402
-from repack.synthetic import grid_words, write_e2b_checkpoint  # noqa: E402
+from repack import grid, synthetic  # noqa: E402
+from repack.synthetic import GROUP, grid_words, write_e2b_checkpoint  # noqa: E402
 
 STEPS = {"fp32": np.float32, "fp16": np.float16}
 ROUNDING = {"exact": 0.0, "other-way": 0.26}
+
+
+def grid_words_uniform_steps(rows: int, cols: int, rng: np.random.Generator, step_dtype: type = np.float16,
+                             jitter: float = 0.0, levels: str = "uniform") -> np.ndarray:
+    """synthetic.grid_words with each group's step drawn uniformly over [e^-9, e^-3] instead of log-uniformly
+    (the same levels, peaks, rounding and jitter)."""
+    ng = cols // GROUP
+    peak = rng.integers(4, 9, size=(rows, ng), dtype=np.int8)
+    neg = (peak == 8) | (rng.random((rows, ng)) < 0.5)
+    if levels == "peaked":
+        lv = np.clip(np.rint(rng.laplace(0.0, 1.5, size=(rows, ng, GROUP))), -8, 7).astype(np.int8)
+    else:
+        lv = rng.integers(-8, 8, size=(rows, ng, GROUP), dtype=np.int8)
+    lv = np.clip(lv, -peak[..., None], np.minimum(peak, 7)[..., None])
+    pos = rng.integers(0, GROUP, size=(rows, ng))
+    np.put_along_axis(lv, pos[..., None], np.where(neg, -peak, peak)[..., None].astype(np.int8), axis=-1)
+    step = rng.uniform(np.exp(-9.0), np.exp(-3.0), size=(rows, ng)).astype(step_dtype).astype(np.float32)
+    v = lv.astype(np.float32) * step[..., None]
+    b = v.reshape(rows, cols).view(np.uint32)
+    w = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)
+    if jitter > 0:
+        exact = np.abs(v.reshape(rows, cols))
+        near = ((w.astype(np.uint32) & 0x7FFF) << 16).view(np.float32)
+        mag = w & 0x7FFF
+        other = np.where(near > exact, mag - 1, np.where(near < exact, mag + 1, mag)).astype(np.uint16)
+        pick = (rng.random(w.shape) < jitter) & (mag > 0x0080)
+        w = np.where(pick, (w & 0x8000) | other, w).astype(np.uint16)
+    return w
 
 
 def _child_cpu() -> float:
@@ -159,6 +189,8 @@ def main() -> int:
     ap.add_argument("--result", type=Path, help="also write the figures as JSON here")
     ap.add_argument("--levels", choices=("uniform", "peaked"), default="uniform", help="level distribution")
     ap.add_argument("--steps", choices=tuple(STEPS), default="fp32", help="dtype the group steps are drawn in")
+    ap.add_argument("--step-draw", choices=("log-uniform", "uniform"), default="log-uniform",
+                    help="how each group's step is drawn over [e^-9, e^-3]")
     ap.add_argument("--rounding", choices=tuple(ROUNDING), default="other-way",
                     help="exact: every value the nearest bf16 of step * level; other-way: a quarter the other way")
     ap.add_argument("--target-dtype", choices=grid.TARGETS, default=grid.DEFAULT_TARGET)
@@ -175,7 +207,7 @@ def main() -> int:
     if args.kernel_only:
         return kernel_only(args)
 
-    dist = f"{args.levels}-{args.steps}-{args.rounding}"
+    dist = f"{args.levels}-{args.steps}-{args.rounding}" + ("-uniform-steps" if args.step_draw == "uniform" else "")
     # the default distribution keeps its former directory name, so a kept source is reused
     src = args.workdir / (f"e2b-synthetic-{args.scale:g}" if dist == "uniform-fp32-other-way"
                           else f"e2b-synthetic-{args.scale:g}-{dist}")
@@ -183,8 +215,17 @@ def main() -> int:
     if not stamp.exists():
         shutil.rmtree(src, ignore_errors=True)
         t = time.perf_counter()
-        size = write_e2b_checkpoint(src, args.scale, progress=sys.stdout.isatty(), jitter=ROUNDING[args.rounding],
-                                    step_dtype=STEPS[args.steps], levels=args.levels)
+        # write_e2b_checkpoint draws its grid tensors with synthetic.grid_words; --step-draw uniform swaps in the
+        # variant above for the duration of the write
+        real = synthetic.grid_words
+        if args.step_draw == "uniform":
+            synthetic.grid_words = grid_words_uniform_steps
+        try:
+            size = write_e2b_checkpoint(src, args.scale, progress=sys.stdout.isatty(),
+                                        jitter=ROUNDING[args.rounding], step_dtype=STEPS[args.steps],
+                                        levels=args.levels)
+        finally:
+            synthetic.grid_words = real
         stamp.write_text(str(size))
         print(f"wrote {src} ({size / 1e9:.2f} GB) in {time.perf_counter() - t:.1f} s")
     size = int(stamp.read_text())
@@ -206,7 +247,6 @@ def main() -> int:
     subprocess.run([sys.executable, "-c", "import numpy as np, repack.grid as g; "
                     "g.quantize(np.zeros((1, 32), np.uint16)); "
                     "g.quantize(np.frombuffer(bytes(64), np.uint16).reshape(1, 32))"], cwd=ROOT, check=True)
-    aot = kernel_cache.load_aot() is not None  # the same decision a build process takes
     out = args.workdir / "build-out"
     shutil.rmtree(out, ignore_errors=True)
     cmd = [sys.executable, "-m", "repack", "build", str(src), str(out), "--text-only", "--embed-int4",
@@ -229,6 +269,7 @@ def main() -> int:
     load = os.getloadavg()
     figures = {
         "scale": args.scale, "levels": args.levels, "steps": args.steps, "rounding": args.rounding,
+        "step_draw": args.step_draw,
         "target_dtype": args.target_dtype, "objective": args.objective, "source_bytes": size, "bytes_read": rep["bytes_read"],
         "bytes_written": rep["bytes_written"], "build_wall_s": round(build_s, 2),
         "build_internal_wall_s": rep["wall_s"], "cp_wall_s": round(cp_s, 2),
@@ -239,8 +280,6 @@ def main() -> int:
         "build_cpu_s": round(build_cpu, 2), "cp_cpu_s": round(cp_cpu, 2),
         "mb_per_cpu_s_read": round(rep["bytes_read"] / 1e6 / build_cpu, 1), "peak_rss_mib": round(rep["peak_rss_bytes"] / 2**20, 1),
         "implementation": rep["implementation"], "cores": len(os.sched_getaffinity(0)),
-        # the kernel built ahead of time (no numba import at the build's start) or numba's JIT kernel
-        "kernel_module": "ahead-of-time" if aot else "jit",
         "loadavg_before": [round(x, 2) for x in load_before], "loadavg_after": [round(x, 2) for x in load],
         "exact_runtime_fp16_pct": {t["name"]: t["exact_runtime_fp16_pct"] for t in rep["tables"] if t["groups"]},
         "exact_runtime_bf16_pct": {t["name"]: t["exact_runtime_bf16_pct"] for t in rep["tables"] if t["groups"]},
@@ -253,8 +292,7 @@ def main() -> int:
           f"tensors read, {figures['mb_per_s_source']} MB/s of source")
     print(f"cp -r of the same source: {cp_s:.1f} s -> build/cp = {figures['build_vs_cp']}x")
     print(f"CPU time: build {build_cpu:.1f} s ({figures['mb_per_cpu_s_read']} MB per CPU second), cp {cp_cpu:.1f} s")
-    print(f"peak RSS of the build process: {figures['peak_rss_mib']} MiB; kernel {rep['implementation']} "
-          f"({figures['kernel_module']}); "
+    print(f"peak RSS of the build process: {figures['peak_rss_mib']} MiB; kernel {rep['implementation']}; "
           f"load average before {load_before[0]:.2f}, after {load[0]:.2f}")
     if args.result:
         args.result.parent.mkdir(parents=True, exist_ok=True)

@@ -31,10 +31,8 @@ is never imported.
 
 from __future__ import annotations
 
-import importlib.abc
 import math
 import os
-import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -412,45 +410,18 @@ def quantize_numpy(words: np.ndarray, target: str = DEFAULT_TARGET, objective: s
 _kernel = None
 
 
-class _NoScipyLinalg(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name == "scipy.linalg" or name.startswith("scipy.linalg."):
-            raise ImportError(f"{name}: not imported while numba's array functions load")
-        return None
-
-
-def _import_numba_arrays_without_scipy() -> None:
-    """numba's array functions, imported when the kernel first loads, import scipy.linalg only to learn
-    whether np.dot may call BLAS: 0.1-0.2 s of a build's start, and the kernel calls no BLAS. Without it numba
-    takes its own loops. Where scipy.linalg is already imported nothing changes."""
-    if "numba.np.arraymath" in sys.modules or "scipy.linalg" in sys.modules:
-        return
-    finder = _NoScipyLinalg()
-    sys.meta_path.insert(0, finder)
-    try:
-        import numba.np.arraymath  # noqa: F401
-    finally:
-        sys.meta_path.remove(finder)
-
-
 def _get_kernel():
-    """The kernel's quantize_rows: the ahead-of-time module where it is current for this machine (no numba
-    import; see kernel_cache), else numba's JIT kernel; None without numba (REPACK_NO_NUMBA: as if absent)."""
+    """numba's JIT kernel `quantize_rows` (compiled on first use, then loaded from numba's cache); None without
+    numba (REPACK_NO_NUMBA: as if absent)."""
     global _kernel
     if _kernel is not None:
         return _kernel
     if os.environ.get("REPACK_NO_NUMBA"):
         return None
-    from . import kernel_cache
-
-    _kernel = kernel_cache.load_aot()
-    if _kernel is not None:
-        return _kernel
     try:
         import numba  # noqa: F401
     except ImportError:
         return None
-    _import_numba_arrays_without_scipy()
     from . import _kernel_numba
 
     _kernel = _kernel_numba.quantize_rows
@@ -473,8 +444,8 @@ def quantize(words: np.ndarray, target: str = DEFAULT_TARGET, objective: str = D
 
 def run_kernel(k, words: np.ndarray, target: str = DEFAULT_TARGET, objective: str = DEFAULT_OBJECTIVE
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """`quantize` with a given kernel function (the JIT or the ahead-of-time quantize_rows). The arrays are
-    made here with the types and layouts the kernel takes (the ahead-of-time one checks none)."""
+    """`quantize` with a given kernel function (a `quantize_rows`). The arrays are made here with the types and
+    layouts the kernel takes."""
     if words.dtype != np.uint16 or words.ndim != 2 or words.shape[1] % GROUP:
         raise ValueError(f"words: uint16 [rows, cols] with cols % {GROUP} == 0, not {words.dtype} {words.shape}")
     tgt = target_of(target)

@@ -251,6 +251,8 @@ def test_kernel_float32_no_interval_decision_is_never_wrong():
     levels and values, including ends that touch, subnormals and overflow; and it must decide most groups of
     off-grid-rounded data, or the shortcut saves nothing."""
     pytest.importorskip("numba")
+    import math
+
     import numba
 
     from repack import _kernel_numba as k
@@ -260,9 +262,12 @@ def test_kernel_float32_no_interval_decision_is_never_wrong():
     @numba.njit
     def decide(aq_all, ax_all, out):
         aq = np.empty((2, 32), dtype=np.float32)
+        bn = np.empty(32, dtype=np.float32)  # each value's binade, as the kernel's decoding gives it
         for g in range(ax_all.shape[0]):
             ax = ax_all[g]
             af = ax.astype(np.float32)
+            for i in range(32):
+                bn[i] = 0.0 if ax[i] < 2.0 ** -126 else 2.0 ** (math.frexp(ax[i])[1] - 1)
             aq[0] = aq_all[g]
             rmax, rmin, vmin = k._ratio_spread(aq, af)
             sure16 = k._surely_unbounded(rmax, rmin, vmin, s16, e16)
@@ -272,8 +277,8 @@ def test_kernel_float32_no_interval_decision_is_never_wrong():
             out[g, 0], out[g, 1] = sure16, not lb16 <= ub16
             out[g, 2], out[g, 3] = surebf, not lbbf <= ubbf
             # the per-value decision, taken where the spread leaves the question open
-            out[g, 4] = k._surely_unbounded_per_value(aq, af, vmin, s16, e16)
-            out[g, 5] = k._surely_unbounded_per_value(aq, af, vmin, sbf, ebf)
+            out[g, 4] = k._surely_unbounded_per_value(aq, af, bn, vmin, s16, e16)
+            out[g, 5] = k._surely_unbounded_per_value(aq, af, bn, vmin, sbf, ebf)
 
     def bf16(v):
         b = np.asarray(v, dtype=np.float32).view(np.uint32)
