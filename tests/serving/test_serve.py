@@ -183,11 +183,12 @@ def test_turing_gpu_needs_the_clamp_then_memory_needs_swap(tmp_path, serve_confi
 
     with pytest.raises(ToolFailure, match="Turing") as exc:
         start_server(cfg, hardware=FakeT4(), turing_target=target)
-    assert "patch_triton_turing.py" in str(exc.value)
+    assert "patch_triton_turing.py" in exc.value.render(CLI)
 
     turing_patch.apply(target)
-    with pytest.raises(ToolFailure, match="run ./vllm-t4 swap"):
+    with pytest.raises(ToolFailure) as exc:
         start_server(cfg, hardware=FakeT4(ram=8 << 30), turing_target=target)
+    assert "run `./vllm-t4 swap`" in exc.value.render(CLI)
     assert not cfg.state_file.exists() and not cfg.log_file.exists()  # refused before anything was launched
 
 

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from tools.serving.config import DEFAULT_ENV_FILE, load_config, parse_env_file
+from tools.cli.commands import CLI
 from tools.core.errors import ToolFailure
 
 
@@ -128,8 +129,8 @@ def test_missing_local_build_is_refused_before_launching(tmp_path, monkeypatch):
     assert cfg.model == str((tmp_path / "models" / "not-built-yet").resolve())
     with pytest.raises(ToolFailure) as exc:
         start_server(cfg)
-    msg = str(exc.value)
-    assert "does not exist" in msg and "./vllm-t4 demo" in msg and "python -m repack build" in msg
+    msg = exc.value.render(CLI)
+    assert "does not exist" in msg and "./vllm-t4 demo" in msg and "python3 -m repack build" in msg
     assert "\n" not in msg
     assert not (tmp_path / "state" / "vllm.log").exists()  # nothing launched
 

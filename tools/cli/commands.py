@@ -34,7 +34,7 @@ OPERATIONS: dict[str, str] = {
     "tiny_model": "python3 -m repack.tiny_model",
     "fetch": "./vllm-t4 fetch",
     "doctor": "./vllm-t4 doctor",
-    "patch_turing": "python3 patch_triton_turing.py",
+    "patch_turing": "./patch_triton_turing.py",
     "demo": "./vllm-t4 demo",
     "sweep": "./vllm-t4 sweep",
     "sweep_compare": "./vllm-t4 sweep-compare",
