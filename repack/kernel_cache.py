@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
+
+from repack import grid
+
 
 def warm() -> str:
     """Compiles (or loads) both specialisations of the kernel a build can use, a writable array and a read-only
     one (a memory map), and returns the implementation builds use: "numba" or "numpy" (numba not importable)."""
-    import numpy as np
-
-    from repack import grid
-
     if grid.implementation() != "numba":
         return "numpy"
     from repack import _kernel_numba

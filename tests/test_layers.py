@@ -42,6 +42,11 @@ def _resolve(node: ast.ImportFrom, here: str, is_pkg: bool) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
+def _is_module(name: str) -> bool:
+    base = ROOT.joinpath(*name.split("."))
+    return base.with_suffix(".py").exists() or (base / "__init__.py").exists()
+
+
 def _own(module: str) -> bool:
     return module.split(".")[0] in PACKAGES or module in ("server", "patch_triton_turing")
 
@@ -101,8 +106,11 @@ def test_function_level_imports_are_for_heavy_dependencies_only():
     for path in _sources():
         here = _module_name(path)
         for fn, node in _function_imports(ast.parse(path.read_text(), str(path))):
-            targets = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                       else [_resolve(node, here, path.name == "__init__.py")])
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:  # `from pkg import module` imports the module
+                base = _resolve(node, here, path.name == "__init__.py")
+                targets = [f"{base}.{a.name}" if _is_module(f"{base}.{a.name}") else base for a in node.names]
             for t in targets:
                 if _own(t) and t not in HEAVY_OWN:
                     found.append(f"{here}:{node.lineno} in {fn.name}(): import of {t}")

@@ -189,7 +189,6 @@ def test_bad_step_and_env_file_are_bad_input(tmp_path):
 
 def test_demo_on_a_t4_runs_preflight_then_fetches_the_missing_source(clean_env, tmp_path, monkeypatch):
     from tools.demo import demo
-    from tools.serving import fetch
     from tools.serving.preflight import SOURCE_REPO
 
     env_file = _env_file(tmp_path)  # SOURCE_CHECKPOINT not set
