@@ -189,8 +189,8 @@ def build_tiny_qat_checkpoint(out_dir: str | Path, *, seed: int = 0, train_steps
 @contextmanager
 def _one_thread():
     """Train on one thread: the models are too small to gain from more, and on a shared machine several threads
-    of several processes wait on each other at every op (10 training steps took 14 s on one thread, 308 s on
-    two, at a load average of 15 on 2 cores). It also makes the trained weights independent of the core count."""
+    of several processes wait on each other at every op (evidence/suite-speed.md). It also makes the trained
+    weights independent of the core count."""
     import torch
 
     threads = torch.get_num_threads()

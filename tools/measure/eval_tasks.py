@@ -98,8 +98,7 @@ def _hub_dataset_cached(repo_id: str) -> bool:
 
 
 def check_tasks_before_running(params: EvalParams, include: Path) -> None:
-    """Refuses, in about a second, what lm-eval would refuse only after indexing its ~15,000 task YAMLs (10 s and
-    more on two cores): task names that occur in no task YAML, and, offline, a task of the include folder whose
+    """Refuses, from the task YAMLs' text, what lm-eval would refuse only after indexing all of them: task names that occur in no task YAML, and, offline, a task of the include folder whose
     hub dataset is in no local cache. One-sided: anything it cannot rule out is left for lm-eval to judge."""
     texts = {p: p.read_bytes() for p in _task_yamls(include) if p.is_file()}
     unknown = []

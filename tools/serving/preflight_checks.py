@@ -32,7 +32,6 @@ from tools.serving.hub import hf_token
 from tools.serving.model_files import checkpoint_bytes, model_position_limit
 from tools.serving.speculative import validate_speculative_config
 
-# The article: a 2.64 GiB all-4-bit build out of a 10.27 GB source, so a repack writes ~27.6% of its source.
 MIN_CAPABILITY = (7, 0)  # vLLM's CUDA kernels start at Volta
 
 Status = Literal["ok", "warn", "fail", "n/a"]
