@@ -21,18 +21,22 @@ RUNS = [ARTICLE / "bf16", ARTICLE / "qat-w4a16", ARTICLE / "emb4"]
 def test_article_reference_runs_reproduce_the_article_tables():
     cmp = compare_runs(RUNS, price_per_hour=0.5241, cost_cell=(512, 8))
     md = cmp.markdown
-    # The article's "512-Token Prompts" rows: emb4 vs QAT in percent, emb4 vs bf16 as a factor.
-    for row in ("| 1 | 37.04 | 62.27 | 85.28 | +37% | 2.30x |", "| 4 | 109.05 | 157.49 | 183.08 | +16% | 1.68x |",
-                "| 8 | 164.62 | 215.91 | 239.64 | +11% | 1.46x |", "| 16 | 164.36 | 213.79 | 237.08 | +11% | 1.44x |"):
+    # The article's "512-Token Prompts" rows in the one ratio format: emb4 vs QAT +37% is 1.37x, emb4 vs bf16
+    # 2.30x; only medians were published, so no interval and no verdict.
+    for row in ("| 1 | 37.04 | 62.27 | 85.28 | 1.37x (no repeats) | 2.30x (no repeats) |",
+                "| 4 | 109.05 | 157.49 | 183.08 | 1.16x (no repeats) | 1.68x (no repeats) |",
+                "| 8 | 164.62 | 215.91 | 239.64 | 1.11x (no repeats) | 1.46x (no repeats) |",
+                "| 16 | 164.36 | 213.79 | 237.08 | 1.11x (no repeats) | 1.44x (no repeats) |"):
         assert row in md, row
     # "4096-Token Prompts": emb4 vs QAT +7% / +3%.
-    assert "| 1 | 12.11 | 14.00 | 15.03 | +7% |" in md
-    assert "| 16 | 15.46 | 15.75 | 16.17 | +3% |" in md
+    assert "| 1 | 12.11 | 14.00 | 15.03 | 1.07x (no repeats) |" in md
+    assert "| 16 | 15.46 | 15.75 | 16.17 | 1.03x (no repeats) |" in md
+    assert md.count("+37%") == 1 and "written as 1.37x (= +37%)" in md  # one format, said once in the header
     # "What Does It Cost?": $0.88, $0.67, $0.61 per million output tokens.
     assert [f"${r.usd_per_million:.2f}" for r in cmp.cost] == ["$0.88", "$0.67", "$0.61"]
     cell = next(c for c in cmp.cells if (c.input_len, c.concurrency) == (512, 1))
     assert cell.ratios["emb4 vs qat-w4a16"] == pytest.approx(85.28 / 62.27)
-    assert cmp.ratio_format[512] == {"emb4 vs qat-w4a16": "pct", "emb4 vs bf16": "x"}
+    assert cell.intervals["emb4 vs bf16"].verdict == "no repeats"
 
 
 def test_default_cost_cell_is_where_the_candidate_peaks():

@@ -9,13 +9,14 @@ import statistics
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, computed_field
 
 from tools.core.errors import ToolFailure
 from tools.core.text import clip
 from tools.core.params import OpParams
 from tools.serving.endpoint import EndpointParams
 from tools.core.root import PROJECT_ROOT
+from tools.measure.uncertainty import Estimate, estimate
 
 DEFAULT_OUT = PROJECT_ROOT / "evidence"
 
@@ -125,6 +126,18 @@ class CellResult(BaseModel):
     @property
     def key(self) -> tuple[int, int]:
         return self.input_len, self.concurrency
+
+    def estimate(self, metric: str = "output_throughput") -> Estimate:
+        """The metric over the ok repeats: geometric mean and 95% interval (tools/measure/uncertainty.py); the
+        recorded median stands in for a cell without repeats (published figures)."""
+        if self.status != "ok":
+            return Estimate(n=0, mean=None)
+        return estimate((r.metrics.get(metric) for r in self.repeats if r.status == "ok"), self.median.get(metric))
+
+    @computed_field(description="Output tok/s over the ok repeats: geometric mean and 95% interval")
+    @property
+    def output_throughput_ci(self) -> Estimate:
+        return self.estimate("output_throughput")
 
 
 class SweepResult(BaseModel):

@@ -1,5 +1,6 @@
 """Evidence files of a sweep run (summary.json/.csv, the article-form markdown table, a PNG plot) and the
-comparison of two or more runs in the article's form (+% and x ratios per cell, cost per million tokens).
+comparison of two or more runs in the article's form (ratios per cell with their 95% interval and a verdict:
+faster, slower, within noise; cost per million tokens).
 
 A run folder is read back from its `summary.json` alone, so published figures (evidence/article-t4/*) compare
 the same way as fresh runs: metrics that a source did not publish are simply null.
@@ -10,7 +11,6 @@ from __future__ import annotations
 import csv
 import io
 import json
-import statistics
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +19,12 @@ from pydantic import BaseModel, Field
 from tools.core.errors import ToolFailure, op, param
 from tools.measure.evidence import write_text, write_texts
 from tools.measure.results import DEFAULT_PRICE_PER_HOUR, METRICS, SweepResult
+from tools.measure.uncertainty import METHOD, Estimate, Ratio, ratio
 from tools.core.params import OpParams
 
 CSV_COLUMNS = ("input_len", "output_len", "concurrency", "num_prompts", "status", "repeats_ok", "repeats",
-               *(f"{m}" for m in METRICS), "output_throughput_spread_pct", "mean_ttft_ms_spread_pct", "reason")
+               *(f"{m}" for m in METRICS), "output_throughput_spread_pct", "mean_ttft_ms_spread_pct",
+               "output_throughput_mean", "output_throughput_ci_low", "output_throughput_ci_high", "reason")
 
 
 def _fmt(v: float | None, digits: int = 2) -> str:
@@ -37,14 +39,17 @@ def cost_per_million(tok_s: float | None, price_per_hour: float) -> float | None
 
 
 def markdown_run(res: SweepResult, *, price_per_hour: float = DEFAULT_PRICE_PER_HOUR) -> str:
-    """One section per input length: `| c | out tok/s | req/s | TTFT ... |`, medians over repeats."""
+    """One section per input length: `| c | out tok/s | req/s | TTFT ... |`; out tok/s is the
+    geometric mean of the repeats with its interval (tools/measure/uncertainty.py), the other columns medians."""
     prov = res.provenance or {}
     hw = prov.get("gpu_name") or (f"CPU: {prov.get('cpu_model')}" if prov.get("cpu_model") else "unknown")
     lines = [f"# Sweep {res.run_id}: {res.label}", "",
              f"Model `{res.model}`, {hw}, vLLM {prov.get('vllm_version_server') or prov.get('vllm_version_client')}, "
              f"max_model_len {res.max_model_len}. Output {res.params.get('output_len')} tokens, greedy, "
-             f"`vllm bench serve` random dataset, {res.params.get('repeats')} repeats per cell (medians; spread = "
-             f"(max-min)/median of out tok/s). Cost at ${price_per_hour}/h.", ""]
+             f"`vllm bench serve` random dataset, {res.params.get('repeats')} repeats per cell. Out tok/s: geometric "
+             f"mean of the repeats, its 95% confidence interval in parentheses (Student t on the log repeats; none "
+             f"with fewer than two); other columns: medians; spread = (max-min)/median of out tok/s. Cost at "
+             f"${price_per_hour}/h.", ""]
     by_len: dict[int, list] = {}
     for c in res.cells:
         by_len.setdefault(c.input_len, []).append(c)
@@ -58,11 +63,11 @@ def markdown_run(res: SweepResult, *, price_per_hour: float = DEFAULT_PRICE_PER_
             spread = c.spread_pct.get("output_throughput")
             status = c.status if c.status == "ok" else f"{c.status}: {c.reason}"
             lines.append(
-                f"| {c.concurrency} | {_fmt(m.get('output_throughput'))} | {_fmt(m.get('request_throughput'), 3)} "
+                f"| {c.concurrency} | {c.output_throughput_ci.text()} | {_fmt(m.get('request_throughput'), 3)} "
                 f"| {_fmt(m.get('mean_ttft_ms'), 1)} | {_fmt(m.get('p99_ttft_ms'), 1)} "
                 f"| {_fmt(m.get('mean_tpot_ms'), 2)} | {_fmt(m.get('mean_itl_ms'), 2)} "
                 f"| {'—' if spread is None else f'{spread:.1f}%'} "
-                f"| {_fmt(cost_per_million(m.get('output_throughput'), price_per_hour))} | {status} |")
+                f"| {_fmt(cost_per_million(c.output_throughput_ci.mean, price_per_hour))} | {status} |")
         lines.append("")
     if res.speculative_config:  # the concurrency question of speculative decoding: acceptance per cell
         import json
@@ -82,7 +87,8 @@ def csv_run(res: SweepResult) -> str:
         w.writerow([c.input_len, c.output_len, c.concurrency, c.num_prompts, c.status,
                     sum(r.status == "ok" for r in c.repeats), len(c.repeats),
                     *(c.median.get(m) for m in METRICS), c.spread_pct.get("output_throughput"),
-                    c.spread_pct.get("mean_ttft_ms"), c.reason or ""])
+                    c.spread_pct.get("mean_ttft_ms"), c.output_throughput_ci.mean, c.output_throughput_ci.low,
+                    c.output_throughput_ci.high, c.reason or ""])
     return buf.getvalue()
 
 
@@ -192,9 +198,15 @@ def load_run(path: str | Path) -> SweepResult:
 class CompareCell(BaseModel):
     input_len: int
     concurrency: int
-    out_tok_s: list[float | None] = Field(description="Median output tok/s per run, in the runs' order")
+    out_tok_s: list[float | None] = Field(description="Output tok/s per run, in the runs' order: the geometric "
+                                                      "mean of the repeats (the recorded median without them)")
+    estimates: list[Estimate] = Field(default_factory=list, description="Output tok/s per run with its 95% "
+                                                                        "interval")
     ratios: dict[str, float | None] = Field(default_factory=dict,
                                             description="'<last> vs <other>': last / other output tok/s")
+    intervals: dict[str, Ratio] = Field(default_factory=dict,
+                                        description="'<last> vs <other>': the ratio's 95% interval and verdict "
+                                                    "(faster, slower, within noise, no repeats)")
 
 
 class CostRow(BaseModel):
@@ -207,9 +219,8 @@ class SweepComparison(BaseModel):
     labels: list[str]
     run_dirs: list[str]
     price_per_hour: float
+    method: str = Field(METHOD, description="How values, intervals and verdicts are computed")
     cells: list[CompareCell]
-    ratio_format: dict[int, dict[str, str]] = Field(
-        description="input_len -> '<last> vs <other>' -> 'pct' (+37%) or 'x' (2.30x)")
     cost_cell: tuple[int, int] | None = Field(None, description="(input_len, concurrency) of the cost table")
     cost: list[CostRow] = Field(default_factory=list)
     markdown: str = ""
@@ -217,24 +228,18 @@ class SweepComparison(BaseModel):
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
 
-
-def _ratio_text(r: float | None, fmt: str) -> str:
-    if r is None:
-        return "—"
-    if fmt == "x":
-        return f"{r:.2f}x"
-    return f"{(r - 1) * 100:+.0f}%"
+    def text(self) -> str:
+        return self.markdown
 
 
 def compare_runs(paths: list[str | Path], *, price_per_hour: float = DEFAULT_PRICE_PER_HOUR,
                  cost_cell: tuple[int, int] | None = None) -> SweepComparison:
     """Compare runs in the article's form: the LAST run against each earlier one, per cell.
 
-    A ratio column of one input length's table is written as x when its median ratio is 1.5 or more (or 1/1.5
-    or less), as +% otherwise,
-    which is how the article writes "emb4 vs QAT" (+37%) and "emb4 vs bf16" (2.30x). Both numbers are in the
-    JSON. The cost table uses cost_cell, by default the first input length at the concurrency where the last
-    run peaks.
+    Each cell's output tok/s is the geometric mean of its repeats with a 95% interval, each ratio carries its
+    95% interval and a verdict (faster, slower, within noise, no repeats), all by tools/measure/uncertainty.py.
+    Ratios are written one way, `1.37x` (the article's "+37%") and `2.30x`. The cost table uses cost_cell, by
+    default the first input length at the concurrency where the last run peaks.
     """
     if len(paths) < 2:
         raise ToolFailure("sweep-compare needs two or more run folders (earlier builds first, the candidate last)")
@@ -242,24 +247,17 @@ def compare_runs(paths: list[str | Path], *, price_per_hour: float = DEFAULT_PRI
     labels = run_labels(runs)
     last = labels[-1]
     keys = sorted({c.key for r in runs for c in r.cells})
-    ratio_names = [f"{last} vs {lab}" for lab in reversed(labels[:-1])]
     cells: list[CompareCell] = []
     for L, c in keys:
-        tps = []
+        ests = []
         for r in runs:
             cell = r.cell(L, c)
-            tps.append(cell.median.get("output_throughput") if cell and cell.status == "ok" else None)
+            ests.append(cell.estimate() if cell else Estimate(n=0, mean=None))
         # Nearest predecessor first, as the article orders "emb4 vs QAT" before "emb4 vs bf16".
-        ratios = {f"{last} vs {lab}": (tps[-1] / tp if tps[-1] and tp else None)
-                  for lab, tp in reversed(list(zip(labels[:-1], tps[:-1])))}
-        cells.append(CompareCell(input_len=L, concurrency=c, out_tok_s=tps, ratios=ratios))
-    fmt: dict[int, dict[str, str]] = {}
-    for L in sorted({cc.input_len for cc in cells}):
-        fmt[L] = {}
-        for name in ratio_names:
-            vals = [cc.ratios[name] for cc in cells if cc.input_len == L and cc.ratios.get(name)]
-            med = statistics.median(vals) if vals else 1.0
-            fmt[L][name] = "x" if med >= 1.5 or med <= 1 / 1.5 else "pct"
+        intervals = {f"{last} vs {lab}": ratio(ests[-1], est)
+                     for lab, est in reversed(list(zip(labels[:-1], ests[:-1])))}
+        cells.append(CompareCell(input_len=L, concurrency=c, out_tok_s=[e.mean for e in ests], estimates=ests,
+                                 ratios={k: v.value for k, v in intervals.items()}, intervals=intervals))
     if cost_cell is None:
         first_len = keys[0][0] if keys else None
         cands = [cc for cc in cells if cc.input_len == first_len and cc.out_tok_s[-1]]
@@ -274,21 +272,22 @@ def compare_runs(paths: list[str | Path], *, price_per_hour: float = DEFAULT_PRI
         cost = [CostRow(label=lab, out_tok_s=tp, usd_per_million=cost_per_million(tp, price_per_hour))
                 for lab, tp in zip(labels, cc.out_tok_s)]
     cmp = SweepComparison(labels=labels, run_dirs=[str(p) for p in paths], price_per_hour=price_per_hour,
-                          cells=cells, ratio_format=fmt, cost_cell=cost_cell, cost=cost)
+                          cells=cells, cost_cell=cost_cell, cost=cost)
     cmp.markdown = markdown_comparison(cmp)
     return cmp
 
 
 def markdown_comparison(cmp: SweepComparison) -> str:
-    lines: list[str] = []
+    lines: list[str] = [f"Output tok/s per cell and the last run against each earlier one. {cmp.method}", ""]
     for L in sorted({c.input_len for c in cmp.cells}):
-        names = list(cmp.ratio_format[L])
+        rows = [x for x in cmp.cells if x.input_len == L]
+        names = list(rows[0].intervals)
         lines += [f"## {L}-token prompts", "",
                   "| c | " + " | ".join(f"{lab} out tok/s" for lab in cmp.labels) + " | " + " | ".join(names) + " |",
                   "|---|" + "---|" * (len(cmp.labels) + len(names))]
-        for cc in (x for x in cmp.cells if x.input_len == L):
-            lines.append(f"| {cc.concurrency} | " + " | ".join(_fmt(v) for v in cc.out_tok_s) + " | "
-                         + " | ".join(_ratio_text(cc.ratios.get(n), cmp.ratio_format[L][n]) for n in names) + " |")
+        for cc in rows:
+            lines.append(f"| {cc.concurrency} | " + " | ".join(e.text() for e in cc.estimates) + " | "
+                         + " | ".join(cc.intervals[n].cell() for n in names) + " |")
         lines.append("")
     if cmp.cost:
         L, c = cmp.cost_cell or (None, None)
