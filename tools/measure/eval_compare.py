@@ -14,6 +14,7 @@ from pydantic import ValidationError
 from tools.core.errors import ToolFailure, op
 from tools.core.text import clip
 from tools.measure.eval_results import CompareParams, EvalComparison, EvalDiff, EvalResult, RunInfo, fmt
+from tools.measure.uncertainty import WITHIN_NOISE, verdict
 
 
 
@@ -149,10 +150,9 @@ def compare_evals(params: CompareParams, roots: Any = None) -> EvalComparison:
                 se = [x for x in (stderrs[0], stderrs[i]) if x is not None]
                 row.diff_stderr = math.sqrt(sum(x * x for x in se)) if len(se) == 2 else None
                 row.note = "per-document values not available: unpaired stderr"
-            if row.diff is not None:
-                identical = row.paired and row.diff_stderr == 0 and row.diff == 0
-                row.within_noise = (True if identical else
-                                    None if row.diff_stderr is None else abs(row.diff) < 2 * row.diff_stderr)
+            if row.diff is not None and row.diff_stderr is not None:  # the shared verdict on diff +- 2 stderr
+                low, high = row.diff - 2 * row.diff_stderr, row.diff + 2 * row.diff_stderr
+                row.within_noise = verdict(low, high, null=0.0) == WITHIN_NOISE
     cmp = EvalComparison(runs=infos, rows=rows)
     cmp.markdown = comparison_markdown(cmp)
     return cmp

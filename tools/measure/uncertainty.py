@@ -124,11 +124,16 @@ def ratio_text(r: float | None) -> str:
     return "—" if r is None else f"{r:.2f}x"
 
 
+def verdict(low: float, high: float, null: float = 1.0) -> Verdict:
+    """faster / slower where the interval lies wholly above / below `null` (1 for a ratio, 0 for a
+    difference), else within noise."""
+    return FASTER if low > null else SLOWER if high < null else WITHIN_NOISE
+
+
 def _interval(log_ratio: float, se: float, df: float) -> Ratio:
     h = t_quantile(df) * se if se > 0 else 0.0
     low, high = math.exp(log_ratio - h), math.exp(log_ratio + h)
-    verdict = FASTER if low > 1 else SLOWER if high < 1 else WITHIN_NOISE
-    return Ratio(value=math.exp(log_ratio), low=low, high=high, verdict=verdict)
+    return Ratio(value=math.exp(log_ratio), low=low, high=high, verdict=verdict(low, high))
 
 
 def ratio(num: Estimate | None, den: Estimate | None) -> Ratio:
