@@ -118,3 +118,10 @@ def test_article_drafter_speedups_keep_their_published_figures():
                                                             "k3-checkpoint")])
     assert "| 3 draft tokens, greedy | 7.4 ms | 38% | 2.13 | 1.34x (no repeats) |" in cmp.markdown
     assert "| 3 draft tokens, default sampling | 8.7 ms | 37% | — | 1.13x (no repeats) |" in cmp.markdown
+
+
+def test_comparison_summary_line_uses_the_one_format():
+    cmp = compare_runs([RERUN_B, RERUN_A])
+    assert cmp.summary() == ("compared int4-emb (int4-emb-rerun-b), int4-emb (int4-emb-rerun-a) over 2 cells; "
+                             "first cell int4-emb (int4-emb-rerun-a) vs int4-emb (int4-emb-rerun-b): "
+                             "1.21x (0.62–2.38) within noise")

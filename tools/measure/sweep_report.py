@@ -231,6 +231,12 @@ class SweepComparison(BaseModel):
     def text(self) -> str:
         return self.markdown
 
+    def summary(self) -> str:
+        """One line: the runs, the cell count and the first cell's ratios with their verdicts."""
+        first = self.cells[0].intervals.items() if self.cells else []
+        return f"compared {', '.join(self.labels)} over {len(self.cells)} cells" + (
+            "; first cell " + "; ".join(f"{k}: {r.cell()}" for k, r in first) if first else "")
+
 
 def compare_runs(paths: list[str | Path], *, price_per_hour: float = DEFAULT_PRICE_PER_HOUR,
                  cost_cell: tuple[int, int] | None = None) -> SweepComparison:
