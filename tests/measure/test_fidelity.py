@@ -205,6 +205,9 @@ def test_record_then_check_same_server_is_perfect_agreement(tmp_path, corpus, ca
     assert res["top1_agreement"] == 1.0
     assert res["ppl_reference"] == pytest.approx(res["ppl_candidate"])
     assert res["matched_mass"] == pytest.approx(1.0)
+    # the same build: the ratio's interval over the 4 windows holds 1
+    low, high = res["ppl_ratio_interval"]
+    assert low <= 1.0 <= high and res["ppl_verdict"] == "within noise"
 
 
 def test_check_against_a_perturbed_model_fails_the_metrics(tmp_path, corpus, capsys):
@@ -221,6 +224,10 @@ def test_check_against_a_perturbed_model_fails_the_metrics(tmp_path, corpus, cap
     assert res["p99_kld"] >= res["median_kld"] and res["max_kld"] >= res["p99_kld"]
     assert res["top1_agreement"] < 1.0
     assert res["ppl_ratio"] != pytest.approx(1.0, abs=1e-4)
+    low, high = res["ppl_ratio_interval"]  # noise of 1.0 on every logit: the candidate is clearly less sure
+    assert low <= res["ppl_ratio"] <= high and res["ppl_verdict"] in ("higher", "lower")
+    assert ("higher" if low > 1 else "lower") == res["ppl_verdict"]
+    assert "over windows" in text
     assert len(res["worst_positions"]) == 3 and res["worst_positions"][0]["kld"] == pytest.approx(res["max_kld"])
     for key in ("mean KLD", "p99 KLD", "max KLD", "top-1 agreement", "PPL reference", "largest KLD"):
         assert key in text

@@ -48,6 +48,7 @@ from typing import Any, Callable, ClassVar, Literal
 from pydantic import BaseModel, Field
 
 from tools.core.errors import BadInput, param
+from tools.measure.uncertainty import FASTER, SLOWER, WITHIN_NOISE, paired_ratio
 from tools.measure.fidelity_files import (DEFAULT_CORPUS, RECORD_KIND, RefWriter, load_corpus,  # noqa: F401
                                           read_reference)
 from tools.measure.server_client import ServerClient
@@ -157,6 +158,11 @@ class CheckLogprobsResult(BaseModel):
     ppl_reference: float = Field(description="perplexity of the reference build on the corpus")
     ppl_candidate: float = Field(description="perplexity of the candidate build on the corpus")
     ppl_ratio: float = Field(description="ppl_candidate / ppl_reference")
+    ppl_ratio_interval: list[float] | None = Field(
+        None, description="95% interval of the per-window perplexity ratio's geometric mean (one-sample t over "
+                          "windows, tools.measure.uncertainty); none with fewer than two windows")
+    ppl_verdict: str | None = Field(None, description="higher, lower or within noise: the candidate's perplexity "
+                                                      "against the reference's, from that interval")
     worst_positions: list[WorstPosition] = Field(description="positions with the largest KLD, largest first")
     wall_s: float = Field(description="seconds spent")
 
@@ -173,7 +179,9 @@ class CheckLogprobsResult(BaseModel):
             f"top-1 agreement: {100 * self.top1_agreement:.3f}%",
             f"reference mass matched: {100 * self.matched_mass:.4f}%",
             f"PPL reference: {self.ppl_reference:.6g}  PPL candidate: {self.ppl_candidate:.6g}  "
-            f"ratio: {self.ppl_ratio:.6f}",
+            f"ratio: {self.ppl_ratio:.6f}" + (
+                f" (95% {self.ppl_ratio_interval[0]:.6f}-{self.ppl_ratio_interval[1]:.6f} over windows) "
+                f"{self.ppl_verdict}" if self.ppl_ratio_interval else ""),
         ]
         if self.worst_positions:
             lines.append("largest KLD:")
@@ -363,6 +371,7 @@ def check_logprobs(params: CheckLogprobsParams, progress: Progress | None = None
         lower_sum = matched = listed = 0.0
         same = 0
         nll_ref = nll_cand = 0.0
+        per_window: list[tuple[float, float]] = []  # each window's (candidate, reference) perplexity
         worst: list[tuple[float, int, int, int, int, int, list[int]]] = []  # min-heap of the largest KLDs
         for w_i, win in enumerate(windows):
             ids = [int(x) for x in win["ids"]]
@@ -391,6 +400,9 @@ def check_logprobs(params: CheckLogprobsParams, progress: Progress | None = None
                         heapq.heappush(worst, item)
                     elif item[0] > worst[0][0]:
                         heapq.heapreplace(worst, item)
+            if actual_c:
+                per_window.append((math.exp(-sum(lp for _, lp in actual_c) / len(actual_c)),
+                                   math.exp(-sum(float(x) for x in win["actual"]) / len(actual_c))))
             if progress is not None:
                 progress(w_i + 1, n_windows, f"window {w_i + 1}/{n_windows} compared ({len(klds)} positions)")
         if not klds:
@@ -403,13 +415,20 @@ def check_logprobs(params: CheckLogprobsParams, progress: Progress | None = None
     finally:
         srv.close()
     ppl_r, ppl_c = math.exp(nll_ref / n), math.exp(nll_cand / n)
+    spread = paired_ratio(per_window)
+    interval = [spread.low, spread.high] if spread.low is not None and spread.high is not None else None
     return CheckLogprobsResult(
         reference=str(params.reference), reference_model=str(header.get("model")), candidate_model=srv.model,
         base_url=srv.base, tokens=n, windows=w_i + 1, top_k=top_k, mean_kld=float(arr.mean()),
         median_kld=float(np.median(arr)), p99_kld=float(np.percentile(arr, 99)), max_kld=float(arr.max()),
         mean_kld_lower_bound=lower_sum / n, top1_agreement=same / n,
         matched_mass=matched / listed if listed else 1.0, ppl_reference=ppl_r, ppl_candidate=ppl_c,
-        ppl_ratio=ppl_c / ppl_r, worst_positions=worst_out, wall_s=round(time.monotonic() - t0, 3))
+        ppl_ratio=ppl_c / ppl_r, ppl_ratio_interval=interval,
+        ppl_verdict=None if interval is None else _PPL_VERDICT[spread.verdict], worst_positions=worst_out, wall_s=round(time.monotonic() - t0, 3))
+
+
+# The ratio's verdict, said of a perplexity: above 1 the candidate is less sure of the corpus than the reference.
+_PPL_VERDICT = {FASTER: "higher", SLOWER: "lower", WITHIN_NOISE: "within noise"}
 
 
 def compare_logprobs(params: CompareLogprobsParams, progress: Progress | None = None
