@@ -8,22 +8,20 @@ scales are written again as an untied int4 lm_head (tie_word_embeddings: false).
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tools.cli.repack_cli import STEP_FLAGS, build_from_args, build_parser  # noqa: E402
+from tools.cli.repack_cli import STEP_FLAGS, build_command, step_main  # noqa: E402
+
+STEP = build_command("embed_int4.py", "OUT-text to OUT-text-emb4 with int4 embedding tables",
+                     only=STEP_FLAGS | {"embed_tokens"}, quantize_linears=False, text_only=False, embed_int4=True)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="embed_int4.py", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    build_parser(ap, only=STEP_FLAGS | {"embed_tokens"})
-    args = ap.parse_args(argv)
-    return build_from_args(args, quantize_linears=False, text_only=False, embed_int4=True)
+    return step_main(argv, "embed_int4.py", __doc__, STEP)
 
 
 if __name__ == "__main__":

@@ -8,22 +8,21 @@ is byte-identical.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tools.cli.repack_cli import build_from_args, build_parser  # noqa: E402
+from tools.cli.repack_cli import build_command, step_main  # noqa: E402
+
+STEP = build_command("text_only.py", "OUT to OUT-text without the towers",
+                     only=frozenset({"source", "output", "force"}),  # no scales: nothing is packed
+                     quantize_linears=False, text_only=True, embed_int4=False, embed_tokens=False)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="text_only.py", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    build_parser(ap, only=frozenset({"source", "output", "force"}))  # no scales: nothing is packed
-    args = ap.parse_args(argv)
-    return build_from_args(args, quantize_linears=False, text_only=True, embed_int4=False, embed_tokens=False)
+    return step_main(argv, "text_only.py", __doc__, STEP)
 
 
 if __name__ == "__main__":

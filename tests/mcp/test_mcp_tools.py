@@ -284,6 +284,38 @@ def test_serving_tools_without_a_server(mcp):
     assert patch["target"].endswith("triton_unified_attention.py") and patch["applied"] in (True, False)
 
 
+def test_run_sweep_resolves_the_endpoint_and_reads_the_config_once(mcp, monkeypatch):
+    """One run_sweep call shapes its request once: one endpoint resolution and one read of tpu.env, which the
+    sweep itself does not repeat (here it fails fast after them: nothing answers at the URL)."""
+    import tools.measure.sweep as sweep_mod
+    import tools.mcp.app as app_mod
+    import tools.mcp.measure_tools as measure_tools
+    import tools.serving.endpoint as endpoint_mod
+
+    calls = {"resolve": 0, "config": 0}
+
+    def counting_resolve(*a, **kw):
+        calls["resolve"] += 1
+        return endpoint_mod.resolve_endpoint(*a, **kw)
+
+    def counting_config(*a, **kw):
+        calls["config"] += 1
+        return load_config(*a, **kw)
+
+    load_config = app_mod.load_config
+    for mod in (measure_tools, sweep_mod):
+        monkeypatch.setattr(mod, "resolve_endpoint", counting_resolve)
+    monkeypatch.setattr(app_mod, "load_config", counting_config)
+
+    async def go():
+        async with Client(mcp) as c:
+            with pytest.raises(ToolError):
+                await c.call_tool("run_sweep", {"out": "sweeps", "base_url": "http://127.0.0.1:9"})
+
+    run(go())
+    assert calls == {"resolve": 1, "config": 1}
+
+
 # ------------------------------------------------------------------------------ toolsets, schemas, registry
 
 

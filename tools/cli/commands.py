@@ -5,6 +5,8 @@ MCP tool's signature is derived from), and a handler that takes the validated mo
 `add_commands` turns a module's list of them into argparse subcommands with `--json` and `--env-file` where the
 command asks for them, and wraps the handler so that a ToolFailure becomes one line on stderr (and the error
 object on stdout under --json), rendered for the command line: parameters as flags, operations as commands.
+A command line that writes its failures otherwise (`python -m repack`: `error: reason`, status 2) passes its own
+`failure`.
 """
 
 from __future__ import annotations
@@ -104,36 +106,50 @@ class Command:
     children: list["Command"] = field(default_factory=list)  # `router start|status|stop`
 
 
-def _handler(prog: str, cmd: Command) -> Callable[[argparse.Namespace], int]:
+# How a command line writes a failure and which status it exits with: (prog, failure, --json given) -> status.
+Failure = Callable[[str, ToolFailure, bool], int]
+
+
+def vllm_t4_failure(prog: str, exc: ToolFailure, as_json: bool) -> int:
+    """`PROG: reason` on stderr (the error object on stdout under --json); 2 for bad input, else 1."""
+    fail(prog, exc, as_json)
+    return exit_status(exc)
+
+
+def _handler(prog: str, cmd: Command, failure: Failure) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
-        as_json = bool(getattr(args, "json", False))
         try:
             params = cmd.params.from_cli_args(args) if cmd.params is not None else None
             assert cmd.run is not None
             return int(cmd.run(params, args) or 0)
         except ToolFailure as exc:
-            fail(prog, exc, as_json)
-            return exit_status(exc)
+            return failure(prog, exc, bool(getattr(args, "json", False)))
     return run
 
 
+def add_command(p: argparse.ArgumentParser, cmd: Command, prog: str, *, failure: Failure = vllm_t4_failure) -> None:
+    """Makes `p` the command `cmd` (its children as subcommands): its flags, and `func` the handler that runs it
+    and writes a ToolFailure with `failure` (a script that is one command declares it on its own parser)."""
+    if cmd.children:
+        add_commands(p.add_subparsers(dest="action", required=True, metavar="ACTION"), cmd.children, prog,
+                     failure=failure)
+        return
+    if cmd.env_file:
+        p.add_argument("--env-file", default=None, help="configuration file (default: the project's tpu.env)")
+    if cmd.json:
+        p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    if cmd.params is not None:
+        cmd.params.add_cli_args(p)
+    if cmd.extra is not None:
+        cmd.extra(p)
+    p.set_defaults(func=_handler(prog, cmd, failure))
+
+
 def add_commands(sub: "argparse._SubParsersAction[argparse.ArgumentParser]", commands: list[Command],
-                 prefix: str = "vllm-t4") -> None:
+                 prefix: str = "vllm-t4", *, failure: Failure = vllm_t4_failure) -> None:
     for cmd in commands:
         p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.description or cmd.help)
-        prog = f"{prefix} {cmd.name}"
-        if cmd.children:
-            add_commands(p.add_subparsers(dest="action", required=True, metavar="ACTION"), cmd.children, prog)
-            continue
-        if cmd.env_file:
-            p.add_argument("--env-file", default=None, help="configuration file (default: the project's tpu.env)")
-        if cmd.json:
-            p.add_argument("--json", action="store_true", help="print the result as one JSON object")
-        if cmd.params is not None:
-            cmd.params.add_cli_args(p)
-        if cmd.extra is not None:
-            cmd.extra(p)
-        p.set_defaults(func=_handler(prog, cmd))
+        add_command(p, cmd, f"{prefix} {cmd.name}", failure=failure)
 
 
 def emit(args: argparse.Namespace, obj: Any, text: str) -> None:
@@ -144,17 +160,5 @@ def emit(args: argparse.Namespace, obj: Any, text: str) -> None:
         print(text)
 
 
-def guard(name: str, func: Callable[[argparse.Namespace], int],
-          status: Callable[[ToolFailure], int] = exit_status) -> Callable[[argparse.Namespace], int]:
-    """A handler of the namespace alone (commands not yet declared as Command): a ToolFailure becomes
-    `vllm-t4 NAME: reason` on stderr (and the error object under --json); the exit status is `status(exc)`."""
-    def run(args: argparse.Namespace) -> int:
-        try:
-            return func(args)
-        except ToolFailure as exc:
-            fail(f"vllm-t4 {name}", exc, bool(getattr(args, "json", False)))
-            return status(exc)
-    return run
-
-
-__all__ = ["CLI", "Command", "OPERATIONS", "add_commands", "emit", "exit_status", "fail", "flag", "guard"]
+__all__ = ["CLI", "Command", "Failure", "OPERATIONS", "add_command", "add_commands", "emit", "exit_status", "fail",
+           "flag", "vllm_t4_failure"]

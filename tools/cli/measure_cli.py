@@ -12,8 +12,7 @@ import argparse
 import sys
 from typing import Callable
 
-from tools.cli.commands import emit as _emit, guard as _guard
-from tools.core.errors import BadInput
+from tools.cli.commands import Command, add_commands, emit as _emit
 from tools.measure.compare_tokens import CompareParams, check_against, compare_live, record_reference, short_prompt
 from tools.measure.decode import DecodeParams, markdown_run, run_decode
 from tools.measure.decode_sweep import DecodeSweepParams, compare_decode_runs, run_decode_sweep
@@ -32,11 +31,6 @@ def _cost_cell(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(f"{text!r} is not INPUT_LEN:CONCURRENCY (e.g. 512:8)") from None
 
 
-def _bad_input_2(exc: Exception) -> int:
-    """An endpoint option that names nothing running, or two at once: exit 2 (bad input); other failures 1."""
-    return 2 if isinstance(exc, BadInput) else 1
-
-
 def _progress(args: argparse.Namespace) -> Callable[[int, int, str], None]:
     def show(done: int, total: int, msg: str) -> None:
         print(f"[{done}/{total}] {msg}", file=sys.stderr, flush=True)
@@ -51,8 +45,7 @@ def _serve_config(args: argparse.Namespace):
     return load_config(args.env_file)
 
 
-def cmd_sweep(args: argparse.Namespace) -> int:
-    params = SweepParams.from_cli_args(args)
+def cmd_sweep(params: SweepParams, args: argparse.Namespace) -> int:
     res = run_sweep(params, progress=_progress(args), serve_config=_serve_config(args))
     counts = res.counts
     text = _read_text(res.files.get("table_md"))
@@ -68,7 +61,7 @@ def _read_text(path: str | None) -> str:
     return Path(path).read_text() if path and Path(path).is_file() else ""
 
 
-def cmd_sweep_compare(args: argparse.Namespace) -> int:
+def cmd_sweep_compare(_: None, args: argparse.Namespace) -> int:
     cmp = compare_runs(args.runs, price_per_hour=args.price_per_hour, cost_cell=args.cost_at)
     if args.plot:
         plot_runs([load_run(r) for r in args.runs], args.plot)
@@ -76,7 +69,7 @@ def cmd_sweep_compare(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_compare(args: argparse.Namespace) -> int:
+def cmd_compare(_: None, args: argparse.Namespace) -> int:
     params = CompareParams(base_url=getattr(args, "base_url", None), prompts_file=getattr(args, "prompts", None),
                            max_tokens=getattr(args, "max_tokens", 160), top_logprobs=args.top_logprobs,
                            long=getattr(args, "long", False), force=getattr(args, "force", False),
@@ -101,97 +94,97 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_decode(args: argparse.Namespace) -> int:
-    params = DecodeParams.from_cli_args(args)
+def cmd_decode(params: DecodeParams, args: argparse.Namespace) -> int:
     res = run_decode(params, progress=_progress(args), serve_config=_serve_config(args))
     _emit(args, res.model_dump(mode="json", exclude={"prompts"}), markdown_run(res) + res.run_dir)
     return 0
 
 
-def cmd_decode_sweep(args: argparse.Namespace) -> int:
-    res = run_decode_sweep(DecodeSweepParams.from_cli_args(args), progress=_progress(args))
+def cmd_decode_sweep(params: DecodeSweepParams, args: argparse.Namespace) -> int:
+    res = run_decode_sweep(params, progress=_progress(args))
     _emit(args, res.model_dump(mode="json"), res.comparison.markdown + res.run_dir)
     return 0
 
 
-def cmd_decode_compare(args: argparse.Namespace) -> int:
+def cmd_decode_compare(_: None, args: argparse.Namespace) -> int:
     cmp = compare_decode_runs(args.runs)
     _emit(args, cmp.model_dump(mode="json"), cmp.markdown)
     return 0
 
 
-def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
-    def common(p: argparse.ArgumentParser, *, url: bool = True) -> None:
-        if url:  # --base-url | --instance | --router, from the one endpoint model
-            EndpointParams.add_cli_args(p)
-        p.add_argument("--env-file", default=None, help="configuration file (default: the project's tpu.env)")
-        p.add_argument("--json", action="store_true", help="print the result as one JSON object")
-
-    p = sub.add_parser("sweep", help="serving sweep with vLLM's bench serve; prints the evidence folder last",
-                       description="Random prompts x concurrency x repeats against a live server, greedy, "
-                                   "--ignore-eos; writes evidence/<run-id>/ (raw, summary.json/.csv/.md, plot.png, "
-                                   "provenance.json).")
-    common(p, url=False)
-    SweepParams.add_cli_args(p)
-    p.set_defaults(func=_guard("sweep", cmd_sweep, status=_bad_input_2))
-
-    p = sub.add_parser("sweep-compare", help="compare sweep runs in the article's form (last run vs each other)",
-                       description="Output tok/s per cell for every run, the last run against each earlier one "
-                                   "(+%% or x), and cost per million output tokens.")
+def _sweep_compare_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("runs", nargs="+", help="run folders, reference builds first, the candidate last")
     p.add_argument("--price-per-hour", type=float, default=DEFAULT_PRICE_PER_HOUR)
     p.add_argument("--cost-at", type=_cost_cell, default=None,
                    help="INPUT_LEN:CONCURRENCY of the cost table (default: where the last run peaks)")
     p.add_argument("--plot", default=None, help="also write a PNG of all runs to this path")
-    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
-    p.set_defaults(func=_guard("sweep-compare", cmd_sweep_compare))
 
-    p = sub.add_parser("compare", help="greedy token identity between builds (record, check, live)",
-                       description="Exact generated token ids, temperature 0, the server's chat template. Exit 0 "
-                                   "whether or not tokens differ; 1 when the comparison could not be made.")
-    acts = p.add_subparsers(dest="action", required=True, metavar="ACTION")
-    a = acts.add_parser("record", help="record the reference build's tokens to a file")
-    common(a)
-    a.add_argument("--out", required=True, help="reference file to write (JSON)")
-    a.add_argument("--prompts", default=None, help="prompts file: JSON list or one per line (default: eight built in)")
-    a.add_argument("--max-tokens", type=int, default=160)
-    a.add_argument("--top-logprobs", type=int, default=5, help="alternatives kept per position (default 5)")
-    a.add_argument("--long", action="store_true", help="add needle-in-a-haystack prompts of ~2k, 8k and 14k tokens "
+
+def _record_flags(p: argparse.ArgumentParser) -> None:
+    EndpointParams.add_cli_args(p)  # --base-url | --instance | --router, from the one endpoint model
+    p.add_argument("--out", required=True, help="reference file to write (JSON)")
+    p.add_argument("--prompts", default=None, help="prompts file: JSON list or one per line (default: eight built in)")
+    p.add_argument("--max-tokens", type=int, default=160)
+    p.add_argument("--top-logprobs", type=int, default=5, help="alternatives kept per position (default 5)")
+    p.add_argument("--long", action="store_true", help="add needle-in-a-haystack prompts of ~2k, 8k and 14k tokens "
                                                        "(those within the server's max_model_len)")
-    a.add_argument("--force", action="store_true", help="replace an existing reference file")
-    a = acts.add_parser("check", help="compare the serving build with a recorded reference")
-    a.add_argument("reference", help="file written by `compare record`")
-    common(a)
-    a.add_argument("--top-logprobs", type=int, default=5)
-    a = acts.add_parser("live", help="compare two live endpoints (A is the reference)")
-    a.add_argument("url_a", metavar="A", help="reference: a URL or the name of a running instance")
-    a.add_argument("url_b", metavar="B", help="candidate: a URL or the name of a running instance")
-    a.add_argument("--prompts", default=None)
-    a.add_argument("--max-tokens", type=int, default=160)
-    a.add_argument("--top-logprobs", type=int, default=5)
-    a.add_argument("--json", action="store_true", help="print the result as one JSON object")
-    p.set_defaults(func=_guard("compare", cmd_compare, status=_bad_input_2), env_file=None)
+    p.add_argument("--force", action="store_true", help="replace an existing reference file")
 
 
-    p = sub.add_parser("decode", help="single-stream decode benchmark: TTFT, time per token, drafts accepted",
-                       description="Twenty shipped chat prompts, one at a time, streamed; per prompt TTFT, TPOT, "
-                                   "tokens and e2e time, and the speculative-decoding acceptance from /metrics "
-                                   "deltas; writes an evidence folder (raw/, summary.json/md, provenance.json).")
-    common(p, url=False)
-    DecodeParams.add_cli_args(p)
-    p.set_defaults(func=_guard("decode", cmd_decode, status=_bad_input_2))
+def _check_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("reference", help="file written by `compare record`")
+    EndpointParams.add_cli_args(p)
+    p.add_argument("--top-logprobs", type=int, default=5)
 
-    p = sub.add_parser("decode-sweep", help="the drafter table: restart the server per draft-token setting",
-                       description="For each --draft-tokens setting (0 = no drafter) start the server with that "
-                                   "SPECULATIVE_CONFIG, run the decode benchmark for each --sampling, stop it; "
-                                   "writes the article's table and the greedy answers that differ.")
-    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
-    DecodeSweepParams.add_cli_args(p)
-    p.set_defaults(func=_guard("decode-sweep", cmd_decode_sweep, status=_bad_input_2))
 
-    p = sub.add_parser("decode-compare", help="the drafter table from existing decode runs",
-                       description="Time per token, drafts accepted, speedup against the no-drafter run of the "
-                                   "same sampling, greedy answers that differ from the no-drafter ones.")
+def _live_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("url_a", metavar="A", help="reference: a URL or the name of a running instance")
+    p.add_argument("url_b", metavar="B", help="candidate: a URL or the name of a running instance")
+    p.add_argument("--prompts", default=None)
+    p.add_argument("--max-tokens", type=int, default=160)
+    p.add_argument("--top-logprobs", type=int, default=5)
+
+
+def _runs_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("runs", nargs="+", help="decode run folders (or a decode-sweep folder's runs/*)")
-    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
-    p.set_defaults(func=_guard("decode-compare", cmd_decode_compare, status=_bad_input_2))
+
+
+COMMANDS = [
+    Command("sweep", "serving sweep with vLLM's bench serve; prints the evidence folder last",
+            description="Random prompts x concurrency x repeats against a live server, greedy, --ignore-eos; "
+                        "writes evidence/<run-id>/ (raw, summary.json/.csv/.md, plot.png, provenance.json).",
+            params=SweepParams, env_file=True, run=cmd_sweep),
+    Command("sweep-compare", "compare sweep runs in the article's form (last run vs each other)",
+            description="Output tok/s per cell for every run, the last run against each earlier one (+%% or x), "
+                        "and cost per million output tokens.",
+            extra=_sweep_compare_flags, run=cmd_sweep_compare),
+    Command("compare", "greedy token identity between builds (record, check, live)",
+            description="Exact generated token ids, temperature 0, the server's chat template. Exit 0 whether or "
+                        "not tokens differ; 1 when the comparison could not be made.",
+            children=[
+                Command("record", "record the reference build's tokens to a file", env_file=True,
+                        extra=_record_flags, run=cmd_compare),
+                Command("check", "compare the serving build with a recorded reference", env_file=True,
+                        extra=_check_flags, run=cmd_compare),
+                Command("live", "compare two live endpoints (A is the reference)", extra=_live_flags,
+                        run=cmd_compare),
+            ]),
+    Command("decode", "single-stream decode benchmark: TTFT, time per token, drafts accepted",
+            description="Twenty shipped chat prompts, one at a time, streamed; per prompt TTFT, TPOT, tokens and "
+                        "e2e time, and the speculative-decoding acceptance from /metrics deltas; writes an "
+                        "evidence folder (raw/, summary.json/md, provenance.json).",
+            params=DecodeParams, env_file=True, run=cmd_decode),
+    Command("decode-sweep", "the drafter table: restart the server per draft-token setting",
+            description="For each --draft-tokens setting (0 = no drafter) start the server with that "
+                        "SPECULATIVE_CONFIG, run the decode benchmark for each --sampling, stop it; writes the "
+                        "article's table and the greedy answers that differ.",
+            params=DecodeSweepParams, run=cmd_decode_sweep),
+    Command("decode-compare", "the drafter table from existing decode runs",
+            description="Time per token, drafts accepted, speedup against the no-drafter run of the same "
+                        "sampling, greedy answers that differ from the no-drafter ones.",
+            extra=_runs_flag, run=cmd_decode_compare),
+]
+
+
+def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    add_commands(sub, COMMANDS)

@@ -1,4 +1,6 @@
-"""`python3 -m repack build|probe` and the shared argparse plumbing of the article's three scripts."""
+"""`python3 -m repack build|probe` and the shared plumbing of the article's three scripts (repack/repack_q4_0.py,
+text_only.py, embed_int4.py), each a Command: every failure is `error: reason` on stderr and status 2; a signal
+exits 128 + its number."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from repack.checks import check_disk, check_source, protected_folders
 from repack.errors import RepackError
 from repack.params import BuildOptions, BuildParams, ProbeParams
 from repack.probe import probe_checkpoint
-from tools.cli.commands import CLI
+from tools.cli.commands import CLI, Command, add_command, add_commands
 from tools.core.atomic import resolve_output, signals_as_exceptions
 from tools.core.atomic_leftovers import find_stale_partials
 from tools.core.errors import ToolFailure
@@ -56,52 +58,59 @@ def progress_bar(enabled: bool | None = None) -> tuple[Callable[[int, int, str],
 STEP_FLAGS = frozenset({"source", "output", "target_dtype", "objective", "scale_dtype", "force"})
 
 
-def build_parser(p: argparse.ArgumentParser, *, only: frozenset[str] | None = None) -> None:
-    """BuildParams' flags (only those named in `only`, if given), plus --json."""
+def build_flags(p: argparse.ArgumentParser, *, only: frozenset[str] | None = None) -> None:
+    """BuildParams' flags (only those named in `only`, if given)."""
     skip = frozenset() if only is None else frozenset(BuildParams.model_fields) - only
     BuildParams.add_cli_args(p, exclude=skip)
     if only is None or "quantize_linears" in only:  # the older spelling of --no-quantize-linears
         p.add_argument("--keep-linears", dest="quantize_linears", action="store_false",
                        help="leave the linear layers bf16 (same as --no-quantize-linears)")
-    p.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
 
 
-def build_from_args(args: argparse.Namespace, **fixed) -> int:
-    """Parse the flags into BuildParams (fixed: what a step script decides) and run the build."""
-    try:
+def build_command(name: str, summary: str, *, only: frozenset[str] | None = None, **fixed) -> Command:
+    """A build as a Command: BuildParams' flags (those in `only`), the rest of the options `fixed` by the step."""
+    def run(_: None, args: argparse.Namespace) -> int:
         params = BuildParams.from_cli_args(args, **fixed)
-        options = params.options()
-    except ToolFailure as e:
-        return _failed(e)
-    return run_build(params.source, params.output, options, args.json)
+        return run_build(params.source, params.output, params.options(), args.json)
+
+    return Command(name, summary, run=run, extra=lambda p: build_flags(p, only=only))
 
 
-def _failed(e: ToolFailure) -> int:
-    """A failure as the command line prints it: one line, parameters as flags, operations as commands."""
+def failed(prog: str, e: ToolFailure, as_json: bool) -> int:
+    """A failure as this command line prints it: one line, parameters as flags, operations as commands; the
+    status is 2 whatever its kind (the caller changes something and runs it again)."""
     print(f"error: {e.render(CLI)}", file=sys.stderr)
     return EXIT_BAD_INPUT
 
 
+def step_main(argv: list[str] | None, prog: str, doc: str | None, cmd: Command, *, subcommand: bool = False
+              ) -> int:
+    """The main() of a step script that is one command: the script itself, or (subcommand) its one subcommand
+    (`repack_q4_0.py repack SRC OUT`, as the article writes it)."""
+    ap = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if subcommand:
+        add_commands(ap.add_subparsers(dest="cmd", required=True), [cmd], prog, failure=failed)
+    else:
+        add_command(ap, cmd, prog, failure=failed)
+    args = ap.parse_args(argv)
+    return args.func(args)
+
+
 def run_build(src: str, out: str, options: BuildOptions, as_json: bool = False) -> int:
-    """Runs a build and prints its report; every failure is one line on stderr and status 2; a signal exits
-    128 + its number (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP)."""
-    try:
-        _preflight(src, out)
-    except ToolFailure as e:
-        return _failed(e)
+    """Runs a build and prints its report; a failure raises (the command writes it); a signal exits 128 + its
+    number (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP)."""
+    _preflight(src, out)
     update, close = progress_bar()
     try:
-        with signals_as_exceptions():
-            report = build_checkpoint(src, out, options, progress=update,
-                                      protected_roots=protected_folders(),
-                                      notice=lambda line: print(f"repack: {line}", file=sys.stderr))
-    except ToolFailure as e:
-        close()
-        return _failed(e)
+        try:
+            with signals_as_exceptions():
+                report = build_checkpoint(src, out, options, progress=update,
+                                          protected_roots=protected_folders(),
+                                          notice=lambda line: print(f"repack: {line}", file=sys.stderr))
+        finally:
+            close()  # before any line about the failure
     except KeyboardInterrupt as e:
-        close()
         return _stopped(e, str(resolve_output(out)))
-    close()
     print(json.dumps(report.to_dict(), indent=2) if as_json else report.format_table())
     print(f"wrote {report.output} (report in {report.output}/repack-report.json)", file=sys.stderr)
     return 0
@@ -140,24 +149,11 @@ def _preflight(src: str, out: str) -> None:
             raise RepackError(f"{name}: {e.message}", e.detail, field=e.field) from None
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python3 -m repack", description=__doc__)
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    build_parser(sub.add_parser("build", help="SRC to the final build in one pass (no intermediate checkpoint)"))
-    p = sub.add_parser("probe", help="tell whether a checkpoint's tensors sit on the 4-bit grid")
-    ProbeParams.add_cli_args(p)
-    p.add_argument("--verbose", action="store_true", help="list every tensor")
-    p.add_argument("--json", action="store_true")
-    args = ap.parse_args(argv)
-    if args.cmd == "build":
-        return build_from_args(args)
+def cmd_probe(params: ProbeParams, args: argparse.Namespace) -> int:
     try:
         with signals_as_exceptions():
-            params = ProbeParams.from_cli_args(args)
             check_no_symlink_loop(params.path, "source folder")
             rep = probe_checkpoint(params.path, rows_per_tensor=params.rows)
-    except ToolFailure as e:
-        return _failed(e)
     except KeyboardInterrupt as e:
         return _stopped(e)
     # read-only: leftovers of dead builds beside SRC are only reported; the next build there removes them
@@ -170,3 +166,21 @@ def main(argv: list[str] | None = None) -> int:
         for line in stale:
             print(f"stale partial build: {line}; the next build in that folder removes it")
     return 0
+
+
+def _verbose_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--verbose", action="store_true", help="list every tensor")
+
+
+COMMANDS = [
+    build_command("build", "SRC to the final build in one pass (no intermediate checkpoint)"),
+    Command("probe", "tell whether a checkpoint's tensors sit on the 4-bit grid", params=ProbeParams,
+            extra=_verbose_flag, run=cmd_probe),
+]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python3 -m repack", description=__doc__)
+    add_commands(ap.add_subparsers(dest="cmd", required=True), COMMANDS, "python3 -m repack", failure=failed)
+    args = ap.parse_args(argv)
+    return args.func(args)

@@ -4,6 +4,7 @@ the work)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, NamedTuple
 
 from tools.core.errors import ToolFailure
 from tools.core.text import clip
@@ -12,19 +13,25 @@ from tools.measure.decode import DecodeParams, DecodeSummary, run_decode
 from tools.measure.fidelity import (DEFAULT_CORPUS, CheckLogprobsResult, CompareLogprobsParams,
                                     RecordLogprobsResult, compare_logprobs as logprob_fidelity)
 from tools.measure.results import SweepParams, SweepResult
-from tools.measure.sweep import run_sweep as sweep
-from tools.measure.sweep_report import (CompareSweepsParams, SweepComparison, compare_runs, markdown_run,
-                                        write_comparison)
+from tools.measure.sweep import sweep
+from tools.measure.sweep_report import CompareSweepsParams, SweepComparison, compare_runs, write_comparison
 from tools.mcp.registry import Reply, tool
-from tools.serving.endpoint import resolve_endpoint, resolve_name
+from tools.serving.endpoint import Endpoint, resolve_endpoint, resolve_name
 
 
-def _sweep_inputs(app, p: SweepParams) -> SweepParams:
-    """The sweep's parameters checked, its folder confined, the server a managed one."""
+class _Sweep(NamedTuple):
+    params: SweepParams
+    endpoint: Endpoint
+    config: Any  # the server configuration (tpu.env), read once for the call
+
+
+def _sweep_inputs(app, p: SweepParams) -> _Sweep:
+    """The sweep's parameters checked, its folder confined, the server a managed one: what the sweep runs with."""
     out = app.roots.confine(p.out, "evidence", what="out")
     p.validate()
-    resolve_endpoint(p, app.config(), managed=True)  # a managed server, not whatever holds the config's port
-    return p.model_copy(update={"out": out})
+    cfg = app.config()
+    endpoint = resolve_endpoint(p, cfg, managed=True)  # a managed server, not whatever holds the config's port
+    return _Sweep(p.model_copy(update={"out": out}), endpoint, cfg)
 
 
 @tool(toolset="measure", title="Serving sweep (vllm bench serve)", params=SweepParams, result=SweepResult,
@@ -35,7 +42,8 @@ def run_sweep(app, p: SweepParams, progress) -> Reply:
     """Measure the running server with vLLM's own benchmark over input lengths x concurrencies x repeats, the
     same prompts for every build; writes a run folder (summary, raw results, provenance) under an evidence root
     (`out`, default: the first). Long: progress in repeats."""
-    res = sweep(_sweep_inputs(app, p), serve_config=app.config(),
+    checked = _sweep_inputs(app, p)
+    res = sweep(checked.params, checked.endpoint, serve_config=checked.config,
                 progress=lambda d, t, m: progress(d, t, m))
     counts = res.counts
     oks = [c for c in res.cells if c.status == "ok" and c.median.get("output_throughput")]
@@ -44,7 +52,8 @@ def run_sweep(app, p: SweepParams, progress) -> Reply:
                f"{counts['infeasible']} infeasible cells"
                + (f"; best {best.median['output_throughput']:.2f} out tok/s at in={best.input_len} "
                   f"c={best.concurrency}" if best else ""))
-    return Reply(res, summary, {"counts": counts, "table_md": markdown_run(res, price_per_hour=p.price_per_hour)})
+    # the table the run wrote (summary.md), not rendered a second time
+    return Reply(res, summary, {"counts": counts, "table_md": Path(res.files["table_md"]).read_text()})
 
 
 @tool(toolset="measure", title="Compare sweep runs", params=CompareSweepsParams, result=SweepComparison,
