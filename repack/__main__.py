@@ -3,7 +3,7 @@ import os
 import sys
 
 # A build is a few seconds of work behind a fixed start and exit; these trim what is not the build's (measured in
-# evidence/repack-bench.md, 2026-11-30 third session):
+# evidence/repack-bench.md):
 # - numba probes for a BLAS by importing scipy.linalg (about 0.2 s) the first time it loads any function; the grid
 #   kernel does no linear algebra, and nothing else this command runs uses scipy.
 if "scipy.linalg" not in sys.modules:

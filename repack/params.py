@@ -55,7 +55,6 @@ class BuildOptions(OpParams):
                                                     "repack/schemes (w4a16: the QAT grid, int4; w8a8: int8 weights "
                                                     "and activations); the tables stay int4")
 
-    CLI_BAD_INPUT: ClassVar[type[Exception] | None] = RepackError
     CLI_EXCLUDE: ClassVar[frozenset[str]] = frozenset({"threads"})
     # The command line keeps the article's opt-in flags (embed_tokens too is asked for by name there); the
     # library and MCP build all-4-bit by default.
@@ -146,7 +145,6 @@ class ProbeParams(OpParams):
     rows: int = Field(16, ge=1, le=1 << 20, description="Rows sampled per tensor")
 
     CLI_POSITIONAL: ClassVar[tuple[str, ...]] = ("path",)
-    CLI_BAD_INPUT: ClassVar[type[Exception] | None] = RepackError
 
 
 __all__ = ["BuildOptions", "BuildParams", "MAX_SHARD_GIB", "ProbeParams"]

@@ -12,13 +12,13 @@ A command line that writes its failures otherwise (`python -m repack`: `error: r
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from tools.core.errors import BadInput, Renderer, ToolFailure
 from tools.core.params import OpParams
+from tools.core.jsonout import dumps
 
 # Operations as the command line spells them (tools.core.errors.op): the library names an operation by meaning.
 OPERATIONS: dict[str, str] = {
@@ -84,7 +84,7 @@ CLI = Renderer(param=flag, op=command_line)
 def fail(prog: str, exc: ToolFailure, as_json: bool) -> None:
     """Writes a failure as the command line does: the error object on stdout under --json, one line on stderr."""
     if as_json:
-        print(json.dumps(exc.to_dict(CLI), default=str, allow_nan=False))
+        print(dumps(exc.to_dict(CLI)))
     print(f"{prog}: {exc.render(CLI)}", file=sys.stderr)
 
 
@@ -155,7 +155,7 @@ def add_commands(sub: "argparse._SubParsersAction[argparse.ArgumentParser]", com
 def emit(args: argparse.Namespace, obj: Any, text: str) -> None:
     """Prints `obj` as one JSON object under --json, else the human-readable `text`."""
     if getattr(args, "json", False):
-        print(json.dumps(obj.to_dict() if hasattr(obj, "to_dict") else obj, default=str))
+        print(dumps(obj.to_dict() if hasattr(obj, "to_dict") else obj))
     else:
         print(text)
 

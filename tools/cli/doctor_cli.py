@@ -7,7 +7,6 @@ fetch failed, 2 bad input. The report's remedies name operations, spelled here a
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from typing import Any
@@ -16,12 +15,13 @@ from tools.cli.commands import CLI, Command, add_commands
 from tools.core.errors import render, render_all
 from tools.serving.fetch import MANIFEST, FetchParams, fetch_checkpoint
 from tools.serving.preflight import PreflightParams, run_preflight
+from tools.core.jsonout import dumps
 
 
 def doctor(params: PreflightParams, args: argparse.Namespace) -> int:
     report = run_preflight(params)
     if args.json:
-        print(json.dumps(render_all(report.model_dump(mode="json"), CLI)))
+        print(dumps(render_all(report.model_dump(mode="json"), CLI)))
     else:
         print(render(report.text(), CLI))
     return 0 if report.ready else 1

@@ -8,13 +8,13 @@ on stderr and exit 2: bad input and a run that could not be made are both the ca
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from typing import Any, Callable
 
 from tools.cli.commands import Command, add_commands, fail
 from tools.core.errors import ToolFailure
 from tools.measure.evals import CompareParams, EvalParams, compare_evals, run_eval, summary_markdown
+from tools.core.jsonout import dumps
 
 
 def _progress_printer(done: int, total: int, msg: str) -> None:
@@ -36,7 +36,7 @@ def _exit_2(name: str, func: Callable[[Any, argparse.Namespace], int]) -> Callab
 def cmd_eval(params: EvalParams, args: argparse.Namespace) -> int:
     res = run_eval(params, progress=_progress_printer)
     if args.json:
-        print(json.dumps(res.to_dict()))
+        print(dumps(res.to_dict()))
     else:
         print(summary_markdown(res) + f"\n{res.wall_s:.0f} s\n{res.run_dir}")
     return 0
@@ -44,7 +44,7 @@ def cmd_eval(params: EvalParams, args: argparse.Namespace) -> int:
 
 def cmd_eval_compare(params: CompareParams, args: argparse.Namespace) -> int:
     cmp = compare_evals(params)
-    print(json.dumps(cmp.to_dict()) if args.json else cmp.markdown)
+    print(dumps(cmp.to_dict()) if args.json else cmp.markdown)
     return 0
 
 

@@ -6,9 +6,9 @@ Failures are one line on stderr (and the JSON error under --json): exit 2 for ba
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
+from tools.core.jsonout import dumps
 from tools.cli.commands import Command, add_commands
 from tools.measure.fidelity import (CheckLogprobsParams, CheckLogprobsResult, RecordLogprobsParams,
                                     RecordLogprobsResult, check_logprobs, record_logprobs)
@@ -19,7 +19,7 @@ def _progress(done: int, total: int, msg: str) -> None:
 
 
 def _print(args: argparse.Namespace, res: RecordLogprobsResult | CheckLogprobsResult) -> int:
-    print(json.dumps(res.to_dict()) if args.json else res.text())
+    print(dumps(res.to_dict()) if args.json else res.text())
     return 0
 
 

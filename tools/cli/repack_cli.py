@@ -5,7 +5,6 @@ exits 128 + its number."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import stat
@@ -23,6 +22,7 @@ from tools.core.atomic import resolve_output, signals_as_exceptions
 from tools.core.atomic_leftovers import find_stale_partials
 from tools.core.errors import ToolFailure
 from tools.core.paths import check_no_symlink_loop
+from tools.core.jsonout import dumps
 
 EXIT_BAD_INPUT = 2
 
@@ -111,7 +111,7 @@ def run_build(src: str, out: str, options: BuildOptions, as_json: bool = False) 
             close()  # before any line about the failure
     except KeyboardInterrupt as e:
         return _stopped(e, str(resolve_output(out)))
-    print(json.dumps(report.to_dict(), indent=2) if as_json else report.format_table())
+    print(dumps(report.to_dict(), indent=2) if as_json else report.format_table())
     print(f"wrote {report.output} (report in {report.output}/repack-report.json)", file=sys.stderr)
     return 0
 
@@ -160,7 +160,7 @@ def cmd_probe(params: ProbeParams, args: argparse.Namespace) -> int:
     stale = [lo.describe() for lo in find_stale_partials(Path(os.path.abspath(params.path)).parent,
                                                          keep=[params.path])]
     if args.json:
-        print(json.dumps({**rep.to_dict(), "stale_partials": stale}, indent=2))
+        print(dumps({**rep.to_dict(), "stale_partials": stale}, indent=2))
     else:
         print(rep.format_table(args.verbose))
         for line in stale:

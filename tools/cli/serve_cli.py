@@ -9,7 +9,6 @@ otherwise: 2 for input to change (an option, an instance name, a port another in
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from typing import Any
 
@@ -21,6 +20,7 @@ from tools.serving.instances import fleet_status, stop_all
 from tools.serving.ops import (LogParams, QueryParams, RouterStartParams, RouterStopParams, StartParams,
                                StatusParams, StopParams)
 from tools.serving.swap import ensure_swap, swap_report
+from tools.core.jsonout import dumps
 
 
 def _config(args: argparse.Namespace, **overrides: Any) -> ServeConfig:
@@ -80,7 +80,7 @@ def cmd_stop(p: StopParams, args: argparse.Namespace) -> int:
             raise BadInput(f"{param('all')} and {param('instance')} exclude each other: pass one", {})
         results = stop_all(_config(args), grace_s=p.grace_s)
         if args.json:
-            print(json.dumps({"stopped": [r.to_dict() for r in results]}))
+            print(dumps({"stopped": [r.to_dict() for r in results]}))
         else:
             print("\n".join(r.message for r in results))
         return 0
@@ -122,7 +122,7 @@ def cmd_status(p: StatusParams, args: argparse.Namespace) -> int:
 
 def cmd_query(p: QueryParams, args: argparse.Namespace) -> int:
     r = vllm_server.query(_config(args, instance=p.instance), p.prompt, max_tokens=p.max_tokens)
-    emit(args, r, r.text + "\n" + json.dumps(r.usage))
+    emit(args, r, r.text + "\n" + dumps(r.usage))
     return 0
 
 

@@ -5,20 +5,22 @@ Like vLLM's benchmark arguments, the model owns `add_cli_args` / `from_cli_args`
 `bool` defaulting to true gets `--no-...`, a `list[int]` is written comma separated and a `Literal` gives the
 choices; a `list[str]` named in `CLI_COMMA` is written comma separated and may be repeated. Fields in
 `CLI_EXCLUDE` are set by the caller, fields in `MCP_EXCLUDE` are not offered to MCP clients (machine-local knobs
-such as timeouts). A value the model refuses exits 2 with argparse's one line, or raises `CLI_BAD_INPUT` (naming
-the flag) where a command prints its own one-line errors.
+such as timeouts). A value the model refuses raises BadInput naming the flag (the command line exits 2 with that
+line, and prints the error object under --json).
 """
 
 from __future__ import annotations
 
 import argparse
 import inspect
-import sys
 import types
 from typing import Annotated, Any, ClassVar, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_core import to_json
+
+from tools.core.errors import BadInput
+from tools.core.text import clip
 
 
 def _strip_optional(tp: Any) -> Any:
@@ -55,7 +57,6 @@ class OpParams(BaseModel):
     MCP_DEFAULTS: ClassVar[dict[str, Any]] = {}     # where the MCP server's default differs (e.g. a root, not cwd)
     CLI_DEFAULTS: ClassVar[dict[str, Any]] = {}     # where the command line's default differs
     CLI_COMMA: ClassVar[frozenset[str]] = frozenset()  # list[str] fields written `--x a,b --x c`
-    CLI_BAD_INPUT: ClassVar[type[Exception] | None] = None  # raised (message, detail) instead of exit 2
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, *, exclude: frozenset[str] | set[str] = frozenset()
@@ -115,11 +116,8 @@ class OpParams(BaseModel):
             flag = flag if isinstance(flag, str) else flag[-1]
             if name in cls.CLI_POSITIONAL:
                 flag = name
-            if cls.CLI_BAD_INPUT is not None:
-                raise cls.CLI_BAD_INPUT(f"{flag}: {first['msg']}",
-                                        {"field": name, "input": repr(first.get("input"))[:200]}) from None
-            print(f"error: argument {flag}: {first['msg']}", file=sys.stderr)
-            raise SystemExit(2) from None
+            raise BadInput(f"{flag}: {first['msg']}", {"field": name, "input": clip(repr(first.get("input")))},
+                           field=name) from None
 
     @classmethod
     def from_mcp_args(cls, arguments: dict[str, Any]) -> "OpParams":

@@ -27,7 +27,6 @@ class DecodeSweepParams(DecodeRequests):
     """Options of `./vllm-t4 decode-sweep`: one server start per drafter setting, the decode benchmark per
     sampling, the article's table."""
 
-    CLI_BAD_INPUT: ClassVar[type[Exception] | None] = BadInput
     CLI_COMMA: ClassVar[frozenset[str]] = frozenset({"sampling"})
     MCP_EXCLUDE: ClassVar[frozenset[str]] = frozenset({"env_file", "request_timeout_s"})
 

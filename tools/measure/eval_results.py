@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, Field, field_validator
 
-from tools.core.errors import BadInput, ToolFailure
+from tools.core.errors import ToolFailure
 from tools.core.params import OpParams
 from tools.core.root import PROJECT_ROOT
 from tools.serving.endpoint import EndpointParams
@@ -47,7 +47,6 @@ class EvalParams(EndpointParams):
     MCP_EXCLUDE: ClassVar[frozenset[str]] = frozenset({"timeout_s", "tokenizer"})
     MCP_DEFAULTS: ClassVar[dict[str, Any]] = {"out": "."}  # the first evidence root
     CLI_COMMA: ClassVar[frozenset[str]] = frozenset({"tasks"})
-    CLI_BAD_INPUT: ClassVar[type[Exception] | None] = BadInput
 
     @field_validator("tasks", mode="before")
     @classmethod
@@ -74,7 +73,6 @@ class CompareParams(OpParams):
     runs: list[str] = Field(min_length=1, description="evidence folders written by `eval`, the reference first")
 
     CLI_POSITIONAL: ClassVar[tuple[str, ...]] = ("runs",)
-    CLI_BAD_INPUT: ClassVar[type[Exception] | None] = BadInput
 
 
 class TaskScore(BaseModel):

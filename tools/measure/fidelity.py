@@ -81,7 +81,6 @@ class RecordLogprobsParams(EndpointParams):
     force: bool = Field(False, description="replace an existing out file")
     timeout_s: float = Field(600.0, gt=0, description="seconds per window request")
 
-    CLI_BAD_INPUT: ClassVar[type[Exception] | None] = BadInput
 
 
 class CheckLogprobsParams(EndpointParams):
@@ -90,7 +89,6 @@ class CheckLogprobsParams(EndpointParams):
     timeout_s: float = Field(600.0, gt=0, description="seconds per window request")
 
     CLI_POSITIONAL: ClassVar[tuple[str, ...]] = ("reference",)
-    CLI_BAD_INPUT: ClassVar[type[Exception] | None] = BadInput
 
 
 class CompareLogprobsParams(EndpointParams):

@@ -66,7 +66,6 @@ class FetchParams(OpParams):
     CLI_POSITIONAL: ClassVar[tuple[str, ...]] = ("repo_id",)
     CLI_EXCLUDE: ClassVar[frozenset[str]] = frozenset({"roots"})  # the MCP server passes its models roots
     MCP_EXCLUDE: ClassVar[frozenset[str]] = frozenset({"roots"})
-    CLI_BAD_INPUT: ClassVar[type[Exception] | None] = BadInput
 
 
 class FetchedFile(BaseModel):

@@ -9,7 +9,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field
 
 from tools.core.params import OpParams
-from tools.core.errors import BadInput
+
 
 INSTANCE_HELP = "Named instance (state and log in STATE_DIR/NAME/); default: the default one"
 
@@ -17,7 +17,6 @@ INSTANCE_HELP = "Named instance (state and log in STATE_DIR/NAME/); default: the
 class InstanceParams(OpParams):
     """The instance an operation acts on."""
 
-    CLI_BAD_INPUT: ClassVar[type[Exception] | None] = BadInput
 
     instance: str | None = Field(None, description=INSTANCE_HELP)
 
@@ -71,7 +70,6 @@ class LogParams(InstanceParams):
 
 class RouterStartParams(OpParams):
     CLI_COMMA: ClassVar[frozenset[str]] = frozenset({"instances"})
-    CLI_BAD_INPUT: ClassVar[type[Exception] | None] = BadInput
 
     instances: list[str] = Field(min_length=1, description="Running instances to route to, comma separated "
                                                            "(default names the default instance)")

@@ -40,7 +40,6 @@ class PreflightParams(OpParams):
     out: str | None = Field(None, description="repack: the output folder (default MODEL_NAME)")
 
     MCP_EXCLUDE: ClassVar[frozenset[str]] = frozenset({"env_file"})  # the MCP server checks its own config
-    CLI_BAD_INPUT: ClassVar[type[Exception] | None] = BadInput
 
 
 class PreflightReport(BaseModel):
