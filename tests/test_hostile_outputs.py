@@ -209,3 +209,32 @@ def test_decode_sweep_out_under_a_file_is_one_line_from_the_command_line(tmp_pat
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert str(tmp_path / "plain") in r.stderr
     assert sorted(os.listdir(tmp_path)) == ["plain"]
+
+
+def _streamed(p: Path) -> None:
+    """TempFile as fidelity's reference writer would stream a record: pieces, then publish."""
+    f = atomic_files.TempFile.open(p)
+    for _ in range(4):
+        f.write(BIG["record"])
+    f.publish()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_streamed_file_refuses_in_one_line_and_leaves_nothing(kind, tmp_path, mounts, monkeypatch):
+    target, place = _case(kind, tmp_path, mounts, monkeypatch)
+    before = _listing(place)
+    with pytest.raises(ToolFailure) as e:
+        _streamed(target)
+    _one_line(e.value, target)
+    assert _listing(place) == before
+
+
+def test_a_streamed_file_is_published_whole_and_never_over_one_that_appeared(tmp_path):
+    f = atomic_files.TempFile.open(tmp_path / "ref.json")
+    f.write("{}")
+    (tmp_path / "ref.json").write_text("theirs")
+    with pytest.raises(FileExistsError):
+        f.publish(replace=False)
+    assert sorted(os.listdir(tmp_path)) == ["ref.json"] and (tmp_path / "ref.json").read_text() == "theirs"
+    _streamed(tmp_path / "ref.json")
+    assert sorted(os.listdir(tmp_path)) == ["ref.json"] and len((tmp_path / "ref.json").read_text()) == 800_000

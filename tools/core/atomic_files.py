@@ -100,6 +100,71 @@ def write_file(path: str | Path, data: str | bytes) -> Path:
             remove_parents(created)
 
 
+class TempFile:
+    """A file written piece by piece (a reference streamed a window at a time) under a temporary name beside
+    `path`; `publish` puts it in place, `discard` removes it. Every failure is one line naming `path`."""
+
+    def __init__(self, path: Path, tmp: Path, lock: Lock, created: list[Path]) -> None:
+        self.path, self.tmp, self._lock, self._created = path, tmp, lock, created
+        self._f = os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666), "w",
+                            encoding="utf-8")
+
+    @classmethod
+    def open(cls, path: str | Path) -> "TempFile":
+        p = Path(os.path.abspath(path))
+        _check_file_target(p)
+        created: list[Path] = []
+        lock: Lock | None = None
+        try:
+            make_parents(p.parent, created)
+            sweep_stale_partials(p.parent)
+            lock, tmp = _temp_names(p.parent, p.name)
+            return cls(p, tmp, lock, created)
+        except OSError as exc:
+            if lock is not None:
+                lock.release()
+            remove_parents(created)
+            raise refusal(p, exc) from None
+
+    def write(self, text: str) -> None:
+        try:
+            self._f.write(text)
+        except OSError as exc:
+            self.discard()
+            raise refusal(self.path, exc) from None
+
+    def publish(self, replace: bool = True) -> Path:
+        """Puts the file in place. replace=False: FileExistsError when `path` appeared meanwhile (nothing is
+        overwritten; the caller says which parameter replaces it)."""
+        try:
+            self._f.flush()
+            os.fsync(self._f.fileno())
+            self._f.close()
+            if replace:
+                os.replace(self.tmp, self.path)
+            else:
+                os.link(self.tmp, self.path)  # fails rather than replace a file created meanwhile
+        except FileExistsError:
+            self.discard()
+            raise
+        except OSError as exc:
+            self.discard()
+            raise refusal(self.path, exc) from None
+        self.discard()
+        return self.path
+
+    def discard(self) -> None:
+        if not self._f.closed:
+            try:
+                self._f.close()
+            except OSError:
+                pass
+        rmtree(self.tmp)
+        self._lock.release()
+        if not self.path.exists():
+            remove_parents(self._created)
+
+
 class TempFolder:
     """A run folder being filled under a temporary name beside `final`; `publish` renames it into place,
     `discard` removes it. A dead owner's one is swept by the next `open` in that folder."""
@@ -159,4 +224,4 @@ class TempFolder:
         self._lock.release()
 
 
-__all__ = ["TempFolder", "refusal", "write_file"]
+__all__ = ["TempFile", "TempFolder", "refusal", "write_file"]
