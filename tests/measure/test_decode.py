@@ -140,10 +140,11 @@ def test_evidence_run_is_invisible_until_finished(tmp_path):
     run = evidence.EvidenceRun.create(tmp_path, "decode-x")
     run.write_raw("00-a", {"v": 1})
     files = run.write_summary({"ok": True}, "# t\n")
-    assert not (tmp_path / "decode-x").exists() and (tmp_path / ".decode-x.partial" / "raw" / "00-a.json").is_file()
+    [partial] = tmp_path.glob(".decode-x.partial-*")
+    assert not (tmp_path / "decode-x").exists() and (partial / "raw" / "00-a.json").is_file()
     run.finish()
     assert json.loads(Path(files["summary_json"]).read_text()) == {"ok": True}
-    assert not (tmp_path / ".decode-x.partial").exists()
+    assert not list(tmp_path.glob(".decode-x.*"))
     assert not list(tmp_path.rglob("*.tmp"))
     with pytest.raises(ToolFailure, match="already exists"):
         evidence.EvidenceRun.create(tmp_path, "decode-x")

@@ -256,7 +256,7 @@ def cleanup_own_partials(wait_s: float = 5.0) -> list[str]:
 
 # -- the context manager -------------------------------------------------------------------------------------
 
-def _make_parents(parent: Path, created: list[Path]) -> None:
+def make_parents(parent: Path, created: list[Path]) -> None:
     """Creates the missing folders above OUT (with the umask's mode), adding each to `created` (deepest last)."""
     missing = []
     p = parent
@@ -271,7 +271,8 @@ def _make_parents(parent: Path, created: list[Path]) -> None:
             pass
 
 
-def _remove_parents(created: list[Path]) -> None:
+def remove_parents(created: list[Path]) -> None:
+    """Removes the folders make_parents created, deepest first, while they are empty."""
     for d in reversed(created):
         try:
             os.rmdir(d)
@@ -323,7 +324,7 @@ def atomic_directory(out: str | Path, force: bool) -> Iterator[Path]:
             check_stopped(shown)
             with _signals_held():  # no window where a folder exists but is not yet ours to remove
                 try:
-                    _make_parents(parent, created)
+                    make_parents(parent, created)
                     tmp, token, lock = _make_temp(parent, name)
                 except OSError as e:
                     raise OutputRefused(f"{shown}: cannot create the output folder ({e.strerror or e})") from None
@@ -339,7 +340,7 @@ def atomic_directory(out: str | Path, force: bool) -> Iterator[Path]:
             if state.published:
                 exc.written = str(shown)  # type: ignore[attr-defined]
             else:
-                _remove_parents(created)
+                remove_parents(created)
             raise
         finally:
             _forget(tmp, lock)

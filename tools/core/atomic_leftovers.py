@@ -184,7 +184,9 @@ def _leftover_groups(folder: Path, keep: Iterable[str | Path]) -> list[tuple[str
         except OSError:
             bad.add(key)
             continue
-        want = stat.S_ISREG if lo.kind == "lock" else stat.S_ISDIR
+        # a partial is a folder, or a file (atomic_files' temporary copy of an output file)
+        want = (stat.S_ISREG if lo.kind == "lock" else
+                (lambda m: stat.S_ISDIR(m) or stat.S_ISREG(m)) if lo.kind == "partial" else stat.S_ISDIR)
         if not want(st.st_mode) or st.st_dev != dev or _related(lo.path, kept):
             bad.add(key)
     out = []
@@ -255,14 +257,23 @@ def sweep_stale_partials(folder: str | Path, keep: Iterable[str | Path] = ()) ->
 
 
 def rmtree(p: Path) -> None:
-    """Removes a folder (or only the link, for a symbolic link), ignoring what cannot be removed."""
-    if p.is_symlink():
-        p.unlink(missing_ok=True)
+    """Removes a folder (only the link, for a symbolic link; the file, for a file), ignoring what cannot be
+    removed."""
+    if p.is_symlink() or (os.path.lexists(p) and not p.is_dir()):
+        try:
+            p.unlink(missing_ok=True)
+        except OSError:
+            pass
     else:
         shutil.rmtree(p, ignore_errors=True)
 
 
 def _du(p: Path) -> int:
+    if not p.is_dir():
+        try:
+            return os.lstat(p).st_blocks * 512
+        except OSError:
+            return 0
     total = 0
     for dirpath, _, files in os.walk(p):
         for f in files:

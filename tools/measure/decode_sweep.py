@@ -17,6 +17,7 @@ from tools.core.errors import BadInput, ToolFailure, op, param
 from tools.measure import evidence
 from tools.measure.decode import DecodeParams, DecodeRequests, DecodeResult, Progress, fmt, pct, run_decode
 from tools.measure.results import DEFAULT_OUT
+from tools.measure.server_guard import owned_server
 from tools.measure.uncertainty import Ratio, paired_ratio
 from tools.serving.config import load_config
 from tools.serving.speculative import parse_speculative_config, validate_speculative_config
@@ -217,7 +218,7 @@ def run_decode_sweep(params: DecodeSweepParams, *, progress: Progress | None = N
                      **config_overrides: Any) -> DecodeSweepResult:
     """Start the server once per drafter setting, run the decode benchmark for each sampling, stop it; write the
     comparison. config_overrides go to load_config (a test's port and state dir). The server is always stopped,
-    whatever ends the sweep."""
+    whatever ends the sweep: a SIGKILL of this process too (tools.measure.server_guard)."""
     evidence.check_name(params.label, "label")
     if not params.draft_tokens or any(k < 0 for k in params.draft_tokens):
         raise BadInput(f"{param('draft_tokens')} must be integers >= 0, got {params.draft_tokens}",
@@ -239,28 +240,30 @@ def run_decode_sweep(params: DecodeSweepParams, *, progress: Progress | None = N
     results: list[DecodeResult] = []
     startup: dict[str, float | None] = {}
     total = len(specs) * len(params.sampling)
-    # A setting that fails stops the sweep; the runs finished so far stay in the .partial folder; one stopped
-    # before any run finished (a refused or interrupted first start) leaves none: an empty one per try piles up.
+    # A setting that fails stops the sweep; the runs finished so far stay in the .partial folder (until the next
+    # run in --out removes it); one stopped before any run finished (a refused or interrupted first start) leaves
+    # none.
     try:
-        for k, spec in specs.items():
-            cfg = load_config(params.env_file, **{**config_overrides, "speculative_config": spec})
-            if progress is not None:
-                progress(len(results), total, f"starting the server with {k} draft tokens")
-            start = start_server(cfg)
-            startup[f"k{k}"] = start.startup_s
-            try:
-                for s in params.sampling:
-                    if progress is not None:
-                        progress(len(results), total, f"{k} draft tokens, {s}")
-                    res = run_decode(DecodeParams(base_url=start.base_url, prompts=params.prompts,
-                                                  max_tokens=params.max_tokens, sampling=s, label=f"k{k}-{s}",
-                                                  out=runs_out, seed=params.seed,
-                                                  request_timeout_s=params.request_timeout_s),
-                                     serve_config=cfg, server_argv=list(start.argv),
-                                     extra_provenance={"server_startup_s": start.startup_s})
-                    results.append(res)
-            finally:
-                stop_server(cfg)
+        with owned_server(base_cfg.state_file):
+            for k, spec in specs.items():
+                cfg = load_config(params.env_file, **{**config_overrides, "speculative_config": spec})
+                if progress is not None:
+                    progress(len(results), total, f"starting the server with {k} draft tokens")
+                start = start_server(cfg)
+                startup[f"k{k}"] = start.startup_s
+                try:
+                    for s in params.sampling:
+                        if progress is not None:
+                            progress(len(results), total, f"{k} draft tokens, {s}")
+                        res = run_decode(DecodeParams(base_url=start.base_url, prompts=params.prompts,
+                                                      max_tokens=params.max_tokens, sampling=s, label=f"k{k}-{s}",
+                                                      out=runs_out, seed=params.seed,
+                                                      request_timeout_s=params.request_timeout_s),
+                                         serve_config=cfg, server_argv=list(start.argv),
+                                         extra_provenance={"server_startup_s": start.startup_s})
+                        results.append(res)
+                finally:
+                    stop_server(cfg)
     except BaseException:
         if not results:
             run.abandon()

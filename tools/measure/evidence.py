@@ -2,23 +2,23 @@
 
 Layout of `<out>/<run-id>/`: `raw/<name>.json` (one record per prompt, cell or repeat), `summary.json` (the
 operation's result model), `summary.md` (its table), `provenance.json` (tools.measure.provenance, with the
-server's argv). The folder is built as `<out>/.<run-id>.partial/` and renamed into place by `finish()`: a run
-stopped anywhere (a signal, a kill, a full disk) leaves no folder that looks complete. Every file is written
-through a temporary name and renamed.
+server's argv). The folder is built as `<out>/.<run-id>.partial-PID-START-RAND/` and renamed into place by
+`finish()`: a run stopped anywhere (a signal, a kill, a full disk) leaves no folder that looks complete, and the
+next run in `<out>` removes what a run whose process is gone left (tools.core.atomic_files). Every file is
+written through a temporary name and renamed; a path that cannot be written is one line naming it.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel
 
+from tools.core.atomic_files import TempFolder, refusal, write_file
 from tools.core.errors import ToolFailure
 from tools.measure import provenance as prov_mod
 
@@ -26,57 +26,35 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
 def write_json(path: str | Path, data: Any) -> Path:
-    """Atomic JSON write: a temporary file in the same folder, fsynced, renamed over the target."""
-    p = Path(path)
+    """Atomic JSON write (tools.core.atomic_files.write_file); one line naming the path when it cannot be
+    written."""
     if isinstance(data, BaseModel):
         data = data.model_dump(mode="json")
-    tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "w") as f:
-            f.write(json.dumps(data, indent=2, default=str) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        tmp.replace(p)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return p
+    return write_file(path, json.dumps(data, indent=2, default=str) + "\n")
 
 
 def write_text(path: str | Path, text: str) -> Path:
-    p = Path(path)
-    tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(text)
-        tmp.replace(p)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return p
+    return write_file(path, text)
 
 
 def write_texts(*files: tuple[Path, str]) -> None:
-    """Write each file whole, all or none: every temp file first, then the renames; a failed rename puts the
-    files already replaced back as they were."""
+    """Write each file whole, all or none: a failed write puts the files already replaced back as they were."""
     done: list[tuple[Path, bytes | None]] = []
-    tmps = [f.with_name(f".{f.name}.{os.getpid()}.tmp") for f, _ in files]
     try:
-        for (f, text), tmp in zip(files, tmps):
-            tmp.write_text(text)
-        for (f, _), tmp in zip(files, tmps):
+        for f, text in files:
             old = f.read_bytes() if f.is_file() else None
-            tmp.replace(f)
+            write_file(f, text)
             done.append((f, old))
     except BaseException:
         for f, old in reversed(done):
-            if old is None:
-                f.unlink(missing_ok=True)
-            else:
-                back = f.with_name(f".{f.name}.{os.getpid()}.back")
-                back.write_bytes(old)
-                back.replace(f)
+            try:
+                if old is None:
+                    f.unlink(missing_ok=True)
+                else:
+                    write_file(f, old)
+            except (OSError, ToolFailure):
+                pass  # the first failure is the one to report
         raise
-    finally:
-        for tmp in tmps:
-            tmp.unlink(missing_ok=True)
 
 
 def run_id(label: str, kind: str) -> str:
@@ -95,24 +73,26 @@ def check_name(value: str, what: str) -> str:
 class EvidenceRun:
     """A run folder being written. Use `create`, write records, then `finish` (or `abandon` on failure)."""
 
-    def __init__(self, out: Path, name: str) -> None:
+    def __init__(self, out: Path, name: str, folder: TempFolder) -> None:
         self.out = out
         self.name = name
         self.final = out / name
-        self.dir = out / f".{name}.partial"
+        self._folder = folder
+        self.dir = folder.path
         self.raw = self.dir / "raw"
 
     @classmethod
     def create(cls, out: str | Path, name: str) -> "EvidenceRun":
+        """The run's temporary folder `<out>/.<name>.partial-...`; the ones of runs whose process is gone are
+        removed first."""
         check_name(name, "run id")
-        out = Path(out)
-        out.mkdir(parents=True, exist_ok=True)
-        run = cls(out, name)
-        if run.final.exists():
-            raise ToolFailure(f"{run.final} already exists: choose another label or out folder, or remove it",
-                              detail={"path": str(run.final)})
-        shutil.rmtree(run.dir, ignore_errors=True)  # a partial folder of a run that was stopped
-        run.raw.mkdir(parents=True)
+        folder = TempFolder.open(out, name)
+        run = cls(Path(out), name, folder)
+        try:
+            run.raw.mkdir()
+        except OSError as exc:
+            folder.discard()
+            raise refusal(run.raw, exc, "create") from None
         return run
 
     @property
@@ -139,14 +119,10 @@ class EvidenceRun:
         return data
 
     def finish(self) -> Path:
-        if self.final.exists():
-            raise ToolFailure(f"{self.final} appeared while the run was measuring: the run is kept in {self.dir}",
-                              detail={"path": str(self.final), "partial": str(self.dir)})
-        os.rename(self.dir, self.final)
-        return self.final
+        return self._folder.publish()
 
     def abandon(self) -> None:
-        shutil.rmtree(self.dir, ignore_errors=True)
+        self._folder.discard()
 
 
 def collect_provenance(base_url: str | None, *, serve_config: Any = None, server: Any = None,

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from tools.core.errors import ToolFailure
 from tools.serving import router
 from tools.serving.config import ServeConfig
 from tools.serving.placement import instance_configs, locked, plan, process_owners, resolve, running
@@ -44,11 +45,26 @@ def fleet_status(cfg: ServeConfig, *, hardware: Any = None) -> Any:
 
 
 def stop_all(cfg: ServeConfig, *, grace_s: float = 20) -> list[Any]:
-    """Stops the router first (it would route to stopped servers), then every instance."""
-    results = [router.stop_router(cfg, grace_s=grace_s)]
+    """Stops the router first (it would route to stopped servers), then every instance. One that cannot be
+    stopped (a damaged state file, whose processes are not signalled; a process that survives SIGKILL) does not
+    keep the others running: they are stopped, then one ToolFailure names what was not, with what was stopped
+    in its detail."""
+    results: list[Any] = []
+    failed: list[ToolFailure] = []
+    try:
+        results.append(router.stop_router(cfg, grace_s=grace_s))
+    except ToolFailure as exc:
+        failed.append(exc)
     for c in instance_configs(cfg):
         if c.state_file.is_file():
-            results.append(stop_server(c, grace_s=grace_s))
+            try:
+                results.append(stop_server(c, grace_s=grace_s))
+            except ToolFailure as exc:
+                failed.append(exc)
+    if failed:
+        stopped = sum(1 for r in results if r.was_running)
+        raise ToolFailure(f"stopped {stopped} of the recorded servers and routers; " + "; ".join(map(str, failed)),
+                          {"stopped": [r.to_dict() for r in results], "failed": [e.detail for e in failed]})
     return results
 
 

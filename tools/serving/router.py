@@ -24,6 +24,7 @@ from tools.core.metrics import total
 from tools.core.process import end_group, port_holder
 from tools.serving import engine_log, placement
 from tools.serving.config import ServeConfig
+from tools.serving.state import DamagedState
 from tools.serving.router_state import (Backend, RouterState, alive, group, load, log_file, recorded, state_file,
                                         write)
 
@@ -198,8 +199,12 @@ def start_router(cfg: ServeConfig, instances: list[str], *, policy: str = "round
 
 
 def router_status(cfg: ServeConfig) -> RouterStatus:
-    """Whether the router runs and answers /health, and which of its backends do."""
-    st = load(cfg)
+    """Whether the router runs and answers /health, and which of its backends do; a damaged state file is
+    reported as its one line."""
+    try:
+        st = load(cfg)
+    except DamagedState as exc:
+        return RouterStatus(alive=False, message=str(exc))
     if st is None:
         return RouterStatus(alive=False, message="no router running")
     if not alive(st):

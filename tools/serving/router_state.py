@@ -2,27 +2,23 @@
 
 from __future__ import annotations
 
-import json
-import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import psutil
 
 from tools.core import process
-from tools.core.errors import ToolFailure
 from tools.serving.config import ServeConfig
+from tools.serving.state import DamagedState, Record, read_record, write_record
 
 
 @dataclass
-class Backend:
+class Backend:  # a dataclass: the router's results (dataclasses) hold it and asdict() them
     instance: str
     base_url: str
 
 
-@dataclass
-class RouterState:
+class RouterState(Record):
     pid: int
     pgid: int
     create_time: float
@@ -36,15 +32,6 @@ class RouterState:
     started_ts: float
     log_path: str
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "RouterState":
-        d = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
-        d["backends"] = [Backend(**b) for b in d.get("backends", [])]
-        return cls(**d)
-
 
 def state_file(cfg: ServeConfig) -> Path:
     return Path(cfg.state_dir) / "router.json"
@@ -55,21 +42,12 @@ def log_file(cfg: ServeConfig) -> Path:
 
 
 def load(cfg: ServeConfig) -> RouterState | None:
-    path = state_file(cfg)
-    if not path.is_file():
-        return None
-    try:
-        return RouterState.from_dict(json.loads(path.read_text()))
-    except (ValueError, TypeError, KeyError) as exc:
-        raise ToolFailure(f"router state file {path} is unreadable ({exc}); check no router of it runs, then "
-                          "delete it")
+    """The recorded router, None when none is; DamagedState for a file that does not hold one."""
+    return read_record(state_file(cfg), RouterState)
 
 
 def write(cfg: ServeConfig, st: RouterState) -> None:
-    path = state_file(cfg)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(st.to_dict(), indent=2))
-    os.replace(tmp, path)
+    write_record(state_file(cfg), st)
 
 
 def alive(st: RouterState) -> bool:
@@ -86,7 +64,7 @@ def recorded(cfg: ServeConfig) -> RouterState | None:
     """The router's state when its process (group) is still there; None otherwise."""
     try:
         st = load(cfg)
-    except ToolFailure:
+    except DamagedState:
         return None
     return st if st is not None and (alive(st) or group(st)) else None
 

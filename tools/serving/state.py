@@ -4,21 +4,71 @@ the server, and whether the processes it names are still the server's."""
 from __future__ import annotations
 
 import json
-import os
-from dataclasses import asdict, dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeVar
 
 import psutil
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from tools.core import process
+from tools.core.atomic_files import write_file
 from tools.core.errors import ToolFailure
 from tools.serving.config import ServeConfig
 
 STATE_VERSION = 1
 
 
-@dataclass
-class ServerState:
+class DamagedState(ToolFailure):
+    """A state file that exists but does not hold its record; nothing it may name is signalled."""
+
+
+class Record(BaseModel):
+    """A state file's record: fields a newer version adds are ignored by an older one, and a missing or
+    mistyped field makes the file damaged."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+R = TypeVar("R", bound=Record)
+
+
+def read_record(path: Path, model: type[R]) -> R | None:
+    """THE reader of a state file: its record, None when there is no file, DamagedState (one line naming the file
+    and the field) when it does not hold one."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise _damaged(path, f"cannot be read: {getattr(exc, 'strerror', None) or exc}") from None
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise _damaged(path, f"not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise _damaged(path, f"a JSON {type(data).__name__} where an object is wanted")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        field = ".".join(str(x) for x in err["loc"]) or "?"
+        raise _damaged(path, f"field {field!r}: {err['msg'].lower()}", field) from None
+
+
+def _damaged(path: Path, why: str, field: str | None = None) -> DamagedState:
+    return DamagedState(f"state file {path} is damaged ({why}); no process it may name was signalled: check with "
+                        f"ps that none of it runs, then delete the file", {"path": str(path), "field": field})
+
+
+def write_record(path: Path, record: Record) -> None:
+    """Written whole or not at all: never a half-written state file."""
+    write_file(path, json.dumps(record.to_dict(), indent=2))
+
+
+class ServerState(Record):
     """The state file: what a later command needs to find, check and stop the server."""
 
     pid: int
@@ -43,28 +93,15 @@ class ServerState:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 def load_state(cfg: ServeConfig) -> ServerState | None:
-    """The instance's recorded server, None when none is recorded; ToolFailure for a file that does not parse."""
-    path = cfg.state_file
-    if not path.is_file():
-        return None
-    try:
-        data = json.loads(path.read_text())
-        return ServerState(**{k: data[k] for k in ServerState.__dataclass_fields__ if k in data})
-    except (ValueError, TypeError, KeyError) as exc:
-        raise ToolFailure(f"state file {path} is unreadable ({exc}); check no server of it runs, then delete it")
+    """The instance's recorded server, None when none is recorded; DamagedState for a file that does not hold
+    one."""
+    return read_record(cfg.state_file, ServerState)
 
 
 def write_state(cfg: ServeConfig, state: ServerState) -> None:
-    path = cfg.state_file
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(state.to_dict(), indent=2))
-    os.replace(tmp, path)  # never a half-written state file
+    write_record(cfg.state_file, state)
 
 
 def clear_state(cfg: ServeConfig) -> None:
@@ -86,5 +123,5 @@ def our_group(state: ServerState) -> list[psutil.Process]:
     return [] if pid_recycled(state) else process.group_members(state.pgid)
 
 
-__all__ = ["STATE_VERSION", "ServerState", "clear_state", "leader", "load_state", "our_group", "pid_recycled",
-           "write_state"]
+__all__ = ["STATE_VERSION", "DamagedState", "Record", "ServerState", "clear_state", "leader", "load_state", "our_group", "pid_recycled",
+           "read_record", "write_record", "write_state"]

@@ -19,7 +19,7 @@ from tools.serving.config import ServeConfig
 from tools.serving.hardware import Hardware, Vram
 from tools.serving.launch import READINESS_PROMPT, Progress, start_server
 from tools.serving.records import QueryResult, ServerStatus, StartResult, StopResult
-from tools.serving.state import ServerState, clear_state, leader, load_state, our_group, pid_recycled
+from tools.serving.state import DamagedState, ServerState, clear_state, leader, load_state, our_group, pid_recycled
 
 
 def stop_server(cfg: ServeConfig, *, grace_s: float = 20) -> StopResult:
@@ -46,8 +46,12 @@ def stop_server(cfg: ServeConfig, *, grace_s: float = 20) -> StopResult:
 
 
 def server_status(cfg: ServeConfig, *, hardware: Hardware | None = None) -> ServerStatus:
-    """Whether the server of this state dir runs and answers; clears the state file of a server that died."""
-    state = load_state(cfg)
+    """Whether the server of this state dir runs and answers; clears the state file of a server that died. A
+    damaged state file is reported (not alive, its one line as the message), not raised: status goes on."""
+    try:
+        state = load_state(cfg)
+    except DamagedState as exc:
+        return ServerStatus(alive=False, instance=cfg.instance_name, message=str(exc))
     if state is None:
         return ServerStatus(alive=False, instance=cfg.instance_name,
                             message=f"not running (no server recorded in {cfg.instance_dir})")
