@@ -18,6 +18,9 @@ Where it computes differently from the reference, the numbers are the same:
   every value is exact no later candidate can be: those are skipped.
 """
 
+# Longer than 500 lines because numba's on-disk cache keys a function by its own file only: split across files, an
+# edit of a helper in one would leave its callers' cached machine code in the other stale.
+
 from __future__ import annotations
 
 import numba as nb

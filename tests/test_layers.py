@@ -117,8 +117,8 @@ def test_function_level_imports_are_for_heavy_dependencies_only():
     assert not found, f"{len(found)} function-level imports of the project's modules:\n" + "\n".join(found)
 
 
-def _has_reason(lines: list[str], start: int) -> bool:
-    return any(line.strip().startswith(REASON) for line in lines[start:start + 12])
+def _has_reason(lines: list[str], start: int, within: int = 12) -> bool:
+    return any(line.strip().startswith(REASON) for line in lines[start:start + within])
 
 
 def test_modules_and_functions_of_one_concern():
@@ -126,7 +126,7 @@ def test_modules_and_functions_of_one_concern():
     for path in _sources():
         text = path.read_text()
         lines = text.splitlines()
-        if len(lines) > MODULE_LINES and not _has_reason(lines, 0):
+        if len(lines) > MODULE_LINES and not _has_reason(lines, 0, 40):  # after the module's docstring
             long_modules.append(f"{path.relative_to(ROOT)}: {len(lines)} lines")
         for fn in ast.walk(ast.parse(text, str(path))):
             if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):

@@ -85,8 +85,9 @@ def test_probe_does_not_report_its_own_source_as_a_leftover(tmp_path, capsys):
 
 
 def test_the_sweep_skips_links_and_folders_that_are_not_a_builds(src, tmp_path, capsys):
-    """A link named like a leftover (even to a folder of data) and a leftover-named file are not a build's
-    temporary folders: kept, with the lock file that names them."""
+    """A link named like a leftover (even to a folder of data) is not a build's temporary folder: kept, with the
+    lock file that names it. A leftover-named file beside its lock, the lock free, is a dead writer's temporary
+    file (every command's output is written so): swept with its lock."""
     data = tmp_path / "data"
     data.mkdir()
     (data / "keep").write_text("x")
@@ -97,7 +98,8 @@ def test_the_sweep_skips_links_and_folders_that_are_not_a_builds(src, tmp_path, 
     rc, err = repack_cli(capsys, "build", src, tmp_path / "out")
     assert rc == 0, err
     assert (tmp_path / f".d.old-{TOKEN}").is_symlink() and not (tmp_path / "d").exists()
-    assert (data / "keep").read_text() == "x" and (tmp_path / f".e.partial-{TOKEN}").read_text() == "not a folder"
+    assert (data / "keep").read_text() == "x" and (tmp_path / f".d.lock-{TOKEN}").exists()
+    assert not (tmp_path / f".e.partial-{TOKEN}").exists() and not (tmp_path / f".e.lock-{TOKEN}").exists()
 
 
 # -- the output path -----------------------------------------------------------------------------------------------
