@@ -242,7 +242,7 @@ def test_record_streams_one_window_at_a_time(tmp_path, corpus, monkeypatch):
     def spy(self, obj):
         real(self, obj)
         self.f.flush()
-        seen.append(self.tmp.read_text().count('"index":'))
+        seen.append(self.f.tmp.read_text().count('"index":'))
 
     monkeypatch.setattr(fid.RefWriter, "window", spy)
     with FakeVllm() as srv:

@@ -133,6 +133,13 @@ class TempFile:
             self.discard()
             raise refusal(self.path, exc) from None
 
+    def flush(self) -> None:
+        try:
+            self._f.flush()
+        except OSError as exc:
+            self.discard()
+            raise refusal(self.path, exc) from None
+
     def publish(self, replace: bool = True) -> Path:
         """Puts the file in place. replace=False: FileExistsError when `path` appeared meanwhile (nothing is
         overwritten; the caller says which parameter replaces it)."""

@@ -40,6 +40,7 @@ from repack.tiny_model import cached_tiny_qat_checkpoint, default_cache_dir
 from tools.cli.commands import Command, add_commands, exit_status, fail
 from tools.core.errors import BadInput, ToolFailure, param
 from tools.core.root import PROJECT_ROOT
+from tools.measure.server_guard import owned_server
 from tools.measure.compare_tokens import CompareParams, TokenComparison, check_against, record_reference
 from tools.measure.sweep import run_sweep
 from tools.measure.sweep_report import compare_runs, markdown_run
@@ -297,23 +298,24 @@ def _serve_builds(plan: _Plan, opts: DemoOptions, paths: dict[str, Path],
             overrides["port"] = _free_port()
         cfg = load_config(opts.env_file, **overrides)
         log(f"[{4 + i}/6] serving {label} ({cfg.model}) at {cfg.base_url}")
-        start = start_server(cfg, progress=lambda f, m: None)
-        try:
-            sf = start.start_fields
-            log(f"    up after {start.startup_s:.0f} s; KV cache {sf.kv_cache_tokens} tokens, "
-                f"linear kernel {sf.linear_kernel}, embeddings {sf.embedding_method}")
-            # the demo's own evidence file, written fresh by every run
-            params = CompareParams(base_url=start.base_url, max_tokens=plan.max_tokens, force=True)
-            if i == 0:
-                rec = record_reference(reference, params, progress=_progress_printer(log, "prompts"))
-                log(f"    {rec.summary()}")
-            else:
-                comparison = check_against(reference, params, progress=_progress_printer(log, "prompts"))
-                log(f"    {comparison.summary}")
-            served.append(_sweep(plan, label, cfg, start, log))
-        finally:
-            stop_server(cfg)
-            log(f"    stopped {label}")
+        with owned_server(cfg.state_file):  # a kill of the demo does not leave it serving
+            start = start_server(cfg, progress=lambda f, m: None)
+            try:
+                sf = start.start_fields
+                log(f"    up after {start.startup_s:.0f} s; KV cache {sf.kv_cache_tokens} tokens, "
+                    f"linear kernel {sf.linear_kernel}, embeddings {sf.embedding_method}")
+                # the demo's own evidence file, written fresh by every run
+                params = CompareParams(base_url=start.base_url, max_tokens=plan.max_tokens, force=True)
+                if i == 0:
+                    rec = record_reference(reference, params, progress=_progress_printer(log, "prompts"))
+                    log(f"    {rec.summary()}")
+                else:
+                    comparison = check_against(reference, params, progress=_progress_printer(log, "prompts"))
+                    log(f"    {comparison.summary}")
+                served.append(_sweep(plan, label, cfg, start, log))
+            finally:
+                stop_server(cfg)
+                log(f"    stopped {label}")
     assert comparison is not None
     return served, comparison
 

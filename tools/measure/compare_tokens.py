@@ -20,6 +20,7 @@ from typing import Any, Callable, ClassVar, Literal
 import httpx
 from pydantic import BaseModel, Field
 
+from tools.core.atomic_files import write_file
 from tools.core.errors import ToolFailure, op, param
 from tools.serving.endpoint import EndpointParams, resolve_endpoint, resolve_name
 from tools.measure.long_prompts import long_prompts
@@ -252,12 +253,8 @@ def generate(base_url: str, prompts: list[str], *, max_tokens: int = 160, top_lo
 
 def save_record(rec: TokenRecord, path: str | Path) -> Path:
     p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
     rec.path = str(p)
-    tmp = p.with_suffix(p.suffix + ".tmp")
-    tmp.write_text(json.dumps(rec.to_dict(), indent=1) + "\n")
-    tmp.replace(p)
-    return p
+    return write_file(p, json.dumps(rec.to_dict(), indent=1) + "\n")  # atomic; a refusal names the path
 
 
 def load_record(path: str | Path) -> TokenRecord:

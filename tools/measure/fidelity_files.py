@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from tools.core.atomic_files import TempFile
 from tools.core.errors import BadInput, op, param
 
 RECORD_KIND = "gemma4-t4/logprob-record"
@@ -44,13 +45,12 @@ def load_corpus(path: str | Path | None) -> tuple[Path, str, str]:
 
 
 class RefWriter:
-    """REF.json written a window at a time to a temporary file, put in place by commit()."""
+    """REF.json written a window at a time to a temporary file beside it (tools.core.atomic_files: a killed
+    record's leftover is swept by the next write there), put in place by commit()."""
 
     def __init__(self, out: Path, header: dict[str, Any], *, force: bool) -> None:
         self.out, self.force = out, force
-        out.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-        self.f = open(self.tmp, "w", encoding="utf-8")
+        self.f = TempFile.open(out)
         head = {"kind": RECORD_KIND, "version": RECORD_VERSION, "header": header}
         self.f.write(json.dumps(head)[:-1] + ",\n\"windows\": [\n")
         self.n = 0
@@ -63,24 +63,14 @@ class RefWriter:
 
     def commit(self, footer: dict[str, Any]) -> None:
         self.f.write("\n],\n\"footer\": " + json.dumps(footer) + "}\n")
-        self.f.flush()
-        os.fsync(self.f.fileno())
-        self.f.close()
-        if self.force:
-            os.replace(self.tmp, self.out)
-        else:
-            try:
-                os.link(self.tmp, self.out)  # fails rather than replace a file created meanwhile
-            except FileExistsError as exc:
-                raise BadInput(f"{self.out} appeared while recording; nothing overwritten (pass "
-                               f"{param('force', True)} to replace it)", field="force") from exc
-            finally:
-                self.tmp.unlink(missing_ok=True)
+        try:
+            self.f.publish(replace=self.force)
+        except FileExistsError as exc:
+            raise BadInput(f"{self.out} appeared while recording; nothing overwritten (pass "
+                           f"{param('force', True)} to replace it)", field="force") from exc
 
     def abort(self) -> None:
-        if not self.f.closed:
-            self.f.close()
-        self.tmp.unlink(missing_ok=True)
+        self.f.discard()
 
 
 def read_reference(path: str | Path):
