@@ -6,6 +6,12 @@ On the CPU platform only, `register()` swaps that kernel for a torch gather with
 build with int4 `embed_tokens` / `embed_tokens_per_layer` serves on a machine without a GPU. On every other
 platform it does nothing.
 
+Also on the CPU platform: vLLM picks its AMX int8 GEMM (sgl kernels) for W8A8 layers by the weight's shape and
+the AMX tile ISA alone, but that kernel writes only bfloat16 output ("scale_C: scalar path not implemented" for a
+float16 model, the dtype this project serves so that the CPU runs the T4's numbers). `register()` keeps such
+layers on vLLM's oneDNN int8 GEMM when the model is float16 and the CPU has no AMX-FP16; elsewhere it changes
+nothing.
+
 vLLM calls `register()` in every process it starts (API server, engine core, workers) through the
 `vllm.general_plugins` entry point declared in pyproject.toml, so the project must be pip-installed.
 """
@@ -26,6 +32,8 @@ EMBEDDING_MODULE = "vllm.model_executor.layers.quantization.compressed_tensors.c
 # reads the second: the int4 embedding method is in use, not only available). Nothing is logged inside the
 # gather itself: it runs under torch.compile, which cannot trace logging calls.
 PATCHED_MARK = "gemma4-t4: CPU platform, int4 embedding lookup replaced by a torch gather"
+INT8_MODULE = "vllm.model_executor.kernels.linear.scaled_mm.cpu"
+INT8_MARK = "gemma4-t4: float16 model without AMX-FP16: W8A8 layers use oneDNN's int8 GEMM"
 FIRST_USE_MARK = "gemma4-t4: int4 embedding lookup runs as a torch gather (CompressedTensorsEmbeddingWNA16Int)"
 
 _registered = False
@@ -70,6 +78,10 @@ def register() -> None:
     try:
         if not _on_cpu_platform():
             return
+    except ImportError:
+        return
+    _int8_gemm_for_float16()
+    try:
         import importlib
 
         module = importlib.import_module(EMBEDDING_MODULE)
@@ -84,6 +96,42 @@ def register() -> None:
     module._dequant_gather_triton = dequant_gather_torch
     _announce_use(module)
     logger.info(PATCHED_MARK)
+
+
+def _model_is_float16() -> bool:
+    import torch
+    from vllm.config import get_current_vllm_config
+
+    model_config = getattr(get_current_vllm_config(), "model_config", None)
+    return getattr(model_config, "dtype", None) == torch.float16
+
+
+def _int8_gemm_for_float16() -> None:
+    """W8A8 layers of a float16 model off the AMX int8 kernel where the CPU has no AMX-FP16 (module doc)."""
+    import importlib
+
+    import torch
+
+    try:
+        module = importlib.import_module(INT8_MODULE)
+    except ImportError:
+        return
+    original = getattr(module, "check_cpu_sgl_kernel", None)
+    if original is None or getattr(original, "_gemma4_t4", False):
+        return
+    amx_fp16 = getattr(torch.cpu, "_is_amx_fp16_supported", lambda: False)
+    logged: list[bool] = []
+
+    def check_cpu_sgl_kernel(n: int, k: int, dtype: "torch.dtype") -> bool:
+        if dtype == torch.int8 and not amx_fp16() and _model_is_float16():
+            if not logged:
+                logged.append(True)
+                logger.info(INT8_MARK)
+            return False
+        return original(n, k, dtype)
+
+    check_cpu_sgl_kernel._gemma4_t4 = True  # type: ignore[attr-defined]
+    module.check_cpu_sgl_kernel = check_cpu_sgl_kernel
 
 
 def _announce_use(module) -> None:
