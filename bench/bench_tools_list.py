@@ -20,7 +20,7 @@ sys.path.insert(0, str(ROOT))
 
 from tools.mcp.registry import DEFAULT_TOOLSETS, TOOLSETS  # noqa: E402
 
-LIMIT = 24_000  # the default set's budget
+LIMIT = 16_000  # the default set's budget
 
 
 def tools_list(toolsets: str) -> tuple[int, int, int]:
@@ -70,10 +70,14 @@ def main() -> int:
              "", "| Toolsets | Tools | tools/list characters | of which output schemas |", "|---|---|---|---|"]
     lines += [f"| {label} | {n} | {chars:,} | {out:,} |" for label, n, chars, out in rows]
     lines += ["", f"Default set: {default[2]:,} characters, budget {LIMIT:,} "
-                  f"({'within' if default[2] < LIMIT else 'OVER'}); before toolsets and lean output schemas the "
-                  "same 16 tools took 39,736 characters, 60% of it output schemas.", ""]
+                  f"({'within' if default[2] <= LIMIT else 'OVER'}). It is the walk from a source to a measured "
+                  "build (preflight, the CPU stand-in, probe, repack, start, compare tokens, memory, sweep). Before "
+                  "the listing dropped FastMCP's tags, the `summary` entry and spec-default hints from every tool "
+                  "and wrote optional arguments without `anyOf [T, null]`, the default set (repack, serve, measure, "
+                  "jobs: 14 tools, without vram_status and preflight) took 22,918 characters, 28,518 with the gpu "
+                  "and deploy toolsets added; before toolsets and lean output schemas 16 tools took 39,736.", ""]
     (ROOT / "evidence" / "tools-list-size.md").write_text("\n".join(lines))
-    return 0 if default[2] < LIMIT else 1
+    return 0 if default[2] <= LIMIT else 1
 
 
 if __name__ == "__main__":

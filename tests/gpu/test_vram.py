@@ -170,3 +170,65 @@ def test_serving_hardware_reads_every_gpu_through_the_one_nvml_reader(monkeypatc
     v = hw.vram([4242])
     assert v.total_mib == 40960 + 15360 and v.used_mib == 10000
     assert v.process_mib == 8000 and v.utilization_pct == 90
+
+
+# ------------------------------------------------------------------------------ host memory (the CPU backend)
+
+
+class FakeProcess:
+    """psutil.Process for a fake process tree: RSS by pid; a pid not in the tree has ended."""
+
+    TREE = {100: 300 * MIB, 101: 900 * MIB, 102: 50 * MIB}
+
+    def __init__(self, pid: int) -> None:
+        if pid not in self.TREE:
+            raise ProcessLookupError(pid)
+        self.pid = pid
+
+    def memory_info(self):
+        return SimpleNamespace(rss=self.TREE[self.pid])
+
+
+def test_host_memory_sums_rss_and_readable_pss_over_the_servers_processes(tmp_path):
+    from tools.gpu.vram import HostMemory, host_memory
+
+    proc = tmp_path / "proc"
+    for pid, pss_kib in ((100, 200 * 1024), (101, 700 * 1024)):  # 102's smaps_rollup is not readable
+        (proc / str(pid)).mkdir(parents=True)
+        (proc / str(pid) / "smaps_rollup").write_text(
+            f"00400000-7ffd [rollup]\nRss:  {pss_kib + 10} kB\nPss:  {pss_kib} kB\nPss_Anon:  1 kB\n")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model-00001.safetensors").write_bytes(b"\0" * (3 * MIB))
+    (model / "model-00002.safetensors").write_bytes(b"\0" * MIB)
+    (model / "config.json").write_text("{}")
+
+    hm = host_memory("default", {100, 101, 102, 999}, str(model), process=FakeProcess, proc=proc)
+    assert isinstance(hm, HostMemory)
+    assert hm.pids == [100, 101, 102]  # 999 ended before it was read: not counted
+    assert hm.rss_mib == 1250 and hm.pss_mib == 900 and hm.pss_pids == 2
+    assert hm.weights_mib == 4
+    assert "rss" in hm.method and "smaps_rollup" in hm.method
+    assert hm.line() == "default: RSS 1250 MiB, PSS 900 MiB over 3 processes, weights 4.0 MiB on disk"
+
+    none = host_memory("b", {102}, "google/some-hub-id", process=FakeProcess, proc=proc)
+    assert none.pss_mib is None and none.weights_mib is None and "smaps_rollup" not in none.method
+
+
+def test_host_memory_reaches_the_summary_without_a_gpu():
+    from tools.gpu.vram import HostMemory
+
+    st = vram_status(nvml=FakeNvml([], init_error=FakeNvmlError("NVML Shared Library Not Found")))
+    st.host = [HostMemory(instance="default", pids=[1, 2], rss_mib=812.4, pss_mib=640.2, pss_pids=2,
+                          weights_mib=12.5, method="m")]
+    assert st.summary_line() == ("No NVIDIA GPU: NVML unavailable: NVML Shared Library Not Found; default: RSS 812 "
+                                 "MiB, PSS 640 MiB over 2 processes, weights 12.5 MiB on disk")
+
+
+def test_host_memory_of_this_process_is_real():
+    from tools.gpu.vram import host_memory
+
+    hm = host_memory("self", {os.getpid()})
+    assert hm.pids == [os.getpid()] and hm.rss_mib > 1
+    if os.path.exists(f"/proc/{os.getpid()}/smaps_rollup"):
+        assert hm.pss_mib is not None and 0 < hm.pss_mib <= hm.rss_mib * 1.01

@@ -182,7 +182,7 @@ def test_marked_parameters_and_operations_are_rendered_as_arguments_and_tools():
     fetch = to_tool_error(ToolFailure(f"no source: {op('fetch', repo_id='google/x', out='qat')}, then "
                                       f"{op('doctor')}, {op('probe')}, {op('patch_turing')}, {op('tiny_model')}"))
     assert str(fetch) == ("no source: fetch_checkpoint (repo_id=google/x, out=qat), then preflight, "
-                          "probe_checkpoint, patch_turing, tiny_model")
+                          "probe_checkpoint, patch_turing, make_tiny_model")
     assert str(to_tool_error(RepackError(f"{param('scheme')} 'x': unknown"))).startswith("scheme 'x'")
     assert str(to_tool_error(ToolFailure(f"record first with {op('fidelity.record')}"))) == \
         "record first with compare_logprobs (mode=record)"

@@ -56,7 +56,7 @@ def test_resources_templates_and_prompts_are_listed_under_the_default_toolsets(m
     for uri, spec in RESOURCES.items():
         assert listed[uri].mime_type == spec.mime_type and listed[uri].description and listed[uri].title, uri
     by_name = {p.name: p for p in prompts}
-    assert set(by_name) == {"deploy_t4", "compare_builds"}
+    assert set(by_name) == {"deploy_t4", "deploy_cpu", "compare_builds"}
     assert [a.name for a in by_name["compare_builds"].arguments] == list(PROMPTS["compare_builds"].arguments)
     assert all(a.description and not a.required for p in prompts for a in p.arguments)
 

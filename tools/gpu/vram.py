@@ -1,4 +1,5 @@
-"""GPU memory through NVML: per GPU and per process, marking the processes of the vLLM server we started.
+"""GPU memory through NVML: per GPU and per process, marking the processes of the vLLM server we started; and
+the host memory of a server's processes (`host_memory`), which is where the weights live on vLLM's CPU backend.
 
 NVML comes from the `pynvml` module of the `nvidia-ml-py` package. On a machine without an NVIDIA driver
 (development boxes, CI, vLLM's CPU backend) `vram_status()` returns a result that says so instead of raising,
@@ -11,6 +12,7 @@ records: the server is therefore identified by its whole process tree and proces
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, Field
@@ -38,26 +40,91 @@ class GpuInfo(BaseModel):
     processes: list[GpuProcess] = Field(default_factory=list)
 
 
+class HostMemory(BaseModel):
+    instance: str
+    pids: list[int] = Field(description="The server's processes: its tree and process group")
+    rss_mib: float = Field(description="Resident memory summed over the processes (shared pages in each)")
+    pss_mib: float | None = Field(None, description="Proportional set size summed over the processes whose "
+                                                    "/proc/PID/smaps_rollup is readable (shared pages split)")
+    pss_pids: int = Field(0, description="How many of the processes the PSS sum covers")
+    weights_mib: float | None = Field(None, description="The served checkpoint's *.safetensors on disk")
+    method: str = Field(description="How the figures were read")
+
+    def line(self) -> str:
+        pss = f", PSS {self.pss_mib:.0f} MiB" if self.pss_mib is not None else ""
+        weights = f", weights {self.weights_mib:.1f} MiB on disk" if self.weights_mib is not None else ""
+        return f"{self.instance}: RSS {self.rss_mib:.0f} MiB{pss} over {len(self.pids)} processes{weights}"
+
+
+def _weights_mib(model: str | None) -> float | None:
+    """The bytes of a local checkpoint's safetensors (a hub id, or no folder: None)."""
+    folder = Path(model) if model else None
+    if folder is None or not folder.is_dir():
+        return None
+    return round(sum(f.stat().st_size for f in folder.glob("*.safetensors") if f.is_file()) / MIB, 2)
+
+
+def _pss_kib(pid: int, proc: Path) -> int | None:
+    try:
+        text = (proc / str(pid) / "smaps_rollup").read_text()
+    except OSError:  # not Linux, an older kernel, or another user's process
+        return None
+    for line in text.splitlines():
+        if line.startswith("Pss:"):
+            return int(line.split()[1])
+    return None
+
+
+def host_memory(instance: str, pids: set[int] | list[int], model: str | None = None, *,
+                process: Any = None, proc: Path = Path("/proc")) -> HostMemory:
+    """The host memory of a server's processes (`pids`: tree and group, see server_process_pids): RSS from
+    psutil, PSS from /proc/PID/smaps_rollup where readable, and the weights of `model` on disk beside them.
+    `process` replaces psutil.Process (tests stand in a process tree)."""
+    if process is None:
+        import psutil
+
+        process, gone = psutil.Process, psutil.Error
+    else:
+        gone = Exception
+    rss = 0
+    pss: list[int] = []
+    alive: list[int] = []
+    for pid in sorted(set(pids)):
+        try:
+            rss += int(process(pid).memory_info().rss)
+        except gone:  # ended between listing and reading: not part of the server any more
+            continue
+        alive.append(pid)
+        kib = _pss_kib(pid, proc)
+        if kib is not None:
+            pss.append(kib)
+    method = "psutil memory_info().rss" + (" + /proc/PID/smaps_rollup Pss" if pss else "")
+    return HostMemory(instance=instance, pids=alive, rss_mib=round(rss / MIB, 2),
+                      pss_mib=round(sum(pss) / 1024, 2) if pss else None, pss_pids=len(pss),
+                      weights_mib=_weights_mib(model), method=method + ", summed over the server's processes")
+
+
 class VramStatus(BaseModel):
-    available: bool = Field(description="False when no NVIDIA driver/NVML answers (e.g. a CPU-only machine)")
-    reason: str | None = Field(None, description="Why NVML is unavailable, when it is")
+    available: bool = Field(description="False without an NVIDIA driver (NVML)")
+    reason: str | None = None
     driver_version: str | None = None
     gpus: list[GpuInfo] = Field(default_factory=list)
-    server_pids: list[int] = Field(default_factory=list,
-                                   description="Pids counted as the vLLM server (API server and children)")
-    server_used_mib: int | None = Field(None, description="GPU memory of the vLLM server's processes, summed "
-                                                          "over those that report it")
+    server_pids: list[int] = Field(default_factory=list)  # the vLLM servers' processes: trees and groups
+    server_used_mib: int | None = Field(None, description="GPU memory of the servers' processes")
+    host: list[HostMemory] = Field(default_factory=list, description="Per instance: host memory (RSS, PSS), "
+                                                                     "weights on disk")
 
     def summary_line(self) -> str:
+        hosts = [h.line() for h in self.host]
         if not self.available:
-            return f"No NVIDIA GPU: {self.reason}"
+            return "; ".join([f"No NVIDIA GPU: {self.reason}", *hosts])
         parts = []
         for g in self.gpus:
             parts.append(f"GPU{g.index} {g.name}: {g.used_mib} MiB used / {g.total_mib} MiB "
                          f"({g.free_mib} MiB free), {g.utilization_gpu_pct if g.utilization_gpu_pct is not None else '?'} % busy")
         if self.server_used_mib is not None:
             parts.append(f"vLLM server: {self.server_used_mib} MiB")
-        return "; ".join(parts) if parts else "NVML answered but reports no GPU"
+        return "; ".join([*parts, *hosts]) if parts else "; ".join(["NVML answered but reports no GPU", *hosts])
 
 
 def _text(value: Any) -> str:

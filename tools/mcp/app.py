@@ -30,6 +30,7 @@ import anyio.to_thread
 from fastmcp import Context, FastMCP
 from fastmcp.exceptions import ValidationError as ArgumentsRefused
 from fastmcp.server.middleware import Middleware
+from fastmcp.tools import FunctionTool
 from fastmcp.tools.base import ToolResult
 from mcp_types import TextContent, ToolAnnotations
 from pydantic import ValidationError
@@ -43,19 +44,21 @@ from tools.mcp.errors import ToolRefusal, argument_error, to_tool_error
 from tools.mcp.jobs import JobCancelled, JobRegistry, ProgressFn
 from tools.mcp.registry import TOOLSETS, TOOLSETS_ENV, ToolSpec, parse_toolsets
 from tools.serving.config import load_config
+from tools.serving.hardware import Hardware
 from tools.serving.vllm_server import server_status
 
 SERVER_NAME = "gemma4-t4"
 
 INSTRUCTIONS = """\
 Deploy and benchmark Gemma 4 E2B 4-bit builds with vLLM (one Tesla T4, or vLLM's CPU backend).
-Typical order: probe_checkpoint -> repack_checkpoint -> patch_turing (T4 only) -> start_vllm_server ->
-query_model -> compare_tokens (record with build A, check with build B) -> run_sweep -> compare_sweeps ->
-stop_vllm_server. Long tools stream progress; if your client times out tool calls, run them with start_job and
-follow with job_status. One long operation runs at a time. Paths must lie under the roots (server_status.roots).
-Every result has `summary`, one line for people; chain the other fields. The prompts deploy_t4 and compare_builds
-list the calls in order; the resources hold the serving config, evidence run summaries, the demo report and the
-server log."""
+Typical order: preflight -> probe_checkpoint -> repack_checkpoint -> start_vllm_server -> compare_tokens
+(record with build A, check with build B) -> vram_status -> run_sweep -> compare_sweeps -> stop_vllm_server.
+Without an NVIDIA GPU, make_tiny_model makes a stand-in source and the walk runs on CPU (prompt deploy_cpu);
+on a T4, add toolsets gpu and hub (patch_turing, fetch_checkpoint; prompt deploy_t4). Long tools stream progress;
+if your client times out tool calls, add toolset jobs (start_job, job_status). One long operation runs at a time.
+Paths must lie under the roots (server_status.roots). Every result has `summary`, one line for people; chain the
+other fields. The prompts list the calls in order; the resources hold the serving config, evidence run
+summaries, the demo report and the server log."""
 
 @dataclass
 class Settings:
@@ -72,6 +75,13 @@ class App:
         self.roots = settings.roots
         self.jobs = JobRegistry()
         self.specs: dict[str, ToolSpec] = {}
+        self._platform: str | None = None
+
+    def platform(self) -> str:
+        """cuda or cpu, read once (NVML): what the remedies name (the stand-in source on CPU, the hub's on a GPU)."""
+        if self._platform is None:
+            self._platform = Hardware().platform()
+        return self._platform
 
     def config(self, **overrides: Any) -> Any:
         merged = {**self.settings.config_overrides, **{k: v for k, v in overrides.items() if v is not None}}
@@ -215,6 +225,44 @@ def _handler(spec: ToolSpec, app: App) -> Callable[..., Any]:
     return handler
 
 
+class ListedTool(FunctionTool):
+    """A tool listed without FastMCP's `_meta` (its tags): the toolsets are chosen when the server starts, and
+    every listed byte is paid for by every connected agent."""
+
+    def get_meta(self) -> dict[str, Any] | None:  # type: ignore[override]
+        return None
+
+
+# The spec's defaults for the hints a tool leaves out.
+_HINT_DEFAULTS = {"readOnlyHint": False, "destructiveHint": True, "idempotentHint": False, "openWorldHint": True}
+
+
+def hints(spec: ToolSpec) -> ToolAnnotations:
+    """The tool's hints where they differ from the spec's defaults; destructive and idempotent say nothing of a
+    read-only tool (the spec reads them only when readOnlyHint is false)."""
+    given = {"readOnlyHint": spec.read_only, "openWorldHint": spec.open_world}
+    if not spec.read_only:
+        given |= {"destructiveHint": spec.destructive, "idempotentHint": spec.idempotent}
+    return ToolAnnotations(**{k: v for k, v in given.items() if v != _HINT_DEFAULTS[k]})
+
+
+def compact_input_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    """The input schema as listed: an optional argument's `anyOf [T, null]` with default null is written as T
+    (leaving it out means null), and no `additionalProperties` (an unknown argument is refused all the same):
+    the call is still checked against the parameter model."""
+    props = {}
+    for name, prop in (schema.get("properties") or {}).items():
+        prop = dict(prop)
+        branches = prop.get("anyOf")
+        if "default" in prop and prop["default"] is None:
+            del prop["default"]
+            if branches and {"type": "null"} in branches and len(branches) == 2:
+                del prop["anyOf"]
+                prop = {**next(b for b in branches if b != {"type": "null"}), **prop}
+        props[name] = prop
+    return {**{k: v for k, v in schema.items() if k != "additionalProperties"}, "properties": props}
+
+
 def create_server(settings: Settings | None = None, *, auth: Any = None,
                   toolsets: str | Iterable[str] | None = None) -> FastMCP:
     """The MCP server over `settings`; `auth` is a fastmcp auth provider (HTTP only); `toolsets` picks what is
@@ -229,10 +277,11 @@ def create_server(settings: Settings | None = None, *, auth: Any = None,
                   strict_input_validation=True, middleware=[ArgumentErrors()])
     mcp.gemma = app  # type: ignore[attr-defined]  # tests and the demo reach the registry through it
     for spec in specs.values():
-        mcp.tool(_handler(spec, app), name=spec.name, title=spec.title, description=spec.description,
-                 tags={spec.toolset}, output_schema=spec.output_schema(),
-                 annotations=ToolAnnotations(readOnlyHint=spec.read_only, destructiveHint=spec.destructive,
-                                             idempotentHint=spec.idempotent, openWorldHint=spec.open_world))
+        tool = ListedTool.from_function(_handler(spec, app), name=spec.name, title=spec.title,
+                                        description=spec.description, tags={spec.toolset},
+                                        output_schema=spec.output_schema(), annotations=hints(spec))
+        tool.parameters = compact_input_schema(tool.parameters)
+        mcp.add_tool(tool)
     # Every tool carries its one toolset's tag: hiding the other toolsets' tags leaves the chosen tools, and the
     # untagged resources and prompts, which cost a client nothing until it asks for them.
     hidden = set(TOOLSETS) - set(chosen)

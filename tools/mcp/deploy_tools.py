@@ -1,5 +1,5 @@
-"""Deployment tools: check this machine for a deployment, fetch a checkpoint from the hub (tools/serving does
-the work)."""
+"""Deployment tools: check this machine before a step, fetch a checkpoint from the hub (tools/serving does the
+work)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,8 @@ from tools.serving.preflight import PreflightParams, PreflightReport, run_prefli
 @tool(toolset="deploy", title="Preflight checks", params=PreflightParams, result=PreflightReport, read_only=True,
       idempotent=True)
 def preflight(app, p: PreflightParams) -> Reply:
-    """Check this machine and the serving config before a step (driver, GPU memory and capability, vLLM build,
-    T4 clamp, host memory, disk, port, max_model_len, hub token, checkpoints, drafter): each check ok, warn, fail or n/a,
-    with a one-line fix. A failing check is a result, not an error. Writes nothing."""
+    """Check this machine and the serving config before a step: each check ok, warn, fail or n/a, with its fix.
+    Writes nothing."""
     update = {"env_file": str(app.settings.env_file) if app.settings.env_file else None}
     if p.source:
         update["source"] = str(app.roots.confine(p.source, "models", what="source"))
@@ -36,12 +35,11 @@ def _fetch_inputs(app, p: FetchParams) -> FetchParams:
     return p.model_copy(update={"roots": [str(r) for r in app.roots.models]})
 
 
-@tool(toolset="deploy", title="Fetch a checkpoint from the hub", params=FetchParams, result=FetchResult, long=True,
+@tool(toolset="hub", title="Fetch a checkpoint from the hub", params=FetchParams, result=FetchResult, long=True,
       idempotent=True, open_world=True, check=_fetch_inputs)
 def fetch_checkpoint(app, p: FetchParams, progress) -> Reply:
-    """Download a Hugging Face model's build files (weights, configs, tokenizer, chat template) at a revision and
-    publish them under a models root (`out`, default: <first models root>/<repo name>), with sha256 per file in
-    fetch-manifest.json; resumes from the hub cache, never replaces a different folder. Long: progress in bytes."""
+    """Download a Hugging Face model's build files at a revision into a models root (`out`, default: the repo's
+    name), with a sha256 manifest; resumes from the hub cache. Long: progress in bytes."""
     res = fetch(_fetch_inputs(app, p), progress=lambda d, t, m: progress(d, t, m))
     state = "already there" if res.already_present else ("from the cache" if res.offline else "fetched")
     return Reply(res, f"{res.repo_id}@{res.commit[:12]} {state}: {res.out} ({len(res.files)} files, "

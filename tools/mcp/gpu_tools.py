@@ -1,4 +1,5 @@
-"""GPU tools: memory through NVML, and the Turing (T4) attention clamp."""
+"""Memory and GPU tools: what each running build takes (NVML on a GPU, the host's memory on every platform), and
+the Turing (T4) attention clamp."""
 
 from __future__ import annotations
 
@@ -12,19 +13,23 @@ from tools.gpu import vram
 from tools.gpu.vram import VramStatus
 from tools.mcp.registry import Reply, tool
 from tools.serving import turing_patch
-from tools.serving.instances import process_owners
+from tools.serving.instances import process_owners, running
 from tools.serving.turing_patch import PatchStatus
 
 
-@tool(toolset="gpu", title="GPU memory (NVML)", result=VramStatus, read_only=True, idempotent=True)
+@tool(toolset="deploy", title="Memory of the running builds", result=VramStatus, read_only=True,
+      idempotent=True)
 def vram_status(app, p) -> Reply:
-    """Per-GPU memory and utilization, with each vLLM instance's processes marked (`instance`); use it to see
-    what a build takes on the GPU. Without an NVIDIA driver: available=false and the reason, not an error."""
+    """The memory each running build takes: per GPU through NVML, and each instance's host memory beside its
+    weights on disk (where they live on CPU)."""
     try:
-        owners = process_owners(app.config())
-    except ToolFailure:  # no serving config: VRAM is still worth reading
-        owners = {}
+        cfg = app.config()
+        owners, servers = process_owners(cfg), running(cfg)
+    except ToolFailure:  # no serving config: the GPUs are still worth reading
+        owners, servers = {}, {}
     st = vram.vram_status(owners=owners)
+    st.host = [vram.host_memory(name, {pid for pid, owner in owners.items() if owner == name} | {s.pid}, s.model)
+               for name, s in servers.items()]
     return Reply(st, st.summary_line())
 
 
@@ -37,9 +42,7 @@ class PatchParams(OpParams):
 @tool(toolset="gpu", title="Turing attention clamp", params=PatchParams, result=PatchStatus, destructive=True,
       idempotent=True)
 def patch_turing(app, p: PatchParams) -> Reply:
-    """Check, apply or revert the T4 (sm_75) shared-memory clamp in this environment's vLLM; start_vllm_server
-    refuses on a Turing GPU until it is applied. Not needed on CPU or newer GPUs."""
+    """Check, apply or revert the T4 (sm_75) attention clamp in this vLLM: start_vllm_server refuses on a T4
+    until it is applied. Not needed on CPU or newer GPUs."""
     res = {"check": turing_patch.check, "apply": turing_patch.apply, "revert": turing_patch.revert}[p.action]()
     return Reply(res, res.message)
-
-

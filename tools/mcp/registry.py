@@ -22,21 +22,23 @@ from tools.mcp.wording import MCP
 
 # Toolsets: what a client sees is chosen with --toolsets / GEMMA4_T4_TOOLSETS (fastmcp tags do the filtering).
 TOOLSETS: dict[str, str] = {
-    "repack": "probe and repack a QAT checkpoint",
+    "repack": "make a stand-in source, probe and repack a QAT checkpoint",
     "serve": "start, stop, inspect and query the vLLM server",
     "measure": "token identity between builds, serving sweeps and their comparison",
-    "jobs": "run long tools in the background and follow them",
-    "gpu": "GPU memory and the Turing (T4) attention clamp",
-    # Outside the default set: with it the default tools/list would sit at the 24,000-character budget.
+    "deploy": "check this machine before a step, and the memory each running build takes",
+    # Outside the default set: what the walk from a source to a measured build does not need.
+    "jobs": "run long tools in the background and follow them (for clients that time out long calls)",
+    "log": "the vLLM server log's tail as a tool (the resource gemma4-t4://server/log holds it too)",
+    "gpu": "the Turing (T4) attention clamp",
+    "hub": "fetch a checkpoint from the Hugging Face hub",
     "fidelity": "logprob fidelity between builds: KLD, top-1 agreement, perplexity ratio",
     "eval": "accuracy with lm-evaluation-harness against the server, and runs side by side",
-    "deploy": "check this machine for a deployment and fetch a checkpoint from the hub",
     "decode": "single-stream decode benchmark: time per token and the drafter's acceptance (speculative decoding)",
     "fleet": "vllm-router in front of named instances: start, status, stop",
 }
-# The article's workflow end to end: probe -> repack -> serve -> compare tokens -> sweep -> compare, with jobs for
-# clients that time out long calls. `gpu` (VRAM, the one-time T4 clamp) is added where a T4 is set up.
-DEFAULT_TOOLSETS: tuple[str, ...] = ("repack", "serve", "measure", "jobs")
+# The design's walk end to end, on a T4 or on CPU: preflight -> source (stand-in on CPU) -> probe -> repack ->
+# start -> compare tokens -> memory -> sweep -> compare. A T4 adds `gpu` and `hub` (`--toolsets default,gpu,hub`).
+DEFAULT_TOOLSETS: tuple[str, ...] = ("repack", "serve", "measure", "deploy")
 TOOLSETS_ENV = "GEMMA4_T4_TOOLSETS"
 
 
@@ -104,7 +106,7 @@ def tool(*, toolset: str, title: str, params: type | None = None, result: Any = 
         if name in TOOLS and TOOLS[name].fn is not fn:
             raise ValueError(f"tool {name} declared twice")
         TOOLS[name] = ToolSpec(name=name, fn=fn, toolset=toolset, title=title,
-                               description=inspect.cleandoc(fn.__doc__ or ""), params=params, result=result,
+                               description=" ".join((fn.__doc__ or "").split()), params=params, result=result,
                                long=long, read_only=read_only, destructive=destructive, idempotent=idempotent,
                                open_world=open_world, extra=dict(extra or {}),
                                is_async=inspect.iscoroutinefunction(fn), check=check)
@@ -114,75 +116,26 @@ def tool(*, toolset: str, title: str, params: type | None = None, result: Any = 
 
 
 def parse_toolsets(value: str | Iterable[str] | None) -> tuple[str, ...]:
-    """`repack,serve` -> ("repack", "serve"); "all" -> every toolset; None/"" -> the default set."""
+    """`repack,serve` -> ("repack", "serve"); "all" -> every toolset; None/"" -> the default set, which
+    "default" names among others (`default,gpu,hub`)."""
     if value is None or value == "":
         return DEFAULT_TOOLSETS
     names = [v.strip() for v in (value.split(",") if isinstance(value, str) else value) if v.strip()]
     if "all" in names:
         return tuple(TOOLSETS)
+    names = [n for v in names for n in (DEFAULT_TOOLSETS if v == "default" else (v,))]
     unknown = [n for n in names if n not in TOOLSETS]
     if unknown:
-        raise ValueError(f"unknown toolset {', '.join(unknown)[:200]}; choose from {', '.join(TOOLSETS)} or all")
+        raise ValueError(f"unknown toolset {', '.join(unknown)[:200]}; choose from {', '.join(TOOLSETS)}, "
+                         "default or all")
     return tuple(dict.fromkeys(names))
 
 
 # ------------------------------------------------------------------------------------------ lean output schemas
 
-_KEEP = ("type", "description", "enum", "items")
-
-
-def _lean_prop(prop: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
-    """One property, one level deep: scalars keep their type, objects and arrays of objects stay open."""
-    if "$ref" in prop:
-        target = defs.get(prop["$ref"].rsplit("/", 1)[-1], {})
-        out = _lean_prop({k: v for k, v in target.items() if k != "description"}, defs)
-        if prop.get("description"):
-            out["description"] = prop["description"]
-        return out
-    if "anyOf" in prop:
-        branches = [_lean_prop(b, defs) for b in prop["anyOf"]]
-        types: list[str] = []
-        for b in branches:
-            t = b.get("type", "object")
-            for one in (t if isinstance(t, list) else [t]):
-                if one not in types:
-                    types.append(one)
-        out: dict[str, Any] = {"type": types[0] if len(types) == 1 else types}
-        items = [b["items"] for b in branches if "items" in b]
-        if items:
-            out["items"] = items[0]
-        if prop.get("description"):
-            out["description"] = prop["description"]
-        return out
-    t = prop.get("type")
-    if t is None or t == "object" or "properties" in prop or "additionalProperties" in prop:
-        out = {"type": "object"}
-    elif t == "array":
-        item = prop.get("items") or {}
-        item_type = item.get("type") if isinstance(item.get("type"), str) else None
-        scalar = item_type in ("string", "integer", "number", "boolean") and "$ref" not in item
-        out = {"type": "array", "items": {"type": item_type} if scalar else {}}
-    else:
-        out = {"type": t}
-        if "enum" in prop:
-            out["enum"] = prop["enum"]
-    if prop.get("description"):
-        out["description"] = prop["description"]
-    return out
-
-
-def _leaner(prop: dict[str, Any]) -> dict[str, Any]:
-    """Keep a property's type only where it is one plain JSON type; its description always."""
-    t = prop.get("type")
-    out: dict[str, Any] = {"type": t} if isinstance(t, str) and t not in ("object", "array") else {}
-    if prop.get("description"):
-        out["description"] = prop["description"]
-    return out
-
-
 def lean_schema(result: Any, extra: dict[str, tuple[Any, str]] | None = None) -> dict[str, Any]:
-    """The output schema: the library result's top-level field names, plain types and descriptions (nested
-    objects, lists and nullable fields left open) plus `summary`.
+    """The output schema: the library result's top-level field names and descriptions (every value left open);
+    `summary`, in every result, is said once in the server's instructions.
 
     Derived from the library type, never copied; this lean because every connected agent pays for every schema
     in every conversation (the full shape is in the structured content itself).
@@ -196,8 +149,7 @@ def lean_schema(result: Any, extra: dict[str, tuple[Any, str]] | None = None) ->
             if "$ref" in b:
                 b = defs.get(b["$ref"].rsplit("/", 1)[-1], {})
             for name, prop in (b.get("properties") or {}).items():
-                props.setdefault(name, _leaner(_lean_prop(prop, defs)))
-    for name, (tp, description) in (extra or {}).items():
-        props[name] = {**_leaner(_lean_prop(TypeAdapter(tp).json_schema(), {})), "description": description}
-    props["summary"] = {"type": "string"}  # one line for people (the instructions say so once)
-    return {"type": "object", "properties": props, "required": ["summary"]}
+                props.setdefault(name, {"description": prop["description"]} if prop.get("description") else {})
+    for name, (_tp, description) in (extra or {}).items():
+        props[name] = {"description": description} if description else {}
+    return {"type": "object", "properties": props}

@@ -1,6 +1,8 @@
-"""Repack tools: probe a checkpoint, build the all-4-bit checkpoint (repack/ does the work).
+"""Repack tools: make the tiny stand-in source, probe a checkpoint, build the all-4-bit checkpoint (repack/ does
+the work).
 
-repack.probe and repack.build hold numpy: they load when a tool runs, not when the server lists its tools.
+repack.probe and repack.build hold numpy, the tiny model torch: they load when a tool runs, not when the server
+lists its tools.
 """
 
 from __future__ import annotations
@@ -8,22 +10,76 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from pydantic import Field
 
-from tools.mcp.registry import Reply, tool
+from repack import tiny_model
 from repack.params import BuildParams, ProbeParams
+from tools.core.errors import BadInput, ToolFailure, param
+from tools.core.params import OpParams
+from tools.core.paths import PathNotAllowed
+from tools.mcp.registry import Reply, tool
+from tools.serving.launch import TINY_SOURCE, make_source
 from tools.serving.preflight import ensure
 
 
+def _source(app, path: str, what: str) -> Path:
+    """A source folder confined to the models roots; a missing one is refused with the call that makes it on
+    this platform (the stand-in on CPU, the hub's checkpoint on a GPU)."""
+    try:
+        return app.roots.confine(path, "models", must_exist=True, what=what)
+    except PathNotAllowed as exc:
+        if exc.detail["problem"] != "missing":
+            raise
+        raise ToolFailure(f"{exc}: make it with {make_source(exc.detail['input'], app.platform())}",
+                          detail=exc.detail) from None
+
+
+class TinyParams(OpParams):
+    out: str = Field(TINY_SOURCE, description="Folder to write under a models root")
+    force: bool = Field(False, description="Replace a folder this tool wrote")
+
+
+def _tiny_out(app, p: TinyParams) -> Path:
+    """The output under a models root, never a root itself; an existing one only with force=true, and only a
+    checkpoint (config.json), since the build replaces the folder whole."""
+    out = app.roots.confine(p.out, "models", what="out")
+    if any(r.is_relative_to(out) for r in [*app.roots.models, *app.roots.evidence]):
+        raise BadInput(f"{param('out')} {out} is a root or holds one: give a folder under a models root",
+                       field="out")
+    if out.is_file() or (out.is_dir() and any(out.iterdir())):
+        if not p.force:
+            raise BadInput(f"{param('out')} {out} exists: pass {param('force', True)} to replace it, or choose "
+                           f"another", field="out")
+        if not (out / "config.json").is_file():
+            raise BadInput(f"{param('out')} {out} holds something else than a checkpoint: choose another",
+                           field="out")
+    return out
+
+
+@tool(toolset="repack", title="Make the tiny stand-in source", params=TinyParams, long=True, destructive=True,
+      idempotent=True, check=_tiny_out,
+      extra={"path": (str, "The source written: probe and repack it"),
+             "accuracy": (float, "Greedy accuracy on its training pattern")})
+def make_tiny_model(app, p: TinyParams, progress) -> Reply:
+    """Write a tiny Gemma-4-shaped QAT source checkpoint, for a machine without a GPU or the real checkpoint
+    (the walk then runs on CPU). Long."""
+    out = _tiny_out(app, p)
+    progress(0, 1, f"building the tiny QAT source in {out}")
+    info = tiny_model.cached_tiny_qat_checkpoint(out)
+    progress(1, 1, f"wrote {out}")
+    return Reply({}, f"wrote the tiny QAT source {out}: {len(info.grid_tensors)} tensors on the 4-bit grid",
+                 {"path": str(out), "accuracy": info.accuracy, "grid_tensors": len(info.grid_tensors)})
+
+
 @tool(toolset="repack", title="Probe a checkpoint", params=ProbeParams, read_only=True, idempotent=True,
-      extra={"source": (str, "The checkpoint probed"),
-             "verdict": (str, "qat: every sampled text tensor is on the 4-bit grid (repack_checkpoint will "
-                              "succeed); base, mixed or no-candidates otherwise"),
-             "off_grid_tensors": (list[dict[str, Any]], "Text and tower tensors found off the grid"),
-             "table": (str, "The report as a fixed-width table, for people")})
+      extra={"source": (str, ""),
+             "verdict": (str, "qat: repack_checkpoint will succeed; base, mixed or no-candidates otherwise"),
+             "off_grid_tensors": (list[dict[str, Any]], "Tensors found off the grid"),
+             "table": (str, "")})
 def probe_checkpoint(app, p: ProbeParams) -> Reply:
-    """Read a checkpoint's config and safetensors headers and sample whether its tensors sit on the 4-bit grid;
-    run it before repack_checkpoint. Writes nothing."""
-    src = app.roots.confine(p.path, "models", must_exist=True, what="path")
+    """Check that a source's tensors sit on the 4-bit grid (verdict qat) before repack_checkpoint. Writes
+    nothing."""
+    src = _source(app, p.path, "path")
     from repack.probe import probe_checkpoint as probe
 
     report = probe(src, rows_per_tensor=p.rows, roots=list(app.roots.models))
@@ -39,7 +95,7 @@ def probe_checkpoint(app, p: ProbeParams) -> Reply:
 
 def _repack_paths(app, p: BuildParams) -> tuple[Path, Path]:
     """The source and output, confined to the models roots; the source's config.json and the free disk."""
-    src = app.roots.confine(p.source, "models", must_exist=True, what="source")
+    src = _source(app, p.source, "source")
     out = app.roots.confine(p.output, "models", what="output")
     ensure("repack", source=src, out=out, force=p.force,  # the build's own refusals, before any write
            protected_roots=[*app.roots.models, *app.roots.evidence])
@@ -49,15 +105,11 @@ def _repack_paths(app, p: BuildParams) -> tuple[Path, Path]:
 @tool(toolset="repack", title="Repack a QAT checkpoint to all-4-bit", params=BuildParams, long=True,
       destructive=True, idempotent=True, check=_repack_paths,
       extra={"output": (str, "The written checkpoint folder; pass it to start_vllm_server as model"),
-             "tables": (list[dict[str, Any]], "Per table (PLE, embed_tokens, lm_head, linears, rest, towers): "
-                                              "bytes, groups, off-grid groups, values exact in runtime fp16 "
-                                              "and bf16, errors in bf16 ulps, sign-of-zero changes"),
-             "removed_partials": (list[str], "Leftovers of dead builds beside the output, removed first"),
-             "table": (str, "The report as a fixed-width table, for people")})
+             "tables": (list[dict[str, Any]], "Per table: bytes, groups, off-grid groups, exact values, errors"),
+             "table": (str, "")})
 def repack_checkpoint(app, p: BuildParams, progress) -> Reply:
-    """Build the all-4-bit checkpoint from a QAT checkpoint in one pass (W4A16 linears, text only, int4 PLE and
-    embed_tokens, or embed_int4=false for the bf16-embedding build). Aborts on any off-grid group, leaves nothing
-    half written; replaces an existing output only with force=true. Long: progress in bytes."""
+    """Build the all-4-bit checkpoint from a QAT source (embed_int4=false: the bf16-embedding build); leaves
+    nothing half written. Long."""
     src, out = _repack_paths(app, p)
     from repack.build import build_checkpoint
 

@@ -3,7 +3,7 @@
 Resources: the serving configuration as read (each value's source marked), the evidence runs (an index, and each
 run's summary.md / summary.json through a template confined to the evidence roots), the latest demo report and
 the vLLM server's log tail. Prompts: the article's workflows as numbered tool calls with their arguments
-(`deploy_t4`, `compare_builds`), built from `Step` lists that the README's walk-through and the end-to-end test
+(`deploy_t4`, `deploy_cpu`, `compare_builds`), built from `Step` lists that the README's walk-through and the end-to-end test
 use too, so the three cannot drift apart. The app (tools/mcp/app.py) registers both; nothing here imports vLLM.
 """
 
@@ -14,7 +14,7 @@ import json
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -308,11 +308,12 @@ prompt(PromptSpec(
                                                      "root)"),
                "output": (_BUILD + "-emb4", "The all-4-bit build to write and serve (under a models root)"),
                "repo_id": (SOURCE_REPO, "The hub repo the source is fetched from when it is missing")},
-    toolsets=("deploy", "repack", "serve", "gpu"),
-    intro="Deploy {output} from {source} with the gemma4-t4 MCP tools (toolsets deploy, repack, serve and gpu: "
-          "start the server with --toolsets all). Call the tools in this order; after each, read `summary`. When "
-          "a call fails, its error is one line naming the argument or the fix: do that, then repeat the call. "
-          "Long calls stream progress; if your client times out, run them through start_job and job_status.",
+    toolsets=("deploy", "hub", "repack", "gpu", "serve"),
+    intro="Deploy {output} from {source} with the gemma4-t4 MCP tools (the default toolsets and gpu and hub: "
+          "start the server with --toolsets default,gpu,hub). On a machine without an NVIDIA GPU follow deploy_cpu "
+          "instead. Call the tools in this order; after each, read `summary`. When a call fails, its error is one "
+          "line naming the argument or the fix: do that, then repeat the call. Long calls stream progress; if your "
+          "client times out, add toolset jobs and run them through start_job and job_status.",
     steps=[
         Step("preflight", {"step": "all"}, "every check ok, warn, fail or n/a with a one-line fix; do each failing "
                                            "check's fix before going on"),
@@ -331,6 +332,41 @@ prompt(PromptSpec(
                                                          "and the start time"),
         Step("query_model", {"prompt": "Write one sentence about the Tesla T4."},
              "one greedy answer: the build serves sensible text"),
+    ]))
+
+_TINY = "tiny-gemma4-qat"
+
+prompt(PromptSpec(
+    name="deploy_cpu", title="The whole walk on CPU, from the tiny stand-in",
+    description="On a machine without an NVIDIA GPU: make the tiny stand-in source, probe it, repack both builds, "
+                "serve and check each on vLLM's CPU backend, and read the memory each takes; default toolsets only.",
+    arguments={"source": (_TINY, "The stand-in source folder (relative: under the first models root)"),
+               "output": ("tiny-emb4", "The all-4-bit build (int4 embeddings)"),
+               "output_bf16": ("tiny-bf16-emb", "The bf16-embedding build"),
+               "label": ("tiny", "Label of the token record (no spaces)")},
+    toolsets=("deploy", "repack", "serve", "measure"),
+    intro="Walk from nothing to two served, checked and measured builds on this CPU with the gemma4-t4 MCP tools "
+          "(the default toolsets). The source is a tiny Gemma-4-shaped QAT checkpoint made here, so nothing is "
+          "downloaded. Call the tools in this order and read each `summary`; a failed call's error names the tool "
+          "and arguments that fix it: call that, then repeat the call.",
+    steps=[
+        Step("preflight", {"step": "all"}, "platform cpu; do each failing check's fix before going on"),
+        Step("make_tiny_model", {"out": "{source}"}, "the stand-in source (trained once, then cached)",
+             when="the source folder does not exist", condition="source_missing"),
+        Step("probe_checkpoint", {"path": "{source}"}, "the verdict must be qat"),
+        Step("repack_checkpoint", {"source": "{source}", "output": "{output_bf16}", "embed_int4": False},
+             "the bf16-embedding build"),
+        Step("repack_checkpoint", {"source": "{source}", "output": "{output}"}, "the all-4-bit build"),
+        Step("start_vllm_server", {"model": "{output_bf16}"}, "serves the bf16-embedding build on CPU"),
+        Step("compare_tokens", {"mode": "record", "reference": "tokens/{label}-bf16-emb.json"},
+             "its greedy tokens, the reference for the all-4-bit build"),
+        Step("vram_status", {}, "`host`: the server's RSS and PSS beside the weights on disk"),
+        Step("stop_vllm_server", {}, "one build at a time"),
+        Step("start_vllm_server", {"model": "{output}"}, "serves the all-4-bit build"),
+        Step("compare_tokens", {"mode": "check", "reference": "tokens/{label}-bf16-emb.json"},
+             "identical prompts, else the first divergence and whether it is a near-tie"),
+        Step("vram_status", {}, "the all-4-bit build's memory, to set beside the first"),
+        Step("stop_vllm_server", {}, "done"),
     ]))
 
 prompt(PromptSpec(
@@ -375,7 +411,8 @@ prompt(PromptSpec(
 
 
 def walkthrough() -> list[tuple[str, int, Step]]:
-    """The fresh-VM walk-through: deploy_t4 then compare_builds with their defaults, as (prompt, step no., step)."""
+    """The fresh-VM walk-through: deploy_t4 then compare_builds with their defaults, as (prompt, step no., step).
+    (deploy_cpu is the same walk on a machine without a GPU.)"""
     out = []
     for name in ("deploy_t4", "compare_builds"):
         out += [(name, i, s) for i, s in enumerate(PROMPTS[name].bind(), 1)]

@@ -20,6 +20,7 @@ TOOL_NAMES: dict[str, tuple[str, dict[str, Any]]] = {
     "router.status": ("router_status", {}),
     "probe": ("probe_checkpoint", {}),
     "repack": ("repack_checkpoint", {}),
+    "tiny_model": ("make_tiny_model", {}),
     "fetch": ("fetch_checkpoint", {}),
     "doctor": ("preflight", {}),
     "patch_turing": ("patch_turing", {}),

@@ -23,11 +23,12 @@ import psutil
 
 from tools.core.errors import ToolFailure, op, param
 from tools.core.process import end_group
+from tools.gpu.vram import host_memory, server_process_pids
 from tools.serving import engine_log, placement, state
 from tools.serving.config import ServeConfig, looks_like_path
 from tools.serving.hardware import Hardware
 from tools.serving.model_files import embedding_method, model_position_limit
-from tools.serving.preflight import ensure
+from tools.serving.preflight import SOURCE_REPO, ensure
 from tools.serving.records import StartResult
 from tools.serving.state import ServerState
 
@@ -36,6 +37,7 @@ Progress = Callable[[float, str], None]
 # engine whose traced graphs were specialised on the warm-up's shape and fail every real prompt.
 READINESS_PROMPT = "The quick brown fox jumps over the lazy dog."
 _DEFERRED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+TINY_SOURCE = "tiny-gemma4-qat"  # the stand-in source's folder name the remedies suggest
 
 
 @contextlib.contextmanager
@@ -85,7 +87,20 @@ def _refuse_recorded(cfg: ServeConfig) -> None:
     state.clear_state(cfg)  # left by a server that died: not an obstacle
 
 
-def fit_to_model(cfg: ServeConfig) -> tuple[ServeConfig, str | None]:
+def make_source(source: str, platform: str) -> str:
+    """The operation (op() marks) that makes a missing source folder: on CPU the tiny stand-in, on a GPU the
+    fetched QAT checkpoint."""
+    return op("tiny_model", out=source) if platform == "cpu" else op("fetch", repo_id=SOURCE_REPO, out=source)
+
+
+def missing_model_fix(model: str, platform: str) -> str:
+    """How to make a missing model folder, with op() marks: a source, then the repack into it."""
+    source = TINY_SOURCE if platform == "cpu" else "SOURCE"
+    return (f"make a source with {make_source(source, platform)}, build it with "
+            f"{op('repack', source=source, output=model)}, or point MODEL_NAME at a build or a Hugging Face id")
+
+
+def fit_to_model(cfg: ServeConfig, platform: str = "cuda") -> tuple[ServeConfig, str | None]:
     """Refuses a local model folder that does not exist; fits MAX_MODEL_LEN to the model's own limit.
 
     vLLM refuses a max_model_len above the model's max_position_embeddings, a minute into the start and behind
@@ -94,10 +109,8 @@ def fit_to_model(cfg: ServeConfig) -> tuple[ServeConfig, str | None]:
     """
     if looks_like_path(cfg.model) and not Path(cfg.model).is_dir():
         where = "MODEL_NAME in " + str(cfg.env_file) if cfg.sources.get("model") == "file" else param("model")
-        raise ToolFailure(
-            f"model folder {cfg.model} does not exist ({where}): build it with {op('demo')} or "
-            f"{op('repack', source='SOURCE', out=cfg.model, text_only=True, embed_int4=True, embed_tokens=True)}, "
-            "or point MODEL_NAME at a build or a Hugging Face id", detail={"model": cfg.model})
+        raise ToolFailure(f"model folder {cfg.model} does not exist ({where}): "
+                          f"{missing_model_fix(cfg.model, platform)}", detail={"model": cfg.model})
     limit = model_position_limit(cfg.model)
     if limit is None or cfg.max_model_len <= limit:
         return cfg, None
@@ -224,7 +237,7 @@ def start_server(cfg: ServeConfig, *, progress: Progress | None = None, hardware
         # GPU's free memory: refused here with the failing check's line rather than by vLLM a minute into the start.
         ensure("start", cfg=cfg, hardware=hw, turing_target=turing_target)
         platform = hw.platform()
-        cfg, max_len_note = fit_to_model(cfg)
+        cfg, max_len_note = fit_to_model(cfg, platform)
         argv = cfg.vllm_argv(platform)
         t0 = time.monotonic()
         proc = _launch(cfg, argv, platform)
@@ -235,12 +248,15 @@ def start_server(cfg: ServeConfig, *, progress: Progress | None = None, hardware
     if fields.embedding_method is None:
         fields.embedding_method = embedding_method(cfg.model)
     fields.eager = "--enforce-eager" in argv
+    # After load and a first completion: the weights and the engine's buffers are resident.
+    memory = host_memory(cfg.instance or "default", server_process_pids(proc.pid), cfg.model)
     if progress is not None:
         progress(1.0, f"serving {cfg.served_name} at {cfg.base_url}")
     return StartResult(pid=proc.pid, pgid=proc.pid, base_url=cfg.base_url, model=cfg.model,
                        served_name=cfg.served_name, platform=platform, argv=argv, log_path=str(cfg.log_file),
                        state_file=str(cfg.state_file), startup_s=round(startup_s, 2), first_completion=first_text,
-                       start_fields=fields, max_model_len=cfg.max_model_len, max_model_len_note=max_len_note)
+                       start_fields=fields, max_model_len=cfg.max_model_len, max_model_len_note=max_len_note,
+                       host_memory=memory)
 
 
-__all__ = ["READINESS_PROMPT", "fit_to_model", "start_server"]
+__all__ = ["READINESS_PROMPT", "TINY_SOURCE", "fit_to_model", "make_source", "missing_model_fix", "start_server"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from tools.gpu.vram import HostMemory
 from tools.serving.engine_log import EngineStartFields
 from tools.serving.hardware import Vram
 
@@ -25,10 +26,13 @@ class StartResult:
     start_fields: EngineStartFields
     max_model_len: int | None = None
     max_model_len_note: str | None = None   # set when tpu.env's MAX_MODEL_LEN was above the model's limit
+    # The server's processes' host memory after load, on every platform (start_fields has the GPU's figures)
+    host_memory: HostMemory | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["start_fields"] = self.start_fields.to_dict()
+        d["host_memory"] = self.host_memory.model_dump() if self.host_memory else None
         return d
 
 

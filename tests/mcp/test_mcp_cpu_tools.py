@@ -1,0 +1,80 @@
+"""The CPU path inside MCP without vLLM: the stand-in source tool, and the refusals on the walk that name the
+tool and arguments that fix them on this platform."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from fastmcp import Client
+from fastmcp.exceptions import ToolError
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def _error(mcp, tool: str, args: dict) -> str:
+    async with Client(mcp) as c:
+        with pytest.raises(ToolError) as ei:
+            await c.call_tool(tool, args)
+    return str(ei.value)
+
+
+@pytest.mark.parametrize("platform, remedy", [
+    ("cpu", "make a source with make_tiny_model (out=tiny-gemma4-qat), build it with repack_checkpoint "
+            "(source=tiny-gemma4-qat, output=emb4)"),
+    ("cuda", "make a source with fetch_checkpoint (repo_id=google/gemma-4-E2B-it-qat-q4_0-unquantized, "
+             "out=SOURCE), build it with repack_checkpoint (source=SOURCE, output=emb4)"),
+])
+def test_a_start_on_a_missing_model_names_the_calls_that_make_it(mcp, platform, remedy):
+    mcp.gemma._platform = platform
+    err = run(_error(mcp, "start_vllm_server", {"model": "emb4"}))
+    assert err.startswith("model emb4 does not exist under the models roots: ") and remedy in err, err
+
+
+def test_a_probe_or_repack_of_a_missing_source_names_the_stand_in_on_cpu(mcp):
+    mcp.gemma._platform = "cpu"
+    probe = run(_error(mcp, "probe_checkpoint", {"path": "tiny"}))
+    assert probe.endswith("path tiny does not exist under the models roots: make it with make_tiny_model "
+                          "(out=tiny)"), probe
+    repack = run(_error(mcp, "repack_checkpoint", {"source": "tiny", "output": "emb4"}))
+    assert "make it with make_tiny_model (out=tiny)" in repack, repack
+    mcp.gemma._platform = "cuda"
+    assert "fetch_checkpoint (repo_id=google/gemma-4-E2B-it-qat-q4_0-unquantized, out=tiny)" in run(
+        _error(mcp, "probe_checkpoint", {"path": "tiny"}))
+
+
+def test_make_tiny_model_refuses_what_it_would_replace(mcp, tmp_path):
+    models = tmp_path / "models"
+    (models / "taken").mkdir()
+    (models / "taken" / "notes.txt").write_text("mine")
+    err = run(_error(mcp, "make_tiny_model", {"out": "taken"}))
+    assert err == f"out {models / 'taken'} exists: pass force=true to replace it, or choose another", err
+    err = run(_error(mcp, "make_tiny_model", {"out": "taken", "force": True}))
+    assert "holds something else than a checkpoint" in err and (models / "taken" / "notes.txt").is_file()
+    assert "is a root or holds one" in run(_error(mcp, "make_tiny_model", {"out": str(models)}))
+    assert "outside the models roots" in run(_error(mcp, "make_tiny_model", {"out": str(tmp_path / "x")}))
+
+
+def test_make_tiny_model_writes_a_source_probe_calls_qat(mcp, tmp_path):
+    """The stand-in from an empty models root (trained once per content address, then copied from the cache)."""
+    seen = []
+
+    async def go():
+        async with Client(mcp) as c:
+            made = await c.call_tool("make_tiny_model", {},
+                                     progress_handler=lambda p, t, m: seen.append(p) or asyncio.sleep(0))
+            probe = await c.call_tool("probe_checkpoint", {"path": made.structured_content["path"]})
+            again = await c.call_tool("make_tiny_model", {"force": True})
+            return made, probe, again
+
+    made, probe, again = run(go())
+    out = tmp_path / "models" / "tiny-gemma4-qat"
+    assert made.structured_content["path"] == str(out) and (out / "config.json").is_file()
+    assert made.structured_content["accuracy"] > 0.95 and seen[-1] == 1
+    assert made.content[0].text.startswith(f"wrote the tiny QAT source {out}")
+    assert json.loads(made.content[1].text) == made.structured_content
+    assert probe.structured_content["verdict"] == "qat"
+    assert again.structured_content["path"] == str(out)  # a checkpoint it wrote is replaced with force=true
