@@ -52,7 +52,8 @@ OPERATIONS: dict[str, str] = {
     "vram": "nvidia-smi",
 }
 # Arguments that are positional on the command line (written bare, in this order).
-POSITIONAL_ARGS: dict[str, tuple[str, ...]] = {"fetch": ("repo_id",), "probe": ("source",), "repack": ("source", "output")}
+POSITIONAL_ARGS: dict[str, tuple[str, ...]] = {
+    "fetch": ("repo_id",), "probe": ("source",), "repack": ("source", "output"), "tiny_model": ("out",)}
 
 
 def flag(name: str, *value: Any) -> str:

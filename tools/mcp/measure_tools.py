@@ -39,9 +39,8 @@ def _sweep_inputs(app, p: SweepParams) -> _Sweep:
       extra={"counts": (dict[str, int], "Cells by status: ok, infeasible, failed"),
              "table_md": (str, "The run's markdown table")})
 def run_sweep(app, p: SweepParams, progress) -> Reply:
-    """Measure the running server with vLLM's own benchmark over input lengths x concurrencies x repeats, the
-    same prompts for every build; writes a run folder (summary, raw results, provenance) under an evidence root
-    (`out`, default: the first). Long: progress in repeats."""
+    """Measure the running server's throughput with vLLM's own benchmark over input lengths x concurrencies, the
+    same prompts for every build; writes a run folder under an evidence root. Long."""
     checked = _sweep_inputs(app, p)
     res = sweep(checked.params, checked.endpoint, serve_config=checked.config,
                 progress=lambda d, t, m: progress(d, t, m))
@@ -59,9 +58,8 @@ def run_sweep(app, p: SweepParams, progress) -> Reply:
 @tool(toolset="measure", title="Compare sweep runs", params=CompareSweepsParams, result=SweepComparison,
       destructive=True, extra={"report_path": (str | None, "Where the comparison was written, when asked")})
 def compare_sweeps(app, p: CompareSweepsParams) -> Reply:
-    """The article's comparison of sweep runs: per cell the median output tok/s of each run and the last run's
-    ratio to each earlier one, plus cost per million tokens. Writes `output` only when given (force=true to
-    replace one)."""
+    """Sweep runs side by side: per cell each run's output tok/s with its 95% interval, the last run's ratio to
+    each earlier one with a verdict (faster, slower, within noise), and cost per million tokens."""
     dirs = [app.roots.confine(d, "evidence", must_exist=True, what="run_dir") for d in p.run_dirs]
     for given, d in zip(p.run_dirs, dirs):  # the file read, not only its folder: a link in it may lead out
         if d.is_dir():
@@ -70,10 +68,7 @@ def compare_sweeps(app, p: CompareSweepsParams) -> Reply:
     cmp = compare_runs([str(d) for d in dirs], price_per_hour=p.price_per_hour)
     if out is not None:
         write_comparison(cmp, out, force=p.force)
-    first = cmp.cells[0].ratios.items() if cmp.cells else []
-    summary = f"compared {', '.join(cmp.labels)} over {len(cmp.cells)} cells" + (
-        "; first cell " + "; ".join(f"{k}: {v:.3f}" if v else f"{k}: —" for k, v in first) if first else "")
-    return Reply(cmp, summary, {"report_path": str(out) if out else None})
+    return Reply(cmp, cmp.summary(), {"report_path": str(out) if out else None})
 
 
 def _token_inputs(app, p: CompareParams) -> CompareParams:
@@ -99,9 +94,8 @@ def _token_inputs(app, p: CompareParams) -> CompareParams:
       result=TokenComparison | TokenRecord, long=True, destructive=True, open_world=True, check=_token_inputs,
       extra={"report": (str, "The comparison as text (the article's SAME TOKENS lines)")})
 def compare_tokens(app, p: CompareParams, progress) -> Reply:
-    """Exact greedy token ids of two builds, prompt by prompt, with the first divergence and whether it is a
-    near-tie. mode=record with build A, restart with build B, mode=check; or both as instances on one card:
-    mode=live, instance and other_instance. Long: progress in prompts."""
+    """Whether two builds give the same greedy tokens, prompt by prompt: mode=record with build A, restart with
+    build B, mode=check (or mode=live with two instances). Long."""
     checked = _token_inputs(app, p)
     res = compare(checked, progress=lambda d, t, m: progress(d, t, m))
     if isinstance(res, TokenRecord):

@@ -18,7 +18,7 @@ from tools.core.errors import BadInput, ToolFailure, param
 from tools.core.params import OpParams
 from tools.core.paths import PathNotAllowed
 from tools.mcp.registry import Reply, tool
-from tools.serving.launch import TINY_SOURCE, make_source
+from tools.serving.model_files import TINY_SOURCE, make_source
 from tools.serving.preflight import ensure
 
 

@@ -8,7 +8,7 @@ from tools.core.errors import ToolFailure
 from tools.core.paths import PathNotAllowed
 from tools.mcp.registry import Reply, tool
 from tools.serving.instances import fleet_status, stop_all
-from tools.serving.launch import missing_model_fix
+from tools.serving.model_files import missing_model_fix
 from tools.serving.ops import LogParams, QueryParams, StartParams, StatusParams, StopParams
 from tools.serving.vllm_server import (QueryResult, ServerStatus, StartResult, StopResult, query, read_log,
                                        server_status as status, start_server, stop_server)

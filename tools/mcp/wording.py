@@ -33,6 +33,7 @@ TOOL_NAMES: dict[str, tuple[str, dict[str, Any]]] = {
     "fidelity.record": ("compare_logprobs", {"mode": "record"}),
     "fidelity.check": ("compare_logprobs", {"mode": "check"}),
     "vram": ("vram_status", {}),
+    "demo": ("the deploy_cpu (or, on a T4, deploy_t4) prompt", {}),
 }
 
 def argument(name: str, *value: Any) -> str:

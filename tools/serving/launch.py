@@ -28,7 +28,8 @@ from tools.serving import engine_log, placement, state
 from tools.serving.config import ServeConfig, looks_like_path
 from tools.serving.hardware import Hardware
 from tools.serving.model_files import embedding_method, model_position_limit
-from tools.serving.preflight import SOURCE_REPO, ensure
+from tools.serving.model_files import missing_model_fix
+from tools.serving.preflight import ensure
 from tools.serving.records import StartResult
 from tools.serving.state import ServerState
 
@@ -37,7 +38,6 @@ Progress = Callable[[float, str], None]
 # engine whose traced graphs were specialised on the warm-up's shape and fail every real prompt.
 READINESS_PROMPT = "The quick brown fox jumps over the lazy dog."
 _DEFERRED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-TINY_SOURCE = "tiny-gemma4-qat"  # the stand-in source's folder name the remedies suggest
 
 
 @contextlib.contextmanager
@@ -85,19 +85,6 @@ def _refuse_recorded(cfg: ServeConfig) -> None:
         raise ToolFailure(f"processes of a previous server (group {recorded.pgid}) are still running; "
                           f"run {op('stop')} to end them")
     state.clear_state(cfg)  # left by a server that died: not an obstacle
-
-
-def make_source(source: str, platform: str) -> str:
-    """The operation (op() marks) that makes a missing source folder: on CPU the tiny stand-in, on a GPU the
-    fetched QAT checkpoint."""
-    return op("tiny_model", out=source) if platform == "cpu" else op("fetch", repo_id=SOURCE_REPO, out=source)
-
-
-def missing_model_fix(model: str, platform: str) -> str:
-    """How to make a missing model folder, with op() marks: a source, then the repack into it."""
-    source = TINY_SOURCE if platform == "cpu" else "SOURCE"
-    return (f"make a source with {make_source(source, platform)}, build it with "
-            f"{op('repack', source=source, output=model)}, or point MODEL_NAME at a build or a Hugging Face id")
 
 
 def fit_to_model(cfg: ServeConfig, platform: str = "cuda") -> tuple[ServeConfig, str | None]:
@@ -259,4 +246,4 @@ def start_server(cfg: ServeConfig, *, progress: Progress | None = None, hardware
                        host_memory=memory)
 
 
-__all__ = ["READINESS_PROMPT", "TINY_SOURCE", "fit_to_model", "make_source", "missing_model_fix", "start_server"]
+__all__ = ["READINESS_PROMPT", "fit_to_model", "start_server"]

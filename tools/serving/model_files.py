@@ -5,6 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from repack.checks import SOURCE_REPO
+from tools.core.errors import op
+
+TINY_SOURCE = "tiny-gemma4-qat"  # the stand-in source's folder name the remedies suggest
+
 
 def model_position_limit(model: str) -> int | None:
     """The longest context a local checkpoint's config allows (max_position_embeddings, top level or in
@@ -49,4 +54,20 @@ def checkpoint_bytes(model: str) -> int | None:
     return sum(f.stat().st_size for f in path.glob("*.safetensors")) or None
 
 
-__all__ = ["checkpoint_bytes", "embedding_method", "model_position_limit"]
+def make_source(source: str, platform: str) -> str:
+    """The operation (op() marks) that makes a missing source folder: on CPU the tiny stand-in, on a GPU the
+    fetched QAT checkpoint."""
+    return op("tiny_model", out=source) if platform == "cpu" else op("fetch", repo_id=SOURCE_REPO, out=source)
+
+
+def missing_model_fix(model: str, platform: str) -> str:
+    """How to make a missing model folder, with op() marks: a source, then the repack into it (or the demo, which
+    does both for both builds)."""
+    source = TINY_SOURCE if platform == "cpu" else "SOURCE"
+    return (f"make a source with {make_source(source, platform)}, build it with "
+            f"{op('repack', source=source, output=model)} (or run {op('demo')}), or point MODEL_NAME at a build "
+            "or a Hugging Face id")
+
+
+__all__ = ["TINY_SOURCE", "checkpoint_bytes", "embedding_method", "make_source", "missing_model_fix",
+           "model_position_limit"]

@@ -29,7 +29,7 @@ from tools.serving import turing_patch
 from tools.serving.config import looks_like_path
 from tools.serving.hardware import Hardware
 from tools.serving.hub import hf_token
-from tools.serving.model_files import checkpoint_bytes, model_position_limit
+from tools.serving.model_files import checkpoint_bytes, missing_model_fix, model_position_limit
 from tools.serving.speculative import validate_speculative_config
 
 MIN_CAPABILITY = (7, 0)  # vLLM's CUDA kernels start at Volta
@@ -351,8 +351,7 @@ def check_checkpoints(ctx: Context, *, step: str) -> Check:
                          fix="or point MODEL_NAME at another build")
         return Check(name="checkpoints", status="ok", detail=detail, value=value + f"; serving {cfg.model}")
     where = "MODEL_NAME in " + str(cfg.env_file) if cfg.sources.get("model") == "file" else param("model")
-    build = op("repack", source="SOURCE", output=cfg.model, text_only=True, embed_int4=True, embed_tokens=True)
-    fix = f"build it with {op('demo')} or {build}, or point MODEL_NAME at a build or a Hugging Face id"
+    fix = missing_model_fix(cfg.model, ctx.platform)
     if not Path(cfg.model).is_dir():
         return Check(name="checkpoints", status="fail" if step == "start" else "warn", detail=detail,
                      value=f"model folder {cfg.model} does not exist ({where})", fix=fix)
