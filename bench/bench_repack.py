@@ -36,39 +36,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from repack import grid, synthetic  # noqa: E402
-from repack.synthetic import GROUP, grid_words, write_e2b_checkpoint  # noqa: E402
+from repack import grid  # noqa: E402
+from repack.synthetic import grid_words, write_e2b_checkpoint  # noqa: E402
 
 STEPS = {"fp32": np.float32, "fp16": np.float16}
 ROUNDING = {"exact": 0.0, "other-way": 0.26}
-
-
-def grid_words_uniform_steps(rows: int, cols: int, rng: np.random.Generator, step_dtype: type = np.float16,
-                             jitter: float = 0.0, levels: str = "uniform") -> np.ndarray:
-    """synthetic.grid_words with each group's step drawn uniformly over [e^-9, e^-3] instead of log-uniformly
-    (the same levels, peaks, rounding and jitter)."""
-    ng = cols // GROUP
-    peak = rng.integers(4, 9, size=(rows, ng), dtype=np.int8)
-    neg = (peak == 8) | (rng.random((rows, ng)) < 0.5)
-    if levels == "peaked":
-        lv = np.clip(np.rint(rng.laplace(0.0, 1.5, size=(rows, ng, GROUP))), -8, 7).astype(np.int8)
-    else:
-        lv = rng.integers(-8, 8, size=(rows, ng, GROUP), dtype=np.int8)
-    lv = np.clip(lv, -peak[..., None], np.minimum(peak, 7)[..., None])
-    pos = rng.integers(0, GROUP, size=(rows, ng))
-    np.put_along_axis(lv, pos[..., None], np.where(neg, -peak, peak)[..., None].astype(np.int8), axis=-1)
-    step = rng.uniform(np.exp(-9.0), np.exp(-3.0), size=(rows, ng)).astype(step_dtype).astype(np.float32)
-    v = lv.astype(np.float32) * step[..., None]
-    b = v.reshape(rows, cols).view(np.uint32)
-    w = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)
-    if jitter > 0:
-        exact = np.abs(v.reshape(rows, cols))
-        near = ((w.astype(np.uint32) & 0x7FFF) << 16).view(np.float32)
-        mag = w & 0x7FFF
-        other = np.where(near > exact, mag - 1, np.where(near < exact, mag + 1, mag)).astype(np.uint16)
-        pick = (rng.random(w.shape) < jitter) & (mag > 0x0080)
-        w = np.where(pick, (w & 0x8000) | other, w).astype(np.uint16)
-    return w
 
 
 def _child_cpu() -> float:
@@ -215,17 +187,9 @@ def main() -> int:
     if not stamp.exists():
         shutil.rmtree(src, ignore_errors=True)
         t = time.perf_counter()
-        # write_e2b_checkpoint draws its grid tensors with synthetic.grid_words; --step-draw uniform swaps in the
-        # variant above for the duration of the write
-        real = synthetic.grid_words
-        if args.step_draw == "uniform":
-            synthetic.grid_words = grid_words_uniform_steps
-        try:
-            size = write_e2b_checkpoint(src, args.scale, progress=sys.stdout.isatty(),
-                                        jitter=ROUNDING[args.rounding], step_dtype=STEPS[args.steps],
-                                        levels=args.levels)
-        finally:
-            synthetic.grid_words = real
+        size = write_e2b_checkpoint(src, args.scale, progress=sys.stdout.isatty(), jitter=ROUNDING[args.rounding],
+                                    step_dtype=STEPS[args.steps], levels=args.levels,
+                                    step_draw=args.step_draw)
         stamp.write_text(str(size))
         print(f"wrote {src} ({size / 1e9:.2f} GB) in {time.perf_counter() - t:.1f} s")
     size = int(stamp.read_text())

@@ -19,14 +19,15 @@ GROUP = 32
 
 
 def grid_words(rows: int, cols: int, rng: np.random.Generator, step_dtype: type = np.float16,
-               jitter: float = 0.0, levels: str = "uniform") -> np.ndarray:
+               jitter: float = 0.0, levels: str = "uniform", step_draw: str = "log-uniform") -> np.ndarray:
     """uint16 bf16 words on a symmetric 4-bit grid, groups of 32 along the last axis.
 
     levels: "uniform" draws every level uniformly from those the group's peak allows; "peaked" draws them
     Laplace-like around 0 (most values at small levels, as trained weights are), the peak still at 4..8.
     jitter rounds that fraction of the values the other way (to the second-nearest bf16, less than one ulp
     away), as the real checkpoint's own rounding leaves about a quarter of its values one ulp from what any
-    single fp16 scale reproduces; so whole groups are rarely reproduced and every candidate scale is tried."""
+    single fp16 scale reproduces; so whole groups are rarely reproduced and every candidate scale is tried.
+    step_draw: each group's step log-uniformly ("log-uniform") or uniformly ("uniform") over [e^-9, e^-3]."""
     ng = cols // GROUP
     peak = rng.integers(4, 9, size=(rows, ng), dtype=np.int8)          # the level the peak occupies
     neg = (peak == 8) | (rng.random((rows, ng)) < 0.5)
@@ -39,7 +40,13 @@ def grid_words(rows: int, cols: int, rng: np.random.Generator, step_dtype: type 
     lv = np.clip(lv, -peak[..., None], np.minimum(peak, 7)[..., None])
     pos = rng.integers(0, GROUP, size=(rows, ng))
     np.put_along_axis(lv, pos[..., None], np.where(neg, -peak, peak)[..., None].astype(np.int8), axis=-1)
-    step = np.exp(rng.uniform(-9.0, -3.0, size=(rows, ng))).astype(step_dtype).astype(np.float32)
+    if step_draw == "log-uniform":
+        step = np.exp(rng.uniform(-9.0, -3.0, size=(rows, ng)))
+    elif step_draw == "uniform":
+        step = rng.uniform(np.exp(-9.0), np.exp(-3.0), size=(rows, ng))
+    else:
+        raise ValueError(f"step_draw {step_draw!r}: choose log-uniform or uniform")
+    step = step.astype(step_dtype).astype(np.float32)
     v = lv.astype(np.float32) * step[..., None]
     b = v.reshape(rows, cols).view(np.uint32)
     w = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)  # round to nearest even bf16
@@ -176,7 +183,8 @@ def e2b_tensors(scale: float = 1.0) -> list[tuple[str, tuple[int, ...], str]]:
 
 
 def write_e2b_checkpoint(out: Path, scale: float = 1.0, seed: int = 0, progress: bool = False,
-                        jitter: float = 0.26, step_dtype: type = np.float32, levels: str = "uniform") -> int:
+                        jitter: float = 0.26, step_dtype: type = np.float32, levels: str = "uniform",
+                        step_draw: str = "log-uniform") -> int:
     """Writes the E2B-shaped synthetic checkpoint as ONE model.safetensors (as Google ships it), streaming
     row blocks so memory stays small at full size. Grid tensors: `grid_words` with the given step dtype,
     level distribution and jitter. Returns the file size."""
@@ -209,7 +217,7 @@ def write_e2b_checkpoint(out: Path, scale: float = 1.0, seed: int = 0, progress:
             per = max(1, (8 << 20) // (cols * 2))
             for r0 in range(0, rows, per):
                 n = min(per, rows - r0)
-                block = (grid_words(n, cols, rng, step_dtype, jitter, levels) if kind == "grid"
+                block = (grid_words(n, cols, rng, step_dtype, jitter, levels, step_draw) if kind == "grid"
                          else random_words((n, cols), rng))
                 f.write(block.tobytes())
     if progress:
