@@ -6,10 +6,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from repack.checks import SOURCE_REPO
 from tools.core.errors import ToolFailure
-
-# The QAT source every build is made from; gated on the hub (the licence must be accepted once, with a token).
-SOURCE_REPO = "google/gemma-4-E2B-it-qat-q4_0-unquantized"
 
 
 def hf_token() -> tuple[str | None, str]:
