@@ -143,8 +143,10 @@ class ProbeParams(OpParams):
 
     path: str = Field(description="Checkpoint folder (config.json + safetensors)")
     rows: int = Field(16, ge=1, le=1 << 20, description="Rows sampled per tensor")
+    detail: bool = Field(False, description="Also list every tensor")
 
     CLI_POSITIONAL: ClassVar[tuple[str, ...]] = ("path",)
+    CLI_EXCLUDE: ClassVar[frozenset[str]] = frozenset({"detail"})  # the command line has --verbose and --json
 
 
 __all__ = ["BuildOptions", "BuildParams", "MAX_SHARD_GIB", "ProbeParams"]

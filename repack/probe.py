@@ -1,7 +1,9 @@
 """Which tensors of a checkpoint sit on the symmetric 4-bit grid (a QAT export) and which do not (a base model).
 
 Samples rows spread over every 2-D bf16 tensor whose last dimension is a multiple of 32 and runs the same grid
-recovery as the build on them; reads only the sampled rows.
+recovery as the build on them; reads only the sampled rows. What blocks a build is a text tensor off the grid: the
+towers are never packed (a text-only build drops them, a multimodal one copies them as they are), so towers off the
+grid are counted, not listed, unless every tensor is asked for.
 """
 
 from __future__ import annotations
@@ -15,6 +17,12 @@ import numpy as np
 from . import grid
 from .checkpoint import TOWER_PREFIXES, open_checkpoint
 from .safetensors_io import MappedFile
+
+
+MEANING = {"qat": "every sampled text tensor sits on the 4-bit grid: a QAT q4_0 export, ready to repack",
+           "base": "no sampled text tensor sits on the 4-bit grid: a base (non-QAT) model, not repackable",
+           "mixed": "some text tensors are on the grid and some are not: repack would abort",
+           "no-candidates": "no 2-D bf16 tensor with a last dimension divisible by 32"}
 
 
 @dataclass
@@ -43,22 +51,37 @@ class ProbeReport:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def blockers(self) -> list[ProbeTensor]:
+        """The text tensors off the grid: the ones a build refuses (towers are never packed)."""
+        return [t for t in self.tensors if t.on_grid is False and not t.tower]
+
+    @property
+    def meaning(self) -> str:
+        return MEANING[self.verdict]
+
+    def summary_dict(self, shown: int = 10) -> dict[str, Any]:
+        """The counts and the first `shown` blockers (name, shape, off-grid of sampled groups, worst error):
+        what an agent acts on, without the per-tensor listing."""
+        d = {k: v for k, v in self.to_dict().items() if k != "tensors"}
+        d["meaning"] = self.meaning
+        d["tensor_count"] = len(self.tensors)
+        d["blockers"] = [{"name": t.name, "shape": t.shape, "offgrid_groups": t.offgrid_groups,
+                          "sampled_groups": t.sampled_groups, "worst_ulps": t.worst_ulps}
+                         for t in self.blockers()[:shown]]
+        return d
+
     def format_table(self, verbose: bool = False) -> str:
         lines = []
-        shown = [t for t in self.tensors if t.on_grid is not None and (verbose or (not t.on_grid and not t.tower))]
+        shown = [t for t in self.tensors if t.on_grid is not None] if verbose else self.blockers()
         for t in shown[: None if verbose else 20]:
             state = "on grid" if t.on_grid else f"OFF grid ({t.offgrid_groups}/{t.sampled_groups} groups)"
             lines.append(f"  {t.name:<72} {state}")
         if len(shown) > len(lines):
             lines.append(f"  ... and {len(shown) - len(lines)} more (--verbose lists all)")
-        meaning = {"qat": "every sampled text tensor sits on the 4-bit grid: a QAT q4_0 export, ready to repack",
-                   "base": "no sampled text tensor sits on the 4-bit grid: a base (non-QAT) model, not repackable",
-                   "mixed": "some text tensors are on the grid and some are not: repack would abort",
-                   "no-candidates": "no 2-D bf16 tensor with a last dimension divisible by 32"}[self.verdict]
         lines.append(f"text tensors: {self.text_on_grid} on grid, {self.text_off_grid} off grid; towers: "
                      f"{self.towers_on_grid} on grid, {self.towers_off_grid} off grid; "
                      f"{self.sampled_groups:,} groups sampled")
-        lines.append(f"verdict: {self.verdict} - {meaning}")
+        lines.append(f"verdict: {self.verdict} - {self.meaning}")
         return "\n".join(lines)
 
 

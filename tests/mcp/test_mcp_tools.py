@@ -174,6 +174,7 @@ def test_probe_and_repack_with_progress(tiny_mcp, tiny_qat, tiny_base):
         async with Client(mcp) as c:
             probe = await c.call_tool("probe_checkpoint", {"path": str(tiny_qat)})
             base = await c.call_tool("probe_checkpoint", {"path": str(tiny_base)})
+            full = await c.call_tool("probe_checkpoint", {"path": str(tiny_qat), "detail": True})
             rep = await c.call_tool("repack_checkpoint", {"source": str(tiny_qat), "output": "emb4"},
                                     progress_handler=on_progress)
             with pytest.raises(ToolError, match="exists") as again:
@@ -182,12 +183,19 @@ def test_probe_and_repack_with_progress(tiny_mcp, tiny_qat, tiny_base):
             assert "force=true" in str(again.value) and "--force" not in str(again.value)
             with pytest.raises(ToolError, match="off the 4-bit grid"):
                 await c.call_tool("repack_checkpoint", {"source": str(tiny_base), "output": "base-emb4"})
-            return probe.structured_content, base.structured_content, rep.structured_content
+            return probe.structured_content, base.structured_content, rep.structured_content, full.structured_content
 
-    probe, base, rep = run(go())
+    probe, base, rep, full = run(go())
     assert probe["verdict"] == "qat" and probe["text_off_grid"] == 0
-    assert not [t for t in probe["off_grid_tensors"] if not t["tower"]]  # towers are not QAT-trained
-    assert base["verdict"] in ("base", "mixed") and [t for t in base["off_grid_tensors"] if not t["tower"]]
+    # the towers are off the grid (not QAT-trained) but never packed: counted, not listed, and the result is small
+    assert probe["blockers"] == [] and probe["towers_off_grid"] > 0 and "tensors" not in probe
+    assert len(json.dumps(probe)) < 1000, len(json.dumps(probe))
+    assert base["verdict"] in ("base", "mixed") and base["blockers"]
+    assert not [t for t in base["blockers"] if t["name"].startswith("model.audio_tower.")]
+    assert 0 < len(base["blockers"]) <= 10 <= base["text_off_grid"] and len(json.dumps(base)) < 4000
+    # every tensor on request
+    assert len(full["tensors"]) == full["tensor_count"] and any(t["tower"] and t["on_grid"] is False
+                                                                 for t in full["tensors"])
     assert rep["output"] == str(models / "emb4")
     tables = {t["name"]: t for t in rep["tables"]}
     assert tables["embed_tokens"]["groups"] > 0 and tables["lm_head"]["groups"] > 0

@@ -74,8 +74,8 @@ def make_tiny_model(app, p: TinyParams, progress) -> Reply:
 @tool(toolset="repack", title="Probe a checkpoint", params=ProbeParams, read_only=True, idempotent=True,
       extra={"source": (str, ""),
              "verdict": (str, "qat: repack_checkpoint will succeed; base, mixed or no-candidates otherwise"),
-             "off_grid_tensors": (list[dict[str, Any]], "Tensors found off the grid"),
-             "table": (str, "")})
+             "blockers": (list[dict[str, Any]], "The first text tensors off the grid (text_off_grid counts all)"),
+             "tensors": (list[dict[str, Any]] | None, "With detail=true: every tensor")})
 def probe_checkpoint(app, p: ProbeParams) -> Reply:
     """Check that a source's tensors sit on the 4-bit grid (verdict qat) before repack_checkpoint. Writes
     nothing."""
@@ -83,14 +83,13 @@ def probe_checkpoint(app, p: ProbeParams) -> Reply:
     from repack.probe import probe_checkpoint as probe
 
     report = probe(src, rows_per_tensor=p.rows, roots=list(app.roots.models))
-    d = report.to_dict()
-    tensors = d.pop("tensors")
-    off = [t for t in tensors if t.get("on_grid") is False]
     summary = (f"{src}: verdict {report.verdict}; text tensors {report.text_on_grid} on grid, "
-               f"{report.text_off_grid} off")
-    # The full per-tensor list runs to hundreds of entries on E2B: the off-grid ones are what an agent acts on.
-    return Reply(d, summary, {"tensor_count": len(tensors), "off_grid_tensors": off,
-                              "table": report.format_table()})
+               f"{report.text_off_grid} off"
+               + (f"; {report.towers_off_grid} tower tensors off it, never packed" if report.towers_off_grid else ""))
+    # The per-tensor list runs to hundreds of entries on E2B, and the towers are never packed: by default only
+    # what blocks a build.
+    full = {"tensors": report.to_dict()["tensors"], "table": report.format_table(verbose=True)} if p.detail else {}
+    return Reply(report.summary_dict(), summary, full)
 
 
 def _repack_paths(app, p: BuildParams) -> tuple[Path, Path]:
