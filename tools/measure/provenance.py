@@ -162,18 +162,8 @@ def _started_server(base_url: str, notes: list[str], cfg: Any = None) -> tuple[l
                      "argv unknown")
         return None, None
     argv = getattr(st, "argv", None)
-    fields = getattr(st, "start_fields", None)
-    if hasattr(fields, "to_dict"):
-        fields = fields.to_dict()
-    elif hasattr(fields, "model_dump"):
-        fields = fields.model_dump(mode="json")
-    elif fields is not None and not isinstance(fields, dict):
-        try:
-            from dataclasses import asdict
-
-            fields = asdict(fields)
-        except TypeError:
-            fields = {"value": str(fields)}
+    # the status reader completes the log's fields (eager, embedding method) as the start did: one reading
+    fields = st.start_fields.to_dict() if st.start_fields is not None else None
     return (list(argv) if argv else None), fields
 
 

@@ -12,6 +12,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from tools.serving.model_files import embedding_method
+
 # The plugin's first-use line (gemma4_t4_vllm.FIRST_USE_MARK); repeated here so parsing imports nothing heavy.
 CPU_EMBEDDING_MARK = "gemma4-t4: int4 embedding lookup runs as a torch gather"
 
@@ -167,6 +169,17 @@ def parse_engine_log(text: str) -> EngineStartFields:
     f.kernels = kernels
     # Cold wins: a start that loaded one graph from cache but compiled another still paid for compiling.
     f.cold_start = True if saw_cold else (False if saw_warm else None)
+    return f
+
+
+def recorded_start_fields(log_file: Path, argv: list[str], model: str) -> EngineStartFields:
+    """A recorded server's start fields: its log's, completed from what started it (eager from the argv, the
+    embedding method from the model's config where the log does not name it). THE one reading, so that the start
+    result, server_status and a run's provenance agree."""
+    f = parse_engine_log(read_text(log_file))
+    if f.embedding_method is None:
+        f.embedding_method = embedding_method(model)
+    f.eager = "--enforce-eager" in argv
     return f
 
 

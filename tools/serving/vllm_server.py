@@ -55,7 +55,7 @@ def server_status(cfg: ServeConfig, *, hardware: Hardware | None = None) -> Serv
     if state is None:
         return ServerStatus(alive=False, instance=cfg.instance_name,
                             message=f"not running (no server recorded in {cfg.instance_dir})")
-    fields = engine_log.parse_engine_log(engine_log.read_text(Path(state.log_path)))
+    fields = engine_log.recorded_start_fields(Path(state.log_path), state.argv, state.model)
     common = dict(pid=state.pid, model=state.model, served_name=state.served_name, base_url=state.base_url,
                   argv=state.argv, platform=state.platform, log_path=state.log_path, start_fields=fields,
                   instance=cfg.instance_name, gpus=state.gpus, cpu_cores=state.cpu_cores,
