@@ -35,7 +35,8 @@ def test_demo_runs_the_whole_pipeline_on_cpu(tmp_path):
         assert [c["status"] for c in summary["cells"]] == ["ok", "ok"]
     md = (ev / "report.md").read_text()
     assert "8 of 8 prompts identical" in md and "bf16-emb" in md and "int4-emb" in md and "vs" in md
-    assert json.loads((ev / "report.json").read_text())["tokens_identical"] == 8
+    written = json.loads((ev / "report.json").read_text())
+    assert written["tokens_identical"] == 8 and written["finished_at"].endswith("+00:00")
     assert (ev / "tokens-bf16-emb.json").is_file() and (ev / "repack-int4-emb.json").is_file()
     assert any("[6/6]" in line for line in lines)
     # every server was stopped: nothing left in the state dir
@@ -51,3 +52,11 @@ def test_demo_on_gpu_needs_the_source_checkpoint(tmp_path):
                          env={k: v for k, v in __import__("os").environ.items() if k != "SOURCE_CHECKPOINT"})
     assert out.returncode == 2
     assert "SOURCE_CHECKPOINT is not set" in out.stderr and out.stderr.count("\n") == 1
+
+
+def test_the_report_carries_its_own_time_and_prints_it():
+    """gemma4-t4://demo/latest orders reports by this time: a checkout resets the files' times."""
+    r = demo.DemoReport(platform="cpu", source="s", evidence_dir="e", probe_verdict="qat", builds=[], served=[],
+                        tokens_identical=8, tokens_total=8, tokens_report="", sweep_comparison="", wall_s=1.0,
+                        report_path="e/report.md", finished_at="2026-12-01T08:00:00+00:00")
+    assert demo.render_markdown(r).splitlines()[2].startswith("2026-12-01 08:00 UTC, ")

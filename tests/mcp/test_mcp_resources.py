@@ -167,6 +167,29 @@ def test_latest_demo_report_and_a_clean_error_without_one(mcp, tmp_path):
     assert run(read()) == f"<!-- {ev / 'demo-new'} -->\n# demo-new\n"
 
 
+def test_latest_demo_report_is_the_newest_by_its_own_timestamp(mcp, tmp_path):
+    """A checkout or a copy resets file times: the report's own time decides (finished_at, else report.md's date
+    line), whatever the files' times say."""
+    ev = tmp_path / "evidence"
+    reports = {"demo-nov29": ({}, "# a\n\n2026-11-29 16:33 UTC, vm, 496 s end to end.\n", 3_000_000),
+               "demo-nov30": ({}, "# b\n\n2026-11-30 00:52 UTC, vm, 111 s end to end.\n", 2_000_000),
+               "demo-dec01": ({"finished_at": "2026-12-01T08:00:00+00:00"}, "# c\n", 1_000_000),
+               "demo-undated": ({}, "# d\n", 4_000_000)}
+    for name, (extra, md, t) in reports.items():
+        (ev / name).mkdir()
+        (ev / name / "report.json").write_text(json.dumps({"probe_verdict": "qat", "served": [], **extra}))
+        (ev / name / "report.md").write_text(md)
+        os.utime(ev / name / "report.json", (t, t))
+
+    async def read():
+        async with Client(mcp) as c:
+            return await _read(c, f"{SCHEME}://demo/latest")
+
+    assert run(read()).startswith(f"<!-- {ev / 'demo-dec01'} -->")
+    (ev / "demo-dec01" / "report.json").unlink()
+    assert run(read()).startswith(f"<!-- {ev / 'demo-nov30'} -->")
+
+
 def test_server_log_tail_and_a_clean_error_without_a_log(mcp, tmp_path):
     async def read():
         async with Client(mcp) as c:

@@ -143,6 +143,9 @@ class DemoReport(BaseModel):
     sweep_comparison: str
     wall_s: float
     report_path: str
+    # when the report was written (ISO 8601, UTC): gemma4-t4://demo/latest orders reports by it, since a checkout
+    # or a copy resets file times
+    finished_at: str | None = None
 
 
 def _plan(opts: DemoOptions, log: Log) -> _Plan:
@@ -342,16 +345,21 @@ def _report(plan: _Plan, probe: ProbeReport, builds: list[BuildStep], served: li
                         evidence_dir=str(plan.evidence), probe_verdict=probe.verdict, builds=builds, served=served,
                         tokens_identical=comparison.identical, tokens_total=comparison.total,
                         tokens_report=comparison.text(), sweep_comparison=cmp.markdown,
-                        wall_s=round(wall_s, 1), report_path=str(report_path))
+                        wall_s=round(wall_s, 1), report_path=str(report_path),
+                        finished_at=datetime.now(timezone.utc).isoformat(timespec="seconds"))
     report_path.write_text(render_markdown(result))
     (plan.evidence / "report.json").write_text(result.model_dump_json(indent=2) + "\n")
     log(f"[6/6] {comparison.summary}; report: {report_path}")
     return result
 
 
+def _finished(r: DemoReport) -> datetime:
+    return datetime.fromisoformat(r.finished_at) if r.finished_at else datetime.now(timezone.utc)
+
+
 def render_markdown(r: DemoReport) -> str:
     lines = [f"# gemma4-t4 demo: {'Tesla T4' if r.platform == 'cuda' else 'CPU, tiny Gemma-4-shaped model'}", "",
-             f"{datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}, {platform.node()}, "
+             f"{_finished(r).strftime('%Y-%m-%d %H:%M UTC')}, {platform.node()}, "
              f"{r.wall_s:.0f} s end to end. Command: `python3 -m tools.demo`.", "",
              f"Source `{r.source}`: probe verdict **{r.probe_verdict}**.", "", "## Builds (one repack pass each)", ""]
     for b in r.builds:

@@ -13,8 +13,10 @@ import inspect
 import json
 import logging
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -179,12 +181,29 @@ def demo_report(app) -> str:
             except (OSError, ValueError):
                 continue
             if isinstance(data, dict) and "probe_verdict" in data and "served" in data:
-                found.append((rj.stat().st_mtime, str(folder), rm))
+                found.append((_written_at(data, rm), rj.stat().st_mtime, str(folder), rm))
     if not found:
         raise ResourceFailure("no demo report under the evidence roots "
                               f"({', '.join(map(str, app.roots.evidence))}); run ./vllm-t4 demo")
-    _, folder, report = max(found)
+    *_, folder, report = max(found)
     return f"<!-- {folder} -->\n" + report.read_text(errors="replace")
+
+
+_MD_DATE = re.compile(r"^(\d{4}-\d{2}-\d{2} \d{2}:\d{2}) UTC", re.M)
+
+
+def _written_at(data: dict, md: Path) -> float:
+    """When a demo report was written, by its own timestamp (report.json's finished_at, else the UTC time on
+    report.md's date line): file times are reset by a checkout or a copy. Undated reports sort before dated ones
+    (-inf), among themselves by file time."""
+    try:
+        if isinstance(data.get("finished_at"), str):
+            return datetime.fromisoformat(data["finished_at"]).timestamp()
+        if m := _MD_DATE.search(md.read_text(errors="replace")[:2000]):
+            return datetime.strptime(m.group(1), "%Y-%m-%d %H:%M").replace(tzinfo=timezone.utc).timestamp()
+    except (OSError, ValueError):
+        pass
+    return float("-inf")
 
 
 @resource(f"{SCHEME}://server/log", title="vLLM server log tail", mime_type="text/plain")
