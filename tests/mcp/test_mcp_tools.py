@@ -680,6 +680,23 @@ def test_preflight_on_this_machine_is_a_result(mcp, tmp_path):
     assert "env_file" in errors[2] and "Extra inputs are not permitted" in errors[2]
 
 
+def test_preflight_start_checks_the_model_about_to_start(mcp, tmp_path):
+    """preflight(step=start, model=X) checks X, resolved as start_vllm_server resolves it, not MODEL_NAME."""
+    (tmp_path / "models" / "emb4").mkdir()
+    (tmp_path / "models" / "emb4" / "config.json").write_text("{}")
+
+    async def go():
+        async with Client(mcp) as c:
+            return [(await c.call_tool("preflight", {"step": "start", "model": m})).structured_content
+                    for m in ("emb4", "missing")]
+
+    given, missing = (next(c for c in r["checks"] if c["name"] == "checkpoints") for r in run(go()))
+    assert given["status"] == "ok" and given["detail"]["model"] == str(tmp_path / "models" / "emb4")
+    assert missing["status"] == "fail" and "make_tiny_model" in missing["fix"]  # named with the tool that makes it
+    errors = _refusals(mcp, [("preflight", {"step": "start", "model": "/etc"})])
+    assert "outside the models roots" in errors[0]
+
+
 def test_fetch_checkpoint_publishes_under_the_models_root(mcp, roots, tmp_path, monkeypatch):
     from stand_in_hub import COMMIT, REPO, StandInHub
 

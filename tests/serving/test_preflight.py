@@ -84,6 +84,22 @@ def test_this_cpu_machine_is_ready_and_gpu_checks_are_not_applicable(clean_env, 
     assert "ready on the CPU" in report.summary and "GPU checks not applicable" in report.summary
 
 
+def test_start_checks_the_model_about_to_start_not_model_name(clean_env, tmp_path):
+    """A start given a model serves that one: its preflight checks that one (MODEL_NAME is not built here)."""
+    build = tmp_path / "models" / "other-build"
+    build.mkdir(parents=True)
+    (build / "config.json").write_text("{}")
+    env = str(_env_file(tmp_path))
+    configured = _by_name(run_preflight(PreflightParams(env_file=env, step="start")).checks)["checkpoints"]
+    assert configured.status == "fail" and "not-built" in configured.value
+    report = run_preflight(PreflightParams(env_file=env, step="start", model=str(build)))
+    checks = _by_name(report.checks)
+    assert checks["checkpoints"].status == "ok" and f"serving {build}" in checks["checkpoints"].value
+    missing = _by_name(run_preflight(PreflightParams(env_file=env, step="start",
+                                                     model=str(tmp_path / "nope"))).checks)["checkpoints"]
+    assert missing.status == "fail" and "nope does not exist" in missing.value
+
+
 def test_doctor_command_line_exit_status(clean_env, tmp_path):
     env = dict(os.environ)
     ok = subprocess.run([str(ROOT / "vllm-t4"), "doctor", "--json", "--env-file", str(_env_file(tmp_path))],

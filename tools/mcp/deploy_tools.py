@@ -4,6 +4,7 @@ work)."""
 from __future__ import annotations
 
 from tools.core.errors import ToolFailure
+from tools.core.paths import PathNotAllowed
 from tools.mcp.registry import Reply, tool
 from tools.serving.fetch import FetchParams, FetchResult, fetch_checkpoint as fetch
 from tools.serving.preflight import PreflightParams, PreflightReport, run_preflight
@@ -23,9 +24,23 @@ def preflight(app, p: PreflightParams) -> Reply:
         cfg = app.config()
     except ToolFailure:  # reported as the failing `config` check
         cfg = None
+    if p.model is not None:
+        update["model"] = _model(app, p.model, cfg)
     report = run_preflight(p.model_copy(update=update), cfg=cfg,
                            protected_roots=[*app.roots.models, *app.roots.evidence])
     return Reply(report, report.summary)
+
+
+def _model(app, model: str, cfg) -> str:
+    """The model as start_vllm_server resolves it (a folder under a models root, or a hub id); a missing folder is
+    passed on for the checkpoints check to name it and how to make it."""
+    also = (cfg.state_dir, cfg.instance_dir) if cfg is not None else ()
+    try:
+        return app.roots.confine_model(model, what="model", also_relative_to=also)
+    except PathNotAllowed as exc:
+        if exc.detail["problem"] != "missing":
+            raise
+        return str(app.roots.confine(model, "models", what="model"))
 
 
 def _fetch_inputs(app, p: FetchParams) -> FetchParams:

@@ -13,6 +13,7 @@ are `n/a` and the CPU path (vLLM's CPU build) is what is checked.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -32,12 +33,12 @@ Step = Literal["all", "start", "repack", "fetch"]
 
 
 class PreflightParams(OpParams):
-    step: Step = Field("all", description="Which checks: all (the whole deployment), start (serving the configured "
-                                          "model), repack (a build of --source into --out), fetch (downloading the "
-                                          "source checkpoint)")
+    step: Step = Field("all", description="Which checks: all, start (serving model), repack (source into out), "
+                                          "fetch (the source checkpoint)")
     env_file: str | None = Field(None, description="Serving configuration to check (default: the project's tpu.env)")
     source: str | None = Field(None, description="repack: the source checkpoint folder (default SOURCE_CHECKPOINT)")
     out: str | None = Field(None, description="repack: the output folder (default MODEL_NAME)")
+    model: str | None = Field(None, description="start: the build about to be served (default MODEL_NAME)")
 
     MCP_EXCLUDE: ClassVar[frozenset[str]] = frozenset({"env_file"})  # the MCP server checks its own config
 
@@ -73,17 +74,21 @@ def _load(cfg: Any, env_file: str | Path | None) -> tuple[Any, str | None]:
 def checks_for(step: Step, *, cfg: Any = None, env_file: str | Path | None = None, source: str | Path | None = None,
                out: str | Path | None = None, repo_id: str | None = None, need_bytes: int | None = None,
                hardware: Any = None, nvml: Any = None, turing_target: Path | None = None,
-               force: bool = False, protected_roots: list[Path] | None = None) -> list[Check]:
+               force: bool = False, protected_roots: list[Path] | None = None,
+               model: str | None = None) -> list[Check]:
     """The checks `step` needs, in the order their failures should be reported.
 
     start: the configured model (cfg or env_file) on this machine; repack: `source` into `out`; fetch: `repo_id`
     (`need_bytes`: its size, when known) into `out`; all: everything a deployment meets. `force`: the repack
     may replace `out` (an empty folder or a build it wrote); `protected_roots`: folders it may never replace or
-    wrap (default: the working and home folders, as for a build from a shell).
+    wrap (default: the working and home folders, as for a build from a shell). `model`: the build a start is about
+    to serve, instead of the config's MODEL_NAME (as a start given a model serves it).
     """
     if step not in ("all", "start", "repack", "fetch"):
         raise BadInput(f"step {step!r} is not one of all, start, repack, fetch")
     cfg, cfg_error = _load(cfg, env_file)
+    if model is not None and cfg is not None:
+        cfg = replace(cfg, model=model, sources={**cfg.sources, "model": "override"})
     ctx = Context(cfg, cfg_error, hardware, nvml, turing_target)
     checks: list[Check] = []
     # A repack given its source and output reads nothing from the serving config: a broken tpu.env is not its
@@ -131,7 +136,8 @@ def run_preflight(params: PreflightParams, *, cfg: Any = None, hardware: Any = N
         raise BadInput(f"{param('env_file')} {params.env_file} {what}; pass an existing tpu.env", field="env_file")
     hw = hardware or Hardware()
     checks = checks_for(params.step, cfg=cfg, env_file=params.env_file, source=params.source, out=params.out,
-                        hardware=hw, nvml=nvml, turing_target=turing_target, protected_roots=protected_roots)
+                        hardware=hw, nvml=nvml, turing_target=turing_target, protected_roots=protected_roots,
+                        model=params.model)
     platform = hw.platform()
     failed = [c.name for c in checks if c.status == "fail"]
     warnings = [c.name for c in checks if c.status == "warn"]
