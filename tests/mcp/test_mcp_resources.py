@@ -254,6 +254,8 @@ def test_prompts_render_the_callers_arguments(mcp):
     assert '2. `fetch_checkpoint(repo_id="google/gemma-4-E2B-it-qat-q4_0-unquantized", out="qat")` — only when' in deploy
     assert '5. `repack_checkpoint(source="qat", output="emb4")`' in deploy
     assert "7. `start_vllm_server(model=\"emb4\")`" in deploy and "start_job" in deploy
+    # what query_model shows is true of both models: the tiny stand-in gives its pattern's tokens, not text
+    assert "sensible" not in deploy and "the tiny stand-in answers tokens of its training pattern" in deploy
     assert 'compare_sweeps(run_dirs=[<run_dir from step 9>, <run_dir from step 5>], ' \
            'output="sweeps/int4-emb-vs-bf16-emb.md")' in compare
     assert compare.endswith(f"({SCHEME}://evidence/runs lists them).")

@@ -350,7 +350,8 @@ prompt(PromptSpec(
         Step("start_vllm_server", {"model": "{output}"}, "serves the build; the result has the KV cache size "
                                                          "and the start time"),
         Step("query_model", {"prompt": "Write one sentence about the Tesla T4."},
-             "one greedy answer: the build serves sensible text"),
+             "one greedy answer, which shows the build serves: E2B answers in words (the tiny stand-in answers "
+             "tokens of its training pattern, not sentences: compare_tokens checks those)"),
     ]))
 
 _TINY = "tiny-gemma4-qat"
