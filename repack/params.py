@@ -29,21 +29,19 @@ _SCALE_OF = {v: k for k, v in _TARGET_OF.items()}
 class BuildOptions(OpParams):
     """One build: which tables are packed, how the scales are chosen, how it is written."""
 
-    quantize_linears: bool = Field(True, description="Pack every linear layer with the build scheme "
-                                                     "(false: leave them bf16)")
+    quantize_linears: bool = Field(True, description="Pack the linear layers (false: bf16)")
     text_only: bool = Field(True, description="Drop the vision/audio towers (Gemma4ForCausalLM)")
     embed_int4: bool = Field(True, description="Pack the per-layer embedding table (PLE) as int4")
     # None: follows embed_int4 (the all-4-bit build packs both); resolved when the model is made
-    embed_tokens: bool | None = Field(None, description="With embed_int4: also pack embed_tokens and write it "
-                                                        "again as an untied int4 lm_head")
+    embed_tokens: bool | None = Field(None, description="With embed_int4: also pack embed_tokens "
+                                                        "(and an untied int4 lm_head)")
     # The runtime dtype the scales are chosen for (float16: the T4); the stored scale dtype follows it
     # (scale_dtype is the older spelling: fp16 = float16, bf16 = bfloat16).
     target_dtype: Target | None = Field(
-        None, description="The dtype the model is served in, whose arithmetic the scales are chosen for; the "
-                          "scales are stored in it (default float16: the T4 computes fp16(level*scale))")
+        None, description="Serving dtype the scales are chosen for and stored in (default float16: the T4)")
     objective: Objective = Field(
-        DEFAULT_OBJECTIVE, description="min-error: least squared error in the target's arithmetic; "
-                                       "runtime-exact: most values exact in it, ties by squared error")
+        DEFAULT_OBJECTIVE, description="min-error: least squared error; runtime-exact: most "
+                                       "values exact (both in the target's arithmetic)")
     scale_dtype: ScaleDtype | None = Field(
         None, description="Older spelling of --target-dtype: fp16 = float16, bf16 = bfloat16")
     force: bool = Field(False, description="Replace an empty folder or exactly a build this tool wrote")
@@ -51,9 +49,8 @@ class BuildOptions(OpParams):
     max_shard_size: float = Field(2.0, gt=0, le=MAX_SHARD_GIB, allow_inf_nan=False,
                                   description="Output shard size in GiB")
     threads: int = Field(0, ge=0, description="Worker threads (0: one per available core)")
-    scheme: str = Field(DEFAULT_SCHEME, description="How the linear layers are quantized: a scheme registered in "
-                                                    "repack/schemes (w4a16: the QAT grid, int4; w8a8: int8 weights "
-                                                    "and activations); the tables stay int4")
+    scheme: str = Field(DEFAULT_SCHEME, description="Linear layers: w4a16 (the QAT grid, int4) or w8a8 "
+                                                    "(int8 weights and activations)")
 
     CLI_EXCLUDE: ClassVar[frozenset[str]] = frozenset({"threads"})
     # The command line keeps the article's opt-in flags (embed_tokens too is asked for by name there); the
@@ -128,7 +125,7 @@ class BuildOptions(OpParams):
 class BuildParams(BuildOptions):
     """One build operation: the options, the source and where it goes."""
 
-    source: str = Field(description="QAT checkpoint folder (config.json + safetensors)")
+    source: str = Field(description="QAT checkpoint folder")
     output: str = Field(description="Folder to write")
 
     CLI_POSITIONAL: ClassVar[tuple[str, ...]] = ("source", "output")

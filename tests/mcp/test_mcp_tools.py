@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -412,6 +413,19 @@ def test_default_toolsets_list_stays_lean(roots, tmp_path):
             "probe_checkpoint", "make_tiny_model", "stop_vllm_server"} <= names
     for t in listed["tools"]:  # nothing repeated in every tool: `summary` is said once, in the instructions
         assert "required" not in t["outputSchema"] and "_meta" not in t, t["name"]
+
+
+def test_argument_descriptions_are_worded_for_mcp(mcp):
+    """An argument's description names tools and arguments, never a command line or its flags: a client cannot run
+    `./vllm-t4 router`, and `--source` is `source` here."""
+    async def go():
+        async with Client(mcp) as c:
+            return await c.list_tools()
+
+    for t in run(go()):
+        for name, prop in t.inputSchema.get("properties", {}).items():
+            text = prop.get("description", "")
+            assert "./vllm-t4" not in text and not re.search(r"(^|[\s(])--[a-z]", text), (t.name, name, text)
 
 
 # ------------------------------------------------------------------------------ jobs

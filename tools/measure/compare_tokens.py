@@ -51,20 +51,19 @@ class CompareParams(EndpointParams):
     MCP_EXCLUDE: ClassVar[frozenset[str]] = frozenset({"prompts_file", "timeout_s"})
 
     mode: Literal["record", "check", "live"] = Field(
-        "check", description="record: save the running build's greedy tokens to `reference`; check: compare the "
-                             "running build with that record; live: compare the endpoint (reference) with other_url or other_instance")
+        "check", description="record: save the build's tokens to reference; check: compare with that; live: "
+                             "compare with other_url or other_instance")
     reference: str | None = Field(None, description="Token record file (record: written, check: read)")
-    other_url: str | None = Field(None, description="live: the candidate's endpoint (base_url, instance or router "
-                                                    "is the reference)")
-    other_instance: str | None = Field(None, description="live: the candidate as a named instance")
-    prompts: list[str] | None = Field(None, description="record/live: prompts; default: the article's eight")
+    other_url: str | None = Field(None, description="live: the candidate's URL")
+    other_instance: str | None = Field(None, description="live: the candidate instance")
+    prompts: list[str] | None = Field(None, description="record/live: prompts (default: the article's eight)")
     prompts_file: str | None = Field(None, description="record/live: a JSON list or one prompt per line")
     max_tokens: int = Field(160, ge=1, description="Generated tokens per prompt")
-    top_logprobs: int = Field(5, ge=0, le=20, description="Alternatives kept per position for the near-tie check")
+    top_logprobs: int = Field(5, ge=0, le=20, description="Alternatives per position (near-tie check)")
     force: bool = Field(False, description="record: replace an existing reference file")
     timeout_s: float = Field(600.0, description="Seconds per request")
-    long: bool = Field(False, description="record/live: add the ~2k/8k/14k-token needle-in-a-haystack prompts "
-                                          "that fit the server's max_model_len")
+    long: bool = Field(False, description="record/live: add the ~2k/8k/14k-token needle prompts "
+                                          "that fit max_model_len")
 
 
 class Generation(BaseModel):

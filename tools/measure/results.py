@@ -49,14 +49,14 @@ class SweepParams(EndpointParams):
     repeats: int = Field(3, description="Repeats per cell (medians reported)")
     prompts_per_concurrency: int = Field(4, description="Prompts per cell = max(min_prompts, concurrency x this)")
     min_prompts: int = Field(4, description="Fewest prompts per cell")
-    label: str = Field("build", description="Build name for tables and the run id, e.g. emb4 (no spaces)")
-    price_per_hour: float = Field(DEFAULT_PRICE_PER_HOUR, description="Machine price for the $/M tokens column "
-                                                                      "(default: the article's T4 VM)")
-    out: Path = Field(DEFAULT_OUT, description="Folder that receives the run folder <run-id>/ (through MCP: "
-                                               "under an evidence root, default the first)")
+    label: str = Field("build", description="Build name for tables and the run id (no spaces)")
+    price_per_hour: float = Field(DEFAULT_PRICE_PER_HOUR, description="Machine $/hour (default: the "
+                                                                      "article's T4 VM)")
+    out: Path = Field(DEFAULT_OUT, description="Where the run folder goes (MCP: under an "
+                                               "evidence root)")
     resume: bool = Field(False, description="Continue the latest matching run, skipping finished repeats")
     run_id: str | None = Field(None, description="Exact run folder name inside out (resumes it if present)")
-    seed: int = Field(0, description="Base prompt seed: keep it equal across builds")
+    seed: int = Field(0, description="Prompt seed: equal across builds")
     tokenizer: str | None = Field(None, description="Tokenizer folder; default: the folder the server loaded")
     model: str | None = Field(None, description="Served model name; default: the first of /v1/models")
     warmup: bool = Field(True, description="Warm each cell with separate-seed prompts first")

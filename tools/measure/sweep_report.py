@@ -309,12 +309,12 @@ def markdown_comparison(cmp: SweepComparison) -> str:
 class CompareSweepsParams(OpParams):
     """What compare_sweeps is asked (`./vllm-t4 sweep-compare` reads the same fields)."""
 
-    run_dirs: list[str] = Field(min_length=2, description="Sweep run folders (run_sweep's run_dir), baselines "
-                                                          "first, the candidate last")
-    output: str | None = Field(None, description="Optional .md file to write the comparison to (a .json beside "
-                                                 "it); never inside an input run folder")
-    price_per_hour: float = Field(DEFAULT_PRICE_PER_HOUR, ge=0, description="Machine price for the cost table "
-                                                                           "(default: the article's T4 VM)")
+    run_dirs: list[str] = Field(min_length=2, description="run_sweep run folders, baselines first, "
+                                                          "the candidate last")
+    output: str | None = Field(None, description="Optional .md file for it (and a .json), "
+                                                 "outside the run folders")
+    price_per_hour: float = Field(DEFAULT_PRICE_PER_HOUR, ge=0, description="Machine $/hour (default: the "
+                                                                           "article's T4 VM)")
     force: bool = Field(False, description="Replace an existing output")
 
 

@@ -21,9 +21,9 @@ from tools.serving.config import load_config
 class EndpointParams(OpParams):
     """Where to measure: at most one of base_url, instance, router."""
 
-    base_url: str | None = Field(None, description="Server URL; default: the server this project started")
-    instance: str | None = Field(None, description="A named instance this project started (instead of base_url)")
-    router: bool = Field(False, description="Through the router in front of the instances (./vllm-t4 router)")
+    base_url: str | None = Field(None, description="Server URL (default: the started server)")
+    instance: str | None = Field(None, description="A started instance's name")
+    router: bool = Field(False, description="Through the router")
 
 
 @dataclass

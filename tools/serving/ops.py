@@ -11,7 +11,7 @@ from pydantic import Field
 from tools.core.params import OpParams
 
 
-INSTANCE_HELP = "Named instance (state and log in STATE_DIR/NAME/); default: the default one"
+INSTANCE_HELP = "Named instance (default: the default one)"
 
 
 class InstanceParams(OpParams):
@@ -24,17 +24,14 @@ class InstanceParams(OpParams):
 class StartParams(InstanceParams):
     MCP_EXCLUDE: ClassVar[frozenset[str]] = frozenset({"cpus"})  # a machine-local knob
 
-    model: str | None = Field(None, description="Checkpoint folder or hub id for this start; default: MODEL_NAME "
-                                                "of the serving config (tpu.env)")
-    served_name: str | None = Field(None, description="Name clients send as model; default: SERVED_MODEL_NAME")
-    port: int | None = Field(None, ge=1, le=65535, description="Port for this start; default: PORT")
-    max_model_len: int | None = Field(None, ge=16, description="Context length for this start; default: "
-                                                                "MAX_MODEL_LEN (small models need less)")
-    max_num_seqs: int | None = Field(None, ge=1, description="Concurrent sequences; default: MAX_NUM_SEQS")
-    gpus: list[int] | None = Field(None, description="GPU indices (CUDA_VISIBLE_DEVICES); default: the first, or "
-                                                     "TENSOR_PARALLEL_SIZE x DATA_PARALLEL_SIZE of them")
-    gpu_memory_utilization: float | None = Field(None, gt=0, le=1, description="This instance's share of its GPUs "
-                                                 "(two on one card: 0.45 each); default: GPU_MEMORY_UTILIZATION")
+    model: str | None = Field(None, description="Checkpoint folder or hub id (default: MODEL_NAME)")
+    served_name: str | None = Field(None, description="Name clients send as model (default: SERVED_MODEL_NAME)")
+    port: int | None = Field(None, ge=1, le=65535, description="Port (default: PORT)")
+    max_model_len: int | None = Field(None, ge=16, description="Context length (default: MAX_MODEL_LEN)")
+    max_num_seqs: int | None = Field(None, ge=1, description="Concurrent sequences (default: MAX_NUM_SEQS)")
+    gpus: list[int] | None = Field(None, description="GPU indices (default: the first TP x DP)")
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1, description="Share of its GPUs' memory "
+                                                 "(two on one card: 0.45 each)")
     cpus: int | None = Field(None, ge=1, description="CPU backend: cores bound to this instance; default: an even "
                                                      "share of the free cores (none bound for a lone default "
                                                      "instance)")

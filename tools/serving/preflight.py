@@ -36,7 +36,7 @@ class PreflightParams(OpParams):
     step: Step = Field("all", description="Which checks: all, start (serving model), repack (source into out), "
                                           "fetch (the source checkpoint)")
     env_file: str | None = Field(None, description="Serving configuration to check (default: the project's tpu.env)")
-    source: str | None = Field(None, description="repack: the source checkpoint folder (default SOURCE_CHECKPOINT)")
+    source: str | None = Field(None, description="repack: the source (default SOURCE_CHECKPOINT)")
     out: str | None = Field(None, description="repack: the output folder (default MODEL_NAME)")
     model: str | None = Field(None, description="start: the build about to be served (default MODEL_NAME)")
 
