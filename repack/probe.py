@@ -52,7 +52,7 @@ class ProbeReport:
         return asdict(self)
 
     def blockers(self) -> list[ProbeTensor]:
-        """The text tensors off the grid: the ones a build refuses (towers are never packed)."""
+        """The text tensors off the grid: the ones the all-4-bit build refuses (towers are never packed)."""
         return [t for t in self.tensors if t.on_grid is False and not t.tower]
 
     @property
