@@ -423,7 +423,7 @@ def test_argument_descriptions_are_worded_for_mcp(mcp):
             return await c.list_tools()
 
     for t in run(go()):
-        for name, prop in t.inputSchema.get("properties", {}).items():
+        for name, prop in t.input_schema.get("properties", {}).items():
             text = prop.get("description", "")
             assert "./vllm-t4" not in text and not re.search(r"(^|[\s(])--[a-z]", text), (t.name, name, text)
 
