@@ -191,7 +191,7 @@ def check_turing_clamp(ctx: Context) -> Check:
         status = turing_patch.check(ctx.turing_target)
     except ToolFailure as exc:
         return Check(name="turing_clamp", status="fail", value=str(exc), fix="install vLLM with ./setup.sh")
-    if not status.applied:
+    if not status.applied and status.needed:
         return Check(name="turing_clamp", status="fail", detail=status.to_dict(),
                      value=f"GPU compute capability {cap[0]}.{cap[1]} (Turing) needs the attention clamp, which is "
                            f"not applied to {status.target}", fix=f"run {op('patch_turing')}")
