@@ -1,8 +1,12 @@
-"""The Turing clamp patcher, on copies of the real file of the installed vLLM (never the installed file itself)."""
+"""The Turing clamp patcher, on copies of the installed vLLM's file and on variants of it (never the installed file
+itself): today's file, a decision returning 64 at head 512 (vLLM PR #43257), one already fixed upstream (PR
+#39018's shape), a reworded caller, and files it cannot understand. The patched code itself is run on a stand-in
+Turing device to show the tiles it launches with fit."""
 
 from __future__ import annotations
 
 import ast
+import re
 import shutil
 import subprocess
 import sys
@@ -11,61 +15,169 @@ from types import SimpleNamespace
 
 import pytest
 
+from tools.core.errors import BadInput, ToolFailure
 from tools.serving import turing_patch
-from tools.core.errors import ToolFailure
+from tools.serving.turing_decision import ClampRefused, TuringPlatform, find_decision
 
 ROOT = Path(__file__).resolve().parents[2]
+DOCSTRING = '    """Select tile size with Gemma3-specific optimization."""\n'
+TILES = ("TILE_SIZE_PREFILL", "TILE_SIZE_DECODE")
+
+
+def _installed() -> str:
+    return turing_patch.installed_target().read_text()
+
+
+def _with_decision_rule(rule: str) -> str:
+    """Today's file with `rule` first in the tile-size decision (how upstream changes it)."""
+    text = _installed()
+    assert text.count(DOCSTRING) == 1
+    return text.replace(DOCSTRING, DOCSTRING + rule)
+
+
+TILE64 = "    if head_size >= 512 and is_prefill:\n        return 64\n"  # PR #43257's rule
+FIXED_BY_SHARED = ("    if head_size >= 512 and torch.cuda.get_device_properties(0).shared_memory_per_block_optin "
+                   "< 98304:\n        return 16\n")  # PR #39018's shape
+FIXED_BY_CAPABILITY = ("    if head_size >= 512 and current_platform.get_device_capability().major < 8:\n"
+                       "        return 16\n")
 
 
 @pytest.fixture()
 def target(tmp_path) -> Path:
-    real = turing_patch.installed_target()
     copy = tmp_path / "triton_unified_attention.py"
-    shutil.copy2(real, copy)
+    shutil.copy2(turing_patch.installed_target(), copy)
     return copy
+
+
+def _functions_reached(tree: ast.Module, name: str) -> list[ast.FunctionDef]:
+    funcs = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+    out, todo = [], [name]
+    while todo:
+        fn = funcs.get(todo.pop())
+        if fn is not None and fn not in out:
+            out.append(fn)
+            todo += [c.func.id for c in ast.walk(fn) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)]
+    return out
+
+
+def _launch_tiles(text: str, major: int, head_size: int, element_size: int = 2) -> dict:
+    """Runs the file's own code from the tile-size decision to the last statement that sets the tiles
+    (the clamp, when patched), on a stand-in device of capability `major`.5."""
+    tree = ast.parse(text)
+    func = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "unified_attention")
+
+    def touches(s, ctx):
+        return any(isinstance(n, ast.Name) and n.id in TILES and isinstance(n.ctx, ctx) for n in ast.walk(s))
+    first = next(i for i, s in enumerate(func.body) if touches(s, ast.Store))
+    end = 1 + max(i for i, s in enumerate(func.body) if touches(s, ast.Store))  # the clamp sets them too
+    helpers = [ast.FunctionDef(**{**vars(f), "decorator_list": []}) for f in _functions_reached(tree, "_get_tile_size")]
+    scope = dict(current_platform=TuringPlatform(major, 5), q=SimpleNamespace(element_size=lambda: element_size),
+                 head_size=head_size, sliding_window_val=0, block_size=16, use_td=False, tuned_large_head=False,
+                 BLOCK_M=16, launch_num_stages=None, torch=None)
+    module = ast.fix_missing_locations(ast.Module(body=helpers + func.body[first:end], type_ignores=[]))
+    exec(compile(module, "unified_attention", "exec"), scope)
+    return {k: scope[k] for k in (*TILES, "launch_num_stages")}
+
+
+def _fits(tile: int, head: int, element: int = 2) -> bool:
+    return turing_patch.shared_bytes(tile, head, element) <= turing_patch.SHARED_BYTES
 
 
 def test_apply_check_revert_roundtrip(target):
     original = target.read_bytes()
-    assert not turing_patch.check(target).applied
+    assert not turing_patch.check(target).applied and turing_patch.check(target).needed
 
     status = turing_patch.apply(target)
     assert status.applied and turing_patch.check(target).applied
     patched = target.read_text()
-    assert patched.count(turing_patch.BEGIN) == 1 and turing_patch.END in patched
+    assert patched.count(turing_patch.BEGIN_MARK) == 1 and turing_patch.END_MARK in patched
     ast.parse(patched)  # still a valid module
     backup = Path(status.backup)
     assert backup.read_bytes() == original
+    assert (target.stat().st_mode & 0o777) == (backup.stat().st_mode & 0o777)
 
-    # Idempotent: a second apply changes nothing.
-    turing_patch.apply(target)
+    turing_patch.apply(target)  # idempotent: a second apply changes nothing
     assert target.read_text() == patched
 
-    reverted = turing_patch.revert(target)
-    assert not reverted.applied
-    assert target.read_bytes() == original
-    assert not backup.exists()
-    # Reverting an unpatched file is a no-op.
     assert not turing_patch.revert(target).applied
+    assert target.read_bytes() == original and not backup.exists()
+    assert not turing_patch.revert(target).applied  # reverting an unpatched file is a no-op
     assert target.read_bytes() == original
 
 
 def test_revert_without_backup_removes_the_block(target):
     original = target.read_text()
-    status = turing_patch.apply(target)
-    Path(status.backup).unlink()
+    Path(turing_patch.apply(target).backup).unlink()
     turing_patch.revert(target)
     assert target.read_text() == original
 
 
-def test_refuses_a_file_without_the_expected_code(target):
-    text = target.read_text()
-    target.write_text(text.replace("TILE_SIZE_DECODE = min(TILE_SIZE_DECODE, block_size)", "pass"))
+def test_todays_file_launches_tiles_that_fit_turing(target):
+    before = _launch_tiles(target.read_text(), 7, 512)
+    assert not _fits(before["TILE_SIZE_PREFILL"], 512)  # what fails on a T4 without the clamp
+    turing_patch.apply(target)
+    patched = target.read_text()
+    s = _launch_tiles(patched, 7, 512)
+    assert (s["TILE_SIZE_PREFILL"], s["TILE_SIZE_DECODE"], s["launch_num_stages"]) == (16, 16, 1)
+    # Head 256 fits at 32: (16 + 64) * 256 * 2 = 40960.
+    assert _launch_tiles(patched, 7, 256)["TILE_SIZE_PREFILL"] == 32
+    assert _launch_tiles(patched, 7, 4096)["TILE_SIZE_PREFILL"] == 16  # never below 16, even when 16 does not fit
+    # Ampere and later run the original decision.
+    assert _launch_tiles(patched, 8, 512) == {**before, "launch_num_stages": None}
+
+
+def test_a_decision_of_64_at_head_512_is_reduced_until_it_fits(target):
+    target.write_text(_with_decision_rule(TILE64))
+    assert _launch_tiles(target.read_text(), 7, 512)["TILE_SIZE_PREFILL"] == 64
+    assert turing_patch.apply(target).applied
+    patched = target.read_text()
+    s = _launch_tiles(patched, 7, 512)
+    assert s["TILE_SIZE_PREFILL"] == 16 and _fits(16, 512) and not _fits(32, 512)
+    # fp8 (1 byte): 64 does not fit, 32 does, and the clamp stops there rather than at 16.
+    assert _launch_tiles(patched, 7, 512, element_size=1)["TILE_SIZE_PREFILL"] == 32
+    assert _launch_tiles(patched, 8, 512)["TILE_SIZE_PREFILL"] == 64
+
+
+def test_a_reworded_caller_is_still_found(target):
+    """The next vLLM drops the block today's anchor was (use_td) and renames the stages variable."""
+    text = re.sub(r"    if use_td:\n        TILE_SIZE_PREFILL = min\(.*\n        TILE_SIZE_DECODE = min\(.*\n", "",
+                  _installed())
+    text = text.replace("launch_num_stages", "stages_2d")
+    assert "if use_td:\n        TILE_SIZE_PREFILL" not in text
+    target.write_text(text)
+    assert turing_patch.apply(target).applied
+    patched = target.read_text()
+    assert "        stages_2d = 1\n" in patched
+    assert find_decision(text, target).stages == "stages_2d"
+
+
+@pytest.mark.parametrize("rule", [FIXED_BY_SHARED, FIXED_BY_CAPABILITY], ids=["shared-memory", "capability"])
+def test_an_upstream_fixed_decision_needs_no_clamp(target, rule):
+    target.write_text(_with_decision_rule(rule))
     before = target.read_bytes()
-    with pytest.raises(ToolFailure, match="does not contain the code the Turing clamp expects"):
+    status = turing_patch.apply(target)
+    assert not status.applied and not status.needed and "not needed" in status.message
+    assert target.read_bytes() == before and not Path(str(target) + turing_patch.BACKUP_SUFFIX).exists()
+    assert not turing_patch.check(target).needed
+
+
+@pytest.mark.parametrize("edit", [
+    lambda t: re.sub(r"_get_tile_size\(\n\s+head_size, sliding_window_val, q.element_size\(\), is_prefill=\w+\n\s+\)",
+                     "32", t),  # the decision inlined: nothing to find
+    lambda t: t.replace('launch_kwargs["num_stages"] = launch_num_stages', "pass"),  # no stages to set
+    lambda t: "x = 1\n",
+    lambda t: t + "\ndef broken(:\n",
+], ids=["no-decision", "no-stages", "other-module", "not-python"])
+def test_refuses_a_file_it_cannot_understand(target, edit):
+    target.write_text(edit(_installed()))
+    before = target.read_bytes()
+    with pytest.raises(ClampRefused) as exc:
         turing_patch.apply(target)
+    assert isinstance(exc.value, BadInput) and str(target) in str(exc.value)
+    assert "\n" not in str(exc.value) and "tile-size decision" in str(exc.value)
     assert target.read_bytes() == before  # nothing written
     assert not Path(str(target) + turing_patch.BACKUP_SUFFIX).exists()
+    assert not turing_patch.check(target).applied
 
 
 def test_a_hand_edited_clamp_is_not_reported_as_applied(target):
@@ -79,31 +191,6 @@ def test_a_hand_edited_clamp_is_not_reported_as_applied(target):
     assert turing_patch.apply(target).applied
 
 
-def _run_clamp(major: int, head_size: int, element_size: int = 2) -> dict:
-    """Executes the inserted block with a stand-in platform of the given compute capability."""
-    cap = SimpleNamespace(major=major, minor=5)
-    scope = dict(current_platform=SimpleNamespace(get_device_capability=lambda: cap),
-                 q=SimpleNamespace(element_size=lambda: element_size), head_size=head_size, BLOCK_M=16,
-                 TILE_SIZE_PREFILL=32, TILE_SIZE_DECODE=32, launch_num_stages=None)
-    body = "\n".join(line[4:] for line in turing_patch.CLAMP.splitlines())
-    exec(compile(body, "clamp", "exec"), scope)
-    return scope
-
-
-def test_clamp_arithmetic():
-    # Turing, head 512, fp16: (16 + 2*32) * 512 * 2 = 81920 > 60000 -> 16; (16 + 32) * 1024 = 49152 fits.
-    s = _run_clamp(7, 512)
-    assert (s["TILE_SIZE_PREFILL"], s["TILE_SIZE_DECODE"], s["launch_num_stages"]) == (16, 16, 1)
-    # Head 256 fits at 32 tiles: (16 + 64) * 512 = 40960.
-    s = _run_clamp(7, 256)
-    assert (s["TILE_SIZE_PREFILL"], s["launch_num_stages"]) == (32, 1)
-    # Never below 16, even when 16 does not fit.
-    assert _run_clamp(7, 4096)["TILE_SIZE_PREFILL"] == 16
-    # Ampere and later: untouched.
-    s = _run_clamp(8, 512)
-    assert (s["TILE_SIZE_PREFILL"], s["TILE_SIZE_DECODE"], s["launch_num_stages"]) == (32, 32, None)
-
-
 def test_command_line(target):
     script = [sys.executable, str(ROOT / "patch_triton_turing.py")]
     check = subprocess.run(script + ["--check", "--target", str(target)], capture_output=True, text=True)
@@ -111,7 +198,11 @@ def test_command_line(target):
     assert subprocess.run(script + ["--target", str(target)], capture_output=True).returncode == 0
     assert subprocess.run(script + ["--check", "--target", str(target)], capture_output=True).returncode == 0
     assert subprocess.run(script + ["--revert", "--target", str(target)], capture_output=True).returncode == 0
+    target.write_text(_with_decision_rule(FIXED_BY_CAPABILITY))
+    fixed = subprocess.run(script + ["--check", "--target", str(target)], capture_output=True, text=True)
+    assert fixed.returncode == 0 and "not needed" in fixed.stdout
     target.write_text("x = 1\n")
     bad = subprocess.run(script + ["--target", str(target)], capture_output=True, text=True)
-    assert bad.returncode == 2
+    assert bad.returncode == 2 and target.read_text() == "x = 1\n"
     assert len(bad.stderr.strip().splitlines()) == 1 and "another vLLM version" in bad.stderr
+    assert str(target) in bad.stderr and "TILE_SIZE" in bad.stderr

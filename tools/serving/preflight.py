@@ -27,7 +27,7 @@ from tools.serving.hub import SOURCE_REPO, hf_token
 from tools.serving.preflight_checks import (Check, Context, check_checkpoints, check_compute_capability, check_disk,
                                             check_drafter, check_gpu_memory, check_hf_token, check_host_memory,
                                             check_max_model_len, check_nvidia_driver, check_port, check_source,
-                                            check_turing_clamp, check_vllm_build)
+                                            check_turing_clamp, check_versions, check_vllm_build)
 
 Step = Literal["all", "start", "repack", "fetch"]
 
@@ -103,7 +103,7 @@ def checks_for(step: Step, *, cfg: Any = None, env_file: str | Path | None = Non
     if step == "start":
         checks += [check_port(ctx), check_checkpoints(ctx, step=step), check_max_model_len(ctx), check_drafter(ctx),
                    check_turing_clamp(ctx), check_host_memory(ctx), check_vllm_build(ctx), check_nvidia_driver(ctx),
-                   check_gpu_memory(ctx)]
+                   check_gpu_memory(ctx), check_versions(ctx)]
     elif step == "repack":
         checks += [check_source(src, dst, force=force, protected_roots=protected_roots), check_disk(ctx, step=step, source=src, out=dst)]
     elif step == "fetch":
@@ -111,7 +111,7 @@ def checks_for(step: Step, *, cfg: Any = None, env_file: str | Path | None = Non
                    check_disk(ctx, step=step, out=dst, need_bytes=need_bytes)]
     else:
         checks += [check_nvidia_driver(ctx), check_gpu_memory(ctx), check_compute_capability(ctx),
-                   check_vllm_build(ctx), check_turing_clamp(ctx), check_host_memory(ctx),
+                   check_vllm_build(ctx), check_versions(ctx), check_turing_clamp(ctx), check_host_memory(ctx),
                    check_disk(ctx, step=step, source=src, out=dst), check_port(ctx), check_max_model_len(ctx),
                    check_hf_token(ctx, step=step), check_checkpoints(ctx, step=step), check_drafter(ctx)]
     return checks

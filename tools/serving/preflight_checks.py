@@ -31,6 +31,7 @@ from tools.serving.hardware import Hardware
 from tools.serving.hub import hf_token
 from tools.serving.model_files import checkpoint_bytes, missing_model_fix, model_position_limit
 from tools.serving.speculative import validate_speculative_config
+from tools.serving import version_pairs
 
 MIN_CAPABILITY = (7, 0)  # vLLM's CUDA kernels start at Volta
 
@@ -40,7 +41,7 @@ Status = Literal["ok", "warn", "fail", "n/a"]
 class Check(BaseModel):
     name: str = Field(description="What is checked: nvidia_driver, gpu_memory, compute_capability, vllm_build, "
                                   "turing_clamp, host_memory, disk, port, max_model_len, hf_token, checkpoints, "
-                                  "drafter, source, config")
+                                  "drafter, source, config, versions")
     status: Status = Field(description="ok; warn (works, but read the fix); fail (the step will not work); "
                                        "n/a (does not apply on this machine or configuration)")
     value: str = Field(description="What was measured, in one line")
@@ -191,7 +192,7 @@ def check_turing_clamp(ctx: Context) -> Check:
         status = turing_patch.check(ctx.turing_target)
     except ToolFailure as exc:
         return Check(name="turing_clamp", status="fail", value=str(exc), fix="install vLLM with ./setup.sh")
-    if not status.applied:
+    if not status.applied and status.needed:
         return Check(name="turing_clamp", status="fail", detail=status.to_dict(),
                      value=f"GPU compute capability {cap[0]}.{cap[1]} (Turing) needs the attention clamp, which is "
                            f"not applied to {status.target}", fix=f"run {op('patch_turing')}")
@@ -391,6 +392,12 @@ def check_source(source: Path | None, out: Path | None = None, *, force: bool = 
     return Check(name="source", status="ok", value=f"{source}: {_gib(size)} of safetensors", detail={"bytes": size})
 
 
+def check_versions(ctx: Context) -> Check:
+    """vLLM / transformers / compressed-tensors against the pairs known to fail on Gemma 4 and the pins."""
+    r = version_pairs.check_versions(extra="gpu" if ctx.platform == "cuda" else "cpu")
+    return Check(name="versions", status=r.status, value=r.value, fix=r.fix, detail=r.detail)  # type: ignore[arg-type]
+
+
 def _is_file(path: Path) -> bool:
     try:
         return path.is_file()
@@ -401,4 +408,4 @@ def _is_file(path: Path) -> bool:
 __all__ = ["Check", "Context", "DISK_MARGIN_BYTES", "MIN_CAPABILITY", "REPACK_RATIO", "SOURCE_BYTES_ESTIMATE",
            "Status", "check_checkpoints", "check_compute_capability", "check_disk", "check_drafter", "check_gpu_memory",
            "check_host_memory", "check_hf_token", "check_max_model_len", "check_nvidia_driver", "check_port",
-           "check_source", "check_turing_clamp", "check_vllm_build"]
+           "check_source", "check_turing_clamp", "check_versions", "check_vllm_build"]

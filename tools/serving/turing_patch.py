@@ -2,50 +2,38 @@
 
 Gemma 4's 512-wide attention heads make `kernel_unified_attention` ask for up to 96 KiB of shared memory
 against Turing's 64 KiB ("out of resource: shared memory, Required: 98304, Hardware limit: 65536"). The clamp
-inserts, right after vLLM picks its tile sizes: on a device of capability < 8, halve the prefill and decode
-TILE_SIZE (never below 16) while (BLOCK_M + 2*TILE) * head_size * element_size exceeds ~60000 bytes, and launch
-with num_stages=1. Devices of capability >= 8 run the file's original code path.
+goes right after vLLM's tile-size decision (found by what the code does: tools.serving.turing_decision): on a
+device of capability < 8, halve each decided TILE_SIZE, whatever the decision returned (32, 64, ...; never below
+16), while (BLOCK_M + 2*TILE) * head_size * element_size exceeds SHARED_BYTES, and launch with num_stages=1.
+Devices of capability >= 8 run the file's original code path.
 
-The patch is a marked block inserted at one anchor; the original file is backed up next to it. Applying twice,
-checking and reverting are safe; a file without the expected anchor (another vLLM version) is refused.
+When the decision itself already fits Turing at head 512 (an upstream fix such as vLLM PR #39018), the clamp is
+not needed and nothing is written. A file without a decision the clamp understands is refused, untouched.
+The original file is backed up next to it; applying twice, checking and reverting are safe.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import shutil
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from tools.core.atomic_files import write_file
 from tools.core.errors import ToolFailure
+from tools.serving.turing_decision import ClampRefused, Decision, decided_tiles, find_decision
 
 RELATIVE_PATH = Path("v1/attention/ops/triton_unified_attention.py")
-BEGIN = "    # >>> gemma4-t4 turing clamp (patch_triton_turing.py) >>>\n"
-END = "    # <<< gemma4-t4 turing clamp <<<\n"
+BEGIN_MARK = "# >>> gemma4-t4 turing clamp (patch_triton_turing.py) >>>"
+END_MARK = "# <<< gemma4-t4 turing clamp <<<"
 BACKUP_SUFFIX = ".gemma4-t4.orig"
-
-# The clamp goes after the last tile-size adjustment vLLM 0.29-0.32 makes and before the launch kwargs are built.
-ANCHOR = (
-    "    if use_td:\n"
-    "        TILE_SIZE_PREFILL = min(TILE_SIZE_PREFILL, block_size)\n"
-    "        TILE_SIZE_DECODE = min(TILE_SIZE_DECODE, block_size)\n"
-)
-# Names the clamp relies on; each must appear in the file before the anchor or in the launch code after it.
-REQUIRED = ("BLOCK_M = (", "launch_num_stages: int | None = None", "launch_kwargs[\"num_stages\"] = launch_num_stages",
-            "tile_size = TILE_SIZE_PREFILL", "tile_size = TILE_SIZE_DECODE", "current_platform")
-
-CLAMP = BEGIN + (
-    "    # Turing (sm_7x) has 64 KiB of shared memory per block; head_size 512 tiles need up to 96 KiB.\n"
-    "    _cap = current_platform.get_device_capability()\n"
-    "    if _cap is not None and _cap.major < 8:\n"
-    "        _elem = q.element_size()\n"
-    "        while TILE_SIZE_PREFILL > 16 and (BLOCK_M + 2 * TILE_SIZE_PREFILL) * head_size * _elem > 60000:\n"
-    "            TILE_SIZE_PREFILL //= 2\n"
-    "        while TILE_SIZE_DECODE > 16 and (BLOCK_M + 2 * TILE_SIZE_DECODE) * head_size * _elem > 60000:\n"
-    "            TILE_SIZE_DECODE //= 2\n"
-    "        launch_num_stages = 1\n"
-) + END
+MIN_TILE = 16
+# Turing's 65536 bytes per block, less headroom for what else the kernel keeps in shared memory.
+SHARED_BYTES = 60000
+TURING_SHARED = 65536
+GEMMA4_HEAD = 512  # Gemma 4's global attention layers
+BLOCK_M = 16  # vLLM's BLOCK_M for up to 16 query heads per KV head (Gemma 4 E2B: 8)
 
 
 @dataclass
@@ -54,9 +42,34 @@ class PatchStatus:
     applied: bool
     backup: str | None
     message: str
+    needed: bool = True  # False: this vLLM's own tile decision already fits Turing's shared memory
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def shared_bytes(tile: int, head_size: int, element_size: int, block_m: int = BLOCK_M) -> int:
+    """The clamp's estimate of a launch's shared memory: the Q block and one K and one V tile."""
+    return (block_m + 2 * tile) * head_size * element_size
+
+
+def clamp_block(d: Decision) -> str:
+    i = d.indent
+    rows = [BEGIN_MARK,
+            "# Turing (sm_7x) has 64 KiB of shared memory per block; head_size 512 tiles need up to 96 KiB.",
+            "_gemma4_t4_cap = current_platform.get_device_capability()",
+            "if _gemma4_t4_cap is not None and _gemma4_t4_cap.major < 8:",
+            f"    _gemma4_t4_elem = {d.element}"]
+    for t in d.tiles:
+        rows += [f"    while {t} > {MIN_TILE} and ({d.block_m} + 2 * {t}) * {d.head} * _gemma4_t4_elem > {SHARED_BYTES}:",
+                 f"        {t} //= 2"]
+    rows += [f"    {d.stages} = 1", END_MARK]
+    return "".join(f"{i}{r}\n" for r in rows)
+
+
+def patched_text(text: str, d: Decision) -> str:
+    lines = text.splitlines(keepends=True)
+    return "".join(lines[:d.after_line]) + clamp_block(d) + "".join(lines[d.after_line:])
 
 
 def installed_target() -> Path:
@@ -78,62 +91,115 @@ def _backup(path: Path) -> Path:
     return path.with_name(path.name + BACKUP_SUFFIX)
 
 
-def _is_applied(text: str) -> bool:
-    """Applied means the exact clamp block sits right after the anchor, once."""
-    return text.count(BEGIN) == 1 and (ANCHOR + CLAMP) in text
+def _marked(text: str) -> tuple[int, int] | None:
+    """Line indexes of the one BEGIN and the END after it; None when there is no clamp; ValueError when damaged."""
+    lines = [ln.strip() for ln in text.splitlines()]
+    begins = [i for i, ln in enumerate(lines) if ln == BEGIN_MARK]
+    ends = [i for i, ln in enumerate(lines) if ln == END_MARK]
+    if not begins and not ends:
+        return None
+    if len(begins) != 1 or len(ends) != 1 or ends[0] < begins[0]:
+        raise ValueError("damaged markers")
+    return begins[0], ends[0]
+
+
+def _without_clamp(text: str) -> str | None:
+    """The text with the marked block removed; None when the markers are damaged."""
+    try:
+        marks = _marked(text)
+    except ValueError:
+        return None
+    if marks is None:
+        return text
+    lines = text.splitlines(keepends=True)
+    return "".join(lines[:marks[0]] + lines[marks[1] + 1:])
+
+
+def needed(text: str, d: Decision) -> tuple[bool, list[int] | None]:
+    """Whether the decision, run on a stand-in Turing device at head 512, picks tiles that overflow its shared
+    memory. A decision that cannot run outside vLLM counts as needing the clamp (it only acts when over)."""
+    try:
+        tiles = decided_tiles(text, d.decision, GEMMA4_HEAD, 2, TURING_SHARED)
+    except Exception:  # noqa: BLE001 - any failure of foreign code means: cannot tell, so clamp
+        return True, None
+    return any(shared_bytes(t, GEMMA4_HEAD, 2) > SHARED_BYTES for t in tiles), tiles
+
+
+def _not_needed(path: Path, d: Decision, tiles: list[int] | None) -> PatchStatus:
+    return PatchStatus(str(path), False, None, needed=False,
+                       message=f"Turing clamp not needed in {path}: {d.decision} already picks tiles "
+                               f"{'/'.join(map(str, tiles or []))} at head {GEMMA4_HEAD} on compute capability 7.5, "
+                               "within its shared memory")
 
 
 def check(target: str | Path | None = None) -> PatchStatus:
     path = _target(target)
     text = path.read_text()
     backup = _backup(path)
-    if _is_applied(text):
-        return PatchStatus(str(path), True, str(backup) if backup.exists() else None, f"Turing clamp applied in {path}")
-    if BEGIN in text or END in text:
-        return PatchStatus(str(path), False, str(backup) if backup.exists() else None,
+    kept = str(backup) if backup.exists() else None
+    original = _without_clamp(text)
+    if original is None or original != text:
+        try:
+            applied = original is not None and patched_text(original, find_decision(original, path)) == text
+        except ClampRefused:
+            applied = False
+        if applied:
+            return PatchStatus(str(path), True, kept, f"Turing clamp applied in {path}")
+        return PatchStatus(str(path), False, kept,
                            f"{path} holds a modified or partial Turing clamp; run --revert, then apply again")
+    try:
+        d = find_decision(text, path)
+    except ClampRefused as exc:
+        return PatchStatus(str(path), False, None, str(exc))
+    need, tiles = needed(text, d)
+    if not need:
+        return _not_needed(path, d, tiles)
     return PatchStatus(str(path), False, None, f"Turing clamp not applied in {path}")
+
+
+def _write(path: Path, data: str | bytes, mode: int) -> None:
+    write_file(path, data)  # never a half-written module
+    os.chmod(path, mode)
 
 
 def apply(target: str | Path | None = None) -> PatchStatus:
     path = _target(target)
     text = path.read_text()
-    if _is_applied(text):
-        return check(path)
-    if BEGIN in text or END in text:
-        raise ToolFailure(f"{path} holds a modified or partial Turing clamp; run --revert first")
-    missing = [r for r in REQUIRED if r not in text]
-    if text.count(ANCHOR) != 1 or missing:
-        what = "the tile-size anchor" if text.count(ANCHOR) != 1 else ", ".join(repr(m) for m in missing)
-        raise ToolFailure(f"{path} does not contain the code the Turing clamp expects ({what} not found): "
-                          "another vLLM version; pin the vLLM in pyproject.toml or update tools/serving/turing_patch.py")
-    backup = _backup(path)
-    if not backup.exists():
-        shutil.copy2(path, backup)
-    new = text.replace(ANCHOR, ANCHOR + CLAMP, 1)
-    tmp = path.with_name(path.name + ".gemma4-t4.tmp")
-    tmp.write_text(new)
-    shutil.copymode(path, tmp)
-    tmp.replace(path)  # never a half-written module
     status = check(path)
-    if not status.applied:  # pragma: no cover - guards against a broken constant above
+    if status.applied:
+        return status
+    if _without_clamp(text) != text:
+        raise ToolFailure(f"{path} holds a modified or partial Turing clamp; run --revert first")
+    d = find_decision(text, path)  # ClampRefused: one line, nothing written
+    need, tiles = needed(text, d)
+    if not need:
+        return _not_needed(path, d, tiles)
+    backup = _backup(path)
+    mode = path.stat().st_mode & 0o7777
+    if not backup.exists():
+        _write(backup, path.read_bytes(), mode)
+    _write(path, patched_text(text, d), mode)
+    if not check(path).applied:  # pragma: no cover - guards against a broken clamp_block
         raise ToolFailure(f"{path}: the clamp was written but does not verify; restore {backup}")
-    return PatchStatus(status.target, True, str(backup), f"Turing clamp applied to {path} (original: {backup})")
+    return PatchStatus(str(path), True, str(backup),
+                       f"Turing clamp applied to {path} after {d.decision} sets {', '.join(d.tiles)} "
+                       f"(original: {backup})")
 
 
 def revert(target: str | Path | None = None) -> PatchStatus:
     path = _target(target)
     text = path.read_text()
     backup = _backup(path)
-    if BEGIN not in text and END not in text:
+    mode = path.stat().st_mode & 0o7777
+    if BEGIN_MARK not in text and END_MARK not in text:
         backup.unlink(missing_ok=True)
         return PatchStatus(str(path), False, None, f"{path} is not patched; nothing to revert")
-    if backup.exists() and BEGIN not in backup.read_text():
-        shutil.copy2(backup, path)
+    if backup.exists() and BEGIN_MARK not in backup.read_text():
+        _write(path, backup.read_bytes(), mode)
         backup.unlink()
         return PatchStatus(str(path), False, None, f"restored {path} from its backup")
-    start, end = text.find(BEGIN), text.find(END)
-    if start < 0 or end < start:
+    original = _without_clamp(text)
+    if original is None:
         raise ToolFailure(f"{path}: the clamp markers are damaged and no backup exists; reinstall vLLM")
-    path.write_text(text[:start] + text[end + len(END):])
+    _write(path, original, mode)
     return PatchStatus(str(path), False, None, f"removed the Turing clamp from {path}")
