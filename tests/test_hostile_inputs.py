@@ -183,3 +183,115 @@ def test_doctor_names_the_env_file_and_the_key(case, tmp_path, capsys, monkeypat
     check = _check(_doctor(capsys, env), "config")
     assert check["status"] == "fail" and str(env) in check["value"], check
     assert ("UTF-8" if case == "invalid-utf8" else "START_TIMEOUT_S") in check["value"]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# fidelity check's REF.json
+
+
+def _reference(path: Path) -> None:
+    from tools.measure.fidelity_files import RefWriter
+
+    w = RefWriter(path, {"model": "m", "tokenizer_sha256": "t", "window": 4, "top_k": 2, "first_scored": 1,
+                         "prefix_ids": [], "windows": 1}, force=False)
+    w.window({"index": 0, "start": 0, "ids": [1, 2, 3, 4], "actual": [-0.5, -1.0, -0.1],
+              "top": [[[5, -0.2]], [[6, -0.3]], [[7, -0.4]]]})
+    w.commit({"windows": 1, "tokens": 3, "complete": True})
+
+
+def _damage(path: Path, case: str) -> str:
+    """Damages REF.json the way `case` says; returns the field the refusal must name."""
+    lines = path.read_text().splitlines()
+    head = json.loads(lines[0].rstrip(",") + "}")
+    win = json.loads(lines[2])
+    if case == "no-window":
+        del head["header"]["window"]
+    elif case == "string-header":
+        head["header"] = "a string"
+    elif case == "first-scored-x":
+        head["header"]["first_scored"] = "x"
+    elif case == "window-without-ids":
+        del win["ids"]
+    elif case == "logprob-800":
+        win["actual"][1] = 800
+    elif case == "list-footer":
+        lines[-1] = '"footer": [1]}'
+    lines[0] = json.dumps(head)[:-1] + ","
+    lines[2] = json.dumps(win)
+    path.write_text("\n".join(lines) + "\n")
+    return {"no-window": "window", "string-header": "header", "first-scored-x": "first_scored",
+            "window-without-ids": "ids", "logprob-800": "actual", "list-footer": "footer"}[case]
+
+
+@pytest.mark.parametrize("case", ["no-window", "string-header", "first-scored-x", "window-without-ids",
+                                  "logprob-800", "list-footer"])
+def test_fidelity_check_refuses_a_damaged_reference_before_any_server(case, tmp_path, capsys):
+    ref = tmp_path / "REF.json"
+    _reference(ref)
+    field = _damage(ref, case)
+    rc, err = _run(capsys, ["fidelity", "check", ref, "--base-url", "http://127.0.0.1:9"])
+    assert rc == 2, err
+    one_line(err, "fidelity check", str(ref), field)
+
+
+def test_an_intact_reference_reads_whole(tmp_path):
+    from tools.measure.fidelity_files import read_reference
+
+    _reference(tmp_path / "REF.json")
+    header, footer, windows = read_reference(tmp_path / "REF.json")
+    (win,) = list(windows)
+    assert header["window"] == 4 and footer["tokens"] == 3 and win["ids"] == [1, 2, 3, 4]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# eval-compare's samples and eval's task names
+
+
+@pytest.mark.parametrize("case", ["garbage", "no-doc_id", "doc_id-a-string"])
+def test_eval_compare_names_the_samples_file_the_line_and_the_field(case, tmp_path, capsys):
+    from fixtures import fake_eval_run
+
+    from tools.mcp.errors import to_tool_error
+    from tools.measure.eval_compare import compare_evals
+    from tools.measure.eval_results import CompareParams
+
+    a = fake_eval_run(tmp_path / "a", "a", {0: 1.0, 1: 0.0, 2: 1.0})
+    b = fake_eval_run(tmp_path / "b", "b", {0: 1.0, 1: 1.0, 2: 1.0})
+    samples = next((b / "lm_eval").rglob("samples_*.jsonl"))
+    lines = samples.read_text().splitlines()
+    lines[1] = {"garbage": "\x00 not json", "no-doc_id": json.dumps({"acc": 1.0, "filter": "none"}),
+                "doc_id-a-string": json.dumps({"doc_id": "one", "acc": 1.0})}[case]
+    samples.write_text("\n".join(lines) + "\n")
+    rc, err = _run(capsys, ["eval-compare", a, b])
+    assert rc == 2, err
+    one_line(err, "eval-compare", str(samples), "line 2")
+    with pytest.raises(Exception) as e:  # over MCP: the same line, not a bare `doc_id`
+        compare_evals(CompareParams(runs=[str(a), str(b)]))
+    msg = str(to_tool_error(e.value))
+    assert str(samples) in msg and "line 2" in msg and ("doc_id" in msg or case == "garbage"), msg
+
+
+def test_eval_compare_refuses_a_single_run(tmp_path, capsys):
+    from fixtures import fake_eval_run
+
+    a = fake_eval_run(tmp_path / "a", "a", {0: 1.0, 1: 0.0})
+    rc, err = _run(capsys, ["eval-compare", a])
+    assert rc == 2, err
+    one_line(err, "eval-compare", "runs")
+
+
+def test_eval_refuses_a_task_name_no_file_can_have(tmp_path, capsys):
+    from pydantic import ValidationError
+
+    from tools.mcp.errors import to_tool_error
+    from tools.measure.eval_results import EvalParams
+
+    name = "t" * 300
+    rc, err = _run(capsys, ["eval", "--tasks", name, "--out", tmp_path / "ev", "--base-url", "http://127.0.0.1:9"])
+    assert rc == 2, err
+    one_line(err, "eval", "--tasks")
+    with pytest.raises(ValidationError) as e:
+        EvalParams(tasks=[name])
+    refusal = to_tool_error(e.value)
+    assert refusal.detail["argument"].startswith("tasks") and "Traceback" not in str(refusal)
+    assert not (tmp_path / "ev").exists()
