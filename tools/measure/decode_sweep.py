@@ -93,13 +93,15 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 def load_decode_run(path: str | Path) -> DecodeResult:
     p = Path(path)
     f = p / "summary.json" if p.is_dir() else p
+    if not f.is_file():
+        raise BadInput(f"{p}: no summary.json: not a decode run folder ({op('decode')} writes one)",
+                       detail={"path": str(p)})
     try:
-        res = DecodeResult.model_validate_json(f.read_text())
-    except FileNotFoundError:
-        raise ToolFailure(f"{p}: no summary.json: not a decode run folder ({op('decode')} writes one)",
-                          detail={"path": str(p)}) from None
+        res = DecodeResult.model_validate_json(f.read_bytes())
     except ValueError as exc:
-        raise ToolFailure(f"{f}: not a decode summary ({str(exc).splitlines()[0]})", detail={"path": str(f)}) from None
+        raise BadInput(f"{f}: not a decode summary ({str(exc).splitlines()[0]})", detail={"path": str(f)}) from None
+    except OSError as exc:
+        raise BadInput(f"{f}: cannot be read ({exc.strerror or exc})", detail={"path": str(f)}) from None
     res.run_dir = str(p)
     return res
 
