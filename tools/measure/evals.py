@@ -57,6 +57,10 @@ Progress = Callable[[int, int, str], None]
 # Running lm-eval
 
 
+HEARTBEAT_S = 1.0   # the longest lm-eval runs between two progress reports (each a chance to cancel)
+KILL_GRACE_S = 5.0  # SIGTERM to SIGKILL for lm-eval's process group
+
+
 def lm_eval_version() -> str | None:
     try:
         return importlib.metadata.version("lm_eval")
@@ -256,6 +260,8 @@ def run_eval(params: EvalParams, progress: Progress | None = None, *, serve_conf
                      **{f"samples:{t}": rel(p) for t, p in sorted(samples.items())}}
         (tmp / "summary.md").write_text(summary_markdown(res))
         _write_json(tmp / "summary.json", res.to_dict())
+        if progress is not None:  # the last report before publishing: a call cancelled by now writes no run
+            progress(0, 0, "publishing the run folder")
         os.replace(tmp, final)  # the run folder appears whole or not at all
         return res
     except OSError as exc:  # a full disk or a vanished folder: nothing half-written stays
@@ -347,14 +353,20 @@ def _run_lm_eval(cmd: list[str], include: Path, log_path: Path, timeout_s: float
                             stdin=subprocess.DEVNULL, start_new_session=True)
     reader = _OutputReader(proc.stdout, log_path)
     deadline = t0 + timeout_s
+    last: tuple[int, int, str] = (0, 0, "starting lm-eval")
+    reported = time.monotonic()
     try:
         while True:
             try:
                 event = reader.events.get(timeout=0.5)
             except queue.Empty:
                 event = None
-            if event is not None and progress is not None:
-                progress(*event)
+            if progress is not None and (event is not None or time.monotonic() - reported >= HEARTBEAT_S):
+                # lm-eval may print nothing for minutes (loading, building contexts): the last report again, so
+                # that a cancelled call (its progress raises) stops lm-eval within seconds at any phase
+                last = event or last
+                reported = time.monotonic()
+                progress(*last)
             if event is None and proc.poll() is not None:
                 break
             if time.monotonic() > deadline:
@@ -362,7 +374,7 @@ def _run_lm_eval(cmd: list[str], include: Path, log_path: Path, timeout_s: float
                 raise ToolFailure(f"lm-eval ran past its limit of {timeout_s:.0f} s and was stopped; give a larger "
                                   f"timeout or a smaller {param('limit')}", {"timeout_s": timeout_s})
     except BaseException:
-        kill_group(proc)  # never leave lm-eval running
+        kill_group(proc, grace_s=KILL_GRACE_S)  # never leave lm-eval running
         raise
     finally:
         reader.thread.join(timeout=30)
