@@ -24,6 +24,7 @@ from tools.core.errors import BadInput, ToolFailure, param
 from tools.core.params import OpParams
 from tools.measure import evidence, provenance as prov_mod
 from tools.measure.decode_params import checkpoint_sampling, request_errors
+from tools.core.output_check import check_output_folder
 from tools.measure.results import DEFAULT_OUT
 from tools.measure.spec_metrics import read_spec_counters, spec_delta, speculative_from_argv
 from tools.serving.endpoint import EndpointParams, resolve_endpoint
@@ -202,6 +203,7 @@ def run_decode(params: DecodeParams | None = None, *, progress: Progress | None 
     """
     params = DecodeParams(**{**(params or DecodeParams()).model_dump(), **overrides})
     _check_label(params.label)
+    check_output_folder(params.out)  # before any request: the run would end unwritten
     if params.sampling == "checkpoint" and params.generation_config:  # a bad file before any request
         checkpoint_sampling(params.generation_config)
     endpoint = resolve_endpoint(params, serve_config)

@@ -20,6 +20,7 @@ from tools.measure.results import DEFAULT_OUT
 from tools.measure.server_guard import owned_server
 from tools.measure.uncertainty import Ratio, paired_ratio
 from tools.serving.config import load_config
+from tools.core.output_check import check_output_folder
 from tools.serving.speculative import parse_speculative_config, validate_speculative_config
 from tools.serving.vllm_server import start_server, stop_server
 
@@ -222,6 +223,7 @@ def run_decode_sweep(params: DecodeSweepParams, *, progress: Progress | None = N
     comparison. config_overrides go to load_config (a test's port and state dir). The server is always stopped,
     whatever ends the sweep: a SIGKILL of this process too (tools.measure.server_guard)."""
     evidence.check_name(params.label, "label")
+    check_output_folder(params.out)  # before any server starts
     if not params.draft_tokens or any(k < 0 for k in params.draft_tokens):
         raise BadInput(f"{param('draft_tokens')} must be integers >= 0, got {params.draft_tokens}",
                           detail={"field": "draft_tokens"})

@@ -41,6 +41,7 @@ from tools.core.errors import ToolFailure, op, param
 from tools.core.process import kill_group, python_child_env
 from tools.core.root import PROJECT_ROOT
 from tools.measure import provenance as prov_mod
+from tools.core.output_check import check_output_folder
 # The eval operations in one import for the front ends (run, compare, the parameter and result models, the
 # confinement to the MCP server's roots); each lives in its module of one concern.
 from tools.measure.eval_compare import compare_evals  # noqa: F401
@@ -219,6 +220,7 @@ def run_eval(params: EvalParams, progress: Progress | None = None, *, serve_conf
     default base_url and its start record goes into the provenance. Raises ToolFailure with one line, leaving no
     run folder, when the tasks, include folder, server or datasets are unusable or lm-eval fails.
     """
+    check_output_folder(params.out)  # before lm-eval or the server is asked
     plan = _plan(EvalParams.model_validate(params.model_dump()), serve_config)
     params = plan.params
     out, run_id, tmp = _run_folder(params, plan.model)

@@ -51,6 +51,7 @@ from tools.core.errors import BadInput, param
 from tools.measure.uncertainty import FASTER, SLOWER, WITHIN_NOISE, paired_ratio
 from tools.measure.fidelity_files import (DEFAULT_CORPUS, RECORD_KIND, RefWriter, load_corpus,  # noqa: F401
                                           read_reference)
+from tools.core.output_check import check_output_file
 from tools.measure.server_client import ServerClient
 from tools.serving.endpoint import EndpointParams, resolve_endpoint
 
@@ -281,6 +282,7 @@ def record_logprobs(params: RecordLogprobsParams, progress: Progress | None = No
                        field="out")
     if out.is_dir():
         raise BadInput(f"{out} is a folder; {param('out')} takes a file path", field="out")
+    check_output_file(out)  # a parent that is a file, read-only or full: before the server is asked
     corpus_path, text, corpus_sha = load_corpus(params.corpus)
     srv = ServerClient(_endpoint_url(params), params.timeout_s)
     writer: RefWriter | None = None

@@ -31,10 +31,11 @@ from typing import Any, Callable, ClassVar
 
 from pydantic import BaseModel, Field
 
-from tools.core.atomic import atomic_directory, existing_ancestor
+from tools.core.atomic import atomic_directory
 from tools.core.atomic_files import refusal
 from tools.core.atomic_leftovers import sweep_stale_partials
 from tools.core.errors import BadInput, ToolFailure, param
+from tools.core.output_check import check_output_folder
 from tools.core.params import OpParams
 from tools.core.paths import PathNotAllowed, Roots, inside
 from tools.core.root import PROJECT_ROOT
@@ -260,11 +261,7 @@ def check_out_before_network(out: Path, repo_id: str, protected: list[Path]) -> 
         if inside(root, out):
             raise BadInput(f"output {out} is {'the' if out == root else 'above the'} models root {root} itself: "
                            f"pass a new folder inside it as {param('out')}", field="out")
-    anc = existing_ancestor(out) if not out.exists() else out
-    if not anc.is_dir():
-        raise BadInput(f"output {out}: {anc} is a file, not a folder; pass another {param('out')}", field="out")
-    if not os.access(anc, os.W_OK):  # access(2) says EROFS for a read-only mount even to root
-        raise BadInput(f"output {out}: {anc} is read-only; pass another {param('out')}", field="out")
+    check_output_folder(out)  # under a file, read-only, a full disk
     if out.is_dir() and any(out.iterdir()):
         m = _existing_repo(out)
         if m != repo_id:
