@@ -369,3 +369,16 @@ def test_prompt_arguments_that_would_change_the_steps_are_refused(given):
     with pytest.raises(ValueError, match=next(iter(given))):
         spec.check(given)
     spec.check({"label_a": "int4-emb", "build_a": "builds/emb4"})
+
+
+def test_compare_logprobs_names_reference_where_record_says_out(tmp_path):
+    from tools.core.errors import ToolFailure
+    from tools.mcp.wording import MCP
+    from tools.measure.fidelity import CompareLogprobsParams, compare_logprobs
+
+    (tmp_path / "plain").write_text("a file\n")
+    for ref in (tmp_path, tmp_path / "plain" / "ref.json"):  # a folder; a parent that is a file
+        with pytest.raises(ToolFailure) as e:
+            compare_logprobs(CompareLogprobsParams(mode="record", reference=str(ref), base_url="http://127.0.0.1:9"))
+        said = e.value.render(MCP)
+        assert e.value.field == "reference" and "reference" in said and "out" not in said.replace("outside", ""), said
