@@ -129,7 +129,7 @@ def test_paired_difference_matches_the_hand_computation(tmp_path):
 
 
 def test_eval_compare_refuses_a_folder_that_is_not_a_run(tmp_path, capsys):
-    rc = _cli(["eval-compare", str(tmp_path)])
+    rc = _cli(["eval-compare", str(tmp_path), str(tmp_path)])
     assert rc == 2
     assert "summary.json" in _one_line_error(capsys, "eval-compare")
 
@@ -346,7 +346,7 @@ def test_mcp_paths_stay_inside_the_roots(tmp_path):
     with pytest.raises(ToolFailure, match="out .*outside the evidence roots"):
         evals.confine_eval_params(EvalParams(tasks=["t"], out=str(tmp_path / "elsewhere")), roots)
     with pytest.raises(ToolFailure, match="run .*outside the evidence roots"):
-        evals.confine_compare_params(CompareParams(runs=[str(tmp_path)]), roots)
+        evals.confine_compare_params(CompareParams(runs=[str(tmp_path), str(tmp_path)]), roots)
 
 
 def test_progress_is_read_from_lm_evals_output(tmp_path):

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import signal
 import sys
+
+# A reader that stops reading (`./vllm-t4 status | head -1`) is not a failure of the command: stdout goes to
+# /dev/null (so the interpreter's last flush cannot raise again) and the status is the shell's for SIGPIPE.
+BROKEN_PIPE_STATUS = 128 + signal.SIGPIPE
 
 
 class Terminated(KeyboardInterrupt):
@@ -58,13 +63,20 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser(argv[0] if argv else None).parse_args(argv)
+    try:
+        args = build_parser(argv[0] if argv else None).parse_args(argv)
+    except BrokenPipeError:  # --help into a closed pipe
+        return _stdout_gone()
     global _terminating
     _terminating = False
     # main() may run in-process (tests, an embedding program): the caller's handler comes back on return
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
-        return int(args.func(args) or 0)
+        status = int(args.func(args) or 0)
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at the interpreter's exit
+        return status
+    except BrokenPipeError:
+        return _stdout_gone()
     except Terminated:
         print("vllm-t4: terminated", file=sys.stderr)
         return 143
@@ -73,6 +85,16 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _stdout_gone() -> int:
+    try:
+        fd = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(fd, sys.stdout.fileno())
+        os.close(fd)
+    except (OSError, ValueError):  # stdout is no file descriptor (captured in-process): nothing to redirect
+        pass
+    return BROKEN_PIPE_STATUS
 
 
 if __name__ == "__main__":

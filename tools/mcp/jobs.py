@@ -140,7 +140,10 @@ class JobRegistry:
             try:
                 out = work(progress)
                 job.result = out.model_dump(mode="json") if isinstance(out, BaseModel) else dict(out)
-                job.state, job.message = JobState.succeeded, "done"
+                if job.cancel_event.is_set():  # cancelled after its last progress report: never "succeeded"
+                    job.state, job.message = JobState.cancelled, "cancelled after the work had ended: see result"
+                else:
+                    job.state, job.message = JobState.succeeded, "done"
             except JobCancelled:
                 job.state, job.message = JobState.cancelled, "cancelled"
             except BaseException as exc:  # reported through job_status, never lost in a thread

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+from urllib.parse import quote
 from typing import Annotated, Any
 
 import anyio.to_thread
@@ -106,7 +107,7 @@ def _runs(app) -> list[dict[str, Any]]:
                 run = Path(here).relative_to(root).as_posix()
                 if run not in seen:  # the first root holding a name is the one the template reads
                     seen[run] = {"run": run, "root": str(root), "mtime": os.stat(here).st_mtime,
-                                 "uris": [f"{SCHEME}://evidence/{run}/{f}" for f in found]}
+                                 "uris": [f"{SCHEME}://evidence/{quote(run, safe='/')}/{f}" for f in found]}
             if len(seen) >= MAX_RUNS:
                 break
     return sorted(seen.values(), key=lambda r: -r["mtime"])
@@ -248,6 +249,9 @@ CONDITIONS = {
 }
 
 
+_LABEL = re.compile(r"[A-Za-z0-9._+-]+")  # a label as the tools it is passed to take it
+
+
 @dataclass
 class PromptSpec:
     name: str
@@ -283,6 +287,12 @@ class PromptSpec:
             if len(str(v)) >= PATH_MAX:
                 raise ValueError(f"prompt {self.name}: argument {k} is {len(str(v))} characters; give at most "
                                  f"{PATH_MAX - 1} (a path, a label or a hub id)")
+            if any(ord(c) < 32 or ord(c) == 127 for c in str(v)):  # a newline would add steps of its own
+                raise ValueError(f"prompt {self.name}: argument {k} holds a control character (a newline?); give "
+                                 f"one line")
+            if k.startswith("label") and not _LABEL.fullmatch(str(v)):
+                raise ValueError(f"prompt {self.name}: argument {k} {clip(str(v))!r} must be a label of letters, "
+                                 f"digits, '.', '_', '+' or '-' (no spaces)")
 
     def values(self, given: dict[str, str] | None = None) -> dict[str, str]:
         return {k: d for k, (d, _) in self.arguments.items()} | {k: v for k, v in (given or {}).items() if v}

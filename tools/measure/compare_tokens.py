@@ -21,9 +21,10 @@ import httpx
 from pydantic import BaseModel, Field
 
 from tools.core.atomic_files import write_file
-from tools.core.errors import ToolFailure, op, param
+from tools.core.errors import BadInput, ToolFailure, op, param
 from tools.serving.endpoint import EndpointParams, resolve_endpoint, resolve_name
 from tools.measure.long_prompts import long_prompts
+from tools.core.output_check import check_output_file
 from tools.measure.provenance import config_sha256
 
 RECORD_KIND = "gemma4-t4/token-record"
@@ -331,8 +332,9 @@ def record_reference(out: str | Path, params: CompareParams | None = None, *, pr
     """Record the reference build's tokens (the server at params.base_url) to `out`."""
     params = params or CompareParams()
     if Path(out).exists() and not params.force:
-        raise ToolFailure(f"{out} exists; pass {param('force', True)} to replace it, or give another file",
-                          detail={"path": str(out)})
+        raise BadInput(f"{out} exists; pass {param('force', True)} to replace it, or give another file",
+                       detail={"path": str(out)}, field="force")
+    check_output_file(out)  # a folder, a parent that is a file, read-only or full: before the server is asked
     base = _default_base_url(params)
     rec = generate(base, _prompts(params, base), max_tokens=params.max_tokens, top_logprobs=params.top_logprobs,
                    timeout_s=params.timeout_s, progress=progress)

@@ -23,6 +23,8 @@ from pydantic import BaseModel, Field, create_model
 from tools.core.errors import BadInput, ToolFailure, param
 from tools.core.params import OpParams
 from tools.measure import evidence, provenance as prov_mod
+from tools.measure.decode_params import checkpoint_sampling, request_errors
+from tools.core.output_check import check_output_folder
 from tools.measure.results import DEFAULT_OUT
 from tools.measure.spec_metrics import read_spec_counters, spec_delta, speculative_from_argv
 from tools.serving.endpoint import EndpointParams, resolve_endpoint
@@ -42,7 +44,7 @@ class DecodeRequests(OpParams):
     prompts: int = Field(20, ge=1, le=20, description="How many of the twenty shipped prompts to send")
     max_tokens: int = Field(256, ge=2, description="Output tokens per request at most")
     seed: int = Field(0, description="Sampling seed of prompt i is seed + i (checkpoint sampling)")
-    request_timeout_s: float = Field(600.0, description="Seconds per request before the run fails")
+    request_timeout_s: float = Field(600.0, gt=0, description="Seconds per request before the run fails")
 
 
 class DecodeParams(DecodeRequests, EndpointParams):
@@ -114,27 +116,6 @@ DecodeSummary = create_model("DecodeSummary", __doc__="A decode run without its 
 def load_prompts(n: int = 20, path: Path = PROMPTS_FILE) -> list[dict[str, str]]:
     items = json.loads(Path(path).read_text())
     return items[:n]
-
-
-def checkpoint_sampling(path: str | Path) -> dict[str, Any]:
-    """temperature, top_k, top_p from a generation_config.json (the fields it has; temperature defaults to 1.0,
-    the transformers default)."""
-    p = Path(path)
-    try:
-        cfg = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise BadInput(f"{p}: no generation_config.json for {param('sampling', 'checkpoint')}; pass "
-                       f"{param('generation_config')} PATH or use {param('sampling', 'greedy')}",
-                       detail={"path": str(p)}, field="generation_config") from None
-    except ValueError as exc:
-        raise BadInput(f"{p}: not JSON ({exc}); fix the file or pass {param('generation_config')} PATH",
-                       detail={"path": str(p)}, field="generation_config") from None
-    out: dict[str, Any] = {"temperature": float(cfg.get("temperature", 1.0))}
-    if cfg.get("top_k") is not None:
-        out["top_k"] = int(cfg["top_k"])
-    if cfg.get("top_p") is not None:
-        out["top_p"] = float(cfg["top_p"])
-    return out
 
 
 def sampling_params(params: DecodeParams, model_root: str | None) -> dict[str, Any]:
@@ -222,6 +203,9 @@ def run_decode(params: DecodeParams | None = None, *, progress: Progress | None 
     """
     params = DecodeParams(**{**(params or DecodeParams()).model_dump(), **overrides})
     _check_label(params.label)
+    check_output_folder(params.out)  # before any request: the run would end unwritten
+    if params.sampling == "checkpoint" and params.generation_config:  # a bad file before any request
+        checkpoint_sampling(params.generation_config)
     endpoint = resolve_endpoint(params, serve_config)
     base_url = endpoint.base_url
     if endpoint.config is not None:  # the server measured: its start record goes into the provenance
@@ -279,7 +263,7 @@ def _measure(run: evidence.EvidenceRun, params: DecodeParams, base_url: str, mod
              ) -> tuple[list[PromptRecord], tuple[dict[str, Any], dict[str, Any]]]:
     """The prompts one at a time, each record saved as it ends; with the counters read before and after."""
     records: list[PromptRecord] = []
-    with httpx.Client() as client:
+    with httpx.Client() as client, request_errors(base_url, params.request_timeout_s):
         # One untimed request first: the first request after a start pays one-off costs.
         stream_chat(client, base_url, model, "Hello.", max_tokens=8, sampling=sampling, seed=params.seed,
                     timeout=params.request_timeout_s)

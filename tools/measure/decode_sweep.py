@@ -20,6 +20,7 @@ from tools.measure.results import DEFAULT_OUT
 from tools.measure.server_guard import owned_server
 from tools.measure.uncertainty import Ratio, paired_ratio
 from tools.serving.config import load_config
+from tools.core.output_check import check_output_folder
 from tools.serving.speculative import parse_speculative_config, validate_speculative_config
 from tools.serving.vllm_server import start_server, stop_server
 
@@ -93,13 +94,15 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 def load_decode_run(path: str | Path) -> DecodeResult:
     p = Path(path)
     f = p / "summary.json" if p.is_dir() else p
+    if not f.is_file():
+        raise BadInput(f"{p}: no summary.json: not a decode run folder ({op('decode')} writes one)",
+                       detail={"path": str(p)})
     try:
-        res = DecodeResult.model_validate_json(f.read_text())
-    except FileNotFoundError:
-        raise ToolFailure(f"{p}: no summary.json: not a decode run folder ({op('decode')} writes one)",
-                          detail={"path": str(p)}) from None
+        res = DecodeResult.model_validate_json(f.read_bytes())
     except ValueError as exc:
-        raise ToolFailure(f"{f}: not a decode summary ({str(exc).splitlines()[0]})", detail={"path": str(f)}) from None
+        raise BadInput(f"{f}: not a decode summary ({str(exc).splitlines()[0]})", detail={"path": str(f)}) from None
+    except OSError as exc:
+        raise BadInput(f"{f}: cannot be read ({exc.strerror or exc})", detail={"path": str(f)}) from None
     res.run_dir = str(p)
     return res
 
@@ -220,6 +223,7 @@ def run_decode_sweep(params: DecodeSweepParams, *, progress: Progress | None = N
     comparison. config_overrides go to load_config (a test's port and state dir). The server is always stopped,
     whatever ends the sweep: a SIGKILL of this process too (tools.measure.server_guard)."""
     evidence.check_name(params.label, "label")
+    check_output_folder(params.out)  # before any server starts
     if not params.draft_tokens or any(k < 0 for k in params.draft_tokens):
         raise BadInput(f"{param('draft_tokens')} must be integers >= 0, got {params.draft_tokens}",
                           detail={"field": "draft_tokens"})

@@ -9,13 +9,13 @@ import math
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, StrictInt, TypeAdapter, ValidationError
 
-from tools.core.errors import ToolFailure, op
+from tools.core.errors import BadInput, ToolFailure, op
+from tools.core.json_files import validate_lines
 from tools.core.text import clip
 from tools.measure.eval_results import CompareParams, EvalComparison, EvalDiff, EvalResult, RunInfo, fmt
 from tools.measure.uncertainty import WITHIN_NOISE, verdict
-
 
 
 class _Run:
@@ -59,8 +59,7 @@ class _Run:
             if p is None or not p.is_file():
                 self._samples[task] = None
             else:
-                with open(p, encoding="utf-8") as f:
-                    self._samples[task] = [json.loads(line) for line in f if line.strip()]
+                self._samples[task] = read_samples(p)
         return self._samples[task]
 
     def _inside(self, path: str, task: str) -> Path:
@@ -74,6 +73,38 @@ class _Run:
                               f"is not a file inside the run folder; compare the run folder {op('eval')} wrote, "
                               f"with its summary.json unchanged", {"run": self.name, "task": task})
         return rel
+
+
+class Sample(BaseModel):
+    """One line of lm-eval's samples JSONL as the comparison reads it; the metrics are the extra fields."""
+
+    model_config = ConfigDict(extra="allow")
+
+    doc_id: StrictInt
+    doc_hash: str | None = None
+    filter: str = "none"
+
+
+_SAMPLES = TypeAdapter(Sample)
+
+
+def read_samples(path: Path) -> list[dict[str, Any]]:
+    """A samples JSONL, every line through Sample: one line naming the file, the line and the field otherwise."""
+    remedy = f"compare the run folder {op('eval')} wrote, with its samples unchanged"
+    lines: list[tuple[int, Any]] = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        lines.append((n, json.loads(line)))
+                    except ValueError:
+                        raise BadInput(f"{path}: line {n} is not JSON; {remedy}", detail={"path": str(path),
+                                       "line": n}, field="runs") from None
+    except UnicodeDecodeError as exc:
+        raise BadInput(f"{path}: not UTF-8 text (byte {exc.start}); {remedy}", detail={"path": str(path)},
+                       field="runs") from None
+    return [s.model_dump() for s in validate_lines(path, lines, _SAMPLES, remedy=remedy, field="runs")]
 
 
 def _per_doc(samples: list[dict[str, Any]] | None, metric: str, filt: str) -> dict[int, tuple[float, str | None]]:

@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, Field, field_validator
 
 from tools.core.errors import ToolFailure
+from tools.core.text import clip
 from tools.core.params import OpParams
 from tools.core.root import PROJECT_ROOT
 from tools.serving.endpoint import EndpointParams
@@ -57,6 +58,9 @@ class EvalParams(EndpointParams):
             v = [t.strip() for item in v for t in str(item).split(",") if t.strip()]
             if not v:
                 raise ValueError("give at least one task name")
+            for t in v:  # a task name is also looked up as a file of the include folder
+                if len(t.encode()) > 255 or "\0" in t:
+                    raise ValueError(f"task name {clip(t, 40)!r} is not a task name (at most 255 bytes, no NUL)")
         return v
 
     @field_validator("label")
@@ -70,7 +74,7 @@ class EvalParams(EndpointParams):
 class CompareParams(OpParams):
     """Eval runs to put side by side; the first is the reference."""
 
-    runs: list[str] = Field(min_length=1, description="evidence folders written by `eval`, the reference first")
+    runs: list[str] = Field(min_length=2, description="evidence folders written by `eval`, the reference first")
 
     CLI_POSITIONAL: ClassVar[tuple[str, ...]] = ("runs",)
 

@@ -97,6 +97,13 @@ def _hub_dataset_cached(repo_id: str) -> bool:
     return False
 
 
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except (OSError, ValueError):  # a name no file can have (too long, NUL): not a file
+        return False
+
+
 def check_tasks_before_running(params: EvalParams, include: Path) -> None:
     """Refuses, from the task YAMLs' text, what lm-eval would refuse only after indexing all of them: task names that occur in no task YAML, and, offline, a task of the include folder whose
     hub dataset is in no local cache. One-sided: anything it cannot rule out is left for lm-eval to judge."""
@@ -104,7 +111,7 @@ def check_tasks_before_running(params: EvalParams, include: Path) -> None:
     unknown = []
     for name in params.tasks:
         # Glob patterns, YAML files and folders are lm-eval's to resolve.
-        if any(c in name for c in "*?[") or name.endswith(".yaml") or (include / name).exists():
+        if any(c in name for c in "*?[") or name.endswith(".yaml") or _exists(include / name):
             continue
         needle = name.encode()
         if any(needle in t for t in texts.values()):

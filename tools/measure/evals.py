@@ -41,6 +41,7 @@ from tools.core.errors import ToolFailure, op, param
 from tools.core.process import kill_group, python_child_env
 from tools.core.root import PROJECT_ROOT
 from tools.measure import provenance as prov_mod
+from tools.core.output_check import check_output_folder
 # The eval operations in one import for the front ends (run, compare, the parameter and result models, the
 # confinement to the MCP server's roots); each lives in its module of one concern.
 from tools.measure.eval_compare import compare_evals  # noqa: F401
@@ -55,6 +56,10 @@ Progress = Callable[[int, int, str], None]
 
 # ----------------------------------------------------------------------------------------------------------
 # Running lm-eval
+
+
+HEARTBEAT_S = 1.0   # the longest lm-eval runs between two progress reports (each a chance to cancel)
+KILL_GRACE_S = 5.0  # SIGTERM to SIGKILL for lm-eval's process group
 
 
 def lm_eval_version() -> str | None:
@@ -215,6 +220,7 @@ def run_eval(params: EvalParams, progress: Progress | None = None, *, serve_conf
     default base_url and its start record goes into the provenance. Raises ToolFailure with one line, leaving no
     run folder, when the tasks, include folder, server or datasets are unusable or lm-eval fails.
     """
+    check_output_folder(params.out)  # before lm-eval or the server is asked
     plan = _plan(EvalParams.model_validate(params.model_dump()), serve_config)
     params = plan.params
     out, run_id, tmp = _run_folder(params, plan.model)
@@ -256,6 +262,8 @@ def run_eval(params: EvalParams, progress: Progress | None = None, *, serve_conf
                      **{f"samples:{t}": rel(p) for t, p in sorted(samples.items())}}
         (tmp / "summary.md").write_text(summary_markdown(res))
         _write_json(tmp / "summary.json", res.to_dict())
+        if progress is not None:  # the last report before publishing: a call cancelled by now writes no run
+            progress(0, 0, "publishing the run folder")
         os.replace(tmp, final)  # the run folder appears whole or not at all
         return res
     except OSError as exc:  # a full disk or a vanished folder: nothing half-written stays
@@ -347,14 +355,20 @@ def _run_lm_eval(cmd: list[str], include: Path, log_path: Path, timeout_s: float
                             stdin=subprocess.DEVNULL, start_new_session=True)
     reader = _OutputReader(proc.stdout, log_path)
     deadline = t0 + timeout_s
+    last: tuple[int, int, str] = (0, 0, "starting lm-eval")
+    reported = time.monotonic()
     try:
         while True:
             try:
                 event = reader.events.get(timeout=0.5)
             except queue.Empty:
                 event = None
-            if event is not None and progress is not None:
-                progress(*event)
+            if progress is not None and (event is not None or time.monotonic() - reported >= HEARTBEAT_S):
+                # lm-eval may print nothing for minutes (loading, building contexts): the last report again, so
+                # that a cancelled call (its progress raises) stops lm-eval within seconds at any phase
+                last = event or last
+                reported = time.monotonic()
+                progress(*last)
             if event is None and proc.poll() is not None:
                 break
             if time.monotonic() > deadline:
@@ -362,7 +376,7 @@ def _run_lm_eval(cmd: list[str], include: Path, log_path: Path, timeout_s: float
                 raise ToolFailure(f"lm-eval ran past its limit of {timeout_s:.0f} s and was stopped; give a larger "
                                   f"timeout or a smaller {param('limit')}", {"timeout_s": timeout_s})
     except BaseException:
-        kill_group(proc)  # never leave lm-eval running
+        kill_group(proc, grace_s=KILL_GRACE_S)  # never leave lm-eval running
         raise
     finally:
         reader.thread.join(timeout=30)

@@ -47,10 +47,11 @@ from typing import Any, Callable, ClassVar, Literal
 
 from pydantic import BaseModel, Field
 
-from tools.core.errors import BadInput, param
+from tools.core.errors import BadInput, ToolFailure, param
 from tools.measure.uncertainty import FASTER, SLOWER, WITHIN_NOISE, paired_ratio
 from tools.measure.fidelity_files import (DEFAULT_CORPUS, RECORD_KIND, RefWriter, load_corpus,  # noqa: F401
                                           read_reference)
+from tools.core.output_check import check_output_file
 from tools.measure.server_client import ServerClient
 from tools.serving.endpoint import EndpointParams, resolve_endpoint
 
@@ -281,6 +282,7 @@ def record_logprobs(params: RecordLogprobsParams, progress: Progress | None = No
                        field="out")
     if out.is_dir():
         raise BadInput(f"{out} is a folder; {param('out')} takes a file path", field="out")
+    check_output_file(out)  # a parent that is a file, read-only or full: before the server is asked
     corpus_path, text, corpus_sha = load_corpus(params.corpus)
     srv = ServerClient(_endpoint_url(params), params.timeout_s)
     writer: RefWriter | None = None
@@ -433,8 +435,14 @@ def compare_logprobs(params: CompareLogprobsParams, progress: Progress | None = 
                      ) -> RecordLogprobsResult | CheckLogprobsResult:
     """Both modes behind one argument set: record writes params.reference, check reads it."""
     if params.mode == "record":
-        return record_logprobs(RecordLogprobsParams(
-            out=params.reference, corpus=params.corpus, max_corpus_tokens=params.max_corpus_tokens,
-            window=params.window, top_k=params.top_k, force=params.force, **_endpoint_of(params)), progress)
+        try:
+            return record_logprobs(RecordLogprobsParams(
+                out=params.reference, corpus=params.corpus, max_corpus_tokens=params.max_corpus_tokens,
+                window=params.window, top_k=params.top_k, force=params.force, **_endpoint_of(params)), progress)
+        except ToolFailure as exc:  # record's `out` is this argument set's `reference`: name what the caller gave
+            if exc.field != "out" and param("out") not in exc.message:
+                raise
+            raise type(exc)(exc.message.replace(param("out"), param("reference")), exc.detail,
+                            field="reference" if exc.field == "out" else exc.field) from None
     return check_logprobs(CheckLogprobsParams(reference=params.reference, **_endpoint_of(params),
                                               worst=params.worst), progress)

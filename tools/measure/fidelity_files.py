@@ -10,10 +10,13 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Iterator
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from tools.core.atomic_files import TempFile
 from tools.core.errors import BadInput, op, param
+from tools.core.json_files import field_of
 
 RECORD_KIND = "gemma4-t4/logprob-record"
 RECORD_VERSION = 1
@@ -73,8 +76,66 @@ class RefWriter:
         self.f.discard()
 
 
-def read_reference(path: str | Path):
-    """(header, footer, iterator over windows): reads REF.json a line at a time."""
+# The reference's parts as the check reads them: strict, so that a damaged REF.json is one line naming the file,
+# the line and the field, never a traceback from the arithmetic that first touches a value.
+LogProb = Annotated[float, Field(le=0)]  # a log-probability: at most 0 (-inf allowed: a token vLLM rules out)
+
+
+class RefHeader(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: str
+    tokenizer_sha256: str
+    window: int = Field(gt=0)
+    top_k: int = Field(ge=1)
+    first_scored: int = Field(ge=1)
+    prefix_ids: list[int] = Field(default_factory=list)
+    text_shape: dict[str, Any] = Field(default_factory=dict)
+    windows: int = Field(0, ge=0)
+
+
+class RefFooter(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    windows: int = Field(ge=0)
+    tokens: int = Field(ge=0)
+    complete: bool = True
+
+
+class RefWindow(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    index: int = Field(ge=0)
+    start: int = Field(ge=0)
+    ids: list[int] = Field(min_length=1)
+    actual: list[LogProb]
+    top: list[list[tuple[int, LogProb]]]
+
+    @model_validator(mode="after")
+    def _aligned(self) -> "RefWindow":
+        if len(self.top) != len(self.actual):
+            raise ValueError(f"{len(self.actual)} actual logprobs but {len(self.top)} top lists")
+        return self
+
+
+def _part(p: Path, model: type[BaseModel], data: Any, where: str) -> BaseModel:
+    """`data` (a dict, or a window's JSON text) as `model`: one line naming the file, the part and the field."""
+    if not isinstance(data, (dict, str)):
+        raise BadInput(f"{p}: {where} is a JSON {type(data).__name__}, not an object; the file is damaged, record "
+                       f"it again with {op('fidelity.record')}", field="reference")
+    try:
+        return model.model_validate_json(data) if isinstance(data, str) else model.model_validate(data)
+    except ValidationError as exc:
+        name, msg = field_of(exc)
+        if exc.errors()[0]["type"] == "json_invalid":
+            name, msg = "(top level)", "not JSON"
+        raise BadInput(f"{p}: {where} field {name!r}: {msg.lower()}; the file is damaged, record it again with "
+                       f"{op('fidelity.record')}", detail={"path": str(p), "field": name},
+                       field="reference") from None
+
+
+def read_reference(path: str | Path) -> tuple[dict[str, Any], dict[str, Any], Iterator[dict[str, Any]]]:
+    """(header, footer, iterator over windows): reads REF.json a line at a time, each part through its model."""
     p = Path(path)
     if not p.is_file():
         raise BadInput(f"{p}: reference file not found; write one with {op('fidelity.record', out=str(p))}",
@@ -89,24 +150,28 @@ def read_reference(path: str | Path):
         head = json.loads(first.rstrip(",") + "}")
         tail = json.loads("{" + last)
     except (ValueError, IndexError, UnicodeDecodeError) as exc:
-        raise BadInput(hint) from exc
-    if not isinstance(head, dict) or head.get("kind") != RECORD_KIND or "footer" not in tail:
-        raise BadInput(hint)
+        raise BadInput(hint, field="reference") from exc
+    if not isinstance(head, dict) or head.get("kind") != RECORD_KIND or not isinstance(tail, dict) \
+            or "footer" not in tail:
+        raise BadInput(hint, field="reference")
     if head.get("version") != RECORD_VERSION:
         raise BadInput(f"{p}: reference version {head.get('version')}, this tool reads {RECORD_VERSION}; "
-                       f"record it again")
+                       f"record it again", field="reference")
+    header = _part(p, RefHeader, head.get("header"), "header").model_dump()
+    footer = _part(p, RefFooter, tail["footer"], "footer").model_dump()
 
-    def windows():
-        with open(p, encoding="utf-8") as f:
+    def windows() -> Iterator[dict[str, Any]]:
+        with open(p, encoding="utf-8", errors="replace") as f:
             f.readline()
             f.readline()  # "windows": [
-            for line in f:
+            for n, line in enumerate(f, 3):
                 line = line.strip()
                 if line.startswith("]"):
                     return
-                try:
-                    yield json.loads(line.rstrip(","))
-                except ValueError as exc:
-                    raise BadInput(f"{hint} (window line unreadable)") from exc
+                if not line.startswith("{"):
+                    raise BadInput(f"{hint} (line {n}: not a window object)", field="reference")
+                yield _part(p, RefWindow, line.rstrip(","), f"line {n}: window").model_dump()
 
-    return head["header"], tail["footer"], windows()
+    for _ in windows():  # every window checked before any server is asked (one window in memory at a time)
+        pass
+    return header, footer, windows()

@@ -23,6 +23,7 @@ import httpx
 
 from tools.core.errors import ToolFailure
 from tools.measure import evidence, provenance as prov_mod, sweep_report
+from tools.core.output_check import check_output_folder
 from tools.measure.results import (DEFAULT_OUT, DEFAULT_PRICE_PER_HOUR, METRICS, PREFIX_CACHE_POLICY,  # noqa: F401
                                    PROJECT_ROOT, CellResult, RepeatResult, SweepParams, SweepResult, aggregate,
                                    cell_acceptance)
@@ -121,6 +122,7 @@ def sweep(params: SweepParams, endpoint: Endpoint, *, progress: Progress | None 
     `progress` is called with (repeats done, repeats planned, message) as cells start and after every measured
     repeat. `serve_config`: as for run_sweep; the endpoint's own configuration (a named instance) wins.
     """
+    check_output_folder(params.out)  # before the server is asked: a sweep that cannot write is refused at once
     base_url = endpoint.base_url
     if endpoint.config is not None:  # the instance measured: its start record goes into the provenance
         serve_config = endpoint.config

@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from tools.core.errors import ToolFailure, op, param
+from tools.core.errors import BadInput, ToolFailure, op, param
 from tools.measure.evidence import write_text, write_texts
 from tools.measure.results import DEFAULT_PRICE_PER_HOUR, METRICS, SweepResult
 from tools.measure.uncertainty import METHOD, Estimate, Ratio, ratio
@@ -178,11 +178,11 @@ def load_run(path: str | Path) -> SweepResult:
     p = Path(path)
     f = p / "summary.json" if p.is_dir() else p
     if not f.is_file():
-        raise ToolFailure(f"{p}: no summary.json; pass a sweep run folder (evidence/<run-id>/)")
+        raise BadInput(f"{p}: no summary.json; pass a sweep run folder (evidence/<run-id>/)")
     try:
         res = SweepResult.model_validate_json(f.read_text())
     except ValueError as exc:
-        raise ToolFailure(f"{f}: not a sweep summary ({str(exc).splitlines()[0]}); pass a folder written by "
+        raise BadInput(f"{f}: not a sweep summary ({str(exc).splitlines()[0]}); pass a folder written by "
                           f"{op('sweep')}") from exc
     if res.finished is None:  # the folder stays in place while a sweep runs (for --resume): unfinished looks alike
         raise ToolFailure(f"{p}: this sweep was stopped before it finished ({len(res.cells)} cells begun); "

@@ -7,6 +7,7 @@ the file, a real environment variable, keyword overrides passed to `load_config`
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shlex
@@ -188,7 +189,16 @@ def looks_like_path(model: str) -> bool:
 def parse_env_file(path: Path) -> dict[str, str]:
     """NAME=value lines; '#' comments, blank lines, optional `export ` and quotes. Raises on a malformed line."""
     values: dict[str, str] = {}
-    for lineno, raw in enumerate(path.read_text().splitlines(), 1):
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = path.read_bytes()[:exc.start].count(b"\n") + 1
+        raise BadInput(f"{path}:{line}: not UTF-8 text (byte {exc.start}); write the file as UTF-8",
+                       detail={"path": str(path), "line": line}) from None
+    except OSError as exc:
+        raise BadInput(f"configuration file {path} cannot be read ({exc.strerror or exc}); pass a readable tpu.env",
+                       detail={"path": str(path)}) from None
+    for lineno, raw in enumerate(text.splitlines(), 1):
         line = raw.strip()
         if not line or line.startswith("#"):
             continue
@@ -295,4 +305,7 @@ def load_config(env_file: str | Path | None = None, **overrides: Any) -> ServeCo
                 "data_parallel_size"):
         if getattr(cfg, key) <= 0:
             raise ToolFailure(f"{path}: {ENV_NAMES[key]}={getattr(cfg, key)} must be positive")
+    if not 0 < cfg.start_timeout_s < math.inf:
+        raise BadInput(f"{path}: START_TIMEOUT_S={cfg.start_timeout_s} must be a positive number of seconds",
+                       detail={"path": str(path), "key": "START_TIMEOUT_S"})
     return cfg

@@ -24,7 +24,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -32,9 +31,13 @@ from typing import Any, Callable, ClassVar
 
 from pydantic import BaseModel, Field
 
-from tools.core.errors import BadInput, ToolFailure
+from tools.core.atomic import atomic_directory
+from tools.core.atomic_files import refusal
+from tools.core.atomic_leftovers import sweep_stale_partials
+from tools.core.errors import BadInput, ToolFailure, param
+from tools.core.output_check import check_output_folder
 from tools.core.params import OpParams
-from tools.core.paths import PathNotAllowed, Roots
+from tools.core.paths import PathNotAllowed, Roots, inside
 from tools.core.root import PROJECT_ROOT
 from repack import checks as repack_checks
 from tools.serving.hub import hf_token, hub_env, hub_failure
@@ -122,6 +125,12 @@ def resolve_out(params: FetchParams, repo_id: str) -> Path:
     return Path(os.path.realpath(out))
 
 
+def _protected(params: FetchParams) -> list[Path]:
+    """Folders a fetch never replaces: the models roots (the caller's, else the environment's), home, cwd."""
+    roots = [Path(r).expanduser() for r in params.roots] if params.roots else list(Roots.from_env().models)
+    return [Path(os.path.realpath(p)) for p in (*roots, Path.home(), Path.cwd())]
+
+
 def wanted(name: str) -> bool:
     """A top-level file a build reads."""
     return "/" not in name and any(fnmatch.fnmatch(name, p) for p in BUILD_FILES)
@@ -202,42 +211,70 @@ def _existing(out: Path, repo_id: str, commit: str) -> dict[str, Any] | None:
     return m
 
 
+def _assemble(tmp: Path, snapshot: Path, names: list[str], manifest: dict[str, Any],
+              expected_sha: dict[str, str], progress: Progress | None) -> list[FetchedFile]:
+    files: list[FetchedFile] = []
+    total = sum((snapshot / n).stat().st_size for n in names)
+    done = 0
+    for name in sorted(names):
+        src = snapshot / name
+        _link_or_copy(src, tmp / name)
+        digest = _sha256(tmp / name)
+        want = expected_sha.get(name)
+        if want and digest != want:
+            raise ToolFailure(f"{name} of {manifest['repo_id']} in the cache does not match the hub's sha256 "
+                              f"({digest[:12]} vs {want[:12]}): delete {os.path.realpath(src)} and fetch again",
+                              detail={"file": name, "sha256": digest, "expected": want})
+        size = (tmp / name).stat().st_size
+        files.append(FetchedFile(path=name, size=size, sha256=digest))
+        done += size
+        if progress is not None:
+            progress(done, total, f"hashed {name}")
+    manifest = dict(manifest, files=[f.model_dump() for f in files], total_bytes=sum(f.size for f in files))
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    return files
+
+
 def _publish(snapshot: Path, names: list[str], out: Path, manifest: dict[str, Any],
              expected_sha: dict[str, str], progress: Progress | None) -> list[FetchedFile]:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.fetch-", dir=out.parent))
+    """The output assembled in a temporary folder beside it and swapped in (tools.core.atomic: the umask's mode,
+    an empty folder the only thing replaced, a dead fetch's leftovers swept); a full disk, a read-only place or a
+    mount point is one line and leaves nothing."""
+    if out.parent.is_dir():
+        sweep_stale_partials(out.parent)
     try:
-        files: list[FetchedFile] = []
-        total = sum((snapshot / n).stat().st_size for n in names)
-        done = 0
-        for name in sorted(names):
-            src = snapshot / name
-            _link_or_copy(src, tmp / name)
-            digest = _sha256(tmp / name)
-            want = expected_sha.get(name)
-            if want and digest != want:
-                raise ToolFailure(f"{name} of {manifest['repo_id']} in the cache does not match the hub's sha256 "
-                                  f"({digest[:12]} vs {want[:12]}): delete {os.path.realpath(src)} and fetch again",
-                                  detail={"file": name, "sha256": digest, "expected": want})
-            size = (tmp / name).stat().st_size
-            files.append(FetchedFile(path=name, size=size, sha256=digest))
-            done += size
-            if progress is not None:
-                progress(done, total, f"hashed {name}")
-        manifest = dict(manifest, files=[f.model_dump() for f in files], total_bytes=sum(f.size for f in files))
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-        if out.exists() or out.is_symlink():
-            # Only an earlier fetch of the same repo is replaced (checked by the caller): move it aside first.
-            trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            os.rename(out, trash / "old")
-            os.rename(tmp, out)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.rename(tmp, out)
-        return files
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        with atomic_directory(out, force=True) as tmp:
+            return _assemble(Path(tmp), snapshot, names, manifest, expected_sha, progress)
+    except OSError as exc:
+        raise refusal(out, exc) from None
+
+
+def check_out_before_network(out: Path, repo_id: str, protected: list[Path]) -> None:
+    """Refuses, before the hub is asked, an output no fetch could publish: a file, a mount point, under a file,
+    on a read-only file system, a root (or a folder above one) itself, or a folder holding something else."""
+    if os.path.lexists(out) and not out.is_dir():
+        raise BadInput(f"output {out} exists and is not a folder: pass another {param('out')}", field="out")
+    if os.path.ismount(out):
+        raise BadInput(f"output {out} is a mount point: a fetch publishes by renaming a folder onto it; pass a "
+                       f"new folder inside it as {param('out')}", field="out")
+    for root in protected:
+        if inside(root, out):
+            raise BadInput(f"output {out} is {'the' if out == root else 'above the'} models root {root} itself: "
+                           f"pass a new folder inside it as {param('out')}", field="out")
+    check_output_folder(out)  # under a file, read-only, a full disk
+    if out.is_dir() and any(out.iterdir()):
+        m = _existing_repo(out)
+        if m != repo_id:
+            raise BadInput(f"output {out} already exists and does not hold {repo_id}: pass another "
+                           f"{param('out')} or remove it", field="out")
+
+
+def _existing_repo(out: Path) -> str | None:
+    try:
+        m = json.loads((out / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    return m.get("repo_id") if isinstance(m, dict) else None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -273,8 +310,8 @@ def _earlier_fetch(out: Path, repo_id: str, commit: str) -> dict[str, Any] | Non
         return None
     done = _existing(out, repo_id, commit)
     if done is None:
-        raise BadInput(f"output {out} already exists and does not hold {repo_id}@{commit}: pass another --out "
-                       "or remove it")
+        raise BadInput(f"output {out} already exists and does not hold {repo_id}@{commit}: pass another "
+                       f"{param('out')} or remove it", field="out")
     return done
 
 
@@ -350,8 +387,7 @@ def fetch_checkpoint(params: FetchParams, progress: Progress | None = None) -> F
     repo_id = check_repo_id(params.repo_id)
     revision = check_revision(params.revision)
     out = resolve_out(params, repo_id)
-    if out.exists() and not out.is_dir():
-        raise BadInput(f"output {out} exists and is not a folder: pass another --out")
+    check_out_before_network(out, repo_id, _protected(params))
     endpoint, cache_dir, offline = hub_env()
     token, _ = hf_token()
     expected_sha: dict[str, str] = {}

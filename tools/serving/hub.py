@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from repack.checks import SOURCE_REPO
-from tools.core.errors import ToolFailure
+from tools.core.errors import BadInput, ToolFailure
+from tools.core.text import clip
 
 
 def hf_token() -> tuple[str | None, str]:
@@ -26,6 +28,15 @@ def hf_token() -> tuple[str | None, str]:
 def hub_env() -> tuple[str | None, str, bool]:
     """(endpoint, cache dir, offline), read now: huggingface_hub reads them once, at import."""
     endpoint = os.environ.get("HF_ENDPOINT") or None
+    if endpoint is not None:
+        try:
+            url = urlsplit(endpoint)
+            ok = url.scheme in ("http", "https") and bool(url.hostname)
+        except ValueError:  # an unclosed [ipv6 bracket, say
+            ok = False
+        if not ok:
+            raise BadInput(f"HF_ENDPOINT={clip(endpoint, 80)!r} is not an http(s) URL: set it to the hub's address "
+                           f"(e.g. https://huggingface.co) or unset it", detail={"HF_ENDPOINT": clip(endpoint, 200)})
     cache = os.environ.get("HF_HUB_CACHE") or (
         str(Path(os.environ["HF_HOME"]).expanduser() / "hub") if os.environ.get("HF_HOME") else None)
     if cache is None:

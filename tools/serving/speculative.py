@@ -6,7 +6,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, StrictInt
+
 from tools.core.errors import BadInput
+from tools.core.json_files import read_json_model
 from tools.core.paths import ENV, Roots
 
 
@@ -47,28 +50,44 @@ def validate_speculative_config(spec: str, target: str, *, models_roots: tuple[P
     if not tp.is_dir():
         return val
     tcfg = _read_config(tp, "target")
-    ttext = tcfg.get("text_config", tcfg)
-    dtext = dcfg.get("text_config", dcfg)
-    if dtext.get("vocab_size") != ttext.get("vocab_size"):
-        raise BadInput(f"drafter {dp}: vocab_size {dtext.get('vocab_size')} does not match the target's "
-                          f"{ttext.get('vocab_size')} ({tp}): use the drafter made for this target",
-                          detail={"field": "vocab_size", "drafter": dtext.get("vocab_size"),
-                                  "target": ttext.get("vocab_size")})
-    backbone = dcfg.get("backbone_hidden_size")
-    if backbone is not None and backbone != ttext.get("hidden_size"):
+    ttext, dtext = tcfg.text(), dcfg.text()
+    if dtext.vocab_size != ttext.vocab_size:
+        raise BadInput(f"drafter {dp}: vocab_size {dtext.vocab_size} does not match the target's "
+                          f"{ttext.vocab_size} ({tp}): use the drafter made for this target",
+                          detail={"field": "vocab_size", "drafter": dtext.vocab_size,
+                                  "target": ttext.vocab_size})
+    backbone = dcfg.backbone_hidden_size
+    if backbone is not None and backbone != ttext.hidden_size:
         raise BadInput(f"drafter {dp}: backbone_hidden_size {backbone} does not match the target's "
-                          f"hidden_size {ttext.get('hidden_size')} ({tp}): use the drafter made for this target",
+                          f"hidden_size {ttext.hidden_size} ({tp}): use the drafter made for this target",
                           detail={"field": "backbone_hidden_size", "drafter": backbone,
-                                  "target": ttext.get("hidden_size")})
+                                  "target": ttext.hidden_size})
     return val
 
 
-def _read_config(folder: Path, what: str) -> dict[str, Any]:
+class _TextConfig(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    vocab_size: StrictInt | None = None
+    hidden_size: StrictInt | None = None
+
+
+class _CheckpointConfig(_TextConfig):
+    """The fields of a checkpoint's config.json the check compares (a multimodal one keeps them in text_config)."""
+
+    backbone_hidden_size: StrictInt | None = None
+    text_config: _TextConfig | None = None
+
+    def text(self) -> _TextConfig:
+        return self.text_config or self
+
+
+def _read_config(folder: Path, what: str) -> _CheckpointConfig:
+    if folder.exists() and not folder.is_dir():
+        raise BadInput(f"{what} {folder} is a file: give a checkpoint folder",
+                       detail={"field": what, "path": str(folder)}, field=what if what == "drafter" else None)
     f = folder / "config.json"
-    try:
-        return json.loads(f.read_text())
-    except FileNotFoundError:
+    if not f.is_file():
         raise BadInput(f"{what} {folder} has no config.json: give a checkpoint folder",
-                          detail={"field": what, "path": str(folder)}) from None
-    except ValueError as exc:
-        raise BadInput(f"{f}: not JSON ({exc})", detail={"field": what, "path": str(f)}) from None
+                          detail={"field": what, "path": str(folder)})
+    return read_json_model(f, _CheckpointConfig, remedy=f"give a checkpoint folder as the {what}")
