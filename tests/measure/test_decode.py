@@ -456,3 +456,13 @@ def test_decode_report_gives_the_rate_as_a_share_of_the_roofline(tmp_path, monke
     assert "drafter" in decode_roofline(res, str(tmp_path))[1]
     res.roofline, res.roofline_note = None, "no decode rate measured"
     assert "Roofline: none (no decode rate measured)" in markdown_run(res)
+
+
+def test_an_unreadable_build_costs_the_roofline_not_the_run(tmp_path):
+    from tools.measure.decode import decode_roofline
+
+    (tmp_path / "config.json").write_text("{not json")
+    res = DecodeResult(run_id="r", run_dir=str(tmp_path), label="x", sampling="greedy", sampling_params={},
+                       max_tokens=4, decode_tok_s=10.0)
+    fig, note = decode_roofline(res, str(tmp_path))
+    assert fig is None and "could not be read" in note

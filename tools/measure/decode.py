@@ -332,7 +332,10 @@ def decode_roofline(res: DecodeResult, model_root: str | None) -> tuple[Roofline
         return None, "a drafter's steps read two models and emit several tokens: no single-model roofline"
     if not res.decode_tok_s:
         return None, "no decode rate measured"
-    fig = single_stream_roofline(res.decode_tok_s, model_root, mean_context_tokens(res.prompts))
+    try:
+        fig = single_stream_roofline(res.decode_tok_s, model_root, mean_context_tokens(res.prompts))
+    except Exception as exc:  # an unreadable header or config must not cost the measured run
+        return None, f"the bytes per step of {model_root!r} could not be read: {exc}"
     return (fig, None) if fig is not None else (None, f"the served model {model_root!r} is not a local folder "
                                                       "with a config.json: its bytes per step are unknown")
 
