@@ -171,15 +171,17 @@ def _last_level_cache_bytes() -> int:
 
 
 def cpu_copy_bandwidth(*, buffer_bytes: int | None = None, repeats: int = 5) -> Bandwidth:
-    """Memory bandwidth of this CPU: a numpy copy of a buffer at least 8x the last-level cache (256 MiB or
-    more), best of `repeats`, bytes read + written over the time. Measured once per process."""
+    """Memory bandwidth of this CPU: a numpy copy of a buffer 8x the last-level cache (at least 256 MiB; at
+    most 1 GiB or twice the cache), best of `repeats`, bytes read + written over the time. Measured once per
+    process."""
     global _CPU_BANDWIDTH
     if _CPU_BANDWIDTH is not None and buffer_bytes is None:
         return _CPU_BANDWIDTH
     import numpy as np
 
     llc = _last_level_cache_bytes()
-    size = buffer_bytes or max(256 << 20, 8 * llc)
+    # Capped at 1 GiB (two buffers: 2 GiB of memory): VMs may report the host's whole L3 (480 MiB here).
+    size = buffer_bytes or max(256 << 20, min(8 * llc, max(1 << 30, 2 * llc)))
     src = np.ones(size // 8, dtype=np.float64)
     dst = np.empty_like(src)
     np.copyto(dst, src)  # first touch: page faults are not bandwidth
