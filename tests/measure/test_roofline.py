@@ -13,8 +13,9 @@ from repack.params import BuildOptions
 from repack.plan import output_config, plan
 from repack.synthetic import e2b_config, e2b_tensors, write_e2b_checkpoint, write_safetensors
 from tools.gpu.vram import memory_bandwidth
-from tools.measure.roofline import (Bandwidth, StepBytes, cpu_copy_bandwidth, decode_step_bytes, device_bandwidth,
-                                    kv_bytes_per_token_at, roofline, single_stream_roofline, sweep_cell_roofline)
+from tools.measure.roofline import (Bandwidth, StepBytes, copy_buffer_bytes, cpu_copy_bandwidth, decode_step_bytes,
+                                    device_bandwidth, kv_bytes_per_token_at, roofline, single_stream_roofline,
+                                    sweep_cell_roofline)
 
 GIB = 2**30
 
@@ -186,3 +187,12 @@ def test_cpu_copy_bandwidth_is_measured_and_says_how(monkeypatch):
 
     monkeypatch.setattr(rl, "_CPU_BANDWIDTH", bw)  # cached per process: no second measurement
     assert device_bandwidth(nvml=FakeNvml(gpus=0)) is bw
+
+
+def test_the_copy_buffer_is_well_above_the_cache_but_bounded():
+    mib = 1 << 20
+    assert copy_buffer_bytes(0) == 256 * mib
+    assert copy_buffer_bytes(32 * mib) == 256 * mib
+    assert copy_buffer_bytes(64 * mib) == 512 * mib
+    assert copy_buffer_bytes(480 * mib) == 1024 * mib   # a VM reporting the host's L3
+    assert copy_buffer_bytes(1024 * mib) == 2048 * mib  # still twice the cache

@@ -170,6 +170,12 @@ def _last_level_cache_bytes() -> int:
     return best
 
 
+def copy_buffer_bytes(llc: int) -> int:
+    """8x the last-level cache, at least 256 MiB, at most 1 GiB or twice the cache (two buffers are held, and
+    VMs may report the host's whole L3: 480 MiB on this project's machine)."""
+    return max(256 << 20, min(8 * llc, max(1 << 30, 2 * llc)))
+
+
 def cpu_copy_bandwidth(*, buffer_bytes: int | None = None, repeats: int = 5) -> Bandwidth:
     """Memory bandwidth of this CPU: a numpy copy of a buffer 8x the last-level cache (at least 256 MiB; at
     most 1 GiB or twice the cache), best of `repeats`, bytes read + written over the time. Measured once per
@@ -180,8 +186,7 @@ def cpu_copy_bandwidth(*, buffer_bytes: int | None = None, repeats: int = 5) -> 
     import numpy as np
 
     llc = _last_level_cache_bytes()
-    # Capped at 1 GiB (two buffers: 2 GiB of memory): VMs may report the host's whole L3 (480 MiB here).
-    size = buffer_bytes or max(256 << 20, min(8 * llc, max(1 << 30, 2 * llc)))
+    size = buffer_bytes or copy_buffer_bytes(llc)
     src = np.ones(size // 8, dtype=np.float64)
     dst = np.empty_like(src)
     np.copyto(dst, src)  # first touch: page faults are not bandwidth
