@@ -182,12 +182,76 @@ def e2b_tensors(scale: float = 1.0) -> list[tuple[str, tuple[int, ...], str]]:
     return out
 
 
+def e2b_config(specs: list[tuple[str, tuple[int, ...], str]]) -> dict:
+    """A config laid out like the hub's (google/gemma-4-E2B-it-qat-q4_0-unquantized: nested text_config with
+    `global_head_dim`, KV sharing, double-wide MLPs, a tied head) for the tensors of e2b_tensors(scale)."""
+    shapes = {n: s for n, s, _ in specs}
+    p = "model.language_model."
+    layers = sum(1 for n in shapes if n.endswith("layer_scalar"))
+    owners = sum(1 for n in shapes if n.endswith("self_attn.k_proj.weight"))
+    vocab = shapes[p + "embed_tokens.weight"][0]
+    text = {"model_type": "gemma4_text", "vocab_size": vocab, "vocab_size_per_layer_input": vocab,
+            "hidden_size": HIDDEN, "intermediate_size": 6144, "num_hidden_layers": layers,
+            # The layer types follow the tensors: q_proj is 4096 rows on full-attention layers.
+            "layer_types": ["full_attention" if shapes[f"{p}layers.{i}.self_attn.q_proj.weight"][0] == 4096
+                            else "sliding_attention" for i in range(layers)],
+            "num_attention_heads": 8, "num_key_value_heads": 1, "head_dim": 256, "global_head_dim": 512,
+            "hidden_size_per_layer_input": PLE_DIM, "num_kv_shared_layers": layers - owners,
+            "use_double_wide_mlp": True, "final_logit_softcapping": 30.0, "sliding_window": 512,
+            "max_position_embeddings": 131072, "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-6,
+            "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                   "rope_theta": 1000000.0}},
+            "attention_bias": False, "attention_k_eq_v": False, "enable_moe_block": False,
+            "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0,
+            "dtype": "bfloat16"}
+    return {"architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4", "dtype": "bfloat16",
+            "tie_word_embeddings": True, "text_config": text, "vision_config": {"model_type": "gemma4_vision"},
+            "audio_config": {"model_type": "gemma4_audio"}, "boi_token_id": 7, "eoi_token_id": 8,
+            "image_token_id": 9, "video_token_id": 10, "boa_token_id": 11, "eoa_token_index": 12,
+            "audio_token_id": 13}
+
+
+def copy_tokenizer(src: Path, out: Path, vocab: int) -> None:
+    """The tokenizer files of `src` (the tiny model's) into `out`, its vocabulary widened with `<unused_N>`
+    entries up to `vocab` so every id the model can generate decodes."""
+    for name in ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        if (src / name).is_file():
+            (out / name).write_bytes((src / name).read_bytes())
+    tok = json.loads((src / "tokenizer.json").read_text())
+    have = set(tok["model"]["vocab"].values())
+    tok["model"]["vocab"].update({f"<unused_{i}>": i for i in range(vocab) if i not in have})
+    (out / "tokenizer.json").write_text(json.dumps(tok))
+
+
+def _tensor_bytes(kind: str, shape: tuple[int, ...], rng: np.random.Generator, fill: str, step_dtype: type,
+                  jitter: float, levels: str, step_draw: str) -> Iterable[bytes]:
+    """The tensor's data in row blocks. fill "tiled" draws one block and repeats it (same shapes and grid
+    properties, written at disk speed: for serving, where the values do not matter)."""
+    if kind == "norm" or len(shape) == 1:
+        yield random_words(shape, rng).tobytes()
+        return
+    rows, cols = shape
+    per = max(1, (8 << 20) // (cols * 2))
+    tile = None
+    for r0 in range(0, rows, per):
+        n = min(per, rows - r0)
+        if tile is None or fill != "tiled":
+            tile = (grid_words(n, cols, rng, step_dtype, jitter, levels, step_draw) if kind == "grid"
+                    else random_words((n, cols), rng)).tobytes()
+        yield tile[:n * cols * 2]
+
+
 def write_e2b_checkpoint(out: Path, scale: float = 1.0, seed: int = 0, progress: bool = False,
                         jitter: float = 0.26, step_dtype: type = np.float32, levels: str = "uniform",
-                        step_draw: str = "log-uniform") -> int:
-    """Writes the E2B-shaped synthetic checkpoint as ONE model.safetensors (as Google ships it), streaming
-    row blocks so memory stays small at full size. Grid tensors: `grid_words` with the given step dtype,
-    level distribution and jitter. Returns the file size."""
+                        step_draw: str = "log-uniform", fill: str = "grid") -> int:
+    """Writes the E2B-shaped synthetic checkpoint as ONE model.safetensors (as Google ships it) with a config
+    laid out like the hub's (e2b_config), streaming row blocks so memory stays small at full size. Grid
+    tensors: `grid_words` with the given step dtype, level distribution and jitter. fill: "grid" (every block
+    drawn), "tiled" (one block per tensor, repeated) or "none" (a sparse file: the header and the size only,
+    for planning at real shapes). Returns the file size."""
+    if fill not in ("grid", "tiled", "none"):
+        raise ValueError(f"fill {fill!r}: choose grid, tiled or none")
     rng = np.random.default_rng(seed)
     out.mkdir(parents=True, exist_ok=True)
     specs = sorted(e2b_tensors(scale))
@@ -199,27 +263,17 @@ def write_e2b_checkpoint(out: Path, scale: float = 1.0, seed: int = 0, progress:
         pos += n
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    cfg = tiny_text_config()
-    cfg["text_config"].update(vocab_size=specs and header["model.language_model.embed_tokens.weight"]["shape"][0],
-                              hidden_size=HIDDEN, num_hidden_layers=sum(1 for n, _, _ in specs
-                                                                        if n.endswith("layer_scalar")),
-                              hidden_size_per_layer_input=PLE_DIM)
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    (out / "config.json").write_text(json.dumps(e2b_config(specs), indent=2))
     with open(out / "model.safetensors", "wb") as f:
         f.write(struct.pack("<Q", len(raw)) + raw)
+        if fill == "none":
+            f.truncate(8 + len(raw) + pos)
+            return 8 + len(raw) + pos
         for k, (name, shape, kind) in enumerate(specs):
             if progress:
                 print(f"\r  writing {k + 1}/{len(specs)} {name[:70]:<70}", end="", flush=True)
-            if kind == "norm" or len(shape) == 1:
-                f.write(random_words(shape, rng).tobytes())
-                continue
-            rows, cols = shape
-            per = max(1, (8 << 20) // (cols * 2))
-            for r0 in range(0, rows, per):
-                n = min(per, rows - r0)
-                block = (grid_words(n, cols, rng, step_dtype, jitter, levels, step_draw) if kind == "grid"
-                         else random_words((n, cols), rng))
-                f.write(block.tobytes())
+            for block in _tensor_bytes(kind, shape, rng, fill, step_dtype, jitter, levels, step_draw):
+                f.write(block)
     if progress:
         print()
     return 8 + len(raw) + pos

@@ -425,3 +425,44 @@ def test_a_decode_sweep_stopped_before_any_run_leaves_no_partial_folder(models, 
                              model=str(target), state_dir=str(tmp_path / "state"))
         assert list((tmp_path / "ev").iterdir()) == []
     assert stops == []  # nothing was started: a server the refusal names is not this sweep's to stop
+
+
+def test_decode_report_gives_the_rate_as_a_share_of_the_roofline(tmp_path, monkeypatch):
+    from tools.measure.decode import decode_roofline, markdown_run, mean_context_tokens
+    from tools.measure.roofline import Bandwidth
+    import tools.measure.decode as decode_mod
+
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 1, "num_attention_heads": 1,
+                                                      "num_key_value_heads": 1, "head_dim": 8}))
+    from repack.synthetic import write_safetensors
+
+    write_safetensors(tmp_path / "model.safetensors", [("model.embed_tokens.weight", "BF16", (4, 8), b"\0" * 64),
+                                                      ("model.layers.0.mlp.up_proj.weight", "BF16", (2, 8),
+                                                       b"\0" * 32)])
+    recs = [PromptRecord(id="a", kind="short", ttft_ms=1, tpot_ms=1, e2e_ms=3, output_tokens=4, prompt_tokens=10)]
+    assert mean_context_tokens(recs) == 12
+    res = DecodeResult(run_id="r", run_dir=str(tmp_path), label="x", sampling="greedy", sampling_params={},
+                       max_tokens=4, prompts=recs, decode_tok_s=10.0)
+    bw = Bandwidth(bytes_per_s=1e6, device="cpu", method="numpy copy of 256 MiB")
+    orig = decode_mod.single_stream_roofline
+    monkeypatch.setattr(decode_mod, "single_stream_roofline", lambda *a, **k: orig(*a, **k, bandwidth=bw))
+    res.roofline, res.roofline_note = decode_roofline(res, str(tmp_path))
+    # 32 (linear) + 64 (tied output) + 16 (one row) + K and V at 12 tokens (2 x 8 x 12 x 2 = 384)
+    assert res.roofline.step_bytes == 496 and res.roofline.fraction == pytest.approx(10 * 496 / 1e6)
+    assert "0% of the memory-bandwidth roofline" in markdown_run(res) and "numpy copy" in markdown_run(res)
+    assert decode_roofline(res, "google/gemma-4-E2B-it")[0] is None
+    assert "not a local folder" in decode_roofline(res, "google/gemma-4-E2B-it")[1]
+    res.speculative_config = {"model": "d"}
+    assert "drafter" in decode_roofline(res, str(tmp_path))[1]
+    res.roofline, res.roofline_note = None, "no decode rate measured"
+    assert "Roofline: none (no decode rate measured)" in markdown_run(res)
+
+
+def test_an_unreadable_build_costs_the_roofline_not_the_run(tmp_path):
+    from tools.measure.decode import decode_roofline
+
+    (tmp_path / "config.json").write_text("{not json")
+    res = DecodeResult(run_id="r", run_dir=str(tmp_path), label="x", sampling="greedy", sampling_params={},
+                       max_tokens=4, decode_tok_s=10.0)
+    fig, note = decode_roofline(res, str(tmp_path))
+    assert fig is None and "could not be read" in note

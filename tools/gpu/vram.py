@@ -270,3 +270,39 @@ def compute_capabilities(*, nvml: Any = None) -> list[tuple[int, int]]:
             nv.nvmlShutdown()
         except Exception:
             pass
+
+
+class GpuBandwidth(BaseModel):
+    index: int
+    name: str
+    bus_width_bits: int
+    max_memory_clock_mhz: int
+    bytes_per_s: float = Field(description="bus width x max memory clock x 2 (double data rate) / 8")
+    method: str
+
+
+def memory_bandwidth(index: int = 0, *, nvml: Any = None) -> GpuBandwidth | None:
+    """The peak memory bandwidth of GPU `index` from NVML: bus width x maximum memory clock x 2 for double data
+    rate (the T4: 256 bit x 5001 MHz x 2 / 8 = 320 GB/s). None on a machine without an NVIDIA driver or GPU."""
+    try:
+        nv = nvml if nvml is not None else _load_nvml()
+        nv.nvmlInit()
+    except Exception:  # no library, no driver: a machine without a GPU
+        return None
+    try:
+        if index >= int(nv.nvmlDeviceGetCount()):
+            return None
+        handle = nv.nvmlDeviceGetHandleByIndex(index)
+        bits = int(nv.nvmlDeviceGetMemoryBusWidth(handle))
+        mhz = int(nv.nvmlDeviceGetMaxClockInfo(handle, nv.NVML_CLOCK_MEM))
+        name = _text(nv.nvmlDeviceGetName(handle))
+    except Exception:  # a board or driver without these queries
+        return None
+    finally:
+        try:
+            nv.nvmlShutdown()
+        except Exception:
+            pass
+    return GpuBandwidth(index=index, name=name, bus_width_bits=bits, max_memory_clock_mhz=mhz,
+                        bytes_per_s=bits * mhz * 1e6 * 2 / 8,
+                        method=f"NVML: {bits}-bit bus x {mhz} MHz max memory clock x 2 (double data rate) / 8")

@@ -26,6 +26,7 @@ from tools.measure import evidence, provenance as prov_mod
 from tools.measure.decode_params import checkpoint_sampling, request_errors
 from tools.core.output_check import check_output_folder
 from tools.measure.results import DEFAULT_OUT
+from tools.measure.roofline import Roofline, single_stream_roofline
 from tools.measure.spec_metrics import read_spec_counters, spec_delta, speculative_from_argv
 from tools.serving.endpoint import EndpointParams, resolve_endpoint
 
@@ -72,6 +73,7 @@ class PromptRecord(BaseModel):
     tpot_ms: float | None = Field(description="(end-to-end - TTFT) / (output tokens - 1); none for one token")
     e2e_ms: float = Field(description="Request sent to last chunk received")
     output_tokens: int = Field(description="Generated tokens (the server's usage count)")
+    prompt_tokens: int | None = Field(None, description="Prompt tokens (the server's usage count)")
     finish_reason: str | None = None
     token_ids: list[int] = Field(default_factory=list, description="Generated token ids, in order")
     text: str = Field("", description="Generated text")
@@ -100,6 +102,9 @@ class DecodeResult(BaseModel):
     mean_accepted_length: float | None = None
     per_position_acceptance: list[float] = Field(default_factory=list)
     spec_metrics_found: bool = Field(False, description="Whether /metrics had the speculative counters at all")
+    roofline: Roofline | None = Field(None, description="decode_tok_s as a share of the memory-bandwidth roofline "
+                                                        "(tools/measure/roofline.py), with its method")
+    roofline_note: str | None = Field(None, description="Why there is no roofline figure, when there is none")
     wall_s: float | None = None
     files: dict[str, str] = Field(default_factory=dict)
 
@@ -148,6 +153,7 @@ def stream_chat(client: httpx.Client, base_url: str, model: str, prompt: str, *,
     text: list[str] = []
     ttft = None
     usage_tokens = None
+    prompt_tokens = None
     finish = None
     t0 = time.perf_counter()
     with client.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=timeout) as r:
@@ -164,6 +170,7 @@ def stream_chat(client: httpx.Client, base_url: str, model: str, prompt: str, *,
             chunk = json.loads(payload)
             if chunk.get("usage"):
                 usage_tokens = chunk["usage"].get("completion_tokens")
+                prompt_tokens = chunk["usage"].get("prompt_tokens")
             for ch in chunk.get("choices") or []:
                 new = ch.get("token_ids") or []
                 content = (ch.get("delta") or {}).get("content") or ""
@@ -176,7 +183,7 @@ def stream_chat(client: httpx.Client, base_url: str, model: str, prompt: str, *,
     n = int(usage_tokens) if usage_tokens is not None else len(ids)
     ttft = e2e if ttft is None else ttft
     return {"ttft_ms": ttft * 1e3, "e2e_ms": e2e * 1e3, "output_tokens": n, "token_ids": ids,
-            "text": "".join(text), "finish_reason": finish}
+            "text": "".join(text), "finish_reason": finish, "prompt_tokens": prompt_tokens}
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -229,6 +236,7 @@ def run_decode(params: DecodeParams | None = None, *, progress: Progress | None 
                            mean_accepted_length=stats.mean_accepted_length,
                            per_position_acceptance=stats.per_position, spec_metrics_found=found,
                            wall_s=time.monotonic() - t0)
+        res.roofline, res.roofline_note = decode_roofline(res, server.model_root)
         res.files = run.write_summary(res, markdown_run(res))
         res.files["provenance"] = str(run.path / "provenance.json")
         run.finish()
@@ -276,7 +284,8 @@ def _measure(run: evidence.EvidenceRun, params: DecodeParams, base_url: str, mod
             n = r["output_tokens"]
             rec = PromptRecord(id=p["id"], kind=p.get("kind", ""), ttft_ms=r["ttft_ms"], e2e_ms=r["e2e_ms"],
                                tpot_ms=(r["e2e_ms"] - r["ttft_ms"]) / (n - 1) if n > 1 else None,
-                               output_tokens=n, finish_reason=r["finish_reason"], token_ids=r["token_ids"],
+                               output_tokens=n, prompt_tokens=r.get("prompt_tokens"),
+                               finish_reason=r["finish_reason"], token_ids=r["token_ids"],
                                text=r["text"])
             records.append(rec)
             run.write_raw(f"{i:02d}-{p['id']}", {"prompt": p, "sampling_params": sampling,
@@ -294,6 +303,33 @@ def _check_label(label: str) -> None:
         raise BadInput(str(exc), exc.detail) from None
 
 
+def mean_context_tokens(records: list[PromptRecord]) -> int:
+    """The mean context over the decode steps of the run: each prompt plus half its output."""
+    if not records:
+        return 0
+    return round(statistics.fmean((r.prompt_tokens or 0) + r.output_tokens / 2 for r in records))
+
+
+def decode_roofline(res: DecodeResult, model_root: str | None) -> tuple[Roofline | None, str | None]:
+    """The run's decode rate as a share of the roofline of the served build, or why there is none."""
+    if res.speculative_config:
+        return None, "a drafter's steps read two models and emit several tokens: no single-model roofline"
+    if not res.decode_tok_s:
+        return None, "no decode rate measured"
+    try:
+        fig = single_stream_roofline(res.decode_tok_s, model_root, mean_context_tokens(res.prompts))
+    except Exception as exc:  # an unreadable header or config must not cost the measured run
+        return None, f"the bytes per step of {model_root!r} could not be read: {exc}"
+    return (fig, None) if fig is not None else (None, f"the served model {model_root!r} is not a local folder "
+                                                      "with a config.json: its bytes per step are unknown")
+
+
+def roofline_line(res: DecodeResult) -> str:
+    if res.roofline is not None:
+        return "Decode tok/s as a share of the roofline: " + res.roofline.line()
+    return f"Roofline: none ({res.roofline_note or 'not computed'})"
+
+
 def fmt(v: float | None, spec: str = ".2f", none: str = "—") -> str:
     return none if v is None else format(v, spec)
 
@@ -307,7 +343,7 @@ def markdown_run(res: DecodeResult) -> str:
              "|---:|---:|---:|---:|---:|---:|",
              f"| {fmt(res.median_ttft_ms, '.1f')} | {fmt(res.median_tpot_ms)} | {fmt(res.decode_tok_s, '.1f')} "
              f"| {fmt(res.mean_output_tokens, '.1f')} | {pct(res.acceptance_rate)} "
-             f"| {fmt(res.mean_accepted_length)} |", ""]
+             f"| {fmt(res.mean_accepted_length)} |", "", roofline_line(res), ""]
     if res.per_position_acceptance:
         lines += ["Acceptance per draft position: "
                   + ", ".join(f"{k}: {pct(v)}" for k, v in enumerate(res.per_position_acceptance)), ""]
