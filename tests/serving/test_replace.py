@@ -279,3 +279,44 @@ def test_mcp_start_with_replace(stand_in, tmp_path):
     res, st = asyncio.run(go())
     assert res["outcome"] == "serving B" and res["replaced"]["served_name"] == "a"
     assert st["served_name"] == "b" and st["healthy"] and st["instances"] == []
+
+
+@pytest.mark.vllm
+@pytest.mark.vllm_lane(1)
+def test_real_vllm_a_failed_replace_serves_a_again(emb4_build, serve_config_factory, tmp_path, monkeypatch):
+    """A (the tiny all-4-bit build) serving; B is A's copy whose config.json names a quantization method vLLM
+    does not know (`quantization_config.quant_method`). No check made before A is stopped reads that field (the
+    start checks read the folder, config.json's position limit, the port, memory and the vLLM build), so B passes
+    them and fails in vLLM: A is started again, serves, the message says so, and no process is left."""
+    import shutil
+
+    from fixtures import require_plugin
+
+    require_plugin()
+    # One Python process fewer per start (as the shared servers run); recorded with A and used for its restart.
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    a = serve_config_factory(emb4_build, "gemma-4-tiny-text-emb4", state_dir=tmp_path / "run")
+    bad = tmp_path / "gemma-4-tiny-unknown-quant"
+    shutil.copytree(emb4_build, bad)
+    config = json.loads((bad / "config.json").read_text())
+    config["quantization_config"]["quant_method"] = "no-such-method"
+    (bad / "config.json").write_text(json.dumps(config))
+    b = serve_config_factory(bad, "gemma-4-tiny-unknown-quant", state_dir=a.state_dir, port=a.port)
+    pgids: list[int] = []
+    try:
+        pgids.append(start_server(a).pgid)
+        seen: list[int] = []
+        with pytest.raises(ToolFailure) as exc:
+            replace_server(b, progress=lambda f, m: seen.append(state.load_state(a).pgid)
+                           if a.state_file.exists() and state.load_state(a) else None)
+        pgids += list(dict.fromkeys(seen))
+        msg, detail = str(exc.value), exc.value.detail
+        assert detail["outcome"] == "restored A", msg
+        assert "gemma-4-tiny-unknown-quant did not start" in msg and "restored gemma-4-tiny-text-emb4" in msg
+        st = server_status(a)
+        assert st.healthy and st.served_name == "gemma-4-tiny-text-emb4" and st.pid == detail["serving"]["pid"]
+        pgids.append(st.pid)
+    finally:
+        stop_server(a, grace_s=10)
+    assert all(group_alive(g) == [] for g in pgids)
+    assert not state.replace_file(a).exists() and not a.state_file.exists()

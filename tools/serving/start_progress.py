@@ -42,12 +42,16 @@ class StartProgress:
     seen: int = 0          # log lines already scanned
     t0: float = field(default_factory=time.monotonic)
 
+    current: int = 0       # the phase the log says now (the fraction follows the furthest one reached)
+
     def _enter(self, index: int) -> bool:
-        if index <= self.phase:
+        if index == self.current:
             return False
-        self.phase = index
-        self.phase_since = time.monotonic()
-        self.fraction = max(self.fraction, PHASES[index][1])
+        self.current = index
+        if index > self.phase:
+            self.phase = index
+            self.phase_since = time.monotonic()
+            self.fraction = max(self.fraction, PHASES[index][1])
         return True
 
     def poll(self, log_text: str, healthy: bool) -> None:
@@ -58,7 +62,7 @@ class StartProgress:
                 if pattern is not None and pattern.search(line):
                     changed |= self._enter(i)
         self.seen = len(lines)
-        if healthy:
+        if healthy and self.current != len(PHASES) - 1:
             changed |= self._enter(len(PHASES) - 1)
         # Within a phase the fraction creeps towards the next phase's start, never reaching it.
         nxt = PHASES[self.phase + 1][1] if self.phase + 1 < len(PHASES) else 0.99
@@ -70,7 +74,7 @@ class StartProgress:
         fresh = bool(latest) and latest not in self.sent_lines
         if self.report is None or not (changed or now - self.last_sent >= HEARTBEAT_S):
             return
-        name = PHASES[self.phase][0]
+        name = PHASES[self.current][0]
         text = f"{name}: {latest}" if fresh else f"{name} ({now - self.t0:.0f} s)"
         if fresh:
             self.sent_lines.add(latest)
