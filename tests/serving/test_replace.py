@@ -290,7 +290,7 @@ def test_real_vllm_a_failed_replace_serves_a_again(emb4_build, serve_config_fact
     them and fails in vLLM: A is started again, serves, the message says so, and no process is left."""
     import shutil
 
-    from fixtures import require_plugin
+    from tests.fixtures import require_plugin
 
     require_plugin()
     # One Python process fewer per start (as the shared servers run); recorded with A and used for its restart.
@@ -306,9 +306,14 @@ def test_real_vllm_a_failed_replace_serves_a_again(emb4_build, serve_config_fact
     try:
         pgids.append(start_server(a).pgid)
         seen: list[int] = []
+
+        def progress(frac: float, msg: str) -> None:  # the groups of B and of A's second start, to check after
+            rec = state.load_state(a)
+            if rec is not None:
+                seen.append(rec.pgid)
+
         with pytest.raises(ToolFailure) as exc:
-            replace_server(b, progress=lambda f, m: seen.append(state.load_state(a).pgid)
-                           if a.state_file.exists() and state.load_state(a) else None)
+            replace_server(b, progress=progress)
         pgids += list(dict.fromkeys(seen))
         msg, detail = str(exc.value), exc.value.detail
         assert detail["outcome"] == "restored A", msg

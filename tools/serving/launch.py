@@ -42,12 +42,16 @@ _RECORDED_ENV = ("VLLM_", "CUDA_", "OMP_", "PYTORCH_", "TORCH", "KMP_", "LD_PREL
 # The launched process waits for one byte on a pipe before it becomes vLLM (exec, same pid): written once the
 # state file names it. A launching command killed before that (even by SIGKILL) closes the pipe, and the process
 # exits instead of serving with nothing recording it.
-_GATE = ("import os, sys\n"
+_GATE = ("import os, signal, sys\n"
          "fd = int(sys.argv[1])\n"
          "go = os.read(fd, 1)\n"
          "os.close(fd)\n"
          "if go != b'1':\n"
          "    os._exit(1)\n"
+         # what Python ignores at its start, as Popen(restore_signals=True) gives it back before exec
+         "for name in ('SIGPIPE', 'SIGXFZ', 'SIGXFSZ'):\n"
+         "    if hasattr(signal, name):\n"
+         "        signal.signal(getattr(signal, name), signal.SIG_DFL)\n"
          "os.execvp(sys.argv[2], sys.argv[2:])\n")
 
 
