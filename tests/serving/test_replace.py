@@ -205,7 +205,17 @@ replace_server(load_config(env_file, model=model, served_name="b", host="127.0.0
 """
 
 
-def test_a_replace_killed_between_a_stop_and_b_ready_is_reported_by_status_and_start(stand_in, tmp_path):
+def _cli_status(capsys, monkeypatch, cfg: ServeConfig, instance: str) -> str:
+    from tools.cli import main
+
+    monkeypatch.setenv("STATE_DIR", str(cfg.state_dir))
+    capsys.readouterr()
+    main(["status", "--instance", instance])
+    return capsys.readouterr().out
+
+
+def test_a_replace_killed_between_a_stop_and_b_ready_is_reported_by_status_and_start(stand_in, tmp_path, capsys,
+                                                                                     monkeypatch):
     a = stand_in("a", instance="x")
     start_server(a)
     b = stand_in("b", mode="hang", instance="x")
@@ -229,6 +239,9 @@ def test_a_replace_killed_between_a_stop_and_b_ready_is_reported_by_status_and_s
     assert st.replace and not st.replace["running"] and st.replace["phase"] == "starting B"
     assert "was interrupted while starting B" in st.message and "a was stopped: bring it back with" in st.message
     assert a.model in st.message
+    text = _cli_status(capsys, monkeypatch, cfg, "x")
+    assert f"bring it back with `./vllm-t4 start --instance x --model {a.model} --served-name a --port {a.port}`" \
+        in text and "\x1e" not in text
     stop_server(cfg, grace_s=2)  # B, which never became ready
     again = start_server(a)
     assert again.note and "was interrupted while starting B" in again.note

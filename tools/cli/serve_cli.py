@@ -13,8 +13,8 @@ import sys
 from dataclasses import replace
 from typing import Any
 
-from tools.cli.commands import Command, add_commands, emit
-from tools.core.errors import BadInput, param
+from tools.cli.commands import CLI, Command, add_commands, emit as _emit
+from tools.core.errors import BadInput, param, render, render_all
 from tools.serving import router, vllm_server
 from tools.serving.config import ServeConfig, load_config
 from tools.serving.instances import fleet_status, stop_all
@@ -24,6 +24,11 @@ from tools.serving.ops import (LogParams, QueryParams, RouterStartParams, Router
                                StatusParams, StopParams)
 from tools.serving.swap import ensure_swap, swap_report
 from tools.core.jsonout import dumps
+
+
+def emit(args: argparse.Namespace, obj: Any, text: str) -> None:
+    """commands.emit with the marked remedies in results (a replace's note) spelled as command lines."""
+    _emit(args, render_all(obj.to_dict(), CLI) if getattr(args, "json", False) else obj, render(text, CLI))
 
 
 def _config(args: argparse.Namespace, **overrides: Any) -> ServeConfig:

@@ -12,7 +12,7 @@ from typing import Any
 
 from tools.core.errors import ToolFailure
 from tools.serving import router, state
-from tools.serving.config import ServeConfig, check_instance_name
+from tools.serving.config import INSTANCE_NAME, ServeConfig
 from tools.serving.placement import instance_configs, locked, plan, process_owners, resolve, running
 from tools.serving.vllm_server import server_status, stop_server
 
@@ -53,16 +53,8 @@ def _configs_with_a_replace(cfg: ServeConfig) -> list[ServeConfig]:
     root = Path(cfg.state_dir)
     extra = sorted(d.name for d in root.iterdir() if d.is_dir() and d.name not in names
                    and (d / "replace.json").is_file()) if root.is_dir() else []
-    configs += [replace(cfg, instance=check_instance_name(n)) for n in extra if _valid(n)]
+    configs += [replace(cfg, instance=n) for n in extra if INSTANCE_NAME.fullmatch(n)]
     return configs[:1] + sorted(configs[1:], key=lambda c: c.instance)
-
-
-def _valid(name: str) -> bool:
-    try:
-        check_instance_name(name)
-    except ToolFailure:
-        return False
-    return True
 
 
 def stop_all(cfg: ServeConfig, *, grace_s: float = 20) -> list[Any]:
