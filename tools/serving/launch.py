@@ -209,6 +209,7 @@ def _wait_ready(cfg: ServeConfig, proc: subprocess.Popen, argv: list[str], t0: f
     deadline = t0 + cfg.start_timeout_s
     healthy = False
     phases = StartProgress(progress)
+    polls = 0
     with httpx.Client(timeout=5.0) as client:
         try:
             while True:
@@ -228,7 +229,8 @@ def _wait_ready(cfg: ServeConfig, proc: subprocess.Popen, argv: list[str], t0: f
                         return text
                 if progress is not None:
                     phases.poll(engine_log.read_text(log_path), healthy)
-                time.sleep(1.0)
+                polls += 1
+                time.sleep(0.25 if polls < 8 else 1.0)  # a server up within seconds is not kept waiting
         except ToolFailure:
             raise
         except BaseException:  # Ctrl-C, SIGTERM, a cancelled job: leave no server behind, keep the exit status
