@@ -239,7 +239,9 @@ def test_prompt_steps_name_real_tools_with_valid_arguments():
         "preflight", "fetch_checkpoint", "probe_checkpoint", "preflight", "repack_checkpoint", "patch_turing",
         "start_vllm_server", "query_model"]
     cmp = [s.tool for s in PROMPTS["compare_builds"].steps]
-    assert cmp.index("compare_tokens") < cmp.index("stop_vllm_server", 3) < cmp.index("compare_sweeps")
+    swap = cmp.index("start_vllm_server", 2)  # B in A's place, A served again when B fails
+    assert cmp.index("compare_tokens") < swap < cmp.index("compare_sweeps") and "stop_vllm_server" not in cmp[:-1]
+    assert PROMPTS["compare_builds"].steps[swap].args["replace"] is True
     assert [s.tool for _, _, s in walkthrough()][0] == "preflight" and walkthrough()[-2][2].tool == "compare_sweeps"
 
 
@@ -256,7 +258,7 @@ def test_prompts_render_the_callers_arguments(mcp):
     assert "7. `start_vllm_server(model=\"emb4\")`" in deploy and "start_job" in deploy
     # what query_model shows is true of both models: the tiny stand-in gives its pattern's tokens, not text
     assert "sensible" not in deploy and "the tiny stand-in answers tokens of its training pattern" in deploy
-    assert 'compare_sweeps(run_dirs=[<run_dir from step 9>, <run_dir from step 5>], ' \
+    assert 'compare_sweeps(run_dirs=[<run_dir from step 7>, <run_dir from step 4>], ' \
            'output="sweeps/int4-emb-vs-bf16-emb.md")' in compare
     assert compare.endswith(f"({SCHEME}://evidence/runs lists them).")
 

@@ -424,3 +424,15 @@ def test_router_lifecycle_over_stand_in_workers(tmp_path, fleet):
     assert not psutil.pid_exists(started["pid"]) or psutil.Process(started["pid"]).status() == psutil.STATUS_ZOMBIE
     assert not list((tmp_path / "run").rglob("*.json"))
     assert router.router_status(load_config(ROOT / "tpu.env", state_dir=tmp_path / "run")).alive is False
+
+
+def test_status_does_not_list_the_default_instance_again(cli_here, tmp_path, fleet):
+    """The default instance is the top level of status; `instances` holds the named ones only."""
+    fleet("default", free_port())
+    fleet("a", free_port(), cpu_cores=[[0]])
+    r = cli_here(["status", "--json"], _env(tmp_path / "run"))
+    data = json.loads(r.stdout)
+    assert data["alive"] and data["instance"] == "default"
+    assert [i["instance"] for i in data["instances"]] == ["a"] and data["all_healthy"] is False
+    text = cli_here(["status"], _env(tmp_path / "run")).stdout
+    assert text.count("[default]") == 1 and text.count("[a]") == 1

@@ -323,6 +323,7 @@ def test_stop_kills_what_ignores_sigterm(serve_config_factory, tmp_path):
         _adopt(cfg, proc)
         r = stop_server(cfg, grace_s=1)
         assert r.was_running and r.signal == "SIGKILL"
+        assert "SIGKILL: still running 1 s after SIGTERM" in r.message  # why it took SIGKILL
         assert group_alive(proc.pid) == [] and not cfg.state_file.exists()
     finally:
         if proc.poll() is None:
@@ -411,3 +412,77 @@ def test_an_interrupt_between_launch_and_state_file_ends_the_server(serve_config
     assert group_alive(seen["pgid"]) == []
     assert not cfg.state_file.exists()
     assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, [])  # the mask is as it was
+
+
+# The launching command killed (SIGKILL: no handler runs) after vLLM's process exists and before its state file
+# names it. The launched process waits on a pipe for the state file; the kill closes the pipe and it exits.
+KILLED_AT_LAUNCH = r"""
+import os, sys, time
+from tools.serving import state
+from tools.serving.config import ServeConfig, load_config
+from tools.serving.launch import start_server
+marker, pid_file, env_file, state_dir, port, model = sys.argv[1:]
+ServeConfig.vllm_argv = lambda self, platform: [sys.executable, "-c",
+    f"import pathlib, time; pathlib.Path({marker!r}).touch(); time.sleep(120)"]
+def write_and_hang(cfg, st):
+    open(pid_file, "w").write(str(st.pid))
+    time.sleep(120)
+state.write_state = write_and_hang
+start_server(load_config(env_file, model=model, served_name="gated", host="127.0.0.1", port=int(port),
+                         state_dir=state_dir, speculative_config="", extra_args=""))
+"""
+
+
+def test_a_start_killed_before_its_state_file_leaves_no_server(tmp_path):
+    from fixtures import free_port
+
+    (tmp_path / "model").mkdir()
+    marker, pid_file = tmp_path / "served", tmp_path / "pid"
+    driver = subprocess.Popen([sys.executable, "-c", KILLED_AT_LAUNCH, str(marker), str(pid_file),
+                               str(ROOT / "tpu.env"), str(tmp_path / "run"), str(free_port()),
+                               str(tmp_path / "model")], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        deadline = time.monotonic() + 60
+        while not (pid_file.is_file() and pid_file.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pid = int(pid_file.read_text())
+        driver.kill()
+    finally:
+        driver.wait()
+    deadline = time.monotonic() + 10
+    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, "the launched process outlived the start that was killed"
+        time.sleep(0.05)
+    assert not marker.exists()  # it never became the server
+    assert not (tmp_path / "run" / "vllm.json").exists()
+
+
+def test_start_progress_is_phases_rising_and_never_the_same_line_twice(monkeypatch):
+    from tools.serving import start_progress
+    from tools.serving.start_progress import StartProgress
+
+    clock = [100.0]
+    monkeypatch.setattr(start_progress.time, "monotonic", lambda: clock[0])
+    sent: list[tuple[float, str]] = []
+    p = StartProgress(lambda f, m: sent.append((f, m)))
+    log = ["(APIServer pid=1) INFO 12-02 03:11:34 [api_utils.py:347] version 0.32.0"]
+    for step in range(120):  # two minutes of polls, once a second, the log growing as vLLM's does
+        if step == 10:
+            log.append("(Worker pid=2) INFO 12-02 03:12:00 [cpu_model_runner.py:68] Starting to load model /m...")
+        if 10 < step < 50:
+            log.append("(EngineCore pid=3) INFO 12-02 03:11:47 [ompmultiprocessing.py:185] reserved_cpus=[1]")
+        if step == 50:
+            log.append("(Worker pid=2) INFO 12-02 03:12:01 [cpu_model_runner.py:87] Warming up model for the compilation...")
+        if step == 80:
+            log.append("(EngineCore pid=3) INFO 12-02 03:13:01 [kv_cache_utils.py:2327] CPU KV cache size: 1,290,555 tokens")
+        p.poll("\n".join(log), healthy=step >= 100)
+        clock[0] += 1.0
+    p.done("serving")
+    fractions = [f for f, _ in sent]
+    messages = [m for _, m in sent]
+    assert fractions == sorted(fractions) and fractions[-1] == 1.0
+    assert len(messages) == len(set(messages)) and len(sent) <= 30
+    assert sum("reserved_cpus=[1]" in m for m in messages) == 1
+    phases = [m.split(":")[0].split(" (")[0] for m in messages[:-1]]
+    # the CPU build sizes its KV cache after the warm-up: the phase says so, the fraction does not fall back
+    assert list(dict.fromkeys(phases)) == ["launch", "load weights", "compile/warm-up", "profile/KV cache", "ready"]

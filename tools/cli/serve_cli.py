@@ -10,17 +10,25 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from typing import Any
 
-from tools.cli.commands import Command, add_commands, emit
-from tools.core.errors import BadInput, param
+from tools.cli.commands import CLI, Command, add_commands, emit as _emit
+from tools.core.errors import BadInput, param, render, render_all
 from tools.serving import router, vllm_server
 from tools.serving.config import ServeConfig, load_config
 from tools.serving.instances import fleet_status, stop_all
+from tools.serving.replace import replace_server
+from tools.serving.state import replace_file
 from tools.serving.ops import (LogParams, QueryParams, RouterStartParams, RouterStopParams, StartParams,
                                StatusParams, StopParams)
 from tools.serving.swap import ensure_swap, swap_report
 from tools.core.jsonout import dumps
+
+
+def emit(args: argparse.Namespace, obj: Any, text: str) -> None:
+    """commands.emit with the marked remedies in results (a replace's note) spelled as command lines."""
+    _emit(args, render_all(obj.to_dict(), CLI) if getattr(args, "json", False) else obj, render(text, CLI))
 
 
 def _config(args: argparse.Namespace, **overrides: Any) -> ServeConfig:
@@ -56,17 +64,21 @@ def _fmt_fields(f) -> list[str]:
 
 def cmd_start(p: StartParams, args: argparse.Namespace) -> int:
     cfg = _config(args, **p.overrides())
-    last = [-1]
 
-    def progress(frac: float, msg: str) -> None:
-        pct = int(frac * 100)
-        if not args.json and (pct // 5 != last[0] // 5 or frac >= 1.0):  # a line every 5% of the timeout
-            last[0] = pct
-            print(f"[{pct:3d}%] {msg}", file=sys.stderr, flush=True)
+    def progress(frac: float, msg: str) -> None:  # reported only with news: a phase, or a line not seen before
+        if not args.json:
+            print(f"[{int(frac * 100):3d}%] {msg}", file=sys.stderr, flush=True)
 
     print(f"starting {cfg.served_name} at {cfg.base_url} (log: {cfg.log_file})", file=sys.stderr, flush=True)
-    r = vllm_server.start_server(cfg, progress=progress)
+    if p.replace:
+        r = replace_server(cfg, progress=progress)
+    else:
+        r = vllm_server.start_server(cfg, progress=progress)
     lines = [f"Serving at {r.base_url} (pid {r.pid}), model {r.served_name}, ready in {r.startup_s:g} s"]
+    if r.replaced:
+        lines[0] += f", in place of {r.replaced['served_name']} ({r.replaced['model']})"
+    if r.note:
+        lines.append("  " + r.note)
     if r.max_model_len_note:
         lines.append("  " + r.max_model_len_note)
     lines += ["  " + ln for ln in _fmt_fields(r.start_fields)]
@@ -109,10 +121,13 @@ def cmd_status(p: StatusParams, args: argparse.Namespace) -> int:
         st = vllm_server.server_status(cfg)
         emit(args, st, "\n".join(_status_lines(st)))
         return 0 if (st.alive and st.healthy) or args.any else 3
+    default_cfg = replace(cfg, instance="")
+    had_default = default_cfg.state_file.is_file() or replace_file(default_cfg).is_file()
     st = fleet_status(cfg)
     # The default instance alone reads as before instances; several are each labelled with their name.
-    named = any(i.instance != "default" for i in st.instances)
-    lines = [ln for i in st.instances for ln in _status_lines(i, named)] or [st.message]
+    shown = ([st] if had_default else []) + st.instances
+    named = bool(st.instances)
+    lines = [ln for i in shown for ln in _status_lines(i, named)] or [st.message]
     if st.router is not None:
         lines.append(f"[router] {st.router['message']}")
     emit(args, st, "\n".join(lines))

@@ -401,9 +401,9 @@ prompt(PromptSpec(
 
 prompt(PromptSpec(
     name="compare_builds", title="Compare two builds (tokens and throughput)",
-    description="The article's comparison of two builds on one GPU: record A's greedy tokens, start B, check B "
-                "against them, sweep both, compare the sweeps. A is the build deploy_t4 left serving, so it is "
-                "not started again.",
+    description="The article's comparison of two builds on one GPU: record A's greedy tokens, serve B in A's "
+                "place, check B against them, sweep both, compare the sweeps. A is the build deploy_t4 left "
+                "serving, so it is not started again.",
     arguments={"build_a": (_BUILD + "-emb4", "The build whose tokens are recorded (the all-4-bit build deploy_t4 "
                                              "serves)"),
                "build_b": (_BUILD, "The build checked against A (the bf16-embedding build by default; repacked "
@@ -418,20 +418,19 @@ prompt(PromptSpec(
     steps=[
         Step("repack_checkpoint", {"source": "{source}", "output": "{build_b}", "embed_int4": False},
              "the bf16-embedding build", when="{build_b} does not exist", condition="build_b_missing"),
-        Step("stop_vllm_server", {}, "one build at a time (safe when nothing runs)",
-             when="server_status shows the server is not serving {build_a}", condition="a_not_served"),
-        Step("start_vllm_server", {"model": "{build_a}"}, "serves A",
+        Step("start_vllm_server", {"model": "{build_a}", "replace": True},
+             "serves A in place of what serves (a plain start when nothing does)",
              when="server_status shows the server is not serving {build_a}", condition="a_not_served"),
         Step("compare_tokens", {"mode": "record", "reference": "tokens/{label_a}.json"},
              "A's greedy tokens for the eight article prompts, written under the evidence root"),
         Step("run_sweep", {"label": "{label_a}", "out": "sweeps"},
              "A's throughput over the article's grid (input_lens, concurrencies: narrow them for a quick look)"),
-        Step("stop_vllm_server", {}, "frees the GPU for B"),
-        Step("start_vllm_server", {"model": "{build_b}"}, "serves B"),
+        Step("start_vllm_server", {"model": "{build_b}", "replace": True},
+             "serves B in place of A; if B fails to start, A serves again and the error says so"),
         Step("compare_tokens", {"mode": "check", "reference": "tokens/{label_a}.json"},
              "B against A's record: identical prompts, else the first divergence and whether it is a near-tie"),
         Step("run_sweep", {"label": "{label_b}", "out": "sweeps"}, "B's throughput over the same grid and prompts"),
-        Step("compare_sweeps", {"run_dirs": [Ref(9, "run_dir"), Ref(5, "run_dir")],
+        Step("compare_sweeps", {"run_dirs": [Ref(7, "run_dir"), Ref(4, "run_dir")],
                                 "output": "sweeps/{label_a}-vs-{label_b}.md"},
              "per cell each build's median output tok/s and A's ratio to B (B's run first: the baseline), with "
              "cost per million tokens"),

@@ -9,6 +9,7 @@ from tools.core.paths import PathNotAllowed
 from tools.mcp.registry import Reply, tool
 from tools.serving.instances import fleet_status, stop_all
 from tools.serving.model_files import missing_model_fix
+from tools.serving.replace import replace_server
 from tools.serving.ops import LogParams, QueryParams, StartParams, StatusParams, StopParams
 from tools.serving.vllm_server import (QueryResult, ServerStatus, StartResult, StopResult, query, read_log,
                                        server_status as status, start_server, stop_server)
@@ -36,11 +37,14 @@ def _start_config(app, p: StartParams):
 def start_vllm_server(app, p: StartParams, progress) -> Reply:
     """Serve a build (a folder under a models root, or a hub id) with vLLM until stopped; returns once it
     answers, with the engine's figures. Long."""
-    res = start_server(_start_config(app, p), progress=lambda frac, msg: progress(round(frac * 100, 1), 100, msg))
+    start = replace_server if p.replace else start_server
+    res = start(_start_config(app, p), progress=lambda frac, msg: progress(round(frac * 100, 1), 100, msg))
     sf = res.start_fields
     mem = f"; host RSS {res.host_memory.rss_mib:.0f} MiB" if res.host_memory else ""
-    return Reply(res, f"serving {res.served_name} at {res.base_url} (pid {res.pid}, {res.platform}) after "
-                      f"{res.startup_s:.0f} s; KV cache {sf.kv_cache_tokens or '?'} tokens{mem}")
+    instead = f" in place of {res.replaced['served_name']}" if res.replaced else ""
+    note = f"; {res.note}" if res.note else ""
+    return Reply(res, f"serving {res.served_name}{instead} at {res.base_url} (pid {res.pid}, {res.platform}) after "
+                      f"{res.startup_s:.0f} s; KV cache {sf.kv_cache_tokens or '?'} tokens{mem}{note}")
 
 
 class StopAll(BaseModel):
@@ -70,7 +74,7 @@ def server_status(app, p: StatusParams) -> Reply:
         res = status(app.config(instance=p.instance))
     else:
         res = fleet_status(app.config())
-        if res.instances and len(res.instances) > 1:
+        if res.instances:
             res.message += "; " + ", ".join(f"{i.instance}: {'serving' if i.healthy else 'down'}"
                                             for i in res.instances)
     return Reply(res, res.message, {"roots": app.roots.describe()})

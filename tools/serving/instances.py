@@ -7,11 +7,12 @@ names are offered here too, where the instance commands have always found them.
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from tools.core.errors import ToolFailure
-from tools.serving import router
-from tools.serving.config import ServeConfig
+from tools.serving import router, state
+from tools.serving.config import INSTANCE_NAME, ServeConfig
 from tools.serving.placement import instance_configs, locked, plan, process_owners, resolve, running
 from tools.serving.vllm_server import server_status, stop_server
 
@@ -27,21 +28,33 @@ def all_status(cfg: ServeConfig, *, hardware: Any = None) -> list[Any]:
 
 
 def fleet_status(cfg: ServeConfig, *, hardware: Any = None) -> Any:
-    """The default instance's ServerStatus (as before instances) with every instance and the router listed;
-    all_healthy only when at least one is reported and each reported one answers /health."""
+    """The default instance's ServerStatus (as before instances) with the named instances and the router listed
+    (the default instance is the top level, not listed again); all_healthy only when at least one is reported
+    and each reported one answers /health."""
     default_cfg = replace(cfg, instance="")
-    had_default = default_cfg.state_file.is_file()
+    had_default = default_cfg.state_file.is_file() or state.replace_file(default_cfg).is_file()
     top = server_status(default_cfg, hardware=hardware)
-    listed = [replace(top)] if had_default else []  # a copy: the top level must not list itself
-    listed += [server_status(c, hardware=hardware) for c in instance_configs(cfg)[1:]]
+    listed = [server_status(c, hardware=hardware) for c in _configs_with_a_replace(cfg)[1:]]
     r = router.router_status(cfg) if router.state_file(cfg).is_file() else None
     top.instances = listed
     top.router = r.to_dict() if r is not None else None
-    healthy = [i.alive and i.healthy for i in listed] + ([r.alive and r.healthy] if r is not None else [])
+    reported = ([top] if had_default else []) + listed
+    healthy = [i.alive and i.healthy for i in reported] + ([r.alive and r.healthy] if r is not None else [])
     top.all_healthy = bool(healthy) and all(healthy)
     if listed and not had_default:
         top.message = f"{len(listed)} named instance(s); the default instance is not running"
     return top
+
+
+def _configs_with_a_replace(cfg: ServeConfig) -> list[ServeConfig]:
+    """instance_configs, and the named instances with only a replace record (their A stopped, no B recorded)."""
+    configs = instance_configs(cfg)
+    names = {c.instance for c in configs}
+    root = Path(cfg.state_dir)
+    extra = sorted(d.name for d in root.iterdir() if d.is_dir() and d.name not in names
+                   and (d / "replace.json").is_file()) if root.is_dir() else []
+    configs += [replace(cfg, instance=n) for n in extra if INSTANCE_NAME.fullmatch(n)]
+    return configs[:1] + sorted(configs[1:], key=lambda c: c.instance)
 
 
 def stop_all(cfg: ServeConfig, *, grace_s: float = 20) -> list[Any]:

@@ -11,13 +11,12 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable
-
 import httpx
 import psutil
 
@@ -27,17 +26,33 @@ from tools.gpu.vram import host_memory, server_process_pids
 from tools.serving import engine_log, placement, state
 from tools.serving.config import ServeConfig, looks_like_path
 from tools.serving.hardware import Hardware
-from tools.serving.model_files import embedding_method, model_position_limit
+from tools.serving.model_files import model_position_limit
 from tools.serving.model_files import missing_model_fix
-from tools.serving.preflight import ensure
+from tools.serving.preflight import checks_for, ensure
 from tools.serving.records import StartResult
-from tools.serving.state import ServerState
-
-Progress = Callable[[float, str], None]
+from tools.serving.start_progress import Progress, StartProgress
+from tools.serving.state import ReplaceRecord, ServerState
 # Readiness is a completion of several tokens from a prompt of several tokens: a one-token probe can pass on an
 # engine whose traced graphs were specialised on the warm-up's shape and fail every real prompt.
 READINESS_PROMPT = "The quick brown fox jumps over the lazy dog."
 _DEFERRED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# The caller's variables that shape vLLM, recorded with the server so that a relaunch gets them again (tokens and
+# the rest of the environment are not written to the state file).
+_RECORDED_ENV = ("VLLM_", "CUDA_", "OMP_", "PYTORCH_", "TORCH", "KMP_", "LD_PRELOAD")
+# The launched process waits for one byte on a pipe before it becomes vLLM (exec, same pid): written once the
+# state file names it. A launching command killed before that (even by SIGKILL) closes the pipe, and the process
+# exits instead of serving with nothing recording it.
+_GATE = ("import os, signal, sys\n"
+         "fd = int(sys.argv[1])\n"
+         "go = os.read(fd, 1)\n"
+         "os.close(fd)\n"
+         "if go != b'1':\n"
+         "    os._exit(1)\n"
+         # what Python ignores at its start, as Popen(restore_signals=True) gives it back before exec
+         "for name in ('SIGPIPE', 'SIGXFZ', 'SIGXFSZ'):\n"
+         "    if hasattr(signal, name):\n"
+         "        signal.signal(getattr(signal, name), signal.SIG_DFL)\n"
+         "os.execvp(sys.argv[2], sys.argv[2:])\n")
 
 
 @contextlib.contextmanager
@@ -110,20 +125,33 @@ def fit_to_model(cfg: ServeConfig, platform: str = "cuda") -> tuple[ServeConfig,
     return replace(cfg, max_model_len=limit), note
 
 
-def _launch(cfg: ServeConfig, argv: list[str], platform: str) -> subprocess.Popen:
-    """Launches vLLM in its own session and writes the state file that names its group."""
-    env = dict(os.environ)
+def recorded_env(cfg: ServeConfig, platform: str) -> dict[str, str]:
+    """What of the launch environment the state file keeps: the caller's vLLM/CUDA/OpenMP variables and the
+    server's own."""
+    env = {k: v for k, v in os.environ.items() if k.startswith(_RECORDED_ENV)}
     env.update(cfg.server_env(platform))
+    return env
+
+
+def _launch(cfg: ServeConfig, argv: list[str], platform: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Launches vLLM in its own session and writes the state file that names its group. `env`: a recorded
+    environment (a relaunch) instead of this start's."""
+    recorded = env if env is not None else recorded_env(cfg, platform)
+    child_env = {k: v for k, v in os.environ.items() if not (env is not None and k.startswith(_RECORDED_ENV))}
+    child_env.update(recorded)
     cfg.instance_dir.mkdir(parents=True, exist_ok=True)
     proc: subprocess.Popen | None = None
+    gate_r, gate_w = os.pipe()
     try:
         # Ctrl-C / SIGTERM wait until the state file names the new group (they are raised on leaving the
-        # block, and the except below ends the group): between the launch and that write, an interrupt
-        # would leave a server that no state file points at.
+        # block, and the except below ends the group); a SIGKILL there closes the gate's pipe (see _GATE).
         with _signals_deferred():
             with open(cfg.log_file, "wb") as log:  # one log per start: the parser reads this start only
-                proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                        env=env, cwd=str(cfg.instance_dir), start_new_session=True)
+                proc = subprocess.Popen([sys.executable, "-c", _GATE, str(gate_r), *argv], stdout=log,
+                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=child_env,
+                                        cwd=str(cfg.instance_dir), start_new_session=True, pass_fds=(gate_r,))
+            os.close(gate_r)
+            gate_r = -1
             try:
                 create_time = psutil.Process(proc.pid).create_time()
             except psutil.Error:
@@ -135,11 +163,17 @@ def _launch(cfg: ServeConfig, argv: list[str], platform: str) -> subprocess.Pope
                 started_at=now.isoformat(timespec="seconds"), started_ts=now.timestamp(),
                 log_path=str(cfg.log_file), instance=cfg.instance, gpus=cfg.gpus,
                 gpu_memory_utilization=cfg.gpu_memory_utilization, cpu_cores=cfg.cpu_cores,
-                tensor_parallel_size=cfg.tensor_parallel_size, data_parallel_size=cfg.data_parallel_size))
+                tensor_parallel_size=cfg.tensor_parallel_size, data_parallel_size=cfg.data_parallel_size,
+                env=recorded))
+            os.write(gate_w, b"1")
     except BaseException:
         if proc is not None:
             _end_launched(cfg, proc)
         raise
+    finally:
+        for fd in (gate_r, gate_w):
+            if fd >= 0:
+                os.close(fd)
     return proc
 
 
@@ -174,7 +208,8 @@ def _wait_ready(cfg: ServeConfig, proc: subprocess.Popen, argv: list[str], t0: f
 
     deadline = t0 + cfg.start_timeout_s
     healthy = False
-    last_line = "launching"
+    phases = StartProgress(progress)
+    polls = 0
     with httpx.Client(timeout=5.0) as client:
         try:
             while True:
@@ -189,21 +224,67 @@ def _wait_ready(cfg: ServeConfig, proc: subprocess.Popen, argv: list[str], t0: f
                     except httpx.HTTPError:
                         healthy = False
                 if healthy:
-                    text, answered = _first_completion(client, cfg)
+                    text, _ = _first_completion(client, cfg)
                     if text is not None:
                         return text
-                    last_line = answered or last_line
                 if progress is not None:
-                    lines = [ln for ln in engine_log.read_text(log_path).splitlines() if ln.strip()]
-                    if lines:
-                        last_line = engine_log.strip_prefix(lines[-1])[:200]
-                    progress(min(0.99, (time.monotonic() - t0) / cfg.start_timeout_s), last_line)
-                time.sleep(1.0)
+                    phases.poll(engine_log.read_text(log_path), healthy)
+                polls += 1
+                time.sleep(0.25 if polls < 8 else 1.0)  # a server up within seconds is not kept waiting
         except ToolFailure:
             raise
         except BaseException:  # Ctrl-C, SIGTERM, a cancelled job: leave no server behind, keep the exit status
             fail("start was interrupted")
             raise
+
+
+def checked(cfg: ServeConfig, hw: Hardware, turing_target: Path | None, *,
+            held_by: ServerState | None = None) -> tuple[ServeConfig, str | None, str]:
+    """Every check of a start, in its order: (the config as it will launch, the MAX_MODEL_LEN note, platform).
+    `held_by`: the server this start is to replace, whose port and GPU memory are not obstacles (they are freed
+    before the launch, and checked again then)."""
+    # Ports, cores and GPU memory other instances hold, and TP/DP against the GPUs: refused before launching.
+    cfg = placement.plan(cfg, hw)
+    # The port, the model folder and its length limit, the Turing clamp, host memory, the vLLM build and the
+    # GPU's free memory: refused here with the failing check's line rather than by vLLM a minute into the start.
+    if held_by is None:
+        ensure("start", cfg=cfg, hardware=hw, turing_target=turing_target)
+    else:
+        freed = {"gpu_memory"} | ({"port"} if held_by.port == cfg.port else set())
+        for c in checks_for("start", cfg=cfg, hardware=hw, turing_target=turing_target):
+            if c.status == "fail" and c.name not in freed:
+                raise ToolFailure(c.line(), detail={**(c.detail or {}), "check": c.name})
+    platform = hw.platform()
+    cfg, max_len_note = fit_to_model(cfg, platform)
+    return cfg, max_len_note, platform
+
+
+def replace_note(cfg: ServeConfig, rec: ReplaceRecord) -> str:
+    """What an unfinished replace did, and how to bring its A back (status and the next start say it)."""
+    a = rec.a
+    again = op("start", **({"instance": cfg.instance} if cfg.instance else {}), model=a.model,
+               served_name=a.served_name, port=a.port)
+    what = ("ended with neither build serving" if rec.phase == "failed"
+            else f"was interrupted while {rec.phase}")
+    return (f"a replace of {a.served_name} ({a.model}) by {rec.b_served_name} (pid {rec.owner_pid}, "
+            f"{rec.started_at}) {what}; {a.served_name} was stopped: bring it back with {again} (its recorded "
+            f"command line is in {state.replace_file(cfg)})")
+
+
+def _stale_replace(cfg: ServeConfig) -> ReplaceRecord | None:
+    """This instance's replace record when its command is gone; refuses a start while another command's replace
+    of this instance runs."""
+    try:
+        rec = state.load_replace(cfg)
+    except ToolFailure:
+        return None  # damaged: the start goes on, and replaces it when it succeeds
+    if rec is None or (rec.phase != "failed" and rec.owner_pid == os.getpid()):
+        return None  # none, or this process's own replace starting its B
+    if state.replace_running(rec):
+        raise ToolFailure(f"a replace of {rec.a.served_name} by {rec.b_served_name} runs on this instance (pid "
+                          f"{rec.owner_pid}, {rec.phase}): wait for it, then check {op('status')}",
+                          detail={"replace": rec.to_dict()})
+    return rec
 
 
 def start_server(cfg: ServeConfig, *, progress: Progress | None = None, hardware: Hardware | None = None,
@@ -212,33 +293,51 @@ def start_server(cfg: ServeConfig, *, progress: Progress | None = None, hardware
 
     Refuses (ToolFailure) when this state dir's server is alive, the port is taken, a Turing GPU lacks the
     attention clamp, or host memory cannot hold the checkpoint without swap. On a failed start the process group
-    is gone, the state file removed, and the failure carries the log tail and the line that explains it.
+    is gone, the state file removed, and the failure carries the log tail and the line that explains it. A
+    replace of this instance that did not finish is named in the result (and the failure), then forgotten once
+    this start serves.
     """
     hw = hardware or Hardware()
     # Checks and launch under the state dir's lock: two starts at once must not both take one port, core or GPU.
     with placement.locked(cfg):
-        _refuse_recorded(cfg)
-        # Ports, cores and GPU memory other instances hold, and TP/DP against the GPUs: refused before launching.
-        cfg = placement.plan(cfg, hw)
-        # The port, the model folder and its length limit, the Turing clamp, host memory, the vLLM build and the
-        # GPU's free memory: refused here with the failing check's line rather than by vLLM a minute into the start.
-        ensure("start", cfg=cfg, hardware=hw, turing_target=turing_target)
-        platform = hw.platform()
-        cfg, max_len_note = fit_to_model(cfg, platform)
+        stale = _stale_replace(cfg)
+        note = replace_note(cfg, stale) if stale is not None else None
+        try:
+            _refuse_recorded(cfg)
+            cfg, max_len_note, platform = checked(cfg, hw, turing_target)
+        except ToolFailure as exc:
+            raise _noted(exc, note) from None
         argv = cfg.vllm_argv(platform)
         t0 = time.monotonic()
         proc = _launch(cfg, argv, platform)
-
-    first_text = _wait_ready(cfg, proc, argv, t0, progress)
-    startup_s = time.monotonic() - t0
-    fields = engine_log.parse_engine_log(engine_log.read_text(cfg.log_file))
-    if fields.embedding_method is None:
-        fields.embedding_method = embedding_method(cfg.model)
-    fields.eager = "--enforce-eager" in argv
-    # After load and a first completion: the weights and the engine's buffers are resident.
-    memory = host_memory(cfg.instance or "default", server_process_pids(proc.pid), cfg.model)
+    if note and progress is not None:
+        progress(0.0, note)
+    try:
+        first_text = _wait_ready(cfg, proc, argv, t0, progress)
+    except ToolFailure as exc:
+        raise _noted(exc, note) from None
+    if stale is not None:
+        state.clear_replace(cfg)
+    res = _result(cfg, proc, argv, platform, t0, first_text, max_len_note)
+    res.note = note
     if progress is not None:
         progress(1.0, f"serving {cfg.served_name} at {cfg.base_url}")
+    return res
+
+
+def _noted(exc: ToolFailure, note: str | None) -> ToolFailure:
+    if not note:
+        return exc
+    return type(exc)(f"{exc.message}; note: {note}", {**(exc.detail or {}), "replace_note": note},
+                     field=getattr(exc, "field", None))
+
+
+def _result(cfg: ServeConfig, proc: subprocess.Popen, argv: list[str], platform: str, t0: float, first_text: str,
+            max_len_note: str | None) -> StartResult:
+    startup_s = time.monotonic() - t0
+    fields = engine_log.recorded_start_fields(cfg.log_file, argv, cfg.model)
+    # After load and a first completion: the weights and the engine's buffers are resident.
+    memory = host_memory(cfg.instance or "default", server_process_pids(proc.pid), cfg.model)
     return StartResult(pid=proc.pid, pgid=proc.pid, base_url=cfg.base_url, model=cfg.model,
                        served_name=cfg.served_name, platform=platform, argv=argv, log_path=str(cfg.log_file),
                        state_file=str(cfg.state_file), startup_s=round(startup_s, 2), first_completion=first_text,
@@ -246,4 +345,28 @@ def start_server(cfg: ServeConfig, *, progress: Progress | None = None, hardware
                        host_memory=memory)
 
 
-__all__ = ["READINESS_PROMPT", "fit_to_model", "start_server"]
+def config_of(cfg: ServeConfig, a: ServerState) -> ServeConfig:
+    """The config `a` was started with, as far as its launch and readiness need it (its argv holds the rest)."""
+    return replace(cfg, model=a.model, served_name=a.served_name, host=a.host, port=a.port, gpus=a.gpus,
+                   gpu_memory_utilization=a.gpu_memory_utilization or cfg.gpu_memory_utilization,
+                   cpu_cores=a.cpu_cores, tensor_parallel_size=a.tensor_parallel_size,
+                   data_parallel_size=a.data_parallel_size)
+
+
+def relaunch(cfg: ServeConfig, a: ServerState, *, progress: Progress | None = None,
+             wait: bool = True) -> StartResult | None:
+    """Starts `a` again with its own recorded command line and environment (a failed replace's way back).
+    wait=False: launched and recorded, not waited for (an interrupted replace: status tells when it serves)."""
+    cfg_a = config_of(cfg, a)
+    with placement.locked(cfg_a):
+        _refuse_recorded(cfg_a)
+        t0 = time.monotonic()
+        proc = _launch(cfg_a, a.argv, a.platform, env=a.env if a.env is not None else recorded_env(cfg_a, a.platform))
+    if not wait:
+        return None
+    first_text = _wait_ready(cfg_a, proc, a.argv, t0, progress)
+    return _result(cfg_a, proc, a.argv, a.platform, t0, first_text, None)
+
+
+__all__ = ["READINESS_PROMPT", "checked", "config_of", "fit_to_model", "recorded_env", "relaunch", "replace_note",
+           "start_server"]

@@ -36,9 +36,12 @@ class StartParams(InstanceParams):
                                                      "share of the free cores (none bound for a lone default "
                                                      "instance)")
 
+    replace: bool = Field(False, description="Take the running server's place: it stops only once this build "
+                                             "passed its checks, and serves again if this one fails")
+
     def overrides(self) -> dict[str, Any]:
         """The serving-config overrides this start asks for (unset fields keep tpu.env's values)."""
-        return {k: v for k, v in self.model_dump().items() if v is not None}
+        return {k: v for k, v in self.model_dump(exclude={"replace"}).items() if v is not None}
 
 
 class StopParams(InstanceParams):

@@ -28,6 +28,10 @@ class StartResult:
     max_model_len_note: str | None = None   # set when tpu.env's MAX_MODEL_LEN was above the model's limit
     # The server's processes' host memory after load, on every platform (start_fields has the GPU's figures)
     host_memory: HostMemory | None = None
+    note: str | None = None              # what an unfinished replace of this instance had done
+    # replace=true: "serving B" (a plain start when nothing served) and the server it replaced
+    outcome: str | None = None
+    replaced: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -70,6 +74,7 @@ class ServerStatus:
     cpu_cores: list[list[int]] | None = None
     kv_cache_tokens: int | None = None
     message: str = ""
+    replace: dict[str, Any] | None = None  # a replace of this instance in progress or left unfinished
     # `status` without an instance: the fields above describe the default instance, these every instance
     instances: list["ServerStatus"] | None = None
     router: dict[str, Any] | None = None

@@ -92,6 +92,22 @@ class ServerState(Record):
     cpu_cores: list[list[int]] | None = None    # CPU cores per rank; None on the CPU: unbound (every core)
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
+    # Written since replace: the environment vLLM was launched with (what of it is vLLM's, CUDA's or OpenMP's,
+    # and the server's own variables; no tokens), so that a failed replace relaunches this server as it was.
+    env: dict[str, str] | None = None
+
+
+class ReplaceRecord(Record):
+    """A replace in progress (STATE_DIR[/NAME]/replace.json): which server it stopped, so that a replace killed
+    between stopping A and B's readiness leaves what is needed to say so and to bring A back."""
+
+    owner_pid: int
+    owner_create_time: float
+    started_at: str             # ISO 8601, UTC
+    phase: str                  # "stopping A", "starting B", "restoring A", "failed" (neither serves)
+    a: ServerState              # A's record as it was before the stop: its command line and environment
+    b_model: str
+    b_served_name: str
 
 
 def load_state(cfg: ServeConfig) -> ServerState | None:
@@ -106,6 +122,29 @@ def write_state(cfg: ServeConfig, state: ServerState) -> None:
 
 def clear_state(cfg: ServeConfig) -> None:
     cfg.state_file.unlink(missing_ok=True)
+
+
+def replace_file(cfg: ServeConfig) -> Path:
+    return cfg.instance_dir / "replace.json"
+
+
+def load_replace(cfg: ServeConfig) -> ReplaceRecord | None:
+    return read_record(replace_file(cfg), ReplaceRecord)
+
+
+def write_replace(cfg: ServeConfig, record: ReplaceRecord) -> None:
+    cfg.instance_dir.mkdir(parents=True, exist_ok=True)
+    write_record(replace_file(cfg), record)
+
+
+def clear_replace(cfg: ServeConfig) -> None:
+    replace_file(cfg).unlink(missing_ok=True)
+
+
+def replace_running(record: ReplaceRecord) -> bool:
+    """The replace is still under way: not over, and the command that wrote the record still runs (same pid
+    AND start time)."""
+    return record.phase != "failed" and process.same_process(record.owner_pid, record.owner_create_time) is not None
 
 
 def leader(state: ServerState) -> psutil.Process | None:
@@ -123,5 +162,6 @@ def our_group(state: ServerState) -> list[psutil.Process]:
     return [] if pid_recycled(state) else process.group_members(state.pgid)
 
 
-__all__ = ["STATE_VERSION", "DamagedState", "Record", "ServerState", "clear_state", "leader", "load_state", "our_group", "pid_recycled",
-           "read_record", "write_record", "write_state"]
+__all__ = ["STATE_VERSION", "DamagedState", "Record", "ReplaceRecord", "ServerState", "clear_replace", "clear_state",
+           "leader", "load_replace", "load_state", "our_group", "pid_recycled", "read_record", "replace_file",
+           "replace_running", "write_record", "write_replace", "write_state"]

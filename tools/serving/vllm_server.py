@@ -14,10 +14,10 @@ import httpx
 
 from tools.core.errors import ToolFailure, op
 from tools.core.process import end_group, group_members
-from tools.serving import engine_log
+from tools.serving import engine_log, state as replace_state
 from tools.serving.config import ServeConfig
 from tools.serving.hardware import Hardware, Vram
-from tools.serving.launch import READINESS_PROMPT, Progress, start_server
+from tools.serving.launch import READINESS_PROMPT, Progress, replace_note, start_server
 from tools.serving.records import QueryResult, ServerStatus, StartResult, StopResult
 from tools.serving.state import DamagedState, ServerState, clear_state, leader, load_state, our_group, pid_recycled
 
@@ -41,13 +41,34 @@ def stop_server(cfg: ServeConfig, *, grace_s: float = 20) -> StopResult:
     if not pids:
         return StopResult(was_running=False, pid=state.pid,
                           message=f"server pid {state.pid} was no longer running; its state file was cleared")
+    how = last if last != "SIGKILL" else f"SIGKILL: still running {grace_s:g} s after SIGTERM"
     return StopResult(was_running=True, pid=state.pid, signal=last, stopped_pids=pids,
-                      message=f"stopped {state.served_name} (pid {state.pid}, {len(pids)} processes, {last})")
+                      message=f"stopped {state.served_name} (pid {state.pid}, {len(pids)} processes, {how})")
 
 
 def server_status(cfg: ServeConfig, *, hardware: Hardware | None = None) -> ServerStatus:
     """Whether the server of this state dir runs and answers; clears the state file of a server that died. A
-    damaged state file is reported (not alive, its one line as the message), not raised: status goes on."""
+    damaged state file is reported (not alive, its one line as the message), not raised: status goes on. A
+    replace of this instance in progress, or left unfinished, is added to the message (and `replace`)."""
+    st = _server_status(cfg, hardware)
+    try:
+        rec = replace_state.load_replace(cfg)
+    except DamagedState as exc:
+        st.message += f"; {exc}"
+        return st
+    if rec is None:
+        return st
+    running = replace_state.replace_running(rec)
+    st.replace = {**rec.to_dict(), "running": running}
+    if running:
+        st.message += (f"; replacing {rec.a.served_name} by {rec.b_served_name} (pid {rec.owner_pid}, "
+                       f"{rec.phase})")
+    else:
+        st.message += f"; {replace_note(cfg, rec)}"
+    return st
+
+
+def _server_status(cfg: ServeConfig, hardware: Hardware | None) -> ServerStatus:
     try:
         state = load_state(cfg)
     except DamagedState as exc:

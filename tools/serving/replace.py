@@ -1,0 +1,145 @@
+"""Replacing the server of an instance with another build (start with replace=true) without losing the one it had.
+
+B is checked before A is touched (the start's checks, the model folder, the port); then A is stopped and B
+started; when B does not become ready, A is started again with its own recorded command line and environment.
+What serves afterwards is the result's `outcome`, or the failure's `detail["outcome"]`: "serving B", "restored
+A", "unchanged" (B was refused before A was stopped) or "unavailable" (neither started; both failures in the
+detail). While it runs, a replace record (state.ReplaceRecord) names A, so that a replace killed between A's
+stop and B's readiness is reported by the next status and start, with the way to bring A back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import replace
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from tools.core.errors import ToolFailure
+from tools.serving import state
+from tools.serving.config import ServeConfig
+from tools.serving.hardware import Hardware
+from tools.serving.launch import checked, relaunch, start_server
+from tools.serving.records import StartResult
+from tools.serving.start_progress import Progress
+from tools.serving.state import ReplaceRecord, ServerState
+from tools.serving.vllm_server import stop_server
+
+
+def _serving(cfg: ServeConfig) -> ServerState | None:
+    """The instance's recorded server when it is alive (a damaged state file is the start's to refuse)."""
+    rec = state.load_state(cfg)
+    if rec is None or state.leader(rec) is None:
+        return None
+    return rec
+
+
+def _who(st: ServerState | ServeConfig) -> dict[str, Any]:
+    d = {"model": st.model, "served_name": st.served_name, "base_url": st.base_url}
+    if isinstance(st, ServerState):
+        d["pid"] = st.pid
+    return d
+
+
+def _failure(exc: ToolFailure, outcome: str, tail: str, **detail: Any) -> ToolFailure:
+    """`exc` with what serves now appended: the same class (bad input stays bad input), one line."""
+    return type(exc)(f"{exc.message}; {tail}", {**(exc.detail or {}), "outcome": outcome, **detail},
+                     field=getattr(exc, "field", None))
+
+
+def replace_server(cfg: ServeConfig, *, progress: Progress | None = None, hardware: Hardware | None = None,
+                   turing_target: Path | None = None, grace_s: float = 20.0) -> StartResult:
+    """Serves `cfg`'s build (B) in place of the instance's running server (A); a plain start when none runs.
+
+    Raises ToolFailure with `detail["outcome"]` when B does not serve; A then serves again ("restored A"),
+    still serves ("unchanged"), or could not be started again either ("unavailable")."""
+    hw = hardware or Hardware()
+    a = _serving(cfg)
+    if a is None:
+        res = start_server(cfg, progress=progress, hardware=hw, turing_target=turing_target)
+        res.outcome = "serving B"
+        return res
+    if not cfg.given_for_this_start("port"):
+        cfg = replace(cfg, port=a.port)  # B takes A's place
+    try:
+        checked(cfg, hw, turing_target, held_by=a)
+    except ToolFailure as exc:
+        raise _failure(exc, "unchanged", f"{a.served_name} still serves (unchanged)", serving=_who(a)) from None
+    record = _record(cfg, a)
+    state.write_replace(cfg, record)
+    try:
+        return _swap(cfg, a, record, hw, turing_target, grace_s, progress)
+    except ToolFailure:
+        raise
+    except BaseException:  # Ctrl-C, SIGTERM, a cancelled job: A is launched again (not waited for), then it stands
+        _bring_back_detached(cfg, a, record)
+        raise
+
+
+def _swap(cfg: ServeConfig, a: ServerState, record: ReplaceRecord, hw: Hardware, turing_target: Path | None,
+          grace_s: float, progress: Progress | None) -> StartResult:
+    if progress is not None:
+        progress(0.0, f"stopping {a.served_name} (pid {a.pid}) for {cfg.served_name}")
+    try:
+        stop_server(cfg, grace_s=grace_s)
+    except ToolFailure as exc:
+        outcome = "unchanged" if _serving(cfg) is not None else "unavailable"
+        state.clear_replace(cfg)
+        raise _failure(exc, outcome, f"stopping {a.served_name} for {cfg.served_name} failed") from None
+    state.write_replace(cfg, record.model_copy(update={"phase": "starting B"}))
+    try:
+        res = start_server(cfg, progress=progress, hardware=hw, turing_target=turing_target)
+    except ToolFailure as b_exc:
+        raise _restore(cfg, a, record, b_exc, progress) from None
+    state.clear_replace(cfg)
+    res.outcome = "serving B"
+    res.replaced = _who(a)
+    return res
+
+
+def _restore(cfg: ServeConfig, a: ServerState, record: ReplaceRecord, b_exc: ToolFailure,
+             progress: Progress | None) -> ToolFailure:
+    """Starts A again after B failed; the failure to raise, saying what serves now."""
+    state.write_replace(cfg, record.model_copy(update={"phase": "restoring A"}))
+    if progress is not None:
+        progress(0.0, f"{cfg.served_name} did not start: starting {a.served_name} again")
+    b = f"{cfg.served_name} did not start"
+    try:
+        back = relaunch(cfg, a, progress=progress)
+    except ToolFailure as a_exc:
+        state.write_replace(cfg, record.model_copy(update={"phase": "failed"}))
+        return ToolFailure(f"{b} ({b_exc.message}); starting {a.served_name} again failed too ({a_exc.message}): "
+                           "nothing serves on this instance",
+                           {"outcome": "unavailable", "b_failure": b_exc.to_dict(), "a_failure": a_exc.to_dict(),
+                            "a": _who(a)})
+    state.clear_replace(cfg)
+    return ToolFailure(f"{b} ({b_exc.message}); restored {a.served_name} (pid {back.pid}) at {back.base_url}",
+                       {"outcome": "restored A", "serving": {**_who(a), "pid": back.pid},
+                        "b_failure": b_exc.to_dict()})
+
+
+def _bring_back_detached(cfg: ServeConfig, a: ServerState, record: ReplaceRecord) -> None:
+    """After an interrupt: what of A or B is left is ended, A launched again without waiting; the replace record
+    stays when even that fails (status then says how to bring A back)."""
+    with contextlib.suppress(ToolFailure):
+        stop_server(cfg, grace_s=5)
+    try:
+        relaunch(cfg, a, wait=False)
+    except ToolFailure:
+        state.write_replace(cfg, record.model_copy(update={"phase": "failed"}))
+        return
+    state.clear_replace(cfg)
+
+
+def _record(cfg: ServeConfig, a: ServerState) -> ReplaceRecord:
+    me = psutil.Process(os.getpid())
+    return ReplaceRecord(owner_pid=me.pid, owner_create_time=me.create_time(), phase="stopping A", a=a,
+                         started_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                         b_model=cfg.model, b_served_name=cfg.served_name)
+
+
+__all__ = ["replace_server"]
