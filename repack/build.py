@@ -33,12 +33,13 @@ from tools.core.atomic import (REPORT, atomic_directory, check_destination, chec
 from tools.core.atomic_leftovers import sweep_stale_partials
 from tools.core.paths import check_no_symlink_loop, confinement
 
-from . import grid
+from . import drafter, grid
 from . import schemes
 from .checkpoint import INDEX, Checkpoint, check_source_folder, check_unique_outputs, open_checkpoint
 from .errors import RepackError, core_refusals
 from .params import BuildOptions
 from .plan import Item, output_config, plan
+from .probe import probe_checkpoint
 from .report import TABLES, RepackReport, TableReport
 from .safetensors_io import MappedFile, OutShard, ShardWriter, WriteError
 
@@ -100,6 +101,9 @@ def _open_source(src: Path, out: Path, opt: BuildOptions, protected_roots: list[
         if notice:
             notice(line)
     ck = open_checkpoint(src, roots)
+    if ck.drafter and opt.quantize_linears:  # refused before OUT is touched if it would be quantized, not packed
+        drafter.check_buildable(ck.path, drafter.grid_verdict(probe_checkpoint(ck.path, roots=roots).tensors),
+                                opt.scheme)
     check_destination(out, opt.force, src, protected_roots,
                       [ck.path / "config.json", *(sh.path for sh in ck.shards), *ck.side_files()])
     return ck, removed

@@ -18,6 +18,7 @@ from tools.core import paths
 from tools.core.paths import confinement
 
 from . import config as cfgmod
+from .drafter import is_drafter
 from .errors import RepackError, clip, core_refusals
 from .safetensors_io import (SafetensorsHeader, TensorInfo, Within, loads_json, open_confined, open_error,
                              read_header)
@@ -38,8 +39,13 @@ class Checkpoint:
     within: Within = ()  # where the files read may lie (the folder, and the roots if given)
 
     @property
+    def drafter(self) -> bool:
+        """A gemma4_assistant drafter: a text_config, but its own layout (repack.drafter)."""
+        return is_drafter(self.config)
+
+    @property
     def multimodal(self) -> bool:
-        return isinstance(self.config.get("text_config"), dict)
+        return isinstance(self.config.get("text_config"), dict) and not self.drafter
 
     def side_files(self) -> list[Path]:
         """Files carried along unchanged: tokenizer, chat template, generation config and the like.

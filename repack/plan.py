@@ -10,6 +10,7 @@ from typing import Literal
 from tools.core.errors import param
 
 from . import config as cfgmod
+from . import drafter
 from . import grid
 from . import schemes
 from .checkpoint import MM_PREFIX, TOWER_PREFIXES, Checkpoint
@@ -35,6 +36,9 @@ class Item:
 
 
 def _classify(name: str, info: TensorInfo, ck: Checkpoint, opt: BuildOptions) -> Item:
+    if ck.drafter:  # its own names, no towers, its embedding kept bf16 (repack.drafter)
+        table, packed = drafter.table(name, info.shape)
+        return Item(info, "quant" if packed and opt.quantize_linears else "copy", table, name)
     if name.startswith(TOWER_PREFIXES):
         return Item(info, "drop" if opt.text_only else "copy", "towers", name)
     out = name
@@ -150,7 +154,9 @@ def plan(ck: Checkpoint, opt: BuildOptions) -> tuple[list[Item], list[OutShard]]
 
 
 def output_config(ck: Checkpoint, opt: BuildOptions, items: list[Item]) -> dict:
-    config = cfgmod.text_only(ck.config) if opt.text_only else json.loads(json.dumps(ck.config))
+    # a drafter is text only already: its text_config stays where vLLM's gemma4_assistant config reads it
+    promote = opt.text_only and not ck.drafter
+    config = cfgmod.text_only(ck.config) if promote else json.loads(json.dumps(ck.config))
     by_scheme: dict[type[schemes.Scheme], set[str]] = {}  # the tables each scheme quantized in this run
     for it in items:
         if it.action == "quant":

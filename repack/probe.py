@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from . import grid
+from . import drafter, grid
 from .checkpoint import TOWER_PREFIXES, open_checkpoint
 from .safetensors_io import MappedFile
 
@@ -47,6 +47,7 @@ class ProbeReport:
     towers_off_grid: int
     sampled_groups: int
     tensors: list[ProbeTensor] = field(default_factory=list)
+    drafter: dict[str, Any] | None = None  # a gemma4_assistant drafter: whether its linears are on the grid
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -82,6 +83,8 @@ class ProbeReport:
                      f"{self.towers_on_grid} on grid, {self.towers_off_grid} off grid; "
                      f"{self.sampled_groups:,} groups sampled")
         lines.append(f"verdict: {self.verdict} - {self.meaning}")
+        if self.drafter:
+            lines.append(self.drafter["line"])
         return "\n".join(lines)
 
 
@@ -113,4 +116,5 @@ def probe_checkpoint(src: str | Path, rows_per_tensor: int = 16, scale_dtype: gr
     on = sum(t.on_grid for t in text)  # type: ignore[misc]
     verdict = "no-candidates" if not text else "qat" if on == len(text) else "base" if on == 0 else "mixed"
     return ProbeReport(str(src), verdict, on, len(text) - on, sum(t.on_grid for t in towers),  # type: ignore[misc]
-                       len(towers) - sum(t.on_grid for t in towers), sum(t.sampled_groups for t in out), out)
+                       len(towers) - sum(t.on_grid for t in towers), sum(t.sampled_groups for t in out), out,
+                       drafter.probe_summary(out) if drafter.is_drafter(ck.config) else None)

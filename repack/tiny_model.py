@@ -4,7 +4,8 @@ It has the real layout of `google/gemma-4-E2B-it-qat-q4_0-unquantized` at a smal
 `Gemma4ForConditionalGeneration` config with text, vision and audio towers, `model.language_model.*` names,
 per-layer embeddings (PLE), KV-shared layers without k/v projections, double-wide MLPs on shared layers, a
 tied head, sharded safetensors with an index, a byte-level tokenizer with a Gemma chat template. A matching
-tiny drafter in the layout of Google's `gemma4_assistant` (build_tiny_drafter) is trained on the same pattern.
+tiny drafter in the layout of Google's `gemma4_assistant` (build_tiny_drafter) is trained on the same pattern
+and projected onto the same grid.
 
 The text model is trained for a few seconds on a synthetic pattern (each token is followed by a fixed
 permutation of itself) so that greedy decoding is confident and does not flip between kernels, then every
@@ -283,10 +284,11 @@ DRAFTER_TEXT_CONFIG: dict[str, Any] = dict(
 class TinyDrafterInfo:
     path: Path
     accuracy: float  # share of tokens t for which the drafter's first draft is the pattern's perm[t]
+    grid_tensors: tuple[str, ...] = ()  # tensors projected onto the 4-bit grid
 
 
 def build_tiny_drafter(out_dir: str | Path, target_dir: str | Path, *, seed: int = 0,
-                       train_steps: int = 300) -> TinyDrafterInfo:
+                       train_steps: int = 300, on_grid: bool = True) -> TinyDrafterInfo:
     """Writes a tiny `gemma4_assistant` drafter for the tiny target in target_dir (out_dir replaced if present).
 
     vLLM feeds the drafter [target_embedding(token) * sqrt(backbone_hidden), target_hidden_state] and lets its
@@ -294,12 +296,17 @@ def build_tiny_drafter(out_dir: str | Path, target_dir: str | Path, *, seed: int
     perm[t] through its MLPs with the attention output projection and the hidden-state half of pre_projection
     zero, so its drafts do not depend on the target's internals and are accepted whenever the target follows the
     pattern.
+
+    Like the target, it is trained plain and then every 2-D weight (its linears and its embedding, which is its
+    head) is projected onto the 4-bit grid in groups of 32 (project_to_grid), as a QAT drafter is; the accuracy
+    is the projected drafter's. on_grid=False leaves the trained bf16 weights: a stand-in for a non-QAT drafter.
     """
     with _one_thread():
-        return _build_drafter(out_dir, target_dir, seed=seed, train_steps=train_steps)
+        return _build_drafter(out_dir, target_dir, seed=seed, train_steps=train_steps, on_grid=on_grid)
 
 
-def _build_drafter(out_dir: str | Path, target_dir: str | Path, *, seed: int, train_steps: int) -> TinyDrafterInfo:
+def _build_drafter(out_dir: str | Path, target_dir: str | Path, *, seed: int, train_steps: int,
+                   on_grid: bool) -> TinyDrafterInfo:
     import torch
     from safetensors import safe_open
     from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM
@@ -349,13 +356,25 @@ def _build_drafter(out_dir: str | Path, target_dir: str | Path, *, seed: int, tr
         opt.step()
     with torch.no_grad():
         model.pre_projection.weight[:, backbone:].zero_()
+        grid_tensors = _project_drafter(model, seed) if on_grid else []
         tokens = torch.arange(FIRST_BYTE_ID, VOCAB)
         accuracy = float((draft_logits(tokens).argmax(-1) == perm[tokens]).float().mean())
     model.to(torch.bfloat16)
     model.generation_config.do_sample = False
     model.save_pretrained(out)
     _write_tokenizer(out)
-    return TinyDrafterInfo(path=out, accuracy=accuracy)
+    return TinyDrafterInfo(path=out, accuracy=accuracy, grid_tensors=tuple(grid_tensors))
+
+
+def _project_drafter(model, seed: int) -> list[str]:
+    """Every 2-D weight onto the 4-bit grid, in place (the values bf16, held in the training dtype); an all-zero
+    group (the zeroed attention outputs and hidden-state half of pre_projection) stays zero."""
+    names = []
+    for i, (name, p) in enumerate(model.named_parameters()):
+        if p.ndim == 2:
+            p.copy_(project_to_grid(p, seed=seed * 7919 + 5000 + i).to(p.dtype))
+            names.append(name)
+    return names
 
 
 CACHE_ENV = "GEMMA4_T4_CACHE"

@@ -1,6 +1,7 @@
 """The decode benchmark and the drafter table against real vLLM CPU servers of the tiny text build with its tiny
 drafter: one decode-sweep over 0 and 2 draft tokens (two server starts); the command line's `decode` runs against
-the sweep's drafter server while it is up."""
+the sweep's drafter server while it is up; then the drafter's int4 build (python -m repack build) at 2 draft tokens
+(one more start), compared with the bf16 drafter's runs."""
 
 from __future__ import annotations
 
@@ -27,9 +28,20 @@ def tiny_drafter(tiny_qat, tmp_path_factory) -> Path:
     return info.path
 
 
-def test_decode_sweep_writes_the_drafter_table_and_measures_real_acceptance(bf16_text_build, tiny_drafter, tmp_path,
-                                                                           monkeypatch):
-    from tools.measure.decode_sweep import DecodeSweepParams, run_decode_sweep
+@pytest.fixture(scope="module")
+def int4_drafter(tiny_drafter) -> Path:
+    from repack.build import BuildOptions, build_checkpoint
+    from repack.probe import probe_checkpoint
+
+    assert probe_checkpoint(tiny_drafter).drafter["packable"]  # the tiny drafter is QAT-like: on the grid
+    out = tiny_drafter.parent / "gemma-4-tiny-assistant-int4"
+    build_checkpoint(tiny_drafter, out, BuildOptions())
+    return out
+
+
+def test_decode_sweep_writes_the_drafter_table_and_measures_real_acceptance(bf16_text_build, tiny_drafter,
+                                                                           int4_drafter, tmp_path, monkeypatch):
+    from tools.measure.decode_sweep import DecodeSweepParams, compare_decode_runs, run_decode_sweep
     from tools.serving.config import load_config
     from tools.serving.vllm_server import server_status
 
@@ -86,3 +98,13 @@ def test_decode_sweep_writes_the_drafter_table_and_measures_real_acceptance(bf16
                 "acceptance_rate"):
         assert data[key] is not None, key
     assert data["acceptance_rate"] > 0
+
+    # The int4 drafter served with the same target: vLLM reads its compressed-tensors config (the linears are only
+    # there as weight_packed), its drafts are accepted as the bf16 drafter's are and greedy output is unchanged.
+    int4 = run_decode_sweep(params.model_copy(update={"drafter": str(int4_drafter), "draft_tokens": [2],
+                                                      "label": "decode-sweep-int4"}), **overrides)
+    (row,) = compare_decode_runs([*res.runs, *int4.runs]).rows[2:]
+    assert row.draft_tokens == 2 and row.acceptance_rate > 0 and row.greedy_checked and not row.greedy_diffs
+    assert row.acceptance_rate == pytest.approx(rows[2].acceptance_rate, abs=0.1)
+    prov = json.loads((Path(int4.runs[0]) / "provenance.json").read_text())
+    assert str(int4_drafter) in json.dumps(prov["speculative_config"])
