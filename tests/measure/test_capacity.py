@@ -4,8 +4,6 @@ find_capacity's argument errors: no vLLM here (test_capacity_vllm.py searches a 
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -103,20 +101,20 @@ def test_slo_text_parses_and_names_the_bad_term():
         assert exc.value.field == "slo"
 
 
-@pytest.mark.parametrize("args, says", [
-    (["--slo", "ttft=fast"], "--slo term 'ttft=fast': unknown metric"),
-    (["--slo", "ttft_p99_ms=-1"], "must be a positive"),
-    (["--slo", "ttft_p99_ms=1,ttft_p99_ms=1"], "given twice"),
-    (["--max", "4", "--start", "8"], "start <= max"),
-    (["--load", "concurrency", "--max", "2.5"], "whole numbers"),
-])
-def test_the_command_refuses_bad_input_in_one_line_with_status_2_and_writes_nothing(tmp_path, args, says):
+def test_the_command_refuses_bad_input_in_one_line_with_status_2_and_writes_nothing(tmp_path, capsys):
+    from tools.cli import main
+
     out = tmp_path / "ev"
-    p = subprocess.run([sys.executable, "-m", "tools.cli", "capacity", *args, "--out", str(out),
-                        "--base-url", "http://127.0.0.1:9"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert p.returncode == 2, p.stderr
-    assert says in p.stderr and len(p.stderr.strip().splitlines()) == 1 and "Traceback" not in p.stderr
-    assert not out.exists()
+    for args, says in ((["--slo", "ttft=fast"], "--slo term 'ttft=fast': unknown metric"),
+                       (["--slo", "ttft_p99_ms=-1"], "must be a positive"),
+                       (["--slo", "ttft_p99_ms=1,ttft_p99_ms=1"], "given twice"),
+                       (["--max", "4", "--start", "8"], "start <= max"),
+                       (["--load", "concurrency", "--max", "2.5"], "whole numbers")):
+        code = main(["capacity", *args, "--out", str(out), "--base-url", "http://127.0.0.1:9"])
+        err = capsys.readouterr().err
+        assert code == 2, err
+        assert says in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+        assert not out.exists()
 
 
 def test_find_capacity_refuses_bad_arguments_before_anything_runs(tmp_path):
@@ -143,3 +141,17 @@ def test_find_capacity_refuses_bad_arguments_before_anything_runs(tmp_path):
 
     asyncio.run(go())
     assert list((tmp_path / "evidence").iterdir()) == []
+
+
+def test_a_rate_point_asks_vllm_for_poisson_arrivals_and_goodput():
+    from tools.measure.sweep_worker import _bench_argv, raw_name
+
+    spec = {"base_url": "http://h", "model": "m", "tokenizer": "t", "input_len": 32, "output_len": 8,
+            "concurrency": 0, "request_rate": 2.5, "goodput": {"ttft": 1000.0, "tpot": 100.0}}
+    argv = _bench_argv(spec, 7, 10)
+    assert "--max-concurrency" not in argv and argv[argv.index("--request-rate") + 1] == "2.5"
+    assert argv[argv.index("--goodput") + 1:] == ["ttft:1000", "tpot:100"]
+    argv = _bench_argv({**spec, "concurrency": 4, "request_rate": None, "goodput": None}, 7, 10)
+    assert argv[argv.index("--max-concurrency") + 1] == "4" and "--request-rate" not in argv
+    assert "--goodput" not in argv
+    assert raw_name(32, 0, 1, 2.5) == "L32-q2.5-r1.json" and raw_name(32, 4, 1) == "L32-c4-r1.json"

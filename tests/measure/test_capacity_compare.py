@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +13,6 @@ from tools.core.errors import ToolFailure
 from tools.measure.capacity_report import compare_capacity, load_capacity
 from tools.measure.sweep_report import load_run
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_a_capacity_run_folder_is_a_sweep_folder_with_its_answer(tmp_path):
@@ -65,17 +62,17 @@ def test_capacity_compare_gives_a_verdict_only_where_brackets_do_not_overlap(tmp
         compare_capacity([emb4, tmp_path])
 
 
-def test_the_command_prints_the_comparison_and_json(tmp_path):
+def test_the_command_prints_the_comparison_and_json(tmp_path, capsys):
+    from tools.cli import main
+
     a = capacity_run(tmp_path, "bf16", ttft_per_user=180)
     b = capacity_run(tmp_path, "emb4", ttft_per_user=90)
-    p = subprocess.run([sys.executable, "-m", "tools.cli", "capacity-compare", str(a), str(b), "--json"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stderr
-    got = json.loads(p.stdout)
+    assert main(["capacity-compare", str(a), str(b), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
     assert [r["capacity"] for r in got["rows"]] == [5, 11] and "more" in got["verdicts"][0]
-    p = subprocess.run([sys.executable, "-m", "tools.cli", "capacity-compare", str(a)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
-    assert p.returncode != 0 and "two or more capacity run folders" in p.stderr
+    assert main(["capacity-compare", str(a)]) == 1
+    err = capsys.readouterr().err
+    assert "two or more capacity run folders" in err and len(err.strip().splitlines()) == 1
 
 
 def test_compare_sweeps_over_mcp_takes_capacity_runs(tmp_path):

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -43,10 +41,10 @@ def test_pareto_writes_png_markdown_and_json_into_a_new_evidence_folder(tmp_path
     assert [p.name for p in tmp_path.iterdir()] == [d.name]  # nothing half written beside it
 
 
-def test_the_command_and_its_refusals(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "tools.cli", "pareto", str(ARTICLE / "emb4"), "--out", str(tmp_path)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stderr
-    assert p.stdout.strip().splitlines()[-1].startswith(str(tmp_path / "pareto-"))
+def test_the_command_and_its_refusals(tmp_path, capsys):
+    from tools.cli import main
+
+    assert main(["pareto", str(ARTICLE / "emb4"), "--out", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith(str(tmp_path / "pareto-"))
     with pytest.raises(ToolFailure, match="no summary.json"):
         pareto([tmp_path / "nothing"])
