@@ -97,3 +97,19 @@ def test_compare_sweeps_over_mcp_takes_capacity_runs(tmp_path):
     assert got["capacity"].startswith("the emb4 build serves 11 users within the SLO against 5 for bf16: more")
     assert got["markdown"].startswith("## Capacity within ttft_p99_ms=1000")
     assert got["cells"]  # the per-load sweep comparison follows
+
+
+def test_request_rate_runs_compare_and_read_as_sweeps(tmp_path):
+    from tools.measure.pareto import pareto
+    from tools.measure.sweep_report import compare_runs
+
+    a = capacity_run(tmp_path, "bf16", ttft_per_user=400, rate=True)   # 2.5 req/s
+    b = capacity_run(tmp_path, "emb4", ttft_per_user=200, rate=True)   # 5 req/s
+    ra, rb = load_capacity(a), load_capacity(b)
+    assert ra.load == "rate" and ra.last_pass <= 2.5 < ra.first_fail and rb.last_pass <= 5 < rb.first_fail
+    assert "requests/s within ttft_p99_ms=1000" in rb.statement
+    assert compare_capacity([a, b]).verdicts[0].endswith("more (the brackets do not overlap)")
+    assert "req/s |" in (b / "summary.md").read_text()
+    cmp = compare_runs([a, b])  # rate cells keyed by their rate
+    assert cmp.cells and all(isinstance(c.concurrency, float) for c in cmp.cells)
+    assert any(p.load.endswith("req/s") for p in pareto([a, b]).points)

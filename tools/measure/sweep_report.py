@@ -202,7 +202,7 @@ def load_run(path: str | Path) -> SweepResult:
 
 class CompareCell(BaseModel):
     input_len: int
-    concurrency: int
+    concurrency: int | float = Field(description="Concurrency, or request rate for a rate cell")
     out_tok_s: list[float | None] = Field(description="Output tok/s per run, in the runs' order: the geometric "
                                                       "mean of the repeats (the recorded median without them)")
     estimates: list[Estimate] = Field(default_factory=list, description="Output tok/s per run with its 95% "
@@ -226,7 +226,8 @@ class SweepComparison(BaseModel):
     price_per_hour: float
     method: str = Field(METHOD, description="How values, intervals and verdicts are computed")
     cells: list[CompareCell]
-    cost_cell: tuple[int, int] | None = Field(None, description="(input_len, concurrency) of the cost table")
+    cost_cell: tuple[int, int | float] | None = Field(None, description="(input_len, concurrency) of the cost "
+                                                                         "table")
     cost: list[CostRow] = Field(default_factory=list)
     markdown: str = ""
 
@@ -297,7 +298,7 @@ def markdown_comparison(cmp: SweepComparison) -> str:
                   "| c | " + " | ".join(f"{lab} out tok/s" for lab in cmp.labels) + " | " + " | ".join(names) + " |",
                   "|---|" + "---|" * (len(cmp.labels) + len(names))]
         for cc in rows:
-            lines.append(f"| {cc.concurrency} | " + " | ".join(e.text() for e in cc.estimates) + " | "
+            lines.append(f"| {cc.concurrency:g} | " + " | ".join(e.text() for e in cc.estimates) + " | "
                          + " | ".join(cc.intervals[n].cell() for n in names) + " |")
         lines.append("")
     if cmp.cost:
