@@ -30,6 +30,8 @@ def test_a_capacity_search_converges_in_few_points_inside_the_range(emb4_server,
 
     res = run_capacity(CapacityParams(slo=f"ttft_p50_ms={limit},tpot_p99_ms=10000", input_len=INPUT_LEN,
                                       max_load=16, repeats=2, label="emb4", **shape), serve_config=emb4_server)
+    print(f"plain sweep TTFT p50: c=1 {t1:.1f} ms, c=8 {t8:.1f} ms; limit {limit}\n{res.statement}\n"
+          + (Path(res.run_dir) / "capacity.md").read_text())  # shown with -rP
     assert res.max_num_seqs == 8  # the engine's cap is the search's ceiling
     assert res.status == "found", (t1, t8, res.statement, [(p.load, p.terms[0].value) for p in res.search.points])
     assert 1 <= res.capacity < 8 and res.first_fail == res.capacity + 1
