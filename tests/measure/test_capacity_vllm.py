@@ -48,6 +48,8 @@ def test_a_capacity_search_converges_in_few_points_inside_the_range(emb4_server,
     d = Path(res.run_dir)
     for name in ("capacity.json", "capacity.md", "summary.json", "summary.md", "plot.png", "provenance.json"):
         assert (d / name).is_file(), name
+    assert all(Path(f).exists() for f in res.files.values()), res.files  # the published folder's, not the temporary
+    assert all(Path(f).exists() for f in json.loads((d / "summary.json").read_text())["files"].values())
     raw = json.loads(next((d / "raw").glob(f"L{INPUT_LEN}-c1-r0.json")).read_text())
     assert raw["vllm_bench_result"]["request_goodput"] is not None
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # published whole, nothing partial

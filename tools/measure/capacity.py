@@ -107,11 +107,10 @@ def capacity(params: CapacityParams, terms: list[Term], endpoint: Endpoint, *, p
         res = _search(sp, terms, run, base_url=base_url, model=model, tokenizer=params.tokenizer
                       or server.model_root or model, max_num_seqs=max_num_seqs, prov=prov.to_dict(),
                       max_len=max_len, progress=progress)
-        final = run.finish()
+        run.finish()
     except BaseException:
         run.abandon()
         raise
-    res.files = {k: v.replace(str(run.dir), str(final)) for k, v in res.files.items()}
     return res
 
 
@@ -144,7 +143,8 @@ def _search(params: CapacityParams, terms: list[Term], run: evidence.EvidenceRun
                             model=model, tokenizer=tokenizer, raw_dir=run_dir / "raw", tally=tally,
                             goodput=goodput or None)
             sweep.wall_s = time.monotonic() - t0
-            sweep_report.write_run(sweep, run_dir, price_per_hour=params.price_per_hour, plot=False)
+            sweep_report.write_run(sweep, run_dir, price_per_hour=params.price_per_hour, plot=False,
+                                   final_dir=run.path)
             if cell.status != "ok":
                 return Sample(failed=cell.reason or "failed")
             new = cell.repeats[k0:]
@@ -157,12 +157,12 @@ def _search(params: CapacityParams, terms: list[Term], run: evidence.EvidenceRun
     sweep.cells.sort(key=lambda c: c.load)
     sweep.finished = datetime.now(timezone.utc).isoformat(timespec="seconds")
     sweep.wall_s = time.monotonic() - t0
-    sweep_report.write_run(sweep, run_dir, price_per_hour=params.price_per_hour, plot=True)
+    sweep_report.write_run(sweep, run_dir, price_per_hour=params.price_per_hour, plot=True, final_dir=run.path)
     res = result_of(params, terms, found, cells.get(found.capacity) if found.capacity is not None else None,
                     run_id=run.name, run_dir=str(run.path), max_num_seqs=max_num_seqs)
     res.wall_s = time.monotonic() - t0
     res.files = dict(sweep.files)
-    write_capacity(res, run_dir)
+    write_capacity(res, run_dir, final_dir=run.path)
     return res
 
 

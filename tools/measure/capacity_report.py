@@ -108,8 +108,10 @@ def markdown(r: CapacityResult) -> str:
     return "\n".join(lines)
 
 
-def write_capacity(r: CapacityResult, run_dir: Path) -> None:
-    r.files.update({"capacity_json": str(run_dir / "capacity.json"), "capacity_md": str(run_dir / "capacity.md")})
+def write_capacity(r: CapacityResult, run_dir: Path, *, final_dir: Path | None = None) -> None:
+    """capacity.md and capacity.json into run_dir (their paths as they will be under final_dir)."""
+    shown = final_dir or run_dir
+    r.files.update({"capacity_json": str(shown / "capacity.json"), "capacity_md": str(shown / "capacity.md")})
     write_text(run_dir / "capacity.md", markdown(r))
     write_text(run_dir / "capacity.json", json.dumps(r.to_dict(), indent=2) + "\n")
 

@@ -163,14 +163,16 @@ def plot_runs(runs: list[SweepResult], path: str | Path) -> Path:
 
 
 def write_run(res: SweepResult, run_dir: str | Path, *, price_per_hour: float = DEFAULT_PRICE_PER_HOUR,
-              plot: bool = True) -> dict[str, str]:
-    """Write summary.json, summary.csv, summary.md (and plot.png) into run_dir; returns name -> path."""
+              plot: bool = True, final_dir: str | Path | None = None) -> dict[str, str]:
+    """Write summary.json, summary.csv, summary.md (and plot.png) into run_dir; returns name -> path (under
+    `final_dir` where run_dir is a temporary folder renamed to it when complete)."""
     d = Path(run_dir)
     files = {"summary_json": d / "summary.json", "summary_csv": d / "summary.csv", "table_md": d / "summary.md",
              "provenance": d / "provenance.json", "raw": d / "raw"}
     if plot:
         files["plot_png"] = d / "plot.png"
-    res.files = {k: str(v) for k, v in files.items()}
+    shown = Path(final_dir) if final_dir is not None else d
+    res.files = {k: str(shown / v.relative_to(d)) for k, v in files.items()}
     write_text(files["summary_csv"], csv_run(res))
     write_text(files["table_md"], markdown_run(res, price_per_hour=price_per_hour))
     if plot:
