@@ -46,6 +46,7 @@ EXPECTED_TOOLS = {
     "router_status": (True, False, True, False),
     "stop_router": (False, True, True, False),
     "make_tiny_model": (False, True, True, False),     # replaces a folder it wrote only with force=true
+    "find_capacity": (False, False, False, True),       # any base_url
 }
 # The spec's defaults for a hint a tool leaves out; a read-only tool's destructive and idempotent hints mean nothing.
 HINT_DEFAULTS = (False, True, False, True)

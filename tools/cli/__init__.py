@@ -42,6 +42,7 @@ COMMANDS: dict[str, str] = {
     "fidelity": "tools.cli.fidelity_cli",
     "doctor": "tools.cli.doctor_cli",
     "fetch": "tools.cli.doctor_cli",
+    **dict.fromkeys(("capacity", "capacity-compare", "pareto"), "tools.cli.measure_cli"),
 }
 
 

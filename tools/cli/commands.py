@@ -50,6 +50,9 @@ OPERATIONS: dict[str, str] = {
     "fidelity.record": "./vllm-t4 fidelity record",
     "fidelity.check": "./vllm-t4 fidelity check",
     "vram": "nvidia-smi",
+    "capacity": "./vllm-t4 capacity",
+    "capacity_compare": "./vllm-t4 capacity-compare",
+    "pareto": "./vllm-t4 pareto",
 }
 # Arguments that are positional on the command line (written bare, in this order).
 POSITIONAL_ARGS: dict[str, tuple[str, ...]] = {

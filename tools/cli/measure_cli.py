@@ -1,4 +1,5 @@
-"""`./vllm-t4 sweep | sweep-compare | compare`: the measurements on the command line.
+"""`./vllm-t4 sweep | sweep-compare | capacity | capacity-compare | pareto | compare`: the measurements on the
+command line.
 
 `decode | decode-sweep | decode-compare` measure single-stream decode and speculative decoding.
 `sweep` prints progress on stderr and the evidence folder as its last line; `sweep-compare` prints the article's
@@ -13,10 +14,13 @@ import sys
 from typing import Callable
 
 from tools.cli.commands import Command, add_commands, emit as _emit
+from tools.measure.capacity import CapacityParams, failure_if_error, run_capacity
+from tools.measure.capacity_report import compare_capacity
 from tools.measure.compare_tokens import CompareParams, check_against, compare_live, record_reference, short_prompt
 from tools.measure.decode import DecodeParams, markdown_run, run_decode
 from tools.measure.decode_sweep import DecodeSweepParams, compare_decode_runs, run_decode_sweep
-from tools.measure.results import DEFAULT_PRICE_PER_HOUR, SweepParams
+from tools.measure.pareto import pareto, write_pareto
+from tools.measure.results import DEFAULT_OUT, DEFAULT_PRICE_PER_HOUR, SweepParams
 from tools.measure.sweep import run_sweep
 from tools.measure.sweep_report import compare_runs, load_run, plot_runs
 from tools.serving.config import load_config
@@ -112,6 +116,35 @@ def cmd_decode_compare(_: None, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_capacity(params: CapacityParams, args: argparse.Namespace) -> int:
+    res = run_capacity(params, progress=_progress(args), serve_config=_serve_config(args))
+    failure_if_error(res)
+    _emit(args, res, _read_text(res.files.get("capacity_md")) + res.run_dir)
+    return 0
+
+
+def cmd_capacity_compare(_: None, args: argparse.Namespace) -> int:
+    cmp = compare_capacity(args.runs)
+    _emit(args, cmp, cmp.markdown)
+    return 0
+
+
+def cmd_pareto(_: None, args: argparse.Namespace) -> int:
+    res = write_pareto(pareto(args.runs), args.out)
+    _emit(args, res, res.markdown + f"\n{res.run_dir}")
+    return 0
+
+
+def _capacity_runs_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("runs", nargs="+", help="capacity run folders, reference builds first, the candidate last")
+
+
+def _pareto_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("runs", nargs="+", help="sweep or capacity run folders, one curve per build")
+    p.add_argument("--out", default=str(DEFAULT_OUT), help="folder that receives pareto-<time>/ (default "
+                                                           "evidence/)")
+
+
 def _sweep_compare_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("runs", nargs="+", help="run folders, reference builds first, the candidate last")
     p.add_argument("--price-per-hour", type=float, default=DEFAULT_PRICE_PER_HOUR)
@@ -158,6 +191,17 @@ COMMANDS = [
             description="Output tok/s per cell for every run, the last run against each earlier one (+%% or x), "
                         "and cost per million output tokens.",
             extra=_sweep_compare_flags, run=cmd_sweep_compare),
+    Command("capacity", "the most users (or req/s) served within a latency SLO: bracket, goodput, cost",
+            description="Doubles the load until a point fails the SLO, then bisects (vLLM's bench serve per point, "
+                        "repeats with 95%% intervals, a noisy point measured again); writes "
+                        "evidence/capacity-<time>-<label>-<hash>/ (a sweep folder plus capacity.json/.md).",
+            params=CapacityParams, env_file=True, run=cmd_capacity),
+    Command("capacity-compare", "capacity runs side by side, a verdict where the brackets do not overlap",
+            extra=_capacity_runs_flag, run=cmd_capacity_compare),
+    Command("pareto", "tok/s per user against tok/s per GPU, one curve per build (PNG + markdown)",
+            description="From sweep or capacity run folders; writes evidence/pareto-<time>/ (pareto.png, "
+                        "pareto.md, pareto.json).",
+            extra=_pareto_flags, run=cmd_pareto),
     Command("compare", "greedy token identity between builds (record, check, live)",
             description="Exact generated token ids, temperature 0, the server's chat template. Exit 0 whether or "
                         "not tokens differ; 1 when the comparison could not be made.",

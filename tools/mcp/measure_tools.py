@@ -1,5 +1,5 @@
-"""Measuring tools: token identity between builds, serving sweeps and their comparison (tools/measure does
-the work)."""
+"""Measuring tools: token identity between builds, serving sweeps, capacity searches and their comparison
+(tools/measure does the work)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ from typing import Any, NamedTuple
 
 from tools.core.errors import ToolFailure
 from tools.core.text import clip
+from tools.measure.capacity import CapacityParams, capacity, failure_if_error
+from tools.measure.capacity_report import CapacityResult, compare_capacity, is_capacity_run
 from tools.measure.compare_tokens import CompareParams, TokenComparison, TokenRecord, compare_tokens as compare
 from tools.measure.decode import DecodeParams, DecodeSummary, run_decode
 from tools.measure.fidelity import (DEFAULT_CORPUS, CheckLogprobsResult, CompareLogprobsParams,
@@ -55,20 +57,55 @@ def run_sweep(app, p: SweepParams, progress) -> Reply:
     return Reply(res, summary, {"counts": counts, "table_md": Path(res.files["table_md"]).read_text()})
 
 
+class _Capacity(NamedTuple):
+    params: CapacityParams
+    terms: list
+    endpoint: Endpoint
+    config: Any
+
+
+def _capacity_inputs(app, p: CapacityParams) -> _Capacity:
+    """The SLO parsed and the options checked before anything runs, the folder confined, the server managed."""
+    terms = p.checked_terms()
+    out = app.roots.confine(p.out, "evidence", what="out")
+    cfg = app.config()
+    return _Capacity(p.model_copy(update={"out": out}), terms, resolve_endpoint(p, cfg, managed=True), cfg)
+
+
+@tool(toolset="capacity", title="Capacity within a latency SLO", params=CapacityParams, result=CapacityResult,
+      long=True, open_world=True, check=_capacity_inputs)
+def find_capacity(app, p: CapacityParams, progress) -> Reply:
+    """The most concurrent users (or Poisson req/s) the running server serves with every SLO term met: doubles
+    the load, then bisects, vLLM's bench serve per point; the bracket, goodput, out tok/s and $ per million
+    tokens there; a capacity run folder under an evidence root. Long."""
+    c = _capacity_inputs(app, p)
+    res = capacity(c.params, c.terms, c.endpoint, serve_config=c.config, progress=lambda d, t, m: progress(d, t, m))
+    failure_if_error(res)
+    return Reply(res, res.statement)
+
+
 @tool(toolset="measure", title="Compare sweep runs", params=CompareSweepsParams, result=SweepComparison,
-      destructive=True, extra={"report_path": (str | None, "Where the comparison was written, when asked")})
+      destructive=True, extra={"report_path": (str | None, "Where the comparison was written, when asked"),
+                               "capacity": (str | None, "Capacity runs' verdicts")})
 def compare_sweeps(app, p: CompareSweepsParams) -> Reply:
-    """Sweep runs side by side: per cell each run's output tok/s with its 95% interval, the last run's ratio to
-    each earlier one with a verdict (faster, slower, within noise), and cost per million tokens."""
+    """Sweep (or capacity) runs side by side: per cell each run's output tok/s with its 95% interval, the last
+    run's ratio to each earlier one with a verdict (faster, slower, within noise), cost per million tokens;
+    capacity runs add their capacities."""
     dirs = [app.roots.confine(d, "evidence", must_exist=True, what="run_dir") for d in p.run_dirs]
     for given, d in zip(p.run_dirs, dirs):  # the file read, not only its folder: a link in it may lead out
         if d.is_dir():
-            app.roots.confine(d / "summary.json", "evidence", what=f"run_dir {clip(given)}")
+            for name in ("summary.json", "capacity.json")[:1 + is_capacity_run(d)]:
+                app.roots.confine(d / name, "evidence", what=f"run_dir {clip(given)}")
     out = app.roots.confine(p.output, "evidence", what="output") if p.output else None
     cmp = compare_runs([str(d) for d in dirs], price_per_hour=p.price_per_hour)
+    cap = None
+    if all(is_capacity_run(d) for d in dirs):  # the capacities first: the question capacity runs answer
+        cap = compare_capacity(dirs)
+        cmp.markdown = cap.markdown + "\n" + cmp.markdown
     if out is not None:
         write_comparison(cmp, out, force=p.force)
-    return Reply(cmp, cmp.summary(), {"report_path": str(out) if out else None})
+    return Reply(cmp, cap.summary() if cap else cmp.summary(),
+                 {"report_path": str(out) if out else None, "capacity": cap.summary() if cap else None})
 
 
 def _token_inputs(app, p: CompareParams) -> CompareParams:

@@ -35,6 +35,7 @@ TOOLSETS: dict[str, str] = {
     "eval": "accuracy with lm-evaluation-harness against the server, and runs side by side",
     "decode": "single-stream decode benchmark: time per token and the drafter's acceptance (speculative decoding)",
     "fleet": "vllm-router in front of named instances: start, status, stop",
+    "capacity": "the most users served within a latency SLO (bracket, goodput, cost); compare_sweeps compares them",
 }
 # The design's walk end to end, on a T4 or on CPU: preflight -> source (stand-in on CPU) -> probe -> repack ->
 # start -> compare tokens -> memory -> sweep -> compare. A T4 adds `gpu` and `hub` (`--toolsets default,gpu,hub`).

@@ -34,6 +34,8 @@ TOOL_NAMES: dict[str, tuple[str, dict[str, Any]]] = {
     "fidelity.check": ("compare_logprobs", {"mode": "check"}),
     "vram": ("vram_status", {}),
     "demo": ("the deploy_cpu (or, on a T4, deploy_t4) prompt", {}),
+    "capacity": ("find_capacity", {}),
+    "capacity_compare": ("compare_sweeps", {}),
 }
 
 def argument(name: str, *value: Any) -> str:

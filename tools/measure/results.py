@@ -31,7 +31,9 @@ METRICS: tuple[str, ...] = (
     "mean_ttft_ms", "median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms",
     "mean_tpot_ms", "median_tpot_ms", "p90_tpot_ms", "p99_tpot_ms",
     "mean_itl_ms", "median_itl_ms", "p90_itl_ms", "p99_itl_ms",
-    "completed", "failed", "duration", "total_input_tokens", "total_output_tokens",
+    "p50_ttft_ms", "p50_tpot_ms", "p50_itl_ms",
+    "mean_e2el_ms", "median_e2el_ms", "p50_e2el_ms", "p90_e2el_ms", "p99_e2el_ms",
+    "request_goodput", "max_concurrent_requests", "completed", "failed", "duration", "total_input_tokens", "total_output_tokens",
 )
 
 
@@ -111,7 +113,10 @@ class RepeatResult(BaseModel):
 class CellResult(BaseModel):
     input_len: int
     output_len: int
-    concurrency: int
+    concurrency: int = Field(description="Concurrent requests (vLLM's --max-concurrency); 0 where request_rate "
+                                         "sets the load")
+    request_rate: float | None = Field(None, description="Poisson requests per second (vLLM's --request-rate), "
+                                                         "where that sets the load")
     num_prompts: int
     status: Literal["ok", "infeasible", "failed"]
     reason: str | None = None
@@ -124,8 +129,13 @@ class CellResult(BaseModel):
                                                             "without speculative decoding)")
 
     @property
-    def key(self) -> tuple[int, int]:
-        return self.input_len, self.concurrency
+    def key(self) -> tuple[int, float]:
+        return self.input_len, self.concurrency if self.request_rate is None else self.request_rate
+
+    @property
+    def load(self) -> float:
+        """The cell's load: its concurrency, or its request rate."""
+        return self.concurrency if self.request_rate is None else self.request_rate
 
     def estimate(self, metric: str = "output_throughput") -> Estimate:
         """The metric over the ok repeats: geometric mean and 95% interval (tools/measure/uncertainty.py); the

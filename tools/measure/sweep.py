@@ -81,8 +81,9 @@ def _refuse_links(run_dir: Path, out: Path) -> None:
                           detail={"path": str(run_dir), "links": [str(p) for p in links[:10]]})
 
 
-def _load_done(raw_dir: Path, input_len: int, concurrency: int, repeat: int) -> RepeatResult | None:
-    f = raw_dir / raw_name(input_len, concurrency, repeat)
+def _load_done(raw_dir: Path, input_len: int, concurrency: int, repeat: int,
+               request_rate: float | None = None) -> RepeatResult | None:
+    f = raw_dir / raw_name(input_len, concurrency, repeat, request_rate)
     if not f.is_file():
         return None
     try:
@@ -169,7 +170,7 @@ def sweep(params: SweepParams, endpoint: Endpoint, *, progress: Progress | None 
     return result
 
 
-class _Tally:
+class Tally:
     """Repeats done of those planned, and the progress callback that hears of each."""
 
     def __init__(self, total: int, progress: Progress | None) -> None:
@@ -183,7 +184,7 @@ class _Tally:
 def _run_cells(params: SweepParams, cells_plan: list[tuple[int, int]], result: SweepResult, worker: BenchWorker, *,
                base_url: str, model: str, tokenizer: str, max_len: int | None, raw_dir: Path, run_dir: Path,
                progress: Progress | None, total: int, t0: float) -> None:
-    tally = _Tally(total, progress)
+    tally = Tally(total, progress)
     # /health is asked only after a cell failed: the sweep began with the server answering, and a server that
     # dies mid-cell shows in that cell's request results. Once it is found down, the remaining cells fail
     # without being sent.
@@ -219,7 +220,7 @@ def _run_cells(params: SweepParams, cells_plan: list[tuple[int, int]], result: S
         sweep_report.write_run(result, run_dir, price_per_hour=params.price_per_hour, plot=False)
 
 
-def _measured_before(params: SweepParams, raw_dir: Path, L: int, c: int, tally: _Tally
+def _measured_before(params: SweepParams, raw_dir: Path, L: int, c: int, tally: Tally
                      ) -> tuple[dict[int, RepeatResult], list[int]]:
     """The cell's repeats a previous run of this sweep measured, and those still to measure."""
     repeats: dict[int, RepeatResult] = {}
@@ -235,23 +236,25 @@ def _measured_before(params: SweepParams, raw_dir: Path, L: int, c: int, tally: 
 
 
 def _measure_cell(params: SweepParams, spec: dict[str, Any], cell: CellResult, worker: BenchWorker, raw_dir: Path,
-                  tally: _Tally) -> dict[int, RepeatResult]:
+                  tally: Tally) -> dict[int, RepeatResult]:
     """The worker measures the cell's pending repeats; a repeat it left no record of failed, with the reason."""
     L, c, n, base_url = spec["input_len"], spec["concurrency"], spec["num_prompts"], spec["base_url"]
+    rate = spec.get("request_rate")
     pending: list[int] = spec["repeats"]
-    tally.tick(f"in={L} c={c}: measuring {len(pending)} repeat(s) of {n} prompts")
-    stem = f"L{L}-c{c}"
+    where = f"in={L} " + (f"c={c}" if rate is None else f"rate={rate:g}/s")
+    tally.tick(f"{where}: measuring {len(pending)} repeat(s) of {n} prompts")
+    stem = raw_name(L, c, 0, rate).rsplit("-", 1)[0]
     spec["log_file"] = str(raw_dir / f"{stem}.log")
     evidence.write_json(raw_dir / f"{stem}.spec.json", spec)
     for k in pending:  # a stale failure record must not survive a failed rerun
-        (raw_dir / raw_name(L, c, k)).unlink(missing_ok=True)
+        (raw_dir / raw_name(L, c, k, rate)).unlink(missing_ok=True)
     tc = time.monotonic()
     rc, why = worker.run_cell(spec, params.cell_timeout_s * len(pending))
     cell.wall_s = time.monotonic() - tc
     repeats: dict[int, RepeatResult] = {}
     down: bool | None = None  # asked once per cell, when a repeat has no record
     for k in pending:
-        rec = _load_done(raw_dir, L, c, k)
+        rec = _load_done(raw_dir, L, c, k, rate)
         if rec is None:
             reason = why or (f"benchmark process exited with code {rc} before this repeat: "
                              f"{_log_tail(raw_dir / f'{stem}.log')}")
@@ -262,10 +265,32 @@ def _measure_cell(params: SweepParams, spec: dict[str, Any], cell: CellResult, w
             rec = RepeatResult(repeat=k, seed=spec["seeds"][str(k)], status="failed", num_prompts=n, reason=reason)
         repeats[k] = rec
         tally.done += 1
-        tally.tick(f"in={L} c={c} repeat {k + 1}/{params.repeats}: {rec.status}"
+        tally.tick(f"{where} repeat {k % params.repeats + 1}/{params.repeats}: {rec.status}"
                    + (f", {rec.metrics.get('output_throughput') or 0:.2f} out tok/s" if rec.status == "ok"
                       else f" ({rec.reason})"))
     return repeats
+
+
+def measure_repeats(params: SweepParams, cell: CellResult, ks: list[int], worker: BenchWorker, *, base_url: str,
+                    model: str, tokenizer: str, raw_dir: Path, tally: "Tally",
+                    goodput: dict[str, float] | None = None) -> CellResult:
+    """Measure repeats `ks` of one cell (its concurrency or request rate) in the sweep's worker and add them to
+    the cell: the capacity search's one measured point, a round at a time. `goodput`: vLLM's per-request
+    limits (ttft, tpot, e2el in ms) for its request_goodput."""
+    L, c, rate = cell.input_len, cell.concurrency, cell.request_rate
+    load = c if rate is None else int(round(rate * 1000))  # the seed's load: distinct per rate, in mreq/s
+    kind = "measure" if rate is None else "rate"
+    spec = {"base_url": base_url, "model": model, "tokenizer": tokenizer, "input_len": L,
+            "output_len": cell.output_len, "concurrency": c, "request_rate": rate, "goodput": goodput,
+            "num_prompts": cell.num_prompts, "repeats": ks,
+            "seeds": {str(k): prompt_seed(params.seed, L, load, k, kind) for k in ks},
+            "warmup_seed": (prompt_seed(params.seed, L, load, ks[0], f"{kind}-warmup") if params.warmup
+                            else None),
+            "warmup_prompts": c or max(1, min(cell.num_prompts, int(rate or 1))), "raw_dir": str(raw_dir)}
+    got = {r.repeat: r for r in cell.repeats}
+    got.update(_measure_cell(params, spec, cell, worker, raw_dir, tally))
+    _finish_cell(params, cell, got)
+    return cell
 
 
 def _finish_cell(params: SweepParams, cell: CellResult, repeats: dict[int, RepeatResult]) -> bool:
@@ -274,7 +299,7 @@ def _finish_cell(params: SweepParams, cell: CellResult, repeats: dict[int, Repea
     bad = [r for r in cell.repeats if r.status != "ok"]
     if bad:
         cell.status = "failed"
-        cell.reason = f"{len(bad)} of {params.repeats} repeats failed; first: {bad[0].reason}"
+        cell.reason = f"{len(bad)} of {len(cell.repeats)} repeats failed; first: {bad[0].reason}"
     cell.median, cell.spread_pct = aggregate(cell.repeats)
     cell.acceptance_rate = cell_acceptance(cell.repeats)
     return bool(bad)

@@ -24,7 +24,8 @@ from tools.core.params import OpParams
 
 CSV_COLUMNS = ("input_len", "output_len", "concurrency", "num_prompts", "status", "repeats_ok", "repeats",
                *(f"{m}" for m in METRICS), "output_throughput_spread_pct", "mean_ttft_ms_spread_pct",
-               "output_throughput_mean", "output_throughput_ci_low", "output_throughput_ci_high", "reason")
+               "output_throughput_mean", "output_throughput_ci_low", "output_throughput_ci_high", "reason",
+               "request_rate")
 
 
 def _fmt(v: float | None, digits: int = 2) -> str:
@@ -38,6 +39,10 @@ def cost_per_million(tok_s: float | None, price_per_hour: float) -> float | None
     return price_per_hour / (tok_s * 3600.0) * 1e6
 
 
+def _load_text(c: Any) -> str:
+    return str(c.concurrency) if c.request_rate is None else f"{c.request_rate:g} req/s"
+
+
 def markdown_run(res: SweepResult, *, price_per_hour: float = DEFAULT_PRICE_PER_HOUR) -> str:
     """One section per input length: `| c | out tok/s | req/s | TTFT ... |`; out tok/s is the
     geometric mean of the repeats with its interval (tools/measure/uncertainty.py), the other columns medians."""
@@ -46,10 +51,10 @@ def markdown_run(res: SweepResult, *, price_per_hour: float = DEFAULT_PRICE_PER_
     lines = [f"# Sweep {res.run_id}: {res.label}", "",
              f"Model `{res.model}`, {hw}, vLLM {prov.get('vllm_version_server') or prov.get('vllm_version_client')}, "
              f"max_model_len {res.max_model_len}. Output {res.params.get('output_len')} tokens, greedy, "
-             f"`vllm bench serve` random dataset, {res.params.get('repeats')} repeats per cell. Out tok/s: geometric "
-             f"mean of the repeats, its 95% confidence interval in parentheses (Student t on the log repeats; none "
-             f"with fewer than two); other columns: medians; spread = (max-min)/median of out tok/s. Cost at "
-             f"${price_per_hour}/h.", ""]
+             f"`vllm bench serve` random dataset, {res.params.get('repeats')} repeats per cell. Out tok/s, TTFT p99 "
+             f"and TPOT mean: geometric mean of the repeats, its 95% confidence interval in parentheses (Student t "
+             f"on the log repeats; none with fewer than two); other columns: medians; spread = (max-min)/median of "
+             f"out tok/s. Cost at ${price_per_hour}/h.", ""]
     by_len: dict[int, list] = {}
     for c in res.cells:
         by_len.setdefault(c.input_len, []).append(c)
@@ -58,14 +63,14 @@ def markdown_run(res: SweepResult, *, price_per_hour: float = DEFAULT_PRICE_PER_
                   "| c | out tok/s | req/s | TTFT mean ms | TTFT p99 ms | TPOT mean ms | ITL mean ms "
                   "| spread | $/M out tok | status |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
-        for c in sorted(cells, key=lambda x: x.concurrency):
+        for c in sorted(cells, key=lambda x: x.load):
             m = c.median
             spread = c.spread_pct.get("output_throughput")
             status = c.status if c.status == "ok" else f"{c.status}: {c.reason}"
             lines.append(
-                f"| {c.concurrency} | {c.output_throughput_ci.text()} | {_fmt(m.get('request_throughput'), 3)} "
-                f"| {_fmt(m.get('mean_ttft_ms'), 1)} | {_fmt(m.get('p99_ttft_ms'), 1)} "
-                f"| {_fmt(m.get('mean_tpot_ms'), 2)} | {_fmt(m.get('mean_itl_ms'), 2)} "
+                f"| {_load_text(c)} | {c.output_throughput_ci.text()} | {_fmt(m.get('request_throughput'), 3)} "
+                f"| {_fmt(m.get('mean_ttft_ms'), 1)} | {c.estimate('p99_ttft_ms').text(1)} "
+                f"| {c.estimate('mean_tpot_ms').text(2)} | {_fmt(m.get('mean_itl_ms'), 2)} "
                 f"| {'—' if spread is None else f'{spread:.1f}%'} "
                 f"| {_fmt(cost_per_million(c.output_throughput_ci.mean, price_per_hour))} | {status} |")
         lines.append("")
@@ -88,7 +93,7 @@ def csv_run(res: SweepResult) -> str:
                     sum(r.status == "ok" for r in c.repeats), len(c.repeats),
                     *(c.median.get(m) for m in METRICS), c.spread_pct.get("output_throughput"),
                     c.spread_pct.get("mean_ttft_ms"), c.output_throughput_ci.mean, c.output_throughput_ci.low,
-                    c.output_throughput_ci.high, c.reason or ""])
+                    c.output_throughput_ci.high, c.reason or "", c.request_rate])
     return buf.getvalue()
 
 
@@ -158,14 +163,16 @@ def plot_runs(runs: list[SweepResult], path: str | Path) -> Path:
 
 
 def write_run(res: SweepResult, run_dir: str | Path, *, price_per_hour: float = DEFAULT_PRICE_PER_HOUR,
-              plot: bool = True) -> dict[str, str]:
-    """Write summary.json, summary.csv, summary.md (and plot.png) into run_dir; returns name -> path."""
+              plot: bool = True, final_dir: str | Path | None = None) -> dict[str, str]:
+    """Write summary.json, summary.csv, summary.md (and plot.png) into run_dir; returns name -> path (under
+    `final_dir` where run_dir is a temporary folder renamed to it when complete)."""
     d = Path(run_dir)
     files = {"summary_json": d / "summary.json", "summary_csv": d / "summary.csv", "table_md": d / "summary.md",
              "provenance": d / "provenance.json", "raw": d / "raw"}
     if plot:
         files["plot_png"] = d / "plot.png"
-    res.files = {k: str(v) for k, v in files.items()}
+    shown = Path(final_dir) if final_dir is not None else d
+    res.files = {k: str(shown / v.relative_to(d)) for k, v in files.items()}
     write_text(files["summary_csv"], csv_run(res))
     write_text(files["table_md"], markdown_run(res, price_per_hour=price_per_hour))
     if plot:
@@ -197,7 +204,7 @@ def load_run(path: str | Path) -> SweepResult:
 
 class CompareCell(BaseModel):
     input_len: int
-    concurrency: int
+    concurrency: int | float = Field(description="Concurrency, or request rate for a rate cell")
     out_tok_s: list[float | None] = Field(description="Output tok/s per run, in the runs' order: the geometric "
                                                       "mean of the repeats (the recorded median without them)")
     estimates: list[Estimate] = Field(default_factory=list, description="Output tok/s per run with its 95% "
@@ -221,7 +228,8 @@ class SweepComparison(BaseModel):
     price_per_hour: float
     method: str = Field(METHOD, description="How values, intervals and verdicts are computed")
     cells: list[CompareCell]
-    cost_cell: tuple[int, int] | None = Field(None, description="(input_len, concurrency) of the cost table")
+    cost_cell: tuple[int, int | float] | None = Field(None, description="(input_len, concurrency) of the cost "
+                                                                         "table")
     cost: list[CostRow] = Field(default_factory=list)
     markdown: str = ""
 
@@ -292,7 +300,7 @@ def markdown_comparison(cmp: SweepComparison) -> str:
                   "| c | " + " | ".join(f"{lab} out tok/s" for lab in cmp.labels) + " | " + " | ".join(names) + " |",
                   "|---|" + "---|" * (len(cmp.labels) + len(names))]
         for cc in rows:
-            lines.append(f"| {cc.concurrency} | " + " | ".join(e.text() for e in cc.estimates) + " | "
+            lines.append(f"| {cc.concurrency:g} | " + " | ".join(e.text() for e in cc.estimates) + " | "
                          + " | ".join(cc.intervals[n].cell() for n in names) + " |")
         lines.append("")
     if cmp.cost:

@@ -35,8 +35,13 @@ from tools.measure.results import METRICS, PROJECT_ROOT, RepeatResult
 from tools.measure.spec_metrics import parse_spec_counters, spec_delta
 
 
-def raw_name(input_len: int, concurrency: int, repeat: int) -> str:
-    return f"L{input_len}-c{concurrency}-r{repeat}.json"
+def raw_name(input_len: int, concurrency: int, repeat: int, request_rate: float | None = None) -> str:
+    load = f"c{concurrency}" if request_rate is None else f"q{request_rate:g}"
+    return f"L{input_len}-{load}-r{repeat}.json"
+
+
+def _raw_name(spec: dict[str, Any], repeat: int) -> str:
+    return raw_name(spec["input_len"], spec["concurrency"], repeat, spec.get("request_rate"))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -239,14 +244,21 @@ class _Bench:
 
 
 def _bench_argv(spec: dict[str, Any], seed: int, num_prompts: int) -> list[str]:
+    """The cell's load is a concurrency (--max-concurrency, all requests at once) or a Poisson request rate
+    (--request-rate, with --max-concurrency as a cap only where the spec gives one); `goodput` (per-request
+    ms limits on ttft, tpot, e2el) makes vLLM count the requests that meet them all."""
+    load = ["--max-concurrency", str(spec["concurrency"])] if spec["concurrency"] else []
+    if spec.get("request_rate"):
+        load += ["--request-rate", f"{spec['request_rate']:g}"]
+    goodput = [f"{k}:{v:g}" for k, v in (spec.get("goodput") or {}).items()]
     return ["--backend", "openai", "--base-url", spec["base_url"], "--endpoint", "/v1/completions",
             "--model", spec["model"], "--tokenizer", spec["tokenizer"],
             "--dataset-name", "random", "--random-input-len", str(spec["input_len"]),
             "--random-output-len", str(spec["output_len"]), "--ignore-eos", "--temperature", "0",
-            "--max-concurrency", str(spec["concurrency"]), "--num-prompts", str(num_prompts),
+            *load, "--num-prompts", str(num_prompts),
             "--seed", str(seed), "--percentile-metrics", "ttft,tpot,itl,e2el",
             "--metric-percentiles", "50,90,99", "--disable-tqdm", "--num-warmups", "0",
-            "--ready-check-timeout-sec", "0", "--save-detailed"]
+            "--ready-check-timeout-sec", "0", "--save-detailed", *(["--goodput", *goodput] if goodput else [])]
 
 
 def _worker_main(answer_fd: int) -> int:
@@ -296,7 +308,8 @@ def _run_cell(spec: dict[str, Any], bench: _Bench) -> None:
         # prompt, which the prefix cache would then serve to the measured run.
         tw = time.monotonic()
         try:
-            why = _failed_requests(bench.run(spec, spec["warmup_seed"], spec["concurrency"]), spec["concurrency"])
+            n_warm = int(spec.get("warmup_prompts") or spec["concurrency"])
+            why = _failed_requests(bench.run(spec, spec["warmup_seed"], n_warm), n_warm)
         except Exception as exc:
             why = f"{type(exc).__name__}: {exc}"
         if why is not None:  # no measurement without the warm-up: every pending repeat fails with why
@@ -304,14 +317,14 @@ def _run_cell(spec: dict[str, Any], bench: _Bench) -> None:
             for k in spec["repeats"]:
                 rr = RepeatResult(repeat=k, seed=int(spec["seeds"][str(k)]), status="failed", reason=reason,
                                   num_prompts=spec["num_prompts"],
-                                  raw_file=raw_name(spec["input_len"], spec["concurrency"], k))
+                                  raw_file=_raw_name(spec, k))
                 _write_raw(raw_dir / rr.raw_file, {"repeat_result": rr.model_dump(mode="json"), "spec": spec})
             return
         warmup_s = time.monotonic() - tw
     for k in spec["repeats"]:
         seed = int(spec["seeds"][str(k)])
         rr = RepeatResult(repeat=k, seed=seed, status="ok", num_prompts=spec["num_prompts"], warmup_s=warmup_s,
-                          raw_file=raw_name(spec["input_len"], spec["concurrency"], k))
+                          raw_file=_raw_name(spec, k))
         warmup_s = None  # the warm-up belongs to the cell's first measured repeat
         c0 = bench.counters(base_url)
         tm = time.monotonic()
