@@ -258,7 +258,7 @@ def test_prompts_render_the_callers_arguments(mcp):
     assert "7. `start_vllm_server(model=\"emb4\")`" in deploy and "start_job" in deploy
     # what query_model shows is true of both models: the tiny stand-in gives its pattern's tokens, not text
     assert "sensible" not in deploy and "the tiny stand-in answers tokens of its training pattern" in deploy
-    assert 'compare_sweeps(run_dirs=[<run_dir from step 7>, <run_dir from step 4>], ' \
+    assert 'compare_sweeps(run_dirs=[<run_dir from step 9>, <run_dir from step 5>], ' \
            'output="sweeps/int4-emb-vs-bf16-emb.md")' in compare
     assert compare.endswith(f"({SCHEME}://evidence/runs lists them).")
 

@@ -1,8 +1,10 @@
-"""The fresh-VM walk-through, over stdio as an MCP client launches the server, on the tiny model with real vLLM
-servers (CPU backend here): the `deploy_t4` prompt's tool calls, then `compare_builds`' (tools/mcp/resources.py
-declares them; the README shows the same steps), each condition decided as an agent would, then the resources.
-preflight -> probe -> preflight (repack) -> repack -> start -> query -> repack B -> record -> sweep -> stop ->
-start B -> check -> sweep -> compare_sweeps -> stop. Shares nothing with other tests' servers."""
+"""The whole walk over stdio as an MCP client launches the server, with the default toolsets, from an empty models
+root and with no step outside MCP, on real vLLM CPU servers: the `deploy_cpu` prompt's tool calls (make the tiny
+stand-in source, probe, preflight the repack, repack both builds, start the all-4-bit one, query), then
+`compare_builds`' (memory, record tokens, sweep, serve B in A's place, memory, check tokens, sweep, compare the
+sweeps, stop), each condition decided as an agent would, then the resources. Two vLLM starts in all. deploy_t4's
+steps are the same tools (its fetch and clamp steps need the hub and a T4); its text is checked in
+test_mcp_resources.py. The memory figures are checked against the server's processes as psutil reads them here."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import os
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 from fastmcp import Client
 from fastmcp.client.transports import StdioTransport
@@ -21,16 +24,31 @@ from tools.mcp.resources import PROMPTS, SCHEME, Ref
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# What the tiny CPU run changes in the documented calls: a short sweep grid and short token records (the check
-# reads its prompts from the record).
-TINY_SWEEP = {"input_lens": [32], "output_len": 8, "concurrencies": [1, 2], "repeats": 1, "warmup": False,
+# What the tiny CPU run changes in the documented calls: a short sweep grid with two repeats a cell (so that each
+# ratio has an interval and a verdict) and short token records (the check reads its prompts from the record).
+TINY_SWEEP = {"input_lens": [32], "output_len": 8, "concurrencies": [1, 2], "repeats": 2, "warmup": False,
               "min_prompts": 2, "prompts_per_concurrency": 1}
 TINY = {"run_sweep": TINY_SWEEP, "query_model": {"max_tokens": 8},
         "compare_tokens": {"prompts": ["abcdefgh", "The quick brown fox"], "max_tokens": 12}}
+VERDICTS = {"faster", "slower", "within noise"}
+
+
+def _group_rss_mib(pid: int) -> float:
+    """RSS of the server's process group, read here: what the tools' figures must agree with."""
+    pgid = os.getpgid(pid)
+    total = 0
+    for p in psutil.process_iter(["pid"]):
+        try:
+            if os.getpgid(p.pid) == pgid:
+                total += p.memory_info().rss
+        except (OSError, psutil.Error):
+            continue
+    return total / 2**20
 
 
 @pytest.mark.vllm
-def test_stdio_walkthrough_from_preflight_to_compare_sweeps(tiny_qat, tmp_path):
+@pytest.mark.vllm_lane(1)
+def test_stdio_walk_from_an_empty_models_root_to_compared_builds(tmp_path):
     models, evidence, state = tmp_path / "models", tmp_path / "evidence", tmp_path / "run"
     models.mkdir()
     evidence.mkdir()
@@ -38,27 +56,30 @@ def test_stdio_walkthrough_from_preflight_to_compare_sweeps(tiny_qat, tmp_path):
     # Serving settings for the tiny model, the way a user overrides tpu.env: environment variables.
     env = dict(os.environ, PORT=str(port), MAX_MODEL_LEN="512", MAX_NUM_SEQS="4", CPU_KVCACHE_SPACE_GIB="1",
                SPECULATIVE_CONFIG="", EXTRA_ARGS="", START_TIMEOUT_S="900")
+    env.pop("GEMMA4_T4_TOOLSETS", None)  # the default set is enough
     transport = StdioTransport(command=sys.executable, cwd="/", env=env, keep_alive=False, args=[
-        str(ROOT / "server.py"), "--toolsets", "all", "--models-root", str(models), "--models-root", str(tiny_qat.parent),
-        "--evidence-root", str(evidence), "--state-dir", str(state)])
-    values = {"deploy_t4": {"source": str(tiny_qat), "output": "emb4"},
-              "compare_builds": {"build_a": "emb4", "build_b": "text", "source": str(tiny_qat)}}
+        str(ROOT / "server.py"), "--models-root", str(models), "--evidence-root", str(evidence),
+        "--state-dir", str(state)])
+    cpu = PROMPTS["deploy_cpu"]
+    values = {"deploy_cpu": {}, "compare_builds": {"build_a": cpu.values()["output"],
+                                                   "build_b": cpu.values()["output_bf16"],
+                                                   "source": cpu.values()["source"]}}
     progress: dict[tuple[str, int], list[float]] = {}
+    messages: dict[tuple[str, int], list[str]] = {}
     results: dict[tuple[str, int], dict] = {}
+    measured: dict[tuple[str, int], float] = {}
     skipped: list[tuple[str, int]] = []
 
     def recorder(key):
         async def on_progress(p, total, message):
             progress.setdefault(key, []).append(p)
+            messages.setdefault(key, []).append(message or "")
         return on_progress
 
     async def applies(c: Client, name: str, step) -> bool:
         """Each conditional step's condition, decided from the machine and the earlier results."""
         if step.condition == "source_missing":
-            return not Path(step.args["out"]).exists()
-        if step.condition == "turing":
-            checks = {ch["name"]: ch for ch in results[("deploy_t4", 1)]["checks"]}
-            return checks["turing_clamp"]["status"] == "fail"
+            return not (models / step.args["out"]).exists()
         if step.condition == "build_b_missing":
             return not (models / step.args["output"]).exists()
         if step.condition == "a_not_served":
@@ -74,10 +95,11 @@ def test_stdio_walkthrough_from_preflight_to_compare_sweeps(tiny_qat, tmp_path):
         return v
 
     async def session() -> dict:
-        out: dict = {}
+        out: dict = {"listed": None}
         async with Client(transport, timeout=1200) as c:
+            out["listed"] = {t.name for t in await c.list_tools()}
             try:
-                for name in ("deploy_t4", "compare_builds"):
+                for name in ("deploy_cpu", "compare_builds"):
                     spec = PROMPTS[name]
                     # what the agent is told is what this test runs
                     out[f"prompt:{name}"] = (await c.get_prompt(name, values[name])).messages[0].content.text
@@ -89,6 +111,9 @@ def test_stdio_walkthrough_from_preflight_to_compare_sweeps(tiny_qat, tmp_path):
                         args = {k: resolve(name, v) for k, v in step.args.items()} | tiny
                         r = await c.call_tool(step.tool, args, progress_handler=recorder((name, i)))
                         results[(name, i)] = r.structured_content
+                        if step.tool == "vram_status":  # the server's group as this test reads it, at the same time
+                            st = (await c.call_tool("server_status", {})).structured_content
+                            measured[(name, i)] = _group_rss_mib(st["pid"])
                 out["after"] = (await c.call_tool("server_status", {})).structured_content
                 out["config"] = json.loads((await c.read_resource(f"{SCHEME}://config"))[0].text)
                 out["runs"] = json.loads((await c.read_resource(f"{SCHEME}://evidence/runs"))[0].text)
@@ -103,45 +128,71 @@ def test_stdio_walkthrough_from_preflight_to_compare_sweeps(tiny_qat, tmp_path):
         return out
 
     r = asyncio.run(session())
-    D = {i: results.get(("deploy_t4", i)) for i in range(1, 9)}
-    C = {i: results.get(("compare_builds", i)) for i in range(1, 10)}
+    D = {i: results.get(("deploy_cpu", i)) for i in range(1, 9)}
+    C = {i: results.get(("compare_builds", i)) for i in range(1, 12)}
 
-    for name in ("deploy_t4", "compare_builds"):
+    for name in ("deploy_cpu", "compare_builds"):
         assert r[f"prompt:{name}"] == PROMPTS[name].render(values[name])
-    # on this CPU machine: the source is there, no T4 clamp, and A is still served after deploy_t4
-    assert skipped == [("deploy_t4", 2), ("deploy_t4", 6), ("compare_builds", 2)]
+        assert {s.tool for s in PROMPTS[name].steps} <= r["listed"]  # the default toolsets hold every step
+    # from an empty models root: the stand-in is made; B exists (deploy_cpu built it) and A is still served
+    assert skipped == [("compare_builds", 1), ("compare_builds", 2)]
 
-    assert D[1]["ready"] and D[1]["platform"] in ("cpu", "cuda")
+    # deploy_cpu
+    assert D[1]["platform"] == "cpu"
+    assert D[2]["path"] == str(models / "tiny-gemma4-qat") and D[3]["verdict"] == "qat"
     assert D[4]["ready"] and {c["name"]: c["status"] for c in D[4]["checks"]} == {"source": "ok", "disk": "ok"}
-    assert D[3]["verdict"] == "qat"
-    assert D[5]["output"] == str(models / "emb4")
-    key = ("deploy_t4", 5)
+    assert D[5]["output"] == str(models / "tiny-bf16-emb") and D[6]["output"] == str(models / "tiny-emb4")
+    assert {t["name"]: t["groups"] for t in D[5]["tables"]}.get("embed_tokens", 0) == 0  # bf16 embeddings
+    key = ("deploy_cpu", 6)
     assert progress[key][-1] == max(progress[key]) and len(progress[key]) >= 2
     start = D[7]
-    assert start["platform"] in ("cpu", "cuda") and start["model"] == str(models / "emb4")
+    assert start["platform"] == "cpu" and start["model"] == str(models / "tiny-emb4")
     assert start["first_completion"] is not None and start["base_url"].endswith(f":{port}")
-    assert progress[("deploy_t4", 7)], "start streamed no progress"
+    assert start["start_fields"].get("model_loading_gib") is None  # a GPU figure, not faked on CPU
+    # a start's progress is phases with a fraction that only rises, and no message sent twice
+    p7, m7 = progress[("deploy_cpu", 7)], [m for m in messages[("deploy_cpu", 7)] if m]
+    assert p7 and p7 == sorted(p7) and len(m7) == len(set(m7))
     assert D[8]["token_ids"] and D[8]["usage"]["completion_tokens"] == len(D[8]["token_ids"])
 
-    assert C[1]["output"] == str(models / "text")
-    assert {t["name"]: t["groups"] for t in C[1]["tables"]}.get("embed_tokens", 0) == 0  # bf16 embeddings
-    assert C[3]["summary"].startswith("recorded 2 prompts") and "generations" not in C[3]
-    assert C[3]["path"] == str(evidence / "tokens" / "int4-emb.json") and Path(C[3]["path"]).is_file()
-    assert C[5]["model"] == str(models / "text") and C[5]["pid"] != start["pid"]
-    assert C[5]["outcome"] == "serving B" and C[5]["replaced"]["pid"] == start["pid"]
+    # compare_builds: memory of each build, its tokens, its throughput
+    for i, build in ((3, "tiny-emb4"), (7, "tiny-bf16-emb")):
+        vs = C[i]
+        assert vs["available"] is False  # no NVIDIA GPU here: not an error
+        [hm] = vs["host"]
+        assert hm["instance"] == "default" and hm["rss_mib"] > 0 and hm["weights_mib"] > 0
+        assert hm["weights_mib"] == pytest.approx(sum(f.stat().st_size for f in (models / build).glob(
+            "*.safetensors")) / 2**20, abs=0.01)
+        if hm["pss_mib"] is not None:  # smaps_rollup readable: our own processes on Linux
+            assert 0 < hm["pss_mib"] <= hm["rss_mib"] * 1.01 and "smaps_rollup" in hm["method"]
+        # true: the tool's RSS is the group's as read from here (the engine's resident set moves a little)
+        assert hm["rss_mib"] == pytest.approx(measured[("compare_builds", i)], rel=0.25)
+        assert "RSS" in vs["summary"] and "default" in vs["summary"]
+    # the int4 embeddings make the all-4-bit build's weights smaller
+    assert C[3]["host"][0]["weights_mib"] < C[7]["host"][0]["weights_mib"]
+    assert C[4]["summary"].startswith("recorded 2 prompts") and "generations" not in C[4]
+    assert C[4]["path"] == str(evidence / "tokens" / "int4-emb.json") and Path(C[4]["path"]).is_file()
+    # B served in A's place, in one call
+    assert C[6]["model"] == str(models / "tiny-bf16-emb") and C[6]["pid"] != start["pid"]
+    assert C[6]["outcome"] == "serving B" and C[6]["replaced"]
+    hm6 = C[6]["host_memory"]
+    assert hm6["instance"] == "default" and C[6]["pid"] in hm6["pids"] and "rss" in hm6["method"]
     # the tiny model is trained to be confident: int4 embeddings change no greedy token
-    assert C[6]["identical"] == C[6]["total"] == 2
-    assert all(p["verdict"] == "identical" for p in C[6]["prompts"])
-    for i, label in ((4, "int4-emb"), (7, "bf16-emb")):
+    assert C[8]["identical"] == C[8]["total"] == 2
+    assert all(p["verdict"] == "identical" for p in C[8]["prompts"])
+    for i, label in ((5, "int4-emb"), (9, "bf16-emb")):
         sweep = C[i]
         assert sweep["label"] == label and Path(sweep["run_dir"]).is_relative_to(evidence / "sweeps")
         assert sweep["counts"]["ok"] == 2 and sweep["counts"]["failed"] == 0
-        assert all(c["median"]["output_throughput"] > 0 for c in sweep["cells"])
+        assert all(c["median"]["output_throughput"] > 0 and len(c["repeats"]) == 2 for c in sweep["cells"])
         assert Path(sweep["files"]["summary_json"]).is_file()
-    assert progress[("compare_builds", 4)] and max(progress[("compare_builds", 4)]) == 2
-    assert C[8]["labels"] == ["bf16-emb", "int4-emb"] and len(C[8]["cells"]) == 2
-    assert Path(C[8]["report_path"]).read_text().strip()
-    assert C[9]["was_running"] and r["after"]["alive"] is False
+    assert progress[("compare_builds", 5)] and max(progress[("compare_builds", 5)]) == 4  # cells x repeats
+    cmp = C[10]
+    assert cmp["labels"] == ["bf16-emb", "int4-emb"] and len(cmp["cells"]) == 2
+    for cell in cmp["cells"]:  # two repeats a side: every ratio has its interval and a verdict
+        [ratio] = cell["intervals"].values()
+        assert ratio["verdict"] in VERDICTS and ratio["low"] <= ratio["value"] <= ratio["high"]
+    assert "95%" in cmp["method"] and Path(cmp["report_path"]).read_text().strip()
+    assert C[11]["was_running"] and r["after"]["alive"] is False
 
     # the resources, read over the same stdio session
     rows = {v["name"]: v for v in r["config"]["variables"]}

@@ -307,7 +307,8 @@ class PromptSpec:
 
     def render(self, values: dict[str, str] | None = None) -> str:
         """The prompt's text: what to do, the numbered calls, and where to look afterwards."""
-        return "\n\n".join(x for x in (self.intro.format(**self.values(values)), self.steps_text(values), self.outro)
+        vals = self.values(values)
+        return "\n\n".join(x for x in (self.intro.format(**vals), self.steps_text(values), self.outro.format(**vals))
                            if x)
 
 
@@ -369,11 +370,10 @@ _TINY = "tiny-gemma4-qat"
 prompt(PromptSpec(
     name="deploy_cpu", title="The whole walk on CPU, from the tiny stand-in",
     description="On a machine without an NVIDIA GPU: make the tiny stand-in source, probe it, repack both builds, "
-                "serve and check each on vLLM's CPU backend, and read the memory each takes; default toolsets only.",
+                "serve the all-4-bit one on vLLM's CPU backend, then compare_builds; default toolsets only.",
     arguments={"source": (_TINY, "The stand-in source folder (relative: under the first models root)"),
                "output": ("tiny-emb4", "The all-4-bit build (int4 embeddings)"),
-               "output_bf16": ("tiny-bf16-emb", "The bf16-embedding build"),
-               "label": ("tiny", "Label of the token record (no spaces)")},
+               "output_bf16": ("tiny-bf16-emb", "The bf16-embedding build")},
     toolsets=("deploy", "repack", "serve", "measure"),
     intro="Walk from nothing to two served, checked and measured builds on this CPU with the gemma4-t4 MCP tools "
           "(the default toolsets). The source is a tiny Gemma-4-shaped QAT checkpoint made here, so nothing is "
@@ -384,20 +384,18 @@ prompt(PromptSpec(
         Step("make_tiny_model", {"out": "{source}"}, "the stand-in source (trained once, then cached)",
              when="the source folder does not exist", condition="source_missing"),
         Step("probe_checkpoint", {"path": "{source}"}, "the verdict must be qat"),
+        Step("preflight", {"step": "repack", "source": "{source}", "out": "{output}"},
+             "the source's config.json and the free disk the repack needs"),
         Step("repack_checkpoint", {"source": "{source}", "output": "{output_bf16}", "embed_int4": False},
              "the bf16-embedding build"),
         Step("repack_checkpoint", {"source": "{source}", "output": "{output}"}, "the all-4-bit build"),
-        Step("start_vllm_server", {"model": "{output_bf16}"}, "serves the bf16-embedding build on CPU"),
-        Step("compare_tokens", {"mode": "record", "reference": "tokens/{label}-bf16-emb.json"},
-             "its greedy tokens, the reference for the all-4-bit build"),
-        Step("vram_status", {}, "`host`: the server's RSS and PSS beside the weights on disk"),
-        Step("stop_vllm_server", {}, "one build at a time"),
-        Step("start_vllm_server", {"model": "{output}"}, "serves the all-4-bit build"),
-        Step("compare_tokens", {"mode": "check", "reference": "tokens/{label}-bf16-emb.json"},
-             "identical prompts, else the first divergence and whether it is a near-tie"),
-        Step("vram_status", {}, "the all-4-bit build's memory, to set beside the first"),
-        Step("stop_vllm_server", {}, "done"),
-    ]))
+        Step("start_vllm_server", {"model": "{output}"}, "serves the all-4-bit build on CPU"),
+        Step("query_model", {"prompt": "Write one sentence about the Tesla T4."},
+             "one greedy answer: the tiny stand-in answers tokens of its training pattern, not sentences"),
+    ],
+    outro="Then follow compare_builds with build_a={output}, build_b={output_bf16} and source={source}: the "
+          "memory each build takes (vram_status: on CPU the server's RSS and PSS beside the weights on disk), "
+          "whether both give the same greedy tokens, and their throughput with a verdict per cell."))
 
 prompt(PromptSpec(
     name="compare_builds", title="Compare two builds (tokens and throughput)",
@@ -411,7 +409,7 @@ prompt(PromptSpec(
                "label_a": ("int4-emb", "Label of build A in the sweep tables (no spaces)"),
                "label_b": ("bf16-emb", "Label of build B (no spaces)"),
                "source": (SOURCE_REPO.split("/")[1], "The QAT source, to build build_b when it is missing")},
-    toolsets=("repack", "serve", "measure"),
+    toolsets=("repack", "serve", "measure", "deploy"),
     intro="Compare {build_a} (A) with {build_b} (B) with the gemma4-t4 MCP tools. One GPU serves one build at a "
           "time, so A's greedy tokens are recorded to a file and B is checked against it. Call the tools in this "
           "order and read each `summary`; a failed call's error names the fix.",
@@ -421,19 +419,21 @@ prompt(PromptSpec(
         Step("start_vllm_server", {"model": "{build_a}", "replace": True},
              "serves A in place of what serves (a plain start when nothing does)",
              when="server_status shows the server is not serving {build_a}", condition="a_not_served"),
+        Step("vram_status", {}, "A's memory: on a GPU the card's, on CPU `host` (RSS and PSS beside the weights)"),
         Step("compare_tokens", {"mode": "record", "reference": "tokens/{label_a}.json"},
              "A's greedy tokens for the eight article prompts, written under the evidence root"),
         Step("run_sweep", {"label": "{label_a}", "out": "sweeps"},
              "A's throughput over the article's grid (input_lens, concurrencies: narrow them for a quick look)"),
         Step("start_vllm_server", {"model": "{build_b}", "replace": True},
              "serves B in place of A; if B fails to start, A serves again and the error says so"),
+        Step("vram_status", {}, "B's memory, to set beside A's"),
         Step("compare_tokens", {"mode": "check", "reference": "tokens/{label_a}.json"},
              "B against A's record: identical prompts, else the first divergence and whether it is a near-tie"),
         Step("run_sweep", {"label": "{label_b}", "out": "sweeps"}, "B's throughput over the same grid and prompts"),
-        Step("compare_sweeps", {"run_dirs": [Ref(7, "run_dir"), Ref(4, "run_dir")],
+        Step("compare_sweeps", {"run_dirs": [Ref(9, "run_dir"), Ref(5, "run_dir")],
                                 "output": "sweeps/{label_a}-vs-{label_b}.md"},
-             "per cell each build's median output tok/s and A's ratio to B (B's run first: the baseline), with "
-             "cost per million tokens"),
+             "per cell A's output tok/s against B's (B's run first: the baseline) with its 95% interval and a "
+             "verdict (faster, slower, within noise), and cost per million tokens"),
         Step("stop_vllm_server", {}, "done: free the GPU"),
     ],
     outro=f"The runs' summaries are readable as resources ({SCHEME}://evidence/runs lists them)."))
