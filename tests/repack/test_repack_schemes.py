@@ -315,7 +315,7 @@ def test_w8a8_steps_keep_the_int8_group(tmp_path):
 
 
 @pytest.mark.vllm
-@pytest.mark.vllm_lane(1)  # starts its own server; lane 0 holds the CPU walk
+@pytest.mark.vllm_lane(1)  # starts its own server, beside the walk and the drafter table
 def test_w8a8_build_serves_on_the_cpu_int8_kernel(w8a8_build, serve_config_factory):
     import httpx
 

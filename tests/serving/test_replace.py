@@ -295,7 +295,7 @@ def test_mcp_start_with_replace(stand_in, tmp_path):
 
 
 @pytest.mark.vllm
-@pytest.mark.vllm_lane(1)
+@pytest.mark.vllm_lane(0)  # evens out the lanes (its servers are its own)
 def test_real_vllm_a_failed_replace_serves_a_again(emb4_build, serve_config_factory, tmp_path, monkeypatch):
     """A (the tiny all-4-bit build) serving; B is A's copy whose config.json names a quantization method vLLM
     does not know (`quantization_config.quant_method`). No check made before A is stopped reads that field (the
