@@ -51,7 +51,9 @@ def run_sweep(app, p: SweepParams, progress, checked: _Sweep) -> Reply:
     summary = (f"sweep {res.run_id} ({res.label}): {counts['ok']} ok, {counts['failed']} failed, "
                f"{counts['infeasible']} infeasible cells"
                + (f"; best {best.median['output_throughput']:.2f} out tok/s at in={best.input_len} "
-                  f"c={best.concurrency}" if best else ""))
+                  f"c={best.concurrency}" if best else "")
+               + "".join(f"; c=1 at in={L}: {100 * r.fraction:.0f}% of the memory-bandwidth roofline"
+                         for L, r in res.roofline.items()))
     # the table the run wrote (summary.md), not rendered a second time
     return Reply(res, summary, {"counts": counts, "table_md": Path(res.files["table_md"]).read_text()})
 
