@@ -185,6 +185,10 @@ def test_stdio_walk_from_an_empty_models_root_to_compared_builds(tmp_path):
         assert sweep["counts"]["ok"] == 2 and sweep["counts"]["failed"] == 0
         assert all(c["median"]["output_throughput"] > 0 and len(c["repeats"]) == 2 for c in sweep["cells"])
         assert Path(sweep["files"]["summary_json"]).is_file()
+        # the single-stream cell's decode rate as a share of the roofline, with the CPU's measured bandwidth
+        assert set(sweep["roofline"]) == {"32"} and 0 < sweep["roofline"]["32"]["fraction"]
+        assert sweep["roofline"]["32"]["device"] == "cpu" and "copy" in sweep["roofline"]["32"]["method"]
+        assert "of the memory-bandwidth roofline" in sweep["summary"]
     assert progress[("compare_builds", 5)] and max(progress[("compare_builds", 5)]) == 4  # cells x repeats
     cmp = C[10]
     assert cmp["labels"] == ["bf16-emb", "int4-emb"] and len(cmp["cells"]) == 2

@@ -302,9 +302,13 @@ def test_serving_tools_without_a_server(mcp):
     assert patch["target"].endswith("triton_unified_attention.py") and patch["applied"] in (True, False)
 
 
-def test_run_sweep_resolves_the_endpoint_and_reads_the_config_once(mcp, monkeypatch):
-    """One run_sweep call shapes its request once: one endpoint resolution and one read of tpu.env, which the
-    sweep itself does not repeat (here it fails fast after them: nothing answers at the URL)."""
+@pytest.mark.parametrize("how", ["direct", "start_job"])
+@pytest.mark.parametrize("tool", ["run_sweep", "run_decode_bench"])
+def test_a_measurement_resolves_the_endpoint_and_reads_the_config_once(mcp, monkeypatch, tool, how):
+    """One run_sweep (or run_decode_bench) call shapes its request once, called directly or through start_job
+    (whose check's result is the job's input): one endpoint resolution and one read of tpu.env, which the
+    measurement itself does not repeat (here it fails fast after them: nothing answers at the URL)."""
+    import tools.measure.decode as decode_mod
     import tools.measure.sweep as sweep_mod
     import tools.mcp.app as app_mod
     import tools.mcp.measure_tools as measure_tools
@@ -321,14 +325,20 @@ def test_run_sweep_resolves_the_endpoint_and_reads_the_config_once(mcp, monkeypa
         return load_config(*a, **kw)
 
     load_config = app_mod.load_config
-    for mod in (measure_tools, sweep_mod):
+    for mod in (measure_tools, sweep_mod, decode_mod):
         monkeypatch.setattr(mod, "resolve_endpoint", counting_resolve)
     monkeypatch.setattr(app_mod, "load_config", counting_config)
+    args = {"out": "sweeps" if tool == "run_sweep" else "decode", "base_url": "http://127.0.0.1:9"}
 
     async def go():
         async with Client(mcp) as c:
-            with pytest.raises(ToolError):
-                await c.call_tool("run_sweep", {"out": "sweeps", "base_url": "http://127.0.0.1:9"})
+            if how == "direct":
+                with pytest.raises(ToolError):
+                    await c.call_tool(tool, args)
+                return
+            job = (await c.call_tool("start_job", {"tool": tool, "arguments": args})).structured_content
+            done = (await c.call_tool("job_status", {"job_id": job["job_id"], "wait_s": 60})).structured_content
+            assert done["state"] == "failed" and done["error"]
 
     run(go())
     assert calls == {"resolve": 1, "config": 1}

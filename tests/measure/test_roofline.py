@@ -196,3 +196,46 @@ def test_the_copy_buffer_is_well_above_the_cache_but_bounded():
     assert copy_buffer_bytes(64 * mib) == 512 * mib
     assert copy_buffer_bytes(480 * mib) == 1024 * mib   # a VM reporting the host's L3
     assert copy_buffer_bytes(1024 * mib) == 2048 * mib  # still twice the cache
+
+
+def _cell(input_len: int, c: int, tpots: list[float]):
+    from tools.measure.results import CellResult, RepeatResult, aggregate
+
+    reps = [RepeatResult(repeat=i, seed=i, status="ok", num_prompts=2,
+                         metrics={"mean_tpot_ms": t, "output_throughput": 1000.0 / t}) for i, t in enumerate(tpots)]
+    median, spread = aggregate(reps)
+    return CellResult(input_len=input_len, output_len=16, concurrency=c, num_prompts=2, status="ok", repeats=reps,
+                      median=median, spread_pct=spread)
+
+
+def test_a_sweeps_single_stream_cells_carry_their_share_of_the_roofline(tmp_path, monkeypatch):
+    """Each c=1 cell's decode rate (1000 / mean TPOT, not out tok/s, which holds the prefill) as a share of the
+    roofline, per input length, in the result and its table; none for other loads, and a reason for a hub id."""
+    import tools.measure.roofline as rl
+    from tools.measure.results import SweepResult
+    from tools.measure.sweep import single_stream_rooflines
+    from tools.measure.sweep_report import markdown_run
+
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(e2b_config(e2b_tensors(1.0))))
+    write_safetensors(d / "model.safetensors", [
+        ("model.language_model.embed_tokens.weight", "BF16", (4, 8), b"\0" * 64),
+        ("model.language_model.layers.0.mlp.up_proj.weight", "BF16", (2, 8), b"\0" * 32)])
+    monkeypatch.setattr(rl, "_CPU_BANDWIDTH", Bandwidth(bytes_per_s=1e6, device="cpu", method="given"))
+    res = SweepResult(run_id="r", run_dir=str(tmp_path), label="x", params={"output_len": 16, "repeats": 2},
+                      started="2026-12-02T00:00:00+00:00",
+                      cells=[_cell(32, 1, [20.0, 20.0]), _cell(32, 2, [40.0, 40.0]), _cell(64, 1, [25.0, 25.0])])
+    figs, note = single_stream_rooflines(res, str(d))
+    assert note is None and set(figs) == {32, 64}
+    assert figs[32].tok_s == pytest.approx(50.0) and figs[64].tok_s == pytest.approx(40.0)
+    assert figs[32].context_tokens == 32 + 8 and figs[32].step_bytes == decode_step_bytes(d, 40).total
+    assert figs[32].fraction == pytest.approx(50.0 * figs[32].step_bytes / 1e6)
+    res.roofline = figs
+    md = markdown_run(res)
+    assert md.count("Single stream (c=1), decode tok/s = 1000 / TPOT mean as a share of the roofline") == 2
+    assert figs[32].line() in md
+    figs, note = single_stream_rooflines(res, "google/gemma-4-E2B-it")
+    assert figs == {} and "not a local folder" in note
+    res.roofline, res.roofline_note = figs, note
+    assert "Roofline: none (the served model" in markdown_run(res)

@@ -95,9 +95,9 @@ class App:
             raise ToolFailure(f"{which}; start one with {op('start')} (or pass {param('base_url')})")
         return st.base_url
 
-    def run_job_work(self, spec: ToolSpec, params: Any, progress: ProgressFn) -> dict[str, Any]:
+    def run_job_work(self, spec: ToolSpec, params: Any, progress: ProgressFn, checked: Any = None) -> dict[str, Any]:
         try:
-            return spec.dump(spec.fn(self, params, progress))
+            return spec.dump(spec.run(self, params, progress, checked))
         except JobCancelled:
             raise
         except Exception as exc:  # job_status shows the error as a direct call would
@@ -191,7 +191,7 @@ async def run_long(app: App, spec: ToolSpec, params: Any, ctx: Context | None) -
                 except Exception:  # a client that went away must not fail the work
                     pass
 
-            return spec.dump(spec.fn(app, params, progress))
+            return spec.dump(spec.run(app, params, progress))
 
     return await in_thread(call)
 

@@ -83,8 +83,9 @@ async def start_job(app, p: StartJobParams) -> Reply:
         params = model.from_mcp_args(p.arguments)
     except ValidationError as exc:
         raise argument_error(exc, p.tool) from None
-    if spec.check is not None:  # refused now, as a direct call is, rather than as a job that fails at once
-        await anyio.to_thread.run_sync(lambda: spec.check(app, params))
+    checked = None
+    if spec.check is not None:  # refused now, as a direct call is, and the job runs with what was checked
+        checked = await anyio.to_thread.run_sync(lambda: spec.check(app, params))
     info = app.jobs.submit(p.tool, params.model_dump(mode="json", exclude_none=True, exclude_defaults=True),
-                           lambda progress: app.run_job_work(spec, params, progress))
+                           lambda progress: app.run_job_work(spec, params, progress, checked))
     return Reply(info, _job_summary(info))

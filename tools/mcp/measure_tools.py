@@ -40,10 +40,9 @@ def _sweep_inputs(app, p: SweepParams) -> _Sweep:
       long=True, open_world=True, check=_sweep_inputs,
       extra={"counts": (dict[str, int], "Cells by status: ok, infeasible, failed"),
              "table_md": (str, "The run's markdown table")})
-def run_sweep(app, p: SweepParams, progress) -> Reply:
+def run_sweep(app, p: SweepParams, progress, checked: _Sweep) -> Reply:
     """Measure the running server's throughput with vLLM's own benchmark over input lengths x concurrencies, the
     same prompts for every build; writes a run folder under an evidence root. Long."""
-    checked = _sweep_inputs(app, p)
     res = sweep(checked.params, checked.endpoint, serve_config=checked.config,
                 progress=lambda d, t, m: progress(d, t, m))
     counts = res.counts
@@ -52,7 +51,9 @@ def run_sweep(app, p: SweepParams, progress) -> Reply:
     summary = (f"sweep {res.run_id} ({res.label}): {counts['ok']} ok, {counts['failed']} failed, "
                f"{counts['infeasible']} infeasible cells"
                + (f"; best {best.median['output_throughput']:.2f} out tok/s at in={best.input_len} "
-                  f"c={best.concurrency}" if best else ""))
+                  f"c={best.concurrency}" if best else "")
+               + "".join(f"; c=1 at in={L}: {100 * r.fraction:.0f}% of the memory-bandwidth roofline"
+                         for L, r in res.roofline.items()))
     # the table the run wrote (summary.md), not rendered a second time
     return Reply(res, summary, {"counts": counts, "table_md": Path(res.files["table_md"]).read_text()})
 
@@ -74,11 +75,11 @@ def _capacity_inputs(app, p: CapacityParams) -> _Capacity:
 
 @tool(toolset="capacity", title="Capacity within a latency SLO", params=CapacityParams, result=CapacityResult,
       long=True, open_world=True, check=_capacity_inputs)
-def find_capacity(app, p: CapacityParams, progress) -> Reply:
+def find_capacity(app, p: CapacityParams, progress, checked: _Capacity) -> Reply:
     """The most concurrent users (or Poisson req/s) the running server serves with every SLO term met: doubles
     the load, then bisects, vLLM's bench serve per point; the bracket, goodput, out tok/s and $ per million
     tokens there; a capacity run folder under an evidence root. Long."""
-    c = _capacity_inputs(app, p)
+    c = checked
     res = capacity(c.params, c.terms, c.endpoint, serve_config=c.config, progress=lambda d, t, m: progress(d, t, m))
     failure_if_error(res)
     return Reply(res, res.statement)
@@ -130,10 +131,9 @@ def _token_inputs(app, p: CompareParams) -> CompareParams:
 @tool(toolset="measure", title="Greedy token identity between builds", params=CompareParams,
       result=TokenComparison | TokenRecord, long=True, destructive=True, open_world=True, check=_token_inputs,
       extra={"report": (str, "The comparison as text (the article's SAME TOKENS lines)")})
-def compare_tokens(app, p: CompareParams, progress) -> Reply:
+def compare_tokens(app, p: CompareParams, progress, checked: CompareParams) -> Reply:
     """Whether two builds give the same greedy tokens, prompt by prompt: mode=record with build A, restart with
     build B, mode=check (or mode=live with two instances). Long."""
-    checked = _token_inputs(app, p)
     res = compare(checked, progress=lambda d, t, m: progress(d, t, m))
     if isinstance(res, TokenRecord):
         # The record itself is in the file; the reply lists what was recorded, not every token's logprobs.
@@ -163,11 +163,11 @@ def _logprob_inputs(app, p: CompareLogprobsParams) -> CompareLogprobsParams:
 @tool(toolset="fidelity", title="Logprob fidelity between builds (KLD)", params=CompareLogprobsParams,
       result=RecordLogprobsResult | CheckLogprobsResult, long=True, destructive=True, open_world=True,
       check=_logprob_inputs)
-def compare_logprobs(app, p: CompareLogprobsParams, progress) -> Reply:
+def compare_logprobs(app, p: CompareLogprobsParams, progress, checked: CompareLogprobsParams) -> Reply:
     """Full-distribution fidelity of two builds over a text corpus: mode=record scores it with the reference
     build into `reference` (REF.json under an evidence root; force=true to replace one), restart with the other
     build, mode=check: mean/p99/max KLD, top-1 agreement, perplexity ratio. Long: progress in windows."""
-    res = logprob_fidelity(_logprob_inputs(app, p), progress=lambda d, t, m: progress(d, t, m))
+    res = logprob_fidelity(checked, progress=lambda d, t, m: progress(d, t, m))
     if isinstance(res, RecordLogprobsResult):
         return Reply(res, f"recorded {res.tokens} positions ({res.windows} windows) from {res.model}: {res.path}")
     return Reply(res, f"{res.candidate_model} vs {res.reference_model}: mean KLD {res.mean_kld:.4g}, p99 "
@@ -175,20 +175,26 @@ def compare_logprobs(app, p: CompareLogprobsParams, progress) -> Reply:
                       f"{res.ppl_ratio:.4f} over {res.tokens} tokens")
 
 
-def _decode_inputs(app, p: DecodeParams) -> DecodeParams:
-    """The run's folder confined, the server a managed one."""
+class _Decode(NamedTuple):
+    params: DecodeParams
+    endpoint: Endpoint
+    config: Any
+
+
+def _decode_inputs(app, p: DecodeParams) -> _Decode:
+    """The run's folder confined, the server a managed one (not whatever holds the config's port)."""
     out = app.roots.confine(p.out, "evidence", what="out")
-    resolve_endpoint(p, app.config(), managed=True)  # a managed server, not whatever holds the config's port
-    return p.model_copy(update={"out": out})
+    cfg = app.config()
+    return _Decode(p.model_copy(update={"out": out}), resolve_endpoint(p, cfg, managed=True), cfg)
 
 
 @tool(toolset="decode", title="Single-stream decode benchmark (speculative decoding)", params=DecodeParams,
       result=DecodeSummary, long=True, open_world=True, check=_decode_inputs)
-def run_decode_bench(app, p: DecodeParams, progress) -> Reply:
+def run_decode_bench(app, p: DecodeParams, progress, checked: _Decode) -> Reply:
     """Time per output token for one user: twenty chat prompts one at a time, streamed, with the drafter's
     acceptance from /metrics when the server runs speculative decoding; writes a run folder under an evidence
     root. Long: progress in prompts."""
-    res = run_decode(_decode_inputs(app, p), serve_config=app.config(),
+    res = run_decode(checked.params, serve_config=checked.config, endpoint=checked.endpoint,
                      progress=lambda d, t, m: progress(d, t, m))
     acc = (f", {100 * res.acceptance_rate:.0f}% of {res.draft_tokens:.0f} draft tokens accepted"
            if res.acceptance_rate is not None else ", no drafts")

@@ -73,6 +73,12 @@ class ToolSpec:
     def output_schema(self) -> dict[str, Any]:
         return lean_schema(self.result, self.extra)
 
+    def run(self, app: Any, params: Any, progress: Callable[..., None], checked: Any = None) -> Reply:
+        """A long tool's work, its check run once: here, or by start_job (which passes `checked`)."""
+        if self.check is None:
+            return self.fn(app, params, progress)
+        return self.fn(app, params, progress, self.check(app, params) if checked is None else checked)
+
     def dump(self, reply: Reply) -> dict[str, Any]:
         """The structured content: the library result as JSON, the added fields, the summary."""
         res = reply.result
@@ -97,7 +103,8 @@ def tool(*, toolset: str, title: str, params: type | None = None, result: Any = 
     Quick tools: `fn(app, params) -> Reply` (run in a worker thread) or `async fn(app, params) -> Reply`.
     Long tools: `fn(app, params, progress) -> Reply`, `progress(done, total, message)`. A long tool's `check`
     does its input checks that need no long work (paths in the roots, names, the endpoint) and returns what the
-    tool uses of them; the tool calls it first, and start_job before it hands out a job id.
+    tool uses of them, once per call: the caller runs it (start_job before it hands out a job id) and gives its
+    result to the tool, `fn(app, params, progress, checked)` (ToolSpec.run).
     """
     if toolset not in TOOLSETS:
         raise ValueError(f"unknown toolset {toolset!r}")

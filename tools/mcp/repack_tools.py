@@ -60,10 +60,10 @@ def _tiny_out(app, p: TinyParams) -> Path:
       idempotent=True, check=_tiny_out,
       extra={"path": (str, "The source written: probe and repack it"),
              "accuracy": (float, "Greedy accuracy on its training pattern")})
-def make_tiny_model(app, p: TinyParams, progress) -> Reply:
+def make_tiny_model(app, p: TinyParams, progress, checked: Path) -> Reply:
     """Write a tiny Gemma-4-shaped QAT source checkpoint, for a machine without a GPU or the real checkpoint
     (the walk then runs on CPU). Long."""
-    out = _tiny_out(app, p)
+    out = checked
     progress(0, 1, f"building the tiny QAT source in {out}")
     info = tiny_model.cached_tiny_qat_checkpoint(out)
     progress(1, 1, f"wrote {out}")
@@ -106,10 +106,10 @@ def _repack_paths(app, p: BuildParams) -> tuple[Path, Path]:
       extra={"output": (str, "The written checkpoint folder; pass it to start_vllm_server as model"),
              "tables": (list[dict[str, Any]], "Per table: bytes, groups, off-grid groups, exact values, errors"),
              "table": (str, "")})
-def repack_checkpoint(app, p: BuildParams, progress) -> Reply:
+def repack_checkpoint(app, p: BuildParams, progress, checked: tuple[Path, Path]) -> Reply:
     """Build the all-4-bit checkpoint from a QAT source (embed_int4=false: the bf16-embedding build); leaves
     nothing half written. Long."""
-    src, out = _repack_paths(app, p)
+    src, out = checked
     from repack.build import build_checkpoint
 
     opts = p.options()

@@ -34,11 +34,11 @@ def _start_config(app, p: StartParams):
 
 @tool(toolset="serve", title="Start the vLLM server", params=StartParams, result=StartResult, long=True,
       open_world=True, check=_start_config)
-def start_vllm_server(app, p: StartParams, progress) -> Reply:
+def start_vllm_server(app, p: StartParams, progress, checked) -> Reply:
     """Serve a build (a folder under a models root, or a hub id) with vLLM until stopped; returns once it
     answers, with the engine's figures. Long."""
     start = replace_server if p.replace else start_server
-    res = start(_start_config(app, p), progress=lambda frac, msg: progress(round(frac * 100, 1), 100, msg))
+    res = start(checked, progress=lambda frac, msg: progress(round(frac * 100, 1), 100, msg))
     sf = res.start_fields
     mem = f"; host RSS {res.host_memory.rss_mib:.0f} MiB" if res.host_memory else ""
     instead = f" in place of {res.replaced['served_name']}" if res.replaced else ""

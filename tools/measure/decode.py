@@ -28,7 +28,7 @@ from tools.core.output_check import check_output_folder
 from tools.measure.results import DEFAULT_OUT
 from tools.measure.roofline import Roofline, single_stream_roofline
 from tools.measure.spec_metrics import read_spec_counters, spec_delta, speculative_from_argv
-from tools.serving.endpoint import EndpointParams, resolve_endpoint
+from tools.serving.endpoint import Endpoint, EndpointParams, resolve_endpoint
 
 PROMPTS_FILE = Path(__file__).resolve().parent / "data" / "decode-prompts.json"
 
@@ -202,18 +202,19 @@ def summarize(records: list[PromptRecord]) -> dict[str, float | None]:
 
 def run_decode(params: DecodeParams | None = None, *, progress: Progress | None = None, serve_config: Any = None,
                server_argv: list[str] | None = None, extra_provenance: dict[str, Any] | None = None,
-               **overrides: Any) -> DecodeResult:
+               endpoint: Endpoint | None = None, **overrides: Any) -> DecodeResult:
     """Run the decode benchmark against a live server and save its evidence folder.
 
     serve_config names the server tools/ started (default: tpu.env's): the default base_url and its argv for the
-    provenance; server_argv is given by a caller that started the server itself.
+    provenance; server_argv is given by a caller that started the server itself; endpoint, by a caller that
+    resolved it already (the MCP tool, once per call).
     """
     params = DecodeParams(**{**(params or DecodeParams()).model_dump(), **overrides})
     _check_label(params.label)
     check_output_folder(params.out)  # before any request: the run would end unwritten
     if params.sampling == "checkpoint" and params.generation_config:  # a bad file before any request
         checkpoint_sampling(params.generation_config)
-    endpoint = resolve_endpoint(params, serve_config)
+    endpoint = endpoint or resolve_endpoint(params, serve_config)
     base_url = endpoint.base_url
     if endpoint.config is not None:  # the server measured: its start record goes into the provenance
         serve_config = endpoint.config

@@ -16,6 +16,7 @@ from tools.core.text import clip
 from tools.core.params import OpParams
 from tools.serving.endpoint import EndpointParams
 from tools.core.root import PROJECT_ROOT
+from tools.measure.roofline import Roofline
 from tools.measure.uncertainty import Estimate, estimate
 
 DEFAULT_OUT = PROJECT_ROOT / "evidence"
@@ -164,6 +165,10 @@ class SweepResult(BaseModel):
     cells: list[CellResult] = Field(default_factory=list)
     provenance: dict[str, Any] = Field(default_factory=dict)
     speculative_config: dict[str, Any] | None = Field(None, description="The server's --speculative-config")
+    roofline: dict[int, Roofline] = Field(default_factory=dict, description="Per input length, the c=1 cell's "
+                                          "decode rate (1000 / mean TPOT) as a share of the memory-bandwidth "
+                                          "roofline (tools/measure/roofline.py)")
+    roofline_note: str | None = Field(None, description="Why a c=1 cell has no roofline figure, where one has none")
     files: dict[str, str] = Field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from tools.core.output_check import check_output_folder
 from tools.measure.results import (DEFAULT_OUT, DEFAULT_PRICE_PER_HOUR, METRICS, PREFIX_CACHE_POLICY,  # noqa: F401
                                    PROJECT_ROOT, CellResult, RepeatResult, SweepParams, SweepResult, aggregate,
                                    cell_acceptance)
+from tools.measure.roofline import Roofline, sweep_cell_roofline
 from tools.measure.spec_metrics import speculative_from_argv
 from tools.measure.sweep_worker import BenchWorker, raw_name
 from tools.serving import router as router_mod
@@ -166,8 +167,33 @@ def sweep(params: SweepParams, endpoint: Endpoint, *, progress: Progress | None 
         evidence.write_json(run_dir / "provenance.json", result.provenance)
     result.finished = datetime.now(timezone.utc).isoformat(timespec="seconds")
     result.wall_s = time.monotonic() - t0
+    result.roofline, result.roofline_note = single_stream_rooflines(result, server.model_root)
     result.files = sweep_report.write_run(result, run_dir, price_per_hour=params.price_per_hour, plot=True)
     return result
+
+
+def single_stream_rooflines(result: SweepResult, model_root: str | None) -> tuple[dict[int, Roofline], str | None]:
+    """Each ok c=1 cell's decode rate (1000 / mean TPOT: output tok/s over a request includes its prefill) as a
+    share of the served build's memory-bandwidth roofline, by input length; or why there is none."""
+    singles = [c for c in result.cells if c.status == "ok" and c.concurrency == 1 and c.request_rate is None]
+    if not singles:
+        return {}, None
+    if result.speculative_config:
+        return {}, "a drafter's steps read two models and emit several tokens: no single-model roofline"
+    out: dict[int, Roofline] = {}
+    for c in singles:
+        tpot = c.estimate("mean_tpot_ms").mean
+        if not tpot:
+            continue
+        try:
+            fig = sweep_cell_roofline(1000.0 / tpot, model_root, input_len=c.input_len, output_len=c.output_len)
+        except Exception as exc:  # an unreadable header or config must not cost the measured run
+            return out, f"the bytes per step of {model_root!r} could not be read: {exc}"
+        if fig is None:
+            return out, (f"the served model {model_root!r} is not a local folder with a config.json: its bytes "
+                         "per step are unknown")
+        out[c.input_len] = fig
+    return out, None
 
 
 class Tally:

@@ -73,7 +73,12 @@ def markdown_run(res: SweepResult, *, price_per_hour: float = DEFAULT_PRICE_PER_
                 f"| {c.estimate('mean_tpot_ms').text(2)} | {_fmt(m.get('mean_itl_ms'), 2)} "
                 f"| {'—' if spread is None else f'{spread:.1f}%'} "
                 f"| {_fmt(cost_per_million(c.output_throughput_ci.mean, price_per_hour))} | {status} |")
+        if L in res.roofline:
+            lines += [f"Single stream (c=1), decode tok/s = 1000 / TPOT mean as a share of the roofline: "
+                      f"{res.roofline[L].line()}"]
         lines.append("")
+    if res.roofline_note:
+        lines += [f"Roofline: none ({res.roofline_note})", ""]
     if res.speculative_config:  # the concurrency question of speculative decoding: acceptance per cell
         import json
 
