@@ -1,0 +1,190 @@
+"""The kill matrix for the other commands that write evidence against a running server: `./vllm-t4 compare record`
+(one token record, written whole at the end) and `./vllm-t4 fidelity record` (REF.json, streamed a window at a
+time into a temporary beside it). A stand-in server answers what they ask (/v1/models, /tokenize, /detokenize,
+/v1/chat/completions with token ids and logprobs, /v1/completions with prompt_logprobs), each answer slowly enough
+that the test can signal the command before its first record and between records; the stand-in counts the
+requests it started and answered, which is how the test knows the phase. SIGINT and SIGTERM end the command with
+130 / 143, one line after its progress lines, no traceback and nothing left beside --out; SIGKILL leaves at most
+the temporary (and its lock file), which the next run of the same command, to completion, sweeps.
+
+Not here: `./vllm-t4 sweep`, whose cells run vLLM's `bench serve` in a worker that imports vLLM and loads the
+served model's tokenizer (seconds a cell even on a stand-in), and whose run folder is resumable by design (a killed
+sweep keeps every finished repeat), so "nothing left" is not its contract."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from tests.fixtures import ROOT
+
+SIGNALS = {"SIGINT": (signal.SIGINT, 130), "SIGTERM": (signal.SIGTERM, 143), "SIGKILL": (signal.SIGKILL, -9)}
+PHASES = ["before-first-record", "between-records"]
+SLOW_S = 0.25  # each generation / scored window: the phase the test signals in
+
+
+class _StandIn(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    counts: Counter  # set per server: "started /path", "answered /path"
+
+    def log_message(self, *a):
+        pass
+
+    def _send(self, obj, code=200):
+        data = json.dumps(obj).encode()
+        try:
+            self.send_response(code)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        except OSError:  # the client was killed while this answer slept
+            pass
+
+    def do_GET(self):  # noqa: N802
+        if self.path == "/v1/models":
+            self._send({"data": [{"id": "m", "root": "/nowhere", "max_model_len": 4096}]})
+        else:
+            self._send({"detail": "Not Found"}, 404)
+
+    def do_POST(self):  # noqa: N802
+        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        self.counts[f"started {self.path}"] += 1
+        if self.path == "/tokenize":
+            text = body.get("prompt")
+            if text is None:
+                text = "<chat>" + "".join(m["content"] for m in body["messages"])
+            ids = ([2] if body.get("add_special_tokens") else []) + [4 + b % 60 for b in text.encode()]
+            answer = {"tokens": ids, "count": len(ids)}
+        elif self.path == "/detokenize":
+            answer = {"prompt": "x" * len(body["tokens"])}
+        elif self.path == "/v1/completions":  # fidelity: prompt logprobs, the actual token ranked first
+            time.sleep(SLOW_S)
+            ids = body["prompt"]
+            plp = [None] + [{str(t): {"logprob": -0.5, "rank": 1}, str(t + 1): {"logprob": -1.5, "rank": 2}}
+                            for t in ids[1:]]
+            answer = {"choices": [{"text": "x", "index": 0, "prompt_logprobs": plp}]}
+        elif self.path == "/v1/chat/completions":  # compare record: token ids and top logprobs as ids
+            time.sleep(SLOW_S)
+            n = body["max_tokens"]
+            tops = [{"top_logprobs": [{"token": f"token_id:{10 + i}", "logprob": -0.1},
+                                      {"token": f"token_id:{20 + i}", "logprob": -2.0}]} for i in range(n)]
+            answer = {"choices": [{"message": {"content": "ab"[:n]}, "token_ids": [10 + i for i in range(n)],
+                                   "finish_reason": "length", "logprobs": {"content": tops}}],
+                      "usage": {"prompt_tokens": 7}}
+        else:
+            answer = None
+        self.counts[f"answered {self.path}"] += 1  # before the answer: a count of 0 means none has left yet
+        self._send(answer if answer is not None else {"detail": "Not Found"}, 200 if answer is not None else 404)
+
+
+@pytest.fixture
+def server():
+    """A fresh stand-in per case: a killed client's last request (still sleeping) never counts in the next."""
+    handler = type("Handler", (_StandIn,), {"counts": Counter()})
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}", handler.counts
+    srv.shutdown()
+    srv.server_close()
+
+
+def _reached(counts: Counter, path: str, phase: str) -> bool:
+    started, answered = counts[f"started {path}"], counts[f"answered {path}"]
+    if phase == "before-first-record":
+        return started >= 1 and answered == 0
+    return answered >= 1 and started > answered
+
+
+def _run(argv: list[str], timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tools.cli", *argv], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+
+
+def _kill_at(argv: list[str], counts: Counter, path: str, phase: str, sig: str) -> tuple[int, str]:
+    proc = subprocess.Popen([sys.executable, "-m", "tools.cli", *argv], cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    try:
+        deadline = time.monotonic() + 60
+        while not _reached(counts, path, phase):
+            assert proc.poll() is None, proc.stderr.read()
+            assert time.monotonic() < deadline, f"{argv[:2]} never reached {phase}"
+            time.sleep(0.01)
+        proc.send_signal(SIGNALS[sig][0])
+        err = proc.communicate(timeout=60)[1]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc.returncode, err
+
+
+def _assert_ended(sig: str, rc: int, err: str) -> None:
+    assert rc == SIGNALS[sig][1], err
+    assert "Traceback" not in err, err
+    if sig != "SIGKILL":
+        last = err.strip().splitlines()[-1]  # after the progress lines: one line saying how it ended
+        assert last == f"vllm-t4: {'interrupted' if sig == 'SIGINT' else 'terminated'}", err
+
+
+def _leftovers(folder: Path, name: str) -> list[str]:
+    """What a killed write of folder/name may leave: its temporary and the lock file beside it, nothing else."""
+    left = sorted(os.listdir(folder))
+    assert all(f.startswith(f".{name}.partial-") or f.startswith(f".{name}.lock-") for f in left), left
+    return left
+
+
+@pytest.mark.parametrize("phase", PHASES)
+@pytest.mark.parametrize("sig", list(SIGNALS))
+def test_compare_record_killed_at_each_phase_leaves_nothing_the_next_run_keeps(sig, phase, server, tmp_path):
+    url, counts = server
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("one\ntwo\n")
+    out = tmp_path / "ev"
+    out.mkdir()
+    argv = ["compare", "record", "--base-url", url, "--out", str(out / "tokens.json"), "--prompts", str(prompts),
+            "--max-tokens", "2", "--top-logprobs", "2"]
+    rc, err = _kill_at(argv, counts, "/v1/chat/completions", phase, sig)
+    _assert_ended(sig, rc, err)
+    assert _leftovers(out, "tokens.json") == []  # written whole at the end: even SIGKILL leaves nothing
+    if sig == "SIGKILL":
+        done = _run(argv)
+        assert done.returncode == 0, done.stderr
+        assert os.listdir(out) == ["tokens.json"]
+        assert len(json.loads((out / "tokens.json").read_text())["generations"]) == 2
+    else:
+        assert os.listdir(out) == []
+
+
+@pytest.mark.parametrize("phase", PHASES)
+@pytest.mark.parametrize("sig", list(SIGNALS))
+def test_fidelity_record_killed_at_each_phase_leaves_nothing_the_next_run_keeps(sig, phase, server, tmp_path):
+    url, counts = server
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog. " * 3)
+    out = tmp_path / "ev"
+    out.mkdir()
+    argv = ["fidelity", "record", "--base-url", url, "--out", str(out / "REF.json"), "--corpus", str(corpus),
+            "--window", "16", "--max-corpus-tokens", "32", "--top-k", "2"]
+    rc, err = _kill_at(argv, counts, "/v1/completions", phase, sig)
+    _assert_ended(sig, rc, err)
+    left = _leftovers(out, "REF.json")
+    if sig == "SIGKILL":
+        assert any(".partial-" in f for f in left), left  # a SIGKILL runs no clean-up ...
+        done = _run(argv)  # ... the next record there sweeps it
+        assert done.returncode == 0, done.stderr
+        assert os.listdir(out) == ["REF.json"]
+        assert json.loads((out / "REF.json").read_text())["footer"]["complete"] is True
+    else:
+        assert left == []
