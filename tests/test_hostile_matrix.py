@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_hostile_outputs import MOUNT, _listing, mounts  # noqa: F401 (the fixture)
+from tests.test_hostile_outputs import MOUNT, _listing, fill, mounts  # noqa: F401 (the fixture)
 from tools.cli import main
 
 DEAD = "http://127.0.0.1:9"
@@ -58,14 +58,7 @@ def _place(kind: str, tmp_path: Path, mounts, is_file: bool, command: str) -> tu
         mounts(area / "m", "ro")
     else:
         mounts(area / "m")
-        fd = os.open(area / "m" / "filler", os.O_WRONLY | os.O_CREAT)
-        try:  # to the last block
-            while True:
-                os.write(fd, b"x" * 4096)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
+        fill(area / "m")
     inner = area / "m"
     return inner / ("out.json" if is_file else "out"), inner
 

@@ -67,18 +67,23 @@ def _read_only(tmp_path: Path, mounts, monkeypatch) -> Path:
     return place
 
 
+def fill(place: Path) -> None:
+    """Fills the file system at `place` (a small tmpfs) to its last block."""
+    fd = os.open(place / "filler", os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, b"x" * 4096)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def _full(tmp_path: Path, mounts, monkeypatch) -> Path:
     place = tmp_path / "full"
     if MOUNT:
         mounts(place)
-        fd = os.open(place / "filler", os.O_WRONLY | os.O_CREAT)
-        try:  # fill it to the last block
-            while True:
-                os.write(fd, b"x" * 4096)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
+        fill(place)
     else:
         place.mkdir()
         _inject(monkeypatch, errno.ENOSPC)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -397,9 +398,22 @@ def test_router_lifecycle_over_stand_in_workers(tmp_path, fleet):
             except httpx.HTTPError:
                 time.sleep(0.1)
     env = _env(tmp_path / "run")
-    r = _cli(["router", "start", "--instances", "a,b", "--port", str(pr), "--json"], env)
+    # Another router on the machine (another checkout, a CI job) holds vllm-router's default metrics port: each
+    # router gets a free one of its own, or the second panics on 29000.
+    held = socket.socket()
+    try:
+        held.bind(("127.0.0.1", 29000))
+        held.listen()
+    except OSError:  # already held by something else: the same situation
+        pass
+    try:
+        r = _cli(["router", "start", "--instances", "a,b", "--port", str(pr), "--json"], env)
+    finally:
+        held.close()
     assert r.returncode == 0, r.stderr
     started = json.loads(r.stdout)
+    metrics_port = started["argv"][started["argv"].index("--prometheus-port") + 1]
+    assert metrics_port != "29000"
     try:
         assert [b["instance"] for b in started["backends"]] == ["a", "b"]
         assert (tmp_path / "run" / "router.json").is_file() and (tmp_path / "run" / "router.log").is_file()

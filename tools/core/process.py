@@ -119,6 +119,13 @@ def kill_group(proc: subprocess.Popen, grace_s: float = 10) -> None:
     proc.wait()
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on `host` that nothing listens on now (the kernel's choice)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
 def port_holder(host: str, port: int) -> str | None:
     """None when (host, port) can be bound; otherwise who holds it, as 'pid N (name)' when psutil can tell."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

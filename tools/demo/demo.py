@@ -23,7 +23,6 @@ import argparse
 import json
 import platform
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -39,6 +38,7 @@ from repack.probe import ProbeReport, probe_checkpoint
 from repack.tiny_model import cached_tiny_qat_checkpoint, default_cache_dir
 from tools.cli.commands import Command, add_commands, exit_status, fail
 from tools.core.errors import BadInput, ToolFailure, param
+from tools.core.process import free_port
 from tools.core.root import PROJECT_ROOT
 from tools.measure.server_guard import owned_server
 from tools.measure.compare_tokens import CompareParams, TokenComparison, check_against, record_reference
@@ -68,12 +68,6 @@ def has_nvidia_gpu() -> bool:
         return subprocess.run([exe, "-L"], capture_output=True, timeout=30).returncode == 0
     except (OSError, subprocess.TimeoutExpired):
         return False
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -298,7 +292,7 @@ def _serve_builds(plan: _Plan, opts: DemoOptions, paths: dict[str, Path],
     for i, (label, _, _) in enumerate(plan.builds):
         overrides = dict(plan.serve_overrides, model=str(paths[label]), served_name=paths[label].name)
         if not plan.gpu:
-            overrides["port"] = _free_port()
+            overrides["port"] = free_port()
         cfg = load_config(opts.env_file, **overrides)
         log(f"[{4 + i}/6] serving {label} ({cfg.model}) at {cfg.base_url}")
         with owned_server(cfg.state_file):  # a kill of the demo does not leave it serving

@@ -21,7 +21,7 @@ import psutil
 
 from tools.core.errors import BadInput, ToolFailure, op, param
 from tools.core.metrics import total
-from tools.core.process import end_group, port_holder
+from tools.core.process import end_group, free_port, port_holder
 from tools.serving import engine_log, placement
 from tools.serving.config import ServeConfig
 from tools.serving.state import DamagedState
@@ -188,7 +188,9 @@ def start_router(cfg: ServeConfig, instances: list[str], *, policy: str = "round
         _refuse_recorded(cfg)
         backends = _healthy_backends(cfg, names)
         _check_port(cfg, host, port)
+        # vllm-router always serves its own metrics, on 29000 unless told: a second router would die on that port
         argv = [router_binary(), "--host", host, "--port", str(port), "--policy", policy,
+                "--prometheus-host", host, "--prometheus-port", str(free_port(host)),
                 "--worker-urls", *[b.base_url for b in backends]]
         t0 = time.monotonic()
         proc, st = _launch(cfg, argv, host, port, policy, backends)
