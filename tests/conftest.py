@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fixtures import ROOT, SERVE_MAX_MODEL_LEN, free_port, require_plugin
+from fixtures import ROOT, SERVE_MAX_MODEL_LEN, free_port, in_process_engine, require_plugin
 
 
 @pytest.hookimpl(trylast=True)  # after pytest's own configure: the temporary-folder factory is needed
@@ -197,17 +197,12 @@ def _serve(cfg):
     """Starts a shared server for the session. On the CPU its model worker runs inside vLLM's engine process
     (VLLM_ENABLE_V1_MULTIPROCESSING=0 for that start only): one Python process fewer to import vLLM into, 30 s ->
     23 s per start here, same greedy tokens (evidence/suite-speed.md). The product's own process layout is what
-    every other start in the suite runs (the command line, the demo, the MCP server, instances, the decode sweep)."""
+    the command line, the demo, the MCP server and instances run (fixtures.in_process_engine says where else)."""
     from tools.serving.vllm_server import start_server, stop_server
 
     require_plugin()
     with pytest.MonkeyPatch.context() as mp:  # for this start only: read by the server process at its launch
-        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
-        if bind and all(c.isdigit() for c in bind.split(",")):
-            # Bound to a list of cores (a lane's): in this layout vLLM binds no OpenMP threads itself, so as many
-            # threads as those cores, not one per core of the machine, and the other lane keeps its cores to itself.
-            mp.setenv("OMP_NUM_THREADS", str(len(bind.split(","))))
+        in_process_engine(mp)
         start_server(cfg)
     try:
         yield cfg

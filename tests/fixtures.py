@@ -124,3 +124,14 @@ def reaped(p: subprocess.Popen) -> Iterator[subprocess.Popen]:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
+
+
+def in_process_engine(mp: pytest.MonkeyPatch) -> None:
+    """For the vLLM CPU servers a test starts where their process layout is not what it checks: the model worker
+    runs inside vLLM's engine process (VLLM_ENABLE_V1_MULTIPROCESSING=0, read by the server at its launch), one
+    Python process fewer to import vLLM and torch into, the same greedy tokens (evidence/suite-speed.md). Bound to
+    a lane's cores, vLLM binds no OpenMP threads itself in this layout: as many threads as those cores."""
+    mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
+    if bind and all(c.isdigit() for c in bind.split(",")):
+        mp.setenv("OMP_NUM_THREADS", str(len(bind.split(","))))

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from fixtures import ROOT, SERVE_MAX_MODEL_LEN, free_port
+from fixtures import ROOT, SERVE_MAX_MODEL_LEN, free_port, in_process_engine
 
 pytestmark = pytest.mark.vllm
 
@@ -46,6 +46,7 @@ def test_decode_sweep_writes_the_drafter_table_and_measures_real_acceptance(bf16
     from tools.serving.vllm_server import server_status
 
     monkeypatch.setenv("GEMMA4_T4_MODELS_ROOTS", str(tiny_drafter.parent))
+    in_process_engine(monkeypatch)  # three starts; the decode sweep's own process handling is tested without it
     overrides = dict(model=str(bf16_text_build), served_name="gemma-4-tiny-text-sweep", host="127.0.0.1",
                      port=free_port(), state_dir=str(tmp_path / "state"), max_model_len=SERVE_MAX_MODEL_LEN,
                      max_num_seqs=8, cpu_kvcache_space_gib=1, extra_args="", start_timeout_s=900.0)

@@ -316,14 +316,15 @@ def test_w8a8_steps_keep_the_int8_group(tmp_path):
 
 @pytest.mark.vllm
 @pytest.mark.vllm_lane(1)  # starts its own server, beside the walk and the drafter table
-def test_w8a8_build_serves_on_the_cpu_int8_kernel(w8a8_build, serve_config_factory):
+def test_w8a8_build_serves_on_the_cpu_int8_kernel(w8a8_build, serve_config_factory, monkeypatch):
     import httpx
 
-    from fixtures import require_plugin
+    from fixtures import in_process_engine, require_plugin
     from repack.tiny_model import pattern_permutation
     from tools.serving.vllm_server import start_server, stop_server
 
     require_plugin()
+    in_process_engine(monkeypatch)
     cfg = serve_config_factory(w8a8_build, "gemma-4-tiny-text-w8a8")
     started = start_server(cfg)
     try:

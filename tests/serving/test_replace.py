@@ -303,11 +303,10 @@ def test_real_vllm_a_failed_replace_serves_a_again(emb4_build, serve_config_fact
     them and fails in vLLM: A is started again, serves, the message says so, and no process is left."""
     import shutil
 
-    from tests.fixtures import require_plugin
+    from tests.fixtures import in_process_engine, require_plugin
 
     require_plugin()
-    # One Python process fewer per start (as the shared servers run); recorded with A and used for its restart.
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    in_process_engine(monkeypatch)  # recorded with A and used for its restart
     a = serve_config_factory(emb4_build, "gemma-4-tiny-text-emb4", state_dir=tmp_path / "run")
     bad = tmp_path / "gemma-4-tiny-unknown-quant"
     shutil.copytree(emb4_build, bad)
