@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.fixtures import ROOT, SERVE_MAX_MODEL_LEN, free_port, group_alive
+from tests.fixtures import ROOT, free_port, group_alive
 from tools.core.errors import BadInput, ToolFailure
 from tools.serving import state
 from tools.serving.config import ServeConfig
