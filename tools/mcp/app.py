@@ -132,7 +132,7 @@ def error_result(exc: BaseException) -> ToolResult:
 def _result(data: dict[str, Any]) -> ToolResult:
     """Structured content plus text for clients that show only text: the summary, then the same JSON."""
     return ToolResult(content=[TextContent(type="text", text=str(data.get("summary", ""))),
-                               TextContent(type="text", text=json.dumps(data, indent=1))],
+                               TextContent(type="text", text=json.dumps(data, separators=(",", ":")))],
                       structured_content=data)
 
 

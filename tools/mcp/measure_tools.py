@@ -6,7 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from tools.core.errors import ToolFailure
+from tools.core.errors import ToolFailure, op
+from tools.core.paths import PathNotAllowed
 from tools.core.text import clip
 from tools.measure.capacity import CapacityParams, capacity, failure_if_error
 from tools.measure.capacity_report import CapacityResult, compare_capacity, is_capacity_run
@@ -55,7 +56,10 @@ def run_sweep(app, p: SweepParams, progress, checked: _Sweep) -> Reply:
                + "".join(f"; c=1 at in={L}: {100 * r.fraction:.0f}% of the memory-bandwidth roofline"
                          for L, r in res.roofline.items()))
     # the table the run wrote (summary.md), not rendered a second time
-    return Reply(res, summary, {"counts": counts, "table_md": Path(res.files["table_md"]).read_text()})
+    # Each cell's repeats (every metric of every repeat) stay in the run folder: the cell's medians and
+    # intervals are what a caller reads.
+    return Reply(res.model_dump(mode="json", exclude={"cells": {"__all__": {"repeats"}}}), summary,
+                 {"counts": counts, "table_md": Path(res.files["table_md"]).read_text()})
 
 
 class _Capacity(NamedTuple):
@@ -119,7 +123,13 @@ def _token_inputs(app, p: CompareParams) -> CompareParams:
                           "or router is the reference)")
     ref = None
     if p.reference:
-        ref = app.roots.confine(p.reference, "evidence", must_exist=p.mode == "check", what="reference")
+        try:
+            ref = app.roots.confine(p.reference, "evidence", must_exist=p.mode == "check", what="reference")
+        except PathNotAllowed as exc:
+            if exc.detail.get("problem") != "missing":
+                raise
+            raise ToolFailure(f"{exc}: record it first with {op('compare_tokens.record', reference=p.reference)} "
+                              "against the reference build", exc.detail, field="reference") from None
     base_url = resolve_endpoint(p, app.config(), managed=True).base_url
     other = p.other_url
     if p.mode == "live" and p.other_instance:  # this server's instances (its state dir), not tpu.env's

@@ -27,6 +27,7 @@ TOOL_NAMES: dict[str, tuple[str, dict[str, Any]]] = {
     "sweep": ("run_sweep", {}),
     "sweep_compare": ("compare_sweeps", {}),
     "compare_tokens": ("compare_tokens", {}),
+    "compare_tokens.record": ("compare_tokens", {"mode": "record"}),
     "decode": ("run_decode_bench", {}),
     "eval": ("run_eval", {}),
     "eval_compare": ("compare_evals", {}),

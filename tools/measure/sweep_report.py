@@ -245,9 +245,16 @@ class SweepComparison(BaseModel):
         return self.markdown
 
     def summary(self) -> str:
-        """One line: the runs, the cell count and the first cell's ratios with their verdicts."""
+        """One line: the runs, the cell count, the verdicts counted over every cell (a first cell alone would
+        hide the others'), and the first cell's ratios."""
         first = self.cells[0].intervals.items() if self.cells else []
+        counts: dict[str, int] = {}
+        for cell in self.cells:
+            for r in cell.intervals.values():
+                counts[r.verdict or "no value"] = counts.get(r.verdict or "no value", 0) + 1
+        tally = ", ".join(f"{n} {v}" for v, n in sorted(counts.items(), key=lambda kv: -kv[1]))
         return f"compared {', '.join(self.labels)} over {len(self.cells)} cells" + (
+            f" (verdicts: {tally})" if tally else "") + (
             "; first cell " + "; ".join(f"{k}: {r.cell()}" for k, r in first) if first else "")
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from repack.checks import SOURCE_REPO
-from tools.core.errors import BadInput, ToolFailure
+from tools.core.errors import BadInput, ToolFailure, op
 from tools.core.text import clip
 
 
@@ -73,7 +73,8 @@ def hub_failure(exc: BaseException, repo_id: str, revision: str, endpoint: str |
     if isinstance(exc, (OfflineModeIsEnabled, LocalEntryNotFoundError)):
         return ToolFailure(f"{repo_id}@{revision} is not complete in the huggingface_hub cache and the hub cannot be "
                            "reached (HF_HUB_OFFLINE=1 or no network): connect and unset HF_HUB_OFFLINE, then run the "
-                           "fetch again", detail={**detail, "kind": "offline"})
+                           f"fetch again; without the hub, {op('tiny_model')} makes a stand-in source to walk the "
+                           "pipeline with", detail={**detail, "kind": "offline"})
     name = type(exc).__name__
     if "Protocol" in name or "ReadError" in name or "Consistency check failed" in str(exc):
         return ToolFailure(f"the download from {endpoint or 'https://huggingface.co'} was cut off ({name}); run the "
@@ -81,7 +82,8 @@ def hub_failure(exc: BaseException, repo_id: str, revision: str, endpoint: str |
                            detail={**detail, "kind": "dropped"})
     if "Connect" in name or "Timeout" in name or "Network" in name or isinstance(exc, ConnectionError):
         return ToolFailure(f"no network: cannot reach {endpoint or 'https://huggingface.co'} ({name}); check the "
-                           "connection, a proxy or HF_ENDPOINT, or set HF_HUB_OFFLINE=1 to use what is cached",
+                           f"connection, a proxy or HF_ENDPOINT, or set HF_HUB_OFFLINE=1 to use what is cached; without "
+                           f"the hub, {op('tiny_model')} makes a stand-in source to walk the pipeline with",
                            detail={**detail, "kind": "network"})
     if isinstance(exc, HfHubHTTPError):
         return ToolFailure(f"the hub answered HTTP {status} for {repo_id}@{revision}: try again later",
