@@ -28,6 +28,7 @@ WRITERS: dict[str, tuple[list[str], bool]] = {
     "compare record": (["compare", "record", "--base-url", DEAD], True),
     "eval": (["eval", "--tasks", "tiny_pattern_mc", "--base-url", DEAD], False),
     "fetch": (["fetch", "acme/tiny"], False),
+    "capacity": (["capacity", "--base-url", DEAD], False),
 }
 KINDS = ["exists", "wrong-kind", "parent-is-file", "read-only", "full"]
 

@@ -91,3 +91,17 @@ def test_one_reader_names_the_field(tmp_path):
         read_record(f, ServerState)
     assert e.value.detail["field"] == "pid" and str(f) in str(e.value) and "\n" not in str(e.value)
     assert read_record(tmp_path / "none.json", ServerState) is None
+
+
+def test_a_record_naming_another_group_than_its_own_signals_nothing(cli_here, tmp_path, fleet, bystander):
+    """A server leads its own group (pgid == pid). A record whose pid is gone but whose pgid names another live
+    group (the bystander's) is damaged: stop reports it in one line and the bystander lives."""
+    a = fleet("a", free_port())
+    run = tmp_path / "run"
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    (run / "vllm.json").write_text(json.dumps({**a, "pid": gone.pid, "pgid": bystander.pid}))
+    r = cli_here(["stop", "--grace", "2"], _env(run))
+    assert r.returncode != 0 and "vllm.json is damaged" in r.stderr and "pgid" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not _gone(bystander.pid)

@@ -20,6 +20,7 @@ from typing import Any, Callable, ClassVar, Literal
 from pydantic import Field
 
 from tools.core.errors import BadInput, ToolFailure, param
+from tools.core.output_check import check_output_folder
 from tools.measure import evidence, provenance as prov_mod, sweep_report
 from tools.measure.capacity_report import CapacityResult, statement, write_capacity
 from tools.measure.capacity_search import Sample, Search, search_capacity
@@ -47,11 +48,11 @@ class CapacityParams(SweepParams):
     input_len: int = Field(512, description="Prompt length in tokens")
     load: Literal["concurrency", "rate"] = Field("concurrency", description="Search concurrent users, or a "
                                                                             "Poisson request rate (req/s)")
-    max_load: float = Field(64, description="Highest load searched (users or req/s)")
-    start: float = Field(1, description="First load measured; doubled until a point fails")
+    max_load: float = Field(64, allow_inf_nan=False, description="Highest load searched (users or req/s)")
+    start: float = Field(1, allow_inf_nan=False, description="First load measured; doubled until a point fails")
     repeats: int = Field(2, description="Repeats per point (two or more give each term an interval)")
     noise_rounds: int = Field(1, description="Extra rounds for a point whose interval holds a limit")
-    rel_tol: float = Field(0.1, description="Rate searches stop when first fail / last pass <= 1 + this")
+    rel_tol: float = Field(0.1, allow_inf_nan=False, description="Rate searches stop when first fail / last pass <= 1 + this")
     label: str = Field("build", description="Build name for tables and the run id (no spaces)")
 
     def checked_terms(self) -> list[Term]:
@@ -85,6 +86,7 @@ def run_capacity(params: CapacityParams, *, progress: Progress | None = None,
 def capacity(params: CapacityParams, terms: list[Term], endpoint: Endpoint, *, progress: Progress | None = None,
              serve_config: Any = None) -> CapacityResult:
     """The search with checked parameters (CapacityParams.checked_terms) against a resolved endpoint."""
+    check_output_folder(params.out)  # before the server is asked: a search that cannot write is refused at once
     base_url = endpoint.base_url
     if endpoint.config is not None:
         serve_config = endpoint.config

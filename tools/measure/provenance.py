@@ -102,18 +102,25 @@ def server_info(base_url: str, *, timeout: float = 10.0) -> ServerInfo:
     with httpx.Client(timeout=timeout) as client:
         r = client.get(f"{base}/v1/models")
         r.raise_for_status()
-        data = r.json().get("data") or []
-        first = data[0] if data else {}
+        body = r.json()
+        data = body.get("data") if isinstance(body, dict) else None
+        first = data[0] if isinstance(data, list) and data else {}
+        if not isinstance(body, dict) or not isinstance(first, dict) or not isinstance(data, (list, type(None))):
+            raise ValueError(f"{base}/v1/models did not list models as an OpenAI-compatible server does")
         version = None
         try:
             v = client.get(f"{base}/version")
             if v.status_code == 200:
-                version = v.json().get("version")
+                got = v.json()
+                version = got.get("version") if isinstance(got, dict) else None
         except (httpx.HTTPError, ValueError):
             pass
     mml = first.get("max_model_len")
-    return ServerInfo(base_url=base, model_id=first.get("id"), model_root=first.get("root"),
-                      max_model_len=int(mml) if mml is not None else None, vllm_version=version)
+    if mml is not None and not (isinstance(mml, int) and mml > 0):
+        raise ValueError(f"{base}/v1/models gave max_model_len {repr(mml)[:40]}, not a positive whole number")
+    return ServerInfo(base_url=base, model_id=first.get("id") if isinstance(first.get("id"), str) else None,
+                      model_root=first.get("root") if isinstance(first.get("root"), str) else None,
+                      max_model_len=mml, vllm_version=version if isinstance(version, str) else None)
 
 
 def served_model(base_url: str, model: str | None = None) -> tuple[ServerInfo, str]:
@@ -122,7 +129,8 @@ def served_model(base_url: str, model: str | None = None) -> tuple[ServerInfo, s
     try:
         server = server_info(base_url)
     except (httpx.HTTPError, ValueError) as exc:
-        raise ToolFailure(f"no vLLM server answers at {base_url} ({type(exc).__name__}); start one with "
+        why = str(exc)[:160] if isinstance(exc, ValueError) else type(exc).__name__
+        raise ToolFailure(f"no vLLM server answers at {base_url} ({why}); start one with "
                           f"{op('start')} or pass {param('base_url')}", {"base_url": base_url},
                           field="base_url") from exc
     model = model or server.model_id

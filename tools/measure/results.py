@@ -11,7 +11,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field, computed_field
 
-from tools.core.errors import ToolFailure
+from tools.core.errors import BadInput, param
 from tools.core.text import clip
 from tools.core.params import OpParams
 from tools.serving.endpoint import EndpointParams
@@ -71,7 +71,8 @@ class SweepParams(EndpointParams):
     def validate(self) -> None:
         def positive(name: str, values: list[int]) -> None:
             if not values or any(int(v) <= 0 for v in values):
-                raise ToolFailure(f"{name} must be a non-empty list of positive integers, got {clip(values)}")
+                raise BadInput(f"{param(name)} must be a non-empty list of positive integers, got {clip(values)}",
+                               field=name)
 
         positive("input_lens", self.input_lens)
         positive("concurrencies", self.concurrencies)
@@ -79,11 +80,14 @@ class SweepParams(EndpointParams):
         positive("repeats", [self.repeats])
         positive("prompts_per_concurrency", [self.prompts_per_concurrency])
         positive("min_prompts", [self.min_prompts])
-        if self.price_per_hour < 0:
-            raise ToolFailure(f"price_per_hour must be >= 0, got {self.price_per_hour}")
-        if not self.label or any(c in self.label for c in "/\\ \t\n"):
-            raise ToolFailure(f"label {clip(repr(self.label))} must be a non-empty name without slashes or spaces",
-                              {"argument": "label", "input": clip(self.label)})
+        if not self.price_per_hour >= 0 or self.price_per_hour == float("inf"):
+            raise BadInput(f"{param('price_per_hour')} must be a finite number >= 0, got {self.price_per_hour}",
+                           field="price_per_hour")
+        # a label names the run folder: at most 100 bytes, so that it fits a file name with its time and hash
+        if (not self.label or any(c in self.label for c in "/\\ \t\n")
+                or len(self.label.encode(errors="replace")) > 100):
+            raise BadInput(f"{param('label')} {clip(repr(self.label))} must be a name of at most 100 bytes without "
+                           "slashes or spaces", {"argument": "label", "input": clip(self.label)}, field="label")
 
     def identity(self) -> dict[str, Any]:
         """What makes two runs the same measurement (for resume): not the label, URL or output folder."""

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import psutil
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from tools.core import process
 from tools.core.atomic_files import write_file
@@ -91,6 +91,14 @@ class ServerState(Record):
     gpu_memory_utilization: float | None = None
     cpu_cores: list[list[int]] | None = None    # CPU cores per rank; None on the CPU: unbound (every core)
     tensor_parallel_size: int = 1
+
+    @model_validator(mode="after")
+    def _own_group(self) -> "ServerState":
+        # Every server is started as the leader of its own session (pgid == pid): a record naming another group
+        # would have stop signal processes that are not the server's.
+        if self.pgid != self.pid:
+            raise ValueError(f"pgid {self.pgid} is not the server's own group (pid {self.pid})")
+        return self
     data_parallel_size: int = 1
     # Written since replace: the environment vLLM was launched with (what of it is vLLM's, CUDA's or OpenMP's,
     # and the server's own variables; no tokens), so that a failed replace relaunches this server as it was.
