@@ -122,6 +122,6 @@ def test_article_drafter_speedups_keep_their_published_figures():
 
 def test_comparison_summary_line_uses_the_one_format():
     cmp = compare_runs([RERUN_B, RERUN_A])
-    assert cmp.summary() == ("compared int4-emb (int4-emb-rerun-b), int4-emb (int4-emb-rerun-a) over 2 cells; "
+    assert cmp.summary() == ("compared int4-emb (int4-emb-rerun-b), int4-emb (int4-emb-rerun-a) over 2 cells (verdicts: 2 within noise); "
                              "first cell int4-emb (int4-emb-rerun-a) vs int4-emb (int4-emb-rerun-b): "
                              "1.21x (0.62–2.38) within noise")
