@@ -70,9 +70,52 @@ def test_the_command_prints_the_comparison_and_json(tmp_path, capsys):
     assert main(["capacity-compare", str(a), str(b), "--json"]) == 0
     got = json.loads(capsys.readouterr().out)
     assert [r["capacity"] for r in got["rows"]] == [5, 11] and "more" in got["verdicts"][0]
-    assert main(["capacity-compare", str(a)]) == 1
+    assert main(["capacity-compare", str(a)]) == 2
     err = capsys.readouterr().err
     assert "two or more capacity run folders" in err and len(err.strip().splitlines()) == 1
+
+
+def _damage(run: Path, **fields: str) -> Path:
+    """capacity.json with raw JSON text (NaN, Infinity, numbers) put in for the given fields."""
+    f = run / "capacity.json"
+    data = json.loads(f.read_text())
+    for k in fields:
+        data[k] = f"@{k}@"
+    text = json.dumps(data)
+    for k, v in fields.items():
+        text = text.replace(f'"@{k}@"', v)
+    f.write_text(text)
+    return f
+
+
+@pytest.mark.parametrize("fields, named", [({"capacity": "NaN"}, "capacity is nan"),
+                                           ({"last_pass": "Infinity"}, "last_pass is inf"),
+                                           ({"last_pass": "12", "first_fail": "12"}, "last_pass 12 is not below")])
+def test_a_damaged_capacity_json_is_refused_naming_the_file_and_field(tmp_path, capsys, fields, named):
+    from tools.cli import main
+
+    a = capacity_run(tmp_path, "bf16", ttft_per_user=180)
+    b = capacity_run(tmp_path, "emb4", ttft_per_user=90)
+    f = _damage(b, **fields)
+    assert main(["capacity-compare", str(a), str(b)]) == 2
+    out, err = capsys.readouterr()
+    assert not out and len(err.strip().splitlines()) == 1
+    assert str(f) in err and "damaged capacity result" in err and named in err and "more" not in err
+
+
+def test_missing_or_wrong_kind_capacity_inputs_exit_2(tmp_path, capsys):
+    from tools.cli import main
+
+    a = capacity_run(tmp_path, "bf16", ttft_per_user=180)
+    sweep_only = tmp_path / "sweep"
+    sweep_only.mkdir()
+    junk = tmp_path / "junk"
+    junk.mkdir()
+    (junk / "capacity.json").write_bytes(b'{"run_id": ')
+    for other in (sweep_only, junk, tmp_path / "absent"):
+        assert main(["capacity-compare", str(a), str(other)]) == 2
+        err = capsys.readouterr().err
+        assert str(other) in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
 def test_compare_sweeps_over_mcp_takes_capacity_runs(tmp_path):

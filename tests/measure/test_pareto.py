@@ -48,3 +48,70 @@ def test_the_command_and_its_refusals(tmp_path, capsys):
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith(str(tmp_path / "pareto-"))
     with pytest.raises(ToolFailure, match="no summary.json"):
         pareto([tmp_path / "nothing"])
+
+
+def _nan_run(tmp_path: Path, bad: dict[int, str]) -> Path:
+    """The article's emb4 sweep with cell i's output tok/s replaced by raw JSON text (NaN, Infinity)."""
+    d = tmp_path / "emb4-damaged"
+    d.mkdir()
+    data = json.loads((ARTICLE / "emb4" / "summary.json").read_text())
+    for i in bad:
+        data["cells"][i]["median"]["output_throughput"] = f"@{i}@"
+    text = json.dumps(data)
+    for i, v in bad.items():
+        text = text.replace(f'"@{i}@"', v)
+    (d / "summary.json").write_text(text)
+    return d
+
+
+def test_cells_with_nan_or_infinite_metrics_are_left_out_and_counted(tmp_path):
+    d = _nan_run(tmp_path, {0: "NaN", 1: "Infinity"})
+    whole = pareto([ARTICLE / "emb4"])
+    res = pareto([d])
+    assert res.dropped == 2 and len(res.points) == len(whole.points) - 2
+    rows = [line for line in res.markdown.splitlines() if line.startswith("| emb4")]
+    assert len(rows) == len(res.points) and not any("nan" in r or "inf" in r for r in rows)
+    assert "Left out: 2 cells" in res.markdown and "2 cells left out" in res.summary()
+    assert whole.dropped == 0 and "Left out" not in whole.markdown
+
+
+def test_too_many_runs_are_refused_before_anything_is_read_or_made(tmp_path, capsys):
+    from tools.cli import main
+    from tools.measure.pareto import MAX_RUNS
+
+    out = tmp_path / "new" / "out"
+    runs = [str(tmp_path / f"absent{i}") for i in range(MAX_RUNS + 1)]  # absent: reading one would fail first
+    assert main(["pareto", *runs, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"at most {MAX_RUNS} run folders ({MAX_RUNS + 1} given)" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_failed_write_leaves_no_empty_out_folder(tmp_path, monkeypatch):
+    from tools.measure import pareto as pareto_mod
+
+    def broken(res, path):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(pareto_mod, "plot", broken)
+    res = pareto([ARTICLE / "emb4"])
+    with pytest.raises(OSError, match="disk full"):
+        write_pareto(res, tmp_path / "a" / "b")
+    assert list(tmp_path.iterdir()) == []
+    kept = tmp_path / "kept"
+    (kept / "other").mkdir(parents=True)
+    with pytest.raises(OSError):
+        write_pareto(res, kept)
+    assert [p.name for p in kept.iterdir()] == ["other"]  # a folder that was there stays, as it was
+
+
+def test_a_capacity_run_with_a_truncated_summary_names_the_capacity_command(tmp_path, capsys):
+    from tools.cli import main
+
+    cap = capacity_run(tmp_path, "emb4", ttft_per_user=90)
+    f = cap / "summary.json"
+    f.write_text(f.read_text()[:200])
+    assert main(["pareto", str(cap), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert str(f) in err and "capacity run" in err and "./vllm-t4 capacity" in err and "sweep`" not in err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "out").exists()

@@ -6,6 +6,7 @@ Turing device to show the tiles it launches with fit."""
 from __future__ import annotations
 
 import ast
+import os
 import re
 import shutil
 import subprocess
@@ -206,3 +207,49 @@ def test_command_line(target):
     assert bad.returncode == 2 and target.read_text() == "x = 1\n"
     assert len(bad.stderr.strip().splitlines()) == 1 and "another vLLM version" in bad.stderr
     assert str(target) in bad.stderr and "TILE_SIZE" in bad.stderr
+
+
+@pytest.mark.parametrize("op", [turing_patch.apply, turing_patch.check, turing_patch.revert])
+def test_a_file_that_is_not_utf8_is_refused_untouched(tmp_path, op):
+    f = tmp_path / "triton_unified_attention.py"
+    data = b"x = 1\n# \xff\xfe latin-1 bytes\n"
+    f.write_bytes(data)
+    with pytest.raises(BadInput, match="not UTF-8") as exc:
+        op(f)
+    assert str(f) in str(exc.value) and len(str(exc.value).splitlines()) == 1
+    assert f.read_bytes() == data and [p.name for p in tmp_path.iterdir()] == [f.name]  # no backup either
+
+
+def test_the_command_refuses_a_non_utf8_file_in_one_line(tmp_path):
+    f = tmp_path / "triton_unified_attention.py"
+    f.write_bytes(b"\xff\n")
+    for flags in ([], ["--check"], ["--revert"]):
+        res = subprocess.run([sys.executable, str(ROOT / "patch_triton_turing.py"), *flags, "--target", str(f)],
+                             capture_output=True, text=True)
+        assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+        assert str(f) in res.stderr and "not UTF-8" in res.stderr and "Traceback" not in res.stderr
+    assert f.read_bytes() == b"\xff\n"
+
+
+def _odd_target(tmp_path: Path, kind: str) -> Path:
+    p = tmp_path / kind
+    if kind == "directory":
+        p.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(p)
+    else:  # a symlink loop
+        (tmp_path / "other").symlink_to(p)
+        p.symlink_to(tmp_path / "other")
+    return p
+
+
+@pytest.mark.parametrize("kind, said", [("directory", "is a directory"), ("fifo", "is a named pipe (fifo)"),
+                                        ("loop", "is a symbolic link loop")])
+@pytest.mark.parametrize("op", [turing_patch.apply, turing_patch.check, turing_patch.revert])
+def test_a_target_that_is_not_a_file_says_what_it_is(tmp_path, kind, said, op):
+    p = _odd_target(tmp_path, kind)
+    with pytest.raises(BadInput, match=re.escape(said)) as exc:
+        op(p)
+    assert str(p) in str(exc.value) and "does not exist" not in str(exc.value)
+    with pytest.raises(ToolFailure, match="does not exist"):
+        op(tmp_path / "absent.py")

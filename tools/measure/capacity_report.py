@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from tools.core.errors import ToolFailure, op
+from tools.core.errors import BadInput, op
 from tools.measure.capacity_search import Search, TermCheck
 from tools.measure.capacity_slo import Term
 from tools.measure.evidence import write_text
@@ -124,13 +124,32 @@ def load_capacity(path: str | Path) -> CapacityResult:
     p = Path(path)
     f = p / "capacity.json" if p.is_dir() else p
     if not f.is_file():
-        raise ToolFailure(f"{p}: no capacity.json; pass a folder written by {op('capacity')}",
-                          detail={"path": str(p)})
+        raise BadInput(f"{p}: no capacity.json; pass a folder written by {op('capacity')}",
+                       detail={"path": str(p)})
     try:
-        return CapacityResult.model_validate_json(f.read_text())
-    except ValueError as exc:
-        raise ToolFailure(f"{f}: not a capacity result ({str(exc).splitlines()[0]}); pass a folder written by "
-                          f"{op('capacity')}") from exc
+        res = CapacityResult.model_validate_json(f.read_text())
+    except (ValueError, OSError) as exc:  # UnicodeDecodeError is a ValueError
+        raise BadInput(f"{f}: not a capacity result ({str(exc).splitlines()[0]}); pass a folder written by "
+                       f"{op('capacity')}") from exc
+    _check_sound(res, f)
+    return res
+
+
+def _check_sound(r: CapacityResult, f: Path) -> None:
+    """A capacity.json that parses but cannot be a search's answer (NaN, Infinity, a bracket upside down) would
+    give a confident verdict from nothing: refuse it as damaged, naming the field."""
+    numbers = {"capacity": r.capacity, "last_pass": r.last_pass, "first_fail": r.first_fail,
+               "usd_per_million": r.usd_per_million, "price_per_hour": r.price_per_hour,
+               "goodput": r.goodput.mean if r.goodput else None,
+               "out_tok_s": r.out_tok_s.mean if r.out_tok_s else None}
+    for name, v in numbers.items():
+        if v is not None and not math.isfinite(v):
+            raise BadInput(f"{f}: damaged capacity result: {name} is {v}; measure it again with {op('capacity')}",
+                           detail={"path": str(f), "field": name})
+    if r.last_pass is not None and r.first_fail is not None and r.last_pass >= r.first_fail:
+        raise BadInput(f"{f}: damaged capacity result: last_pass {r.last_pass:g} is not below first_fail "
+                       f"{r.first_fail:g}; measure it again with {op('capacity')}",
+                       detail={"path": str(f), "field": "last_pass"})
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -187,12 +206,12 @@ def compare_capacity(paths: list[str | Path]) -> CapacityComparison:
     """Capacity runs side by side, the last against each earlier one; they must share the SLO, the load kind
     and the prompt shape, or the capacities answer different questions."""
     if len(paths) < 2:
-        raise ToolFailure(f"{op('capacity_compare')} needs two or more capacity run folders (earlier builds first, "
+        raise BadInput(f"{op('capacity_compare')} needs two or more capacity run folders (earlier builds first, "
                           f"the candidate last)")
     runs = [load_capacity(p) for p in paths]
     shape = {(r.slo, r.load, r.input_len, r.output_len) for r in runs}
     if len(shape) > 1:
-        raise ToolFailure("these capacity runs answer different questions (SLO, load, prompt shape): "
+        raise BadInput("these capacity runs answer different questions (SLO, load, prompt shape): "
                           + "; ".join(f"{p}: {r.slo}, {r.load}, {r.input_len}/{r.output_len}"
                                       for p, r in zip(paths, runs)))
     labels = [r.label for r in runs]

@@ -11,17 +11,23 @@ cells (no other cell of the build is better on both axes); every cell is drawn.
 from __future__ import annotations
 
 import json
+import math
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, Field
 
-from tools.core.errors import ToolFailure, op
+from tools.core.errors import BadInput, op
 from tools.measure import evidence
+from tools.measure.capacity_report import is_capacity_run
 from tools.measure.results import DEFAULT_OUT, SweepResult
 from tools.measure.sweep_report import load_run, run_labels
 from tools.measure.uncertainty import METHOD
+
+# Each run is read whole and plotted: beyond this many the command runs for minutes and holds gigabytes, and
+# no one reads the figure.
+MAX_RUNS = 50
 
 
 class ParetoPoint(BaseModel):
@@ -40,6 +46,7 @@ class Pareto(BaseModel):
     labels: list[str]
     run_dirs: list[str]
     points: list[ParetoPoint]
+    dropped: int = Field(0, description="Cells left out because a metric is not a finite number (NaN, Infinity)")
     run_dir: str | None = None
     files: dict[str, str] = Field(default_factory=dict)
     markdown: str = ""
@@ -49,7 +56,11 @@ class Pareto(BaseModel):
 
     def summary(self) -> str:
         return f"pareto of {', '.join(self.labels)}: {len(self.points)} cells, " \
-               f"{sum(p.frontier for p in self.points)} on the frontiers"
+               f"{sum(p.frontier for p in self.points)} on the frontiers" + _dropped_note(self.dropped)
+
+
+def _dropped_note(n: int) -> str:
+    return f"; {n} cell{'s' if n != 1 else ''} left out (a metric is not a finite number)" if n else ""
 
 
 def _gpus(run: SweepResult) -> int:
@@ -57,33 +68,54 @@ def _gpus(run: SweepResult) -> int:
     return int(tp) if tp and tp.isdigit() and int(tp) > 0 else 1
 
 
-def points_of(run: SweepResult, label: str) -> list[ParetoPoint]:
-    gpus, out = _gpus(run), []
+def points_of(run: SweepResult, label: str) -> tuple[list[ParetoPoint], int]:
+    """The build's plotted cells, and how many were left out because a metric is NaN or infinite (a damaged
+    summary.json): such a point would sit on every frontier as `nan`."""
+    gpus, out, dropped = _gpus(run), [], 0
     for c in run.cells:
         e = c.estimate("output_throughput")
         users = float(c.concurrency) if c.request_rate is None else (c.median.get("max_concurrent_requests") or 0)
         if c.status != "ok" or not e.mean or not users:
             continue
+        if not (math.isfinite(e.mean) and math.isfinite(users)):
+            dropped += 1
+            continue
+        finite_ci = e.low is not None and e.high is not None and math.isfinite(e.low) and math.isfinite(e.high)
         out.append(ParetoPoint(label=label, input_len=c.input_len, users=users,
                                load=f"c={c.concurrency}" if c.request_rate is None else f"{c.request_rate:g} req/s",
                                tok_s_per_user=e.mean / users, tok_s_per_gpu=e.mean / gpus,
-                               low=None if e.low is None else e.low / gpus,
-                               high=None if e.high is None else e.high / gpus))
+                               low=e.low / gpus if finite_ci else None, high=e.high / gpus if finite_ci else None))
     for p in out:  # on the frontier: no other cell of the build at least as good on both axes and better on one
         p.frontier = not any(q is not p and q.input_len == p.input_len and q.tok_s_per_user >= p.tok_s_per_user
                              and q.tok_s_per_gpu >= p.tok_s_per_gpu
                              and (q.tok_s_per_user, q.tok_s_per_gpu) != (p.tok_s_per_user, p.tok_s_per_gpu)
                              for q in out)
-    return out
+    return out, dropped
+
+
+def _load(path: str | Path) -> SweepResult:
+    try:
+        return load_run(path)
+    except BadInput as exc:
+        p = Path(path)
+        if not is_capacity_run(p):
+            raise
+        # A capacity run keeps its points in summary.json too: the remedy is to measure the capacity again.
+        raise BadInput(f"{p / 'summary.json'}: a capacity run's points are missing or damaged; measure it again "
+                       f"with {op('capacity')}", detail={"path": str(p)}) from exc
 
 
 def pareto(paths: list[str | Path]) -> Pareto:
     if not paths:
-        raise ToolFailure(f"{op('pareto')} needs one or more sweep or capacity run folders")
-    runs = [load_run(p) for p in paths]
+        raise BadInput(f"{op('pareto')} needs one or more sweep or capacity run folders")
+    if len(paths) > MAX_RUNS:
+        raise BadInput(f"{op('pareto')} takes at most {MAX_RUNS} run folders ({len(paths)} given): plot fewer builds "
+                       f"at a time", detail={"runs": len(paths), "limit": MAX_RUNS})
+    runs = [_load(p) for p in paths]
     labels = run_labels(runs)
-    pts = [p for run, lab in zip(runs, labels) for p in points_of(run, lab)]
-    res = Pareto(labels=labels, run_dirs=[str(p) for p in paths], points=pts)
+    per_run = [points_of(run, lab) for run, lab in zip(runs, labels)]
+    res = Pareto(labels=labels, run_dirs=[str(p) for p in paths], points=[p for pts, _ in per_run for p in pts],
+                 dropped=sum(n for _, n in per_run))
     res.markdown = markdown(res)
     return res
 
@@ -96,6 +128,9 @@ def markdown(res: Pareto) -> str:
         ci = f" ({p.low:,.2f}–{p.high:,.2f})" if p.low is not None and p.high is not None else ""
         lines.append(f"| {p.label} | {p.input_len} | {p.load} | {p.users:g} | {p.tok_s_per_user:,.2f} "
                      f"| {p.tok_s_per_gpu:,.2f}{ci} | {'yes' if p.frontier else ''} |")
+    if res.dropped:
+        lines += ["", f"Left out: {res.dropped} cell{'s' if res.dropped != 1 else ''} whose output tok/s or users is "
+                      "not a finite number (NaN or Infinity in summary.json)."]
     lines += ["", "Users: the cell's concurrency (for a request-rate cell, the most requests in flight); per GPU: "
               "divided by the server's tensor-parallel size. " + METHOD, ""]
     return "\n".join(lines)
@@ -136,8 +171,23 @@ def plot(res: Pareto, path: str | Path) -> Path:
 
 
 def write_pareto(res: Pareto, out: str | Path = DEFAULT_OUT) -> Pareto:
-    """pareto.png, pareto.md and pareto.json in a new evidence folder `<out>/pareto-<stamp>/`, published whole."""
+    """pareto.png, pareto.md and pareto.json in a new evidence folder `<out>/pareto-<stamp>/`, published whole;
+    on failure no folder it made (not even an empty out) is left behind."""
+    made = [d for d in (Path(out), *Path(out).parents) if not d.exists()]
     Path(out).mkdir(parents=True, exist_ok=True)
+    try:
+        _publish(res, out)
+    except BaseException:
+        for d in made:  # deepest first; one holding anything else stays
+            try:
+                d.rmdir()
+            except OSError:
+                break
+        raise
+    return res
+
+
+def _publish(res: Pareto, out: str | Path) -> None:
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
     run = evidence.EvidenceRun.create(out, f"pareto-{stamp}")
     try:
@@ -151,4 +201,3 @@ def write_pareto(res: Pareto, out: str | Path = DEFAULT_OUT) -> Pareto:
     except BaseException:
         run.abandon()
         raise
-    return res

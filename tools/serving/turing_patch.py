@@ -14,14 +14,16 @@ The original file is backed up next to it; applying twice, checking and revertin
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import os
+import stat
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from tools.core.atomic_files import write_file
-from tools.core.errors import ToolFailure
+from tools.core.errors import BadInput, ToolFailure
 from tools.serving.turing_decision import ClampRefused, Decision, decided_tiles, find_decision
 
 RELATIVE_PATH = Path("v1/attention/ops/triton_unified_attention.py")
@@ -82,9 +84,32 @@ def installed_target() -> Path:
 
 def _target(target: str | Path | None) -> Path:
     path = Path(target) if target is not None else installed_target()
-    if not path.is_file():
-        raise ToolFailure(f"{path} does not exist; this vLLM has no Triton unified attention to patch")
+    try:
+        mode = path.stat().st_mode
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise BadInput(f"{path} is a symbolic link loop, not a file: give the Python file to patch") from None
+        if exc.errno != errno.ENOENT:
+            raise BadInput(f"{path} cannot be read ({exc.strerror}): give a readable Python file") from None
+        what = "a broken symbolic link" if path.is_symlink() else "does not exist"
+        raise ToolFailure(f"{path} {what}; this vLLM has no Triton unified attention to patch") from None
+    if not stat.S_ISREG(mode):
+        what = ("a directory" if stat.S_ISDIR(mode) else "a named pipe (fifo)" if stat.S_ISFIFO(mode)
+                else "a socket" if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+                else "not a regular file")
+        raise BadInput(f"{path} is {what}, not a file: give the Python file to patch")
     return path
+
+
+def _read(path: Path) -> str:
+    """The module's text; a file that is not UTF-8 (or cannot be read) is refused before anything is written."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise BadInput(f"{path} is not UTF-8 text (byte {exc.start}): not a Python module vLLM ships; "
+                       "give the Triton unified attention file") from None
+    except OSError as exc:
+        raise BadInput(f"{path} cannot be read ({exc.strerror}): give a readable Python file") from None
 
 
 def _backup(path: Path) -> Path:
@@ -134,7 +159,7 @@ def _not_needed(path: Path, d: Decision, tiles: list[int] | None) -> PatchStatus
 
 def check(target: str | Path | None = None) -> PatchStatus:
     path = _target(target)
-    text = path.read_text()
+    text = _read(path)
     backup = _backup(path)
     kept = str(backup) if backup.exists() else None
     original = _without_clamp(text)
@@ -164,7 +189,7 @@ def _write(path: Path, data: str | bytes, mode: int) -> None:
 
 def apply(target: str | Path | None = None) -> PatchStatus:
     path = _target(target)
-    text = path.read_text()
+    text = _read(path)
     status = check(path)
     if status.applied:
         return status
@@ -188,13 +213,13 @@ def apply(target: str | Path | None = None) -> PatchStatus:
 
 def revert(target: str | Path | None = None) -> PatchStatus:
     path = _target(target)
-    text = path.read_text()
+    text = _read(path)
     backup = _backup(path)
     mode = path.stat().st_mode & 0o7777
     if BEGIN_MARK not in text and END_MARK not in text:
         backup.unlink(missing_ok=True)
         return PatchStatus(str(path), False, None, f"{path} is not patched; nothing to revert")
-    if backup.exists() and BEGIN_MARK not in backup.read_text():
+    if backup.exists() and BEGIN_MARK not in _read(backup):
         _write(path, backup.read_bytes(), mode)
         backup.unlink()
         return PatchStatus(str(path), False, None, f"restored {path} from its backup")
