@@ -430,7 +430,6 @@ def test_a_decode_sweep_stopped_before_any_run_leaves_no_partial_folder(models, 
 def test_decode_report_gives_the_rate_as_a_share_of_the_roofline(tmp_path, monkeypatch):
     from tools.measure.decode import decode_roofline, markdown_run, mean_context_tokens
     from tools.measure.roofline import Bandwidth
-    import tools.measure.decode as decode_mod
 
     (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 1, "num_attention_heads": 1,
                                                       "num_key_value_heads": 1, "head_dim": 8}))
@@ -444,8 +443,10 @@ def test_decode_report_gives_the_rate_as_a_share_of_the_roofline(tmp_path, monke
     res = DecodeResult(run_id="r", run_dir=str(tmp_path), label="x", sampling="greedy", sampling_params={},
                        max_tokens=4, prompts=recs, decode_tok_s=10.0)
     bw = Bandwidth(bytes_per_s=1e6, device="cpu", method="numpy copy of 256 MiB")
-    orig = decode_mod.single_stream_roofline
-    monkeypatch.setattr(decode_mod, "single_stream_roofline", lambda *a, **k: orig(*a, **k, bandwidth=bw))
+    import tools.measure.roofline as roofline_mod
+
+    orig = roofline_mod.single_stream_roofline
+    monkeypatch.setattr(roofline_mod, "single_stream_roofline", lambda *a, **k: orig(*a, **k, bandwidth=bw))
     res.roofline, res.roofline_note = decode_roofline(res, str(tmp_path))
     # 32 (linear) + 64 (tied output) + 16 (one row) + K and V at 12 tokens (2 x 8 x 12 x 2 = 384)
     assert res.roofline.step_bytes == 496 and res.roofline.fraction == pytest.approx(10 * 496 / 1e6)

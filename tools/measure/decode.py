@@ -26,7 +26,7 @@ from tools.measure import evidence, provenance as prov_mod
 from tools.measure.decode_params import checkpoint_sampling, request_errors
 from tools.core.output_check import check_output_folder
 from tools.measure.results import DEFAULT_OUT
-from tools.measure.roofline import Roofline, single_stream_roofline
+from tools.measure.roofline import SPECULATIVE_NOTE, Roofline, roofline_or_reason
 from tools.measure.spec_metrics import read_spec_counters, spec_delta, speculative_from_argv
 from tools.serving.endpoint import Endpoint, EndpointParams, resolve_endpoint
 
@@ -314,15 +314,10 @@ def mean_context_tokens(records: list[PromptRecord]) -> int:
 def decode_roofline(res: DecodeResult, model_root: str | None) -> tuple[Roofline | None, str | None]:
     """The run's decode rate as a share of the roofline of the served build, or why there is none."""
     if res.speculative_config:
-        return None, "a drafter's steps read two models and emit several tokens: no single-model roofline"
+        return None, SPECULATIVE_NOTE
     if not res.decode_tok_s:
         return None, "no decode rate measured"
-    try:
-        fig = single_stream_roofline(res.decode_tok_s, model_root, mean_context_tokens(res.prompts))
-    except Exception as exc:  # an unreadable header or config must not cost the measured run
-        return None, f"the bytes per step of {model_root!r} could not be read: {exc}"
-    return (fig, None) if fig is not None else (None, f"the served model {model_root!r} is not a local folder "
-                                                      "with a config.json: its bytes per step are unknown")
+    return roofline_or_reason(res.decode_tok_s, model_root, mean_context_tokens(res.prompts))
 
 
 def roofline_line(res: DecodeResult) -> str:

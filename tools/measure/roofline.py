@@ -237,9 +237,30 @@ def single_stream_roofline(tok_s: float | None, model_dir: str | Path | None, co
     return roofline(tok_s, step, bandwidth or device_bandwidth())
 
 
+SPECULATIVE_NOTE = "a drafter's steps read two models and emit several tokens: no single-model roofline"
+
+
+def roofline_or_reason(tok_s: float, model_root: str | None, context_tokens: int) -> tuple[Roofline | None, str | None]:
+    """single_stream_roofline for a measured run, or why there is none: an unreadable header or config must not
+    cost the run its other figures."""
+    try:
+        fig = single_stream_roofline(tok_s, model_root, context_tokens)
+    except Exception as exc:
+        return None, f"the bytes per step of {model_root!r} could not be read: {exc}"
+    if fig is None:
+        return None, (f"the served model {model_root!r} is not a local folder with a config.json: its bytes per "
+                      "step are unknown")
+    return fig, None
+
+
+def sweep_context(input_len: int, output_len: int) -> int:
+    """A sweep cell's mean context over its decode: the prompt plus half the output."""
+    return input_len + output_len // 2
+
+
 def sweep_cell_roofline(output_tok_s: float | None, model_dir: str | Path | None, *, input_len: int,
                         output_len: int, bandwidth: Bandwidth | None = None) -> Roofline | None:
     """For a sweep's c=1 cell: the context is the prompt plus half the output (the mean over the decode).
     Pass the decode rate (1000 / mean TPOT ms) where the cell has it: output tok/s over the whole request
     includes the prefill."""
-    return single_stream_roofline(output_tok_s, model_dir, input_len + output_len // 2, bandwidth=bandwidth)
+    return single_stream_roofline(output_tok_s, model_dir, sweep_context(input_len, output_len), bandwidth=bandwidth)

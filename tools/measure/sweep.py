@@ -27,7 +27,7 @@ from tools.core.output_check import check_output_folder
 from tools.measure.results import (DEFAULT_OUT, DEFAULT_PRICE_PER_HOUR, METRICS, PREFIX_CACHE_POLICY,  # noqa: F401
                                    PROJECT_ROOT, CellResult, RepeatResult, SweepParams, SweepResult, aggregate,
                                    cell_acceptance)
-from tools.measure.roofline import Roofline, sweep_cell_roofline
+from tools.measure.roofline import SPECULATIVE_NOTE, Roofline, roofline_or_reason, sweep_context
 from tools.measure.spec_metrics import speculative_from_argv
 from tools.measure.sweep_worker import BenchWorker, raw_name
 from tools.serving import router as router_mod
@@ -179,19 +179,15 @@ def single_stream_rooflines(result: SweepResult, model_root: str | None) -> tupl
     if not singles:
         return {}, None
     if result.speculative_config:
-        return {}, "a drafter's steps read two models and emit several tokens: no single-model roofline"
+        return {}, SPECULATIVE_NOTE
     out: dict[int, Roofline] = {}
     for c in singles:
         tpot = c.estimate("mean_tpot_ms").mean
         if not tpot:
             continue
-        try:
-            fig = sweep_cell_roofline(1000.0 / tpot, model_root, input_len=c.input_len, output_len=c.output_len)
-        except Exception as exc:  # an unreadable header or config must not cost the measured run
-            return out, f"the bytes per step of {model_root!r} could not be read: {exc}"
+        fig, note = roofline_or_reason(1000.0 / tpot, model_root, sweep_context(c.input_len, c.output_len))
         if fig is None:
-            return out, (f"the served model {model_root!r} is not a local folder with a config.json: its bytes "
-                         "per step are unknown")
+            return out, note
         out[c.input_len] = fig
     return out, None
 
