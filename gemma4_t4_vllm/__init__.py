@@ -12,6 +12,9 @@ float16 model, the dtype this project serves so that the CPU runs the T4's numbe
 layers on vLLM's oneDNN int8 GEMM when the model is float16 and the CPU has no AMX-FP16; elsewhere it changes
 nothing.
 
+Also on the CPU platform: where the kernel library vLLM loads for this CPU (the AVX2 one) has no W4A16 GEMM,
+int4 linear layers run as a torch dequantize-and-matmul (gemma4_t4_vllm/wna16.py).
+
 vLLM calls `register()` in every process it starts (API server, engine core, workers) through the
 `vllm.general_plugins` entry point declared in pyproject.toml, so the project must be pip-installed.
 """
@@ -81,6 +84,9 @@ def register() -> None:
     except ImportError:
         return
     _int8_gemm_for_float16()
+    from gemma4_t4_vllm import wna16
+
+    wna16.install()
     try:
         import importlib
 

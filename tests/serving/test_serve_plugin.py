@@ -92,3 +92,63 @@ def test_register_swaps_the_triton_gather_on_cpu(monkeypatch):
     gemma4_t4_vllm.register()  # idempotent
     assert module._dequant_gather_triton is dequant_gather_torch
     assert getattr(module.CompressedTensorsEmbeddingWNA16Int.create_weights, "_gemma4_t4", False)
+
+
+@pytest.mark.parametrize("groups, dtype_name", [(4, "float16"), (1, "bfloat16"), (8, "float32")])
+def test_the_torch_wna16_gemm_computes_the_dequantized_matmul(groups, dtype_name):
+    """A compressed-tensors pack-quantized weight, put in CPUWNA16's layout by vLLM's own repacking, multiplied by
+    gemma4_t4_vllm.wna16: x @ W.T with W the weight compressed-tensors unpacks, within the input dtype's rounding;
+    where this CPU's vLLM library has the op, the op's result too."""
+    import torch
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+    from types import SimpleNamespace
+    from vllm.model_executor.kernels.linear.mixed_precision.cpu import CPUWNA16LinearKernel
+    from vllm.scalar_type import scalar_types
+
+    from gemma4_t4_vllm import wna16
+
+    dtype = getattr(torch, dtype_name)
+    rng = np.random.default_rng(groups)
+    n, k = 96, 256
+    levels = torch.from_numpy(rng.integers(-8, 8, size=(n, k))).to(torch.int8)
+    levels[0] = -8
+    levels[1] = 7  # words with the top bit set: negative int32
+    packed = pack_to_int32(levels, 4)  # compressed-tensors' layout: [out, in/8], packed along the input
+    assert torch.equal(unpack_from_int32(packed, 4, levels.shape), levels)
+    scales = torch.from_numpy(rng.uniform(0.001, 0.05, size=(n, groups)).astype(np.float32)).to(dtype)
+    dense = levels.float() * scales.float().repeat_interleave(k // groups, dim=1)  # [out, in]
+
+    # What CPUWNA16LinearKernel.process_weights_after_loading does to a symmetric layer (no zero points)
+    layer = torch.nn.Module()
+    layer.weight_packed = torch.nn.Parameter(packed.t(), requires_grad=False)
+    layer.weight_scale = torch.nn.Parameter(scales.t().contiguous(), requires_grad=False)
+    kernel = SimpleNamespace(w_q_name="weight_packed", w_s_name="weight_scale",
+                             config=SimpleNamespace(weight_type=scalar_types.uint4b8))
+    CPUWNA16LinearKernel._process_gptq_weights_w4a16(kernel, layer)
+
+    x = torch.from_numpy(rng.standard_normal((2, 3, k)).astype(np.float32)).to(dtype)
+    bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32)).to(dtype)
+    assert torch.equal(wna16.dequantize(layer.weight_packed, layer.weight_scale, 8), dense.t())
+    out = wna16.gemm_wna16(x, layer.weight_packed, layer.weight_scale, None, bias, 8, layer.isa_hint)
+    ref = (x.reshape(-1, k).float() @ dense.t() + bias.float()).to(dtype).reshape(2, 3, n)
+    assert out.shape == (2, 3, n) and out.dtype == dtype
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)  # float32 sums in another order; else one rounding
+    if not wna16.op_missing():
+        from vllm import _custom_ops as ops
+
+        real = ops.cpu_gemm_wna16(x, layer.weight_packed, layer.weight_scale, None, bias, 8, layer.isa_hint)
+        torch.testing.assert_close(real, out, rtol=2e-2, atol=2e-2)
+    with pytest.raises(NotImplementedError, match="zero points"):
+        wna16.gemm_wna16(x, layer.weight_packed, layer.weight_scale, layer.weight_scale, None, 8, "vec")
+
+
+def test_register_puts_the_torch_gemm_in_place_only_where_the_op_is_missing(monkeypatch):
+    import gemma4_t4_vllm
+    from gemma4_t4_vllm import wna16
+    from vllm import _custom_ops as ops
+
+    original = ops.cpu_gemm_wna16
+    monkeypatch.setattr(ops, "cpu_gemm_wna16", original)  # restored after the test
+    monkeypatch.setattr(gemma4_t4_vllm, "_registered", False)
+    gemma4_t4_vllm.register()
+    assert (ops.cpu_gemm_wna16 is wna16.gemm_wna16) == wna16.op_missing()
