@@ -24,6 +24,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from gemma4_t4_vllm import wna16
+
 if TYPE_CHECKING:
     import torch
 
@@ -84,8 +86,6 @@ def register() -> None:
     except ImportError:
         return
     _int8_gemm_for_float16()
-    from gemma4_t4_vllm import wna16
-
     wna16.install()
     try:
         import importlib

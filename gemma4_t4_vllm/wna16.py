@@ -64,8 +64,11 @@ def gemm_wna16(input: "torch.Tensor", q_weight: "torch.Tensor", scales: "torch.T
 
 def op_missing() -> bool:
     """True where the loaded vLLM CPU kernel library has no cpu_gemm_wna16."""
+    import importlib
+
     import torch
-    import vllm._custom_ops  # noqa: F401  (loads the kernel library this CPU's ISA selects)
+
+    importlib.import_module("vllm._custom_ops")  # loads the kernel library this CPU's ISA selects
 
     return not hasattr(torch.ops._C, "cpu_gemm_wna16")
 

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+
+from tools.core import process
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVE_MAX_MODEL_LEN = 512  # short contexts keep the CPU KV cache small; tests that need more ask for it
@@ -22,10 +23,8 @@ IN_PROCESS_TORCH = pytest.mark.xdist_group("torch")
 
 
 def free_port() -> int:
-    """A TCP port nothing listens on right now (127.0.0.1)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port nothing holds right now on 127.0.0.1, outside the ephemeral range (tools.core.process)."""
+    return process.free_port()
 
 
 def repack_cli(capsys, *args) -> tuple[int, str]:

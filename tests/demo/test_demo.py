@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.vllm
-@pytest.mark.vllm_lane(0)  # evens out the lanes: lane 1 holds the walk and the drafter table
+@pytest.mark.vllm_lane(1)  # evens out the lanes: lane 0 holds the tests on the shared servers and the router
 def test_demo_runs_the_whole_pipeline_on_cpu(tmp_path):
     lines: list[str] = []
     report = demo.run_demo(demo.DemoOptions(work=tmp_path / "work", evidence=tmp_path / "evidence", gpu=False,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import textwrap
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -18,73 +17,16 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests import fake_bench
 from tools.measure.results import SweepParams, SweepResult
 from tools.measure.sweep import BenchWorker, _run_cells, raw_name
 
-FAKE_SERVE = '''
-import argparse, asyncio, json, os, time, urllib.request
-
-FLAGS = ["--backend", "--base-url", "--endpoint", "--model", "--tokenizer", "--dataset-name",
-         "--random-input-len", "--random-output-len", "--temperature", "--max-concurrency", "--num-prompts",
-         "--seed", "--percentile-metrics", "--metric-percentiles", "--num-warmups", "--ready-check-timeout-sec"]
-
-def add_cli_args(parser):
-    for flag in FLAGS:
-        parser.add_argument(flag)
-    parser.add_argument("--ignore-eos", action="store_true")
-    parser.add_argument("--disable-tqdm", action="store_true")
-    parser.add_argument("--save-detailed", action="store_true")
-
-def get_tokenizer(name, **kwargs):
-    with open(os.path.join(os.environ["FAKE_BENCH_LOG"], "tokenizer-loads"), "a") as f:
-        f.write(name + "\\n")
-    return name
-
-async def fetch_spec_decode_metrics(base_url, session):
-    with open(os.path.join(os.environ["FAKE_BENCH_LOG"], "vllm-metrics-reads"), "a") as f:
-        f.write(base_url + "\\n")
-    return {}
-
-async def fetch_diffusion_metrics(base_url, session):
-    return await fetch_spec_decode_metrics(base_url, session)
-
-def main(args):
-    with open(os.path.join(os.environ["FAKE_BENCH_PIDS"], str(os.getpid())), "a") as f:
-        f.write(args.random_input_len + "\\n")
-    get_tokenizer(args.tokenizer, tokenizer_mode="auto", trust_remote_code=False)
-    asyncio.run(fetch_spec_decode_metrics(args.base_url, None))
-    n, prompts = int(args.random_input_len), int(args.num_prompts)
-    if n == 13:
-        os._exit(3)          # the worker dies mid-cell
-    if n == 14:
-        time.sleep(600)      # the worker hangs
-    if n == 15:              # the server is gone: every request fails, the call itself returns
-        return {"completed": 0, "failed": prompts, "errors": ["Cannot connect to host"] * prompts}
-    try:                     # the requests' prompt tokens, as the server's prefix-cache counters would count them
-        urllib.request.urlopen(f"{args.base_url}/add?{n * prompts}", timeout=5).read()
-    except OSError:
-        pass
-    print("benchmark output for", n)
-    return {"completed": prompts, "failed": 0, "output_throughput": float(n),
-            "duration": 0.1, "total_output_tokens": 4 * prompts, "errors": [""] * prompts}
-'''
 
 
 @pytest.fixture
 def fake_vllm(tmp_path, monkeypatch):
-    pkg = tmp_path / "fake" / "vllm"
-    (pkg / "benchmarks").mkdir(parents=True)
-    (pkg / "utils").mkdir()
-    (pkg / "__init__.py").write_text("")
-    (pkg / "benchmarks" / "__init__.py").write_text("")
-    (pkg / "benchmarks" / "serve.py").write_text(textwrap.dedent(FAKE_SERVE))
-    (pkg / "utils" / "__init__.py").write_text("")
-    (pkg / "utils" / "argparse_utils.py").write_text("from argparse import ArgumentParser as FlexibleArgumentParser\n")
-    pids = tmp_path / "pids"
-    pids.mkdir()
-    log = tmp_path / "bench-log"
-    log.mkdir()
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "fake"))
+    root, pids, log = fake_bench.install(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", str(root))
     monkeypatch.setenv("FAKE_BENCH_PIDS", str(pids))
     monkeypatch.setenv("FAKE_BENCH_LOG", str(log))
     return pids

@@ -4,6 +4,7 @@ holds a port, and the environment of a Python child that runs this checkout."""
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -120,10 +121,28 @@ def kill_group(proc: subprocess.Popen, grace_s: float = 10) -> None:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on `host` that nothing listens on now (the kernel's choice)."""
+    """A TCP port on `host` that nothing holds now, below the kernel's ephemeral range where it can be: a port
+    from that range can become the local end of any process's outgoing connection before the server meant to
+    listen on it binds it (a vLLM server binds tens of seconds after it is started)."""
+    low = _ephemeral_low()
+    if low > _FIRST_CHOSEN_PORT:
+        for port in random.sample(range(_FIRST_CHOSEN_PORT, low), k=min(64, low - _FIRST_CHOSEN_PORT)):
+            if port_holder(host, port) is None:
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+_FIRST_CHOSEN_PORT = 10000
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux: /proc/sys/net/ipv4/ip_local_port_range)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default; BSD and macOS use 49152
 
 
 def port_holder(host: str, port: int) -> str | None:

@@ -1,0 +1,165 @@
+"""The kill matrix for the commands whose cells run in the benchmark worker: `./vllm-t4 sweep` and
+`./vllm-t4 capacity`, each signalled with SIGINT, SIGTERM or SIGKILL while its first benchmark call runs and
+between two records. vLLM's `bench serve` is the stand-in package of tests/fake_bench.py on the worker's
+PYTHONPATH (each call takes FAKE_BENCH_SLEEP_S, and names its worker), and a stand-in HTTP server answers what the
+command asks the server itself (/v1/models, /metrics, /version, /health).
+
+The two commands' contracts differ and so do the assertions. Every case: the worker ends with the command (a
+SIGKILL too: its parent watch), SIGINT and SIGTERM exit 130 / 143 with one last line and no traceback. A sweep's
+folder is resumable by design: what it holds after the kill is whole records only (a SIGKILL may leave a
+temporary, which the next write sweeps), and `--resume` then measures exactly the repeats not yet recorded. A
+capacity search's folder appears only when complete: SIGINT and SIGTERM leave nothing in --out, SIGKILL leaves its
+`.partial` folder, which the next write there sweeps."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests import fake_bench
+from tests.fixtures import ROOT
+from tools.measure import evidence
+
+SIGNALS = {"SIGINT": (signal.SIGINT, 130), "SIGTERM": (signal.SIGTERM, 143), "SIGKILL": (signal.SIGKILL, -9)}
+PHASES = ["in-first-call", "between-records"]
+SLOW_S = "0.4"  # each benchmark call
+
+
+class _Server(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self):  # noqa: N802
+        body = {"/v1/models": json.dumps({"data": [{"id": "m", "root": "/nowhere", "max_model_len": 4096}]}),
+                "/metrics": "", "/health": "", "/version": json.dumps({"version": "stand-in"})}.get(self.path)
+        data = (body or "").encode()
+        self.send_response(200 if body is not None else 404)
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *a):
+        pass
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Server)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+    srv.server_close()
+
+
+@pytest.fixture
+def bench(tmp_path):
+    root, pids, log = fake_bench.install(tmp_path)
+    env = dict(os.environ, PYTHONPATH=f"{root}{os.pathsep}{ROOT}", FAKE_BENCH_PIDS=str(pids),
+               FAKE_BENCH_LOG=str(log), FAKE_BENCH_SLEEP_S=SLOW_S)
+    return env, pids
+
+
+def _calls(pids: Path) -> dict[int, int]:
+    """Benchmark calls so far, by worker pid."""
+    return {int(f.name): len(f.read_text().split()) for f in pids.iterdir()}
+
+
+def _records(folder: Path) -> list[Path]:
+    """The repeats recorded (raw/L<len>-<load>-r<k>.json; raw/ holds each cell's spec too)."""
+    return sorted(folder.rglob("raw/L*-r[0-9]*.json")) if folder.is_dir() else []
+
+
+def _kill_at(argv: list[str], env: dict, pids: Path, out: Path, phase: str, sig: str) -> tuple[int, str, list[int]]:
+    """Runs the command until `phase`, sends `sig`; returns (exit status, stderr, the worker pids seen)."""
+    proc = subprocess.Popen([sys.executable, "-m", "tools.cli", *argv], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while not (_calls(pids) if phase == "in-first-call" else _records(out)):
+            assert proc.poll() is None, proc.stderr.read()
+            assert time.monotonic() < deadline, f"{argv[0]} never reached {phase}"
+            time.sleep(0.02)
+        if phase == "in-first-call":
+            assert not _records(out)
+        proc.send_signal(SIGNALS[sig][0])
+        err = proc.communicate(timeout=60)[1]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc.returncode, err, list(_calls(pids))
+
+
+def _worker_gone(pid: int) -> bool:
+    try:
+        psutil.Process(pid).wait(20)
+    except psutil.NoSuchProcess:
+        return True
+    except psutil.TimeoutExpired:
+        os.kill(pid, signal.SIGKILL)
+        return False
+    return True
+
+
+def _ended_as_told(sig: str, rc: int, err: str, workers: list[int]) -> None:
+    assert rc == SIGNALS[sig][1], err
+    assert "Traceback" not in err, err
+    assert workers and all(_worker_gone(p) for p in workers)
+    if sig != "SIGKILL":
+        assert err.strip().splitlines()[-1] == f"vllm-t4: {'interrupted' if sig == 'SIGINT' else 'terminated'}"
+
+
+@pytest.mark.parametrize("phase", PHASES)
+@pytest.mark.parametrize("sig", list(SIGNALS))
+def test_a_killed_sweep_keeps_whole_records_and_resume_measures_only_the_rest(sig, phase, server, bench, tmp_path):
+    env, pids = bench
+    out = tmp_path / "ev"
+    argv = ["sweep", "--base-url", server, "--out", str(out), "--input-lens", "10,11", "--concurrency", "1",
+            "--repeats", "2", "--output-len", "4", "--no-warmup", "--label", "k", "--cell-timeout", "60"]
+    rc, err, workers = _kill_at(argv, env, pids, out, phase, sig)
+    _ended_as_told(sig, rc, err, workers)
+    (run,) = out.iterdir()
+    kept = _records(run)
+    for rec in kept:  # whole records only: each one parses
+        assert json.loads(rec.read_text())["repeat_result"]["status"] == "ok"
+    leftovers = [p.name for p in run.rglob("*") if ".tmp" in p.name]
+    assert not leftovers or sig == "SIGKILL", leftovers
+    before = _calls(pids)
+
+    done = subprocess.run([sys.executable, "-m", "tools.cli", *argv, "--resume", "--json"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["run_id"] == run.name
+    resumed = {p: n for p, n in _calls(pids).items() if p not in before}
+    assert sum(resumed.values()) == 4 - len(kept)  # the repeats recorded before the kill are not measured again
+    assert len(_records(run)) == 4
+    assert not [p.name for p in run.rglob("*") if ".tmp" in p.name]
+
+
+@pytest.mark.parametrize("phase", PHASES)
+@pytest.mark.parametrize("sig", list(SIGNALS))
+def test_a_killed_capacity_search_leaves_nothing_the_next_write_keeps(sig, phase, server, bench, tmp_path):
+    env, pids = bench
+    out = tmp_path / "ev"
+    out.mkdir()
+    argv = ["capacity", "--base-url", server, "--out", str(out), "--input-len", "10", "--output-len", "4",
+            "--slo", "ttft_p99_ms=1000", "--start", "1", "--max", "64", "--repeats", "2", "--no-warmup",
+            "--label", "k", "--cell-timeout", "60"]
+    rc, err, workers = _kill_at(argv, env, pids, out, phase, sig)
+    _ended_as_told(sig, rc, err, workers)
+    if sig != "SIGKILL":
+        assert os.listdir(out) == []
+    else:
+        assert [p.name for p in out.iterdir() if ".partial" in p.name]  # a SIGKILL runs no clean-up ...
+        evidence.write_json(out / "next.json", {"ok": True})  # ... the next write there sweeps it
+        assert os.listdir(out) == ["next.json"]
