@@ -371,16 +371,19 @@ def test_progress_is_read_from_lm_evals_output(tmp_path):
 
 
 def test_a_killed_runs_temporary_folder_is_removed_by_the_next_run(tmp_path):
-    """SIGKILL leaves the run's `.<run-id>.tmp-<pid>` folder; the next eval into the same --out removes it once
-    its writer is gone, and keeps a live writer's."""
+    """A run's temporary folder is the evidence module's (EvidenceRun): one left by a run killed with SIGKILL is
+    removed by the next run into the same --out, while a live run's stays."""
     import subprocess
     import sys
 
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    name = evals._run_dir_name(EvalParams(tasks=TASKS, label="killed"), "m")
-    gone, live = tmp_path / f".{name}.tmp-{dead.pid}", tmp_path / f".{name}.tmp-{os.getpid()}"
-    for d in (gone, live):
-        (d / "lm_eval").mkdir(parents=True)
-    evals._sweep_stale_tmp(tmp_path)
-    assert not gone.exists() and live.is_dir()
+    killed = ("import os, sys; from tools.measure import evals; "
+              "from tools.measure.evals import EvalParams; "
+              "evals._run_folder(EvalParams(tasks=['tiny_pattern_mc'], label='killed', out=sys.argv[1]), 'm'); "
+              "os.kill(os.getpid(), 9)")
+    dead = subprocess.run([sys.executable, "-c", killed, str(tmp_path)], cwd=evals.PROJECT_ROOT)
+    assert dead.returncode == -9
+    left = [p for p in tmp_path.iterdir() if "killed" in p.name]  # the folder and its lock file
+    assert any(p.is_dir() and p.name.startswith(".") and ".partial" in p.name for p in left), left
+    live = evals._run_folder(EvalParams(tasks=TASKS, label="live", out=str(tmp_path)), "m")
+    assert not any(p.exists() for p in left) and live.dir.is_dir()
+    live.abandon()

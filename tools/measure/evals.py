@@ -27,7 +27,6 @@ import json
 import os
 import queue
 import re
-import shutil
 import subprocess
 import sys
 import threading
@@ -40,7 +39,7 @@ from typing import Any, Callable
 from tools.core.errors import ToolFailure, op, param
 from tools.core.process import kill_group, python_child_env
 from tools.core.root import PROJECT_ROOT
-from tools.measure import provenance as prov_mod
+from tools.measure import evidence, provenance as prov_mod
 from tools.core.output_check import check_output_folder
 # The eval operations in one import for the front ends (run, compare, the parameter and result models, the
 # confinement to the MCP server's roots); each lives in its module of one concern.
@@ -75,26 +74,6 @@ def _arg_safe(what: str, value: str) -> str:
         raise ToolFailure(f"{what} {value!r} contains ',' or '=', which lm-eval's --model_args cannot carry; "
                           f"use a path without them", {what: value})
     return value
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _sweep_stale_tmp(out: Path) -> None:
-    """Remove temporary run folders whose writer is gone (a run killed with SIGKILL cannot clean up)."""
-    for p in out.glob(".*-eval-*.tmp-*"):  # `.<stamp>-eval-<label>-<digest>.tmp-<pid>`: _run_dir_name's form
-        m = re.search(r"\.tmp-(\d+)$", p.name)
-        if m and p.is_dir() and not _pid_alive(int(m.group(1))):
-            shutil.rmtree(p, ignore_errors=True)
-
-
 
 
 _TQDM = re.compile(r"^(?P<desc>[^:|]*?):?\s*(?P<pct>\d+)%\|[^|]*\|\s*(?P<done>\d+)/(?P<total>\d+)")
@@ -191,12 +170,6 @@ def _find_outputs(lm_dir: Path) -> tuple[Path | None, dict[str, Path]]:
     return (results[-1] if results else None), samples
 
 
-def _write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
-    tmp.replace(path)
-
-
 @dataclass
 class _Plan:
     """What one lm-eval run is, once its inputs are checked: the tasks' folder and the server it scores."""
@@ -223,8 +196,8 @@ def run_eval(params: EvalParams, progress: Progress | None = None, *, serve_conf
     check_output_folder(params.out)  # before lm-eval or the server is asked
     plan = _plan(EvalParams.model_validate(params.model_dump()), serve_config)
     params = plan.params
-    out, run_id, tmp = _run_folder(params, plan.model)
-    final = out / run_id
+    run = _run_folder(params, plan.model)
+    out, run_id, tmp, final = run.out, run.name, run.dir, run.path
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     try:
         lm_dir = tmp / "lm_eval"
@@ -251,7 +224,7 @@ def run_eval(params: EvalParams, progress: Progress | None = None, *, serve_conf
         if not res.scores:
             raise ToolFailure(f"lm-eval reported no metric for {','.join(params.tasks)}",
                               {"results_file": str(results_file)})
-        _write_json(tmp / "provenance.json", _provenance(plan, results, cmd))
+        evidence.write_json(tmp / "provenance.json", _provenance(plan, results, cmd))
 
         def rel(p: Path) -> str:
             return str(final / p.relative_to(tmp))
@@ -260,17 +233,17 @@ def run_eval(params: EvalParams, progress: Progress | None = None, *, serve_conf
                      "provenance": str(final / "provenance.json"), "log": str(final / "lm_eval.log"),
                      "lm_eval_results": rel(results_file),
                      **{f"samples:{t}": rel(p) for t, p in sorted(samples.items())}}
-        (tmp / "summary.md").write_text(summary_markdown(res))
-        _write_json(tmp / "summary.json", res.to_dict())
+        evidence.write_text(tmp / "summary.md", summary_markdown(res))
+        evidence.write_json(tmp / "summary.json", res.to_dict())
         if progress is not None:  # the last report before publishing: a call cancelled by now writes no run
             progress(0, 0, "publishing the run folder")
-        os.replace(tmp, final)  # the run folder appears whole or not at all
+        run.finish()  # the run folder appears whole or not at all
         return res
     except OSError as exc:  # a full disk or a vanished folder: nothing half-written stays
-        shutil.rmtree(tmp, ignore_errors=True)
+        run.abandon()
         raise ToolFailure(f"writing the eval run in {out} failed: {exc}", {"out": str(out)}) from exc
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        run.abandon()
         raise
 
 
@@ -300,25 +273,22 @@ def _plan(params: EvalParams, serve_config: Any) -> _Plan:
                  tokenizer=tokenizer, max_len=server.max_model_len or 2048, serve_config=serve_config)
 
 
-def _run_folder(params: EvalParams, model: str) -> tuple[Path, str, Path]:
-    """(the output folder, the run's name, the temporary folder the run is written in)."""
+def _run_folder(params: EvalParams, model: str) -> evidence.EvidenceRun:
+    """The run, written in its temporary folder (tools.measure.evidence.EvidenceRun: published whole by finish;
+    a killed run's folder is removed by the next write into the same --out, of any command)."""
     out = Path(params.out).expanduser().resolve()
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ToolFailure(f"output folder {out} cannot be created: {exc.strerror}", {"out": str(out)}) from exc
-    _sweep_stale_tmp(out)
     run_id = _run_dir_name(params, model)
     for k in range(2, 100):  # two runs started in the same second keep separate folders
         if not (out / run_id).exists():
             break
         run_id = f"{_run_dir_name(params, model)}-{k}"
-    tmp = out / f".{run_id}.tmp-{os.getpid()}"
-    try:
-        tmp.mkdir()
-    except OSError as exc:
-        raise ToolFailure(f"cannot write in output folder {out}: {exc.strerror}", {"out": str(out)}) from exc
-    return out, run_id, tmp
+    run = evidence.EvidenceRun.create(out, run_id)
+    run.raw.rmdir()  # lm-eval's own output goes to lm_eval/
+    return run
 
 
 def _lm_eval_command(plan: _Plan, lm_dir: Path) -> list[str]:
