@@ -159,3 +159,46 @@ def test_a_killed_decode_sweep_leaves_no_server_and_nothing_the_next_run_keeps(s
         assert _gone(p)
     assert again.returncode == 0, err2
     assert json.loads(next(out.glob("*/summary.json")).read_text())["runs"]
+
+
+@pytest.mark.parametrize("sig", list(SIGNALS))
+def test_a_killed_demo_leaves_no_server_and_no_half_written_file(sig, tmp_path):
+    """The demo, signalled while its first server starts (after its two real repacks of the tiny model): no
+    server left, no state file, and what its evidence folder holds is whole files only."""
+    (tmp_path / "stand_in.py").write_text(STAND_IN)
+    pids, work, ev = tmp_path / "pids", tmp_path / "work", tmp_path / "evidence"
+    proc = subprocess.Popen([sys.executable, "-c", DRIVER, str(tmp_path / "stand_in.py"), "0", str(pids), "demo",
+                             "--work", str(work), "--evidence", str(ev), "--platform", "cpu"],
+                            cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    servers: list[int] = []
+    try:
+        deadline = time.monotonic() + 300
+        while not (pids.exists() and (work / "run" / "vllm.json").exists()):
+            assert proc.poll() is None, proc.stderr.read()
+            assert time.monotonic() < deadline, "the demo never started its server"
+            time.sleep(0.05)
+        servers = [int(p) for p in pids.read_text().split()]
+        time.sleep(0.5)  # answering /health, refusing the readiness completion
+        proc.send_signal(SIGNALS[sig][0])
+        err = proc.communicate(timeout=60)[1]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        left = [p for p in servers if not _gone(p)]
+        for p in left:
+            os.kill(p, signal.SIGKILL)
+    assert not left, "the demo's server outlived the demo"
+    assert proc.returncode == SIGNALS[sig][1], err
+    assert "Traceback" not in err, err
+    deadline = time.monotonic() + 10
+    while list((work / "run").glob("*.json")):
+        assert time.monotonic() < deadline, "a state file of a server that is gone stayed"
+        time.sleep(0.1)
+    if sig != "SIGKILL":
+        assert err.strip().splitlines()[-1] == f"vllm-t4: {'interrupted' if sig == 'SIGINT' else 'terminated'}"
+    files = [p for p in ev.rglob("*") if p.is_file()]
+    assert files and not [p.name for p in files if ".tmp" in p.name or ".partial" in p.name]
+    for p in files:
+        json.loads(p.read_text())  # whole: each parses

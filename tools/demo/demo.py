@@ -20,7 +20,6 @@ Servers are always stopped, whatever fails. Progress goes to stderr.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import shutil
 import subprocess
@@ -40,6 +39,7 @@ from tools.cli.commands import Command, add_commands, exit_status, fail
 from tools.core.errors import BadInput, ToolFailure, param
 from tools.core.process import free_port
 from tools.core.root import PROJECT_ROOT
+from tools.measure import evidence as evidence_files
 from tools.measure.server_guard import owned_server
 from tools.measure.compare_tokens import CompareParams, TokenComparison, check_against, record_reference
 from tools.measure.sweep import run_sweep
@@ -278,7 +278,7 @@ def _repack(plan: _Plan, force: bool, log: Log) -> tuple[list[BuildStep], dict[s
         builds.append(BuildStep(label=label, path=str(out), total_bytes_before=d["total_bytes_before"],
                                 total_bytes_after=d["total_bytes_after"], wall_s=d["wall_s"],
                                 table=report.format_table()))
-        (plan.evidence / f"repack-{label}.json").write_text(json.dumps(d, indent=2) + "\n")
+        evidence_files.write_json(plan.evidence / f"repack-{label}.json", d)
     return builds, paths
 
 
@@ -341,8 +341,8 @@ def _report(plan: _Plan, probe: ProbeReport, builds: list[BuildStep], served: li
                         tokens_report=comparison.text(), sweep_comparison=cmp.markdown,
                         wall_s=round(wall_s, 1), report_path=str(report_path),
                         finished_at=datetime.now(timezone.utc).isoformat(timespec="seconds"))
-    report_path.write_text(render_markdown(result))
-    (plan.evidence / "report.json").write_text(result.model_dump_json(indent=2) + "\n")
+    evidence_files.write_text(report_path, render_markdown(result))
+    evidence_files.write_json(plan.evidence / "report.json", result)
     log(f"[6/6] {comparison.summary}; report: {report_path}")
     return result
 
