@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from tools.serving import engine_log
 from tools.serving.engine_log import explain_failure, parse_engine_log, tail
 
 # Lines as vLLM 0.29 printed them on the T4 (the article's sweep start), with vLLM's process/time prefixes.
@@ -59,6 +60,17 @@ def test_cpu_start_fields():
     assert f.cold_start is True and f.warmup_s == 65.0
     d = f.to_dict()
     assert d["kv_cache_tokens"] == 1_290_555 and "CPUWNA16LinearKernel for CompressedTensorsWNA16" in d["kernels"]
+
+
+def test_an_avx2_cpu_names_the_plugins_torch_gemm_as_its_int4_linear_kernel():
+    """On a CPU whose vLLM library has no cpu_gemm_wna16 the plugin's torch GEMM runs, and the start says so."""
+    from gemma4_t4_vllm import wna16
+
+    line = f"(Worker pid=6152) INFO 11-29 15:16:35 [wna16.py:87] {wna16.MARK}\n"
+    assert wna16.MARK.startswith(engine_log.CPU_WNA16_MARK)
+    f = parse_engine_log(CPU_LOG.replace("INFO:     Application", line + "INFO:     Application"))
+    assert f.linear_kernel == "CPUWNA16LinearKernel (torch dequantize-and-matmul, gemma4-t4 CPU plugin)"
+    assert parse_engine_log(CPU_LOG).linear_kernel == "CPUWNA16LinearKernel"
 
 
 def test_unusable_compile_cache_is_a_cold_start_with_a_note():

