@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -19,8 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures import ROOT
-from tools.measure import evidence
+from tests.kill_matrix import SIGNALS, assert_ended, assert_swept_by_the_next_write, cli, signal_when
 
 
 class _Streaming(BaseHTTPRequestHandler):
@@ -79,7 +75,6 @@ def _reached(out: Path, phase: str) -> bool:
 
 
 PHASES = ["before-first-record", "between-records"]
-SIGNALS = {"SIGINT": (signal.SIGINT, 130), "SIGTERM": (signal.SIGTERM, 143), "SIGKILL": (signal.SIGKILL, -9)}
 
 
 @pytest.mark.parametrize("phase", PHASES)
@@ -87,29 +82,10 @@ SIGNALS = {"SIGINT": (signal.SIGINT, 130), "SIGTERM": (signal.SIGTERM, 143), "SI
 def test_decode_killed_at_each_phase_leaves_nothing_the_next_write_keeps(sig, phase, server, tmp_path):
     out = tmp_path / "ev"
     out.mkdir()
-    proc = subprocess.Popen([sys.executable, "-m", "tools.cli", "decode", "--base-url", server, "--out", str(out),
-                             "--prompts", "4", "--max-tokens", "3"], cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
-    try:
-        deadline = time.monotonic() + 60
-        while not _reached(out, phase):
-            assert proc.poll() is None, proc.stderr.read()
-            assert time.monotonic() < deadline, f"decode never reached {phase}"
-            time.sleep(0.02)
-        signum, status = SIGNALS[sig]
-        proc.send_signal(signum)
-        err = proc.communicate(timeout=60)[1]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == status, err
-    assert "Traceback" not in err, err
+    proc = cli(["decode", "--base-url", server, "--out", str(out), "--prompts", "4", "--max-tokens", "3"])
+    err = signal_when(proc, lambda: _reached(out, phase), sig, phase, timeout_s=60)
+    assert_ended(sig, proc.returncode, err)
     if sig != "SIGKILL":
-        last = err.strip().splitlines()[-1]  # after the progress lines: one line saying how it ended
-        assert last == f"vllm-t4: {'interrupted' if sig == 'SIGINT' else 'terminated'}", err
         assert os.listdir(out) == []
     else:
-        assert _partial(out) is not None  # a SIGKILL runs no clean-up ...
-        evidence.write_json(out / "next.json", {"ok": True})  # ... the next write there sweeps it
-        assert os.listdir(out) == ["next.json"]
+        assert_swept_by_the_next_write(out)

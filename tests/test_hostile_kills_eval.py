@@ -9,20 +9,15 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import psutil
 import pytest
 
 from tests.fixtures import ROOT
-from tools.measure import evidence
+from tests.kill_matrix import SIGNALS, assert_ended, assert_swept_by_the_next_write, cli, signal_when
 
-SIGNALS = {"SIGINT": (signal.SIGINT, 130), "SIGTERM": (signal.SIGTERM, 143), "SIGKILL": (signal.SIGKILL, -9)}
 
 
 @pytest.fixture(scope="module")
@@ -76,34 +71,22 @@ def test_a_killed_eval_ends_lm_eval_and_leaves_nothing_the_next_write_keeps(sig,
     n0 = len(arrived)
     env = dict(os.environ, PYTHONPATH=str(ROOT), HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1",
                HF_DATASETS_CACHE=str(tmp_path / "hf"))
-    proc = subprocess.Popen([sys.executable, "-m", "tools.cli", "eval", "--tasks", "tiny_pattern_mc", "--base-url",
-                             base_url, "--out", str(out), "--limit", "4"], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = cli(["eval", "--tasks", "tiny_pattern_mc", "--base-url", base_url, "--out", str(out), "--limit", "4"],
+               env)
     children: list[psutil.Process] = []
-    try:
-        deadline = time.monotonic() + 240
-        while len(arrived) == n0:  # lm-eval is up and has sent its first request
-            assert proc.poll() is None, proc.stderr.read()
-            assert time.monotonic() < deadline, "lm-eval never sent a request"
-            time.sleep(0.05)
-        children = _lm_eval(psutil.Process(proc.pid))
+
+    def settle() -> None:
+        children.extend(_lm_eval(psutil.Process(proc.pid)))
         assert children
-        proc.send_signal(SIGNALS[sig][0])
-        err = proc.communicate(timeout=60)[1]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+
+    err = signal_when(proc, lambda: len(arrived) > n0, sig, "lm-eval's first request", timeout_s=240,
+                      settle=settle)
     _, alive = psutil.wait_procs(children, timeout=20)
     for c in alive:
         c.kill()
     assert not alive, "lm-eval outlived the eval command"
-    assert proc.returncode == SIGNALS[sig][1], err
-    assert "Traceback" not in err, err
+    assert_ended(sig, proc.returncode, err)
     if sig != "SIGKILL":
-        assert err.strip().splitlines()[-1] == f"vllm-t4: {'interrupted' if sig == 'SIGINT' else 'terminated'}"
         assert os.listdir(out) == []
     else:
-        assert [p.name for p in out.iterdir() if ".partial" in p.name]  # a SIGKILL runs no clean-up ...
-        evidence.write_json(out / "next.json", {"ok": True})  # ... the next write there sweeps it
-        assert os.listdir(out) == ["next.json"]
+        assert_swept_by_the_next_write(out)

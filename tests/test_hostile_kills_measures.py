@@ -19,7 +19,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -28,9 +27,8 @@ import pytest
 
 from tests import fake_bench
 from tests.fixtures import ROOT
-from tools.measure import evidence
+from tests.kill_matrix import SIGNALS, assert_ended, assert_swept_by_the_next_write, cli, signal_when
 
-SIGNALS = {"SIGINT": (signal.SIGINT, 130), "SIGTERM": (signal.SIGTERM, 143), "SIGKILL": (signal.SIGKILL, -9)}
 PHASES = ["in-first-call", "between-records"]
 SLOW_S = "0.4"  # each benchmark call
 
@@ -81,22 +79,12 @@ def _records(folder: Path) -> list[Path]:
 
 def _kill_at(argv: list[str], env: dict, pids: Path, out: Path, phase: str, sig: str) -> tuple[int, str, list[int]]:
     """Runs the command until `phase`, sends `sig`; returns (exit status, stderr, the worker pids seen)."""
-    proc = subprocess.Popen([sys.executable, "-m", "tools.cli", *argv], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 90
-        while not (_calls(pids) if phase == "in-first-call" else _records(out)):
-            assert proc.poll() is None, proc.stderr.read()
-            assert time.monotonic() < deadline, f"{argv[0]} never reached {phase}"
-            time.sleep(0.02)
-        if phase == "in-first-call":
-            assert not _records(out)
-        proc.send_signal(SIGNALS[sig][0])
-        err = proc.communicate(timeout=60)[1]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    def settle() -> None:
+        assert phase != "in-first-call" or not _records(out)
+
+    proc = cli(argv, env)
+    err = signal_when(proc, lambda: bool(_calls(pids) if phase == "in-first-call" else _records(out)), sig, phase,
+                      settle=settle)
     return proc.returncode, err, list(_calls(pids))
 
 
@@ -112,11 +100,8 @@ def _worker_gone(pid: int) -> bool:
 
 
 def _ended_as_told(sig: str, rc: int, err: str, workers: list[int]) -> None:
-    assert rc == SIGNALS[sig][1], err
-    assert "Traceback" not in err, err
+    assert_ended(sig, rc, err)
     assert workers and all(_worker_gone(p) for p in workers)
-    if sig != "SIGKILL":
-        assert err.strip().splitlines()[-1] == f"vllm-t4: {'interrupted' if sig == 'SIGINT' else 'terminated'}"
 
 
 @pytest.mark.parametrize("phase", PHASES)
@@ -160,6 +145,4 @@ def test_a_killed_capacity_search_leaves_nothing_the_next_write_keeps(sig, phase
     if sig != "SIGKILL":
         assert os.listdir(out) == []
     else:
-        assert [p.name for p in out.iterdir() if ".partial" in p.name]  # a SIGKILL runs no clean-up ...
-        evidence.write_json(out / "next.json", {"ok": True})  # ... the next write there sweeps it
-        assert os.listdir(out) == ["next.json"]
+        assert_swept_by_the_next_write(out)

@@ -16,17 +16,15 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import psutil
 import pytest
 
-from tests.fixtures import ROOT, free_port
-from tools.measure import evidence
+from tests.fixtures import free_port
+from tests.kill_matrix import SIGNALS, assert_ended, assert_swept_by_the_next_write, cli, signal_when
 
-SIGNALS = {"SIGINT": (signal.SIGINT, 130), "SIGTERM": (signal.SIGTERM, 143), "SIGKILL": (signal.SIGKILL, -9)}
 PHASES = ["server-starting", "between-records"]
 
 STAND_IN = r"""
@@ -103,55 +101,54 @@ def _sweep(tmp_path: Path, ready: bool) -> tuple[subprocess.Popen, Path, Path]:
     (tmp_path / "stand_in.py").write_text(STAND_IN)
     pids, out = tmp_path / "pids", tmp_path / "ev"
     out.mkdir(exist_ok=True)
-    proc = subprocess.Popen([sys.executable, "-c", DRIVER, str(tmp_path / "stand_in.py"), "1" if ready else "0",
-                             str(pids), "decode-sweep", "--env-file", str(env_file), "--draft-tokens", "0",
-                             "--prompts", "4", "--max-tokens", "3", "--out", str(out), "--label", "k"],
-                            cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    proc = cli(["decode-sweep", "--env-file", str(env_file), "--draft-tokens", "0", "--prompts", "4", "--max-tokens",
+                "3", "--out", str(out), "--label", "k"],
+               driver=["-c", DRIVER, str(tmp_path / "stand_in.py"), "1" if ready else "0", str(pids)])
     return proc, pids, out
+
+
+def _servers(pids: Path) -> list[int]:
+    return [int(p) for p in pids.read_text().split()] if pids.exists() else []
+
+
+def _none_left(servers: list[int]) -> bool:
+    """Every stand-in server gone (those still running are killed, so that a failure leaves none)."""
+    left = [p for p in servers if not _gone(p)]
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    return not left
+
+
+def _state_files_go(folder: Path) -> None:
+    deadline = time.monotonic() + 10
+    while list(folder.glob("*.json")):  # after a SIGKILL the guard removes them
+        assert time.monotonic() < deadline, "the state file of a server that is gone stayed"
+        time.sleep(0.1)
 
 
 @pytest.mark.parametrize("phase", PHASES)
 @pytest.mark.parametrize("sig", list(SIGNALS))
 def test_a_killed_decode_sweep_leaves_no_server_and_nothing_the_next_run_keeps(sig, phase, tmp_path):
     proc, pids, out = _sweep(tmp_path, ready=phase == "between-records")
-    servers: list[int] = []
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, proc.stderr.read()
-            assert time.monotonic() < deadline, f"decode-sweep never reached {phase}"
-            servers = [int(p) for p in pids.read_text().split()] if pids.exists() else []
-            state = tmp_path / "state" / "vllm.json"
-            if servers and state.exists() and (phase == "server-starting" or _records(out)):
-                break
-            time.sleep(0.02)
+    state = tmp_path / "state" / "vllm.json"
+
+    def settle() -> None:
         if phase == "server-starting":
             time.sleep(0.5)  # answering /health, refusing the readiness completion
             assert not _records(out)
-        proc.send_signal(SIGNALS[sig][0])
-        err = proc.communicate(timeout=60)[1]
+
+    try:
+        err = signal_when(proc, lambda: bool(_servers(pids)) and state.exists()
+                          and (phase == "server-starting" or bool(_records(out))), sig, phase, settle=settle)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        left = [p for p in servers if not _gone(p)]
-        for p in left:
-            os.kill(p, signal.SIGKILL)
-    assert not left, "the sweep's server outlived the sweep"
-    assert proc.returncode == SIGNALS[sig][1], err
-    assert "Traceback" not in err, err
-    deadline = time.monotonic() + 10
-    while (tmp_path / "state" / "vllm.json").exists():  # after a SIGKILL the guard removes it
-        assert time.monotonic() < deadline, "the state file of a server that is gone stayed"
-        time.sleep(0.1)
+        servers = _servers(pids)
+        assert _none_left(servers), "the sweep's server outlived the sweep"
+    assert_ended(sig, proc.returncode, err)
+    _state_files_go(state.parent)
     if sig != "SIGKILL":
-        assert err.strip().splitlines()[-1] == f"vllm-t4: {'interrupted' if sig == 'SIGINT' else 'terminated'}"
         assert os.listdir(out) == []
     else:
-        assert [p.name for p in out.iterdir() if ".partial-" in p.name]  # a SIGKILL runs no clean-up ...
-        evidence.write_json(out / "next.json", {"ok": True})  # ... the next write there sweeps it
-        assert [p.name for p in out.iterdir() if not p.name.startswith(".lock")] == ["next.json"]
+        assert_swept_by_the_next_write(out)
     # The next sweep is not refused (no state file, no server holding the port): it runs to its end.
     again, pids2, _ = _sweep(tmp_path, ready=True)
     err2 = again.communicate(timeout=120)[1]
@@ -167,37 +164,15 @@ def test_a_killed_demo_leaves_no_server_and_no_half_written_file(sig, tmp_path):
     server left, no state file, and what its evidence folder holds is whole files only."""
     (tmp_path / "stand_in.py").write_text(STAND_IN)
     pids, work, ev = tmp_path / "pids", tmp_path / "work", tmp_path / "evidence"
-    proc = subprocess.Popen([sys.executable, "-c", DRIVER, str(tmp_path / "stand_in.py"), "0", str(pids), "demo",
-                             "--work", str(work), "--evidence", str(ev), "--platform", "cpu"],
-                            cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
-    servers: list[int] = []
+    proc = cli(["demo", "--work", str(work), "--evidence", str(ev), "--platform", "cpu"],
+               driver=["-c", DRIVER, str(tmp_path / "stand_in.py"), "0", str(pids)])
     try:
-        deadline = time.monotonic() + 300
-        while not (pids.exists() and (work / "run" / "vllm.json").exists()):
-            assert proc.poll() is None, proc.stderr.read()
-            assert time.monotonic() < deadline, "the demo never started its server"
-            time.sleep(0.05)
-        servers = [int(p) for p in pids.read_text().split()]
-        time.sleep(0.5)  # answering /health, refusing the readiness completion
-        proc.send_signal(SIGNALS[sig][0])
-        err = proc.communicate(timeout=60)[1]
+        err = signal_when(proc, lambda: bool(_servers(pids)) and (work / "run" / "vllm.json").exists(), sig,
+                          "its server's start", timeout_s=300, settle=lambda: time.sleep(0.5))
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        left = [p for p in servers if not _gone(p)]
-        for p in left:
-            os.kill(p, signal.SIGKILL)
-    assert not left, "the demo's server outlived the demo"
-    assert proc.returncode == SIGNALS[sig][1], err
-    assert "Traceback" not in err, err
-    deadline = time.monotonic() + 10
-    while list((work / "run").glob("*.json")):
-        assert time.monotonic() < deadline, "a state file of a server that is gone stayed"
-        time.sleep(0.1)
-    if sig != "SIGKILL":
-        assert err.strip().splitlines()[-1] == f"vllm-t4: {'interrupted' if sig == 'SIGINT' else 'terminated'}"
+        assert _none_left(_servers(pids)), "the demo's server outlived the demo"
+    assert_ended(sig, proc.returncode, err)
+    _state_files_go(work / "run")
     files = [p for p in ev.rglob("*") if p.is_file()]
     assert files and not [p.name for p in files if ".tmp" in p.name or ".partial" in p.name]
     for p in files:

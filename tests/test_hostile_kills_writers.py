@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -27,8 +26,8 @@ from pathlib import Path
 import pytest
 
 from tests.fixtures import ROOT
+from tests.kill_matrix import SIGNALS, assert_ended, cli, signal_when
 
-SIGNALS = {"SIGINT": (signal.SIGINT, 130), "SIGTERM": (signal.SIGTERM, 143), "SIGKILL": (signal.SIGKILL, -9)}
 PHASES = ["before-first-record", "between-records"]
 SLOW_S = 0.25  # each generation / scored window: the phase the test signals in
 
@@ -113,29 +112,9 @@ def _run(argv: list[str], timeout: float = 60) -> subprocess.CompletedProcess:
 
 
 def _kill_at(argv: list[str], counts: Counter, path: str, phase: str, sig: str) -> tuple[int, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "tools.cli", *argv], cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
-    try:
-        deadline = time.monotonic() + 60
-        while not _reached(counts, path, phase):
-            assert proc.poll() is None, proc.stderr.read()
-            assert time.monotonic() < deadline, f"{argv[:2]} never reached {phase}"
-            time.sleep(0.01)
-        proc.send_signal(SIGNALS[sig][0])
-        err = proc.communicate(timeout=60)[1]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    proc = cli(argv)
+    err = signal_when(proc, lambda: _reached(counts, path, phase), sig, phase, timeout_s=60)
     return proc.returncode, err
-
-
-def _assert_ended(sig: str, rc: int, err: str) -> None:
-    assert rc == SIGNALS[sig][1], err
-    assert "Traceback" not in err, err
-    if sig != "SIGKILL":
-        last = err.strip().splitlines()[-1]  # after the progress lines: one line saying how it ended
-        assert last == f"vllm-t4: {'interrupted' if sig == 'SIGINT' else 'terminated'}", err
 
 
 def _leftovers(folder: Path, name: str) -> list[str]:
@@ -156,7 +135,7 @@ def test_compare_record_killed_at_each_phase_leaves_nothing_the_next_run_keeps(s
     argv = ["compare", "record", "--base-url", url, "--out", str(out / "tokens.json"), "--prompts", str(prompts),
             "--max-tokens", "2", "--top-logprobs", "2"]
     rc, err = _kill_at(argv, counts, "/v1/chat/completions", phase, sig)
-    _assert_ended(sig, rc, err)
+    assert_ended(sig, rc, err)
     assert _leftovers(out, "tokens.json") == []  # written whole at the end: even SIGKILL leaves nothing
     if sig == "SIGKILL":
         done = _run(argv)
@@ -178,7 +157,7 @@ def test_fidelity_record_killed_at_each_phase_leaves_nothing_the_next_run_keeps(
     argv = ["fidelity", "record", "--base-url", url, "--out", str(out / "REF.json"), "--corpus", str(corpus),
             "--window", "16", "--max-corpus-tokens", "32", "--top-k", "2"]
     rc, err = _kill_at(argv, counts, "/v1/completions", phase, sig)
-    _assert_ended(sig, rc, err)
+    assert_ended(sig, rc, err)
     left = _leftovers(out, "REF.json")
     if sig == "SIGKILL":
         assert any(".partial-" in f for f in left), left  # a SIGKILL runs no clean-up ...
