@@ -25,6 +25,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from gemma4_t4_vllm import wna16
+from gemma4_t4_vllm.packing import signed_levels
 
 if TYPE_CHECKING:
     import torch
@@ -54,13 +55,9 @@ def dequant_gather_torch(ids: "torch.Tensor", weight_packed: "torch.Tensor", wei
     """
     import torch
 
-    pack = 32 // num_bits
     ids = ids.reshape(-1).long()
     words = weight_packed.index_select(0, ids)                       # [n, hidden/pack] int32
-    shifts = torch.arange(pack, dtype=torch.int32, device=words.device) * num_bits
-    # Arithmetic right shift of a negative int32 fills with ones; the mask keeps only the nibble.
-    nib = (words.unsqueeze(-1) >> shifts) & ((1 << num_bits) - 1)    # [n, hidden/pack, pack]
-    levels = nib.reshape(ids.numel(), -1)[:, :hidden] - (1 << (num_bits - 1))
+    levels = signed_levels(words, num_bits)[:, :hidden]
     scales = weight_scale.index_select(0, ids).to(torch.float32)     # [n, num_groups]
     num_groups = weight_scale.shape[1]
     if num_groups > 1:

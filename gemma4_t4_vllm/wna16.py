@@ -14,6 +14,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from gemma4_t4_vllm.packing import signed_levels
+
 if TYPE_CHECKING:
     import torch
 
@@ -30,13 +32,10 @@ def dequantize(q_weight: "torch.Tensor", scales: "torch.Tensor", pack_factor: in
     scales [groups, N] (one per group of K/groups input rows)."""
     import torch
 
-    bits = 32 // pack_factor
     n_blocks, row = q_weight.shape
     k = row * pack_factor // _BLOCK
     words = q_weight.view(n_blocks, k, _BLOCK // pack_factor).permute(1, 0, 2).reshape(k, -1)  # [K, N/pack]
-    shifts = torch.arange(pack_factor, dtype=torch.int32, device=q_weight.device) * bits
-    # Arithmetic right shift of a negative int32 fills with ones; the mask keeps only the value's bits.
-    levels = ((words.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).reshape(k, -1) - (1 << (bits - 1))
+    levels = signed_levels(words, 32 // pack_factor)
     groups = scales.shape[0]
     s = scales.to(torch.float32)
     if groups > 1:
