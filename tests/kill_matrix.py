@@ -1,5 +1,6 @@
-"""What every kill-matrix test shares: the three signals and the exit status each must give, running a command
-until a phase and signalling it there, and how a command signalled with SIGINT or SIGTERM must end."""
+"""What every kill-matrix test shares: the three signals and the exit status each must give, a stand-in HTTP
+server in a thread, running a command until a phase and signalling it there, how a command signalled with
+SIGINT or SIGTERM must end, and whether the processes it owned ended with it."""
 
 from __future__ import annotations
 
@@ -7,14 +8,49 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
+
+import psutil
 
 from tests.fixtures import ROOT
 from tools.measure import evidence
 
 SIGNALS = {"SIGINT": (signal.SIGINT, 130), "SIGTERM": (signal.SIGTERM, 143), "SIGKILL": (signal.SIGKILL, -9)}
+
+
+@contextmanager
+def serve_in_thread(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
+    """`handler` serving on a free port of 127.0.0.1 for the block; yields its base URL."""
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{srv.server_address[1]}"
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def all_gone(pids: list[int], wait_s: float = 20) -> bool:
+    """Whether every process in `pids` ended (a zombie counts) within `wait_s`; those still running are killed, so
+    that a failing test leaves none."""
+    left = []
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            proc.wait(wait_s)
+        except psutil.NoSuchProcess:
+            continue
+        except psutil.TimeoutExpired:
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                left.append(pid)
+                proc.kill()
+    return not left
 
 
 def cli(argv: list[str], env: dict[str, str] | None = None, *, driver: list[str] | None = None) -> subprocess.Popen:

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
 
-from tests.kill_matrix import SIGNALS, assert_ended, assert_swept_by_the_next_write, cli, signal_when
+from tests.kill_matrix import (SIGNALS, assert_ended, assert_swept_by_the_next_write, cli, serve_in_thread,
+                               signal_when)
 
 
 class _Streaming(BaseHTTPRequestHandler):
@@ -53,12 +53,8 @@ class _Streaming(BaseHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Streaming)
-    srv.daemon_threads = True
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{srv.server_address[1]}"
-    srv.shutdown()
-    srv.server_close()
+    with serve_in_thread(_Streaming) as url:
+        yield url
 
 
 def _partial(out: Path) -> Path | None:

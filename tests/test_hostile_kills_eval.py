@@ -10,13 +10,14 @@ from __future__ import annotations
 import json
 import os
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import psutil
 import pytest
 
 from tests.fixtures import ROOT
-from tests.kill_matrix import SIGNALS, assert_ended, assert_swept_by_the_next_write, cli, signal_when
+from tests.kill_matrix import (SIGNALS, assert_ended, assert_swept_by_the_next_write, cli, serve_in_thread,
+                               signal_when)
 
 
 
@@ -47,13 +48,9 @@ def held(tmp_path_factory):
         def log_message(self, *a):
             pass
 
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    srv.daemon_threads = True
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{srv.server_address[1]}", arrived
-    release.set()
-    srv.shutdown()
-    srv.server_close()
+    with serve_in_thread(Handler) as url:
+        yield url, arrived
+        release.set()  # before the server shuts down: a held request ends
 
 
 def _lm_eval(proc: psutil.Process) -> list[psutil.Process]:

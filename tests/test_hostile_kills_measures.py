@@ -15,19 +15,17 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
-import psutil
 import pytest
 
 from tests import fake_bench
 from tests.fixtures import ROOT
-from tests.kill_matrix import SIGNALS, assert_ended, assert_swept_by_the_next_write, cli, signal_when
+from tests.kill_matrix import (SIGNALS, all_gone, assert_ended, assert_swept_by_the_next_write, cli, serve_in_thread,
+                               signal_when)
 
 PHASES = ["in-first-call", "between-records"]
 SLOW_S = "0.4"  # each benchmark call
@@ -51,12 +49,8 @@ class _Server(BaseHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Server)
-    srv.daemon_threads = True
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{srv.server_address[1]}"
-    srv.shutdown()
-    srv.server_close()
+    with serve_in_thread(_Server) as url:
+        yield url
 
 
 @pytest.fixture
@@ -88,20 +82,9 @@ def _kill_at(argv: list[str], env: dict, pids: Path, out: Path, phase: str, sig:
     return proc.returncode, err, list(_calls(pids))
 
 
-def _worker_gone(pid: int) -> bool:
-    try:
-        psutil.Process(pid).wait(20)
-    except psutil.NoSuchProcess:
-        return True
-    except psutil.TimeoutExpired:
-        os.kill(pid, signal.SIGKILL)
-        return False
-    return True
-
-
 def _ended_as_told(sig: str, rc: int, err: str, workers: list[int]) -> None:
     assert_ended(sig, rc, err)
-    assert workers and all(_worker_gone(p) for p in workers)
+    assert workers and all_gone(workers)
 
 
 @pytest.mark.parametrize("phase", PHASES)

@@ -14,16 +14,14 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from tests.fixtures import free_port
-from tests.kill_matrix import SIGNALS, assert_ended, assert_swept_by_the_next_write, cli, signal_when
+from tests.kill_matrix import SIGNALS, all_gone, assert_ended, assert_swept_by_the_next_write, cli, signal_when
 
 PHASES = ["server-starting", "between-records"]
 
@@ -78,17 +76,6 @@ raise SystemExit(cli.main(sys.argv[4:]))
 """
 
 
-def _gone(pid: int, wait_s: float = 20) -> bool:
-    try:
-        proc = psutil.Process(pid)
-        proc.wait(wait_s)
-    except psutil.NoSuchProcess:
-        return True
-    except psutil.TimeoutExpired:
-        return proc.status() == psutil.STATUS_ZOMBIE
-    return True
-
-
 def _records(out: Path) -> list[Path]:
     return list(out.rglob("raw/*.json")) if out.is_dir() else []
 
@@ -109,14 +96,6 @@ def _sweep(tmp_path: Path, ready: bool) -> tuple[subprocess.Popen, Path, Path]:
 
 def _servers(pids: Path) -> list[int]:
     return [int(p) for p in pids.read_text().split()] if pids.exists() else []
-
-
-def _none_left(servers: list[int]) -> bool:
-    """Every stand-in server gone (those still running are killed, so that a failure leaves none)."""
-    left = [p for p in servers if not _gone(p)]
-    for p in left:
-        os.kill(p, signal.SIGKILL)
-    return not left
 
 
 def _state_files_go(folder: Path) -> None:
@@ -142,7 +121,7 @@ def test_a_killed_decode_sweep_leaves_no_server_and_nothing_the_next_run_keeps(s
                           and (phase == "server-starting" or bool(_records(out))), sig, phase, settle=settle)
     finally:
         servers = _servers(pids)
-        assert _none_left(servers), "the sweep's server outlived the sweep"
+        assert all_gone(servers), "the sweep's server outlived the sweep"
     assert_ended(sig, proc.returncode, err)
     _state_files_go(state.parent)
     if sig != "SIGKILL":
@@ -152,8 +131,7 @@ def test_a_killed_decode_sweep_leaves_no_server_and_nothing_the_next_run_keeps(s
     # The next sweep is not refused (no state file, no server holding the port): it runs to its end.
     again, pids2, _ = _sweep(tmp_path, ready=True)
     err2 = again.communicate(timeout=120)[1]
-    for p in (int(x) for x in pids2.read_text().split()[len(servers):]):
-        assert _gone(p)
+    assert all_gone([int(x) for x in pids2.read_text().split()[len(servers):]])
     assert again.returncode == 0, err2
     assert json.loads(next(out.glob("*/summary.json")).read_text())["runs"]
 
@@ -170,7 +148,7 @@ def test_a_killed_demo_leaves_no_server_and_no_half_written_file(sig, tmp_path):
         err = signal_when(proc, lambda: bool(_servers(pids)) and (work / "run" / "vllm.json").exists(), sig,
                           "its server's start", timeout_s=300, settle=lambda: time.sleep(0.5))
     finally:
-        assert _none_left(_servers(pids)), "the demo's server outlived the demo"
+        assert all_gone(_servers(pids)), "the demo's server outlived the demo"
     assert_ended(sig, proc.returncode, err)
     _state_files_go(work / "run")
     files = [p for p in ev.rglob("*") if p.is_file()]

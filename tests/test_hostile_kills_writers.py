@@ -17,16 +17,15 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
 
 from tests.fixtures import ROOT
-from tests.kill_matrix import SIGNALS, assert_ended, cli, signal_when
+from tests.kill_matrix import SIGNALS, assert_ended, cli, serve_in_thread, signal_when
 
 PHASES = ["before-first-record", "between-records"]
 SLOW_S = 0.25  # each generation / scored window: the phase the test signals in
@@ -91,12 +90,8 @@ class _StandIn(BaseHTTPRequestHandler):
 def server():
     """A fresh stand-in per case: a killed client's last request (still sleeping) never counts in the next."""
     handler = type("Handler", (_StandIn,), {"counts": Counter()})
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    srv.daemon_threads = True
-    threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-    yield f"http://127.0.0.1:{srv.server_address[1]}", handler.counts
-    srv.shutdown()
-    srv.server_close()
+    with serve_in_thread(handler) as url:
+        yield url, handler.counts
 
 
 def _reached(counts: Counter, path: str, phase: str) -> bool:
