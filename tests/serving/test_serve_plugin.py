@@ -94,11 +94,22 @@ def test_register_swaps_the_triton_gather_on_cpu(monkeypatch):
     assert getattr(module.CompressedTensorsEmbeddingWNA16Int.create_weights, "_gemma4_t4", False)
 
 
+def _op_dtypes():
+    import torch
+
+    return (torch.float16, torch.bfloat16)
+
+
+OP_DTYPES = _op_dtypes()
+
+
 @pytest.mark.parametrize("groups, dtype_name", [(4, "float16"), (1, "bfloat16"), (8, "float32")])
 def test_the_torch_wna16_gemm_computes_the_dequantized_matmul(groups, dtype_name):
     """A compressed-tensors pack-quantized weight, put in CPUWNA16's layout by vLLM's own repacking, multiplied by
     gemma4_t4_vllm.wna16: x @ W.T with W the weight compressed-tensors unpacks, within the input dtype's rounding;
-    where this CPU's vLLM library has the op, the op's result too."""
+    where this CPU's vLLM library has the op (AVX-512 builds), the op's result too, for the dtypes the op takes:
+    its kernel dispatches on float16 and bfloat16 only (VLLM_DISPATCH_16B_TYPES in csrc/cpu), so float32 is checked
+    through the torch path alone."""
     import torch
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
     from types import SimpleNamespace
@@ -133,7 +144,7 @@ def test_the_torch_wna16_gemm_computes_the_dequantized_matmul(groups, dtype_name
     ref = (x.reshape(-1, k).float() @ dense.t() + bias.float()).to(dtype).reshape(2, 3, n)
     assert out.shape == (2, 3, n) and out.dtype == dtype
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)  # float32 sums in another order; else one rounding
-    if not wna16.op_missing():
+    if not wna16.op_missing() and dtype in OP_DTYPES:
         from vllm import _custom_ops as ops
 
         real = ops.cpu_gemm_wna16(x, layer.weight_packed, layer.weight_scale, None, bias, 8, layer.isa_hint)
@@ -142,13 +153,21 @@ def test_the_torch_wna16_gemm_computes_the_dequantized_matmul(groups, dtype_name
         wna16.gemm_wna16(x, layer.weight_packed, layer.weight_scale, layer.weight_scale, None, 8, "vec")
 
 
-def test_register_puts_the_torch_gemm_in_place_only_where_the_op_is_missing(monkeypatch):
+@pytest.mark.parametrize("missing", [True, False], ids=["op-missing", "op-present"])
+def test_register_puts_the_torch_gemm_in_place_only_where_the_op_is_missing(monkeypatch, missing):
+    """Both decisions on any machine: the op's absence (an AVX2 library) or presence (AVX-512) is faked."""
     import gemma4_t4_vllm
     from gemma4_t4_vllm import wna16
     from vllm import _custom_ops as ops
 
-    original = ops.cpu_gemm_wna16
-    monkeypatch.setattr(ops, "cpu_gemm_wna16", original)  # restored after the test
+    def vllms_own(*args):  # stands for the library's op: whatever this machine's library has
+        raise AssertionError("not called")
+
+    monkeypatch.setattr(ops, "cpu_gemm_wna16", vllms_own)  # the real attribute comes back after the test
+    monkeypatch.setattr(wna16, "op_missing", lambda: missing)
+    monkeypatch.setattr(gemma4_t4_vllm, "_on_cpu_platform", lambda: True)
     monkeypatch.setattr(gemma4_t4_vllm, "_registered", False)
     gemma4_t4_vllm.register()
-    assert (ops.cpu_gemm_wna16 is wna16.gemm_wna16) == wna16.op_missing()
+    assert ops.cpu_gemm_wna16 is (wna16.gemm_wna16 if missing else vllms_own)
+    assert wna16.install() is False  # a second install changes nothing either way
+    assert ops.cpu_gemm_wna16 is (wna16.gemm_wna16 if missing else vllms_own)
