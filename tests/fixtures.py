@@ -134,3 +134,15 @@ def in_process_engine(mp: pytest.MonkeyPatch) -> None:
     bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
     if bind and all(c.isdigit() for c in bind.split(",")):
         mp.setenv("OMP_NUM_THREADS", str(len(bind.split(","))))
+
+
+_DEFAULTED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def default_signals() -> None:
+    """`preexec_fn` of every child a test signals: SIGINT, SIGTERM and SIGHUP at their defaults, whatever the test
+    runner inherited. A runner started as `cmd &` from a script, under nohup or by some CI services ignores SIGINT
+    (or SIGHUP); its children would inherit that, and a command keeps a signal it was started with ignored
+    (docs/testing.md), so a kill test would test the runner's start instead of the command."""
+    for sig in _DEFAULTED:
+        signal.signal(sig, signal.SIG_DFL)

@@ -17,10 +17,11 @@ from typing import Callable, Iterator
 
 import psutil
 
-from tests.fixtures import ROOT
+from tests.fixtures import ROOT, default_signals
 from tools.measure import evidence
 
 SIGNALS = {"SIGINT": (signal.SIGINT, 130), "SIGTERM": (signal.SIGTERM, 143), "SIGKILL": (signal.SIGKILL, -9)}
+
 
 
 @contextmanager
@@ -58,7 +59,7 @@ def cli(argv: list[str], env: dict[str, str] | None = None, *, driver: list[str]
     head = driver or ["-m", "tools.cli"]
     return subprocess.Popen([sys.executable, *head, *argv], cwd=ROOT,
                             env=env or dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=default_signals)
 
 
 def signal_when(proc: subprocess.Popen, reached: Callable[[], bool], sig: str, what: str, *,

@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
 import time
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
 
+from tests.fixtures import ROOT, default_signals
 from tests.kill_matrix import (SIGNALS, assert_ended, assert_swept_by_the_next_write, cli, serve_in_thread,
                                signal_when)
 
@@ -85,3 +89,35 @@ def test_decode_killed_at_each_phase_leaves_nothing_the_next_write_keeps(sig, ph
         assert os.listdir(out) == []
     else:
         assert_swept_by_the_next_write(out)
+
+
+def test_a_kill_case_passes_under_a_runner_that_ignores_sigint(server, tmp_path):
+    """The suite started as `pytest &` from a script, under nohup or by a CI service ignores SIGINT; the command
+    a test signals still starts with it at its default (fixtures.default_signals), so the case tests the command."""
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        test_decode_killed_at_each_phase_leaves_nothing_the_next_write_keeps("SIGINT", "between-records", server,
+                                                                            tmp_path)
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
+def test_a_command_started_with_sigint_ignored_keeps_it_ignored(server, tmp_path):
+    """The POSIX convention (docs/testing.md): SIGINT sent to a command whose parent ignored it is not an interrupt;
+    the run goes on to its whole result, and SIGTERM still ends a command."""
+    out = tmp_path / "ev"
+    out.mkdir()
+
+    def ignore_sigint() -> None:
+        default_signals()
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    proc = subprocess.Popen([sys.executable, "-m", "tools.cli", "decode", "--base-url", server, "--out", str(out),
+                             "--prompts", "3", "--max-tokens", "3"], cwd=ROOT,
+                            env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, preexec_fn=ignore_sigint)
+    err = signal_when(proc, lambda: _reached(out, "between-records"), "SIGINT", "between-records", timeout_s=60)
+    assert proc.returncode == 0, err
+    (run,) = out.iterdir()
+    assert ".partial" not in run.name
+    assert len(list((run / "raw").glob("*.json"))) == 3, sorted(p.name for p in run.rglob("*"))

@@ -20,7 +20,7 @@ from tools.cli import repack_cli as cli
 from repack.build import BuildOptions, build_checkpoint
 from repack.synthetic import grid_words, write_small_checkpoint
 
-from fixtures import one_line_error, reaped, repack_cli
+from fixtures import default_signals, one_line_error, reaped, repack_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 FULL = ["--text-only", "--embed-int4", "--embed-tokens"]
@@ -377,7 +377,7 @@ def test_a_signal_stops_the_probe_with_one_line(good, sig, rc, how):
         "sys.exit(cli.main(['probe', %r]))\n"
     ) % (str(ROOT), str(good))
     p = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True, start_new_session=True,
-                         env={**os.environ, "REPACK_NO_NUMBA": "1"})
+                         env={**os.environ, "REPACK_NO_NUMBA": "1"}, preexec_fn=default_signals)
     with reaped(p):
         assert p.stderr.readline().strip() == "sampling"
         p.send_signal(sig)

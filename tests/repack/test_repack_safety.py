@@ -24,7 +24,7 @@ from repack.checkpoint import open_checkpoint
 from repack.errors import RepackError
 from repack.synthetic import write_small_checkpoint
 
-from fixtures import one_line_error, reaped, repack_cli
+from fixtures import default_signals, one_line_error, reaped, repack_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 FULL = ["--text-only", "--embed-int4", "--embed-tokens"]
@@ -390,7 +390,8 @@ build._copy_block = touching
 
 def _start_slow_build(src: Path, out: Path, extra: str = "") -> subprocess.Popen:
     code = _SLOW_CHILD.format(root=str(ROOT), src=str(src), out=str(out), extra=extra)
-    return subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=default_signals)
 
 
 def _wait_for_partial(folder: Path, p: subprocess.Popen) -> str:

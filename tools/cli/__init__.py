@@ -70,8 +70,12 @@ def main(argv: list[str] | None = None) -> int:
         return _stdout_gone()
     global _terminating
     _terminating = False
-    # main() may run in-process (tests, an embedding program): the caller's handler comes back on return
-    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    # main() may run in-process (tests, an embedding program): the caller's handler comes back on return. A
+    # SIGTERM the command was started with ignored stays ignored, as SIGINT does (Python then installs no
+    # KeyboardInterrupt handler): the POSIX convention for signals a parent chose to ignore.
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous is not signal.SIG_IGN:
+        signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         status = int(args.func(args) or 0)
         sys.stdout.flush()  # here, where a closed pipe is caught, not at the interpreter's exit
@@ -85,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         print("vllm-t4: interrupted", file=sys.stderr)
         return 130
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if previous is not None:  # None: a handler not set from Python, left as it is
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _stdout_gone() -> int:

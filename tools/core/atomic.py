@@ -83,11 +83,14 @@ def _on_signal(signum: int, frame: object) -> None:
 @contextmanager
 def signals_as_exceptions() -> Iterator[None]:
     """In the main thread: SIGINT, SIGTERM and SIGHUP raise KeyboardInterrupt / Terminated (held back during a
-    swap). Elsewhere (a worker thread) a no-op: Python runs signal handlers in the main thread only."""
+    swap), except those the process inherited as ignored. Elsewhere (a worker thread) a no-op: Python runs signal handlers in the main thread only."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    saved = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    # A signal the process was started with ignored stays ignored (the POSIX convention: `cmd &` in a script
+    # ignores SIGINT, nohup SIGHUP), so such a command runs on through it.
+    saved = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+             if signal.getsignal(s) is not signal.SIG_IGN}
     try:
         yield
     finally:
