@@ -29,6 +29,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -177,6 +178,35 @@ def _byte_chars() -> list[str]:
     return [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
 
 
+# The marker of a folder this module wrote: what `force` may replace (make_tiny_model, the command line). A
+# config.json is no such mark: a fetched source or a repack build has one too. Hidden, so a repack of the tiny
+# source does not carry it into the build (repack.checkpoint's side files leave hidden files aside).
+MARKER = ".gemma4-t4-tiny-model.json"
+
+
+def mark(out: Path, kind: str) -> None:
+    (out / MARKER).write_text(json.dumps({"made_by": "repack.tiny_model", "kind": kind}) + "\n")
+
+
+def not_replaceable(out: str | Path) -> str | None:
+    """None when `out` may be replaced by a new tiny model: absent, an empty folder, or a folder this module
+    wrote (its marker); else why not, in a few words."""
+    p = Path(out)
+    if not os.path.lexists(p):
+        return None
+    if p.is_symlink() or not p.is_dir():
+        return "it is not a folder"
+    try:
+        if not any(p.iterdir()):
+            return None
+        made = json.loads((p / MARKER).read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return f"it has no {MARKER}, so this tool did not write it"
+    if not (isinstance(made, dict) and made.get("made_by") == "repack.tiny_model"):
+        return f"its {MARKER} is not this tool's"
+    return None
+
+
 def build_tiny_qat_checkpoint(out_dir: str | Path, *, seed: int = 0, train_steps: int = 200,
                               on_grid: bool = True, max_shard_size: str = "1MB") -> TinyModelInfo:
     """Writes the tiny multimodal checkpoint to out_dir (replaced if present) and returns what it wrote.
@@ -256,6 +286,7 @@ def _build(out_dir: str | Path, *, seed: int, train_steps: int, on_grid: bool, m
     mm.generation_config.do_sample = False
     mm.save_pretrained(out, max_shard_size=max_shard_size)
     _write_tokenizer(out)
+    mark(out, "source")
 
     # Accuracy of the saved (projected) weights on the pattern, after the first position.
     with torch.no_grad():
@@ -363,6 +394,7 @@ def _build_drafter(out_dir: str | Path, target_dir: str | Path, *, seed: int, tr
     model.generation_config.do_sample = False
     model.save_pretrained(out)
     _write_tokenizer(out)
+    mark(out, "drafter")
     return TinyDrafterInfo(path=out, accuracy=accuracy, grid_tensors=tuple(grid_tensors))
 
 
@@ -437,6 +469,7 @@ def cached_tiny_qat_checkpoint(out_dir: str | Path, *, cache_dir: str | Path | N
         shutil.rmtree(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     shutil.copytree(entry / "model", out)
+    mark(out, "source")  # also where the cached entry predates the marker
     meta = json.loads((entry / "info.json").read_text())
     return TinyModelInfo(path=out, accuracy=meta["accuracy"], grid_tensors=meta["grid_tensors"],
                          permutation_seed=meta["permutation_seed"])
@@ -447,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m repack.tiny_model",
                                  description="Write a tiny Gemma-4-shaped QAT-like multimodal checkpoint.")
-    ap.add_argument("out", help="output folder (replaced if present)")
+    ap.add_argument("out", help="output folder (new or empty; --force replaces one this tool wrote)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--train-steps", type=int, default=200)
     ap.add_argument("--off-grid", action="store_true", help="skip the 4-bit projection (a base-model stand-in)")
@@ -455,7 +488,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="write instead the tiny gemma4_assistant drafter for the tiny target in TARGET")
     ap.add_argument("--no-cache", action="store_true",
                     help=f"train even if the same model is cached (cache: ${CACHE_ENV}, default ~/.cache/gemma4-t4)")
+    ap.add_argument("--force", action="store_true", help=f"replace OUT when this tool wrote it (its {MARKER})")
     args = ap.parse_args(argv)
+    out = Path(args.out)
+    if os.path.lexists(out) and not (out.is_dir() and not out.is_symlink() and not any(out.iterdir())):
+        why = "pass --force to replace it, or choose another" if not args.force else not_replaceable(out)
+        if why:
+            print(f"python -m repack.tiny_model: {out} exists"
+                  + (f" and --force replaces only a folder this tool wrote: {why}; choose another or move it away"
+                     if args.force else f": {why}"), file=sys.stderr)
+            return 2
     if args.drafter_of:
         d = build_tiny_drafter(args.out, args.drafter_of, seed=args.seed)
         print(f"{d.path}: drafter for {args.drafter_of}, first-draft accuracy on the pattern {d.accuracy:.3f}")
