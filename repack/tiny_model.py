@@ -34,6 +34,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from .tiny_marker import MARKER, mark, not_replaceable
+
 GROUP = 32
 VOCAB = 512
 # Special tokens, in the positions Gemma uses for the first three.
@@ -176,35 +178,6 @@ def _byte_chars() -> list[str]:
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     extra = iter(range(256, 512))
     return [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
-
-
-# The marker of a folder this module wrote: what `force` may replace (make_tiny_model, the command line). A
-# config.json is no such mark: a fetched source or a repack build has one too. Hidden, so a repack of the tiny
-# source does not carry it into the build (repack.checkpoint's side files leave hidden files aside).
-MARKER = ".gemma4-t4-tiny-model.json"
-
-
-def mark(out: Path, kind: str) -> None:
-    (out / MARKER).write_text(json.dumps({"made_by": "repack.tiny_model", "kind": kind}) + "\n")
-
-
-def not_replaceable(out: str | Path) -> str | None:
-    """None when `out` may be replaced by a new tiny model: absent, an empty folder, or a folder this module
-    wrote (its marker); else why not, in a few words."""
-    p = Path(out)
-    if not os.path.lexists(p):
-        return None
-    if p.is_symlink() or not p.is_dir():
-        return "it is not a folder"
-    try:
-        if not any(p.iterdir()):
-            return None
-        made = json.loads((p / MARKER).read_text())
-    except (OSError, ValueError, UnicodeDecodeError):
-        return f"it has no {MARKER}, so this tool did not write it"
-    if not (isinstance(made, dict) and made.get("made_by") == "repack.tiny_model"):
-        return f"its {MARKER} is not this tool's"
-    return None
 
 
 def build_tiny_qat_checkpoint(out_dir: str | Path, *, seed: int = 0, train_steps: int = 200,
