@@ -349,9 +349,9 @@ def test_a_decision_that_never_returns_is_ended(target, monkeypatch):
 # -- exit statuses: bad input 2, a failure of the machine 1 ---------------------------------------------------
 
 def test_a_full_disk_exits_1_and_leaves_the_file_as_it_was(tmp_path, monkeypatch):
-    from tests.test_hostile_outputs import MOUNT, _inject, fill, mounts  # noqa: F401 - mounts is a fixture
-
     import importlib
+
+    from tests.test_hostile_outputs import MOUNT, _inject, fill
 
     place = tmp_path / "full"
     mounted = False
