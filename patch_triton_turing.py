@@ -6,20 +6,48 @@
   ./patch_triton_turing.py --revert   restore the original
   --target FILE                        work on FILE instead of the installed vLLM's file
 
-A vLLM whose tile-size decision the clamp cannot find is refused (exit 2, the file untouched).
-Why and what: tools/serving/turing_patch.py.
+It runs on the project's virtualenv (.venv, what ./setup.sh makes), whatever `python3` is first on PATH: the
+vLLM it patches is the one the project serves with. Bad input (a file it cannot patch) exits 2, a failure of the
+machine (a full disk) 1. Why and what: tools/serving/turing_patch.py.
 """
 
 from __future__ import annotations
 
-import argparse
+import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+_HERE = Path(__file__).resolve().parent
+_VENV = _HERE / ".venv"
+_REEXEC = "GEMMA4_T4_PATCH_REEXEC"  # set across the one re-exec, so it never loops
 
-from tools.serving import turing_patch  # noqa: E402
-from tools.core.errors import ToolFailure  # noqa: E402
+
+def _in_project_venv() -> bool:
+    return os.path.realpath(sys.prefix) == os.path.realpath(_VENV)
+
+
+def _to_project_venv() -> None:
+    """Re-runs this file on the project's virtualenv, as ./vllm-t4 does, when another Python started it."""
+    python = _VENV / "bin" / "python"
+    if os.environ.pop(_REEXEC, None) is None and python.is_file() and not _in_project_venv():
+        os.environ[_REEXEC] = "1"
+        os.execv(python, [str(python), str(Path(__file__).resolve()), *sys.argv[1:]])
+
+
+if __name__ == "__main__":
+    _to_project_venv()
+
+sys.path.insert(0, str(_HERE))
+
+try:
+    import argparse
+
+    from tools.core.errors import BadInput, ToolFailure
+    from tools.serving import turing_patch
+except ImportError as _exc:  # a Python without the project's packages, and no .venv beside this file
+    print(f"patch_triton_turing.py: {sys.executable} lacks the project's packages ({_exc}) and {_VENV} has no "
+          "Python; run ./setup.sh", file=sys.stderr)
+    raise SystemExit(1) from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,9 +67,15 @@ def main(argv: list[str] | None = None) -> int:
         status = turing_patch.revert(args.target) if args.revert else turing_patch.apply(args.target)
         print(status.message)
         return 0
-    except ToolFailure as exc:
+    except BadInput as exc:
         print(f"patch_triton_turing.py: {exc}", file=sys.stderr)
         return 2
+    except ToolFailure as exc:  # the machine's (a full disk, no vLLM installed), not the input's
+        print(f"patch_triton_turing.py: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"patch_triton_turing.py: {exc.filename or args.target}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -29,9 +29,12 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from .tiny_marker import MARKER, mark, not_replaceable
 
 GROUP = 32
 VOCAB = 512
@@ -256,6 +259,7 @@ def _build(out_dir: str | Path, *, seed: int, train_steps: int, on_grid: bool, m
     mm.generation_config.do_sample = False
     mm.save_pretrained(out, max_shard_size=max_shard_size)
     _write_tokenizer(out)
+    mark(out, "source")
 
     # Accuracy of the saved (projected) weights on the pattern, after the first position.
     with torch.no_grad():
@@ -363,6 +367,7 @@ def _build_drafter(out_dir: str | Path, target_dir: str | Path, *, seed: int, tr
     model.generation_config.do_sample = False
     model.save_pretrained(out)
     _write_tokenizer(out)
+    mark(out, "drafter")
     return TinyDrafterInfo(path=out, accuracy=accuracy, grid_tensors=tuple(grid_tensors))
 
 
@@ -437,6 +442,7 @@ def cached_tiny_qat_checkpoint(out_dir: str | Path, *, cache_dir: str | Path | N
         shutil.rmtree(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     shutil.copytree(entry / "model", out)
+    mark(out, "source")  # also where the cached entry predates the marker
     meta = json.loads((entry / "info.json").read_text())
     return TinyModelInfo(path=out, accuracy=meta["accuracy"], grid_tensors=meta["grid_tensors"],
                          permutation_seed=meta["permutation_seed"])
@@ -447,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m repack.tiny_model",
                                  description="Write a tiny Gemma-4-shaped QAT-like multimodal checkpoint.")
-    ap.add_argument("out", help="output folder (replaced if present)")
+    ap.add_argument("out", help="output folder (new or empty; --force replaces one this tool wrote)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--train-steps", type=int, default=200)
     ap.add_argument("--off-grid", action="store_true", help="skip the 4-bit projection (a base-model stand-in)")
@@ -455,7 +461,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="write instead the tiny gemma4_assistant drafter for the tiny target in TARGET")
     ap.add_argument("--no-cache", action="store_true",
                     help=f"train even if the same model is cached (cache: ${CACHE_ENV}, default ~/.cache/gemma4-t4)")
+    ap.add_argument("--force", action="store_true", help=f"replace OUT when this tool wrote it (its {MARKER})")
     args = ap.parse_args(argv)
+    out = Path(args.out)
+    if os.path.lexists(out) and not (out.is_dir() and not out.is_symlink() and not any(out.iterdir())):
+        why = "pass --force to replace it, or choose another" if not args.force else not_replaceable(out)
+        if why:
+            print(f"python -m repack.tiny_model: {out} exists"
+                  + (f" and --force replaces only a folder this tool wrote: {why}; choose another or move it away"
+                     if args.force else f": {why}"), file=sys.stderr)
+            return 2
     if args.drafter_of:
         d = build_tiny_drafter(args.out, args.drafter_of, seed=args.seed)
         print(f"{d.path}: drafter for {args.drafter_of}, first-draft accuracy on the pattern {d.accuracy:.3f}")

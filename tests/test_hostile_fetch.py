@@ -132,3 +132,23 @@ def test_a_published_fetch_takes_the_umasks_mode(tmp_path):
         os.umask(old)
     assert (tmp_path / "models" / "tiny").stat().st_mode & 0o777 == 0o755
     assert sorted(os.listdir(tmp_path / "models")) == ["tiny"]
+
+
+def test_a_build_that_appears_at_the_output_during_a_fetch_is_kept(tmp_path):
+    """The fetch replaces only an empty folder: a repack build (its report listing every file) written at the
+    output after the fetch checked it is no fetch's to replace."""
+    snap, names = _snapshot(tmp_path)
+    out = tmp_path / "models" / "tiny"
+    out.mkdir(parents=True)
+    (out / "config.json").write_text('{"a build": 1}')
+    (out / "repack-report.json").write_text('{"files": ["config.json", "repack-report.json"]}')
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(BadInput) as e:
+        fetch._publish(snap, names, out, _manifest(), {}, None)
+    assert "\n" not in str(e.value) and str(out) in str(e.value) and "empty folder" in str(e.value)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert [p.name for p in out.parent.iterdir()] == ["tiny"]  # no partial folder left
+    (out / "config.json").unlink()
+    (out / "repack-report.json").unlink()
+    fetch._publish(snap, names, out, _manifest(), {}, None)  # an empty folder: replaced
+    assert sorted(p.name for p in out.iterdir()) == sorted([*names, fetch.MANIFEST])

@@ -53,7 +53,16 @@ def test_make_tiny_model_refuses_what_it_would_replace(mcp, tmp_path):
     err = run(_error(mcp, "make_tiny_model", {"out": "taken"}))
     assert err == f"out {models / 'taken'} exists: pass force=true to replace it, or choose another", err
     err = run(_error(mcp, "make_tiny_model", {"out": "taken", "force": True}))
-    assert "holds something else than a checkpoint" in err and (models / "taken" / "notes.txt").is_file()
+    assert "replaces only a folder this tool wrote" in err and (models / "taken" / "notes.txt").is_file()
+    # a checkpoint is no mark of this tool: a repack build or a fetched source has a config.json too
+    for name, own in (("build", "repack-report.json"), ("fetched", "fetch-manifest.json")):
+        (models / name).mkdir()
+        for f in ("config.json", own):
+            (models / name / f).write_text("{}")
+        err = run(_error(mcp, "make_tiny_model", {"out": name, "force": True}))
+        assert f"out {models / name} exists and force=true replaces only a folder this tool wrote" in err, err
+        assert "did not write it" in err and sorted(p.name for p in (models / name).iterdir()) == sorted(
+            ["config.json", own])
     assert "is a root or holds one" in run(_error(mcp, "make_tiny_model", {"out": str(models)}))
     assert "outside the models roots" in run(_error(mcp, "make_tiny_model", {"out": str(tmp_path / "x")}))
 

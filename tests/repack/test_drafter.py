@@ -28,21 +28,30 @@ LINEARS = {
 CONFIG = {"architectures": ["Gemma4AssistantForCausalLM"], "model_type": "gemma4_assistant",
           "backbone_hidden_size": 128, "tie_word_embeddings": True, "dtype": "bfloat16",
           "text_config": {"model_type": "gemma4_text", "hidden_size": 64, "vocab_size": 512,
-                          "num_hidden_layers": 2, "tie_word_embeddings": True}}
+                          "num_hidden_layers": 2, "tie_word_embeddings": True, "intermediate_size": 128,
+                          "num_attention_heads": 2, "head_dim": 32, "global_head_dim": None,
+                          "layer_types": ["sliding_attention", "full_attention"],
+                          "per_layer_config": {"1": {"head_dim": 64}}}}
+NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
 
 
-def write_drafter(out: Path, *, on_grid: bool = True, seed: int = 0) -> Path:
+def write_drafter(out: Path, *, on_grid: bool = True, seed: int = 0, config: dict | None = None,
+                  drop: tuple[str, ...] = (), shapes: dict | None = None) -> Path:
+    """A drafter in the tiny drafter's layout; `config` replaces its config.json, `drop` leaves tensors out,
+    `shapes` gives tensors another shape."""
     rng = np.random.default_rng(seed)
     out.mkdir(parents=True)
-    (out / "config.json").write_text(json.dumps(CONFIG))
+    (out / "config.json").write_text(json.dumps(CONFIG if config is None else config))
     (out / "tokenizer.json").write_text("{}")
     words = (lambda r, c: grid_words(r, c, rng)) if on_grid else (lambda r, c: random_words((r, c), rng))
-    t = [(n, "BF16", s, words(*s)) for n, s in LINEARS.items()]
+    linears = {**LINEARS, **{n: s for n, s in (shapes or {}).items() if n in LINEARS}}
+    t = [(n, "BF16", s, words(*s)) for n, s in linears.items()]
     t += [("model.embed_tokens.weight", "BF16", (512, 64), grid_words(512, 64, rng)),
           ("model.norm.weight", "BF16", (64,), random_words((64,), rng))]
     t += [(f"model.layers.{i}.{n}", "BF16", (k,), random_words((k,), rng))
-          for i in range(2) for n, k in (("input_layernorm.weight", 64), ("layer_scalar", 1))]
-    write_safetensors(out / "model.safetensors", t)
+          for i in range(2) for n, k in [*((f"{m}.weight", 64) for m in NORMS),
+                                          ("self_attn.q_norm.weight", 32 * (i + 1)), ("layer_scalar", 1)]]
+    write_safetensors(out / "model.safetensors", [x for x in t if x[0] not in drop])
     return out
 
 
@@ -135,3 +144,74 @@ def test_compressed_tensors_decompresses_the_drafters_linears_to_the_source(pack
         ref = (words.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
         ulp = np.ldexp(1.0, np.maximum(((words >> 7) & 0xFF).astype(int), 1) - 134)
         assert (np.abs(w.astype(np.float64) - ref) <= ulp).all(), n
+
+
+# -- a damaged drafter is refused before a byte is written ---------------------------------------------------------
+
+def _config(**text: object) -> dict:
+    cfg = json.loads(json.dumps(CONFIG))
+    for k, v in text.items():
+        if v is ...:
+            del cfg["text_config"][k]
+        else:
+            cfg["text_config"][k] = v
+    return cfg
+
+
+def _without_text_config() -> dict:
+    cfg = json.loads(json.dumps(CONFIG))
+    del cfg["text_config"]
+    return cfg
+
+
+def _list_model_type() -> dict:
+    return {**json.loads(json.dumps(CONFIG)), "model_type": ["gemma4_assistant"]}
+
+
+@pytest.mark.parametrize("kwargs, needles", [
+    (dict(drop=("model.layers.1.self_attn.q_proj.weight",)), ["model.layers.1.self_attn.q_proj.weight", "missing"]),
+    (dict(drop=("model.layers.0.self_attn.q_norm.weight",)), ["model.layers.0.self_attn.q_norm.weight", "missing"]),
+    (dict(drop=("pre_projection.weight",)), ["pre_projection.weight", "missing"]),
+    (dict(config=_without_text_config()), ["config.json", "text_config is missing"]),
+    (dict(config=_config(num_hidden_layers=0)), ["text_config.num_hidden_layers is 0"]),
+    (dict(config=_config(num_hidden_layers=5)), ["text_config.layer_types", "num_hidden_layers"]),
+    (dict(config=_config(num_hidden_layers=5, layer_types=..., per_layer_config=...)),
+     ["model.layers.2.self_attn.q_proj.weight", "missing", "num_hidden_layers 5"]),
+    (dict(config=_config(num_hidden_layers=1, layer_types=["sliding_attention"], per_layer_config=...)),
+     ["model.layers.1.", "beyond text_config.num_hidden_layers 1"]),
+    (dict(config=_config(num_hidden_layers=True)), ["text_config.num_hidden_layers is True"]),
+    (dict(config=_list_model_type()), ["model_type is ['gemma4_assistant']"]),
+    (dict(config=_config(per_layer_config=[{"head_dim": 64}])), ["text_config.per_layer_config is not an object"]),
+    (dict(config=_config(per_layer_config={"7": {"head_dim": 64}})), ["text_config.per_layer_config has '7'"]),
+    (dict(config=_config(hidden_size=128)), ["model.embed_tokens.weight has shape [512, 64]", "[512, 128]"]),
+    (dict(config=_config(intermediate_size=256)), ["model.layers.0.mlp.gate_proj.weight", "[256, 64]"]),
+    (dict(shapes={"model.layers.1.self_attn.q_proj.weight": (64, 64)}),
+     ["model.layers.1.self_attn.q_proj.weight has shape [64, 64]", "[128, 64]"]),
+    (dict(config=_config(num_attention_heads=3)), ["model.layers.0.self_attn.q_proj.weight", "[96, 64]"]),
+], ids=["no-q_proj", "no-q_norm", "no-pre_projection", "no-text_config", "layers-0", "layers-5-types",
+        "layers-5", "layers-1", "layers-bool", "list-model_type", "list-per_layer_config", "per_layer-key",
+        "hidden", "intermediate", "q-shape", "heads"])
+def test_a_damaged_drafter_is_refused_in_one_line_and_nothing_is_written(tmp_path, capsys, kwargs, needles):
+    src = write_drafter(tmp_path / "src", **kwargs)
+    rc, err = repack_cli(capsys, "build", src, tmp_path / "out")
+    assert rc == 2
+    one_line_error(err, str(src), "damaged gemma4_assistant drafter", *needles)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+@IN_PROCESS_TORCH
+def test_the_tiny_drafters_layout_passes_the_check(tmp_path):
+    """The layout check against what transformers writes for the tiny drafter (config and tensor shapes)."""
+    from repack import drafter
+    from repack.tiny_model import DRAFTER_TEXT_CONFIG, TEXT_CONFIG
+
+    from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM
+
+    cfg = Gemma4AssistantConfig(text_config=dict(DRAFTER_TEXT_CONFIG, model_type="gemma4_text"),
+                                backbone_hidden_size=int(TEXT_CONFIG["hidden_size"]))
+    cfg.save_pretrained(tmp_path)
+    shapes = {k: tuple(v.shape) for k, v in Gemma4AssistantForCausalLM(cfg).state_dict().items()}
+    drafter.check_layout(tmp_path, json.loads((tmp_path / "config.json").read_text()), shapes)
+    with pytest.raises(drafter.RepackError, match="model.layers.1.self_attn.q_proj.weight is missing"):
+        drafter.check_layout(tmp_path, json.loads((tmp_path / "config.json").read_text()),
+                             {k: v for k, v in shapes.items() if k != "model.layers.1.self_attn.q_proj.weight"})

@@ -6,6 +6,7 @@ Turing device to show the tiles it launches with fit."""
 from __future__ import annotations
 
 import ast
+import errno
 import os
 import re
 import shutil
@@ -253,3 +254,192 @@ def test_a_target_that_is_not_a_file_says_what_it_is(tmp_path, kind, said, op):
     assert str(p) in str(exc.value) and "does not exist" not in str(exc.value)
     with pytest.raises(ToolFailure, match="does not exist"):
         op(tmp_path / "absent.py")
+
+
+# -- what the patch wrote earlier is checked before it is trusted ----------------------------------------------
+
+UPGRADED = "\n# a newer vLLM's code\n"
+
+
+def test_revert_after_an_upgrade_keeps_the_new_vllms_code(target):
+    """Apply, the target upgraded over it (its backup left behind), apply again, revert: the new code stays."""
+    old_backup = Path(turing_patch.apply(target).backup).read_bytes()
+    newer = _installed() + UPGRADED
+    target.write_text(newer)  # what pip does: a new file, the old backup still beside it
+    status = turing_patch.apply(target)
+    assert status.applied and Path(status.backup).read_text() == newer != old_backup.decode()
+    assert "restored" in turing_patch.revert(target).message
+    assert target.read_text() == newer
+
+
+@pytest.mark.parametrize("backup_bytes", [b"", b"x = 1\n", None], ids=["empty", "foreign", "older-vllm"])
+def test_a_backup_that_is_not_this_files_is_not_restored(target, backup_bytes):
+    original = target.read_text()
+    backup = Path(turing_patch.apply(target).backup)
+    backup.write_bytes(_installed().encode() + b"# older\n" if backup_bytes is None else backup_bytes)
+    status = turing_patch.revert(target)
+    assert target.read_text() == original  # from the markers, not the backup
+    assert "not used" in status.message and str(backup) in status.message and "\n" not in status.message
+    assert not backup.exists()
+
+
+def test_a_backup_for_another_patched_file_is_not_restored(target):
+    """The backup is the original, but the patched file was changed since (a hand edit outside the block)."""
+    turing_patch.apply(target)
+    edited = target.read_text() + "# kept edit\n"
+    target.write_text(edited)
+    turing_patch.revert(target)
+    assert target.read_text() == _installed() + "# kept edit\n"
+
+
+def test_a_backup_without_its_record_is_not_restored(target):
+    """A backup from before records were kept (or with its record lost) is not trusted."""
+    original = target.read_text()
+    status = turing_patch.apply(target)
+    Path(status.backup).write_text("x = 1\n")
+    Path(str(target) + turing_patch.RECORD_SUFFIX).unlink()
+    assert "record" in turing_patch.revert(target).message
+    assert target.read_text() == original
+
+
+def test_damaged_markers_and_an_untrusted_backup_are_refused_untouched(target):
+    turing_patch.apply(target)
+    damaged = target.read_text().replace(turing_patch.END_MARK, "# gone")
+    target.write_text(damaged)
+    Path(str(target) + turing_patch.BACKUP_SUFFIX).write_bytes(b"")
+    with pytest.raises(BadInput, match="markers are damaged") as exc:
+        turing_patch.revert(target)
+    assert "\n" not in str(exc.value) and "hash" in str(exc.value)
+    assert target.read_text() == damaged
+
+
+# -- the decision is the file's code: it runs bounded, in a child process ------------------------------------
+
+def _script(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "patch_triton_turing.py"), *args], capture_output=True,
+                          text=True)
+
+
+@pytest.mark.parametrize("rule, said", [
+    ("    raise KeyboardInterrupt\n", "raised KeyboardInterrupt"),
+    ("    raise SystemExit(0)\n", "called exit(0)"),
+    ("    __import__('os')._exit(0)\n", "without an answer"),
+    ("    print('TILE 16')\n    raise ValueError('bad\\nhead')\n", "raised ValueError: bad head"),
+], ids=["keyboard-interrupt", "system-exit-0", "os-exit", "value-error"])
+def test_a_decision_that_raises_or_exits_is_one_line(target, rule, said):
+    target.write_text(_with_decision_rule(rule))
+    check = _script("--check", "--target", str(target))
+    assert check.returncode == 1 and "Traceback" not in check.stderr + check.stdout, check
+    assert check.stdout.count("\n") == 1 and "not applied" in check.stdout and said in check.stdout, check.stdout
+    applied = _script("--target", str(target))  # cannot tell: the clamp goes in (it acts only when over)
+    assert applied.returncode == 0 and said in applied.stdout and "Traceback" not in applied.stderr
+    assert turing_patch.check(target).applied
+
+
+def test_a_decision_that_never_returns_is_ended(target, monkeypatch):
+    from tools.serving import turing_decision
+
+    monkeypatch.setattr(turing_decision, "DECISION_TIMEOUT_S", 2.0)
+    target.write_text(_with_decision_rule("    while True:\n        pass\n"))
+    status = turing_patch.check(target)
+    assert not status.applied and "did not return within 2 s" in status.message
+    assert turing_patch.apply(target).applied
+
+
+# -- exit statuses: bad input 2, a failure of the machine 1 ---------------------------------------------------
+
+def test_a_full_disk_exits_1_and_leaves_the_file_as_it_was(tmp_path, monkeypatch):
+    import importlib
+
+    from tests.test_hostile_outputs import MOUNT, _inject, fill
+
+    place = tmp_path / "full"
+    mounted = False
+    if MOUNT:
+        place.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=128k", "tmpfs", str(place)], check=True)
+        mounted = True
+    else:
+        place.mkdir()
+        _inject(monkeypatch, errno.ENOSPC)
+    try:
+        f = place / "triton_unified_attention.py"
+        f.write_text(_installed())
+        before = f.read_bytes()
+        if mounted:
+            fill(place)
+        script = importlib.import_module("patch_triton_turing")
+        rc = script.main(["--target", str(f)])
+        assert rc == 1
+        assert f.read_bytes() == before
+        assert sorted(p.name for p in place.iterdir()) == sorted([f.name] + (["filler"] if mounted else []))
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(place)], check=False)
+
+
+def test_a_missing_target_given_is_bad_input(tmp_path):
+    res = _script("--check", "--target", str(tmp_path / "absent.py"))
+    assert res.returncode == 2 and "does not exist" in res.stderr and len(res.stderr.splitlines()) == 1
+
+
+# -- the executables at the top run on the project's virtualenv --------------------------------------------------
+
+EXECUTABLES = sorted(p.name for p in ROOT.iterdir() if p.is_file() and os.access(p, os.X_OK) and p.name != "setup.sh")
+
+
+def _bare_python(tmp_path: Path) -> dict:
+    """An environment whose `python3` is this interpreter without any site-packages (no psutil, no vLLM)."""
+    bin_dir = tmp_path / "bare-bin"
+    bin_dir.mkdir()
+    py = bin_dir / "python3"
+    py.write_text(f"#!/bin/sh\nexec {os.path.realpath(sys.executable)} -S \"$@\"\n")
+    py.chmod(0o755)
+    probe = subprocess.run([str(py), "-c", "import psutil"], capture_output=True)
+    assert probe.returncode != 0  # the stand-in system Python really lacks the project's packages
+    return {**{k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")},
+            "PATH": f"{bin_dir}{os.pathsep}/usr/bin:/bin"}
+
+
+def _checkout(tmp_path: Path, name: str, *, venv: bool) -> Path:
+    """A checkout whose .venv is the virtualenv running the tests (or none): the executable copied, the packages
+    linked."""
+    root = tmp_path / "checkout"
+    root.mkdir()
+    shutil.copy2(ROOT / name, root / name)
+    for pkg in ("tools", "repack", "gemma4_t4_vllm"):
+        (root / pkg).symlink_to(ROOT / pkg)
+    shutil.copy2(ROOT / "tpu.env", root / "tpu.env")
+    if venv:
+        assert sys.prefix != sys.base_prefix, "the suite runs on the project's virtualenv"
+        (root / ".venv").symlink_to(sys.prefix)
+    return root
+
+
+def test_the_executables_at_the_top_are_the_known_ones():
+    assert {"patch_triton_turing.py", "vllm-t4"} <= set(EXECUTABLES)  # what the next test runs, at least
+
+
+@pytest.mark.parametrize("name", EXECUTABLES)
+def test_an_executable_runs_the_projects_virtualenv_not_the_system_python(tmp_path, name):
+    env = _bare_python(tmp_path)
+    root = _checkout(tmp_path, name, venv=True)
+    res = subprocess.run([str(root / name), "--help"], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert res.returncode == 0 and "Traceback" not in res.stderr and "usage" in res.stdout.lower(), res
+
+
+def test_the_patch_finds_the_virtualenvs_vllm_from_a_bare_system_python(tmp_path):
+    env = _bare_python(tmp_path)
+    root = _checkout(tmp_path, "patch_triton_turing.py", venv=True)
+    res = subprocess.run([str(root / "patch_triton_turing.py"), "--check"], capture_output=True, text=True,
+                         env=env, cwd=tmp_path)
+    assert res.returncode in (0, 1) and "Traceback" not in res.stderr, res
+    assert f"{root / '.venv'}/lib/" in res.stdout and str(turing_patch.RELATIVE_PATH) in res.stdout, res.stdout
+
+
+def test_without_a_virtualenv_the_patch_says_to_set_up_in_one_line(tmp_path):
+    env = _bare_python(tmp_path)
+    root = _checkout(tmp_path, "patch_triton_turing.py", venv=False)
+    res = subprocess.run([str(root / "patch_triton_turing.py"), "--check", "--target", str(root / "x.py")],
+                         capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert res.returncode == 1 and len(res.stderr.splitlines()) == 1 and "./setup.sh" in res.stderr, res

@@ -308,8 +308,10 @@ class _Publish:
 
 
 @contextmanager
-def atomic_directory(out: str | Path, force: bool) -> Iterator[Path]:
+def atomic_directory(out: str | Path, force: bool, *, only_empty: bool = False) -> Iterator[Path]:
     """Yields an empty temporary folder beside OUT; publishes it as OUT when the block ends without error.
+    `force` replaces an empty folder or a build this tool wrote; with `only_empty`, an empty folder only (what
+    a writer that makes no repack build, such as a fetch, may replace).
 
     On any exception (including KeyboardInterrupt, Terminated, Stopped or a cancelled job's exception) the
     temporary folder and the parent folders this call created are removed and OUT is left as it was. If the
@@ -335,7 +337,7 @@ def atomic_directory(out: str | Path, force: bool) -> Iterator[Path]:
                     _live[tmp] = (parent, name, token, lock)
             yield tmp
             check_stopped(shown)
-            _publish(tmp, token, t, shown, force, state)
+            _publish(tmp, token, t, shown, force, state, only_empty)
         except BaseException as exc:
             if tmp is not None:
                 settle(parent, name, token)
@@ -358,7 +360,8 @@ def _forget(tmp: Path | None, lock: Lock | None) -> None:
         lock.release()
 
 
-def _publish(tmp: Path, token: str, t: Path, shown: Path, force: bool, state: _Publish) -> None:
+def _publish(tmp: Path, token: str, t: Path, shown: Path, force: bool, state: _Publish,
+             only_empty: bool = False) -> None:
     _step("publish")
     if not os.path.lexists(t):
         try:
@@ -377,9 +380,12 @@ def _publish(tmp: Path, token: str, t: Path, shown: Path, force: bool, state: _P
         raise OutputRefused(f"{shown}: another build wrote it while this one ran; this build was discarded "
                             f"(pass {param('force', True)} to replace it)")
     reason = _listing_reason(t)
+    if only_empty and not reason and os.listdir(t):  # a build's report is no mark of this writer
+        reason = "it is a build, not an empty folder"
     if reason:
-        raise OutputRefused(f"{shown}: changed while building and {param('force', True)} replaces only an empty "
-                            f"folder or a build this tool wrote: {reason}; this build was discarded")
+        what = "an empty folder" if only_empty else "an empty folder or a build this tool wrote"
+        raise OutputRefused(f"{shown}: changed while building and {param('force', True)} replaces only {what}: "
+                            f"{reason}; this build was discarded")
     try:
         with _signals_held():
             renames.renameat2(tmp, t, renames.RENAME_EXCHANGE)

@@ -40,8 +40,8 @@ class TinyParams(OpParams):
 
 
 def _tiny_out(app, p: TinyParams) -> Path:
-    """The output under a models root, never a root itself; an existing one only with force=true, and only a
-    checkpoint (config.json), since the build replaces the folder whole."""
+    """The output under a models root, never a root itself; an existing one only with force=true, and only one
+    this tool wrote (its marker file), since the build replaces the folder whole."""
     out = app.roots.confine(p.out, "models", what="out")
     if any(r.is_relative_to(out) for r in [*app.roots.models, *app.roots.evidence]):
         raise BadInput(f"{param('out')} {out} is a root or holds one: give a folder under a models root",
@@ -50,9 +50,10 @@ def _tiny_out(app, p: TinyParams) -> Path:
         if not p.force:
             raise BadInput(f"{param('out')} {out} exists: pass {param('force', True)} to replace it, or choose "
                            f"another", field="out")
-        if not (out / "config.json").is_file():
-            raise BadInput(f"{param('out')} {out} holds something else than a checkpoint: choose another",
-                           field="out")
+        why = tiny_model.not_replaceable(out)  # its own marker: a config.json is any checkpoint's, a build's too
+        if why:
+            raise BadInput(f"{param('out')} {out} exists and {param('force', True)} replaces only a folder this "
+                           f"tool wrote: {why}; choose another or move it away", field="out")
     return out
 
 

@@ -243,7 +243,8 @@ def _publish(snapshot: Path, names: list[str], out: Path, manifest: dict[str, An
     if out.parent.is_dir():
         sweep_stale_partials(out.parent)
     try:
-        with atomic_directory(out, force=True) as tmp:
+        # an empty folder only: a build that appears there meanwhile is kept, not taken for a fetch to replace
+        with atomic_directory(out, force=True, only_empty=True) as tmp:
             return _assemble(Path(tmp), snapshot, names, manifest, expected_sha, progress)
     except OSError as exc:
         raise refusal(out, exc) from None

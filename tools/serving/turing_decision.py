@@ -9,12 +9,20 @@ A file where any of these cannot be found is refused (`ClampRefused`): a patch t
 
 `decided_tiles` runs the decision function itself on a stand-in Turing device (capability 7.5, 64 KiB of shared
 memory per block) at head 512: an upstream fix made inside the decision shows there as tiles that already fit.
+That is code from the file, so the tools run it through `decided_tiles_bounded`: in a child process of its own
+(`python -m tools.serving.turing_decision`, the question on stdin, the answer on stdout), ended after a timeout,
+so a decision that loops, raises KeyboardInterrupt or calls exit() is one line (`DecisionNotRun`), never a hang,
+a traceback or this process's exit.
 """
 
 from __future__ import annotations
 
 import ast
 import inspect
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +30,8 @@ from types import SimpleNamespace
 from typing import Any
 
 from tools.core.errors import BadInput
+from tools.core.process import kill_group, python_child_env
+from tools.core.root import PROJECT_ROOT
 
 EXPECTED = ("a module-level function taking the head size whose result, assigned to a name, is the TILE_SIZE of "
             "the attention kernel's launch")
@@ -272,3 +282,70 @@ def decided_tiles(text: str, decision: str, head_size: int, element_size: int, s
                             else p.default if p.default is not p.empty else None)
         tiles.append(int(fn(**args)))
     return tiles
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# ... in a child process of its own, bounded
+
+DECISION_TIMEOUT_S = 30.0  # the decision is a few comparisons; the child's start is most of this
+_ANSWER = "gemma4-t4-tiles "  # prefixes the child's answer line: the file's own code may print too
+
+
+class DecisionNotRun(Exception):
+    """The decision could not be run to an answer (it raised, exited, or ran past the timeout): one line."""
+
+
+def decided_tiles_bounded(text: str, decision: str, head_size: int, element_size: int, shared: int,
+                          timeout_s: float | None = None) -> list[int]:
+    """decided_tiles in a child process ended after `timeout_s`; DecisionNotRun says in one line why there is no
+    answer (what the decision raised, the status it exited with, or the timeout)."""
+    limit = DECISION_TIMEOUT_S if timeout_s is None else timeout_s
+    question = json.dumps({"text": text, "decision": decision, "head_size": head_size,
+                           "element_size": element_size, "shared": shared})
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "tools.serving.turing_decision"], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                env=python_child_env(PROJECT_ROOT), start_new_session=True)
+    except OSError as exc:
+        raise DecisionNotRun(f"its child process could not start ({exc.strerror or exc})") from None
+    try:
+        out, _ = proc.communicate(question, timeout=limit)
+    except subprocess.TimeoutExpired:
+        kill_group(proc, grace_s=1)
+        raise DecisionNotRun(f"{decision} did not return within {limit:g} s") from None
+    except BaseException:
+        kill_group(proc, grace_s=1)
+        raise
+    answers = [ln[len(_ANSWER):] for ln in out.splitlines() if ln.startswith(_ANSWER)]
+    try:
+        answer = json.loads(answers[-1]) if answers else None
+    except ValueError:
+        answer = None
+    if isinstance(answer, dict) and isinstance(answer.get("error"), str):
+        raise DecisionNotRun(f"{decision} {answer['error']}")
+    if (not isinstance(answer, dict) or not isinstance(answer.get("tiles"), list)
+            or not all(type(t) is int for t in answer["tiles"])):
+        raise DecisionNotRun(f"{decision} ended its process (exit status {proc.returncode}) without an answer")
+    return answer["tiles"]
+
+
+def _child() -> int:
+    """The child's side: the question from stdin, one answer line on the real stdout whatever the code does."""
+    answer_to = os.fdopen(os.dup(1), "w")
+    sys.stdout = sys.stderr  # the file's own prints must not look like an answer
+    try:
+        q = json.loads(sys.stdin.read())
+        answer: dict[str, Any] = {"tiles": decided_tiles(q["text"], q["decision"], q["head_size"],
+                                                         q["element_size"], q["shared"])}
+    except SystemExit as exc:
+        answer = {"error": f"called exit({exc.code!r})"}
+    except BaseException as exc:  # noqa: BLE001 - whatever foreign code raises is the answer
+        why = " ".join(str(exc).split())[:200]
+        answer = {"error": f"raised {type(exc).__name__}" + (f": {why}" if why else "")}
+    answer_to.write(_ANSWER + json.dumps(answer) + "\n")
+    answer_to.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_child())

@@ -9,13 +9,17 @@ Devices of capability >= 8 run the file's original code path.
 
 When the decision itself already fits Turing at head 512 (an upstream fix such as vLLM PR #39018), the clamp is
 not needed and nothing is written. A file without a decision the clamp understands is refused, untouched.
-The original file is backed up next to it; applying twice, checking and reverting are safe.
+The original file is backed up next to it, with a record of its hash and of the patched file's: revert restores
+the backup only to exactly that patched file, and otherwise removes the marked block (an upgraded vLLM's code is
+never replaced by an older backup). Applying twice, checking and reverting are safe.
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import importlib.util
+import json
 import os
 import stat
 from dataclasses import asdict, dataclass
@@ -24,12 +28,14 @@ from typing import Any
 
 from tools.core.atomic_files import write_file
 from tools.core.errors import BadInput, ToolFailure
-from tools.serving.turing_decision import ClampRefused, Decision, decided_tiles, find_decision
+from tools.serving.turing_decision import (ClampRefused, Decision, DecisionNotRun, decided_tiles_bounded,
+                                           find_decision)
 
 RELATIVE_PATH = Path("v1/attention/ops/triton_unified_attention.py")
 BEGIN_MARK = "# >>> gemma4-t4 turing clamp (patch_triton_turing.py) >>>"
 END_MARK = "# <<< gemma4-t4 turing clamp <<<"
 BACKUP_SUFFIX = ".gemma4-t4.orig"
+RECORD_SUFFIX = ".gemma4-t4.orig.json"
 MIN_TILE = 16
 # Turing's 65536 bytes per block, less headroom for what else the kernel keeps in shared memory.
 SHARED_BYTES = 60000
@@ -92,6 +98,8 @@ def _target(target: str | Path | None) -> Path:
         if exc.errno != errno.ENOENT:
             raise BadInput(f"{path} cannot be read ({exc.strerror}): give a readable Python file") from None
         what = "a broken symbolic link" if path.is_symlink() else "does not exist"
+        if target is not None:  # the caller's --target: theirs to fix
+            raise BadInput(f"{path} {what}: give the Triton unified attention file to patch") from None
         raise ToolFailure(f"{path} {what}; this vLLM has no Triton unified attention to patch") from None
     if not stat.S_ISREG(mode):
         what = ("a directory" if stat.S_ISDIR(mode) else "a named pipe (fifo)" if stat.S_ISFIFO(mode)
@@ -114,6 +122,11 @@ def _read(path: Path) -> str:
 
 def _backup(path: Path) -> Path:
     return path.with_name(path.name + BACKUP_SUFFIX)
+
+
+def _record(path: Path) -> Path:
+    """The backup's record: its hash and the hash of the patched file made from it."""
+    return path.with_name(path.name + RECORD_SUFFIX)
 
 
 def _marked(text: str) -> tuple[int, int] | None:
@@ -140,14 +153,19 @@ def _without_clamp(text: str) -> str | None:
     return "".join(lines[:marks[0]] + lines[marks[1] + 1:])
 
 
-def needed(text: str, d: Decision) -> tuple[bool, list[int] | None]:
-    """Whether the decision, run on a stand-in Turing device at head 512, picks tiles that overflow its shared
-    memory. A decision that cannot run outside vLLM counts as needing the clamp (it only acts when over)."""
+def needed(text: str, d: Decision) -> tuple[bool, list[int] | None, str | None]:
+    """Whether the decision, run on a stand-in Turing device at head 512 (in a child process, bounded), picks tiles
+    that overflow its shared memory. A decision that cannot be run to an answer counts as needing the clamp (it
+    only acts when over); the third value then says why, in a few words."""
     try:
-        tiles = decided_tiles(text, d.decision, GEMMA4_HEAD, 2, TURING_SHARED)
-    except Exception:  # noqa: BLE001 - any failure of foreign code means: cannot tell, so clamp
-        return True, None
-    return any(shared_bytes(t, GEMMA4_HEAD, 2) > SHARED_BYTES for t in tiles), tiles
+        tiles = decided_tiles_bounded(text, d.decision, GEMMA4_HEAD, 2, TURING_SHARED)
+    except DecisionNotRun as exc:
+        return True, None, str(exc)
+    return any(shared_bytes(t, GEMMA4_HEAD, 2) > SHARED_BYTES for t in tiles), tiles, None
+
+
+def _untested(why: str | None) -> str:
+    return f" (its tile decision could not be tried on a stand-in Turing device: {why})" if why else ""
 
 
 def _not_needed(path: Path, d: Decision, tiles: list[int] | None) -> PatchStatus:
@@ -176,10 +194,10 @@ def check(target: str | Path | None = None) -> PatchStatus:
         d = find_decision(text, path)
     except ClampRefused as exc:
         return PatchStatus(str(path), False, None, str(exc))
-    need, tiles = needed(text, d)
+    need, tiles, why = needed(text, d)
     if not need:
         return _not_needed(path, d, tiles)
-    return PatchStatus(str(path), False, None, f"Turing clamp not applied in {path}")
+    return PatchStatus(str(path), False, None, f"Turing clamp not applied in {path}{_untested(why)}")
 
 
 def _write(path: Path, data: str | bytes, mode: int) -> None:
@@ -187,44 +205,81 @@ def _write(path: Path, data: str | bytes, mode: int) -> None:
     os.chmod(path, mode)
 
 
+def _sha256(data: str | bytes) -> str:
+    return hashlib.sha256(data.encode() if isinstance(data, str) else data).hexdigest()
+
+
+def _drop(*paths: Path) -> None:
+    for p in paths:
+        p.unlink(missing_ok=True)
+
+
 def apply(target: str | Path | None = None) -> PatchStatus:
     path = _target(target)
     text = _read(path)
-    status = check(path)
-    if status.applied:
-        return status
     if _without_clamp(text) != text:
-        raise ToolFailure(f"{path} holds a modified or partial Turing clamp; run --revert first")
+        status = check(path)
+        if status.applied:
+            return status
+        raise BadInput(f"{path} holds a modified or partial Turing clamp; run --revert first")
     d = find_decision(text, path)  # ClampRefused: one line, nothing written
-    need, tiles = needed(text, d)
+    need, tiles, why = needed(text, d)
     if not need:
         return _not_needed(path, d, tiles)
-    backup = _backup(path)
+    backup, record = _backup(path), _record(path)
     mode = path.stat().st_mode & 0o7777
-    if not backup.exists():
-        _write(backup, path.read_bytes(), mode)
-    _write(path, patched_text(text, d), mode)
+    original, patched = path.read_bytes(), patched_text(text, d)
+    # Always this file's own backup: one kept from an earlier vLLM would bring that vLLM's code back on revert.
+    # The record ties it to the patched file it becomes: revert trusts the backup only for exactly that file.
+    _write(backup, original, mode)
+    _write(record, json.dumps({"target": path.name, "backup_sha256": _sha256(original),
+                               "patched_sha256": _sha256(patched)}, indent=1) + "\n", 0o644)
+    _write(path, patched, mode)
     if not check(path).applied:  # pragma: no cover - guards against a broken clamp_block
         raise ToolFailure(f"{path}: the clamp was written but does not verify; restore {backup}")
     return PatchStatus(str(path), True, str(backup),
                        f"Turing clamp applied to {path} after {d.decision} sets {', '.join(d.tiles)} "
-                       f"(original: {backup})")
+                       f"(original: {backup}){_untested(why)}")
+
+
+def _untrusted(text: str, backup: Path, record: Path) -> str | None:
+    """None when the backup is the original of exactly this patched text; else why it is not to be restored."""
+    if not backup.is_file():
+        return "there is no backup"
+    try:
+        rec = json.loads(record.read_text(encoding="utf-8"))
+        recorded = (rec["backup_sha256"], rec["patched_sha256"])
+    except (OSError, ValueError, TypeError, KeyError):
+        return f"its record {record.name} is missing or damaged"
+    try:
+        data = backup.read_bytes()
+    except OSError as exc:
+        return f"it cannot be read ({exc.strerror})"
+    if _sha256(data) != recorded[0]:
+        return "it is not the file that was backed up (its hash differs from the record's)"
+    if _sha256(text) != recorded[1]:
+        return "this file is not the one patched from it (changed or upgraded since)"
+    return None
 
 
 def revert(target: str | Path | None = None) -> PatchStatus:
     path = _target(target)
     text = _read(path)
-    backup = _backup(path)
+    backup, record = _backup(path), _record(path)
     mode = path.stat().st_mode & 0o7777
     if BEGIN_MARK not in text and END_MARK not in text:
-        backup.unlink(missing_ok=True)
+        _drop(backup, record)
         return PatchStatus(str(path), False, None, f"{path} is not patched; nothing to revert")
-    if backup.exists() and BEGIN_MARK not in _read(backup):
+    why = _untrusted(text, backup, record)
+    if why is None:
         _write(path, backup.read_bytes(), mode)
-        backup.unlink()
+        _drop(backup, record)
         return PatchStatus(str(path), False, None, f"restored {path} from its backup")
     original = _without_clamp(text)
     if original is None:
-        raise ToolFailure(f"{path}: the clamp markers are damaged and no backup exists; reinstall vLLM")
+        raise BadInput(f"{path}: the clamp markers are damaged and its backup cannot be used ({why}); "
+                       "reinstall vLLM")
     _write(path, original, mode)
-    return PatchStatus(str(path), False, None, f"removed the Turing clamp from {path}")
+    unused = f"; its backup {backup} was not used ({why}) and is removed" if backup.exists() else ""
+    _drop(backup, record)
+    return PatchStatus(str(path), False, None, f"removed the Turing clamp from {path}{unused}")
