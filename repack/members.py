@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
+from tools.core.errors import param
+
 from .errors import RepackError, clip
 
 GIB = 1 << 30
@@ -173,7 +175,7 @@ def by_name(name: str, where: str = "member") -> Member:
     for m in MEMBERS.values():
         if m.name.lower() == str(name).strip().lower():
             return m
-    raise RepackError(f"{where} {clip(repr(name))} is not a Gemma 4 member: choose one of {', '.join(MEMBERS)}",
+    raise RepackError(f"{param(where)} {clip(repr(name))} is not a Gemma 4 member: choose one of {', '.join(MEMBERS)}",
                       {"field": where, "input": clip(repr(name)), "problem": "unknown-member"}, field=where)
 
 
