@@ -96,6 +96,9 @@ class FitPlan:
     builds: list[BuildPlan] = field(default_factory=list)
     error: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    # vLLM's flags for the smallest build that fits (the all-4-bit one first): the article's, with
+    # --max-num-seqs lowered to the requests its KV cache holds; None where no build fits
+    t4_flags: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -121,6 +124,10 @@ class FitPlan:
             f"{(f'{b.kv_tokens:,}' if b.published and b.fits else 'n/a'):>{w}}" for b in self.builds))
         for b in self.builds:
             lines.append(f"  {b.build}: {b.verdict}")
+        f = self.t4_flags
+        lines.append(f"T4 flags: {f['build']} build, --gpu-memory-utilization {f['gpu_memory_utilization']} "
+                     f"--max-model-len {f['max_model_len']} --max-num-seqs {f['max_num_seqs']}" if f
+                     else f"T4 flags: none, {self.member} does not fit one T4 in any build")
         lines.append(f"error: loads within {self.error['load_gib']} GiB, KV tokens within "
                      f"{self.error['kv_relative']:.0%} (against the article's E2B figures)")
         lines += [f"note: {n}" for n in self.notes]
@@ -236,6 +243,10 @@ def plan_member(m: Member, *, memory_mib: int = T4_MIB, utilization: float = UTI
         plan.builds.append(BuildPlan(build, what, published, {k: round(v, 3) for k, v in tables.items()},
                                      round(size, 3), round(load, 2), round(max(kv, 0.0), 2),
                                      tokens if fits else 0, round(conc, 2), fits, verdict))
+    best = next((b for b in reversed(plan.builds) if b.fits), None)
+    if best is not None:
+        plan.t4_flags = {"build": best.build, "gpu_memory_utilization": utilization, "max_model_len": max_model_len,
+                         "max_num_seqs": max(1, min(max_num_seqs, int(best.max_concurrency)))}
     if m.moe:
         plan.notes.append("mixture of experts: the expert weights are counted at int4 in the repack columns; "
                           "vLLM serves compressed-tensors W4A16 MoE through its fused-MoE kernels on a GPU")
