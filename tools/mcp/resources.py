@@ -7,6 +7,9 @@ the vLLM server's log tail. Prompts: the article's workflows as numbered tool ca
 use too, so the three cannot drift apart. The app (tools/mcp/app.py) registers both; nothing here imports vLLM.
 """
 
+# Longer than the module limit: the resources and the prompts' Step lists are declared side by side, with the one
+# renderer the README's walk-through and the end-to-end test read them through.
+
 from __future__ import annotations
 
 import inspect
@@ -26,12 +29,12 @@ from fastmcp.exceptions import ResourceError, ValidationError as ArgumentsRefuse
 from pydantic import Field
 
 from repack.errors import RepackError
-from repack.fit import plan_member
 from repack.members import by_name
 from tools.core.errors import ToolFailure
 from tools.core.paths import PATH_MAX, PathNotAllowed
 from tools.core.text import clip
 from tools.mcp.errors import MCP, to_tool_error
+from tools.mcp.prompt_members import MEMBER_ARG, member_values
 from tools.serving.config import ENV_NAMES, parse_env_file
 from tools.serving.vllm_server import read_log
 
@@ -309,7 +312,7 @@ class PromptSpec:
             m = by_name(vals["member"])
             vals = {k: v.replace("{member}", m.name) if isinstance(v, str) else v for k, v in vals.items()}
             vals["member"] = m.name
-            vals.update(_member_values(m))
+            vals.update(member_values(m))
         return vals
 
     def steps_text(self, values: dict[str, str] | None = None) -> str:
@@ -344,30 +347,11 @@ def prompt(spec: PromptSpec) -> PromptSpec:
 
 
 _BUILD = "gemma-4-{member}-it-qat-q4_0-w4a16-ct-text"
-_MEMBER = ("E2B", "The Gemma 4 member: E2B, E4B, 12B, 26B-A4B or 31B (plan_fit says which fit one T4)")
-
-
-def _member_values(m: Any) -> dict[str, Any]:
-    """What a prompt derives from the member: the planner's verdict and vLLM's flags for one T4."""
-    plan = plan_member(m)
-    f = plan.t4_flags
-    if f is None:
-        fit = (f"the planner says {m.name} does not fit one T4 in any build: stop after plan_fit (its table says "
-               f"by how much)")
-        f = {"gpu_memory_utilization": 0.9, "max_model_len": 16384, "max_num_seqs": 1}
-    else:
-        b = plan.build(f["build"])
-        fit = (f"the planner puts {m.name}'s {b.build} build at {b.load_gib:.2f} GiB loaded and {b.kv_tokens:,} KV "
-               f"tokens on a T4; it serves with max_num_seqs {f['max_num_seqs']}")
-    return {"fit": fit, "gpu_memory_utilization": f["gpu_memory_utilization"],
-            "max_model_len": f["max_model_len"], "max_num_seqs": f["max_num_seqs"]}
-
-
 prompt(PromptSpec(
     name="deploy_t4", title="Deploy a Gemma 4 member on a T4",
     description="From a bare machine to a served all-4-bit build: preflight, plan, fetch, probe, repack, clamp, "
                 "start, check; each call either succeeds or its result or error says what to do.",
-    arguments={"member": _MEMBER,
+    arguments={"member": MEMBER_ARG,
                "source": ("gemma-4-{member}-it-qat-q4_0-unquantized", "The QAT source folder (relative: under the "
                                                                       "first models root)"),
                "output": (_BUILD + "-emb4", "The all-4-bit build to write and serve (under a models root)"),
@@ -441,7 +425,7 @@ prompt(PromptSpec(
     description="The article's comparison of two builds on one GPU: record A's greedy tokens, serve B in A's "
                 "place, check B against them, sweep both, compare the sweeps. A is the build deploy_t4 left "
                 "serving, so it is not started again.",
-    arguments={"member": _MEMBER,
+    arguments={"member": MEMBER_ARG,
                "build_a": (_BUILD + "-emb4", "The build whose tokens are recorded (the all-4-bit build deploy_t4 "
                                              "serves)"),
                "build_b": (_BUILD, "The build checked against A (the bf16-embedding build by default; repacked "
