@@ -85,3 +85,16 @@ def test_bad_plan_input_is_one_line(capsys, args, needle):
     rc, err = repack_cli(capsys, "plan", *args)
     assert rc == 2
     one_line_error(err, needle)
+
+
+def test_the_readme_and_docs_family_tables_say_what_the_planner_says():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    readme, doc = (root / "README.md").read_text(), (root / "docs" / "repack.md").read_text()
+    for name, m in MEMBERS.items():
+        b = plan_member(m).build("all-4-bit")
+        row = next(line for line in readme.splitlines() if line.startswith(f"| {name} "))
+        assert f"{b.size_gib:.2f} GiB" in row and (f"{b.kv_tokens:,} tokens" in row if b.fits else "does not fit" in row)
+        drow = next(line for line in doc.splitlines() if line.startswith(f"| {name} "))
+        assert f"{b.size_gib:.2f} GiB" in drow and f"{b.load_gib:.2f} GiB" in drow
