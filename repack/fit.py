@@ -248,8 +248,10 @@ def plan_member(m: Member, *, memory_mib: int = T4_MIB, utilization: float = UTI
         plan.t4_flags = {"build": best.build, "gpu_memory_utilization": utilization, "max_model_len": max_model_len,
                          "max_num_seqs": max(1, min(max_num_seqs, int(best.max_concurrency)))}
     if m.moe:
-        plan.notes.append("mixture of experts: the expert weights are counted at int4 in the repack columns; "
-                          "vLLM serves compressed-tensors W4A16 MoE through its fused-MoE kernels on a GPU")
+        plan.notes.append("mixture of experts: the expert weights are counted at int4 in the repack columns, which "
+                          "the build does not write yet; vLLM 0.32 loads compressed-tensors W4A16 MoE through its "
+                          "fused-MoE kernels (Marlin on a GPU, CPUExpertsInt4 on its CPU backend: read in its "
+                          "source, not yet run here)")
     if not m.towers_source.startswith("transformers"):
         plan.notes.append(f"towers: {m.towers_source}")
     return plan
