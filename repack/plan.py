@@ -12,6 +12,7 @@ from tools.core.errors import param
 from . import config as cfgmod
 from . import drafter
 from . import grid
+from . import members
 from . import schemes
 from .checkpoint import MM_PREFIX, TOWER_PREFIXES, Checkpoint
 from .errors import RepackError, clip
@@ -100,6 +101,8 @@ def _check_carried_linears(items: list[Item], opt: BuildOptions) -> None:
 
 
 def plan(ck: Checkpoint, opt: BuildOptions) -> tuple[list[Item], list[OutShard]]:
+    if not ck.drafter:
+        members.refuse_unpackable(ck.tensors, str(ck.path))
     items: list[Item] = []
     shards: list[OutShard] = []
     current: OutShard | None = None

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from . import drafter, grid
+from . import drafter, grid, preview
 from .checkpoint import TOWER_PREFIXES, open_checkpoint
 from .safetensors_io import MappedFile
 
@@ -48,6 +48,8 @@ class ProbeReport:
     sampled_groups: int
     tensors: list[ProbeTensor] = field(default_factory=list)
     drafter: dict[str, Any] | None = None  # a gemma4_assistant drafter: whether its linears are on the grid
+    # the member its config.json names and what each build will hold, per table (repack/preview.py)
+    build_preview: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -85,6 +87,8 @@ class ProbeReport:
         lines.append(f"verdict: {self.verdict} - {self.meaning}")
         if self.drafter:
             lines.append(self.drafter["line"])
+        if self.build_preview:
+            lines += preview.format_preview(self.build_preview)
         return "\n".join(lines)
 
 
@@ -117,4 +121,5 @@ def probe_checkpoint(src: str | Path, rows_per_tensor: int = 16, scale_dtype: gr
     verdict = "no-candidates" if not text else "qat" if on == len(text) else "base" if on == 0 else "mixed"
     return ProbeReport(str(src), verdict, on, len(text) - on, sum(t.on_grid for t in towers),  # type: ignore[misc]
                        len(towers) - sum(t.on_grid for t in towers), sum(t.sampled_groups for t in out), out,
-                       drafter.probe_summary(out) if drafter.is_drafter(ck.config) else None)
+                       drafter.probe_summary(out) if drafter.is_drafter(ck.config) else None,
+                       preview.preview(ck))

@@ -67,6 +67,25 @@ TEXT_CONFIG: dict[str, Any] = dict(
                                         "rope_theta": 1000000.0}},
     bos_token_id=2, eos_token_id=1, pad_token_id=0,
 )
+# Stand-ins shaped as other members, by what sets them apart in the text model (repack/members.py): E4B's grouped
+# KV heads (2) and single-width MLP; the 26B-A4B's mixture of experts beside a dense MLP, full-attention layers that
+# ship k_proj only (k_eq_v), no per-layer embeddings and no KV-shared layers.
+SHAPES: dict[str, dict[str, Any]] = {
+    "e2b": {},
+    "e4b": dict(num_attention_heads=4, num_key_value_heads=2, use_double_wide_mlp=False),
+    "moe": dict(num_attention_heads=4, num_key_value_heads=2, num_global_key_value_heads=1, attention_k_eq_v=True,
+                enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=64,
+                hidden_size_per_layer_input=0, vocab_size_per_layer_input=0, num_kv_shared_layers=0,
+                use_double_wide_mlp=False),
+}
+
+
+def text_config(shape: str = "e2b") -> dict[str, Any]:
+    if shape not in SHAPES:
+        raise ValueError(f"shape {shape!r}: choose one of {', '.join(SHAPES)}")
+    return {**TEXT_CONFIG, **SHAPES[shape]}
+
+
 VISION_CONFIG: dict[str, Any] = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                      num_attention_heads=2, num_key_value_heads=2, head_dim=32,
                                      position_embedding_size=64, patch_size=4)
@@ -78,7 +97,7 @@ MM_TOKEN_IDS = dict(boi_token_id=7, eoi_token_id=8, image_token_id=9, video_toke
 
 # Trained text-model weights by (seed, train_steps), kept for the process: a second build from the same training
 # (the base-model stand-in after the QAT one) skips the seconds of torch training.
-_TRAINED: dict[tuple[int, int], tuple[dict[str, Any], Any]] = {}
+_TRAINED: dict[tuple[int, int, str], tuple[dict[str, Any], Any]] = {}
 
 
 @dataclass(frozen=True)
@@ -181,13 +200,16 @@ def _byte_chars() -> list[str]:
 
 
 def build_tiny_qat_checkpoint(out_dir: str | Path, *, seed: int = 0, train_steps: int = 200,
-                              on_grid: bool = True, max_shard_size: str = "1MB") -> TinyModelInfo:
+                              on_grid: bool = True, max_shard_size: str = "1MB", shape: str = "e2b") -> TinyModelInfo:
     """Writes the tiny multimodal checkpoint to out_dir (replaced if present) and returns what it wrote.
 
-    on_grid=False leaves the trained bf16 weights as they are: a stand-in for a base (non-QAT) model.
+    on_grid=False leaves the trained bf16 weights as they are: a stand-in for a base (non-QAT) model. shape: the
+    member it is shaped as (SHAPES: e2b, e4b, moe).
     """
+    cfg = text_config(shape)
     with _one_thread():
-        return _build(out_dir, seed=seed, train_steps=train_steps, on_grid=on_grid, max_shard_size=max_shard_size)
+        return _build(out_dir, seed=seed, train_steps=train_steps, on_grid=on_grid, max_shard_size=max_shard_size,
+                      text_cfg=cfg, shape=shape)
 
 
 @contextmanager
@@ -205,7 +227,8 @@ def _one_thread():
         torch.set_num_threads(threads)
 
 
-def _build(out_dir: str | Path, *, seed: int, train_steps: int, on_grid: bool, max_shard_size: str) -> TinyModelInfo:
+def _build(out_dir: str | Path, *, seed: int, train_steps: int, on_grid: bool, max_shard_size: str,
+           text_cfg: dict[str, Any], shape: str) -> TinyModelInfo:
     import torch
     from transformers import Gemma4Config, Gemma4ForCausalLM, Gemma4ForConditionalGeneration, Gemma4TextConfig
 
@@ -216,8 +239,8 @@ def _build(out_dir: str | Path, *, seed: int, train_steps: int, on_grid: bool, m
     torch.manual_seed(seed)
     perm = pattern_permutation(seed)
 
-    text = Gemma4ForCausalLM(Gemma4TextConfig(**TEXT_CONFIG))
-    trained = _TRAINED.get((seed, train_steps))
+    text = Gemma4ForCausalLM(Gemma4TextConfig(**text_cfg))
+    trained = _TRAINED.get((seed, train_steps, shape))
     if trained is None:
         text.train()
         opt = torch.optim.AdamW(text.parameters(), lr=3e-3, weight_decay=0.0)
@@ -228,7 +251,7 @@ def _build(out_dir: str | Path, *, seed: int, train_steps: int, on_grid: bool, m
             opt.zero_grad()
             loss.backward()
             opt.step()
-        _TRAINED[(seed, train_steps)] = ({k: v.detach().clone() for k, v in text.state_dict().items()},
+        _TRAINED[(seed, train_steps, shape)] = ({k: v.detach().clone() for k, v in text.state_dict().items()},
                                          torch.get_rng_state())
     else:
         # The same training done earlier in this process (the on- and off-grid models share it): its weights,
@@ -237,7 +260,7 @@ def _build(out_dir: str | Path, *, seed: int, train_steps: int, on_grid: bool, m
         torch.set_rng_state(trained[1])
     text.eval()
 
-    cfg = Gemma4Config(text_config=dict(TEXT_CONFIG), vision_config=VISION_CONFIG, audio_config=AUDIO_CONFIG,
+    cfg = Gemma4Config(text_config=dict(text_cfg), vision_config=VISION_CONFIG, audio_config=AUDIO_CONFIG,
                        **MM_TOKEN_IDS)
     mm = Gemma4ForConditionalGeneration(cfg)
     mm_state = mm.state_dict()
@@ -252,9 +275,12 @@ def _build(out_dir: str | Path, *, seed: int, train_steps: int, on_grid: bool, m
         mm.to(torch.bfloat16)
         if on_grid:
             for i, (name, p) in enumerate(mm.named_parameters()):
-                if not name.startswith("model.language_model.") or p.ndim != 2:
+                if not name.startswith("model.language_model.") or p.ndim not in (2, 3):
                     continue
-                p.copy_(project_to_grid(p, seed=seed * 7919 + i))
+                if p.ndim == 3:  # a mixture of experts' fused weights: every expert's matrix on the grid
+                    p.copy_(project_to_grid(p.reshape(-1, p.shape[-1]), seed=seed * 7919 + i).reshape(p.shape))
+                else:
+                    p.copy_(project_to_grid(p, seed=seed * 7919 + i))
                 grid_tensors.append(name)
     mm.generation_config.do_sample = False
     mm.save_pretrained(out, max_shard_size=max_shard_size)
@@ -457,6 +483,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--train-steps", type=int, default=200)
     ap.add_argument("--off-grid", action="store_true", help="skip the 4-bit projection (a base-model stand-in)")
+    ap.add_argument("--shape", choices=list(SHAPES), default="e2b",
+                    help="the member the stand-in is shaped as: e2b (default), e4b (2 KV heads, single-width MLP), "
+                         "moe (experts, k_eq_v, no PLE)")
     ap.add_argument("--drafter-of", metavar="TARGET", default=None,
                     help="write instead the tiny gemma4_assistant drafter for the tiny target in TARGET")
     ap.add_argument("--no-cache", action="store_true",
@@ -476,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{d.path}: drafter for {args.drafter_of}, first-draft accuracy on the pattern {d.accuracy:.3f}")
         return 0
     info = cached_tiny_qat_checkpoint(args.out, cache_dir=not args.no_cache, seed=args.seed,
-                                      train_steps=args.train_steps, on_grid=not args.off_grid)
+                                      train_steps=args.train_steps, on_grid=not args.off_grid, shape=args.shape)
     print(f"{info.path}: {len(info.grid_tensors)} tensors on the 4-bit grid, pattern accuracy {info.accuracy:.3f}")
     return 0
 

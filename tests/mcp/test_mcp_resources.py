@@ -236,13 +236,40 @@ def test_prompt_steps_name_real_tools_with_valid_arguments():
                     assert r.step < i and spec.steps[r.step - 1].tool == "run_sweep"
     # the article's orders
     assert [s.tool for s in PROMPTS["deploy_t4"].steps] == [
-        "preflight", "fetch_checkpoint", "probe_checkpoint", "preflight", "repack_checkpoint", "patch_turing",
+        "preflight", "plan_fit", "fetch_checkpoint", "probe_checkpoint", "preflight", "repack_checkpoint", "patch_turing",
         "start_vllm_server", "query_model"]
     cmp = [s.tool for s in PROMPTS["compare_builds"].steps]
     swap = cmp.index("start_vllm_server", 2)  # B in A's place, A served again when B fails
     assert cmp.index("compare_tokens") < swap < cmp.index("compare_sweeps") and "stop_vllm_server" not in cmp[:-1]
     assert PROMPTS["compare_builds"].steps[swap].args["replace"] is True
     assert [s.tool for _, _, s in walkthrough()][0] == "preflight" and walkthrough()[-2][2].tool == "compare_sweeps"
+
+
+def test_prompts_take_the_member(mcp):
+    """The member names the source, the repository fetched and the builds, and the planner sets the T4 flags:
+    the 12B's all-4-bit build holds three 16,384-token requests, the 31B fits in no build."""
+    async def go():
+        async with Client(mcp) as c:
+            e4b = await c.get_prompt("deploy_t4", {"member": "e4b"})
+            twelve = await c.get_prompt("deploy_t4", {"member": "12B"})
+            big = await c.get_prompt("deploy_t4", {"member": "31B"})
+            cmp = await c.get_prompt("compare_builds", {"member": "E4B"})
+            try:
+                await c.get_prompt("deploy_t4", {"member": "7B"})
+                refused = ""
+            except Exception as exc:
+                refused = str(exc)
+            return [x.messages[0].content.text for x in (e4b, twelve, big, cmp)] + [refused]
+
+    e4b, twelve, big, cmp, refused = run(go())
+    assert ('fetch_checkpoint(repo_id="google/gemma-4-E4B-it-qat-q4_0-unquantized", '
+            'out="gemma-4-E4B-it-qat-q4_0-unquantized")') in e4b
+    assert 'repack_checkpoint(source="gemma-4-E4B-it-qat-q4_0-unquantized", ' \
+           'output="gemma-4-E4B-it-qat-q4_0-w4a16-ct-text-emb4")' in e4b
+    assert "max_num_seqs=3)" in twelve and "E4B answers in words" in e4b
+    assert "31B does not fit one T4 in any build: stop after plan_fit" in big
+    assert 'build_b="gemma-4-E4B-it-qat-q4_0-w4a16-ct-text"' in cmp or "gemma-4-E4B-it-qat-q4_0-w4a16-ct-text" in cmp
+    assert "7B" in refused and "not a Gemma 4 member" in refused
 
 
 def test_prompts_render_the_callers_arguments(mcp):
@@ -253,9 +280,11 @@ def test_prompts_render_the_callers_arguments(mcp):
             return d.messages[0].content.text, b.messages[0].content.text
 
     deploy, compare = run(go())
-    assert '2. `fetch_checkpoint(repo_id="google/gemma-4-E2B-it-qat-q4_0-unquantized", out="qat")` — only when' in deploy
-    assert '5. `repack_checkpoint(source="qat", output="emb4")`' in deploy
-    assert "7. `start_vllm_server(model=\"emb4\")`" in deploy and "start_job" in deploy
+    assert '2. `plan_fit(member="E2B")`' in deploy
+    assert '3. `fetch_checkpoint(repo_id="google/gemma-4-E2B-it-qat-q4_0-unquantized", out="qat")` — only when' in deploy
+    assert '6. `repack_checkpoint(source="qat", output="emb4")`' in deploy
+    assert ('8. `start_vllm_server(model="emb4", gpu_memory_utilization=0.9, max_model_len=16384, max_num_seqs=8)`'
+            in deploy and "start_job" in deploy)
     # what query_model shows is true of both models: the tiny stand-in gives its pattern's tokens, not text
     assert "sensible" not in deploy and "the tiny stand-in answers tokens of its training pattern" in deploy
     assert 'compare_sweeps(run_dirs=[<run_dir from step 9>, <run_dir from step 5>], ' \

@@ -22,6 +22,7 @@ EXPECTED_TOOLS = {
     # name: (readOnly, destructive, idempotent, openWorld)
     "vram_status": (True, False, True, False),
     "probe_checkpoint": (True, False, True, False),
+    "plan_fit": (True, False, True, False),
     "server_status": (True, False, True, False),
     "server_logs": (True, False, True, False),
     "list_jobs": (True, False, True, False),

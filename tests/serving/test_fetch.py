@@ -204,3 +204,18 @@ def test_an_interrupted_fetch_resumes_through_the_cache(hub_files, hub_env, tmp_
         fetched = {q.rsplit("/", 1)[1] for q in hub.requests if q.startswith("GET /acme/")}
     assert big in fetched and not fetched & done_before  # completed files came from the cache
     assert all((Path(r.out) / f.path).read_bytes() == hub_files[f.path] for f in r.files)
+
+
+@pytest.mark.parametrize("member", ["E2B", "e4b", "12B", "26B-A4B", "31B"])
+def test_a_member_name_fetches_googles_qat_checkpoint_of_it(member, hub_env, tmp_path, monkeypatch):
+    from repack.members import by_name
+    from tools.serving.fetch import check_repo_id
+
+    repo = f"google/gemma-4-{by_name(member).name}-it-qat-q4_0-unquantized"
+    assert check_repo_id(member) == repo
+    with StandInHub({}) as hub:  # it serves another repo: the request shows which one the fetch asked for
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        with pytest.raises(ToolFailure):
+            fetch_checkpoint(FetchParams(repo_id=member, roots=[str(tmp_path / "models")]))
+    assert any(q.startswith(f"GET /api/models/{repo}/") for q in hub.requests), hub.requests
+    assert not (tmp_path / "models" / repo.split("/")[1]).exists()

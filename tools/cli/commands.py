@@ -33,6 +33,7 @@ OPERATIONS: dict[str, str] = {
     "router.status": "./vllm-t4 router status",
     "probe": "python3 -m repack probe",
     "repack": "python3 -m repack build",
+    "plan_fit": "python3 -m repack plan",
     "tiny_model": "python3 -m repack.tiny_model",
     "fetch": "./vllm-t4 fetch",
     "doctor": "./vllm-t4 doctor",
@@ -56,7 +57,7 @@ OPERATIONS: dict[str, str] = {
 }
 # Arguments that are positional on the command line (written bare, in this order).
 POSITIONAL_ARGS: dict[str, tuple[str, ...]] = {
-    "fetch": ("repo_id",), "probe": ("source",), "repack": ("source", "output"), "tiny_model": ("out",)}
+    "fetch": ("repo_id",), "probe": ("source",), "plan_fit": ("path",), "repack": ("source", "output"), "tiny_model": ("out",)}
 
 
 def flag(name: str, *value: Any) -> str:

@@ -15,6 +15,7 @@ from typing import Callable
 from repack.build import build_checkpoint
 from repack.checks import check_disk, check_source, protected_folders
 from repack.errors import RepackError
+from repack.fit import PlanParams, plan_fit
 from repack.params import BuildOptions, BuildParams, ProbeParams
 from repack.probe import probe_checkpoint
 from tools.cli.commands import CLI, Command, add_command, add_commands
@@ -168,6 +169,17 @@ def cmd_probe(params: ProbeParams, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(_: None, args: argparse.Namespace) -> int:
+    plan = plan_fit(PlanParams.from_cli_args(args, path=args.path))
+    print(dumps(plan.to_dict(), indent=2) if args.json else plan.format_table())
+    return 0
+
+
+def _plan_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("path", nargs="?", default=None, help=PlanParams.model_fields["path"].description)
+    PlanParams.add_cli_args(p)
+
+
 def _verbose_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verbose", action="store_true", help="list every tensor")
 
@@ -176,6 +188,8 @@ COMMANDS = [
     build_command("build", "SRC to the final build in one pass (no intermediate checkpoint)"),
     Command("probe", "tell whether a checkpoint's tensors sit on the 4-bit grid", params=ProbeParams,
             extra=_verbose_flag, run=cmd_probe),
+    Command("plan", "which Gemma 4 member fits one T4: each build's tables, load and KV cache tokens (no download)",
+            run=cmd_plan, extra=_plan_flags),
 ]
 
 

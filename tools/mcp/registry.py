@@ -30,7 +30,7 @@ TOOLSETS: dict[str, str] = {
     "jobs": "run long tools in the background and follow them (for clients that time out long calls)",
     "log": "the vLLM server log's tail as a tool (the resource gemma4-t4://server/log holds it too)",
     "gpu": "the Turing (T4) attention clamp",
-    "hub": "fetch a checkpoint from the Hugging Face hub",
+    "hub": "plan which Gemma 4 member fits one T4, and fetch its checkpoint from the Hugging Face hub",
     "fidelity": "logprob fidelity between builds: KLD, top-1 agreement, perplexity ratio",
     "eval": "accuracy with lm-evaluation-harness against the server, and runs side by side",
     "decode": "single-stream decode benchmark: time per token and the drafter's acceptance (speculative decoding)",

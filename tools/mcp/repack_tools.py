@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import Field
 
 from repack import tiny_model
+from repack.fit import PlanParams, plan_fit as plan
 from repack.params import BuildParams, ProbeParams
 from tools.core.errors import BadInput, ToolFailure, param
 from tools.core.params import OpParams
@@ -124,3 +125,28 @@ def repack_checkpoint(app, p: BuildParams, progress, checked: tuple[Path, Path])
                f"in {d['wall_s']:.1f} s, {off} off-grid groups"
                + (f", {nonfinite} NaN/inf source values" if nonfinite else ""))
     return Reply(d, summary, {"table": report.format_table()})
+
+
+def _plan_params(app, p) -> Any:
+    """The folder confined to the models roots (its config.json is the only file read)."""
+    return _source(app, p.path, "path") if p.path is not None else None
+
+
+@tool(toolset="hub", title="Plan which Gemma 4 member fits one T4", params=PlanParams, read_only=True,
+      idempotent=True,
+      extra={"member": (str, "The member planned"),
+             "builds": (list[dict[str, Any]], "Per build (bf16, qat-w4a16-ct, repack-bf16-emb, all-4-bit): tables "
+                                              "in GiB, model loading, KV cache tokens, fits and a verdict"),
+             "error": (dict[str, Any], "The stated error against the article's E2B figures"),
+             "table": (str, "")})
+def plan_fit(app, p: PlanParams) -> Reply:
+    """Plan a Gemma 4 member on one T4 before fetching or building it: each build's size per table, the memory
+    vLLM loads and the KV cache tokens left, or "does not fit"; a checkpoint folder or a member by name."""
+    src = _plan_params(app, p)
+    fit = plan(p.model_copy(update={"path": str(src)}) if src is not None else p,
+               roots=list(app.roots.models) if src is not None else None)
+    best = next((b for b in reversed(fit.builds) if b.fits), None)
+    summary = (f"{fit.member}: " + (f"the {best.build} build fits, {best.kv_tokens:,} KV tokens" if best
+                                    else "no build fits one T4") + "; " +
+               "; ".join(f"{b.build} loads {b.load_gib:.2f} GiB" for b in fit.builds if b.published))
+    return Reply(fit.to_dict(), summary, {"table": fit.format_table()})

@@ -7,6 +7,9 @@ the vLLM server's log tail. Prompts: the article's workflows as numbered tool ca
 use too, so the three cannot drift apart. The app (tools/mcp/app.py) registers both; nothing here imports vLLM.
 """
 
+# Longer than the module limit: the resources and the prompts' Step lists are declared side by side, with the one
+# renderer the README's walk-through and the end-to-end test read them through.
+
 from __future__ import annotations
 
 import inspect
@@ -25,12 +28,14 @@ import anyio.to_thread
 from fastmcp.exceptions import ResourceError, ValidationError as ArgumentsRefused
 from pydantic import Field
 
+from repack.errors import RepackError
+from repack.members import by_name
 from tools.core.errors import ToolFailure
 from tools.core.paths import PATH_MAX, PathNotAllowed
 from tools.core.text import clip
 from tools.mcp.errors import MCP, to_tool_error
+from tools.mcp.prompt_members import MEMBER_ARG, member_values
 from tools.serving.config import ENV_NAMES, parse_env_file
-from tools.serving.preflight import SOURCE_REPO
 from tools.serving.vllm_server import read_log
 
 SCHEME = "gemma4-t4"
@@ -269,7 +274,8 @@ class PromptSpec:
 
         def fill(v: Any) -> Any:
             if isinstance(v, str):
-                return v.format(**vals)
+                whole = re.fullmatch(r"\{(\w+)\}", v)
+                return vals[whole.group(1)] if whole else v.format(**vals)
             if isinstance(v, list):
                 return [fill(x) for x in v]
             return v
@@ -290,12 +296,24 @@ class PromptSpec:
             if any(ord(c) < 32 or ord(c) == 127 for c in str(v)):  # a newline would add steps of its own
                 raise ValueError(f"prompt {self.name}: argument {k} holds a control character (a newline?); give "
                                  f"one line")
+            if k == "member":
+                try:
+                    by_name(str(v))
+                except RepackError as exc:
+                    raise ValueError(f"prompt {self.name}: {exc}") from None
             if k.startswith("label") and not _LABEL.fullmatch(str(v)):
                 raise ValueError(f"prompt {self.name}: argument {k} {clip(str(v))!r} must be a label of letters, "
                                  f"digits, '.', '_', '+' or '-' (no spaces)")
 
-    def values(self, given: dict[str, str] | None = None) -> dict[str, str]:
-        return {k: d for k, (d, _) in self.arguments.items()} | {k: v for k, v in (given or {}).items() if v}
+    def values(self, given: dict[str, str] | None = None) -> dict[str, Any]:
+        vals: dict[str, Any] = ({k: d for k, (d, _) in self.arguments.items()}
+                                | {k: v for k, v in (given or {}).items() if v})
+        if "member" in vals:  # defaults that name the member follow it; the T4 flags come from the planner
+            m = by_name(vals["member"])
+            vals = {k: v.replace("{member}", m.name) if isinstance(v, str) else v for k, v in vals.items()}
+            vals["member"] = m.name
+            vals.update(member_values(m))
+        return vals
 
     def steps_text(self, values: dict[str, str] | None = None) -> str:
         """The numbered tool calls, one a line, in markdown."""
@@ -328,25 +346,29 @@ def prompt(spec: PromptSpec) -> PromptSpec:
     return spec
 
 
-_BUILD = "gemma-4-E2B-it-qat-q4_0-w4a16-ct-text"
-
+_BUILD = "gemma-4-{member}-it-qat-q4_0-w4a16-ct-text"
 prompt(PromptSpec(
-    name="deploy_t4", title="Deploy Gemma 4 E2B on a T4",
-    description="From a bare machine to a served all-4-bit build: preflight, fetch, probe, repack, clamp, start, "
-                "check; each call either succeeds or its result or error says what to do.",
-    arguments={"source": (SOURCE_REPO.split("/")[1], "The QAT source folder (relative: under the first models "
-                                                     "root)"),
+    name="deploy_t4", title="Deploy a Gemma 4 member on a T4",
+    description="From a bare machine to a served all-4-bit build: preflight, plan, fetch, probe, repack, clamp, "
+                "start, check; each call either succeeds or its result or error says what to do.",
+    arguments={"member": MEMBER_ARG,
+               "source": ("gemma-4-{member}-it-qat-q4_0-unquantized", "The QAT source folder (relative: under the "
+                                                                      "first models root)"),
                "output": (_BUILD + "-emb4", "The all-4-bit build to write and serve (under a models root)"),
-               "repo_id": (SOURCE_REPO, "The hub repo the source is fetched from when it is missing")},
+               "repo_id": ("google/gemma-4-{member}-it-qat-q4_0-unquantized",
+                           "The hub repo the source is fetched from when it is missing")},
     toolsets=("deploy", "hub", "repack", "gpu", "serve"),
     intro="Deploy {output} from {source} with the gemma4-t4 MCP tools (the default toolsets and gpu and hub: "
           "start the server with --toolsets default,gpu,hub). On a machine without an NVIDIA GPU follow deploy_cpu "
           "instead. Call the tools in this order; after each, read `summary`. When a call fails, its error is one "
           "line naming the argument or the fix: do that, then repeat the call. Long calls stream progress; if your "
-          "client times out, add toolset jobs and run them through start_job and job_status.",
+          "client times out, add toolset jobs and run them through start_job and job_status. Before anything is "
+          "fetched, {fit}.",
     steps=[
         Step("preflight", {"step": "all"}, "every check ok, warn, fail or n/a with a one-line fix; do each failing "
                                            "check's fix before going on"),
+        Step("plan_fit", {"member": "{member}"}, "each build's size, load and KV cache tokens on a T4, and the "
+                                                 "flags the start below uses (t4_flags); stop when no build fits"),
         Step("fetch_checkpoint", {"repo_id": "{repo_id}", "out": "{source}"},
              "downloads the build files into the models root (the licence must be accepted on the hub and HF_TOKEN "
              "set; the error says so)", when="the source folder does not exist", condition="source_missing"),
@@ -358,10 +380,11 @@ prompt(PromptSpec(
              "writes the all-4-bit build; force=true replaces a build this tool wrote"),
         Step("patch_turing", {"action": "apply"}, "the one-time attention clamp vLLM needs on a T4 (sm_75)",
              when="preflight's turing_clamp check fails", condition="turing"),
-        Step("start_vllm_server", {"model": "{output}"}, "serves the build; the result has the KV cache size "
-                                                         "and the start time"),
+        Step("start_vllm_server", {"model": "{output}", "gpu_memory_utilization": "{gpu_memory_utilization}",
+                                   "max_model_len": "{max_model_len}", "max_num_seqs": "{max_num_seqs}"},
+             "serves the build with the planner's T4 flags; the result has the KV cache size and the start time"),
         Step("query_model", {"prompt": "Write one sentence about the Tesla T4."},
-             "one greedy answer, which shows the build serves: E2B answers in words (the tiny stand-in answers "
+             "one greedy answer, which shows the build serves: {member} answers in words (the tiny stand-in answers "
              "tokens of its training pattern, not sentences: compare_tokens checks those)"),
     ]))
 
@@ -402,13 +425,15 @@ prompt(PromptSpec(
     description="The article's comparison of two builds on one GPU: record A's greedy tokens, serve B in A's "
                 "place, check B against them, sweep both, compare the sweeps. A is the build deploy_t4 left "
                 "serving, so it is not started again.",
-    arguments={"build_a": (_BUILD + "-emb4", "The build whose tokens are recorded (the all-4-bit build deploy_t4 "
+    arguments={"member": MEMBER_ARG,
+               "build_a": (_BUILD + "-emb4", "The build whose tokens are recorded (the all-4-bit build deploy_t4 "
                                              "serves)"),
                "build_b": (_BUILD, "The build checked against A (the bf16-embedding build by default; repacked "
                                    "from source when missing)"),
                "label_a": ("int4-emb", "Label of build A in the sweep tables (no spaces)"),
                "label_b": ("bf16-emb", "Label of build B (no spaces)"),
-               "source": (SOURCE_REPO.split("/")[1], "The QAT source, to build build_b when it is missing")},
+               "source": ("gemma-4-{member}-it-qat-q4_0-unquantized", "The QAT source, to build build_b when it is "
+                                                                     "missing")},
     toolsets=("repack", "serve", "measure", "deploy"),
     intro="Compare {build_a} (A) with {build_b} (B) with the gemma4-t4 MCP tools. One GPU serves one build at a "
           "time, so A's greedy tokens are recorded to a file and B is checked against it. Call the tools in this "

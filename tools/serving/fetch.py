@@ -40,6 +40,7 @@ from tools.core.params import OpParams
 from tools.core.paths import PathNotAllowed, Roots, inside
 from tools.core.root import PROJECT_ROOT
 from repack import checks as repack_checks
+from repack.members import MEMBERS, by_name
 from tools.serving.hub import hf_token, hub_env, hub_failure
 
 MANIFEST = "fetch-manifest.json"
@@ -59,7 +60,8 @@ Progress = Callable[[int, int, str], None]
 
 class FetchParams(OpParams):
     repo_id: str = Field(description="Hugging Face model id, owner/name (e.g. "
-                                     "google/gemma-4-E2B-it-qat-q4_0-unquantized)")
+                                     "google/gemma-4-E2B-it-qat-q4_0-unquantized), or a Gemma 4 member "
+                                     "(E2B, E4B, 12B, 26B-A4B, 31B: Google's QAT checkpoint of it)")
     revision: str = Field("main", description="Branch, tag or 40-hex commit to fetch")
     out: str | None = Field(None, description="Output folder (default: <models root>/<repo name>); must not exist "
                                               "unless it holds this same fetch")
@@ -95,10 +97,15 @@ class FetchResult(BaseModel):
 # Input
 
 def check_repo_id(repo_id: str) -> str:
+    """owner/name as given, or a Gemma 4 member's name (E2B, E4B, 12B, 26B-A4B, 31B) as Google's QAT checkpoint
+    of it."""
     text = repo_id.strip()
+    if "/" not in text and text.lower() in {m.lower() for m in MEMBERS}:
+        return by_name(text).source_repo
     if text.startswith("/") or ".." in text or text.count("/") != 1 or not REPO_ID.match(text):
         raise BadInput(f"repo id {repo_id!r} is not owner/name (letters, digits, '.', '_', '-'; no '..', no leading "
-                       "'/', one '/'): pass it as on https://huggingface.co/OWNER/NAME")
+                       f"'/', one '/'): pass it as on https://huggingface.co/OWNER/NAME, or a member: "
+                       f"{', '.join(MEMBERS)}")
     return text
 
 

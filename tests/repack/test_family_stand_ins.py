@@ -1,0 +1,83 @@
+"""Tiny stand-ins shaped as other members (repack/tiny_model.py SHAPES): the E4B-shaped one (2 KV heads,
+single-width MLP) builds all-4-bit and its build, decompressed by compressed-tensors, gives the source's logits in
+transformers; the MoE-shaped one is recognised as a mixture of experts and refused by the build in one line (its
+expert weights are not packed yet)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from repack.tiny_model import SHAPES, cached_tiny_qat_checkpoint
+from tests.fixtures import one_line_error, repack_cli
+
+
+@pytest.fixture(scope="module")
+def stand_ins(tmp_path_factory) -> dict[str, object]:
+    root = tmp_path_factory.mktemp("family")
+    # a few training steps: what these check is the layout, not what the model learned
+    return {s: cached_tiny_qat_checkpoint(root / s, shape=s, train_steps=20) for s in ("e4b", "moe")}
+
+
+def _decompressed_state(build):
+    """The build's tensors with every packed module decompressed by compressed-tensors (float32)."""
+    import torch
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+    from safetensors import safe_open
+
+    cfg = json.loads((build / "config.json").read_text())
+    scheme = QuantizationConfig.model_validate(cfg["quantization_config"]).config_groups["group_0"]
+    raw: dict[str, torch.Tensor] = {}
+    for f in sorted(build.glob("*.safetensors")):
+        with safe_open(f, "pt") as st:
+            raw.update({k: st.get_tensor(k) for k in st.keys()})
+    state: dict[str, torch.Tensor] = {}
+    for name, t in raw.items():
+        if name.endswith(".weight_packed"):
+            mod = name.removesuffix(".weight_packed")
+            sd = {k: raw[f"{mod}.{k}"] for k in ("weight_packed", "weight_scale", "weight_shape")}
+            state[mod + ".weight"] = PackedQuantizationCompressor.decompress(sd, scheme)["weight"].float()
+        elif not name.endswith((".weight_scale", ".weight_shape")):
+            state[name] = t.float()
+    return cfg, state
+
+
+def test_e4b_shaped_stand_in_builds_all_4_bit_and_keeps_the_sources_logits(stand_ins, tmp_path, capsys):
+    import torch
+    from transformers import Gemma4ForCausalLM, Gemma4ForConditionalGeneration, Gemma4TextConfig
+
+    src = stand_ins["e4b"].path
+    tc = json.loads((src / "config.json").read_text())["text_config"]
+    assert tc["num_key_value_heads"] == 2 and tc["use_double_wide_mlp"] is False
+    rc, err = repack_cli(capsys, "build", src, tmp_path / "emb4", "--text-only", "--embed-int4", "--embed-tokens")
+    assert rc == 0, err
+    cfg, state = _decompressed_state(tmp_path / "emb4")
+    assert any(k.endswith("embed_tokens_per_layer.weight") for k in state) and "lm_head.weight" in state
+    text_cfg = {k: v for k, v in cfg.items() if k != "quantization_config"}
+    model = Gemma4ForCausalLM(Gemma4TextConfig(**text_cfg)).eval()
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and all("rotary" in k or k.endswith("layer_scalar") for k in missing), missing
+    source = Gemma4ForConditionalGeneration.from_pretrained(src, dtype=torch.float32).eval()
+    ids = torch.tensor([[2, 40, 41, 42, 100, 200, 300, 17, 18, 19, 20, 21]])
+    with torch.no_grad():
+        a, b = source(input_ids=ids).logits, model(input_ids=ids).logits
+    # every decoded value is the source's within one bf16 unit in the last place: the logits agree to that order
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
+    assert (a - b).abs().max().item() < 0.05
+
+
+def test_moe_shaped_stand_in_is_recognised_and_refused_in_one_line(stand_ins, tmp_path, capsys):
+    from repack.probe import probe_checkpoint
+
+    src = stand_ins["moe"].path
+    tc = json.loads((src / "config.json").read_text())["text_config"]
+    assert tc["enable_moe_block"] and tc["num_experts"] == SHAPES["moe"]["num_experts"]
+    rep = probe_checkpoint(src)
+    assert rep.verdict == "qat"  # the experts' fused weights are on the grid too (3-D, not sampled)
+    assert "mixture-of-experts weight" in rep.build_preview["refused"]
+    rc, err = repack_cli(capsys, "build", src, tmp_path / "emb4", "--text-only", "--embed-int4")
+    assert rc == 2
+    one_line_error(err, "experts.", "does not pack expert weights")
+    assert not (tmp_path / "emb4").exists()
