@@ -39,4 +39,16 @@ def not_replaceable(out: str | Path) -> str | None:
     return None
 
 
-__all__ = ["MARKER", "mark", "not_replaceable"]
+def refusal(out: Path, force: bool) -> str | None:
+    """Why the command line may not write `out` (it exists, not empty: --force replaces only what this tool
+    wrote), or None."""
+    if not os.path.lexists(out) or (out.is_dir() and not out.is_symlink() and not any(out.iterdir())):
+        return None
+    if not force:
+        return f"{out} exists: pass --force to replace it, or choose another"
+    why = not_replaceable(out)
+    return why and (f"{out} exists and --force replaces only a folder this tool wrote: {why}; choose another or "
+                    "move it away")
+
+
+__all__ = ["MARKER", "mark", "not_replaceable", "refusal"]

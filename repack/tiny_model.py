@@ -34,7 +34,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .tiny_marker import MARKER, mark, not_replaceable
+from .tiny_marker import MARKER, mark, refusal
+from .tiny_shapes import SHAPES
 
 GROUP = 32
 VOCAB = 512
@@ -67,20 +68,8 @@ TEXT_CONFIG: dict[str, Any] = dict(
                                         "rope_theta": 1000000.0}},
     bos_token_id=2, eos_token_id=1, pad_token_id=0,
 )
-# Stand-ins shaped as other members, by what sets them apart in the text model (repack/members.py): E4B's grouped
-# KV heads (2) and single-width MLP; the 26B-A4B's mixture of experts beside a dense MLP, full-attention layers that
-# ship k_proj only (k_eq_v), no per-layer embeddings and no KV-shared layers.
-SHAPES: dict[str, dict[str, Any]] = {
-    "e2b": {},
-    "e4b": dict(num_attention_heads=4, num_key_value_heads=2, use_double_wide_mlp=False),
-    "moe": dict(num_attention_heads=4, num_key_value_heads=2, num_global_key_value_heads=1, attention_k_eq_v=True,
-                enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=64,
-                hidden_size_per_layer_input=0, vocab_size_per_layer_input=0, num_kv_shared_layers=0,
-                use_double_wide_mlp=False),
-}
-
-
 def text_config(shape: str = "e2b") -> dict[str, Any]:
+    """The text config shaped as `shape` (repack.tiny_shapes.SHAPES)."""
     if shape not in SHAPES:
         raise ValueError(f"shape {shape!r}: choose one of {', '.join(SHAPES)}")
     return {**TEXT_CONFIG, **SHAPES[shape]}
@@ -492,14 +481,10 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"train even if the same model is cached (cache: ${CACHE_ENV}, default ~/.cache/gemma4-t4)")
     ap.add_argument("--force", action="store_true", help=f"replace OUT when this tool wrote it (its {MARKER})")
     args = ap.parse_args(argv)
-    out = Path(args.out)
-    if os.path.lexists(out) and not (out.is_dir() and not out.is_symlink() and not any(out.iterdir())):
-        why = "pass --force to replace it, or choose another" if not args.force else not_replaceable(out)
-        if why:
-            print(f"python -m repack.tiny_model: {out} exists"
-                  + (f" and --force replaces only a folder this tool wrote: {why}; choose another or move it away"
-                     if args.force else f": {why}"), file=sys.stderr)
-            return 2
+    refused = refusal(Path(args.out), args.force)
+    if refused:
+        print(f"python -m repack.tiny_model: {refused}", file=sys.stderr)
+        return 2
     if args.drafter_of:
         d = build_tiny_drafter(args.out, args.drafter_of, seed=args.seed)
         print(f"{d.path}: drafter for {args.drafter_of}, first-draft accuracy on the pattern {d.accuracy:.3f}")

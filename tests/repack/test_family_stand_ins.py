@@ -9,7 +9,8 @@ import json
 
 import pytest
 
-from repack.tiny_model import SHAPES, cached_tiny_qat_checkpoint
+from repack.tiny_model import cached_tiny_qat_checkpoint
+from repack.tiny_shapes import SHAPES
 from tests.fixtures import one_line_error, repack_cli
 
 

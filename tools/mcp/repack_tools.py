@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import Field
 
-from repack import tiny_model
+from repack import tiny_marker, tiny_model
 from repack.fit import PlanParams, plan_fit as plan
 from repack.params import BuildParams, ProbeParams
 from tools.core.errors import BadInput, ToolFailure, param
@@ -51,7 +51,7 @@ def _tiny_out(app, p: TinyParams) -> Path:
         if not p.force:
             raise BadInput(f"{param('out')} {out} exists: pass {param('force', True)} to replace it, or choose "
                            f"another", field="out")
-        why = tiny_model.not_replaceable(out)  # its own marker: a config.json is any checkpoint's, a build's too
+        why = tiny_marker.not_replaceable(out)  # its own marker: a config.json is any checkpoint's, a build's too
         if why:
             raise BadInput(f"{param('out')} {out} exists and {param('force', True)} replaces only a folder this "
                            f"tool wrote: {why}; choose another or move it away", field="out")

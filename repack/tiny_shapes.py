@@ -1,0 +1,19 @@
+"""The tiny model's shapes: E2B's (its default) and stand-ins shaped as other members of the family, as changes
+to repack.tiny_model.TEXT_CONFIG."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Stand-ins shaped as other members, by what sets them apart in the text model (repack/members.py): E4B's grouped
+# KV heads (2) and single-width MLP; the 26B-A4B's mixture of experts beside a dense MLP, full-attention layers that
+# ship k_proj only (k_eq_v), no per-layer embeddings and no KV-shared layers.
+SHAPES: dict[str, dict[str, Any]] = {
+    "e2b": {},
+    "e4b": dict(num_attention_heads=4, num_key_value_heads=2, use_double_wide_mlp=False),
+    "moe": dict(num_attention_heads=4, num_key_value_heads=2, num_global_key_value_heads=1, attention_k_eq_v=True,
+                enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=64,
+                hidden_size_per_layer_input=0, vocab_size_per_layer_input=0, num_kv_shared_layers=0,
+                use_double_wide_mlp=False),
+}
+
