@@ -18,7 +18,7 @@ from tools.core.errors import BadInput, param, render, render_all
 from tools.serving import router, vllm_server
 from tools.serving.config import ServeConfig, load_config
 from tools.serving.instances import fleet_status, stop_all
-from tools.serving.replace import replace_server
+from tools.serving.replace import replace_server, target
 from tools.serving.state import replace_file
 from tools.serving.ops import (LogParams, QueryParams, RouterStartParams, RouterStopParams, StartParams,
                                StatusParams, StopParams)
@@ -69,7 +69,9 @@ def cmd_start(p: StartParams, args: argparse.Namespace) -> int:
         if not args.json:
             print(f"[{int(frac * 100):3d}%] {msg}", file=sys.stderr, flush=True)
 
-    print(f"starting {cfg.served_name} at {cfg.base_url} (log: {cfg.log_file})", file=sys.stderr, flush=True)
+    shown = target(cfg) if p.replace else cfg  # a replace serves on the replaced server's port
+    print(f"starting {shown.served_name} at {shown.base_url} (log: {shown.instance_dir}/vllm-*.log)", file=sys.stderr,
+          flush=True)
     if p.replace:
         r = replace_server(cfg, progress=progress)
     else:
