@@ -24,6 +24,7 @@ from tools.serving.ops import (LogParams, QueryParams, RouterStartParams, Router
                                StatusParams, StopParams)
 from tools.serving.swap import ensure_swap, swap_report
 from tools.core.jsonout import dumps
+from tools.measure.server_guard import owned_server
 
 
 def emit(args: argparse.Namespace, obj: Any, text: str) -> None:
@@ -72,10 +73,13 @@ def cmd_start(p: StartParams, args: argparse.Namespace) -> int:
     shown = target(cfg) if p.replace else cfg  # a replace serves on the replaced server's port
     print(f"starting {shown.served_name} at {shown.base_url} (log: {shown.instance_dir}/vllm-*.log)", file=sys.stderr,
           flush=True)
-    if p.replace:
-        r = replace_server(cfg, progress=progress)
-    else:
-        r = vllm_server.start_server(cfg, progress=progress)
+    # Owned until ready: a SIGKILL of this command while vLLM starts ends that server too (the guard); once it
+    # serves it is handed over (it outlives the command, recorded in its state file).
+    with owned_server(cfg.state_file):
+        if p.replace:
+            r = replace_server(cfg, progress=progress)
+        else:
+            r = vllm_server.start_server(cfg, progress=progress)
     lines = [f"Serving at {r.base_url} (pid {r.pid}), model {r.served_name}, ready in {r.startup_s:g} s"]
     if r.replaced:
         lines[0] += f", in place of {r.replaced['served_name']} ({r.replaced['model']})"

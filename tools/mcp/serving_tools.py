@@ -6,6 +6,7 @@ from pydantic import BaseModel, Field
 
 from tools.core.errors import ToolFailure
 from tools.core.paths import PathNotAllowed
+from tools.measure.server_guard import owned_server
 from tools.mcp.registry import Reply, tool
 from tools.serving.instances import fleet_status, stop_all
 from tools.serving.model_files import missing_model_fix
@@ -38,7 +39,10 @@ def start_vllm_server(app, p: StartParams, progress, checked) -> Reply:
     """Serve a build (a folder under a models root, or a hub id) with vLLM until stopped; returns once it
     answers, with the engine's figures. Long."""
     start = replace_server if p.replace else start_server
-    res = start(checked, progress=lambda frac, msg: progress(round(frac * 100, 1), 100, msg))
+    # Owned until ready: a client that goes away, a SIGTERM or a SIGKILL of this server while vLLM starts ends
+    # that vLLM too (the guard; a replace's record then says what serves); once it serves it is handed over.
+    with owned_server(checked.state_file):
+        res = start(checked, progress=lambda frac, msg: progress(round(frac * 100, 1), 100, msg))
     sf = res.start_fields
     mem = f"; host RSS {res.host_memory.rss_mib:.0f} MiB" if res.host_memory else ""
     instead = f" in place of {res.replaced['served_name']}" if res.replaced else ""

@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import psutil
 
+from tools.core.api_key import API_KEY_ENV, api_key, auth_headers, is_loopback
 from tools.core.errors import BadInput, ToolFailure, op, param
 from tools.core.process import end_group
 from tools.gpu.vram import host_memory, server_process_pids
@@ -138,7 +139,7 @@ def fit_to_model(cfg: ServeConfig, platform: str = "cuda") -> tuple[ServeConfig,
 def recorded_env(cfg: ServeConfig, platform: str) -> dict[str, str]:
     """What of the launch environment the state file keeps: the caller's vLLM/CUDA/OpenMP variables and the
     server's own."""
-    env = {k: v for k, v in os.environ.items() if k.startswith(_RECORDED_ENV)}
+    env = {k: v for k, v in os.environ.items() if k.startswith(_RECORDED_ENV) and k != API_KEY_ENV}
     env.update(cfg.server_env(platform))
     return env
 
@@ -149,6 +150,9 @@ def _launch(cfg: ServeConfig, argv: list[str], platform: str, env: dict[str, str
     recorded = env if env is not None else recorded_env(cfg, platform)
     child_env = {k: v for k, v in os.environ.items() if not (env is not None and k.startswith(_RECORDED_ENV))}
     child_env.update(recorded)
+    child_env.pop(API_KEY_ENV, None)
+    if api_key():  # the key is this command's (never recorded): vLLM reads it from its environment
+        child_env[API_KEY_ENV] = api_key() or ""
     cfg.instance_dir.mkdir(parents=True, exist_ok=True)
     proc: subprocess.Popen | None = None
     gate_r, gate_w = os.pipe()
@@ -250,7 +254,7 @@ def _wait_ready(cfg: ServeConfig, proc: subprocess.Popen, argv: list[str], t0: f
     healthy = False
     phases = StartProgress(progress)
     polls = 0
-    with httpx.Client(timeout=5.0) as client:
+    with httpx.Client(timeout=5.0, headers=auth_headers()) as client:
         try:
             while True:
                 code = proc.poll()
@@ -284,6 +288,11 @@ def checked(cfg: ServeConfig, hw: Hardware, turing_target: Path | None, *,
     """Every check of a start, in its order: (the config as it will launch, the MAX_MODEL_LEN note, platform).
     `held_by`: the server this start is to replace, whose port and GPU memory are not obstacles (they are freed
     before the launch, and checked again then)."""
+    if not is_loopback(cfg.host) and api_key() is None:
+        where = f"HOST in {cfg.env_file}" if cfg.sources.get("host") == "file" else "HOST"
+        raise BadInput(f"{where} is {cfg.host}, reachable beyond this machine: set an API key in ${API_KEY_ENV} "
+                       f"(vLLM then answers only requests that send it), or serve on HOST=127.0.0.1",
+                       {"host": cfg.host, "key_env": API_KEY_ENV})
     # Ports, cores and GPU memory other instances hold, and TP/DP against the GPUs: refused before launching.
     cfg = placement.plan(cfg, hw)
     # The port, the model folder and its length limit, the Turing clamp, host memory, the vLLM build and the

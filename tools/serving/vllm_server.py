@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 
+from tools.core.api_key import auth_headers
 from tools.core.errors import ToolFailure, op
 from tools.core.process import end_group, group_members
 from tools.serving import engine_log, state as replace_state
@@ -145,7 +146,7 @@ def query(cfg: ServeConfig, prompt: str, *, max_tokens: int = 64, base_url: str 
             "max_tokens": max_tokens, "return_token_ids": True}
     t0 = time.monotonic()
     try:
-        r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=timeout_s)
+        r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=timeout_s, headers=auth_headers())
     except httpx.HTTPError as exc:
         raise ToolFailure(f"no answer from {url} ({type(exc).__name__}); check {op('status')}") from None
     if r.status_code != 200:
