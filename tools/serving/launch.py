@@ -29,7 +29,7 @@ from tools.serving.config import DEFAULT_ENV_FILE, ServeConfig, looks_like_path
 from tools.serving.hardware import Hardware
 from tools.serving.model_files import model_position_limit
 from tools.serving.model_files import missing_model_fix
-from tools.serving.preflight import checks_for, ensure
+from tools.serving.preflight import checks_for, ensure, refusal
 from tools.serving.records import StartResult
 from tools.serving.start_progress import Progress, StartProgress
 from tools.serving.state import ReplaceRecord, ServerState
@@ -303,7 +303,7 @@ def checked(cfg: ServeConfig, hw: Hardware, turing_target: Path | None, *,
         freed = {"gpu_memory"} | ({"port"} if held_by.port == cfg.port else set())
         for c in checks_for("start", cfg=cfg, hardware=hw, turing_target=turing_target):
             if c.status == "fail" and c.name not in freed:
-                raise ToolFailure(c.line(), detail={**(c.detail or {}), "check": c.name})
+                raise refusal(c, {**(c.detail or {}), "check": c.name})
     platform = hw.platform()
     cfg, max_len_note = fit_to_model(cfg, platform)
     return cfg, max_len_note, platform
