@@ -340,3 +340,46 @@ def test_the_api_key_reaches_vllm_and_every_call_but_no_file(bench, tmp_path):
     for f in (tmp_path / "run").rglob("*"):
         if f.is_file():
             assert key not in f.read_text(errors="replace"), f
+
+
+def test_a_second_ctrl_c_inside_the_rollback_does_not_stop_it(bench, monkeypatch):
+    """The second SIGINT lands exactly in the rollback (while what is left of B is stopped): A is still launched
+    again and the replace record goes; the interrupt is delivered once the rollback is done."""
+    from tools.serving import replace as replace_mod
+    from tools.serving.replace import replace_server
+
+    monkeypatch.setattr("tools.serving.config.ServeConfig.vllm_argv",
+                        lambda self, platform: [sys.executable, str(bench.script), str(self.port), self.model])
+    monkeypatch.setenv("VLLM_STAND_IN_LOG", str(bench.log))
+    a_model, b_model = bench.build("a"), bench.build("b", mode="hang")
+    cfg_a = load_config(ROOT / "tpu.env", state_dir=str(bench.tmp / "run"), port=bench.port, model=a_model,
+                        speculative_config="", extra_args="", start_timeout_s=30.0)
+    cfg_b = load_config(ROOT / "tpu.env", state_dir=str(bench.tmp / "run"), port=bench.port, model=b_model,
+                        speculative_config="", extra_args="", start_timeout_s=30.0)
+    from tools.serving.launch import start_server
+    a_pid = start_server(cfg_a).pid
+    real_stop = replace_mod.stop_server
+    rolled_back: list[str] = []
+
+    def stop_then_second_ctrl_c(cfg, **kw):
+        if rolled_back == ["first"]:  # the rollback's stop of what is left of B
+            rolled_back.append("second")
+            signal.raise_signal(signal.SIGINT)
+        return real_stop(cfg, **kw)
+
+    def progress(frac: float, msg: str) -> None:
+        rec = state.load_state(cfg_b)
+        if rec is not None and rec.served_name == "b" and not rolled_back:
+            rolled_back.append("first")
+            raise KeyboardInterrupt  # the first Ctrl-C, while B starts
+
+    monkeypatch.setattr(replace_mod, "stop_server", stop_then_second_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        replace_server(cfg_b, progress=progress)
+    assert rolled_back == ["first", "second"]
+    rec = state.load_state(cfg_a)
+    assert rec is not None and rec.served_name == "a" and rec.pid != a_pid
+    deadline = time.monotonic() + 30
+    while not server_status(cfg_a).healthy and time.monotonic() < deadline:
+        time.sleep(0.1)
+    bench.check_true_and_nothing_orphaned("a")
