@@ -383,3 +383,101 @@ def test_a_second_ctrl_c_inside_the_rollback_does_not_stop_it(bench, monkeypatch
     while not server_status(cfg_a).healthy and time.monotonic() < deadline:
         time.sleep(0.1)
     bench.check_true_and_nothing_orphaned("a")
+
+
+# ------------------------------------------------------------------ the MCP front end going away during a start
+
+MCP_DRIVER = r"""
+import sys
+sys.path.insert(0, sys.argv[1])
+from tools.serving.config import ServeConfig
+script = sys.argv[2]
+ServeConfig.vllm_argv = lambda self, platform: [sys.executable, script, str(self.port), self.model]
+import server
+raise SystemExit(server.main(sys.argv[3:]))
+"""
+
+
+def _mcp_server(bench: Bench) -> subprocess.Popen:
+    (bench.tmp / "evidence").mkdir(exist_ok=True)
+    env = dict(bench.env, START_TIMEOUT_S="60")
+    proc = subprocess.Popen([sys.executable, "-c", MCP_DRIVER, str(ROOT), str(bench.script), "--models-root",
+                             str(bench.tmp), "--evidence-root", str(bench.tmp / "evidence"), "--state-dir",
+                             str(bench.tmp / "run"), "--toolsets", "serve,jobs"], cwd="/", env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+
+    def send(msg: dict) -> None:
+        proc.stdin.write(json.dumps({"jsonrpc": "2.0", **msg}) + "\n")
+        proc.stdin.flush()
+
+    send({"id": 1, "method": "initialize", "params": {"protocolVersion": "2025-06-18", "capabilities": {},
+                                                      "clientInfo": {"name": "test", "version": "0"}}})
+    while json.loads(proc.stdout.readline()).get("id") != 1:
+        pass
+    send({"method": "notifications/initialized"})
+    proc.send = send  # type: ignore[attr-defined]
+    return proc
+
+
+def _gone_as_a_client_goes(proc: subprocess.Popen, how: str) -> None:
+    if how == "client closes":  # as the client library does: stdin closed, the process killed 4 s later
+        proc.stdin.close()
+        try:
+            proc.wait(timeout=4)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    else:
+        proc.send_signal(signal.SIGTERM if how == "SIGTERM" else signal.SIGKILL)
+    proc.wait(timeout=60)
+
+
+# start_job: as the issue's client does it (the library kills server.py 4 s after closing stdin); SIGTERM and
+# SIGKILL end a job's thread as they end a foreground call's.
+FRONT_END_GOES = [(call, how) for call in ("start", "replace") for how in ("client closes", "SIGTERM", "SIGKILL")]
+FRONT_END_GOES.append(("start_job", "client closes"))
+
+
+@pytest.mark.parametrize("call,how", FRONT_END_GOES)
+def test_the_server_a_front_end_was_starting_ends_with_it(bench, call, how):
+    """server.py goes away while the vLLM it is starting loads: that vLLM ends too; after a replace, A serves
+    again or the replace record says A was stopped and nothing else is recorded."""
+    bench.build("a")
+    b = bench.build("b", until=str(bench.tmp / "never"))
+    for m in ("a", "b"):
+        (bench.tmp / m / "config.json").write_text("{}")  # a checkpoint folder to the roots' confinement
+    if call == "replace":
+        assert bench.run("start", "--model", str(bench.tmp / "a")).returncode == 0
+    proc = _mcp_server(bench)
+    try:
+        args = {"model": b, "served_name": "b", "replace": call == "replace"}
+        if call == "start_job":
+            proc.send({"id": 2, "method": "tools/call", "params": {"name": "start_job", "arguments": {
+                "tool": "start_vllm_server", "arguments": args}}})
+        else:
+            proc.send({"id": 2, "method": "tools/call", "params": {"name": "start_vllm_server", "arguments": args}})
+        _until("b launched", lambda: bench.started("b"), proc)
+        _gone_as_a_client_goes(proc, how)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    b_pids = [s["pid"] for s in bench.starts() if Path(s["model"]).name == "b"]
+    assert b_pids and all_gone(b_pids, wait_s=20)
+    cfg = bench.cfg()
+    deadline = time.monotonic() + 20  # the guard removes the record of what it ended
+    while state.load_state(cfg) is not None and state.load_state(cfg).served_name == "b" and \
+            time.monotonic() < deadline:
+        time.sleep(0.1)
+    rec = state.load_state(cfg)
+    assert rec is None or rec.served_name == "a", rec
+    if rec is None:
+        rep = state.load_replace(cfg)
+        assert (rep is not None and rep.a.served_name == "a") == (call == "replace")
+        if rep is not None:
+            assert "a was stopped: bring it back with" in server_status(cfg).message
+            state.clear_replace(cfg)
+        bench.check_true_and_nothing_orphaned(None)
+    else:
+        while not server_status(cfg).healthy and time.monotonic() < deadline:
+            time.sleep(0.1)
+        bench.check_true_and_nothing_orphaned("a")
