@@ -481,3 +481,68 @@ def test_the_server_a_front_end_was_starting_ends_with_it(bench, call, how):
         while not server_status(cfg).healthy and time.monotonic() < deadline:
             time.sleep(0.1)
         bench.check_true_and_nothing_orphaned("a")
+
+
+# ------------------------------------------------------------------ the lock and the record's owner, in-process
+
+def _record(cfg, pid: int, create_time: float, name: str) -> state.ServerState:
+    return state.ServerState(pid=pid, pgid=pid, create_time=create_time, host="127.0.0.1", port=cfg.port,
+                             base_url=cfg.base_url, model="m", served_name=name, argv=["x"], platform="cpu",
+                             started_at="2026-01-01T00:00:00+00:00", started_ts=0.0, log_path="l")
+
+
+def test_a_record_is_removed_only_by_the_command_it_names(bench):
+    """The first replace's failed B once removed the state file whatever it named by then (the second's server
+    went unrecorded): now a record that names another server (pid or start time) stays."""
+    cfg = bench.cfg()
+    cfg.instance_dir.mkdir(parents=True, exist_ok=True)
+    mine, theirs = _record(cfg, 4242, 1.0, "mine"), _record(cfg, 4343, 2.0, "theirs")
+    state.write_state(cfg, theirs)
+    assert state.clear_state(cfg, mine) is False and state.load_state(cfg).served_name == "theirs"
+    assert state.clear_state(cfg, _record(cfg, 4343, 3.0, "recycled pid")) is False
+    assert state.clear_state(cfg, theirs) is True and state.load_state(cfg) is None
+
+
+def test_a_failed_start_does_not_forget_a_record_written_since(bench, monkeypatch):
+    """_end_launched of a start whose server is gone leaves a record naming another server."""
+    import subprocess as sp
+
+    from tools.serving import launch
+
+    cfg = bench.cfg()
+    cfg.instance_dir.mkdir(parents=True, exist_ok=True)
+    proc = sp.Popen([sys.executable, "-c", "pass"], start_new_session=True)
+    proc.wait()
+    state.write_state(cfg, _record(cfg, os.getpid(), 5.0, "another command's"))
+    launch._end_launched(cfg, proc)
+    assert state.load_state(cfg).served_name == "another command's"
+
+
+def test_the_lock_refuses_another_thread_and_another_process_and_is_reentrant(bench):
+    import threading
+
+    cfg = bench.cfg()
+    seen: list[str] = []
+    with state.instance_lock(cfg, "start of b"):
+        with state.instance_lock(cfg, "start of a again"):  # a replace's rollback, in the same thread
+            seen.append("nested")
+
+        def other() -> None:  # an MCP call running beside the start in this process
+            try:
+                with state.instance_lock(cfg, "stop"):
+                    seen.append("not refused")
+            except state.InstanceBusy as exc:
+                seen.append(str(exc))
+
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+        r = bench.run("stop")  # another process; nothing recorded, but the state file check comes first
+        cfg.state_file.write_text("{}")
+        r2 = bench.run("stop")
+        cfg.state_file.unlink()
+    assert seen[0] == "nested" and BUSY in seen[1] and "another call of this server" in seen[1]
+    assert r.returncode == 0 and "no server recorded" in r.stdout
+    _refused(r2, "stop")
+    assert "start of b" in r2.stderr and str(os.getpid()) in r2.stderr
+    assert not state.lock_file(cfg).exists()  # an instance that records nothing keeps no lock file
