@@ -12,7 +12,7 @@ from tools.serving.instances import fleet_status, stop_all
 from tools.serving.model_files import missing_model_fix
 from tools.serving.replace import replace_server
 from tools.serving.ops import LogParams, QueryParams, StartParams, StatusParams, StopParams
-from tools.serving.vllm_server import (QueryResult, ServerStatus, StartResult, StopResult, query, read_log,
+from tools.serving.vllm_server import (QueryResult, ServerStatus, StartResult, StopResult, log_path, query, read_log,
                                        server_status as status, start_server, stop_server)
 
 
@@ -94,7 +94,8 @@ def server_logs(app, p: LogParams) -> Reply:
     """The vLLM server log's last lines: read it when a start failed or the server misbehaves."""
     cfg = app.config(instance=p.instance)
     out = read_log(cfg, p.lines).splitlines()
-    return Reply(LogTail(log_path=str(cfg.log_file), lines=out), f"{len(out)} line(s) of {cfg.log_file}")
+    path = log_path(cfg)  # the recorded server's own log, else the newest launch's
+    return Reply(LogTail(log_path=str(path), lines=out), f"{len(out)} line(s) of {path}")
 
 
 @tool(toolset="serve", title="Ask the served model", params=QueryParams, result=QueryResult, read_only=True)

@@ -123,14 +123,14 @@ def fit_to_model(cfg: ServeConfig, platform: str = "cuda") -> tuple[ServeConfig,
     if looks_like_path(cfg.model) and not Path(cfg.model).is_dir():
         where = "MODEL_NAME in " + str(cfg.env_file) if cfg.sources.get("model") == "file" else param("model")
         raise BadInput(f"model folder {cfg.model} does not exist ({where}): "
-                          f"{missing_model_fix(cfg.model, platform)}", detail={"model": cfg.model})
+                       f"{missing_model_fix(cfg.model, platform)}", detail={"model": cfg.model})
     limit = model_position_limit(cfg.model)
     if limit is None or cfg.max_model_len <= limit:
         return cfg, None
     if cfg.given_for_this_start("max_model_len"):
         raise BadInput(f"max_model_len {cfg.max_model_len} is above the model's own limit "
-                          f"(max_position_embeddings={limit} in {cfg.model}/config.json): pass at most {limit}",
-                          detail={"max_model_len": cfg.max_model_len, "model_limit": limit})
+                       f"(max_position_embeddings={limit} in {cfg.model}/config.json): pass at most {limit}",
+                       detail={"max_model_len": cfg.max_model_len, "model_limit": limit})
     note = (f"MAX_MODEL_LEN {cfg.max_model_len} from {cfg.env_file} is above this model's limit: "
             f"serving at max_position_embeddings={limit}")
     return replace(cfg, max_model_len=limit), note
