@@ -546,3 +546,54 @@ def test_the_lock_refuses_another_thread_and_another_process_and_is_reentrant(be
     _refused(r2, "stop")
     assert "start of b" in r2.stderr and str(os.getpid()) in r2.stderr
     assert not state.lock_file(cfg).exists()  # an instance that records nothing keeps no lock file
+
+
+def test_the_measuring_clients_send_the_key(monkeypatch):
+    """Every client of the server sends the bearer key from VLLM_API_KEY: the model listing of the measurements
+    (provenance, ServerClient: capacity, fidelity), compare's greedy generation, and the children that read
+    OPENAI_API_KEY (vllm bench serve in the sweep's worker, lm-eval)."""
+    from http.server import BaseHTTPRequestHandler
+
+    from tests.kill_matrix import serve_in_thread
+    from tools.core.api_key import with_client_key
+    from tools.measure.compare_tokens import generate
+    from tools.measure.provenance import server_info
+    from tools.measure.server_client import ServerClient
+
+    key = "k-" + "x" * 40
+    monkeypatch.setenv("VLLM_API_KEY", key)
+    seen: list[str | None] = []
+    models = json.dumps({"data": [{"id": "m", "root": "/m", "max_model_len": 64}]})
+
+    class H(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def _send(self, body: str) -> None:
+            seen.append(self.headers.get("Authorization"))
+            data = body.encode()
+            self.send_response(200 if self.headers.get("Authorization") == f"Bearer {key}" else 401)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            self._send(models if self.path == "/v1/models" else "")
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            self._send(json.dumps({"choices": [{"message": {"content": "ok"}, "finish_reason": "stop",
+                                                "logprobs": {"content": []}, "token_ids": [1]}],
+                                   "usage": {"completion_tokens": 1}}))
+
+    with serve_in_thread(H) as url:
+        assert server_info(url).model_id == "m"
+        ServerClient(url, 10.0)
+        try:
+            generate(url, ["hi"], max_tokens=1, top_logprobs=0)
+        except Exception:  # the stand-in's answer may not be a whole record: what it was sent is the point
+            pass
+    assert len(seen) >= 3 and set(seen) == {f"Bearer {key}"}
+    assert with_client_key({"A": "1"}) == {"A": "1", "OPENAI_API_KEY": key}
+    monkeypatch.delenv("VLLM_API_KEY")
+    assert with_client_key({"A": "1"}) == {"A": "1"}
