@@ -193,7 +193,7 @@ def test_start_refuses_with_the_failing_checks_line(clean_env, tmp_path):
         with pytest.raises(ToolFailure) as exc:
             start_server(cfg)
     assert str(exc.value).startswith(f"port: port {port} on 127.0.0.1 is already in use by pid {os.getpid()}")
-    assert exc.value.detail["check"] == "port" and not (tmp_path / "st" / "vllm.log").exists()
+    assert exc.value.detail["check"] == "port" and not list((tmp_path / "st").glob("vllm*.log"))
 
 
 def test_bad_step_and_env_file_are_bad_input(tmp_path):
@@ -326,7 +326,7 @@ def test_start_through_mcp_refuses_with_the_port_checks_line(clean_env, tmp_path
         port = s.getsockname()[1]
         err = _call(mcp, "start_vllm_server", {"model": "m", "port": port})
     assert err.startswith(f"port: port {port} on 127.0.0.1 is already in use by pid {os.getpid()}"), err
-    assert not (tmp_path / "run" / "vllm.log").exists()
+    assert not list((tmp_path / "run").glob("vllm*.log"))
 
 
 def test_start_refuses_a_model_whose_files_link_out_of_its_folder(clean_env, tmp_path, capsys):
@@ -349,12 +349,12 @@ def test_start_refuses_a_model_whose_files_link_out_of_its_folder(clean_env, tmp
     env = _env_file(tmp_path, MODEL_NAME=str(model), STATE_DIR=str(tmp_path / "st"))
     rc = main(["start", "--env-file", str(env)])
     err = capsys.readouterr().err.strip().splitlines()
-    assert rc == 1 and "a link to a file outside the checkpoint folder" in err[-1], err  # after "starting ..."
-    assert not (tmp_path / "st" / "vllm.log").exists()
+    assert rc == 2 and "a link to a file outside the checkpoint folder" in err[-1], err  # bad input: the folder
+    assert not list((tmp_path / "st").glob("vllm*.log"))
 
     err = _call(_mcp_over(tmp_path), "start_vllm_server", {"model": "linked"})
     assert err.startswith("model linked: ") and "a link to a file outside the checkpoint folder" in err, err
-    assert not (tmp_path / "run" / "vllm.log").exists()
+    assert not list((tmp_path / "run").glob("vllm*.log"))
 
 
 def test_a_broken_serving_config_does_not_block_a_repack_given_its_folders(clean_env, tmp_path):
@@ -396,6 +396,6 @@ def test_start_checks_the_configured_drafter_against_the_model(clean_env, tmp_pa
     with pytest.raises(ToolFailure) as exc:
         start_server(cfg_with(tmp_path / "missing"))
     assert str(exc.value).startswith("drafter: drafter ") and "no config.json" in str(exc.value)
-    assert exc.value.detail["check"] == "drafter" and not (tmp_path / "st" / "vllm.log").exists()
+    assert exc.value.detail["check"] == "drafter" and not list((tmp_path / "st").glob("vllm*.log"))
     assert _by_name(checks_for("start", cfg=load_config(_env_file(tmp_path, MODEL_NAME=str(model)))))[
         "drafter"].status == "n/a"

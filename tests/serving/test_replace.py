@@ -240,7 +240,8 @@ def test_a_replace_killed_between_a_stop_and_b_ready_is_reported_by_status_and_s
     assert "was interrupted while starting B" in st.message and "a was stopped: bring it back with" in st.message
     assert a.model in st.message
     text = _cli_status(capsys, monkeypatch, cfg, "x")
-    assert f"bring it back with `./vllm-t4 start --instance x --model {a.model} --served-name a --port {a.port}`" \
+    assert (f"bring it back with `./vllm-t4 start --instance x --model {a.model} --served-name a --port {a.port} "
+            "--replace`") \
         in text and "\x1e" not in text
     stop_server(cfg, grace_s=2)  # B, which never became ready
     again = start_server(a)

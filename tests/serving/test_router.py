@@ -79,7 +79,7 @@ def test_two_instances_side_by_side(fleet):
     cores_a = {c for r in inst["a"]["cpu_cores"] for c in r}
     cores_b = {c for r in inst["b"]["cpu_cores"] for c in r}
     assert cores_a and cores_b and not cores_a & cores_b  # no two instances bound to one core
-    assert (fleet.state / "a" / "vllm.log").is_file() and (fleet.state / "b" / "vllm.json").is_file()
+    assert list((fleet.state / "a").glob("vllm-*.log")) and (fleet.state / "b" / "vllm.json").is_file()
     assert not (fleet.state / "vllm.json").exists()  # the default instance is not involved
     q = _cli(["query", "abcdef", "--max-tokens", "4", "--instance", "b", "--json"], fleet.env, timeout=120)
     assert q.returncode == 0 and json.loads(q.stdout)["usage"]["completion_tokens"] >= 1

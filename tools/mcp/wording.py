@@ -51,7 +51,8 @@ def tool_call(name: str, args: dict[str, Any]) -> str:
     """An operation as the MCP tool that does it: `stop_vllm_server`, `fetch_checkpoint (repo_id=..., out=...)`;
     an operation no tool does keeps its name."""
     tool, fixed = TOOL_NAMES.get(name, (name, {}))
-    shown = {**fixed, **args}
+    # env_file is the command line's: this server's configuration is the one it was launched with
+    shown = {**fixed, **{k: v for k, v in args.items() if k != "env_file"}}
     return tool + (" (" + ", ".join(argument(k, v) for k, v in shown.items()) + ")" if shown else "")
 
 

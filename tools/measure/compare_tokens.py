@@ -20,6 +20,7 @@ from typing import Any, Callable, ClassVar, Literal
 import httpx
 from pydantic import BaseModel, Field
 
+from tools.core.api_key import auth_headers
 from tools.core.atomic_files import write_file
 from tools.core.errors import BadInput, ToolFailure, op, param
 from tools.serving.endpoint import EndpointParams, resolve_endpoint, resolve_name
@@ -214,7 +215,7 @@ def generate(base_url: str, prompts: list[str], *, max_tokens: int = 160, top_lo
     if not 0 <= top_logprobs <= 20:
         raise ToolFailure(f"top_logprobs must be 0..20 (vLLM's default limit), got {top_logprobs}")
     gens: list[Generation] = []
-    with httpx.Client(timeout=timeout_s) as client:
+    with httpx.Client(timeout=timeout_s, headers=auth_headers()) as client:
         model, root = _model_of(client, base)
         for i, prompt in enumerate(prompts):
             body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": prompt}],

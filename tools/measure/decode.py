@@ -20,6 +20,7 @@ from typing import Any, Callable, ClassVar, Literal
 import httpx
 from pydantic import BaseModel, Field, create_model
 
+from tools.core.api_key import auth_headers
 from tools.core.errors import BadInput, ToolFailure, param
 from tools.core.params import OpParams
 from tools.measure import evidence, provenance as prov_mod
@@ -272,7 +273,7 @@ def _measure(run: evidence.EvidenceRun, params: DecodeParams, base_url: str, mod
              ) -> tuple[list[PromptRecord], tuple[dict[str, Any], dict[str, Any]]]:
     """The prompts one at a time, each record saved as it ends; with the counters read before and after."""
     records: list[PromptRecord] = []
-    with httpx.Client() as client, request_errors(base_url, params.request_timeout_s):
+    with httpx.Client(headers=auth_headers()) as client, request_errors(base_url, params.request_timeout_s):
         # One untimed request first: the first request after a start pays one-off costs.
         stream_chat(client, base_url, model, "Hello.", max_tokens=8, sampling=sampling, seed=params.seed,
                     timeout=params.request_timeout_s)

@@ -36,6 +36,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
+from tools.core.api_key import with_client_key
 from tools.core.errors import ToolFailure, op, param
 from tools.core.process import kill_group, python_child_env
 from tools.core.root import PROJECT_ROOT
@@ -317,7 +318,8 @@ def _run_lm_eval(cmd: list[str], include: Path, log_path: Path, timeout_s: float
     """lm-eval in its own process group, its output copied to the log and its progress passed on; (exit code,
     wall seconds). lm-eval is stopped at the time limit and by whatever ends the caller (Ctrl-C, a cancelled
     call, a failing progress consumer)."""
-    env = python_child_env(PROJECT_ROOT)  # this checkout's tools/ (parent_watch), whatever the cwd
+    # this checkout's tools/ (parent_watch), whatever the cwd; local-completions sends OPENAI_API_KEY
+    env = with_client_key(python_child_env(PROJECT_ROOT))
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     t0 = time.monotonic()
     # cwd: relative data_files in the include folder's YAMLs resolve there.

@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 from pydantic import BaseModel, Field
 
+from tools.core.api_key import auth_headers
 from tools.core.errors import ToolFailure, op, param
 from tools.gpu.vram import vram_status
 from tools.serving.config import load_config
@@ -99,7 +100,7 @@ def server_info(base_url: str, *, timeout: float = 10.0) -> ServerInfo:
     Raises httpx errors when the server does not answer: callers decide whether that is fatal.
     """
     base = base_url.rstrip("/")
-    with httpx.Client(timeout=timeout) as client:
+    with httpx.Client(timeout=timeout, headers=auth_headers()) as client:
         r = client.get(f"{base}/v1/models")
         r.raise_for_status()
         body = r.json()

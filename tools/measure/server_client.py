@@ -9,6 +9,7 @@ from typing import Any
 
 import httpx
 
+from tools.core.api_key import auth_headers
 from tools.core.errors import BadInput, ToolFailure, op, param
 from tools.serving.config import load_config
 
@@ -25,7 +26,7 @@ class ServerClient:
 
     def __init__(self, base_url: str | None, timeout_s: float) -> None:
         self.base = (base_url or load_config().base_url).rstrip("/")
-        self.client = httpx.Client(timeout=timeout_s)
+        self.client = httpx.Client(timeout=timeout_s, headers=auth_headers())
         try:
             r = self.client.get(f"{self.base}/v1/models")
             r.raise_for_status()

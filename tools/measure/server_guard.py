@@ -7,7 +7,8 @@ state file each server the command starts (the leader's parent is the command), 
 (the guard's end of a pipe from it closes) it ends each one still running with its group and removes the state
 file that names it. A block that ends normally releases the guard: the command stopped its servers itself.
 
-A server started with `start` (or start_vllm_server) is meant to outlive the command and is never guarded.
+A server started with `start` (or start_vllm_server) is meant to outlive the command: it is guarded only until it
+is ready and recorded (the start's block), then handed over.
 """
 
 from __future__ import annotations

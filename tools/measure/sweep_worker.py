@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 import httpx
 
+from tools.core.api_key import auth_headers, with_client_key
 from tools.core.metrics import samples, total
 from tools.core.process import kill_group, python_child_env
 from tools.measure import evidence
@@ -75,7 +76,7 @@ class BenchWorker:
 
     def _start(self) -> subprocess.Popen:
         r, w = os.pipe()
-        env = python_child_env(PROJECT_ROOT)
+        env = with_client_key(python_child_env(PROJECT_ROOT))  # vllm bench serve sends OPENAI_API_KEY
         try:
             self.proc = subprocess.Popen([sys.executable, "-m", "tools.measure.sweep_worker", "--worker", "--answer-fd", str(w)],
                                          cwd=str(PROJECT_ROOT), env=env, stdin=subprocess.PIPE,
@@ -228,7 +229,7 @@ class _Bench:
         if not fresh and self._last is not None and self._last[0] == base_url:
             return self._last[1]
         if self._client is None:
-            self._client = httpx.Client()  # one client per worker: building one costs tens of ms (TLS setup)
+            self._client = httpx.Client(headers=auth_headers())  # one client per worker: building one costs tens of ms (TLS setup)
         self.metrics_reads += 1
         try:
             got = _Counters.parse(self._client.get(f"{base_url}/metrics", timeout=10).text)

@@ -101,6 +101,7 @@ class ServeConfig:
     cpus: int | None = None         # CPU: cores asked for this instance (None: an even share of the free ones)
     cpu_cores: list[list[int]] | None = None  # CPU: the cores of each vLLM rank (VLLM_CPU_OMP_THREADS_BIND)
     env_file: Path | None = None  # where the values came from, for messages
+    log_name: str = "vllm.log"    # the server's log in instance_dir: each launch names one of its own
     # Where each field's value came from: "file", "environment" or "override" (absent: the dataclass default).
     # A value given for this start (override or environment) is a demand; one from the file is a preference.
     sources: dict[str, str] = field(default_factory=dict)
@@ -127,7 +128,7 @@ class ServeConfig:
 
     @property
     def log_file(self) -> Path:
-        return self.instance_dir / "vllm.log"
+        return self.instance_dir / self.log_name
 
     def vllm_argv(self, platform: Platform) -> list[str]:
         """The full command line of the server: vLLM's OpenAI server module run by this interpreter.

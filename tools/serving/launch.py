@@ -20,15 +20,16 @@ from pathlib import Path
 import httpx
 import psutil
 
-from tools.core.errors import ToolFailure, op, param
+from tools.core.api_key import API_KEY_ENV, api_key, auth_headers, is_loopback
+from tools.core.errors import BadInput, ToolFailure, op, param
 from tools.core.process import end_group
 from tools.gpu.vram import host_memory, server_process_pids
 from tools.serving import engine_log, placement, state
-from tools.serving.config import ServeConfig, looks_like_path
+from tools.serving.config import DEFAULT_ENV_FILE, ServeConfig, looks_like_path
 from tools.serving.hardware import Hardware
 from tools.serving.model_files import model_position_limit
 from tools.serving.model_files import missing_model_fix
-from tools.serving.preflight import checks_for, ensure
+from tools.serving.preflight import checks_for, ensure, refusal
 from tools.serving.records import StartResult
 from tools.serving.start_progress import Progress, StartProgress
 from tools.serving.state import ReplaceRecord, ServerState
@@ -77,13 +78,23 @@ def _signals_deferred():
             signal.raise_signal(sig)
 
 
+signals_deferred = _signals_deferred  # a replace's rollback runs under it too
+
+
 def _end_launched(cfg: ServeConfig, proc: subprocess.Popen) -> None:
-    """Ends a server this start launched, with its group, and removes its state file: a start that fails or is
-    interrupted leaves nothing behind."""
-    end_group(proc.pid, grace_s=5, leader=proc)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=5)
-    state.clear_state(cfg)
+    """Ends a server this start launched, with its group, and removes its state file while it still names that
+    server (read before the leader is reaped, when its pid cannot be another's): a start that fails or is
+    interrupted leaves nothing behind, and forgets no other command's server. A second Ctrl-C waits for it."""
+    with _signals_deferred():
+        try:
+            own = state.load_state(cfg)
+        except state.DamagedState:
+            own = None
+        end_group(proc.pid, grace_s=5, leader=proc)
+        if own is not None and own.pid == proc.pid:
+            state.clear_state(cfg, own)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5)
 
 
 def _refuse_recorded(cfg: ServeConfig) -> None:
@@ -99,7 +110,7 @@ def _refuse_recorded(cfg: ServeConfig) -> None:
     if state.our_group(recorded):
         raise ToolFailure(f"processes of a previous server (group {recorded.pgid}) are still running; "
                           f"run {op('stop')} to end them")
-    state.clear_state(cfg)  # left by a server that died: not an obstacle
+    state.clear_state(cfg, recorded)  # left by a server that died: not an obstacle
 
 
 def fit_to_model(cfg: ServeConfig, platform: str = "cuda") -> tuple[ServeConfig, str | None]:
@@ -111,15 +122,15 @@ def fit_to_model(cfg: ServeConfig, platform: str = "cuda") -> tuple[ServeConfig,
     """
     if looks_like_path(cfg.model) and not Path(cfg.model).is_dir():
         where = "MODEL_NAME in " + str(cfg.env_file) if cfg.sources.get("model") == "file" else param("model")
-        raise ToolFailure(f"model folder {cfg.model} does not exist ({where}): "
-                          f"{missing_model_fix(cfg.model, platform)}", detail={"model": cfg.model})
+        raise BadInput(f"model folder {cfg.model} does not exist ({where}): "
+                       f"{missing_model_fix(cfg.model, platform)}", detail={"model": cfg.model})
     limit = model_position_limit(cfg.model)
     if limit is None or cfg.max_model_len <= limit:
         return cfg, None
     if cfg.given_for_this_start("max_model_len"):
-        raise ToolFailure(f"max_model_len {cfg.max_model_len} is above the model's own limit "
-                          f"(max_position_embeddings={limit} in {cfg.model}/config.json): pass at most {limit}",
-                          detail={"max_model_len": cfg.max_model_len, "model_limit": limit})
+        raise BadInput(f"max_model_len {cfg.max_model_len} is above the model's own limit "
+                       f"(max_position_embeddings={limit} in {cfg.model}/config.json): pass at most {limit}",
+                       detail={"max_model_len": cfg.max_model_len, "model_limit": limit})
     note = (f"MAX_MODEL_LEN {cfg.max_model_len} from {cfg.env_file} is above this model's limit: "
             f"serving at max_position_embeddings={limit}")
     return replace(cfg, max_model_len=limit), note
@@ -128,7 +139,7 @@ def fit_to_model(cfg: ServeConfig, platform: str = "cuda") -> tuple[ServeConfig,
 def recorded_env(cfg: ServeConfig, platform: str) -> dict[str, str]:
     """What of the launch environment the state file keeps: the caller's vLLM/CUDA/OpenMP variables and the
     server's own."""
-    env = {k: v for k, v in os.environ.items() if k.startswith(_RECORDED_ENV)}
+    env = {k: v for k, v in os.environ.items() if k.startswith(_RECORDED_ENV) and k != API_KEY_ENV}
     env.update(cfg.server_env(platform))
     return env
 
@@ -139,6 +150,9 @@ def _launch(cfg: ServeConfig, argv: list[str], platform: str, env: dict[str, str
     recorded = env if env is not None else recorded_env(cfg, platform)
     child_env = {k: v for k, v in os.environ.items() if not (env is not None and k.startswith(_RECORDED_ENV))}
     child_env.update(recorded)
+    child_env.pop(API_KEY_ENV, None)
+    if api_key():  # the key is this command's (never recorded): vLLM reads it from its environment
+        child_env[API_KEY_ENV] = api_key() or ""
     cfg.instance_dir.mkdir(parents=True, exist_ok=True)
     proc: subprocess.Popen | None = None
     gate_r, gate_w = os.pipe()
@@ -177,6 +191,35 @@ def _launch(cfg: ServeConfig, argv: list[str], platform: str, env: dict[str, str
     return proc
 
 
+_KEPT_LOGS = 8  # an instance keeps the logs of its last launches (a failed B's beside the A started again)
+
+
+def _own_log(cfg: ServeConfig) -> ServeConfig:
+    """`cfg` with a log file of this launch's own (created exclusively: never another server's), the oldest logs
+    beyond the last _KEPT_LOGS removed unless the state file names them."""
+    cfg.instance_dir.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    for n in range(1, 1000):
+        name = f"vllm-{stamp}-{os.getpid()}" + (f"-{n}" if n > 1 else "") + ".log"
+        try:
+            os.close(os.open(cfg.instance_dir / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+            break
+        except FileExistsError:
+            continue
+    else:
+        raise ToolFailure(f"no free log file name in {cfg.instance_dir}; remove its old vllm-*.log files")
+    try:
+        named = state.load_state(cfg)
+    except state.DamagedState:
+        named = None
+    keep = {name, Path(named.log_path).name if named is not None else ""}
+    logs = sorted(cfg.instance_dir.glob("vllm-*.log"), key=lambda f: f.name)
+    for old in logs[:-_KEPT_LOGS]:
+        if old.name not in keep:
+            old.unlink(missing_ok=True)
+    return replace(cfg, log_name=name)
+
+
 def _first_completion(client: httpx.Client, cfg: ServeConfig) -> tuple[str | None, str | None]:
     """(the text of a short greedy completion, or None; what the server answered instead, when it answered)."""
     try:
@@ -193,8 +236,9 @@ def _first_completion(client: httpx.Client, cfg: ServeConfig) -> tuple[str | Non
 
 
 def _wait_ready(cfg: ServeConfig, proc: subprocess.Popen, argv: list[str], t0: float,
-                progress: Progress | None) -> str:
-    """Waits for /health and a first completion; on a failure or an interrupt ends the server it launched."""
+                progress: Progress | None, *, keep_on_interrupt: bool = False) -> str:
+    """Waits for /health and a first completion; on a failure or an interrupt ends the server it launched
+    (keep_on_interrupt: an interrupt leaves it starting, recorded)."""
     log_path = cfg.log_file
 
     def fail(reason: str) -> ToolFailure:
@@ -210,7 +254,7 @@ def _wait_ready(cfg: ServeConfig, proc: subprocess.Popen, argv: list[str], t0: f
     healthy = False
     phases = StartProgress(progress)
     polls = 0
-    with httpx.Client(timeout=5.0) as client:
+    with httpx.Client(timeout=5.0, headers=auth_headers()) as client:
         try:
             while True:
                 code = proc.poll()
@@ -234,7 +278,8 @@ def _wait_ready(cfg: ServeConfig, proc: subprocess.Popen, argv: list[str], t0: f
         except ToolFailure:
             raise
         except BaseException:  # Ctrl-C, SIGTERM, a cancelled job: leave no server behind, keep the exit status
-            fail("start was interrupted")
+            if not keep_on_interrupt:
+                fail("start was interrupted")
             raise
 
 
@@ -243,6 +288,11 @@ def checked(cfg: ServeConfig, hw: Hardware, turing_target: Path | None, *,
     """Every check of a start, in its order: (the config as it will launch, the MAX_MODEL_LEN note, platform).
     `held_by`: the server this start is to replace, whose port and GPU memory are not obstacles (they are freed
     before the launch, and checked again then)."""
+    if not is_loopback(cfg.host) and api_key() is None:
+        where = f"HOST in {cfg.env_file}" if cfg.sources.get("host") == "file" else "HOST"
+        raise BadInput(f"{where} is {cfg.host}, reachable beyond this machine: set an API key in ${API_KEY_ENV} "
+                       f"(vLLM then answers only requests that send it), or serve on HOST=127.0.0.1",
+                       {"host": cfg.host, "key_env": API_KEY_ENV})
     # Ports, cores and GPU memory other instances hold, and TP/DP against the GPUs: refused before launching.
     cfg = placement.plan(cfg, hw)
     # The port, the model folder and its length limit, the Turing clamp, host memory, the vLLM build and the
@@ -253,7 +303,7 @@ def checked(cfg: ServeConfig, hw: Hardware, turing_target: Path | None, *,
         freed = {"gpu_memory"} | ({"port"} if held_by.port == cfg.port else set())
         for c in checks_for("start", cfg=cfg, hardware=hw, turing_target=turing_target):
             if c.status == "fail" and c.name not in freed:
-                raise ToolFailure(c.line(), detail={**(c.detail or {}), "check": c.name})
+                raise refusal(c, {**(c.detail or {}), "check": c.name})
     platform = hw.platform()
     cfg, max_len_note = fit_to_model(cfg, platform)
     return cfg, max_len_note, platform
@@ -262,8 +312,11 @@ def checked(cfg: ServeConfig, hw: Hardware, turing_target: Path | None, *,
 def replace_note(cfg: ServeConfig, rec: ReplaceRecord) -> str:
     """What an unfinished replace did, and how to bring its A back (status and the next start say it)."""
     a = rec.a
-    again = op("start", **({"instance": cfg.instance} if cfg.instance else {}), model=a.model,
-               served_name=a.served_name, port=a.port)
+    # --replace: a plain start where nothing serves, and A in B's place where B does; --env-file: the same
+    # STATE_DIR and settings as the replace had
+    env_file = {"env_file": str(cfg.env_file)} if cfg.env_file not in (None, DEFAULT_ENV_FILE.resolve()) else {}
+    again = op("start", **env_file, **({"instance": cfg.instance} if cfg.instance else {}), model=a.model,
+               served_name=a.served_name, port=a.port, replace=True)
     what = ("ended with neither build serving" if rec.phase == "failed"
             else f"was interrupted while {rec.phase}")
     return (f"a replace of {a.served_name} ({a.model}) by {rec.b_served_name} (pid {rec.owner_pid}, "
@@ -298,7 +351,14 @@ def start_server(cfg: ServeConfig, *, progress: Progress | None = None, hardware
     this start serves.
     """
     hw = hardware or Hardware()
-    # Checks and launch under the state dir's lock: two starts at once must not both take one port, core or GPU.
+    # The instance's lock for the whole start (no stop, replace or start of it meanwhile); the checks and the
+    # launch under the state dir's lock too: two starts at once must not both take one port, core or GPU.
+    with state.instance_lock(cfg, f"start of {cfg.served_name}"):
+        return _start_locked(cfg, progress, hw, turing_target)
+
+
+def _start_locked(cfg: ServeConfig, progress: Progress | None, hw: Hardware,
+                  turing_target: Path | None) -> StartResult:
     with placement.locked(cfg):
         stale = _stale_replace(cfg)
         note = replace_note(cfg, stale) if stale is not None else None
@@ -308,10 +368,15 @@ def start_server(cfg: ServeConfig, *, progress: Progress | None = None, hardware
         except ToolFailure as exc:
             raise _noted(exc, note) from None
         argv = cfg.vllm_argv(platform)
+        cfg = _own_log(cfg)
         t0 = time.monotonic()
         proc = _launch(cfg, argv, platform)
-    if note and progress is not None:
-        progress(0.0, note)
+    try:
+        if note and progress is not None:
+            progress(0.0, note)
+    except BaseException:  # a cancelled job at this report: the launched server goes with it
+        _end_launched(cfg, proc)
+        raise
     try:
         first_text = _wait_ready(cfg, proc, argv, t0, progress)
     except ToolFailure as exc:
@@ -355,18 +420,23 @@ def config_of(cfg: ServeConfig, a: ServerState) -> ServeConfig:
 
 def relaunch(cfg: ServeConfig, a: ServerState, *, progress: Progress | None = None,
              wait: bool = True) -> StartResult | None:
-    """Starts `a` again with its own recorded command line and environment (a failed replace's way back).
-    wait=False: launched and recorded, not waited for (an interrupted replace: status tells when it serves)."""
+    """Starts `a` again with its own recorded command line and environment (a failed replace's way back), under
+    the instance's lock (the replace's own hold). wait=False: launched and recorded, not waited for (an
+    interrupted replace: status tells when it serves). An interrupt while it is waited for leaves it starting:
+    the way back is not undone by a second Ctrl-C."""
     cfg_a = config_of(cfg, a)
-    with placement.locked(cfg_a):
-        _refuse_recorded(cfg_a)
-        t0 = time.monotonic()
-        proc = _launch(cfg_a, a.argv, a.platform, env=a.env if a.env is not None else recorded_env(cfg_a, a.platform))
-    if not wait:
-        return None
-    first_text = _wait_ready(cfg_a, proc, a.argv, t0, progress)
+    with state.instance_lock(cfg_a, f"start of {a.served_name} again"):
+        with placement.locked(cfg_a):
+            _refuse_recorded(cfg_a)
+            cfg_a = _own_log(cfg_a)
+            t0 = time.monotonic()
+            proc = _launch(cfg_a, a.argv, a.platform,
+                           env=a.env if a.env is not None else recorded_env(cfg_a, a.platform))
+        if not wait:
+            return None
+        first_text = _wait_ready(cfg_a, proc, a.argv, t0, progress, keep_on_interrupt=True)
     return _result(cfg_a, proc, a.argv, a.platform, t0, first_text, None)
 
 
 __all__ = ["READINESS_PROMPT", "checked", "config_of", "fit_to_model", "recorded_env", "relaunch", "replace_note",
-           "start_server"]
+           "signals_deferred", "start_server"]

@@ -117,13 +117,22 @@ def checks_for(step: Step, *, cfg: Any = None, env_file: str | Path | None = Non
     return checks
 
 
+# Checks whose failure is the caller's input to change (a model folder that does not exist, a context length
+# above the model's own): refused as bad input (exit 2), the others as failures.
+INPUT_CHECKS = frozenset({"checkpoints", "max_model_len"})
+
+
+def refusal(c: Check, detail: dict[str, Any]) -> ToolFailure:
+    """A failing check as the failure a start raises: BadInput for INPUT_CHECKS."""
+    return (BadInput if c.name in INPUT_CHECKS else ToolFailure)(c.line(), detail=detail)
+
+
 def ensure(step: Step, **kwargs: Any) -> list[Check]:
     """Runs `checks_for(step, ...)`; raises the first failing check's line (ToolFailure) so nothing starts."""
     checks = checks_for(step, **kwargs)
     for c in checks:
         if c.status == "fail":
-            raise ToolFailure(c.line(), detail={**(c.detail or {}), "check": c.name,
-                                                "checks": [x.model_dump() for x in checks]})
+            raise refusal(c, {**(c.detail or {}), "check": c.name, "checks": [x.model_dump() for x in checks]})
     return checks
 
 
@@ -153,5 +162,5 @@ def run_preflight(params: PreflightParams, *, cfg: Any = None, hardware: Any = N
                            warnings=warnings, summary=summary)
 
 
-__all__ = ["SOURCE_REPO", "Check", "PreflightParams", "PreflightReport", "Step", "checks_for", "ensure", "hf_token",
-           "run_preflight"]
+__all__ = ["INPUT_CHECKS", "SOURCE_REPO", "Check", "PreflightParams", "PreflightReport", "Step", "checks_for", "ensure",
+           "hf_token", "refusal", "run_preflight"]

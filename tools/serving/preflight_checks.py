@@ -175,7 +175,7 @@ def check_vllm_build(ctx: Context) -> Check:
                      value=f"vLLM's {'CUDA' if ctx.platform == 'cuda' else 'CPU'} build ({want}) is not installed"
                            + other, fix=install)
     value = f"{want} {have} ({'CUDA' if ctx.platform == 'cuda' else 'CPU'} build)" + (f", pinned {pin}" if pin else "")
-    if pin and have.split("+")[0] != pin:
+    if pin and not version_pairs.same_release(have, pin):
         return Check(name="vllm_build", status="warn", value=value, detail=detail,
                      fix=f"the project is tested with {want}=={pin} (the Turing clamp expects its code): {install}")
     return Check(name="vllm_build", status="ok", value=value, detail=detail)

@@ -23,7 +23,7 @@ from tools.core.errors import ToolFailure
 from tools.serving import state
 from tools.serving.config import ServeConfig
 from tools.serving.hardware import Hardware
-from tools.serving.launch import checked, relaunch, start_server
+from tools.serving.launch import checked, relaunch, signals_deferred, start_server
 from tools.serving.records import StartResult
 from tools.serving.start_progress import Progress
 from tools.serving.state import ReplaceRecord, ServerState
@@ -51,13 +51,28 @@ def _failure(exc: ToolFailure, outcome: str, tail: str, **detail: Any) -> ToolFa
                      field=getattr(exc, "field", None))
 
 
+def target(cfg: ServeConfig) -> ServeConfig:
+    """`cfg` as a replace serves it: on the running server's port unless a port was given for this start."""
+    try:
+        a = _serving(cfg)
+    except ToolFailure:
+        return cfg
+    return replace(cfg, port=a.port) if a is not None and not cfg.given_for_this_start("port") else cfg
+
+
 def replace_server(cfg: ServeConfig, *, progress: Progress | None = None, hardware: Hardware | None = None,
                    turing_target: Path | None = None, grace_s: float = 20.0) -> StartResult:
     """Serves `cfg`'s build (B) in place of the instance's running server (A); a plain start when none runs.
 
     Raises ToolFailure with `detail["outcome"]` when B does not serve; A then serves again ("restored A"),
-    still serves ("unchanged"), or could not be started again either ("unavailable")."""
-    hw = hardware or Hardware()
+    still serves ("unchanged"), or could not be started again either ("unavailable"). The instance's lock is
+    held from reading A to the end of the rollback: a second start, stop or replace of it is refused meanwhile."""
+    with state.instance_lock(cfg, f"replace by {cfg.served_name}"):
+        return _replace_locked(cfg, progress, hardware or Hardware(), turing_target, grace_s)
+
+
+def _replace_locked(cfg: ServeConfig, progress: Progress | None, hw: Hardware, turing_target: Path | None,
+                    grace_s: float) -> StartResult:
     a = _serving(cfg)
     if a is None:
         res = start_server(cfg, progress=progress, hardware=hw, turing_target=turing_target)
@@ -76,7 +91,8 @@ def replace_server(cfg: ServeConfig, *, progress: Progress | None = None, hardwa
     except ToolFailure:
         raise
     except BaseException:  # Ctrl-C, SIGTERM, a cancelled job: A is launched again (not waited for), then it stands
-        _bring_back_detached(cfg, a, record)
+        with signals_deferred():  # a second Ctrl-C waits until A is launched again
+            _bring_back_detached(cfg, a, record)
         raise
 
 
@@ -116,6 +132,12 @@ def _restore(cfg: ServeConfig, a: ServerState, record: ReplaceRecord, b_exc: Too
                            "nothing serves on this instance",
                            {"outcome": "unavailable", "b_failure": b_exc.to_dict(), "a_failure": a_exc.to_dict(),
                             "a": _who(a)})
+    except BaseException:  # interrupted while A starts again: A stays launched and recorded (status says when it
+        with signals_deferred():  # serves), so the record of a stopped A would no longer be true
+            again = _serving(cfg)
+            if again is not None and again.served_name == a.served_name:
+                state.clear_replace(cfg)
+        raise
     state.clear_replace(cfg)
     return ToolFailure(f"{b} ({b_exc.message}); restored {a.served_name} (pid {back.pid}) at {back.base_url}",
                        {"outcome": "restored A", "serving": {**_who(a), "pid": back.pid},
@@ -142,4 +164,4 @@ def _record(cfg: ServeConfig, a: ServerState) -> ReplaceRecord:
                          b_model=cfg.model, b_served_name=cfg.served_name)
 
 
-__all__ = ["replace_server"]
+__all__ = ["replace_server", "target"]

@@ -19,6 +19,7 @@ from typing import Any, Literal
 import httpx
 import psutil
 
+from tools.core.api_key import auth_headers
 from tools.core.errors import BadInput, ToolFailure, op, param
 from tools.core.metrics import total
 from tools.core.process import end_group, free_port, port_holder
@@ -271,7 +272,7 @@ def request_counts(backends: list[Backend], *, timeout: float = 5.0) -> dict[str
     out: dict[str, float | None] = {}
     for b in backends:
         try:
-            text = httpx.get(f"{b.base_url}/metrics", timeout=timeout).text
+            text = httpx.get(f"{b.base_url}/metrics", timeout=timeout, headers=auth_headers()).text
         except httpx.HTTPError:
             out[b.instance] = None
             continue

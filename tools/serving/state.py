@@ -3,16 +3,21 @@ the server, and whether the processes it names are still the server's."""
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
+import threading
+import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Iterator, TypeVar
 
 import psutil
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from tools.core import process
 from tools.core.atomic_files import write_file
-from tools.core.errors import ToolFailure
+from tools.core.errors import ToolFailure, op
 from tools.serving.config import ServeConfig
 
 STATE_VERSION = 1
@@ -128,8 +133,144 @@ def write_state(cfg: ServeConfig, state: ServerState) -> None:
     write_record(cfg.state_file, state)
 
 
-def clear_state(cfg: ServeConfig) -> None:
+def clear_state(cfg: ServeConfig, own: ServerState) -> bool:
+    """Removes the state file while it still records `own` (same pid and start time): a record another command
+    wrote since names a server that is not this command's to forget. True when removed."""
+    try:
+        now = load_state(cfg)
+    except DamagedState:
+        return False
+    if now is None or now.pid != own.pid or now.create_time != own.create_time:
+        return False
     cfg.state_file.unlink(missing_ok=True)
+    return True
+
+
+class InstanceBusy(ToolFailure):
+    """Another command (or another call of this process) is changing the instance: nothing was done."""
+
+
+class _Held:
+    def __init__(self) -> None:
+        self.rlock = threading.RLock()  # one thread of this process at a time; reentrant for a replace's steps
+        self.depth = 0
+        self.fh: Any = None
+
+
+_HELD: dict[str, _Held] = {}
+_HELD_GUARD = threading.Lock()
+
+
+def lock_file(cfg: ServeConfig) -> Path:
+    return cfg.instance_dir / "vllm.lock"
+
+
+@contextmanager
+def instance_lock(cfg: ServeConfig, what: str) -> Iterator[None]:
+    """Holds the instance's lock (vllm.lock beside its state file) for a command that changes the instance: start,
+    stop, replace and its rollback. Not waited for: while another command holds it, InstanceBusy names that
+    command (one winner, never two changes interleaved). Reentrant in the thread that holds it (a replace stops
+    A, starts B and may start A again under one hold)."""
+    path = lock_file(cfg)
+    with _HELD_GUARD:
+        held = _HELD.setdefault(str(path), _Held())
+    if not held.rlock.acquire(blocking=False):
+        raise _busy(cfg, path, "another call of this server")
+    try:
+        if held.depth == 0:
+            fh = _take(cfg, path)
+            fh.seek(0)
+            fh.truncate()
+            fh.write(json.dumps({"pid": os.getpid(), "what": what, "since": time.strftime(
+                "%Y-%m-%d %H:%M:%S UTC", time.gmtime())}) + "\n")
+            fh.flush()
+            held.fh = fh
+        held.depth += 1
+        try:
+            yield
+        finally:
+            held.depth -= 1
+            if held.depth == 0:
+                fh, held.fh = held.fh, None
+                _tidy(cfg, path)
+                fcntl.flock(fh, fcntl.LOCK_UN)
+                fh.close()
+    finally:
+        held.rlock.release()
+
+
+def _take(cfg: ServeConfig, path: Path) -> Any:
+    """The lock file, open and flocked; InstanceBusy when another process holds it. A file removed by its holder
+    (_tidy) between our open and flock is not the lock any more: open it again."""
+    created = not cfg.instance_dir.exists()
+    cfg.instance_dir.mkdir(parents=True, exist_ok=True)
+    while True:
+        fh = open(path, "a+")
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.close()
+            if created:
+                _remove_empty(cfg)
+            raise _busy(cfg, path, None) from None
+        except BaseException:
+            fh.close()
+            raise
+        try:
+            if os.fstat(fh.fileno()).st_ino == os.stat(path).st_ino:
+                return fh
+        except FileNotFoundError:
+            pass
+        fh.close()
+
+
+def _tidy(cfg: ServeConfig, path: Path) -> None:
+    """On release, with the lock still held: an instance that records nothing keeps no lock file (and a named
+    one no folder of its own), so a refused or finished command leaves what it found."""
+    if cfg.state_file.exists() or replace_file(cfg).exists():
+        return
+    path.unlink(missing_ok=True)
+    _remove_empty(cfg)
+
+
+def _remove_empty(cfg: ServeConfig) -> None:
+    if cfg.instance:
+        try:
+            cfg.instance_dir.rmdir()
+        except OSError:  # not empty (a log, another file): kept
+            pass
+
+
+@contextmanager
+def try_instance_lock(cfg: ServeConfig, what: str) -> Iterator[bool]:
+    """The instance's lock when it is free (True), else nothing held (False): for a reader that would tidy a dead
+    server's record only while no command is changing the instance."""
+    try:
+        cm = instance_lock(cfg, what)
+        cm.__enter__()
+    except InstanceBusy:
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        cm.__exit__(None, None, None)
+
+
+def _busy(cfg: ServeConfig, path: Path, who: str | None) -> InstanceBusy:
+    if who is None:
+        try:
+            h = json.loads(path.read_text().splitlines()[0])
+            who = f"pid {int(h['pid'])}: {str(h['what'])[:120]}, since {str(h['since'])[:40]}"
+        except (OSError, ValueError, IndexError, KeyError, TypeError):
+            who = "another command"
+    return InstanceBusy(f"instance {cfg.instance_name} is being changed by another command ({who}); nothing was "
+                        f"done: wait for it to end, then check {op('status', **_inst(cfg))}",
+                        {"instance": cfg.instance_name, "lock": str(path)})
+
+
+def _inst(cfg: ServeConfig) -> dict[str, str]:
+    return {"instance": cfg.instance} if cfg.instance else {}
 
 
 def replace_file(cfg: ServeConfig) -> Path:
@@ -170,6 +311,7 @@ def our_group(state: ServerState) -> list[psutil.Process]:
     return [] if pid_recycled(state) else process.group_members(state.pgid)
 
 
-__all__ = ["STATE_VERSION", "DamagedState", "Record", "ReplaceRecord", "ServerState", "clear_replace", "clear_state",
-           "leader", "load_replace", "load_state", "our_group", "pid_recycled", "read_record", "replace_file",
-           "replace_running", "write_record", "write_replace", "write_state"]
+__all__ = ["STATE_VERSION", "DamagedState", "InstanceBusy", "Record", "ReplaceRecord", "ServerState", "clear_replace",
+           "clear_state", "instance_lock", "leader", "load_replace", "load_state", "lock_file", "our_group",
+           "pid_recycled", "read_record", "replace_file", "replace_running", "try_instance_lock", "write_record",
+           "write_replace", "write_state"]

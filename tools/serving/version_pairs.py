@@ -51,6 +51,19 @@ def release(version: str) -> tuple[int, ...]:
     return tuple(int(x) for x in m.group(1).split(".")) if m else ()
 
 
+def same_release(a: str, b: str) -> bool:
+    """One release however written: '0.32' is '0.32.0' (trailing zeros), '0.32.0+cpu' too (a local build);
+    '0.32.1' and '0.32.0rc1' are not."""
+    def key(v: str) -> tuple[tuple[int, ...], str]:
+        public = v.split("+")[0].strip()
+        r = release(public)
+        rest = re.sub(r"^\s*v?\d+(?:\.\d+)*", "", public)  # a pre-, post- or dev-release suffix
+        while r and r[-1] == 0:
+            r = r[:-1]
+        return r, rest
+    return key(a) == key(b)
+
+
 def _within(version: str, r: Range) -> bool:
     v, (low, high) = release(version), r
     return (low is None or v >= release(low)) and (high is None or v < release(high))
@@ -109,7 +122,7 @@ def check_versions(installed: dict[str, str | None] | None = None, pins: dict[st
     shown = ", ".join(f"{pkg} {have.get(pkg) or 'not installed'}" for pkg in PACKAGES)
     install = f"pip install -e '.[{extra}]' (or ./setup.sh)"
     mismatches = [{"package": pkg, "installed": have.get(pkg), "pinned": pins[pkg]} for pkg in PACKAGES
-                  if pkg in pins and have.get(pkg) is not None and release(have[pkg] or "") != release(pins[pkg])]
+                  if pkg in pins and have.get(pkg) is not None and not same_release(have[pkg] or "", pins[pkg])]
     detail: dict[str, Any] = {"installed": have, "pins": pins, "mismatches": mismatches, "known_bad": None}
     bad = next((b for b in KNOWN_BAD if b.matches(have)), None)
     if bad is not None:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 
+from tools.core.api_key import auth_headers
 from tools.core.errors import ToolFailure, op
 from tools.core.process import end_group, group_members
 from tools.serving import engine_log, state as replace_state
@@ -19,16 +20,25 @@ from tools.serving.config import ServeConfig
 from tools.serving.hardware import Hardware, Vram
 from tools.serving.launch import READINESS_PROMPT, Progress, replace_note, start_server
 from tools.serving.records import QueryResult, ServerStatus, StartResult, StopResult
-from tools.serving.state import DamagedState, ServerState, clear_state, leader, load_state, our_group, pid_recycled
+from tools.serving.state import (DamagedState, ServerState, clear_state, instance_lock, leader, load_state, our_group,
+                                 pid_recycled, try_instance_lock)
 
 
 def stop_server(cfg: ServeConfig, *, grace_s: float = 20) -> StopResult:
-    """SIGTERM to the server's process group, SIGKILL after grace_s; idempotent. Raises if a process remains."""
+    """SIGTERM to the server's process group, SIGKILL after grace_s; idempotent. Raises if a process remains.
+    Under the instance's lock: refused (InstanceBusy) while another command starts, stops or replaces it."""
+    if not cfg.state_file.exists():
+        return StopResult(was_running=False, message=f"no server recorded in {cfg.instance_dir}")
+    with instance_lock(cfg, "stop"):
+        return _stop_locked(cfg, grace_s)
+
+
+def _stop_locked(cfg: ServeConfig, grace_s: float) -> StopResult:
     state = load_state(cfg)
     if state is None:
         return StopResult(was_running=False, message=f"no server recorded in {cfg.instance_dir}")
     if pid_recycled(state):
-        clear_state(cfg)
+        clear_state(cfg, state)
         return StopResult(was_running=False, pid=state.pid,
                           message=f"server pid {state.pid} is gone (the pid now belongs to another process); "
                                   "its state file was cleared")
@@ -37,7 +47,7 @@ def stop_server(cfg: ServeConfig, *, grace_s: float = 20) -> StopResult:
     if remaining:
         raise ToolFailure(f"processes {remaining} of the server's group {state.pgid} survived SIGKILL; "
                           "check them with ps and end them by hand", detail={"remaining": remaining})
-    clear_state(cfg)
+    clear_state(cfg, state)
     if not pids:
         return StopResult(was_running=False, pid=state.pid,
                           message=f"server pid {state.pid} was no longer running; its state file was cleared")
@@ -87,7 +97,9 @@ def _server_status(cfg: ServeConfig, hardware: Hardware | None) -> ServerStatus:
             return ServerStatus(alive=False, died=True, leftover_pids=leftovers, **common,
                                 message=f"server pid {state.pid} died; processes {leftovers} of its group remain: "
                                         "run ./vllm-t4 stop")
-        clear_state(cfg)
+        with try_instance_lock(cfg, "status") as free:  # a command changing the instance has its own view of it
+            if free:
+                clear_state(cfg, state)
         why = engine_log.explain_failure(engine_log.read_text(Path(state.log_path)))
         return ServerStatus(alive=False, died=True, **common,
                             message=f"server pid {state.pid} died (killed, or exited"
@@ -108,12 +120,20 @@ def _server_status(cfg: ServeConfig, hardware: Hardware | None) -> ServerStatus:
 
 
 def read_log(cfg: ServeConfig, lines: int = 50) -> str:
-    """The last `lines` lines of the server log of this instance."""
-    state = load_state(cfg)
-    path = Path(state.log_path) if state else cfg.log_file
+    """The last `lines` lines of the server log of this instance: its recorded server's, else the newest."""
+    path = log_path(cfg)
     if not path.is_file():
         raise ToolFailure(f"no server log at {path}; start one with {op('start')}")
     return engine_log.tail(engine_log.read_text(path), lines)
+
+
+def log_path(cfg: ServeConfig) -> Path:
+    """The instance's server log: the recorded server's own, else the newest launch's (each has one)."""
+    state = load_state(cfg)
+    if state is not None:
+        return Path(state.log_path)
+    logs = sorted(cfg.instance_dir.glob("vllm-*.log"), key=lambda f: f.name) if cfg.instance_dir.is_dir() else []
+    return logs[-1] if logs else cfg.log_file
 
 
 def query(cfg: ServeConfig, prompt: str, *, max_tokens: int = 64, base_url: str | None = None,
@@ -126,7 +146,7 @@ def query(cfg: ServeConfig, prompt: str, *, max_tokens: int = 64, base_url: str 
             "max_tokens": max_tokens, "return_token_ids": True}
     t0 = time.monotonic()
     try:
-        r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=timeout_s)
+        r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=timeout_s, headers=auth_headers())
     except httpx.HTTPError as exc:
         raise ToolFailure(f"no answer from {url} ({type(exc).__name__}); check {op('status')}") from None
     if r.status_code != 200:
@@ -139,4 +159,4 @@ def query(cfg: ServeConfig, prompt: str, *, max_tokens: int = 64, base_url: str 
 
 
 __all__ = ["READINESS_PROMPT", "Hardware", "Progress", "QueryResult", "ServerState", "ServerStatus", "StartResult",
-           "StopResult", "Vram", "query", "read_log", "server_status", "start_server", "stop_server"]
+           "StopResult", "Vram", "log_path", "query", "read_log", "server_status", "start_server", "stop_server"]
