@@ -146,8 +146,9 @@ def test_evidence_run_is_invisible_until_finished(tmp_path):
     assert json.loads(Path(files["summary_json"]).read_text()) == {"ok": True}
     assert not list(tmp_path.glob(".decode-x.*"))
     assert not list(tmp_path.rglob("*.tmp"))
-    with pytest.raises(ToolFailure, match="already exists"):
-        evidence.EvidenceRun.create(tmp_path, "decode-x")
+    again = evidence.EvidenceRun.create(tmp_path, "decode-x")  # the name is taken: the run gets a suffix
+    assert (again.name, again.path) == ("decode-x-2", tmp_path / "decode-x-2")
+    again.abandon()
     run2 = evidence.EvidenceRun.create(tmp_path, "decode-y")
     run2.abandon()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["decode-x"]

@@ -251,10 +251,16 @@ def generate(base_url: str, prompts: list[str], *, max_tokens: int = 160, top_lo
                        top_logprobs=top_logprobs, generations=gens)
 
 
-def save_record(rec: TokenRecord, path: str | Path) -> Path:
+def save_record(rec: TokenRecord, path: str | Path, *, force: bool = True) -> Path:
+    """Writes the record whole (a refusal names the path); force=False: BadInput when `path` exists by then (a
+    record started beside this one finished first), nothing overwritten."""
     p = Path(path)
     rec.path = str(p)
-    return write_file(p, json.dumps(rec.to_dict(), indent=1) + "\n")  # atomic; a refusal names the path
+    try:
+        return write_file(p, json.dumps(rec.to_dict(), indent=1) + "\n", replace=force)
+    except FileExistsError:
+        raise BadInput(f"{p} appeared while recording; nothing overwritten (pass {param('force', True)} to replace "
+                       f"it)", detail={"path": str(p)}, field="force") from None
 
 
 def load_record(path: str | Path) -> TokenRecord:
@@ -338,7 +344,7 @@ def record_reference(out: str | Path, params: CompareParams | None = None, *, pr
     base = _default_base_url(params)
     rec = generate(base, _prompts(params, base), max_tokens=params.max_tokens, top_logprobs=params.top_logprobs,
                    timeout_s=params.timeout_s, progress=progress)
-    save_record(rec, out)
+    save_record(rec, out, force=params.force)
     return rec
 
 

@@ -281,12 +281,8 @@ def _run_folder(params: EvalParams, model: str) -> evidence.EvidenceRun:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ToolFailure(f"output folder {out} cannot be created: {exc.strerror}", {"out": str(out)}) from exc
-    run_id = _run_dir_name(params, model)
-    for k in range(2, 100):  # two runs started in the same second keep separate folders
-        if not (out / run_id).exists():
-            break
-        run_id = f"{_run_dir_name(params, model)}-{k}"
-    run = evidence.EvidenceRun.create(out, run_id)
+    # two runs started in the same second keep separate folders: the second gets a suffix (EvidenceRun.create)
+    run = evidence.EvidenceRun.create(out, _run_dir_name(params, model))
     run.raw.rmdir()  # lm-eval's own output goes to lm_eval/
     return run
 

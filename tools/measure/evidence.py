@@ -84,10 +84,11 @@ class EvidenceRun:
     @classmethod
     def create(cls, out: str | Path, name: str) -> "EvidenceRun":
         """The run's temporary folder `<out>/.<name>.partial-...`; the ones of runs whose process is gone are
-        removed first."""
+        removed first. Where `name` is taken (a folder, or a run started in the same second) the run is named
+        `name-2`, `name-3`, ... (tools.core.atomic_files.TempFolder): `name` and `path` say which."""
         check_name(name, "run id")
         folder = TempFolder.open(out, name)
-        run = cls(Path(out), name, folder)
+        run = cls(Path(out), folder.final.name, folder)
         try:
             run.raw.mkdir()
         except OSError as exc:
