@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from tools.core.errors import ToolFailure
 from tools.measure import evidence
@@ -264,8 +265,11 @@ def test_decode_refuses_a_bad_label_with_status_2(tmp_path):
 
 
 def test_decode_sweep_refuses_negative_draft_tokens():
+    # the parameter model refuses it (the rule every numeric option keeps), for the CLI and MCP alike
+    with pytest.raises(ValidationError, match="draft_tokens"):
+        DecodeSweepParams(draft_tokens=[0, -1], drafter="/m/d")
     with pytest.raises(BadInput, match="draft_tokens"):  # the parameter, plainly (the CLI renders --draft-tokens)
-        run_decode_sweep(DecodeSweepParams(draft_tokens=[0, -1], drafter="/m/d"))
+        run_decode_sweep(DecodeSweepParams.model_construct(draft_tokens=[0, -1], drafter="/m/d"))
 
 
 def test_sweep_records_acceptance_per_cell():

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from tools.core.errors import ToolFailure
 from tools.measure.sweep import RepeatResult, SweepParams, _run_dir, aggregate, prompt_seed
@@ -146,8 +147,8 @@ def test_resume_refuses_a_run_folder_holding_links(tmp_path):
 
 
 def test_bad_options_are_refused_in_one_line():
-    with pytest.raises(ToolFailure, match="concurrencies"):
-        SweepParams(concurrencies=[0]).validate()
+    with pytest.raises(ValidationError, match="concurrencies"):  # the model itself: CLI and MCP alike
+        SweepParams(concurrencies=[0])
     with pytest.raises(ToolFailure, match="label"):
         SweepParams(label="a b").validate()
 
@@ -161,7 +162,7 @@ def test_cli_sweep_compare_prints_tables_and_json():
     assert len(d["cells"]) == 8
     bad = subprocess.run([sys.executable, "-m", "tools.cli", "sweep-compare", str(RUNS[0])],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 1 and "two or more" in bad.stderr
+    assert bad.returncode == 2 and "runs: List should have at least 2 items" in bad.stderr  # bad input: 2
 
 
 def test_report_module_does_not_import_the_runner():

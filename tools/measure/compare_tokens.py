@@ -22,6 +22,7 @@ from pydantic import BaseModel, Field
 
 from tools.core.atomic_files import write_file
 from tools.core.errors import BadInput, ToolFailure, op, param
+from tools.core.params import Seconds
 from tools.serving.endpoint import EndpointParams, resolve_endpoint, resolve_name
 from tools.measure.long_prompts import long_prompts
 from tools.core.output_check import check_output_file
@@ -50,6 +51,7 @@ class CompareParams(EndpointParams):
     derived from these."""
 
     MCP_EXCLUDE: ClassVar[frozenset[str]] = frozenset({"prompts_file", "timeout_s"})
+    MULTILINE: ClassVar[frozenset[str]] = frozenset({"prompts"})
 
     mode: Literal["record", "check", "live"] = Field(
         "check", description="record: save the build's tokens to reference; check: compare with that; live: "
@@ -59,10 +61,10 @@ class CompareParams(EndpointParams):
     other_instance: str | None = Field(None, description="live: the candidate instance")
     prompts: list[str] | None = Field(None, description="record/live: prompts (default: the article's eight)")
     prompts_file: str | None = Field(None, description="record/live: a JSON list or one prompt per line")
-    max_tokens: int = Field(160, ge=1, description="Generated tokens per prompt")
+    max_tokens: int = Field(160, ge=1, le=1_000_000, description="Generated tokens per prompt")
     top_logprobs: int = Field(5, ge=0, le=20, description="Alternatives per position (near-tie check)")
     force: bool = Field(False, description="record: replace an existing reference file")
-    timeout_s: float = Field(600.0, description="Seconds per request")
+    timeout_s: Seconds = Field(600.0, description="Seconds per request")
     long: bool = Field(False, description="record/live: add the ~2k/8k/14k-token needle prompts "
                                           "that fit max_model_len")
 

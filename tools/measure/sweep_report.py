@@ -20,7 +20,7 @@ from tools.core.errors import BadInput, ToolFailure, op, param
 from tools.measure.evidence import write_text, write_texts
 from tools.measure.results import DEFAULT_PRICE_PER_HOUR, METRICS, SweepResult
 from tools.measure.uncertainty import METHOD, Estimate, Ratio, ratio
-from tools.core.params import OpParams
+from tools.core.params import OpParams, Price
 
 CSV_COLUMNS = ("input_len", "output_len", "concurrency", "num_prompts", "status", "repeats_ok", "repeats",
                *(f"{m}" for m in METRICS), "output_throughput_spread_pct", "mean_ttft_ms_spread_pct",
@@ -195,7 +195,7 @@ def load_run(path: str | Path) -> SweepResult:
         res = SweepResult.model_validate_json(f.read_text())
     except ValueError as exc:
         raise BadInput(f"{f}: not a sweep summary ({str(exc).splitlines()[0]}); pass a folder written by "
-                          f"{op('sweep')}") from exc
+                       f"{op('sweep')}") from exc
     if res.finished is None:  # the folder stays in place while a sweep runs (for --resume): unfinished looks alike
         raise ToolFailure(f"{p}: this sweep was stopped before it finished ({len(res.cells)} cells begun); "
                           f"complete it with {op('sweep', resume=True, label=res.label)} and its other options",
@@ -333,8 +333,8 @@ class CompareSweepsParams(OpParams):
                                                           "the candidate last")
     output: str | None = Field(None, description="Optional .md file for it (and a .json), "
                                                  "outside the run folders")
-    price_per_hour: float = Field(DEFAULT_PRICE_PER_HOUR, ge=0, description="Machine $/hour (default: the "
-                                                                           "article's T4 VM)")
+    price_per_hour: Price = Field(DEFAULT_PRICE_PER_HOUR, description="Machine $/hour (default: the "
+                                                                      "article's T4 VM)")
     force: bool = Field(False, description="Replace an existing output")
 
 
