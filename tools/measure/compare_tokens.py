@@ -170,19 +170,19 @@ def load_prompts(path: str | Path) -> list[str]:
     """A JSON list of strings, or a text file with one prompt per non-empty line."""
     p = Path(path)
     if not p.is_file():
-        raise ToolFailure(f"{p}: prompts file not found; pass a JSON list of strings or one prompt per line")
+        raise BadInput(f"{p}: prompts file not found; pass a JSON list of strings or one prompt per line")
     text = p.read_text()
     if p.suffix == ".json":
         try:
             data = json.loads(text)
         except ValueError as exc:
-            raise ToolFailure(f"{p}: not valid JSON ({exc}); expected a list of prompt strings") from exc
+            raise BadInput(f"{p}: not valid JSON ({exc}); expected a list of prompt strings") from exc
         if not isinstance(data, list) or not all(isinstance(x, str) and x.strip() for x in data) or not data:
-            raise ToolFailure(f"{p}: expected a non-empty JSON list of non-empty prompt strings")
+            raise BadInput(f"{p}: expected a non-empty JSON list of non-empty prompt strings")
         return list(data)
     prompts = [ln.strip() for ln in text.splitlines() if ln.strip()]
     if not prompts:
-        raise ToolFailure(f"{p}: no prompts in the file; write one prompt per line")
+        raise BadInput(f"{p}: no prompts in the file; write one prompt per line")
     return prompts
 
 
@@ -212,9 +212,9 @@ def generate(base_url: str, prompts: list[str], *, max_tokens: int = 160, top_lo
     """Greedy chat completions for every prompt, with exact token ids and top-k alternatives per position."""
     base = base_url.rstrip("/")
     if max_tokens <= 0:
-        raise ToolFailure(f"max_tokens must be positive, got {max_tokens}")
+        raise BadInput(f"max_tokens must be positive, got {max_tokens}")
     if not 0 <= top_logprobs <= 20:
-        raise ToolFailure(f"top_logprobs must be 0..20 (vLLM's default limit), got {top_logprobs}")
+        raise BadInput(f"top_logprobs must be 0..20 (vLLM's default limit), got {top_logprobs}")
     gens: list[Generation] = []
     with httpx.Client(timeout=timeout_s) as client:
         model, root = _model_of(client, base)
@@ -268,14 +268,14 @@ def save_record(rec: TokenRecord, path: str | Path, *, force: bool = True) -> Pa
 def load_record(path: str | Path) -> TokenRecord:
     p = Path(path)
     if not p.is_file():
-        raise ToolFailure(f"{p}: reference file not found; write one with {op('compare_tokens.record', out=str(p))}")
+        raise BadInput(f"{p}: reference file not found; write one with {op('compare_tokens.record', out=str(p))}")
     try:
         data = json.loads(p.read_text())
     except ValueError as exc:
-        raise ToolFailure(f"{p}: not JSON ({exc}); pass a file written by {op('compare_tokens.record')}") from exc
+        raise BadInput(f"{p}: not JSON ({exc}); pass a file written by {op('compare_tokens.record')}") from exc
     if not isinstance(data, dict) or data.get("kind") != RECORD_KIND:
-        raise ToolFailure(f"{p}: not a token record (kind {data.get('kind') if isinstance(data, dict) else None!r});"
-                          f" pass a file written by {op('compare_tokens.record')}")
+        raise BadInput(f"{p}: not a token record (kind {data.get('kind') if isinstance(data, dict) else None!r});"
+                       f" pass a file written by {op('compare_tokens.record')}")
     rec = TokenRecord.model_validate(data)
     rec.path = str(p)
     return rec
@@ -311,8 +311,8 @@ def compare_generations(ref: Generation, cand: Generation) -> PromptComparison:
 def compare_records(ref: TokenRecord, cand: TokenRecord, *, reference_name: str | None = None,
                     candidate_name: str | None = None) -> TokenComparison:
     if [g.prompt for g in ref.generations] != [g.prompt for g in cand.generations]:
-        raise ToolFailure("the two records hold different prompts; compare a build against a reference made "
-                          "with the same prompts")
+        raise BadInput("the two records hold different prompts; compare a build against a reference made "
+                       "with the same prompts")
     prompts = [compare_generations(r, c) for r, c in zip(ref.generations, cand.generations)]
     return TokenComparison(reference=reference_name or ref.path or f"{ref.model} at {ref.base_url}",
                            candidate=candidate_name or cand.path or f"{cand.model} at {cand.base_url}",
@@ -325,7 +325,7 @@ def _prompts(params: CompareParams, base_url: str | None = None) -> list[str]:
         prompts = load_prompts(params.prompts_file)
     elif params.prompts:
         if not all(isinstance(p, str) and p.strip() for p in params.prompts):
-            raise ToolFailure("prompts must be non-empty strings")
+            raise BadInput("prompts must be non-empty strings")
         prompts = list(params.prompts)
     else:
         prompts = list(DEFAULT_PROMPTS)
@@ -388,17 +388,17 @@ def compare_tokens(params: CompareParams | None = None, *, progress: Progress | 
     params = CompareParams(**{**(params or CompareParams()).model_dump(), **overrides})
     if params.mode == "record":
         if not params.reference:
-            raise ToolFailure("mode 'record' needs reference: the file to write the tokens to")
+            raise BadInput("mode 'record' needs reference: the file to write the tokens to")
         return record_reference(params.reference, params, progress=progress)
     if params.mode == "check":
         if not params.reference:
-            raise ToolFailure("mode 'check' needs reference: a file written by mode 'record'")
+            raise BadInput("mode 'check' needs reference: a file written by mode 'record'")
         return check_against(params.reference, params, progress=progress)
     if params.mode == "live":
         if bool(params.other_url) == bool(params.other_instance):
-            raise ToolFailure("mode 'live' needs other_url (or other_instance): the second build's endpoint "
-                              "(base_url, instance or router is the reference)")
+            raise BadInput("mode 'live' needs other_url (or other_instance): the second build's endpoint "
+                           "(base_url, instance or router is the reference)")
 
         other = params.other_url or resolve_name(params.other_instance).base_url
         return compare_live(_default_base_url(params), other, params, progress=progress)
-    raise ToolFailure(f"mode {params.mode!r} is not one of record, check, live")
+    raise BadInput(f"mode {params.mode!r} is not one of record, check, live")

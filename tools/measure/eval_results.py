@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, Field, field_validator
 
-from tools.core.errors import ToolFailure
+from tools.core.errors import BadInput, ToolFailure
 from tools.core.text import clip
 from tools.core.params import OpParams, Seconds
 from tools.core.root import PROJECT_ROOT
@@ -216,7 +216,7 @@ def confine_eval_params(params: EvalParams, roots: Any) -> EvalParams:
                         raise first from None
             p.include_path = str(inc)
     except ValueError as exc:
-        raise ToolFailure(str(exc), {"roots": roots.describe() if hasattr(roots, "describe") else None}) from exc
+        raise BadInput(str(exc), {"roots": roots.describe() if hasattr(roots, "describe") else None}) from exc
     return p
 
 
@@ -225,5 +225,5 @@ def confine_compare_params(params: CompareParams, roots: Any) -> CompareParams:
     try:
         runs = [str(roots.confine(r, "evidence", must_exist=True, what="run")) for r in params.runs]
     except ValueError as exc:
-        raise ToolFailure(str(exc), {"roots": roots.describe() if hasattr(roots, "describe") else None}) from exc
+        raise BadInput(str(exc), {"roots": roots.describe() if hasattr(roots, "describe") else None}) from exc
     return CompareParams(runs=runs)

@@ -19,7 +19,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from tools.core.atomic_files import TempFolder, refusal, write_file
-from tools.core.errors import ToolFailure
+from tools.core.errors import BadInput, ToolFailure
 from tools.measure import provenance as prov_mod
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -65,8 +65,8 @@ def run_id(label: str, kind: str) -> str:
 
 def check_name(value: str, what: str) -> str:
     if not value or not _NAME.match(value):
-        raise ToolFailure(f"{what} {value!r} must be a name of letters, digits, '.', '_' or '-' (no spaces or "
-                          f"slashes)", detail={"field": what, "value": value})
+        raise BadInput(f"{what} {value!r} must be a name of letters, digits, '.', '_' or '-' (no spaces or "
+                       f"slashes)", detail={"field": what, "value": value})
     return value
 
 

@@ -23,7 +23,7 @@ from typing import Any, Callable
 import httpx
 
 from tools.core.atomic_files import HeldFolder
-from tools.core.errors import ToolFailure
+from tools.core.errors import BadInput, ToolFailure
 from tools.measure import evidence, provenance as prov_mod, sweep_report
 from tools.core.output_check import check_output_folder
 from tools.measure.results import (DEFAULT_OUT, DEFAULT_PRICE_PER_HOUR, METRICS, PREFIX_CACHE_POLICY,  # noqa: F401
@@ -83,10 +83,10 @@ def _refuse_links(run_dir: Path, out: Path) -> None:
     raw_dir = run_dir / "raw"
     links = [p for p in (run_dir, raw_dir, *(raw_dir.iterdir() if raw_dir.is_dir() else ())) if p.is_symlink()]
     if links:
-        raise ToolFailure(f"{run_dir}: {links[0].relative_to(out)} is a symbolic link, which a resumed sweep "
-                          f"would read and write through; remove the links, or sweep into a new folder (no "
-                          f"resume)",
-                          detail={"path": str(run_dir), "links": [str(p) for p in links[:10]]})
+        raise BadInput(f"{run_dir}: {links[0].relative_to(out)} is a symbolic link, which a resumed sweep "
+                       f"would read and write through; remove the links, or sweep into a new folder (no "
+                       f"resume)",
+                       detail={"path": str(run_dir), "links": [str(p) for p in links[:10]]})
 
 
 def _load_done(raw_dir: Path, input_len: int, concurrency: int, repeat: int,
