@@ -22,7 +22,9 @@ from .safetensors_io import MappedFile
 MEANING = {"qat": "every sampled text tensor sits on the 4-bit grid: a QAT q4_0 export, ready to repack",
            "base": "no sampled text tensor sits on the 4-bit grid: a base (non-QAT) model, not repackable",
            "mixed": "some text tensors are on the grid and some are not: repack would abort",
-           "no-candidates": "no 2-D bf16 tensor with a last dimension divisible by 32"}
+           "no-candidates": "no 2-D bf16 tensor with a last dimension divisible by 32",
+           "packed": "already packed: it holds int4 weight_packed tensors, so it is a build, not a QAT source; serve "
+                     "it, or give the bf16 QAT checkpoint it was built from to build again"}
 
 
 @dataclass
@@ -40,7 +42,7 @@ class ProbeTensor:
 @dataclass
 class ProbeReport:
     source: str
-    verdict: str  # "qat" (every text tensor on the grid), "base" (none), "mixed", or "no-candidates"
+    verdict: str  # "qat" (every text tensor on the grid), "base" (none), "mixed", "no-candidates", or "packed"
     text_on_grid: int
     text_off_grid: int
     towers_on_grid: int
@@ -50,6 +52,7 @@ class ProbeReport:
     drafter: dict[str, Any] | None = None  # a gemma4_assistant drafter: whether its linears are on the grid
     # the member its config.json names and what each build will hold, per table (repack/preview.py)
     build_preview: dict[str, Any] | None = None
+    packed_tensors: int = 0  # tensors an earlier build stored as int4 (weight_packed): then the verdict is "packed"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -84,6 +87,8 @@ class ProbeReport:
         lines.append(f"text tensors: {self.text_on_grid} on grid, {self.text_off_grid} off grid; towers: "
                      f"{self.towers_on_grid} on grid, {self.towers_off_grid} off grid; "
                      f"{self.sampled_groups:,} groups sampled")
+        if self.packed_tensors:
+            lines.append(f"{self.packed_tensors} tensors already packed as int4 (weight_packed)")
         lines.append(f"verdict: {self.verdict} - {self.meaning}")
         if self.drafter:
             lines.append(self.drafter["line"])
@@ -118,8 +123,12 @@ def probe_checkpoint(src: str | Path, rows_per_tensor: int = 16, scale_dtype: gr
     text = [t for t in out if t.on_grid is not None and not t.tower]
     towers = [t for t in out if t.on_grid is not None and t.tower]
     on = sum(t.on_grid for t in text)  # type: ignore[misc]
-    verdict = "no-candidates" if not text else "qat" if on == len(text) else "base" if on == 0 else "mixed"
+    # a build's bf16 tables left unpacked (the embeddings of a linears-only build) sit on the grid too: what
+    # makes it a build is what it already packed
+    packed = sum(t.name.endswith(".weight_packed") for t in out)
+    verdict = ("packed" if packed else "no-candidates" if not text else "qat" if on == len(text)
+               else "base" if on == 0 else "mixed")
     return ProbeReport(str(src), verdict, on, len(text) - on, sum(t.on_grid for t in towers),  # type: ignore[misc]
                        len(towers) - sum(t.on_grid for t in towers), sum(t.sampled_groups for t in out), out,
                        drafter.probe_summary(out) if drafter.is_drafter(ck.config) else None,
-                       preview.preview(ck))
+                       preview.preview(ck), packed)

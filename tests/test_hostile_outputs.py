@@ -158,7 +158,7 @@ def test_file_writers_refuse_in_one_line_and_leave_nothing(writer, kind, tmp_pat
     assert _listing(place) == before
 
 
-RUN_KINDS = ["out-is-file", "parent-is-file", "read-only", "full", "run-is-mount-point"]
+RUN_KINDS = ["out-is-file", "parent-is-file", "read-only", "full"]
 
 
 @pytest.mark.parametrize("kind", RUN_KINDS)
@@ -173,13 +173,8 @@ def test_evidence_run_refuses_in_one_line_and_leaves_nothing(kind, tmp_path, mou
         out = tmp_path / "plain" / "out"
     elif kind == "read-only":
         out = place = _read_only(tmp_path, mounts, monkeypatch)
-    elif kind == "full":
-        out = place = _full(tmp_path, mounts, monkeypatch)
     else:
-        if not MOUNT:
-            pytest.skip("this sandbox cannot mount")
-        out = tmp_path
-        mounts(tmp_path / "decode-x")
+        out = place = _full(tmp_path, mounts, monkeypatch)
     before = _listing(place)
     with pytest.raises(ToolFailure) as e:
         run = evidence.EvidenceRun.create(out, "decode-x")
@@ -190,8 +185,19 @@ def test_evidence_run_refuses_in_one_line_and_leaves_nothing(kind, tmp_path, mou
         except BaseException:
             run.abandon()
             raise
-    _one_line(e.value, out if kind not in ("full", "run-is-mount-point") else out)
+    _one_line(e.value, out)
     assert _listing(place) == before
+
+
+def test_an_evidence_run_whose_name_is_a_mount_point_gets_a_name_of_its_own(tmp_path, mounts):
+    """A taken name (here a mount point) is never written into: the run is published as NAME-2 beside it."""
+    if not MOUNT:
+        pytest.skip("this sandbox cannot mount")
+    mounts(tmp_path / "decode-x")
+    run = evidence.EvidenceRun.create(tmp_path, "decode-x")
+    run.write_raw("00-a", {"v": 1})
+    assert run.finish() == tmp_path / "decode-x-2"
+    assert os.listdir(tmp_path / "decode-x") == [] and sorted(os.listdir(tmp_path)) == ["decode-x", "decode-x-2"]
 
 
 def test_a_dead_writers_temporary_file_is_swept_by_the_next_write(tmp_path):

@@ -90,7 +90,10 @@ def _damage(run: Path, **fields: str) -> Path:
 
 @pytest.mark.parametrize("fields, named", [({"capacity": "NaN"}, "capacity is nan"),
                                            ({"last_pass": "Infinity"}, "last_pass is inf"),
-                                           ({"last_pass": "12", "first_fail": "12"}, "last_pass 12 is not below")])
+                                           ({"last_pass": "12", "first_fail": "12"}, "last_pass 12 is not below"),
+                                           ({"capacity": "-5"}, "capacity is -5, not a number from 0"),
+                                           ({"capacity": "1e308"}, "capacity is 1e+308, not a number from 0"),
+                                           ({"price_per_hour": "-1"}, "price_per_hour is -1")])
 def test_a_damaged_capacity_json_is_refused_naming_the_file_and_field(tmp_path, capsys, fields, named):
     from tools.cli import main
 
@@ -101,6 +104,16 @@ def test_a_damaged_capacity_json_is_refused_naming_the_file_and_field(tmp_path, 
     out, err = capsys.readouterr()
     assert not out and len(err.strip().splitlines()) == 1
     assert str(f) in err and "damaged capacity result" in err and named in err and "more" not in err
+
+
+def test_a_capacity_json_field_of_the_wrong_type_is_named(tmp_path, capsys):
+    from tools.cli import main
+
+    a = capacity_run(tmp_path, "bf16", ttft_per_user=180)
+    f = _damage(capacity_run(tmp_path, "emb4", ttft_per_user=90), input_len='"many"')
+    assert main(["capacity-compare", str(a), str(f.parent)]) == 2
+    err = capsys.readouterr().err
+    assert str(f) in err and "'input_len'" in err and len(err.strip().splitlines()) == 1
 
 
 def test_missing_or_wrong_kind_capacity_inputs_exit_2(tmp_path, capsys):

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from tools.core.errors import ToolFailure
 from tools.measure import evidence
@@ -146,8 +147,9 @@ def test_evidence_run_is_invisible_until_finished(tmp_path):
     assert json.loads(Path(files["summary_json"]).read_text()) == {"ok": True}
     assert not list(tmp_path.glob(".decode-x.*"))
     assert not list(tmp_path.rglob("*.tmp"))
-    with pytest.raises(ToolFailure, match="already exists"):
-        evidence.EvidenceRun.create(tmp_path, "decode-x")
+    again = evidence.EvidenceRun.create(tmp_path, "decode-x")  # the name is taken: the run gets a suffix
+    assert (again.name, again.path) == ("decode-x-2", tmp_path / "decode-x-2")
+    again.abandon()
     run2 = evidence.EvidenceRun.create(tmp_path, "decode-y")
     run2.abandon()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["decode-x"]
@@ -263,8 +265,11 @@ def test_decode_refuses_a_bad_label_with_status_2(tmp_path):
 
 
 def test_decode_sweep_refuses_negative_draft_tokens():
+    # the parameter model refuses it (the rule every numeric option keeps), for the CLI and MCP alike
+    with pytest.raises(ValidationError, match="draft_tokens"):
+        DecodeSweepParams(draft_tokens=[0, -1], drafter="/m/d")
     with pytest.raises(BadInput, match="draft_tokens"):  # the parameter, plainly (the CLI renders --draft-tokens)
-        run_decode_sweep(DecodeSweepParams(draft_tokens=[0, -1], drafter="/m/d"))
+        run_decode_sweep(DecodeSweepParams.model_construct(draft_tokens=[0, -1], drafter="/m/d"))
 
 
 def test_sweep_records_acceptance_per_cell():

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from tools.core.errors import ToolFailure
 from tools.measure.sweep import RepeatResult, SweepParams, _run_dir, aggregate, prompt_seed
@@ -87,14 +88,34 @@ def test_prompt_seeds_are_distinct_per_cell_and_stable():
     assert prompt_seed(0, 512, 1, 0) != prompt_seed(1, 512, 1, 0)
 
 
+def _folder(params: SweepParams, out: Path) -> Path:
+    """The folder a sweep with `params` would write (created, as the sweep does, and let go again)."""
+    with _run_dir(params, out) as held:
+        return held.path
+
+
 def test_resume_picks_the_latest_matching_run_folder(tmp_path):
     p = SweepParams(label="emb4", out=tmp_path)
-    first = _run_dir(p, tmp_path)
-    first.mkdir()
-    assert _run_dir(SweepParams(label="emb4", out=tmp_path, resume=True), tmp_path) == first
+    first = _folder(p, tmp_path)
+    assert first.is_dir()
+    assert _folder(SweepParams(label="emb4", out=tmp_path, resume=True), tmp_path) == first
     # Different measurement (another seed) or another label: a new folder.
-    assert _run_dir(SweepParams(label="emb4", out=tmp_path, resume=True, seed=1), tmp_path) != first
-    assert _run_dir(SweepParams(label="bf16", out=tmp_path, resume=True), tmp_path) != first
+    assert _folder(SweepParams(label="emb4", out=tmp_path, resume=True, seed=1), tmp_path) != first
+    assert _folder(SweepParams(label="bf16", out=tmp_path, resume=True), tmp_path) != first
+    # a new run (in the same second as `first` or later): a folder of its own, which resume finds as the latest
+    second = _folder(p, tmp_path)
+    assert second != first and second.name > first.name
+    assert _folder(SweepParams(label="emb4", out=tmp_path, resume=True), tmp_path) == second
+
+
+def test_a_sweep_folder_being_written_is_refused_to_a_second_sweep(tmp_path):
+    p = SweepParams(label="emb4", out=tmp_path)
+    with _run_dir(p, tmp_path) as held:
+        with pytest.raises(ToolFailure, match="being written by another run"):
+            _run_dir(SweepParams(label="emb4", out=tmp_path, resume=True), tmp_path)
+        with pytest.raises(ToolFailure, match="being written by another run"):
+            _run_dir(SweepParams(label="emb4", out=tmp_path, run_id=held.path.name), tmp_path)
+    _folder(SweepParams(label="emb4", out=tmp_path, resume=True), tmp_path)  # released: it resumes
 
 
 def test_resume_refuses_a_run_folder_holding_links(tmp_path):
@@ -104,28 +125,30 @@ def test_resume_refuses_a_run_folder_holding_links(tmp_path):
     (outside / "raw").mkdir(parents=True)
     p = SweepParams(label="emb4", out=out, resume=True)
     out.mkdir()
-    linked = _run_dir(SweepParams(label="emb4", out=out), out)
+    linked = _folder(SweepParams(label="emb4", out=out), out)
+    linked.rmdir()
     linked.symlink_to(outside)  # the folder itself a link out
-    first = _run_dir(p, out)
-    with pytest.raises(ToolFailure, match="is a symbolic link, which a resumed sweep would read and write through"):
-        _refuse_links(first, out)
+    with _run_dir(p, out) as first:
+        with pytest.raises(ToolFailure, match="is a symbolic link, which a resumed sweep would read and write "
+                                              "through"):
+            _refuse_links(first.path, out)
     linked.unlink()
     linked.mkdir()
     (linked / "raw").symlink_to(outside / "raw")  # raw/ a link out
     with pytest.raises(ToolFailure, match=r"raw is a symbolic link"):
-        _refuse_links(_run_dir(p, out), out)
+        _refuse_links(_folder(p, out), out)
     (linked / "raw").unlink()
     (linked / "raw").mkdir()
     (linked / "raw" / "in512-c1-r0.log").symlink_to(outside / "victim.log")  # a cell's log, appended to
     with pytest.raises(ToolFailure, match=r"in512-c1-r0.log is a symbolic link"):
-        _refuse_links(_run_dir(p, out), out)
+        _refuse_links(_folder(p, out), out)
     (linked / "raw" / "in512-c1-r0.log").unlink()
-    _refuse_links(_run_dir(p, out), out)  # a folder of its own files resumes
+    _refuse_links(_folder(p, out), out)  # a folder of its own files resumes
 
 
 def test_bad_options_are_refused_in_one_line():
-    with pytest.raises(ToolFailure, match="concurrencies"):
-        SweepParams(concurrencies=[0]).validate()
+    with pytest.raises(ValidationError, match="concurrencies"):  # the model itself: CLI and MCP alike
+        SweepParams(concurrencies=[0])
     with pytest.raises(ToolFailure, match="label"):
         SweepParams(label="a b").validate()
 
@@ -139,7 +162,7 @@ def test_cli_sweep_compare_prints_tables_and_json():
     assert len(d["cells"]) == 8
     bad = subprocess.run([sys.executable, "-m", "tools.cli", "sweep-compare", str(RUNS[0])],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 1 and "two or more" in bad.stderr
+    assert bad.returncode == 2 and "runs: List should have at least 2 items" in bad.stderr  # bad input: 2
 
 
 def test_report_module_does_not_import_the_runner():

@@ -160,6 +160,18 @@ def test_probe_tells_qat_from_base(tiny_qat, tmp_path):
     assert [t.name for t in mixed.tensors if t.on_grid is False and not t.tower] == [UP0]
 
 
+def test_probe_says_a_build_is_already_packed_not_ready_to_repack(bf16_text_build, emb4_build, capsys):
+    """A linears-only build keeps its bf16 embeddings, which sit on the grid: it once read "qat, ready to repack"."""
+    from repack.probe import probe_checkpoint
+
+    for build in (bf16_text_build, emb4_build):
+        report = probe_checkpoint(build)
+        assert report.verdict == "packed" and report.packed_tensors > 0, build
+        assert cli.main(["probe", str(build)]) == 0
+        out = capsys.readouterr().out
+        assert "verdict: packed - already packed" in out and "ready to repack" not in out
+
+
 def test_full_disk_found_before_writing(good, tmp_path, capsys, monkeypatch):
     import shutil
     from collections import namedtuple

@@ -14,6 +14,7 @@ import sys
 from typing import Callable
 
 from tools.cli.commands import Command, add_commands, emit as _emit
+from tools.core.params import cli_value
 from tools.measure.capacity import CapacityParams, failure_if_error, run_capacity
 from tools.measure.capacity_report import compare_capacity
 from tools.measure.compare_tokens import CompareParams, check_against, compare_live, record_reference, short_prompt
@@ -22,7 +23,7 @@ from tools.measure.decode_sweep import DecodeSweepParams, compare_decode_runs, r
 from tools.measure.pareto import pareto, write_pareto
 from tools.measure.results import DEFAULT_OUT, DEFAULT_PRICE_PER_HOUR, SweepParams
 from tools.measure.sweep import run_sweep
-from tools.measure.sweep_report import compare_runs, load_run, plot_runs
+from tools.measure.sweep_report import CompareSweepsParams, compare_runs, load_run, plot_runs
 from tools.serving.config import load_config
 from tools.serving.endpoint import EndpointParams, resolve_endpoint, resolve_name
 
@@ -66,6 +67,10 @@ def _read_text(path: str | None) -> str:
 
 
 def cmd_sweep_compare(_: None, args: argparse.Namespace) -> int:
+    # its flags are its own; their values are checked by the operation's model (what MCP's compare_sweeps takes)
+    CompareSweepsParams.from_cli_values({"run_dirs": args.runs, "price_per_hour": args.price_per_hour,
+                                         **({"output": args.plot} if args.plot is not None else {})},
+                                        {"run_dirs": "runs", "output": "--plot"})
     cmp = compare_runs(args.runs, price_per_hour=args.price_per_hour, cost_cell=args.cost_at)
     if args.plot:
         plot_runs([load_run(r) for r in args.runs], args.plot)
@@ -74,10 +79,18 @@ def cmd_sweep_compare(_: None, args: argparse.Namespace) -> int:
 
 
 def cmd_compare(_: None, args: argparse.Namespace) -> int:
-    params = CompareParams(base_url=getattr(args, "base_url", None), prompts_file=getattr(args, "prompts", None),
-                           max_tokens=getattr(args, "max_tokens", 160), top_logprobs=args.top_logprobs,
-                           long=getattr(args, "long", False), force=getattr(args, "force", False),
-                           instance=getattr(args, "instance", None), router=getattr(args, "router", False))
+    reference = {"record": getattr(args, "out", None), "check": getattr(args, "reference", None)}.get(args.action)
+    given = {"base_url": getattr(args, "base_url", None), "prompts_file": getattr(args, "prompts", None),
+             "max_tokens": getattr(args, "max_tokens", 160), "top_logprobs": args.top_logprobs,
+             "long": getattr(args, "long", False), "force": getattr(args, "force", False),
+             "instance": getattr(args, "instance", None), "router": getattr(args, "router", False),
+             "reference": reference}
+    params = CompareParams.from_cli_values({k: v for k, v in given.items() if v is not None},
+                                           {"prompts_file": "--prompts",
+                                            "reference": "--out" if args.action == "record" else "reference"})
+    for name, flag in (("url_a", "A"), ("url_b", "B")):
+        if hasattr(args, name):
+            CompareParams.from_cli_values({"other_url": getattr(args, name)}, {"other_url": flag})
     if args.action != "live":  # one endpoint: --base-url, --instance or --router, else the started server
         params = params.model_copy(update={"base_url": resolve_endpoint(params, _serve_config(args)).base_url,
                                            "instance": None, "router": False})
@@ -130,6 +143,9 @@ def cmd_capacity_compare(_: None, args: argparse.Namespace) -> int:
 
 
 def cmd_pareto(_: None, args: argparse.Namespace) -> int:
+    cli_value("--out", args.out)
+    for run in args.runs:
+        cli_value("runs", run)
     res = write_pareto(pareto(args.runs), args.out)
     _emit(args, res, res.markdown + f"\n{res.run_dir}")
     return 0

@@ -6,17 +6,26 @@ name and renamed into place by `publish`. Either way, a dead owner's leftovers a
 folder, and every failure of the file system (a full disk, a read-only mount, a parent that is a file, a folder
 where a file is wanted, a mount point) is one line naming the path: OutputRefused, or ToolFailure for a full disk
 or an I/O error, where another path is no remedy.
+
+Run folders are named by the time they start, so two runs started in the same second ask for one name: the name is
+reserved while the folder's name lock is held (`names_held`, an flock on the parent folder itself, which the
+kernel drops however its holder ends), and a name that is taken (a folder there, or a live run's temporary of
+that name) gets a suffix, `-2`, `-3`, ... A run folder that is written in place (a resumable sweep) is held by
+an flock on the folder itself for as long as its run writes it (`HeldFolder`).
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import secrets
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 from tools.core.atomic import OutputRefused, make_parents, remove_parents
-from tools.core.atomic_leftovers import Lock, own_id, rmtree, sweep_stale_partials
+from tools.core.atomic_leftovers import NAME_RE, Lock, own_id, rmtree, sweep_stale_partials
 from tools.core.atomic_renames import rename_noreplace
 from tools.core.errors import ToolFailure
 
@@ -64,10 +73,11 @@ def _temp_names(parent: Path, name: str) -> tuple[Lock, Path]:
     raise OutputRefused(f"{parent}: cannot find a free temporary name for {name}", {"path": str(parent)})
 
 
-def write_file(path: str | Path, data: str | bytes) -> Path:
+def write_file(path: str | Path, data: str | bytes, *, replace: bool = True) -> Path:
     """Writes `path` whole or not at all: a temporary beside it, fsynced, renamed over it. Missing parent folders
     are created (and removed again when the write fails). OutputRefused / ToolFailure in one line on failure, with
-    nothing of this write left behind."""
+    nothing of this write left behind. replace=False: FileExistsError when `path` exists by then (a second writer
+    was first; nothing is overwritten, and the caller says which parameter replaces it)."""
     p = Path(os.path.abspath(path))
     _check_file_target(p)
     raw = data.encode() if isinstance(data, str) else data
@@ -86,9 +96,16 @@ def write_file(path: str | Path, data: str | bytes) -> Path:
             os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(tmp, p)
-        tmp = None
+        if replace:
+            os.replace(tmp, p)
+            tmp = None
+        else:
+            os.link(tmp, p)  # fails rather than replace a file another writer put there meanwhile
         return p
+    except FileExistsError:
+        if replace:
+            raise refusal(p, FileExistsError(errno.EEXIST, "File exists")) from None
+        raise
     except OSError as exc:
         raise refusal(p, exc) from None
     finally:
@@ -96,7 +113,7 @@ def write_file(path: str | Path, data: str | bytes) -> Path:
             rmtree(tmp)
         if lock is not None:
             lock.release()
-        if tmp is not None or not p.exists():
+        if not os.path.lexists(p):
             remove_parents(created)
 
 
@@ -181,26 +198,20 @@ class TempFolder:
 
     @classmethod
     def open(cls, out: str | Path, name: str) -> "TempFolder":
-        """The temporary folder of `out/name`; `out` is created when missing. Refused in one line when `out`
-        cannot hold it (a file, read-only, full) or `out/name` exists."""
+        """The temporary folder of a run named `name` in `out` (created when missing), or of `name-2`, `name-3`, ...
+        where that name is taken (`reserve_name`); `final` is the name it got. Refused in one line when `out`
+        cannot hold it (a file, read-only, full)."""
         parent = Path(os.path.abspath(out))
-        final = parent / name
-        anc = parent
-        while not os.path.lexists(anc) and anc != anc.parent:
-            anc = anc.parent
-        if not anc.is_dir():
-            raise OutputRefused(f"{parent}: cannot write into it ({anc} is a file, not a folder)",
-                                {"path": str(parent)})
+        _check_folder_parent(parent)
         created: list[Path] = []
         lock: Lock | None = None
         try:
             make_parents(parent, created)
             sweep_stale_partials(parent)
-            if os.path.lexists(final):
-                raise ToolFailure(f"{final} already exists: choose another label or out folder, or remove it",
-                                  {"path": str(final)})
-            lock, tmp = _temp_names(parent, name)
-            os.mkdir(tmp)
+            with names_held(parent):  # the name chosen and the temporary that claims it, in one step
+                final = parent / reserve_name(parent, name)
+                lock, tmp = _temp_names(parent, final.name)
+                os.mkdir(tmp)
             return cls(final, tmp, lock)
         except OSError as exc:
             if lock is not None:
@@ -214,14 +225,23 @@ class TempFolder:
             raise
 
     def publish(self) -> Path:
-        """Renames the folder into place; ToolFailure when `final` appeared meanwhile (the folder is then kept,
-        under its temporary name, for the caller to report or discard)."""
+        """Renames the folder into place. Where `final` appeared meanwhile all the same (made by something that does
+        not reserve names: a person, another program), the run is published under the next free name and
+        ToolFailure names that folder."""
         try:
-            rename_noreplace(self.path, self.final)
+            try:
+                rename_noreplace(self.path, self.final)
+            except OSError as exc:
+                if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                    raise
+                with names_held(self.final.parent):
+                    other = self.final.parent / reserve_name(self.final.parent, self.final.name)
+                    rename_noreplace(self.path, other)
+                self._lock.release()
+                raise ToolFailure(f"{self.final} appeared while the run was measuring, made by something other "
+                                  f"than a run of this project: the run is kept in {other}",
+                                  {"path": str(self.final), "kept": str(other)}) from None
         except OSError as exc:
-            if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
-                raise ToolFailure(f"{self.final} appeared while the run was measuring: the run is kept in "
-                                  f"{self.path}", {"path": str(self.final), "partial": str(self.path)}) from None
             raise refusal(self.final, exc, "publish") from None
         self._lock.release()
         return self.final
@@ -231,4 +251,108 @@ class TempFolder:
         self._lock.release()
 
 
-__all__ = ["TempFile", "TempFolder", "refusal", "write_file"]
+def _check_folder_parent(parent: Path) -> None:
+    anc = parent
+    while not os.path.lexists(anc) and anc != anc.parent:
+        anc = anc.parent
+    if not anc.is_dir():
+        raise OutputRefused(f"{parent}: cannot write into it ({anc} is a file, not a folder)", {"path": str(parent)})
+
+
+_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL)
+
+
+@contextmanager
+def names_held(parent: Path) -> Iterator[None]:
+    """The name lock of the folder `parent` (an flock on the folder itself) for the block: the runs that choose
+    a name in `parent` do it one at a time. OSError when `parent` cannot be opened."""
+    fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as exc:  # a file system without locks: names are then only as safe as a check can make them
+            if exc.errno not in _NO_LOCKS:
+                raise
+        yield
+    finally:
+        os.close(fd)
+
+
+def reserve_name(parent: Path, name: str) -> str:
+    """`name`, or `name-2`, `name-3`, ... : the first that is neither an entry of `parent` nor claimed by a live
+    run's temporary there (`.NAME.partial-...`, `.NAME.lock-...`). Call it with `names_held(parent)` and claim the
+    name before leaving that block (a temporary of that name, or the folder itself)."""
+    claimed = set()
+    for entry in os.listdir(parent):
+        m = NAME_RE.match(entry)
+        if m is not None:
+            claimed.add(m["name"])
+    for k in range(1, 10_000):
+        cand = name if k == 1 else f"{name}-{k}"
+        if cand not in claimed and not os.path.lexists(parent / cand):
+            return cand
+    raise OutputRefused(f"{parent / name}: cannot find a free name for the run (tried {name}-2 to {name}-9999)",
+                        {"path": str(parent / name)})
+
+
+class HeldFolder:
+    """A run folder written in place, held by an flock on the folder itself while its run writes it: a second run
+    asked for the same folder is refused (`hold`), and a new one gets a name of its own (`reserve`)."""
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path, self._fd = path, fd
+
+    @classmethod
+    def reserve(cls, out: str | Path, name: str, *, exact: bool = False) -> "HeldFolder":
+        """A new folder `out/name` (or `name-2`, ... where that is taken; with `exact`, the folder `out/name`
+        itself, new or not: `hold`), created and held. One line when `out` cannot hold it."""
+        parent = Path(os.path.abspath(out))
+        _check_folder_parent(parent)
+        try:
+            make_parents(parent, [])
+            sweep_stale_partials(parent)
+            with names_held(parent):
+                if exact:
+                    path = parent / name
+                    if not os.path.lexists(path):
+                        os.mkdir(path)
+                else:
+                    path = parent / reserve_name(parent, name)
+                    os.mkdir(path)
+                return cls.hold(path)
+        except OSError as exc:
+            raise refusal(parent / name, exc, "create") from None
+
+    @classmethod
+    def hold(cls, path: str | Path) -> "HeldFolder":
+        """Holds an existing run folder; ToolFailure when another run (a live process) holds it."""
+        p = Path(path)
+        try:
+            fd = os.open(p, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # a link: the caller refuses it
+        except OSError as exc:
+            raise refusal(p, exc, "open") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno in _NO_LOCKS:
+                return cls(p, fd)
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise ToolFailure(f"{p} is being written by another run now: wait for it to end, or write a new "
+                                  f"run folder", {"path": str(p)}) from None
+            raise refusal(p, exc, "lock") from None
+        return cls(p, fd)
+
+    def release(self) -> None:
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    def __enter__(self) -> "HeldFolder":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+__all__ = ["HeldFolder", "TempFile", "TempFolder", "names_held", "refusal", "reserve_name", "write_file"]

@@ -7,20 +7,88 @@ choices; a `list[str]` named in `CLI_COMMA` is written comma separated and may b
 `CLI_EXCLUDE` are set by the caller, fields in `MCP_EXCLUDE` are not offered to MCP clients (machine-local knobs
 such as timeouts). A value the model refuses raises BadInput naming the flag (the command line exits 2 with that
 line, and prints the error object under --json).
+
+Every model also keeps the rules that hold for any option (`OpParams._bounded`, before a field's own checks): a
+number is finite, not negative and at most 2**53 (a field that means a signed quantity is named in `SIGNED`); a
+string is not empty, at most TEXT_MAX characters on one line without control characters (a field that holds text
+a person wrote, a prompt, is named in `MULTILINE`: up to MULTILINE_MAX characters, newlines and tabs allowed, no
+other control characters); a list holds at most LIST_MAX items. A field's own range comes on top, from the shared
+types below (`Seconds`, `Name`, `Price`, `Seed`) or its Field.
 """
 
 from __future__ import annotations
 
 import argparse
 import inspect
+import math
 import types
+from pathlib import PurePath
 from typing import Annotated, Any, ClassVar, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from pydantic_core import to_json
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError, to_json
 
 from tools.core.errors import BadInput
 from tools.core.text import clip
+
+
+TEXT_MAX = 4096            # a path (Linux's PATH_MAX), a URL, a name
+MULTILINE_MAX = 1_000_000  # a prompt a person wrote
+LIST_MAX = 1000
+NUMBER_MAX = 2 ** 53       # the integers a JSON number holds exactly
+NAME_MAX = 100             # a name that goes into file names and tables (with a time and a hash: one file name)
+WEEK_S = 7 * 24 * 3600.0
+
+# Shared field types: a field's own range, on top of the rules every option keeps.
+Seconds = Annotated[float, Field(gt=0, le=WEEK_S, allow_inf_nan=False)]  # a timeout: more than 0, at most a week
+Price = Annotated[float, Field(ge=0, le=1e6, allow_inf_nan=False)]       # money per hour
+Seed = Annotated[int, Field(ge=0, le=2 ** 32 - 1)]
+Name = Annotated[str, Field(min_length=1, max_length=NAME_MAX, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@+/-]*$")]
+NAME_RULE = "letters, digits and . _ : @ + / - (starting with a letter or digit)"
+
+
+def _refused(kind: str, text: str) -> PydanticCustomError:
+    return PydanticCustomError(kind, text)
+
+
+def check_bounded(value: Any, *, multiline: bool = False, signed: bool = False) -> Any:
+    """The rules every option keeps (see the module's docstring); PydanticCustomError naming what is wrong."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise _refused("not_finite", f"must be a finite number, got {value}")
+        if value < 0 and not signed:
+            raise _refused("negative", f"must not be negative, got {value:g}")
+        if abs(value) > NUMBER_MAX:
+            raise _refused("too_large", f"must be at most {NUMBER_MAX} (2**53), got {value:g}")
+    elif isinstance(value, (str, PurePath)):
+        text = str(value)
+        if not text:
+            raise _refused("empty", "must not be empty (leave the option out for its default)")
+        limit = MULTILINE_MAX if multiline else TEXT_MAX
+        if len(text) > limit:
+            raise _refused("too_long", f"must be at most {limit} characters, got {len(text)}")
+        allowed = "\n\r\t" if multiline else ""
+        bad = next((c for c in text if (ord(c) < 32 or 127 <= ord(c) < 160) and c not in allowed), None)
+        if bad is not None:
+            where = "" if multiline else "one line of "
+            raise _refused("control_character", f"must be {where}text without control characters, got "
+                                                f"{bad!r} at {text.index(bad)}")
+    elif isinstance(value, (list, tuple)):
+        if len(value) > LIST_MAX:
+            raise _refused("too_many", f"must have at most {LIST_MAX} items, got {len(value)}")
+        for item in value:
+            check_bounded(item, multiline=multiline, signed=signed)
+    return value
+
+
+def cli_value(flag: str, value: Any, *, multiline: bool = False) -> Any:
+    """A command's own flag (one no parameter model holds) under the same rules; BadInput naming the flag."""
+    try:
+        return check_bounded(value, multiline=multiline)
+    except PydanticCustomError as exc:
+        raise BadInput(f"{flag}: {exc.message()}", {"input": clip(repr(value))}) from None
 
 
 def _strip_optional(tp: Any) -> Any:
@@ -29,6 +97,12 @@ def _strip_optional(tp: Any) -> Any:
         if len(args) == 1:
             return args[0]
     return tp
+
+
+def _bare(tp: Any) -> Any:
+    """A list's item type without Optional or Annotated (`list[Annotated[int, Field(ge=1)]]` is a list of int)."""
+    tp = _strip_optional(tp)
+    return get_args(tp)[0] if get_origin(tp) is Annotated else tp
 
 
 def _int_list(text: str) -> list[int]:
@@ -57,6 +131,16 @@ class OpParams(BaseModel):
     MCP_DEFAULTS: ClassVar[dict[str, Any]] = {}     # where the MCP server's default differs (e.g. a root, not cwd)
     CLI_DEFAULTS: ClassVar[dict[str, Any]] = {}     # where the command line's default differs
     CLI_COMMA: ClassVar[frozenset[str]] = frozenset()  # list[str] fields written `--x a,b --x c`
+    MULTILINE: ClassVar[frozenset[str]] = frozenset()  # text fields that may hold newlines (a prompt)
+    SIGNED: ClassVar[frozenset[str]] = frozenset()     # numeric fields that may be negative
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _bounded(cls, value: Any, info: ValidationInfo) -> Any:
+        """The rules every option keeps, whatever the model (the module's docstring); before the field's own
+        checks, so that NaN is named as not finite rather than as out of a range."""
+        name = info.field_name or ""
+        return check_bounded(value, multiline=name in cls.MULTILINE, signed=name in cls.SIGNED)
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, *, exclude: frozenset[str] | set[str] = frozenset()
@@ -83,7 +167,7 @@ class OpParams(BaseModel):
                 kwargs["action"] = argparse.BooleanOptionalAction if default else "store_true"
             elif get_origin(tp) is Literal:
                 kwargs["choices"] = list(get_args(tp))
-            elif get_origin(tp) is list and _strip_optional(get_args(tp)[0]) is int:
+            elif get_origin(tp) is list and _bare(get_args(tp)[0]) is int:
                 kwargs["type"] = _int_list
             elif name in cls.CLI_COMMA and name not in cls.CLI_POSITIONAL:
                 kwargs["type"] = _str_list
@@ -107,14 +191,20 @@ class OpParams(BaseModel):
         values = {name: getattr(args, name) for name in cls.model_fields
                   if name not in cls.CLI_EXCLUDE and hasattr(args, name)
                   and not (name in cls.CLI_COMMA and getattr(args, name) is None)}  # not given: the default
+        return cls.from_cli_values({**values, **fixed})
+
+    @classmethod
+    def from_cli_values(cls, values: dict[str, Any], flags: dict[str, str] | None = None) -> "OpParams":
+        """The model of values a command line gave (a command that spells its own flags names them in `flags`,
+        field -> flag); a value the model refuses is a usage error: BadInput naming the flag."""
         try:
-            return cls(**{**values, **fixed})
+            return cls(**values)
         except ValidationError as exc:  # a value argparse let through but the model refuses: a usage error
             first = exc.errors()[0]
             name = str(first["loc"][0]) if first["loc"] else "?"
-            flag = cls.CLI_FLAGS.get(name, "--" + name.replace("_", "-"))
+            flag = (flags or {}).get(name) or cls.CLI_FLAGS.get(name, "--" + name.replace("_", "-"))
             flag = flag if isinstance(flag, str) else flag[-1]
-            if name in cls.CLI_POSITIONAL:
+            if name in cls.CLI_POSITIONAL and name not in (flags or {}):
                 flag = name
             raise BadInput(f"{flag}: {first['msg']}", {"field": name, "input": clip(repr(first.get("input")))},
                            field=name) from None
@@ -139,4 +229,5 @@ class OpParams(BaseModel):
         return out
 
 
-__all__ = ["OpParams"]
+__all__ = ["LIST_MAX", "cli_value", "MULTILINE_MAX", "NAME_MAX", "NAME_RULE", "NUMBER_MAX", "TEXT_MAX", "Name", "OpParams", "Price",
+           "Seconds", "Seed", "check_bounded"]

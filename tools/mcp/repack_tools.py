@@ -75,7 +75,8 @@ def make_tiny_model(app, p: TinyParams, progress, checked: Path) -> Reply:
 
 @tool(toolset="repack", title="Probe a checkpoint", params=ProbeParams, read_only=True, idempotent=True,
       extra={"source": (str, ""),
-             "verdict": (str, "qat: repack_checkpoint will succeed; base, mixed or no-candidates otherwise"),
+             "verdict": (str, "qat: repack_checkpoint will succeed; base, mixed, no-candidates or packed (already "
+                              "a build) otherwise"),
              "blockers": (list[dict[str, Any]], "The first text tensors off the grid (text_off_grid counts all)"),
              "tensors": (list[dict[str, Any]] | None, "With detail=true: every tensor")})
 def probe_checkpoint(app, p: ProbeParams) -> Reply:

@@ -25,7 +25,7 @@ from tools.measure import evidence, provenance as prov_mod, sweep_report
 from tools.measure.capacity_report import CapacityResult, statement, write_capacity
 from tools.measure.capacity_search import Sample, Search, search_capacity
 from tools.measure.capacity_slo import Term, goodput_limits, parse_slo, slo_text
-from tools.measure.results import CellResult, SweepParams, SweepResult
+from tools.measure.results import CellResult, SweepParams, SweepResult, Tokens
 from tools.measure.sweep import Tally, measure_repeats
 from tools.measure.sweep_worker import BenchWorker
 from tools.serving.endpoint import Endpoint, resolve_endpoint
@@ -45,14 +45,17 @@ class CapacityParams(SweepParams):
     slo: str = Field("ttft_p99_ms=1000,tpot_p99_ms=100",
                      description="Latency target: METRIC_pPCT_ms=LIMIT terms, comma separated (ttft, tpot, itl, "
                                  "e2el at p50, p90, p99)")
-    input_len: int = Field(512, description="Prompt length in tokens")
+    input_len: Tokens = Field(512, description="Prompt length in tokens")
     load: Literal["concurrency", "rate"] = Field("concurrency", description="Search concurrent users, or a "
                                                                             "Poisson request rate (req/s)")
-    max_load: float = Field(64, allow_inf_nan=False, description="Highest load searched (users or req/s)")
-    start: float = Field(1, allow_inf_nan=False, description="First load measured; doubled until a point fails")
-    repeats: int = Field(2, description="Repeats per point (two or more give each term an interval)")
-    noise_rounds: int = Field(1, description="Extra rounds for a point whose interval holds a limit")
-    rel_tol: float = Field(0.1, allow_inf_nan=False, description="Rate searches stop when first fail / last pass <= 1 + this")
+    max_load: float = Field(64, gt=0, le=100_000, allow_inf_nan=False,
+                            description="Highest load searched (users or req/s)")
+    start: float = Field(1, gt=0, le=100_000, allow_inf_nan=False,
+                         description="First load measured; doubled until a point fails")
+    repeats: int = Field(2, ge=1, le=1000, description="Repeats per point (two or more give each term an interval)")
+    noise_rounds: int = Field(1, ge=0, le=100, description="Extra rounds for a point whose interval holds a limit")
+    rel_tol: float = Field(0.1, gt=0, lt=1, allow_inf_nan=False,
+                           description="Rate searches stop when first fail / last pass <= 1 + this")
     label: str = Field("build", description="Build name for tables and the run id (no spaces)")
 
     def checked_terms(self) -> list[Term]:

@@ -11,9 +11,10 @@ import math
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
 
 from tools.core.errors import BadInput, op
+from tools.core.json_files import field_of
 from tools.measure.capacity_search import Search, TermCheck
 from tools.measure.capacity_slo import Term
 from tools.measure.evidence import write_text
@@ -128,11 +129,18 @@ def load_capacity(path: str | Path) -> CapacityResult:
                        detail={"path": str(p)})
     try:
         res = CapacityResult.model_validate_json(f.read_text())
+    except ValidationError as exc:
+        name, msg = field_of(exc)
+        raise BadInput(f"{f}: not a capacity result (field {name!r}: {msg.lower()}); pass a folder written by "
+                       f"{op('capacity')}", detail={"path": str(f), "field": name}) from None
     except (ValueError, OSError) as exc:  # UnicodeDecodeError is a ValueError
         raise BadInput(f"{f}: not a capacity result ({str(exc).splitlines()[0]}); pass a folder written by "
                        f"{op('capacity')}") from exc
     _check_sound(res, f)
     return res
+
+
+LOAD_MAX = 100_000  # the highest load a search may be asked for (CapacityParams.max_load)
 
 
 def _check_sound(r: CapacityResult, f: Path) -> None:
@@ -142,10 +150,14 @@ def _check_sound(r: CapacityResult, f: Path) -> None:
                "usd_per_million": r.usd_per_million, "price_per_hour": r.price_per_hour,
                "goodput": r.goodput.mean if r.goodput else None,
                "out_tok_s": r.out_tok_s.mean if r.out_tok_s else None}
+    limits = {"capacity": LOAD_MAX, "last_pass": LOAD_MAX, "first_fail": LOAD_MAX, "price_per_hour": 1e6}
     for name, v in numbers.items():
-        if v is not None and not math.isfinite(v):
-            raise BadInput(f"{f}: damaged capacity result: {name} is {v}; measure it again with {op('capacity')}",
-                           detail={"path": str(f), "field": name})
+        if v is None:
+            continue
+        top = limits.get(name, 1e15)
+        if not math.isfinite(v) or not 0 <= v <= top:
+            raise BadInput(f"{f}: damaged capacity result: {name} is {v:g}, not a number from 0 to {top:g}; "
+                           f"measure it again with {op('capacity')}", detail={"path": str(f), "field": name})
     if r.last_pass is not None and r.first_fail is not None and r.last_pass >= r.first_fail:
         raise BadInput(f"{f}: damaged capacity result: last_pass {r.last_pass:g} is not below first_fail "
                        f"{r.first_fail:g}; measure it again with {op('capacity')}",

@@ -23,6 +23,7 @@ from pydantic import BaseModel, Field
 from tools.core.api_key import auth_headers
 from tools.core.atomic_files import write_file
 from tools.core.errors import BadInput, ToolFailure, op, param
+from tools.core.params import Seconds
 from tools.serving.endpoint import EndpointParams, resolve_endpoint, resolve_name
 from tools.measure.long_prompts import long_prompts
 from tools.core.output_check import check_output_file
@@ -51,6 +52,7 @@ class CompareParams(EndpointParams):
     derived from these."""
 
     MCP_EXCLUDE: ClassVar[frozenset[str]] = frozenset({"prompts_file", "timeout_s"})
+    MULTILINE: ClassVar[frozenset[str]] = frozenset({"prompts"})
 
     mode: Literal["record", "check", "live"] = Field(
         "check", description="record: save the build's tokens to reference; check: compare with that; live: "
@@ -60,10 +62,10 @@ class CompareParams(EndpointParams):
     other_instance: str | None = Field(None, description="live: the candidate instance")
     prompts: list[str] | None = Field(None, description="record/live: prompts (default: the article's eight)")
     prompts_file: str | None = Field(None, description="record/live: a JSON list or one prompt per line")
-    max_tokens: int = Field(160, ge=1, description="Generated tokens per prompt")
+    max_tokens: int = Field(160, ge=1, le=1_000_000, description="Generated tokens per prompt")
     top_logprobs: int = Field(5, ge=0, le=20, description="Alternatives per position (near-tie check)")
     force: bool = Field(False, description="record: replace an existing reference file")
-    timeout_s: float = Field(600.0, description="Seconds per request")
+    timeout_s: Seconds = Field(600.0, description="Seconds per request")
     long: bool = Field(False, description="record/live: add the ~2k/8k/14k-token needle prompts "
                                           "that fit max_model_len")
 
@@ -169,19 +171,19 @@ def load_prompts(path: str | Path) -> list[str]:
     """A JSON list of strings, or a text file with one prompt per non-empty line."""
     p = Path(path)
     if not p.is_file():
-        raise ToolFailure(f"{p}: prompts file not found; pass a JSON list of strings or one prompt per line")
+        raise BadInput(f"{p}: prompts file not found; pass a JSON list of strings or one prompt per line")
     text = p.read_text()
     if p.suffix == ".json":
         try:
             data = json.loads(text)
         except ValueError as exc:
-            raise ToolFailure(f"{p}: not valid JSON ({exc}); expected a list of prompt strings") from exc
+            raise BadInput(f"{p}: not valid JSON ({exc}); expected a list of prompt strings") from exc
         if not isinstance(data, list) or not all(isinstance(x, str) and x.strip() for x in data) or not data:
-            raise ToolFailure(f"{p}: expected a non-empty JSON list of non-empty prompt strings")
+            raise BadInput(f"{p}: expected a non-empty JSON list of non-empty prompt strings")
         return list(data)
     prompts = [ln.strip() for ln in text.splitlines() if ln.strip()]
     if not prompts:
-        raise ToolFailure(f"{p}: no prompts in the file; write one prompt per line")
+        raise BadInput(f"{p}: no prompts in the file; write one prompt per line")
     return prompts
 
 
@@ -211,9 +213,9 @@ def generate(base_url: str, prompts: list[str], *, max_tokens: int = 160, top_lo
     """Greedy chat completions for every prompt, with exact token ids and top-k alternatives per position."""
     base = base_url.rstrip("/")
     if max_tokens <= 0:
-        raise ToolFailure(f"max_tokens must be positive, got {max_tokens}")
+        raise BadInput(f"max_tokens must be positive, got {max_tokens}")
     if not 0 <= top_logprobs <= 20:
-        raise ToolFailure(f"top_logprobs must be 0..20 (vLLM's default limit), got {top_logprobs}")
+        raise BadInput(f"top_logprobs must be 0..20 (vLLM's default limit), got {top_logprobs}")
     gens: list[Generation] = []
     with httpx.Client(timeout=timeout_s, headers=auth_headers()) as client:
         model, root = _model_of(client, base)
@@ -252,23 +254,29 @@ def generate(base_url: str, prompts: list[str], *, max_tokens: int = 160, top_lo
                        top_logprobs=top_logprobs, generations=gens)
 
 
-def save_record(rec: TokenRecord, path: str | Path) -> Path:
+def save_record(rec: TokenRecord, path: str | Path, *, force: bool = True) -> Path:
+    """Writes the record whole (a refusal names the path); force=False: BadInput when `path` exists by then (a
+    record started beside this one finished first), nothing overwritten."""
     p = Path(path)
     rec.path = str(p)
-    return write_file(p, json.dumps(rec.to_dict(), indent=1) + "\n")  # atomic; a refusal names the path
+    try:
+        return write_file(p, json.dumps(rec.to_dict(), indent=1) + "\n", replace=force)
+    except FileExistsError:
+        raise BadInput(f"{p} appeared while recording; nothing overwritten (pass {param('force', True)} to replace "
+                       f"it)", detail={"path": str(p)}, field="force") from None
 
 
 def load_record(path: str | Path) -> TokenRecord:
     p = Path(path)
     if not p.is_file():
-        raise ToolFailure(f"{p}: reference file not found; write one with {op('compare_tokens.record', out=str(p))}")
+        raise BadInput(f"{p}: reference file not found; write one with {op('compare_tokens.record', out=str(p))}")
     try:
         data = json.loads(p.read_text())
     except ValueError as exc:
-        raise ToolFailure(f"{p}: not JSON ({exc}); pass a file written by {op('compare_tokens.record')}") from exc
+        raise BadInput(f"{p}: not JSON ({exc}); pass a file written by {op('compare_tokens.record')}") from exc
     if not isinstance(data, dict) or data.get("kind") != RECORD_KIND:
-        raise ToolFailure(f"{p}: not a token record (kind {data.get('kind') if isinstance(data, dict) else None!r});"
-                          f" pass a file written by {op('compare_tokens.record')}")
+        raise BadInput(f"{p}: not a token record (kind {data.get('kind') if isinstance(data, dict) else None!r});"
+                       f" pass a file written by {op('compare_tokens.record')}")
     rec = TokenRecord.model_validate(data)
     rec.path = str(p)
     return rec
@@ -304,8 +312,8 @@ def compare_generations(ref: Generation, cand: Generation) -> PromptComparison:
 def compare_records(ref: TokenRecord, cand: TokenRecord, *, reference_name: str | None = None,
                     candidate_name: str | None = None) -> TokenComparison:
     if [g.prompt for g in ref.generations] != [g.prompt for g in cand.generations]:
-        raise ToolFailure("the two records hold different prompts; compare a build against a reference made "
-                          "with the same prompts")
+        raise BadInput("the two records hold different prompts; compare a build against a reference made "
+                       "with the same prompts")
     prompts = [compare_generations(r, c) for r, c in zip(ref.generations, cand.generations)]
     return TokenComparison(reference=reference_name or ref.path or f"{ref.model} at {ref.base_url}",
                            candidate=candidate_name or cand.path or f"{cand.model} at {cand.base_url}",
@@ -318,7 +326,7 @@ def _prompts(params: CompareParams, base_url: str | None = None) -> list[str]:
         prompts = load_prompts(params.prompts_file)
     elif params.prompts:
         if not all(isinstance(p, str) and p.strip() for p in params.prompts):
-            raise ToolFailure("prompts must be non-empty strings")
+            raise BadInput("prompts must be non-empty strings")
         prompts = list(params.prompts)
     else:
         prompts = list(DEFAULT_PROMPTS)
@@ -339,7 +347,7 @@ def record_reference(out: str | Path, params: CompareParams | None = None, *, pr
     base = _default_base_url(params)
     rec = generate(base, _prompts(params, base), max_tokens=params.max_tokens, top_logprobs=params.top_logprobs,
                    timeout_s=params.timeout_s, progress=progress)
-    save_record(rec, out)
+    save_record(rec, out, force=params.force)
     return rec
 
 
@@ -381,17 +389,17 @@ def compare_tokens(params: CompareParams | None = None, *, progress: Progress | 
     params = CompareParams(**{**(params or CompareParams()).model_dump(), **overrides})
     if params.mode == "record":
         if not params.reference:
-            raise ToolFailure("mode 'record' needs reference: the file to write the tokens to")
+            raise BadInput("mode 'record' needs reference: the file to write the tokens to")
         return record_reference(params.reference, params, progress=progress)
     if params.mode == "check":
         if not params.reference:
-            raise ToolFailure("mode 'check' needs reference: a file written by mode 'record'")
+            raise BadInput("mode 'check' needs reference: a file written by mode 'record'")
         return check_against(params.reference, params, progress=progress)
     if params.mode == "live":
         if bool(params.other_url) == bool(params.other_instance):
-            raise ToolFailure("mode 'live' needs other_url (or other_instance): the second build's endpoint "
-                              "(base_url, instance or router is the reference)")
+            raise BadInput("mode 'live' needs other_url (or other_instance): the second build's endpoint "
+                           "(base_url, instance or router is the reference)")
 
         other = params.other_url or resolve_name(params.other_instance).base_url
         return compare_live(_default_base_url(params), other, params, progress=progress)
-    raise ToolFailure(f"mode {params.mode!r} is not one of record, check, live")
+    raise BadInput(f"mode {params.mode!r} is not one of record, check, live")

@@ -22,7 +22,7 @@ from pydantic import BaseModel, Field, create_model
 
 from tools.core.api_key import auth_headers
 from tools.core.errors import BadInput, ToolFailure, param
-from tools.core.params import OpParams
+from tools.core.params import OpParams, Seconds, Seed
 from tools.measure import evidence, provenance as prov_mod
 from tools.measure.decode_params import checkpoint_sampling, request_errors
 from tools.core.output_check import check_output_folder
@@ -44,9 +44,9 @@ class DecodeRequests(OpParams):
     """What every decode run sends: the shipped prompts, the output length, the seeds."""
 
     prompts: int = Field(20, ge=1, le=20, description="How many of the twenty shipped prompts to send")
-    max_tokens: int = Field(256, ge=2, description="Output tokens per request at most")
-    seed: int = Field(0, description="Sampling seed of prompt i is seed + i (checkpoint sampling)")
-    request_timeout_s: float = Field(600.0, gt=0, description="Seconds per request before the run fails")
+    max_tokens: int = Field(256, ge=2, le=1_000_000, description="Output tokens per request at most")
+    seed: Seed = Field(0, description="Sampling seed of prompt i is seed + i (checkpoint sampling)")
+    request_timeout_s: Seconds = Field(600.0, description="Seconds per request before the run fails")
 
 
 class DecodeParams(DecodeRequests, EndpointParams):

@@ -29,13 +29,13 @@ class _Run:
         self.roots = roots
         summary = self._file(self.dir / "summary.json")
         if not summary.is_file():
-            raise ToolFailure(f"{folder} is not an eval run folder (no summary.json): give folders written by "
-                              f"{op('eval')}", {"run": folder})
+            raise BadInput(f"{folder} is not an eval run folder (no summary.json): give folders written by "
+                           f"{op('eval')}", {"run": folder})
         try:
             self.result = EvalResult.model_validate(json.loads(summary.read_text()))
         except (ValueError, ValidationError) as exc:
-            raise ToolFailure(f"{summary} cannot be read as an eval summary: {str(exc).splitlines()[0]}",
-                              {"run": folder}) from exc
+            raise BadInput(f"{summary} cannot be read as an eval summary: {str(exc).splitlines()[0]}",
+                           {"run": folder}) from exc
         prov = self._file(self.dir / "provenance.json")
         try:
             self.config_sha = json.loads(prov.read_text()).get("checkpoint_config_sha256") if prov.is_file() else None
@@ -69,9 +69,9 @@ class _Run:
         except ValueError:
             rel = None
         if rel is None or ".." in rel.parts:
-            raise ToolFailure(f"run {clip(self.name)}: summary.json's samples:{clip(task)} entry {clip(path)} "
-                              f"is not a file inside the run folder; compare the run folder {op('eval')} wrote, "
-                              f"with its summary.json unchanged", {"run": self.name, "task": task})
+            raise BadInput(f"run {clip(self.name)}: summary.json's samples:{clip(task)} entry {clip(path)} "
+                           f"is not a file inside the run folder; compare the run folder {op('eval')} wrote, "
+                           f"with its summary.json unchanged", {"run": self.name, "task": task})
         return rel
 
 

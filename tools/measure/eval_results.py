@@ -12,9 +12,9 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, Field, field_validator
 
-from tools.core.errors import ToolFailure
+from tools.core.errors import BadInput, ToolFailure
 from tools.core.text import clip
-from tools.core.params import OpParams
+from tools.core.params import OpParams, Seconds
 from tools.core.root import PROJECT_ROOT
 from tools.serving.endpoint import EndpointParams
 
@@ -42,7 +42,7 @@ class EvalParams(EndpointParams):
     apply_chat_template: bool = Field(False, description="wrap prompts in the model's chat template (for tasks "
                                                          "written for chat models)")
     num_concurrent: int = Field(8, ge=1, le=64, description="requests in flight (the T4 setup serves 8 at once)")
-    timeout_s: float = Field(24 * 3600.0, gt=0, description="stop lm-eval after this many seconds")
+    timeout_s: Seconds = Field(24 * 3600.0, description="stop lm-eval after this many seconds")
 
     # The tokenizer defaults to the folder the server loaded; a local path from a client would escape the roots.
     MCP_EXCLUDE: ClassVar[frozenset[str]] = frozenset({"timeout_s", "tokenizer"})
@@ -216,7 +216,7 @@ def confine_eval_params(params: EvalParams, roots: Any) -> EvalParams:
                         raise first from None
             p.include_path = str(inc)
     except ValueError as exc:
-        raise ToolFailure(str(exc), {"roots": roots.describe() if hasattr(roots, "describe") else None}) from exc
+        raise BadInput(str(exc), {"roots": roots.describe() if hasattr(roots, "describe") else None}) from exc
     return p
 
 
@@ -225,5 +225,5 @@ def confine_compare_params(params: CompareParams, roots: Any) -> CompareParams:
     try:
         runs = [str(roots.confine(r, "evidence", must_exist=True, what="run")) for r in params.runs]
     except ValueError as exc:
-        raise ToolFailure(str(exc), {"roots": roots.describe() if hasattr(roots, "describe") else None}) from exc
+        raise BadInput(str(exc), {"roots": roots.describe() if hasattr(roots, "describe") else None}) from exc
     return CompareParams(runs=runs)

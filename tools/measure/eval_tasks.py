@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from repack.tiny_model import FIRST_BYTE_ID, pattern_permutation
-from tools.core.errors import ToolFailure
+from tools.core.errors import BadInput, ToolFailure
 from tools.measure.eval_results import TASKS_DIR, EvalParams
 
 
@@ -122,7 +122,7 @@ def check_tasks_before_running(params: EvalParams, include: Path) -> None:
         if not any(needle in p.read_bytes() for p in _task_yamls(builtin) if p.is_file()):
             unknown.append(name)
     if unknown:
-        raise ToolFailure(unknown_tasks_message(", ".join(unknown), params), {"unknown_tasks": unknown})
+        raise BadInput(unknown_tasks_message(", ".join(unknown), params), {"unknown_tasks": unknown})
     offline, hint = offline_hint()
     if not offline:
         return

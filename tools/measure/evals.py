@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from tools.core.api_key import with_client_key
-from tools.core.errors import ToolFailure, op, param
+from tools.core.errors import BadInput, ToolFailure, op, param
 from tools.core.process import kill_group, python_child_env
 from tools.core.root import PROJECT_ROOT
 from tools.measure import evidence, provenance as prov_mod
@@ -72,8 +72,8 @@ def lm_eval_version() -> str | None:
 def _arg_safe(what: str, value: str) -> str:
     # lm-eval splits --model_args on commas and '='.
     if "," in value or "=" in value:
-        raise ToolFailure(f"{what} {value!r} contains ',' or '=', which lm-eval's --model_args cannot carry; "
-                          f"use a path without them", {what: value})
+        raise BadInput(f"{what} {value!r} contains ',' or '=', which lm-eval's --model_args cannot carry; "
+                       f"use a path without them", {what: value})
     return value
 
 
@@ -256,8 +256,8 @@ def _plan(params: EvalParams, serve_config: Any) -> _Plan:
                           "'lm-eval[api]')", {"python": sys.executable})
     include = Path(params.include_path).expanduser().resolve() if params.include_path else TASKS_DIR
     if not include.is_dir():
-        raise ToolFailure(f"include path {params.include_path} is not a folder: give a folder of lm-eval task "
-                          f"YAMLs", {"include_path": params.include_path}, field="include_path")
+        raise BadInput(f"include path {params.include_path} is not a folder: give a folder of lm-eval task "
+                       f"YAMLs", {"include_path": params.include_path}, field="include_path")
     check_tasks_before_running(params, include)
 
     endpoint = resolve_endpoint(params, serve_config)
@@ -268,8 +268,8 @@ def _plan(params: EvalParams, serve_config: Any) -> _Plan:
     server, model = prov_mod.served_model(base_url, params.model)
     tokenizer = params.tokenizer or server.model_root or model
     if not Path(tokenizer).is_dir() and Path(tokenizer).is_absolute():
-        raise ToolFailure(f"tokenizer folder {tokenizer} does not exist on this machine: pass {param('tokenizer')} "
-                          f"with the served model's folder", {"tokenizer": tokenizer}, field="tokenizer")
+        raise BadInput(f"tokenizer folder {tokenizer} does not exist on this machine: pass {param('tokenizer')} "
+                       f"with the served model's folder", {"tokenizer": tokenizer}, field="tokenizer")
     return _Plan(params=params, version=version, include=include, base_url=base_url, server=server, model=model,
                  tokenizer=tokenizer, max_len=server.max_model_len or 2048, serve_config=serve_config)
 
@@ -282,12 +282,8 @@ def _run_folder(params: EvalParams, model: str) -> evidence.EvidenceRun:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ToolFailure(f"output folder {out} cannot be created: {exc.strerror}", {"out": str(out)}) from exc
-    run_id = _run_dir_name(params, model)
-    for k in range(2, 100):  # two runs started in the same second keep separate folders
-        if not (out / run_id).exists():
-            break
-        run_id = f"{_run_dir_name(params, model)}-{k}"
-    run = evidence.EvidenceRun.create(out, run_id)
+    # two runs started in the same second keep separate folders: the second gets a suffix (EvidenceRun.create)
+    run = evidence.EvidenceRun.create(out, _run_dir_name(params, model))
     run.raw.rmdir()  # lm-eval's own output goes to lm_eval/
     return run
 

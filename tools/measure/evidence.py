@@ -19,7 +19,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from tools.core.atomic_files import TempFolder, refusal, write_file
-from tools.core.errors import ToolFailure
+from tools.core.errors import BadInput, ToolFailure
 from tools.measure import provenance as prov_mod
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -65,8 +65,8 @@ def run_id(label: str, kind: str) -> str:
 
 def check_name(value: str, what: str) -> str:
     if not value or not _NAME.match(value):
-        raise ToolFailure(f"{what} {value!r} must be a name of letters, digits, '.', '_' or '-' (no spaces or "
-                          f"slashes)", detail={"field": what, "value": value})
+        raise BadInput(f"{what} {value!r} must be a name of letters, digits, '.', '_' or '-' (no spaces or "
+                       f"slashes)", detail={"field": what, "value": value})
     return value
 
 
@@ -84,10 +84,11 @@ class EvidenceRun:
     @classmethod
     def create(cls, out: str | Path, name: str) -> "EvidenceRun":
         """The run's temporary folder `<out>/.<name>.partial-...`; the ones of runs whose process is gone are
-        removed first."""
+        removed first. Where `name` is taken (a folder, or a run started in the same second) the run is named
+        `name-2`, `name-3`, ... (tools.core.atomic_files.TempFolder): `name` and `path` say which."""
         check_name(name, "run id")
         folder = TempFolder.open(out, name)
-        run = cls(Path(out), name, folder)
+        run = cls(Path(out), folder.final.name, folder)
         try:
             run.raw.mkdir()
         except OSError as exc:

@@ -48,6 +48,7 @@ from typing import Any, Callable, ClassVar, Literal
 from pydantic import BaseModel, Field
 
 from tools.core.errors import BadInput, ToolFailure, param
+from tools.core.params import Seconds
 from tools.measure.uncertainty import FASTER, SLOWER, WITHIN_NOISE, paired_ratio
 from tools.measure.fidelity_files import (DEFAULT_CORPUS, RECORD_KIND, RefWriter, load_corpus,  # noqa: F401
                                           read_reference)
@@ -80,14 +81,14 @@ class RecordLogprobsParams(EndpointParams):
     top_k: int = Field(MAX_TOP_K, ge=1, le=MAX_TOP_K, description="top tokens kept per position (vLLM allows "
                                                                   "up to max_logprobs, 20 by default)")
     force: bool = Field(False, description="replace an existing out file")
-    timeout_s: float = Field(600.0, gt=0, description="seconds per window request")
+    timeout_s: Seconds = Field(600.0, description="seconds per window request")
 
 
 
 class CheckLogprobsParams(EndpointParams):
     reference: str = Field(description="REF.json written by `fidelity record`")
     worst: int = Field(10, ge=0, le=1000, description="how many positions with the largest KLD to list")
-    timeout_s: float = Field(600.0, gt=0, description="seconds per window request")
+    timeout_s: Seconds = Field(600.0, description="seconds per window request")
 
     CLI_POSITIONAL: ClassVar[tuple[str, ...]] = ("reference",)
 

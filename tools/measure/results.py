@@ -7,19 +7,20 @@ from __future__ import annotations
 
 import statistics
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field, computed_field
 
 from tools.core.errors import BadInput, param
 from tools.core.text import clip
-from tools.core.params import OpParams
+from tools.core.params import OpParams, Price, Seconds, Seed
 from tools.serving.endpoint import EndpointParams
 from tools.core.root import PROJECT_ROOT
 from tools.measure.roofline import Roofline
 from tools.measure.uncertainty import Estimate, estimate
 
 DEFAULT_OUT = PROJECT_ROOT / "evidence"
+Tokens = Annotated[int, Field(ge=1, le=10_000_000)]  # a prompt or output length
 
 DEFAULT_PRICE_PER_HOUR = 0.5241  # the article's n1-standard-2 + T4 VM, us-west2 on-demand
 PREFIX_CACHE_POLICY = ("prefix caching left as served; every measured repeat uses prompts from its own seed "
@@ -45,25 +46,28 @@ class SweepParams(EndpointParams):
     MCP_EXCLUDE: ClassVar[frozenset[str]] = frozenset({"run_id", "tokenizer", "model", "cell_timeout_s"})
     MCP_DEFAULTS: ClassVar[dict[str, Any]] = {"out": "."}  # the first evidence root
 
-    input_lens: list[int] = Field(default_factory=lambda: [512, 4096], description="Prompt lengths in tokens")
-    output_len: int = Field(128, description="Output tokens per request (ignore_eos)")
-    concurrencies: list[int] = Field(default_factory=lambda: [1, 4, 8, 16],
-                                     description="Concurrent requests per cell")
-    repeats: int = Field(3, description="Repeats per cell (medians reported)")
-    prompts_per_concurrency: int = Field(4, description="Prompts per cell = max(min_prompts, concurrency x this)")
-    min_prompts: int = Field(4, description="Fewest prompts per cell")
+    input_lens: list[Tokens] = Field(default_factory=lambda: [512, 4096], min_length=1,
+                                     description="Prompt lengths in tokens")
+    output_len: Tokens = Field(128, description="Output tokens per request (ignore_eos)")
+    concurrencies: list[Annotated[int, Field(ge=1, le=100_000)]] = Field(
+        default_factory=lambda: [1, 4, 8, 16], min_length=1, description="Concurrent requests per cell")
+    repeats: int = Field(3, ge=1, le=1000, description="Repeats per cell (medians reported)")
+    prompts_per_concurrency: int = Field(4, ge=1, le=10_000, description="Prompts per cell = max(min_prompts, "
+                                                                         "concurrency x this)")
+    min_prompts: int = Field(4, ge=1, le=1_000_000, description="Fewest prompts per cell")
     label: str = Field("build", description="Build name for tables and the run id (no spaces)")
-    price_per_hour: float = Field(DEFAULT_PRICE_PER_HOUR, description="Machine $/hour (default: the "
+    price_per_hour: Price = Field(DEFAULT_PRICE_PER_HOUR, description="Machine $/hour (default: the "
                                                                       "article's T4 VM)")
     out: Path = Field(DEFAULT_OUT, description="Where the run folder goes (MCP: under an "
                                                "evidence root)")
     resume: bool = Field(False, description="Continue the latest matching run, skipping finished repeats")
     run_id: str | None = Field(None, description="Exact run folder name inside out (resumes it if present)")
-    seed: int = Field(0, description="Prompt seed: equal across builds")
+    seed: Seed = Field(0, description="Prompt seed: equal across builds")
     tokenizer: str | None = Field(None, description="Tokenizer folder; default: the folder the server loaded")
     model: str | None = Field(None, description="Served model name; default: the first of /v1/models")
     warmup: bool = Field(True, description="Warm each cell with separate-seed prompts first")
-    cell_timeout_s: float = Field(3600.0, description="Seconds per repeat before a cell is stopped")
+    cell_timeout_s: Seconds = Field(3600.0, description="Seconds per repeat before a cell is stopped (more than 0, "
+                                                      "at most a week)")
 
     def num_prompts(self, concurrency: int) -> int:
         return max(self.min_prompts, concurrency * self.prompts_per_concurrency)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -21,7 +22,8 @@ from typing import Any, Callable
 
 import httpx
 
-from tools.core.errors import ToolFailure
+from tools.core.atomic_files import HeldFolder
+from tools.core.errors import BadInput, ToolFailure
 from tools.measure import evidence, provenance as prov_mod, sweep_report
 from tools.core.output_check import check_output_folder
 from tools.measure.results import (DEFAULT_OUT, DEFAULT_PRICE_PER_HOUR, METRICS, PREFIX_CACHE_POLICY,  # noqa: F401
@@ -57,17 +59,22 @@ def healthy(base_url: str, timeout: float = 5.0) -> bool:
         return False
 
 
-def _run_dir(params: SweepParams, out: Path) -> Path:
+def _run_dir(params: SweepParams, out: Path) -> HeldFolder:
+    """The run's folder, created or found and held for the sweep (tools.core.atomic_files.HeldFolder): a run id
+    given or a resumed run is that folder (refused while another sweep writes it); a new run's time-stamped name
+    is reserved, with a suffix where a run started in the same second has it."""
     if params.run_id:
-        return out / params.run_id
+        return HeldFolder.reserve(out, params.run_id, exact=True)
     digest = hashlib.sha256(json.dumps(params.identity(), sort_keys=True).encode()).hexdigest()[:8]
     suffix = f"-{params.label}-{digest}"
     if params.resume:
-        existing = sorted((p for p in out.glob(f"*{suffix}") if p.is_dir()), key=lambda p: p.name)
+        named = re.compile(rf".*{re.escape(suffix)}(-[0-9]+)?")  # -2, -3: a run started in the same second
+        existing = sorted((p for p in out.glob(f"*{suffix}*") if named.fullmatch(p.name) and p.is_dir()),
+                          key=lambda p: p.name)
         if existing:
-            return existing[-1]
+            return HeldFolder.hold(existing[-1])
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-    return out / f"{stamp}{suffix}"
+    return HeldFolder.reserve(out, f"{stamp}{suffix}")
 
 
 def _refuse_links(run_dir: Path, out: Path) -> None:
@@ -76,10 +83,10 @@ def _refuse_links(run_dir: Path, out: Path) -> None:
     raw_dir = run_dir / "raw"
     links = [p for p in (run_dir, raw_dir, *(raw_dir.iterdir() if raw_dir.is_dir() else ())) if p.is_symlink()]
     if links:
-        raise ToolFailure(f"{run_dir}: {links[0].relative_to(out)} is a symbolic link, which a resumed sweep "
-                          f"would read and write through; remove the links, or sweep into a new folder (no "
-                          f"resume)",
-                          detail={"path": str(run_dir), "links": [str(p) for p in links[:10]]})
+        raise BadInput(f"{run_dir}: {links[0].relative_to(out)} is a symbolic link, which a resumed sweep "
+                       f"would read and write through; remove the links, or sweep into a new folder (no "
+                       f"resume)",
+                       detail={"path": str(run_dir), "links": [str(p) for p in links[:10]]})
 
 
 def _load_done(raw_dir: Path, input_len: int, concurrency: int, repeat: int,
@@ -130,11 +137,15 @@ def sweep(params: SweepParams, endpoint: Endpoint, *, progress: Progress | None 
         serve_config = endpoint.config
     server, model = prov_mod.served_model(base_url, params.model)
     tokenizer = params.tokenizer or server.model_root or model
-    max_len = server.max_model_len
-
     out = Path(params.out)
-    out.mkdir(parents=True, exist_ok=True)
-    run_dir = _run_dir(params, out)
+    with _run_dir(params, out) as held:  # no other sweep writes this folder while this one does
+        return _sweep_into(params, held.path, out, endpoint, base_url=base_url, server=server, model=model,
+                           tokenizer=tokenizer, progress=progress, serve_config=serve_config)
+
+
+def _sweep_into(params: SweepParams, run_dir: Path, out: Path, endpoint: Endpoint, *, base_url: str, server: Any,
+                model: str, tokenizer: str, progress: Progress | None, serve_config: Any) -> SweepResult:
+    max_len = server.max_model_len
     raw_dir = run_dir / "raw"
     _refuse_links(run_dir, out)
     raw_dir.mkdir(parents=True, exist_ok=True)

@@ -20,7 +20,7 @@ from tools.core.errors import BadInput, ToolFailure, op, param
 from tools.measure.evidence import write_text, write_texts
 from tools.measure.results import DEFAULT_PRICE_PER_HOUR, METRICS, SweepResult
 from tools.measure.uncertainty import METHOD, Estimate, Ratio, ratio
-from tools.core.params import OpParams
+from tools.core.params import OpParams, Price
 
 CSV_COLUMNS = ("input_len", "output_len", "concurrency", "num_prompts", "status", "repeats_ok", "repeats",
                *(f"{m}" for m in METRICS), "output_throughput_spread_pct", "mean_ttft_ms_spread_pct",
@@ -195,11 +195,11 @@ def load_run(path: str | Path) -> SweepResult:
         res = SweepResult.model_validate_json(f.read_text())
     except ValueError as exc:
         raise BadInput(f"{f}: not a sweep summary ({str(exc).splitlines()[0]}); pass a folder written by "
-                          f"{op('sweep')}") from exc
+                       f"{op('sweep')}") from exc
     if res.finished is None:  # the folder stays in place while a sweep runs (for --resume): unfinished looks alike
-        raise ToolFailure(f"{p}: this sweep was stopped before it finished ({len(res.cells)} cells begun); "
-                          f"complete it with {op('sweep', resume=True, label=res.label)} and its other options",
-                          detail={"path": str(p), "finished": None, "cells": len(res.cells)})
+        raise BadInput(f"{p}: this sweep was stopped before it finished ({len(res.cells)} cells begun); "
+                       f"complete it with {op('sweep', resume=True, label=res.label)} and its other options",
+                       detail={"path": str(p), "finished": None, "cells": len(res.cells)})
     return res
 
 
@@ -268,7 +268,7 @@ def compare_runs(paths: list[str | Path], *, price_per_hour: float = DEFAULT_PRI
     default the first input length at the concurrency where the last run peaks.
     """
     if len(paths) < 2:
-        raise ToolFailure("sweep-compare needs two or more run folders (earlier builds first, the candidate last)")
+        raise BadInput("sweep-compare needs two or more run folders (earlier builds first, the candidate last)")
     runs = [load_run(p) for p in paths]
     labels = run_labels(runs)
     last = labels[-1]
@@ -294,7 +294,7 @@ def compare_runs(paths: list[str | Path], *, price_per_hour: float = DEFAULT_PRI
     if cost_cell is not None:
         cc = next((x for x in cells if (x.input_len, x.concurrency) == tuple(cost_cell)), None)
         if cc is None:
-            raise ToolFailure(f"cost cell input {cost_cell[0]}, c={cost_cell[1]} is in none of the runs")
+            raise BadInput(f"cost cell input {cost_cell[0]}, c={cost_cell[1]} is in none of the runs")
         cost = [CostRow(label=lab, out_tok_s=tp, usd_per_million=cost_per_million(tp, price_per_hour))
                 for lab, tp in zip(labels, cc.out_tok_s)]
     cmp = SweepComparison(labels=labels, run_dirs=[str(p) for p in paths], price_per_hour=price_per_hour,
@@ -333,8 +333,8 @@ class CompareSweepsParams(OpParams):
                                                           "the candidate last")
     output: str | None = Field(None, description="Optional .md file for it (and a .json), "
                                                  "outside the run folders")
-    price_per_hour: float = Field(DEFAULT_PRICE_PER_HOUR, ge=0, description="Machine $/hour (default: the "
-                                                                           "article's T4 VM)")
+    price_per_hour: Price = Field(DEFAULT_PRICE_PER_HOUR, description="Machine $/hour (default: the "
+                                                                      "article's T4 VM)")
     force: bool = Field(False, description="Replace an existing output")
 
 
@@ -350,17 +350,17 @@ def write_comparison(cmp: SweepComparison, out: str | Path, *, force: bool = Fal
         r = Path(run).resolve()
         for f in (md, js):
             if r == f.resolve().parent or r in f.resolve().parents:
-                raise ToolFailure(f"output {f} lies inside the input run folder {run}; write the comparison "
-                                  f"somewhere else", detail={"output": str(f), "run_dir": str(run)})
+                raise BadInput(f"output {f} lies inside the input run folder {run}; write the comparison "
+                               f"somewhere else", detail={"output": str(f), "run_dir": str(run)})
     for f in (md, js):  # --force replaces a file, never a folder (or anything else) in the way
         if (f.exists() or f.is_symlink()) and not f.is_file():
-            raise ToolFailure(f"output {f} is a folder or not a regular file; give another output",
-                              detail={"output": str(f)})
+            raise BadInput(f"output {f} is a folder or not a regular file; give another output",
+                           detail={"output": str(f)})
     existing = [str(f) for f in (md, js) if f.exists()]
     if existing and not force:
-        raise ToolFailure(f"{', '.join(existing)} exists; pass {param('force', True)} to replace it, or give another "
-                          f"output",
-                          detail={"existing": existing})
+        raise BadInput(f"{', '.join(existing)} exists; pass {param('force', True)} to replace it, or give another "
+                       f"output",
+                       detail={"existing": existing})
     md.parent.mkdir(parents=True, exist_ok=True)
     write_texts((js, json.dumps(cmp.to_dict(), indent=2) + "\n"), (md, cmp.markdown + "\n"))
     return md

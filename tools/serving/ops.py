@@ -8,7 +8,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
-from tools.core.params import OpParams
+from tools.core.params import NAME_MAX, NAME_RULE, Name, OpParams
 
 
 INSTANCE_HELP = "Named instance (default: the default one)"
@@ -25,7 +25,8 @@ class StartParams(InstanceParams):
     MCP_EXCLUDE: ClassVar[frozenset[str]] = frozenset({"cpus"})  # a machine-local knob
 
     model: str | None = Field(None, description="Checkpoint folder or hub id (default: MODEL_NAME)")
-    served_name: str | None = Field(None, description="Name clients send as model (default: SERVED_MODEL_NAME)")
+    served_name: Name | None = Field(None, description=f"Name clients send as model (default: SERVED_MODEL_NAME); "
+                                                       f"{NAME_RULE}, at most {NAME_MAX}")
     port: int | None = Field(None, ge=1, le=65535, description="Port (default: PORT)")
     max_model_len: int | None = Field(None, ge=16, description="Context length (default: MAX_MODEL_LEN)")
     max_num_seqs: int | None = Field(None, ge=1, description="Concurrent sequences (default: MAX_NUM_SEQS)")
@@ -57,6 +58,7 @@ class StatusParams(InstanceParams):
 
 class QueryParams(InstanceParams):
     CLI_POSITIONAL = ("prompt",)
+    MULTILINE: ClassVar[frozenset[str]] = frozenset({"prompt"})
 
     prompt: str = Field(min_length=1, description="User message (chat template applied)")
     max_tokens: int = Field(64, ge=1, le=4096, description="Tokens to generate at most")
