@@ -75,9 +75,9 @@ def main() -> int:
 
     from repack.build import BuildOptions, build_checkpoint
     from repack import tiny_model
-    from tools.measure.compare_tokens import CompareParams, check_against, record_reference
+    from tools.measure.tokens.compare import CompareParams, check_against, record_reference
     from tools.serving.config import load_config
-    from tools.measure.fidelity import CheckLogprobsParams, RecordLogprobsParams, check_logprobs, record_logprobs
+    from tools.measure.fidelity.run import CheckLogprobsParams, RecordLogprobsParams, check_logprobs, record_logprobs
     from tools.serving.vllm_server import start_server, stop_server
 
     work = Path(args.work or tempfile.mkdtemp(prefix="fidelity-tiny-"))

@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tools.measure.provenance import collect, server_info  # noqa: E402
-from tools.measure.sweep import SweepParams, prompt_seed, run_sweep  # noqa: E402
+from tools.measure.sweep.run import SweepParams, prompt_seed, run_sweep  # noqa: E402
 
 DIRECT = """
 import json, sys

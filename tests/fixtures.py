@@ -86,7 +86,7 @@ def fake_eval_run(folder: Path, label: str, per_doc: dict[int, float], *, hashes
     import json
     import math
 
-    from tools.measure import evals
+    from tools.measure.evals import run as evals
 
     lm = folder / "lm_eval" / "m"
     lm.mkdir(parents=True)

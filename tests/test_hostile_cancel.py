@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from tools.mcp.jobs import JobRegistry, JobState
-from tools.measure import evals
+from tools.measure.evals import run as evals
 
 QUIET_CHILD = [sys.executable, "-c", "import os, time; print(os.getpid(), flush=True); time.sleep(120)"]
 

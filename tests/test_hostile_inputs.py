@@ -190,7 +190,7 @@ def test_doctor_names_the_env_file_and_the_key(case, tmp_path, capsys, monkeypat
 
 
 def _reference(path: Path) -> None:
-    from tools.measure.fidelity_files import RefWriter
+    from tools.measure.fidelity.files import RefWriter
 
     w = RefWriter(path, {"model": "m", "tokenizer_sha256": "t", "window": 4, "top_k": 2, "first_scored": 1,
                          "prefix_ids": [], "windows": 1}, force=False)
@@ -235,7 +235,7 @@ def test_fidelity_check_refuses_a_damaged_reference_before_any_server(case, tmp_
 
 
 def test_an_intact_reference_reads_whole(tmp_path):
-    from tools.measure.fidelity_files import read_reference
+    from tools.measure.fidelity.files import read_reference
 
     _reference(tmp_path / "REF.json")
     header, footer, windows = read_reference(tmp_path / "REF.json")
@@ -252,8 +252,8 @@ def test_eval_compare_names_the_samples_file_the_line_and_the_field(case, tmp_pa
     from fixtures import fake_eval_run
 
     from tools.mcp.errors import to_tool_error
-    from tools.measure.eval_compare import compare_evals
-    from tools.measure.eval_results import CompareParams
+    from tools.measure.evals.compare import compare_evals
+    from tools.measure.evals.results import CompareParams
 
     a = fake_eval_run(tmp_path / "a", "a", {0: 1.0, 1: 0.0, 2: 1.0})
     b = fake_eval_run(tmp_path / "b", "b", {0: 1.0, 1: 1.0, 2: 1.0})
@@ -284,7 +284,7 @@ def test_eval_refuses_a_task_name_no_file_can_have(tmp_path, capsys):
     from pydantic import ValidationError
 
     from tools.mcp.errors import to_tool_error
-    from tools.measure.eval_results import EvalParams
+    from tools.measure.evals.results import EvalParams
 
     name = "t" * 300
     rc, err = _run(capsys, ["eval", "--tasks", name, "--out", tmp_path / "ev", "--base-url", "http://127.0.0.1:9"])
@@ -374,7 +374,7 @@ def test_prompt_arguments_that_would_change_the_steps_are_refused(given):
 def test_compare_logprobs_names_reference_where_record_says_out(tmp_path):
     from tools.core.errors import ToolFailure
     from tools.mcp.wording import MCP
-    from tools.measure.fidelity import CompareLogprobsParams, compare_logprobs
+    from tools.measure.fidelity.run import CompareLogprobsParams, compare_logprobs
 
     (tmp_path / "plain").write_text("a file\n")
     for ref in (tmp_path, tmp_path / "plain" / "ref.json"):  # a folder; a parent that is a file

@@ -1,7 +1,7 @@
 """The kill matrix for `./vllm-t4 eval`: SIGINT, SIGTERM or SIGKILL while lm-eval waits on its first request. A
 stand-in server describes itself as vLLM does (/v1/models naming a real tokenizer folder, /version) and holds
 every completion request unanswered, so lm-eval is inside its run when the command is signalled. Every case:
-lm-eval (the command's child, under tools.measure.parent_watch) ends with the command; SIGINT and SIGTERM exit
+lm-eval (the command's child, under tools.core.parent_watch) ends with the command; SIGINT and SIGTERM exit
 130 / 143 with one last line, no traceback and nothing in --out; a SIGKILL leaves the run's temporary folder,
 which the next write there, of any command, sweeps."""
 

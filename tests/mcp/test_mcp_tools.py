@@ -309,8 +309,8 @@ def test_a_measurement_resolves_the_endpoint_and_reads_the_config_once(mcp, monk
     """One run_sweep (or run_decode_bench) call shapes its request once, called directly or through start_job
     (whose check's result is the job's input): one endpoint resolution and one read of tpu.env, which the
     measurement itself does not repeat (here it fails fast after them: nothing answers at the URL)."""
-    import tools.measure.decode as decode_mod
-    import tools.measure.sweep as sweep_mod
+    import tools.measure.decode.run as decode_mod
+    import tools.measure.sweep.run as sweep_mod
     import tools.mcp.app as app_mod
     import tools.mcp.measure_tools as measure_tools
     import tools.serving.endpoint as endpoint_mod
@@ -515,8 +515,8 @@ def test_errors_echo_little_of_an_input_and_hide_symlink_targets(mcp, roots, tmp
 
 
 def _fake_run(folder: Path, label: str, tok_s: float) -> Path:
-    from tools.measure.results import CellResult, SweepResult
-    from tools.measure.sweep_report import write_run
+    from tools.measure.sweep.params import CellResult, SweepResult
+    from tools.measure.sweep.report import write_run
 
     res = SweepResult(run_id=folder.name, run_dir=str(folder), label=label, params={}, started="2026-01-01",
                       finished="2026-01-01",
@@ -610,7 +610,7 @@ def test_compare_logprobs_confines_its_paths_and_refuses_an_existing_record(mcp,
     assert "exists; pass force=true" in errors[3] and "--force" not in errors[3]
     assert ref.read_text() == "keep me\n" and not (ev / "new.json").exists()
     # The shipped corpus is allowed by its path; the server refusal then comes from the library.
-    from tools.measure.fidelity import DEFAULT_CORPUS
+    from tools.measure.fidelity.run import DEFAULT_CORPUS
 
     (err,) = _refusals(mcp, [("compare_logprobs", {"mode": "record", "reference": "new.json",
                                                    "corpus": str(DEFAULT_CORPUS), "base_url": dead})])

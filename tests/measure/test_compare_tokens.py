@@ -7,7 +7,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from tools.measure.compare_tokens import (DEFAULT_PROMPTS, CompareParams, Generation, TokenRecord, compare_generations,
+from tools.measure.tokens.compare import (DEFAULT_PROMPTS, CompareParams, Generation, TokenRecord, compare_generations,
                                   compare_records, compare_tokens, load_prompts, load_record, save_record)
 from tools.core.errors import ToolFailure
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from tools.core.errors import ToolFailure
-from tools.measure import eval_tasks, evals
-from tools.measure.evals import CompareParams, EvalParams
+from tools.measure.evals import run as evals, tasks as eval_tasks
+from tools.measure.evals.run import CompareParams, EvalParams
 
 from fixtures import fake_eval_run
 
@@ -42,7 +42,7 @@ def _one_line_error(capsys, name: str) -> str:
 
 def test_shipped_task_data_follows_the_tiny_models_pattern():
     """The JSONL files the tiny_pattern tasks read are what the tiny model's permutation gives (regenerate with
-    `python -m tools.measure.eval_tasks --write-tiny-tasks` when the pattern changes)."""
+    `python -m tools.measure.evals.tasks --write-tiny-tasks` when the pattern changes)."""
     mc, gen = eval_tasks.tiny_pattern_docs(0)
     folder = evals.TASKS_DIR / "tiny_pattern"
     shipped_mc = [json.loads(x) for x in (folder / "tiny_pattern_mc.jsonl").read_text().splitlines()]
@@ -376,8 +376,8 @@ def test_a_killed_runs_temporary_folder_is_removed_by_the_next_run(tmp_path):
     import subprocess
     import sys
 
-    killed = ("import os, sys; from tools.measure import evals; "
-              "from tools.measure.evals import EvalParams; "
+    killed = ("import os, sys; from tools.measure.evals import run as evals; "
+              "from tools.measure.evals.run import EvalParams; "
               "evals._run_folder(EvalParams(tasks=['tiny_pattern_mc'], label='killed', out=sys.argv[1]), 'm'); "
               "os.kill(os.getpid(), 9)")
     dead = subprocess.run([sys.executable, "-c", killed, str(tmp_path)], cwd=evals.PROJECT_ROOT)

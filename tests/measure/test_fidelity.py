@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from tools.cli import main as cli_main
-from tools.measure import fidelity as fid
+from tools.measure.fidelity import run as fid
 
 # ---------------------------------------------------------------------------------------------------------------
 # The metric against brute force on full distributions
@@ -430,7 +430,7 @@ def test_vllm_bf16_embedding_build_against_emb4(bf16_server, emb4_server, tmp_pa
 def test_vllm_negative_control_perturbed_scales_fail_the_metrics(perturbed_server, emb4_server, tmp_path):
     """The reference from the int4-embedding build, checked against a copy of it with wrong scales
     (conftest.perturb_scales): the fidelity metrics and the greedy tokens must both say so."""
-    from tools.measure.compare_tokens import CompareParams, check_against, record_reference
+    from tools.measure.tokens.compare import CompareParams, check_against, record_reference
 
     cfg, changed = perturbed_server
     assert any(n.startswith("lm_head") for n in changed)
@@ -452,7 +452,7 @@ def test_vllm_negative_control_perturbed_scales_fail_the_metrics(perturbed_serve
 
 
 def test_long_prompts_hit_their_targets_within_max_model_len():
-    from tools.measure.long_prompts import DEFAULT_TARGETS, build_long_prompts, needle_prompt
+    from tools.measure.tokens.long_prompts import DEFAULT_TARGETS, build_long_prompts, needle_prompt
 
     def count(prompt):  # a byte-level tokenizer plus a few template tokens, like the tiny model's
         return len(prompt.encode()) + 7
@@ -472,7 +472,7 @@ def test_long_prompts_hit_their_targets_within_max_model_len():
 
 
 def test_compare_record_long_adds_the_needle_prompts(tmp_path, monkeypatch, capsys):
-    import tools.measure.compare_tokens as ct
+    import tools.measure.tokens.compare as ct
 
     asked = {}
     monkeypatch.setattr(ct, "long_prompts", lambda base, **kw: asked.setdefault("long", ["NEEDLE PROMPT"]))
@@ -496,8 +496,8 @@ def test_compare_record_long_adds_the_needle_prompts(tmp_path, monkeypatch, caps
 
 @pytest.mark.vllm
 def test_vllm_long_prompts_sized_by_the_served_tokenizer(emb4_server, tmp_path):
-    from tools.measure.compare_tokens import CompareParams, check_against, record_reference
-    from tools.measure.long_prompts import long_prompts
+    from tools.measure.tokens.compare import CompareParams, check_against, record_reference
+    from tools.measure.tokens.long_prompts import long_prompts
 
     prompts = long_prompts(emb4_server.base_url, max_tokens=16, targets=(200, 400, 4096))
     assert len(prompts) == 2  # 4096 does not fit the fixture's max_model_len

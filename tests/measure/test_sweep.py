@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tools.measure.compare_tokens import CompareParams, check_against, compare_live, load_record, record_reference
-from tools.measure.sweep import SweepParams, raw_name, run_sweep
+from tools.measure.tokens.compare import CompareParams, check_against, compare_live, load_record, record_reference
+from tools.measure.sweep.run import SweepParams, raw_name, run_sweep
 
 pytestmark = pytest.mark.vllm
 ROOT = Path(__file__).resolve().parents[2]

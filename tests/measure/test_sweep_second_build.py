@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tools.measure.compare_tokens import CompareParams, check_against, compare_live, record_reference
-from tools.measure.sweep import SweepParams, raw_name, run_sweep
+from tools.measure.tokens.compare import CompareParams, check_against, compare_live, record_reference
+from tools.measure.sweep.run import SweepParams, raw_name, run_sweep
 
 from fixtures import group_alive
 

@@ -18,8 +18,8 @@ import psutil
 import pytest
 
 from tests import fake_bench
-from tools.measure.results import SweepParams, SweepResult
-from tools.measure.sweep import BenchWorker, _run_cells, raw_name
+from tools.measure.sweep.params import SweepParams, SweepResult
+from tools.measure.sweep.run import BenchWorker, _run_cells, raw_name
 
 
 
@@ -200,7 +200,7 @@ def test_requests_that_fail_fail_the_cell_from_their_results(fake_vllm, tmp_path
 
 
 def test_health_is_asked_only_after_a_failed_cell(fake_vllm, tmp_path, monkeypatch):
-    from tools.measure import sweep
+    from tools.measure.sweep import run as sweep
 
     asked: list[str] = []
     answers = iter([False, False, True])
@@ -234,7 +234,7 @@ def test_health_is_asked_only_after_a_failed_cell(fake_vllm, tmp_path, monkeypat
 _HOLDER = '''
 import argparse, json, sys
 from tools import cli
-from tools.measure.sweep import BenchWorker
+from tools.measure.sweep.run import BenchWorker
 
 def hold(args):
     with BenchWorker() as worker:

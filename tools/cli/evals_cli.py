@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 from tools.cli.commands import Command, add_commands, fail
 from tools.core.errors import ToolFailure
-from tools.measure.evals import CompareParams, EvalParams, compare_evals, run_eval, summary_markdown
+from tools.measure.evals.run import CompareParams, EvalParams, compare_evals, run_eval, summary_markdown
 from tools.core.jsonout import dumps
 
 

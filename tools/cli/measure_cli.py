@@ -14,15 +14,15 @@ import sys
 from typing import Callable
 
 from tools.cli.commands import Command, add_commands, emit as _emit
-from tools.measure.capacity import CapacityParams, failure_if_error, run_capacity
-from tools.measure.capacity_report import compare_capacity
-from tools.measure.compare_tokens import CompareParams, check_against, compare_live, record_reference, short_prompt
-from tools.measure.decode import DecodeParams, markdown_run, run_decode
-from tools.measure.decode_sweep import DecodeSweepParams, compare_decode_runs, run_decode_sweep
+from tools.measure.capacity.run import CapacityParams, failure_if_error, run_capacity
+from tools.measure.capacity.report import compare_capacity
+from tools.measure.tokens.compare import CompareParams, check_against, compare_live, record_reference, short_prompt
+from tools.measure.decode.run import DecodeParams, markdown_run, run_decode
+from tools.measure.decode.sweep import DecodeSweepParams, compare_decode_runs, run_decode_sweep
 from tools.measure.pareto import pareto, write_pareto
-from tools.measure.results import DEFAULT_OUT, DEFAULT_PRICE_PER_HOUR, SweepParams
-from tools.measure.sweep import run_sweep
-from tools.measure.sweep_report import compare_runs, load_run, plot_runs
+from tools.measure.sweep.params import DEFAULT_OUT, DEFAULT_PRICE_PER_HOUR, SweepParams
+from tools.measure.sweep.run import run_sweep
+from tools.measure.sweep.report import compare_runs, load_run, plot_runs
 from tools.serving.config import load_config
 from tools.serving.endpoint import EndpointParams, resolve_endpoint, resolve_name
 

@@ -40,10 +40,10 @@ from tools.core.errors import BadInput, ToolFailure, param
 from tools.core.process import free_port
 from tools.core.root import PROJECT_ROOT
 from tools.measure import evidence as evidence_files
-from tools.measure.server_guard import owned_server
-from tools.measure.compare_tokens import CompareParams, TokenComparison, check_against, record_reference
-from tools.measure.sweep import run_sweep
-from tools.measure.sweep_report import compare_runs, markdown_run
+from tools.serving.server_guard import owned_server
+from tools.measure.tokens.compare import CompareParams, TokenComparison, check_against, record_reference
+from tools.measure.sweep.run import run_sweep
+from tools.measure.sweep.report import compare_runs, markdown_run
 from tools.serving.config import DEFAULT_ENV_FILE, load_config
 from tools.serving.fetch import FetchParams, fetch_checkpoint
 from tools.serving.hub import SOURCE_REPO, hf_token

@@ -1,9 +1,9 @@
-"""Accuracy tools: lm-evaluation-harness against the server and eval runs side by side (tools/measure/evals.py
+"""Accuracy tools: lm-evaluation-harness against the server and eval runs side by side (tools/measure/evals/run.py
 does the work)."""
 
 from __future__ import annotations
 
-from tools.measure.evals import (CompareParams, EvalComparison, EvalParams, EvalResult, compare_evals as compare,
+from tools.measure.evals.run import (CompareParams, EvalComparison, EvalParams, EvalResult, compare_evals as compare,
                                  confine_compare_params, confine_eval_params, run_eval as evaluate,
                                  summary_markdown)
 from tools.mcp.registry import Reply, tool

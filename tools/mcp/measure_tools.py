@@ -9,15 +9,15 @@ from typing import Any, NamedTuple
 from tools.core.errors import ToolFailure, op
 from tools.core.paths import PathNotAllowed
 from tools.core.text import clip
-from tools.measure.capacity import CapacityParams, capacity, failure_if_error
-from tools.measure.capacity_report import CapacityResult, compare_capacity, is_capacity_run
-from tools.measure.compare_tokens import CompareParams, TokenComparison, TokenRecord, compare_tokens as compare
-from tools.measure.decode import DecodeParams, DecodeSummary, run_decode
-from tools.measure.fidelity import (DEFAULT_CORPUS, CheckLogprobsResult, CompareLogprobsParams,
+from tools.measure.capacity.run import CapacityParams, capacity, failure_if_error
+from tools.measure.capacity.report import CapacityResult, compare_capacity, is_capacity_run
+from tools.measure.tokens.compare import CompareParams, TokenComparison, TokenRecord, compare_tokens as compare
+from tools.measure.decode.run import DecodeParams, DecodeSummary, run_decode
+from tools.measure.fidelity.run import (DEFAULT_CORPUS, CheckLogprobsResult, CompareLogprobsParams,
                                     RecordLogprobsResult, compare_logprobs as logprob_fidelity)
-from tools.measure.results import SweepParams, SweepResult
-from tools.measure.sweep import sweep
-from tools.measure.sweep_report import CompareSweepsParams, SweepComparison, compare_runs, write_comparison
+from tools.measure.sweep.params import SweepParams, SweepResult
+from tools.measure.sweep.run import sweep
+from tools.measure.sweep.report import CompareSweepsParams, SweepComparison, compare_runs, write_comparison
 from tools.mcp.registry import Reply, tool
 from tools.serving.endpoint import Endpoint, resolve_endpoint, resolve_name
 

@@ -20,9 +20,9 @@ from pydantic import BaseModel, Field
 
 from tools.core.errors import BadInput, op
 from tools.measure import evidence
-from tools.measure.capacity_report import is_capacity_run
-from tools.measure.results import DEFAULT_OUT, SweepResult
-from tools.measure.sweep_report import load_run, run_labels
+from tools.measure.capacity.report import is_capacity_run
+from tools.measure.sweep.params import DEFAULT_OUT, SweepResult
+from tools.measure.sweep.report import load_run, run_labels
 from tools.measure.uncertainty import METHOD
 
 # Each run is read whole and plotted: beyond this many the command runs for minutes and holds gigabytes, and

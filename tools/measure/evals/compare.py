@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, StrictInt, TypeAdapter, ValidationEr
 from tools.core.errors import BadInput, ToolFailure, op
 from tools.core.json_files import validate_lines
 from tools.core.text import clip
-from tools.measure.eval_results import CompareParams, EvalComparison, EvalDiff, EvalResult, RunInfo, fmt
+from tools.measure.evals.results import CompareParams, EvalComparison, EvalDiff, EvalResult, RunInfo, fmt
 from tools.measure.uncertainty import WITHIN_NOISE, verdict
 
 

@@ -6,7 +6,7 @@ end-to-end time and the generated token ids. Around the run the server's `/metri
 of vLLM's speculative-decoding counters give the acceptance rate, the mean accepted length (bonus token
 included, vLLM's convention) and the acceptance per draft position. The result goes to an evidence folder
 (tools/measure/evidence.py). The counters are read in tools/measure/spec_metrics.py; drafter settings side by
-side are tools/measure/decode_sweep.py's.
+side are tools/measure/decode/sweep.py's.
 """
 
 from __future__ import annotations
@@ -23,14 +23,14 @@ from pydantic import BaseModel, Field, create_model
 from tools.core.errors import BadInput, ToolFailure, param
 from tools.core.params import OpParams
 from tools.measure import evidence, provenance as prov_mod
-from tools.measure.decode_params import checkpoint_sampling, request_errors
+from tools.measure.decode.params import checkpoint_sampling, request_errors
 from tools.core.output_check import check_output_folder
-from tools.measure.results import DEFAULT_OUT
+from tools.measure.sweep.params import DEFAULT_OUT
 from tools.measure.roofline import SPECULATIVE_NOTE, Roofline, roofline_or_reason
 from tools.measure.spec_metrics import read_spec_counters, spec_delta, speculative_from_argv
 from tools.serving.endpoint import Endpoint, EndpointParams, resolve_endpoint
 
-PROMPTS_FILE = Path(__file__).resolve().parent / "data" / "decode-prompts.json"
+PROMPTS_FILE = Path(__file__).resolve().parents[1] / "data" / "decode-prompts.json"
 
 Progress = Callable[[int, int, str], None]
 

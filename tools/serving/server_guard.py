@@ -38,7 +38,7 @@ def owned_server(state_file: str | Path) -> Iterator[None]:
     this process is gone, even by SIGKILL."""
     r, w = os.pipe()
     try:
-        guard = subprocess.Popen([sys.executable, "-m", "tools.measure.server_guard", str(state_file),
+        guard = subprocess.Popen([sys.executable, "-m", "tools.serving.server_guard", str(state_file),
                                   str(os.getpid())], stdin=r, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                  env=python_child_env(PROJECT_ROOT), start_new_session=True)
     finally:

@@ -12,8 +12,8 @@ that a failed or interrupted run leaves nothing half-written:
   summary.json, summary.md                                 task, metric, value, stderr, n per row
   provenance.json                                          machine, server, checkpoint hash, lm-eval, task versions
 
-The parameter and result models are tools/measure/eval_results.py's, the task checks and the project's own tasks
-tools/measure/eval_tasks.py's, runs side by side (`compare_evals`) tools/measure/eval_compare.py's.
+The parameter and result models are tools/measure/evals/results.py's, the task checks and the project's own tasks
+tools/measure/evals/tasks.py's, runs side by side (`compare_evals`) tools/measure/evals/compare.py's.
 
 Task YAMLs in an include folder may name local data (`dataset_path: json`, `dataset_kwargs.data_files`):
 relative paths there resolve against the include folder, which is lm-eval's working directory.
@@ -43,11 +43,11 @@ from tools.measure import evidence, provenance as prov_mod
 from tools.core.output_check import check_output_folder
 # The eval operations in one import for the front ends (run, compare, the parameter and result models, the
 # confinement to the MCP server's roots); each lives in its module of one concern.
-from tools.measure.eval_compare import compare_evals  # noqa: F401
-from tools.measure.eval_results import (TASKS_DIR, CompareParams, EvalComparison, EvalParams, EvalResult,  # noqa: F401
+from tools.measure.evals.compare import compare_evals  # noqa: F401
+from tools.measure.evals.results import (TASKS_DIR, CompareParams, EvalComparison, EvalParams, EvalResult,  # noqa: F401
                                         TaskScore, confine_compare_params, confine_eval_params, scores_from_results,
                                         summary_markdown)
-from tools.measure.eval_tasks import check_tasks_before_running, offline_hint, unknown_tasks_message
+from tools.measure.evals.tasks import check_tasks_before_running, offline_hint, unknown_tasks_message
 from tools.serving.endpoint import resolve_endpoint
 
 Progress = Callable[[int, int, str], None]
@@ -299,7 +299,7 @@ def _lm_eval_command(plan: _Plan, lm_dir: Path) -> list[str]:
         f"max_length={plan.max_len}", f"num_concurrent={params.num_concurrent}", "max_retries=3",
         "tokenized_requests=True"])
     # parent_watch: lm-eval ends with this process even when it is killed with SIGKILL
-    cmd = [sys.executable, "-m", "tools.measure.parent_watch", "lm_eval", "run", "--model", "local-completions",
+    cmd = [sys.executable, "-m", "tools.core.parent_watch", "lm_eval", "run", "--model", "local-completions",
            "--model_args", model_args,
            "--tasks", ",".join(params.tasks), "--include_path", str(plan.include),
            "--output_path", str(lm_dir), "--log_samples", "--gen_kwargs", "temperature=0"]

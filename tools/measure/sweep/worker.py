@@ -1,6 +1,6 @@
 """The sweep's benchmark worker: vLLM's own `vllm bench serve` called in-process, cell after cell.
 
-The cells run in one worker process per sweep (`python -m tools.measure.sweep_worker --worker`) that imports
+The cells run in one worker process per sweep (`python -m tools.measure.sweep.worker --worker`) that imports
 `vllm.benchmarks.serve` once (the CPU build's `vllm` console script is broken; the import costs seconds, paid
 once, not per cell) and takes cell specs over a pipe. It stays a separate process, never an import into the
 caller: the benchmark is asyncio-heavy and imports torch, the MCP server never imports vLLM, and a process can be
@@ -30,8 +30,8 @@ import httpx
 from tools.core.metrics import samples, total
 from tools.core.process import kill_group, python_child_env
 from tools.measure import evidence
-from tools.measure.parent_watch import end_with_parent
-from tools.measure.results import METRICS, PROJECT_ROOT, RepeatResult
+from tools.core.parent_watch import end_with_parent
+from tools.measure.sweep.params import METRICS, PROJECT_ROOT, RepeatResult
 from tools.measure.spec_metrics import parse_spec_counters, spec_delta
 
 
@@ -77,7 +77,7 @@ class BenchWorker:
         r, w = os.pipe()
         env = python_child_env(PROJECT_ROOT)
         try:
-            self.proc = subprocess.Popen([sys.executable, "-m", "tools.measure.sweep_worker", "--worker", "--answer-fd", str(w)],
+            self.proc = subprocess.Popen([sys.executable, "-m", "tools.measure.sweep.worker", "--worker", "--answer-fd", str(w)],
                                          cwd=str(PROJECT_ROOT), env=env, stdin=subprocess.PIPE,
                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                          pass_fds=(w,), start_new_session=True)
@@ -360,7 +360,7 @@ def _write_raw(out: Path, record: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(prog="python -m tools.measure.sweep_worker", description="The sweep's benchmark worker (internal).")
+    ap = argparse.ArgumentParser(prog="python -m tools.measure.sweep.worker", description="The sweep's benchmark worker (internal).")
     ap.add_argument("--worker", action="store_true", required=True, help="read cell specs from stdin")
     ap.add_argument("--answer-fd", type=int, required=True, help="file descriptor for one answer line per cell")
     raise SystemExit(_worker_main(ap.parse_args().answer_fd))

@@ -20,7 +20,7 @@ from tools.core.json_files import field_of
 
 RECORD_KIND = "gemma4-t4/logprob-record"
 RECORD_VERSION = 1
-DEFAULT_CORPUS = Path(__file__).resolve().parent / "data" / "fidelity-corpus.txt"
+DEFAULT_CORPUS = Path(__file__).resolve().parents[1] / "data" / "fidelity-corpus.txt"
 
 
 # ------------------------------------------------------------------------------------------------------------

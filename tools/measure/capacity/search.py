@@ -19,7 +19,7 @@ from typing import Callable, Literal
 
 from pydantic import BaseModel, Field
 
-from tools.measure.capacity_slo import Term
+from tools.measure.capacity.slo import Term
 from tools.measure.uncertainty import estimate
 
 PASS, FAIL, NOISE = "pass", "fail", "within noise"

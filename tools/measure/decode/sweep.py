@@ -15,9 +15,9 @@ from pydantic import BaseModel, Field
 
 from tools.core.errors import BadInput, ToolFailure, op, param
 from tools.measure import evidence
-from tools.measure.decode import DecodeParams, DecodeRequests, DecodeResult, Progress, fmt, pct, run_decode
-from tools.measure.results import DEFAULT_OUT
-from tools.measure.server_guard import owned_server
+from tools.measure.decode.run import DecodeParams, DecodeRequests, DecodeResult, Progress, fmt, pct, run_decode
+from tools.measure.sweep.params import DEFAULT_OUT
+from tools.serving.server_guard import owned_server
 from tools.measure.uncertainty import Ratio, paired_ratio
 from tools.serving.config import load_config
 from tools.core.output_check import check_output_folder
@@ -221,7 +221,7 @@ def run_decode_sweep(params: DecodeSweepParams, *, progress: Progress | None = N
                      **config_overrides: Any) -> DecodeSweepResult:
     """Start the server once per drafter setting, run the decode benchmark for each sampling, stop it; write the
     comparison. config_overrides go to load_config (a test's port and state dir). The server is always stopped,
-    whatever ends the sweep: a SIGKILL of this process too (tools.measure.server_guard)."""
+    whatever ends the sweep: a SIGKILL of this process too (tools.serving.server_guard)."""
     evidence.check_name(params.label, "label")
     check_output_folder(params.out)  # before any server starts
     if not params.draft_tokens or any(k < 0 for k in params.draft_tokens):

@@ -18,7 +18,7 @@ from pydantic import BaseModel, Field
 
 from tools.core.errors import BadInput, ToolFailure, op, param
 from tools.measure.evidence import write_text, write_texts
-from tools.measure.results import DEFAULT_PRICE_PER_HOUR, METRICS, SweepResult
+from tools.measure.sweep.params import DEFAULT_PRICE_PER_HOUR, METRICS, SweepResult
 from tools.measure.uncertainty import METHOD, Estimate, Ratio, ratio
 from tools.core.params import OpParams
 

@@ -23,7 +23,7 @@ from pydantic import BaseModel, Field
 from tools.core.atomic_files import write_file
 from tools.core.errors import BadInput, ToolFailure, op, param
 from tools.serving.endpoint import EndpointParams, resolve_endpoint, resolve_name
-from tools.measure.long_prompts import long_prompts
+from tools.measure.tokens.long_prompts import long_prompts
 from tools.core.output_check import check_output_file
 from tools.measure.provenance import config_sha256
 

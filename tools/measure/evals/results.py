@@ -19,7 +19,7 @@ from tools.core.root import PROJECT_ROOT
 from tools.serving.endpoint import EndpointParams
 
 DEFAULT_OUT = PROJECT_ROOT / "evidence"
-TASKS_DIR = Path(__file__).resolve().parent / "tasks"  # the project's own task definitions
+TASKS_DIR = Path(__file__).resolve().parents[1] / "tasks"  # the project's own task definitions
 
 
 

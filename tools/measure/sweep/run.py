@@ -1,7 +1,7 @@
 """The serving sweep: vLLM's own `vllm bench serve` over input lengths x concurrencies x repeats, saved as evidence.
 
 One cell is (input length, concurrency). The cells run in one benchmark worker process per sweep
-(tools/measure/sweep_worker.py). The server's /health is asked again only after a cell failed (a server that dies
+(tools/measure/sweep/worker.py). The server's /health is asked again only after a cell failed (a server that dies
 shows in the requests' results).
 
 Prompts: vLLM's random dataset is deterministic in its seed. Each (input length, concurrency, repeat) gets its
@@ -22,14 +22,15 @@ from typing import Any, Callable
 import httpx
 
 from tools.core.errors import ToolFailure
-from tools.measure import evidence, provenance as prov_mod, sweep_report
+from tools.measure import evidence, provenance as prov_mod
+from tools.measure.sweep import report as sweep_report
 from tools.core.output_check import check_output_folder
-from tools.measure.results import (DEFAULT_OUT, DEFAULT_PRICE_PER_HOUR, METRICS, PREFIX_CACHE_POLICY,  # noqa: F401
+from tools.measure.sweep.params import (DEFAULT_OUT, DEFAULT_PRICE_PER_HOUR, METRICS, PREFIX_CACHE_POLICY,  # noqa: F401
                                    PROJECT_ROOT, CellResult, RepeatResult, SweepParams, SweepResult, aggregate,
                                    cell_acceptance)
 from tools.measure.roofline import SPECULATIVE_NOTE, Roofline, roofline_or_reason, sweep_context
 from tools.measure.spec_metrics import speculative_from_argv
-from tools.measure.sweep_worker import BenchWorker, raw_name
+from tools.measure.sweep.worker import BenchWorker, raw_name
 from tools.serving import router as router_mod
 from tools.serving.endpoint import Endpoint, resolve_endpoint
 

@@ -1,6 +1,6 @@
 """lm-eval tasks before lm-eval runs: task names and offline datasets checked in about a second (lm-eval itself
 indexes ~15,000 task YAMLs first), and the project's own tiny_pattern tasks, built from the tiny test model's
-pattern (`python -m tools.measure.eval_tasks --write-tiny-tasks` rewrites their data files)."""
+pattern (`python -m tools.measure.evals.tasks --write-tiny-tasks` rewrites their data files)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any
 
 from repack.tiny_model import FIRST_BYTE_ID, pattern_permutation
 from tools.core.errors import ToolFailure
-from tools.measure.eval_results import TASKS_DIR, EvalParams
+from tools.measure.evals.results import TASKS_DIR, EvalParams
 
 
 def unknown_tasks_message(names: str, params: EvalParams) -> str:
@@ -175,7 +175,7 @@ def write_tiny_pattern_tasks(folder: Path = TASKS_DIR / "tiny_pattern", seed: in
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(prog="python -m tools.measure.eval_tasks")
+    ap = argparse.ArgumentParser(prog="python -m tools.measure.evals.tasks")
     ap.add_argument("--write-tiny-tasks", action="store_true",
                     help="regenerate tools/measure/tasks/tiny_pattern/*.jsonl from the tiny model's pattern")
     if ap.parse_args().write_tiny_tasks:

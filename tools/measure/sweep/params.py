@@ -1,5 +1,5 @@
 """What a sweep is asked and what it returns: the parameter and result models, shared by the sweep runner
-(tools/measure/sweep.py), its evidence files and comparisons (tools/measure/sweep_report.py), the command line
+(tools/measure/sweep/run.py), its evidence files and comparisons (tools/measure/sweep/report.py), the command line
 and the MCP server. Kept apart so that neither of the two modules has to import the other.
 """
 

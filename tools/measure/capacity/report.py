@@ -14,8 +14,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from tools.core.errors import BadInput, op
-from tools.measure.capacity_search import Search, TermCheck
-from tools.measure.capacity_slo import Term
+from tools.measure.capacity.search import Search, TermCheck
+from tools.measure.capacity.slo import Term
 from tools.measure.evidence import write_text
 from tools.measure.uncertainty import METHOD, Estimate
 

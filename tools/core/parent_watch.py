@@ -1,4 +1,4 @@
-"""`python -m tools.measure.parent_watch MODULE [ARGS...]`: MODULE run as `python -m MODULE ARGS...`, ended with
+"""`python -m tools.core.parent_watch MODULE [ARGS...]`: MODULE run as `python -m MODULE ARGS...`, ended with
 its process group when the process that started it is gone.
 
 A child started in a session of its own (so that it can be stopped with everything it started) outlives a parent
@@ -31,7 +31,7 @@ def end_with_parent(interval_s: float = 0.5) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) < 2:
-        raise SystemExit("usage: python -m tools.measure.parent_watch MODULE [ARGS...]")
+        raise SystemExit("usage: python -m tools.core.parent_watch MODULE [ARGS...]")
     end_with_parent()
     module = sys.argv[1]
     del sys.argv[1]
