@@ -78,7 +78,8 @@ def main() -> int:
     from tools.measure.tokens.compare import CompareParams, check_against, record_reference
     from tools.serving.config import load_config
     from tools.measure.fidelity.run import CheckLogprobsParams, RecordLogprobsParams, check_logprobs, record_logprobs
-    from tools.serving.vllm_server import start_server, stop_server
+    from tools.serving.launch import start_server
+    from tools.serving.vllm_server import stop_server
 
     work = Path(args.work or tempfile.mkdtemp(prefix="fidelity-tiny-"))
     if args.tiny:
@@ -101,7 +102,7 @@ def main() -> int:
         "bf16-embeddings": work / "gemma-4-tiny-text",
         "emb4": work / "gemma-4-tiny-text-emb4",
     }
-    from repack.grid import DEFAULT_OBJECTIVE
+    from repack.choices import DEFAULT_OBJECTIVE
 
     objective = args.objective or DEFAULT_OBJECTIVE
     build_checkpoint(info.path, builds["bf16-embeddings"],

@@ -37,7 +37,8 @@ from tools.gpu.vram import host_memory, server_process_pids  # noqa: E402
 from tools.measure.decode.run import DecodeParams, run_decode  # noqa: E402
 from tools.measure.roofline import cpu_copy_bandwidth, decode_step_bytes  # noqa: E402
 from tools.serving.config import load_config  # noqa: E402
-from tools.serving.vllm_server import start_server, stop_server  # noqa: E402
+from tools.serving.launch import start_server
+from tools.serving.vllm_server import stop_server
 
 GIB = 2**30
 BUILDS = {"bf16-emb": BuildOptions(text_only=True, embed_int4=False, embed_tokens=False),

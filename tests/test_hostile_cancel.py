@@ -16,6 +16,7 @@ import pytest
 
 from tools.mcp.jobs import JobRegistry, JobState
 from tools.measure.evals import run as evals
+from tools.measure.evals.results import EvalParams
 
 QUIET_CHILD = [sys.executable, "-c", "import os, time; print(os.getpid(), flush=True); time.sleep(120)"]
 
@@ -86,7 +87,7 @@ def test_a_cancelled_eval_writes_no_run_folder(tmp_path, monkeypatch):
     monkeypatch.setattr(evals, "_provenance", lambda *a: {})
     out = tmp_path / "ev"
     with pytest.raises(JobCancelled):
-        evals.run_eval(evals.EvalParams(tasks=["t"], out=str(out)), progress)
+        evals.run_eval(EvalParams(tasks=["t"], out=str(out)), progress)
     assert os.listdir(out) == []
 
 

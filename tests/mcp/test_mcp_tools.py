@@ -610,7 +610,7 @@ def test_compare_logprobs_confines_its_paths_and_refuses_an_existing_record(mcp,
     assert "exists; pass force=true" in errors[3] and "--force" not in errors[3]
     assert ref.read_text() == "keep me\n" and not (ev / "new.json").exists()
     # The shipped corpus is allowed by its path; the server refusal then comes from the library.
-    from tools.measure.fidelity.run import DEFAULT_CORPUS
+    from tools.measure.fidelity.files import DEFAULT_CORPUS
 
     (err,) = _refusals(mcp, [("compare_logprobs", {"mode": "record", "reference": "new.json",
                                                    "corpus": str(DEFAULT_CORPUS), "base_url": dead})])

@@ -350,7 +350,7 @@ def test_stream_chat_reads_token_ids_usage_and_sends_the_sampling():
 
 
 def test_checkpoint_sampling_reads_generation_config(tmp_path):
-    from tools.measure.decode.run import checkpoint_sampling
+    from tools.measure.decode.params import checkpoint_sampling
 
     f = tmp_path / "generation_config.json"
     f.write_text(json.dumps({"temperature": 1.0, "top_k": 64, "top_p": 0.95, "do_sample": True}))

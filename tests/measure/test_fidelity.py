@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from tools.cli import main as cli_main
-from tools.measure.fidelity import run as fid
+from tools.measure.fidelity import files, run as fid
 
 # ---------------------------------------------------------------------------------------------------------------
 # The metric against brute force on full distributions
@@ -237,14 +237,14 @@ def test_record_streams_one_window_at_a_time(tmp_path, corpus, monkeypatch):
     """Each window is on disk before the next is scored."""
     ref = tmp_path / "ref.json"
     seen = []
-    real = fid.RefWriter.window
+    real = files.RefWriter.window
 
     def spy(self, obj):
         real(self, obj)
         self.f.flush()
         seen.append(self.f.tmp.read_text().count('"index":'))
 
-    monkeypatch.setattr(fid.RefWriter, "window", spy)
+    monkeypatch.setattr(files.RefWriter, "window", spy)
     with FakeVllm() as srv:
         fid.record_logprobs(fid.RecordLogprobsParams(out=str(ref), corpus=str(corpus), window=100,
                                                      base_url=srv.url))
@@ -289,7 +289,7 @@ def test_existing_out_is_kept_unless_force(tmp_path, corpus, capsys):
         rc, _, err = _cli(capsys, "fidelity", "record", "--out", str(ref), "--corpus", str(corpus), "--force",
                           "--window", "500", "--base-url", srv.url)
     assert rc == 0, err
-    assert json.loads(ref.read_text())["kind"] == fid.RECORD_KIND
+    assert json.loads(ref.read_text())["kind"] == files.RECORD_KIND
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt", "ref.json"]  # no temporary left
 
 
@@ -379,8 +379,8 @@ def test_no_server_is_exit_1(tmp_path, corpus, capsys):
 
 
 def test_shipped_corpus_is_utf8_text_of_several_windows():
-    path, text, _ = fid.load_corpus(None)
-    assert path == fid.DEFAULT_CORPUS
+    path, text, _ = files.load_corpus(None)
+    assert path == files.DEFAULT_CORPUS
     assert len(text.encode()) > 4 * 1024  # byte-level tiny model: several 1024-token windows
 
 

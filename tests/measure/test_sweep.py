@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 
 from tools.measure.tokens.compare import CompareParams, check_against, compare_live, load_record, record_reference
-from tools.measure.sweep.run import SweepParams, raw_name, run_sweep
+from tools.measure.sweep.params import SweepParams
+from tools.measure.sweep.run import run_sweep
+from tools.measure.sweep.worker import raw_name
 
 pytestmark = pytest.mark.vllm
 ROOT = Path(__file__).resolve().parents[2]

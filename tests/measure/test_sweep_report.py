@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 
 from tools.core.errors import ToolFailure
-from tools.measure.sweep.run import RepeatResult, SweepParams, _run_dir, aggregate, prompt_seed
+from tools.measure.sweep.cells import prompt_seed
+from tools.measure.sweep.params import RepeatResult, SweepParams, aggregate
+from tools.measure.sweep.run import _run_dir
 from tools.measure.sweep.report import compare_runs, cost_per_million, load_run, markdown_run
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 
 from tools.measure.tokens.compare import CompareParams, check_against, compare_live, record_reference
-from tools.measure.sweep.run import SweepParams, raw_name, run_sweep
+from tools.measure.sweep.params import SweepParams
+from tools.measure.sweep.run import run_sweep
+from tools.measure.sweep.worker import raw_name
 
 from fixtures import group_alive
 

@@ -19,7 +19,8 @@ import pytest
 
 from tests import fake_bench
 from tools.measure.sweep.params import SweepParams, SweepResult
-from tools.measure.sweep.run import BenchWorker, _run_cells, raw_name
+from tools.measure.sweep.worker import BenchWorker, raw_name
+from tools.measure.sweep.run import _run_cells
 
 
 
@@ -200,7 +201,7 @@ def test_requests_that_fail_fail_the_cell_from_their_results(fake_vllm, tmp_path
 
 
 def test_health_is_asked_only_after_a_failed_cell(fake_vllm, tmp_path, monkeypatch):
-    from tools.measure.sweep import run as sweep
+    from tools.measure.sweep import cells, run as sweep
 
     asked: list[str] = []
     answers = iter([False, False, True])
@@ -210,6 +211,7 @@ def test_health_is_asked_only_after_a_failed_cell(fake_vllm, tmp_path, monkeypat
         return next(answers)
 
     monkeypatch.setattr(sweep, "healthy", healthy)
+    monkeypatch.setattr(cells, "healthy", healthy)
     run_dir = tmp_path / "run"
     (run_dir / "raw").mkdir(parents=True)
     params = SweepParams(input_lens=[10], concurrencies=[1], repeats=2, prompts_per_concurrency=2, min_prompts=2,
@@ -234,7 +236,7 @@ def test_health_is_asked_only_after_a_failed_cell(fake_vllm, tmp_path, monkeypat
 _HOLDER = '''
 import argparse, json, sys
 from tools import cli
-from tools.measure.sweep.run import BenchWorker
+from tools.measure.sweep.worker import BenchWorker
 
 def hold(args):
     with BenchWorker() as worker:

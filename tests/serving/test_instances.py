@@ -176,7 +176,8 @@ def test_port_of_a_running_instance_is_refused(tmp_path, fleet):
 
 def test_cpu_cores_one_per_instance_then_refused(tmp_path, fleet):
     from tools.serving import instances
-    from tools.serving.vllm_server import Hardware, start_server
+    from tools.serving.hardware import Hardware
+    from tools.serving.launch import start_server
 
     class TwoCores(Hardware):
         def platform(self):
@@ -210,7 +211,7 @@ def test_cpu_cores_one_per_instance_then_refused(tmp_path, fleet):
 
 def test_cpu_parallelism_needs_a_core_per_rank(tmp_path):
     from tools.serving import instances
-    from tools.serving.vllm_server import Hardware
+    from tools.serving.hardware import Hardware
 
     class TwoCores(Hardware):
         def platform(self):
@@ -365,7 +366,7 @@ def test_mcp_tools_take_an_instance(tmp_path, fleet):
 def test_vram_marks_each_instances_processes(tmp_path, fleet):
     from tests.gpu.test_vram import T4_TOTAL, FakeNvml
     from tools.gpu.vram import MIB, vram_status
-    from tools.serving.instances import process_owners
+    from tools.serving.placement import process_owners
 
     a = fleet("a", free_port(), platform="cuda", gpus=[0], gpu_memory_utilization=0.45)
     b = fleet("b", free_port(), platform="cuda", gpus=[0], gpu_memory_utilization=0.45)
@@ -385,7 +386,8 @@ def test_router_lifecycle_over_stand_in_workers(tmp_path, fleet):
     import httpx
 
     from tools.serving import router
-    from tools.serving.router import Backend, request_counts
+    from tools.serving.router_state import Backend
+    from tools.serving.router import request_counts
 
     pa, pb, pr = free_port(), free_port(), free_port()
     fleet("a", pa, serve=True)

@@ -22,7 +22,8 @@ import pytest
 from tools.serving import turing_patch
 from tools.core.errors import ToolFailure
 from fixtures import fake_t4_hardware, group_alive
-from tools.serving.vllm_server import server_status, start_server, stop_server
+from tools.serving.vllm_server import server_status, stop_server
+from tools.serving.launch import start_server
 from tools.cli.commands import CLI
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -271,7 +272,7 @@ class FakeT4WithVram(FakeT4):
         self.asked: list[int] = []
 
     def vram(self, pids):
-        from tools.serving.vllm_server import Vram
+        from tools.serving.hardware import Vram
 
         self.asked = list(pids)
         return Vram(used_mib=13581, total_mib=15360, utilization_pct=0, process_mib=13300)

@@ -13,7 +13,9 @@ from typing import Any, Callable
 
 from tools.cli.commands import Command, add_commands, fail
 from tools.core.errors import ToolFailure
-from tools.measure.evals.run import CompareParams, EvalParams, compare_evals, run_eval, summary_markdown
+from tools.measure.evals.results import CompareParams, EvalParams, summary_markdown
+from tools.measure.evals.compare import compare_evals
+from tools.measure.evals.run import run_eval
 from tools.core.jsonout import dumps
 
 

@@ -46,9 +46,11 @@ from tools.measure.sweep.run import run_sweep
 from tools.measure.sweep.report import compare_runs, markdown_run
 from tools.serving.config import DEFAULT_ENV_FILE, load_config
 from tools.serving.fetch import FetchParams, fetch_checkpoint
-from tools.serving.hub import SOURCE_REPO, hf_token
+from repack.checks import SOURCE_REPO
+from tools.serving.hub import hf_token
 from tools.serving.preflight import PreflightParams, run_preflight
-from tools.serving.vllm_server import start_server, stop_server
+from tools.serving.launch import start_server
+from tools.serving.vllm_server import stop_server
 
 SOURCE_KEY = "SOURCE_CHECKPOINT"
 

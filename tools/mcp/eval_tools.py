@@ -3,9 +3,10 @@ does the work)."""
 
 from __future__ import annotations
 
-from tools.measure.evals.run import (CompareParams, EvalComparison, EvalParams, EvalResult, compare_evals as compare,
-                                 confine_compare_params, confine_eval_params, run_eval as evaluate,
-                                 summary_markdown)
+from tools.measure.evals.results import (CompareParams, EvalComparison, EvalParams, EvalResult,
+                                         confine_compare_params, confine_eval_params, summary_markdown)
+from tools.measure.evals.compare import compare_evals as compare
+from tools.measure.evals.run import run_eval as evaluate
 from tools.mcp.registry import Reply, tool
 from tools.serving.endpoint import resolve_endpoint
 

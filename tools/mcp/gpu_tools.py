@@ -13,7 +13,7 @@ from tools.gpu import vram
 from tools.gpu.vram import VramStatus
 from tools.mcp.registry import Reply, tool
 from tools.serving import turing_patch
-from tools.serving.instances import process_owners, running
+from tools.serving.placement import process_owners, running
 from tools.serving.turing_patch import PatchStatus
 
 

@@ -13,8 +13,9 @@ from tools.measure.capacity.run import CapacityParams, capacity, failure_if_erro
 from tools.measure.capacity.report import CapacityResult, compare_capacity, is_capacity_run
 from tools.measure.tokens.compare import CompareParams, TokenComparison, TokenRecord, compare_tokens as compare
 from tools.measure.decode.run import DecodeParams, DecodeSummary, run_decode
-from tools.measure.fidelity.run import (DEFAULT_CORPUS, CheckLogprobsResult, CompareLogprobsParams,
-                                    RecordLogprobsResult, compare_logprobs as logprob_fidelity)
+from tools.measure.fidelity.files import DEFAULT_CORPUS
+from tools.measure.fidelity.run import (CheckLogprobsResult, CompareLogprobsParams, RecordLogprobsResult,
+                                        compare_logprobs as logprob_fidelity)
 from tools.measure.sweep.params import SweepParams, SweepResult
 from tools.measure.sweep.run import sweep
 from tools.measure.sweep.report import CompareSweepsParams, SweepComparison, compare_runs, write_comparison

@@ -28,9 +28,10 @@ from pydantic import Field
 from tools.core.errors import ToolFailure
 from tools.core.paths import PATH_MAX, PathNotAllowed
 from tools.core.text import clip
-from tools.mcp.errors import MCP, to_tool_error
+from tools.mcp.wording import MCP
+from tools.mcp.errors import to_tool_error
 from tools.serving.config import ENV_NAMES, parse_env_file
-from tools.serving.preflight import SOURCE_REPO
+from repack.checks import SOURCE_REPO
 from tools.serving.vllm_server import read_log
 
 SCHEME = "gemma4-t4"

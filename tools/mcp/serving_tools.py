@@ -11,8 +11,9 @@ from tools.serving.instances import fleet_status, stop_all
 from tools.serving.model_files import missing_model_fix
 from tools.serving.replace import replace_server
 from tools.serving.ops import LogParams, QueryParams, StartParams, StatusParams, StopParams
-from tools.serving.vllm_server import (QueryResult, ServerStatus, StartResult, StopResult, query, read_log,
-                                       server_status as status, start_server, stop_server)
+from tools.serving.records import QueryResult, ServerStatus, StartResult, StopResult
+from tools.serving.vllm_server import query, read_log, server_status as status, stop_server
+from tools.serving.launch import start_server
 
 
 def _start_config(app, p: StartParams):

@@ -17,7 +17,8 @@ from tools.core.process import end_group, group_members
 from tools.serving import engine_log, state as replace_state
 from tools.serving.config import ServeConfig
 from tools.serving.hardware import Hardware, Vram
-from tools.serving.launch import READINESS_PROMPT, Progress, replace_note, start_server
+from tools.serving.launch import READINESS_PROMPT, replace_note, start_server
+from tools.serving.start_progress import Progress
 from tools.serving.records import QueryResult, ServerStatus, StartResult, StopResult
 from tools.serving.state import DamagedState, ServerState, clear_state, leader, load_state, our_group, pid_recycled
 

@@ -1,7 +1,7 @@
 """`./vllm-t4 capacity`: how many users (or requests per second) one server serves within a latency target.
 
 The search (tools/measure/capacity/search.py) asks for points; each point is a sweep cell measured in the
-sweep's one benchmark worker (tools/measure/sweep/run.measure_repeats: vLLM's `bench serve`, its own seeds, a
+sweep's one benchmark worker (tools/measure/sweep/cells.measure_repeats: vLLM's `bench serve`, its own seeds, a
 warm-up, `--goodput` with the SLO's per-request limits), `repeats` at a time. The run folder is a sweep run
 folder (raw/, summary.*, plot.png, provenance.json) plus capacity.json and capacity.md, built under a temporary
 name and renamed when complete (tools/measure/evidence.EvidenceRun): a stopped or refused search leaves none.
@@ -27,7 +27,7 @@ from tools.measure.capacity.report import CapacityResult, statement, write_capac
 from tools.measure.capacity.search import Sample, Search, search_capacity
 from tools.measure.capacity.slo import Term, goodput_limits, parse_slo, slo_text
 from tools.measure.sweep.params import CellResult, SweepParams, SweepResult
-from tools.measure.sweep.run import Tally, measure_repeats
+from tools.measure.sweep.cells import Tally, measure_repeats
 from tools.measure.sweep.worker import BenchWorker
 from tools.serving.endpoint import Endpoint, resolve_endpoint
 

@@ -22,7 +22,8 @@ from tools.measure.uncertainty import Ratio, paired_ratio
 from tools.serving.config import load_config
 from tools.core.output_check import check_output_folder
 from tools.serving.speculative import parse_speculative_config, validate_speculative_config
-from tools.serving.vllm_server import start_server, stop_server
+from tools.serving.launch import start_server
+from tools.serving.vllm_server import stop_server
 
 
 class DecodeSweepParams(DecodeRequests):

@@ -41,12 +41,7 @@ from tools.core.process import kill_group, python_child_env
 from tools.core.root import PROJECT_ROOT
 from tools.measure import evidence, provenance as prov_mod
 from tools.core.output_check import check_output_folder
-# The eval operations in one import for the front ends (run, compare, the parameter and result models, the
-# confinement to the MCP server's roots); each lives in its module of one concern.
-from tools.measure.evals.compare import compare_evals  # noqa: F401
-from tools.measure.evals.results import (TASKS_DIR, CompareParams, EvalComparison, EvalParams, EvalResult,  # noqa: F401
-                                        TaskScore, confine_compare_params, confine_eval_params, scores_from_results,
-                                        summary_markdown)
+from tools.measure.evals.results import TASKS_DIR, EvalParams, EvalResult, scores_from_results, summary_markdown
 from tools.measure.evals.tasks import check_tasks_before_running, offline_hint, unknown_tasks_message
 from tools.serving.endpoint import resolve_endpoint
 

@@ -49,8 +49,7 @@ from pydantic import BaseModel, Field
 
 from tools.core.errors import BadInput, ToolFailure, param
 from tools.measure.uncertainty import FASTER, SLOWER, WITHIN_NOISE, paired_ratio
-from tools.measure.fidelity.files import (DEFAULT_CORPUS, RECORD_KIND, RefWriter, load_corpus,  # noqa: F401
-                                          read_reference)
+from tools.measure.fidelity.files import RefWriter, load_corpus, read_reference
 from tools.core.output_check import check_output_file
 from tools.measure.server_client import ServerClient
 from tools.serving.endpoint import EndpointParams, resolve_endpoint

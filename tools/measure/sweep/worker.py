@@ -31,7 +31,8 @@ from tools.core.metrics import samples, total
 from tools.core.process import kill_group, python_child_env
 from tools.measure import evidence
 from tools.core.parent_watch import end_with_parent
-from tools.measure.sweep.params import METRICS, PROJECT_ROOT, RepeatResult
+from tools.measure.sweep.params import METRICS, RepeatResult
+from tools.core.root import PROJECT_ROOT
 from tools.measure.spec_metrics import parse_spec_counters, spec_delta
 
 
