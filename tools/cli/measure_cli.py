@@ -205,7 +205,7 @@ COMMANDS = [
     Command("compare", "greedy token identity between builds (record, check, live)",
             description="Exact generated token ids, temperature 0, the server's chat template. Exit 0 whether or "
                         "not tokens differ; 1 when the comparison could not be made.",
-            children=[
+            op="compare_tokens", children=[
                 Command("record", "record the reference build's tokens to a file", env_file=True,
                         extra=_record_flags, run=cmd_compare),
                 Command("check", "compare the serving build with a recorded reference", env_file=True,

@@ -19,7 +19,8 @@ def _eval_inputs(app, p: EvalParams) -> EvalParams:
 
 
 @tool(toolset="eval", title="Accuracy with lm-eval", params=EvalParams, result=EvalResult, long=True,
-      open_world=True, extra={"table_md": (str, "The run's scores as a markdown table")}, check=_eval_inputs)
+      open_world=True, extra={"table_md": (str, "The run's scores as a markdown table")}, check=_eval_inputs,
+      ops="eval")
 def run_eval(app, p: EvalParams, progress, checked: EvalParams) -> Reply:
     """Score the running server with lm-evaluation-harness (greedy, local-completions) on the given tasks; writes
     a run folder (lm-eval's results and samples, summary, provenance) under an evidence root (`out`, default: the
@@ -32,7 +33,7 @@ def run_eval(app, p: EvalParams, progress, checked: EvalParams) -> Reply:
 
 
 @tool(toolset="eval", title="Compare eval runs", params=CompareParams, result=EvalComparison, read_only=True,
-      idempotent=True)
+      idempotent=True, ops="eval_compare")
 def compare_evals(app, p: CompareParams) -> Reply:
     """Eval runs side by side, the first the reference: per task and metric each run's value with its stderr,
     and each later run minus the first paired over the documents both scored, with whether it is within noise.

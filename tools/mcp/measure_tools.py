@@ -41,7 +41,7 @@ def _sweep_inputs(app, p: SweepParams) -> _Sweep:
 @tool(toolset="measure", title="Serving sweep (vllm bench serve)", params=SweepParams, result=SweepResult,
       long=True, open_world=True, check=_sweep_inputs,
       extra={"counts": (dict[str, int], "Cells by status: ok, infeasible, failed"),
-             "table_md": (str, "The run's markdown table")})
+             "table_md": (str, "The run's markdown table")}, ops="sweep")
 def run_sweep(app, p: SweepParams, progress, checked: _Sweep) -> Reply:
     """Measure the running server's throughput with vLLM's own benchmark over input lengths x concurrencies, the
     same prompts for every build; writes a run folder under an evidence root. Long."""
@@ -79,7 +79,7 @@ def _capacity_inputs(app, p: CapacityParams) -> _Capacity:
 
 
 @tool(toolset="capacity", title="Capacity within a latency SLO", params=CapacityParams, result=CapacityResult,
-      long=True, open_world=True, check=_capacity_inputs)
+      long=True, open_world=True, check=_capacity_inputs, ops="capacity")
 def find_capacity(app, p: CapacityParams, progress, checked: _Capacity) -> Reply:
     """The most concurrent users (or Poisson req/s) the running server serves with every SLO term met: doubles
     the load, then bisects, vLLM's bench serve per point; the bracket, goodput, out tok/s and $ per million
@@ -92,7 +92,8 @@ def find_capacity(app, p: CapacityParams, progress, checked: _Capacity) -> Reply
 
 @tool(toolset="measure", title="Compare sweep runs", params=CompareSweepsParams, result=SweepComparison,
       destructive=True, extra={"report_path": (str | None, "Where the comparison was written, when asked"),
-                               "capacity": (str | None, "Capacity runs' verdicts")})
+                               "capacity": (str | None, "Capacity runs' verdicts")},
+      ops=("sweep_compare", "capacity_compare"))
 def compare_sweeps(app, p: CompareSweepsParams) -> Reply:
     """Sweep (or capacity) runs side by side: per cell each run's output tok/s with its 95% interval, the last
     run's ratio to each earlier one with a verdict (faster, slower, within noise), cost per million tokens;
@@ -141,7 +142,8 @@ def _token_inputs(app, p: CompareParams) -> CompareParams:
 
 @tool(toolset="measure", title="Greedy token identity between builds", params=CompareParams,
       result=TokenComparison | TokenRecord, long=True, destructive=True, open_world=True, check=_token_inputs,
-      extra={"report": (str, "The comparison as text (the article's SAME TOKENS lines)")})
+      extra={"report": (str, "The comparison as text (the article's SAME TOKENS lines)")},
+      ops={"compare_tokens": {}, "compare_tokens.record": {"mode": "record"}})
 def compare_tokens(app, p: CompareParams, progress, checked: CompareParams) -> Reply:
     """Whether two builds give the same greedy tokens, prompt by prompt: mode=record with build A, restart with
     build B, mode=check (or mode=live with two instances). Long."""
@@ -173,7 +175,7 @@ def _logprob_inputs(app, p: CompareLogprobsParams) -> CompareLogprobsParams:
 
 @tool(toolset="fidelity", title="Logprob fidelity between builds (KLD)", params=CompareLogprobsParams,
       result=RecordLogprobsResult | CheckLogprobsResult, long=True, destructive=True, open_world=True,
-      check=_logprob_inputs)
+      check=_logprob_inputs, ops={"fidelity.record": {"mode": "record"}, "fidelity.check": {"mode": "check"}})
 def compare_logprobs(app, p: CompareLogprobsParams, progress, checked: CompareLogprobsParams) -> Reply:
     """Full-distribution fidelity of two builds over a text corpus: mode=record scores it with the reference
     build into `reference` (REF.json under an evidence root; force=true to replace one), restart with the other
@@ -200,7 +202,7 @@ def _decode_inputs(app, p: DecodeParams) -> _Decode:
 
 
 @tool(toolset="decode", title="Single-stream decode benchmark (speculative decoding)", params=DecodeParams,
-      result=DecodeSummary, long=True, open_world=True, check=_decode_inputs)
+      result=DecodeSummary, long=True, open_world=True, check=_decode_inputs, ops="decode")
 def run_decode_bench(app, p: DecodeParams, progress, checked: _Decode) -> Reply:
     """Time per output token for one user: twenty chat prompts one at a time, streamed, with the drafter's
     acceptance from /metrics when the server runs speculative decoding; writes a run folder under an evidence

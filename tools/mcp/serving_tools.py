@@ -34,7 +34,7 @@ def _start_config(app, p: StartParams):
 
 
 @tool(toolset="serve", title="Start the vLLM server", params=StartParams, result=StartResult, long=True,
-      open_world=True, check=_start_config)
+      open_world=True, check=_start_config, ops="start")
 def start_vllm_server(app, p: StartParams, progress, checked) -> Reply:
     """Serve a build (a folder under a models root, or a hub id) with vLLM until stopped; returns once it
     answers, with the engine's figures. Long."""
@@ -53,7 +53,7 @@ class StopAll(BaseModel):
 
 
 @tool(toolset="serve", title="Stop the vLLM server", params=StopParams, result=StopResult | StopAll,
-      destructive=True, idempotent=True)
+      destructive=True, idempotent=True, ops="stop")
 def stop_vllm_server(app, p: StopParams) -> Reply:
     """Stop a server this project started (all=true: every one), e.g. to serve another build. Safe when nothing
     runs."""
@@ -67,7 +67,8 @@ def stop_vllm_server(app, p: StopParams) -> Reply:
 
 
 @tool(toolset="serve", title="vLLM server status", params=StatusParams, result=ServerStatus, read_only=True,
-      idempotent=True, extra={"roots": (dict[str, list[str]], "Where tools may read and write paths")})
+      idempotent=True, extra={"roots": (dict[str, list[str]], "Where tools may read and write paths")},
+      ops="status")
 def server_status(app, p: StatusParams) -> Reply:
     """What this project's servers serve and whether they answer, and the path roots; call it when unsure
     what runs."""
@@ -86,7 +87,8 @@ class LogTail(BaseModel):
     lines: list[str] = Field(description="Its last lines")
 
 
-@tool(toolset="log", title="vLLM server log", params=LogParams, result=LogTail, read_only=True, idempotent=True)
+@tool(toolset="log", title="vLLM server log", params=LogParams, result=LogTail, read_only=True, idempotent=True,
+      ops="log")
 def server_logs(app, p: LogParams) -> Reply:
     """The vLLM server log's last lines: read it when a start failed or the server misbehaves."""
     cfg = app.config(instance=p.instance)
@@ -94,7 +96,8 @@ def server_logs(app, p: LogParams) -> Reply:
     return Reply(LogTail(log_path=str(cfg.log_file), lines=out), f"{len(out)} line(s) of {cfg.log_file}")
 
 
-@tool(toolset="serve", title="Ask the served model", params=QueryParams, result=QueryResult, read_only=True)
+@tool(toolset="serve", title="Ask the served model", params=QueryParams, result=QueryResult, read_only=True,
+      ops="query")
 def query_model(app, p: QueryParams) -> Reply:
     """One greedy chat completion from the running server: a quick check that a build answers."""
     app.managed_base_url(p.instance)  # refuses when no server is recorded, instead of posting to the config's port
