@@ -34,11 +34,12 @@ from repack.build import BuildOptions, build_checkpoint  # noqa: E402
 from repack.synthetic import copy_tokenizer, write_e2b_checkpoint  # noqa: E402
 from repack.tiny_model import cached_tiny_qat_checkpoint  # noqa: E402
 from tools.gpu.vram import host_memory, server_process_pids  # noqa: E402
-from tools.measure.decode.run import DecodeParams, run_decode  # noqa: E402
+from tools.measure.decode.params import DecodeParams  # noqa: E402
+from tools.measure.decode.run import run_decode  # noqa: E402
 from tools.measure.roofline import cpu_copy_bandwidth, decode_step_bytes  # noqa: E402
 from tools.serving.config import load_config  # noqa: E402
-from tools.serving.launch import start_server
-from tools.serving.vllm_server import stop_server
+from tools.serving.launch import start_server  # noqa: E402
+from tools.serving.vllm_server import stop_server  # noqa: E402
 
 GIB = 2**30
 BUILDS = {"bf16-emb": BuildOptions(text_only=True, embed_int4=False, embed_tokens=False),

@@ -42,8 +42,8 @@ sys.path.insert(0, str(ROOT))
 
 from tools.measure.provenance import collect, server_info  # noqa: E402
 from tools.measure.sweep.cells import prompt_seed  # noqa: E402
-from tools.measure.sweep.params import SweepParams
-from tools.measure.sweep.run import run_sweep
+from tools.measure.sweep.params import SweepParams  # noqa: E402
+from tools.measure.sweep.run import run_sweep  # noqa: E402
 
 DIRECT = """
 import json, sys

@@ -253,7 +253,7 @@ def test_eval_compare_names_the_samples_file_the_line_and_the_field(case, tmp_pa
 
     from tools.mcp.errors import to_tool_error
     from tools.measure.evals.compare import compare_evals
-    from tools.measure.evals.results import CompareParams
+    from tools.measure.evals.results import EvalCompareParams
 
     a = fake_eval_run(tmp_path / "a", "a", {0: 1.0, 1: 0.0, 2: 1.0})
     b = fake_eval_run(tmp_path / "b", "b", {0: 1.0, 1: 1.0, 2: 1.0})
@@ -266,7 +266,7 @@ def test_eval_compare_names_the_samples_file_the_line_and_the_field(case, tmp_pa
     assert rc == 2, err
     one_line(err, "eval-compare", str(samples), "line 2")
     with pytest.raises(Exception) as e:  # over MCP: the same line, not a bare `doc_id`
-        compare_evals(CompareParams(runs=[str(a), str(b)]))
+        compare_evals(EvalCompareParams(runs=[str(a), str(b)]))
     msg = str(to_tool_error(e.value))
     assert str(samples) in msg and "line 2" in msg and ("doc_id" in msg or case == "garbage"), msg
 

@@ -14,7 +14,7 @@ from tools.core.errors import ToolFailure
 from tools.measure.evals import run as evals, tasks as eval_tasks
 from tools.core.root import PROJECT_ROOT
 from tools.measure.evals.compare import compare_evals
-from tools.measure.evals.results import (TASKS_DIR, CompareParams, EvalParams, TaskScore, confine_compare_params,
+from tools.measure.evals.results import (TASKS_DIR, EvalCompareParams, EvalParams, TaskScore, confine_compare_params,
                                         confine_eval_params)
 
 from fixtures import fake_eval_run
@@ -73,7 +73,7 @@ def test_eval_flags_come_from_the_params_model():
     for name in EvalParams.model_fields:
         assert "--" + name.replace("_", "-") in helps
     args = build_parser().parse_args(["eval-compare", "r1", "r2"])
-    assert CompareParams.from_cli_args(args).runs == ["r1", "r2"]
+    assert EvalCompareParams.from_cli_args(args).runs == ["r1", "r2"]
 
 
 @pytest.mark.parametrize("argv, needle", [
@@ -110,7 +110,7 @@ def test_paired_difference_matches_the_hand_computation(tmp_path):
     a = {i: float(i % 2) for i in range(40)}                 # 0,1,0,1,...  acc 0.5
     b = {i: 1.0 if i % 4 != 0 else 0.0 for i in range(40)}  # acc 0.75
     ra, rb = fake_eval_run(tmp_path / "a", "ref", a), fake_eval_run(tmp_path / "b", "cand", b)
-    cmp = compare_evals(CompareParams(runs=[str(ra), str(rb)]))
+    cmp = compare_evals(EvalCompareParams(runs=[str(ra), str(rb)]))
     (row,) = cmp.rows
     d = [b[i] - a[i] for i in range(40)]
     mean = sum(d) / 40
@@ -122,12 +122,12 @@ def test_paired_difference_matches_the_hand_computation(tmp_path):
 
     # The same documents scored the same way: within noise with a zero stderr.
     rc = fake_eval_run(tmp_path / "c", "same", a)
-    (row,) = compare_evals(CompareParams(runs=[str(ra), str(rc)])).rows
+    (row,) = compare_evals(EvalCompareParams(runs=[str(ra), str(rc)])).rows
     assert row.diff == 0 and row.diff_stderr == 0 and row.within_noise is True
 
     # Documents whose content differs (doc_hash) are not paired.
     rd = fake_eval_run(tmp_path / "d", "other", a, hashes={0: "x", 1: "y"})
-    (row,) = compare_evals(CompareParams(runs=[str(ra), str(rd)])).rows
+    (row,) = compare_evals(EvalCompareParams(runs=[str(ra), str(rd)])).rows
     assert row.n_paired == 38 and "doc_hash" in row.note
 
 
@@ -349,7 +349,7 @@ def test_mcp_paths_stay_inside_the_roots(tmp_path):
     with pytest.raises(ToolFailure, match="out .*outside the evidence roots"):
         confine_eval_params(EvalParams(tasks=["t"], out=str(tmp_path / "elsewhere")), roots)
     with pytest.raises(ToolFailure, match="run .*outside the evidence roots"):
-        confine_compare_params(CompareParams(runs=[str(tmp_path), str(tmp_path)]), roots)
+        confine_compare_params(EvalCompareParams(runs=[str(tmp_path), str(tmp_path)]), roots)
 
 
 def test_progress_is_read_from_lm_evals_output(tmp_path):

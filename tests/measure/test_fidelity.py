@@ -430,17 +430,17 @@ def test_vllm_bf16_embedding_build_against_emb4(bf16_server, emb4_server, tmp_pa
 def test_vllm_negative_control_perturbed_scales_fail_the_metrics(perturbed_server, emb4_server, tmp_path):
     """The reference from the int4-embedding build, checked against a copy of it with wrong scales
     (conftest.perturb_scales): the fidelity metrics and the greedy tokens must both say so."""
-    from tools.measure.tokens.compare import CompareParams, check_against, record_reference
+    from tools.measure.tokens.compare import TokenCompareParams, check_against, record_reference
 
     cfg, changed = perturbed_server
     assert any(n.startswith("lm_head") for n in changed)
     ref = tmp_path / "emb4.json"
     _record(emb4_server, ref, window=256, max_corpus_tokens=1024)
     tokens_ref = tmp_path / "emb4-tokens.json"
-    record_reference(tokens_ref, CompareParams(base_url=emb4_server.base_url, max_tokens=48))
+    record_reference(tokens_ref, TokenCompareParams(base_url=emb4_server.base_url, max_tokens=48))
 
     res = fid.check_logprobs(fid.CheckLogprobsParams(reference=str(ref), base_url=cfg.base_url))
-    greedy = check_against(tokens_ref, CompareParams(base_url=cfg.base_url))
+    greedy = check_against(tokens_ref, TokenCompareParams(base_url=cfg.base_url))
     assert res.mean_kld > 0.01
     assert res.top1_agreement < 1.0
     assert res.ppl_ratio != pytest.approx(1.0, abs=1e-3)
@@ -496,14 +496,14 @@ def test_compare_record_long_adds_the_needle_prompts(tmp_path, monkeypatch, caps
 
 @pytest.mark.vllm
 def test_vllm_long_prompts_sized_by_the_served_tokenizer(emb4_server, tmp_path):
-    from tools.measure.tokens.compare import CompareParams, check_against, record_reference
+    from tools.measure.tokens.compare import TokenCompareParams, check_against, record_reference
     from tools.measure.tokens.long_prompts import long_prompts
 
     prompts = long_prompts(emb4_server.base_url, max_tokens=16, targets=(200, 400, 4096))
     assert len(prompts) == 2  # 4096 does not fit the fixture's max_model_len
     ref = tmp_path / "long.json"
-    record_reference(ref, CompareParams(base_url=emb4_server.base_url, prompts=prompts, max_tokens=16))
-    res = check_against(ref, CompareParams(base_url=emb4_server.base_url))
+    record_reference(ref, TokenCompareParams(base_url=emb4_server.base_url, prompts=prompts, max_tokens=16))
+    res = check_against(ref, TokenCompareParams(base_url=emb4_server.base_url))
     sizes = [p.prompt_tokens for p in res.prompts]
     assert 196 <= sizes[0] <= 200 and 392 <= sizes[1] <= 400
     assert res.identical == res.total

@@ -16,8 +16,10 @@ from typing import Callable
 from tools.cli.commands import Command, add_commands, emit as _emit
 from tools.measure.capacity.run import CapacityParams, failure_if_error, run_capacity
 from tools.measure.capacity.report import compare_capacity
-from tools.measure.tokens.compare import CompareParams, check_against, compare_live, record_reference, short_prompt
-from tools.measure.decode.run import DecodeParams, markdown_run, run_decode
+from tools.measure.tokens.compare import (TokenCompareParams, check_against, compare_live, record_reference,
+                                          short_prompt)
+from tools.measure.decode.params import DecodeParams
+from tools.measure.decode.run import markdown_run, run_decode
 from tools.measure.decode.sweep import DecodeSweepParams, compare_decode_runs, run_decode_sweep
 from tools.measure.pareto import pareto, write_pareto
 from tools.measure.sweep.params import DEFAULT_OUT, DEFAULT_PRICE_PER_HOUR, SweepParams
@@ -74,7 +76,7 @@ def cmd_sweep_compare(_: None, args: argparse.Namespace) -> int:
 
 
 def cmd_compare(_: None, args: argparse.Namespace) -> int:
-    params = CompareParams(base_url=getattr(args, "base_url", None), prompts_file=getattr(args, "prompts", None),
+    params = TokenCompareParams(base_url=getattr(args, "base_url", None), prompts_file=getattr(args, "prompts", None),
                            max_tokens=getattr(args, "max_tokens", 160), top_logprobs=args.top_logprobs,
                            long=getattr(args, "long", False), force=getattr(args, "force", False),
                            instance=getattr(args, "instance", None), router=getattr(args, "router", False))

@@ -15,7 +15,7 @@ from typing import Any
 
 from tools.cli.commands import CLI, Command, add_commands, emit as _emit
 from tools.core.errors import BadInput, param, render, render_all
-from tools.serving import router, vllm_server
+from tools.serving import launch, router, vllm_server
 from tools.serving.config import ServeConfig, load_config
 from tools.serving.instances import fleet_status, stop_all
 from tools.serving.replace import replace_server
@@ -73,7 +73,7 @@ def cmd_start(p: StartParams, args: argparse.Namespace) -> int:
     if p.replace:
         r = replace_server(cfg, progress=progress)
     else:
-        r = vllm_server.start_server(cfg, progress=progress)
+        r = launch.start_server(cfg, progress=progress)
     lines = [f"Serving at {r.base_url} (pid {r.pid}), model {r.served_name}, ready in {r.startup_s:g} s"]
     if r.replaced:
         lines[0] += f", in place of {r.replaced['served_name']} ({r.replaced['model']})"

@@ -3,7 +3,7 @@ does the work)."""
 
 from __future__ import annotations
 
-from tools.measure.evals.results import (CompareParams, EvalComparison, EvalParams, EvalResult,
+from tools.measure.evals.results import (EvalCompareParams, EvalComparison, EvalParams, EvalResult,
                                          confine_compare_params, confine_eval_params, summary_markdown)
 from tools.measure.evals.compare import compare_evals as compare
 from tools.measure.evals.run import run_eval as evaluate
@@ -32,9 +32,9 @@ def run_eval(app, p: EvalParams, progress, checked: EvalParams) -> Reply:
     return Reply(res, summary, {"table_md": summary_markdown(res)})
 
 
-@tool(toolset="eval", title="Compare eval runs", params=CompareParams, result=EvalComparison, read_only=True,
+@tool(toolset="eval", title="Compare eval runs", params=EvalCompareParams, result=EvalComparison, read_only=True,
       idempotent=True, ops="eval_compare")
-def compare_evals(app, p: CompareParams) -> Reply:
+def compare_evals(app, p: EvalCompareParams) -> Reply:
     """Eval runs side by side, the first the reference: per task and metric each run's value with its stderr,
     and each later run minus the first paired over the documents both scored, with whether it is within noise.
     Writes nothing."""

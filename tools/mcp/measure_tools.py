@@ -11,8 +11,9 @@ from tools.core.paths import PathNotAllowed
 from tools.core.text import clip
 from tools.measure.capacity.run import CapacityParams, capacity, failure_if_error
 from tools.measure.capacity.report import CapacityResult, compare_capacity, is_capacity_run
-from tools.measure.tokens.compare import CompareParams, TokenComparison, TokenRecord, compare_tokens as compare
-from tools.measure.decode.run import DecodeParams, DecodeSummary, run_decode
+from tools.measure.tokens.compare import TokenCompareParams, TokenComparison, TokenRecord, compare_tokens as compare
+from tools.measure.decode.params import DecodeParams
+from tools.measure.decode.run import DecodeSummary, run_decode
 from tools.measure.fidelity.files import DEFAULT_CORPUS
 from tools.measure.fidelity.run import (CheckLogprobsResult, CompareLogprobsParams, RecordLogprobsResult,
                                         compare_logprobs as logprob_fidelity)
@@ -115,7 +116,7 @@ def compare_sweeps(app, p: CompareSweepsParams) -> Reply:
                  {"report_path": str(out) if out else None, "capacity": cap.summary() if cap else None})
 
 
-def _token_inputs(app, p: CompareParams) -> CompareParams:
+def _token_inputs(app, p: TokenCompareParams) -> TokenCompareParams:
     """The comparison's mode and reference checked and confined, its endpoints resolved."""
     if p.mode in ("record", "check") and not p.reference:
         raise ToolFailure(f"mode {p.mode} needs reference: the token record file under an evidence root "
@@ -140,11 +141,11 @@ def _token_inputs(app, p: CompareParams) -> CompareParams:
                                 "router": False, "other_url": other, "other_instance": None})
 
 
-@tool(toolset="measure", title="Greedy token identity between builds", params=CompareParams,
+@tool(toolset="measure", title="Greedy token identity between builds", params=TokenCompareParams,
       result=TokenComparison | TokenRecord, long=True, destructive=True, open_world=True, check=_token_inputs,
       extra={"report": (str, "The comparison as text (the article's SAME TOKENS lines)")},
       ops={"compare_tokens": {}, "compare_tokens.record": {"mode": "record"}})
-def compare_tokens(app, p: CompareParams, progress, checked: CompareParams) -> Reply:
+def compare_tokens(app, p: TokenCompareParams, progress, checked: TokenCompareParams) -> Reply:
     """Whether two builds give the same greedy tokens, prompt by prompt: mode=record with build A, restart with
     build B, mode=check (or mode=live with two instances). Long."""
     res = compare(checked, progress=lambda d, t, m: progress(d, t, m))
@@ -163,10 +164,10 @@ def _logprob_inputs(app, p: CompareLogprobsParams) -> CompareLogprobsParams:
     if p.corpus is not None and Path(p.corpus).expanduser().resolve() != DEFAULT_CORPUS:
         try:
             corpus = app.roots.confine(p.corpus, "evidence", must_exist=True, what="corpus")
-        except ValueError as first:
+        except PathNotAllowed as first:
             try:
                 corpus = app.roots.confine(p.corpus, "models", must_exist=True, what="corpus")
-            except ValueError:
+            except PathNotAllowed:
                 raise first from None
     base_url = resolve_endpoint(p, app.config(), managed=True).base_url
     return p.model_copy(update={"reference": str(ref), "corpus": str(corpus) if corpus else None,

@@ -41,7 +41,7 @@ RUN_DEPTH = 4            # folders below an evidence root searched for runs
 SUMMARIES = ("summary.md", "summary.json")
 
 
-class ResourceFailure(ValueError):
+class ResourceFailure(ToolFailure):
     """A resource that cannot be read now; the message says why and what to do."""
 
 

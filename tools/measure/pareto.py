@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -188,8 +187,7 @@ def write_pareto(res: Pareto, out: str | Path = DEFAULT_OUT) -> Pareto:
 
 
 def _publish(res: Pareto, out: str | Path) -> None:
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-    run = evidence.EvidenceRun.create(out, f"pareto-{stamp}")
+    run = evidence.EvidenceRun.create(out, evidence.run_id("pareto"))
     try:
         run.raw.rmdir()  # no raw records: the figures are the input runs'
         res.run_dir = str(run.path)

@@ -14,7 +14,6 @@ import json
 import platform
 import re
 import socket
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ import httpx
 from pydantic import BaseModel, Field
 
 from tools.core.errors import ToolFailure, op, param
+from tools.core import clock
 from tools.gpu.vram import vram_status
 from tools.serving.config import load_config
 from tools.serving.vllm_server import server_status
@@ -183,7 +183,7 @@ def collect(base_url: str | None, *, nvml: Any = None, server: ServerInfo | None
     """
     notes: list[str] = []
     gpu_name, driver, count = _gpu(notes, nvml)
-    prov = Provenance(date=datetime.now(timezone.utc).isoformat(timespec="seconds"), host=socket.gethostname(),
+    prov = Provenance(date=clock.iso(), host=socket.gethostname(),
                       vllm_version_client=vllm_client_version(), gpu_name=gpu_name, gpu_driver=driver,
                       gpu_count=count, cpu_model=cpu_model())
     notes = prov.notes = notes  # pydantic copied the list: keep appending to the record's own

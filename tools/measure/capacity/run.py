@@ -13,14 +13,15 @@ import hashlib
 import json
 import math
 import time
-from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
 from tools.core.errors import BadInput, ToolFailure, param
 from tools.core.output_check import check_output_folder
+from tools.core.progress import Progress
+from tools.core import clock
 from tools.measure import evidence, provenance as prov_mod
 from tools.measure.sweep import report as sweep_report
 from tools.measure.capacity.report import CapacityResult, statement, write_capacity
@@ -30,8 +31,6 @@ from tools.measure.sweep.params import CellResult, SweepParams, SweepResult
 from tools.measure.sweep.cells import Tally, measure_repeats
 from tools.measure.sweep.worker import BenchWorker
 from tools.serving.endpoint import Endpoint, resolve_endpoint
-
-Progress = Callable[[int, int, str], None]
 
 
 class CapacityParams(SweepParams):
@@ -103,9 +102,8 @@ def capacity(params: CapacityParams, terms: list[Term], endpoint: Endpoint, *, p
     sp = params.model_copy(update={"input_lens": [params.input_len], "concurrencies": []})
     digest = hashlib.sha256(json.dumps([slo_text(terms), params.identity(), params.load, params.input_len],
                                        sort_keys=True).encode()).hexdigest()[:8]
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
     Path(params.out).mkdir(parents=True, exist_ok=True)
-    run = evidence.EvidenceRun.create(params.out, f"capacity-{stamp}-{params.label}-{digest}")
+    run = evidence.EvidenceRun.create(params.out, evidence.run_id("capacity", params.label, digest))
     try:
         res = _search(sp, terms, run, base_url=base_url, model=model, tokenizer=params.tokenizer
                       or server.model_root or model, max_num_seqs=max_num_seqs, prov=prov.to_dict(),
@@ -125,7 +123,7 @@ def _search(params: CapacityParams, terms: list[Term], run: evidence.EvidenceRun
     evidence.write_json(run_dir / "provenance.json", prov)
     sweep = SweepResult(run_id=run.name, run_dir=str(run.path), label=params.label,
                         params=params.model_dump(mode="json"), max_model_len=max_len, model=model,
-                        started=datetime.now(timezone.utc).isoformat(timespec="seconds"), provenance=prov)
+                        started=clock.iso(), provenance=prov)
     goodput = goodput_limits(terms)
     conc = params.load == "concurrency"
     steps = 2 * max(1, math.ceil(math.log2(max(2.0, params.max_load / params.start)))) + 1
@@ -158,7 +156,7 @@ def _search(params: CapacityParams, terms: list[Term], run: evidence.EvidenceRun
                                 max_num_seqs=max_num_seqs, rel_tol=params.rel_tol,
                                 noise_rounds=params.noise_rounds)
     sweep.cells.sort(key=lambda c: c.load)
-    sweep.finished = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    sweep.finished = clock.iso()
     sweep.wall_s = time.monotonic() - t0
     sweep_report.write_run(sweep, run_dir, price_per_hour=params.price_per_hour, plot=True, final_dir=run.path)
     res = result_of(params, terms, found, cells.get(found.capacity) if found.capacity is not None else None,

@@ -1,19 +1,50 @@
-"""What a decode run reads and sends besides its prompts: the checkpoint's sampling (a generation_config.json read
-through one model, so a damaged file is one line naming it and the field) and the request errors of the HTTP
-client as one line naming the timeout that caused them."""
+"""What a decode run is asked (DecodeParams: the `./vllm-t4 decode` flags and run_decode_bench's arguments) and what
+it reads and sends besides its prompts: the checkpoint's sampling (a generation_config.json read through one
+model, so a damaged file is one line naming it and the field) and the request errors of the HTTP client as one
+line naming the timeout that caused them."""
 
 from __future__ import annotations
 
 import math
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, ClassVar, Iterator, Literal
 
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 from tools.core.errors import BadInput, ToolFailure, op, param
 from tools.core.json_files import check_json, read_json
+from tools.core.params import OpParams
+from tools.measure.sweep.params import DEFAULT_OUT
+from tools.serving.endpoint import EndpointParams
+
+
+class DecodeRequests(OpParams):
+    """What every decode run sends: the shipped prompts, the output length, the seeds."""
+
+    prompts: int = Field(20, ge=1, le=20, description="How many of the twenty shipped prompts to send")
+    max_tokens: int = Field(256, ge=2, description="Output tokens per request at most")
+    seed: int = Field(0, description="Sampling seed of prompt i is seed + i (checkpoint sampling)")
+    request_timeout_s: float = Field(600.0, gt=0, description="Seconds per request before the run fails")
+
+
+class DecodeParams(DecodeRequests, EndpointParams):
+    """Options of one decode benchmark: `./vllm-t4 decode` flags and the run_decode_bench MCP arguments."""
+
+    CLI_BAD_INPUT: ClassVar[type[Exception] | None] = BadInput
+    MCP_EXCLUDE: ClassVar[frozenset[str]] = frozenset({"model", "request_timeout_s", "generation_config"})
+    MCP_DEFAULTS: ClassVar[dict[str, Any]] = {"out": "."}
+
+    sampling: Literal["greedy", "checkpoint"] = Field(
+        "greedy", description="greedy (temperature 0) or the checkpoint's generation_config.json (temperature, "
+                              "top_k, top_p)")
+    label: str = Field("decode", description="Name of this setting for tables and the run id (no spaces)")
+    out: Path = Field(DEFAULT_OUT, description="Folder that receives the run folder (through MCP: under an "
+                                               "evidence root, default the first)")
+    generation_config: str | None = Field(None, description="generation_config.json to read for --sampling "
+                                                            "checkpoint (default: the served model folder's)")
+    model: str | None = Field(None, description="Served model name; default: the first of /v1/models")
 
 
 class GenerationConfig(BaseModel):

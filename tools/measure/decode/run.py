@@ -15,55 +15,26 @@ import json
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Literal
+from typing import Any, Literal
 
 import httpx
 from pydantic import BaseModel, Field, create_model
 
 from tools.core.errors import BadInput, ToolFailure, param
-from tools.core.params import OpParams
+from tools.core.names import check_name
 from tools.measure import evidence, provenance as prov_mod
-from tools.measure.decode.params import checkpoint_sampling, request_errors
+from tools.measure.decode.params import DecodeParams, checkpoint_sampling, request_errors
 from tools.core.output_check import check_output_folder
-from tools.measure.sweep.params import DEFAULT_OUT
+from tools.core.progress import Progress
 from tools.measure.roofline import SPECULATIVE_NOTE, Roofline, roofline_or_reason
 from tools.measure.spec_metrics import read_spec_counters, spec_delta, speculative_from_argv
-from tools.serving.endpoint import Endpoint, EndpointParams, resolve_endpoint
+from tools.serving.endpoint import Endpoint, resolve_endpoint
 
 PROMPTS_FILE = Path(__file__).resolve().parents[1] / "data" / "decode-prompts.json"
 
-Progress = Callable[[int, int, str], None]
-
 
 # --------------------------------------------------------------------------------------------------------------
-# Parameters and results
-
-
-class DecodeRequests(OpParams):
-    """What every decode run sends: the shipped prompts, the output length, the seeds."""
-
-    prompts: int = Field(20, ge=1, le=20, description="How many of the twenty shipped prompts to send")
-    max_tokens: int = Field(256, ge=2, description="Output tokens per request at most")
-    seed: int = Field(0, description="Sampling seed of prompt i is seed + i (checkpoint sampling)")
-    request_timeout_s: float = Field(600.0, gt=0, description="Seconds per request before the run fails")
-
-
-class DecodeParams(DecodeRequests, EndpointParams):
-    """Options of one decode benchmark: `./vllm-t4 decode` flags and the run_decode_bench MCP arguments."""
-
-    CLI_BAD_INPUT: ClassVar[type[Exception] | None] = BadInput
-    MCP_EXCLUDE: ClassVar[frozenset[str]] = frozenset({"model", "request_timeout_s", "generation_config"})
-    MCP_DEFAULTS: ClassVar[dict[str, Any]] = {"out": "."}
-
-    sampling: Literal["greedy", "checkpoint"] = Field(
-        "greedy", description="greedy (temperature 0) or the checkpoint's generation_config.json (temperature, "
-                              "top_k, top_p)")
-    label: str = Field("decode", description="Name of this setting for tables and the run id (no spaces)")
-    out: Path = Field(DEFAULT_OUT, description="Folder that receives the run folder (through MCP: under an "
-                                               "evidence root, default the first)")
-    generation_config: str | None = Field(None, description="generation_config.json to read for --sampling "
-                                                            "checkpoint (default: the served model folder's)")
-    model: str | None = Field(None, description="Served model name; default: the first of /v1/models")
+# Results
 
 
 class PromptRecord(BaseModel):
@@ -210,7 +181,7 @@ def run_decode(params: DecodeParams | None = None, *, progress: Progress | None 
     resolved it already (the MCP tool, once per call).
     """
     params = DecodeParams(**{**(params or DecodeParams()).model_dump(), **overrides})
-    _check_label(params.label)
+    check_name(params.label)
     check_output_folder(params.out)  # before any request: the run would end unwritten
     if params.sampling == "checkpoint" and params.generation_config:  # a bad file before any request
         checkpoint_sampling(params.generation_config)
@@ -222,7 +193,7 @@ def run_decode(params: DecodeParams | None = None, *, progress: Progress | None 
     sampling = sampling_params(params, server.model_root)
     prompts = load_prompts(params.prompts)
 
-    run = evidence.EvidenceRun.create(params.out, evidence.run_id(params.label, "decode"))
+    run = evidence.EvidenceRun.create(params.out, evidence.run_id("decode", params.label))
     t0 = time.monotonic()
     try:
         spec = _write_provenance(run, params, base_url, sampling, serve_config=serve_config,
@@ -295,13 +266,6 @@ def _measure(run: evidence.EvidenceRun, params: DecodeParams, base_url: str, mod
     if progress is not None:
         progress(len(prompts), len(prompts), "done")
     return records, (before, after)
-
-
-def _check_label(label: str) -> None:
-    try:
-        evidence.check_name(label, "label")
-    except ToolFailure as exc:
-        raise BadInput(str(exc), exc.detail) from None
 
 
 def mean_context_tokens(records: list[PromptRecord]) -> int:

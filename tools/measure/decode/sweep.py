@@ -15,7 +15,10 @@ from pydantic import BaseModel, Field
 
 from tools.core.errors import BadInput, ToolFailure, op, param
 from tools.measure import evidence
-from tools.measure.decode.run import DecodeParams, DecodeRequests, DecodeResult, Progress, fmt, pct, run_decode
+from tools.measure.decode.params import DecodeParams, DecodeRequests
+from tools.measure.decode.run import DecodeResult, fmt, pct, run_decode
+from tools.core.names import check_name
+from tools.core.progress import Progress
 from tools.measure.sweep.params import DEFAULT_OUT
 from tools.serving.server_guard import owned_server
 from tools.measure.uncertainty import Ratio, paired_ratio
@@ -223,7 +226,7 @@ def run_decode_sweep(params: DecodeSweepParams, *, progress: Progress | None = N
     """Start the server once per drafter setting, run the decode benchmark for each sampling, stop it; write the
     comparison. config_overrides go to load_config (a test's port and state dir). The server is always stopped,
     whatever ends the sweep: a SIGKILL of this process too (tools.serving.server_guard)."""
-    evidence.check_name(params.label, "label")
+    check_name(params.label)
     check_output_folder(params.out)  # before any server starts
     if not params.draft_tokens or any(k < 0 for k in params.draft_tokens):
         raise BadInput(f"{param('draft_tokens')} must be integers >= 0, got {params.draft_tokens}",
@@ -239,7 +242,7 @@ def run_decode_sweep(params: DecodeSweepParams, *, progress: Progress | None = N
     for k, spec in specs.items():
         if spec:
             validate_speculative_config(spec, base_cfg.model)
-    run = evidence.EvidenceRun.create(params.out, evidence.run_id(params.label, "decode-sweep"))
+    run = evidence.EvidenceRun.create(params.out, evidence.run_id("decode-sweep", params.label))
     runs_out = run.dir / "runs"
     t0 = time.monotonic()
     results: list[DecodeResult] = []

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, StrictInt, TypeAdapter, ValidationEr
 from tools.core.errors import BadInput, ToolFailure, op
 from tools.core.json_files import validate_lines
 from tools.core.text import clip
-from tools.measure.evals.results import CompareParams, EvalComparison, EvalDiff, EvalResult, RunInfo, fmt
+from tools.measure.evals.results import EvalCompareParams, EvalComparison, EvalDiff, EvalResult, RunInfo, fmt
 from tools.measure.uncertainty import WITHIN_NOISE, verdict
 
 
@@ -133,7 +133,7 @@ def paired_difference(ref: dict[int, tuple[float, str | None]], cand: dict[int, 
     return mean, math.sqrt(var / n), n, len(mismatched)
 
 
-def compare_evals(params: CompareParams, roots: Any = None) -> EvalComparison:
+def compare_evals(params: EvalCompareParams, roots: Any = None) -> EvalComparison:
     """Runs side by side per task and metric; each later run against the first, paired over shared documents.
 
     roots: the MCP server's (a tools Roots); every file read must then resolve inside its evidence roots."""

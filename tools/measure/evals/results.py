@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from pathlib import Path
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, Field, field_validator
 
 from tools.core.errors import ToolFailure
+from tools.core.names import RULE, is_name
+from tools.core.paths import PathNotAllowed
 from tools.core.text import clip
 from tools.core.params import OpParams
 from tools.core.root import PROJECT_ROOT
@@ -66,12 +67,12 @@ class EvalParams(EndpointParams):
     @field_validator("label")
     @classmethod
     def _label(cls, v: str) -> str:
-        if not v or not re.fullmatch(r"[A-Za-z0-9._+-]+", v):
-            raise ValueError(f"label {v!r} must be a non-empty name of letters, digits, . _ + -")
+        if not is_name(v):  # pydantic reports a ValueError as the field's error
+            raise ValueError(f"label {clip(repr(v))} {RULE}")
         return v
 
 
-class CompareParams(OpParams):
+class EvalCompareParams(OpParams):
     """Eval runs to put side by side; the first is the reference."""
 
     runs: list[str] = Field(min_length=2, description="evidence folders written by `eval`, the reference first")
@@ -209,21 +210,21 @@ def confine_eval_params(params: EvalParams, roots: Any) -> EvalParams:
             if inc != TASKS_DIR and TASKS_DIR not in inc.parents:
                 try:
                     inc = roots.confine(params.include_path, "evidence", must_exist=True, what="include_path")
-                except ValueError as first:
+                except PathNotAllowed as first:
                     try:
                         inc = roots.confine(params.include_path, "models", must_exist=True, what="include_path")
-                    except ValueError:
+                    except PathNotAllowed:
                         raise first from None
             p.include_path = str(inc)
-    except ValueError as exc:
+    except PathNotAllowed as exc:
         raise ToolFailure(str(exc), {"roots": roots.describe() if hasattr(roots, "describe") else None}) from exc
     return p
 
 
-def confine_compare_params(params: CompareParams, roots: Any) -> CompareParams:
+def confine_compare_params(params: EvalCompareParams, roots: Any) -> EvalCompareParams:
     """Run folders to compare must lie under an evidence root (see confine_eval_params)."""
     try:
         runs = [str(roots.confine(r, "evidence", must_exist=True, what="run")) for r in params.runs]
-    except ValueError as exc:
+    except PathNotAllowed as exc:
         raise ToolFailure(str(exc), {"roots": roots.describe() if hasattr(roots, "describe") else None}) from exc
-    return CompareParams(runs=runs)
+    return EvalCompareParams(runs=runs)

@@ -5,7 +5,7 @@ pulls torch, datasets and friends, and a subprocess can be timed, killed and sur
 scores loglikelihoods through /v1/completions with `echo` and `logprobs` on tokenized prompts, so the tokenizer
 is the served model's own folder, loaded offline; generation is greedy (temperature 0).
 
-Evidence folder (`<out>/<stamp>-eval-<label>-<hash>/`), written under a temporary name and renamed at the end so
+Evidence folder (`<out>/eval-<stamp>-<label>-<hash>/`), written under a temporary name and renamed at the end so
 that a failed or interrupted run leaves nothing half-written:
   lm_eval/<model>/results_*.json, samples_<task>_*.jsonl   lm-eval's own results and per-sample records
   lm_eval.log                                              lm-eval's console output
@@ -32,20 +32,19 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from tools.core.errors import ToolFailure, op, param
 from tools.core.process import kill_group, python_child_env
 from tools.core.root import PROJECT_ROOT
 from tools.measure import evidence, provenance as prov_mod
 from tools.core.output_check import check_output_folder
+from tools.core.progress import Progress
+from tools.core import clock
 from tools.measure.evals.results import TASKS_DIR, EvalParams, EvalResult, scores_from_results, summary_markdown
 from tools.measure.evals.tasks import check_tasks_before_running, offline_hint, unknown_tasks_message
 from tools.serving.endpoint import resolve_endpoint
-
-Progress = Callable[[int, int, str], None]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -151,8 +150,7 @@ def _run_dir_name(params: EvalParams, model: str | None) -> str:
     ident = {"tasks": params.tasks, "limit": params.limit, "num_fewshot": params.num_fewshot, "model": model,
              "apply_chat_template": params.apply_chat_template}
     digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:8]
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-    return f"{stamp}-eval-{params.label}-{digest}"
+    return evidence.run_id("eval", params.label, digest)
 
 
 def _find_outputs(lm_dir: Path) -> tuple[Path | None, dict[str, Path]]:
@@ -193,7 +191,7 @@ def run_eval(params: EvalParams, progress: Progress | None = None, *, serve_conf
     params = plan.params
     run = _run_folder(params, plan.model)
     out, run_id, tmp, final = run.out, run.name, run.dir, run.path
-    started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    started = clock.iso()
     try:
         lm_dir = tmp / "lm_eval"
         cmd = _lm_eval_command(plan, lm_dir)
@@ -214,7 +212,7 @@ def run_eval(params: EvalParams, progress: Progress | None = None, *, serve_conf
         res = EvalResult(run_id=run_id, run_dir=str(final), label=params.label, model=plan.model,
                          base_url=plan.base_url, tasks=list(params.tasks), scores=scores_from_results(results),
                          limit=params.limit, num_fewshot=params.num_fewshot, lm_eval_version=plan.version,
-                         started=started, finished=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                         started=started, finished=clock.iso(),
                          wall_s=round(wall, 2), command=cmd)
         if not res.scores:
             raise ToolFailure(f"lm-eval reported no metric for {','.join(params.tasks)}",

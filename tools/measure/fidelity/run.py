@@ -41,9 +41,8 @@ import heapq
 import json
 import math
 import time
-from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field
 
@@ -51,6 +50,8 @@ from tools.core.errors import BadInput, ToolFailure, param
 from tools.measure.uncertainty import FASTER, SLOWER, WITHIN_NOISE, paired_ratio
 from tools.measure.fidelity.files import RefWriter, load_corpus, read_reference
 from tools.core.output_check import check_output_file
+from tools.core.progress import Progress
+from tools.core import clock
 from tools.measure.server_client import ServerClient
 from tools.serving.endpoint import EndpointParams, resolve_endpoint
 
@@ -60,8 +61,6 @@ MAX_TOP_K = 20  # vLLM's default max_logprobs
 SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "global_head_dim", "hidden_size_per_layer_input",
                 "vocab_size_per_layer_input", "num_kv_shared_layers", "layer_types")
-
-Progress = Callable[[int, int, str], None]
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -80,7 +79,6 @@ class RecordLogprobsParams(EndpointParams):
                                                                   "up to max_logprobs, 20 by default)")
     force: bool = Field(False, description="replace an existing out file")
     timeout_s: float = Field(600.0, gt=0, description="seconds per window request")
-
 
 
 class CheckLogprobsParams(EndpointParams):
@@ -305,7 +303,7 @@ def record_logprobs(params: RecordLogprobsParams, progress: Progress | None = No
         shape = _text_shape(srv.root)
         first = max(1, len(prefix))  # position 0 has no logprob
         header = {
-            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "base_url": srv.base,
+            "created": clock.iso(), "base_url": srv.base,
             "model": srv.model, "model_root": srv.root, "max_model_len": srv.max_model_len,
             "tokenizer_sha256": digest, "tokenizer_probe": probe_info, "vocab_size": shape.get("vocab_size"),
             "text_shape": shape, "prefix_ids": prefix, "window": window, "top_k": params.top_k,

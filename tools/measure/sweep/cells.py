@@ -8,15 +8,13 @@ import hashlib
 import json
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-import httpx
-
+from tools.core.progress import Progress
 from tools.measure import evidence
 from tools.measure.sweep.params import CellResult, RepeatResult, SweepParams, aggregate, cell_acceptance
 from tools.measure.sweep.worker import BenchWorker, raw_name
-
-Progress = Callable[[int, int, str], None]
+from tools.serving import health
 
 
 def prompt_seed(base: int, input_len: int, concurrency: int, repeat: int, kind: str = "measure") -> int:
@@ -27,13 +25,6 @@ def prompt_seed(base: int, input_len: int, concurrency: int, repeat: int, kind: 
     """
     h = hashlib.sha256(f"{kind}/{base}/{input_len}/{concurrency}/{repeat}".encode()).digest()
     return int.from_bytes(h[:4], "little") & 0x7FFFFFFF
-
-
-def healthy(base_url: str, timeout: float = 5.0) -> bool:
-    try:
-        return httpx.get(f"{base_url.rstrip('/')}/health", timeout=timeout).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def load_done(raw_dir: Path, input_len: int, concurrency: int, repeat: int,
@@ -91,7 +82,7 @@ def measure_cell(params: SweepParams, spec: dict[str, Any], cell: CellResult, wo
             reason = why or (f"benchmark process exited with code {rc} before this repeat: "
                              f"{_log_tail(raw_dir / f'{stem}.log')}")
             if down is None:
-                down = not healthy(base_url)
+                down = not health.answers(base_url, timeout=5.0)
             if down:
                 reason += f" (server at {base_url} no longer answers /health)"
             rec = RepeatResult(repeat=k, seed=spec["seeds"][str(k)], status="failed", num_prompts=n, reason=reason)

@@ -12,6 +12,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, Field, computed_field
 
 from tools.core.errors import BadInput, param
+from tools.core.names import check_name
 from tools.core.text import clip
 from tools.core.params import OpParams
 from tools.serving.endpoint import EndpointParams
@@ -83,11 +84,7 @@ class SweepParams(EndpointParams):
         if not self.price_per_hour >= 0 or self.price_per_hour == float("inf"):
             raise BadInput(f"{param('price_per_hour')} must be a finite number >= 0, got {self.price_per_hour}",
                            field="price_per_hour")
-        # a label names the run folder: at most 100 bytes, so that it fits a file name with its time and hash
-        if (not self.label or any(c in self.label for c in "/\\ \t\n")
-                or len(self.label.encode(errors="replace")) > 100):
-            raise BadInput(f"{param('label')} {clip(repr(self.label))} must be a name of at most 100 bytes without "
-                           "slashes or spaces", {"argument": "label", "input": clip(self.label)}, field="label")
+        check_name(self.label)  # it names the run folder
 
     def identity(self) -> dict[str, Any]:
         """What makes two runs the same measurement (for resume): not the label, URL or output folder."""

@@ -15,23 +15,23 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from tools.core.errors import ToolFailure
 from tools.measure import evidence, provenance as prov_mod
 from tools.measure.sweep import report as sweep_report
 from tools.core.output_check import check_output_folder
+from tools.core.progress import Progress
+from tools.core import clock
 from tools.measure.sweep.params import CellResult, RepeatResult, SweepParams, SweepResult
 from tools.measure.roofline import SPECULATIVE_NOTE, Roofline, roofline_or_reason, sweep_context
 from tools.measure.spec_metrics import speculative_from_argv
-from tools.measure.sweep.cells import Tally, finish_cell, healthy, load_done, measure_cell, prompt_seed
+from tools.measure.sweep.cells import Tally, finish_cell, load_done, measure_cell, prompt_seed
 from tools.measure.sweep.worker import BenchWorker
 from tools.serving import router as router_mod
+from tools.serving import health
 from tools.serving.endpoint import Endpoint, resolve_endpoint
-
-Progress = Callable[[int, int, str], None]
 
 
 def _run_dir(params: SweepParams, out: Path) -> Path:
@@ -43,8 +43,7 @@ def _run_dir(params: SweepParams, out: Path) -> Path:
         existing = sorted((p for p in out.glob(f"*{suffix}") if p.is_dir()), key=lambda p: p.name)
         if existing:
             return existing[-1]
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-    return out / f"{stamp}{suffix}"
+    return out / evidence.run_id("sweep", params.label, digest)
 
 
 def _refuse_links(run_dir: Path, out: Path) -> None:
@@ -99,7 +98,7 @@ def sweep(params: SweepParams, endpoint: Endpoint, *, progress: Progress | None 
     t0 = time.monotonic()
     result = SweepResult(run_id=run_dir.name, run_dir=str(run_dir), label=params.label,
                          params=params.model_dump(mode="json"), max_model_len=max_len, model=model,
-                         started=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+                         started=clock.iso())
     # The sweep's folder stays in place while it runs (resume continues it), so it shares the evidence module's
     # files and provenance rather than its rename-when-complete folder.
     prov = evidence.collect_provenance(base_url, server=server, serve_config=serve_config)
@@ -122,7 +121,7 @@ def sweep(params: SweepParams, endpoint: Endpoint, *, progress: Progress | None 
                                          else int(after[n] - before[n])) for n in after}
         result.provenance = prov.to_dict()
         evidence.write_json(run_dir / "provenance.json", result.provenance)
-    result.finished = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    result.finished = clock.iso()
     result.wall_s = time.monotonic() - t0
     result.roofline, result.roofline_note = single_stream_rooflines(result, server.model_root)
     result.files = sweep_report.write_run(result, run_dir, price_per_hour=params.price_per_hour, plot=True)
@@ -169,7 +168,7 @@ def _run_cells(params: SweepParams, cells_plan: list[tuple[int, int]], result: S
         repeats, pending = _measured_before(params, raw_dir, L, c, tally)
         if not pending:
             tally.tick(f"in={L} c={c}: {params.repeats} repeats already measured, skipped")
-        elif suspect and not healthy(base_url):
+        elif suspect and not health.answers(base_url, timeout=5.0):
             for k in pending:
                 repeats[k] = RepeatResult(repeat=k, seed=prompt_seed(params.seed, L, c, k), status="failed",
                                           num_prompts=n, reason=f"server at {base_url} did not answer /health")

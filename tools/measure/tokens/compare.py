@@ -13,9 +13,8 @@ near-tie (the other side's token within the reference's top-k) or diverged for r
 from __future__ import annotations
 
 import json
-from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import httpx
 from pydantic import BaseModel, Field
@@ -25,6 +24,8 @@ from tools.core.errors import BadInput, ToolFailure, op, param
 from tools.serving.endpoint import EndpointParams, resolve_endpoint, resolve_name
 from tools.measure.tokens.long_prompts import long_prompts
 from tools.core.output_check import check_output_file
+from tools.core.progress import Progress
+from tools.core import clock
 from tools.measure.provenance import config_sha256
 
 RECORD_KIND = "gemma4-t4/token-record"
@@ -42,10 +43,8 @@ DEFAULT_PROMPTS: tuple[str, ...] = (
     "Write a haiku about a graphics card cooling down after a long benchmark.",
 )
 
-Progress = Callable[[int, int, str], None]
 
-
-class CompareParams(EndpointParams):
+class TokenCompareParams(EndpointParams):
     """Options of a token comparison; the `./vllm-t4 compare` flags and the compare_tokens MCP arguments are
     derived from these."""
 
@@ -246,7 +245,7 @@ def generate(base_url: str, prompts: list[str], *, max_tokens: int = 160, top_lo
     sha = None
     if root and Path(root).is_dir():
         sha = config_sha256(root)
-    return TokenRecord(created=datetime.now(timezone.utc).isoformat(timespec="seconds"), base_url=base, model=model,
+    return TokenRecord(created=clock.iso(), base_url=base, model=model,
                        model_root=root, checkpoint_config_sha256=sha, max_tokens=max_tokens,
                        top_logprobs=top_logprobs, generations=gens)
 
@@ -312,7 +311,7 @@ def compare_records(ref: TokenRecord, cand: TokenRecord, *, reference_name: str 
                            max_tokens=ref.max_tokens, top_logprobs=ref.top_logprobs)
 
 
-def _prompts(params: CompareParams, base_url: str | None = None) -> list[str]:
+def _prompts(params: TokenCompareParams, base_url: str | None = None) -> list[str]:
     if params.prompts_file:
         prompts = load_prompts(params.prompts_file)
     elif params.prompts:
@@ -327,10 +326,10 @@ def _prompts(params: CompareParams, base_url: str | None = None) -> list[str]:
     return prompts
 
 
-def record_reference(out: str | Path, params: CompareParams | None = None, *, progress: Progress | None = None
+def record_reference(out: str | Path, params: TokenCompareParams | None = None, *, progress: Progress | None = None
                      ) -> TokenRecord:
     """Record the reference build's tokens (the server at params.base_url) to `out`."""
-    params = params or CompareParams()
+    params = params or TokenCompareParams()
     if Path(out).exists() and not params.force:
         raise BadInput(f"{out} exists; pass {param('force', True)} to replace it, or give another file",
                        detail={"path": str(out)}, field="force")
@@ -342,10 +341,10 @@ def record_reference(out: str | Path, params: CompareParams | None = None, *, pr
     return rec
 
 
-def check_against(reference: str | Path, params: CompareParams | None = None, *, progress: Progress | None = None
+def check_against(reference: str | Path, params: TokenCompareParams | None = None, *, progress: Progress | None = None
                   ) -> TokenComparison:
     """Compare the server at params.base_url with a recorded reference (its prompts and max_tokens)."""
-    params = params or CompareParams()
+    params = params or TokenCompareParams()
     ref = load_record(reference)
     base = _default_base_url(params)
     cand = generate(base, [g.prompt for g in ref.generations], max_tokens=ref.max_tokens,
@@ -354,10 +353,10 @@ def check_against(reference: str | Path, params: CompareParams | None = None, *,
     return compare_records(ref, cand, reference_name=str(reference), candidate_name=f"{cand.model} at {base}")
 
 
-def compare_live(url_a: str, url_b: str, params: CompareParams | None = None, *, progress: Progress | None = None
+def compare_live(url_a: str, url_b: str, params: TokenCompareParams | None = None, *, progress: Progress | None = None
                  ) -> TokenComparison:
     """Both builds live: url_a is the reference, url_b the candidate."""
-    params = params or CompareParams()
+    params = params or TokenCompareParams()
     prompts = _prompts(params, url_a)
     n = len(prompts)
 
@@ -374,10 +373,10 @@ def compare_live(url_a: str, url_b: str, params: CompareParams | None = None, *,
                            candidate_name=f"{b.model} at {b.base_url}")
 
 
-def compare_tokens(params: CompareParams | None = None, *, progress: Progress | None = None,
+def compare_tokens(params: TokenCompareParams | None = None, *, progress: Progress | None = None,
                    **overrides: Any) -> TokenComparison | TokenRecord:
     """One entry point for the three modes (the MCP tool): record -> TokenRecord, check/live -> TokenComparison."""
-    params = CompareParams(**{**(params or CompareParams()).model_dump(), **overrides})
+    params = TokenCompareParams(**{**(params or TokenCompareParams()).model_dump(), **overrides})
     if params.mode == "record":
         if not params.reference:
             raise ToolFailure("mode 'record' needs reference: the file to write the tokens to")
