@@ -134,3 +134,10 @@ def in_process_engine(mp: pytest.MonkeyPatch) -> None:
     bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
     if bind and all(c.isdigit() for c in bind.split(",")):
         mp.setenv("OMP_NUM_THREADS", str(len(bind.split(","))))
+
+
+def state_env(state_dir: Path, **extra: str) -> dict[str, str]:
+    """The environment of a command run against the servers whose state files are under `state_dir`."""
+    env = dict(os.environ, STATE_DIR=str(state_dir), PYTHONPATH=str(ROOT))
+    env.update(extra)
+    return env

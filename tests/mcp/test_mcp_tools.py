@@ -619,7 +619,7 @@ def test_compare_logprobs_confines_its_paths_and_refuses_an_existing_record(mcp,
 
 
 def test_run_eval_confines_its_paths_and_refuses_without_a_server(mcp, roots, tmp_path):
-    from fixtures import free_port
+    from tests.fixtures import free_port
 
     url = f"http://127.0.0.1:{free_port()}"
     (tmp_path / "tasks").mkdir()
@@ -637,7 +637,7 @@ def test_run_eval_confines_its_paths_and_refuses_without_a_server(mcp, roots, tm
 
 
 def test_compare_evals_reads_runs_under_the_evidence_roots_only(mcp, roots, tmp_path):
-    from fixtures import fake_eval_run
+    from tests.fixtures import fake_eval_run
 
     ev = roots.evidence[0]
     a = fake_eval_run(ev / "a", "ref", {i: float(i % 2) for i in range(20)})
@@ -660,7 +660,7 @@ def test_compare_evals_reads_runs_under_the_evidence_roots_only(mcp, roots, tmp_
 def test_compare_evals_refuses_run_files_linked_out_of_the_roots(mcp, roots, tmp_path):
     import json
 
-    from fixtures import fake_eval_run
+    from tests.fixtures import fake_eval_run
 
     ev = roots.evidence[0]
     fake_eval_run(ev / "a", "ref", {i: float(i % 2) for i in range(20)})
@@ -724,7 +724,7 @@ def test_preflight_start_checks_the_model_about_to_start(mcp, tmp_path):
 
 
 def test_fetch_checkpoint_publishes_under_the_models_root(mcp, roots, tmp_path, monkeypatch):
-    from stand_in_hub import COMMIT, REPO, StandInHub
+    from tests.stand_in_hub import COMMIT, REPO, StandInHub
 
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))

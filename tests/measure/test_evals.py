@@ -17,7 +17,7 @@ from tools.measure.evals.compare import compare_evals
 from tools.measure.evals.results import (TASKS_DIR, EvalCompareParams, EvalParams, TaskScore, confine_compare_params,
                                         confine_eval_params)
 
-from fixtures import fake_eval_run
+from tests.fixtures import fake_eval_run
 
 TASKS = ["tiny_pattern_mc", "tiny_pattern_gen"]
 
@@ -96,7 +96,7 @@ def test_eval_refuses_a_missing_include_path(tmp_path, capsys):
 
 
 def test_eval_refuses_when_no_server_answers(tmp_path, capsys):
-    from fixtures import free_port
+    from tests.fixtures import free_port
 
     url = f"http://127.0.0.1:{free_port()}"
     rc = _cli(["eval", "--tasks", "tiny_pattern_mc", "--base-url", url, "--out", str(tmp_path / "ev"), "--json"])

@@ -17,7 +17,7 @@ from tools.measure.sweep.params import SweepParams
 from tools.measure.sweep.run import run_sweep
 from tools.measure.sweep.worker import raw_name
 
-from fixtures import group_alive
+from tests.fixtures import group_alive
 
 pytestmark = pytest.mark.vllm
 

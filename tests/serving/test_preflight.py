@@ -19,7 +19,7 @@ from tools.core.errors import ToolFailure
 from tools.core.errors import BadInput, render
 from tools.cli.commands import CLI
 from tools.serving.preflight import PreflightParams, checks_for, ensure, run_preflight
-from fixtures import fake_t4_hardware
+from tests.fixtures import fake_t4_hardware
 
 ROOT = Path(__file__).resolve().parents[2]
 MIB = 1 << 20

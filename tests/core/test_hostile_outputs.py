@@ -15,46 +15,10 @@ from pathlib import Path
 import pytest
 
 from tests.fixtures import ROOT
+from tests.mounts import MOUNT, fill, listing
 from tools.core import atomic_files
 from tools.core.errors import ToolFailure
 from tools.measure import evidence
-
-
-def _can_mount() -> bool:
-    if os.geteuid() != 0:
-        return False
-    probe = Path(f"/tmp/.hostile-mount-probe-{os.getpid()}")
-    probe.mkdir(exist_ok=True)
-    try:
-        ok = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(probe)],
-                            capture_output=True).returncode == 0
-        if ok:
-            subprocess.run(["umount", str(probe)], check=True)
-        return ok
-    except OSError:
-        return False
-    finally:
-        probe.rmdir()
-
-
-MOUNT = _can_mount()
-
-
-@pytest.fixture
-def mounts():
-    """mount(path, *options): a small tmpfs at path, unmounted at the end."""
-    done: list[Path] = []
-
-    def mount(path: Path, *options: str) -> Path:
-        path.mkdir(parents=True, exist_ok=True)
-        subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join(("size=64k",) + options), "tmpfs", str(path)],
-                       check=True)
-        done.append(path)
-        return path
-
-    yield mount
-    for p in reversed(done):
-        subprocess.run(["umount", "-l", str(p)], check=False)
 
 
 def _read_only(tmp_path: Path, mounts, monkeypatch) -> Path:
@@ -65,18 +29,6 @@ def _read_only(tmp_path: Path, mounts, monkeypatch) -> Path:
         place.mkdir()
         _inject(monkeypatch, errno.EROFS)
     return place
-
-
-def fill(place: Path) -> None:
-    """Fills the file system at `place` (a small tmpfs) to its last block."""
-    fd = os.open(place / "filler", os.O_WRONLY | os.O_CREAT)
-    try:
-        while True:
-            os.write(fd, b"x" * 4096)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _full(tmp_path: Path, mounts, monkeypatch) -> Path:
@@ -129,10 +81,6 @@ def _case(kind: str, tmp_path: Path, mounts, monkeypatch) -> tuple[Path, Path]:
     raise AssertionError(kind)
 
 
-def _listing(d: Path) -> list[str]:
-    return sorted(str(p.relative_to(d)) for p in d.rglob("*")) if d.is_dir() else []
-
-
 def _one_line(exc: BaseException, path: Path) -> None:
     msg = str(exc)
     assert isinstance(exc, ToolFailure), repr(exc)
@@ -151,11 +99,11 @@ WRITERS = {
 @pytest.mark.parametrize("writer", list(WRITERS))
 def test_file_writers_refuse_in_one_line_and_leave_nothing(writer, kind, tmp_path, mounts, monkeypatch):
     target, place = _case(kind, tmp_path, mounts, monkeypatch)
-    before = _listing(place)
+    before = listing(place)
     with pytest.raises(ToolFailure) as e:
         WRITERS[writer](target)
     _one_line(e.value, target if kind != "parent-is-file" else target)
-    assert _listing(place) == before
+    assert listing(place) == before
 
 
 RUN_KINDS = ["out-is-file", "parent-is-file", "read-only", "full", "run-is-mount-point"]
@@ -180,7 +128,7 @@ def test_evidence_run_refuses_in_one_line_and_leaves_nothing(kind, tmp_path, mou
             pytest.skip("this sandbox cannot mount")
         out = tmp_path
         mounts(tmp_path / "decode-x")
-    before = _listing(place)
+    before = listing(place)
     with pytest.raises(ToolFailure) as e:
         run = evidence.EvidenceRun.create(out, "decode-x")
         try:
@@ -191,7 +139,7 @@ def test_evidence_run_refuses_in_one_line_and_leaves_nothing(kind, tmp_path, mou
             run.abandon()
             raise
     _one_line(e.value, out if kind not in ("full", "run-is-mount-point") else out)
-    assert _listing(place) == before
+    assert listing(place) == before
 
 
 def test_a_dead_writers_temporary_file_is_swept_by_the_next_write(tmp_path):
@@ -227,11 +175,11 @@ def _streamed(p: Path) -> None:
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_streamed_file_refuses_in_one_line_and_leaves_nothing(kind, tmp_path, mounts, monkeypatch):
     target, place = _case(kind, tmp_path, mounts, monkeypatch)
-    before = _listing(place)
+    before = listing(place)
     with pytest.raises(ToolFailure) as e:
         _streamed(target)
     _one_line(e.value, target)
-    assert _listing(place) == before
+    assert listing(place) == before
 
 
 def test_a_streamed_file_is_published_whole_and_never_over_one_that_appeared(tmp_path):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_hostile_outputs import MOUNT, _listing, fill, mounts  # noqa: F401 (the fixture)
+from tests.mounts import MOUNT, fill, listing
 from tools.cli import main
 
 DEAD = "http://127.0.0.1:9"
@@ -76,7 +76,7 @@ def test_every_writer_refuses_every_hostile_output_in_one_line(command, kind, tm
     monkeypatch.setenv("HF_ENDPOINT", DEAD)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
     monkeypatch.chdir(tmp_path)
-    before = _listing(watched)
+    before = listing(watched)
     capsys.readouterr()
     rc = main([*argv, "--out", str(out)])
     err = capsys.readouterr().err
@@ -85,7 +85,7 @@ def test_every_writer_refuses_every_hostile_output_in_one_line(command, kind, tm
     assert len(lines) == 1 and lines[0].startswith(f"vllm-t4 {command}: ") and "Traceback" not in err, err
     assert str(out) in lines[0] or str(out.parent) in lines[0], lines[0]
     assert "server" not in lines[0] and "network" not in lines[0], lines[0]  # refused before asking
-    assert _listing(watched) == before
+    assert listing(watched) == before
     assert not (tmp_path / "state").exists()
 
 

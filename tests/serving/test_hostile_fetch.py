@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_hostile_outputs import MOUNT, _listing, mounts  # noqa: F401 (the fixture)
+from tests.mounts import MOUNT, listing
 from tools.core.errors import BadInput, ToolFailure
 from tools.serving import fetch
 from tools.serving.fetch import FetchParams, fetch_checkpoint
@@ -67,9 +67,9 @@ def test_an_output_no_fetch_could_publish_is_refused_before_the_hub(kind, offlin
         out = models / "ro" / "tiny"
     else:
         mounts(out)
-    before = _listing(models)
+    before = listing(models)
     _refused_before_the_hub(FetchParams(repo_id=REPO, out=str(out), roots=[str(models)]), str(out))
-    assert _listing(models) == before
+    assert listing(models) == before
 
 
 def test_an_endpoint_that_is_not_a_url_is_one_line_naming_it(tmp_path, monkeypatch):
@@ -107,7 +107,7 @@ def test_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, mounts, monkeypatc
         fetch._publish(snap, names, place / "tiny", _manifest(), {}, None)
     msg = str(e.value)
     assert "\n" not in msg and str(place / "tiny") in msg and "no space" in msg, msg
-    assert _listing(place) == []
+    assert listing(place) == []
 
 
 def test_an_empty_mount_point_as_output_leaves_no_old_folder(tmp_path, mounts):

@@ -249,7 +249,7 @@ def test_an_intact_reference_reads_whole(tmp_path):
 
 @pytest.mark.parametrize("case", ["garbage", "no-doc_id", "doc_id-a-string"])
 def test_eval_compare_names_the_samples_file_the_line_and_the_field(case, tmp_path, capsys):
-    from fixtures import fake_eval_run
+    from tests.fixtures import fake_eval_run
 
     from tools.mcp.errors import to_tool_error
     from tools.measure.evals.compare import compare_evals
@@ -272,7 +272,7 @@ def test_eval_compare_names_the_samples_file_the_line_and_the_field(case, tmp_pa
 
 
 def test_eval_compare_refuses_a_single_run(tmp_path, capsys):
-    from fixtures import fake_eval_run
+    from tests.fixtures import fake_eval_run
 
     a = fake_eval_run(tmp_path / "a", "a", {0: 1.0, 1: 0.0})
     rc, err = _run(capsys, ["eval-compare", a])
