@@ -21,6 +21,7 @@ from tools.core.errors import ToolFailure
 from tools.core import clock
 from tools.core.names import check_name
 from tools.measure import provenance as prov_mod
+from tools.serving.config import ServeConfig
 
 def write_json(path: str | Path, data: Any) -> Path:
     """Atomic JSON write (tools.core.atomic_files.write_file); one line naming the path when it cannot be
@@ -98,8 +99,8 @@ class EvidenceRun:
         write_text(self.dir / "summary.md", markdown)
         return {"summary_json": str(self.final / "summary.json"), "summary_md": str(self.final / "summary.md")}
 
-    def write_provenance(self, base_url: str | None, *, serve_config: Any = None, server_argv: list[str] | None
-                         = None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    def write_provenance(self, base_url: str | None, *, serve_config: ServeConfig | None = None,
+                         server_argv: list[str] | None = None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
         """provenance.json: collect() for base_url, the given argv where the caller started the server itself,
         plus extra fields (e.g. the speculative config). Returns what was written."""
         prov = collect_provenance(base_url, serve_config=serve_config, server_argv=server_argv)
@@ -115,7 +116,7 @@ class EvidenceRun:
         self._folder.discard()
 
 
-def collect_provenance(base_url: str | None, *, serve_config: Any = None, server: Any = None,
+def collect_provenance(base_url: str | None, *, serve_config: ServeConfig | None = None, server: Any = None,
                        server_argv: list[str] | None = None) -> prov_mod.Provenance:
     """provenance.collect, with the argv given by a caller that started the server (it knows it for sure)."""
     prov = prov_mod.collect(base_url, serve_config=serve_config, server=server)

@@ -23,7 +23,7 @@ from pydantic import BaseModel, Field
 from tools.core.errors import ToolFailure, op, param
 from tools.core import clock
 from tools.gpu.vram import vram_status
-from tools.serving.config import load_config
+from tools.serving.config import ServeConfig, load_config
 from tools.serving.vllm_server import server_status
 
 
@@ -149,7 +149,8 @@ def _gpu(notes: list[str], nvml: Any = None) -> tuple[str | None, str | None, in
     return (", ".join(names) or None), st.driver_version, len(st.gpus)
 
 
-def _started_server(base_url: str, notes: list[str], cfg: Any = None) -> tuple[list[str] | None, dict[str, Any] | None]:
+def _started_server(base_url: str, notes: list[str], cfg: ServeConfig | None = None
+                    ) -> tuple[list[str] | None, dict[str, Any] | None]:
     """argv and parsed start fields of the server tools/ started, when base_url is that server.
 
     cfg is the ServeConfig to look in (default: the project's tpu.env).
@@ -176,7 +177,7 @@ def _started_server(base_url: str, notes: list[str], cfg: Any = None) -> tuple[l
 
 
 def collect(base_url: str | None, *, nvml: Any = None, server: ServerInfo | None = None,
-            serve_config: Any = None) -> Provenance:
+            serve_config: ServeConfig | None = None) -> Provenance:
     """Build the provenance record for a measurement against base_url (None: no server involved).
 
     serve_config: the tools.serving.config.ServeConfig whose started server to describe (default: tpu.env's).

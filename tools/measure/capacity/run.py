@@ -31,6 +31,7 @@ from tools.measure.sweep.params import CellResult, SweepParams, SweepResult
 from tools.measure.sweep.cells import Tally, measure_repeats
 from tools.measure.sweep.worker import BenchWorker
 from tools.serving.endpoint import Endpoint, resolve_endpoint
+from tools.serving.config import ServeConfig
 
 
 class CapacityParams(SweepParams):
@@ -76,7 +77,7 @@ class CapacityParams(SweepParams):
 
 
 def run_capacity(params: CapacityParams, *, progress: Progress | None = None,
-                 serve_config: Any = None) -> CapacityResult:
+                 serve_config: ServeConfig | None = None) -> CapacityResult:
     """Search the capacity against the running server (or params' endpoint); returns and saves the run."""
     terms = params.checked_terms()
     return capacity(params, terms, resolve_endpoint(params, serve_config), progress=progress,
@@ -84,7 +85,7 @@ def run_capacity(params: CapacityParams, *, progress: Progress | None = None,
 
 
 def capacity(params: CapacityParams, terms: list[Term], endpoint: Endpoint, *, progress: Progress | None = None,
-             serve_config: Any = None) -> CapacityResult:
+             serve_config: ServeConfig | None = None) -> CapacityResult:
     """The search with checked parameters (CapacityParams.checked_terms) against a resolved endpoint."""
     check_output_folder(params.out)  # before the server is asked: a search that cannot write is refused at once
     base_url = endpoint.base_url

@@ -29,6 +29,7 @@ from tools.core.progress import Progress
 from tools.measure.roofline import SPECULATIVE_NOTE, Roofline, roofline_or_reason
 from tools.measure.spec_metrics import read_spec_counters, spec_delta, speculative_from_argv
 from tools.serving.endpoint import Endpoint, resolve_endpoint
+from tools.serving.config import ServeConfig
 
 PROMPTS_FILE = Path(__file__).resolve().parents[1] / "data" / "decode-prompts.json"
 
@@ -171,9 +172,10 @@ def summarize(records: list[PromptRecord]) -> dict[str, float | None]:
             "mean_output_tokens": statistics.fmean(r.output_tokens for r in records) if records else None}
 
 
-def run_decode(params: DecodeParams | None = None, *, progress: Progress | None = None, serve_config: Any = None,
-               server_argv: list[str] | None = None, extra_provenance: dict[str, Any] | None = None,
-               endpoint: Endpoint | None = None, **overrides: Any) -> DecodeResult:
+def run_decode(params: DecodeParams | None = None, *, progress: Progress | None = None,
+               serve_config: ServeConfig | None = None, server_argv: list[str] | None = None,
+               extra_provenance: dict[str, Any] | None = None, endpoint: Endpoint | None = None,
+               **overrides: Any) -> DecodeResult:
     """Run the decode benchmark against a live server and save its evidence folder.
 
     serve_config names the server tools/ started (default: tpu.env's): the default base_url and its argv for the
@@ -219,7 +221,7 @@ def run_decode(params: DecodeParams | None = None, *, progress: Progress | None 
 
 
 def _write_provenance(run: evidence.EvidenceRun, params: DecodeParams, base_url: str, sampling: dict[str, Any], *,
-                      serve_config: Any, server_argv: list[str] | None,
+                      serve_config: ServeConfig | None, server_argv: list[str] | None,
                       extra_provenance: dict[str, Any] | None) -> dict[str, Any] | None:
     """Writes the run's provenance.json (the server's, the drafter's and the run's settings); returns the
     server's speculative config."""

@@ -45,6 +45,7 @@ from tools.core import clock
 from tools.measure.evals.results import TASKS_DIR, EvalParams, EvalResult, scores_from_results, summary_markdown
 from tools.measure.evals.tasks import check_tasks_before_running, offline_hint, unknown_tasks_message
 from tools.serving.endpoint import resolve_endpoint
+from tools.serving.config import ServeConfig
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -175,10 +176,11 @@ class _Plan:
     model: str
     tokenizer: str
     max_len: int
-    serve_config: Any
+    serve_config: ServeConfig | None
 
 
-def run_eval(params: EvalParams, progress: Progress | None = None, *, serve_config: Any = None) -> EvalResult:
+def run_eval(params: EvalParams, progress: Progress | None = None, *,
+             serve_config: ServeConfig | None = None) -> EvalResult:
     """Run lm-eval against a live server and save the evidence folder; returns its summary.
 
     `progress(done, total, message)` is called as lm-eval moves through its phases (total 0) and its request
@@ -240,7 +242,7 @@ def run_eval(params: EvalParams, progress: Progress | None = None, *, serve_conf
         raise
 
 
-def _plan(params: EvalParams, serve_config: Any) -> _Plan:
+def _plan(params: EvalParams, serve_config: ServeConfig | None) -> _Plan:
     """lm-eval, the tasks, the endpoint (resolved once) and the server it serves, checked before any folder."""
     version = lm_eval_version()
     if version is None:

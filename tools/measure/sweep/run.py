@@ -32,6 +32,7 @@ from tools.measure.sweep.worker import BenchWorker
 from tools.serving import router as router_mod
 from tools.serving import health
 from tools.serving.endpoint import Endpoint, resolve_endpoint
+from tools.serving.config import ServeConfig
 
 
 def _run_dir(params: SweepParams, out: Path) -> Path:
@@ -58,8 +59,8 @@ def _refuse_links(run_dir: Path, out: Path) -> None:
                           detail={"path": str(run_dir), "links": [str(p) for p in links[:10]]})
 
 
-def run_sweep(params: SweepParams | None = None, *, progress: Progress | None = None, serve_config: Any = None,
-              **overrides: Any) -> SweepResult:
+def run_sweep(params: SweepParams | None = None, *, progress: Progress | None = None,
+              serve_config: ServeConfig | None = None, **overrides: Any) -> SweepResult:
     """Run (or resume) a sweep against a live OpenAI-compatible vLLM server; returns and saves the evidence.
 
     `overrides` set SweepParams fields by name. The parameters are checked and the endpoint resolved here, once;
@@ -74,7 +75,7 @@ def run_sweep(params: SweepParams | None = None, *, progress: Progress | None = 
 
 
 def sweep(params: SweepParams, endpoint: Endpoint, *, progress: Progress | None = None,
-          serve_config: Any = None) -> SweepResult:
+          serve_config: ServeConfig | None = None) -> SweepResult:
     """Run (or resume) a sweep with checked parameters (SweepParams.validate) against a resolved endpoint.
 
     `progress` is called with (repeats done, repeats planned, message) as cells start and after every measured
