@@ -75,10 +75,11 @@ def main() -> int:
 
     from repack.build import BuildOptions, build_checkpoint
     from repack import tiny_model
-    from tools.measure.compare_tokens import CompareParams, check_against, record_reference
+    from tools.measure.tokens.compare import TokenCompareParams, check_against, record_reference
     from tools.serving.config import load_config
-    from tools.measure.fidelity import CheckLogprobsParams, RecordLogprobsParams, check_logprobs, record_logprobs
-    from tools.serving.vllm_server import start_server, stop_server
+    from tools.measure.fidelity.run import CheckLogprobsParams, RecordLogprobsParams, check_logprobs, record_logprobs
+    from tools.serving.launch import start_server
+    from tools.serving.vllm_server import stop_server
 
     work = Path(args.work or tempfile.mkdtemp(prefix="fidelity-tiny-"))
     if args.tiny:
@@ -101,7 +102,7 @@ def main() -> int:
         "bf16-embeddings": work / "gemma-4-tiny-text",
         "emb4": work / "gemma-4-tiny-text-emb4",
     }
-    from repack.grid import DEFAULT_OBJECTIVE
+    from repack.choices import DEFAULT_OBJECTIVE
 
     objective = args.objective or DEFAULT_OBJECTIVE
     build_checkpoint(info.path, builds["bf16-embeddings"],
@@ -161,7 +162,7 @@ def main() -> int:
             full = dtype in args.full_dtypes.split(",")
             if full:
                 t0 = time.monotonic()
-                record_reference(tokens, CompareParams(base_url=cfg.base_url, long=True))
+                record_reference(tokens, TokenCompareParams(base_url=cfg.base_url, long=True))
                 d["greedy_record_s"] = round(time.monotonic() - t0, 1)
             d["decode_tok_s_bf16_embeddings"] = round(decode_speed(cfg.base_url, cfg.served_name), 1)
             d["kld_bf16_embeddings_vs_source"] = against_source(cfg.base_url)
@@ -182,7 +183,7 @@ def main() -> int:
             d["kld_emb4_vs_bf16_embeddings"] = check_logprobs(CheckLogprobsParams(reference=str(ref),
                                                                                   base_url=cfg.base_url)).to_dict()
             d["kld_emb4_vs_source"] = against_source(cfg.base_url)
-            greedy = check_against(tokens, CompareParams(base_url=cfg.base_url))
+            greedy = check_against(tokens, TokenCompareParams(base_url=cfg.base_url))
             d["greedy_emb4_vs_bf16_embeddings"] = greedy.to_dict()
             d["decode_tok_s_emb4"] = round(decode_speed(cfg.base_url, cfg.served_name), 1)
         finally:

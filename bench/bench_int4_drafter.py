@@ -33,7 +33,7 @@ from repack.checkpoint import open_checkpoint  # noqa: E402
 from repack.probe import probe_checkpoint  # noqa: E402
 from repack.tiny_model import build_tiny_drafter, cached_tiny_qat_checkpoint  # noqa: E402
 from fixtures import free_port  # noqa: E402
-from tools.measure.decode_sweep import (DecodeSweepParams, compare_decode_runs, first_divergence,  # noqa: E402
+from tools.measure.decode.sweep import (DecodeSweepParams, compare_decode_runs, first_divergence,  # noqa: E402
                                         load_decode_run, run_decode_sweep)
 from tools.serving.config import load_config  # noqa: E402
 from tools.serving.vllm_server import server_status  # noqa: E402

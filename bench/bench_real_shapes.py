@@ -9,7 +9,7 @@ the grid, values repeated per tensor, since decode speed does not depend on them
 widened to the full vocabulary), repacks it in one pass twice (bf16 embeddings: linears int4; all-4-bit:
 linears, both embedding tables and the untied output layer int4), deletes the source, then serves the builds
 one at a time, alternating A B A B so the machine's load falls on both, and per start: the host memory of the
-engine's processes after load (tools.gpu.vram.host_memory), the decode benchmark (tools.measure.decode) on the
+engine's processes after load (tools.gpu.vram.host_memory), the decode benchmark (tools.measure.decode.run) on the
 first `--prompts` shipped prompts, greedy, with its roofline figure (the CPU's measured copy bandwidth).
 Writes evidence/real-shapes.json and a table (evidence/real-shapes-table.md) to fold into real-shapes.md.
 """
@@ -34,10 +34,12 @@ from repack.build import BuildOptions, build_checkpoint  # noqa: E402
 from repack.synthetic import copy_tokenizer, write_e2b_checkpoint  # noqa: E402
 from repack.tiny_model import cached_tiny_qat_checkpoint  # noqa: E402
 from tools.gpu.vram import host_memory, server_process_pids  # noqa: E402
-from tools.measure.decode import DecodeParams, run_decode  # noqa: E402
+from tools.measure.decode.params import DecodeParams  # noqa: E402
+from tools.measure.decode.run import run_decode  # noqa: E402
 from tools.measure.roofline import cpu_copy_bandwidth, decode_step_bytes  # noqa: E402
 from tools.serving.config import load_config  # noqa: E402
-from tools.serving.vllm_server import start_server, stop_server  # noqa: E402
+from tools.serving.launch import start_server  # noqa: E402
+from tools.serving.vllm_server import stop_server  # noqa: E402
 
 GIB = 2**30
 BUILDS = {"bf16-emb": BuildOptions(text_only=True, embed_int4=False, embed_tokens=False),

@@ -36,7 +36,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from repack import grid  # noqa: E402
+from repack import choices, grid  # noqa: E402
 from repack.synthetic import grid_words, write_e2b_checkpoint  # noqa: E402
 
 STEPS = {"fp32": np.float32, "fp16": np.float16}
@@ -61,7 +61,7 @@ def kernel_only(args) -> int:
         blocks = [grid_words(max(1, (4 << 20) // (2 * w)), w, rng, STEPS[steps], ROUNDING[rounding], levels)
                   for w in widths]
         n = sum(b.size for b in blocks)
-        for target, objective in itertools.product(grid.TARGETS, grid.OBJECTIVES):
+        for target, objective in itertools.product(choices.TARGETS, choices.OBJECTIVES):
             best = float("inf")
             for _ in range(args.repeat):
                 t = time.process_time()
@@ -165,8 +165,8 @@ def main() -> int:
                     help="how each group's step is drawn over [e^-9, e^-3]")
     ap.add_argument("--rounding", choices=tuple(ROUNDING), default="other-way",
                     help="exact: every value the nearest bf16 of step * level; other-way: a quarter the other way")
-    ap.add_argument("--target-dtype", choices=grid.TARGETS, default=grid.DEFAULT_TARGET)
-    ap.add_argument("--objective", choices=grid.OBJECTIVES, default=grid.DEFAULT_OBJECTIVE)
+    ap.add_argument("--target-dtype", choices=choices.TARGETS, default=choices.DEFAULT_TARGET)
+    ap.add_argument("--objective", choices=choices.OBJECTIVES, default=choices.DEFAULT_OBJECTIVE)
     ap.add_argument("--kernel-only", action="store_true",
                     help="time the grid kernel alone on every distribution, target and objective (no build)")
     ap.add_argument("--repeat", type=int, default=3, help="--kernel-only, --ab: best of this many runs")

@@ -41,7 +41,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tools.measure.provenance import collect, server_info  # noqa: E402
-from tools.measure.sweep import SweepParams, prompt_seed, run_sweep  # noqa: E402
+from tools.measure.sweep.cells import prompt_seed  # noqa: E402
+from tools.measure.sweep.params import SweepParams  # noqa: E402
+from tools.measure.sweep.run import run_sweep  # noqa: E402
 
 DIRECT = """
 import json, sys
@@ -74,7 +76,8 @@ def tiny_server(workdir: Path):
     from repack.build import BuildOptions, build_checkpoint
     from repack.tiny_model import cached_tiny_qat_checkpoint
     from tools.serving.config import load_config
-    from tools.serving.vllm_server import start_server, stop_server
+    from tools.serving.launch import start_server
+    from tools.serving.vllm_server import stop_server
 
     src = cached_tiny_qat_checkpoint(workdir / "gemma-4-tiny-qat").path
     build = workdir / "gemma-4-tiny-text-emb4"

@@ -32,6 +32,7 @@ from tools.core.atomic import (REPORT, atomic_directory, check_destination, chec
                                resolve_output)
 from tools.core.atomic_leftovers import sweep_stale_partials
 from tools.core.paths import check_no_symlink_loop, confinement
+from tools.core.progress import Progress
 
 from . import drafter, grid
 from . import schemes
@@ -43,7 +44,6 @@ from .probe import probe_checkpoint
 from .report import TABLES, RepackReport, TableReport
 from .safetensors_io import MappedFile, OutShard, ShardWriter, WriteError
 
-Progress = Callable[[int, int, str], None]
 BLOCK_BYTES = 4 << 20      # source bytes per work item: big enough to amortise, small enough to bound memory
 TEXT_ONLY_SKIP_FILES = {"preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json"}
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from . import drafter, grid, preview
+from . import choices, drafter, grid, preview
 from .checkpoint import TOWER_PREFIXES, open_checkpoint
 from .safetensors_io import MappedFile
 
@@ -97,7 +97,7 @@ class ProbeReport:
         return "\n".join(lines)
 
 
-def probe_checkpoint(src: str | Path, rows_per_tensor: int = 16, scale_dtype: grid.ScaleDtype = "fp16",
+def probe_checkpoint(src: str | Path, rows_per_tensor: int = 16, scale_dtype: choices.ScaleDtype = "fp16",
                      roots: list[Path] | None = None) -> ProbeReport:
     """roots: when given, every file read must resolve inside one of them (as for a build)."""
     ck = open_checkpoint(src, roots)

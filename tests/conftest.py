@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from fixtures import ROOT, SERVE_MAX_MODEL_LEN, free_port, in_process_engine, require_plugin
+from tests.fixtures import ROOT, SERVE_MAX_MODEL_LEN, free_port, in_process_engine, require_plugin
 
 
 @pytest.hookimpl(trylast=True)  # after pytest's own configure: the temporary-folder factory is needed
@@ -198,7 +199,8 @@ def _serve(cfg):
     (VLLM_ENABLE_V1_MULTIPROCESSING=0 for that start only): one Python process fewer to import vLLM into, 30 s ->
     23 s per start here, same greedy tokens (evidence/suite-speed.md). The product's own process layout is what
     the command line, the demo, the MCP server and instances run (fixtures.in_process_engine says where else)."""
-    from tools.serving.vllm_server import start_server, stop_server
+    from tools.serving.launch import start_server
+    from tools.serving.vllm_server import stop_server
 
     require_plugin()
     with pytest.MonkeyPatch.context() as mp:  # for this start only: read by the server process at its launch
@@ -272,7 +274,7 @@ def pytest_sessionstart(session):
     # Not in xdist's controller: its temporary folder holds the workers', and it does not run their tests.
     controller = getattr(session.config.option, "numprocesses", None) and not hasattr(session.config, "workerinput")
     if out and not controller:
-        from start_log import StartLog
+        from tests.start_log import StartLog
 
         basetemp = session.config._tmp_path_factory.getbasetemp()
         _start_log = StartLog(Path(out).resolve(), str(basetemp))
@@ -297,3 +299,20 @@ def pytest_runtest_teardown(item, nextitem):
 def pytest_sessionfinish(session, exitstatus):
     if _start_log is not None:
         _start_log.close()
+
+
+@pytest.fixture
+def mounts():
+    """mount(path, *options): a small tmpfs at path, unmounted at the end."""
+    done: list[Path] = []
+
+    def mount(path: Path, *options: str) -> Path:
+        path.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join(("size=64k",) + options), "tmpfs", str(path)],
+                       check=True)
+        done.append(path)
+        return path
+
+    yield mount
+    for p in reversed(done):
+        subprocess.run(["umount", "-l", str(p)], check=False)

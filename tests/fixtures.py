@@ -63,7 +63,7 @@ def group_alive(pgid: int) -> list[int]:
 def fake_t4_hardware():
     """A Tesla T4 on a small host (compute capability 7.5, `ram` bytes of RAM, `swap` bytes of swap), as the
     serving code's Hardware sees it: the class is built on first use so importing this module stays light."""
-    from tools.serving.vllm_server import Hardware
+    from tools.serving.hardware import Hardware
 
     class FakeT4(Hardware):
         def __init__(self, ram: int = 64 << 30, swap: int = 0) -> None:
@@ -86,7 +86,7 @@ def fake_eval_run(folder: Path, label: str, per_doc: dict[int, float], *, hashes
     import json
     import math
 
-    from tools.measure import evals
+    from tools.measure.evals.results import EvalResult, TaskScore
 
     lm = folder / "lm_eval" / "m"
     lm.mkdir(parents=True)
@@ -97,10 +97,10 @@ def fake_eval_run(folder: Path, label: str, per_doc: dict[int, float], *, hashes
     vals = list(per_doc.values())
     mean = sum(vals) / len(vals)
     se = math.sqrt(sum((v - mean) ** 2 for v in vals) / (len(vals) - 1) / len(vals))
-    res = evals.EvalResult(run_id=folder.name, run_dir=str(folder), label=label, model="m", base_url="u",
-                           tasks=["t"], started="s",
-                           scores=[evals.TaskScore(task="t", metric="acc", value=mean, stderr=se, n=len(vals))],
-                           files={"samples:t": str(samples)})
+    res = EvalResult(run_id=folder.name, run_dir=str(folder), label=label, model="m", base_url="u",
+                     tasks=["t"], started="s",
+                     scores=[TaskScore(task="t", metric="acc", value=mean, stderr=se, n=len(vals))],
+                     files={"samples:t": str(samples)})
     (folder / "summary.json").write_text(json.dumps(res.to_dict()))
     return folder
 
@@ -146,3 +146,8 @@ def default_signals() -> None:
     (docs/testing.md), so a kill test would test the runner's start instead of the command."""
     for sig in _DEFAULTED:
         signal.signal(sig, signal.SIG_DFL)
+def state_env(state_dir: Path, **extra: str) -> dict[str, str]:
+    """The environment of a command run against the servers whose state files are under `state_dir`."""
+    env = dict(os.environ, STATE_DIR=str(state_dir), PYTHONPATH=str(ROOT))
+    env.update(extra)
+    return env

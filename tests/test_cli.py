@@ -9,8 +9,9 @@ import sys
 
 import pytest
 
-from fixtures import ROOT
+from tests.fixtures import ROOT
 from tools import cli
+from tools.cli.commands import MODULES
 
 
 def _commands(parser: argparse.ArgumentParser) -> list[str]:
@@ -18,25 +19,25 @@ def _commands(parser: argparse.ArgumentParser) -> list[str]:
 
 
 def test_every_command_is_in_the_table_under_the_module_that_registers_it():
-    assert sorted(_commands(cli.build_parser())) == sorted(cli.COMMANDS)
-    for module in set(cli.COMMANDS.values()):
+    assert sorted(_commands(cli.build_parser())) == sorted(MODULES)
+    for module in set(MODULES.values()):
         sub = argparse.ArgumentParser().add_subparsers()
         importlib.import_module(module).register(sub)
-        assert sorted(sub.choices) == sorted(c for c, m in cli.COMMANDS.items() if m == module), module
+        assert sorted(sub.choices) == sorted(c for c, m in MODULES.items() if m == module), module
 
 
 def test_a_command_line_builds_only_its_module_and_parses_as_with_every_command():
-    for command, module in cli.COMMANDS.items():
+    for command, module in MODULES.items():
         one = cli.build_parser(command)
-        assert command in _commands(one) and {cli.COMMANDS[c] for c in _commands(one)} == {module}
+        assert command in _commands(one) and {MODULES[c] for c in _commands(one)} == {module}
     argv = ["status", "--instance", "a", "--json"]
     assert vars(cli.build_parser("status").parse_args(argv)).keys() == vars(cli.build_parser().parse_args(argv)).keys()
 
 
 def test_status_imports_neither_the_measuring_nor_the_demo_modules():
     code = ("import sys; from tools.cli import main; rc = main(['status', '--instance=../x']); "
-            "print(rc, sorted(m for m in ('tools.measure.evals', 'tools.measure.decode', 'tools.demo.demo', "
-            "'tools.measure.fidelity', 'tools.serving.fetch') if m in sys.modules))")
+            "print(rc, sorted(m for m in ('tools.measure.evals.run', 'tools.measure.decode.run', 'tools.demo.demo', "
+            "'tools.measure.fidelity.run', 'tools.serving.fetch') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.stdout.split("\n")[0] == "2 []", (out.stdout, out.stderr)
 
@@ -45,7 +46,7 @@ def test_an_unknown_command_lists_every_command(capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["bogus"])
     err = capsys.readouterr().err
-    assert e.value.code == 2 and all(f"'{c}'" in err for c in cli.COMMANDS), err
+    assert e.value.code == 2 and all(f"'{c}'" in err for c in MODULES), err
 
 
 def test_main_in_process_leaves_the_sigterm_handler_as_it_was(capsys):

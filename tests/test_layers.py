@@ -5,11 +5,12 @@ import is for a heavy or optional dependency only), and modules and functions of
 from __future__ import annotations
 
 import ast
+import builtins
 import subprocess
 import sys
 from pathlib import Path
 
-from fixtures import ROOT
+from tests.fixtures import ROOT
 
 PACKAGES = ("tools", "repack", "gemma4_t4_vllm")
 TOP_MODULES = ("server.py", "patch_triton_turing.py")
@@ -134,3 +135,32 @@ def test_modules_and_functions_of_one_concern():
                 if n > FUNCTION_LINES and not _has_reason(lines, fn.lineno - 1):
                     long_functions.append(f"{path.relative_to(ROOT)}:{fn.lineno} {fn.name}(): {n} lines")
     assert not long_modules and not long_functions, "\n".join(long_modules + long_functions)
+
+
+# Exceptions the project raises that are not failures: a job's cancellation and SIGTERM as an interrupt must pass
+# every `except ToolFailure` on their way out.
+NOT_FAILURES = {"JobCancelled", "Terminated"}
+
+
+def test_every_failure_type_derives_from_the_projects():
+    """A caller catches the project's failures as tools.core.errors.ToolFailure (BadInput for its own input):
+    an exception class of the project's derives from it, directly or through another of the project's."""
+    declared: dict[str, tuple[str, list[str]]] = {}
+    for path in _sources():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ClassDef):
+                bases = [b.id if isinstance(b, ast.Name) else b.attr if isinstance(b, ast.Attribute) else ""
+                         for b in node.bases]
+                declared[node.name] = (f"{path.relative_to(ROOT)}:{node.lineno}", bases)
+
+    def root(name: str, seen: frozenset[str] = frozenset()) -> str:
+        bases = declared.get(name, ("", []))[1]
+        own = [b for b in bases if b in declared and b not in seen]
+        return root(own[0], seen | {name}) if own and name != "ToolFailure" else name
+
+    exceptions = {n for n in dir(builtins) if isinstance(getattr(builtins, n), type)
+                  and issubclass(getattr(builtins, n), BaseException)}
+    wrong = [f"{where} {name}({', '.join(bases)})" for name, (where, bases) in declared.items()
+             if name not in NOT_FAILURES and name != "ToolFailure"
+             and (set(bases) & exceptions or root(name) in exceptions) and root(name) != "ToolFailure"]
+    assert not wrong, "exception types outside tools.core.errors.ToolFailure:\n" + "\n".join(wrong)

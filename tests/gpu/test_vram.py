@@ -11,62 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.fake_nvml import T4_TOTAL, FakeNvml, FakeNvmlError
 from tools.gpu.vram import MIB, server_process_pids, vram_status
-
-
-class FakeNvmlError(Exception):
-    pass
-
-
-class FakeNvml:
-    """Implements the pynvml functions vram_status calls, for one or more fake GPUs."""
-
-    def __init__(self, gpus: list[dict], *, init_error: Exception | None = None, driver: bytes | str = "550.54.15"):
-        self.gpus = gpus
-        self.init_error = init_error
-        self.driver = driver
-        self.init_calls = 0
-        self.shutdown_calls = 0
-
-    def nvmlInit(self):
-        self.init_calls += 1
-        if self.init_error:
-            raise self.init_error
-
-    def nvmlShutdown(self):
-        self.shutdown_calls += 1
-
-    def nvmlSystemGetDriverVersion(self):
-        return self.driver
-
-    def nvmlDeviceGetCount(self):
-        return len(self.gpus)
-
-    def nvmlDeviceGetHandleByIndex(self, i):
-        return self.gpus[i]
-
-    def nvmlDeviceGetName(self, h):
-        return h["name"]
-
-    def nvmlDeviceGetMemoryInfo(self, h):
-        return SimpleNamespace(total=h["total"], used=h["used"], free=h["total"] - h["used"])
-
-    def nvmlDeviceGetUtilizationRates(self, h):
-        if h.get("util") is None:
-            raise FakeNvmlError("Not Supported")
-        return SimpleNamespace(gpu=h["util"], memory=h["util"] // 2)
-
-    def nvmlDeviceGetComputeRunningProcesses(self, h):
-        return [SimpleNamespace(pid=pid, usedGpuMemory=used) for pid, used in h.get("compute", [])]
-
-    def nvmlDeviceGetGraphicsRunningProcesses(self, h):
-        return [SimpleNamespace(pid=pid, usedGpuMemory=used) for pid, used in h.get("graphics", [])]
-
-    def nvmlDeviceGetCudaComputeCapability(self, h):
-        return h.get("cc", (7, 5))
-
-
-T4_TOTAL = 15360 * MIB
 
 
 def test_no_driver_is_a_result_not_an_exception():
@@ -156,7 +102,7 @@ def test_server_pids_of_missing_process_is_empty(pid):
 def test_serving_hardware_reads_every_gpu_through_the_one_nvml_reader(monkeypatch):
     """vLLM start checks (platform, Turing clamp, VRAM) see all GPUs, not GPU 0 only."""
     from tools.gpu import vram as vram_mod
-    from tools.serving.vllm_server import Hardware
+    from tools.serving.hardware import Hardware
 
     fake = FakeNvml([
         {"name": "A100", "total": 40960 * MIB, "used": 1000 * MIB, "util": 5, "cc": (8, 0)},

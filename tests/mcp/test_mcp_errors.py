@@ -31,7 +31,7 @@ def test_over_long_inputs_are_named_echoed_short_and_keep_the_fix(mcp):
     texts = [r.content[0].text for r in results]
     assert all(r.is_error for r in results), texts
     for text, (name, fix) in zip(texts, [("path", "shorter"), ("reference", "shorter"), ("model", "shorter"),
-                                         ("scheme", "choose one of"), ("label", "without slashes or spaces"),
+                                         ("scheme", "choose one of"), ("label", "no spaces or slashes"),
                                          ("job", "start it again")]):
         assert "\n" not in text and not text.startswith("OSError"), text
         assert text.startswith(name) and fix in text, text

@@ -19,7 +19,7 @@ import pytest
 from fastmcp import Client
 from fastmcp.client.transports import StdioTransport
 
-from fixtures import free_port
+from tests.fixtures import free_port
 from tools.mcp.resources import PROMPTS, SCHEME, Ref
 
 ROOT = Path(__file__).resolve().parents[2]

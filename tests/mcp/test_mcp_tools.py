@@ -310,8 +310,8 @@ def test_a_measurement_resolves_the_endpoint_and_reads_the_config_once(mcp, monk
     """One run_sweep (or run_decode_bench) call shapes its request once, called directly or through start_job
     (whose check's result is the job's input): one endpoint resolution and one read of tpu.env, which the
     measurement itself does not repeat (here it fails fast after them: nothing answers at the URL)."""
-    import tools.measure.decode as decode_mod
-    import tools.measure.sweep as sweep_mod
+    import tools.measure.decode.run as decode_mod
+    import tools.measure.sweep.run as sweep_mod
     import tools.mcp.app as app_mod
     import tools.mcp.measure_tools as measure_tools
     import tools.serving.endpoint as endpoint_mod
@@ -516,8 +516,8 @@ def test_errors_echo_little_of_an_input_and_hide_symlink_targets(mcp, roots, tmp
 
 
 def _fake_run(folder: Path, label: str, tok_s: float) -> Path:
-    from tools.measure.results import CellResult, SweepResult
-    from tools.measure.sweep_report import write_run
+    from tools.measure.sweep.params import CellResult, SweepResult
+    from tools.measure.sweep.report import write_run
 
     res = SweepResult(run_id=folder.name, run_dir=str(folder), label=label, params={}, started="2026-01-01",
                       finished="2026-01-01",
@@ -611,7 +611,7 @@ def test_compare_logprobs_confines_its_paths_and_refuses_an_existing_record(mcp,
     assert "exists; pass force=true" in errors[3] and "--force" not in errors[3]
     assert ref.read_text() == "keep me\n" and not (ev / "new.json").exists()
     # The shipped corpus is allowed by its path; the server refusal then comes from the library.
-    from tools.measure.fidelity import DEFAULT_CORPUS
+    from tools.measure.fidelity.files import DEFAULT_CORPUS
 
     (err,) = _refusals(mcp, [("compare_logprobs", {"mode": "record", "reference": "new.json",
                                                    "corpus": str(DEFAULT_CORPUS), "base_url": dead})])
@@ -620,7 +620,7 @@ def test_compare_logprobs_confines_its_paths_and_refuses_an_existing_record(mcp,
 
 
 def test_run_eval_confines_its_paths_and_refuses_without_a_server(mcp, roots, tmp_path):
-    from fixtures import free_port
+    from tests.fixtures import free_port
 
     url = f"http://127.0.0.1:{free_port()}"
     (tmp_path / "tasks").mkdir()
@@ -638,7 +638,7 @@ def test_run_eval_confines_its_paths_and_refuses_without_a_server(mcp, roots, tm
 
 
 def test_compare_evals_reads_runs_under_the_evidence_roots_only(mcp, roots, tmp_path):
-    from fixtures import fake_eval_run
+    from tests.fixtures import fake_eval_run
 
     ev = roots.evidence[0]
     a = fake_eval_run(ev / "a", "ref", {i: float(i % 2) for i in range(20)})
@@ -661,7 +661,7 @@ def test_compare_evals_reads_runs_under_the_evidence_roots_only(mcp, roots, tmp_
 def test_compare_evals_refuses_run_files_linked_out_of_the_roots(mcp, roots, tmp_path):
     import json
 
-    from fixtures import fake_eval_run
+    from tests.fixtures import fake_eval_run
 
     ev = roots.evidence[0]
     fake_eval_run(ev / "a", "ref", {i: float(i % 2) for i in range(20)})
@@ -725,7 +725,7 @@ def test_preflight_start_checks_the_model_about_to_start(mcp, tmp_path):
 
 
 def test_fetch_checkpoint_publishes_under_the_models_root(mcp, roots, tmp_path, monkeypatch):
-    from stand_in_hub import COMMIT, REPO, StandInHub
+    from tests.stand_in_hub import COMMIT, REPO, StandInHub
 
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))

@@ -1,15 +1,15 @@
 """Recorded capacity run folders without a server: a synthetic build searched, its points written as a sweep
-run folder plus capacity.json, exactly as tools/measure/capacity.py writes them."""
+run folder plus capacity.json, exactly as tools/measure/capacity/run.py writes them."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from tools.measure import sweep_report
-from tools.measure.capacity import CapacityParams, result_of
-from tools.measure.capacity_report import write_capacity
-from tools.measure.capacity_search import Sample, search_capacity
-from tools.measure.results import CellResult, RepeatResult, SweepResult, aggregate
+from tools.measure.sweep import report as sweep_report
+from tools.measure.capacity.run import CapacityParams, result_of
+from tools.measure.capacity.report import write_capacity
+from tools.measure.capacity.search import Sample, search_capacity
+from tools.measure.sweep.params import CellResult, RepeatResult, SweepResult, aggregate
 
 
 def capacity_run(out: Path, label: str, *, ttft_per_user: float, tok_s_per_user: float = 50.0,

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from tools.core.errors import BadInput
-from tools.measure.capacity_search import Sample, search_capacity
-from tools.measure.capacity_slo import goodput_limits, parse_slo, slo_text
+from tools.measure.capacity.search import Sample, search_capacity
+from tools.measure.capacity.slo import goodput_limits, parse_slo, slo_text
 
 ROOT = Path(__file__).resolve().parents[2]
 SLO = parse_slo("ttft_p99_ms=1000,tpot_p99_ms=100")
@@ -144,7 +144,7 @@ def test_find_capacity_refuses_bad_arguments_before_anything_runs(tmp_path):
 
 
 def test_a_rate_point_asks_vllm_for_poisson_arrivals_and_goodput():
-    from tools.measure.sweep_worker import _bench_argv, raw_name
+    from tools.measure.sweep.worker import _bench_argv, raw_name
 
     spec = {"base_url": "http://h", "model": "m", "tokenizer": "t", "input_len": 32, "output_len": 8,
             "concurrency": 0, "request_rate": 2.5, "goodput": {"ttft": 1000.0, "tpot": 100.0}}

@@ -10,8 +10,8 @@ import pytest
 
 from tests.measure.capacity_fixtures import capacity_run
 from tools.core.errors import ToolFailure
-from tools.measure.capacity_report import compare_capacity, load_capacity
-from tools.measure.sweep_report import load_run
+from tools.measure.capacity.report import compare_capacity, load_capacity
+from tools.measure.sweep.report import load_run
 
 
 
@@ -157,7 +157,7 @@ def test_compare_sweeps_over_mcp_takes_capacity_runs(tmp_path):
 
 def test_request_rate_runs_compare_and_read_as_sweeps(tmp_path):
     from tools.measure.pareto import pareto
-    from tools.measure.sweep_report import compare_runs
+    from tools.measure.sweep.report import compare_runs
 
     a = capacity_run(tmp_path, "bf16", ttft_per_user=400, rate=True)   # 2.5 req/s
     b = capacity_run(tmp_path, "emb4", ttft_per_user=200, rate=True)   # 5 req/s

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from tools.measure.capacity import CapacityParams, run_capacity
-from tools.measure.sweep import SweepParams, run_sweep
+from tools.measure.capacity.run import CapacityParams, run_capacity
+from tools.measure.sweep.params import SweepParams
+from tools.measure.sweep.run import run_sweep
 
 pytestmark = pytest.mark.vllm
 INPUT_LEN, OUTPUT_LEN = 128, 8

@@ -7,8 +7,9 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from tools.measure.compare_tokens import (DEFAULT_PROMPTS, CompareParams, Generation, TokenRecord, compare_generations,
-                                  compare_records, compare_tokens, load_prompts, load_record, save_record)
+from tools.measure.tokens.compare import (DEFAULT_PROMPTS, Generation, TokenCompareParams, TokenRecord,
+                                          compare_generations, compare_records, compare_tokens, load_prompts,
+                                          load_record, save_record)
 from tools.core.errors import ToolFailure
 
 
@@ -83,7 +84,7 @@ def test_bad_reference_and_prompt_files(tmp_path):
 
 def test_modes_need_their_arguments():
     with pytest.raises(ToolFailure, match="needs reference"):
-        compare_tokens(CompareParams(mode="record"))
+        compare_tokens(TokenCompareParams(mode="record"))
     with pytest.raises(ToolFailure, match="needs other_url"):
         compare_tokens(mode="live", base_url="http://127.0.0.1:9")
     with pytest.raises(ValidationError, match="'record', 'check' or 'live'"):  # the parameter model refuses

@@ -14,14 +14,14 @@ from pydantic import ValidationError
 
 from tools.core.errors import ToolFailure
 from tools.measure import evidence
-from tools.measure.decode import DecodeResult, PromptRecord, load_prompts, summarize
-from tools.measure.decode_sweep import (DecodeSweepParams, compare_decode_runs, first_divergence, run_decode_sweep,
+from tools.measure.decode.run import DecodeResult, PromptRecord, load_prompts, summarize
+from tools.measure.decode.sweep import (DecodeSweepParams, compare_decode_runs, first_divergence, run_decode_sweep,
                                         speculative_json)
 from tools.measure.spec_metrics import parse_spec_counters, spec_delta
 from tools.serving.speculative import validate_speculative_config
 from tools.core.errors import BadInput
 
-from fixtures import IN_PROCESS_TORCH
+from tests.fixtures import IN_PROCESS_TORCH
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTICLE = ROOT / "evidence" / "article-t4" / "decode"
@@ -273,8 +273,8 @@ def test_decode_sweep_refuses_negative_draft_tokens():
 
 
 def test_sweep_records_acceptance_per_cell():
-    from tools.measure.results import CellResult, RepeatResult, SweepResult, cell_acceptance
-    from tools.measure.sweep_report import markdown_run
+    from tools.measure.sweep.params import CellResult, RepeatResult, SweepResult, cell_acceptance
+    from tools.measure.sweep.report import markdown_run
 
     reps = [RepeatResult(repeat=0, seed=1, status="ok", num_prompts=2,
                          spec_decode={"draft_tokens": 30.0, "accepted_tokens": 12.0}),
@@ -332,7 +332,7 @@ def test_tiny_drafter_has_the_assistant_layout_and_learns_the_pattern(tmp_path):
 def test_stream_chat_reads_token_ids_usage_and_sends_the_sampling():
     import httpx
 
-    from tools.measure.decode import stream_chat
+    from tools.measure.decode.run import stream_chat
 
     sent = {}
 
@@ -355,7 +355,7 @@ def test_stream_chat_reads_token_ids_usage_and_sends_the_sampling():
 
 
 def test_checkpoint_sampling_reads_generation_config(tmp_path):
-    from tools.measure.decode import checkpoint_sampling
+    from tools.measure.decode.params import checkpoint_sampling
 
     f = tmp_path / "generation_config.json"
     f.write_text(json.dumps({"temperature": 1.0, "top_k": 64, "top_p": 0.95, "do_sample": True}))
@@ -387,7 +387,7 @@ def test_decode_sweep_runs_record_the_paths_they_have_once_finished(models, tmp_
     """Each setting's summary.json names its folder inside the finished sweep folder, not the .partial one."""
     import types
 
-    from tools.measure import decode_sweep as decode_mod
+    from tools.measure.decode import sweep as decode_mod
 
     root, target, _ = models
     monkeypatch.setenv("GEMMA4_T4_MODELS_ROOTS", str(root))
@@ -415,7 +415,7 @@ def test_decode_sweep_runs_record_the_paths_they_have_once_finished(models, tmp_
 def test_a_decode_sweep_stopped_before_any_run_leaves_no_partial_folder(models, tmp_path, monkeypatch):
     """A first start that is refused (a server already runs) or interrupted (Ctrl-C, SIGTERM) leaves nothing in
     --out: an empty .partial folder per try would pile up."""
-    from tools.measure import decode_sweep as vllm_server  # the sweep's own start_server and stop_server
+    from tools.measure.decode import sweep as vllm_server  # the sweep's own start_server and stop_server
 
     root, target, _ = models
     monkeypatch.setenv("GEMMA4_T4_MODELS_ROOTS", str(root))
@@ -433,7 +433,7 @@ def test_a_decode_sweep_stopped_before_any_run_leaves_no_partial_folder(models, 
 
 
 def test_decode_report_gives_the_rate_as_a_share_of_the_roofline(tmp_path, monkeypatch):
-    from tools.measure.decode import decode_roofline, markdown_run, mean_context_tokens
+    from tools.measure.decode.run import decode_roofline, markdown_run, mean_context_tokens
     from tools.measure.roofline import Bandwidth
 
     (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 1, "num_attention_heads": 1,
@@ -465,7 +465,7 @@ def test_decode_report_gives_the_rate_as_a_share_of_the_roofline(tmp_path, monke
 
 
 def test_an_unreadable_build_costs_the_roofline_not_the_run(tmp_path):
-    from tools.measure.decode import decode_roofline
+    from tools.measure.decode.run import decode_roofline
 
     (tmp_path / "config.json").write_text("{not json")
     res = DecodeResult(run_id="r", run_dir=str(tmp_path), label="x", sampling="greedy", sampling_params={},

@@ -39,7 +39,7 @@ from pathlib import Path
 from tools.serving.config import ServeConfig
 stand_in, pids, model, state, port, out = sys.argv[1:]
 ServeConfig.vllm_argv = lambda self, platform: [sys.executable, "-c", Path(stand_in).read_text(), port, pids]
-from tools.measure.decode_sweep import DecodeSweepParams, run_decode_sweep
+from tools.measure.decode.sweep import DecodeSweepParams, run_decode_sweep
 run_decode_sweep(DecodeSweepParams(draft_tokens=[0], out=Path(out), label="owned"), model=model, state_dir=state,
                  host="127.0.0.1", port=int(port), start_timeout_s=300.0)
 """
@@ -107,7 +107,7 @@ def test_a_killed_decode_sweep_leaves_no_server_and_the_next_is_not_refused(tmp_
 
 OWNER = r"""
 import sys, time
-from tools.measure.server_guard import owned_server
+from tools.serving.server_guard import owned_server
 with owned_server(sys.argv[1]):
     print("guarded", flush=True)
     time.sleep(600)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from fixtures import ROOT, SERVE_MAX_MODEL_LEN, free_port, in_process_engine
+from tests.fixtures import ROOT, SERVE_MAX_MODEL_LEN, free_port, in_process_engine
 
 pytestmark = pytest.mark.vllm
 
@@ -41,7 +41,7 @@ def int4_drafter(tiny_drafter) -> Path:
 
 def test_decode_sweep_writes_the_drafter_table_and_measures_real_acceptance(bf16_text_build, tiny_drafter,
                                                                            int4_drafter, tmp_path, monkeypatch):
-    from tools.measure.decode_sweep import DecodeSweepParams, compare_decode_runs, run_decode_sweep
+    from tools.measure.decode.sweep import DecodeSweepParams, compare_decode_runs, run_decode_sweep
     from tools.serving.config import load_config
     from tools.serving.vllm_server import server_status
 

@@ -11,10 +11,13 @@ from pathlib import Path
 import pytest
 
 from tools.core.errors import ToolFailure
-from tools.measure import eval_tasks, evals
-from tools.measure.evals import CompareParams, EvalParams
+from tools.measure.evals import run as evals, tasks as eval_tasks
+from tools.core.root import PROJECT_ROOT
+from tools.measure.evals.compare import compare_evals
+from tools.measure.evals.results import (TASKS_DIR, EvalCompareParams, EvalParams, TaskScore, confine_compare_params,
+                                        confine_eval_params)
 
-from fixtures import fake_eval_run
+from tests.fixtures import fake_eval_run
 
 TASKS = ["tiny_pattern_mc", "tiny_pattern_gen"]
 
@@ -42,9 +45,9 @@ def _one_line_error(capsys, name: str) -> str:
 
 def test_shipped_task_data_follows_the_tiny_models_pattern():
     """The JSONL files the tiny_pattern tasks read are what the tiny model's permutation gives (regenerate with
-    `python -m tools.measure.eval_tasks --write-tiny-tasks` when the pattern changes)."""
+    `python -m tools.measure.evals.tasks --write-tiny-tasks` when the pattern changes)."""
     mc, gen = eval_tasks.tiny_pattern_docs(0)
-    folder = evals.TASKS_DIR / "tiny_pattern"
+    folder = TASKS_DIR / "tiny_pattern"
     shipped_mc = [json.loads(x) for x in (folder / "tiny_pattern_mc.jsonl").read_text().splitlines()]
     shipped_gen = [json.loads(x) for x in (folder / "tiny_pattern_gen.jsonl").read_text().splitlines()]
     assert shipped_mc == mc and shipped_gen == gen
@@ -70,7 +73,7 @@ def test_eval_flags_come_from_the_params_model():
     for name in EvalParams.model_fields:
         assert "--" + name.replace("_", "-") in helps
     args = build_parser().parse_args(["eval-compare", "r1", "r2"])
-    assert CompareParams.from_cli_args(args).runs == ["r1", "r2"]
+    assert EvalCompareParams.from_cli_args(args).runs == ["r1", "r2"]
 
 
 @pytest.mark.parametrize("argv, needle", [
@@ -93,7 +96,7 @@ def test_eval_refuses_a_missing_include_path(tmp_path, capsys):
 
 
 def test_eval_refuses_when_no_server_answers(tmp_path, capsys):
-    from fixtures import free_port
+    from tests.fixtures import free_port
 
     url = f"http://127.0.0.1:{free_port()}"
     rc = _cli(["eval", "--tasks", "tiny_pattern_mc", "--base-url", url, "--out", str(tmp_path / "ev"), "--json"])
@@ -107,7 +110,7 @@ def test_paired_difference_matches_the_hand_computation(tmp_path):
     a = {i: float(i % 2) for i in range(40)}                 # 0,1,0,1,...  acc 0.5
     b = {i: 1.0 if i % 4 != 0 else 0.0 for i in range(40)}  # acc 0.75
     ra, rb = fake_eval_run(tmp_path / "a", "ref", a), fake_eval_run(tmp_path / "b", "cand", b)
-    cmp = evals.compare_evals(CompareParams(runs=[str(ra), str(rb)]))
+    cmp = compare_evals(EvalCompareParams(runs=[str(ra), str(rb)]))
     (row,) = cmp.rows
     d = [b[i] - a[i] for i in range(40)]
     mean = sum(d) / 40
@@ -119,12 +122,12 @@ def test_paired_difference_matches_the_hand_computation(tmp_path):
 
     # The same documents scored the same way: within noise with a zero stderr.
     rc = fake_eval_run(tmp_path / "c", "same", a)
-    (row,) = evals.compare_evals(CompareParams(runs=[str(ra), str(rc)])).rows
+    (row,) = compare_evals(EvalCompareParams(runs=[str(ra), str(rc)])).rows
     assert row.diff == 0 and row.diff_stderr == 0 and row.within_noise is True
 
     # Documents whose content differs (doc_hash) are not paired.
     rd = fake_eval_run(tmp_path / "d", "other", a, hashes={0: "x", 1: "y"})
-    (row,) = evals.compare_evals(CompareParams(runs=[str(ra), str(rd)])).rows
+    (row,) = compare_evals(EvalCompareParams(runs=[str(ra), str(rd)])).rows
     assert row.n_paired == 38 and "doc_hash" in row.note
 
 
@@ -167,7 +170,7 @@ def offline(tmp_path_factory):
     mp.undo()
 
 
-def _above_chance(score: evals.TaskScore, chance: float) -> None:
+def _above_chance(score: TaskScore, chance: float) -> None:
     assert score.n == 17 and score.stderr is not None
     # Measurably above chance: more than three standard errors, and a binomial tail below 1e-6.
     k = round(score.value * score.n)
@@ -295,7 +298,7 @@ def test_the_task_check_passes_what_lm_eval_may_resolve(offline, tmp_path, monke
     # Builtin names (lm-eval's own YAMLs), glob patterns and include-folder tasks whose hub dataset some local
     # cache holds all go on to lm-eval; only what it would certainly refuse is refused early.
     eval_tasks.check_tasks_before_running(EvalParams(tasks=["arc_easy", "tiny_pattern_mc", "no_such_*"]),
-                                      evals.TASKS_DIR)
+                                      TASKS_DIR)
     inc = tmp_path / "tasks"
     inc.mkdir()
     (inc / "_base.yaml").write_text("dataset_path: some-org/cached-set\noutput_type: multiple_choice\n"
@@ -336,17 +339,17 @@ def test_mcp_paths_stay_inside_the_roots(tmp_path):
 
     roots = Roots.from_env(models=[str(tmp_path / "models")], evidence=[str(tmp_path / "evidence")])
     (tmp_path / "evidence" / "tasks").mkdir(parents=True)
-    p = evals.confine_eval_params(EvalParams(tasks=["t"], include_path="tasks", out="runs"), roots)
+    p = confine_eval_params(EvalParams(tasks=["t"], include_path="tasks", out="runs"), roots)
     assert p.include_path == str(tmp_path / "evidence" / "tasks") and p.out == str(tmp_path / "evidence" / "runs")
     # The project's own task folder is always allowed.
-    p = evals.confine_eval_params(EvalParams(tasks=["t"], include_path=str(evals.TASKS_DIR), out="r"), roots)
-    assert p.include_path == str(evals.TASKS_DIR)
+    p = confine_eval_params(EvalParams(tasks=["t"], include_path=str(TASKS_DIR), out="r"), roots)
+    assert p.include_path == str(TASKS_DIR)
     with pytest.raises(ToolFailure, match="include_path .*outside the evidence roots"):
-        evals.confine_eval_params(EvalParams(tasks=["t"], include_path=str(tmp_path), out="r"), roots)
+        confine_eval_params(EvalParams(tasks=["t"], include_path=str(tmp_path), out="r"), roots)
     with pytest.raises(ToolFailure, match="out .*outside the evidence roots"):
-        evals.confine_eval_params(EvalParams(tasks=["t"], out=str(tmp_path / "elsewhere")), roots)
+        confine_eval_params(EvalParams(tasks=["t"], out=str(tmp_path / "elsewhere")), roots)
     with pytest.raises(ToolFailure, match="run .*outside the evidence roots"):
-        evals.confine_compare_params(CompareParams(runs=[str(tmp_path), str(tmp_path)]), roots)
+        confine_compare_params(EvalCompareParams(runs=[str(tmp_path), str(tmp_path)]), roots)
 
 
 def test_progress_is_read_from_lm_evals_output(tmp_path):
@@ -376,11 +379,11 @@ def test_a_killed_runs_temporary_folder_is_removed_by_the_next_run(tmp_path):
     import subprocess
     import sys
 
-    killed = ("import os, sys; from tools.measure import evals; "
-              "from tools.measure.evals import EvalParams; "
+    killed = ("import os, sys; from tools.measure.evals import run as evals; "
+              "from tools.measure.evals.results import EvalParams; "
               "evals._run_folder(EvalParams(tasks=['tiny_pattern_mc'], label='killed', out=sys.argv[1]), 'm'); "
               "os.kill(os.getpid(), 9)")
-    dead = subprocess.run([sys.executable, "-c", killed, str(tmp_path)], cwd=evals.PROJECT_ROOT)
+    dead = subprocess.run([sys.executable, "-c", killed, str(tmp_path)], cwd=PROJECT_ROOT)
     assert dead.returncode == -9
     left = [p for p in tmp_path.iterdir() if "killed" in p.name]  # the folder and its lock file
     assert any(p.is_dir() and p.name.startswith(".") and ".partial" in p.name for p in left), left

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from tools.cli import main as cli_main
-from tools.measure import fidelity as fid
+from tools.measure.fidelity import files, run as fid
 
 # ---------------------------------------------------------------------------------------------------------------
 # The metric against brute force on full distributions
@@ -237,14 +237,14 @@ def test_record_streams_one_window_at_a_time(tmp_path, corpus, monkeypatch):
     """Each window is on disk before the next is scored."""
     ref = tmp_path / "ref.json"
     seen = []
-    real = fid.RefWriter.window
+    real = files.RefWriter.window
 
     def spy(self, obj):
         real(self, obj)
         self.f.flush()
         seen.append(self.f.tmp.read_text().count('"index":'))
 
-    monkeypatch.setattr(fid.RefWriter, "window", spy)
+    monkeypatch.setattr(files.RefWriter, "window", spy)
     with FakeVllm() as srv:
         fid.record_logprobs(fid.RecordLogprobsParams(out=str(ref), corpus=str(corpus), window=100,
                                                      base_url=srv.url))
@@ -289,7 +289,7 @@ def test_existing_out_is_kept_unless_force(tmp_path, corpus, capsys):
         rc, _, err = _cli(capsys, "fidelity", "record", "--out", str(ref), "--corpus", str(corpus), "--force",
                           "--window", "500", "--base-url", srv.url)
     assert rc == 0, err
-    assert json.loads(ref.read_text())["kind"] == fid.RECORD_KIND
+    assert json.loads(ref.read_text())["kind"] == files.RECORD_KIND
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt", "ref.json"]  # no temporary left
 
 
@@ -379,8 +379,8 @@ def test_no_server_is_exit_1(tmp_path, corpus, capsys):
 
 
 def test_shipped_corpus_is_utf8_text_of_several_windows():
-    path, text, _ = fid.load_corpus(None)
-    assert path == fid.DEFAULT_CORPUS
+    path, text, _ = files.load_corpus(None)
+    assert path == files.DEFAULT_CORPUS
     assert len(text.encode()) > 4 * 1024  # byte-level tiny model: several 1024-token windows
 
 
@@ -430,17 +430,17 @@ def test_vllm_bf16_embedding_build_against_emb4(bf16_server, emb4_server, tmp_pa
 def test_vllm_negative_control_perturbed_scales_fail_the_metrics(perturbed_server, emb4_server, tmp_path):
     """The reference from the int4-embedding build, checked against a copy of it with wrong scales
     (conftest.perturb_scales): the fidelity metrics and the greedy tokens must both say so."""
-    from tools.measure.compare_tokens import CompareParams, check_against, record_reference
+    from tools.measure.tokens.compare import TokenCompareParams, check_against, record_reference
 
     cfg, changed = perturbed_server
     assert any(n.startswith("lm_head") for n in changed)
     ref = tmp_path / "emb4.json"
     _record(emb4_server, ref, window=256, max_corpus_tokens=1024)
     tokens_ref = tmp_path / "emb4-tokens.json"
-    record_reference(tokens_ref, CompareParams(base_url=emb4_server.base_url, max_tokens=48))
+    record_reference(tokens_ref, TokenCompareParams(base_url=emb4_server.base_url, max_tokens=48))
 
     res = fid.check_logprobs(fid.CheckLogprobsParams(reference=str(ref), base_url=cfg.base_url))
-    greedy = check_against(tokens_ref, CompareParams(base_url=cfg.base_url))
+    greedy = check_against(tokens_ref, TokenCompareParams(base_url=cfg.base_url))
     assert res.mean_kld > 0.01
     assert res.top1_agreement < 1.0
     assert res.ppl_ratio != pytest.approx(1.0, abs=1e-3)
@@ -452,7 +452,7 @@ def test_vllm_negative_control_perturbed_scales_fail_the_metrics(perturbed_serve
 
 
 def test_long_prompts_hit_their_targets_within_max_model_len():
-    from tools.measure.long_prompts import DEFAULT_TARGETS, build_long_prompts, needle_prompt
+    from tools.measure.tokens.long_prompts import DEFAULT_TARGETS, build_long_prompts, needle_prompt
 
     def count(prompt):  # a byte-level tokenizer plus a few template tokens, like the tiny model's
         return len(prompt.encode()) + 7
@@ -472,7 +472,7 @@ def test_long_prompts_hit_their_targets_within_max_model_len():
 
 
 def test_compare_record_long_adds_the_needle_prompts(tmp_path, monkeypatch, capsys):
-    import tools.measure.compare_tokens as ct
+    import tools.measure.tokens.compare as ct
 
     asked = {}
     monkeypatch.setattr(ct, "long_prompts", lambda base, **kw: asked.setdefault("long", ["NEEDLE PROMPT"]))
@@ -496,14 +496,14 @@ def test_compare_record_long_adds_the_needle_prompts(tmp_path, monkeypatch, caps
 
 @pytest.mark.vllm
 def test_vllm_long_prompts_sized_by_the_served_tokenizer(emb4_server, tmp_path):
-    from tools.measure.compare_tokens import CompareParams, check_against, record_reference
-    from tools.measure.long_prompts import long_prompts
+    from tools.measure.tokens.compare import TokenCompareParams, check_against, record_reference
+    from tools.measure.tokens.long_prompts import long_prompts
 
     prompts = long_prompts(emb4_server.base_url, max_tokens=16, targets=(200, 400, 4096))
     assert len(prompts) == 2  # 4096 does not fit the fixture's max_model_len
     ref = tmp_path / "long.json"
-    record_reference(ref, CompareParams(base_url=emb4_server.base_url, prompts=prompts, max_tokens=16))
-    res = check_against(ref, CompareParams(base_url=emb4_server.base_url))
+    record_reference(ref, TokenCompareParams(base_url=emb4_server.base_url, prompts=prompts, max_tokens=16))
+    res = check_against(ref, TokenCompareParams(base_url=emb4_server.base_url))
     sizes = [p.prompt_tokens for p in res.prompts]
     assert 196 <= sizes[0] <= 200 and 392 <= sizes[1] <= 400
     assert res.identical == res.total

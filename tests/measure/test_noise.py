@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tools.measure.decode_sweep import compare_decode_runs
-from tools.measure.sweep_report import compare_runs, load_run, markdown_run
+from tools.measure.decode.sweep import compare_decode_runs
+from tools.measure.sweep.report import compare_runs, load_run, markdown_run
 from tools.measure.uncertainty import estimate, paired_ratio, ratio, t_quantile
 
 DATA = Path(__file__).resolve().parent / "data" / "noise"

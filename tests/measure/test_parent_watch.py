@@ -1,4 +1,4 @@
-"""A child run under tools.measure.parent_watch ends when the process that started it is killed (SIGKILL: no
+"""A child run under tools.core.parent_watch ends when the process that started it is killed (SIGKILL: no
 clean-up of its own), as lm-eval and the sweep's benchmark worker do; it runs as `python -m MODULE ARGS` would."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ time.sleep(600)
 
 HOLDER = '''
 import subprocess, sys, time
-subprocess.Popen([sys.executable, "-m", "tools.measure.parent_watch", "sleeper", "run", "--x", "1"],
+subprocess.Popen([sys.executable, "-m", "tools.core.parent_watch", "sleeper", "run", "--x", "1"],
                  start_new_session=True)
 time.sleep(600)
 '''

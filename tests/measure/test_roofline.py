@@ -199,7 +199,7 @@ def test_the_copy_buffer_is_well_above_the_cache_but_bounded():
 
 
 def _cell(input_len: int, c: int, tpots: list[float]):
-    from tools.measure.results import CellResult, RepeatResult, aggregate
+    from tools.measure.sweep.params import CellResult, RepeatResult, aggregate
 
     reps = [RepeatResult(repeat=i, seed=i, status="ok", num_prompts=2,
                          metrics={"mean_tpot_ms": t, "output_throughput": 1000.0 / t}) for i, t in enumerate(tpots)]
@@ -212,9 +212,9 @@ def test_a_sweeps_single_stream_cells_carry_their_share_of_the_roofline(tmp_path
     """Each c=1 cell's decode rate (1000 / mean TPOT, not out tok/s, which holds the prefill) as a share of the
     roofline, per input length, in the result and its table; none for other loads, and a reason for a hub id."""
     import tools.measure.roofline as rl
-    from tools.measure.results import SweepResult
-    from tools.measure.sweep import single_stream_rooflines
-    from tools.measure.sweep_report import markdown_run
+    from tools.measure.sweep.params import SweepResult
+    from tools.measure.sweep.run import single_stream_rooflines
+    from tools.measure.sweep.report import markdown_run
 
     d = tmp_path / "m"
     d.mkdir()

@@ -10,8 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from tools.measure.compare_tokens import CompareParams, check_against, compare_live, load_record, record_reference
-from tools.measure.sweep import SweepParams, raw_name, run_sweep
+from tools.measure.tokens.compare import (TokenCompareParams, check_against, compare_live, load_record,
+                                          record_reference)
+from tools.measure.sweep.params import SweepParams
+from tools.measure.sweep.run import run_sweep
+from tools.measure.sweep.worker import raw_name
 
 pytestmark = pytest.mark.vllm
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,7 +25,7 @@ INPUT_LEN, OUTPUT_LEN = 48, 16
 def reference(emb4_server, tmp_path_factory) -> Path:
     """Tokens of the served build recorded before anything else in this module ran against it."""
     out = tmp_path_factory.mktemp("tokens") / "emb4-reference.json"
-    record_reference(out, CompareParams(base_url=emb4_server.base_url, max_tokens=48))
+    record_reference(out, TokenCompareParams(base_url=emb4_server.base_url, max_tokens=48))
     return out
 
 
@@ -118,7 +121,7 @@ def test_resume_skips_finished_repeats(sweep):
 
 
 def test_compare_tokens_of_a_build_with_itself_is_identical(emb4_server):
-    res = compare_live(emb4_server.base_url, emb4_server.base_url, CompareParams(max_tokens=32))
+    res = compare_live(emb4_server.base_url, emb4_server.base_url, TokenCompareParams(max_tokens=32))
     assert (res.identical, res.total) == (8, 8)
     assert all(p.first_divergence is None and p.verdict == "identical" for p in res.prompts)
     assert all(p.reference_len == 32 or p.reference_len < 32 for p in res.prompts)
@@ -129,7 +132,7 @@ def test_recorded_reference_still_matches_later(reference, emb4_server, sweep):
     assert len(rec.generations) == 8
     assert "capital of France" in rec.generations[0].prompt
     assert all(g.token_ids and len(g.top_logprobs) == len(g.token_ids) for g in rec.generations)
-    res = check_against(reference, CompareParams(base_url=emb4_server.base_url))
+    res = check_against(reference, TokenCompareParams(base_url=emb4_server.base_url))
     assert res.identical == res.total == 8, res.text()
 
 

@@ -13,8 +13,10 @@ import pytest
 from pydantic import ValidationError
 
 from tools.core.errors import ToolFailure
-from tools.measure.sweep import RepeatResult, SweepParams, _run_dir, aggregate, prompt_seed
-from tools.measure.sweep_report import compare_runs, cost_per_million, load_run, markdown_run
+from tools.measure.sweep.cells import prompt_seed
+from tools.measure.sweep.params import RepeatResult, SweepParams, aggregate
+from tools.measure.sweep.run import _run_dir
+from tools.measure.sweep.report import compare_runs, cost_per_million, load_run, markdown_run
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTICLE = ROOT / "evidence" / "article-t4"
@@ -119,7 +121,7 @@ def test_a_sweep_folder_being_written_is_refused_to_a_second_sweep(tmp_path):
 
 
 def test_resume_refuses_a_run_folder_holding_links(tmp_path):
-    from tools.measure.sweep import _refuse_links
+    from tools.measure.sweep.run import _refuse_links
 
     out, outside = tmp_path / "ev", tmp_path / "outside"
     (outside / "raw").mkdir(parents=True)
@@ -167,7 +169,7 @@ def test_cli_sweep_compare_prints_tables_and_json():
 
 def test_report_module_does_not_import_the_runner():
     """sweep_report reads results; it must not import sweep (which imports it): no import cycle."""
-    code = "import sys, tools.measure.sweep_report; print('tools.measure.sweep' in sys.modules)"
+    code = "import sys, tools.measure.sweep.report; print('tools.measure.sweep.run' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
@@ -178,7 +180,7 @@ def test_cli_flags_and_mcp_signature_come_from_the_parameter_model():
     fields minus the machine-local ones."""
     import argparse
 
-    from tools.measure.results import SweepParams
+    from tools.measure.sweep.params import SweepParams
 
     parser = argparse.ArgumentParser()
     SweepParams.add_cli_args(parser)
@@ -207,7 +209,7 @@ def test_a_stopped_sweep_is_not_compared_as_a_finished_one(tmp_path):
 
 @pytest.mark.parametrize("folder", ["out.md", "out.json"])
 def test_comparison_output_that_is_a_folder_is_refused_before_anything_is_written(tmp_path, folder):
-    from tools.measure.sweep_report import write_comparison
+    from tools.measure.sweep.report import write_comparison
 
     cmp = compare_runs(RUNS)
     (tmp_path / folder).mkdir()
@@ -220,7 +222,7 @@ def test_comparison_output_that_is_a_folder_is_refused_before_anything_is_writte
 
 @pytest.mark.parametrize("failing", [".json", ".md"])
 def test_comparison_is_written_whole_or_not_at_all(tmp_path, monkeypatch, failing):
-    from tools.measure import sweep_report
+    from tools.measure.sweep import report as sweep_report
 
     cmp = compare_runs(RUNS)
     sweep_report.write_comparison(cmp, tmp_path / "out.md")

@@ -12,10 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from tools.measure.compare_tokens import CompareParams, check_against, compare_live, record_reference
-from tools.measure.sweep import SweepParams, raw_name, run_sweep
+from tools.measure.tokens.compare import TokenCompareParams, check_against, compare_live, record_reference
+from tools.measure.sweep.params import SweepParams
+from tools.measure.sweep.run import run_sweep
+from tools.measure.sweep.worker import raw_name
 
-from fixtures import group_alive
+from tests.fixtures import group_alive
 
 pytestmark = pytest.mark.vllm
 
@@ -29,7 +31,7 @@ def other_server(perturbed_server):
 
 
 def test_different_builds_report_divergences_with_positions(emb4_server, other_server):
-    res = compare_live(emb4_server.base_url, other_server.base_url, CompareParams(max_tokens=32))
+    res = compare_live(emb4_server.base_url, other_server.base_url, TokenCompareParams(max_tokens=32))
     assert res.total == 8
     assert res.identical < 8, res.text()
     for p in res.prompts:
@@ -47,8 +49,8 @@ def test_different_builds_report_divergences_with_positions(emb4_server, other_s
 
 def test_recorded_reference_against_another_build(emb4_server, other_server, tmp_path):
     ref = tmp_path / "emb4.json"
-    rec = record_reference(ref, CompareParams(base_url=emb4_server.base_url, max_tokens=24, top_logprobs=3))
-    res = check_against(ref, CompareParams(base_url=other_server.base_url))
+    rec = record_reference(ref, TokenCompareParams(base_url=emb4_server.base_url, max_tokens=24, top_logprobs=3))
+    res = check_against(ref, TokenCompareParams(base_url=other_server.base_url))
     assert res.total == 8 and res.identical < 8
     # The recorded side's tokens are what the check compared against.
     for p, g in zip(res.prompts, rec.generations):

@@ -18,8 +18,9 @@ import psutil
 import pytest
 
 from tests import fake_bench
-from tools.measure.results import SweepParams, SweepResult
-from tools.measure.sweep import BenchWorker, _run_cells, raw_name
+from tools.measure.sweep.params import SweepParams, SweepResult
+from tools.measure.sweep.worker import BenchWorker, raw_name
+from tools.measure.sweep.run import _run_cells
 
 
 
@@ -200,16 +201,16 @@ def test_requests_that_fail_fail_the_cell_from_their_results(fake_vllm, tmp_path
 
 
 def test_health_is_asked_only_after_a_failed_cell(fake_vllm, tmp_path, monkeypatch):
-    from tools.measure import sweep
+    from tools.serving import health
 
     asked: list[str] = []
     answers = iter([False, False, True])
 
-    def healthy(base_url, timeout=5.0):
+    def healthy(base_url, *, client=None, timeout=3.0):
         asked.append(base_url)
         return next(answers)
 
-    monkeypatch.setattr(sweep, "healthy", healthy)
+    monkeypatch.setattr(health, "answers", healthy)
     run_dir = tmp_path / "run"
     (run_dir / "raw").mkdir(parents=True)
     params = SweepParams(input_lens=[10], concurrencies=[1], repeats=2, prompts_per_concurrency=2, min_prompts=2,
@@ -234,7 +235,7 @@ def test_health_is_asked_only_after_a_failed_cell(fake_vllm, tmp_path, monkeypat
 _HOLDER = '''
 import argparse, json, sys
 from tools import cli
-from tools.measure.sweep import BenchWorker
+from tools.measure.sweep.worker import BenchWorker
 
 def hold(args):
     with BenchWorker() as worker:

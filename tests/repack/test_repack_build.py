@@ -13,11 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from repack import grid
+from repack import choices, grid
 from repack.build import BuildOptions, build_checkpoint
 from repack.checkpoint import open_checkpoint
 
-from fixtures import IN_PROCESS_TORCH
+from tests.fixtures import IN_PROCESS_TORCH
 
 pytestmark = IN_PROCESS_TORCH  # the module's builds fixture, and vLLM's, compressed-tensors' and transformers' oracles
 ROOT = Path(__file__).resolve().parents[2]
@@ -225,7 +225,7 @@ def test_report_json(builds):
         assert t["max_err_ulp_bf16_runtime_fp16"] <= 2 and t["max_err_ulp_bf16_runtime_bf16"] <= 2
         assert 0 < t["rel_l2_runtime_fp16"] < 0.01 and 0 < t["mean_err_ulp_bf16_runtime_fp16"] < 1
     assert tables["towers"]["bytes_after"] == 0 and tables["towers"]["bytes_before"] > 0
-    assert rep["target_dtype"] == "float16" and rep["objective"] == grid.DEFAULT_OBJECTIVE
+    assert rep["target_dtype"] == "float16" and rep["objective"] == choices.DEFAULT_OBJECTIVE
     assert rep["scale_dtype"] == "fp16" and rep["other_dtype"] == "bfloat16"
     assert rep["wall_s"] > 0 and rep["peak_rss_bytes"] > 0 and rep["bytes_read"] > 0
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from repack import grid
+from repack import choices, grid
 from repack.build import BuildOptions, build_checkpoint
 from repack.checkpoint import open_checkpoint
 from repack.errors import OffGridError, RepackError
@@ -276,7 +276,7 @@ def test_report_figures_are_what_the_runtime_computes(tmp_path):
 def test_the_objective_changes_the_stored_scales(tmp_path):
     src = _checkpoint_with(tmp_path, LINEAR, grid_words(128, 64, np.random.default_rng(19), np.float32))
     reps = {}
-    for obj in grid.OBJECTIVES:
+    for obj in choices.OBJECTIVES:
         build_checkpoint(src, tmp_path / obj, BuildOptions(objective=obj, embed_int4=False, embed_tokens=False))
         reps[obj] = json.loads((tmp_path / obj / "repack-report.json").read_text())
         assert reps[obj]["objective"] == obj
@@ -296,12 +296,12 @@ def test_default_objective_is_the_one_the_fidelity_measurement_chose():
     (the article's criterion) when the two are within run-to-run noise (the recorded runs are deterministic)."""
     evidence = ROOT / "evidence"
     kld = {}
-    for obj in grid.OBJECTIVES:
+    for obj in choices.OBJECTIVES:
         run = json.loads((evidence / f"fidelity-objective-{obj}.json").read_text())
         assert run["objective"] == obj
         kld[obj] = run["dtypes"]["float16"]["kld_emb4_vs_source"]["mean_kld"]
     chosen = min(kld, key=kld.get) if abs(kld["min-error"] - kld["runtime-exact"]) > 0 else "runtime-exact"
-    assert BuildOptions().objective == grid.DEFAULT_OBJECTIVE == chosen
+    assert BuildOptions().objective == choices.DEFAULT_OBJECTIVE == chosen
     assert BuildOptions().target_dtype == "float16" and BuildOptions().scale_dtype == "fp16"
 
 

@@ -1,7 +1,7 @@
 """A state file that is damaged (not JSON, a field missing, a list instead of an object) is reported in one line
 naming the file and the field; it blocks neither `stop --all` nor `status` for the servers whose readable records
 prove they are theirs, and no process of it is signalled. "Servers" here are stand-in processes with state files,
-as start would write them (tests/serving/test_instances.py's fleet)."""
+as start would write them (tests/serving/conftest.py's fleet)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,7 @@ import sys
 import psutil
 import pytest
 
-from tests.fixtures import free_port
-from tests.serving.test_instances import _env, cli_here, fleet  # noqa: F401  (fixtures)
+from tests.fixtures import free_port, state_env
 from tools.serving.config import load_config
 from tools.serving.state import DamagedState, ServerState, read_record
 
@@ -56,7 +55,7 @@ def test_stop_all_stops_every_readable_server_past_a_damaged_file(cli_here, tmp_
     run = tmp_path / "run"
     damaged = {"router": run / "router.json", "default": run / "vllm.json", "instance": run / "c" / "vllm.json"}[where]
     _damage(damaged, how, {**a, "pid": bystander.pid, "pgid": bystander.pid})
-    r = cli_here(["stop", "--all", "--grace", "2"], _env(run))
+    r = cli_here(["stop", "--all", "--grace", "2"], state_env(run))
     assert r.returncode != 0
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and str(damaged) in lines[0] and "Traceback" not in r.stderr, r.stderr
@@ -74,7 +73,7 @@ def test_status_reports_a_damaged_file_and_every_readable_server(cli_here, tmp_p
     run = tmp_path / "run"
     damaged = {"router": run / "router.json", "default": run / "vllm.json", "instance": run / "c" / "vllm.json"}[where]
     _damage(damaged, how, a)
-    r = cli_here(["status"], _env(run))
+    r = cli_here(["status"], state_env(run))
     assert r.returncode == 3 and "Traceback" not in r.stderr, r.stderr
     assert any(f"pid {a['pid']}" in ln for ln in r.stdout.splitlines()), r.stdout
     [line] = [ln for ln in r.stdout.splitlines() if str(damaged) in ln]
@@ -101,7 +100,7 @@ def test_a_record_naming_another_group_than_its_own_signals_nothing(cli_here, tm
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     (run / "vllm.json").write_text(json.dumps({**a, "pid": gone.pid, "pgid": bystander.pid}))
-    r = cli_here(["stop", "--grace", "2"], _env(run))
+    r = cli_here(["stop", "--grace", "2"], state_env(run))
     assert r.returncode != 0 and "vllm.json is damaged" in r.stderr and "pgid" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert not _gone(bystander.pid)

@@ -15,43 +15,16 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.fixtures import ROOT, fake_t4_hardware, free_port
+from tests.fixtures import ROOT, fake_t4_hardware, free_port, state_env
 from tools.cli.commands import CLI
 from tools.core.errors import ToolFailure
 from tools.serving.config import load_config
 from tools.core.errors import BadInput
 
 
-def _env(state_dir: Path, **extra: str) -> dict[str, str]:
-    env = dict(os.environ, STATE_DIR=str(state_dir), PYTHONPATH=str(ROOT))
-    env.update(extra)
-    return env
-
-
 def _cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "tools.cli", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=120)
-
-
-@pytest.fixture
-def cli_here(capsys, monkeypatch):
-    """run(args, env): the command through tools.cli.main in this process, as a CompletedProcess (./vllm-t4 exits
-    with main's return value; the script itself runs in the ../x, port-clash and router-lifecycle tests)."""
-    from tools.cli import main
-
-    def run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
-        for k, v in env.items():
-            if os.environ.get(k) != v:
-                monkeypatch.setenv(k, v)
-        capsys.readouterr()
-        try:
-            rc = main(args)
-        except SystemExit as e:  # argparse's usage errors
-            rc = e.code
-        out, err = capsys.readouterr()
-        return subprocess.CompletedProcess(args, rc, out, err)
-
-    return run
 
 
 def _snapshot(d: Path) -> dict[str, bytes]:
@@ -87,58 +60,9 @@ def _no_vllm_child() -> bool:
     return not (_vllm_children() - _BEFORE)
 
 
-# A stand-in for a vLLM server, for the router's process handling: /health, /v1/models, /v1/completions and the
-# /metrics counter a sweep's per-backend counts are read from.
-FAKE_WORKER = r"""
-import json, sys
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-done = [0]
-class H(BaseHTTPRequestHandler):
-    def log_message(self, *a): pass
-    def send(self, code, body, ctype="application/json"):
-        data = body.encode()
-        self.send_response(code); self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(data))); self.end_headers(); self.wfile.write(data)
-    def do_GET(self):
-        if self.path == "/health": self.send(200, "")
-        elif self.path == "/v1/models": self.send(200, json.dumps({"object": "list", "data": [{"id": "m", "object": "model", "root": "m", "max_model_len": 512}]}))
-        elif self.path == "/metrics": self.send(200, 'vllm:request_success_total{finished_reason="length",model_name="m"} %d.0\n' % done[0], "text/plain")
-        else: self.send(404, "{}")
-    def do_POST(self):
-        n = int(self.headers.get("Content-Length") or 0); self.rfile.read(n); done[0] += 1
-        self.send(200, json.dumps({"id": "x", "object": "text_completion", "model": "m", "choices": [{"index": 0, "text": "ok", "finish_reason": "length"}], "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}))
-ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
-"""
-
-
-@pytest.fixture()
-def fleet(tmp_path):
-    """Fake running instances: make(name, port, platform, **state) starts a `sleep` in its own session and
-    writes its state file; everything is killed at the end."""
-    procs: list[subprocess.Popen] = []
-
-    def make(name: str, port: int, platform: str = "cpu", serve: bool = False, **state):
-        argv = [sys.executable, "-c", FAKE_WORKER, str(port)] if serve else ["sleep", "300"]
-        p = subprocess.Popen(argv, start_new_session=True)
-        procs.append(p)
-        d = tmp_path / "run" / name if name != "default" else tmp_path / "run"
-        d.mkdir(parents=True, exist_ok=True)
-        st = dict(pid=p.pid, pgid=p.pid, create_time=psutil.Process(p.pid).create_time(), host="127.0.0.1",
-                  port=port, base_url=f"http://127.0.0.1:{port}", model="m", served_name="m", argv=["x"],
-                  platform=platform, started_at="2026-01-01T00:00:00+00:00", started_ts=time.time(),
-                  log_path=str(d / "vllm.log"), instance="" if name == "default" else name, **state)
-        (d / "vllm.json").write_text(json.dumps(st))
-        return st
-
-    yield make
-    for p in procs:
-        p.kill()
-        p.wait()
-
-
 @pytest.mark.parametrize("name", ["../x", "a/b", "..", "", "a b", "-a", "x" * 33, "a;b", "ä"])
 def test_bad_instance_name_is_refused_in_one_line(tmp_path, name, capsys, monkeypatch):
-    env = _env(tmp_path / "run")
+    env = state_env(tmp_path / "run")
     flag = f"--instance={name}"
     every = [["start", flag], ["status", flag], ["stop", flag], ["log", flag], ["query", "hi", flag]]
     if name == "../x":  # every command, each as the script
@@ -170,7 +94,7 @@ def test_port_of_a_running_instance_is_refused(tmp_path, fleet):
     port = free_port()
     fleet("a", port)
     before = _snapshot(tmp_path / "run")
-    r = _cli(["start", "--instance", "b", "--port", str(port)], _env(tmp_path / "run"))
+    r = _cli(["start", "--instance", "b", "--port", str(port)], state_env(tmp_path / "run"))
     assert r.returncode == 2 and f"port {port} is held by instance 'a'" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 2  # the "starting" notice and the one-line reason
     assert _snapshot(tmp_path / "run") == before and not (tmp_path / "run" / "b").exists()
@@ -178,7 +102,8 @@ def test_port_of_a_running_instance_is_refused(tmp_path, fleet):
 
 def test_cpu_cores_one_per_instance_then_refused(tmp_path, fleet):
     from tools.serving import instances
-    from tools.serving.vllm_server import Hardware, start_server
+    from tools.serving.hardware import Hardware
+    from tools.serving.launch import start_server
 
     class TwoCores(Hardware):
         def platform(self):
@@ -212,7 +137,7 @@ def test_cpu_cores_one_per_instance_then_refused(tmp_path, fleet):
 
 def test_cpu_parallelism_needs_a_core_per_rank(tmp_path):
     from tools.serving import instances
-    from tools.serving.vllm_server import Hardware
+    from tools.serving.hardware import Hardware
 
     class TwoCores(Hardware):
         def platform(self):
@@ -255,7 +180,7 @@ def test_gpu_room_and_parallelism_on_a_t4(tmp_path, fleet):
 
 
 def test_data_parallel_beyond_the_gpus_from_the_cli(cli_here, tmp_path):
-    env = _env(tmp_path / "run", DATA_PARALLEL_SIZE="3")
+    env = state_env(tmp_path / "run", DATA_PARALLEL_SIZE="3")
     r = cli_here(["start", "--instance", "a", "--port", str(free_port())], env)
     # On this machine (no GPU: the CPU path) three ranks need three free cores; on a GPU machine three GPUs.
     if (os.cpu_count() or 1) < 3:
@@ -265,7 +190,7 @@ def test_data_parallel_beyond_the_gpus_from_the_cli(cli_here, tmp_path):
 
 def test_router_over_an_instance_not_running(cli_here, tmp_path, fleet):
     fleet("a", free_port())
-    env = _env(tmp_path / "run")
+    env = state_env(tmp_path / "run")
     before = _snapshot(tmp_path / "run")
     r = cli_here(["router", "start", "--instances", "a,b"], env)
     assert r.returncode == 2 and "instance 'b' is not running (running: a)" in r.stderr, r.stderr
@@ -280,20 +205,20 @@ def test_router_over_an_instance_not_running(cli_here, tmp_path, fleet):
 def test_status_lists_every_instance_and_fails_unless_all_healthy(cli_here, tmp_path, fleet):
     fleet("a", free_port(), cpu_cores=[[0]])
     fleet("b", free_port(), cpu_cores=[[1]])
-    r = cli_here(["status", "--json"], _env(tmp_path / "run"))
+    r = cli_here(["status", "--json"], state_env(tmp_path / "run"))
     data = json.loads(r.stdout)
     assert r.returncode == 3  # alive (the sleeps) but nothing answers /health
     assert [i["instance"] for i in data["instances"]] == ["a", "b"]
     assert all(i["alive"] and not i["healthy"] for i in data["instances"]) and data["all_healthy"] is False
     assert data["instances"][1]["cpu_cores"] == [[1]]
-    one = cli_here(["status", "--instance", "a", "--json"], _env(tmp_path / "run"))
+    one = cli_here(["status", "--instance", "a", "--json"], state_env(tmp_path / "run"))
     assert one.returncode == 3 and json.loads(one.stdout)["instance"] == "a"
 
 
 def test_stop_all_and_one_instance(cli_here, tmp_path, fleet):
     a = fleet("a", free_port())
     b = fleet("b", free_port())
-    env = _env(tmp_path / "run")
+    env = state_env(tmp_path / "run")
     r = cli_here(["stop", "--instance", "a", "--grace", "5"], env)
     assert r.returncode == 0, r.stderr
     assert not psutil.pid_exists(a["pid"]) or psutil.Process(a["pid"]).status() == psutil.STATUS_ZOMBIE
@@ -325,7 +250,7 @@ def test_endpoint_choice_is_one_of_three(cli_here, tmp_path, fleet):
     assert (ep.kind, ep.name, ep.base_url) == ("instance", "a", f"http://127.0.0.1:{port}")
     with pytest.raises(ToolFailure, match=r"as the default instance \(running: a; pass instance\)"):
         resolve_endpoint(EndpointParams(), cfg, managed=True)
-    r = cli_here(["sweep", "--instance", "a", "--router"], _env(tmp_path / "run"))
+    r = cli_here(["sweep", "--instance", "a", "--router"], state_env(tmp_path / "run"))
     assert r.returncode == 2 and "instance and router exclude each other" in r.stderr
 
 
@@ -365,9 +290,9 @@ def test_mcp_tools_take_an_instance(tmp_path, fleet):
 
 
 def test_vram_marks_each_instances_processes(tmp_path, fleet):
-    from tests.gpu.test_vram import T4_TOTAL, FakeNvml
+    from tests.fake_nvml import T4_TOTAL, FakeNvml
     from tools.gpu.vram import MIB, vram_status
-    from tools.serving.instances import process_owners
+    from tools.serving.placement import process_owners
 
     a = fleet("a", free_port(), platform="cuda", gpus=[0], gpu_memory_utilization=0.45)
     b = fleet("b", free_port(), platform="cuda", gpus=[0], gpu_memory_utilization=0.45)
@@ -387,7 +312,8 @@ def test_router_lifecycle_over_stand_in_workers(tmp_path, fleet):
     import httpx
 
     from tools.serving import router
-    from tools.serving.router import Backend, request_counts
+    from tools.serving.router_state import Backend
+    from tools.serving.router import request_counts
 
     pa, pb, pr = free_port(), free_port(), free_port()
     fleet("a", pa, serve=True)
@@ -399,7 +325,7 @@ def test_router_lifecycle_over_stand_in_workers(tmp_path, fleet):
                     break
             except httpx.HTTPError:
                 time.sleep(0.1)
-    env = _env(tmp_path / "run")
+    env = state_env(tmp_path / "run")
     # Another router on the machine (another checkout, a CI job) holds vllm-router's default metrics port: each
     # router gets a free one of its own, or the second panics on 29000.
     held = socket.socket()
@@ -446,11 +372,11 @@ def test_status_does_not_list_the_default_instance_again(cli_here, tmp_path, fle
     """The default instance is the top level of status; `instances` holds the named ones only."""
     fleet("default", free_port())
     fleet("a", free_port(), cpu_cores=[[0]])
-    r = cli_here(["status", "--json"], _env(tmp_path / "run"))
+    r = cli_here(["status", "--json"], state_env(tmp_path / "run"))
     data = json.loads(r.stdout)
     assert data["alive"] and data["instance"] == "default"
     assert [i["instance"] for i in data["instances"]] == ["a"] and data["all_healthy"] is False
-    text = cli_here(["status"], _env(tmp_path / "run")).stdout
+    text = cli_here(["status"], state_env(tmp_path / "run")).stdout
     assert text.count("[default]") == 1 and text.count("[a]") == 1
 
 

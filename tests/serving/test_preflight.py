@@ -19,7 +19,7 @@ from tools.core.errors import ToolFailure
 from tools.core.errors import BadInput, render
 from tools.cli.commands import CLI
 from tools.serving.preflight import PreflightParams, checks_for, ensure, run_preflight
-from fixtures import fake_t4_hardware
+from tests.fixtures import fake_t4_hardware
 
 ROOT = Path(__file__).resolve().parents[2]
 MIB = 1 << 20
@@ -181,7 +181,7 @@ def test_disk_for_a_repack_is_27_percent_of_the_source(clean_env, tmp_path, monk
 
 
 def test_start_refuses_with_the_failing_checks_line(clean_env, tmp_path):
-    from tools.serving.vllm_server import start_server
+    from tools.serving.launch import start_server
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -205,7 +205,7 @@ def test_bad_step_and_env_file_are_bad_input(tmp_path):
 
 def test_demo_on_a_t4_runs_preflight_then_fetches_the_missing_source(clean_env, tmp_path, monkeypatch):
     from tools.demo import demo
-    from tools.serving.preflight import SOURCE_REPO
+    from repack.checks import SOURCE_REPO
 
     env_file = _env_file(tmp_path)  # SOURCE_CHECKPOINT not set
     opts = demo.DemoOptions(gpu=True, env_file=env_file, work=tmp_path / "work")
@@ -372,7 +372,7 @@ def test_a_broken_serving_config_does_not_block_a_repack_given_its_folders(clean
 def test_start_checks_the_configured_drafter_against_the_model(clean_env, tmp_path):
     """SPECULATIVE_CONFIG's drafter is checked before vLLM starts: a drafter made for another target, or a folder
     that is not a checkpoint, fails the start with the drafter check's line; a matching one passes."""
-    from tools.serving.vllm_server import start_server
+    from tools.serving.launch import start_server
 
     def ckpt(path, cfg):
         path.mkdir(parents=True)

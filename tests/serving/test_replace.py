@@ -23,7 +23,8 @@ from tools.core.errors import BadInput, ToolFailure
 from tools.serving import state
 from tools.serving.config import ServeConfig
 from tools.serving.replace import replace_server
-from tools.serving.vllm_server import server_status, start_server, stop_server
+from tools.serving.vllm_server import server_status, stop_server
+from tools.serving.launch import start_server
 
 # What the stand-in does comes from its model folder's behaviour.json: "serve" (default), "exit" (a build vLLM
 # refuses: prints an error and exits 1), "hang" (never answers /health). Each start appends

@@ -556,7 +556,7 @@ def test_the_measuring_clients_send_the_key(monkeypatch):
 
     from tests.kill_matrix import serve_in_thread
     from tools.core.api_key import with_client_key
-    from tools.measure.compare_tokens import generate
+    from tools.measure.tokens.compare import generate
     from tools.measure.provenance import server_info
     from tools.measure.server_client import ServerClient
 

@@ -21,8 +21,9 @@ import pytest
 
 from tools.serving import turing_patch
 from tools.core.errors import ToolFailure
-from fixtures import fake_t4_hardware, group_alive
-from tools.serving.vllm_server import server_status, start_server, stop_server
+from tests.fixtures import fake_t4_hardware, group_alive
+from tools.serving.vllm_server import server_status, stop_server
+from tools.serving.launch import start_server
 from tools.cli.commands import CLI
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,7 +40,7 @@ def _cli(args: list[str], env: dict[str, str], timeout: float = 900) -> subproce
 
 @pytest.mark.vllm
 def test_lifecycle_through_the_command_line(emb4_build, tmp_path):
-    from fixtures import SERVE_MAX_MODEL_LEN, free_port
+    from tests.fixtures import SERVE_MAX_MODEL_LEN, free_port
 
     state_dir = tmp_path / "state"
     # Compiled (CPU_COMPILE=1: the path the T4 always takes); the shared servers cover the eager CPU default.
@@ -231,7 +232,7 @@ def test_a_recycled_pid_is_never_signalled(serve_config_factory, tmp_path):
 
 
 def test_command_line_failures_are_one_line(tmp_path):
-    from fixtures import free_port
+    from tests.fixtures import free_port
 
     env = dict(os.environ, MODEL_NAME="m", STATE_DIR=str(tmp_path), PORT=str(free_port()))
     q = _cli(["query", "hi"], env, timeout=60)
@@ -271,7 +272,7 @@ class FakeT4WithVram(FakeT4):
         self.asked: list[int] = []
 
     def vram(self, pids):
-        from tools.serving.vllm_server import Vram
+        from tools.serving.hardware import Vram
 
         self.asked = list(pids)
         return Vram(used_mib=13581, total_mib=15360, utilization_pct=0, process_mib=13300)
@@ -435,7 +436,7 @@ start_server(load_config(env_file, model=model, served_name="gated", host="127.0
 
 
 def test_a_start_killed_before_its_state_file_leaves_no_server(tmp_path):
-    from fixtures import free_port
+    from tests.fixtures import free_port
 
     (tmp_path / "model").mkdir()
     marker, pid_file = tmp_path / "served", tmp_path / "pid"

@@ -351,7 +351,7 @@ def test_a_decision_that_never_returns_is_ended(target, monkeypatch):
 def test_a_full_disk_exits_1_and_leaves_the_file_as_it_was(tmp_path, monkeypatch):
     import importlib
 
-    from tests.test_hostile_outputs import MOUNT, _inject, fill
+    from tests.mounts import MOUNT, fill, inject_write_error
 
     place = tmp_path / "full"
     mounted = False
@@ -361,7 +361,7 @@ def test_a_full_disk_exits_1_and_leaves_the_file_as_it_was(tmp_path, monkeypatch
         mounted = True
     else:
         place.mkdir()
-        _inject(monkeypatch, errno.ENOSPC)
+        inject_write_error(monkeypatch, errno.ENOSPC)
     try:
         f = place / "triton_unified_attention.py"
         f.write_text(_installed())

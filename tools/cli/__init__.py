@@ -8,6 +8,8 @@ import os
 import signal
 import sys
 
+from tools.cli.commands import MODULES, PROGRAMS
+
 # A reader that stops reading (`./vllm-t4 status | head -1`) is not a failure of the command: stdout goes to
 # /dev/null (so the interpreter's last flush cannot raise again) and the status is the shell's for SIGPIPE.
 BROKEN_PIPE_STATUS = 128 + signal.SIGPIPE
@@ -29,35 +31,18 @@ def _on_sigterm(signum: int, frame: object) -> None:
     raise Terminated
 
 
-# The module that registers each command: main() imports only the one its command line names (all of them cost a
-# quarter of a second of every start, more than a `status` itself). tests/test_cli.py keeps it equal to what the
-# modules register.
-COMMANDS: dict[str, str] = {
-    **dict.fromkeys(("start", "stop", "status", "query", "log", "router", "swap"), "tools.cli.serve_cli"),
-    **dict.fromkeys(("sweep", "sweep-compare", "compare", "decode", "decode-sweep", "decode-compare"),
-                    "tools.cli.measure_cli"),
-    "demo": "tools.demo.demo",
-    "eval": "tools.cli.evals_cli",
-    "eval-compare": "tools.cli.evals_cli",
-    "fidelity": "tools.cli.fidelity_cli",
-    "doctor": "tools.cli.doctor_cli",
-    "fetch": "tools.cli.doctor_cli",
-    **dict.fromkeys(("capacity", "capacity-compare", "pareto"), "tools.cli.measure_cli"),
-}
-
-
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
-    """The command line's parser: every command, or only the module that registers `command` (COMMANDS) when it
+    """The command line's parser: every command, or only the module that registers `command` (MODULES) when it
     names one."""
     parser = argparse.ArgumentParser(
         prog="vllm-t4",
         description="Serve and measure Gemma 4 E2B builds with vLLM (Tesla T4, or vLLM's CPU backend).",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    if command in COMMANDS:
-        importlib.import_module(COMMANDS[command]).register(sub)
+    if command in MODULES:
+        importlib.import_module(MODULES[command]).register(sub)
         return parser
-    for module in dict.fromkeys(COMMANDS.values()):  # every registering module once, in the table's order
+    for module in PROGRAMS["./vllm-t4"]:  # every registering module once, in the table's order
         importlib.import_module(module).register(sub)
     return parser
 

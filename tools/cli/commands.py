@@ -12,6 +12,8 @@ A command line that writes its failures otherwise (`python -m repack`: `error: r
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -20,44 +22,31 @@ from tools.core.errors import BadInput, Renderer, ToolFailure
 from tools.core.params import OpParams
 from tools.core.jsonout import dumps
 
-# Operations as the command line spells them (tools.core.errors.op): the library names an operation by meaning.
-OPERATIONS: dict[str, str] = {
-    "start": "./vllm-t4 start",
-    "stop": "./vllm-t4 stop",
-    "status": "./vllm-t4 status",
-    "log": "./vllm-t4 log",
-    "query": "./vllm-t4 query",
-    "swap": "./vllm-t4 swap",
-    "router.start": "./vllm-t4 router start",
-    "router.stop": "./vllm-t4 router stop",
-    "router.status": "./vllm-t4 router status",
-    "probe": "python3 -m repack probe",
-    "repack": "python3 -m repack build",
-    "plan_fit": "python3 -m repack plan",
-    "tiny_model": "python3 -m repack.tiny_model",
-    "fetch": "./vllm-t4 fetch",
-    "doctor": "./vllm-t4 doctor",
-    "patch_turing": "./patch_triton_turing.py",
-    "demo": "./vllm-t4 demo",
-    "sweep": "./vllm-t4 sweep",
-    "sweep_compare": "./vllm-t4 sweep-compare",
-    "compare_tokens": "./vllm-t4 compare",
-    "compare_tokens.record": "./vllm-t4 compare record",
-    "decode": "./vllm-t4 decode",
-    "decode_sweep": "./vllm-t4 decode-sweep",
-    "decode_compare": "./vllm-t4 decode-compare",
-    "eval": "./vllm-t4 eval",
-    "eval_compare": "./vllm-t4 eval-compare",
-    "fidelity.record": "./vllm-t4 fidelity record",
-    "fidelity.check": "./vllm-t4 fidelity check",
-    "vram": "nvidia-smi",
-    "capacity": "./vllm-t4 capacity",
-    "capacity_compare": "./vllm-t4 capacity-compare",
-    "pareto": "./vllm-t4 pareto",
+# The module that declares each `./vllm-t4` command (its COMMANDS list): main() imports only the one its command
+# line names (all of them cost a quarter of a second of every start, more than a `status` itself).
+# tests/test_cli.py keeps it equal to what the modules register.
+MODULES: dict[str, str] = {
+    **dict.fromkeys(("start", "stop", "status", "query", "log", "router", "swap"), "tools.cli.serve_cli"),
+    **dict.fromkeys(("sweep", "sweep-compare", "compare", "decode", "decode-sweep", "decode-compare"),
+                    "tools.cli.measure_cli"),
+    "demo": "tools.demo.demo",
+    "eval": "tools.cli.evals_cli",
+    "eval-compare": "tools.cli.evals_cli",
+    "fidelity": "tools.cli.fidelity_cli",
+    "doctor": "tools.cli.doctor_cli",
+    "fetch": "tools.cli.doctor_cli",
+    **dict.fromkeys(("capacity", "capacity-compare", "pareto"), "tools.cli.measure_cli"),
 }
-# Arguments that are positional on the command line (written bare, in this order).
-POSITIONAL_ARGS: dict[str, tuple[str, ...]] = {
-    "fetch": ("repo_id",), "probe": ("source",), "plan_fit": ("path",), "repack": ("source", "output"), "tiny_model": ("out",)}
+# Every program whose commands are operations, and the module that declares them (a COMMANDS list).
+PROGRAMS: dict[str, tuple[str, ...]] = {"./vllm-t4": tuple(dict.fromkeys(MODULES.values())),
+                                        "python3 -m repack": ("tools.cli.repack_cli",)}
+# Operations done by a program with no subcommands, outside the Command declarations: (its command line, the
+# arguments written bare, in order).
+SCRIPTS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "tiny_model": ("python3 -m repack.tiny_model", ("out",)),
+    "patch_turing": ("./patch_triton_turing.py", ()),
+    "vram": ("nvidia-smi", ()),
+}
 
 
 def flag(name: str, *value: Any) -> str:
@@ -74,12 +63,11 @@ def flag(name: str, *value: Any) -> str:
 
 
 def command_line(name: str, args: dict[str, Any]) -> str:
-    base = OPERATIONS.get(name, name)
-    words = [base]
-    for key in POSITIONAL_ARGS.get(name, ()):
-        if key in args:
-            words.append(str(args[key]))
-    words += [flag(k, v) for k, v in args.items() if k not in POSITIONAL_ARGS.get(name, ())]
+    """An operation (tools.core.errors.op) as the command that does it: `./vllm-t4 stop`,
+    `./vllm-t4 fetch REPO --out DIR`; an operation no command does keeps its name."""
+    base, positional = operations().get(name, (name, ()))
+    words = [base] + [str(args[key]) for key in positional if key in args]
+    words += [flag(k, v) for k, v in args.items() if k not in positional]
     return "`" + " ".join(words) + "`"
 
 
@@ -109,6 +97,42 @@ class Command:
     extra: Callable[[argparse.ArgumentParser], None] | None = None  # flags outside the model (e.g. --any)
     description: str | None = None
     children: list["Command"] = field(default_factory=list)  # `router start|status|stop`
+    # The operation it does (tools.core.errors.op): by default its name with `_` for `-`, a child's prefixed with
+    # its parent's and a dot (`router.start`).
+    op: str | None = None
+    positional: tuple[str, ...] | None = None  # arguments written bare; default: its parameter model's
+
+    def op_name(self, parent: str | None = None) -> str:
+        own = self.op or self.name.replace("-", "_")
+        return own if parent is None or self.op else f"{parent}.{own}"
+
+    def positional_args(self) -> tuple[str, ...]:
+        if self.positional is not None:
+            return self.positional
+        return self.params.CLI_POSITIONAL if self.params is not None else ()
+
+
+def spellings(commands: list[Command], prog: str, parent: str | None = None
+              ) -> dict[str, tuple[str, tuple[str, ...]]]:
+    """Each command's operation name -> (its command line, its positional arguments), children included."""
+    out: dict[str, tuple[str, tuple[str, ...]]] = {}
+    for cmd in commands:
+        name = cmd.op_name(parent)
+        out[name] = (f"{prog} {cmd.name}", cmd.positional_args())
+        out.update(spellings(cmd.children, f"{prog} {cmd.name}", name))
+    return out
+
+
+@functools.cache
+def operations() -> dict[str, tuple[str, tuple[str, ...]]]:
+    """Every operation a command line does -> (how it is typed, its positional arguments): derived from the
+    Command declarations of every program (PROGRAMS) and the scripts of their own (SCRIPTS). Imports every
+    command module, which only a failure that names an operation needs."""
+    out = dict(SCRIPTS)
+    for prog, modules in PROGRAMS.items():
+        for module in modules:
+            out.update(spellings(importlib.import_module(module).COMMANDS, prog))
+    return out
 
 
 # How a command line writes a failure and which status it exits with: (prog, failure, --json given) -> status.
@@ -165,5 +189,5 @@ def emit(args: argparse.Namespace, obj: Any, text: str) -> None:
         print(text)
 
 
-__all__ = ["CLI", "Command", "Failure", "OPERATIONS", "add_command", "add_commands", "emit", "exit_status", "fail",
-           "flag", "vllm_t4_failure"]
+__all__ = ["CLI", "MODULES", "PROGRAMS", "SCRIPTS", "Command", "Failure", "add_command", "add_commands", "command_line",
+           "emit", "exit_status", "fail", "flag", "operations", "spellings", "vllm_t4_failure"]

@@ -13,7 +13,9 @@ from typing import Any, Callable
 
 from tools.cli.commands import Command, add_commands, fail
 from tools.core.errors import ToolFailure
-from tools.measure.evals import CompareParams, EvalParams, compare_evals, run_eval, summary_markdown
+from tools.measure.evals.results import EvalCompareParams, EvalParams, summary_markdown
+from tools.measure.evals.compare import compare_evals
+from tools.measure.evals.run import run_eval
 from tools.core.jsonout import dumps
 
 
@@ -42,7 +44,7 @@ def cmd_eval(params: EvalParams, args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_eval_compare(params: CompareParams, args: argparse.Namespace) -> int:
+def cmd_eval_compare(params: EvalCompareParams, args: argparse.Namespace) -> int:
     cmp = compare_evals(params)
     print(dumps(cmp.to_dict()) if args.json else cmp.markdown)
     return 0
@@ -58,7 +60,7 @@ COMMANDS = [
             description="Per task and metric: each run's value ± stderr, and each later run minus the first, "
                         "paired over the documents both scored, with its stderr and whether it is within noise "
                         "(|diff| < 2 stderr).",
-            params=CompareParams, run=_exit_2("eval-compare", cmd_eval_compare)),
+            params=EvalCompareParams, run=_exit_2("eval-compare", cmd_eval_compare)),
 ]
 
 

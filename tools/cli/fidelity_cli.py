@@ -10,7 +10,7 @@ import sys
 
 from tools.core.jsonout import dumps
 from tools.cli.commands import Command, add_commands
-from tools.measure.fidelity import (CheckLogprobsParams, CheckLogprobsResult, RecordLogprobsParams,
+from tools.measure.fidelity.run import (CheckLogprobsParams, CheckLogprobsResult, RecordLogprobsParams,
                                     RecordLogprobsResult, check_logprobs, record_logprobs)
 
 

@@ -15,15 +15,17 @@ from typing import Callable
 
 from tools.cli.commands import Command, add_commands, emit as _emit
 from tools.core.params import cli_value
-from tools.measure.capacity import CapacityParams, failure_if_error, run_capacity
-from tools.measure.capacity_report import compare_capacity
-from tools.measure.compare_tokens import CompareParams, check_against, compare_live, record_reference, short_prompt
-from tools.measure.decode import DecodeParams, markdown_run, run_decode
-from tools.measure.decode_sweep import DecodeSweepParams, compare_decode_runs, run_decode_sweep
+from tools.measure.capacity.run import CapacityParams, failure_if_error, run_capacity
+from tools.measure.capacity.report import compare_capacity
+from tools.measure.tokens.compare import (TokenCompareParams, check_against, compare_live, record_reference,
+                                          short_prompt)
+from tools.measure.decode.params import DecodeParams
+from tools.measure.decode.run import markdown_run, run_decode
+from tools.measure.decode.sweep import DecodeSweepParams, compare_decode_runs, run_decode_sweep
 from tools.measure.pareto import pareto, write_pareto
-from tools.measure.results import DEFAULT_OUT, DEFAULT_PRICE_PER_HOUR, SweepParams
-from tools.measure.sweep import run_sweep
-from tools.measure.sweep_report import CompareSweepsParams, compare_runs, load_run, plot_runs
+from tools.measure.sweep.params import DEFAULT_OUT, DEFAULT_PRICE_PER_HOUR, SweepParams
+from tools.measure.sweep.run import run_sweep
+from tools.measure.sweep.report import CompareSweepsParams, compare_runs, load_run, plot_runs
 from tools.serving.config import load_config
 from tools.serving.endpoint import EndpointParams, resolve_endpoint, resolve_name
 
@@ -85,12 +87,12 @@ def cmd_compare(_: None, args: argparse.Namespace) -> int:
              "long": getattr(args, "long", False), "force": getattr(args, "force", False),
              "instance": getattr(args, "instance", None), "router": getattr(args, "router", False),
              "reference": reference}
-    params = CompareParams.from_cli_values({k: v for k, v in given.items() if v is not None},
+    params = TokenCompareParams.from_cli_values({k: v for k, v in given.items() if v is not None},
                                            {"prompts_file": "--prompts",
                                             "reference": "--out" if args.action == "record" else "reference"})
     for name, flag in (("url_a", "A"), ("url_b", "B")):
         if hasattr(args, name):
-            CompareParams.from_cli_values({"other_url": getattr(args, name)}, {"other_url": flag})
+            TokenCompareParams.from_cli_values({"other_url": getattr(args, name)}, {"other_url": flag})
     if args.action != "live":  # one endpoint: --base-url, --instance or --router, else the started server
         params = params.model_copy(update={"base_url": resolve_endpoint(params, _serve_config(args)).base_url,
                                            "instance": None, "router": False})
@@ -221,7 +223,7 @@ COMMANDS = [
     Command("compare", "greedy token identity between builds (record, check, live)",
             description="Exact generated token ids, temperature 0, the server's chat template. Exit 0 whether or "
                         "not tokens differ; 1 when the comparison could not be made.",
-            children=[
+            op="compare_tokens", children=[
                 Command("record", "record the reference build's tokens to a file", env_file=True,
                         extra=_record_flags, run=cmd_compare),
                 Command("check", "compare the serving build with a recorded reference", env_file=True,

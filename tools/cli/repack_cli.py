@@ -68,13 +68,16 @@ def build_flags(p: argparse.ArgumentParser, *, only: frozenset[str] | None = Non
                        help="leave the linear layers bf16 (same as --no-quantize-linears)")
 
 
-def build_command(name: str, summary: str, *, only: frozenset[str] | None = None, **fixed) -> Command:
-    """A build as a Command: BuildParams' flags (those in `only`), the rest of the options `fixed` by the step."""
+def build_command(name: str, summary: str, *, only: frozenset[str] | None = None, op: str | None = None,
+                  **fixed) -> Command:
+    """A build as a Command: BuildParams' flags (those in `only`), the rest of the options `fixed` by the step;
+    `op`: the operation it does, where that is not its name."""
     def run(_: None, args: argparse.Namespace) -> int:
         params = BuildParams.from_cli_args(args, **fixed)
         return run_build(params.source, params.output, params.options(), args.json)
 
-    return Command(name, summary, run=run, extra=lambda p: build_flags(p, only=only))
+    return Command(name, summary, run=run, extra=lambda p: build_flags(p, only=only), op=op,
+                   positional=BuildParams.CLI_POSITIONAL)
 
 
 def failed(prog: str, e: ToolFailure, as_json: bool) -> int:
@@ -185,7 +188,7 @@ def _verbose_flag(p: argparse.ArgumentParser) -> None:
 
 
 COMMANDS = [
-    build_command("build", "SRC to the final build in one pass (no intermediate checkpoint)"),
+    build_command("build", "SRC to the final build in one pass (no intermediate checkpoint)", op="repack"),
     Command("probe", "tell whether a checkpoint's tensors sit on the 4-bit grid", params=ProbeParams,
             extra=_verbose_flag, run=cmd_probe),
     Command("plan", "which Gemma 4 member fits one T4: each build's tables, load and KV cache tokens (no download)",

@@ -15,7 +15,7 @@ from typing import Any
 
 from tools.cli.commands import CLI, Command, add_commands, emit as _emit
 from tools.core.errors import BadInput, param, render, render_all
-from tools.serving import router, vllm_server
+from tools.serving import launch, router, vllm_server
 from tools.serving.config import ServeConfig, load_config
 from tools.serving.instances import fleet_status, stop_all
 from tools.serving.replace import replace_server, target
@@ -24,7 +24,7 @@ from tools.serving.ops import (LogParams, QueryParams, RouterStartParams, Router
                                StatusParams, StopParams)
 from tools.serving.swap import ensure_swap, swap_report
 from tools.core.jsonout import dumps
-from tools.measure.server_guard import owned_server
+from tools.serving.server_guard import owned_server
 
 
 def emit(args: argparse.Namespace, obj: Any, text: str) -> None:
@@ -79,7 +79,7 @@ def cmd_start(p: StartParams, args: argparse.Namespace) -> int:
         if p.replace:
             r = replace_server(cfg, progress=progress)
         else:
-            r = vllm_server.start_server(cfg, progress=progress)
+            r = launch.start_server(cfg, progress=progress)
     lines = [f"Serving at {r.base_url} (pid {r.pid}), model {r.served_name}, ready in {r.startup_s:g} s"]
     if r.replaced:
         lines[0] += f", in place of {r.replaced['served_name']} ({r.replaced['model']})"

@@ -39,13 +39,12 @@ NAME_MAX, PATH_MAX = 255, 4096
 Within = Sequence[tuple[str, Sequence[Path]]]
 
 
-class PathNotAllowed(ValueError):
+class PathNotAllowed(BadInput):
     """A path outside the configured roots (or otherwise unusable); the message says what to do, `detail` names
     the argument, the input (cut as in the message) and the problem for programs."""
 
     def __init__(self, message: str, what: str = "path", text: object = "", problem: str = "") -> None:
-        super().__init__(message)
-        self.detail = {"argument": what, "input": clip(text), "problem": problem}
+        super().__init__(message, {"argument": what, "input": clip(text), "problem": problem})
 
 
 def _check_length(text: str, what: str) -> None:

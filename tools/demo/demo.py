@@ -26,7 +26,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable
 
@@ -39,16 +39,19 @@ from tools.cli.commands import Command, add_commands, exit_status, fail
 from tools.core.errors import BadInput, ToolFailure, param
 from tools.core.process import free_port
 from tools.core.root import PROJECT_ROOT
+from tools.core import clock
 from tools.measure import evidence as evidence_files
-from tools.measure.server_guard import owned_server
-from tools.measure.compare_tokens import CompareParams, TokenComparison, check_against, record_reference
-from tools.measure.sweep import run_sweep
-from tools.measure.sweep_report import compare_runs, markdown_run
+from tools.serving.server_guard import owned_server
+from tools.measure.tokens.compare import TokenCompareParams, TokenComparison, check_against, record_reference
+from tools.measure.sweep.run import run_sweep
+from tools.measure.sweep.report import compare_runs, markdown_run
 from tools.serving.config import DEFAULT_ENV_FILE, load_config
 from tools.serving.fetch import FetchParams, fetch_checkpoint
-from tools.serving.hub import SOURCE_REPO, hf_token
+from repack.checks import SOURCE_REPO
+from tools.serving.hub import hf_token
 from tools.serving.preflight import PreflightParams, run_preflight
-from tools.serving.vllm_server import start_server, stop_server
+from tools.serving.launch import start_server
+from tools.serving.vllm_server import stop_server
 
 SOURCE_KEY = "SOURCE_CHECKPOINT"
 
@@ -145,8 +148,7 @@ class DemoReport(BaseModel):
 def _plan(opts: DemoOptions, log: Log) -> _Plan:
     gpu = has_nvidia_gpu() if opts.gpu is None else opts.gpu
     work = opts.work.resolve()
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-    evidence = (opts.evidence or PROJECT_ROOT / "evidence" / f"demo-{stamp}").resolve()
+    evidence = (opts.evidence or PROJECT_ROOT / "evidence" / evidence_files.run_id("demo")).resolve()
     if gpu:
         env_file = opts.env_file or DEFAULT_ENV_FILE
         checked = _preflight(env_file, source_given=opts.source is not None)
@@ -302,7 +304,7 @@ def _serve_builds(plan: _Plan, opts: DemoOptions, paths: dict[str, Path],
                 log(f"    up after {start.startup_s:.0f} s; KV cache {sf.kv_cache_tokens} tokens, "
                     f"linear kernel {sf.linear_kernel}, embeddings {sf.embedding_method}")
                 # the demo's own evidence file, written fresh by every run
-                params = CompareParams(base_url=start.base_url, max_tokens=plan.max_tokens, force=True)
+                params = TokenCompareParams(base_url=start.base_url, max_tokens=plan.max_tokens, force=True)
                 if i == 0:
                     rec = record_reference(reference, params, progress=_progress_printer(log, "prompts"))
                     log(f"    {rec.summary()}")
@@ -340,7 +342,7 @@ def _report(plan: _Plan, probe: ProbeReport, builds: list[BuildStep], served: li
                         tokens_identical=comparison.identical, tokens_total=comparison.total,
                         tokens_report=comparison.text(), sweep_comparison=cmp.markdown,
                         wall_s=round(wall_s, 1), report_path=str(report_path),
-                        finished_at=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+                        finished_at=clock.iso())
     evidence_files.write_text(report_path, render_markdown(result))
     evidence_files.write_json(plan.evidence / "report.json", result)
     log(f"[6/6] {comparison.summary}; report: {report_path}")
@@ -348,7 +350,7 @@ def _report(plan: _Plan, probe: ProbeReport, builds: list[BuildStep], served: li
 
 
 def _finished(r: DemoReport) -> datetime:
-    return datetime.fromisoformat(r.finished_at) if r.finished_at else datetime.now(timezone.utc)
+    return datetime.fromisoformat(r.finished_at) if r.finished_at else clock.utc_now()
 
 
 def render_markdown(r: DemoReport) -> str:

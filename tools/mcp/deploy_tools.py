@@ -11,7 +11,7 @@ from tools.serving.preflight import PreflightParams, PreflightReport, run_prefli
 
 
 @tool(toolset="deploy", title="Preflight checks", params=PreflightParams, result=PreflightReport, read_only=True,
-      idempotent=True)
+      idempotent=True, ops="doctor")
 def preflight(app, p: PreflightParams) -> Reply:
     """Check this machine and the serving config before a step: each check ok, warn, fail or n/a, with its fix.
     Writes nothing."""
@@ -51,7 +51,7 @@ def _fetch_inputs(app, p: FetchParams) -> FetchParams:
 
 
 @tool(toolset="hub", title="Fetch a checkpoint from the hub", params=FetchParams, result=FetchResult, long=True,
-      idempotent=True, open_world=True, check=_fetch_inputs)
+      idempotent=True, open_world=True, check=_fetch_inputs, ops="fetch")
 def fetch_checkpoint(app, p: FetchParams, progress, checked: FetchParams) -> Reply:
     """Download a Hugging Face model's build files at a revision into a models root (`out`, default: the repo's
     name), with a sha256 manifest; resumes from the hub cache. Long: progress in bytes."""

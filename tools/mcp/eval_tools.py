@@ -1,11 +1,12 @@
-"""Accuracy tools: lm-evaluation-harness against the server and eval runs side by side (tools/measure/evals.py
+"""Accuracy tools: lm-evaluation-harness against the server and eval runs side by side (tools/measure/evals/run.py
 does the work)."""
 
 from __future__ import annotations
 
-from tools.measure.evals import (CompareParams, EvalComparison, EvalParams, EvalResult, compare_evals as compare,
-                                 confine_compare_params, confine_eval_params, run_eval as evaluate,
-                                 summary_markdown)
+from tools.measure.evals.results import (EvalCompareParams, EvalComparison, EvalParams, EvalResult,
+                                         confine_compare_params, confine_eval_params, summary_markdown)
+from tools.measure.evals.compare import compare_evals as compare
+from tools.measure.evals.run import run_eval as evaluate
 from tools.mcp.registry import Reply, tool
 from tools.serving.endpoint import resolve_endpoint
 
@@ -18,7 +19,8 @@ def _eval_inputs(app, p: EvalParams) -> EvalParams:
 
 
 @tool(toolset="eval", title="Accuracy with lm-eval", params=EvalParams, result=EvalResult, long=True,
-      open_world=True, extra={"table_md": (str, "The run's scores as a markdown table")}, check=_eval_inputs)
+      open_world=True, extra={"table_md": (str, "The run's scores as a markdown table")}, check=_eval_inputs,
+      ops="eval")
 def run_eval(app, p: EvalParams, progress, checked: EvalParams) -> Reply:
     """Score the running server with lm-evaluation-harness (greedy, local-completions) on the given tasks; writes
     a run folder (lm-eval's results and samples, summary, provenance) under an evidence root (`out`, default: the
@@ -30,9 +32,9 @@ def run_eval(app, p: EvalParams, progress, checked: EvalParams) -> Reply:
     return Reply(res, summary, {"table_md": summary_markdown(res)})
 
 
-@tool(toolset="eval", title="Compare eval runs", params=CompareParams, result=EvalComparison, read_only=True,
-      idempotent=True)
-def compare_evals(app, p: CompareParams) -> Reply:
+@tool(toolset="eval", title="Compare eval runs", params=EvalCompareParams, result=EvalComparison, read_only=True,
+      idempotent=True, ops="eval_compare")
+def compare_evals(app, p: EvalCompareParams) -> Reply:
     """Eval runs side by side, the first the reference: per task and metric each run's value with its stderr,
     and each later run minus the first paired over the documents both scored, with whether it is within noise.
     Writes nothing."""

@@ -9,7 +9,7 @@ from tools.serving.router import (RouterStartResult, RouterStatus, RouterStopRes
 
 
 @tool(toolset="fleet", title="Start vllm-router", params=RouterStartParams, result=RouterStartResult,
-      open_world=True)
+      open_world=True, ops="router.start")
 def start_router(app, p: RouterStartParams) -> Reply:
     """Start vLLM's router over running instances (start_vllm_server with `instance`), one URL for all of them;
     measure through it with run_sweep router=true. Refused when an instance is not running."""
@@ -18,7 +18,8 @@ def start_router(app, p: RouterStartParams) -> Reply:
                       + ", ".join(f"{b.instance} {b.base_url}" for b in res.backends))
 
 
-@tool(toolset="fleet", title="vllm-router status", result=RouterStatus, read_only=True, idempotent=True)
+@tool(toolset="fleet", title="vllm-router status", result=RouterStatus, read_only=True, idempotent=True,
+      ops="router.status")
 def router_status(app, p) -> Reply:
     """Whether the router runs and answers /health, its policy and which backends answer."""
     res = status(app.config())
@@ -26,7 +27,7 @@ def router_status(app, p) -> Reply:
 
 
 @tool(toolset="fleet", title="Stop vllm-router", params=RouterStopParams, result=RouterStopResult,
-      destructive=True, idempotent=True)
+      destructive=True, idempotent=True, ops="router.stop")
 def stop_router(app, p: RouterStopParams) -> Reply:
     """Stop the router (SIGTERM to its process group, SIGKILL after grace_s); the instances keep running."""
     res = stop(app.config(), grace_s=p.grace_s)

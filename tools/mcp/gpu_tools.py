@@ -13,12 +13,12 @@ from tools.gpu import vram
 from tools.gpu.vram import VramStatus
 from tools.mcp.registry import Reply, tool
 from tools.serving import turing_patch
-from tools.serving.instances import process_owners, running
+from tools.serving.placement import process_owners, running
 from tools.serving.turing_patch import PatchStatus
 
 
 @tool(toolset="deploy", title="Memory of the running builds", result=VramStatus, read_only=True,
-      idempotent=True)
+      idempotent=True, ops="vram")
 def vram_status(app, p) -> Reply:
     """The memory each running build takes: per GPU through NVML, and each instance's host memory beside its
     weights on disk (where they live on CPU)."""
@@ -40,7 +40,7 @@ class PatchParams(OpParams):
 
 
 @tool(toolset="gpu", title="Turing attention clamp", params=PatchParams, result=PatchStatus, destructive=True,
-      idempotent=True)
+      idempotent=True, ops="patch_turing")
 def patch_turing(app, p: PatchParams) -> Reply:
     """Check, apply or revert the T4 (sm_75) attention clamp in this vLLM: start_vllm_server refuses on a T4
     until it is applied. Not needed on CPU or newer GPUs."""

@@ -31,6 +31,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from tools.core.errors import ToolFailure
 from tools.core.text import clip
 
 # progress(done, total, message); total None when unknown
@@ -38,10 +39,11 @@ ProgressFn = Callable[[float, float | None, str], None]
 
 
 class JobCancelled(Exception):
-    """Raised inside a job's work at its next progress report after cancel_job."""
+    """Raised inside a job's work at its next progress report after cancel_job. Not a failure: it must pass
+    every `except ToolFailure` in the library on its way out, as KeyboardInterrupt does."""
 
 
-class Busy(RuntimeError):
+class Busy(ToolFailure):
     """Another long operation is running."""
 
 

@@ -9,15 +9,17 @@ from typing import Any, NamedTuple
 from tools.core.errors import ToolFailure, op
 from tools.core.paths import PathNotAllowed
 from tools.core.text import clip
-from tools.measure.capacity import CapacityParams, capacity, failure_if_error
-from tools.measure.capacity_report import CapacityResult, compare_capacity, is_capacity_run
-from tools.measure.compare_tokens import CompareParams, TokenComparison, TokenRecord, compare_tokens as compare
-from tools.measure.decode import DecodeParams, DecodeSummary, run_decode
-from tools.measure.fidelity import (DEFAULT_CORPUS, CheckLogprobsResult, CompareLogprobsParams,
-                                    RecordLogprobsResult, compare_logprobs as logprob_fidelity)
-from tools.measure.results import SweepParams, SweepResult
-from tools.measure.sweep import sweep
-from tools.measure.sweep_report import CompareSweepsParams, SweepComparison, compare_runs, write_comparison
+from tools.measure.capacity.run import CapacityParams, capacity, failure_if_error
+from tools.measure.capacity.report import CapacityResult, compare_capacity, is_capacity_run
+from tools.measure.tokens.compare import TokenCompareParams, TokenComparison, TokenRecord, compare_tokens as compare
+from tools.measure.decode.params import DecodeParams
+from tools.measure.decode.run import DecodeSummary, run_decode
+from tools.measure.fidelity.files import DEFAULT_CORPUS
+from tools.measure.fidelity.run import (CheckLogprobsResult, CompareLogprobsParams, RecordLogprobsResult,
+                                        compare_logprobs as logprob_fidelity)
+from tools.measure.sweep.params import SweepParams, SweepResult
+from tools.measure.sweep.run import sweep
+from tools.measure.sweep.report import CompareSweepsParams, SweepComparison, compare_runs, write_comparison
 from tools.mcp.registry import Reply, tool
 from tools.serving.endpoint import Endpoint, resolve_endpoint, resolve_name
 
@@ -40,7 +42,7 @@ def _sweep_inputs(app, p: SweepParams) -> _Sweep:
 @tool(toolset="measure", title="Serving sweep (vllm bench serve)", params=SweepParams, result=SweepResult,
       long=True, open_world=True, check=_sweep_inputs,
       extra={"counts": (dict[str, int], "Cells by status: ok, infeasible, failed"),
-             "table_md": (str, "The run's markdown table")})
+             "table_md": (str, "The run's markdown table")}, ops="sweep")
 def run_sweep(app, p: SweepParams, progress, checked: _Sweep) -> Reply:
     """Measure the running server's throughput with vLLM's own benchmark over input lengths x concurrencies, the
     same prompts for every build; writes a run folder under an evidence root. Long."""
@@ -78,7 +80,7 @@ def _capacity_inputs(app, p: CapacityParams) -> _Capacity:
 
 
 @tool(toolset="capacity", title="Capacity within a latency SLO", params=CapacityParams, result=CapacityResult,
-      long=True, open_world=True, check=_capacity_inputs)
+      long=True, open_world=True, check=_capacity_inputs, ops="capacity")
 def find_capacity(app, p: CapacityParams, progress, checked: _Capacity) -> Reply:
     """The most concurrent users (or Poisson req/s) the running server serves with every SLO term met: doubles
     the load, then bisects, vLLM's bench serve per point; the bracket, goodput, out tok/s and $ per million
@@ -91,7 +93,8 @@ def find_capacity(app, p: CapacityParams, progress, checked: _Capacity) -> Reply
 
 @tool(toolset="measure", title="Compare sweep runs", params=CompareSweepsParams, result=SweepComparison,
       destructive=True, extra={"report_path": (str | None, "Where the comparison was written, when asked"),
-                               "capacity": (str | None, "Capacity runs' verdicts")})
+                               "capacity": (str | None, "Capacity runs' verdicts")},
+      ops=("sweep_compare", "capacity_compare"))
 def compare_sweeps(app, p: CompareSweepsParams) -> Reply:
     """Sweep (or capacity) runs side by side: per cell each run's output tok/s with its 95% interval, the last
     run's ratio to each earlier one with a verdict (faster, slower, within noise), cost per million tokens;
@@ -113,7 +116,7 @@ def compare_sweeps(app, p: CompareSweepsParams) -> Reply:
                  {"report_path": str(out) if out else None, "capacity": cap.summary() if cap else None})
 
 
-def _token_inputs(app, p: CompareParams) -> CompareParams:
+def _token_inputs(app, p: TokenCompareParams) -> TokenCompareParams:
     """The comparison's mode and reference checked and confined, its endpoints resolved."""
     if p.mode in ("record", "check") and not p.reference:
         raise ToolFailure(f"mode {p.mode} needs reference: the token record file under an evidence root "
@@ -138,10 +141,11 @@ def _token_inputs(app, p: CompareParams) -> CompareParams:
                                 "router": False, "other_url": other, "other_instance": None})
 
 
-@tool(toolset="measure", title="Greedy token identity between builds", params=CompareParams,
+@tool(toolset="measure", title="Greedy token identity between builds", params=TokenCompareParams,
       result=TokenComparison | TokenRecord, long=True, destructive=True, open_world=True, check=_token_inputs,
-      extra={"report": (str, "The comparison as text (the article's SAME TOKENS lines)")})
-def compare_tokens(app, p: CompareParams, progress, checked: CompareParams) -> Reply:
+      extra={"report": (str, "The comparison as text (the article's SAME TOKENS lines)")},
+      ops={"compare_tokens": {}, "compare_tokens.record": {"mode": "record"}})
+def compare_tokens(app, p: TokenCompareParams, progress, checked: TokenCompareParams) -> Reply:
     """Whether two builds give the same greedy tokens, prompt by prompt: mode=record with build A, restart with
     build B, mode=check (or mode=live with two instances). Long."""
     res = compare(checked, progress=lambda d, t, m: progress(d, t, m))
@@ -160,10 +164,10 @@ def _logprob_inputs(app, p: CompareLogprobsParams) -> CompareLogprobsParams:
     if p.corpus is not None and Path(p.corpus).expanduser().resolve() != DEFAULT_CORPUS:
         try:
             corpus = app.roots.confine(p.corpus, "evidence", must_exist=True, what="corpus")
-        except ValueError as first:
+        except PathNotAllowed as first:
             try:
                 corpus = app.roots.confine(p.corpus, "models", must_exist=True, what="corpus")
-            except ValueError:
+            except PathNotAllowed:
                 raise first from None
     base_url = resolve_endpoint(p, app.config(), managed=True).base_url
     return p.model_copy(update={"reference": str(ref), "corpus": str(corpus) if corpus else None,
@@ -172,7 +176,7 @@ def _logprob_inputs(app, p: CompareLogprobsParams) -> CompareLogprobsParams:
 
 @tool(toolset="fidelity", title="Logprob fidelity between builds (KLD)", params=CompareLogprobsParams,
       result=RecordLogprobsResult | CheckLogprobsResult, long=True, destructive=True, open_world=True,
-      check=_logprob_inputs)
+      check=_logprob_inputs, ops={"fidelity.record": {"mode": "record"}, "fidelity.check": {"mode": "check"}})
 def compare_logprobs(app, p: CompareLogprobsParams, progress, checked: CompareLogprobsParams) -> Reply:
     """Full-distribution fidelity of two builds over a text corpus: mode=record scores it with the reference
     build into `reference` (REF.json under an evidence root; force=true to replace one), restart with the other
@@ -199,7 +203,7 @@ def _decode_inputs(app, p: DecodeParams) -> _Decode:
 
 
 @tool(toolset="decode", title="Single-stream decode benchmark (speculative decoding)", params=DecodeParams,
-      result=DecodeSummary, long=True, open_world=True, check=_decode_inputs)
+      result=DecodeSummary, long=True, open_world=True, check=_decode_inputs, ops="decode")
 def run_decode_bench(app, p: DecodeParams, progress, checked: _Decode) -> Reply:
     """Time per output token for one user: twenty chat prompts one at a time, streamed, with the drafter's
     acceptance from /metrics when the server runs speculative decoding; writes a run folder under an evidence

@@ -18,7 +18,7 @@ from typing import Any
 from pydantic import TypeAdapter
 
 from tools.core.errors import render_all
-from tools.mcp.wording import MCP
+from tools.mcp.wording import MCP, OPERATION_TOOLS
 
 # Toolsets: what a client sees is chosen with --toolsets / GEMMA4_T4_TOOLSETS (fastmcp tags do the filtering).
 TOOLSETS: dict[str, str] = {
@@ -69,6 +69,7 @@ class ToolSpec:
     extra: dict[str, tuple[Any, str]] = field(default_factory=dict)  # added fields: name -> (type, description)
     is_async: bool = False
     check: Callable[[Any, Any], Any] | None = None  # a long tool's quick input checks: `check(app, params)`
+    ops: dict[str, dict[str, Any]] = field(default_factory=dict)  # operations it does -> the arguments that pick them
 
     def output_schema(self) -> dict[str, Any]:
         return lean_schema(self.result, self.extra)
@@ -96,8 +97,9 @@ TOOLS: dict[str, ToolSpec] = {}
 
 def tool(*, toolset: str, title: str, params: type | None = None, result: Any = None, long: bool = False,
          read_only: bool = False, destructive: bool = False, idempotent: bool = False, open_world: bool = False,
-         extra: dict[str, tuple[Any, str]] | None = None,
-         check: Callable[[Any, Any], Any] | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+         extra: dict[str, tuple[Any, str]] | None = None, check: Callable[[Any, Any], Any] | None = None,
+         ops: str | Iterable[str] | dict[str, dict[str, Any]] = ()
+         ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Declare a tool. The function's docstring is its description (one or two sentences: when to use it).
 
     Quick tools: `fn(app, params) -> Reply` (run in a worker thread) or `async fn(app, params) -> Reply`.
@@ -105,19 +107,28 @@ def tool(*, toolset: str, title: str, params: type | None = None, result: Any = 
     does its input checks that need no long work (paths in the roots, names, the endpoint) and returns what the
     tool uses of them, once per call: the caller runs it (start_job before it hands out a job id) and gives its
     result to the tool, `fn(app, params, progress, checked)` (ToolSpec.run).
+
+    `ops`: the operations (tools.core.errors.op) the tool does, with the arguments that pick each where one tool
+    does several (`{"fidelity.record": {"mode": "record"}}`): a failure that names one names this tool to MCP.
     """
     if toolset not in TOOLSETS:
         raise ValueError(f"unknown toolset {toolset!r}")
+
+    does = {ops: {}} if isinstance(ops, str) else dict(ops) if isinstance(ops, dict) else dict.fromkeys(ops, {})
 
     def register(fn: Callable[..., Any]) -> Callable[..., Any]:
         name = fn.__name__
         if name in TOOLS and TOOLS[name].fn is not fn:
             raise ValueError(f"tool {name} declared twice")
+        for op_name, args in does.items():
+            if OPERATION_TOOLS.get(op_name, (name,))[0] != name:
+                raise ValueError(f"operation {op_name} declared by {OPERATION_TOOLS[op_name][0]} and {name}")
+            OPERATION_TOOLS[op_name] = (name, dict(args))
         TOOLS[name] = ToolSpec(name=name, fn=fn, toolset=toolset, title=title,
                                description=" ".join((fn.__doc__ or "").split()), params=params, result=result,
                                long=long, read_only=read_only, destructive=destructive, idempotent=idempotent,
                                open_world=open_world, extra=dict(extra or {}),
-                               is_async=inspect.iscoroutinefunction(fn), check=check)
+                               is_async=inspect.iscoroutinefunction(fn), check=check, ops=does)
         return fn
 
     return register

@@ -61,7 +61,7 @@ def _tiny_out(app, p: TinyParams) -> Path:
 @tool(toolset="repack", title="Make the tiny stand-in source", params=TinyParams, long=True, destructive=True,
       idempotent=True, check=_tiny_out,
       extra={"path": (str, "The source written: probe and repack it"),
-             "accuracy": (float, "Greedy accuracy on its training pattern")})
+             "accuracy": (float, "Greedy accuracy on its training pattern")}, ops="tiny_model")
 def make_tiny_model(app, p: TinyParams, progress, checked: Path) -> Reply:
     """Write a tiny Gemma-4-shaped QAT source checkpoint, for a machine without a GPU or the real checkpoint
     (the walk then runs on CPU). Long."""
@@ -78,7 +78,7 @@ def make_tiny_model(app, p: TinyParams, progress, checked: Path) -> Reply:
              "verdict": (str, "qat: repack_checkpoint will succeed; base, mixed, no-candidates or packed (already "
                               "a build) otherwise"),
              "blockers": (list[dict[str, Any]], "The first text tensors off the grid (text_off_grid counts all)"),
-             "tensors": (list[dict[str, Any]] | None, "With detail=true: every tensor")})
+             "tensors": (list[dict[str, Any]] | None, "With detail=true: every tensor")}, ops="probe")
 def probe_checkpoint(app, p: ProbeParams) -> Reply:
     """Check that a source's tensors sit on the 4-bit grid (verdict qat) before repack_checkpoint. Writes
     nothing."""
@@ -108,7 +108,7 @@ def _repack_paths(app, p: BuildParams) -> tuple[Path, Path]:
       destructive=True, idempotent=True, check=_repack_paths,
       extra={"output": (str, "The written checkpoint folder; pass it to start_vllm_server as model"),
              "tables": (list[dict[str, Any]], "Per table: bytes, groups, off-grid groups, exact values, errors"),
-             "table": (str, "")})
+             "table": (str, "")}, ops="repack")
 def repack_checkpoint(app, p: BuildParams, progress, checked: tuple[Path, Path]) -> Reply:
     """Build the all-4-bit checkpoint from a QAT source (embed_int4=false: the bf16-embedding build); leaves
     nothing half written. Long."""

@@ -33,7 +33,8 @@ from repack.members import by_name
 from tools.core.errors import ToolFailure
 from tools.core.paths import PATH_MAX, PathNotAllowed
 from tools.core.text import clip
-from tools.mcp.errors import MCP, to_tool_error
+from tools.mcp.wording import MCP
+from tools.mcp.errors import to_tool_error
 from tools.mcp.prompt_members import MEMBER_ARG, member_values
 from tools.serving.config import ENV_NAMES, parse_env_file
 from tools.serving.vllm_server import read_log
@@ -45,7 +46,7 @@ RUN_DEPTH = 4            # folders below an evidence root searched for runs
 SUMMARIES = ("summary.md", "summary.json")
 
 
-class ResourceFailure(ValueError):
+class ResourceFailure(ToolFailure):
     """A resource that cannot be read now; the message says why and what to do."""
 
 

@@ -6,14 +6,15 @@ from pydantic import BaseModel, Field
 
 from tools.core.errors import ToolFailure
 from tools.core.paths import PathNotAllowed
-from tools.measure.server_guard import owned_server
+from tools.serving.server_guard import owned_server
 from tools.mcp.registry import Reply, tool
 from tools.serving.instances import fleet_status, stop_all
 from tools.serving.model_files import missing_model_fix
 from tools.serving.replace import replace_server
 from tools.serving.ops import LogParams, QueryParams, StartParams, StatusParams, StopParams
-from tools.serving.vllm_server import (QueryResult, ServerStatus, StartResult, StopResult, log_path, query, read_log,
-                                       server_status as status, start_server, stop_server)
+from tools.serving.records import QueryResult, ServerStatus, StartResult, StopResult
+from tools.serving.vllm_server import log_path, query, read_log, server_status as status, stop_server
+from tools.serving.launch import start_server
 
 
 def _start_config(app, p: StartParams):
@@ -34,7 +35,7 @@ def _start_config(app, p: StartParams):
 
 
 @tool(toolset="serve", title="Start the vLLM server", params=StartParams, result=StartResult, long=True,
-      open_world=True, check=_start_config)
+      open_world=True, check=_start_config, ops="start")
 def start_vllm_server(app, p: StartParams, progress, checked) -> Reply:
     """Serve a build (a folder under a models root, or a hub id) with vLLM until stopped; returns once it
     answers, with the engine's figures. Long."""
@@ -56,7 +57,7 @@ class StopAll(BaseModel):
 
 
 @tool(toolset="serve", title="Stop the vLLM server", params=StopParams, result=StopResult | StopAll,
-      destructive=True, idempotent=True)
+      destructive=True, idempotent=True, ops="stop")
 def stop_vllm_server(app, p: StopParams) -> Reply:
     """Stop a server this project started (all=true: every one), e.g. to serve another build. Safe when nothing
     runs."""
@@ -70,7 +71,8 @@ def stop_vllm_server(app, p: StopParams) -> Reply:
 
 
 @tool(toolset="serve", title="vLLM server status", params=StatusParams, result=ServerStatus, read_only=True,
-      idempotent=True, extra={"roots": (dict[str, list[str]], "Where tools may read and write paths")})
+      idempotent=True, extra={"roots": (dict[str, list[str]], "Where tools may read and write paths")},
+      ops="status")
 def server_status(app, p: StatusParams) -> Reply:
     """What this project's servers serve and whether they answer, and the path roots; call it when unsure
     what runs."""
@@ -89,7 +91,8 @@ class LogTail(BaseModel):
     lines: list[str] = Field(description="Its last lines")
 
 
-@tool(toolset="log", title="vLLM server log", params=LogParams, result=LogTail, read_only=True, idempotent=True)
+@tool(toolset="log", title="vLLM server log", params=LogParams, result=LogTail, read_only=True, idempotent=True,
+      ops="log")
 def server_logs(app, p: LogParams) -> Reply:
     """The vLLM server log's last lines: read it when a start failed or the server misbehaves."""
     cfg = app.config(instance=p.instance)
@@ -98,7 +101,8 @@ def server_logs(app, p: LogParams) -> Reply:
     return Reply(LogTail(log_path=str(path), lines=out), f"{len(out)} line(s) of {path}")
 
 
-@tool(toolset="serve", title="Ask the served model", params=QueryParams, result=QueryResult, read_only=True)
+@tool(toolset="serve", title="Ask the served model", params=QueryParams, result=QueryResult, read_only=True,
+      ops="query")
 def query_model(app, p: QueryParams) -> Reply:
     """One greedy chat completion from the running server: a quick check that a build answers."""
     app.managed_base_url(p.instance)  # refuses when no server is recorded, instead of posting to the config's port

@@ -6,38 +6,20 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from tools.cli.commands import command_line
 from tools.core.errors import Renderer
 
-# Operations (tools.core.errors.op) as the MCP tools that do them, with the arguments that pick the mode.
-TOOL_NAMES: dict[str, tuple[str, dict[str, Any]]] = {
-    "start": ("start_vllm_server", {}),
-    "stop": ("stop_vllm_server", {}),
-    "status": ("server_status", {}),
-    "log": ("server_logs", {}),
-    "query": ("query_model", {}),
-    "router.start": ("start_router", {}),
-    "router.stop": ("stop_router", {}),
-    "router.status": ("router_status", {}),
-    "probe": ("probe_checkpoint", {}),
-    "repack": ("repack_checkpoint", {}),
-    "tiny_model": ("make_tiny_model", {}),
-    "fetch": ("fetch_checkpoint", {}),
-    "doctor": ("preflight", {}),
-    "patch_turing": ("patch_turing", {}),
-    "sweep": ("run_sweep", {}),
-    "sweep_compare": ("compare_sweeps", {}),
-    "compare_tokens": ("compare_tokens", {}),
-    "compare_tokens.record": ("compare_tokens", {"mode": "record"}),
-    "decode": ("run_decode_bench", {}),
-    "eval": ("run_eval", {}),
-    "eval_compare": ("compare_evals", {}),
-    "fidelity.record": ("compare_logprobs", {"mode": "record"}),
-    "fidelity.check": ("compare_logprobs", {"mode": "check"}),
-    "vram": ("vram_status", {}),
-    "demo": ("the deploy_cpu (or, on a T4, deploy_t4) prompt", {}),
-    "capacity": ("find_capacity", {}),
-    "capacity_compare": ("compare_sweeps", {}),
+# Operations (tools.core.errors.op) -> the MCP tool that does each and the arguments that pick the mode: filled by
+# the tools' declarations (`@tool(ops=...)`, tools.mcp.registry).
+OPERATION_TOOLS: dict[str, tuple[str, dict[str, Any]]] = {}
+# Operations no MCP tool does, and how an MCP client gets them done instead (`{command}`: the command line's).
+WITHOUT_TOOL: dict[str, str] = {
+    "demo": "the deploy_cpu (or, on a T4, deploy_t4) prompt",
+    "swap": "{command} as root on the server's machine (no MCP tool: the swapfile needs root)",
+    "pareto": "{command} on the command line (no MCP tool: it plots several sweep or capacity runs into one "
+              "folder)",
 }
+
 
 def argument(name: str, *value: Any) -> str:
     """A parameter as an MCP argument: `out`, `force=true`, `text_only=false`, `port=8001`."""
@@ -49,8 +31,11 @@ def argument(name: str, *value: Any) -> str:
 
 def tool_call(name: str, args: dict[str, Any]) -> str:
     """An operation as the MCP tool that does it: `stop_vllm_server`, `fetch_checkpoint (repo_id=..., out=...)`;
-    an operation no tool does keeps its name."""
-    tool, fixed = TOOL_NAMES.get(name, (name, {}))
+    one no tool does as WITHOUT_TOOL says, else as the command line spells it."""
+    if name not in OPERATION_TOOLS:
+        command = command_line(name, args)
+        return WITHOUT_TOOL.get(name, "{command} on the command line").format(command=command)
+    tool, fixed = OPERATION_TOOLS[name]
     # env_file is the command line's: this server's configuration is the one it was launched with
     shown = {**fixed, **{k: v for k, v in args.items() if k != "env_file"}}
     return tool + (" (" + ", ".join(argument(k, v) for k, v in shown.items()) + ")" if shown else "")
@@ -59,4 +44,4 @@ def tool_call(name: str, args: dict[str, Any]) -> str:
 MCP = Renderer(param=argument, op=tool_call)
 
 
-__all__ = ["MCP", "TOOL_NAMES", "argument", "tool_call"]
+__all__ = ["MCP", "OPERATION_TOOLS", "WITHOUT_TOOL", "argument", "tool_call"]

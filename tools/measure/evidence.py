@@ -11,8 +11,6 @@ written through a temporary name and renamed; a path that cannot be written is o
 from __future__ import annotations
 
 import json
-import re
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +18,10 @@ from pydantic import BaseModel
 
 from tools.core.atomic_files import TempFolder, refusal, write_file
 from tools.core.errors import BadInput, ToolFailure
+from tools.core import clock
+from tools.core.names import check_name
 from tools.measure import provenance as prov_mod
-
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-
+from tools.serving.config import ServeConfig
 
 def write_json(path: str | Path, data: Any) -> Path:
     """Atomic JSON write (tools.core.atomic_files.write_file); one line naming the path when it cannot be
@@ -57,17 +55,10 @@ def write_texts(*files: tuple[Path, str]) -> None:
         raise
 
 
-def run_id(label: str, kind: str) -> str:
-    """`<kind>-<UTC stamp>-<label>`: sortable by time, named for what it measured."""
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-    return f"{kind}-{stamp}-{label}"
-
-
-def check_name(value: str, what: str) -> str:
-    if not value or not _NAME.match(value):
-        raise BadInput(f"{what} {value!r} must be a name of letters, digits, '.', '_' or '-' (no spaces or "
-                       f"slashes)", detail={"field": what, "value": value})
-    return value
+def run_id(kind: str, label: str | None = None, digest: str | None = None) -> str:
+    """Every run folder's name, `<kind>-<UTC stamp>[-<label>][-<digest>]`: sorted by time within a kind, named for
+    what it measured; `digest`: of the parameters, for a run that a later one resumes or compares."""
+    return "-".join([kind, clock.stamp()] + [part for part in (label, digest) if part])
 
 
 class EvidenceRun:
@@ -86,7 +77,7 @@ class EvidenceRun:
         """The run's temporary folder `<out>/.<name>.partial-...`; the ones of runs whose process is gone are
         removed first. Where `name` is taken (a folder, or a run started in the same second) the run is named
         `name-2`, `name-3`, ... (tools.core.atomic_files.TempFolder): `name` and `path` say which."""
-        check_name(name, "run id")
+        check_name(name, what="run id")
         folder = TempFolder.open(out, name)
         run = cls(Path(out), folder.final.name, folder)
         try:
@@ -102,15 +93,15 @@ class EvidenceRun:
         return self.final
 
     def write_raw(self, name: str, record: Any) -> Path:
-        return write_json(self.raw / f"{check_name(name, 'record name')}.json", record)
+        return write_json(self.raw / f"{check_name(name, what='record name')}.json", record)
 
     def write_summary(self, result: BaseModel | dict[str, Any], markdown: str) -> dict[str, str]:
         write_json(self.dir / "summary.json", result)
         write_text(self.dir / "summary.md", markdown)
         return {"summary_json": str(self.final / "summary.json"), "summary_md": str(self.final / "summary.md")}
 
-    def write_provenance(self, base_url: str | None, *, serve_config: Any = None, server_argv: list[str] | None
-                         = None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    def write_provenance(self, base_url: str | None, *, serve_config: ServeConfig | None = None,
+                         server_argv: list[str] | None = None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
         """provenance.json: collect() for base_url, the given argv where the caller started the server itself,
         plus extra fields (e.g. the speculative config). Returns what was written."""
         prov = collect_provenance(base_url, serve_config=serve_config, server_argv=server_argv)
@@ -126,7 +117,7 @@ class EvidenceRun:
         self._folder.discard()
 
 
-def collect_provenance(base_url: str | None, *, serve_config: Any = None, server: Any = None,
+def collect_provenance(base_url: str | None, *, serve_config: ServeConfig | None = None, server: Any = None,
                        server_argv: list[str] | None = None) -> prov_mod.Provenance:
     """provenance.collect, with the argv given by a caller that started the server (it knows it for sure)."""
     prov = prov_mod.collect(base_url, serve_config=serve_config, server=server)

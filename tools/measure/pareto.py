@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +19,9 @@ from pydantic import BaseModel, Field
 
 from tools.core.errors import BadInput, op
 from tools.measure import evidence
-from tools.measure.capacity_report import is_capacity_run
-from tools.measure.results import DEFAULT_OUT, SweepResult
-from tools.measure.sweep_report import load_run, run_labels
+from tools.measure.capacity.report import is_capacity_run
+from tools.measure.sweep.params import DEFAULT_OUT, SweepResult
+from tools.measure.sweep.report import load_run, run_labels
 from tools.measure.uncertainty import METHOD
 
 # Each run is read whole and plotted: beyond this many the command runs for minutes and holds gigabytes, and
@@ -188,8 +187,7 @@ def write_pareto(res: Pareto, out: str | Path = DEFAULT_OUT) -> Pareto:
 
 
 def _publish(res: Pareto, out: str | Path) -> None:
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-    run = evidence.EvidenceRun.create(out, f"pareto-{stamp}")
+    run = evidence.EvidenceRun.create(out, evidence.run_id("pareto"))
     try:
         run.raw.rmdir()  # no raw records: the figures are the input runs'
         res.run_dir = str(run.path)

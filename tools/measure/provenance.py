@@ -14,7 +14,6 @@ import json
 import platform
 import re
 import socket
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +22,9 @@ from pydantic import BaseModel, Field
 
 from tools.core.api_key import auth_headers
 from tools.core.errors import ToolFailure, op, param
+from tools.core import clock
 from tools.gpu.vram import vram_status
-from tools.serving.config import load_config
+from tools.serving.config import ServeConfig, load_config
 from tools.serving.vllm_server import server_status
 
 
@@ -150,7 +150,8 @@ def _gpu(notes: list[str], nvml: Any = None) -> tuple[str | None, str | None, in
     return (", ".join(names) or None), st.driver_version, len(st.gpus)
 
 
-def _started_server(base_url: str, notes: list[str], cfg: Any = None) -> tuple[list[str] | None, dict[str, Any] | None]:
+def _started_server(base_url: str, notes: list[str], cfg: ServeConfig | None = None
+                    ) -> tuple[list[str] | None, dict[str, Any] | None]:
     """argv and parsed start fields of the server tools/ started, when base_url is that server.
 
     cfg is the ServeConfig to look in (default: the project's tpu.env).
@@ -177,14 +178,14 @@ def _started_server(base_url: str, notes: list[str], cfg: Any = None) -> tuple[l
 
 
 def collect(base_url: str | None, *, nvml: Any = None, server: ServerInfo | None = None,
-            serve_config: Any = None) -> Provenance:
+            serve_config: ServeConfig | None = None) -> Provenance:
     """Build the provenance record for a measurement against base_url (None: no server involved).
 
     serve_config: the tools.serving.config.ServeConfig whose started server to describe (default: tpu.env's).
     """
     notes: list[str] = []
     gpu_name, driver, count = _gpu(notes, nvml)
-    prov = Provenance(date=datetime.now(timezone.utc).isoformat(timespec="seconds"), host=socket.gethostname(),
+    prov = Provenance(date=clock.iso(), host=socket.gethostname(),
                       vllm_version_client=vllm_client_version(), gpu_name=gpu_name, gpu_driver=driver,
                       gpu_count=count, cpu_model=cpu_model())
     notes = prov.notes = notes  # pydantic copied the list: keep appending to the record's own

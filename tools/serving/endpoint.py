@@ -15,7 +15,7 @@ from pydantic import Field
 from tools.core.errors import BadInput, ToolFailure, op, param
 from tools.core.params import OpParams
 from tools.serving import placement, router_state
-from tools.serving.config import load_config
+from tools.serving.config import ServeConfig, load_config
 
 
 class EndpointParams(OpParams):
@@ -33,7 +33,8 @@ class Endpoint:
     name: str | None = None                               # the instance's name
     policy: str | None = None                             # the router's
     backends: list[dict[str, str]] = field(default_factory=list)  # the router's: [{instance, base_url}]
-    config: Any = field(default=None, repr=False, compare=False)  # the instance's serving config (provenance)
+    # the instance's serving config (provenance)
+    config: ServeConfig | None = field(default=None, repr=False, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -48,7 +49,8 @@ class Endpoint:
         return self.base_url
 
 
-def resolve_endpoint(params: Any, cfg: Any = None, *, env_file: Any = None, managed: bool = False) -> Endpoint:
+def resolve_endpoint(params: Any, cfg: ServeConfig | None = None, *, env_file: Any = None,
+                     managed: bool = False) -> Endpoint:
     """base_url, instance or router of `params` (an EndpointParams) as an Endpoint.
 
     None of them: the default instance when it runs, else (managed=False) the config's HOST:PORT and
@@ -87,7 +89,7 @@ def resolve_endpoint(params: Any, cfg: Any = None, *, env_file: Any = None, mana
     return Endpoint(base_url=cfg.base_url, kind="config", config=cfg)
 
 
-def resolve_name(text: str, cfg: Any = None, *, env_file: Any = None) -> Endpoint:
+def resolve_name(text: str, cfg: ServeConfig | None = None, *, env_file: Any = None) -> Endpoint:
     """A URL (it has '://') or an instance name: `compare live A B`'s endpoints."""
     if "://" in text:
         return Endpoint(base_url=text.rstrip("/"), kind="url")

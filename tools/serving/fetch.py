@@ -25,7 +25,6 @@ import os
 import re
 import shutil
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, ClassVar
 
@@ -39,6 +38,8 @@ from tools.core.output_check import check_output_folder
 from tools.core.params import OpParams
 from tools.core.paths import PathNotAllowed, Roots, inside
 from tools.core.root import PROJECT_ROOT
+from tools.core.progress import Progress
+from tools.core import clock
 from repack import checks as repack_checks
 from repack.members import MEMBERS, by_name
 from tools.serving.hub import hf_token, hub_env, hub_failure
@@ -54,8 +55,6 @@ COMMIT = re.compile(r"^[0-9a-f]{40}$")
 # A git branch or tag name as the hub accepts it (refs/pr/N included): no '..', no '//', no control characters.
 REF = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,254}$")
 DISK_MARGIN_BYTES = 512 << 20
-
-Progress = Callable[[int, int, str], None]
 
 
 class FetchParams(OpParams):
@@ -414,7 +413,7 @@ def fetch_checkpoint(params: FetchParams, progress: Progress | None = None) -> F
         if done is not None:
             return _result(repo_id, revision, commit, out, done, offline, cache_dir, t0, present=True)
     manifest = {"repo_id": repo_id, "revision": revision, "commit": commit, "endpoint": endpoint or
-                "https://huggingface.co", "fetched_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                "https://huggingface.co", "fetched_at": clock.iso(),
                 "offline": offline}
     _publish(snapshot, names, out, manifest, expected_sha, progress)
     return _result(repo_id, revision, commit, out, json.loads((out / MANIFEST).read_text()), offline,

@@ -24,14 +24,14 @@ from tools.core.api_key import API_KEY_ENV, api_key, auth_headers, is_loopback
 from tools.core.errors import BadInput, ToolFailure, op, param
 from tools.core.process import end_group
 from tools.gpu.vram import host_memory, server_process_pids
-from tools.serving import engine_log, placement, state
+from tools.serving import engine_log, health, placement, state
 from tools.serving.config import DEFAULT_ENV_FILE, ServeConfig, looks_like_path
 from tools.serving.hardware import Hardware
 from tools.serving.model_files import model_position_limit
 from tools.serving.model_files import missing_model_fix
 from tools.serving.preflight import checks_for, ensure, refusal
 from tools.serving.records import StartResult
-from tools.serving.start_progress import Progress, StartProgress
+from tools.serving.start_progress import StartProgress, StartReport
 from tools.serving.state import ReplaceRecord, ServerState
 # Readiness is a completion of several tokens from a prompt of several tokens: a one-token probe can pass on an
 # engine whose traced graphs were specialised on the warm-up's shape and fail every real prompt.
@@ -236,7 +236,7 @@ def _first_completion(client: httpx.Client, cfg: ServeConfig) -> tuple[str | Non
 
 
 def _wait_ready(cfg: ServeConfig, proc: subprocess.Popen, argv: list[str], t0: float,
-                progress: Progress | None, *, keep_on_interrupt: bool = False) -> str:
+                progress: StartReport | None, *, keep_on_interrupt: bool = False) -> str:
     """Waits for /health and a first completion; on a failure or an interrupt ends the server it launched
     (keep_on_interrupt: an interrupt leaves it starting, recorded)."""
     log_path = cfg.log_file
@@ -262,11 +262,7 @@ def _wait_ready(cfg: ServeConfig, proc: subprocess.Popen, argv: list[str], t0: f
                     raise fail(f"exited with code {code} while starting")
                 if time.monotonic() > deadline:
                     raise fail(f"did not become ready within {cfg.start_timeout_s:g} s")
-                if not healthy:
-                    try:
-                        healthy = client.get(f"{cfg.base_url}/health").status_code == 200
-                    except httpx.HTTPError:
-                        healthy = False
+                healthy = healthy or health.answers(cfg.base_url, client=client)
                 if healthy:
                     text, _ = _first_completion(client, cfg)
                     if text is not None:
@@ -340,7 +336,7 @@ def _stale_replace(cfg: ServeConfig) -> ReplaceRecord | None:
     return rec
 
 
-def start_server(cfg: ServeConfig, *, progress: Progress | None = None, hardware: Hardware | None = None,
+def start_server(cfg: ServeConfig, *, progress: StartReport | None = None, hardware: Hardware | None = None,
                  turing_target: Path | None = None) -> StartResult:
     """Starts vLLM detached and waits until /health answers and a short greedy completion returns text.
 
@@ -357,7 +353,7 @@ def start_server(cfg: ServeConfig, *, progress: Progress | None = None, hardware
         return _start_locked(cfg, progress, hw, turing_target)
 
 
-def _start_locked(cfg: ServeConfig, progress: Progress | None, hw: Hardware,
+def _start_locked(cfg: ServeConfig, progress: StartReport | None, hw: Hardware,
                   turing_target: Path | None) -> StartResult:
     with placement.locked(cfg):
         stale = _stale_replace(cfg)
@@ -418,7 +414,7 @@ def config_of(cfg: ServeConfig, a: ServerState) -> ServeConfig:
                    data_parallel_size=a.data_parallel_size)
 
 
-def relaunch(cfg: ServeConfig, a: ServerState, *, progress: Progress | None = None,
+def relaunch(cfg: ServeConfig, a: ServerState, *, progress: StartReport | None = None,
              wait: bool = True) -> StartResult | None:
     """Starts `a` again with its own recorded command line and environment (a failed replace's way back), under
     the instance's lock (the replace's own hold). wait=False: launched and recorded, not waited for (an

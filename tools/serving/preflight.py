@@ -23,7 +23,8 @@ from tools.core.errors import BadInput, ToolFailure, param
 from tools.core.params import OpParams
 from tools.serving.config import load_config
 from tools.serving.hardware import Hardware
-from tools.serving.hub import SOURCE_REPO, hf_token
+from repack.checks import SOURCE_REPO
+from tools.serving.hub import hf_token
 from tools.serving.preflight_checks import (Check, Context, check_checkpoints, check_compute_capability, check_disk,
                                             check_drafter, check_gpu_memory, check_hf_token, check_host_memory,
                                             check_max_model_len, check_nvidia_driver, check_port, check_source,

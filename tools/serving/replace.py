@@ -25,7 +25,7 @@ from tools.serving.config import ServeConfig
 from tools.serving.hardware import Hardware
 from tools.serving.launch import checked, relaunch, signals_deferred, start_server
 from tools.serving.records import StartResult
-from tools.serving.start_progress import Progress
+from tools.serving.start_progress import StartReport
 from tools.serving.state import ReplaceRecord, ServerState
 from tools.serving.vllm_server import stop_server
 
@@ -60,7 +60,7 @@ def target(cfg: ServeConfig) -> ServeConfig:
     return replace(cfg, port=a.port) if a is not None and not cfg.given_for_this_start("port") else cfg
 
 
-def replace_server(cfg: ServeConfig, *, progress: Progress | None = None, hardware: Hardware | None = None,
+def replace_server(cfg: ServeConfig, *, progress: StartReport | None = None, hardware: Hardware | None = None,
                    turing_target: Path | None = None, grace_s: float = 20.0) -> StartResult:
     """Serves `cfg`'s build (B) in place of the instance's running server (A); a plain start when none runs.
 
@@ -71,7 +71,7 @@ def replace_server(cfg: ServeConfig, *, progress: Progress | None = None, hardwa
         return _replace_locked(cfg, progress, hardware or Hardware(), turing_target, grace_s)
 
 
-def _replace_locked(cfg: ServeConfig, progress: Progress | None, hw: Hardware, turing_target: Path | None,
+def _replace_locked(cfg: ServeConfig, progress: StartReport | None, hw: Hardware, turing_target: Path | None,
                     grace_s: float) -> StartResult:
     a = _serving(cfg)
     if a is None:
@@ -87,7 +87,7 @@ def _replace_locked(cfg: ServeConfig, progress: Progress | None, hw: Hardware, t
     record = _record(cfg, a)
     state.write_replace(cfg, record)
     try:
-        return _swap(cfg, a, record, hw, turing_target, grace_s, progress)
+        return _switch(cfg, a, record, hw, turing_target, grace_s, progress)
     except ToolFailure:
         raise
     except BaseException:  # Ctrl-C, SIGTERM, a cancelled job: A is launched again (not waited for), then it stands
@@ -96,8 +96,8 @@ def _replace_locked(cfg: ServeConfig, progress: Progress | None, hw: Hardware, t
         raise
 
 
-def _swap(cfg: ServeConfig, a: ServerState, record: ReplaceRecord, hw: Hardware, turing_target: Path | None,
-          grace_s: float, progress: Progress | None) -> StartResult:
+def _switch(cfg: ServeConfig, a: ServerState, record: ReplaceRecord, hw: Hardware, turing_target: Path | None,
+            grace_s: float, progress: StartReport | None) -> StartResult:
     if progress is not None:
         progress(0.0, f"stopping {a.served_name} (pid {a.pid}) for {cfg.served_name}")
     try:
@@ -118,7 +118,7 @@ def _swap(cfg: ServeConfig, a: ServerState, record: ReplaceRecord, hw: Hardware,
 
 
 def _restore(cfg: ServeConfig, a: ServerState, record: ReplaceRecord, b_exc: ToolFailure,
-             progress: Progress | None) -> ToolFailure:
+             progress: StartReport | None) -> ToolFailure:
     """Starts A again after B failed; the failure to raise, saying what serves now."""
     state.write_replace(cfg, record.model_copy(update={"phase": "restoring A"}))
     if progress is not None:

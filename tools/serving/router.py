@@ -23,7 +23,7 @@ from tools.core.api_key import auth_headers
 from tools.core.errors import BadInput, ToolFailure, op, param
 from tools.core.metrics import total
 from tools.core.process import end_group, free_port, port_holder
-from tools.serving import engine_log, placement
+from tools.serving import engine_log, health, placement
 from tools.serving.config import ServeConfig
 from tools.serving.state import DamagedState
 from tools.serving.router_state import (Backend, RouterState, alive, group, load, log_file, recorded, state_file,
@@ -103,11 +103,7 @@ def _healthy_backends(cfg: ServeConfig, names: list[str]) -> list[Backend]:
     backends = []
     states = {name: placement.resolve(cfg, name) for name in names}  # every name running, before any probe
     for name, st in states.items():
-        try:
-            ok = httpx.get(f"{st.base_url}/health", timeout=3.0).status_code == 200
-        except httpx.HTTPError:
-            ok = False
-        if not ok:
+        if not health.answers(st.base_url):
             raise ToolFailure(f"instance {name!r} at {st.base_url} does not answer /health; check "
                               f"{op('status', instance=name)}", {"instance": name})
         backends.append(Backend(instance=st.instance or "default", base_url=st.base_url))
@@ -162,7 +158,7 @@ def _wait_ready(cfg: ServeConfig, proc: subprocess.Popen, st: RouterState, t0: f
                 if time.monotonic() - t0 > timeout_s:
                     raise fail(f"did not answer /health and /v1/models within {timeout_s:g} s")
                 try:
-                    if (client.get(f"{st.base_url}/health").status_code == 200
+                    if (health.answers(st.base_url, client=client)
                             and client.get(f"{st.base_url}/v1/models").status_code == 200):
                         return
                 except httpx.HTTPError:
@@ -219,14 +215,8 @@ def router_status(cfg: ServeConfig) -> RouterStatus:
         return RouterStatus(alive=False, pid=st.pid, base_url=st.base_url, log_path=st.log_path,
                             message=f"router pid {st.pid} died; its state file was cleared")
 
-    def health(url: str) -> bool:
-        try:
-            return httpx.get(f"{url}/health", timeout=3.0).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    ok = health(st.base_url)
-    back = {b.instance: health(b.base_url) for b in st.backends}
+    ok = health.answers(st.base_url)
+    back = {b.instance: health.answers(b.base_url) for b in st.backends}
     word = "routing" if ok else "running but not healthy"
     return RouterStatus(alive=True, healthy=ok, pid=st.pid, base_url=st.base_url, policy=st.policy,
                         backends=st.backends, backends_healthy=back, log_path=st.log_path,

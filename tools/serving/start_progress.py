@@ -13,7 +13,7 @@ from typing import Callable
 
 from tools.serving import engine_log
 
-Progress = Callable[[float, str], None]
+StartReport = Callable[[float, str], None]  # (share of the start done, the phase): a start's progress
 
 # (phase, fraction where it begins, what in a log line says it has begun). vLLM's order differs by platform
 # (the CPU build warms up before it sizes the KV cache, CUDA profiles first): the fraction stays monotone.
@@ -33,7 +33,7 @@ HEARTBEAT_S = 5.0
 class StartProgress:
     """Feed it the log (and whether /health answers) once a poll; it calls `report` only with news."""
 
-    report: Progress | None
+    report: StartReport | None
     phase: int = 0
     fraction: float = 0.0
     phase_since: float = field(default_factory=time.monotonic)
@@ -86,4 +86,4 @@ class StartProgress:
             self.report(1.0, message)
 
 
-__all__ = ["HEARTBEAT_S", "PHASES", "Progress", "StartProgress"]
+__all__ = ["HEARTBEAT_S", "PHASES", "StartProgress", "StartReport"]

@@ -15,12 +15,12 @@ import httpx
 from tools.core.api_key import auth_headers
 from tools.core.errors import ToolFailure, op
 from tools.core.process import end_group, group_members
-from tools.serving import engine_log, state as replace_state
+from tools.serving import engine_log, health, state as replace_state
 from tools.serving.config import ServeConfig
-from tools.serving.hardware import Hardware, Vram
-from tools.serving.launch import READINESS_PROMPT, Progress, replace_note, start_server
-from tools.serving.records import QueryResult, ServerStatus, StartResult, StopResult
-from tools.serving.state import (DamagedState, ServerState, clear_state, instance_lock, leader, load_state, our_group,
+from tools.serving.hardware import Hardware
+from tools.serving.launch import replace_note
+from tools.serving.records import QueryResult, ServerStatus, StopResult
+from tools.serving.state import (DamagedState, clear_state, instance_lock, leader, load_state, our_group,
                                  pid_recycled, try_instance_lock)
 
 
@@ -104,11 +104,7 @@ def _server_status(cfg: ServeConfig, hardware: Hardware | None) -> ServerStatus:
         return ServerStatus(alive=False, died=True, **common,
                             message=f"server pid {state.pid} died (killed, or exited"
                                     + (f": {why}" if why else "") + "); its state file was cleared")
-    healthy = False
-    try:
-        healthy = httpx.get(f"{state.base_url}/health", timeout=3.0).status_code == 200
-    except httpx.HTTPError:
-        pass
+    healthy = health.answers(state.base_url)
     vram = None
     if state.platform == "cuda":
         hw = hardware or Hardware()
@@ -158,5 +154,4 @@ def query(cfg: ServeConfig, prompt: str, *, max_tokens: int = 64, base_url: str 
                        token_ids=choice.get("token_ids"), latency_s=round(time.monotonic() - t0, 3))
 
 
-__all__ = ["READINESS_PROMPT", "Hardware", "Progress", "QueryResult", "ServerState", "ServerStatus", "StartResult",
-           "StopResult", "Vram", "log_path", "query", "read_log", "server_status", "start_server", "stop_server"]
+__all__ = ["log_path", "query", "read_log", "server_status", "stop_server"]

@@ -1,0 +1,22 @@
+"""The time as the tools write it: UTC, to the second, in a record (ISO 8601) and in a folder name (sortable)."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+
+def utc_now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def iso(when: datetime | None = None) -> str:
+    """`2026-12-05T13:31:11+00:00`: a record's time (started, finished, fetched)."""
+    return (when or utc_now()).isoformat(timespec="seconds")
+
+
+def stamp(when: datetime | None = None) -> str:
+    """`20261205-133111`: the time in a run folder's name, which sorts by it."""
+    return (when or utc_now()).strftime("%Y%m%d-%H%M%S")
+
+
+__all__ = ["iso", "stamp", "utc_now"]
