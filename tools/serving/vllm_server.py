@@ -14,7 +14,7 @@ import httpx
 
 from tools.core.errors import ToolFailure, op
 from tools.core.process import end_group, group_members
-from tools.serving import engine_log, state as replace_state
+from tools.serving import engine_log, state as replace_state, switch_record
 from tools.serving.config import ServeConfig
 from tools.serving.hardware import Hardware, Vram
 from tools.serving.launch import READINESS_PROMPT, Progress, replace_note, start_server
@@ -51,6 +51,10 @@ def server_status(cfg: ServeConfig, *, hardware: Hardware | None = None) -> Serv
     damaged state file is reported (not alive, its one line as the message), not raised: status goes on. A
     replace of this instance in progress, or left unfinished, is added to the message (and `replace`)."""
     st = _server_status(cfg, hardware)
+    last = switch_record.load_switch(cfg)
+    if last is not None:
+        st.last_switch = last.to_dict()
+        st.message += f"; {switch_record.describe(last)}"
     try:
         rec = replace_state.load_replace(cfg)
     except DamagedState as exc:
@@ -108,12 +112,17 @@ def _server_status(cfg: ServeConfig, hardware: Hardware | None) -> ServerStatus:
 
 
 def read_log(cfg: ServeConfig, lines: int = 50) -> str:
-    """The last `lines` lines of the server log of this instance."""
+    """The last `lines` lines of the server log of this instance; after a switch whose new build failed, that
+    build's kept log follows (the live log is the restored build's by then)."""
     state = load_state(cfg)
     path = Path(state.log_path) if state else cfg.log_file
+    failed = switch_record.failed_log_section(cfg, lines)
     if not path.is_file():
+        if failed is not None:
+            return failed
         raise ToolFailure(f"no server log at {path}; start one with {op('start')}")
-    return engine_log.tail(engine_log.read_text(path), lines)
+    text = engine_log.tail(engine_log.read_text(path), lines)
+    return text if failed is None else f"{text}\n{failed}"
 
 
 def query(cfg: ServeConfig, prompt: str, *, max_tokens: int = 64, base_url: str | None = None,
