@@ -58,6 +58,9 @@ def main() -> None:
             self.wfile.write(data)
 
         def do_GET(self):
+            if self.path == "/v1/models":
+                self.send(200, json.dumps({"object": "list", "data": [{"id": model.name, "object": "model"}]}))
+                return
             self.send(200 if self.path == "/health" else 404, "")
 
         def do_POST(self):
