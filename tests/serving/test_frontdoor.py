@@ -7,6 +7,7 @@ tests/stand_in_vllm.py; the router is the real vllm-router. A two-core CPU is st
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -36,8 +37,10 @@ class TwoCores(Hardware):
 class Clients:
     """Chat completions through the front door from two threads until stopped: what each got."""
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, model: str | None = "any"):
         self.url, self.results, self._stop = url, [], threading.Event()
+        self.body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                     **({"model": model} if model else {})}
         self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(2)]
 
     def _run(self):
@@ -45,10 +48,9 @@ class Clients:
             while not self._stop.is_set():
                 t = time.monotonic()
                 try:
-                    r = c.post(f"{self.url}/v1/chat/completions", json={
-                        "model": "any", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
-                    got = (r.status_code, r.json()["choices"][0]["message"]["content"] if r.status_code == 200
-                           else r.text[:200])
+                    r = c.post(f"{self.url}/v1/chat/completions", json=self.body)
+                    # which build answered: its served name
+                    got = (r.status_code, r.json()["model"] if r.status_code == 200 else r.text[:200])
                 except (httpx.HTTPError, ValueError, KeyError) as exc:
                     got = (0, repr(exc))
                 self.results.append((*got, time.monotonic() - t))
@@ -177,3 +179,105 @@ def test_on_a_machine_too_small_for_two_a_failed_build_gives_the_traffic_back_to
     assert st is not None and state.leader(st) is not None
     assert all(not psutil.pid_exists(p) or psutil.Process(p).status() == psutil.STATUS_ZOMBIE
                for p in [exc.value.detail["pid"]])
+
+
+@pytest.mark.vllm
+@pytest.mark.vllm_lane(1)
+def test_real_vllm_switches_through_the_front_door_fail_no_request(emb4_build, serve_config_factory, tmp_path,
+                                                                  monkeypatch):
+    """Real vLLM CPU servers behind the real router, one core each, with chat completions running through the
+    front door the whole time: (a) a good switch (the tiny all-4-bit build under a second name, beside the first),
+    (b) a switch to a copy vLLM refuses to load (an unknown quantization method), (c) a switch to the build at
+    max_model_len=16, which loads and refuses what clients send. No request fails; after (a) the new build
+    answers, after (b) and (c) it still does, (c) names max_model_len; no process of a stopped build is left."""
+    import shutil
+
+    from tests.fixtures import in_process_engine, require_plugin
+
+    require_plugin()
+    in_process_engine(monkeypatch)
+    run = tmp_path / "run"
+    bad = tmp_path / "gemma-4-tiny-unknown-quant"
+    shutil.copytree(emb4_build, bad)
+    config = json.loads((bad / "config.json").read_text())
+    config["quantization_config"]["quant_method"] = "no-such-method"
+    (bad / "config.json").write_text(json.dumps(config))
+
+    def build(model, name, instance, **kw) -> ServeConfig:
+        return serve_config_factory(model, name, state_dir=run, instance=instance, cpus=1, port=free_port(), **kw)
+
+    base = serve_config_factory(emb4_build, "front", state_dir=run)
+    a = build(emb4_build, "tiny-first", "blue")
+    pgids = []
+    try:
+        pgids.append(start_server(a).pgid)
+        start_router(base, ["blue"], port=free_port())
+        front = _front(base)
+        results = {}
+        for step, (b, want) in {"a": (build(emb4_build, "tiny-second", "green"), "tiny-second"),
+                                "b": (build(bad, "tiny-unknown-quant", "blue"), "tiny-second"),
+                                "c": (build(emb4_build, "tiny-short", "blue", max_model_len=16), "tiny-second"),
+                                }.items():
+            with Clients(front, model=None) as clients:
+                time.sleep(1.0)
+                try:
+                    results[step] = frontdoor.switch(base, b)
+                except ToolFailure as exc:
+                    results[step] = exc
+                time.sleep(1.0)
+            assert clients.failed() == [], (step, clients.failed()[:3])
+            assert clients.served() and clients.served()[-1] == want, (step, set(clients.served()))
+            st = state.load_state(b)
+            if st is not None:
+                pgids.append(st.pgid)
+        assert results["a"].outcome == "serving tiny-second" and results["a"].mode == "beside"
+        assert results["a"].figures.failed == 0 and results["a"].figures.requests
+        for step in "bc":
+            assert isinstance(results[step], ToolFailure), results[step]
+            assert results[step].detail["outcome"] == "unchanged (tiny-second serves)", str(results[step])
+            pgids.append(results[step].detail["pgid"])
+        assert results["c"].detail["parameter"] == "max_model_len"
+        assert "maximum context length is 16 tokens" in str(results["c"])
+        print({k: (v.to_dict() if hasattr(v, "to_dict") else str(v)) for k, v in results.items()})
+    finally:
+        stop_router(base, grace_s=5)
+        for name in ("blue", "green"):
+            stop_server(_instance(base, name), grace_s=10)
+    assert all(group_alive(g) == [] for g in pgids)
+
+
+def test_the_command_line_and_mcp_switch_the_same_way(door, tmp_path, capsys, monkeypatch):
+    from fastmcp import Client
+
+    from tools.cli import main
+    from tools.core.paths import Roots
+    from tools.mcp.app import Settings, create_server
+
+    base, make = door
+    b = make("green", "new")
+    for k, v in {"STATE_DIR": str(base.state_dir), "SPECULATIVE_CONFIG": "", "EXTRA_ARGS": "",
+                 "START_TIMEOUT_S": "30", "CPU_KVCACHE_SPACE_GIB": "1"}.items():
+        monkeypatch.setenv(k, v)
+    with Clients(_front(base)) as clients:
+        capsys.readouterr()
+        rc = main(["router", "switch", "--instance", "green", "--model", b.model, "--served-name", "new",
+                   "--cpus", "1"])
+        out = capsys.readouterr()
+        assert rc == 0, out.err
+        assert "serving new" in out.out and "in place of old" in out.out and " 0 failed" in out.out
+        (tmp_path / "evidence").mkdir()
+        roots = Roots.from_env([str(tmp_path)], [str(tmp_path / "evidence")], environ={})
+        server = create_server(Settings(roots=roots, config_overrides={
+            "state_dir": str(base.state_dir), "speculative_config": "", "extra_args": "", "start_timeout_s": 30.0,
+            "cpu_kvcache_space_gib": 1}), toolsets=["fleet"])
+        bad = make("blue", "short", "refuse")
+
+        async def go():
+            async with Client(server) as c:
+                return await c.call_tool("switch_build", {"instance": "blue", "model": bad.model,
+                                                          "served_name": "short"}, raise_on_error=False)
+
+        res = asyncio.run(go())
+    text = res.content[0].text
+    assert res.is_error and "max_model_len" in text and "new still serves" in text, text
+    assert clients.failed() == [] and clients.served()[-1] == "new"

@@ -31,6 +31,7 @@ OPERATIONS: dict[str, str] = {
     "router.start": "./vllm-t4 router start",
     "router.stop": "./vllm-t4 router stop",
     "router.status": "./vllm-t4 router status",
+    "router.switch": "./vllm-t4 router switch",
     "probe": "python3 -m repack probe",
     "repack": "python3 -m repack build",
     "tiny_model": "python3 -m repack.tiny_model",

@@ -18,6 +18,7 @@ TOOL_NAMES: dict[str, tuple[str, dict[str, Any]]] = {
     "router.start": ("start_router", {}),
     "router.stop": ("stop_router", {}),
     "router.status": ("router_status", {}),
+    "router.switch": ("switch_build", {}),
     "probe": ("probe_checkpoint", {}),
     "repack": ("repack_checkpoint", {}),
     "tiny_model": ("make_tiny_model", {}),

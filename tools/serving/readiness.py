@@ -43,8 +43,9 @@ class Refusal:
     fix: str | None = None       # one line, with param() marks
 
     def line(self) -> str:
+        """The fix first (a long server message may be clipped by a client), then what the server said."""
         text = f"the {self.request} was refused with HTTP {self.status}: {self.message}"
-        return text + (f"; {self.fix}" if self.fix else "")
+        return f"{self.fix}; {text}" if self.fix else text
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -73,9 +74,8 @@ def refusal(request: str, status: int, body: str) -> Refusal:
             continue
         if name == "max_model_len":
             limit = _CONTEXT.search(message)
-            now = f" (the server holds {limit.group(1)} tokens)" if limit else ""
-            fix = (f"pass a larger {param('max_model_len')}{now}: a client's request, this start's "
-                   f"{request} included, must fit in it with its reply")
+            now = f" than {limit.group(1)}" if limit else ""
+            fix = f"pass a larger {param('max_model_len')}{now}: a request and its reply must fit in it"
         else:
             fix = f"check {param(name)}: {how}"
         return Refusal(request, status, message, name, fix)
