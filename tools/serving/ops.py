@@ -36,8 +36,11 @@ class StartParams(InstanceParams):
                                                      "share of the free cores (none bound for a lone default "
                                                      "instance)")
 
-    replace: bool = Field(False, description="Take the running server's place: it stops only once this build "
-                                             "passed its checks, and serves again if this one fails")
+    replace: bool = Field(False, description="Take the running server's place on its port: once this build "
+                                             "passed the start checks the running server stops, and the port "
+                                             "refuses connections while this one loads (about a minute, CPU or "
+                                             "T4); the old one is started again if this one fails. With no dead "
+                                             "port: serve through the router and switch_build")
 
     def overrides(self) -> dict[str, Any]:
         """The serving-config overrides this start asks for (unset fields keep tpu.env's values)."""
