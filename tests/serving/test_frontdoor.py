@@ -281,3 +281,30 @@ def test_the_command_line_and_mcp_switch_the_same_way(door, tmp_path, capsys, mo
     text = res.content[0].text
     assert res.is_error and "max_model_len" in text and "new still serves" in text, text
     assert clients.failed() == [] and clients.served()[-1] == "new"
+
+
+@pytest.mark.parametrize("cpus,mode", [(1, "beside"), (2, "hold")])
+def test_a_switch_interrupted_while_the_new_build_loads_leaves_the_old_one_with_the_traffic(door, cpus, mode):
+    """Ctrl-C (or a cancelled MCP job) once B is launched: beside, A never stopped; in hold, A is launched again
+    and put back while the router holds the requests."""
+    base, make = door
+    b = make("green", "new", "hang", cpus=cpus)
+
+    def progress(frac: float, msg: str) -> None:
+        if b.state_file.exists():
+            raise KeyboardInterrupt
+
+    with Clients(_front(base)) as clients:
+        time.sleep(0.3)
+        with pytest.raises(KeyboardInterrupt):
+            frontdoor.switch(base, b, hardware=make.hw, progress=progress)
+        deadline = time.monotonic() + 20  # hold: A is launched again, not waited for
+        while clients.served()[-1:] != ["old"] or len(clients.served()) < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        n = len(clients.results)
+        while len(clients.results) < n + 3:
+            time.sleep(0.05)
+    assert clients.failed() == [] and clients.served()[-1] == "old"
+    assert not b.state_file.exists()
+    assert frontdoor.workers(router_state.recorded(base)) == [state.load_state(_instance(base, "blue")).base_url]

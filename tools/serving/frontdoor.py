@@ -55,7 +55,10 @@ def hold_args(hold_s: float) -> list[str]:
         delay = min(delay * mult, most / 1000)
     return ["--retry-max-retries", str(max(n, 1)), "--retry-initial-backoff-ms", str(initial),
             "--retry-max-backoff-ms", str(most), "--retry-backoff-multiplier", f"{mult:g}",
-            "--retry-jitter-factor", "0", "--disable-circuit-breaker"]
+            "--retry-jitter-factor", "0", "--disable-circuit-breaker",
+            # a worker added before it answers is checked again after this many seconds (vllm-router's default
+            # is 30, and /add_worker returns only then)
+            "--worker-startup-check-interval", "1"]
 
 
 def _worker(rt: RouterState, path: str, url: str) -> None:
@@ -188,6 +191,19 @@ def _drain(base_url: str, timeout_s: float) -> None:
         time.sleep(0.2)
 
 
+def _healthy(base_url: str, timeout_s: float) -> bool:
+    """Waits until a launched build answers /health, at most timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{base_url}/health", timeout=3.0).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    return False
+
+
 def _set_backends(cfg: ServeConfig, rt: RouterState, backends: list[Backend]) -> RouterState:
     new = rt.model_copy(update={"backends": backends})
     router_state.write(cfg, new)
@@ -278,7 +294,6 @@ class _Switch:
         self._announce()
         self.before = Counts.read(self.rt)
         started = self._beside() if self.fit.beside else self._hold()
-        self.rt = _set_backends(self.cfg, self.rt, [Backend(instance=self.b_name, base_url=started.base_url)])
         return SwitchResult(outcome=f"serving {self.b.served_name}", serving=self.b.served_name,
                             replaced=self.a.served_name, mode="beside" if self.fit.beside else "hold",
                             announced=self.announced, hold_s=self.hold_s, base_url=self.rt.base_url,
@@ -298,9 +313,18 @@ class _Switch:
         except BaseException:
             _undo_beside(self.rt, self.b, started.base_url, self.a_url)
             raise
+        self._record(started)
         self.say(0.9, f"{self.b.served_name} takes the traffic; {a} drains and stops")
-        self._stop_a()
+        try:
+            self._stop_a()
+        except BaseException:  # interrupted while A drains: B has the traffic, A is ended without waiting
+            stop_server(self.a_cfg, grace_s=5)
+            raise
         return started
+
+    def _record(self, started) -> None:
+        """The router's state names the build it routes to now."""
+        self.rt = _set_backends(self.cfg, self.rt, [Backend(instance=self.b_name, base_url=started.base_url)])
 
     def _hold(self):
         a, rt = self.a.served_name, self.rt
@@ -324,10 +348,12 @@ class _Switch:
             raise self._failure(exc, f"restored {a}", f"restored {a} behind {rt.base_url}") from None
         except BaseException:  # interrupted: A is launched again and put back (the router holds meanwhile)
             relaunch(self.a_cfg, self.a, wait=False)
+            _healthy(self.a_url, self.hold_s)
             _worker(rt, "add_worker", self.a_url)
             raise
         _worker(rt, "add_worker", started.base_url)
         self._filled()
+        self._record(started)
         return started
 
 
