@@ -19,7 +19,7 @@ import pytest
 from tests import stand_in_vllm
 from tests.fixtures import free_port, group_alive
 from tools.core.errors import ToolFailure
-from tools.serving import frontdoor, router_state, state
+from tools.serving import frontdoor, router_state, state, switch_record
 from tools.serving.config import ServeConfig
 from tools.serving.hardware import Hardware
 from tools.serving.router import start_router, stop_router
@@ -122,6 +122,11 @@ def test_a_good_switch_beside_the_old_build_fails_no_request(door):
     assert [x.instance for x in router_state.recorded(base).backends] == ["green"]
     assert frontdoor.workers(router_state.recorded(base)) == [res.backend]
     assert group_alive(old.pgid) == [] and not _instance(base, "blue").state_file.exists()
+    from tools.serving.instances import fleet_status
+
+    st = fleet_status(base)
+    assert st.last_switch["outcome"] == "serving new" and st.last_switch["figures"]["failed"] == 0
+    assert "last switch" in st.message and "from old to new: serving new" in st.message
 
 
 def _instance(base: ServeConfig, name: str) -> ServeConfig:
@@ -148,6 +153,9 @@ def test_a_new_build_that_fails_leaves_the_old_one_serving_and_no_request_failed
     assert clients.failed() == [] and set(clients.served()) == {"old"}
     assert state.leader(state.load_state(_instance(base, "blue"))).pid == old.pid
     assert group_alive(detail["pgid"]) == [] and not b.state_file.exists()
+    last = switch_record.load_switch(base)
+    assert last.outcome == "unchanged (old serves)" and last.failed_log
+    assert mode == "refuse" or words in open(last.failed_log).read()  # a refusal is an answer, not a log line
 
 
 def test_a_machine_too_small_for_two_holds_requests_while_the_new_build_loads(door):

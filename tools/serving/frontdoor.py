@@ -23,6 +23,7 @@ longest one.
 from __future__ import annotations
 
 import time
+from datetime import datetime, timezone
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -30,7 +31,7 @@ import httpx
 
 from tools.core.errors import BadInput, ToolFailure, op, param
 from tools.core.metrics import samples, total
-from tools.serving import placement, router_state, state
+from tools.serving import placement, router_state, state, switch_record
 from tools.serving.config import ServeConfig
 from tools.serving.hardware import Hardware
 from tools.serving.launch import relaunch, start_server
@@ -215,7 +216,30 @@ def switch(cfg: ServeConfig, b: ServeConfig, *, from_instance: str | None = None
     """Serves `b` (a named instance's config: B) through the front door in place of the router's backend A
     (`from_instance`, or its only one). Raises ToolFailure with detail["outcome"] (the builds named) and
     detail["figures"] when B does not serve; A then still serves or serves again."""
-    return _Switch(cfg, b, from_instance, hardware or Hardware(), progress, grace_s, drain_s).run()
+    sw = _Switch(cfg, b, from_instance, hardware or Hardware(), progress, grace_s, drain_s)
+    began = time.time()
+    try:
+        res = sw.run()
+    except ToolFailure as exc:
+        _record(cfg, sw, (exc.detail or {}).get("outcome") or "unavailable (nothing serves)", str(exc),
+                (exc.detail or {}).get("figures"), began)
+        raise
+    _record(cfg, sw, res.outcome, f"{res.outcome} at {res.base_url} ({res.mode})", asdict(res.figures), began)
+    return res
+
+
+def _record(cfg: ServeConfig, sw: "_Switch", outcome: str, message: str, figures: dict | None,
+            began: float) -> None:
+    """The front door's last switch beside its state (STATE_DIR/last_switch.json): `status` says it."""
+    failed = switch_record.newest_failed_log(sw.b, sw.b.served_name)
+    if failed is not None and failed.stat().st_mtime < began:
+        failed = None
+    serving = sw.b.served_name if outcome.startswith("serving ") else (
+        None if outcome.startswith("unavailable") else sw.a.served_name)
+    switch_record.write_switch(replace(cfg, instance=""), switch_record.SwitchRecord(
+        at=datetime.now(timezone.utc).isoformat(timespec="seconds"), outcome=outcome,
+        from_build=sw.a.served_name, to_build=sw.b.served_name, serving=serving, message=message,
+        failed_log=str(failed) if failed else None, figures=figures))
 
 
 class _Switch:
