@@ -91,13 +91,13 @@ def main() -> int:
         emb4 = tmpd / "gemma-4-tiny-text-emb4"
         build_checkpoint(src, emb4, BuildOptions(text_only=True, embed_int4=True, embed_tokens=True))
 
-        def cfg(name: str, instance: str, cpus: int):
+        def cfg(name: str, instance: str | None, cpus: int):
             return load_config(ROOT / "tpu.env", model=str(emb4), served_name=name, host="127.0.0.1",
                                port=free_port(), state_dir=tmpd / "run", instance=instance, cpus=cpus,
                                max_model_len=512, max_num_seqs=8, cpu_kvcache_space_gib=1, speculative_config="",
                                extra_args="", start_timeout_s=900.0)
 
-        base = cfg("front", "", 1)
+        base = cfg("front", None, 1)
         first = cfg("first", "blue", 1)
         try:
             start_server(first)
