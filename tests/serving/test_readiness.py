@@ -141,3 +141,27 @@ def test_real_vllm_a_max_model_len_below_the_requests_ends_the_start_naming_it(e
     assert detail["reason"] == "answered but refused what clients send", msg
     assert detail["parameter"] == "max_model_len" and "maximum context length is 16 tokens" in msg
     assert "ulimit" not in msg and group_alive(detail["pgid"]) == [] and not cfg.state_file.exists()
+
+
+def test_a_server_still_loading_is_waited_for_not_refused():
+    """503 (and 429, 502, 504) mean "not yet": a server that answers /health while its model still loads."""
+    import httpx
+
+    from http.server import BaseHTTPRequestHandler
+
+    from tests.kill_matrix import serve_in_thread
+
+    class Loading(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            self.send_response(503)
+            self.send_header("Content-Length", "7")
+            self.end_headers()
+            self.wfile.write(b"loading")
+
+    with serve_in_thread(Loading) as url, httpx.Client() as c:
+        assert readiness.first_completion(c, url, "m") == (None, None)
+        assert readiness.chat_warm_up(c, url, "m") == (False, None)

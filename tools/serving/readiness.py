@@ -1,6 +1,7 @@
 """Whether a server that answers /health serves what clients send: a short greedy completion, then a chat
 completion through the build's own chat template. A refusal (any HTTP 4xx/5xx with a body) is final: the start
-ends at once with the server's own message and the parameter that fixes it, instead of waiting out its timeout.
+ends at once with the server's own message and the parameter that fixes it, instead of waiting out its timeout;
+only the statuses that mean "not yet" (NOT_YET: 503 while loading, 429, 502, 504) are waited on.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ READINESS_PROMPT = "The quick brown fox jumps over the lazy dog."
 WARM_UP_MESSAGE = "Say hello."
 MAX_TOKENS = 4
 
+# Answers that mean "not yet", not "no": still loading (503), busy (429), a proxy whose upstream is not up yet
+# (502, 504). The start keeps waiting on them, up to its timeout.
+NOT_YET = frozenset({429, 502, 503, 504})
 _CONTEXT = re.compile(r"maximum context length is (\d+) tokens")
 _INPUT = re.compile(r"contains (?:at least )?(\d+) input tokens|your request has (\d+) input tokens|"
                     r"(\d+) characters")
@@ -100,7 +104,7 @@ def _post(client: httpx.Client, url: str, body: dict, request: str) -> tuple[dic
         r = client.post(url, json=body, timeout=60.0)
     except httpx.HTTPError:
         return None, None
-    if r.status_code >= 400 and r.text.strip():
+    if r.status_code >= 400 and r.status_code not in NOT_YET and r.text.strip():
         return None, refusal(request, r.status_code, r.text)
     if r.status_code != 200:
         return None, None
@@ -134,5 +138,5 @@ def chat_warm_up(client: httpx.Client, base_url: str, served_name: str) -> tuple
     return data is not None, refused
 
 
-__all__ = ["MAX_TOKENS", "READINESS_PROMPT", "Refusal", "chat_warm_up", "first_completion", "has_chat_template",
+__all__ = ["MAX_TOKENS", "NOT_YET", "READINESS_PROMPT", "Refusal", "chat_warm_up", "first_completion", "has_chat_template",
            "refusal", "server_message"]
