@@ -93,14 +93,15 @@ def door(tmp_path, monkeypatch, serve_config_factory):
         made.append(cfg)
         return cfg
 
-    a = make("blue", "old")
-    start_server(a, hardware=hw)
-    start_router(base, ["blue"], port=free_port(), hold_s=30.0)
     make.hw = hw
-    yield base, make
-    stop_router(base, grace_s=5)
-    for cfg in made:
-        stop_server(cfg, grace_s=2)
+    try:  # a set-up that fails halfway leaves no server either
+        start_server(make("blue", "old"), hardware=hw)
+        start_router(base, ["blue"], port=free_port(), hold_s=30.0)
+        yield base, make
+    finally:
+        stop_router(base, grace_s=5)
+        for cfg in made:
+            stop_server(cfg, grace_s=2)
 
 
 def _front(base: ServeConfig) -> str:
