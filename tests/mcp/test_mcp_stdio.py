@@ -173,7 +173,7 @@ def test_stdio_walk_from_an_empty_models_root_to_compared_builds(tmp_path):
     assert C[4]["path"] == str(evidence / "tokens" / "int4-emb.json") and Path(C[4]["path"]).is_file()
     # B served in A's place, in one call
     assert C[6]["model"] == str(models / "tiny-bf16-emb") and C[6]["pid"] != start["pid"]
-    assert C[6]["outcome"] == "serving B" and C[6]["replaced"]
+    assert C[6]["outcome"] == f"serving {C[6]['served_name']}" and C[6]["replaced"]
     hm6 = C[6]["host_memory"]
     assert hm6["instance"] == "default" and C[6]["pid"] in hm6["pids"] and "rss" in hm6["method"]
     # the tiny model is trained to be confident: int4 embeddings change no greedy token

@@ -46,6 +46,7 @@ EXPECTED_TOOLS = {
     "start_router": (False, False, False, True),        # routes to any instance URL
     "router_status": (True, False, True, False),
     "stop_router": (False, True, True, False),
+    "switch_build": (False, True, False, True),         # stops the build it replaces; may download a hub model
     "make_tiny_model": (False, True, True, False),     # replaces a folder it wrote only with force=true
     "find_capacity": (False, False, False, True),       # any base_url
 }

@@ -116,3 +116,14 @@ def test_w8a8_linears_name_their_int8_kernel_over_the_int4_heads():
     assert f.linear_kernel == "CPUInt8ScaledMMLinearKernel"
     assert f.kernels == ["CPUInt8ScaledMMLinearKernel for CompressedTensorsW8A8Int8",
                          "CPUWNA16LinearKernel for CompressedTensorsWNA16"]
+
+
+ULIMIT = ("(APIServer pid=7) WARNING 12-05 10:00:01 [system_utils.py:256] Found ulimit of 20000 and failed to "
+          "automatically increase with error current limit exceeds maximum limit. This can cause fd limit errors "
+          "like `OSError: [Errno 24] Too many open files`. Consider increasing with ulimit -n")
+
+
+def test_a_line_every_start_prints_is_never_the_cause():
+    assert explain_failure(ULIMIT + "\n(APIServer pid=7) INFO 12-05 10:00:02 [x.py:1] Loading weights\n") is None
+    died = ULIMIT + "\n(EngineCore pid=8) ERROR 12-05 10:00:09 [core.py:1] RuntimeError: the engine died\n"
+    assert explain_failure(died) == "RuntimeError: the engine died"

@@ -102,7 +102,7 @@ def test_a_good_b_takes_the_place_of_a(stand_in):
     ra = start_server(a)
     b = stand_in("b")
     res = replace_server(b)
-    assert res.outcome == "serving B" and res.replaced["served_name"] == "a" and res.replaced["pid"] == ra.pid
+    assert res.outcome == "serving b" and res.replaced["served_name"] == "a" and res.replaced["pid"] == ra.pid
     assert res.model == b.model and _serving(b).served_name == "b"
     assert group_alive(ra.pgid) == [] and not state.replace_file(b).exists()
 
@@ -118,7 +118,7 @@ def test_a_b_vllm_refuses_restores_a_with_its_own_command_line_and_environment(s
         replace_server(b)
     msg, detail = str(exc.value), exc.value.detail
     assert "\n" not in msg and "b did not start" in msg and "the stand-in refuses this build" in msg
-    assert "restored a" in msg and detail["outcome"] == "restored A"
+    assert "restored a" in msg and detail["outcome"] == "restored a"
     now = _serving(a)
     assert now.served_name == "a" and now.pid != ra.pid and now.pid == detail["serving"]["pid"]
     assert now.argv == recorded.argv and now.env == recorded.env
@@ -135,7 +135,7 @@ def test_a_b_refused_by_the_checks_leaves_a_unchanged(stand_in, tmp_path):
     b = dataclasses.replace(stand_in("b"), model=str(tmp_path / "no-such-build"))  # checked before A is touched
     with pytest.raises(ToolFailure) as exc:
         replace_server(b)
-    assert exc.value.detail["outcome"] == "unchanged" and "a still serves (unchanged)" in str(exc.value)
+    assert exc.value.detail["outcome"] == "unchanged (a serves)" and "a still serves (unchanged)" in str(exc.value)
     assert "no-such-build does not exist" in str(exc.value)
     assert _serving(a).pid == ra.pid and len(stand_in.starts()) == 1
 
@@ -148,7 +148,7 @@ def test_a_b_on_a_port_another_instance_holds_is_bad_input_and_a_is_unchanged(st
     b = stand_in("b", instance="m", port=other.port)
     with pytest.raises(BadInput) as exc:  # still exit 2 on the command line
         replace_server(b)
-    assert exc.value.detail["outcome"] == "unchanged" and _serving(a).pid == ra.pid
+    assert exc.value.detail["outcome"] == "unchanged (a serves)" and _serving(a).pid == ra.pid
 
 
 def test_neither_starting_is_unavailable_and_status_says_how_to_bring_a_back(stand_in, tmp_path):
@@ -159,7 +159,7 @@ def test_neither_starting_is_unavailable_and_status_says_how_to_bring_a_back(sta
     with pytest.raises(ToolFailure) as exc:
         replace_server(b)
     detail = exc.value.detail
-    assert detail["outcome"] == "unavailable" and detail["a_failure"] and detail["b_failure"]
+    assert detail["outcome"] == "unavailable (nothing serves)" and detail["a_failure"] and detail["b_failure"]
     assert "starting a again failed too" in str(exc.value) and "nothing serves" in str(exc.value)
     st = server_status(a)
     assert not st.alive and st.replace["phase"] == "failed"
@@ -170,7 +170,7 @@ def test_neither_starting_is_unavailable_and_status_says_how_to_bring_a_back(sta
 def test_without_a_server_replace_is_a_plain_start(stand_in):
     b = stand_in("b")
     res = replace_server(b)
-    assert res.outcome == "serving B" and res.replaced is None and _serving(b).served_name == "b"
+    assert res.outcome == "serving b" and res.replaced is None and _serving(b).served_name == "b"
 
 
 def test_an_interrupted_replace_launches_a_again(stand_in):
@@ -292,7 +292,7 @@ def test_mcp_start_with_replace(stand_in, tmp_path):
             return r.structured_content, st.structured_content
 
     res, st = asyncio.run(go())
-    assert res["outcome"] == "serving B" and res["replaced"]["served_name"] == "a"
+    assert res["outcome"] == "serving b" and res["replaced"]["served_name"] == "a"
     assert st["served_name"] == "b" and st["healthy"] and st["instances"] == []
 
 
@@ -330,7 +330,7 @@ def test_real_vllm_a_failed_replace_serves_a_again(emb4_build, serve_config_fact
             replace_server(b, progress=progress)
         pgids += list(dict.fromkeys(seen))
         msg, detail = str(exc.value), exc.value.detail
-        assert detail["outcome"] == "restored A", msg
+        assert detail["outcome"] == "restored gemma-4-tiny-text-emb4", msg
         assert "gemma-4-tiny-unknown-quant did not start" in msg and "restored gemma-4-tiny-text-emb4" in msg
         st = server_status(a)
         assert st.healthy and st.served_name == "gemma-4-tiny-text-emb4" and st.pid == detail["serving"]["pid"]

@@ -15,13 +15,14 @@ from typing import Any
 
 from tools.cli.commands import CLI, Command, add_commands, emit as _emit
 from tools.core.errors import BadInput, param, render, render_all
-from tools.serving import launch, router, vllm_server
+from tools.core.process import free_port
+from tools.serving import frontdoor, launch, router, vllm_server
 from tools.serving.config import ServeConfig, load_config
 from tools.serving.instances import fleet_status, stop_all
 from tools.serving.replace import replace_server, target
 from tools.serving.state import replace_file
-from tools.serving.ops import (LogParams, QueryParams, RouterStartParams, RouterStopParams, StartParams,
-                               StatusParams, StopParams)
+from tools.serving.ops import (LogParams, QueryParams, RouterStartParams, RouterStopParams, RouterSwitchParams,
+                               StartParams, StatusParams, StopParams)
 from tools.serving.swap import ensure_swap, swap_report
 from tools.core.jsonout import dumps
 from tools.serving.server_guard import owned_server
@@ -153,10 +154,29 @@ def cmd_log(p: LogParams, args: argparse.Namespace) -> int:
 
 
 def cmd_router_start(p: RouterStartParams, args: argparse.Namespace) -> int:
-    r = router.start_router(_config(args), p.instances, policy=p.policy, port=p.port)
+    r = router.start_router(_config(args), p.instances, policy=p.policy, port=p.port, hold_s=p.hold_s)
     emit(args, r, f"routing at {r.base_url} ({r.policy}, pid {r.pid}) over "
                   + ", ".join(f"{b.instance} {b.base_url}" for b in r.backends))
     return 0
+
+
+def cmd_router_switch(p: RouterSwitchParams, args: argparse.Namespace) -> int:
+    def progress(frac: float, msg: str) -> None:
+        if not args.json:
+            print(f"[{int(frac * 100):3d}%] {msg}", file=sys.stderr, flush=True)
+
+    r = frontdoor.switch(_config(args), _switch_config(args, p), from_instance=p.from_instance, progress=progress)
+    f = r.figures
+    emit(args, r, f"{r.outcome} at {r.base_url} in place of {r.replaced} ({r.mode}, {r.wall_s:.0f} s): "
+                  f"{f.requests if f.requests is not None else '?'} requests through the front door, "
+                  f"{f.failed if f.failed is not None else '?'} failed, longest wait for a build {f.longest_wait_s:g} s")
+    return 0
+
+
+def _switch_config(args: argparse.Namespace, p: RouterSwitchParams) -> ServeConfig:
+    """The new build's instance config: an internal port of its own unless one is given."""
+    cfg = _config(args, **p.overrides())
+    return cfg if p.port is not None else replace(cfg, port=free_port(cfg.host))
 
 
 def cmd_router_status(_: None, args: argparse.Namespace) -> int:
@@ -203,6 +223,9 @@ COMMANDS: list[Command] = [
             children=[
                 Command("start", "start the router over --instances a,b", cmd_router_start, RouterStartParams,
                         env_file=True),
+                Command("switch", "serve another build behind the router (--instance NEW --model DIR) in place of "
+                                  "the one it routes to, with no failed request", cmd_router_switch,
+                        RouterSwitchParams, env_file=True),
                 Command("status", "is the router up, and its backends (exit 3 if not)", cmd_router_status,
                         env_file=True),
                 Command("stop", "stop the router: SIGTERM, SIGKILL after --grace", cmd_router_stop,

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from tools.core.errors import ToolFailure
+from tools.core.paths import PathNotAllowed
+from tools.core.process import free_port
 from tools.mcp.registry import Reply, tool
-from tools.serving.ops import RouterStartParams, RouterStopParams
+from tools.serving import frontdoor
+from tools.serving.model_files import missing_model_fix
+from tools.serving.ops import RouterStartParams, RouterStopParams, RouterSwitchParams
 from tools.serving.router import (RouterStartResult, RouterStatus, RouterStopResult, router_status as status,
                                   start_router as start, stop_router as stop)
 
@@ -13,7 +18,7 @@ from tools.serving.router import (RouterStartResult, RouterStatus, RouterStopRes
 def start_router(app, p: RouterStartParams) -> Reply:
     """Start vLLM's router over running instances (start_vllm_server with `instance`), one URL for all of them;
     measure through it with run_sweep router=true. Refused when an instance is not running."""
-    res = start(app.config(), p.instances, policy=p.policy, port=p.port)
+    res = start(app.config(), p.instances, policy=p.policy, port=p.port, hold_s=p.hold_s)
     return Reply(res, f"routing at {res.base_url} ({res.policy}) over "
                       + ", ".join(f"{b.instance} {b.base_url}" for b in res.backends))
 
@@ -32,3 +37,33 @@ def stop_router(app, p: RouterStopParams) -> Reply:
     """Stop the router (SIGTERM to its process group, SIGKILL after grace_s); the instances keep running."""
     res = stop(app.config(), grace_s=p.grace_s)
     return Reply(res, res.message)
+
+
+def _switch_config(app, p: RouterSwitchParams):
+    """The new build's instance config, its model confined to the roots, on an internal port of its own."""
+    base = app.config(instance=p.instance)
+    try:
+        model = app.roots.confine_model(p.model, what="model", also_relative_to=(base.state_dir, base.instance_dir))
+    except PathNotAllowed as exc:
+        if exc.detail["problem"] != "missing":
+            raise
+        raise ToolFailure(f"{exc}: {missing_model_fix(exc.detail['input'], app.platform())}",
+                          detail=exc.detail) from None
+    cfg = app.config(**{**p.overrides(), "model": model})
+    return cfg if p.port is not None else app.config(**{**p.overrides(), "model": model,
+                                                        "port": free_port(cfg.host)})
+
+
+@tool(toolset="fleet", title="Switch the build behind the router", params=RouterSwitchParams,
+      result=frontdoor.SwitchResult, long=True, destructive=True, open_world=True, check=_switch_config)
+def switch_build(app, p: RouterSwitchParams, progress, checked) -> Reply:
+    """Serve another build behind the router (start_router) in place of the one it routes to, with no failed
+    request: beside it where the machine holds both (then it drains and stops), else it stops first and the
+    router holds requests up to its hold_s while the new one loads (said before anything stops). A new build
+    that fails or refuses requests leaves or gives the traffic back to the old one. Long."""
+    res = frontdoor.switch(app.config(), checked, from_instance=p.from_instance,
+                           progress=lambda frac, msg: progress(round(frac * 100, 1), 100, msg))
+    f = res.figures
+    return Reply(res, f"{res.outcome} at {res.base_url} in place of {res.replaced} ({res.mode}): {f.requests} "
+                      f"requests through the router, {f.failed} failed, longest wait for a build "
+                      f"{f.longest_wait_s:g} s")

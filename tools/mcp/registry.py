@@ -34,7 +34,7 @@ TOOLSETS: dict[str, str] = {
     "fidelity": "logprob fidelity between builds: KLD, top-1 agreement, perplexity ratio",
     "eval": "accuracy with lm-evaluation-harness against the server, and runs side by side",
     "decode": "single-stream decode benchmark: time per token and the drafter's acceptance (speculative decoding)",
-    "fleet": "vllm-router in front of named instances: start, status, stop",
+    "fleet": "vllm-router in front of named instances: start, status, stop, switch the build behind it",
     "capacity": "the most users served within a latency SLO (bracket, goodput, cost); compare_sweeps compares them",
 }
 # The design's walk end to end, on a T4 or on CPU: preflight -> source (stand-in on CPU) -> probe -> repack ->

@@ -38,7 +38,9 @@ def _start_config(app, p: StartParams):
       open_world=True, check=_start_config, ops="start")
 def start_vllm_server(app, p: StartParams, progress, checked) -> Reply:
     """Serve a build (a folder under a models root, or a hub id) with vLLM until stopped; returns once it
-    answers, with the engine's figures. Long."""
+    answers a completion and a chat completion, with the engine's figures; a server that refuses them ends the
+    start at once naming the fix. replace=true stops the running server (its port is dead while this build
+    loads; the old one comes back if this fails): for clients that must see no failure use switch_build. Long."""
     start = replace_server if p.replace else start_server
     # Owned until ready: a client that goes away, a SIGTERM or a SIGKILL of this server while vLLM starts ends
     # that vLLM too (the guard; a replace's record then says what serves); once it serves it is handed over.
@@ -46,7 +48,8 @@ def start_vllm_server(app, p: StartParams, progress, checked) -> Reply:
         res = start(checked, progress=lambda frac, msg: progress(round(frac * 100, 1), 100, msg))
     sf = res.start_fields
     mem = f"; host RSS {res.host_memory.rss_mib:.0f} MiB" if res.host_memory else ""
-    instead = f" in place of {res.replaced['served_name']}" if res.replaced else ""
+    instead = (f" in place of {res.replaced['served_name']} (its port refused connections while "
+               f"{res.served_name} loaded, {res.startup_s:.0f} s)") if res.replaced else ""
     note = f"; {res.note}" if res.note else ""
     return Reply(res, f"serving {res.served_name}{instead} at {res.base_url} (pid {res.pid}, {res.platform}) after "
                       f"{res.startup_s:.0f} s; KV cache {sf.kv_cache_tokens or '?'} tokens{mem}{note}")

@@ -57,6 +57,9 @@ _EXPLAIN = [
 ]
 # Wrappers that only point elsewhere ("see root cause above"): never the explanation while a better line exists.
 _GENERIC = ("root cause above", "stack trace above", "Engine core initialization failed", "Traceback")
+# Lines every start prints, whatever then happens: never the cause of a failure, even where they name an error
+# (vLLM's fd-limit warning quotes "OSError: [Errno 24] Too many open files").
+_EVERY_START = ("Found ulimit of",)
 _PREFIX = re.compile(r"^\((?:\w+)(?:-\d+)? pid=\d+\)\s+(?:[A-Z]+ \d\d-\d\d(?: \d\d:\d\d:\d\d)? \[[^\]]+\]\s*)?")
 
 
@@ -192,7 +195,7 @@ def recorded_start_fields(log_file: Path, argv: list[str], model: str) -> Engine
 
 def explain_failure(text: str) -> str | None:
     """The line of a log that best explains why vLLM stopped, without its process/time prefix; None if none."""
-    lines = [ln.rstrip() for ln in text.splitlines() if ln.strip()]
+    lines = [ln.rstrip() for ln in text.splitlines() if ln.strip() and not any(m in ln for m in _EVERY_START)]
     for pattern in _EXPLAIN:
         for line in reversed(lines):
             m = pattern.search(line)

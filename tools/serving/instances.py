@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from tools.core.errors import ToolFailure
-from tools.serving import router, state
+from tools.serving import router, state, switch_record
 from tools.serving.config import INSTANCE_NAME, ServeConfig
 from tools.serving.placement import instance_configs, locked, plan, process_owners, resolve, running
 from tools.serving.vllm_server import server_status, stop_server
@@ -43,6 +43,9 @@ def fleet_status(cfg: ServeConfig, *, hardware: Any = None) -> Any:
     top.all_healthy = bool(healthy) and all(healthy)
     if listed and not had_default:
         top.message = f"{len(listed)} named instance(s); the default instance is not running"
+        last = switch_record.load_switch(default_cfg)  # the front door's last switch is recorded there
+        if last is not None:
+            top.message += f"; {switch_record.describe(last)}"
     return top
 
 

@@ -24,18 +24,16 @@ from tools.core.api_key import API_KEY_ENV, api_key, auth_headers, is_loopback
 from tools.core.errors import BadInput, ToolFailure, op, param
 from tools.core.process import end_group
 from tools.gpu.vram import host_memory, server_process_pids
-from tools.serving import engine_log, health, placement, state
+from tools.serving import engine_log, health, placement, readiness, state, switch_record
 from tools.serving.config import DEFAULT_ENV_FILE, ServeConfig, looks_like_path
 from tools.serving.hardware import Hardware
 from tools.serving.model_files import model_position_limit
 from tools.serving.model_files import missing_model_fix
 from tools.serving.preflight import checks_for, ensure, refusal
+from tools.serving.readiness import READINESS_PROMPT, Refusal
 from tools.serving.records import StartResult
 from tools.serving.start_progress import StartProgress, StartReport
 from tools.serving.state import ReplaceRecord, ServerState
-# Readiness is a completion of several tokens from a prompt of several tokens: a one-token probe can pass on an
-# engine whose traced graphs were specialised on the warm-up's shape and fail every real prompt.
-READINESS_PROMPT = "The quick brown fox jumps over the lazy dog."
 _DEFERRED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # The caller's variables that shape vLLM, recorded with the server so that a relaunch gets them again (tokens and
 # the rest of the environment are not written to the state file).
@@ -220,35 +218,24 @@ def _own_log(cfg: ServeConfig) -> ServeConfig:
     return replace(cfg, log_name=name)
 
 
-def _first_completion(client: httpx.Client, cfg: ServeConfig) -> tuple[str | None, str | None]:
-    """(the text of a short greedy completion, or None; what the server answered instead, when it answered)."""
-    try:
-        r = client.post(f"{cfg.base_url}/v1/completions", timeout=60.0, json={
-            "model": cfg.served_name, "prompt": READINESS_PROMPT, "max_tokens": 4, "temperature": 0})
-        if r.status_code == 200:
-            choice = r.json()["choices"][0]
-            if isinstance(choice.get("text"), str):
-                return choice["text"], None
-            return None, None
-        return None, f"first completion answered HTTP {r.status_code}: {r.text[:200]}"
-    except (httpx.HTTPError, ValueError, KeyError, IndexError):
-        return None, None
-
-
 def _wait_ready(cfg: ServeConfig, proc: subprocess.Popen, argv: list[str], t0: float,
                 progress: StartReport | None, *, keep_on_interrupt: bool = False) -> str:
     """Waits for /health and a first completion; on a failure or an interrupt ends the server it launched
     (keep_on_interrupt: an interrupt leaves it starting, recorded)."""
     log_path = cfg.log_file
 
-    def fail(reason: str) -> ToolFailure:
+    def fail(reason: str, refused: Refusal | None = None) -> ToolFailure:
         _end_launched(cfg, proc)
         text = engine_log.read_text(log_path)
-        why = engine_log.explain_failure(text)
-        msg = f"vLLM {reason}" + (f": {why}" if why else "") + f" (log: {log_path})"
+        kept = switch_record.keep_failed_log(cfg, log_path, cfg.served_name)  # a rollback rewrites log_path
+        # A server that refused a request said why itself: its answer is the cause, not a line of its log.
+        why = refused.line() if refused is not None else engine_log.explain_failure(text)
+        msg = f"vLLM {reason}" + (f": {why}" if why else "") + f" (log: {kept or log_path})"
         return ToolFailure(msg, detail={"reason": reason, "explanation": why, "pid": proc.pid, "pgid": proc.pid,
                                         "log_tail": engine_log.tail(text, 40), "log_path": str(log_path),
-                                        "argv": argv})
+                                        "argv": argv, "refusal": refused.to_dict() if refused else None,
+                                        "parameter": refused.parameter if refused else None,
+                                        "kept_log": str(kept) if kept else None})
 
     deadline = t0 + cfg.start_timeout_s
     healthy = False
@@ -264,7 +251,12 @@ def _wait_ready(cfg: ServeConfig, proc: subprocess.Popen, argv: list[str], t0: f
                     raise fail(f"did not become ready within {cfg.start_timeout_s:g} s")
                 healthy = healthy or health.answers(cfg.base_url, client=client)
                 if healthy:
-                    text, _ = _first_completion(client, cfg)
+                    text, refused = readiness.first_completion(client, cfg.base_url, cfg.served_name)
+                    if text is not None and readiness.has_chat_template(cfg.model):
+                        answered, refused = readiness.chat_warm_up(client, cfg.base_url, cfg.served_name)
+                        text = text if answered else None
+                    if refused is not None:  # it answers, and says no: waiting longer changes nothing
+                        raise fail("answered but refused what clients send", refused)
                     if text is not None:
                         return text
                 if progress is not None:

@@ -37,8 +37,11 @@ class StartParams(InstanceParams):
                                                      "share of the free cores (none bound for a lone default "
                                                      "instance)")
 
-    replace: bool = Field(False, description="Take the running server's place: it stops only once this build "
-                                             "passed its checks, and serves again if this one fails")
+    replace: bool = Field(False, description="Take the running server's place on its port: once this build "
+                                             "passed the start checks the running server stops, and the port "
+                                             "refuses connections while this one loads (about a minute, CPU or "
+                                             "T4); the old one is started again if this one fails. With no dead "
+                                             "port: serve through the router and switch_build")
 
     def overrides(self) -> dict[str, Any]:
         """The serving-config overrides this start asks for (unset fields keep tpu.env's values)."""
@@ -78,6 +81,27 @@ class RouterStartParams(OpParams):
     policy: Literal["round_robin", "cache_aware", "power_of_two", "random", "consistent_hash", "kv_aware",
                     "sticky_least_loaded"] = Field("round_robin", description="vllm-router's load-balancing policy")
     port: int = Field(8100, ge=1, le=65535, description="Port the router listens on")
+    hold_s: float = Field(180.0, ge=0, le=3600, description="Seconds a request is held and retried while no "
+                                                            "instance behind the router answers (a switch)")
+
+
+class RouterSwitchParams(OpParams):
+    MCP_EXCLUDE: ClassVar[frozenset[str]] = frozenset({"cpus"})  # a machine-local knob
+
+    instance: str = Field(min_length=1, description="Named instance the new build starts as, behind the router "
+                                                    "(not the one serving)")
+    model: str = Field(min_length=1, description="Checkpoint folder or hub id of the new build")
+    served_name: str | None = Field(None, description="Name it serves as (default: SERVED_MODEL_NAME)")
+    from_instance: str | None = Field(None, description="The instance it replaces (default: the router's only one)")
+    port: int | None = Field(None, ge=1, le=65535, description="Its internal port (default: a free one)")
+    max_model_len: int | None = Field(None, ge=16, description="Context length (default: MAX_MODEL_LEN)")
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1, description="Share of its GPU's memory")
+    cpus: int | None = Field(None, ge=1, description="CPU backend: cores bound to it (default: an even share of "
+                                                     "the free ones)")
+
+    def overrides(self) -> dict[str, Any]:
+        """The new build's instance config overrides (unset fields keep tpu.env's values)."""
+        return {k: v for k, v in self.model_dump(exclude={"from_instance"}).items() if v is not None}
 
 
 class RouterStopParams(OpParams):

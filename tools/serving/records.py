@@ -29,7 +29,7 @@ class StartResult:
     # The server's processes' host memory after load, on every platform (start_fields has the GPU's figures)
     host_memory: HostMemory | None = None
     note: str | None = None              # what an unfinished replace of this instance had done
-    # replace=true: "serving B" (a plain start when nothing served) and the server it replaced
+    # replace=true: "serving NAME" (a plain start when nothing served) and the server it replaced
     outcome: str | None = None
     replaced: dict[str, Any] | None = None
 
@@ -75,6 +75,7 @@ class ServerStatus:
     kv_cache_tokens: int | None = None
     message: str = ""
     replace: dict[str, Any] | None = None  # a replace of this instance in progress or left unfinished
+    last_switch: dict[str, Any] | None = None  # the last switch (replace=true) and how it ended
     # `status` without an instance: the fields above describe the default instance, these every instance
     instances: list["ServerStatus"] | None = None
     router: dict[str, Any] | None = None

@@ -2,16 +2,19 @@
 
 B is checked before A is touched (the start's checks, the model folder, the port); then A is stopped and B
 started; when B does not become ready, A is started again with its own recorded command line and environment.
-What serves afterwards is the result's `outcome`, or the failure's `detail["outcome"]`: "serving B", "restored
-A", "unchanged" (B was refused before A was stopped) or "unavailable" (neither started; both failures in the
-detail). While it runs, a replace record (state.ReplaceRecord) names A, so that a replace killed between A's
-stop and B's readiness is reported by the next status and start, with the way to bring A back.
+What serves afterwards is the result's `outcome`, or the failure's `detail["outcome"]`, naming the builds by
+their served names: "serving B", "restored A", "unchanged (A serves)" (B was refused before A was stopped) or
+"unavailable (nothing serves)" (neither started; both failures in the detail). Every switch's end is recorded
+(tools.serving.switch_record): `status` says it, and the log readers show B's kept log after a rollback. While
+it runs, a replace record (state.ReplaceRecord) names A, so that a replace killed between A's stop and B's
+readiness is reported by the next status and start, with the way to bring A back.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import time
 from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -20,7 +23,7 @@ from typing import Any
 import psutil
 
 from tools.core.errors import ToolFailure
-from tools.serving import state
+from tools.serving import state, switch_record
 from tools.serving.config import ServeConfig
 from tools.serving.hardware import Hardware
 from tools.serving.launch import checked, relaunch, signals_deferred, start_server
@@ -28,6 +31,8 @@ from tools.serving.records import StartResult
 from tools.serving.start_progress import StartReport
 from tools.serving.state import ReplaceRecord, ServerState
 from tools.serving.vllm_server import stop_server
+
+UNAVAILABLE = "unavailable (nothing serves)"
 
 
 def _serving(cfg: ServeConfig) -> ServerState | None:
@@ -65,8 +70,9 @@ def replace_server(cfg: ServeConfig, *, progress: StartReport | None = None, har
     """Serves `cfg`'s build (B) in place of the instance's running server (A); a plain start when none runs.
 
     Raises ToolFailure with `detail["outcome"]` when B does not serve; A then serves again ("restored A"),
-    still serves ("unchanged"), or could not be started again either ("unavailable"). The instance's lock is
-    held from reading A to the end of the rollback: a second start, stop or replace of it is refused meanwhile."""
+    still serves ("unchanged (A serves)"), or could not be started again either ("unavailable (nothing
+    serves)"); A and B are the builds' served names. The instance's lock is held from reading A to the end of the
+    rollback: a second start, stop or replace of it is refused meanwhile."""
     with state.instance_lock(cfg, f"replace by {cfg.served_name}"):
         return _replace_locked(cfg, progress, hardware or Hardware(), turing_target, grace_s)
 
@@ -74,16 +80,29 @@ def replace_server(cfg: ServeConfig, *, progress: StartReport | None = None, har
 def _replace_locked(cfg: ServeConfig, progress: StartReport | None, hw: Hardware, turing_target: Path | None,
                     grace_s: float) -> StartResult:
     a = _serving(cfg)
+    began = time.time()
+    try:
+        res = _replace(cfg, a, hw, turing_target, grace_s, progress)
+    except ToolFailure as exc:
+        _record_switch(cfg, a, (exc.detail or {}).get("outcome") or UNAVAILABLE, str(exc), began)
+        raise
+    _record_switch(cfg, a, res.outcome, f"serving {res.served_name} at {res.base_url} (pid {res.pid})", began)
+    return res
+
+
+def _replace(cfg: ServeConfig, a: ServerState | None, hw: Hardware, turing_target: Path | None, grace_s: float,
+             progress: StartReport | None) -> StartResult:
     if a is None:
         res = start_server(cfg, progress=progress, hardware=hw, turing_target=turing_target)
-        res.outcome = "serving B"
+        res.outcome = f"serving {cfg.served_name}"
         return res
     if not cfg.given_for_this_start("port"):
         cfg = replace(cfg, port=a.port)  # B takes A's place
     try:
         checked(cfg, hw, turing_target, held_by=a)
     except ToolFailure as exc:
-        raise _failure(exc, "unchanged", f"{a.served_name} still serves (unchanged)", serving=_who(a)) from None
+        raise _failure(exc, f"unchanged ({a.served_name} serves)", f"{a.served_name} still serves (unchanged)",
+                       serving=_who(a)) from None
     record = _record(cfg, a)
     state.write_replace(cfg, record)
     try:
@@ -103,7 +122,7 @@ def _switch(cfg: ServeConfig, a: ServerState, record: ReplaceRecord, hw: Hardwar
     try:
         stop_server(cfg, grace_s=grace_s)
     except ToolFailure as exc:
-        outcome = "unchanged" if _serving(cfg) is not None else "unavailable"
+        outcome = f"unchanged ({a.served_name} serves)" if _serving(cfg) is not None else UNAVAILABLE
         state.clear_replace(cfg)
         raise _failure(exc, outcome, f"stopping {a.served_name} for {cfg.served_name} failed") from None
     state.write_replace(cfg, record.model_copy(update={"phase": "starting B"}))
@@ -112,7 +131,7 @@ def _switch(cfg: ServeConfig, a: ServerState, record: ReplaceRecord, hw: Hardwar
     except ToolFailure as b_exc:
         raise _restore(cfg, a, record, b_exc, progress) from None
     state.clear_replace(cfg)
-    res.outcome = "serving B"
+    res.outcome = f"serving {cfg.served_name}"
     res.replaced = _who(a)
     return res
 
@@ -130,7 +149,7 @@ def _restore(cfg: ServeConfig, a: ServerState, record: ReplaceRecord, b_exc: Too
         state.write_replace(cfg, record.model_copy(update={"phase": "failed"}))
         return ToolFailure(f"{b} ({b_exc.message}); starting {a.served_name} again failed too ({a_exc.message}): "
                            "nothing serves on this instance",
-                           {"outcome": "unavailable", "b_failure": b_exc.to_dict(), "a_failure": a_exc.to_dict(),
+                           {"outcome": UNAVAILABLE, "b_failure": b_exc.to_dict(), "a_failure": a_exc.to_dict(),
                             "a": _who(a)})
     except BaseException:  # interrupted while A starts again: A stays launched and recorded (status says when it
         with signals_deferred():  # serves), so the record of a stopped A would no longer be true
@@ -140,7 +159,7 @@ def _restore(cfg: ServeConfig, a: ServerState, record: ReplaceRecord, b_exc: Too
         raise
     state.clear_replace(cfg)
     return ToolFailure(f"{b} ({b_exc.message}); restored {a.served_name} (pid {back.pid}) at {back.base_url}",
-                       {"outcome": "restored A", "serving": {**_who(a), "pid": back.pid},
+                       {"outcome": f"restored {a.served_name}", "serving": {**_who(a), "pid": back.pid},
                         "b_failure": b_exc.to_dict()})
 
 
@@ -155,6 +174,22 @@ def _bring_back_detached(cfg: ServeConfig, a: ServerState, record: ReplaceRecord
         state.write_replace(cfg, record.model_copy(update={"phase": "failed"}))
         return
     state.clear_replace(cfg)
+
+
+def _record_switch(cfg: ServeConfig, a: ServerState | None, outcome: str, message: str, began: float) -> None:
+    """The switch's end, for `status` and the log readers (B's kept log when B's start failed in this switch)."""
+    try:
+        after = state.load_state(cfg)
+    except ToolFailure:
+        after = None
+    failed = switch_record.newest_failed_log(cfg, cfg.served_name)
+    if failed is not None and failed.stat().st_mtime < began:
+        failed = None  # an earlier start's
+    switch_record.write_switch(cfg, switch_record.SwitchRecord(
+        at=datetime.now(timezone.utc).isoformat(timespec="seconds"), outcome=outcome,
+        from_build=a.served_name if a is not None else None, to_build=cfg.served_name,
+        serving=after.served_name if after is not None and state.leader(after) is not None else None,
+        message=message, failed_log=str(failed) if failed else None))
 
 
 def _record(cfg: ServeConfig, a: ServerState) -> ReplaceRecord:

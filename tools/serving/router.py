@@ -25,6 +25,7 @@ from tools.core.metrics import total
 from tools.core.process import end_group, free_port, port_holder
 from tools.serving import engine_log, health, placement
 from tools.serving.config import ServeConfig
+from tools.serving.frontdoor import HOLD_S, hold_args
 from tools.serving.state import DamagedState
 from tools.serving.router_state import (Backend, RouterState, alive, group, load, log_file, recorded, state_file,
                                         write)
@@ -123,7 +124,7 @@ def _check_port(cfg: ServeConfig, host: str, port: int) -> None:
 
 
 def _launch(cfg: ServeConfig, argv: list[str], host: str, port: int, policy: str,
-            backends: list[Backend]) -> tuple[subprocess.Popen, RouterState]:
+            backends: list[Backend], hold_s: float) -> tuple[subprocess.Popen, RouterState]:
     log_path = log_file(cfg)
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -136,7 +137,7 @@ def _launch(cfg: ServeConfig, argv: list[str], host: str, port: int, policy: str
     st = RouterState(pid=proc.pid, pgid=proc.pid, create_time=create_time, host=host, port=port,
                      base_url=f"http://{host}:{port}", policy=policy, backends=backends, argv=argv,
                      started_at=now.isoformat(timespec="seconds"), started_ts=now.timestamp(),
-                     log_path=str(log_path))
+                     log_path=str(log_path), hold_s=hold_s)
     write(cfg, st)
     return proc, st
 
@@ -172,8 +173,10 @@ def _wait_ready(cfg: ServeConfig, proc: subprocess.Popen, st: RouterState, t0: f
 
 
 def start_router(cfg: ServeConfig, instances: list[str], *, policy: str = "round_robin", port: int | None = None,
-                 host: str | None = None, timeout_s: float = 60.0) -> RouterStartResult:
+                 host: str | None = None, timeout_s: float = 60.0, hold_s: float | None = None) -> RouterStartResult:
     """Starts vllm-router over the named running instances and waits until it answers /health and /v1/models.
+    It is the front door (tools.serving.frontdoor): a request that finds no backend answering is held and retried
+    for up to `hold_s` (default frontdoor.HOLD_S), so that a switch of the build behind it fails none.
 
     Refused (nothing launched, no state written) when a router runs, an instance is not running or not healthy,
     the policy is unknown or the port is taken.
@@ -186,11 +189,12 @@ def start_router(cfg: ServeConfig, instances: list[str], *, policy: str = "round
         backends = _healthy_backends(cfg, names)
         _check_port(cfg, host, port)
         # vllm-router always serves its own metrics, on 29000 unless told: a second router would die on that port
+        hold = HOLD_S if hold_s is None else hold_s
         argv = [router_binary(), "--host", host, "--port", str(port), "--policy", policy,
-                "--prometheus-host", host, "--prometheus-port", str(free_port(host)),
+                "--prometheus-host", host, "--prometheus-port", str(free_port(host)), *hold_args(hold),
                 "--worker-urls", *[b.base_url for b in backends]]
         t0 = time.monotonic()
-        proc, st = _launch(cfg, argv, host, port, policy, backends)
+        proc, st = _launch(cfg, argv, host, port, policy, backends, hold)
     _wait_ready(cfg, proc, st, t0, timeout_s)
     return RouterStartResult(pid=proc.pid, pgid=proc.pid, base_url=st.base_url, policy=policy, backends=backends,
                              argv=argv, log_path=st.log_path, state_file=str(state_file(cfg)),

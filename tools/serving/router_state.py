@@ -31,6 +31,8 @@ class RouterState(Record):
     started_at: str
     started_ts: float
     log_path: str
+    # Written since the front door: how long the router holds a request while no backend answers (its retries)
+    hold_s: float | None = None
 
 
 def state_file(cfg: ServeConfig) -> Path:

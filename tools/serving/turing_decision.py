@@ -29,7 +29,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from tools.core.errors import BadInput
+from tools.core.errors import BadInput, ToolFailure
 from tools.core.process import kill_group, python_child_env
 from tools.core.root import PROJECT_ROOT
 
@@ -291,7 +291,7 @@ DECISION_TIMEOUT_S = 30.0  # the decision is a few comparisons; the child's star
 _ANSWER = "gemma4-t4-tiles "  # prefixes the child's answer line: the file's own code may print too
 
 
-class DecisionNotRun(Exception):
+class DecisionNotRun(ToolFailure):
     """The decision could not be run to an answer (it raised, exited, or ran past the timeout): one line."""
 
 

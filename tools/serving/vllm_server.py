@@ -15,7 +15,7 @@ import httpx
 from tools.core.api_key import auth_headers
 from tools.core.errors import ToolFailure, op
 from tools.core.process import end_group, group_members
-from tools.serving import engine_log, health, state as replace_state
+from tools.serving import engine_log, health, state as replace_state, switch_record
 from tools.serving.config import ServeConfig
 from tools.serving.hardware import Hardware
 from tools.serving.launch import replace_note
@@ -61,6 +61,10 @@ def server_status(cfg: ServeConfig, *, hardware: Hardware | None = None) -> Serv
     damaged state file is reported (not alive, its one line as the message), not raised: status goes on. A
     replace of this instance in progress, or left unfinished, is added to the message (and `replace`)."""
     st = _server_status(cfg, hardware)
+    last = switch_record.load_switch(cfg)
+    if last is not None:
+        st.last_switch = last.to_dict()
+        st.message += f"; {switch_record.describe(last)}"
     try:
         rec = replace_state.load_replace(cfg)
     except DamagedState as exc:
@@ -116,11 +120,16 @@ def _server_status(cfg: ServeConfig, hardware: Hardware | None) -> ServerStatus:
 
 
 def read_log(cfg: ServeConfig, lines: int = 50) -> str:
-    """The last `lines` lines of the server log of this instance: its recorded server's, else the newest."""
+    """The last `lines` lines of the server log of this instance: its recorded server's, else the newest; after a
+    switch whose new build failed, that build's kept log follows (the live log is the restored build's by then)."""
     path = log_path(cfg)
+    failed = switch_record.failed_log_section(cfg, lines)
     if not path.is_file():
+        if failed is not None:
+            return failed
         raise ToolFailure(f"no server log at {path}; start one with {op('start')}")
-    return engine_log.tail(engine_log.read_text(path), lines)
+    text = engine_log.tail(engine_log.read_text(path), lines)
+    return text if failed is None else f"{text}\n{failed}"
 
 
 def log_path(cfg: ServeConfig) -> Path:

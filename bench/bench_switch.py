@@ -1,0 +1,144 @@
+"""A switch of the build behind the front door under live traffic, on vLLM's CPU backend with the tiny
+int4-embedding build: the client-side figures (requests, failed, longest wait) and the switch's wall time, for
+a switch beside the running build and one where the machine holds only one (hold).
+
+    python bench/bench_switch.py [--clients 2]
+
+Builds the tiny model (from the tiny-model cache when it is there) and its int4-embedding build in a temporary
+folder; serves it as instance blue (one core) behind vllm-router; then, with `--clients` closed-loop chat
+completions running through the router the whole time: (1) switches to the same build named `second` on
+instance green (one core: beside), (2) switches back to instance blue asking for two cores, which a 2-core
+machine cannot give beside green (hold: green stops, the router holds requests while blue loads). Writes
+evidence/switch-<UTC time>.json and .md. Run it under the shared lock on a shared machine
+(flock /tmp/gemma4-vllm.lock ...) and report the load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+class Clients:
+    """Closed-loop chat completions through `url` from `n` threads: (status, served name, seconds) each."""
+
+    def __init__(self, url: str, n: int):
+        self.url, self.results, self.stop = url, [], threading.Event()
+        self.threads = [threading.Thread(target=self.run, daemon=True) for _ in range(n)]
+
+    def run(self) -> None:
+        import httpx
+
+        with httpx.Client(timeout=600.0) as c:
+            while not self.stop.is_set():
+                t = time.monotonic()
+                try:
+                    r = c.post(f"{self.url}/v1/chat/completions", json={
+                        "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "temperature": 0})
+                    got = (r.status_code, r.json().get("model") if r.status_code == 200 else r.text[:200])
+                except Exception as exc:  # a failed request is a figure here, whatever failed
+                    got = (0, repr(exc)[:200])
+                self.results.append((*got, round(time.monotonic() - t, 3)))
+
+    def __enter__(self) -> "Clients":
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=700)
+
+    def figures(self) -> dict:
+        failed = [r for r in self.results if r[0] != 200]
+        return {"requests": len(self.results), "failed": len(failed), "failures": failed[:5],
+                "longest_wait_s": max((r[2] for r in self.results), default=None),
+                "served": sorted({r[1] for r in self.results if r[0] == 200})}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--clients", type=int, default=2)
+    args = ap.parse_args()
+
+    from repack.build import BuildOptions, build_checkpoint
+    from repack.tiny_model import cached_tiny_qat_checkpoint
+    from tools.core.process import free_port
+    from tools.serving import frontdoor
+    from tools.serving.config import load_config
+    from tools.serving.router import start_router, stop_router
+    from tools.serving.launch import start_server
+    from tools.serving.vllm_server import stop_server
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one process fewer per server (suite-speed.md)
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    load_before = os.getloadavg()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tmpd = Path(tmp)
+        src = cached_tiny_qat_checkpoint(tmpd / "gemma-4-tiny-qat").path
+        emb4 = tmpd / "gemma-4-tiny-text-emb4"
+        build_checkpoint(src, emb4, BuildOptions(text_only=True, embed_int4=True, embed_tokens=True))
+
+        def cfg(name: str, instance: str | None, cpus: int):
+            return load_config(ROOT / "tpu.env", model=str(emb4), served_name=name, host="127.0.0.1",
+                               port=free_port(), state_dir=tmpd / "run", instance=instance, cpus=cpus,
+                               max_model_len=512, max_num_seqs=8, cpu_kvcache_space_gib=1, speculative_config="",
+                               extra_args="", start_timeout_s=900.0)
+
+        base = cfg("front", None, 1)
+        first = cfg("first", "blue", 1)
+        try:
+            start_server(first)
+            start_router(base, ["blue"], port=free_port())
+            url = json.loads((tmpd / "run" / "router.json").read_text())["base_url"]
+            for label, b in [("beside", cfg("second", "green", 1)), ("hold", cfg("third", "blue", 2))]:
+                with Clients(url, args.clients) as clients:
+                    time.sleep(2.0)
+                    t0 = time.monotonic()
+                    res = frontdoor.switch(base, b)
+                    wall = time.monotonic() - t0
+                    time.sleep(2.0)
+                rows.append({"switch": label, "mode": res.mode, "outcome": res.outcome, "announced": res.announced,
+                             "switch_wall_s": round(wall, 1), "router": dataclasses.asdict(res.figures),
+                             "clients": clients.figures()})
+                print(json.dumps(rows[-1]), flush=True)
+        finally:
+            stop_router(base, grace_s=5)
+            for name in ("blue", "green"):
+                stop_server(dataclasses.replace(base, instance=name), grace_s=10)
+    out = {"stamp": stamp, "cpus": os.cpu_count(), "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
+           "clients": args.clients, "switches": rows}
+    ev = ROOT / "evidence"
+    (ev / f"switch-{stamp}.json").write_text(json.dumps(out, indent=2) + "\n")
+    lines = [f"# A switch behind the front door under live traffic, vLLM CPU, tiny int4-embedding build ({stamp})",
+             "", f"{args.clients} closed-loop chat clients through vllm-router; {os.cpu_count()} CPU cores, load "
+             f"average {load_before[0]:.1f} before, {out['loadavg_after'][0]:.1f} after.", "",
+             "| switch | mode | wall s | requests | failed | longest wait s | router: requests, failed, retried, no "
+             "build s |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        c, f = r["clients"], r["router"]
+        lines.append(f"| {r['switch']} ({r['outcome']}) | {r['mode']} | {r['switch_wall_s']} | {c['requests']} | "
+                     f"{c['failed']} | {c['longest_wait_s']} | {f['requests']}, {f['failed']}, {f['retried']}, "
+                     f"{f['longest_wait_s']} |")
+    lines += ["", "What each switch announced before anything stopped:", ""]
+    lines += [f"- {r['switch']}: {r['announced']}" for r in rows]
+    (ev / f"switch-{stamp}.md").write_text("\n".join(lines) + "\n")
+    print(f"wrote evidence/switch-{stamp}.md")
+    return 0 if all(r["clients"]["failed"] == 0 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

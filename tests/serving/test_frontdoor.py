@@ -1,0 +1,320 @@
+"""The front door (vllm-router on the client port, builds as named instances behind it) through a switch, with
+a bounded loop of chat completions running through it the whole time: a good switch with both builds side by
+side, a build that exits, a build that answers but refuses what clients send, and the same on a machine too
+small for two (the front door holds requests while the old build stops and the new one loads). After each:
+no failed request, the right build answering, its figures, no process of a stopped build left. The builds are
+tests/stand_in_vllm.py; the router is the real vllm-router. A two-core CPU is stood in (Hardware)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import httpx
+import psutil
+import pytest
+
+from tests import stand_in_vllm
+from tests.fixtures import free_port, group_alive
+from tools.core.errors import ToolFailure
+from tools.serving import frontdoor, router_state, state, switch_record
+from tools.serving.config import ServeConfig
+from tools.serving.hardware import Hardware
+from tools.serving.router import start_router, stop_router
+from tools.serving.launch import start_server
+from tools.serving.vllm_server import stop_server
+
+
+class TwoCores(Hardware):
+    def platform(self):
+        return "cpu"
+
+    def cpu_cores(self):
+        return [0, 1]
+
+
+class Clients:
+    """Chat completions through the front door from two threads until stopped: what each got."""
+
+    def __init__(self, url: str, model: str | None = "any"):
+        self.url, self.results, self._stop = url, [], threading.Event()
+        self.body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                     **({"model": model} if model else {})}
+        self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(2)]
+
+    def _run(self):
+        with httpx.Client(timeout=120.0) as c:
+            while not self._stop.is_set():
+                t = time.monotonic()
+                try:
+                    r = c.post(f"{self.url}/v1/chat/completions", json=self.body)
+                    # which build answered: its served name
+                    got = (r.status_code, r.json()["model"] if r.status_code == 200 else r.text[:200])
+                except (httpx.HTTPError, ValueError, KeyError) as exc:
+                    got = (0, repr(exc))
+                self.results.append((*got, time.monotonic() - t))
+                time.sleep(0.05)
+
+    def __enter__(self):
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        for t in self.threads:
+            t.join(timeout=150)
+
+    def failed(self):
+        return [r for r in self.results if r[0] != 200]
+
+    def served(self):
+        return [r[1] for r in self.results if r[0] == 200]
+
+
+@pytest.fixture
+def door(tmp_path, monkeypatch, serve_config_factory):
+    """door(a_mode="serve") -> (front-door config, make(instance, name, mode, cpus)); the router over build
+    `old` on instance blue."""
+    monkeypatch.setattr(ServeConfig, "vllm_argv", lambda self, platform: stand_in_vllm.argv(self.port, self.model))
+    hw = TwoCores()
+    base = serve_config_factory(tmp_path, "front", state_dir=tmp_path / "run", start_timeout_s=30.0)
+    made: list[ServeConfig] = []
+
+    def make(instance: str, name: str, mode: str = "serve", cpus: int = 1, **spec) -> ServeConfig:
+        model = tmp_path / name
+        model.mkdir(exist_ok=True)
+        (model / "behaviour.json").write_text(json.dumps({"mode": mode, **spec}))
+        (model / "config.json").write_text("{}")
+        (model / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+        cfg = serve_config_factory(model, name, state_dir=tmp_path / "run", instance=instance, cpus=cpus,
+                                   port=free_port(), start_timeout_s=30.0)
+        made.append(cfg)
+        return cfg
+
+    make.hw = hw
+    try:  # a set-up that fails halfway leaves no server either
+        start_server(make("blue", "old"), hardware=hw)
+        start_router(base, ["blue"], port=free_port(), hold_s=30.0)
+        yield base, make
+    finally:
+        stop_router(base, grace_s=5)
+        for cfg in made:
+            stop_server(cfg, grace_s=2)
+
+
+def _front(base: ServeConfig) -> str:
+    return router_state.recorded(base).base_url
+
+
+def test_a_good_switch_beside_the_old_build_fails_no_request(door):
+    base, make = door
+    old = state.load_state(_instance(base, "blue"))
+    b = make("green", "new")
+    with Clients(_front(base)) as clients:
+        time.sleep(0.5)
+        res = frontdoor.switch(base, b, hardware=make.hw)
+        time.sleep(0.5)
+    assert res.outcome == "serving new" and res.replaced == "old" and res.mode == "beside"
+    assert "no request waits for a load" in res.announced
+    assert clients.failed() == [] and clients.served()[-1] == "new" and "old" in clients.served()
+    assert res.figures.requests and res.figures.failed == 0 and res.figures.longest_wait_s == 0
+    assert [x.instance for x in router_state.recorded(base).backends] == ["green"]
+    assert frontdoor.workers(router_state.recorded(base)) == [res.backend]
+    assert group_alive(old.pgid) == [] and not _instance(base, "blue").state_file.exists()
+    from tools.serving.instances import fleet_status
+
+    st = fleet_status(base)
+    assert st.last_switch["outcome"] == "serving new" and st.last_switch["figures"]["failed"] == 0
+    assert "last switch" in st.message and "from old to new: serving new" in st.message
+
+
+def _instance(base: ServeConfig, name: str) -> ServeConfig:
+    import dataclasses
+
+    return dataclasses.replace(base, instance=name)
+
+
+@pytest.mark.parametrize("mode,words", [("exit", "the stand-in refuses this build"),
+                                        ("refuse", "maximum context length is 16 tokens")])
+def test_a_new_build_that_fails_leaves_the_old_one_serving_and_no_request_failed(door, mode, words):
+    base, make = door
+    old = state.load_state(_instance(base, "blue"))
+    b = make("green", "bad", mode)
+    with Clients(_front(base)) as clients:
+        time.sleep(0.3)
+        with pytest.raises(ToolFailure) as exc:
+            frontdoor.switch(base, b, hardware=make.hw)
+        time.sleep(0.3)
+    detail = exc.value.detail
+    assert detail["outcome"] == "unchanged (old serves)" and words in str(exc.value)
+    if mode == "refuse":
+        assert detail["parameter"] == "max_model_len"
+    assert clients.failed() == [] and set(clients.served()) == {"old"}
+    assert state.leader(state.load_state(_instance(base, "blue"))).pid == old.pid
+    assert group_alive(detail["pgid"]) == [] and not b.state_file.exists()
+    last = switch_record.load_switch(base)
+    assert last.outcome == "unchanged (old serves)" and last.failed_log
+    assert mode == "refuse" or words in open(last.failed_log).read()  # a refusal is an answer, not a log line
+
+
+def test_a_machine_too_small_for_two_holds_requests_while_the_new_build_loads(door):
+    base, make = door
+    old = state.load_state(_instance(base, "blue"))
+    b = make("green", "new", cpus=2, load_s=2)  # two cores wanted, one is blue's
+    with Clients(_front(base)) as clients:
+        time.sleep(0.3)
+        res = frontdoor.switch(base, b, hardware=make.hw)
+        time.sleep(0.3)
+    assert res.mode == "hold" and "each at most 30 s" in res.announced and "old stops first" in res.announced
+    assert res.outcome == "serving new" and clients.failed() == [] and clients.served()[-1] == "new"
+    # held, not failed: a request held past the announced bound would have failed above
+    assert res.figures.retried and res.figures.failed == 0 and res.figures.longest_wait_s > 0
+    assert group_alive(old.pgid) == []
+
+
+def test_on_a_machine_too_small_for_two_a_failed_build_gives_the_traffic_back_to_the_old_one(door):
+    base, make = door
+    b = make("green", "bad", "exit", cpus=2)
+    with Clients(_front(base)) as clients:
+        time.sleep(0.3)
+        with pytest.raises(ToolFailure) as exc:
+            frontdoor.switch(base, b, hardware=make.hw)
+        time.sleep(0.5)
+    assert exc.value.detail["outcome"] == "restored old" and "the stand-in refuses this build" in str(exc.value)
+    assert clients.failed() == [] and clients.served()[-1] == "old"
+    st = state.load_state(_instance(base, "blue"))
+    assert st is not None and state.leader(st) is not None
+    assert all(not psutil.pid_exists(p) or psutil.Process(p).status() == psutil.STATUS_ZOMBIE
+               for p in [exc.value.detail["pid"]])
+
+
+@pytest.mark.vllm
+@pytest.mark.vllm_lane(1)
+def test_real_vllm_switches_through_the_front_door_fail_no_request(emb4_build, serve_config_factory, tmp_path,
+                                                                  monkeypatch):
+    """Real vLLM CPU servers behind the real router, one core each, with chat completions running through the
+    front door the whole time: (a) a good switch (the tiny all-4-bit build under a second name, beside the first),
+    (b) a switch to a copy vLLM refuses to load (an unknown quantization method), (c) a switch to the build at
+    max_model_len=16, which loads and refuses what clients send. No request fails; after (a) the new build
+    answers, after (b) and (c) it still does, (c) names max_model_len; no process of a stopped build is left."""
+    import shutil
+
+    from tests.fixtures import in_process_engine, require_plugin
+
+    require_plugin()
+    in_process_engine(monkeypatch)
+    run = tmp_path / "run"
+    bad = tmp_path / "gemma-4-tiny-unknown-quant"
+    shutil.copytree(emb4_build, bad)
+    config = json.loads((bad / "config.json").read_text())
+    config["quantization_config"]["quant_method"] = "no-such-method"
+    (bad / "config.json").write_text(json.dumps(config))
+
+    def build(model, name, instance, **kw) -> ServeConfig:
+        return serve_config_factory(model, name, state_dir=run, instance=instance, cpus=1, port=free_port(), **kw)
+
+    base = serve_config_factory(emb4_build, "front", state_dir=run)
+    a = build(emb4_build, "tiny-first", "blue")
+    pgids = []
+    try:
+        pgids.append(start_server(a).pgid)
+        start_router(base, ["blue"], port=free_port())
+        front = _front(base)
+        results = {}
+        for step, (b, want) in {"a": (build(emb4_build, "tiny-second", "green"), "tiny-second"),
+                                "b": (build(bad, "tiny-unknown-quant", "blue"), "tiny-second"),
+                                "c": (build(emb4_build, "tiny-short", "blue", max_model_len=16), "tiny-second"),
+                                }.items():
+            with Clients(front, model=None) as clients:
+                time.sleep(1.0)
+                try:
+                    results[step] = frontdoor.switch(base, b)
+                except ToolFailure as exc:
+                    results[step] = exc
+                time.sleep(1.0)
+            assert clients.failed() == [], (step, clients.failed()[:3])
+            assert clients.served() and clients.served()[-1] == want, (step, set(clients.served()))
+            st = state.load_state(b)
+            if st is not None:
+                pgids.append(st.pgid)
+        assert results["a"].outcome == "serving tiny-second" and results["a"].mode == "beside"
+        assert results["a"].figures.failed == 0 and results["a"].figures.requests
+        for step in "bc":
+            assert isinstance(results[step], ToolFailure), results[step]
+            assert results[step].detail["outcome"] == "unchanged (tiny-second serves)", str(results[step])
+            pgids.append(results[step].detail["pgid"])
+        assert results["c"].detail["parameter"] == "max_model_len"
+        assert "maximum context length is 16 tokens" in str(results["c"])
+        print({k: (v.to_dict() if hasattr(v, "to_dict") else str(v)) for k, v in results.items()})
+    finally:
+        stop_router(base, grace_s=5)
+        for name in ("blue", "green"):
+            stop_server(_instance(base, name), grace_s=10)
+    assert all(group_alive(g) == [] for g in pgids)
+
+
+def test_the_command_line_and_mcp_switch_the_same_way(door, tmp_path, capsys, monkeypatch):
+    from fastmcp import Client
+
+    from tools.cli import main
+    from tools.core.paths import Roots
+    from tools.mcp.app import Settings, create_server
+
+    base, make = door
+    b = make("green", "new")
+    for k, v in {"STATE_DIR": str(base.state_dir), "SPECULATIVE_CONFIG": "", "EXTRA_ARGS": "",
+                 "START_TIMEOUT_S": "30", "CPU_KVCACHE_SPACE_GIB": "1"}.items():
+        monkeypatch.setenv(k, v)
+    with Clients(_front(base)) as clients:
+        capsys.readouterr()
+        rc = main(["router", "switch", "--instance", "green", "--model", b.model, "--served-name", "new",
+                   "--cpus", "1"])
+        out = capsys.readouterr()
+        assert rc == 0, out.err
+        assert "serving new" in out.out and "in place of old" in out.out and " 0 failed" in out.out
+        (tmp_path / "evidence").mkdir()
+        roots = Roots.from_env([str(tmp_path)], [str(tmp_path / "evidence")], environ={})
+        server = create_server(Settings(roots=roots, config_overrides={
+            "state_dir": str(base.state_dir), "speculative_config": "", "extra_args": "", "start_timeout_s": 30.0,
+            "cpu_kvcache_space_gib": 1}), toolsets=["fleet"])
+        bad = make("blue", "short", "refuse")
+
+        async def go():
+            async with Client(server) as c:
+                return await c.call_tool("switch_build", {"instance": "blue", "model": bad.model,
+                                                          "served_name": "short"}, raise_on_error=False)
+
+        res = asyncio.run(go())
+    text = res.content[0].text
+    assert res.is_error and "max_model_len" in text and "new still serves" in text, text
+    assert clients.failed() == [] and clients.served()[-1] == "new"
+
+
+@pytest.mark.parametrize("cpus,mode", [(1, "beside"), (2, "hold")])
+def test_a_switch_interrupted_while_the_new_build_loads_leaves_the_old_one_with_the_traffic(door, cpus, mode):
+    """Ctrl-C (or a cancelled MCP job) once B is launched: beside, A never stopped; in hold, A is launched again
+    and put back while the router holds the requests."""
+    base, make = door
+    b = make("green", "new", "hang", cpus=cpus)
+
+    def progress(frac: float, msg: str) -> None:
+        if b.state_file.exists():
+            raise KeyboardInterrupt
+
+    with Clients(_front(base)) as clients:
+        time.sleep(0.3)
+        with pytest.raises(KeyboardInterrupt):
+            frontdoor.switch(base, b, hardware=make.hw, progress=progress)
+        deadline = time.monotonic() + 20  # hold: A is launched again, not waited for
+        while clients.served()[-1:] != ["old"] or len(clients.served()) < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        n = len(clients.results)
+        while len(clients.results) < n + 3:
+            time.sleep(0.05)
+    assert clients.failed() == [] and clients.served()[-1] == "old"
+    assert not b.state_file.exists()
+    assert frontdoor.workers(router_state.recorded(base)) == [state.load_state(_instance(base, "blue")).base_url]

@@ -1,0 +1,396 @@
+"""The front door: vllm-router on the port clients use, the builds behind it as named instances on internal
+ports, and a switch from one build to another that clients do not see fail.
+
+What the pinned vllm-router (0.1.17) offers and this relies on: workers added and removed at run time
+(`POST /add_worker?url=`, `POST /remove_worker?url=`, `GET /list_workers`), and retries with exponential backoff
+(`--retry-*`) that also cover a moment with no worker at all ("No available workers", HTTP 503) and a worker
+that refuses connections: a request is held and retried until a worker answers or the retries run out. Its queue
+(`--queue-size`, `--queue-timeout-secs`) only queues beyond `--max-concurrent-requests`, so the hold is the
+retries' (HOLD_S by default, in the router's state). Its circuit breaker is turned off: it would answer 503 at
+once for a worker that failed a few times, the opposite of holding.
+
+A switch, where the machine holds both builds (CPU: free cores for B's instance and host memory for its weights
+and KV cache; GPU: B's --gpu-memory-utilization share beside A's on the card): B starts beside A, is checked
+(/health, a completion, a chat completion through its chat template; a refusal ends it at once), is added to the
+router, A is removed from it, drains its in-flight requests and stops. No request waits for a load. Where the
+machine does not hold both (a T4 at 0.9): A is removed, drains and stops, B starts, and the router holds the
+requests that come meanwhile for at most the hold bound, which the switch states before anything stops; if B
+fails, A is started again from its recorded command line and put back. Either way the result counts, from the
+router's own metrics, the requests the front door saw during the switch, those that failed, and a bound on the
+longest one.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime, timezone
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+import httpx
+
+from tools.core.errors import BadInput, ToolFailure, op, param
+from tools.core.metrics import samples, total
+from tools.serving import placement, router_state, state, switch_record
+from tools.serving.config import ServeConfig
+from tools.serving.hardware import Hardware
+from tools.serving.launch import relaunch, start_server
+from tools.serving.model_files import checkpoint_bytes
+from tools.serving.router_state import Backend, RouterState
+from tools.serving.start_progress import StartReport
+from tools.serving.vllm_server import stop_server
+
+HOLD_S = 180.0            # the default hold: vLLM's start on 2 CPU cores is ~55 s, a T4's ~60-90 s
+_BACKOFF_MS = (200, 1000, 2.0)  # initial, most, multiplier
+ENGINE_OVERHEAD_BYTES = 1 << 30  # a vLLM server's own memory beside weights and KV cache (CPU), about
+
+
+def hold_args(hold_s: float) -> list[str]:
+    """vllm-router's flags that hold a request up to `hold_s` while no worker answers: retries 0.2, 0.4, 0.8 s,
+    then 1 s apart, and no circuit breaker."""
+    initial, most, mult = _BACKOFF_MS
+    waited, n, delay = 0.0, 0, initial / 1000
+    while waited < hold_s:
+        waited += delay
+        n += 1
+        delay = min(delay * mult, most / 1000)
+    return ["--retry-max-retries", str(max(n, 1)), "--retry-initial-backoff-ms", str(initial),
+            "--retry-max-backoff-ms", str(most), "--retry-backoff-multiplier", f"{mult:g}",
+            "--retry-jitter-factor", "0", "--disable-circuit-breaker",
+            # a worker added before it answers is checked again after this many seconds (vllm-router's default
+            # is 30, and /add_worker returns only then)
+            "--worker-startup-check-interval", "1"]
+
+
+def _worker(rt: RouterState, path: str, url: str) -> None:
+    try:
+        r = httpx.post(f"{rt.base_url}/{path}", params={"url": url}, timeout=30.0)
+    except httpx.HTTPError as exc:
+        raise ToolFailure(f"the router at {rt.base_url} did not answer {path} ({type(exc).__name__}); check "
+                          f"{op('router.status')}") from None
+    if r.status_code != 200:
+        raise ToolFailure(f"the router at {rt.base_url} refused {path} {url}: HTTP {r.status_code} {r.text[:200]}")
+
+
+def workers(rt: RouterState) -> list[str]:
+    """The worker URLs the router routes to now."""
+    r = httpx.get(f"{rt.base_url}/list_workers", timeout=10.0)
+    return list(r.json().get("urls") or [])
+
+
+def _metrics_url(rt: RouterState) -> str | None:
+    argv = rt.argv
+    try:
+        port = argv[argv.index("--prometheus-port") + 1]
+        host = argv[argv.index("--prometheus-host") + 1]
+    except (ValueError, IndexError):
+        return None
+    return f"http://{host}:{port}/metrics"
+
+
+@dataclass
+class Counts:
+    requests: float = 0.0
+    errors: float = 0.0
+    retries: float = 0.0
+
+    @classmethod
+    def read(cls, rt: RouterState) -> "Counts | None":
+        url = _metrics_url(rt)
+        if url is None:
+            return None
+        try:
+            text = httpx.get(url, timeout=5.0).text
+        except httpx.HTTPError:
+            return None
+        return cls(requests=total(text, "vllm_router_requests_total") or 0.0,
+                   errors=total(text, "vllm_router_request_errors_total") or 0.0,
+                   retries=total(text, "vllm_router_retries_total") or 0.0)
+
+
+@dataclass
+class Figures:
+    """What the front door saw during the switch, from its own metrics (None: its metrics did not answer). The
+    router's duration histograms leave out the waits between retries, so the longest wait for a build is the
+    time no build was behind the front door, measured by the switch itself."""
+
+    requests: int | None = None          # requests that came through the front door
+    failed: int | None = None            # of them, answered with an error by the router
+    retried: int | None = None           # retries the router made (a request held while no build answered)
+    longest_wait_s: float = 0.0          # the longest a request could wait for a build: none behind the door
+
+    @classmethod
+    def between(cls, before: Counts | None, after: Counts | None, no_build_s: float) -> "Figures":
+        if before is None or after is None:
+            return cls(longest_wait_s=round(no_build_s, 2))
+        return cls(requests=int(after.requests - before.requests), longest_wait_s=round(no_build_s, 2),
+                   # the router counts an error per failed attempt: those it retried are not failed requests
+                   failed=max(0, int((after.errors - before.errors) - (after.retries - before.retries))),
+                   retried=int(after.retries - before.retries))
+
+
+@dataclass
+class SwitchResult:
+    outcome: str                  # "serving NAME" (the build that serves now, named)
+    serving: str                  # its served name
+    replaced: str                 # the build it replaced
+    mode: str                     # "beside" (B loaded beside A) or "hold" (requests held while A stopped, B loaded)
+    announced: str                # what the switch said before anything stopped
+    hold_s: float                 # the router's hold bound
+    base_url: str                 # the front door clients use
+    backend: str                  # the new build's internal URL
+    wall_s: float
+    figures: Figures
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Fit:
+    beside: bool
+    why: str
+
+
+def fits_beside(b: ServeConfig, hw: Hardware) -> tuple[Fit, ServeConfig]:
+    """Whether B's instance can start while A runs: its cores or GPU share (placement's own plan, against the
+    running instances) and, on a CPU, host memory for its weights, KV cache and the engine itself."""
+    try:
+        planned = placement.plan(b, hw)
+    except ToolFailure as exc:
+        return Fit(False, f"not beside the running build: {exc}"), b
+    if hw.platform() == "cpu":
+        import psutil
+
+        weights = checkpoint_bytes(b.model) or 0
+        need = weights + int((b.cpu_kvcache_space_gib or 0) * (1 << 30)) + ENGINE_OVERHEAD_BYTES
+        free = psutil.virtual_memory().available
+        if need > free:
+            return Fit(False, f"not beside the running build: it needs about {need / 2**30:.1f} GiB of host "
+                              f"memory, {free / 2**30:.1f} GiB is available"), b
+        return Fit(True, f"beside the running build (cores {planned.cpu_cores}, about {need / 2**30:.1f} of "
+                         f"{free / 2**30:.1f} GiB host memory available)"), planned
+    return Fit(True, f"beside the running build (GPU {planned.gpus}, at {b.gpu_memory_utilization:g} of the "
+                     "card beside the running build's share)"), planned
+
+
+def _backend_cfg(cfg: ServeConfig, instance: str) -> ServeConfig:
+    return replace(cfg, instance="" if instance == "default" else instance)
+
+
+def _drain(base_url: str, timeout_s: float) -> None:
+    """Waits until the build has no request running or waiting (vLLM's /metrics), at most timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            text = httpx.get(f"{base_url}/metrics", timeout=3.0).text
+        except httpx.HTTPError:
+            return
+        busy = (total(text, "vllm:num_requests_running") or 0) + (total(text, "vllm:num_requests_waiting") or 0)
+        if busy == 0:
+            return
+        time.sleep(0.2)
+
+
+def _healthy(base_url: str, timeout_s: float) -> bool:
+    """Waits until a launched build answers /health, at most timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{base_url}/health", timeout=3.0).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    return False
+
+
+def _set_backends(cfg: ServeConfig, rt: RouterState, backends: list[Backend]) -> RouterState:
+    new = rt.model_copy(update={"backends": backends})
+    router_state.write(cfg, new)
+    return new
+
+
+def switch(cfg: ServeConfig, b: ServeConfig, *, from_instance: str | None = None, hardware: Hardware | None = None,
+           progress: StartReport | None = None, grace_s: float = 20.0, drain_s: float = 60.0) -> SwitchResult:
+    """Serves `b` (a named instance's config: B) through the front door in place of the router's backend A
+    (`from_instance`, or its only one). Raises ToolFailure with detail["outcome"] (the builds named) and
+    detail["figures"] when B does not serve; A then still serves or serves again."""
+    sw = _Switch(cfg, b, from_instance, hardware or Hardware(), progress, grace_s, drain_s)
+    began = time.time()
+    try:
+        res = sw.run()
+    except ToolFailure as exc:
+        _record(cfg, sw, (exc.detail or {}).get("outcome") or "unavailable (nothing serves)", str(exc),
+                (exc.detail or {}).get("figures"), began)
+        raise
+    _record(cfg, sw, res.outcome, f"{res.outcome} at {res.base_url} ({res.mode})", asdict(res.figures), began)
+    return res
+
+
+def _record(cfg: ServeConfig, sw: "_Switch", outcome: str, message: str, figures: dict | None,
+            began: float) -> None:
+    """The front door's last switch beside its state (STATE_DIR/last_switch.json): `status` says it."""
+    failed = switch_record.newest_failed_log(sw.b, sw.b.served_name)
+    if failed is not None and failed.stat().st_mtime < began:
+        failed = None
+    serving = sw.b.served_name if outcome.startswith("serving ") else (
+        None if outcome.startswith("unavailable") else sw.a.served_name)
+    switch_record.write_switch(replace(cfg, instance=""), switch_record.SwitchRecord(
+        at=datetime.now(timezone.utc).isoformat(timespec="seconds"), outcome=outcome,
+        from_build=sw.a.served_name, to_build=sw.b.served_name, serving=serving, message=message,
+        failed_log=str(failed) if failed else None, figures=figures))
+
+
+class _Switch:
+    """One switch: what it found before anything moved, and the time no build was behind the front door."""
+
+    def __init__(self, cfg: ServeConfig, b: ServeConfig, from_instance: str | None, hw: Hardware,
+                 progress: StartReport | None, grace_s: float, drain_s: float) -> None:
+        self.cfg, self.b, self.hw, self.progress, self.grace_s, self.drain_s = cfg, b, hw, progress, grace_s, drain_s
+        self.say = progress or (lambda frac, msg: None)
+        self.t0 = time.monotonic()
+        rt = router_state.recorded(cfg)
+        if rt is None:
+            raise ToolFailure(f"no front door runs: start it over the serving instance with {op('router.start')}")
+        self.rt = rt
+        names = [x.instance for x in rt.backends]
+        a_name = from_instance or (names[0] if len(names) == 1 else None)
+        if a_name is None or a_name not in names:
+            raise BadInput(f"the front door routes to {', '.join(names) or 'nothing'}: name the one to replace",
+                           {"backends": names}, field="from_instance")
+        self.b_name = b.instance or "default"
+        if self.b_name in names:
+            raise BadInput(f"{param('instance', self.b_name)} already serves behind the front door: start the new "
+                           "build on another instance", {"instance": self.b_name}, field="instance")
+        self.a_cfg = _backend_cfg(cfg, a_name)
+        a = state.load_state(self.a_cfg)
+        if a is None or state.leader(a) is None:
+            raise ToolFailure(f"instance {a_name!r} behind the front door does not run; check "
+                              f"{op('status', instance=a_name)}")
+        self.a = a
+        self.a_url = next(x.base_url for x in rt.backends if x.instance == a_name)
+        self.hold_s = rt.hold_s or 0.0
+        self.fit, _ = fits_beside(b, self.hw)
+        self.gap_since, self.no_build_s = 0.0, 0.0
+        self.before: Counts | None = None
+        self.announced = ""
+
+    def _announce(self) -> None:
+        a, b, fit = self.a.served_name, self.b.served_name, self.fit
+        if not fit.beside and self.hold_s <= 0:
+            raise ToolFailure(f"{b} cannot start {fit.why.removeprefix('not ')}, and the front door at "
+                              f"{self.rt.base_url} holds no request while no build answers (started without a "
+                              f"hold): restart it with {op('router.start')}; {a} still serves (unchanged)",
+                              {"outcome": f"unchanged ({a} serves)"})
+        if fit.beside:
+            self.announced = (f"{b} starts {fit.why}; {a} serves until it is ready, then drains and stops: no "
+                              "request waits for a load")
+        else:
+            self.announced = (f"{b} cannot start {fit.why.removeprefix('not ')}: {a} stops first and requests "
+                              f"wait at the front door, each at most {self.hold_s:g} s, while {b} loads")
+        self.say(0.0, self.announced)
+
+    def figures(self) -> Figures:
+        return Figures.between(self.before, Counts.read(self.rt), self.no_build_s)
+
+    def _emptied(self) -> None:
+        self.gap_since = time.monotonic()
+
+    def _filled(self) -> None:
+        if self.gap_since:
+            self.no_build_s += time.monotonic() - self.gap_since
+            self.gap_since = 0.0
+
+    def _failure(self, exc: ToolFailure, outcome: str, tail: str) -> ToolFailure:
+        return type(exc)(f"{exc.message}; {tail}", {**(exc.detail or {}), "outcome": outcome,
+                                                     "announced": self.announced, "figures": asdict(self.figures())},
+                         field=getattr(exc, "field", None))
+
+    def _start_b(self):
+        return start_server(self.b, hardware=self.hw, progress=self.progress)
+
+    def _stop_a(self) -> None:
+        _drain(self.a_url, self.drain_s)
+        stop_server(self.a_cfg, grace_s=self.grace_s)
+
+    def run(self) -> SwitchResult:
+        self._announce()
+        self.before = Counts.read(self.rt)
+        started = self._beside() if self.fit.beside else self._hold()
+        return SwitchResult(outcome=f"serving {self.b.served_name}", serving=self.b.served_name,
+                            replaced=self.a.served_name, mode="beside" if self.fit.beside else "hold",
+                            announced=self.announced, hold_s=self.hold_s, base_url=self.rt.base_url,
+                            backend=started.base_url, wall_s=round(time.monotonic() - self.t0, 2),
+                            figures=self.figures())
+
+    def _beside(self):
+        a = self.a.served_name
+        try:
+            started = self._start_b()
+        except ToolFailure as exc:
+            raise self._failure(exc, f"unchanged ({a} serves)",
+                                f"{a} still serves through {self.rt.base_url} (unchanged)") from None
+        try:
+            _worker(self.rt, "add_worker", started.base_url)
+            _worker(self.rt, "remove_worker", self.a_url)
+        except BaseException:
+            _undo_beside(self.rt, self.b, started.base_url, self.a_url)
+            raise
+        self._record(started)
+        self.say(0.9, f"{self.b.served_name} takes the traffic; {a} drains and stops")
+        try:
+            self._stop_a()
+        except BaseException:  # interrupted while A drains: B has the traffic, A is ended without waiting
+            stop_server(self.a_cfg, grace_s=5)
+            raise
+        return started
+
+    def _record(self, started) -> None:
+        """The router's state names the build it routes to now."""
+        self.rt = _set_backends(self.cfg, self.rt, [Backend(instance=self.b_name, base_url=started.base_url)])
+
+    def _hold(self):
+        a, rt = self.a.served_name, self.rt
+        _worker(rt, "remove_worker", self.a_url)
+        self._emptied()
+        self.say(0.05, f"{a} drains and stops; requests are held at {rt.base_url}")
+        self._stop_a()
+        try:
+            started = self._start_b()
+        except ToolFailure as exc:
+            self.say(0.5, f"{self.b.served_name} did not start: starting {a} again")
+            try:
+                back = relaunch(self.a_cfg, self.a, progress=self.progress)
+            except ToolFailure as a_exc:
+                self._filled()
+                raise self._failure(exc, "unavailable (nothing serves)",
+                                    f"starting {a} again failed too ({a_exc.message}): nothing serves behind "
+                                    f"{rt.base_url}") from None
+            _worker(rt, "add_worker", back.base_url)
+            self._filled()
+            raise self._failure(exc, f"restored {a}", f"restored {a} behind {rt.base_url}") from None
+        except BaseException:  # interrupted: A is launched again and put back (the router holds meanwhile)
+            relaunch(self.a_cfg, self.a, wait=False)
+            _healthy(self.a_url, self.hold_s)
+            _worker(rt, "add_worker", self.a_url)
+            raise
+        _worker(rt, "add_worker", started.base_url)
+        self._filled()
+        self._record(started)
+        return started
+
+
+def _undo_beside(rt: RouterState, b: ServeConfig, b_url: str, a_url: str) -> None:
+    """An interrupted hand-over: A keeps (or takes back) the traffic, B is stopped."""
+    try:
+        if a_url not in workers(rt):
+            _worker(rt, "add_worker", a_url)
+        if b_url in workers(rt):
+            _worker(rt, "remove_worker", b_url)
+    except (ToolFailure, httpx.HTTPError, ValueError):
+        pass
+    stop_server(b, grace_s=5)
+
+
+__all__ = ["HOLD_S", "Figures", "Fit", "SwitchResult", "fits_beside", "hold_args", "switch", "workers"]
