@@ -47,6 +47,7 @@ EXPECTED_TOOLS = {
     "stop_router": (False, True, True, False),
     "make_tiny_model": (False, True, True, False),     # replaces a folder it wrote only with force=true
     "find_capacity": (False, False, False, True),       # any base_url
+    "enable_toolset": (False, False, True, False),      # this session's tool list only
 }
 # The spec's defaults for a hint a tool leaves out; a read-only tool's destructive and idempotent hints mean nothing.
 HINT_DEFAULTS = (False, True, False, True)
@@ -359,7 +360,7 @@ def _names(mcp) -> set[str]:
 def test_toolsets_filter_what_is_listed(roots, tmp_path, monkeypatch):
     settings = Settings(roots=roots, config_overrides={"state_dir": str(tmp_path / "run")})
     only_repack = _names(create_server(settings, toolsets="repack"))
-    assert set(only_repack) == {"make_tiny_model", "probe_checkpoint", "repack_checkpoint"}
+    assert set(only_repack) == {"make_tiny_model", "probe_checkpoint", "repack_checkpoint", "enable_toolset"}
     # "default" names the default set among others
     assert set(_names(create_server(settings, toolsets="default,gpu"))) == (
         set(_names(create_server(settings))) | {"patch_turing"})
@@ -371,6 +372,53 @@ def test_toolsets_filter_what_is_listed(roots, tmp_path, monkeypatch):
     assert prop.get("enum", [prop.get("const")]) == ["start_vllm_server"]
     with pytest.raises(ValueError, match="unknown toolset nope"):
         create_server(settings, toolsets="repack,nope")
+
+
+def test_a_tool_of_a_toolset_not_listed_is_one_call_away(roots, tmp_path):
+    """From the default set: calling find_capacity names its toolset and enable_toolset; enable_toolset lists it in
+    this session (tools/list_changed sent) and the call then reaches the tool; the instructions say where to start
+    and how to reach other toolsets."""
+    settings = Settings(roots=roots, config_overrides={"state_dir": str(tmp_path / "run")})
+    seen: list[str] = []
+
+    async def on_message(msg):
+        seen.append(type(msg).__name__)
+
+    async def go():
+        async with Client(create_server(settings), message_handler=on_message) as c:
+            before = {t.name for t in await c.list_tools()}
+            refused = await c.call_tool("find_capacity", {}, raise_on_error=False)
+            enabled = await c.call_tool("enable_toolset", {"toolset": "capacity"})
+            after = {t.name for t in await c.list_tools()}
+            reached = await c.call_tool("find_capacity", {}, raise_on_error=False)
+            return c.instructions, before, refused, enabled, after, reached
+
+    text, before, refused, enabled, after, reached = run(go())
+    assert "find_capacity" not in before and "enable_toolset" in before
+    assert refused.is_error and "toolset capacity" in refused.content[0].text
+    assert "enable_toolset" in refused.content[0].text
+    assert refused.structured_content["detail"]["enable"] == {"tool": "enable_toolset",
+                                                             "arguments": {"toolset": "capacity"}}
+    assert enabled.structured_content["tools"] == ["find_capacity"]
+    assert after - before == {"find_capacity"} and "ToolListChangedNotification" in seen
+    assert reached.is_error and "not listed" not in reached.content[0].text  # the tool ran: no server to measure
+    assert "deploy_cpu" in text and "enable_toolset" in text and "capacity" in text
+    # a name no toolset declares is still answered as unknown
+    async def unknown():
+        async with Client(create_server(settings)) as c:
+            return await c.call_tool("no_such_tool", {}, raise_on_error=False)
+
+    assert "Unknown tool" in run(unknown()).content[0].text
+
+
+def test_prompt_arguments_carry_no_generated_schema_note(mcp):
+    async def go():
+        async with Client(mcp) as c:
+            return await c.list_prompts()
+
+    for p in run(go()):
+        for a in p.arguments or []:
+            assert a.description and "JSON schema" not in a.description, (p.name, a.name)
 
 
 def test_library_fields_reach_mcp_clients(mcp, tmp_path):

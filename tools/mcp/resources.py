@@ -23,6 +23,7 @@ from typing import Annotated, Any
 
 import anyio.to_thread
 from fastmcp.exceptions import ResourceError, ValidationError as ArgumentsRefused
+from fastmcp.prompts.function_prompt import FunctionPrompt
 from pydantic import Field
 
 from tools.core.errors import ToolFailure
@@ -491,5 +492,8 @@ def register(mcp: Any, app: Any) -> None:
     for spec in RESOURCES.values():
         mcp.resource(spec.uri, name=spec.name, title=spec.title, description=spec.description,
                      mime_type=spec.mime_type)(resource_function(spec, app))
-    for p in PROMPTS.values():
-        mcp.prompt(prompt_function(p), name=p.name, title=p.title, description=p.description)
+    for p in PROMPTS.values():  # arguments are strings: no generated "matching the following JSON schema" note
+        made = FunctionPrompt.from_function(prompt_function(p), name=p.name, title=p.title, description=p.description)
+        for arg in made.arguments or []:
+            arg.description = p.arguments[arg.name][1]
+        mcp.add_prompt(made)
