@@ -39,7 +39,8 @@ from pydantic import ValidationError
 from tools.core.atomic import cleanup_own_partials
 from tools.core.errors import ToolFailure, op, param
 from tools.core.paths import Roots
-from tools.mcp import resources
+from tools.mcp import index_resources, resources  # noqa: F401  (index_resources declares its resources)
+from tools.mcp.bounded import fit
 from tools.mcp.catalog import load_all
 from tools.mcp.errors import ToolRefusal, argument_error, to_tool_error
 from tools.mcp.jobs import JobCancelled, JobRegistry, ProgressFn
@@ -136,7 +137,9 @@ def error_result(exc: BaseException) -> ToolResult:
 
 
 def _result(data: dict[str, Any]) -> ToolResult:
-    """Structured content plus text for clients that show only text: the summary, then the same JSON."""
+    """Structured content plus text for clients that show only text: the summary, then the same JSON; within
+    RESULT_BUDGET characters (bounded.fit: the whole stays in the files the result names)."""
+    data = fit(data)
     return ToolResult(content=[TextContent(type="text", text=str(data.get("summary", ""))),
                                TextContent(type="text", text=json.dumps(data, separators=(",", ":")))],
                       structured_content=data)

@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import json
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from tools.core.atomic_files import write_file
 from tools.core.errors import ToolFailure, op
 from tools.core.paths import PathNotAllowed
 from tools.core.text import clip
@@ -109,6 +112,8 @@ def compare_sweeps(app, p: CompareSweepsParams) -> Reply:
         cmp.markdown = cap.markdown + "\n" + cmp.markdown
     if out is not None:
         write_comparison(cmp, out, force=p.force)
+    # The method paragraph once, in `method`: the markdown (the written report keeps it) points there.
+    cmp = cmp.model_copy(update={"markdown": cmp.markdown.replace(cmp.method, "(Method: see `method`.)")})
     return Reply(cmp, cap.summary() if cap else cmp.summary(),
                  {"report_path": str(out) if out else None, "capacity": cap.summary() if cap else None})
 
@@ -140,17 +145,70 @@ def _token_inputs(app, p: CompareParams) -> CompareParams:
 
 @tool(toolset="measure", title="Greedy token identity between builds", params=CompareParams,
       result=TokenComparison | TokenRecord, long=True, destructive=True, open_world=True, check=_token_inputs,
-      extra={"report": (str, "The comparison as text (the article's SAME TOKENS lines)")})
+      extra={"report": (str, "One line per prompt: tokens compared, first divergence, near-tie"),
+             "comparison_path": (str | None, "check/live: the whole comparison, written under an evidence root")})
 def compare_tokens(app, p: CompareParams, progress, checked: CompareParams) -> Reply:
     """Whether two builds give the same greedy tokens, prompt by prompt: mode=record with build A, restart with
     build B, mode=check (or mode=live with two instances). Long."""
     res = compare(checked, progress=lambda d, t, m: progress(d, t, m))
     if isinstance(res, TokenRecord):
-        # The record itself is in the file; the reply lists what was recorded, not every token's logprobs.
-        lines = [f"{len(g.token_ids)} tokens ({g.finish_reason}): {g.prompt}" for g in res.generations]
+        # The record itself is in the file; the reply lists what was recorded, a prompt as its first words.
+        path = Path(res.path or str(checked.reference))
+        lines = [f"{i}. {len(g.token_ids)} tokens ({g.finish_reason}), prompt {_prompt_size(g.prompt_tokens)}: "
+                 f"{_head(g.prompt)}" for i, g in enumerate(res.generations, 1)]
         return Reply(res.model_dump(mode="json", exclude={"generations"}), res.summary(),
-                     {"report": "\n".join(lines + [f"written to {Path(res.path or str(checked.reference))}"])})
-    return Reply(res, f"{res.summary} ({res.reference} vs {res.candidate})", {"report": res.text()})
+                     {"report": "\n".join(lines + [f"written to {path}"])})
+    whole = _write_comparison(app, res, checked)
+    rows = [_prompt_row(i, x) for i, x in enumerate(res.prompts, 1)]
+    data = res.model_dump(mode="json", exclude={"prompts"}) | {"prompts": rows}
+    report = "\n".join([_prompt_line(i, x) for i, x in enumerate(res.prompts, 1)]
+                       + [f"{res.summary} ({res.reference} vs {res.candidate}); whole comparison: {whole}"])
+    return Reply(data, f"{res.summary} ({res.reference} vs {res.candidate})",
+                 {"report": report, "comparison_path": str(whole) if isinstance(whole, Path) else None})
+
+
+def _head(prompt: str, n: int = 60) -> str:
+    flat = " ".join(prompt.split())
+    return repr(flat if len(flat) <= n else flat[:n] + "...")
+
+
+def _prompt_size(tokens: int | None) -> str:
+    return f"{tokens:,} tokens" if tokens else "length unknown"
+
+
+def _prompt_row(i: int, x: Any) -> dict[str, Any]:
+    """A prompt's comparison without the prompt: its number, length and the counts that matter."""
+    row = {"n": i, "prompt_tokens": x.prompt_tokens, "same_tokens": x.same_tokens, "verdict": x.verdict,
+           "compared": min(x.reference_len, x.candidate_len), "first_divergence": x.first_divergence,
+           "logprob_gap": x.logprob_gap}
+    return {k: v for k, v in row.items() if v is not None}
+
+
+def _prompt_line(i: int, x: Any) -> str:
+    n = min(x.reference_len, x.candidate_len)
+    head = f"{i}. prompt {_prompt_size(x.prompt_tokens)} {_head(x.prompt, 40)}: "
+    if x.same_tokens:
+        return head + f"identical, {n} tokens compared"
+    if x.verdict == "length":
+        return head + f"lengths differ ({x.reference_len} vs {x.candidate_len}), same up to {x.first_divergence}"
+    gap = "" if x.logprob_gap is None else f", logprob gap {x.logprob_gap:.3f}"
+    return head + f"first divergence at token {x.first_divergence} of {n} ({x.verdict}{gap})"
+
+
+def _write_comparison(app, res: TokenComparison, p: CompareParams) -> Path | str:
+    """The whole comparison (every prompt in full) beside the reference record, or in the first evidence root for
+    a live comparison: the reply holds the counts, this file the rest. A folder that takes no file costs the
+    file, not the comparison (said in its place)."""
+    if not p.reference and not app.roots.evidence:
+        return "not written (no evidence root)"
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%f")
+    folder = Path(p.reference).parent if p.reference else app.roots.evidence[0]
+    stem = Path(p.reference).stem if p.reference else "tokens-live"
+    try:
+        out = app.roots.confine(folder / f"{stem}.check-{stamp}.json", "evidence", what="comparison")
+        return write_file(out, json.dumps(res.to_dict(), indent=1) + "\n")
+    except (ToolFailure, PathNotAllowed, OSError) as exc:
+        return f"not written ({clip(exc)})"
 
 
 def _logprob_inputs(app, p: CompareLogprobsParams) -> CompareLogprobsParams:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from tools.mcp.catalog import load_all
 from tools.mcp.registry import ALWAYS_LISTED, DEFAULT_TOOLSETS, TOOLSETS, ToolSpec
+from tools.mcp import index_resources  # noqa: F401  (declares the bounded resources)
 from tools.mcp.resources import PROMPTS, RESOURCES
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "mcp.md"
