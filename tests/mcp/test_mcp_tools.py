@@ -597,6 +597,29 @@ def test_compare_sweeps_never_overwrites_unless_forced_and_never_an_input(mcp, r
     assert (a / "summary.json").read_text() == summary_before
 
 
+def test_compare_sweeps_says_where_each_run_was_measured_and_how_cost_was_priced(mcp, roots):
+    ev = roots.evidence[0]
+    a, b = _fake_run(ev / "run-a", "a", 10.0), _fake_run(ev / "run-b", "b", 20.0)
+    for folder, root in ((a, "/m/tiny-bf16-emb"), (b, "/m/tiny-emb4")):  # both measured on a CPU
+        data = json.loads((folder / "summary.json").read_text())
+        data["provenance"] = {"gpu_count": 0, "cpu_model": "Intel Xeon", "server": {"model_root": root}}
+        (folder / "summary.json").write_text(json.dumps(data))
+
+    async def go():
+        async with Client(mcp) as c:
+            default = (await c.call_tool("compare_sweeps", {"run_dirs": [str(a), str(b)]})).structured_content
+            priced = (await c.call_tool("compare_sweeps", {"run_dirs": [str(a), str(b)],
+                                                           "price_per_hour": 0.1})).structured_content
+            return default, priced
+
+    default, priced = run(go())
+    assert default["measured_on"] == {"a": "CPU stand-in (vLLM CPU backend, Intel Xeon), build tiny-bf16-emb",
+                                      "b": "CPU stand-in (vLLM CPU backend, Intel Xeon), build tiny-emb4"}
+    assert "a: CPU stand-in (vLLM CPU backend, Intel Xeon), build tiny-bf16-emb" in default["summary"]
+    assert "applied to this CPU's throughput, not a T4 cost" in default["summary"]
+    assert priced["cost_basis"] == "$0.1/h" and "cost at $0.1/h" in priced["summary"]
+
+
 def test_compare_sweeps_refuses_a_summary_linked_out_of_the_roots(mcp, roots, tmp_path):
     ev = roots.evidence[0]
     a = _fake_run(ev / "run-a", "a", 10.0)

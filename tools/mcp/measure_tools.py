@@ -18,9 +18,11 @@ from tools.measure.compare_tokens import CompareParams, TokenComparison, TokenRe
 from tools.measure.decode import DecodeParams, DecodeSummary, run_decode
 from tools.measure.fidelity import (DEFAULT_CORPUS, CheckLogprobsResult, CompareLogprobsParams,
                                     RecordLogprobsResult, compare_logprobs as logprob_fidelity)
-from tools.measure.results import SweepParams, SweepResult
+from tools.measure.provenance import cost_basis, measured_on
+from tools.measure.results import DEFAULT_PRICE_PER_HOUR, SweepParams, SweepResult
 from tools.measure.sweep import sweep
-from tools.measure.sweep_report import CompareSweepsParams, SweepComparison, compare_runs, write_comparison
+from tools.measure.sweep_report import (CompareSweepsParams, SweepComparison, compare_runs, load_run,
+                                       write_comparison)
 from tools.mcp.registry import Reply, tool
 from tools.serving.endpoint import Endpoint, resolve_endpoint, resolve_name
 
@@ -43,7 +45,8 @@ def _sweep_inputs(app, p: SweepParams) -> _Sweep:
 @tool(toolset="measure", title="Serving sweep (vllm bench serve)", params=SweepParams, result=SweepResult,
       long=True, open_world=True, check=_sweep_inputs,
       extra={"counts": (dict[str, int], "Cells by status: ok, infeasible, failed"),
-             "table_md": (str, "The run's markdown table")})
+             "table_md": (str, "The run's markdown table"),
+             "measured_on": (str, "")})
 def run_sweep(app, p: SweepParams, progress, checked: _Sweep) -> Reply:
     """Measure the running server's throughput with vLLM's own benchmark over input lengths x concurrencies, the
     same prompts for every build; writes a run folder under an evidence root. Long."""
@@ -52,7 +55,8 @@ def run_sweep(app, p: SweepParams, progress, checked: _Sweep) -> Reply:
     counts = res.counts
     oks = [c for c in res.cells if c.status == "ok" and c.median.get("output_throughput")]
     best = max(oks, key=lambda c: c.median["output_throughput"], default=None)
-    summary = (f"sweep {res.run_id} ({res.label}): {counts['ok']} ok, {counts['failed']} failed, "
+    platform, where = measured_on(res.provenance)
+    summary = (f"sweep {res.run_id} ({res.label}) on {where}: {counts['ok']} ok, {counts['failed']} failed, "
                f"{counts['infeasible']} infeasible cells"
                + (f"; best {best.median['output_throughput']:.2f} out tok/s at in={best.input_len} "
                   f"c={best.concurrency}" if best else "")
@@ -62,7 +66,8 @@ def run_sweep(app, p: SweepParams, progress, checked: _Sweep) -> Reply:
     # Each cell's repeats (every metric of every repeat) stay in the run folder: the cell's medians and
     # intervals are what a caller reads.
     return Reply(res.model_dump(mode="json", exclude={"cells": {"__all__": {"repeats"}}}), summary,
-                 {"counts": counts, "table_md": Path(res.files["table_md"]).read_text()})
+                 {"counts": counts, "table_md": Path(res.files["table_md"]).read_text(), "platform": platform,
+                  "measured_on": where})
 
 
 class _Capacity(NamedTuple):
@@ -94,7 +99,8 @@ def find_capacity(app, p: CapacityParams, progress, checked: _Capacity) -> Reply
 
 @tool(toolset="measure", title="Compare sweep runs", params=CompareSweepsParams, result=SweepComparison,
       destructive=True, extra={"report_path": (str | None, "Where the comparison was written, when asked"),
-                               "capacity": (str | None, "Capacity runs' verdicts")})
+                               "capacity": (str | None, "Capacity runs' verdicts"),
+                               "measured_on": (dict[str, str], ""), "cost_basis": (str, "")})
 def compare_sweeps(app, p: CompareSweepsParams) -> Reply:
     """Sweep (or capacity) runs side by side: per cell each run's output tok/s with its 95% interval, the last
     run's ratio to each earlier one with a verdict (faster, slower, within noise), cost per million tokens;
@@ -114,8 +120,16 @@ def compare_sweeps(app, p: CompareSweepsParams) -> Reply:
         write_comparison(cmp, out, force=p.force)
     # The method paragraph once, in `method`: the markdown (the written report keeps it) points there.
     cmp = cmp.model_copy(update={"markdown": cmp.markdown.replace(cmp.method, "(Method: see `method`.)")})
-    return Reply(cmp, cap.summary() if cap else cmp.summary(),
-                 {"report_path": str(out) if out else None, "capacity": cap.summary() if cap else None})
+    where = {label: measured_on(load_run(d).provenance) for label, d in zip(cmp.labels, dirs)}
+    platforms = {pf for pf, _ in where.values()}
+    basis = cost_basis("cpu" if "cpu" in platforms else next(iter(platforms), ""), p.price_per_hour,
+                       p.price_per_hour != DEFAULT_PRICE_PER_HOUR)
+    places = sorted({w for _, w in where.values()})
+    on = f"; measured on {places[0]}" if len(places) == 1 else "; measured on " + ", ".join(
+        f"{label}: {w}" for label, (_, w) in where.items())
+    return Reply(cmp, (cap.summary() if cap else cmp.summary()) + on + f"; cost at {basis}",
+                 {"report_path": str(out) if out else None, "capacity": cap.summary() if cap else None,
+                  "measured_on": {label: w for label, (_, w) in where.items()}, "cost_basis": basis})
 
 
 def _token_inputs(app, p: CompareParams) -> CompareParams:
@@ -145,8 +159,7 @@ def _token_inputs(app, p: CompareParams) -> CompareParams:
 
 @tool(toolset="measure", title="Greedy token identity between builds", params=CompareParams,
       result=TokenComparison | TokenRecord, long=True, destructive=True, open_world=True, check=_token_inputs,
-      extra={"report": (str, "One line per prompt: tokens compared, first divergence, near-tie"),
-             "comparison_path": (str | None, "check/live: the whole comparison, written under an evidence root")})
+      extra={"report": (str, "A line per prompt"), "comparison_path": (str | None, "The whole comparison")})
 def compare_tokens(app, p: CompareParams, progress, checked: CompareParams) -> Reply:
     """Whether two builds give the same greedy tokens, prompt by prompt: mode=record with build A, restart with
     build B, mode=check (or mode=live with two instances). Long."""

@@ -23,15 +23,14 @@ class EnableToolsetParams(OpParams):
 
 class ToolsetEnabled(BaseModel):
     toolset: str
-    tools: list[str] = Field(description="Its tools, now listed")
+    tools: list[str]
     about: str
 
 
 @tool(toolset=ALWAYS_LISTED, title="Enable a toolset for this session", params=EnableToolsetParams,
       result=ToolsetEnabled, idempotent=True, context=True)
 async def enable_toolset(app, p: EnableToolsetParams, ctx) -> Reply:
-    """List a toolset's tools in this session (e.g. capacity: find_capacity); the server's instructions name the
-    toolsets."""
+    """List a toolset's tools in this session (e.g. capacity: find_capacity)."""
     names = [n for n, s in TOOLS.items() if s.toolset == p.toolset]
     if ctx is not None:
         await ctx.enable_components(tags={p.toolset}, components={"tool"})
