@@ -40,14 +40,14 @@ EXPECTED_TOOLS = {
     "compare_logprobs": (False, True, False, True),     # record (force=true) replaces a file; any base_url
     "run_eval": (False, False, False, True),            # any base_url
     "compare_evals": (True, False, True, False),
-    "preflight": (True, False, True, False),
+    "preflight": (True, False, True, True),            # step fetch asks the hub
     "fetch_checkpoint": (False, False, True, True),     # the hub; the same fetch again changes nothing
     "start_router": (False, False, False, True),        # routes to any instance URL
     "router_status": (True, False, True, False),
     "stop_router": (False, True, True, False),
     "make_tiny_model": (False, True, True, False),     # replaces a folder it wrote only with force=true
     "find_capacity": (False, False, False, True),       # any base_url
-    "enable_toolset": (False, False, True, False),      # this session's tool list only
+    "enable_toolset": (True, False, True, False),       # this session's tool list only
 }
 # The spec's defaults for a hint a tool leaves out; a read-only tool's destructive and idempotent hints mean nothing.
 HINT_DEFAULTS = (False, True, False, True)

@@ -159,7 +159,7 @@ def _token_inputs(app, p: CompareParams) -> CompareParams:
 
 @tool(toolset="measure", title="Greedy token identity between builds", params=CompareParams,
       result=TokenComparison | TokenRecord, long=True, destructive=True, open_world=True, check=_token_inputs,
-      extra={"report": (str, "A line per prompt"), "comparison_path": (str | None, "The whole comparison")})
+      extra={"report": (str, ""), "comparison_path": (str | None, "")})
 def compare_tokens(app, p: CompareParams, progress, checked: CompareParams) -> Reply:
     """Whether two builds give the same greedy tokens, prompt by prompt: mode=record with build A, restart with
     build B, mode=check (or mode=live with two instances). Long."""

@@ -24,15 +24,15 @@ class EnableToolsetParams(OpParams):
 class ToolsetEnabled(BaseModel):
     toolset: str
     tools: list[str]
-    about: str
 
 
-@tool(toolset=ALWAYS_LISTED, title="Enable a toolset for this session", params=EnableToolsetParams,
-      result=ToolsetEnabled, idempotent=True, context=True)
+# Read-only: it changes what this session lists, nothing on the machine.
+@tool(toolset=ALWAYS_LISTED, title="Enable a toolset", params=EnableToolsetParams, result=ToolsetEnabled,
+      read_only=True, idempotent=True, context=True)
 async def enable_toolset(app, p: EnableToolsetParams, ctx) -> Reply:
     """List a toolset's tools in this session (e.g. capacity: find_capacity)."""
     names = [n for n, s in TOOLS.items() if s.toolset == p.toolset]
     if ctx is not None:
         await ctx.enable_components(tags={p.toolset}, components={"tool"})
-    res = ToolsetEnabled(toolset=p.toolset, tools=names, about=TOOLSETS[p.toolset])
-    return Reply(res, f"toolset {p.toolset} enabled for this session: {', '.join(names)}")
+    res = ToolsetEnabled(toolset=p.toolset, tools=names)
+    return Reply(res, f"toolset {p.toolset} ({TOOLSETS[p.toolset]}) enabled for this session: {', '.join(names)}")
