@@ -44,9 +44,7 @@ def _sweep_inputs(app, p: SweepParams) -> _Sweep:
 
 @tool(toolset="measure", title="Serving sweep (vllm bench serve)", params=SweepParams, result=SweepResult,
       long=True, open_world=True, check=_sweep_inputs,
-      extra={"counts": (dict[str, int], "Cells by status: ok, infeasible, failed"),
-             "table_md": (str, "The run's markdown table"),
-             "measured_on": (str, "")})
+      extra={"counts": (dict[str, int], "Cells by status: ok, infeasible, failed"), "measured_on": (str, "")})
 def run_sweep(app, p: SweepParams, progress, checked: _Sweep) -> Reply:
     """Measure the running server's throughput with vLLM's own benchmark over input lengths x concurrencies, the
     same prompts for every build; writes a run folder under an evidence root. Long."""
@@ -62,12 +60,17 @@ def run_sweep(app, p: SweepParams, progress, checked: _Sweep) -> Reply:
                   f"c={best.concurrency}" if best else "")
                + "".join(f"; c=1 at in={L}: {100 * r.fraction:.0f}% of the memory-bandwidth roofline"
                          for L, r in res.roofline.items()))
-    # the table the run wrote (summary.md), not rendered a second time
-    # Each cell's repeats (every metric of every repeat) stay in the run folder: the cell's medians and
-    # intervals are what a caller reads.
-    return Reply(res.model_dump(mode="json", exclude={"cells": {"__all__": {"repeats"}}}), summary,
-                 {"counts": counts, "table_md": Path(res.files["table_md"]).read_text(), "platform": platform,
-                  "measured_on": where})
+    # Small by default: a cell's medians of the figures a comparison reads (the run folder holds every metric,
+    # repeat and spread, its table, and the provenance); the table once, as data.
+    data = res.model_dump(mode="json", exclude={"provenance": True, "cells": {"__all__": {"repeats", "spread_pct"}}})
+    for cell in data["cells"]:
+        cell["median"] = {k: round(v, 3) for k, v in (cell.get("median") or {}).items()
+                          if k in CELL_FIGURES and isinstance(v, (int, float))}
+    return Reply(data, summary, {"counts": counts, "platform": platform, "measured_on": where})
+
+
+CELL_FIGURES = ("output_throughput", "request_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms",
+                "p99_tpot_ms", "completed", "failed")
 
 
 class _Capacity(NamedTuple):
