@@ -5,7 +5,7 @@ Drives server.py over stdio with the default toolsets, from an empty models root
 deploy_cpu prompt's calls, then compare_builds' (two vLLM starts), then what the issue's walk added: a token check
 with the long (~2k/8k/14k-token) prompts, a capacity search reached through enable_toolset, and every resource.
 The figure per tool is the characters of the text content it returns (the summary line and the JSON); per
-resource, its text. Writes evidence/mcp-result-sizes.md. Runs real vLLM: take the suite's lock,
+resource, its text. A step that fails ends the run (nothing is written): its figure would be an error line's. Writes evidence/mcp-result-sizes.md. Runs real vLLM: take the suite's lock,
 
     flock /tmp/gemma4-vllm.lock .venv/bin/python bench/bench_mcp_result_sizes.py
 """
@@ -68,9 +68,11 @@ async def walk(models: Path, evidence: Path, state: Path, env: dict[str, str]) -
         return [resolve(name, x) for x in v] if isinstance(v, list) else v
 
     async with Client(transport, timeout=3600) as c:
-        async def call(tool: str, args: dict, where: str):
+        async def call(tool: str, args: dict, where: str, *, refusal: bool = False):
             r = await c.call_tool(tool, args, raise_on_error=False)
-            note(tool, _chars(r), where)
+            if r.is_error and not refusal:  # a failed step measures nothing of the walk: stop, saying why
+                raise SystemExit(f"{where}: {tool} failed: {r.content[0].text}")
+            note(tool, _chars(r), where + (" (its refusal)" if refusal else ""))
             print(f"{where}: {tool} {_chars(r):,} characters", flush=True)
             return r
 
@@ -85,6 +87,8 @@ async def walk(models: Path, evidence: Path, state: Path, env: dict[str, str]) -
                         st = (await c.call_tool("server_status", {})).structured_content
                         if st["alive"] and st["model"] == str(models / values[name]["build_a"]):
                             continue
+                    if step.tool == "stop_vllm_server":  # after the long prompts and the capacity search
+                        continue
                     tiny = {} if step.args.get("mode") == "check" else TINY.get(step.tool, {})
                     args = {k: resolve(name, v) for k, v in step.args.items()} | tiny
                     r = await call(step.tool, args, f"{name} step {i}")
@@ -93,7 +97,7 @@ async def walk(models: Path, evidence: Path, state: Path, env: dict[str, str]) -
             ref = str(evidence / "tokens" / "long.json")
             await call("compare_tokens", {"mode": "record", "reference": ref, "long": True}, "long record")
             await call("compare_tokens", {"mode": "check", "reference": ref}, "long check")
-            await call("find_capacity", {}, "capacity before enable_toolset")
+            await call("find_capacity", {}, "capacity before enable_toolset", refusal=True)
             await call("enable_toolset", {"toolset": "capacity"}, "enable capacity")
             await call("find_capacity", {"slo": "ttft_p99_ms=2000", "input_len": 32, "output_len": 8,
                                          "max_load": 8, "repeats": 2, "label": "tiny"}, "capacity search")
@@ -102,6 +106,7 @@ async def walk(models: Path, evidence: Path, state: Path, env: dict[str, str]) -
             for uri in (f"{SCHEME}://config", f"{SCHEME}://evidence/runs", f"{SCHEME}://server/log"):
                 text = (await c.read_resource(uri))[0].text
                 note(uri, len(text), "after the walk")
+            await call("stop_vllm_server", {"grace_s": 10}, "compare_builds' last step")
         finally:
             await c.call_tool("stop_vllm_server", {"grace_s": 10}, raise_on_error=False)
     return sizes
