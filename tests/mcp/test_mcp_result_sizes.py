@@ -65,6 +65,7 @@ def test_fit_keeps_the_summary_and_where_the_whole_is():
     small = fit(big)
     assert size(small) <= RESULT_BUDGET and small["summary"] == "3 of 3" and small["path"] == "/e/x.json"
     assert "/e/x.json" in small["clipped"]
+    assert all(isinstance(r, dict) for r in small.get("rows", []))  # a shortened list keeps its kind of items
     assert fit({"summary": "ok", "x": 1}) == {"summary": "ok", "x": 1}  # what fits is left alone
 
 

@@ -4,7 +4,8 @@ characters, and says where the whole is.
 One guard for every tool result (`fit`, called by the app's result wrapper) and every resource (`fit_text`, called
 by the resource wrapper), so a tool that grows a field cannot flood a client's context. The tools shape their own
 results first (a table once, a prompt as a short line); the guard only catches what is still too large, shortening
-long texts and lists and naming the file or resource that holds the whole.
+long texts and lists and naming the file or resource that holds the whole. A call that asks for the whole
+(`detail=true`, as probe_checkpoint takes) gets it.
 """
 
 from __future__ import annotations
@@ -26,11 +27,8 @@ def size(data: dict[str, Any]) -> int:
 def _shrink(value: Any, text_max: int, list_max: int) -> Any:
     if isinstance(value, str):
         return value if len(value) <= text_max else f"{value[:text_max - 40]} [... {len(value):,} characters]"
-    if isinstance(value, list):
-        kept = [_shrink(v, text_max, list_max) for v in value[:list_max]]
-        if len(value) > list_max:
-            kept.append(f"[... {len(value) - list_max} more of {len(value)}]")
-        return kept
+    if isinstance(value, list):  # the first items, of the same kind (`clipped` says lists were shortened)
+        return [_shrink(v, text_max, list_max) for v in value[:list_max]]
     if isinstance(value, dict):
         return {k: _shrink(v, text_max, list_max) for k, v in value.items()}
     return value
@@ -53,7 +51,8 @@ def fit(data: dict[str, Any], budget: int = RESULT_BUDGET) -> dict[str, Any]:
     where the whole is kept), with `clipped` saying so; at the last, the top-level scalars only."""
     if size(data) <= budget:
         return data
-    note = {"clipped": f"result over {budget:,} characters: long texts and lists shortened{_where(data)}"}
+    note = {"clipped": f"result over {budget:,} characters: long texts and lists shortened to their first "
+                       f"part{_where(data)}"}
     keep = {k: data[k] for k in ("summary", *WHOLE_FIELDS) if k in data}
     for text_max, list_max in _STEPS:
         small = {**_shrink(data, text_max, list_max), **_shrink(keep, 600, 8), **note}
