@@ -67,6 +67,12 @@ def test_fit_keeps_the_summary_and_where_the_whole_is():
     assert "/e/x.json" in small["clipped"]
     assert all(isinstance(r, dict) for r in small.get("rows", []))  # a shortened list keeps its kind of items
     assert fit({"summary": "ok", "x": 1}) == {"summary": "ok", "x": 1}  # what fits is left alone
+    # many short fields: the largest left out, by name, the rest (strings included) kept
+    wide = {"summary": "s", "run_dir": "/e/r", "label": "emb4",
+            **{f"f{i}": {f"k{j}": 123456.789 for j in range(8)} for i in range(60)}}
+    cut = fit(wide)
+    assert size(cut) <= RESULT_BUDGET and cut["label"] == "emb4" and cut["run_dir"] == "/e/r"
+    assert "left out: f" in cut["clipped"]
 
 
 @pytest.fixture()

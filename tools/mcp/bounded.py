@@ -58,8 +58,15 @@ def fit(data: dict[str, Any], budget: int = RESULT_BUDGET) -> dict[str, Any]:
         small = {**_shrink(data, text_max, list_max), **_shrink(keep, 600, 8), **note}
         if size(small) <= budget:
             return small
-    scalars = {k: v for k, v in data.items() if isinstance(v, (int, float, bool)) or v is None}
-    return {**scalars, **_shrink(keep, 300, 4), **note}
+    # Many fields, none long: leave out the largest ones (named) until it fits, the summary and paths kept.
+    small = {**_shrink(data, 200, 5), **_shrink(keep, 300, 4)}
+    dropped = []
+    for k in sorted((k for k in small if k not in keep), key=lambda k: -len(json.dumps(small[k], default=str))):
+        if size({**small, **note}) <= budget - 200:
+            break
+        dropped.append(k)
+        del small[k]
+    return {**small, "clipped": note["clipped"] + (f"; left out: {', '.join(dropped)[:150]}" if dropped else "")}
 
 
 def fit_text(text: str, *, whole: str, budget: int = RESULT_BUDGET, keep: str = "tail") -> str:

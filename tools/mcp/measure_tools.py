@@ -61,8 +61,9 @@ def run_sweep(app, p: SweepParams, progress, checked: _Sweep) -> Reply:
                + "".join(f"; c=1 at in={L}: {100 * r.fraction:.0f}% of the memory-bandwidth roofline"
                          for L, r in res.roofline.items()))
     # Small by default: a cell's medians of the figures a comparison reads (the run folder holds every metric,
-    # repeat and spread, its table, and the provenance); the table once, as data.
-    data = res.model_dump(mode="json", exclude={"provenance": True, "cells": {"__all__": {"repeats", "spread_pct"}}})
+    # repeat and spread, its table, parameters and provenance); the table once, as data.
+    data = res.model_dump(mode="json", exclude={"provenance": True, "params": True, "prefix_cache_policy": True,
+                                                "cells": {"__all__": {"repeats", "spread_pct"}}})
     for cell in data["cells"]:
         cell["median"] = {k: round(v, 3) for k, v in (cell.get("median") or {}).items()
                           if k in CELL_FIGURES and isinstance(v, (int, float))}
