@@ -51,8 +51,8 @@ def test_resources_templates_and_prompts_are_listed_under_the_default_toolsets(m
     res, templates, prompts = run(go())
     listed = {str(r.uri): r for r in res} | {t.uri_template: t for t in templates}
     assert set(listed) == set(RESOURCES)
-    assert {f"{SCHEME}://evidence/{{run*}}/summary.md", f"{SCHEME}://evidence/{{run*}}/summary.json"} == {
-        t.uri_template for t in templates}
+    assert {f"{SCHEME}://evidence/{{run*}}/summary.md", f"{SCHEME}://evidence/{{run*}}/summary.json",
+            f"{SCHEME}://server/log/{{lines}}"} == {t.uri_template for t in templates}
     for uri, spec in RESOURCES.items():
         assert listed[uri].mime_type == spec.mime_type and listed[uri].description and listed[uri].title, uri
     by_name = {p.name: p for p in prompts}

@@ -41,7 +41,7 @@ EXPECTED_TOOLS = {
     "compare_logprobs": (False, True, False, True),     # record (force=true) replaces a file; any base_url
     "run_eval": (False, False, False, True),            # any base_url
     "compare_evals": (True, False, True, False),
-    "preflight": (True, False, True, False),
+    "preflight": (True, False, True, True),            # step fetch asks the hub
     "fetch_checkpoint": (False, False, True, True),     # the hub; the same fetch again changes nothing
     "start_router": (False, False, False, True),        # routes to any instance URL
     "router_status": (True, False, True, False),
@@ -49,6 +49,7 @@ EXPECTED_TOOLS = {
     "switch_build": (False, True, False, True),         # stops the build it replaces; may download a hub model
     "make_tiny_model": (False, True, True, False),     # replaces a folder it wrote only with force=true
     "find_capacity": (False, False, False, True),       # any base_url
+    "enable_toolset": (True, False, True, False),       # this session's tool list only
 }
 # The spec's defaults for a hint a tool leaves out; a read-only tool's destructive and idempotent hints mean nothing.
 HINT_DEFAULTS = (False, True, False, True)
@@ -361,7 +362,7 @@ def _names(mcp) -> set[str]:
 def test_toolsets_filter_what_is_listed(roots, tmp_path, monkeypatch):
     settings = Settings(roots=roots, config_overrides={"state_dir": str(tmp_path / "run")})
     only_repack = _names(create_server(settings, toolsets="repack"))
-    assert set(only_repack) == {"make_tiny_model", "probe_checkpoint", "repack_checkpoint"}
+    assert set(only_repack) == {"make_tiny_model", "probe_checkpoint", "repack_checkpoint", "enable_toolset"}
     # "default" names the default set among others
     assert set(_names(create_server(settings, toolsets="default,gpu"))) == (
         set(_names(create_server(settings))) | {"patch_turing"})
@@ -373,6 +374,53 @@ def test_toolsets_filter_what_is_listed(roots, tmp_path, monkeypatch):
     assert prop.get("enum", [prop.get("const")]) == ["start_vllm_server"]
     with pytest.raises(ValueError, match="unknown toolset nope"):
         create_server(settings, toolsets="repack,nope")
+
+
+def test_a_tool_of_a_toolset_not_listed_is_one_call_away(roots, tmp_path):
+    """From the default set: calling find_capacity names its toolset and enable_toolset; enable_toolset lists it in
+    this session (tools/list_changed sent) and the call then reaches the tool; the instructions say where to start
+    and how to reach other toolsets."""
+    settings = Settings(roots=roots, config_overrides={"state_dir": str(tmp_path / "run")})
+    seen: list[str] = []
+
+    async def on_message(msg):
+        seen.append(type(msg).__name__)
+
+    async def go():
+        async with Client(create_server(settings), message_handler=on_message) as c:
+            before = {t.name for t in await c.list_tools()}
+            refused = await c.call_tool("find_capacity", {}, raise_on_error=False)
+            enabled = await c.call_tool("enable_toolset", {"toolset": "capacity"})
+            after = {t.name for t in await c.list_tools()}
+            reached = await c.call_tool("find_capacity", {}, raise_on_error=False)
+            return c.instructions, before, refused, enabled, after, reached
+
+    text, before, refused, enabled, after, reached = run(go())
+    assert "find_capacity" not in before and "enable_toolset" in before
+    assert refused.is_error and "toolset capacity" in refused.content[0].text
+    assert "enable_toolset" in refused.content[0].text
+    assert refused.structured_content["detail"]["enable"] == {"tool": "enable_toolset",
+                                                             "arguments": {"toolset": "capacity"}}
+    assert enabled.structured_content["tools"] == ["find_capacity"]
+    assert after - before == {"find_capacity"} and "ToolListChangedNotification" in seen
+    assert reached.is_error and "not listed" not in reached.content[0].text  # the tool ran: no server to measure
+    assert "deploy_cpu" in text and "enable_toolset" in text and "capacity" in text
+    # a name no toolset declares is still answered as unknown
+    async def unknown():
+        async with Client(create_server(settings)) as c:
+            return await c.call_tool("no_such_tool", {}, raise_on_error=False)
+
+    assert "Unknown tool" in run(unknown()).content[0].text
+
+
+def test_prompt_arguments_carry_no_generated_schema_note(mcp):
+    async def go():
+        async with Client(mcp) as c:
+            return await c.list_prompts()
+
+    for p in run(go()):
+        for a in p.arguments or []:
+            assert a.description and "JSON schema" not in a.description, (p.name, a.name)
 
 
 def test_library_fields_reach_mcp_clients(mcp, tmp_path):
@@ -549,6 +597,29 @@ def test_compare_sweeps_never_overwrites_unless_forced_and_never_an_input(mcp, r
     assert first["report_path"] == str(ev / "cmp.md") and forced["report_path"] == first["report_path"]
     assert "--force" not in again
     assert (a / "summary.json").read_text() == summary_before
+
+
+def test_compare_sweeps_says_where_each_run_was_measured_and_how_cost_was_priced(mcp, roots):
+    ev = roots.evidence[0]
+    a, b = _fake_run(ev / "run-a", "a", 10.0), _fake_run(ev / "run-b", "b", 20.0)
+    for folder, root in ((a, "/m/tiny-bf16-emb"), (b, "/m/tiny-emb4")):  # both measured on a CPU
+        data = json.loads((folder / "summary.json").read_text())
+        data["provenance"] = {"gpu_count": 0, "cpu_model": "Intel Xeon", "server": {"model_root": root}}
+        (folder / "summary.json").write_text(json.dumps(data))
+
+    async def go():
+        async with Client(mcp) as c:
+            default = (await c.call_tool("compare_sweeps", {"run_dirs": [str(a), str(b)]})).structured_content
+            priced = (await c.call_tool("compare_sweeps", {"run_dirs": [str(a), str(b)],
+                                                           "price_per_hour": 0.1})).structured_content
+            return default, priced
+
+    default, priced = run(go())
+    assert default["measured_on"] == {"a": "CPU stand-in (vLLM CPU backend, Intel Xeon), build tiny-bf16-emb",
+                                      "b": "CPU stand-in (vLLM CPU backend, Intel Xeon), build tiny-emb4"}
+    assert "a: CPU stand-in (vLLM CPU backend, Intel Xeon), build tiny-bf16-emb" in default["summary"]
+    assert "applied to this CPU's throughput, not a T4 cost" in default["summary"]
+    assert priced["cost_basis"] == "$0.1/h" and "cost at $0.1/h" in priced["summary"]
 
 
 def test_compare_sweeps_refuses_a_summary_linked_out_of_the_roots(mcp, roots, tmp_path):

@@ -14,11 +14,12 @@ from tools.measure.sweep.params import CellResult, RepeatResult, SweepResult, ag
 
 def capacity_run(out: Path, label: str, *, ttft_per_user: float, tok_s_per_user: float = 50.0,
                  slo: str = "ttft_p99_ms=1000", max_load: int = 32, max_num_seqs: int | None = None,
-                 rate: bool = False) -> Path:
+                 rate: bool = False, prov: dict | None = None, price_per_hour: float | None = None) -> Path:
     """A build whose p99 TTFT grows by `ttft_per_user` ms per concurrent user (or per req/s, `rate`) and whose
     output tok/s is `tok_s_per_user` x users^0.8; two repeats per point, 1% apart."""
     params = CapacityParams(slo=slo, label=label, input_len=64, output_len=16, max_load=max_load, out=out,
-                            load="rate" if rate else "concurrency")
+                            load="rate" if rate else "concurrency",
+                            **({} if price_per_hour is None else {"price_per_hour": price_per_hour}))
     terms = params.checked_terms()
     run_dir = out / f"capacity-{label}"
     (run_dir / "raw").mkdir(parents=True)
@@ -42,6 +43,6 @@ def capacity_run(out: Path, label: str, *, ttft_per_user: float, tok_s_per_user:
                         cells=sorted(cells.values(), key=lambda c: c.load))
     sweep_report.write_run(sweep, run_dir, price_per_hour=params.price_per_hour, plot=False)
     res = result_of(params, terms, found, cells.get(found.capacity) if found.capacity is not None else None,
-                    run_id=run_dir.name, run_dir=str(run_dir), max_num_seqs=max_num_seqs)
+                    run_id=run_dir.name, run_dir=str(run_dir), max_num_seqs=max_num_seqs, prov=prov)
     write_capacity(res, run_dir)
     return run_dir

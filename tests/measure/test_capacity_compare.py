@@ -41,7 +41,28 @@ def test_statements_for_none_lower_bound_and_max_num_seqs(tmp_path):
     assert "a lower bound" in low.statement
     capped = load_capacity(capacity_run(tmp_path / "c", "capped", ttft_per_user=1, max_num_seqs=4))
     assert capped.status == "bounded_by_max_num_seqs"
-    assert "bounded by the engine's max_num_seqs 4 (beyond it requests queue)" in capped.statement
+    # A bound, said as the headline, with the way past it: the start's argument and the search's ceiling.
+    assert capped.statement.startswith("capacity: at least 4 concurrent users within ttft_p99_ms=1000, a bound set "
+                                       "by the engine's max_num_seqs 4, not by the SLO")
+    assert "restart the server with max_num_seqs 8" in capped.statement and "max_load 8" in capped.statement
+
+
+CPU_PROV = {"gpu_count": 0, "cpu_model": "Intel Xeon", "server": {"model_root": "/m/tiny-emb4", "model_id": "m"}}
+GPU_PROV = {"gpu_count": 1, "gpu_name": "Tesla T4", "server": {"model_root": "/m/emb4", "model_id": "m"}}
+
+
+def test_capacity_says_where_it_was_measured_and_how_the_cost_was_priced(tmp_path):
+    cpu = load_capacity(capacity_run(tmp_path / "a", "cpu", ttft_per_user=90, prov=CPU_PROV))
+    assert cpu.platform == "cpu" and cpu.measured_on == "CPU stand-in (vLLM CPU backend, Intel Xeon), build tiny-emb4"
+    assert "measured on CPU stand-in (vLLM CPU backend, Intel Xeon), build tiny-emb4)" in cpu.statement
+    assert ("per million output tokens at the T4 VM's $0.5241/h applied to this CPU's throughput, not a T4 cost"
+            in cpu.statement)
+    priced = load_capacity(capacity_run(tmp_path / "b", "cpu", ttft_per_user=90, prov=CPU_PROV,
+                                        price_per_hour=0.12))
+    assert priced.cost_basis == "$0.12/h" and "per million output tokens at $0.12/h" in priced.statement
+    gpu = load_capacity(capacity_run(tmp_path / "c", "t4", ttft_per_user=90, prov=GPU_PROV))
+    assert gpu.platform == "cuda" and "measured on Tesla T4, build emb4)" in gpu.statement
+    assert "at $0.5241/h" in gpu.statement
 
 
 def test_capacity_compare_gives_a_verdict_only_where_brackets_do_not_overlap(tmp_path):

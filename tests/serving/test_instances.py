@@ -215,6 +215,21 @@ def test_status_lists_every_instance_and_fails_unless_all_healthy(cli_here, tmp_
     assert one.returncode == 3 and json.loads(one.stdout)["instance"] == "a"
 
 
+def test_status_reports_the_served_models_memory_as_vram_status_does(cli_here, tmp_path, fleet):
+    """On a CPU, status (and --json) gives the server's host memory, RSS and PSS of its processes, with the
+    method, as vram_status's host figures."""
+    from tools.gpu.vram import host_memory
+
+    st = fleet("a", free_port())
+    one = cli_here(["status", "--instance", "a", "--json"], _env(tmp_path / "run"))
+    mem = json.loads(one.stdout)["memory"]
+    assert mem["kind"] == "host" and mem["pids"] == [st["pid"]] and mem["rss_mib"] > 0
+    assert "psutil memory_info().rss" in mem["method"]
+    assert mem["rss_mib"] == pytest.approx(host_memory("a", {st["pid"]}).rss_mib, rel=0.5)
+    text = cli_here(["status", "--instance", "a"], _env(tmp_path / "run")).stdout
+    assert "  host memory a: RSS " in text and "(psutil memory_info().rss" in text
+
+
 def test_stop_all_and_one_instance(cli_here, tmp_path, fleet):
     a = fleet("a", free_port())
     b = fleet("b", free_port())

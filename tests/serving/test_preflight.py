@@ -399,3 +399,59 @@ def test_start_checks_the_configured_drafter_against_the_model(clean_env, tmp_pa
     assert exc.value.detail["check"] == "drafter" and not list((tmp_path / "st").glob("vllm*.log"))
     assert _by_name(checks_for("start", cfg=load_config(_env_file(tmp_path, MODEL_NAME=str(model)))))[
         "drafter"].status == "n/a"
+
+
+def _preflight(mcp, args) -> dict:
+    import asyncio
+
+    from fastmcp import Client
+
+    async def go():
+        async with Client(mcp) as c:
+            return (await c.call_tool("preflight", args)).structured_content
+
+    return asyncio.run(go())
+
+
+def test_preflight_start_checks_the_port_and_instance_of_the_start(clean_env, tmp_path):
+    """preflight(step=start, port=P, instance=I) checks P, the port that start will take, not tpu.env's PORT."""
+    mcp = _mcp_over(tmp_path)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        held = s.getsockname()[1]
+        busy = _preflight(mcp, {"step": "start", "port": held, "instance": "b"})
+    port = next(c for c in busy["checks"] if c["name"] == "port")
+    assert port["status"] == "fail" and port["detail"]["port"] == held and port["detail"]["instance"] == "b"
+    assert f"port {held} on 127.0.0.1 is already in use" in port["value"] and not busy["ready"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]
+    ok = next(c for c in _preflight(mcp, {"step": "start", "port": free, "instance": "b"})["checks"]
+              if c["name"] == "port")
+    assert ok["status"] == "ok" and ok["value"] == f"port {free} on 127.0.0.1 is free (instance b)"
+    bad = _call(mcp, "preflight", {"step": "start", "instance": "../x"})
+    assert "is not a valid instance name" in bad
+
+
+def test_preflight_fetch_asks_the_hub_and_says_offline_plainly(clean_env, tmp_path, monkeypatch):
+    from tests.stand_in_hub import REPO, StandInHub
+
+    monkeypatch.setenv("HF_TOKEN", "hf_test")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    with StandInHub({"config.json": b"{}"}) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        up = run_preflight(PreflightParams(step="fetch", repo_id=REPO, out=str(tmp_path / "qat")))
+        assert f"GET /api/models/{REPO}/revision/main" in hub.requests
+    assert up.ready and next(c for c in up.checks if c.name == "hub").status == "ok"
+    with socket.socket() as s:  # a port nothing listens on: no route to the hub
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{closed}")
+    down = run_preflight(PreflightParams(step="fetch", repo_id=REPO, out=str(tmp_path / "qat")))
+    hub_check = next(c for c in down.checks if c.name == "hub")
+    assert not down.ready and hub_check.status == "fail" and hub_check.value.startswith("offline: ")
+    assert "did not answer within 5 s" in hub_check.value and "offline" in down.summary
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cached_only = run_preflight(PreflightParams(step="fetch", repo_id=REPO, out=str(tmp_path / "qat")))
+    assert not cached_only.ready and "offline: HF_HUB_OFFLINE is set" in cached_only.summary

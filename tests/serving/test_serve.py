@@ -302,6 +302,7 @@ def test_status_reports_vram_on_a_gpu_and_stop_ends_the_group(serve_config_facto
         st = server_status(cfg, hardware=hw)
         assert st.alive and not st.healthy and st.uptime_s >= 5  # nothing answers HTTP on its port
         assert st.vram.used_mib == 13581 and st.vram.total_mib == 15360
+        assert st.memory["kind"] == "vram" and st.memory["total_mib"] == 15360 and "NVML" in st.memory["method"]
         assert set(hw.asked) == set(group_alive(proc.pid)) and len(hw.asked) == 2
         r = stop_server(cfg, grace_s=10)
         assert r.was_running and r.signal == "SIGTERM" and len(r.stopped_pids) == 2

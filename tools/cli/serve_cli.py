@@ -118,6 +118,8 @@ def _status_lines(st, named: bool = True) -> list[str]:
         if st.vram is not None:
             lines.append(f"  VRAM {st.vram.used_mib} MiB / {st.vram.total_mib} MiB"
                          + (f", {st.vram.utilization_pct} %" if st.vram.utilization_pct is not None else ""))
+        if st.memory is not None:
+            lines.append(f"  {st.memory['line']}")
         lines += ["  " + ln for ln in _fmt_fields(st.start_fields)]
     return lines
 

@@ -28,6 +28,7 @@ import anyio.from_thread
 import anyio.lowlevel
 import anyio.to_thread
 from fastmcp import Context, FastMCP
+from fastmcp.exceptions import DisabledError, NotFoundError
 from fastmcp.exceptions import ValidationError as ArgumentsRefused
 from fastmcp.server.middleware import Middleware
 from fastmcp.tools import FunctionTool
@@ -38,27 +39,33 @@ from pydantic import ValidationError
 from tools.core.atomic import cleanup_own_partials
 from tools.core.errors import ToolFailure, op, param
 from tools.core.paths import Roots
-from tools.mcp import resources
+from tools.mcp import index_resources, resources  # noqa: F401  (index_resources declares its resources)
+from tools.mcp.bounded import fit
 from tools.mcp.catalog import load_all
 from tools.mcp.errors import ToolRefusal, argument_error, to_tool_error
 from tools.mcp.jobs import JobCancelled, JobRegistry, ProgressFn
-from tools.mcp.registry import TOOLSETS, TOOLSETS_ENV, ToolSpec, parse_toolsets
+from tools.mcp.registry import ALWAYS_LISTED, TOOLS, TOOLSETS, TOOLSETS_ENV, ToolSpec, parse_toolsets
 from tools.serving.config import load_config
 from tools.serving.hardware import Hardware
 from tools.serving.vllm_server import server_status
 
 SERVER_NAME = "gemma4-t4"
 
-INSTRUCTIONS = """\
+def instructions(chosen: Iterable[str]) -> str:
+    """What a client is told at initialization: where to start (the prompts), the walk, and how to reach the tools
+    of a toolset not listed (enable_toolset, within the session)."""
+    others = [n for n in TOOLSETS if n not in chosen and n != ALWAYS_LISTED]
+    reach = (f" Other toolsets: {', '.join(others)}; enable_toolset(toolset=...) adds one's tools to this session "
+             "(e.g. capacity for find_capacity)." if others else "")
+    return f"""\
 Deploy and benchmark Gemma 4 E2B 4-bit builds with vLLM (one Tesla T4, or vLLM's CPU backend).
-Typical order: preflight -> probe_checkpoint -> repack_checkpoint -> start_vllm_server -> compare_tokens
-(record with build A, check with build B) -> vram_status -> run_sweep -> compare_sweeps -> stop_vllm_server.
-Without an NVIDIA GPU, make_tiny_model makes a stand-in source and the walk runs on CPU (prompt deploy_cpu);
-on a T4, add toolsets gpu and hub (patch_turing, fetch_checkpoint; prompt deploy_t4). Long tools stream progress;
-if your client times out tool calls, add toolset jobs (start_job, job_status). One long operation runs at a time.
-Paths must lie under the roots (server_status.roots). Every result has `summary`, one line for people; chain the
-other fields. The prompts list the calls in order; the resources hold the serving config, evidence run
-summaries, the demo report and the server log."""
+Start from a prompt: deploy_cpu (no NVIDIA GPU: a tiny stand-in source, both builds, served on CPU), deploy_t4 (a T4),
+then compare_builds (memory, token identity, sweeps side by side); each lists its calls in order.
+Listed toolsets: {', '.join(n for n in chosen if n != ALWAYS_LISTED)}.{reach}
+One long operation runs at a time; paths must lie under the roots (server_status.roots). Every result has `summary`,
+one line for people; chain the other fields. Results are kept short: where one points to a file or a resource, the
+whole is there."""
+
 
 @dataclass
 class Settings:
@@ -129,8 +136,11 @@ def error_result(exc: BaseException) -> ToolResult:
                       structured_content={"error": str(err), "detail": err.detail}, is_error=True)
 
 
-def _result(data: dict[str, Any]) -> ToolResult:
-    """Structured content plus text for clients that show only text: the summary, then the same JSON."""
+def _result(data: dict[str, Any], whole: bool = False) -> ToolResult:
+    """Structured content plus text for clients that show only text: the summary, then the same JSON; within
+    RESULT_BUDGET characters (bounded.fit: the whole stays in the files the result names) unless the call asked
+    for the whole."""
+    data = data if whole else fit(data)
     return ToolResult(content=[TextContent(type="text", text=str(data.get("summary", ""))),
                                TextContent(type="text", text=json.dumps(data, separators=(",", ":")))],
                       structured_content=data)
@@ -153,6 +163,15 @@ class ArgumentErrors(Middleware):
     async def on_call_tool(self, context: Any, call_next: Any) -> Any:
         try:
             return await call_next(context)
+        except (NotFoundError, DisabledError):
+            spec = TOOLS.get(context.message.name)
+            if spec is None:
+                raise
+            return error_result(ToolRefusal(
+                f"{spec.name} is in toolset {spec.toolset}, not listed by this server: call enable_toolset "
+                f"(toolset={spec.toolset}) to add its tools to this session, then call {spec.name} again",
+                {"tool": spec.name, "toolset": spec.toolset, "enable": {"tool": "enable_toolset",
+                                                                         "arguments": {"toolset": spec.toolset}}}))
         except ArgumentsRefused as exc:
             if not isinstance(exc.__cause__, ValidationError):
                 raise
@@ -206,16 +225,18 @@ def _handler(spec: ToolSpec, app: App) -> Callable[..., Any]:
             params = model.from_mcp_args(kwargs) if model is not None else None
             if spec.long:
                 data = await run_long(app, spec, params, ctx)
+            elif spec.context:
+                data = spec.dump(await spec.fn(app, params, ctx))
             elif spec.is_async:
                 data = spec.dump(await spec.fn(app, params))
             else:
                 data = await in_thread(lambda: spec.dump(spec.fn(app, params)))
         except Exception as exc:
             return error_result(exc)
-        return _result(data)
+        return _result(data, whole=bool(getattr(params, "detail", False)))  # detail=true: the whole, asked for
 
     sig = model.mcp_signature() if model is not None else []
-    if spec.long:
+    if spec.long or spec.context:
         sig.append(inspect.Parameter("ctx", inspect.Parameter.KEYWORD_ONLY, default=None,
                                      annotation=Context | None))
     handler.__signature__ = inspect.Signature(sig, return_annotation=ToolResult)  # type: ignore[attr-defined]
@@ -273,7 +294,7 @@ def create_server(settings: Settings | None = None, *, auth: Any = None,
     specs = load_all()
     app.specs = {name: s for name, s in specs.items() if s.toolset in chosen}
     # Strict: the input schema is the contract, so "yes" is no boolean and "5" no integer (5 is a number).
-    mcp = FastMCP(SERVER_NAME, instructions=INSTRUCTIONS, mask_error_details=False, auth=auth,
+    mcp = FastMCP(SERVER_NAME, instructions=instructions(chosen), mask_error_details=False, auth=auth,
                   strict_input_validation=True, middleware=[ArgumentErrors()])
     mcp.gemma = app  # type: ignore[attr-defined]  # tests and the demo reach the registry through it
     for spec in specs.values():
@@ -284,7 +305,7 @@ def create_server(settings: Settings | None = None, *, auth: Any = None,
         mcp.add_tool(tool)
     # Every tool carries its one toolset's tag: hiding the other toolsets' tags leaves the chosen tools, and the
     # untagged resources and prompts, which cost a client nothing until it asks for them.
-    hidden = set(TOOLSETS) - set(chosen)
+    hidden = set(TOOLSETS) - set(chosen) - {ALWAYS_LISTED}
     if hidden:
         mcp.disable(tags=hidden)
     resources.register(mcp, app)

@@ -6,7 +6,7 @@ The tool modules import the registry, never this module; the app and the docs re
 from __future__ import annotations
 
 from tools.mcp import (deploy_tools, eval_tools, fleet_tools, gpu_tools, job_tools,  # noqa: F401
-                       measure_tools, repack_tools, serving_tools)
+                       measure_tools, repack_tools, serving_tools, toolset_tools)
 from tools.mcp.registry import TOOLS, ToolSpec
 
 

@@ -11,7 +11,7 @@ from tools.serving.preflight import PreflightParams, PreflightReport, run_prefli
 
 
 @tool(toolset="deploy", title="Preflight checks", params=PreflightParams, result=PreflightReport, read_only=True,
-      idempotent=True, ops="doctor")
+      idempotent=True, open_world=True, ops="doctor")  # step fetch asks the hub
 def preflight(app, p: PreflightParams) -> Reply:
     """Check this machine and the serving config before a step: each check ok, warn, fail or n/a, with its fix.
     Writes nothing."""

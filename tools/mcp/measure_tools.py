@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import json
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from tools.core.atomic_files import write_file
 from tools.core.errors import ToolFailure, op
 from tools.core.paths import PathNotAllowed
 from tools.core.text import clip
@@ -17,9 +20,11 @@ from tools.measure.decode.run import DecodeSummary, run_decode
 from tools.measure.fidelity.files import DEFAULT_CORPUS
 from tools.measure.fidelity.run import (CheckLogprobsResult, CompareLogprobsParams, RecordLogprobsResult,
                                         compare_logprobs as logprob_fidelity)
-from tools.measure.sweep.params import SweepParams, SweepResult
+from tools.measure.provenance import cost_basis, measured_on
+from tools.measure.sweep.params import DEFAULT_PRICE_PER_HOUR, SweepParams, SweepResult
 from tools.measure.sweep.run import sweep
-from tools.measure.sweep.report import CompareSweepsParams, SweepComparison, compare_runs, write_comparison
+from tools.measure.sweep.report import (CompareSweepsParams, SweepComparison, compare_runs, load_run,
+                                        write_comparison)
 from tools.mcp.registry import Reply, tool
 from tools.serving.endpoint import Endpoint, resolve_endpoint, resolve_name
 
@@ -41,8 +46,8 @@ def _sweep_inputs(app, p: SweepParams) -> _Sweep:
 
 @tool(toolset="measure", title="Serving sweep (vllm bench serve)", params=SweepParams, result=SweepResult,
       long=True, open_world=True, check=_sweep_inputs,
-      extra={"counts": (dict[str, int], "Cells by status: ok, infeasible, failed"),
-             "table_md": (str, "The run's markdown table")}, ops="sweep")
+      extra={"counts": (dict[str, int], "Cells by status: ok, infeasible, failed"), "measured_on": (str, "")},
+      ops="sweep")
 def run_sweep(app, p: SweepParams, progress, checked: _Sweep) -> Reply:
     """Measure the running server's throughput with vLLM's own benchmark over input lengths x concurrencies, the
     same prompts for every build; writes a run folder under an evidence root. Long."""
@@ -51,17 +56,25 @@ def run_sweep(app, p: SweepParams, progress, checked: _Sweep) -> Reply:
     counts = res.counts
     oks = [c for c in res.cells if c.status == "ok" and c.median.get("output_throughput")]
     best = max(oks, key=lambda c: c.median["output_throughput"], default=None)
-    summary = (f"sweep {res.run_id} ({res.label}): {counts['ok']} ok, {counts['failed']} failed, "
+    platform, where = measured_on(res.provenance)
+    summary = (f"sweep {res.run_id} ({res.label}) on {where}: {counts['ok']} ok, {counts['failed']} failed, "
                f"{counts['infeasible']} infeasible cells"
                + (f"; best {best.median['output_throughput']:.2f} out tok/s at in={best.input_len} "
                   f"c={best.concurrency}" if best else "")
                + "".join(f"; c=1 at in={L}: {100 * r.fraction:.0f}% of the memory-bandwidth roofline"
                          for L, r in res.roofline.items()))
-    # the table the run wrote (summary.md), not rendered a second time
-    # Each cell's repeats (every metric of every repeat) stay in the run folder: the cell's medians and
-    # intervals are what a caller reads.
-    return Reply(res.model_dump(mode="json", exclude={"cells": {"__all__": {"repeats"}}}), summary,
-                 {"counts": counts, "table_md": Path(res.files["table_md"]).read_text()})
+    # Small by default: a cell's medians of the figures a comparison reads (the run folder holds every metric,
+    # repeat and spread, its table, parameters and provenance); the table once, as data.
+    data = res.model_dump(mode="json", exclude={"provenance": True, "params": True, "prefix_cache_policy": True,
+                                                "cells": {"__all__": {"repeats", "spread_pct"}}})
+    for cell in data["cells"]:
+        cell["median"] = {k: round(v, 3) for k, v in (cell.get("median") or {}).items()
+                          if k in CELL_FIGURES and isinstance(v, (int, float))}
+    return Reply(data, summary, {"counts": counts, "platform": platform, "measured_on": where})
+
+
+CELL_FIGURES = ("output_throughput", "request_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms",
+                "p99_tpot_ms", "completed", "failed")
 
 
 class _Capacity(NamedTuple):
@@ -93,7 +106,8 @@ def find_capacity(app, p: CapacityParams, progress, checked: _Capacity) -> Reply
 
 @tool(toolset="measure", title="Compare sweep runs", params=CompareSweepsParams, result=SweepComparison,
       destructive=True, extra={"report_path": (str | None, "Where the comparison was written, when asked"),
-                               "capacity": (str | None, "Capacity runs' verdicts")},
+                               "capacity": (str | None, "Capacity runs' verdicts"),
+                               "measured_on": (dict[str, str], ""), "cost_basis": (str, "")},
       ops=("sweep_compare", "capacity_compare"))
 def compare_sweeps(app, p: CompareSweepsParams) -> Reply:
     """Sweep (or capacity) runs side by side: per cell each run's output tok/s with its 95% interval, the last
@@ -112,8 +126,18 @@ def compare_sweeps(app, p: CompareSweepsParams) -> Reply:
         cmp.markdown = cap.markdown + "\n" + cmp.markdown
     if out is not None:
         write_comparison(cmp, out, force=p.force)
-    return Reply(cmp, cap.summary() if cap else cmp.summary(),
-                 {"report_path": str(out) if out else None, "capacity": cap.summary() if cap else None})
+    # The method paragraph once, in `method`: the markdown (the written report keeps it) points there.
+    cmp = cmp.model_copy(update={"markdown": cmp.markdown.replace(cmp.method, "(Method: see `method`.)")})
+    where = {label: measured_on(load_run(d).provenance) for label, d in zip(cmp.labels, dirs)}
+    platforms = {pf for pf, _ in where.values()}
+    basis = cost_basis("cpu" if "cpu" in platforms else next(iter(platforms), ""), p.price_per_hour,
+                       p.price_per_hour != DEFAULT_PRICE_PER_HOUR)
+    places = sorted({w for _, w in where.values()})
+    on = f"; measured on {places[0]}" if len(places) == 1 else "; measured on " + ", ".join(
+        f"{label}: {w}" for label, (_, w) in where.items())
+    return Reply(cmp, (cap.summary() if cap else cmp.summary()) + on + f"; cost at {basis}",
+                 {"report_path": str(out) if out else None, "capacity": cap.summary() if cap else None,
+                  "measured_on": {label: w for label, (_, w) in where.items()}, "cost_basis": basis})
 
 
 def _token_inputs(app, p: TokenCompareParams) -> TokenCompareParams:
@@ -143,18 +167,70 @@ def _token_inputs(app, p: TokenCompareParams) -> TokenCompareParams:
 
 @tool(toolset="measure", title="Greedy token identity between builds", params=TokenCompareParams,
       result=TokenComparison | TokenRecord, long=True, destructive=True, open_world=True, check=_token_inputs,
-      extra={"report": (str, "The comparison as text (the article's SAME TOKENS lines)")},
+      extra={"report": (str, ""), "comparison_path": (str | None, "")},
       ops={"compare_tokens": {}, "compare_tokens.record": {"mode": "record"}})
 def compare_tokens(app, p: TokenCompareParams, progress, checked: TokenCompareParams) -> Reply:
     """Whether two builds give the same greedy tokens, prompt by prompt: mode=record with build A, restart with
     build B, mode=check (or mode=live with two instances). Long."""
     res = compare(checked, progress=lambda d, t, m: progress(d, t, m))
     if isinstance(res, TokenRecord):
-        # The record itself is in the file; the reply lists what was recorded, not every token's logprobs.
-        lines = [f"{len(g.token_ids)} tokens ({g.finish_reason}): {g.prompt}" for g in res.generations]
+        # The record itself is in the file; the reply lists what was recorded, a prompt as its first words.
+        path = Path(res.path or str(checked.reference))
+        lines = [f"{i}. {len(g.token_ids)} tokens ({g.finish_reason}), prompt {_prompt_size(g.prompt_tokens)}: "
+                 f"{_head(g.prompt)}" for i, g in enumerate(res.generations, 1)]
         return Reply(res.model_dump(mode="json", exclude={"generations"}), res.summary(),
-                     {"report": "\n".join(lines + [f"written to {Path(res.path or str(checked.reference))}"])})
-    return Reply(res, f"{res.summary} ({res.reference} vs {res.candidate})", {"report": res.text()})
+                     {"report": "\n".join(lines + [f"written to {path}"])})
+    whole = _write_comparison(app, res, checked)
+    rows = [_prompt_row(i, x) for i, x in enumerate(res.prompts, 1)]
+    data = res.model_dump(mode="json", exclude={"prompts"}) | {"prompts": rows}
+    report = "\n".join([_prompt_line(i, x) for i, x in enumerate(res.prompts, 1)]
+                       + [f"{res.summary} ({res.reference} vs {res.candidate}); whole comparison: {whole}"])
+    return Reply(data, f"{res.summary} ({res.reference} vs {res.candidate})",
+                 {"report": report, "comparison_path": str(whole) if isinstance(whole, Path) else None})
+
+
+def _head(prompt: str, n: int = 60) -> str:
+    flat = " ".join(prompt.split())
+    return repr(flat if len(flat) <= n else flat[:n] + "...")
+
+
+def _prompt_size(tokens: int | None) -> str:
+    return f"{tokens:,} tokens" if tokens else "length unknown"
+
+
+def _prompt_row(i: int, x: Any) -> dict[str, Any]:
+    """A prompt's comparison without the prompt: its number, length and the counts that matter."""
+    row = {"n": i, "prompt_tokens": x.prompt_tokens, "same_tokens": x.same_tokens, "verdict": x.verdict,
+           "compared": min(x.reference_len, x.candidate_len), "first_divergence": x.first_divergence,
+           "logprob_gap": x.logprob_gap}
+    return {k: v for k, v in row.items() if v is not None}
+
+
+def _prompt_line(i: int, x: Any) -> str:
+    n = min(x.reference_len, x.candidate_len)
+    head = f"{i}. prompt {_prompt_size(x.prompt_tokens)} {_head(x.prompt, 40)}: "
+    if x.same_tokens:
+        return head + f"identical, {n} tokens compared"
+    if x.verdict == "length":
+        return head + f"lengths differ ({x.reference_len} vs {x.candidate_len}), same up to {x.first_divergence}"
+    gap = "" if x.logprob_gap is None else f", logprob gap {x.logprob_gap:.3f}"
+    return head + f"first divergence at token {x.first_divergence} of {n} ({x.verdict}{gap})"
+
+
+def _write_comparison(app, res: TokenComparison, p: TokenCompareParams) -> Path | str:
+    """The whole comparison (every prompt in full) beside the reference record, or in the first evidence root for
+    a live comparison: the reply holds the counts, this file the rest. A folder that takes no file costs the
+    file, not the comparison (said in its place)."""
+    if not p.reference and not app.roots.evidence:
+        return "not written (no evidence root)"
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%f")
+    folder = Path(p.reference).parent if p.reference else app.roots.evidence[0]
+    stem = Path(p.reference).stem if p.reference else "tokens-live"
+    try:
+        out = app.roots.confine(folder / f"{stem}.check-{stamp}.json", "evidence", what="comparison")
+        return write_file(out, json.dumps(res.to_dict(), indent=1) + "\n")
+    except (ToolFailure, PathNotAllowed, OSError) as exc:
+        return f"not written ({clip(exc)})"
 
 
 def _logprob_inputs(app, p: CompareLogprobsParams) -> CompareLogprobsParams:

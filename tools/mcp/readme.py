@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 from tools.mcp.catalog import load_all
-from tools.mcp.registry import DEFAULT_TOOLSETS, TOOLSETS, ToolSpec
+from tools.mcp.registry import ALWAYS_LISTED, DEFAULT_TOOLSETS, TOOLSETS, ToolSpec
+from tools.mcp import index_resources  # noqa: F401  (declares the bounded resources)
 from tools.mcp.resources import PROMPTS, RESOURCES
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "mcp.md"
@@ -31,7 +32,8 @@ def tool_table(specs: dict[str, ToolSpec]) -> str:
     for toolset in TOOLSETS:
         for s in (x for x in specs.values() if x.toolset == toolset):
             first = re.split(r"(?<=[.;])\s", " ".join(s.description.split()), maxsplit=1)[0].rstrip(";.")
-            lines.append(f"| `{toolset}`{' (default)' if toolset in DEFAULT_TOOLSETS else ''} | `{s.name}` "
+            mark = " (default)" if toolset in DEFAULT_TOOLSETS else (" (always)" if toolset == ALWAYS_LISTED else "")
+            lines.append(f"| `{toolset}`{mark} | `{s.name}` "
                          f"| {first} | {_hints(s)} |")
     return "\n".join(lines)
 

@@ -36,7 +36,10 @@ TOOLSETS: dict[str, str] = {
     "decode": "single-stream decode benchmark: time per token and the drafter's acceptance (speculative decoding)",
     "fleet": "vllm-router in front of named instances: start, status, stop, switch the build behind it",
     "capacity": "the most users served within a latency SLO (bracket, goodput, cost); compare_sweeps compares them",
+    # Listed whatever --toolsets says: the way to the others during a session.
+    "toolsets": "enable another toolset's tools during a session",
 }
+ALWAYS_LISTED = "toolsets"
 # The design's walk end to end, on a T4 or on CPU: preflight -> source (stand-in on CPU) -> probe -> repack ->
 # start -> compare tokens -> memory -> sweep -> compare. A T4 adds `gpu` and `hub` (`--toolsets default,gpu,hub`).
 DEFAULT_TOOLSETS: tuple[str, ...] = ("repack", "serve", "measure", "deploy")
@@ -70,6 +73,7 @@ class ToolSpec:
     is_async: bool = False
     check: Callable[[Any, Any], Any] | None = None  # a long tool's quick input checks: `check(app, params)`
     ops: dict[str, dict[str, Any]] = field(default_factory=dict)  # operations it does -> the arguments that pick them
+    context: bool = False               # an async quick tool given the MCP session: `fn(app, params, ctx)`
 
     def output_schema(self) -> dict[str, Any]:
         return lean_schema(self.result, self.extra)
@@ -98,7 +102,7 @@ TOOLS: dict[str, ToolSpec] = {}
 def tool(*, toolset: str, title: str, params: type | None = None, result: Any = None, long: bool = False,
          read_only: bool = False, destructive: bool = False, idempotent: bool = False, open_world: bool = False,
          extra: dict[str, tuple[Any, str]] | None = None, check: Callable[[Any, Any], Any] | None = None,
-         ops: str | Iterable[str] | dict[str, dict[str, Any]] = ()
+         ops: str | Iterable[str] | dict[str, dict[str, Any]] = (), context: bool = False
          ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Declare a tool. The function's docstring is its description (one or two sentences: when to use it).
 
@@ -113,6 +117,8 @@ def tool(*, toolset: str, title: str, params: type | None = None, result: Any = 
     """
     if toolset not in TOOLSETS:
         raise ValueError(f"unknown toolset {toolset!r}")
+    if context and long:
+        raise ValueError("a tool given the session is a quick async tool")
 
     does = {ops: {}} if isinstance(ops, str) else dict(ops) if isinstance(ops, dict) else dict.fromkeys(ops, {})
 
@@ -128,7 +134,8 @@ def tool(*, toolset: str, title: str, params: type | None = None, result: Any = 
                                description=" ".join((fn.__doc__ or "").split()), params=params, result=result,
                                long=long, read_only=read_only, destructive=destructive, idempotent=idempotent,
                                open_world=open_world, extra=dict(extra or {}),
-                               is_async=inspect.iscoroutinefunction(fn), check=check, ops=does)
+                               is_async=inspect.iscoroutinefunction(fn), check=check, ops=does,
+                               context=context)
         return fn
 
     return register

@@ -107,8 +107,8 @@ def _repack_paths(app, p: BuildParams) -> tuple[Path, Path]:
 @tool(toolset="repack", title="Repack a QAT checkpoint to all-4-bit", params=BuildParams, long=True,
       destructive=True, idempotent=True, check=_repack_paths,
       extra={"output": (str, "The written checkpoint folder; pass it to start_vllm_server as model"),
-             "tables": (list[dict[str, Any]], "Per table: bytes, groups, off-grid groups, exact values, errors"),
-             "table": (str, "")}, ops="repack")
+             "tables": (list[dict[str, Any]], "Per table: bytes, groups, off-grid groups, exact values, errors")},
+      ops="repack")
 def repack_checkpoint(app, p: BuildParams, progress, checked: tuple[Path, Path]) -> Reply:
     """Build the all-4-bit checkpoint from a QAT source (embed_int4=false: the bf16-embedding build); leaves
     nothing half written. Long."""
@@ -125,7 +125,7 @@ def repack_checkpoint(app, p: BuildParams, progress, checked: tuple[Path, Path])
     summary = (f"wrote {out}: {d['total_bytes_before'] / 2**20:.1f} -> {d['total_bytes_after'] / 2**20:.1f} MiB "
                f"in {d['wall_s']:.1f} s, {off} off-grid groups"
                + (f", {nonfinite} NaN/inf source values" if nonfinite else ""))
-    return Reply(d, summary, {"table": report.format_table()})
+    return Reply(d, summary)  # the tables once, as data (format_table renders them for the command line)
 
 
 def _plan_params(app, p) -> Any:

@@ -2,7 +2,7 @@
 
 Resources: the serving configuration as read (each value's source marked), the evidence runs (an index, and each
 run's summary.md / summary.json through a template confined to the evidence roots), the latest demo report and
-the vLLM server's log tail. Prompts: the article's workflows as numbered tool calls with their arguments
+the vLLM server's log tail (the index and the log in tools/mcp/index_resources.py, bounded). Prompts: the article's workflows as numbered tool calls with their arguments
 (`deploy_t4`, `deploy_cpu`, `compare_builds`), built from `Step` lists that the README's walk-through and the end-to-end test
 use too, so the three cannot drift apart. The app (tools/mcp/app.py) registers both; nothing here imports vLLM.
 """
@@ -26,6 +26,7 @@ from typing import Annotated, Any
 
 import anyio.to_thread
 from fastmcp.exceptions import ResourceError, ValidationError as ArgumentsRefused
+from fastmcp.prompts.function_prompt import FunctionPrompt
 from pydantic import Field
 
 from repack.errors import RepackError
@@ -33,14 +34,12 @@ from repack.members import by_name
 from tools.core.errors import ToolFailure
 from tools.core.paths import PATH_MAX, PathNotAllowed
 from tools.core.text import clip
-from tools.mcp.wording import MCP
+from tools.mcp.bounded import fit_text
 from tools.mcp.errors import to_tool_error
 from tools.mcp.prompt_members import MEMBER_ARG, member_values
 from tools.serving.config import ENV_NAMES, parse_env_file
-from tools.serving.vllm_server import read_log
 
 SCHEME = "gemma4-t4"
-LOG_LINES = 200          # the log resource's tail
 MAX_RUNS = 500           # evidence runs listed by the index
 RUN_DEPTH = 4            # folders below an evidence root searched for runs
 SUMMARIES = ("summary.md", "summary.json")
@@ -61,17 +60,19 @@ class ResourceSpec:
     description: str
     mime_type: str
     fn: Callable[..., str]       # fn(app, **params) -> text
+    whole: bool = False          # read on request (a run's summary, all of the log): not held to RESULT_BUDGET
 
 
 RESOURCES: dict[str, ResourceSpec] = {}
 
 
-def resource(uri: str, *, title: str, mime_type: str) -> Callable[[Callable[..., str]], Callable[..., str]]:
+def resource(uri: str, *, title: str, mime_type: str, whole: bool = False) -> Callable[[Callable[..., str]], Callable[..., str]]:
     """Declare a resource; the function's name is its name, its docstring its description."""
 
     def register(fn: Callable[..., str]) -> Callable[..., str]:
         RESOURCES[uri] = ResourceSpec(uri=uri, name=fn.__name__, title=title,
-                                      description=" ".join((fn.__doc__ or "").split()), mime_type=mime_type, fn=fn)
+                                      description=" ".join((fn.__doc__ or "").split()), mime_type=mime_type, fn=fn,
+                                      whole=whole)
         return fn
 
     return register
@@ -97,7 +98,7 @@ def serving_config(app) -> str:
                        "overridden": overridden}, indent=1, default=str)
 
 
-def _runs(app) -> list[dict[str, Any]]:
+def evidence_run_list(app) -> list[dict[str, Any]]:
     """Folders under the evidence roots holding a summary.md or summary.json, newest first."""
     seen: dict[str, dict[str, Any]] = {}
     for root in app.roots.evidence:
@@ -127,15 +128,6 @@ def _readable(app, path: Path) -> bool:
         return False
 
 
-@resource(f"{SCHEME}://evidence/runs", title="Evidence runs", mime_type="application/json")
-def evidence_runs(app) -> str:
-    """Every evidence run (a folder under an evidence root with summary.md or summary.json: sweep, eval and
-    comparison runs), newest first, with the URIs that read its summaries."""
-    runs = _runs(app)
-    return json.dumps({"roots": [str(r) for r in app.roots.evidence],
-                       "runs": [{k: v for k, v in r.items() if k != "mtime"} for r in runs]}, indent=1)
-
-
 def _summary(app, run: str, name: str) -> str:
     run = run.strip().strip("/")
     if not run:
@@ -156,20 +148,20 @@ def _summary(app, run: str, name: str) -> str:
 
 
 @resource(f"{SCHEME}://evidence/{{run*}}/summary.md", title="Evidence run summary (markdown)",
-          mime_type="text/markdown")
+          mime_type="text/markdown", whole=True)
 def run_summary_md(app, run: str) -> str:
     """A run's summary.md (run: its folder relative to the evidence root, as evidence/runs lists it)."""
     return _summary(app, run, "summary.md")
 
 
 @resource(f"{SCHEME}://evidence/{{run*}}/summary.json", title="Evidence run summary (JSON)",
-          mime_type="application/json")
+          mime_type="application/json", whole=True)
 def run_summary_json(app, run: str) -> str:
     """A run's summary.json (run: its folder relative to the evidence root, as evidence/runs lists it)."""
     return _summary(app, run, "summary.json")
 
 
-@resource(f"{SCHEME}://demo/latest", title="Latest demo report", mime_type="text/markdown")
+@resource(f"{SCHEME}://demo/latest", title="Latest demo report", mime_type="text/markdown", whole=True)
 def demo_report(app) -> str:
     """The newest `./vllm-t4 demo` report (report.md of the newest folder directly under an evidence root whose
     report.json is a demo report), preceded by a comment naming its folder."""
@@ -211,16 +203,6 @@ def _written_at(data: dict, md: Path) -> float:
     except (OSError, ValueError):
         pass
     return float("-inf")
-
-
-@resource(f"{SCHEME}://server/log", title="vLLM server log tail", mime_type="text/plain")
-def server_log(app) -> str:
-    """The last 200 lines of the log of the vLLM server start_vllm_server started (the last start's, after a
-    failure or a stop)."""
-    try:
-        return read_log(app.config(), LOG_LINES)
-    except ToolFailure as exc:
-        raise ResourceFailure(exc.render(MCP)) from None
 
 
 # ------------------------------------------------------------------------------------------------ prompts
@@ -499,7 +481,8 @@ def resource_function(spec: ResourceSpec, app: Any) -> Callable[..., str]:
 
     async def fn(**kwargs: str) -> str:
         try:
-            return await anyio.to_thread.run_sync(lambda: spec.fn(app, **kwargs))
+            text = await anyio.to_thread.run_sync(lambda: spec.fn(app, **kwargs))
+            return text if spec.whole else fit_text(text, whole=f"the whole at {spec.uri}'s source")
         except (ResourceFailure, PathNotAllowed) as exc:
             # Nothing readable at this URI (no such run, a link out of the roots): invalid params, -32602, as the
             # spec answers a resource not found (SEP-2164), not an internal error; worded as the tools' errors are.
@@ -520,5 +503,8 @@ def register(mcp: Any, app: Any) -> None:
     for spec in RESOURCES.values():
         mcp.resource(spec.uri, name=spec.name, title=spec.title, description=spec.description,
                      mime_type=spec.mime_type)(resource_function(spec, app))
-    for p in PROMPTS.values():
-        mcp.prompt(prompt_function(p), name=p.name, title=p.title, description=p.description)
+    for p in PROMPTS.values():  # arguments are strings: no generated "matching the following JSON schema" note
+        made = FunctionPrompt.from_function(prompt_function(p), name=p.name, title=p.title, description=p.description)
+        for arg in made.arguments or []:
+            arg.description = p.arguments[arg.name][1]
+        mcp.add_prompt(made)

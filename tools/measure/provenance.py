@@ -86,6 +86,29 @@ def cpu_model() -> str | None:
     return platform.processor() or None
 
 
+def measured_on(prov: dict[str, Any] | Provenance | None) -> tuple[str, str]:
+    """(platform, where) of a run's figures from its provenance: ("cuda", "Tesla T4, build emb4") or ("cpu", "CPU
+    stand-in (vLLM CPU backend, Intel Xeon ...), build tiny-emb4"): every throughput, capacity and cost line names
+    it, since a CPU figure priced or read as a T4's misleads."""
+    d = prov.to_dict() if isinstance(prov, Provenance) else (prov or {})
+    server = d.get("server") or {}
+    root = server.get("model_root") or server.get("model_id")
+    build = f", build {Path(str(root)).name or root}" if root else ""
+    if d.get("gpu_count") and d.get("gpu_name"):
+        count = f"{d['gpu_count']}x " if d["gpu_count"] > 1 else ""
+        return "cuda", f"{count}{d['gpu_name']}{build}"
+    cpu = f", {d['cpu_model']}" if d.get("cpu_model") else ""
+    return "cpu", f"CPU stand-in (vLLM CPU backend{cpu}){build}"
+
+
+def cost_basis(platform_: str, price_per_hour: float, price_given: bool) -> str:
+    """How a cost figure was priced: on a CPU with the default (the T4 VM's) price, not a price for this machine,
+    it is the T4's price applied to this CPU's throughput, a cost of neither."""
+    if platform_ == "cpu" and not price_given:
+        return f"the T4 VM's ${price_per_hour}/h applied to this CPU's throughput, not a T4 cost"
+    return f"${price_per_hour}/h"
+
+
 def config_sha256(folder: str | Path) -> str | None:
     """sha256 of a checkpoint folder's config.json bytes: two runs with the same hash served the same config."""
     cfg = Path(folder) / "config.json"

@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 
 from tools.core.errors import BadInput, ToolFailure, op, param
-from tools.core.metrics import samples, total
+from tools.core.metrics import total
 from tools.serving import placement, router_state, state, switch_record
 from tools.serving.config import ServeConfig
 from tools.serving.hardware import Hardware

@@ -21,12 +21,12 @@ from pydantic import BaseModel, Field
 
 from tools.core.errors import BadInput, ToolFailure, param
 from tools.core.params import OpParams
-from tools.serving.config import load_config
+from tools.serving.config import check_instance_name, load_config
 from tools.serving.hardware import Hardware
 from repack.checks import SOURCE_REPO
 from tools.serving.hub import hf_token
 from tools.serving.preflight_checks import (Check, Context, check_checkpoints, check_compute_capability, check_disk,
-                                            check_drafter, check_gpu_memory, check_hf_token, check_host_memory,
+                                            check_drafter, check_gpu_memory, check_hf_token, check_host_memory, check_hub,
                                             check_max_model_len, check_nvidia_driver, check_port, check_source,
                                             check_turing_clamp, check_versions, check_vllm_build)
 
@@ -40,8 +40,12 @@ class PreflightParams(OpParams):
     source: str | None = Field(None, description="repack: the source (default SOURCE_CHECKPOINT)")
     out: str | None = Field(None, description="repack: the output folder (default MODEL_NAME)")
     model: str | None = Field(None, description="start: the build about to be served (default MODEL_NAME)")
+    port: int | None = Field(None, ge=1, le=65535, description="start: its port (default PORT)")
+    instance: str | None = Field(None, description="start: its instance")
+    repo_id: str | None = Field(None, description="fetch: the repo (default: the QAT source)")
 
-    MCP_EXCLUDE: ClassVar[frozenset[str]] = frozenset({"env_file"})  # the MCP server checks its own config
+    # The MCP server checks its own config; the fetch its hub toolset offers is of the QAT source by default.
+    MCP_EXCLUDE: ClassVar[frozenset[str]] = frozenset({"env_file", "repo_id"})
 
 
 class PreflightReport(BaseModel):
@@ -63,11 +67,20 @@ class PreflightReport(BaseModel):
 # ----------------------------------------------------------------------------------------------------------------
 # Steps
 
-def _load(cfg: Any, env_file: str | Path | None) -> tuple[Any, str | None]:
+def _load(cfg: Any, env_file: str | Path | None, **overrides: Any) -> tuple[Any, str | None]:
+    """The serving config checked, with the start's own port and instance (None: the config's)."""
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    if "instance" in overrides:  # a bad name is bad input (exit 2), not a failing check
+        overrides["instance"] = check_instance_name(overrides["instance"])
     if cfg is not None:
-        return cfg, None
+        if not overrides:
+            return cfg, None
+        try:
+            return replace(cfg, **overrides, sources={**cfg.sources, **dict.fromkeys(overrides, "override")}), None
+        except (TypeError, ValueError) as exc:
+            return None, str(exc)
     try:
-        return load_config(env_file), None
+        return load_config(env_file, **overrides), None
     except ToolFailure as exc:
         return None, str(exc)
 
@@ -76,18 +89,19 @@ def checks_for(step: Step, *, cfg: Any = None, env_file: str | Path | None = Non
                out: str | Path | None = None, repo_id: str | None = None, need_bytes: int | None = None,
                hardware: Any = None, nvml: Any = None, turing_target: Path | None = None,
                force: bool = False, protected_roots: list[Path] | None = None,
-               model: str | None = None) -> list[Check]:
+               model: str | None = None, port: int | None = None, instance: str | None = None) -> list[Check]:
     """The checks `step` needs, in the order their failures should be reported.
 
     start: the configured model (cfg or env_file) on this machine; repack: `source` into `out`; fetch: `repo_id`
     (`need_bytes`: its size, when known) into `out`; all: everything a deployment meets. `force`: the repack
     may replace `out` (an empty folder or a build it wrote); `protected_roots`: folders it may never replace or
     wrap (default: the working and home folders, as for a build from a shell). `model`: the build a start is about
-    to serve, instead of the config's MODEL_NAME (as a start given a model serves it).
+    to serve, instead of the config's MODEL_NAME (as a start given a model serves it); `port` and `instance`: the
+    start's own, instead of the config's PORT and the default instance.
     """
     if step not in ("all", "start", "repack", "fetch"):
         raise BadInput(f"step {step!r} is not one of all, start, repack, fetch")
-    cfg, cfg_error = _load(cfg, env_file)
+    cfg, cfg_error = _load(cfg, env_file, port=port, instance=instance)
     if model is not None and cfg is not None:
         cfg = replace(cfg, model=model, sources={**cfg.sources, "model": "override"})
     ctx = Context(cfg, cfg_error, hardware, nvml, turing_target)
@@ -108,7 +122,7 @@ def checks_for(step: Step, *, cfg: Any = None, env_file: str | Path | None = Non
     elif step == "repack":
         checks += [check_source(src, dst, force=force, protected_roots=protected_roots), check_disk(ctx, step=step, source=src, out=dst)]
     elif step == "fetch":
-        checks += [check_hf_token(ctx, step=step, repo_id=repo_id),
+        checks += [check_hub(ctx, repo_id=repo_id), check_hf_token(ctx, step=step, repo_id=repo_id),
                    check_disk(ctx, step=step, out=dst, need_bytes=need_bytes)]
     else:
         checks += [check_nvidia_driver(ctx), check_gpu_memory(ctx), check_compute_capability(ctx),
@@ -147,7 +161,7 @@ def run_preflight(params: PreflightParams, *, cfg: Any = None, hardware: Any = N
     hw = hardware or Hardware()
     checks = checks_for(params.step, cfg=cfg, env_file=params.env_file, source=params.source, out=params.out,
                         hardware=hw, nvml=nvml, turing_target=turing_target, protected_roots=protected_roots,
-                        model=params.model)
+                        model=params.model, port=params.port, instance=params.instance, repo_id=params.repo_id)
     platform = hw.platform()
     failed = [c.name for c in checks if c.status == "fail"]
     warnings = [c.name for c in checks if c.status == "warn"]

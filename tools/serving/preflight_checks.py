@@ -15,6 +15,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
+import httpx
 from pydantic import BaseModel, Field
 
 from repack import checks as repack_checks
@@ -28,7 +29,7 @@ from tools.gpu.vram import vram_status
 from tools.serving import turing_patch
 from tools.serving.config import looks_like_path
 from tools.serving.hardware import Hardware
-from tools.serving.hub import hf_token
+from tools.serving.hub import hf_token, hub_env
 from tools.serving.model_files import checkpoint_bytes, missing_model_fix, model_position_limit
 from tools.serving.speculative import validate_speculative_config
 from tools.serving import version_pairs
@@ -268,9 +269,10 @@ def check_port(ctx: Context) -> Check:
         return Check(name="port", status="n/a", value="no configuration")
     cfg = ctx.cfg
     holder = port_holder(cfg.host, cfg.port)
-    detail = {"host": cfg.host, "port": cfg.port, "holder": holder}
+    detail = {"host": cfg.host, "port": cfg.port, "holder": holder, "instance": cfg.instance_name}
     if holder is None:
-        return Check(name="port", status="ok", value=f"port {cfg.port} on {cfg.host} is free", detail=detail)
+        return Check(name="port", status="ok", detail=detail, value=f"port {cfg.port} on {cfg.host} is free"
+                     + (f" (instance {cfg.instance})" if cfg.instance else ""))
     return Check(name="port", status="fail", detail=detail,
                  value=f"port {cfg.port} on {cfg.host} is already in use by {holder}",
                  fix=f"stop it ({op('stop')} if it is the server started from here) or set PORT")
@@ -322,6 +324,43 @@ def check_hf_token(ctx: Context, *, step: str, repo_id: str | None = None) -> Ch
                        "token is set", detail={"repo": repo},
                  fix=f"accept the licence at {page} and export HF_TOKEN=<a read token>"
                      + ("" if gated else " if the repo is gated"))
+
+
+HUB_TIMEOUT_S = 5.0  # a hub that has not answered by then will not serve a multi-GiB download either
+
+
+def check_hub(ctx: Context, *, repo_id: str | None = None, timeout_s: float = HUB_TIMEOUT_S) -> Check:
+    """Whether the hub (HF_ENDPOINT, else huggingface.co) answers now, asked about the repo a fetch would take:
+    "ready" for a download must not be said on a machine with no route to it."""
+    endpoint, _, offline = hub_env()
+    base = (endpoint or "https://huggingface.co").rstrip("/")
+    repo = repo_id or SOURCE_REPO
+    detail: dict[str, Any] = {"endpoint": base, "repo": repo, "timeout_s": timeout_s}
+    if offline:
+        return Check(name="hub", status="fail", detail={**detail, "offline": True},
+                     value="offline: HF_HUB_OFFLINE is set, so a fetch reads the hub cache only",
+                     fix="unset HF_HUB_OFFLINE on a connected machine, or copy the checkpoint here and pass it as "
+                         f"{param('source')}")
+    token, _ = hf_token()
+    try:
+        r = httpx.get(f"{base}/api/models/{repo}/revision/main", timeout=timeout_s,
+                      headers={"authorization": f"Bearer {token}"} if token else None)
+    except httpx.HTTPError as exc:
+        return Check(name="hub", status="fail", detail={**detail, "error": type(exc).__name__},
+                     value=f"offline: {base} did not answer within {timeout_s:g} s ({type(exc).__name__})",
+                     fix="connect this machine (or set HF_ENDPOINT to a mirror it reaches), or copy the checkpoint "
+                         f"here and pass it as {param('source')}")
+    detail["status"] = r.status_code
+    if r.status_code in (401, 403):  # the hub answers; the token check says what a gated repo needs
+        return Check(name="hub", status="ok", detail=detail,
+                     value=f"{base} answers (HTTP {r.status_code} for {repo}: gated, see hf_token)")
+    if r.status_code == 404:
+        return Check(name="hub", status="fail", detail=detail, value=f"{base} answers, but has no model {repo}",
+                     fix=f"check {param('repo_id')}")
+    if r.status_code >= 500:
+        return Check(name="hub", status="fail", detail=detail, value=f"{base} answered HTTP {r.status_code}",
+                     fix="try again later")
+    return Check(name="hub", status="ok", detail=detail, value=f"{base} answers for {repo}")
 
 
 def _is_built(model: str) -> bool:

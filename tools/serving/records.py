@@ -68,6 +68,9 @@ class ServerStatus:
     start_fields: EngineStartFields | None = None
     log_path: str | None = None
     vram: Vram | None = None
+    # The served model's memory as vram_status reads it: VRAM of its processes on a GPU, host RSS/PSS on a CPU;
+    # `method` says which and how.
+    memory: dict[str, Any] | None = None
     died: bool = False                 # a state file was left by a server that is gone
     leftover_pids: list[int] = field(default_factory=list)
     gpus: list[int] | None = None

@@ -9,18 +9,20 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
 from tools.core.api_key import auth_headers
 from tools.core.errors import ToolFailure, op
 from tools.core.process import end_group, group_members
+from tools.gpu.vram import host_memory, server_process_pids
 from tools.serving import engine_log, health, state as replace_state, switch_record
 from tools.serving.config import ServeConfig
-from tools.serving.hardware import Hardware
+from tools.serving.hardware import Hardware, Vram
 from tools.serving.launch import replace_note
 from tools.serving.records import QueryResult, ServerStatus, StopResult
-from tools.serving.state import (DamagedState, clear_state, instance_lock, leader, load_state, our_group,
+from tools.serving.state import (DamagedState, ServerState, clear_state, instance_lock, leader, load_state, our_group,
                                  pid_recycled, try_instance_lock)
 
 
@@ -82,6 +84,23 @@ def server_status(cfg: ServeConfig, *, hardware: Hardware | None = None) -> Serv
     return st
 
 
+def served_memory(cfg: ServeConfig, state: ServerState, vram: Vram | None) -> dict[str, Any] | None:
+    """The served model's memory, read as vram_status reads it: on a GPU the VRAM its process group holds (NVML),
+    on a CPU its processes' host memory (RSS, and PSS where /proc/PID/smaps_rollup is readable), the method
+    named. None when it cannot be read now (the processes ended between the checks)."""
+    if vram is not None:
+        mib = vram.process_mib if vram.process_mib is not None else vram.used_mib
+        how = ("NVML: GPU memory of the server's process group" if vram.process_mib is not None else
+               "NVML: the GPU's used memory (no per-process figure reported)")
+        return {"kind": "vram", "mib": mib, "total_mib": vram.total_mib, "method": how,
+                "line": f"VRAM {mib} MiB of {vram.total_mib} MiB ({how})"}
+    try:
+        host = host_memory(cfg.instance_name, server_process_pids(state.pid), state.model)
+    except Exception:  # noqa: BLE001 - a process gone or unreadable mid-read: status goes on without the figure
+        return None
+    return {"kind": "host", **host.model_dump(mode="json"), "line": f"host memory {host.line()} ({host.method})"}
+
+
 def _server_status(cfg: ServeConfig, hardware: Hardware | None) -> ServerStatus:
     try:
         state = load_state(cfg)
@@ -114,7 +133,8 @@ def _server_status(cfg: ServeConfig, hardware: Hardware | None) -> ServerStatus:
         hw = hardware or Hardware()
         vram = hw.vram([p.pid for p in group_members(state.pgid)])
     uptime = round(time.time() - state.started_ts, 1)
-    return ServerStatus(alive=True, healthy=healthy, uptime_s=uptime, vram=vram, **common,
+    return ServerStatus(alive=True, healthy=healthy, uptime_s=uptime, vram=vram,
+                        memory=served_memory(cfg, state, vram), **common,
                         message=f"{'serving' if healthy else 'running but not healthy'}: {state.served_name} at "
                                 f"{state.base_url} (pid {state.pid})")
 

@@ -51,6 +51,10 @@ class CapacityResult(BaseModel):
     terms_at_capacity: list[TermCheck] = Field(default_factory=list)
     price_per_hour: float
     usd_per_million: float | None = Field(None, description="$ per million output tokens at the capacity")
+    platform: str | None = Field(None, description="cuda or cpu: where the figures were measured")
+    measured_on: str | None = Field(None, description="The GPU or the CPU stand-in, and the build served")
+    cost_basis: str | None = Field(None, description="How the cost was priced (on a CPU by default: the T4 VM's "
+                                                     "price applied to CPU throughput)")
     statement: str = ""
     wall_s: float | None = None
     files: dict[str, str] = Field(default_factory=dict)
@@ -73,8 +77,8 @@ def statement(r: CapacityResult) -> str:
         at = (f"; there: goodput {r.goodput.text(3) if r.goodput else '—'} req/s, "
               f"{r.out_tok_s.text() if r.out_tok_s else '—'} out tok/s, "
               + ("$—" if r.usd_per_million is None else f"${r.usd_per_million:.2f}")
-              + f" per million output tokens at ${r.price_per_hour}/h")
-    pts = f" ({len(r.search.points)} points measured)"
+              + f" per million output tokens at {r.cost_basis or f'${r.price_per_hour}/h'}")
+    pts = f" ({len(r.search.points)} points measured{f' on {r.measured_on}' if r.measured_on else ''})"
     if r.status == "none":
         first = r.search.points[0] if r.search.points else None
         why = "; ".join(t.text() for t in first.terms if t.verdict != "pass") if first else ""
@@ -87,9 +91,12 @@ def statement(r: CapacityResult) -> str:
     elif r.status == "lower_bound":
         head = (f"capacity: at least {_load(r.capacity, r.load)} {unit} within {r.slo} (a lower bound: the "
                 f"search's maximum still passes)")
-    else:
-        head = (f"capacity: {_load(r.capacity, r.load)} {unit} within {r.slo}, bounded by the engine's "
-                f"max_num_seqs {r.max_num_seqs} (beyond it requests queue)")
+    else:  # the engine's cap, not the SLO, ended the search: a bound, and how to measure past it
+        more = 2 * (r.max_num_seqs or int(r.capacity or 1))
+        head = (f"capacity: at least {_load(r.capacity, r.load)} {unit} within {r.slo}, a bound set by the "
+                f"engine's max_num_seqs {r.max_num_seqs}, not by the SLO (beyond it requests queue); to measure "
+                f"further, restart the server with max_num_seqs {more} (the start's argument, MAX_NUM_SEQS in "
+                f"tpu.env) and search again with max_load {more}")
     return head + at + pts
 
 

@@ -27,7 +27,7 @@ from tools.measure.sweep import report as sweep_report
 from tools.measure.capacity.report import CapacityResult, statement, write_capacity
 from tools.measure.capacity.search import Sample, Search, search_capacity
 from tools.measure.capacity.slo import Term, goodput_limits, parse_slo, slo_text
-from tools.measure.sweep.params import CellResult, SweepParams, SweepResult, Tokens
+from tools.measure.sweep.params import DEFAULT_PRICE_PER_HOUR, CellResult, SweepParams, SweepResult, Tokens
 from tools.measure.sweep.cells import Tally, measure_repeats
 from tools.measure.sweep.worker import BenchWorker
 from tools.serving.endpoint import Endpoint, resolve_endpoint
@@ -164,7 +164,7 @@ def _search(params: CapacityParams, terms: list[Term], run: evidence.EvidenceRun
     sweep.wall_s = time.monotonic() - t0
     sweep_report.write_run(sweep, run_dir, price_per_hour=params.price_per_hour, plot=True, final_dir=run.path)
     res = result_of(params, terms, found, cells.get(found.capacity) if found.capacity is not None else None,
-                    run_id=run.name, run_dir=str(run.path), max_num_seqs=max_num_seqs)
+                    run_id=run.name, run_dir=str(run.path), max_num_seqs=max_num_seqs, prov=prov)
     res.wall_s = time.monotonic() - t0
     res.files = dict(sweep.files)
     write_capacity(res, run_dir, final_dir=run.path)
@@ -172,8 +172,9 @@ def _search(params: CapacityParams, terms: list[Term], run: evidence.EvidenceRun
 
 
 def result_of(params: CapacityParams, terms: list[Term], found: Search, cell: CellResult | None, *, run_id: str,
-              run_dir: str, max_num_seqs: int | None) -> CapacityResult:
-    """The capacity result from a finished search and the cell measured at the capacity."""
+              run_dir: str, max_num_seqs: int | None, prov: dict[str, Any] | None = None) -> CapacityResult:
+    """The capacity result from a finished search and the cell measured at the capacity, labelled with where it
+    was measured (`prov`: the run's provenance)."""
     point = found.point(found.capacity)
     out = cell.estimate("output_throughput") if cell else None
     res = CapacityResult(run_id=run_id, run_dir=run_dir, label=params.label, slo=slo_text(terms), terms=terms,
@@ -184,6 +185,10 @@ def result_of(params: CapacityParams, terms: list[Term], found: Search, cell: Ce
                          terms_at_capacity=point.terms if point else [], price_per_hour=params.price_per_hour,
                          usd_per_million=sweep_report.cost_per_million(out.mean if out else None,
                                                                        params.price_per_hour))
+    if prov:
+        res.platform, res.measured_on = prov_mod.measured_on(prov)
+        res.cost_basis = prov_mod.cost_basis(res.platform, params.price_per_hour,
+                                             params.price_per_hour != DEFAULT_PRICE_PER_HOUR)
     res.statement = statement(res)
     return res
 

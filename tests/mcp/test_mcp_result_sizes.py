@@ -1,0 +1,143 @@
+"""Small by default, whole on request: the default results of the tools and resources stay within RESULT_BUDGET
+characters and say where the whole is (tools/mcp/bounded.py; bench/bench_mcp_result_sizes.py measures the walk)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter
+from http.server import BaseHTTPRequestHandler
+from pathlib import Path
+
+import pytest
+from fastmcp import Client
+
+from tests.kill_matrix import serve_in_thread
+from tools.mcp.app import Settings, create_server
+from tools.mcp.bounded import RESULT_BUDGET, fit, size
+
+LONG_PROMPTS = [f"needle {n}: " + "the quick brown fox jumps over the lazy dog. " * (n // 45) for n in
+                (2_000, 8_000, 14_000)]
+
+
+class _Chat(BaseHTTPRequestHandler):
+    """An OpenAI-style server answering greedy chat completions with token ids and top logprobs; the candidate
+    (port picked per test) differs from the reference at token 3 of the last prompt, by a near-tie."""
+    protocol_version = "HTTP/1.1"
+    diverge = False
+    counts: Counter
+
+    def log_message(self, *a):
+        pass
+
+    def _send(self, obj):
+        data = json.dumps(obj).encode()
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):  # noqa: N802
+        self._send({"data": [{"id": "m", "root": "/nowhere", "max_model_len": 32768}]})
+
+    def do_POST(self):  # noqa: N802
+        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        n = body["max_tokens"]
+        prompt = body["messages"][0]["content"]
+        ids = [10 + i for i in range(n)]
+        if self.diverge and prompt == LONG_PROMPTS[-1]:
+            ids[3] = 20 + 3
+        tops = [{"top_logprobs": [{"token": f"token_id:{10 + i}", "logprob": -0.1},
+                                  {"token": f"token_id:{20 + i}", "logprob": -0.15}]} for i in range(n)]
+        self._send({"choices": [{"message": {"content": "x" * n}, "token_ids": ids, "finish_reason": "length",
+                                 "logprobs": {"content": tops}}],
+                    "usage": {"prompt_tokens": len(prompt) // 4}})
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_fit_keeps_the_summary_and_where_the_whole_is():
+    big = {"summary": "3 of 3", "path": "/e/x.json", "rows": [{"prompt": "p" * 5_000, "n": i} for i in range(40)],
+           "note": "n" * 20_000}
+    small = fit(big)
+    assert size(small) <= RESULT_BUDGET and small["summary"] == "3 of 3" and small["path"] == "/e/x.json"
+    assert "/e/x.json" in small["clipped"]
+    assert all(isinstance(r, dict) for r in small.get("rows", []))  # a shortened list keeps its kind of items
+    assert fit({"summary": "ok", "x": 1}) == {"summary": "ok", "x": 1}  # what fits is left alone
+    # many short fields: the largest left out, by name, the rest (strings included) kept
+    wide = {"summary": "s", "run_dir": "/e/r", "label": "emb4",
+            **{f"f{i}": {f"k{j}": 123456.789 for j in range(8)} for i in range(60)}}
+    cut = fit(wide)
+    assert size(cut) <= RESULT_BUDGET and cut["label"] == "emb4" and cut["run_dir"] == "/e/r"
+    assert "left out: f" in cut["clipped"]
+
+
+@pytest.fixture()
+def chat_servers():
+    ref = type("Ref", (_Chat,), {"counts": Counter()})
+    cand = type("Cand", (_Chat,), {"counts": Counter(), "diverge": True})
+    with serve_in_thread(ref) as a, serve_in_thread(cand) as b:
+        yield a, b
+
+
+def test_long_prompt_token_check_stays_small_and_writes_the_whole(roots, tmp_path, chat_servers):
+    """The issue's walk: 11 prompts, three of 2k/8k/14k characters, recorded then checked: each result within the
+    budget, one line per prompt with the counts that matter, the whole comparison in the evidence folder."""
+    a, b = chat_servers
+    mcp = create_server(Settings(roots=roots, config_overrides={"state_dir": str(tmp_path / "run")}))
+    ref = str(roots.evidence[0] / "tokens" / "ref.json")
+    prompts = [f"prompt {i}: write one sentence about the Tesla T4" for i in range(8)] + LONG_PROMPTS
+
+    async def go():
+        async with Client(mcp) as c:
+            rec = await c.call_tool("compare_tokens", {"mode": "record", "reference": ref, "base_url": a,
+                                                       "prompts": prompts, "max_tokens": 64})
+            chk = await c.call_tool("compare_tokens", {"mode": "check", "reference": ref, "base_url": b})
+            return rec, chk
+
+    rec, chk = run(go())
+    for res in (rec, chk):
+        shown = sum(len(t.text) for t in res.content)
+        assert shown <= RESULT_BUDGET, (shown, res.content[0].text)
+        assert "clipped" not in res.structured_content  # shaped by the tool, not cut by the guard
+    data = chk.structured_content
+    assert data["identical"] == 10 and data["total"] == 11
+    last = data["prompts"][-1]
+    assert last["first_divergence"] == 3 and last["verdict"] == "near-tie" and last["compared"] == 64
+    lines = data["report"].splitlines()
+    assert len(lines) == 12 and "identical, 64 tokens compared" in lines[0]
+    assert "first divergence at token 3 of 64 (near-tie" in lines[10]
+    whole = json.loads(Path(data["comparison_path"]).read_text())
+    assert whole["prompts"][-1]["prompt"] == LONG_PROMPTS[-1]  # every prompt in full, in the file
+    assert Path(data["comparison_path"]).parent == Path(ref).parent
+
+
+def test_resources_are_bounded_and_say_how_to_read_more(roots, tmp_path):
+    mcp = create_server(Settings(roots=roots, config_overrides={"state_dir": str(tmp_path / "run")}))
+    cfg = mcp.gemma.config()
+    cfg.log_file.parent.mkdir(parents=True, exist_ok=True)
+    cfg.log_file.write_text("".join(f"INFO line {i} " + "x" * 120 + "\n" for i in range(300)) + "ERROR the end\n")
+    for i in range(300):
+        run_dir = roots.evidence[0] / "sweeps" / f"run-{i:03d}"
+        run_dir.mkdir(parents=True)
+        (run_dir / "summary.json").write_text("{}")
+
+    async def go():
+        async with Client(mcp) as c:
+            out = {}
+            for uri in ("gemma4-t4://server/log", "gemma4-t4://server/log/1000", "gemma4-t4://evidence/runs",
+                        "gemma4-t4://evidence/runs/all"):
+                out[uri] = (await c.read_resource(uri))[0].text
+            return out
+
+    got = run(go())
+    tail = got["gemma4-t4://server/log"]
+    assert len(tail) <= RESULT_BUDGET and tail.endswith("ERROR the end") and "server/log/{lines}" in tail
+    assert got["gemma4-t4://server/log/1000"].count("\n") == 300  # more on request: all 301 lines
+    index = json.loads(got["gemma4-t4://evidence/runs"])
+    assert len(got["gemma4-t4://evidence/runs"]) <= RESULT_BUDGET and index["total"] == 300
+    assert 0 < len(index["runs"]) < 300 and "evidence/runs/all" in index["more"]
+    assert len(json.loads(got["gemma4-t4://evidence/runs/all"])["runs"]) == 300
