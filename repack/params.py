@@ -40,8 +40,8 @@ class BuildOptions(OpParams):
     target_dtype: Target | None = Field(
         None, description="Serving dtype the scales are chosen for and stored in (default float16: the T4)")
     objective: Objective = Field(
-        DEFAULT_OBJECTIVE, description="min-error: least squared error; runtime-exact: most "
-                                       "values exact (both in the target's arithmetic)")
+        DEFAULT_OBJECTIVE, description="min-error: least squared error; runtime-exact: most values exact (in "
+                                       "the target's arithmetic)")
     scale_dtype: ScaleDtype | None = Field(
         None, description="Older spelling of --target-dtype: fp16 = float16, bf16 = bfloat16")
     force: bool = Field(False, description="Replace an empty folder or exactly a build this tool wrote")

@@ -79,11 +79,14 @@ def _kind(tp: Any) -> tuple[str, bool] | None:
 FILLERS: dict[str, Any] = {"repo_id": "org/name", "tasks": ["arc_easy"], "out": "o", "reference": "r.json",
                            "runs": ["a", "b"], "run_dirs": ["a", "b"], "source": "s", "output": "o", "path": "p",
                            "prompt": "hi", "instances": ["a"], "job_id": "j1", "tool": "run_sweep", "arguments": {},
-                           "mode": "record"}
+                           "mode": "record", "instance": "b", "model": "m", "toolset": "capacity"}
+# what a model needs beyond its required fields to be a valid baseline (one of two optional fields)
+BASELINES: dict[str, dict[str, Any]] = {"PlanParams": {"member": "E2B"}}
 
 
 def _required(model: type[OpParams]) -> dict[str, Any]:
-    return {n: FILLERS[n] for n, f in model.model_fields.items() if f.is_required()}
+    return {**{n: FILLERS[n] for n, f in model.model_fields.items() if f.is_required()},
+            **BASELINES.get(model.__name__, {})}
 
 
 def _flag(model: type[OpParams], name: str) -> str | None:
@@ -169,7 +172,7 @@ def _refused_mcp(model: type[OpParams], name: str, value: Any) -> None:
 
 def test_every_operation_has_a_parameter_model_here():
     names = {m.__name__ for m in MODELS}
-    assert {"SweepParams", "CapacityParams", "DecodeParams", "StartParams", "CompareParams", "BuildParams",
+    assert {"SweepParams", "CapacityParams", "DecodeParams", "StartParams", "TokenCompareParams", "BuildParams",
             "RecordLogprobsParams", "EvalParams", "TinyParams", "JobStatusParams"} <= names
 
 

@@ -142,10 +142,19 @@ def test_not_enough_disk_is_refused_before_downloading(hub_files, hub_env, tmp_p
     assert exc.value.detail["needed_bytes"] > exc.value.detail["free_bytes"] == 1000
 
 
-@pytest.mark.parametrize("repo", ["../etc", "/acme/x", "acme/x/y", "acme/..", "acme", "ac me/x", ""])
+@pytest.mark.parametrize("repo", ["../etc", "/acme/x", "acme/x/y", "acme/..", "acme", "ac me/x"])
 def test_repo_ids_with_path_tricks_are_refused(repo, tmp_path):
     with pytest.raises(BadInput, match="not owner/name"):
         fetch_checkpoint(FetchParams(repo_id=repo, out=str(tmp_path / "x")))
+    assert not (tmp_path / "x").exists()
+
+
+def test_an_empty_repo_id_is_refused_by_the_parameters(tmp_path):
+    """The bounded-string rule of every parameter model (tools.core.params) refuses it before any fetch."""
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="must not be empty"):
+        FetchParams(repo_id="", out=str(tmp_path / "x"))
     assert not (tmp_path / "x").exists()
 
 

@@ -20,8 +20,8 @@ from tools.serving.turing_patch import PatchStatus
 @tool(toolset="deploy", title="Memory of the running builds", result=VramStatus, read_only=True,
       idempotent=True, ops="vram")
 def vram_status(app, p) -> Reply:
-    """The memory each running build takes: per GPU through NVML, and each instance's host memory beside its
-    weights on disk (where they live on CPU)."""
+    """Memory each running build takes: per GPU (NVML), and each instance's host memory beside its weights on
+    disk."""
     try:
         cfg = app.config()
         owners, servers = process_owners(cfg), running(cfg)

@@ -49,8 +49,8 @@ def _sweep_inputs(app, p: SweepParams) -> _Sweep:
       extra={"counts": (dict[str, int], "Cells by status: ok, infeasible, failed"), "measured_on": (str, "")},
       ops="sweep")
 def run_sweep(app, p: SweepParams, progress, checked: _Sweep) -> Reply:
-    """Measure the running server's throughput with vLLM's own benchmark over input lengths x concurrencies, the
-    same prompts for every build; writes a run folder under an evidence root. Long."""
+    """Measure the running server's throughput with vLLM's bench serve over input lengths x concurrencies, the
+    same prompts for every build; writes a run folder. Long."""
     res = sweep(checked.params, checked.endpoint, serve_config=checked.config,
                 progress=lambda d, t, m: progress(d, t, m))
     counts = res.counts
@@ -110,9 +110,8 @@ def find_capacity(app, p: CapacityParams, progress, checked: _Capacity) -> Reply
                                "measured_on": (dict[str, str], ""), "cost_basis": (str, "")},
       ops=("sweep_compare", "capacity_compare"))
 def compare_sweeps(app, p: CompareSweepsParams) -> Reply:
-    """Sweep (or capacity) runs side by side: per cell each run's output tok/s with its 95% interval, the last
-    run's ratio to each earlier one with a verdict (faster, slower, within noise), cost per million tokens;
-    capacity runs add their capacities."""
+    """Sweep or capacity runs side by side: per cell each run's output tok/s (95% interval), the last run's
+    ratio to each earlier one with a verdict, cost per million tokens, capacities."""
     dirs = [app.roots.confine(d, "evidence", must_exist=True, what="run_dir") for d in p.run_dirs]
     for given, d in zip(p.run_dirs, dirs):  # the file read, not only its folder: a link in it may lead out
         if d.is_dir():
@@ -170,8 +169,8 @@ def _token_inputs(app, p: TokenCompareParams) -> TokenCompareParams:
       extra={"report": (str, ""), "comparison_path": (str | None, "")},
       ops={"compare_tokens": {}, "compare_tokens.record": {"mode": "record"}})
 def compare_tokens(app, p: TokenCompareParams, progress, checked: TokenCompareParams) -> Reply:
-    """Whether two builds give the same greedy tokens, prompt by prompt: mode=record with build A, restart with
-    build B, mode=check (or mode=live with two instances). Long."""
+    """Whether two builds give the same greedy tokens, prompt by prompt: record with build A, check with build B
+    (or live with two instances). Long."""
     res = compare(checked, progress=lambda d, t, m: progress(d, t, m))
     if isinstance(res, TokenRecord):
         # The record itself is in the file; the reply lists what was recorded, a prompt as its first words.

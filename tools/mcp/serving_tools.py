@@ -37,10 +37,8 @@ def _start_config(app, p: StartParams):
 @tool(toolset="serve", title="Start the vLLM server", params=StartParams, result=StartResult, long=True,
       open_world=True, check=_start_config, ops="start")
 def start_vllm_server(app, p: StartParams, progress, checked) -> Reply:
-    """Serve a build (a folder under a models root, or a hub id) with vLLM until stopped; returns once it
-    answers a completion and a chat completion, with the engine's figures; a server that refuses them ends the
-    start at once naming the fix. replace=true stops the running server (its port is dead while this build
-    loads; the old one comes back if this fails): for clients that must see no failure use switch_build. Long."""
+    """Serve a build (a folder under a models root, or a hub id) with vLLM; returns once it answers a completion
+    and a chat completion, or at once naming the fix when it refuses them. Long."""
     start = replace_server if p.replace else start_server
     # Owned until ready: a client that goes away, a SIGTERM or a SIGKILL of this server while vLLM starts ends
     # that vLLM too (the guard; a replace's record then says what serves); once it serves it is handed over.

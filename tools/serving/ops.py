@@ -8,7 +8,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
-from tools.core.params import NAME_MAX, NAME_RULE, Name, OpParams
+from tools.core.params import Name, OpParams
 
 
 INSTANCE_HELP = "Named instance (default: the default one)"
@@ -25,8 +25,7 @@ class StartParams(InstanceParams):
     MCP_EXCLUDE: ClassVar[frozenset[str]] = frozenset({"cpus"})  # a machine-local knob
 
     model: str | None = Field(None, description="Checkpoint folder or hub id (default: MODEL_NAME)")
-    served_name: Name | None = Field(None, description=f"Name clients send as model (default: SERVED_MODEL_NAME); "
-                                                       f"{NAME_RULE}, at most {NAME_MAX}")
+    served_name: Name | None = Field(None, description="Name clients send as model (default: SERVED_MODEL_NAME)")
     port: int | None = Field(None, ge=1, le=65535, description="Port (default: PORT)")
     max_model_len: int | None = Field(None, ge=16, description="Context length (default: MAX_MODEL_LEN)")
     max_num_seqs: int | None = Field(None, ge=1, description="Concurrent sequences (default: MAX_NUM_SEQS)")
@@ -37,11 +36,9 @@ class StartParams(InstanceParams):
                                                      "share of the free cores (none bound for a lone default "
                                                      "instance)")
 
-    replace: bool = Field(False, description="Take the running server's place on its port: once this build "
-                                             "passed the start checks the running server stops, and the port "
-                                             "refuses connections while this one loads (about a minute, CPU or "
-                                             "T4); the old one is started again if this one fails. With no dead "
-                                             "port: serve through the router and switch_build")
+    replace: bool = Field(False, description="Take the running server's port: it stops once this build passed "
+                                             "the start checks, the port is dead while this one loads, and it "
+                                             "comes back if this fails (switch_build: no dead port)")
 
     def overrides(self) -> dict[str, Any]:
         """The serving-config overrides this start asks for (unset fields keep tpu.env's values)."""

@@ -34,8 +34,7 @@ Step = Literal["all", "start", "repack", "fetch"]
 
 
 class PreflightParams(OpParams):
-    step: Step = Field("all", description="Which checks: all, start (serving model), repack (source into out), "
-                                          "fetch (the source checkpoint)")
+    step: Step = Field("all", description="Which checks: all, or those before a start, a repack or a fetch")
     env_file: str | None = Field(None, description="Serving configuration to check (default: the project's tpu.env)")
     source: str | None = Field(None, description="repack: the source (default SOURCE_CHECKPOINT)")
     out: str | None = Field(None, description="repack: the output folder (default MODEL_NAME)")

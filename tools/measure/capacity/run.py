@@ -57,7 +57,7 @@ class CapacityParams(SweepParams):
     noise_rounds: int = Field(1, ge=0, le=100, description="Extra rounds for a point whose interval holds a limit")
     rel_tol: float = Field(0.1, gt=0, lt=1, allow_inf_nan=False,
                            description="Rate searches stop when first fail / last pass <= 1 + this")
-    label: str = Field("build", description="Build name for tables and the run id (no spaces)")
+    label: str = Field("build", description="Build name for tables and the run id")
 
     def checked_terms(self) -> list[Term]:
         """The SLO parsed and the options checked: BadInput naming the first bad one, before anything is

@@ -56,7 +56,7 @@ class SweepParams(EndpointParams):
     prompts_per_concurrency: int = Field(4, ge=1, le=10_000, description="Prompts per cell = max(min_prompts, "
                                                                          "concurrency x this)")
     min_prompts: int = Field(4, ge=1, le=1_000_000, description="Fewest prompts per cell")
-    label: str = Field("build", description="Build name for tables and the run id (no spaces)")
+    label: str = Field("build", description="Build name for tables and the run id")
     price_per_hour: Price = Field(DEFAULT_PRICE_PER_HOUR, description="Machine $/hour (default: the "
                                                                       "article's T4 VM)")
     out: Path = Field(DEFAULT_OUT, description="Where the run folder goes (MCP: under an "
@@ -169,11 +169,11 @@ class SweepResult(BaseModel):
     wall_s: float | None = None
     cells: list[CellResult] = Field(default_factory=list)
     provenance: dict[str, Any] = Field(default_factory=dict)
-    speculative_config: dict[str, Any] | None = Field(None, description="The server's --speculative-config")
-    roofline: dict[int, Roofline] = Field(default_factory=dict, description="Per input length, the c=1 cell's "
-                                          "decode rate (1000 / mean TPOT) as a share of the memory-bandwidth "
-                                          "roofline (tools/measure/roofline.py)")
-    roofline_note: str | None = Field(None, description="Why a c=1 cell has no roofline figure, where one has none")
+    speculative_config: dict[str, Any] | None = None  # the server's --speculative-config
+    # Per input length, the c=1 cell's decode rate (1000 / mean TPOT) as a share of the memory-bandwidth roofline
+    # (tools/measure/roofline.py); roofline_note: why a c=1 cell has none, where one has none
+    roofline: dict[int, Roofline] = Field(default_factory=dict)
+    roofline_note: str | None = None
     files: dict[str, str] = Field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:

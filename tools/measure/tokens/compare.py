@@ -65,8 +65,8 @@ class TokenCompareParams(EndpointParams):
     top_logprobs: int = Field(5, ge=0, le=20, description="Alternatives per position (near-tie check)")
     force: bool = Field(False, description="record: replace an existing reference file")
     timeout_s: Seconds = Field(600.0, description="Seconds per request")
-    long: bool = Field(False, description="record/live: add the ~2k/8k/14k-token needle prompts "
-                                          "that fit max_model_len")
+    long: bool = Field(False, description="record/live: add the ~2k/8k/14k-token prompts that fit "
+                                          "max_model_len")
 
 
 class Generation(BaseModel):
