@@ -145,4 +145,4 @@ def test_cli_compare_check_prints_per_prompt_lines(reference, emb4_server):
     missing = subprocess.run([sys.executable, "-m", "tools.cli", "compare", "check", str(reference) + ".nope",
                               "--base-url", emb4_server.base_url], cwd=ROOT, capture_output=True, text=True,
                              timeout=120)
-    assert missing.returncode == 1 and "reference file not found" in missing.stderr
+    assert missing.returncode == 2 and "reference file not found" in missing.stderr  # bad input

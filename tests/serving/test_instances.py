@@ -221,12 +221,12 @@ def test_status_reports_the_served_models_memory_as_vram_status_does(cli_here, t
     from tools.gpu.vram import host_memory
 
     st = fleet("a", free_port())
-    one = cli_here(["status", "--instance", "a", "--json"], _env(tmp_path / "run"))
+    one = cli_here(["status", "--instance", "a", "--json"], state_env(tmp_path / "run"))
     mem = json.loads(one.stdout)["memory"]
     assert mem["kind"] == "host" and mem["pids"] == [st["pid"]] and mem["rss_mib"] > 0
     assert "psutil memory_info().rss" in mem["method"]
     assert mem["rss_mib"] == pytest.approx(host_memory("a", {st["pid"]}).rss_mib, rel=0.5)
-    text = cli_here(["status", "--instance", "a"], _env(tmp_path / "run")).stdout
+    text = cli_here(["status", "--instance", "a"], state_env(tmp_path / "run")).stdout
     assert "  host memory a: RSS " in text and "(psutil memory_info().rss" in text
 
 

@@ -15,7 +15,8 @@ from tools.core.errors import ToolFailure
 from tools.serving import switch_record
 from tools.serving.config import ServeConfig
 from tools.serving.replace import replace_server
-from tools.serving.vllm_server import read_log, server_status, start_server, stop_server
+from tools.serving.launch import start_server
+from tools.serving.vllm_server import read_log, server_status, stop_server
 
 
 @pytest.fixture

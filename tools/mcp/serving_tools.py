@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from pydantic import BaseModel, Field
 
 from tools.core.errors import ToolFailure
@@ -82,6 +84,9 @@ def server_status(app, p: StatusParams) -> Reply:
     else:
         res = fleet_status(app.config())
         if res.instances:
+            # The fleet at a glance, within an answer's budget: each instance's engine figures and command line
+            # are server_status(instance=...)'s (two whole instances outgrow it, and the guard would drop them all)
+            res.instances = [replace(i, argv=None, start_fields=None) for i in res.instances]
             res.message += "; " + ", ".join(f"{i.instance}: {'serving' if i.healthy else 'down'}"
                                             for i in res.instances)
     return Reply(res, res.message, {"roots": app.roots.describe()})
