@@ -35,9 +35,8 @@ class Fixed(d.datetime):
     @classmethod
     def now(cls, tz=None):
         return d.datetime(2026, 1, 1, 12, 0, 0, tzinfo=tz)
-from tools.measure import capacity, evidence, pareto, sweep
-for m in (capacity, evidence, pareto, sweep):
-    m.datetime = Fixed
+from tools.core import clock  # every run folder's time (evidence.run_id)
+clock.datetime = Fixed
 from tools.cli import main
 sys.exit(main(sys.argv[1:]))
 """
