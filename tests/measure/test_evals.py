@@ -57,6 +57,27 @@ def test_shipped_task_data_follows_the_tiny_models_pattern():
         assert d["choices"][d["label"]] == next(g["target"] for g in gen if g["context"] == d["context"])
 
 
+def test_lm_eval_indexes_only_the_include_path_when_every_task_is_there(monkeypatch):
+    """The eval's child runs lm-eval's own command line; when every task asked for is in the include path, the
+    task manager lm-eval's command line makes (EvaluatorConfig.process_tasks) holds that folder alone, not
+    lm-eval's ~14,700 built-in tasks (about 20 s of CPU per run). A run naming any other task keeps them."""
+    from lm_eval.config.evaluate_config import EvaluatorConfig
+    from lm_eval.tasks import TaskManager
+
+    from tools.measure.evals import lm_eval_main
+
+    inc = str(TASKS_DIR)
+    assert lm_eval_main.included_only(["run", "--tasks", "tiny_pattern_mc", "--include_path", inc])
+    assert lm_eval_main.included_only(["run", "--tasks=tiny_pattern_mc,tiny_pattern_gen", f"--include_path={inc}"])
+    assert not lm_eval_main.included_only(["run", "--tasks", "tiny_pattern_mc,hellaswag", "--include_path", inc])
+    assert not lm_eval_main.included_only(["run", "--tasks", "tiny_pattern_mc"])
+    monkeypatch.setattr(TaskManager, "__init__", TaskManager.__init__)  # put back after the test
+    lm_eval_main.without_builtin_tasks()
+    manager = EvaluatorConfig(tasks="tiny_pattern_mc", include_path=inc).process_tasks()
+    assert sorted(manager.all_tasks) == ["tiny_pattern_gen", "tiny_pattern_mc"]
+
+
+
 def test_eval_flags_come_from_the_params_model():
     from tools.cli import build_parser
 

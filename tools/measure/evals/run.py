@@ -290,8 +290,9 @@ def _lm_eval_command(plan: _Plan, lm_dir: Path) -> list[str]:
         "tokenizer_backend=huggingface", f"tokenizer={_arg_safe('tokenizer', plan.tokenizer)}",
         f"max_length={plan.max_len}", f"num_concurrent={params.num_concurrent}", "max_retries=3",
         "tokenized_requests=True"])
-    # parent_watch: lm-eval ends with this process even when it is killed with SIGKILL
-    cmd = [sys.executable, "-m", "tools.core.parent_watch", "lm_eval", "run", "--model", "local-completions",
+    # parent_watch: lm-eval ends with this process even when it is killed with SIGKILL; lm_eval_main: lm-eval's
+    # command line without indexing its built-in tasks when the run needs none of them
+    cmd = [sys.executable, "-m", "tools.core.parent_watch", "tools.measure.evals.lm_eval_main", "run", "--model", "local-completions",
            "--model_args", model_args,
            "--tasks", ",".join(params.tasks), "--include_path", str(plan.include),
            "--output_path", str(lm_dir), "--log_samples", "--gen_kwargs", "temperature=0"]
