@@ -19,7 +19,7 @@ import pytest
 from fastmcp import Client
 from fastmcp.client.transports import StdioTransport
 
-from tests.fixtures import free_port
+from tests.fixtures import in_process_engine, free_port
 from tools.mcp.resources import PROMPTS, SCHEME, Ref
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,7 +48,8 @@ def _group_rss_mib(pid: int) -> float:
 
 @pytest.mark.vllm
 @pytest.mark.vllm_lane(1)
-def test_stdio_walk_from_an_empty_models_root_to_compared_builds(tmp_path):
+def test_stdio_walk_from_an_empty_models_root_to_compared_builds(tmp_path, monkeypatch):
+    in_process_engine(monkeypatch)  # two starts; what the walk checks is the MCP surface, not vLLM's processes
     models, evidence, state = tmp_path / "models", tmp_path / "evidence", tmp_path / "run"
     models.mkdir()
     evidence.mkdir()

@@ -199,7 +199,9 @@ def test_real_vllm_switches_through_the_front_door_fail_no_request(emb4_build, s
     front door the whole time: (a) a good switch (the tiny all-4-bit build under a second name, beside the first),
     (b) a switch to a copy vLLM refuses to load (an unknown quantization method), (c) a switch to the build at
     max_model_len=16, which loads and refuses what clients send. No request fails; after (a) the new build
-    answers, after (b) and (c) it still does, (c) names max_model_len; no process of a stopped build is left."""
+    answers, after (b) and (c) it still does; (c) ends on vLLM's own refusal of the readiness request, names
+    max_model_len and not a line every start prints, and leaves no record; no process of a stopped build is left.
+    The plain start's refusal (no front door) is the same readiness code, on the stand-in in test_readiness."""
     import shutil
 
     from tests.fixtures import in_process_engine, require_plugin
@@ -223,7 +225,7 @@ def test_real_vllm_switches_through_the_front_door_fail_no_request(emb4_build, s
         pgids.append(start_server(a).pgid)
         start_router(base, ["blue"], port=free_port())
         front = _front(base)
-        results = {}
+        results, configs = {}, {}
         for step, (b, want) in {"a": (build(emb4_build, "tiny-second", "green"), "tiny-second"),
                                 "b": (build(bad, "tiny-unknown-quant", "blue"), "tiny-second"),
                                 "c": (build(emb4_build, "tiny-short", "blue", max_model_len=16), "tiny-second"),
@@ -237,6 +239,7 @@ def test_real_vllm_switches_through_the_front_door_fail_no_request(emb4_build, s
                 time.sleep(1.0)
             assert clients.failed() == [], (step, clients.failed()[:3])
             assert clients.served() and clients.served()[-1] == want, (step, set(clients.served()))
+            configs[step] = b
             st = state.load_state(b)
             if st is not None:
                 pgids.append(st.pgid)
@@ -247,7 +250,9 @@ def test_real_vllm_switches_through_the_front_door_fail_no_request(emb4_build, s
             assert results[step].detail["outcome"] == "unchanged (tiny-second serves)", str(results[step])
             pgids.append(results[step].detail["pgid"])
         assert results["c"].detail["parameter"] == "max_model_len"
-        assert "maximum context length is 16 tokens" in str(results["c"])
+        assert results["c"].detail["reason"] == "answered but refused what clients send"
+        assert "maximum context length is 16 tokens" in str(results["c"]) and "ulimit" not in str(results["c"])
+        assert not configs["c"].state_file.exists()
         print({k: (v.to_dict() if hasattr(v, "to_dict") else str(v)) for k, v in results.items()})
     finally:
         stop_router(base, grace_s=5)

@@ -121,29 +121,6 @@ def test_a_refusal_body_is_read_as_the_server_wrote_it():
     assert plain.message == "<html> busy </html>" and plain.parameter is None
 
 
-@pytest.mark.vllm
-@pytest.mark.vllm_lane(1)
-def test_real_vllm_a_max_model_len_below_the_requests_ends_the_start_naming_it(emb4_build, serve_config_factory,
-                                                                              tmp_path, monkeypatch):
-    """The tiny all-4-bit build at max_model_len=16: vLLM loads it and answers /health, then refuses the
-    readiness completion (HTTP 400, "maximum context length is 16 tokens"). The start ends on that answer, not
-    after its 900 s timeout, naming max_model_len; nothing of the server is left."""
-    from tests.fixtures import group_alive, in_process_engine, require_plugin
-
-    require_plugin()
-    in_process_engine(monkeypatch)
-    cfg = serve_config_factory(emb4_build, "gemma-4-tiny-text-emb4", max_model_len=16, state_dir=tmp_path / "run")
-    try:
-        with pytest.raises(ToolFailure) as exc:
-            start_server(cfg)
-    finally:
-        stop_server(cfg, grace_s=5)
-    msg, detail = str(exc.value), exc.value.detail
-    assert detail["reason"] == "answered but refused what clients send", msg
-    assert detail["parameter"] == "max_model_len" and "maximum context length is 16 tokens" in msg
-    assert "ulimit" not in msg and group_alive(detail["pgid"]) == [] and not cfg.state_file.exists()
-
-
 def test_a_server_still_loading_is_waited_for_not_refused():
     """503 (and 429, 502, 504) mean "not yet": a server that answers /health while its model still loads."""
     import httpx

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures import ROOT, SERVE_MAX_MODEL_LEN, free_port, group_alive
+from tests.fixtures import ROOT, SERVE_MAX_MODEL_LEN, free_port, group_alive, in_process_engine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.vllm_lane(0)]  # lane 0: evens out the two lanes
 
@@ -55,6 +55,9 @@ def fleet(emb4_build, tmp_path_factory):
     mcp = create_server(Settings(roots=Roots.from_env([str(emb4_build.parent)], [str(evidence)], environ={}),
                                  config_overrides=overrides), toolsets="all")
     f = Fleet(state, env, mcp, evidence, {"a": free_port(), "b": free_port(), "router": free_port()})
+    mp = pytest.MonkeyPatch()
+    in_process_engine(mp)  # both starts (the command line's and MCP's): the fleet's checks are not vLLM's processes
+    env.update({k: os.environ[k] for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", "OMP_NUM_THREADS") if k in os.environ})
     try:
         a = _cli(["start", "--instance", "a", "--port", str(f.ports["a"]), "--json"], env, timeout=1200)
         assert a.returncode == 0, a.stderr[-3000:]
@@ -64,6 +67,7 @@ def fleet(emb4_build, tmp_path_factory):
         f.pgids.append(b["pgid"])
         yield f
     finally:
+        mp.undo()
         _cli(["stop", "--all", "--grace", "5"], env, timeout=300)
 
 
