@@ -1,14 +1,17 @@
 """A switch of the build behind the front door under live traffic, on vLLM's CPU backend with the tiny
 int4-embedding build: the client-side figures (requests, failed, longest wait) and the switch's wall time, for
-a switch beside the running build and one where the machine holds only one (hold).
+a switch beside the running build, two that fail (a build vLLM refuses to load, and one at max_model_len=16,
+which loads and refuses what clients send) and one where the machine holds only one (hold).
 
     python bench/bench_switch.py [--clients 2]
 
 Builds the tiny model (from the tiny-model cache when it is there) and its int4-embedding build in a temporary
 folder; serves it as instance blue (one core) behind vllm-router; then, with `--clients` closed-loop chat
 completions running through the router the whole time: (1) switches to the same build named `second` on
-instance green (one core: beside), (2) switches back to instance blue asking for two cores, which a 2-core
-machine cannot give beside green (hold: green stops, the router holds requests while blue loads). Writes
+instance green (one core: beside), (2) to a copy with an unknown quantization method and (3) to the build at
+max_model_len=16, each on instance blue beside green (both fail: the switch's wall time is how long the front
+door took to give up, with the server's own reason), (4) back to instance blue asking for two cores, which a
+2-core machine cannot give beside green (hold: green stops, the router holds requests while blue loads). Writes
 evidence/switch-<UTC time>.json and .md. Run it under the shared lock on a shared machine
 (flock /tmp/gemma4-vllm.lock ...) and report the load.
 """
@@ -19,6 +22,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -75,6 +79,7 @@ def main() -> int:
 
     from repack.build import BuildOptions, build_checkpoint
     from repack.tiny_model import cached_tiny_qat_checkpoint
+    from tools.core.errors import ToolFailure
     from tools.core.process import free_port
     from tools.serving import frontdoor
     from tools.serving.config import load_config
@@ -92,11 +97,17 @@ def main() -> int:
         emb4 = tmpd / "gemma-4-tiny-text-emb4"
         build_checkpoint(src, emb4, BuildOptions(text_only=True, embed_int4=True, embed_tokens=True))
 
-        def cfg(name: str, instance: str | None, cpus: int):
-            return load_config(ROOT / "tpu.env", model=str(emb4), served_name=name, host="127.0.0.1",
+        bad = tmpd / "gemma-4-tiny-unknown-quant"
+        shutil.copytree(emb4, bad)
+        config = json.loads((bad / "config.json").read_text())
+        config["quantization_config"]["quant_method"] = "no-such-method"
+        (bad / "config.json").write_text(json.dumps(config))
+
+        def cfg(name: str, instance: str | None, cpus: int, model: Path = emb4, max_model_len: int = 512):
+            return load_config(ROOT / "tpu.env", model=str(model), served_name=name, host="127.0.0.1",
                                port=free_port(), state_dir=tmpd / "run", instance=instance, cpus=cpus,
-                               max_model_len=512, max_num_seqs=8, cpu_kvcache_space_gib=1, speculative_config="",
-                               extra_args="", start_timeout_s=900.0)
+                               max_model_len=max_model_len, max_num_seqs=8, cpu_kvcache_space_gib=1,
+                               speculative_config="", extra_args="", start_timeout_s=900.0)
 
         base = cfg("front", None, 1)
         first = cfg("first", "blue", 1)
@@ -104,16 +115,25 @@ def main() -> int:
             start_server(first)
             start_router(base, ["blue"], port=free_port())
             url = json.loads((tmpd / "run" / "router.json").read_text())["base_url"]
-            for label, b in [("beside", cfg("second", "green", 1)), ("hold", cfg("third", "blue", 2))]:
+            for label, b in [("beside", cfg("second", "green", 1)),
+                             ("refused load", cfg("unknown-quant", "blue", 1, model=bad)),
+                             ("refuses clients", cfg("short", "blue", 1, max_model_len=16)),
+                             ("hold", cfg("third", "blue", 2))]:
                 with Clients(url, args.clients) as clients:
                     time.sleep(2.0)
                     t0 = time.monotonic()
-                    res = frontdoor.switch(base, b)
+                    try:
+                        res = frontdoor.switch(base, b)
+                        row = {"mode": res.mode, "outcome": res.outcome, "announced": res.announced,
+                               "router": dataclasses.asdict(res.figures), "reason": None}
+                    except ToolFailure as exc:
+                        d = exc.detail or {}
+                        row = {"mode": "beside", "outcome": d.get("outcome"), "announced": d.get("announced"),
+                               "router": d.get("figures") or {}, "reason": str(exc)[:300],
+                               "parameter": d.get("parameter")}
                     wall = time.monotonic() - t0
                     time.sleep(2.0)
-                rows.append({"switch": label, "mode": res.mode, "outcome": res.outcome, "announced": res.announced,
-                             "switch_wall_s": round(wall, 1), "router": dataclasses.asdict(res.figures),
-                             "clients": clients.figures()})
+                rows.append({"switch": label, "switch_wall_s": round(wall, 1), **row, "clients": clients.figures()})
                 print(json.dumps(rows[-1]), flush=True)
         finally:
             stop_router(base, grace_s=5)
@@ -131,10 +151,13 @@ def main() -> int:
     for r in rows:
         c, f = r["clients"], r["router"]
         lines.append(f"| {r['switch']} ({r['outcome']}) | {r['mode']} | {r['switch_wall_s']} | {c['requests']} | "
-                     f"{c['failed']} | {c['longest_wait_s']} | {f['requests']}, {f['failed']}, {f['retried']}, "
-                     f"{f['longest_wait_s']} |")
+                     f"{c['failed']} | {c['longest_wait_s']} | {f.get('requests')}, {f.get('failed')}, "
+                     f"{f.get('retried')}, {f.get('longest_wait_s')} |")
     lines += ["", "What each switch announced before anything stopped:", ""]
     lines += [f"- {r['switch']}: {r['announced']}" for r in rows]
+    lines += ["", "Why the failing switches ended (the first 300 characters of the one-line failure):", ""]
+    lines += [f"- {r['switch']} ({r['switch_wall_s']} s, parameter {r.get('parameter')}): {r['reason']}"
+              for r in rows if r["reason"]]
     (ev / f"switch-{stamp}.md").write_text("\n".join(lines) + "\n")
     print(f"wrote evidence/switch-{stamp}.md")
     return 0 if all(r["clients"]["failed"] == 0 for r in rows) else 1

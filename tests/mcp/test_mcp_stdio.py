@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -20,16 +21,21 @@ from fastmcp import Client
 from fastmcp.client.transports import StdioTransport
 
 from tests.fixtures import in_process_engine, free_port
+from tools.mcp.bounded import RESULT_BUDGET
 from tools.mcp.resources import PROMPTS, SCHEME, Ref
+from tools.measure.sweep.report import load_run
 
 ROOT = Path(__file__).resolve().parents[2]
 
 # What the tiny CPU run changes in the documented calls: a short sweep grid with two repeats a cell (so that each
 # ratio has an interval and a verdict) and short token records (the check reads its prompts from the record).
-TINY_SWEEP = {"input_lens": [32], "output_len": 8, "concurrencies": [1, 2], "repeats": 2, "warmup": False,
+# The grid's two loads, 1 and the engine's cap of 8 users, give the capacity search its SLO: a TTFT limit between
+# the two (as tests/measure/test_capacity_vllm.py sets it), which the search must find below the cap. The token
+# record adds the long-context prompts that fit MAX_MODEL_LEN (the ~2k-token one).
+TINY_SWEEP = {"input_lens": [128], "output_len": 8, "concurrencies": [1, 8], "repeats": 2, "warmup": False,
               "min_prompts": 2, "prompts_per_concurrency": 1}
 TINY = {"run_sweep": TINY_SWEEP, "query_model": {"max_tokens": 8},
-        "compare_tokens": {"prompts": ["abcdefgh", "The quick brown fox"], "max_tokens": 12}}
+        "compare_tokens": {"prompts": ["abcdefgh", "The quick brown fox"], "max_tokens": 12, "long": True}}
 VERDICTS = {"faster", "slower", "within noise"}
 
 
@@ -55,7 +61,7 @@ def test_stdio_walk_from_an_empty_models_root_to_compared_builds(tmp_path, monke
     evidence.mkdir()
     port = free_port()
     # Serving settings for the tiny model, the way a user overrides tpu.env: environment variables.
-    env = dict(os.environ, PORT=str(port), MAX_MODEL_LEN="512", MAX_NUM_SEQS="4", CPU_KVCACHE_SPACE_GIB="1",
+    env = dict(os.environ, PORT=str(port), MAX_MODEL_LEN="4096", MAX_NUM_SEQS="8", CPU_KVCACHE_SPACE_GIB="1",
                SPECULATIVE_CONFIG="", EXTRA_ARGS="", START_TIMEOUT_S="900")
     env.pop("GEMMA4_T4_TOOLSETS", None)  # the default set is enough
     transport = StdioTransport(command=sys.executable, cwd="/", env=env, keep_alive=False, args=[
@@ -70,6 +76,31 @@ def test_stdio_walk_from_an_empty_models_root_to_compared_builds(tmp_path, monke
     results: dict[tuple[str, int], dict] = {}
     measured: dict[tuple[str, int], float] = {}
     skipped: list[tuple[str, int]] = []
+    sizes: dict[str, int] = {}  # characters of each result as the client receives it (summary line and JSON)
+
+    def note(where: str, r) -> None:
+        sizes[where] = sum(len(getattr(x, "text", "") or "") for x in r.content)
+
+    async def capacity_in_session(c: Client) -> dict:
+        """Before compare_builds' stop, while B serves: find_capacity from the default set (refused, naming the
+        way in), enable_toolset, then a search whose TTFT limit lies between B's own sweep at 1 and 8 users."""
+        ex: dict = {}
+        r = await c.call_tool("find_capacity", {}, raise_on_error=False)
+        note("find_capacity before enable_toolset", r)
+        ex["refused"] = (r.is_error, r.content[0].text)
+        r = await c.call_tool("enable_toolset", {"toolset": "capacity"})
+        note("enable_toolset", r)
+        ex["listed"] = {t.name for t in await c.list_tools()}
+        sweep = load_run(Path(results[("compare_builds", 9)]["run_dir"]))
+        t1, t8 = (sweep.cell(128, n).estimate("p50_ttft_ms").mean for n in (1, 8))
+        ex["t"] = (t1, t8)
+        ex["limit"] = limit = round(math.sqrt(t1 * t8), 1)
+        r = await c.call_tool("find_capacity", {"slo": f"ttft_p50_ms={limit},tpot_p99_ms=10000", "input_len": 128,
+                                                "output_len": 8, "max_load": 16, "repeats": 2, "label": "bf16-emb",
+                                                "prompts_per_concurrency": 2, "min_prompts": 8})
+        note("find_capacity", r)
+        ex["result"] = r.structured_content
+        return ex
 
     def recorder(key):
         async def on_progress(p, total, message):
@@ -108,9 +139,12 @@ def test_stdio_walk_from_an_empty_models_root_to_compared_builds(tmp_path, monke
                         if step.condition and not await applies(c, name, step):
                             skipped.append((name, i))
                             continue
+                        if name == "compare_builds" and step.tool == "stop_vllm_server":
+                            out["capacity"] = await capacity_in_session(c)
                         tiny = {} if step.args.get("mode") == "check" else TINY.get(step.tool, {})
                         args = {k: resolve(name, v) for k, v in step.args.items()} | tiny
                         r = await c.call_tool(step.tool, args, progress_handler=recorder((name, i)))
+                        note(f"{name} step {i}: {step.tool}", r)
                         results[(name, i)] = r.structured_content
                         if step.tool == "vram_status":  # the server's group as this test reads it, at the same time
                             st = (await c.call_tool("server_status", {})).structured_content
@@ -170,7 +204,7 @@ def test_stdio_walk_from_an_empty_models_root_to_compared_builds(tmp_path, monke
         assert "RSS" in vs["summary"] and "default" in vs["summary"]
     # the int4 embeddings make the all-4-bit build's weights smaller
     assert C[3]["host"][0]["weights_mib"] < C[7]["host"][0]["weights_mib"]
-    assert C[4]["summary"].startswith("recorded 2 prompts") and "generations" not in C[4]
+    assert C[4]["summary"].startswith("recorded 3 prompts") and "generations" not in C[4]
     assert C[4]["path"] == str(evidence / "tokens" / "int4-emb.json") and Path(C[4]["path"]).is_file()
     # B served in A's place, in one call
     assert C[6]["model"] == str(models / "tiny-bf16-emb") and C[6]["pid"] != start["pid"]
@@ -178,8 +212,10 @@ def test_stdio_walk_from_an_empty_models_root_to_compared_builds(tmp_path, monke
     hm6 = C[6]["host_memory"]
     assert hm6["instance"] == "default" and C[6]["pid"] in hm6["pids"] and "rss" in hm6["method"]
     # the tiny model is trained to be confident: int4 embeddings change no greedy token
-    assert C[8]["identical"] == C[8]["total"] == 2
+    # ... on a long-context prompt of about 2k tokens too (the ~8k and ~14k ones do not fit MAX_MODEL_LEN 4096)
+    assert C[8]["identical"] == C[8]["total"] == 3
     assert all(p["verdict"] == "identical" for p in C[8]["prompts"])
+    assert max(p["prompt_tokens"] for p in C[8]["prompts"]) >= 1900, C[8]["prompts"]
     for i, label in ((5, "int4-emb"), (9, "bf16-emb")):
         sweep = C[i]
         assert sweep["label"] == label and Path(sweep["run_dir"]).is_relative_to(evidence / "sweeps")
@@ -189,8 +225,8 @@ def test_stdio_walk_from_an_empty_models_root_to_compared_builds(tmp_path, monke
                    and "repeats" not in c for c in sweep["cells"])
         assert Path(sweep["files"]["summary_json"]).is_file()
         # the single-stream cell's decode rate as a share of the roofline, with the CPU's measured bandwidth
-        assert set(sweep["roofline"]) == {"32"} and 0 < sweep["roofline"]["32"]["fraction"]
-        assert sweep["roofline"]["32"]["device"] == "cpu" and "copy" in sweep["roofline"]["32"]["method"]
+        assert set(sweep["roofline"]) == {"128"} and 0 < sweep["roofline"]["128"]["fraction"]
+        assert sweep["roofline"]["128"]["device"] == "cpu" and "copy" in sweep["roofline"]["128"]["method"]
         assert "of the memory-bandwidth roofline" in sweep["summary"]
     assert progress[("compare_builds", 5)] and max(progress[("compare_builds", 5)]) == 4  # cells x repeats
     cmp = C[10]
@@ -211,3 +247,22 @@ def test_stdio_walk_from_an_empty_models_root_to_compared_builds(tmp_path, monke
     assert "bf16-emb" in r["summary"] or "int4-emb" in r["summary"]
     assert 0 < len(r["log"].splitlines()) <= 200
     assert r["demo"].startswith("no demo report under the evidence roots") and "./vllm-t4 demo" in r["demo"]
+
+    # the capacity search, reached inside the session from the default toolsets
+    cap = r["capacity"]
+    refused, why = cap["refused"]
+    assert refused and "toolset capacity" in why and "enable_toolset" in why, why
+    assert "find_capacity" in cap["listed"]
+    t1, t8 = cap["t"]
+    assert t8 > 2 * t1, (t1, t8)  # eight prompts prefilled together wait for each other
+    res = cap["result"]
+    assert res["status"] == "found", (cap["limit"], res["statement"], res["search"])
+    assert res["max_num_seqs"] == 8 and 1 <= res["capacity"] < 8 and res["first_fail"] == res["capacity"] + 1
+    assert "max_num_seqs" not in res["summary"]  # the SLO's own limit, not the engine's cap
+    # where it was measured: the CPU stand-in and the build, in the result and in its summary line
+    assert res["platform"] == "cpu" and "CPU" in res["measured_on"] and "bf16-emb" in res["measured_on"]
+    assert "CPU" in res["summary"]
+    assert res["usd_per_million"] is None or "CPU" in res["cost_basis"]
+
+    # every default result of the walk within the answer budget
+    assert sizes and max(sizes.values()) <= RESULT_BUDGET, {k: v for k, v in sizes.items() if v > RESULT_BUDGET}
