@@ -204,9 +204,13 @@ class _Bench:
         async def no_metrics(*args: Any, **kwargs: Any) -> None:
             return None
 
-        # Patched, not passed: serve.main (its dataset sampling, prompt alignment, sampling parameters and result
-        # record) takes only a Namespace and loads the tokenizer itself, and the lower-level serve.benchmark(),
-        # which takes a tokenizer, reads /metrics through these module-level fetchers with no option to skip them.
+        # Patched, not passed: vLLM has no option for either. serve.main takes only a Namespace and loads the
+        # tokenizer on every call (main_async calls the module's get_tokenizer); the lower-level serve.benchmark()
+        # takes a tokenizer, but calling it would mean copying main's dataset sampling, prompt alignment,
+        # sampling parameters and result record. benchmark() reads /metrics before and after every run through
+        # the module-level fetchers, with no flag to skip them (a None reading skips their stats). All three are
+        # looked up as module globals at call time, so replacing the attributes reaches those calls;
+        # tests/measure/test_sweep_vllm_patch.py fails on a vLLM where that stops being true.
         serve.get_tokenizer = get_tokenizer
         serve.fetch_spec_decode_metrics = no_metrics
         serve.fetch_diffusion_metrics = no_metrics
