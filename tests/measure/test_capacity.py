@@ -144,14 +144,16 @@ def test_find_capacity_refuses_bad_arguments_before_anything_runs(tmp_path):
 
 
 def test_a_rate_point_asks_vllm_for_poisson_arrivals_and_goodput():
-    from tools.measure.sweep.worker import _bench_argv, raw_name
+    from tools.measure.sweep.params import CellSpec, raw_name
+    from tools.measure.sweep.worker import _bench_argv
 
-    spec = {"base_url": "http://h", "model": "m", "tokenizer": "t", "input_len": 32, "output_len": 8,
-            "concurrency": 0, "request_rate": 2.5, "goodput": {"ttft": 1000.0, "tpot": 100.0}}
+    spec = CellSpec(base_url="http://h", model="m", tokenizer="t", input_len=32, output_len=8, concurrency=0,
+                    request_rate=2.5, goodput={"ttft": 1000.0, "tpot": 100.0}, num_prompts=10, repeats=(1,),
+                    seeds={1: 7}, warmup_seed=None, warmup_prompts=2, raw_dir="raw", log_file="raw/L32-q2.5.log")
     argv = _bench_argv(spec, 7, 10)
     assert "--max-concurrency" not in argv and argv[argv.index("--request-rate") + 1] == "2.5"
     assert argv[argv.index("--goodput") + 1:] == ["ttft:1000", "tpot:100"]
-    argv = _bench_argv({**spec, "concurrency": 4, "request_rate": None, "goodput": None}, 7, 10)
+    argv = _bench_argv(spec.model_copy(update={"concurrency": 4, "request_rate": None, "goodput": None}), 7, 10)
     assert argv[argv.index("--max-concurrency") + 1] == "4" and "--request-rate" not in argv
     assert "--goodput" not in argv
     assert raw_name(32, 0, 1, 2.5) == "L32-q2.5-r1.json" and raw_name(32, 4, 1) == "L32-c4-r1.json"

@@ -14,7 +14,7 @@ from tools.measure.tokens.compare import (TokenCompareParams, check_against, com
                                           record_reference)
 from tools.measure.sweep.params import SweepParams
 from tools.measure.sweep.run import run_sweep
-from tools.measure.sweep.worker import raw_name
+from tools.measure.sweep.params import raw_name
 
 pytestmark = pytest.mark.vllm
 ROOT = Path(__file__).resolve().parents[2]

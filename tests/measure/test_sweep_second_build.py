@@ -15,7 +15,7 @@ import pytest
 from tools.measure.tokens.compare import TokenCompareParams, check_against, compare_live, record_reference
 from tools.measure.sweep.params import SweepParams
 from tools.measure.sweep.run import run_sweep
-from tools.measure.sweep.worker import raw_name
+from tools.measure.sweep.params import raw_name
 
 from tests.fixtures import group_alive
 

@@ -18,8 +18,8 @@ import psutil
 import pytest
 
 from tests import fake_bench
-from tools.measure.sweep.params import SweepParams, SweepResult
-from tools.measure.sweep.worker import BenchWorker, raw_name
+from tools.measure.sweep.params import CellSpec, SweepParams, SweepResult, raw_name
+from tools.measure.sweep.worker import BenchWorker
 from tools.measure.sweep.run import _run_cells
 
 
@@ -72,11 +72,11 @@ def metrics_server():
 
 
 def _spec(raw: Path, input_len: int, repeats=(0, 1), *, concurrency: int = 1, base_url: str = "http://127.0.0.1:9",
-          warmup: bool = True) -> dict:
-    return {"base_url": base_url, "model": "m", "tokenizer": "t", "input_len": input_len,
-            "output_len": 4, "concurrency": concurrency, "num_prompts": 2, "repeats": list(repeats),
-            "seeds": {str(k): 100 + k for k in repeats}, "warmup_seed": 7 if warmup else None, "raw_dir": str(raw),
-            "log_file": str(raw / f"L{input_len}.log")}
+          warmup: bool = True) -> CellSpec:
+    return CellSpec(base_url=base_url, model="m", tokenizer="t", input_len=input_len, output_len=4,
+                    concurrency=concurrency, num_prompts=2, repeats=repeats, seeds={k: 100 + k for k in repeats},
+                    warmup_seed=7 if warmup else None, warmup_prompts=concurrency, raw_dir=str(raw),
+                    log_file=str(raw / f"L{input_len}.log"))
 
 
 def _record(raw: Path, input_len: int, k: int, concurrency: int = 1) -> dict:
@@ -233,13 +233,14 @@ def test_health_is_asked_only_after_a_failed_cell(fake_vllm, tmp_path, monkeypat
 
 # A sweep stopped from outside: the CLI's main() running a command that holds a worker inside a hung cell.
 _HOLDER = '''
-import argparse, json, sys
+import argparse, sys
 from tools import cli
+from tools.measure.sweep.params import CellSpec
 from tools.measure.sweep.worker import BenchWorker
 
 def hold(args):
     with BenchWorker() as worker:
-        worker.run_cell(json.loads(sys.argv[1]), timeout_s=600)
+        worker.run_cell(CellSpec.model_validate_json(sys.argv[1]), timeout_s=600)
     return 0
 
 def parser(command=None):
@@ -259,7 +260,7 @@ def _hold_a_hung_cell(fake_vllm, tmp_path):
 
     raw = tmp_path / "raw"
     raw.mkdir()
-    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, json.dumps(_spec(raw, 14, warmup=False))],
+    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, _spec(raw, 14, warmup=False).model_dump_json()],
                             cwd=str(Path(__file__).resolve().parents[2]))
     deadline = time.monotonic() + 60
     while not any(fake_vllm.iterdir()):  # the worker is inside the hung benchmark call
@@ -303,3 +304,38 @@ def test_the_worker_ends_when_the_sweep_is_killed(fake_vllm, tmp_path):
     finally:
         if psutil.pid_exists(worker):
             os.kill(worker, signal.SIGKILL)
+
+
+def test_a_cells_spec_keeps_its_seeds_and_is_recorded_with_each_repeat(fake_vllm, tmp_path):
+    """The sweep's cells and the capacity search's points get their spec from one builder: the prompt seeds of
+    earlier runs (so builds stay comparable and resumed sweeps measure the same prompts), the log beside the
+    records, and the spec in raw/<stem>.spec.json and in each repeat's record with that repeat's seed."""
+    from tools.measure.sweep.cells import Tally, load_done, measure_repeats, prompt_seed
+    from tools.measure.sweep.params import CellResult
+
+    run_dir = tmp_path / "run"
+    raw = run_dir / "raw"
+    raw.mkdir(parents=True)
+    params = SweepParams(input_lens=[10], concurrencies=[1], repeats=2, prompts_per_concurrency=2, min_prompts=2,
+                         out=tmp_path, seed=5)
+    res = SweepResult(run_id="run", run_dir=str(run_dir), label="t", params={}, started="now")
+    with BenchWorker() as worker:
+        _run_cells(params, [(10, 1)], res, worker, base_url="http://127.0.0.1:9", model="m", tokenizer="t",
+                   max_len=None, raw_dir=raw, run_dir=run_dir, progress=None, total=2, t0=0.0)
+        rate_point = CellResult(input_len=10, output_len=4, concurrency=0, request_rate=2.5, num_prompts=2,
+                                status="ok")
+        measure_repeats(params, rate_point, [2, 3], worker, base_url="http://127.0.0.1:9", model="m",
+                        tokenizer="t", raw_dir=raw, tally=Tally(2, None), goodput={"ttft": 100.0})
+    spec = CellSpec.model_validate_json((raw / "L10-c1.spec.json").read_text())
+    assert spec.seeds == {k: prompt_seed(5, 10, 1, k) for k in (0, 1)}
+    assert (spec.warmup_seed, spec.warmup_prompts) == (prompt_seed(5, 10, 1, 0, "warmup"), 1)
+    assert spec.log_file == str(raw / "L10-c1.log") and "benchmark output for 10" in Path(spec.log_file).read_text()
+    for k in (0, 1):
+        rec = json.loads((raw / raw_name(10, 1, k)).read_text())
+        assert rec["spec"] == {**spec.model_dump(mode="json"), "seed": spec.seeds[k]}
+        assert load_done(raw, 10, 1, k).seed == spec.seeds[k]  # what a resumed sweep reads
+    point = CellSpec.model_validate_json((raw / "L10-q2.5.spec.json").read_text())
+    assert point.seeds == {k: prompt_seed(5, 10, 2500, k, "rate") for k in (2, 3)}  # the rate in mreq/s
+    assert point.warmup_seed == prompt_seed(5, 10, 2500, 2, "rate-warmup")  # one warm-up per round
+    assert (point.request_rate, point.goodput, point.warmup_prompts) == (2.5, {"ttft": 100.0}, 2)
+    assert [r.status for r in rate_point.repeats] == ["ok", "ok"]

@@ -8,12 +8,12 @@ import hashlib
 import json
 import time
 from pathlib import Path
-from typing import Any
 
 from tools.core.progress import Progress
 from tools.measure import evidence
-from tools.measure.sweep.params import CellResult, RepeatResult, SweepParams, aggregate, cell_acceptance
-from tools.measure.sweep.worker import BenchWorker, raw_name
+from tools.measure.sweep.params import (CellResult, CellSpec, RepeatResult, SweepParams, aggregate,
+                                        cell_acceptance, cell_stem, raw_name)
+from tools.measure.sweep.worker import BenchWorker
 from tools.serving import health
 
 
@@ -58,34 +58,49 @@ class Tally:
             self.progress(self.done, self.total, msg)
 
 
-def measure_cell(params: SweepParams, spec: dict[str, Any], cell: CellResult, worker: BenchWorker, raw_dir: Path,
-                  tally: Tally) -> dict[int, RepeatResult]:
+def cell_spec(params: SweepParams, cell: CellResult, repeats: list[int], *, base_url: str, model: str,
+              tokenizer: str, raw_dir: Path, goodput: dict[str, float] | None = None, seed_kind: str = "measure",
+              warmup_kind: str = "warmup", warmup_repeat: int = 0) -> CellSpec:
+    """What the worker needs to measure `repeats` of the cell (its concurrency or request rate). Prompt seeds
+    come from the cell's load (a rate in mreq/s, distinct per rate) and `seed_kind`; the warm-up's from
+    `warmup_kind` and `warmup_repeat`: the sweep warms a cell up once (repeat 0), the capacity search once per
+    round (its first repeat). `goodput`: vLLM's per-request limits (ttft, tpot, e2el in ms)."""
+    L, c, rate = cell.input_len, cell.concurrency, cell.request_rate
+    load = c if rate is None else int(round(rate * 1000))
+    return CellSpec(base_url=base_url, model=model, tokenizer=tokenizer, input_len=L, output_len=cell.output_len,
+                    concurrency=c, request_rate=rate, goodput=goodput, num_prompts=cell.num_prompts,
+                    repeats=tuple(repeats), seeds={k: prompt_seed(params.seed, L, load, k, seed_kind) for k in repeats},
+                    warmup_seed=(prompt_seed(params.seed, L, load, warmup_repeat, warmup_kind) if params.warmup
+                                 else None),
+                    warmup_prompts=c or max(1, min(cell.num_prompts, int(rate or 1))), raw_dir=str(raw_dir),
+                    log_file=str(raw_dir / f"{cell_stem(L, c, rate)}.log"))
+
+
+def measure_cell(params: SweepParams, spec: CellSpec, cell: CellResult, worker: BenchWorker, tally: Tally
+                 ) -> dict[int, RepeatResult]:
     """The worker measures the cell's pending repeats; a repeat it left no record of failed, with the reason."""
-    L, c, n, base_url = spec["input_len"], spec["concurrency"], spec["num_prompts"], spec["base_url"]
-    rate = spec.get("request_rate")
-    pending: list[int] = spec["repeats"]
+    L, c, n, base_url, rate = spec.input_len, spec.concurrency, spec.num_prompts, spec.base_url, spec.request_rate
+    raw_dir = Path(spec.raw_dir)
     where = f"in={L} " + (f"c={c}" if rate is None else f"rate={rate:g}/s")
-    tally.tick(f"{where}: measuring {len(pending)} repeat(s) of {n} prompts")
-    stem = raw_name(L, c, 0, rate).rsplit("-", 1)[0]
-    spec["log_file"] = str(raw_dir / f"{stem}.log")
-    evidence.write_json(raw_dir / f"{stem}.spec.json", spec)
-    for k in pending:  # a stale failure record must not survive a failed rerun
-        (raw_dir / raw_name(L, c, k, rate)).unlink(missing_ok=True)
+    tally.tick(f"{where}: measuring {len(spec.repeats)} repeat(s) of {n} prompts")
+    evidence.write_json(raw_dir / f"{spec.stem}.spec.json", spec.model_dump(mode="json"))
+    for k in spec.repeats:  # a stale failure record must not survive a failed rerun
+        (raw_dir / spec.raw_file(k)).unlink(missing_ok=True)
     tc = time.monotonic()
-    rc, why = worker.run_cell(spec, params.cell_timeout_s * len(pending))
+    rc, why = worker.run_cell(spec, params.cell_timeout_s * len(spec.repeats))
     cell.wall_s = time.monotonic() - tc
     repeats: dict[int, RepeatResult] = {}
     down: bool | None = None  # asked once per cell, when a repeat has no record
-    for k in pending:
+    for k in spec.repeats:
         rec = load_done(raw_dir, L, c, k, rate)
         if rec is None:
             reason = why or (f"benchmark process exited with code {rc} before this repeat: "
-                             f"{_log_tail(raw_dir / f'{stem}.log')}")
+                             f"{_log_tail(Path(spec.log_file))}")
             if down is None:
                 down = not health.answers(base_url, timeout=5.0)
             if down:
                 reason += f" (server at {base_url} no longer answers /health)"
-            rec = RepeatResult(repeat=k, seed=spec["seeds"][str(k)], status="failed", num_prompts=n, reason=reason)
+            rec = RepeatResult(repeat=k, seed=spec.seeds[k], status="failed", num_prompts=n, reason=reason)
         repeats[k] = rec
         tally.done += 1
         tally.tick(f"{where} repeat {k % params.repeats + 1}/{params.repeats}: {rec.status}"
@@ -98,20 +113,13 @@ def measure_repeats(params: SweepParams, cell: CellResult, ks: list[int], worker
                     model: str, tokenizer: str, raw_dir: Path, tally: Tally,
                     goodput: dict[str, float] | None = None) -> CellResult:
     """Measure repeats `ks` of one cell (its concurrency or request rate) in the sweep's worker and add them to
-    the cell: the capacity search's one measured point, a round at a time. `goodput`: vLLM's per-request
-    limits (ttft, tpot, e2el in ms) for its request_goodput."""
-    L, c, rate = cell.input_len, cell.concurrency, cell.request_rate
-    load = c if rate is None else int(round(rate * 1000))  # the seed's load: distinct per rate, in mreq/s
-    kind = "measure" if rate is None else "rate"
-    spec = {"base_url": base_url, "model": model, "tokenizer": tokenizer, "input_len": L,
-            "output_len": cell.output_len, "concurrency": c, "request_rate": rate, "goodput": goodput,
-            "num_prompts": cell.num_prompts, "repeats": ks,
-            "seeds": {str(k): prompt_seed(params.seed, L, load, k, kind) for k in ks},
-            "warmup_seed": (prompt_seed(params.seed, L, load, ks[0], f"{kind}-warmup") if params.warmup
-                            else None),
-            "warmup_prompts": c or max(1, min(cell.num_prompts, int(rate or 1))), "raw_dir": str(raw_dir)}
+    the cell: the capacity search's one measured point, a round at a time, each round with a warm-up of its
+    own. `goodput`: vLLM's per-request limits (ttft, tpot, e2el in ms) for its request_goodput."""
+    kind = "measure" if cell.request_rate is None else "rate"
+    spec = cell_spec(params, cell, ks, base_url=base_url, model=model, tokenizer=tokenizer, raw_dir=raw_dir,
+                     goodput=goodput, seed_kind=kind, warmup_kind=f"{kind}-warmup", warmup_repeat=ks[0])
     got = {r.repeat: r for r in cell.repeats}
-    got.update(measure_cell(params, spec, cell, worker, raw_dir, tally))
+    got.update(measure_cell(params, spec, cell, worker, tally))
     finish_cell(params, cell, got)
     return cell
 

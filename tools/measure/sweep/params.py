@@ -9,7 +9,7 @@ import statistics
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, Field, computed_field
+from pydantic import BaseModel, ConfigDict, Field, computed_field
 
 from tools.core.errors import BadInput, param
 from tools.core.names import check_name
@@ -97,6 +97,47 @@ class SweepParams(EndpointParams):
                 "prompts_per_concurrency": self.prompts_per_concurrency, "min_prompts": self.min_prompts,
                 "seed": self.seed, "warmup": self.warmup}
 
+
+
+def cell_stem(input_len: int, concurrency: int, request_rate: float | None = None) -> str:
+    """A cell's name in the run's raw/ folder: L<in>-c<concurrency>, or L<in>-q<rate> where a rate sets the load."""
+    load = f"c{concurrency}" if request_rate is None else f"q{request_rate:g}"
+    return f"L{input_len}-{load}"
+
+
+def raw_name(input_len: int, concurrency: int, repeat: int, request_rate: float | None = None) -> str:
+    """A repeat's record in raw/."""
+    return f"{cell_stem(input_len, concurrency, request_rate)}-r{repeat}.json"
+
+
+class CellSpec(BaseModel):
+    """One cell as the benchmark worker (tools/measure/sweep/worker.py) receives it: a JSON line on its stdin,
+    and the "spec" in each raw repeat record and raw/<stem>.spec.json. Built by `cells.cell_spec` only."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    base_url: str
+    model: str
+    tokenizer: str
+    input_len: int = Field(ge=1)
+    output_len: int = Field(ge=1)
+    concurrency: int = Field(ge=0, description="vLLM's --max-concurrency; 0 where request_rate sets the load")
+    request_rate: float | None = Field(None, gt=0, description="Poisson requests per second, or None")
+    goodput: dict[str, float] | None = Field(None, description="vLLM's --goodput limits in ms (ttft, tpot, e2el)")
+    num_prompts: int = Field(ge=1)
+    repeats: tuple[int, ...] = Field(description="The repeats to measure, in order")
+    seeds: dict[int, int] = Field(description="Each repeat's prompt seed")
+    warmup_seed: int | None = Field(description="The warm-up's prompt seed; None: no warm-up")
+    warmup_prompts: int = Field(ge=1, description="Requests in the warm-up")
+    raw_dir: str
+    log_file: str = Field(description="Where vLLM's benchmark output for the cell goes")
+
+    @property
+    def stem(self) -> str:
+        return cell_stem(self.input_len, self.concurrency, self.request_rate)
+
+    def raw_file(self, repeat: int) -> str:
+        return raw_name(self.input_len, self.concurrency, repeat, self.request_rate)
 
 
 class RepeatResult(BaseModel):

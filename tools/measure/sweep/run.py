@@ -29,7 +29,7 @@ from tools.core import clock
 from tools.measure.sweep.params import CellResult, RepeatResult, SweepParams, SweepResult
 from tools.measure.roofline import SPECULATIVE_NOTE, Roofline, roofline_or_reason, sweep_context
 from tools.measure.spec_metrics import speculative_from_argv
-from tools.measure.sweep.cells import Tally, finish_cell, load_done, measure_cell, prompt_seed
+from tools.measure.sweep.cells import Tally, cell_spec, finish_cell, load_done, measure_cell, prompt_seed
 from tools.measure.sweep.worker import BenchWorker
 from tools.serving import router as router_mod
 from tools.serving import health
@@ -187,12 +187,9 @@ def _run_cells(params: SweepParams, cells_plan: list[tuple[int, int]], result: S
                 tally.done += 1
             tally.tick(f"in={L} c={c}: server down, cell marked failed")
         else:
-            spec = {"base_url": base_url, "model": model, "tokenizer": tokenizer, "input_len": L,
-                    "output_len": params.output_len, "concurrency": c, "num_prompts": n,
-                    "repeats": pending, "seeds": {str(k): prompt_seed(params.seed, L, c, k) for k in pending},
-                    "warmup_seed": prompt_seed(params.seed, L, c, 0, "warmup") if params.warmup else None,
-                    "raw_dir": str(raw_dir)}
-            repeats.update(measure_cell(params, spec, cell, worker, raw_dir, tally))
+            spec = cell_spec(params, cell, pending, base_url=base_url, model=model, tokenizer=tokenizer,
+                             raw_dir=raw_dir)
+            repeats.update(measure_cell(params, spec, cell, worker, tally))
         suspect = finish_cell(params, cell, repeats)
         # Save after every cell: a run stopped anywhere keeps tables of what it finished.
         result.wall_s = time.monotonic() - t0

@@ -32,18 +32,9 @@ from tools.core.metrics import samples, total
 from tools.core.process import kill_group, python_child_env
 from tools.measure import evidence
 from tools.core.parent_watch import end_with_parent
-from tools.measure.sweep.params import METRICS, RepeatResult
+from tools.measure.sweep.params import METRICS, CellSpec, RepeatResult
 from tools.core.root import PROJECT_ROOT
 from tools.measure.spec_metrics import parse_spec_counters, spec_delta
-
-
-def raw_name(input_len: int, concurrency: int, repeat: int, request_rate: float | None = None) -> str:
-    load = f"c{concurrency}" if request_rate is None else f"q{request_rate:g}"
-    return f"L{input_len}-{load}-r{repeat}.json"
-
-
-def _raw_name(spec: dict[str, Any], repeat: int) -> str:
-    return raw_name(spec["input_len"], spec["concurrency"], repeat, spec.get("request_rate"))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -53,9 +44,9 @@ def _raw_name(spec: dict[str, Any], repeat: int) -> str:
 class BenchWorker:
     """The parent's side of the benchmark worker: one process for many cells, replaced when it dies or hangs.
 
-    Specs go to the worker's stdin as JSON lines; it answers each with one line on a pipe of its own (its
-    stdout and stderr belong to vLLM's benchmark and go to the cell's log file). Use as a context manager: the
-    worker's process group is ended on exit, whatever ended the sweep (Ctrl-C, a cancelled MCP job).
+    Cell specs (`CellSpec`) go to the worker's stdin as JSON lines; it answers each with one line on a pipe of
+    its own (its stdout and stderr belong to vLLM's benchmark and go to the cell's log file). Use as a context
+    manager: the worker's process group is ended on exit, whatever ended the sweep (Ctrl-C, a cancelled MCP job).
     """
 
     def __init__(self) -> None:
@@ -89,14 +80,14 @@ class BenchWorker:
         self.starts += 1
         return self.proc
 
-    def run_cell(self, spec: dict[str, Any], timeout_s: float) -> tuple[int, str | None]:
+    def run_cell(self, spec: CellSpec, timeout_s: float) -> tuple[int, str | None]:
         """Runs one cell; (0, None) when the worker finished it (each repeat's record says how it went),
         (code, why) when the worker died or was stopped before answering."""
         proc = self.proc if self.proc is not None and self.proc.poll() is None else self._start()
         assert proc.stdin is not None and self._answers is not None
         try:
             self._in_cell = True
-            proc.stdin.write((json.dumps(spec) + "\n").encode())
+            proc.stdin.write((spec.model_dump_json() + "\n").encode())
             proc.stdin.flush()
             deadline = time.monotonic() + timeout_s
             while True:
@@ -213,14 +204,18 @@ class _Bench:
         async def no_metrics(*args: Any, **kwargs: Any) -> None:
             return None
 
-        # Patched, not passed: serve.main (its dataset sampling, prompt alignment, sampling parameters and result
-        # record) takes only a Namespace and loads the tokenizer itself, and the lower-level serve.benchmark(),
-        # which takes a tokenizer, reads /metrics through these module-level fetchers with no option to skip them.
+        # Patched, not passed: vLLM has no option for either. serve.main takes only a Namespace and loads the
+        # tokenizer on every call (main_async calls the module's get_tokenizer); the lower-level serve.benchmark()
+        # takes a tokenizer, but calling it would mean copying main's dataset sampling, prompt alignment,
+        # sampling parameters and result record. benchmark() reads /metrics before and after every run through
+        # the module-level fetchers, with no flag to skip them (a None reading skips their stats). All three are
+        # looked up as module globals at call time, so replacing the attributes reaches those calls;
+        # tests/measure/test_sweep_vllm_patch.py fails on a vLLM where that stops being true.
         serve.get_tokenizer = get_tokenizer
         serve.fetch_spec_decode_metrics = no_metrics
         serve.fetch_diffusion_metrics = no_metrics
 
-    def run(self, spec: dict[str, Any], seed: int, num_prompts: int) -> dict[str, Any]:
+    def run(self, spec: CellSpec, seed: int, num_prompts: int) -> dict[str, Any]:
         self._last = None  # requests reach the server: the last counters no longer describe it
         self.bench_calls += 1
         return self.main(self.parser.parse_args(_bench_argv(spec, seed, num_prompts)))
@@ -245,18 +240,18 @@ class _Bench:
                 "bench_calls": self.bench_calls}
 
 
-def _bench_argv(spec: dict[str, Any], seed: int, num_prompts: int) -> list[str]:
+def _bench_argv(spec: CellSpec, seed: int, num_prompts: int) -> list[str]:
     """The cell's load is a concurrency (--max-concurrency, all requests at once) or a Poisson request rate
     (--request-rate, with --max-concurrency as a cap only where the spec gives one); `goodput` (per-request
     ms limits on ttft, tpot, e2el) makes vLLM count the requests that meet them all."""
-    load = ["--max-concurrency", str(spec["concurrency"])] if spec["concurrency"] else []
-    if spec.get("request_rate"):
-        load += ["--request-rate", f"{spec['request_rate']:g}"]
-    goodput = [f"{k}:{v:g}" for k, v in (spec.get("goodput") or {}).items()]
-    return ["--backend", "openai", "--base-url", spec["base_url"], "--endpoint", "/v1/completions",
-            "--model", spec["model"], "--tokenizer", spec["tokenizer"],
-            "--dataset-name", "random", "--random-input-len", str(spec["input_len"]),
-            "--random-output-len", str(spec["output_len"]), "--ignore-eos", "--temperature", "0",
+    load = ["--max-concurrency", str(spec.concurrency)] if spec.concurrency else []
+    if spec.request_rate:
+        load += ["--request-rate", f"{spec.request_rate:g}"]
+    goodput = [f"{k}:{v:g}" for k, v in (spec.goodput or {}).items()]
+    return ["--backend", "openai", "--base-url", spec.base_url, "--endpoint", "/v1/completions",
+            "--model", spec.model, "--tokenizer", spec.tokenizer,
+            "--dataset-name", "random", "--random-input-len", str(spec.input_len),
+            "--random-output-len", str(spec.output_len), "--ignore-eos", "--temperature", "0",
             *load, "--num-prompts", str(num_prompts),
             "--seed", str(seed), "--percentile-metrics", "ttft,tpot,itl,e2el",
             "--metric-percentiles", "50,90,99", "--disable-tqdm", "--num-warmups", "0",
@@ -278,8 +273,8 @@ def _worker_main(answer_fd: int) -> int:
     for line in sys.stdin:
         if not line.strip():
             continue
-        spec = json.loads(line)
-        with open(spec["log_file"], "ab") as log:
+        spec = CellSpec.model_validate_json(line)
+        with open(spec.log_file, "ab") as log:
             sys.stdout.flush()
             sys.stderr.flush()
             os.dup2(log.fileno(), 1)
@@ -287,7 +282,7 @@ def _worker_main(answer_fd: int) -> int:
         _run_cell(spec, bench)
         sys.stdout.flush()
         sys.stderr.flush()
-        answers.write(json.dumps({"done": [spec["input_len"], spec["concurrency"]], **bench.stats()}) + "\n")
+        answers.write(json.dumps({"done": [spec.input_len, spec.concurrency], **bench.stats()}) + "\n")
     return 0
 
 
@@ -301,38 +296,37 @@ def _failed_requests(raw: dict[str, Any], expected: int) -> str | None:
             + (f": {str(errs[0]).splitlines()[0][:200]}" if errs else ""))
 
 
-def _run_cell(spec: dict[str, Any], bench: _Bench) -> None:
-    raw_dir = Path(spec["raw_dir"])
-    base_url = spec["base_url"]
+def _run_cell(spec: CellSpec, bench: _Bench) -> None:
+    raw_dir = Path(spec.raw_dir)
+    base_url = spec.base_url
+    record_spec = spec.model_dump(mode="json")  # the raw records' "spec", with the repeat's own "seed"
     warmup_s = None
-    if spec.get("warmup_seed") is not None:
+    if spec.warmup_seed is not None:
         # Shape-matched warm-up from its own seed: `--num-warmups` would repeat the measured set's first
         # prompt, which the prefix cache would then serve to the measured run.
         tw = time.monotonic()
         try:
-            n_warm = int(spec.get("warmup_prompts") or spec["concurrency"])
-            why = _failed_requests(bench.run(spec, spec["warmup_seed"], n_warm), n_warm)
+            why = _failed_requests(bench.run(spec, spec.warmup_seed, spec.warmup_prompts), spec.warmup_prompts)
         except Exception as exc:
             why = f"{type(exc).__name__}: {exc}"
         if why is not None:  # no measurement without the warm-up: every pending repeat fails with why
             reason = f"warm-up failed: {why}".splitlines()[0][:300]
-            for k in spec["repeats"]:
-                rr = RepeatResult(repeat=k, seed=int(spec["seeds"][str(k)]), status="failed", reason=reason,
-                                  num_prompts=spec["num_prompts"],
-                                  raw_file=_raw_name(spec, k))
-                _write_raw(raw_dir / rr.raw_file, {"repeat_result": rr.model_dump(mode="json"), "spec": spec})
+            for k in spec.repeats:
+                rr = RepeatResult(repeat=k, seed=spec.seeds[k], status="failed", reason=reason,
+                                  num_prompts=spec.num_prompts, raw_file=spec.raw_file(k))
+                _write_raw(raw_dir / rr.raw_file, {"repeat_result": rr.model_dump(mode="json"), "spec": record_spec})
             return
         warmup_s = time.monotonic() - tw
-    for k in spec["repeats"]:
-        seed = int(spec["seeds"][str(k)])
-        rr = RepeatResult(repeat=k, seed=seed, status="ok", num_prompts=spec["num_prompts"], warmup_s=warmup_s,
-                          raw_file=_raw_name(spec, k))
+    for k in spec.repeats:
+        seed = spec.seeds[k]
+        rr = RepeatResult(repeat=k, seed=seed, status="ok", num_prompts=spec.num_prompts, warmup_s=warmup_s,
+                          raw_file=spec.raw_file(k))
         warmup_s = None  # the warm-up belongs to the cell's first measured repeat
         c0 = bench.counters(base_url)
         tm = time.monotonic()
         raw: dict[str, Any] = {}
         try:
-            raw = bench.run(spec, seed, spec["num_prompts"])
+            raw = bench.run(spec, seed, spec.num_prompts)
         except Exception as exc:  # recorded per repeat; the next repeat and cell still run
             rr.status, rr.reason = "failed", f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
         rr.measure_s = time.monotonic() - tm
@@ -346,10 +340,10 @@ def _run_cell(spec: dict[str, Any], bench: _Bench) -> None:
             rr.spec_decode = stats.model_dump(mode="json") if found else None
         rr.metrics = {m: (float(raw[m]) if isinstance(raw.get(m), (int, float)) else None) for m in METRICS}
         if rr.status == "ok":
-            why = _failed_requests(raw, spec["num_prompts"])
+            why = _failed_requests(raw, spec.num_prompts)
             if why is not None:
                 rr.status, rr.reason = "failed", why
-        record = {"repeat_result": rr.model_dump(mode="json"), "spec": {**spec, "seed": seed},
+        record = {"repeat_result": rr.model_dump(mode="json"), "spec": {**record_spec, "seed": seed},
                   "vllm_bench_result": {k2: v for k2, v in raw.items()
                                         if k2 not in ("errors", "generated_texts", "itls", "ttfts",
                                                       "start_times", "input_lens", "output_lens",
