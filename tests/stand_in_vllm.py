@@ -9,9 +9,11 @@ optional:
            "hang": never listens (a server that says nothing)
            "refuse": /health 200, every completion refused with vLLM's HTTP 400 for a too-short max_model_len
            "refuse_chat": completions answer, chat completions are refused (HTTP 400) as above
+           "loading": /health 200, every POST answered HTTP 503 (a server that never becomes ready)
   until    a path: it loads until that file exists (the test says when)
   load_s   seconds to wait before listening (with a mode that serves): a slow load
   term_s   seconds it takes to end after SIGTERM
+  ignore_term  true: SIGTERM does nothing (only SIGKILL ends it)
   answer   the text of every completion and chat answer (default: the build's folder name)
 
 With VLLM_API_KEY in its environment it answers /v1 only to that bearer key, as vLLM does (HTTP 401 otherwise).
@@ -81,7 +83,9 @@ def serve(port: int, model: Path) -> None:
         with open(os.environ["VLLM_STAND_IN_LOG"], "a") as f:
             f.write(json.dumps({"pid": os.getpid(), "model": str(model), "key": bool(key),
                                 "mark": os.environ.get("VLLM_STAND_IN_MARK")}) + "\n")
-    if spec.get("term_s"):
+    if spec.get("ignore_term"):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    elif spec.get("term_s"):
         signal.signal(signal.SIGTERM, lambda *a: (time.sleep(spec["term_s"]), os._exit(0)))
     print(ULIMIT_LINE, flush=True)
     print("Starting to load model", model, flush=True)
@@ -123,6 +127,9 @@ def serve(port: int, model: Path) -> None:
         def do_POST(self):
             self.rfile.read(int(self.headers.get("Content-Length") or 0))
             if self.refused_without_key():
+                return
+            if mode == "loading":
+                self.send(503, "")
                 return
             chat = self.path.endswith("/chat/completions")
             if mode == "refuse" or (mode == "refuse_chat" and chat):
