@@ -15,6 +15,10 @@ optional:
   term_s   seconds it takes to end after SIGTERM
   ignore_term  true: SIGTERM does nothing (only SIGKILL ends it)
   answer   the text of every completion and chat answer (default: the build's folder name)
+  decode   true: the decode benchmark's server (HTTP/1.1): /v1/models lists "m" with its max_model_len,
+           /metrics and /version answer, and a chat completion streams three tokens, 0.3 s apart
+
+VLLM_STAND_IN_BEHAVIOUR (JSON) in its environment is read over behaviour.json: for builds a command makes itself.
 
 With VLLM_API_KEY in its environment it answers /v1 only to that bearer key, as vLLM does (HTTP 401 otherwise).
 With VLLM_STAND_IN_LOG set, each start appends {pid, model, key, mark} to that file: key, whether it got an API
@@ -40,6 +44,10 @@ CONTEXT_REFUSAL = {"error": {"message": "This model's maximum context length is 
                                         "contains 45 input tokens, which exceeds this limit even without any output "
                                         "tokens. Please reduce the length of the input prompt.",
                              "type": "BadRequestError", "param": "input_tokens", "code": 400}}
+
+
+DECODE_GETS = {"/health": "", "/metrics": "", "/version": '{"version": "stand-in"}',
+               "/v1/models": json.dumps({"data": [{"id": "m", "root": "/nowhere", "max_model_len": 4096}]})}
 
 
 def argv(port: int, model: str) -> list[str]:
@@ -75,7 +83,8 @@ def _drive(front: str, args: list[str]) -> int:
 
 def serve(port: int, model: Path) -> None:
     b = model / "behaviour.json"
-    spec = json.loads(b.read_text()) if b.is_file() else {}
+    spec = {**(json.loads(b.read_text()) if b.is_file() else {}),
+            **json.loads(os.environ.get("VLLM_STAND_IN_BEHAVIOUR") or "{}")}
     mode = spec.get("mode", "serve")
     answer = spec.get("answer", model.name)
     key = os.environ.get("VLLM_API_KEY")
@@ -99,6 +108,8 @@ def serve(port: int, model: Path) -> None:
     time.sleep(float(spec.get("load_s", 0)))
 
     class H(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1" if spec.get("decode") else "HTTP/1.0"
+
         def log_message(self, *a):
             pass
 
@@ -119,6 +130,9 @@ def serve(port: int, model: Path) -> None:
         def do_GET(self):
             if self.refused_without_key():
                 return
+            if spec.get("decode") and self.path in DECODE_GETS:
+                self.send(200, DECODE_GETS[self.path])
+                return
             if self.path == "/v1/models":
                 self.send(200, json.dumps({"object": "list", "data": [{"id": model.name, "object": "model"}]}))
                 return
@@ -129,9 +143,12 @@ def serve(port: int, model: Path) -> None:
             if self.refused_without_key():
                 return
             if mode == "loading":
-                self.send(503, "")
+                self.send(503, '{"error": "loading"}')
                 return
             chat = self.path.endswith("/chat/completions")
+            if spec.get("decode") and chat:
+                self.stream()
+                return
             if mode == "refuse" or (mode == "refuse_chat" and chat):
                 self.send(400, json.dumps(CONTEXT_REFUSAL))
                 return
@@ -139,7 +156,26 @@ def serve(port: int, model: Path) -> None:
             body = {"model": model.name, "choices": [{"index": 0, **choice, "finish_reason": "length"}]}
             self.send(200, json.dumps({**body, "usage": {"completion_tokens": 1}} if chat else body))
 
-    ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
+        def stream(self) -> None:
+            self.send_response(200)
+            self.send_header("content-type", "text/event-stream")
+            self.send_header("connection", "close")
+            self.end_headers()
+            try:
+                for i in range(3):
+                    time.sleep(0.3)
+                    chunk = {"choices": [{"delta": {"content": "ab"[i % 2]}, "token_ids": [10 + i]}]}
+                    self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                    self.wfile.flush()
+                self.wfile.write(b'data: {"choices": [], "usage": {"completion_tokens": 3}}\n\ndata: [DONE]\n\n')
+                self.wfile.flush()
+            except OSError:  # the client was killed mid-answer
+                pass
+            self.close_connection = True
+
+    server = ThreadingHTTPServer(("127.0.0.1", port), H)
+    server.daemon_threads = True
+    server.serve_forever()
 
 
 if __name__ == "__main__":
