@@ -1,6 +1,7 @@
 """decode-sweep's server is the sweep's own: a SIGKILL of the sweep while that server starts ends it (a stand-in
 that binds the port, answers /health, never becomes ready and ignores SIGTERM, instead of vLLM), removes its state
-file, and the next sweep is not refused; its leftover .partial folder is removed by that next sweep."""
+file, and the next sweep is not refused; its leftover .partial folder is removed by that next sweep. The stand-in is
+tests/stand_in_vllm.py (mode "loading", SIGTERM ignored), the sweep `./vllm-t4 decode-sweep` through its driver."""
 
 from __future__ import annotations
 
@@ -12,37 +13,11 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import psutil
 
+from tests import stand_in_vllm
 from tests.fixtures import ROOT, free_port
-
-STAND_IN = r"""
-import os, signal, sys, time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-signal.signal(signal.SIGTERM, signal.SIG_IGN)
-class H(BaseHTTPRequestHandler):
-    def log_message(self, *a): pass
-    def do_GET(self):
-        self.send_response(200 if self.path == "/health" else 404); self.send_header("Content-Length", "0")
-        self.end_headers()
-    def do_POST(self):
-        self.send_response(503); self.send_header("Content-Length", "0"); self.end_headers()
-server = ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H)
-with open(sys.argv[2], "a") as f:
-    f.write(f"{os.getpid()}\n")
-server.serve_forever()
-"""
-
-DRIVER = r"""
-import sys
-from pathlib import Path
-from tools.serving.config import ServeConfig
-stand_in, pids, model, state, port, out = sys.argv[1:]
-ServeConfig.vllm_argv = lambda self, platform: [sys.executable, "-c", Path(stand_in).read_text(), port, pids]
-from tools.measure.decode.sweep import DecodeSweepParams, run_decode_sweep
-run_decode_sweep(DecodeSweepParams(draft_tokens=[0], out=Path(out), label="owned"), model=model, state_dir=state,
-                 host="127.0.0.1", port=int(port), start_timeout_s=300.0)
-"""
 
 
 def _gone(pid: int) -> bool:
@@ -52,21 +27,36 @@ def _gone(pid: int) -> bool:
         return True
 
 
+def _answers_health(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def _sweep_then_kill(tmp_path: Path, port: int) -> tuple[int, subprocess.Popen]:
     """Starts a sweep; once its stand-in server answers /health, SIGKILLs the sweep. Returns the server's pid."""
-    pids = tmp_path / "pids"
-    before = pids.read_text().split() if pids.exists() else []
+    starts = tmp_path / "starts.jsonl"
+
+    def servers() -> list[int]:
+        return [json.loads(ln)["pid"] for ln in starts.read_text().splitlines()] if starts.exists() else []
+
+    before = servers()
     (tmp_path / "model").mkdir(exist_ok=True)
-    (tmp_path / "stand_in.py").write_text(STAND_IN)
-    sweep = subprocess.Popen([sys.executable, "-c", DRIVER, str(tmp_path / "stand_in.py"), str(pids),
-                              str(tmp_path / "model"), str(tmp_path / "state"), str(port), str(tmp_path / "ev")],
-                             cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stderr=subprocess.PIPE)
+    (tmp_path / "model" / "behaviour.json").write_text(json.dumps({"mode": "loading", "ignore_term": True}))
+    sweep = subprocess.Popen(stand_in_vllm.cli_argv("decode-sweep", "--draft-tokens", "0", "--out",
+                                                    str(tmp_path / "ev"), "--label", "owned"),
+                             cwd=ROOT, stderr=subprocess.PIPE,
+                             env=dict(os.environ, PYTHONPATH=str(ROOT), VLLM_STAND_IN_LOG=str(starts),
+                                      MODEL_NAME=str(tmp_path / "model"), STATE_DIR=str(tmp_path / "state"),
+                                      HOST="127.0.0.1", PORT=str(port), START_TIMEOUT_S="300"))
     deadline = time.monotonic() + 120
-    while not (pids.exists() and len(pids.read_text().split()) > len(before)):
+    while not (len(servers()) > len(before) and (tmp_path / "state" / "vllm.json").exists()
+               and _answers_health(port)):
         assert sweep.poll() is None, sweep.stderr.read().decode()[-3000:]
         assert time.monotonic() < deadline
         time.sleep(0.1)
-    server = int(pids.read_text().split()[-1])
+    server = servers()[-1]
     assert json.loads((tmp_path / "state" / "vllm.json").read_text())["pid"] == server
     time.sleep(0.5)  # starting: answering /health, not ready
     assert sweep.poll() is None

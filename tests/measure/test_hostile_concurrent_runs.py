@@ -21,10 +21,7 @@ import pytest
 
 from tests import fake_bench
 from tests.fixtures import ROOT
-from tests.kill_matrix import serve_in_thread
-from tests.measure.test_hostile_kills import _Streaming
-from tests.measure.test_hostile_kills_measures import _Server
-from tests.measure.test_hostile_kills_writers import _StandIn
+from tests.kill_matrix import DecodeStandIn, MeasureStandIn, WriterStandIn, serve_in_thread
 from tools.core.atomic_files import HeldFolder, TempFolder, names_held, reserve_name
 from tools.core.errors import ToolFailure
 
@@ -76,7 +73,7 @@ def _two_whole_runs(results: list[tuple[int, str, str]], out: Path, summary: str
 
 @pytest.fixture(scope="module")
 def bench_server():
-    with serve_in_thread(_Server) as url:
+    with serve_in_thread(MeasureStandIn) as url:
         yield url
 
 
@@ -117,7 +114,7 @@ def test_two_pareto_views_at_once_write_two_whole_runs(tmp_path):
 
 def test_two_decodes_at_once_write_two_whole_runs(tmp_path):
     out = tmp_path / "ev"
-    with serve_in_thread(_Streaming) as url:
+    with serve_in_thread(DecodeStandIn) as url:
         results = _pair(["decode", "--base-url", url, "--out", str(out), "--prompts", "2", "--max-tokens", "3"])
     for run in _two_whole_runs(results, out, "summary.json"):
         assert json.loads((run / "summary.json").read_text())["run_id"] == run.name
@@ -126,7 +123,7 @@ def test_two_decodes_at_once_write_two_whole_runs(tmp_path):
 
 @pytest.fixture
 def writer_server():
-    handler = type("Handler", (_StandIn,), {"counts": Counter()})
+    handler = type("Handler", (WriterStandIn,), {"counts": Counter()})
     with serve_in_thread(handler) as url:
         yield url
 

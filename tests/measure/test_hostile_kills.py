@@ -7,57 +7,22 @@ command's own."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
-import time
-from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
 
 from tests.fixtures import ROOT, default_signals
-from tests.kill_matrix import (SIGNALS, assert_ended, assert_swept_by_the_next_write, cli, serve_in_thread,
-                               signal_when)
-
-
-class _Streaming(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-
-    def do_GET(self):  # noqa: N802
-        body = {"/v1/models": json.dumps({"data": [{"id": "m", "root": "/nowhere", "max_model_len": 4096}]}),
-                "/metrics": "", "/version": json.dumps({"version": "stand-in"})}.get(self.path)
-        data = (body or "").encode()
-        self.send_response(200 if body is not None else 404)
-        self.send_header("content-length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def do_POST(self):  # noqa: N802
-        req = json.loads(self.rfile.read(int(self.headers["content-length"])))
-        first = req["messages"][0]["content"] == "Hello."  # the untimed first request: slow, a wide phase
-        self.send_response(200)
-        self.send_header("content-type", "text/event-stream")
-        self.send_header("connection", "close")
-        self.end_headers()
-        for i in range(3):
-            time.sleep(0.4 if first else 0.15)
-            chunk = {"choices": [{"delta": {"content": "ab"[i % 2]}, "token_ids": [10 + i]}]}
-            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
-            self.wfile.flush()
-        self.wfile.write(b'data: {"choices": [], "usage": {"completion_tokens": 3}}\n\ndata: [DONE]\n\n')
-        self.wfile.flush()
-        self.close_connection = True
-
-    def log_message(self, *a):
-        pass
+from tests.kill_matrix import (SIGNALS, DecodeStandIn, assert_ended, assert_swept_by_the_next_write, cli,
+                               serve_in_thread, signal_when)
 
 
 @pytest.fixture(scope="module")
 def server():
-    with serve_in_thread(_Streaming) as url:
+    with serve_in_thread(DecodeStandIn) as url:
         yield url
 
 

@@ -17,39 +17,22 @@ import json
 import os
 import subprocess
 import sys
-from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
 
 from tests import fake_bench
 from tests.fixtures import ROOT
-from tests.kill_matrix import (SIGNALS, all_gone, assert_ended, assert_swept_by_the_next_write, cli, serve_in_thread,
-                               signal_when)
+from tests.kill_matrix import (SIGNALS, MeasureStandIn, all_gone, assert_ended, assert_swept_by_the_next_write, cli,
+                               serve_in_thread, signal_when)
 
 PHASES = ["in-first-call", "between-records"]
 SLOW_S = "0.4"  # each benchmark call
 
 
-class _Server(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-
-    def do_GET(self):  # noqa: N802
-        body = {"/v1/models": json.dumps({"data": [{"id": "m", "root": "/nowhere", "max_model_len": 4096}]}),
-                "/metrics": "", "/health": "", "/version": json.dumps({"version": "stand-in"})}.get(self.path)
-        data = (body or "").encode()
-        self.send_response(200 if body is not None else 404)
-        self.send_header("content-length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *a):
-        pass
-
-
 @pytest.fixture(scope="module")
 def server():
-    with serve_in_thread(_Server) as url:
+    with serve_in_thread(MeasureStandIn) as url:
         yield url
 
 

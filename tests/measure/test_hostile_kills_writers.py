@@ -17,79 +17,21 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections import Counter
-from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
 
 from tests.fixtures import ROOT
-from tests.kill_matrix import SIGNALS, assert_ended, cli, serve_in_thread, signal_when
+from tests.kill_matrix import SIGNALS, WriterStandIn, assert_ended, cli, serve_in_thread, signal_when
 
 PHASES = ["before-first-record", "between-records"]
-SLOW_S = 0.25  # each generation / scored window: the phase the test signals in
-
-
-class _StandIn(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    counts: Counter  # set per server: "started /path", "answered /path"
-
-    def log_message(self, *a):
-        pass
-
-    def _send(self, obj, code=200):
-        data = json.dumps(obj).encode()
-        try:
-            self.send_response(code)
-            self.send_header("content-type", "application/json")
-            self.send_header("content-length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-        except OSError:  # the client was killed while this answer slept
-            pass
-
-    def do_GET(self):  # noqa: N802
-        if self.path == "/v1/models":
-            self._send({"data": [{"id": "m", "root": "/nowhere", "max_model_len": 4096}]})
-        else:
-            self._send({"detail": "Not Found"}, 404)
-
-    def do_POST(self):  # noqa: N802
-        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
-        self.counts[f"started {self.path}"] += 1
-        if self.path == "/tokenize":
-            text = body.get("prompt")
-            if text is None:
-                text = "<chat>" + "".join(m["content"] for m in body["messages"])
-            ids = ([2] if body.get("add_special_tokens") else []) + [4 + b % 60 for b in text.encode()]
-            answer = {"tokens": ids, "count": len(ids)}
-        elif self.path == "/detokenize":
-            answer = {"prompt": "x" * len(body["tokens"])}
-        elif self.path == "/v1/completions":  # fidelity: prompt logprobs, the actual token ranked first
-            time.sleep(SLOW_S)
-            ids = body["prompt"]
-            plp = [None] + [{str(t): {"logprob": -0.5, "rank": 1}, str(t + 1): {"logprob": -1.5, "rank": 2}}
-                            for t in ids[1:]]
-            answer = {"choices": [{"text": "x", "index": 0, "prompt_logprobs": plp}]}
-        elif self.path == "/v1/chat/completions":  # compare record: token ids and top logprobs as ids
-            time.sleep(SLOW_S)
-            n = body["max_tokens"]
-            tops = [{"top_logprobs": [{"token": f"token_id:{10 + i}", "logprob": -0.1},
-                                      {"token": f"token_id:{20 + i}", "logprob": -2.0}]} for i in range(n)]
-            answer = {"choices": [{"message": {"content": "ab"[:n]}, "token_ids": [10 + i for i in range(n)],
-                                   "finish_reason": "length", "logprobs": {"content": tops}}],
-                      "usage": {"prompt_tokens": 7}}
-        else:
-            answer = None
-        self.counts[f"answered {self.path}"] += 1  # before the answer: a count of 0 means none has left yet
-        self._send(answer if answer is not None else {"detail": "Not Found"}, 200 if answer is not None else 404)
 
 
 @pytest.fixture
 def server():
     """A fresh stand-in per case: a killed client's last request (still sleeping) never counts in the next."""
-    handler = type("Handler", (_StandIn,), {"counts": Counter()})
+    handler = type("Handler", (WriterStandIn,), {"counts": Counter()})
     with serve_in_thread(handler) as url:
         yield url, handler.counts
 

@@ -1,6 +1,6 @@
 """start with replace=true: B checked before A is touched, A stopped, B started, A started again from its own
-record when B fails; what serves is said in one line and in `outcome`. The "servers" are a stand-in process (it
-binds the port, answers /health and completions, or exits as a broken build does, or never becomes ready), so
+record when B fails; what serves is said in one line and in `outcome`. The "servers" are tests/stand_in_vllm.py
+(it binds the port, answers /health and completions, or exits as a broken build does, or never becomes ready), so
 every case but the one real-vLLM test at the end runs in a second or two."""
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import psutil
 import pytest
 
+from tests import stand_in_vllm
 from tests.fixtures import ROOT, free_port, group_alive
 from tools.core.errors import BadInput, ToolFailure
 from tools.serving import state
@@ -26,49 +26,14 @@ from tools.serving.replace import replace_server
 from tools.serving.vllm_server import server_status, stop_server
 from tools.serving.launch import start_server
 
-# What the stand-in does comes from its model folder's behaviour.json: "serve" (default), "exit" (a build vLLM
-# refuses: prints an error and exits 1), "hang" (never answers /health). Each start appends
-# {pid, model, mark} to VLLM_STAND_IN_LOG, the mark being VLLM_STAND_IN_MARK of the environment it got.
-STAND_IN = r"""
-import json, os, sys, time
-from pathlib import Path
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-port, model = int(sys.argv[1]), Path(sys.argv[2])
-b = model / "behaviour.json"
-mode = json.loads(b.read_text())["mode"] if b.is_file() else "serve"
-with open(os.environ["VLLM_STAND_IN_LOG"], "a") as f:
-    f.write(json.dumps({"pid": os.getpid(), "model": str(model), "mark": os.environ.get("VLLM_STAND_IN_MARK")}) + "\n")
-print("Starting to load model", model, flush=True)
-if mode == "exit":
-    print("ValueError: the stand-in refuses this build", flush=True)
-    sys.exit(1)
-if mode == "hang":
-    time.sleep(300)
-class H(BaseHTTPRequestHandler):
-    def log_message(self, *a): pass
-    def send(self, code, body):
-        data = body.encode()
-        self.send_response(code); self.send_header("Content-Length", str(len(data))); self.end_headers()
-        self.wfile.write(data)
-    def do_GET(self):
-        self.send(200 if self.path == "/health" else 404, "")
-    def do_POST(self):
-        self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        self.send(200, json.dumps({"choices": [{"text": " ok", "index": 0}]}))
-ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
-"""
-
-
 @pytest.fixture
 def stand_in(tmp_path, monkeypatch, serve_config_factory):
     """make(name, mode="serve", **overrides) -> ServeConfig of a stand-in build (a folder of its own) on one
-    port and state dir shared by the test; `starts()` lists what was started."""
-    script = tmp_path / "stand_in.py"
-    script.write_text(STAND_IN)
+    port and state dir shared by the test; `starts()` lists what was started ({pid, model, mark}: mark, the
+    VLLM_STAND_IN_MARK of the environment the start got)."""
     log = tmp_path / "starts.jsonl"
     monkeypatch.setenv("VLLM_STAND_IN_LOG", str(log))
-    monkeypatch.setattr(ServeConfig, "vllm_argv", lambda self, platform: [
-        sys.executable, str(script), str(self.port), self.model])
+    monkeypatch.setattr(ServeConfig, "vllm_argv", lambda self, platform: stand_in_vllm.argv(self.port, self.model))
     base = serve_config_factory(tmp_path / "unused", "base", state_dir=tmp_path / "run", start_timeout_s=20.0)
     made: list[ServeConfig] = []
 
@@ -195,17 +160,6 @@ def test_an_interrupted_replace_launches_a_again(stand_in):
     assert not state.replace_file(a).exists()
 
 
-KILLED_DRIVER = r"""
-import sys
-from tools.serving.config import load_config, ServeConfig
-from tools.serving.replace import replace_server
-script, env_file, state_dir, port, model = sys.argv[1:]
-ServeConfig.vllm_argv = lambda self, platform: [sys.executable, script, str(self.port), self.model]
-replace_server(load_config(env_file, model=model, served_name="b", host="127.0.0.1", port=int(port), instance="x",
-                           state_dir=state_dir, speculative_config="", extra_args="", start_timeout_s=60.0))
-"""
-
-
 def _cli_status(capsys, monkeypatch, cfg: ServeConfig, instance: str) -> str:
     from tools.cli import main
 
@@ -220,9 +174,12 @@ def test_a_replace_killed_between_a_stop_and_b_ready_is_reported_by_status_and_s
     a = stand_in("a", instance="x")
     start_server(a)
     b = stand_in("b", mode="hang", instance="x")
-    driver = subprocess.Popen([sys.executable, "-c", KILLED_DRIVER, str(tmp_path / "stand_in.py"),
-                               str(ROOT / "tpu.env"), str(tmp_path / "run"), str(a.port), b.model],
-                              cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    driver = subprocess.Popen(stand_in_vllm.cli_argv("start", "--env-file", str(ROOT / "tpu.env"), "--instance",
+                                                     "x", "--model", b.model, "--served-name", "b", "--port",
+                                                     str(a.port), "--replace"),
+                              cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "HOST": "127.0.0.1",
+                                             "STATE_DIR": str(tmp_path / "run"), "SPECULATIVE_CONFIG": "",
+                                             "EXTRA_ARGS": "", "START_TIMEOUT_S": "60"})
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:  # B launched: A was stopped

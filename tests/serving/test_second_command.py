@@ -1,7 +1,8 @@
 """The second command: two state-changing commands on one instance at once (start/start, start/stop,
 replace/replace, replace/stop), a second Ctrl-C during a replace's rollback, and an API key for a server reachable
-beyond the loopback. Every command is `./vllm-t4` in a process of its own (a driver that runs the command line's
-main() with a stand-in where vLLM would be), so the instance's lock is taken by two processes as it is in use.
+beyond the loopback. Every command is `./vllm-t4` in a process of its own (tests/stand_in_vllm.py's driver: the
+command line's main() with the stand-in where vLLM would be), so the instance's lock is taken by two processes as
+it is in use.
 
 Each case: one winner (the other refused in one line, nothing done) or two whole results; no stand-in left
 running that no state file names; every state record true (its leader alive and answering, no replace record
@@ -20,75 +21,22 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests import stand_in_vllm
 from tests.fixtures import ROOT, free_port
 from tests.kill_matrix import all_gone
 from tools.serving import state
 from tools.serving.config import load_config
 from tools.serving.vllm_server import server_status, stop_server
 
-# The stand-in's behaviour comes from its model folder's behaviour.json: it loads until the file "until" exists
-# (the test says when), then serves ("mode": "serve"), exits as a build vLLM refuses ("exit") or never answers
-# ("hang"); "term_s": seconds it takes to end after SIGTERM. With VLLM_API_KEY in its environment it answers /v1 only to that bearer key, as vLLM
-# does. Each start appends {pid, model, key} to VLLM_STAND_IN_LOG (key: whether it got one).
-STAND_IN = r"""
-import json, os, signal, sys, time
-from pathlib import Path
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-port, model = int(sys.argv[1]), Path(sys.argv[2])
-b = model / "behaviour.json"
-beh = json.loads(b.read_text()) if b.is_file() else {}
-key = os.environ.get("VLLM_API_KEY")
-with open(os.environ["VLLM_STAND_IN_LOG"], "a") as f:
-    f.write(json.dumps({"pid": os.getpid(), "model": str(model), "key": bool(key)}) + "\n")
-if beh.get("term_s"):
-    signal.signal(signal.SIGTERM, lambda *a: (time.sleep(beh["term_s"]), os._exit(0)))
-print("Starting to load model", model, flush=True)
-while beh.get("until") and not os.path.exists(beh["until"]):
-    time.sleep(0.05)
-if beh.get("mode") == "exit":
-    print("ValueError: the stand-in refuses this build", flush=True)
-    sys.exit(1)
-if beh.get("mode") == "hang":
-    time.sleep(300)
-class H(BaseHTTPRequestHandler):
-    def log_message(self, *a): pass
-    def send(self, code, body):
-        data = body.encode()
-        self.send_response(code); self.send_header("Content-Length", str(len(data))); self.end_headers()
-        self.wfile.write(data)
-    def do_GET(self):
-        self.send(200 if self.path == "/health" else 404, "")
-    def do_POST(self):
-        self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        if key and self.headers.get("Authorization") != "Bearer " + key:
-            return self.send(401, '{"error": "Unauthorized"}')
-        if self.path == "/v1/chat/completions":
-            return self.send(200, json.dumps({"choices": [{"message": {"content": "ok"}, "finish_reason": "stop"}],
-                                              "usage": {"completion_tokens": 1}, "model": "m"}))
-        self.send(200, json.dumps({"choices": [{"text": " ok", "index": 0}]}))
-ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
-"""
-
-DRIVER = r"""
-import sys
-from pathlib import Path
-from tools.serving.config import ServeConfig
-script = sys.argv[1]
-ServeConfig.vllm_argv = lambda self, platform: [sys.executable, script, str(self.port), self.model]
-from tools import cli
-raise SystemExit(cli.main(sys.argv[2:]))
-"""
-
 BUSY = "is being changed by another command"
 
 
 class Bench:
-    """Stand-in builds, one port and state dir, and `./vllm-t4` commands run against them."""
+    """Stand-in builds, one port and state dir, and `./vllm-t4` commands run against them. Each build's behaviour
+    is tests/stand_in_vllm.py's (a build given `until` loads until that file exists); its answers are "ok"."""
 
     def __init__(self, tmp_path: Path) -> None:
         self.tmp = tmp_path
-        self.script = tmp_path / "stand_in.py"
-        self.script.write_text(STAND_IN)
         self.log = tmp_path / "starts.jsonl"
         self.port = free_port()
         self.env = dict(os.environ, PYTHONPATH=str(ROOT), STATE_DIR=str(tmp_path / "run"), PORT=str(self.port),
@@ -99,11 +47,11 @@ class Bench:
     def build(self, name: str, **behaviour) -> str:
         model = self.tmp / name
         model.mkdir(exist_ok=True)
-        (model / "behaviour.json").write_text(json.dumps(behaviour))
+        (model / "behaviour.json").write_text(json.dumps({"answer": "ok", **behaviour}))
         return str(model)
 
     def popen(self, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-c", DRIVER, str(self.script), *args], cwd=ROOT,
+        return subprocess.Popen(stand_in_vllm.cli_argv(*args), cwd=ROOT,
                                 env=env or self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     def run(self, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -349,7 +297,7 @@ def test_a_second_ctrl_c_inside_the_rollback_does_not_stop_it(bench, monkeypatch
     from tools.serving.replace import replace_server
 
     monkeypatch.setattr("tools.serving.config.ServeConfig.vllm_argv",
-                        lambda self, platform: [sys.executable, str(bench.script), str(self.port), self.model])
+                        lambda self, platform: stand_in_vllm.argv(self.port, self.model))
     monkeypatch.setenv("VLLM_STAND_IN_LOG", str(bench.log))
     a_model, b_model = bench.build("a"), bench.build("b", mode="hang")
     cfg_a = load_config(ROOT / "tpu.env", state_dir=str(bench.tmp / "run"), port=bench.port, model=a_model,
@@ -387,23 +335,12 @@ def test_a_second_ctrl_c_inside_the_rollback_does_not_stop_it(bench, monkeypatch
 
 # ------------------------------------------------------------------ the MCP front end going away during a start
 
-MCP_DRIVER = r"""
-import sys
-sys.path.insert(0, sys.argv[1])
-from tools.serving.config import ServeConfig
-script = sys.argv[2]
-ServeConfig.vllm_argv = lambda self, platform: [sys.executable, script, str(self.port), self.model]
-import server
-raise SystemExit(server.main(sys.argv[3:]))
-"""
-
-
 def _mcp_server(bench: Bench) -> subprocess.Popen:
     (bench.tmp / "evidence").mkdir(exist_ok=True)
     env = dict(bench.env, START_TIMEOUT_S="60")
-    proc = subprocess.Popen([sys.executable, "-c", MCP_DRIVER, str(ROOT), str(bench.script), "--models-root",
-                             str(bench.tmp), "--evidence-root", str(bench.tmp / "evidence"), "--state-dir",
-                             str(bench.tmp / "run"), "--toolsets", "serve,jobs"], cwd="/", env=env,
+    proc = subprocess.Popen(stand_in_vllm.mcp_argv("--models-root", str(bench.tmp), "--evidence-root",
+                                                   str(bench.tmp / "evidence"), "--state-dir", str(bench.tmp / "run"),
+                                                   "--toolsets", "serve,jobs"), cwd="/", env=env,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
 
     def send(msg: dict) -> None:
