@@ -50,9 +50,10 @@ DECODE_GETS = {"/health": "", "/metrics": "", "/version": '{"version": "stand-in
                "/v1/models": json.dumps({"data": [{"id": "m", "root": "/nowhere", "max_model_len": 4096}]})}
 
 
-def argv(port: int, model: str) -> list[str]:
-    """The stand-in server's command line (ServeConfig.vllm_argv)."""
-    return [sys.executable, __file__, str(port), model]
+def argv(port: int, model: str, names: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """The stand-in server's command line (ServeConfig.vllm_argv). `names`: its served model names, as vLLM's
+    --served-model-name takes them: a request naming another model is answered 404, as vLLM answers it."""
+    return [sys.executable, __file__, str(port), model, *names]
 
 
 def cli_argv(*args: str) -> list[str]:
@@ -81,7 +82,7 @@ def _drive(front: str, args: list[str]) -> int:
     return server.main(args)
 
 
-def serve(port: int, model: Path) -> None:
+def serve(port: int, model: Path, names: list[str]) -> None:
     b = model / "behaviour.json"
     spec = {**(json.loads(b.read_text()) if b.is_file() else {}),
             **json.loads(os.environ.get("VLLM_STAND_IN_BEHAVIOUR") or "{}")}
@@ -139,8 +140,16 @@ def serve(port: int, model: Path) -> None:
             self.send(200 if self.path == "/health" else 404, "")
 
         def do_POST(self):
-            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
             if self.refused_without_key():
+                return
+            try:
+                asked = json.loads(raw or b"{}").get("model")
+            except (ValueError, AttributeError):
+                asked = None
+            if names and asked and asked not in names:
+                self.send(404, json.dumps({"error": {"message": f"The model `{asked}` does not exist.",
+                                                     "type": "NotFoundError", "code": 404}}))
                 return
             if mode == "loading":
                 self.send(503, '{"error": "loading"}')
@@ -181,4 +190,4 @@ def serve(port: int, model: Path) -> None:
 if __name__ == "__main__":
     if sys.argv[1] in ("--cli", "--mcp"):
         raise SystemExit(_drive(sys.argv[1], sys.argv[2:]))
-    serve(int(sys.argv[1]), Path(sys.argv[2]))
+    serve(int(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:])

@@ -38,7 +38,7 @@ class TwoCores(Hardware):
 class Clients:
     """Chat completions through the front door from two threads until stopped: what each got."""
 
-    def __init__(self, url: str, model: str | None = "any"):
+    def __init__(self, url: str, model: str | None = None):
         self.url, self.results, self._stop = url, [], threading.Event()
         self.body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
                      **({"model": model} if model else {})}
@@ -78,7 +78,8 @@ class Clients:
 def door(tmp_path, monkeypatch, serve_config_factory):
     """door(a_mode="serve") -> (front-door config, make(instance, name, mode, cpus)); the router over build
     `old` on instance blue."""
-    monkeypatch.setattr(ServeConfig, "vllm_argv", lambda self, platform: stand_in_vllm.argv(self.port, self.model))
+    monkeypatch.setattr(ServeConfig, "vllm_argv", lambda self, platform: stand_in_vllm.argv(
+        self.port, self.model, [self.served_name, *self.served_aliases]))
     hw = TwoCores()
     base = serve_config_factory(tmp_path, "front", state_dir=tmp_path / "run", start_timeout_s=30.0)
     made: list[ServeConfig] = []
@@ -113,10 +114,13 @@ def test_a_good_switch_beside_the_old_build_fails_no_request(door):
     base, make = door
     old = state.load_state(_instance(base, "blue"))
     b = make("green", "new")
-    with Clients(_front(base)) as clients:
+    # and clients that name the model keep the name they were given: the new build answers to it too
+    with Clients(_front(base)) as clients, Clients(_front(base), model="old") as naming:
         time.sleep(0.5)
         res = frontdoor.switch(base, b, hardware=make.hw)
         time.sleep(0.5)
+    assert naming.failed() == [] and naming.served()[-1] == "new", naming.failed()[:3]
+    assert "answering to old too" in res.announced and router_state.recorded(base).names == ["old", "new"]
     assert res.outcome == "serving new" and res.replaced == "old" and res.mode == "beside"
     assert "no request waits for a load" in res.announced
     assert clients.failed() == [] and clients.served()[-1] == "new" and "old" in clients.served()
@@ -230,14 +234,15 @@ def test_real_vllm_switches_through_the_front_door_fail_no_request(emb4_build, s
                                 "b": (build(bad, "tiny-unknown-quant", "blue"), "tiny-second"),
                                 "c": (build(emb4_build, "tiny-short", "blue", max_model_len=16), "tiny-second"),
                                 }.items():
-            with Clients(front, model=None) as clients:
+            # one loop names no model, one the name clients were first given (every later build answers to it)
+            with Clients(front, model=None) as clients, Clients(front, model="tiny-first") as naming:
                 time.sleep(1.0)
                 try:
                     results[step] = frontdoor.switch(base, b)
                 except ToolFailure as exc:
                     results[step] = exc
                 time.sleep(1.0)
-            assert clients.failed() == [], (step, clients.failed()[:3])
+            assert clients.failed() == [] and naming.failed() == [], (step, clients.failed()[:3], naming.failed()[:3])
             assert clients.served() and clients.served()[-1] == want, (step, set(clients.served()))
             configs[step] = b
             st = state.load_state(b)

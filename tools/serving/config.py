@@ -102,6 +102,9 @@ class ServeConfig:
     cpu_cores: list[list[int]] | None = None  # CPU: the cores of each vLLM rank (VLLM_CPU_OMP_THREADS_BIND)
     env_file: Path | None = None  # where the values came from, for messages
     log_name: str = "vllm.log"    # the server's log in instance_dir: each launch names one of its own
+    # Other names the server answers to (vLLM's --served-model-name takes several; it reports the first): behind
+    # the front door, a new build also takes the names clients were given for the builds it replaces.
+    served_aliases: list[str] = field(default_factory=list)
     # Where each field's value came from: "file", "environment" or "override" (absent: the dataclass default).
     # A value given for this start (override or environment) is a demand; one from the file is a preference.
     sources: dict[str, str] = field(default_factory=dict)
@@ -142,7 +145,7 @@ class ServeConfig:
             raise ToolFailure(f"platform {platform!r} is not 'cpu' or 'cuda'")
         argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                 "--model", self.model,
-                "--served-model-name", self.served_name,
+                "--served-model-name", self.served_name, *self.served_aliases,
                 "--host", self.host,
                 "--port", str(self.port),
                 "--dtype", self.dtype if platform == "cuda" else self.cpu_dtype,

@@ -269,6 +269,9 @@ class _Switch:
             raise ToolFailure(f"instance {a_name!r} behind the front door does not run; check "
                               f"{op('status', instance=a_name)}")
         self.a = a
+        # Clients keep sending the names they were given: B answers to them too (vLLM reports B's own name).
+        self.names = list(dict.fromkeys([*rt.names, a.served_name]))
+        self.b = b = replace(b, served_aliases=[n for n in self.names if n != b.served_name])
         self.a_url = next(x.base_url for x in rt.backends if x.instance == a_name)
         self.hold_s = rt.hold_s or 0.0
         self.fit, _ = fits_beside(b, self.hw)
@@ -283,12 +286,14 @@ class _Switch:
                               f"{self.rt.base_url} holds no request while no build answers (started without a "
                               f"hold): restart it with {op('router.start')}; {a} still serves (unchanged)",
                               {"outcome": f"unchanged ({a} serves)"})
+        aka = (f" (answering to {', '.join(self.b.served_aliases)} too, the name clients send)"
+               if self.b.served_aliases else "")
         if fit.beside:
-            self.announced = (f"{b} starts {fit.why}; {a} serves until it is ready, then drains and stops: no "
-                              "request waits for a load")
+            self.announced = (f"{b}{aka} starts {fit.why}; {a} serves until it is ready, then drains and stops: "
+                              "no request waits for a load")
         else:
-            self.announced = (f"{b} cannot start {fit.why.removeprefix('not ')}: {a} stops first and requests "
-                              f"wait at the front door, each at most {self.hold_s:g} s, while {b} loads")
+            self.announced = (f"{b}{aka} cannot start {fit.why.removeprefix('not ')}: {a} stops first and "
+                              f"requests wait at the front door, each at most {self.hold_s:g} s, while {b} loads")
         self.say(0.0, self.announced)
 
     def figures(self) -> Figures:
@@ -347,8 +352,9 @@ class _Switch:
         return started
 
     def _record(self, started) -> None:
-        """The router's state names the build it routes to now."""
-        self.rt = _set_backends(self.cfg, self.rt, [Backend(instance=self.b_name, base_url=started.base_url)])
+        """The router's state names the build it routes to now, and every name clients were given."""
+        self.rt = _set_backends(self.cfg, self.rt.model_copy(update={"names": [*self.names, self.b.served_name]}),
+                                [Backend(instance=self.b_name, base_url=started.base_url)])
 
     def _hold(self):
         a, rt = self.a.served_name, self.rt

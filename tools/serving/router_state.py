@@ -33,6 +33,8 @@ class RouterState(Record):
     log_path: str
     # Written since the front door: how long the router holds a request while no backend answers (its retries)
     hold_s: float | None = None
+    # The model names clients were given through the front door (each switch's build answers to all of them)
+    names: list[str] = []
 
 
 def state_file(cfg: ServeConfig) -> Path:
