@@ -298,9 +298,19 @@ def test_the_command_line_and_mcp_switch_the_same_way(door, tmp_path, capsys, mo
                                                           "served_name": "short"}, raise_on_error=False)
 
         res = asyncio.run(go())
+        good = make("blue", "newer")
+
+        async def go_good():
+            async with Client(server) as c:
+                return await c.call_tool("switch_build", {"instance": "blue", "model": good.model,
+                                                          "served_name": "newer"})
+
+        done = asyncio.run(go_good()).content[0].text
     text = res.content[0].text
     assert res.is_error and "max_model_len" in text and "new still serves" in text, text
-    assert clients.failed() == [] and clients.served()[-1] == "new"
+    # the figures of a switch say where they were measured
+    assert "serving newer" in done and " 0 failed" in done and "on the CPU stand-in" in done, done
+    assert clients.failed() == [] and clients.served()[-1] == "newer"
 
 
 @pytest.mark.parametrize("cpus,mode", [(1, "beside"), (2, "hold")])

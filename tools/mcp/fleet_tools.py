@@ -6,6 +6,8 @@ from tools.core.errors import ToolFailure
 from tools.core.paths import PathNotAllowed
 from tools.core.process import free_port
 from tools.mcp.registry import Reply, tool
+from tools.mcp.wording import on_platform
+from tools.serving.state import load_state
 from tools.serving import frontdoor
 from tools.serving.model_files import missing_model_fix
 from tools.serving.ops import RouterStartParams, RouterStopParams, RouterSwitchParams
@@ -66,4 +68,4 @@ def switch_build(app, p: RouterSwitchParams, progress, checked) -> Reply:
     f = res.figures
     return Reply(res, f"{res.outcome} at {res.base_url} in place of {res.replaced} ({res.mode}): {f.requests} "
                       f"requests through the router, {f.failed} failed, longest wait for a build "
-                      f"{f.longest_wait_s:g} s")
+                      f"{f.longest_wait_s:g} s {on_platform(getattr(load_state(checked), 'platform', None))}")

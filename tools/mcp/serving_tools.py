@@ -17,6 +17,8 @@ from tools.serving.ops import LogParams, QueryParams, StartParams, StatusParams,
 from tools.serving.records import QueryResult, ServerStatus, StartResult, StopResult
 from tools.serving.vllm_server import log_path, query, read_log, server_status as status, stop_server
 from tools.serving.launch import start_server
+from tools.serving.state import load_state
+from tools.mcp.wording import on_platform
 
 
 def _start_config(app, p: StartParams):
@@ -112,7 +114,8 @@ def server_logs(app, p: LogParams) -> Reply:
 def query_model(app, p: QueryParams) -> Reply:
     """One greedy chat completion from the running server: a quick check that a build answers."""
     app.managed_base_url(p.instance)  # refuses when no server is recorded, instead of posting to the config's port
-    res = query(app.config(instance=p.instance), p.prompt, max_tokens=p.max_tokens)
-    usage = res.usage or {}
+    cfg = app.config(instance=p.instance)
+    res = query(cfg, p.prompt, max_tokens=p.max_tokens)
+    usage, st = res.usage or {}, load_state(cfg)
     return Reply(res, f"{usage.get('completion_tokens', '?')} tokens in {res.latency_s:.2f} s "
-                      f"({res.finish_reason}): {res.text[:120]!r}")
+                      f"{on_platform(st.platform if st else None)} ({res.finish_reason}): {res.text[:120]!r}")

@@ -21,6 +21,15 @@ WITHOUT_TOOL: dict[str, str] = {
 }
 
 
+def on_platform(platform: str | None) -> str:
+    """Where a figure of a served build was measured, for a summary line: a CPU figure read as a T4's misleads."""
+    if platform == "cpu":
+        return "on the CPU stand-in (vLLM CPU backend)"
+    if platform == "cuda":
+        return "on the GPU"
+    return "where the server runs"
+
+
 def argument(name: str, *value: Any) -> str:
     """A parameter as an MCP argument: `out`, `force=true`, `text_only=false`, `port=8001`."""
     if not value:
