@@ -52,6 +52,7 @@ def test_resources_templates_and_prompts_are_listed_under_the_default_toolsets(m
     listed = {str(r.uri): r for r in res} | {t.uri_template: t for t in templates}
     assert set(listed) == set(RESOURCES)
     assert {f"{SCHEME}://evidence/{{run*}}/summary.md", f"{SCHEME}://evidence/{{run*}}/summary.json",
+            f"{SCHEME}://evidence/{{run*}}/capacity.md", f"{SCHEME}://evidence/{{run*}}/capacity.json",
             f"{SCHEME}://server/log/{{lines}}"} == {t.uri_template for t in templates}
     for uri, spec in RESOURCES.items():
         assert listed[uri].mime_type == spec.mime_type and listed[uri].description and listed[uri].title, uri
@@ -83,6 +84,10 @@ def test_evidence_runs_are_listed_and_read_inside_the_roots_only(mcp, tmp_path):
     sweep.mkdir(parents=True)
     (sweep / "summary.md").write_text("| cell | tok/s |\n")
     (sweep / "summary.json").write_text('{"label": "emb4"}')
+    cap = ev / "capacity-20261205-emb4"  # a capacity run: its report beside its cells' summary
+    cap.mkdir(parents=True)
+    (cap / "summary.json").write_text("{}")
+    (cap / "capacity.md").write_text("capacity: 4 concurrent users\n")
     (ev / "evals" / "e1").mkdir(parents=True)
     (ev / "evals" / "e1" / "summary.json").write_text("{}")
     outside = tmp_path / "outside"
@@ -98,11 +103,14 @@ def test_evidence_runs_are_listed_and_read_inside_the_roots_only(mcp, tmp_path):
             missing = await _refused(c, f"{SCHEME}://evidence/sweeps/nope/summary.md")
             no_md = await _refused(c, f"{SCHEME}://evidence/evals/e1/summary.md")
             escape = await _refused(c, f"{SCHEME}://evidence/escape/summary.md")
-            return index, md, js, missing, no_md, escape
+            report = await _read(c, f"{SCHEME}://evidence/capacity-20261205-emb4/capacity.md")
+            return index, md, js, missing, no_md, escape, report
 
-    index, md, js, missing, no_md, escape = run(go())
+    index, md, js, missing, no_md, escape, report = run(go())
     runs = {r["run"]: r for r in index["runs"]}
-    assert set(runs) == {"sweeps/20261129-emb4", "evals/e1"}  # the symlink out of the roots is not a run
+    # the symlink out of the roots is not a run
+    assert set(runs) == {"sweeps/20261129-emb4", "evals/e1", "capacity-20261205-emb4"}
+    assert runs["capacity-20261205-emb4"]["uris"][-1].endswith("/capacity.md") and report.startswith("capacity: 4")
     assert runs["evals/e1"]["uris"] == [f"{SCHEME}://evidence/evals/e1/summary.json"]
     assert md == "| cell | tok/s |\n" and json.loads(js) == {"label": "emb4"}
     assert missing.startswith("no summary.md for run sweeps/nope under the evidence roots")

@@ -43,6 +43,7 @@ SCHEME = "gemma4-t4"
 MAX_RUNS = 500           # evidence runs listed by the index
 RUN_DEPTH = 4            # folders below an evidence root searched for runs
 SUMMARIES = ("summary.md", "summary.json")
+REPORTS = ("capacity.md", "capacity.json")  # a capacity run's own report, beside its cells' summary
 
 
 class ResourceFailure(ToolFailure):
@@ -110,6 +111,7 @@ def evidence_run_list(app) -> list[dict[str, Any]]:
                 dirs[:] = []
             dirs.sort()
             found = [f for f in SUMMARIES if f in files and _readable(app, Path(here) / f)]
+            found += [f for f in REPORTS if found and f in files and _readable(app, Path(here) / f)]
             if found and depth > 0:
                 run = Path(here).relative_to(root).as_posix()
                 if run not in seen:  # the first root holding a name is the one the template reads
@@ -159,6 +161,20 @@ def run_summary_md(app, run: str) -> str:
 def run_summary_json(app, run: str) -> str:
     """A run's summary.json (run: its folder relative to the evidence root, as evidence/runs lists it)."""
     return _summary(app, run, "summary.json")
+
+
+@resource(f"{SCHEME}://evidence/{{run*}}/capacity.md", title="Capacity run report (markdown)",
+          mime_type="text/markdown", whole=True)
+def run_capacity_md(app, run: str) -> str:
+    """A capacity run's capacity.md: the search's points with each term's median and interval."""
+    return _summary(app, run, "capacity.md")
+
+
+@resource(f"{SCHEME}://evidence/{{run*}}/capacity.json", title="Capacity run report (JSON)",
+          mime_type="application/json", whole=True)
+def run_capacity_json(app, run: str) -> str:
+    """A capacity run's capacity.json (run: its folder relative to the evidence root, as evidence/runs lists it)."""
+    return _summary(app, run, "capacity.json")
 
 
 @resource(f"{SCHEME}://demo/latest", title="Latest demo report", mime_type="text/markdown", whole=True)
