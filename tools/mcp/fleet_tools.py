@@ -6,7 +6,7 @@ from tools.core.errors import ToolFailure
 from tools.core.paths import PathNotAllowed
 from tools.core.process import free_port
 from tools.mcp.registry import Reply, tool
-from tools.serving import frontdoor
+from tools.serving import frontdoor, switch_process
 from tools.serving.model_files import missing_model_fix
 from tools.serving.ops import RouterStartParams, RouterStopParams, RouterSwitchParams
 from tools.serving.router import (RouterStartResult, RouterStatus, RouterStopResult, router_status as status,
@@ -61,8 +61,9 @@ def switch_build(app, p: RouterSwitchParams, progress, checked) -> Reply:
     request: beside it where the machine holds both (then it drains and stops), else it stops first and the
     router holds requests up to its hold_s while the new one loads (said before anything stops). A new build
     that fails or refuses requests leaves or gives the traffic back to the old one. Long."""
-    res = frontdoor.switch(app.config(), checked, from_instance=p.from_instance,
-                           progress=lambda frac, msg: progress(round(frac * 100, 1), 100, msg))
+    # In a process of its own: a client that drops this server (SIGKILL) leaves the switch to end alone
+    res = switch_process.switch(app.config(), checked, from_instance=p.from_instance,
+                                progress=lambda frac, msg: progress(round(frac * 100, 1), 100, msg))
     f = res.figures
     return Reply(res, f"{res.outcome} at {res.base_url} in place of {res.replaced} ({res.mode}): {f.requests} "
                       f"requests through the router, {f.failed} failed, longest wait for a build "
