@@ -6,7 +6,8 @@ that run them as processes of their own:
 
 In both, vLLM is tests/stand_in_vllm.py, the machine a CPU of two cores (as test_frontdoor's TwoCores), and each
 phase of the switch (frontdoor._step) that is reached leaves a file of its name in $STAND_IN_PHASES (when set);
-at $STAND_IN_PAUSE_AT the switch waits $STAND_IN_PAUSE_S seconds, long enough for a test to signal it there."""
+at $STAND_IN_PAUSE_AT the switch waits $STAND_IN_PAUSE_S seconds, long enough for a test to signal it there, or
+until the file $STAND_IN_GO exists."""
 
 from __future__ import annotations
 
@@ -28,7 +29,10 @@ def _step(name: str) -> None:
     if phases:
         (Path(phases) / name.replace(" ", "-")).touch()
     if name == os.environ.get("STAND_IN_PAUSE_AT"):
-        time.sleep(float(os.environ.get("STAND_IN_PAUSE_S", "1")))
+        go = os.environ.get("STAND_IN_GO")  # a file: wait until the test creates it (at most a minute)
+        deadline = time.monotonic() + (60 if go else float(os.environ.get("STAND_IN_PAUSE_S", "1")))
+        while time.monotonic() < deadline and not (go and os.path.exists(go)):
+            time.sleep(0.05)
 
 
 def patch() -> None:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 from dataclasses import replace
 
@@ -27,6 +29,7 @@ from tools.serving import frontdoor, router_state, state, switch_record
 from tools.serving.config import ServeConfig
 from tools.serving.launch import start_server
 from tools.serving.router import start_router, stop_router
+from tools.serving.state import InstanceBusy
 from tools.serving.vllm_server import stop_server
 
 HOLD_S = 10.0   # the front door's hold: A's stop and B's load (about 2 s here) fit well within it
@@ -131,3 +134,35 @@ def test_a_switching_command_signalled_at_each_phase_leaves_one_build_serving_an
     assert router_state.switch_running(base) is None
     last = switch_record.load_switch(base)
     assert last is not None and last.serving == want, last
+
+
+def test_while_a_switch_is_under_way_another_switch_a_router_stop_and_a_stop_of_its_builds_are_refused(
+        front, tmp_path):
+    """The switch process holds the front door's switch lock and both instances' locks: each of these is refused
+    in one line, nothing done, and the switch then ends as it would have."""
+    base, env = front
+    new = _build(tmp_path, "new", {})
+    go = tmp_path / "go"
+    env = dict(env, STAND_IN_PAUSE_AT="b ready", STAND_IN_GO=str(go))
+    proc = cli(["router", "switch", "--instance", "green", "--model", new, "--served-name", "new", "--cpus", "1"],
+               env, driver=["-m", "tests.stand_in_switch", "cli"])
+    try:
+        _until("B ready", (tmp_path / "b-ready").exists)
+        running = router_state.switch_running(base)
+        assert running and "switch to new" in running["what"], running
+        stop = subprocess.run([sys.executable, "-m", "tests.stand_in_switch", "cli", "router", "stop"], env=env,
+                              capture_output=True, text=True, timeout=60)
+        lines = stop.stderr.strip().splitlines()
+        assert stop.returncode == 1 and len(lines) == 1 and "the front door is being switched" in lines[0], stop
+        assert f"pid {running['pid']}" in lines[0] and "the router's stop was not done" in lines[0]
+        other = replace(base, model=new, served_name="other", instance="red", port=free_port())
+        with pytest.raises(InstanceBusy, match="another switch was not done"):
+            frontdoor.switch(base, other, hardware=TwoCores())
+        with pytest.raises(InstanceBusy, match="instance blue is being changed"):
+            stop_server(replace(base, instance="blue"))
+        assert router_state.recorded(base) is not None and proc.poll() is None
+    finally:
+        go.touch()
+    err = proc.communicate(timeout=60)[1]
+    assert proc.returncode == 0 and switch_record.load_switch(base).serving == "new", err
+    assert router_state.switch_running(base) is None and not router_state.switch_file(base).exists()
