@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -166,3 +167,24 @@ def test_while_a_switch_is_under_way_another_switch_a_router_stop_and_a_stop_of_
     err = proc.communicate(timeout=60)[1]
     assert proc.returncode == 0 and switch_record.load_switch(base).serving == "new", err
     assert router_state.switch_running(base) is None and not router_state.switch_file(base).exists()
+
+
+def test_a_second_ctrl_c_does_not_cut_the_rollback_short(front, tmp_path):
+    """Two SIGINTs 0.2 s apart once B is ready: the command passes one on, waits for the rollback whatever else
+    comes, then exits 130 with one line; A serves, B is gone, no request failed."""
+    base, env = front
+    new = _build(tmp_path, "new", {})
+    env = dict(env, STAND_IN_PAUSE_AT="b ready", STAND_IN_PAUSE_S=str(PAUSE_S))
+    with Clients(router_state.recorded(base).base_url) as clients:
+        _until("a request answered", lambda: clients.served())
+        proc = cli(["router", "switch", "--instance", "green", "--model", new, "--served-name", "new", "--cpus",
+                    "1"], env, driver=["-m", "tests.stand_in_switch", "cli"])
+        err = signal_when(proc, (tmp_path / "b-ready").exists, "SIGINT", "B ready",
+                          settle=lambda: (proc.send_signal(signal.SIGINT), time.sleep(0.2)))
+        assert_ended("SIGINT", proc.returncode, err)
+        assert router_state.switch_running(base) is None  # the rollback was over when the command ended
+        n = len(clients.results)
+        _until("three more answers", lambda: len(clients.results) >= n + 3)
+    assert clients.failed() == [] and clients.served()[-1] == "old"
+    assert [x.instance for x in router_state.recorded(base).backends] == ["blue"]
+    assert not replace(base, instance="green").state_file.exists() and _processes_of(new) == []
