@@ -188,3 +188,32 @@ def test_a_second_ctrl_c_does_not_cut_the_rollback_short(front, tmp_path):
     assert clients.failed() == [] and clients.served()[-1] == "old"
     assert [x.instance for x in router_state.recorded(base).backends] == ["blue"]
     assert not replace(base, instance="green").state_file.exists() and _processes_of(new) == []
+
+
+def test_a_cancelled_front_end_passes_the_cancellation_on_and_waits_for_the_rollback(front, tmp_path, monkeypatch):
+    """What an MCP cancellation does (its progress report raises): the switch process gets one SIGINT, B is ended,
+    A keeps the traffic, and the front end raises its own exception once the rollback is over."""
+    from tests.stand_in_switch import SWITCH
+    from tools.serving import switch_process
+
+    base, _ = front
+    monkeypatch.setattr(switch_process, "PROGRAM", SWITCH)
+    b = replace(base, model=_build(tmp_path, "new", {"mode": "hang"}), served_name="new", instance="green",
+                port=free_port(), cpus=1)
+
+    class Cancelled(Exception):
+        pass
+
+    def progress(frac: float, msg: str) -> None:
+        if b.state_file.exists():
+            raise Cancelled
+
+    with Clients(router_state.recorded(base).base_url) as clients:
+        with pytest.raises(Cancelled):
+            switch_process.switch(base, b, progress=progress)
+        assert router_state.switch_running(base) is None
+        n = len(clients.results)
+        _until("three more answers", lambda: len(clients.results) >= n + 3)
+    assert clients.failed() == [] and set(clients.served()) == {"old"}
+    assert not b.state_file.exists() and _processes_of(b.model) == []
+    assert switch_record.load_switch(base).message == "interrupted; unchanged (old serves)"

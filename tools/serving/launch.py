@@ -361,11 +361,11 @@ def _start_locked(cfg: ServeConfig, progress: StartReport | None, hw: Hardware,
         if note and progress is not None:
             progress(0.0, note)
         first_text = _wait_ready(cfg, proc, argv, t0, progress)
-    except ToolFailure as exc:
-        raise _noted(exc, note) from None
-    except BaseException:  # interrupted or cancelled once launched, between two steps too: the server goes with it
-        if proc is not None:
+    except BaseException as exc:  # failed, interrupted or cancelled once launched (between two steps too): the
+        if proc is not None:      # server goes with it (a second time after _wait_ready's own: a no-op)
             _end_launched(cfg, proc)
+        if isinstance(exc, ToolFailure):
+            raise _noted(exc, note) from None
         raise
     if stale is not None:
         state.clear_replace(cfg)
