@@ -273,8 +273,12 @@ def test_the_command_line_and_mcp_switch_the_same_way(door, tmp_path, capsys, mo
     from tools.core.paths import Roots
     from tools.mcp.app import Settings, create_server
 
+    from tests.stand_in_switch import SWITCH
+    from tools.serving import switch_process
+
     base, make = door
     b = make("green", "new")
+    monkeypatch.setattr(switch_process, "PROGRAM", SWITCH)  # the switch's own process runs the stand-ins too
     for k, v in {"STATE_DIR": str(base.state_dir), "SPECULATIVE_CONFIG": "", "EXTRA_ARGS": "",
                  "START_TIMEOUT_S": "30", "CPU_KVCACHE_SPACE_GIB": "1"}.items():
         monkeypatch.setenv(k, v)

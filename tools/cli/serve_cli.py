@@ -16,7 +16,7 @@ from typing import Any
 from tools.cli.commands import CLI, Command, add_commands, emit as _emit
 from tools.core.errors import BadInput, param, render, render_all
 from tools.core.process import free_port
-from tools.serving import frontdoor, launch, router, vllm_server
+from tools.serving import launch, router, switch_process, vllm_server
 from tools.serving.config import ServeConfig, load_config
 from tools.serving.instances import fleet_status, stop_all
 from tools.serving.replace import replace_server, target
@@ -167,7 +167,9 @@ def cmd_router_switch(p: RouterSwitchParams, args: argparse.Namespace) -> int:
         if not args.json:
             print(f"[{int(frac * 100):3d}%] {msg}", file=sys.stderr, flush=True)
 
-    r = frontdoor.switch(_config(args), _switch_config(args, p), from_instance=p.from_instance, progress=progress)
+    # In a process of its own: a command killed here (SIGKILL, a closed terminal) leaves the switch to end alone
+    r = switch_process.switch(_config(args), _switch_config(args, p), from_instance=p.from_instance,
+                              progress=progress)
     f = r.figures
     emit(args, r, f"{r.outcome} at {r.base_url} in place of {r.replaced} ({r.mode}, {r.wall_s:.0f} s): "
                   f"{f.requests if f.requests is not None else '?'} requests through the front door, "

@@ -8,7 +8,7 @@ from tools.core.process import free_port
 from tools.mcp.registry import Reply, tool
 from tools.mcp.wording import on_platform
 from tools.serving.state import load_state
-from tools.serving import frontdoor
+from tools.serving import frontdoor, switch_process
 from tools.serving.model_files import missing_model_fix
 from tools.serving.ops import RouterStartParams, RouterStopParams, RouterSwitchParams
 from tools.serving.router import (RouterStartResult, RouterStatus, RouterStopResult, router_status as status,
@@ -62,9 +62,11 @@ def switch_build(app, p: RouterSwitchParams, progress, checked) -> Reply:
     """Serve another build behind the router (start_router) in place of the one it routes to, with no failed
     request: beside it where the machine holds both (then it drains and stops), else it stops first and the
     router holds requests up to its hold_s while the new one loads (said before anything stops). A new build
-    that fails or refuses requests leaves or gives the traffic back to the old one. Long."""
-    res = frontdoor.switch(app.config(), checked, from_instance=p.from_instance,
-                           progress=lambda frac, msg: progress(round(frac * 100, 1), 100, msg))
+    that fails or refuses requests leaves or gives the traffic back to the old one. It runs in a process of its
+    own: a client that goes away leaves it to end alone; a cancellation rolls it back. Long."""
+    # In a process of its own: a client that drops this server (SIGKILL) leaves the switch to end alone
+    res = switch_process.switch(app.config(), checked, from_instance=p.from_instance,
+                                progress=lambda frac, msg: progress(round(frac * 100, 1), 100, msg))
     f = res.figures
     return Reply(res, f"{res.outcome} at {res.base_url} in place of {res.replaced} ({res.mode}): {f.requests} "
                       f"requests through the router, {f.failed} failed, longest wait for a build "

@@ -184,6 +184,14 @@ class ServeConfig:
         d["base_url"] = self.base_url
         return d
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ServeConfig":
+        """The config `to_dict` wrote (its derived base_url left out): how a config crosses to a child process."""
+        values = {f.name: d[f.name] for f in fields(cls) if f.name in d}
+        values["state_dir"] = Path(values["state_dir"])
+        values["env_file"] = Path(values["env_file"]) if values.get("env_file") else None
+        return cls(**values)
+
 
 def looks_like_path(model: str) -> bool:
     """A model string that can only be a local folder: absolute, ~, ./ or ../ (a hub id is owner/name)."""

@@ -34,7 +34,7 @@ from tools.core.metrics import total
 from tools.serving import placement, router_state, state, switch_record
 from tools.serving.config import ServeConfig
 from tools.serving.hardware import Hardware
-from tools.serving.launch import relaunch, start_server
+from tools.serving.launch import relaunch, signals_deferred, start_server
 from tools.serving.model_files import checkpoint_bytes
 from tools.serving.router_state import Backend, RouterState
 from tools.serving.start_progress import StartReport
@@ -211,18 +211,39 @@ def _set_backends(cfg: ServeConfig, rt: RouterState, backends: list[Backend]) ->
     return new
 
 
+def _step(name: str) -> None:
+    """A named phase of the switch ("b ready": B passed its checks, the router not yet changed; "a drains": A is
+    about to drain and stop); tests replace it to signal the switching command there."""
+
+
 def switch(cfg: ServeConfig, b: ServeConfig, *, from_instance: str | None = None, hardware: Hardware | None = None,
            progress: StartReport | None = None, grace_s: float = 20.0, drain_s: float = 60.0) -> SwitchResult:
     """Serves `b` (a named instance's config: B) through the front door in place of the router's backend A
     (`from_instance`, or its only one). Raises ToolFailure with detail["outcome"] (the builds named) and
-    detail["figures"] when B does not serve; A then still serves or serves again."""
-    sw = _Switch(cfg, b, from_instance, hardware or Hardware(), progress, grace_s, drain_s)
+    detail["figures"] when B does not serve; A then still serves or serves again. Holds the front door's switch
+    lock and both instances' locks throughout: another switch, a `router stop` or a stop of A or B meanwhile is
+    refused in one line (InstanceBusy). An interrupt (KeyboardInterrupt, a cancelled job) rolls back before it
+    passes on: A keeps or takes back the traffic, except once B has it (A then stops without waiting)."""
+    with router_state.switching(cfg, f"switch to {b.served_name} on instance {b.instance_name}"):
+        sw = _Switch(cfg, b, from_instance, hardware or Hardware(), progress, grace_s, drain_s)
+        with state.instance_lock(sw.a_cfg, f"switch from {sw.a.served_name} to {b.served_name}"), \
+                state.instance_lock(b, f"switch to {b.served_name}"):
+            return _run(cfg, sw)
+
+
+def _run(cfg: ServeConfig, sw: "_Switch") -> SwitchResult:
     began = time.time()
     try:
         res = sw.run()
     except ToolFailure as exc:
         _record(cfg, sw, (exc.detail or {}).get("outcome") or "unavailable (nothing serves)", str(exc),
                 (exc.detail or {}).get("figures"), began)
+        raise
+    except BaseException:  # interrupted: what the rollback left, as the router's state names it
+        serving = sw.b if [x.instance for x in sw.rt.backends] == [sw.b_name] else sw.a
+        outcome = (f"serving {serving.served_name}" if serving is sw.b
+                   else f"unchanged ({serving.served_name} serves)")
+        _record(cfg, sw, outcome, f"interrupted; {outcome}", None, began)
         raise
     _record(cfg, sw, res.outcome, f"{res.outcome} at {res.base_url} ({res.mode})", asdict(res.figures), began)
     return res
@@ -263,6 +284,7 @@ class _Switch:
         if self.b_name in names:
             raise BadInput(f"{param('instance', self.b_name)} already serves behind the front door: start the new "
                            "build on another instance", {"instance": self.b_name}, field="instance")
+        self.a_name = a_name
         self.a_cfg = _backend_cfg(cfg, a_name)
         a = state.load_state(self.a_cfg)
         if a is None or state.leader(a) is None:
@@ -316,8 +338,10 @@ class _Switch:
         return start_server(self.b, hardware=self.hw, progress=self.progress)
 
     def _stop_a(self) -> None:
+        _step("a drains")
         _drain(self.a_url, self.drain_s)
-        stop_server(self.a_cfg, grace_s=self.grace_s)
+        with signals_deferred():  # A is stopped whole or not at all: the way back can tell which
+            stop_server(self.a_cfg, grace_s=self.grace_s)
 
     def run(self) -> SwitchResult:
         self._announce()
@@ -337,17 +361,21 @@ class _Switch:
             raise self._failure(exc, f"unchanged ({a} serves)",
                                 f"{a} still serves through {self.rt.base_url} (unchanged)") from None
         try:
+            _step("b ready")
             _worker(self.rt, "add_worker", started.base_url)
             _worker(self.rt, "remove_worker", self.a_url)
+            self._record(started)
         except BaseException:
-            _undo_beside(self.rt, self.b, started.base_url, self.a_url)
+            with signals_deferred():  # a second interrupt does not stop the way back
+                _undo_beside(self.rt, self.b, started.base_url, self.a_url)
+                self._record_a()
             raise
-        self._record(started)
         self.say(0.9, f"{self.b.served_name} takes the traffic; {a} drains and stops")
         try:
             self._stop_a()
         except BaseException:  # interrupted while A drains: B has the traffic, A is ended without waiting
-            stop_server(self.a_cfg, grace_s=5)
+            with signals_deferred():
+                stop_server(self.a_cfg, grace_s=5)
             raise
         return started
 
@@ -356,12 +384,31 @@ class _Switch:
         self.rt = _set_backends(self.cfg, self.rt.model_copy(update={"names": [*self.names, self.b.served_name]}),
                                 [Backend(instance=self.b_name, base_url=started.base_url)])
 
+    def _record_a(self) -> None:
+        self.rt = _set_backends(self.cfg, self.rt, [Backend(instance=self.a_name, base_url=self.a_url)])
+
+    def _a_back(self) -> None:
+        """An interrupted hold: A behind the front door again, as it was (interrupted while it drained) or
+        launched again from its recorded command line (once stopped); the router holds the requests meanwhile."""
+        a = state.load_state(self.a_cfg)
+        if a is None or state.leader(a) is None:
+            stop_server(self.a_cfg, grace_s=5)  # what may be left of it
+            relaunch(self.a_cfg, self.a, wait=False)
+            _healthy(self.a_url, self.hold_s)
+        _worker(self.rt, "add_worker", self.a_url)
+        self._filled()
+
     def _hold(self):
         a, rt = self.a.served_name, self.rt
         _worker(rt, "remove_worker", self.a_url)
         self._emptied()
         self.say(0.05, f"{a} drains and stops; requests are held at {rt.base_url}")
-        self._stop_a()
+        try:
+            self._stop_a()
+        except BaseException:  # interrupted (or A would not stop) before B launched
+            with signals_deferred():
+                self._a_back()
+            raise
         try:
             started = self._start_b()
         except ToolFailure as exc:
@@ -377,13 +424,13 @@ class _Switch:
             self._filled()
             raise self._failure(exc, f"restored {a}", f"restored {a} behind {rt.base_url}") from None
         except BaseException:  # interrupted: A is launched again and put back (the router holds meanwhile)
-            relaunch(self.a_cfg, self.a, wait=False)
-            _healthy(self.a_url, self.hold_s)
-            _worker(rt, "add_worker", self.a_url)
+            with signals_deferred():
+                self._a_back()
             raise
-        _worker(rt, "add_worker", started.base_url)
-        self._filled()
-        self._record(started)
+        with signals_deferred():  # B is ready: it takes the traffic before an interrupt is delivered
+            _worker(rt, "add_worker", started.base_url)
+            self._filled()
+            self._record(started)
         return started
 
 

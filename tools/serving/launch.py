@@ -347,28 +347,26 @@ def start_server(cfg: ServeConfig, *, progress: StartReport | None = None, hardw
 
 def _start_locked(cfg: ServeConfig, progress: StartReport | None, hw: Hardware,
                   turing_target: Path | None) -> StartResult:
-    with placement.locked(cfg):
-        stale = _stale_replace(cfg)
-        note = replace_note(cfg, stale) if stale is not None else None
-        try:
+    note, proc = None, None
+    try:
+        with placement.locked(cfg):
+            stale = _stale_replace(cfg)
+            note = replace_note(cfg, stale) if stale is not None else None
             _refuse_recorded(cfg)
             cfg, max_len_note, platform = checked(cfg, hw, turing_target)
-        except ToolFailure as exc:
-            raise _noted(exc, note) from None
-        argv = cfg.vllm_argv(platform)
-        cfg = _own_log(cfg)
-        t0 = time.monotonic()
-        proc = _launch(cfg, argv, platform)
-    try:
+            argv = cfg.vllm_argv(platform)
+            cfg = _own_log(cfg)
+            t0 = time.monotonic()
+            proc = _launch(cfg, argv, platform)
         if note and progress is not None:
             progress(0.0, note)
-    except BaseException:  # a cancelled job at this report: the launched server goes with it
-        _end_launched(cfg, proc)
-        raise
-    try:
         first_text = _wait_ready(cfg, proc, argv, t0, progress)
-    except ToolFailure as exc:
-        raise _noted(exc, note) from None
+    except BaseException as exc:  # failed, interrupted or cancelled once launched (between two steps too): the
+        if proc is not None:      # server goes with it (a second time after _wait_ready's own: a no-op)
+            _end_launched(cfg, proc)
+        if isinstance(exc, ToolFailure):
+            raise _noted(exc, note) from None
+        raise
     if stale is not None:
         state.clear_replace(cfg)
     res = _result(cfg, proc, argv, platform, t0, first_text, max_len_note)

@@ -27,8 +27,8 @@ from tools.serving import engine_log, health, placement
 from tools.serving.config import ServeConfig
 from tools.serving.frontdoor import HOLD_S, hold_args
 from tools.serving.state import DamagedState
-from tools.serving.router_state import (Backend, RouterState, alive, group, load, log_file, recorded, state_file,
-                                        write)
+from tools.serving.router_state import (Backend, RouterState, alive, group, load, log_file, recorded,
+                                        refuse_while_switching, state_file, write)
 
 Policy = Literal["round_robin", "cache_aware", "power_of_two", "random", "consistent_hash", "kv_aware",
                  "sticky_least_loaded"]
@@ -242,7 +242,9 @@ class RouterStopResult:
 
 
 def stop_router(cfg: ServeConfig, *, grace_s: float = 10) -> RouterStopResult:
-    """SIGTERM to the router's group, SIGKILL after grace_s; idempotent. Raises if a process remains."""
+    """SIGTERM to the router's group, SIGKILL after grace_s; idempotent. Raises if a process remains. Refused
+    (InstanceBusy, nothing done) while a switch of the front door is under way."""
+    refuse_while_switching(cfg, "the router's stop")
     st = load(cfg)
     if st is None:
         return RouterStopResult(was_running=False, message="no router recorded")

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import fcntl
+import json
+import os
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import psutil
 
 from tools.core import process
+from tools.core.errors import op
 from tools.serving.config import ServeConfig
-from tools.serving.state import DamagedState, Record, read_record, write_record
+from tools.serving.state import DamagedState, InstanceBusy, Record, read_record, write_record
 
 
 @dataclass
@@ -73,4 +80,78 @@ def recorded(cfg: ServeConfig) -> RouterState | None:
     return st if st is not None and (alive(st) or group(st)) else None
 
 
-__all__ = ["Backend", "RouterState", "alive", "group", "load", "log_file", "recorded", "state_file", "write"]
+def switch_file(cfg: ServeConfig) -> Path:
+    return Path(cfg.state_dir) / "switch.lock"
+
+
+@contextmanager
+def switching(cfg: ServeConfig, what: str) -> Iterator[None]:
+    """Holds the front door's switch lock (STATE_DIR/switch.lock) for the block: one switch at a time, and no
+    `router stop` meanwhile. The file names the process that holds it (pid, start time, what); the kernel drops
+    the lock with that process, however it ends, so a killed switch never leaves the door locked. Not waited
+    for: while another process holds it, InstanceBusy names that one."""
+    path = switch_file(cfg)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        fh = open(path, "a+")
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.close()
+            raise _switch_busy(cfg, path) from None
+        try:  # a file its holder removed between our open and flock is not the lock any more
+            if os.fstat(fh.fileno()).st_ino == os.stat(path).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        fh.close()
+    try:
+        me = psutil.Process()
+        fh.seek(0)
+        fh.truncate()
+        fh.write(json.dumps({"pid": me.pid, "create_time": me.create_time(), "what": what,
+                             "since": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}) + "\n")
+        fh.flush()
+        yield
+    finally:
+        path.unlink(missing_ok=True)  # under the lock: no switch runs, no file says one does
+        fcntl.flock(fh, fcntl.LOCK_UN)
+        fh.close()
+
+
+def switch_running(cfg: ServeConfig) -> dict | None:
+    """The switch under way (the lock file's pid, create_time, what, since), None when none is."""
+    path = switch_file(cfg)
+    try:
+        with open(path) as fh:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                try:
+                    return json.loads(fh.readline())
+                except ValueError:
+                    return {}
+            fcntl.flock(fh, fcntl.LOCK_UN)
+    except FileNotFoundError:
+        pass
+    return None
+
+
+def refuse_while_switching(cfg: ServeConfig, what: str) -> None:
+    """Refuses `what` (one line, nothing done) while a switch of the front door is under way."""
+    if switch_running(cfg) is not None:
+        raise _switch_busy(cfg, switch_file(cfg), what)
+
+
+def _switch_busy(cfg: ServeConfig, path: Path, what: str = "another switch") -> InstanceBusy:
+    try:
+        h = json.loads(path.read_text().splitlines()[0])
+        who = f"pid {int(h['pid'])}: {str(h['what'])[:120]}, since {str(h['since'])[:40]}"
+    except (OSError, ValueError, IndexError, KeyError, TypeError):
+        who = "another command"
+    return InstanceBusy(f"the front door is being switched ({who}); {what} was not done: wait for the switch to "
+                        f"end, then check {op('router.status')}", {"lock": str(path)})
+
+
+__all__ = ["Backend", "RouterState", "alive", "group", "load", "log_file", "recorded", "refuse_while_switching",
+           "state_file", "switch_file", "switch_running", "switching", "write"]
