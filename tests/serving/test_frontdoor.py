@@ -173,10 +173,31 @@ def test_a_machine_too_small_for_two_holds_requests_while_the_new_build_loads(do
         res = frontdoor.switch(base, b, hardware=make.hw)
         time.sleep(0.3)
     assert res.mode == "hold" and "each at most 30 s" in res.announced and "old stops first" in res.announced
+    # the wait it announces is the old build's own start on this machine, as its record measured it
+    assert old.startup_s is not None and f"(about {old.startup_s:.0f} s, old's own start here)" in res.announced
     assert res.outcome == "serving new" and clients.failed() == [] and clients.served()[-1] == "new"
     # held, not failed: a request held past the announced bound would have failed above
     assert res.figures.retried and res.figures.failed == 0 and res.figures.longest_wait_s > 0
     assert group_alive(old.pgid) == []
+
+
+def test_a_hold_shorter_than_a_start_here_is_refused_before_anything_stops(door):
+    """Where a build took longer to start on this machine than the front door holds a request, a switch that
+    stops it first would fail requests: refused in one line, naming the hold to ask for; the old build serves."""
+    base, make = door
+    a_cfg = _instance(base, "blue")
+    old = state.load_state(a_cfg)
+    state.write_state(a_cfg, old.model_copy(update={"startup_s": 75.0}))  # a start as slow as a loaded T4 box's
+    b = make("green", "new", cpus=2)
+    with Clients(_front(base)) as clients:
+        time.sleep(0.3)
+        with pytest.raises(ToolFailure) as exc:
+            frontdoor.switch(base, b, hardware=make.hw)
+        time.sleep(0.3)
+    msg = str(exc.value)
+    assert "old took 75 s to start on this machine" in msg and "at least 150 s" in msg and "\n" not in msg
+    assert exc.value.detail["outcome"] == "unchanged (old serves)" and not b.state_file.exists()
+    assert clients.failed() == [] and clients.served()[-1] == "old" and group_alive(old.pgid)
 
 
 def test_on_a_machine_too_small_for_two_a_failed_build_gives_the_traffic_back_to_the_old_one(door):

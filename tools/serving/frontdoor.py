@@ -314,8 +314,18 @@ class _Switch:
             self.announced = (f"{b}{aka} starts {fit.why}; {a} serves until it is ready, then drains and stops: "
                               "no request waits for a load")
         else:
+            took = self.a.startup_s
+            if took is not None and took > self.hold_s:
+                raise ToolFailure(
+                    f"{b} cannot start {fit.why.removeprefix('not ')}, and {a} took {took:.0f} s to start on this "
+                    f"machine, longer than the front door at {self.rt.base_url} holds a request ({self.hold_s:g} "
+                    f"s): requests would fail while {b} loads; restart it with {op('router.start')} and a hold of "
+                    f"at least {2 * took:.0f} s, or free what {b} needs; {a} still serves (unchanged)",
+                    {"outcome": f"unchanged ({a} serves)", "startup_s": took, "hold_s": self.hold_s})
+            expect = f" (about {took:.0f} s, {a}'s own start here)" if took is not None else ""
             self.announced = (f"{b}{aka} cannot start {fit.why.removeprefix('not ')}: {a} stops first and "
-                              f"requests wait at the front door, each at most {self.hold_s:g} s, while {b} loads")
+                              f"requests wait at the front door{expect}, each at most {self.hold_s:g} s, while "
+                              f"{b} loads")
         self.say(0.0, self.announced)
 
     def figures(self) -> Figures:

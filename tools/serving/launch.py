@@ -370,6 +370,9 @@ def _start_locked(cfg: ServeConfig, progress: StartReport | None, hw: Hardware,
     if stale is not None:
         state.clear_replace(cfg)
     res = _result(cfg, proc, argv, platform, t0, first_text, max_len_note)
+    own = state.load_state(cfg)
+    if own is not None and own.pid == proc.pid:  # still this start's record (the instance lock is held)
+        state.write_state(cfg, own.model_copy(update={"startup_s": res.startup_s}))
     res.note = note
     if progress is not None:
         progress(1.0, f"serving {cfg.served_name} at {cfg.base_url}")

@@ -108,6 +108,9 @@ class ServerState(Record):
     # Written since replace: the environment vLLM was launched with (what of it is vLLM's, CUDA's or OpenMP's,
     # and the server's own variables; no tokens), so that a failed replace relaunches this server as it was.
     env: dict[str, str] | None = None
+    # Written since the front door: seconds from launch to ready, as this start measured them (None until
+    # ready): how long a build takes to start on this machine, the wait a switch that stops it first announces.
+    startup_s: float | None = None
 
 
 class ReplaceRecord(Record):
