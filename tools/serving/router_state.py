@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import fcntl
 import json
-import os
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +14,8 @@ import psutil
 from tools.core import process
 from tools.core.errors import op
 from tools.serving.config import ServeConfig
-from tools.serving.state import DamagedState, InstanceBusy, Record, read_record, write_record
+from tools.serving.state import (DamagedState, InstanceBusy, Record, flocked, read_record, stamp_holder,
+                                  write_record)
 
 
 @dataclass
@@ -92,26 +91,12 @@ def switching(cfg: ServeConfig, what: str) -> Iterator[None]:
     for: while another process holds it, InstanceBusy names that one."""
     path = switch_file(cfg)
     path.parent.mkdir(parents=True, exist_ok=True)
-    while True:
-        fh = open(path, "a+")
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            fh.close()
-            raise _switch_busy(cfg, path) from None
-        try:  # a file its holder removed between our open and flock is not the lock any more
-            if os.fstat(fh.fileno()).st_ino == os.stat(path).st_ino:
-                break
-        except FileNotFoundError:
-            pass
-        fh.close()
+    fh = flocked(path)
+    if fh is None:
+        raise _switch_busy(cfg, path)
     try:
         me = psutil.Process()
-        fh.seek(0)
-        fh.truncate()
-        fh.write(json.dumps({"pid": me.pid, "create_time": me.create_time(), "what": what,
-                             "since": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}) + "\n")
-        fh.flush()
+        stamp_holder(fh, {"pid": me.pid, "create_time": me.create_time(), "what": what})
         yield
     finally:
         path.unlink(missing_ok=True)  # under the lock: no switch runs, no file says one does

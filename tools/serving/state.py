@@ -182,11 +182,7 @@ def instance_lock(cfg: ServeConfig, what: str) -> Iterator[None]:
     try:
         if held.depth == 0:
             fh = _take(cfg, path)
-            fh.seek(0)
-            fh.truncate()
-            fh.write(json.dumps({"pid": os.getpid(), "what": what, "since": time.strftime(
-                "%Y-%m-%d %H:%M:%S UTC", time.gmtime())}) + "\n")
-            fh.flush()
+            stamp_holder(fh, {"pid": os.getpid(), "what": what})
             held.fh = fh
         held.depth += 1
         try:
@@ -202,20 +198,16 @@ def instance_lock(cfg: ServeConfig, what: str) -> Iterator[None]:
         held.rlock.release()
 
 
-def _take(cfg: ServeConfig, path: Path) -> Any:
-    """The lock file, open and flocked; InstanceBusy when another process holds it. A file removed by its holder
-    (_tidy) between our open and flock is not the lock any more: open it again."""
-    created = not cfg.instance_dir.exists()
-    cfg.instance_dir.mkdir(parents=True, exist_ok=True)
+def flocked(path: Path) -> Any:
+    """The lock file at `path`, open and exclusively flocked; None while another process holds it. A file its
+    holder removed between our open and flock (on release) is not the lock any more: it is opened again."""
     while True:
         fh = open(path, "a+")
         try:
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             fh.close()
-            if created:
-                _remove_empty(cfg)
-            raise _busy(cfg, path, None) from None
+            return None
         except BaseException:
             fh.close()
             raise
@@ -225,6 +217,26 @@ def _take(cfg: ServeConfig, path: Path) -> Any:
         except FileNotFoundError:
             pass
         fh.close()
+
+
+def stamp_holder(fh: Any, holder: dict[str, Any]) -> None:
+    """Writes who holds a flocked lock file (`holder`, and since when) in place of what it said."""
+    fh.seek(0)
+    fh.truncate()
+    fh.write(json.dumps({**holder, "since": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}) + "\n")
+    fh.flush()
+
+
+def _take(cfg: ServeConfig, path: Path) -> Any:
+    """The instance's lock file, open and flocked; InstanceBusy when another process holds it."""
+    created = not cfg.instance_dir.exists()
+    cfg.instance_dir.mkdir(parents=True, exist_ok=True)
+    fh = flocked(path)
+    if fh is None:
+        if created:
+            _remove_empty(cfg)
+        raise _busy(cfg, path, None)
+    return fh
 
 
 def _tidy(cfg: ServeConfig, path: Path) -> None:
