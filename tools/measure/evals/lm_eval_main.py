@@ -12,19 +12,12 @@ from __future__ import annotations
 import functools
 import sys
 
-
-def _option(argv: list[str], name: str) -> str | None:
-    for i, a in enumerate(argv):
-        if a == name and i + 1 < len(argv):
-            return argv[i + 1]
-        if a.startswith(name + "="):
-            return a.split("=", 1)[1]
-    return None
+from tools.measure.evidence import argv_option
 
 
 def included_only(argv: list[str]) -> bool:
     """Whether every task (or group, or tag) `--tasks` names is defined in the `--include_path` folder(s)."""
-    tasks, include = _option(argv, "--tasks"), _option(argv, "--include_path")
+    tasks, include = argv_option(argv, "--tasks"), argv_option(argv, "--include_path")
     if not tasks or not include:
         return False
     from lm_eval.tasks import TaskManager
