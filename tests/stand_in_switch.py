@@ -36,7 +36,8 @@ def _step(name: str) -> None:
 
 
 def patch() -> None:
-    ServeConfig.vllm_argv = lambda self, platform: stand_in_vllm.argv(self.port, self.model)  # type: ignore
+    ServeConfig.vllm_argv = lambda self, platform: stand_in_vllm.argv(  # type: ignore
+        self.port, self.model, [self.served_name, *self.served_aliases])
     Hardware.platform = lambda self: "cpu"  # type: ignore[method-assign]
     Hardware.cpu_cores = lambda self: [0, 1]  # type: ignore[method-assign]
     frontdoor._step = _step

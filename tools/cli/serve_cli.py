@@ -16,16 +16,16 @@ from typing import Any
 from tools.cli.commands import CLI, Command, add_commands, emit as _emit
 from tools.core.errors import BadInput, param, render, render_all
 from tools.core.process import free_port
-from tools.serving import launch, router, switch_process, vllm_server
+from tools.serving import router, service, switch_process, vllm_server
 from tools.serving.config import ServeConfig, load_config
 from tools.serving.instances import fleet_status, stop_all
-from tools.serving.replace import replace_server, target
+from tools.serving.records import StartResult
+from tools.serving.replace import target
 from tools.serving.state import replace_file
 from tools.serving.ops import (LogParams, QueryParams, RouterStartParams, RouterStopParams, RouterSwitchParams,
                                StartParams, StatusParams, StopParams)
 from tools.serving.swap import ensure_swap, swap_report
 from tools.core.jsonout import dumps
-from tools.serving.server_guard import owned_server
 
 
 def emit(args: argparse.Namespace, obj: Any, text: str) -> None:
@@ -71,24 +71,22 @@ def cmd_start(p: StartParams, args: argparse.Namespace) -> int:
         if not args.json:
             print(f"[{int(frac * 100):3d}%] {msg}", file=sys.stderr, flush=True)
 
-    shown = target(cfg) if p.replace else cfg  # a replace serves on the replaced server's port
-    print(f"starting {shown.served_name} at {shown.base_url} (log: {shown.instance_dir}/vllm-*.log)", file=sys.stderr,
-          flush=True)
-    # Owned until ready: a SIGKILL of this command while vLLM starts ends that server too (the guard); once it
-    # serves it is handed over (it outlives the command, recorded in its state file).
-    with owned_server(cfg.state_file):
-        if p.replace:
-            r = replace_server(cfg, progress=progress)
-        else:
-            r = launch.start_server(cfg, progress=progress)
-    lines = [f"Serving at {r.base_url} (pid {r.pid}), model {r.served_name}, ready in {r.startup_s:g} s"]
-    if r.replaced:
-        lines[0] += f", in place of {r.replaced['served_name']} ({r.replaced['model']})"
-    if r.note:
-        lines.append("  " + r.note)
-    if r.max_model_len_note:
-        lines.append("  " + r.max_model_len_note)
-    lines += ["  " + ln for ln in _fmt_fields(r.start_fields)]
+    if service.behind_door(cfg):
+        rt = service.door(cfg)
+        where = f"behind the front door at {rt.base_url if rt else cfg.base_url}"
+    else:
+        where = f"at {(target(cfg) if p.replace else cfg).base_url}"  # a replace serves on the replaced one's port
+    print(f"starting {cfg.served_name} {where} (logs: {cfg.state_dir})", file=sys.stderr, flush=True)
+    # Owned until ready (service.start): a SIGKILL of this command while vLLM starts ends that server too; once
+    # it serves it is handed over (it outlives the command, recorded in its state file).
+    r = service.start(cfg, replace_running=p.replace, progress=progress)
+    lines = [service.describe(r)]
+    if isinstance(r, StartResult):
+        if r.note:
+            lines.append("  " + r.note)
+        if r.max_model_len_note:
+            lines.append("  " + r.max_model_len_note)
+        lines += ["  " + ln for ln in _fmt_fields(r.start_fields)]
     emit(args, r, "\n".join(lines))
     return 0
 
@@ -103,8 +101,13 @@ def cmd_stop(p: StopParams, args: argparse.Namespace) -> int:
         else:
             print("\n".join(r.message for r in results))
         return 0
-    r = vllm_server.stop_server(_config(args, instance=p.instance), grace_s=p.grace_s)
-    emit(args, r, r.message)
+    results = service.stop(_config(args, instance=p.instance), grace_s=p.grace_s)
+    if len(results) == 1:
+        emit(args, results[0], results[0].message)
+    elif args.json:
+        print(dumps({"stopped": [r.to_dict() for r in results]}))
+    else:
+        print("\n".join(r.message for r in results))
     return 0
 
 
@@ -137,6 +140,8 @@ def cmd_status(p: StatusParams, args: argparse.Namespace) -> int:
     shown = ([st] if had_default else []) + st.instances
     named = bool(st.instances)
     lines = [ln for i in shown for ln in _status_lines(i, named)] or [st.message]
+    if service.behind_door(cfg) and not had_default and st.router is not None:
+        lines.insert(0, st.message)  # the front door, then the builds behind it
     if st.router is not None:
         lines.append(f"[router] {st.router['message']}")
     emit(args, st, "\n".join(lines))
@@ -170,10 +175,7 @@ def cmd_router_switch(p: RouterSwitchParams, args: argparse.Namespace) -> int:
     # In a process of its own: a command killed here (SIGKILL, a closed terminal) leaves the switch to end alone
     r = switch_process.switch(_config(args), _switch_config(args, p), from_instance=p.from_instance,
                               progress=progress)
-    f = r.figures
-    emit(args, r, f"{r.outcome} at {r.base_url} in place of {r.replaced} ({r.mode}, {r.wall_s:.0f} s): "
-                  f"{f.requests if f.requests is not None else '?'} requests through the front door, "
-                  f"{f.failed if f.failed is not None else '?'} failed, longest wait for a build {f.longest_wait_s:g} s")
+    emit(args, r, service.describe(r))
     return 0
 
 

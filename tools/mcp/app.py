@@ -47,6 +47,7 @@ from tools.mcp.jobs import JobCancelled, JobRegistry, ProgressFn
 from tools.mcp.registry import ALWAYS_LISTED, TOOLS, TOOLSETS, TOOLSETS_ENV, ToolSpec, parse_toolsets
 from tools.serving.config import load_config
 from tools.serving.hardware import Hardware
+from tools.serving import router_state
 from tools.serving.vllm_server import server_status
 
 SERVER_NAME = "gemma4-t4"
@@ -97,6 +98,9 @@ class App:
     def managed_base_url(self, instance: str | None = None) -> str:
         """The base URL of the server this project started (state file), for tools that measure it."""
         st = server_status(self.config(instance=instance))
+        door = router_state.recorded(self.config()) if instance is None and self.config().front_door else None
+        if (not st.alive or not st.base_url) and door is not None:  # FRONT_DOOR=1: the port is the door's
+            return door.base_url
         if not st.alive or not st.base_url:
             which = f"instance {instance!r} is not running" if instance else "no vLLM server is running"
             raise ToolFailure(f"{which}; start one with {op('start')} (or pass {param('base_url')})")

@@ -8,15 +8,14 @@ from pydantic import BaseModel, Field
 
 from tools.core.errors import ToolFailure
 from tools.core.paths import PathNotAllowed
-from tools.serving.server_guard import owned_server
 from tools.mcp.registry import Reply, tool
 from tools.serving.instances import fleet_status, stop_all
 from tools.serving.model_files import missing_model_fix
-from tools.serving.replace import replace_server
+from tools.serving import service
+from tools.serving.frontdoor import SwitchResult
 from tools.serving.ops import LogParams, QueryParams, StartParams, StatusParams, StopParams
 from tools.serving.records import QueryResult, ServerStatus, StartResult, StopResult
-from tools.serving.vllm_server import log_path, query, read_log, server_status as status, stop_server
-from tools.serving.launch import start_server
+from tools.serving.vllm_server import behind_door_state, log_path, query, read_log, server_status as status
 from tools.serving.state import load_state
 from tools.mcp.wording import on_platform
 
@@ -38,23 +37,28 @@ def _start_config(app, p: StartParams):
     return app.config(**{**p.overrides(), "model": model})
 
 
-@tool(toolset="serve", title="Start the vLLM server", params=StartParams, result=StartResult, long=True,
-      open_world=True, check=_start_config, ops="start")
+@tool(toolset="serve", title="Start the vLLM server", params=StartParams, result=StartResult | SwitchResult,
+      long=True, open_world=True, check=_start_config, ops="start")
 def start_vllm_server(app, p: StartParams, progress, checked) -> Reply:
     """Serve a build (a folder under a models root, or a hub id) with vLLM; returns once it answers a completion
-    and a chat completion, or at once naming the fix when it refuses them. Long."""
-    start = replace_server if p.replace else start_server
-    # Owned until ready: a client that goes away, a SIGTERM or a SIGKILL of this server while vLLM starts ends
-    # that vLLM too (the guard; a replace's record then says what serves); once it serves it is handed over.
-    with owned_server(checked.state_file):
-        res = start(checked, progress=lambda frac, msg: progress(round(frac * 100, 1), 100, msg))
+    and a chat, or at once naming the fix. Long."""
+    # Owned until ready (service.start): a client that goes away, a SIGTERM or a SIGKILL of this server while
+    # vLLM starts ends that vLLM too; once it serves it is handed over. A front-door switch runs in a process of
+    # its own and ends alone.
+    res = service.start(checked, replace_running=p.replace,
+                        progress=lambda frac, msg: progress(round(frac * 100, 1), 100, msg))
+    if isinstance(res, SwitchResult):
+        where = on_platform(getattr(behind_door_state(checked), "platform", None))
+        return Reply(res, f"{service.describe(res)} {where}")
     sf = res.start_fields
     mem = f"; host RSS {res.host_memory.rss_mib:.0f} MiB" if res.host_memory else ""
     instead = (f" in place of {res.replaced['served_name']} (its port refused connections while "
                f"{res.served_name} loaded, {res.startup_s:.0f} s)") if res.replaced else ""
+    door = (f" (the front door; the build on instance {res.front_door['instance']} at "
+            f"{res.front_door['backend_url']})") if res.front_door else ""
     note = f"; {res.note}" if res.note else ""
-    return Reply(res, f"serving {res.served_name}{instead} at {res.base_url} (pid {res.pid}, {res.platform}) after "
-                      f"{res.startup_s:.0f} s; KV cache {sf.kv_cache_tokens or '?'} tokens{mem}{note}")
+    return Reply(res, f"serving {res.served_name}{instead} at {res.base_url}{door} (pid {res.pid}, {res.platform}) "
+                      f"after {res.startup_s:.0f} s; KV cache {sf.kv_cache_tokens or '?'} tokens{mem}{note}")
 
 
 class StopAll(BaseModel):
@@ -71,8 +75,10 @@ def stop_vllm_server(app, p: StopParams) -> Reply:
             raise ToolFailure("all and instance exclude each other: pass one")
         results = stop_all(app.config(), grace_s=p.grace_s)
         return Reply(StopAll(stopped=[r.to_dict() for r in results]), "; ".join(r.message for r in results))
-    res = stop_server(app.config(instance=p.instance), grace_s=p.grace_s)
-    return Reply(res, res.message or "stopped")
+    results = service.stop(app.config(instance=p.instance), grace_s=p.grace_s)
+    if len(results) > 1:  # the front door and the builds behind it
+        return Reply(StopAll(stopped=[r.to_dict() for r in results]), "; ".join(r.message for r in results))
+    return Reply(results[0], results[0].message or "stopped")
 
 
 @tool(toolset="serve", title="vLLM server status", params=StatusParams, result=ServerStatus, read_only=True,

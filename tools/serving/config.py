@@ -48,6 +48,8 @@ ENV_NAMES: dict[str, str] = {
     "source_checkpoint": "SOURCE_CHECKPOINT",
     "tensor_parallel_size": "TENSOR_PARALLEL_SIZE",
     "data_parallel_size": "DATA_PARALLEL_SIZE",
+    "front_door": "FRONT_DOOR",
+    "front_door_hold_s": "FRONT_DOOR_HOLD_S",
 }
 
 # An instance name becomes a folder under STATE_DIR: letters, digits, '_' and '-', starting with a letter or digit.
@@ -96,6 +98,10 @@ class ServeConfig:
     source_checkpoint: str = ""  # the QAT checkpoint the builds are made from (the demo's T4 path)
     tensor_parallel_size: int = 1   # vLLM's --tensor-parallel-size: one model split over this many GPUs
     data_parallel_size: int = 1     # vLLM's --data-parallel-size: this many engine replicas behind one port
+    # 1: PORT is served by vllm-router, the build behind it on an internal port, and a replace switches with no
+    # failed request (tools.serving.service); 0 (or absent): the build serves on PORT itself.
+    front_door: bool = False
+    front_door_hold_s: float = 180.0  # how long the front door holds a request while no build answers
     instance: str = ""              # "" = the default instance (state in STATE_DIR); else run/NAME/
     gpus: list[int] | None = None   # CUDA device indices for this instance (CUDA_VISIBLE_DEVICES); None: all
     cpus: int | None = None         # CPU: cores asked for this instance (None: an even share of the free ones)
@@ -235,9 +241,9 @@ def _convert(name: str, key: str, raw: Any, source: str) -> Any:
         if key in ("port", "max_model_len", "max_num_seqs", "cpu_kvcache_space_gib", "swap_size_gib",
                    "tensor_parallel_size", "data_parallel_size"):
             return int(raw)
-        if key in ("gpu_memory_utilization", "memory_margin_gib", "start_timeout_s"):
+        if key in ("gpu_memory_utilization", "memory_margin_gib", "start_timeout_s", "front_door_hold_s"):
             return float(raw)
-        if key in ("language_model_only", "cpu_compile"):
+        if key in ("language_model_only", "cpu_compile", "front_door"):
             if raw.strip().lower() in _TRUE:
                 return True
             if raw.strip().lower() in _FALSE:
@@ -317,6 +323,9 @@ def load_config(env_file: str | Path | None = None, **overrides: Any) -> ServeCo
                 "data_parallel_size"):
         if getattr(cfg, key) <= 0:
             raise ToolFailure(f"{path}: {ENV_NAMES[key]}={getattr(cfg, key)} must be positive")
+    if not 0 <= cfg.front_door_hold_s <= 3600:
+        raise BadInput(f"{path}: FRONT_DOOR_HOLD_S={cfg.front_door_hold_s} must be 0 to 3600 seconds",
+                       detail={"path": str(path), "key": "FRONT_DOOR_HOLD_S"})
     if not 0 < cfg.start_timeout_s < math.inf:
         raise BadInput(f"{path}: START_TIMEOUT_S={cfg.start_timeout_s} must be a positive number of seconds",
                        detail={"path": str(path), "key": "START_TIMEOUT_S"})

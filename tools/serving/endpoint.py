@@ -53,7 +53,8 @@ def resolve_endpoint(params: Any, cfg: ServeConfig | None = None, *, env_file: A
                      managed: bool = False) -> Endpoint:
     """base_url, instance or router of `params` (an EndpointParams) as an Endpoint.
 
-    None of them: the default instance when it runs, else (managed=False) the config's HOST:PORT and
+    None of them: the default instance when it runs, else the front door when FRONT_DOOR=1 and it runs, else
+    (managed=False) the config's HOST:PORT and
     (managed=True, the MCP tools) a refusal: the config's port may belong to anything.
     """
     base_url = getattr(params, "base_url", None)
@@ -81,6 +82,10 @@ def resolve_endpoint(params: Any, cfg: ServeConfig | None = None, *, env_file: A
     if "default" in alive:
         return Endpoint(base_url=alive["default"].base_url, kind="instance", name="default",
                         config=replace(cfg, instance=""))
+    door = router_state.recorded(cfg) if cfg.front_door else None
+    if door is not None:  # FRONT_DOOR=1: the port clients use is the front door's
+        return Endpoint(base_url=door.base_url, kind="router", policy=door.policy,
+                        backends=[asdict(b) for b in door.backends], config=cfg)
     if managed:
         named = ", ".join(alive)
         raise ToolFailure("no vLLM server is running" + (f" as the default instance (running: {named}; pass "

@@ -36,9 +36,8 @@ class StartParams(InstanceParams):
                                                      "share of the free cores (none bound for a lone default "
                                                      "instance)")
 
-    replace: bool = Field(False, description="Take the running server's port: it stops once this build passes "
-                                             "the checks; the port is dead while this loads, it serves again if "
-                                             "this fails (no dead port: switch_build, toolset fleet)")
+    replace: bool = Field(False, description="In place of the running build, which serves again if this fails "
+                                             "(FRONT_DOOR=1: no request fails)")
 
     def overrides(self) -> dict[str, Any]:
         """The serving-config overrides this start asks for (unset fields keep tpu.env's values)."""

@@ -32,6 +32,8 @@ class StartResult:
     # replace=true: "serving NAME" (a plain start when nothing served) and the server it replaced
     outcome: str | None = None
     replaced: dict[str, Any] | None = None
+    # FRONT_DOOR=1: base_url is the front door's; this names it and the build's own (instance, backend_url, pid)
+    front_door: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -111,7 +111,8 @@ def _healthy_backends(cfg: ServeConfig, names: list[str]) -> list[Backend]:
     return backends
 
 
-def _check_port(cfg: ServeConfig, host: str, port: int) -> None:
+def check_port(cfg: ServeConfig, host: str, port: int) -> None:
+    """Refuses a port an instance or another process holds (BadInput naming `port`)."""
     taken = {n: st.port for n, st in placement.running(cfg).items()}
     if port in taken.values():
         owner = next(n for n, p in taken.items() if p == port)
@@ -187,7 +188,7 @@ def start_router(cfg: ServeConfig, instances: list[str], *, policy: str = "round
     with placement.locked(cfg):
         _refuse_recorded(cfg)
         backends = _healthy_backends(cfg, names)
-        _check_port(cfg, host, port)
+        check_port(cfg, host, port)
         # vllm-router always serves its own metrics, on 29000 unless told: a second router would die on that port
         hold = HOLD_S if hold_s is None else hold_s
         argv = [router_binary(), "--host", host, "--port", str(port), "--policy", policy,

@@ -8,6 +8,7 @@ host would decide goes through a `Hardware` object (tools.serving.hardware), so 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ from tools.core.api_key import auth_headers
 from tools.core.errors import ToolFailure, op
 from tools.core.process import end_group, group_members
 from tools.gpu.vram import host_memory, server_process_pids
-from tools.serving import engine_log, health, state as replace_state, switch_record
+from tools.serving import engine_log, health, router_state, state as replace_state, switch_record
 from tools.serving.config import ServeConfig
 from tools.serving.hardware import Hardware, Vram
 from tools.serving.launch import replace_note
@@ -152,9 +153,23 @@ def read_log(cfg: ServeConfig, lines: int = 50) -> str:
     return text if failed is None else f"{text}\n{failed}"
 
 
+def behind_door_state(cfg: ServeConfig) -> ServerState | None:
+    """FRONT_DOOR=1, the default instance: the record of the build the front door routes to, when it runs."""
+    if not cfg.front_door or cfg.instance:
+        return None
+    rt = router_state.recorded(cfg)
+    if rt is None or not rt.backends:
+        return None
+    b = rt.backends[-1].instance
+    try:
+        return load_state(replace(cfg, instance="" if b == "default" else b))
+    except ToolFailure:
+        return None
+
+
 def log_path(cfg: ServeConfig) -> Path:
     """The instance's server log: the recorded server's own, else the newest launch's (each has one)."""
-    state = load_state(cfg)
+    state = load_state(cfg) or behind_door_state(cfg)
     if state is not None:
         return Path(state.log_path)
     logs = sorted(cfg.instance_dir.glob("vllm-*.log"), key=lambda f: f.name) if cfg.instance_dir.is_dir() else []
@@ -166,6 +181,9 @@ def query(cfg: ServeConfig, prompt: str, *, max_tokens: int = 64, base_url: str 
     """One chat completion at temperature 0: the text, the usage and the generated token ids."""
     state = load_state(cfg)
     url = base_url or (state.base_url if state else cfg.base_url)
+    behind = None if state is not None or base_url else behind_door_state(cfg)
+    if behind is not None:  # the front door's port: the name of the build it routes to
+        state = behind
     name = model or (state.served_name if state and not base_url else cfg.served_name)
     body = {"model": name, "messages": [{"role": "user", "content": prompt}], "temperature": 0,
             "max_tokens": max_tokens, "return_token_ids": True}
@@ -183,4 +201,4 @@ def query(cfg: ServeConfig, prompt: str, *, max_tokens: int = 64, base_url: str 
                        token_ids=choice.get("token_ids"), latency_s=round(time.monotonic() - t0, 3))
 
 
-__all__ = ["log_path", "query", "read_log", "server_status", "stop_server"]
+__all__ = ["behind_door_state", "log_path", "query", "read_log", "server_status", "stop_server"]

@@ -1,0 +1,131 @@
+"""The default configuration (tpu.env as shipped: FRONT_DOOR=1): `./vllm-t4 start` serves the port clients use
+through the front door, the build behind it on an internal port; `start --replace` (MCP start_vllm_server
+replace=true) switches builds there with requests flowing and none failed; `status`, `query` and `log` read the
+build behind the door; `stop` ends the door and its builds. The builds are tests/stand_in_vllm.py, the router the
+real vllm-router, the switch's own process tests/stand_in_switch.py (a CPU of two cores)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from tests import stand_in_vllm
+from tests.fixtures import free_port, group_alive
+from tests.serving.test_frontdoor import Clients
+from tests.stand_in_switch import SWITCH
+from tools.serving import router_state, state, switch_process
+from tools.serving.config import ServeConfig, load_config
+
+
+@pytest.fixture
+def shipped(tmp_path, monkeypatch):
+    """(make(name, mode) -> model folder, env): the project's tpu.env as shipped, its port and state folder this
+    test's own, vLLM the stand-in."""
+    monkeypatch.setattr(ServeConfig, "vllm_argv", lambda self, platform: stand_in_vllm.argv(
+        self.port, self.model, [self.served_name, *self.served_aliases]))
+    monkeypatch.setattr(switch_process, "PROGRAM", SWITCH)
+    port = free_port()
+    env = {"STATE_DIR": str(tmp_path / "run"), "PORT": str(port), "SPECULATIVE_CONFIG": "", "EXTRA_ARGS": "",
+           "START_TIMEOUT_S": "30", "CPU_KVCACHE_SPACE_GIB": "1", "FRONT_DOOR_HOLD_S": "30"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("FRONT_DOOR", raising=False)
+
+    def make(name: str, mode: str = "serve", **spec) -> str:
+        model = tmp_path / name
+        model.mkdir(exist_ok=True)
+        (model / "behaviour.json").write_text(json.dumps({"mode": mode, **spec}))
+        (model / "config.json").write_text("{}")
+        (model / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+        return str(model)
+
+    cfg = load_config()
+    assert cfg.front_door, "tpu.env as shipped serves through the front door"
+    try:
+        yield make, cfg
+    finally:
+        from tools.serving.instances import stop_all
+
+        stop_all(cfg, grace_s=2)
+
+
+def _cli(capsys, *args):
+    from tools.cli import main
+
+    capsys.readouterr()
+    rc = main(list(args))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_the_shipped_configuration_switches_builds_on_the_port_clients_use_with_no_failed_request(shipped, capsys):
+    make, cfg = shipped
+    rc, out, err = _cli(capsys, "start", "--model", make("old"), "--served-name", "old")
+    assert rc == 0, err
+    rt = router_state.recorded(cfg)
+    assert rt is not None and rt.port == cfg.port, "the router listens on PORT"
+    [blue] = rt.backends
+    assert blue.instance == "blue" and blue.base_url != cfg.base_url
+    assert f"Serving at {cfg.base_url} (the front door" in out and "on instance blue" in out, out
+    old = state.load_state(load_config(instance="blue"))
+
+    rc, out, err = _cli(capsys, "start", "--model", make("again"))
+    assert rc == 1 and "already serves" in err and "--replace" in err, err
+
+    with Clients(cfg.base_url) as clients, Clients(cfg.base_url, model="old") as naming:
+        rc, out, err = _cli(capsys, "start", "--model", make("new"), "--served-name", "new", "--replace")
+        assert rc == 0, err
+        # a build that loads but refuses what clients send: the old one keeps the traffic
+        rc2, out2, err2 = _cli(capsys, "start", "--model", make("short", "refuse"), "--served-name", "short",
+                               "--replace")
+    assert "serving new" in out and "in place of old (beside" in out and " 0 failed" in out, out
+    assert rc2 == 1 and "--max-model-len than 16" in err2 and "new still serves" in err2, err2
+    assert clients.failed() == [] and naming.failed() == [], (clients.failed()[:3], naming.failed()[:3])
+    assert clients.served()[-1] == "new" and "old" in clients.served() and naming.served()[-1] == "new"
+    assert group_alive(old.pgid) == []
+    [green] = router_state.recorded(cfg).backends
+    assert green.instance == "green"
+
+    rc, out, err = _cli(capsys, "status")
+    assert rc == 0 and f"the front door at {cfg.base_url} answers, over new (instance green, serving)" in out, out
+    rc, out, err = _cli(capsys, "query", "hello")
+    assert rc == 0 and out.startswith("new"), out  # the stand-in answers with its build's name
+    rc, out, err = _cli(capsys, "log", "-n", "5")
+    assert rc == 0 and "green" in str(state.load_state(load_config(instance="green")).log_path)
+
+    new = state.load_state(load_config(instance="green"))
+    router_pid = router_state.recorded(cfg).pid
+    rc, out, err = _cli(capsys, "stop")
+    assert rc == 0 and "router" in out and out.count("\n") >= 1, out
+    assert router_state.recorded(cfg) is None and group_alive(new.pgid) == [] and group_alive(router_pid) == []
+
+
+def test_an_mcp_client_switches_the_shipped_configuration_the_same_way(shipped, tmp_path):
+    from fastmcp import Client
+
+    from tools.core.paths import Roots
+    from tools.mcp.app import Settings, create_server
+
+    make, cfg = shipped
+    old, new = make("old"), make("new")
+    (tmp_path / "evidence").mkdir()
+    roots = Roots.from_env([str(tmp_path)], [str(tmp_path / "evidence")], environ={})
+    server = create_server(Settings(roots=roots), toolsets=["serve"])
+
+    async def call(name, args):
+        async with Client(server) as c:
+            return await c.call_tool(name, args, raise_on_error=False)
+
+    first = asyncio.run(call("start_vllm_server", {"model": old, "served_name": "old"}))
+    assert not first.is_error and "(the front door; the build on instance blue" in first.content[0].text
+    with Clients(cfg.base_url) as clients:
+        res = asyncio.run(call("start_vllm_server", {"model": new, "served_name": "new", "replace": True}))
+        asked = asyncio.run(call("query_model", {"prompt": "hi"}))
+    text = res.content[0].text
+    assert not res.is_error and "serving new" in text and " 0 failed" in text and "on the CPU stand-in" in text, text
+    assert not asked.is_error and "new" in asked.content[0].text, asked.content[0].text
+    assert clients.failed() == [] and clients.served()[-1] == "new"
+    stopped = asyncio.run(call("stop_vllm_server", {}))
+    assert not stopped.is_error and router_state.recorded(cfg) is None, stopped.content[0].text

@@ -1,0 +1,141 @@
+"""The service on the port clients are told to use (tpu.env's HOST:PORT), as `./vllm-t4 start|stop` and MCP's
+start_vllm_server/stop_vllm_server run it for the default instance.
+
+With FRONT_DOOR=1 (tpu.env as shipped) that port is vllm-router's (tools.serving.frontdoor) and the build serves
+behind it as a named instance on an internal port, `blue` or `green`, whichever is free: a start launches the build,
+then the router over it; `start --replace` (replace=true) is a front-door switch to the other slot, run in a
+process of its own (tools.serving.switch_process), so that no request fails; `stop` ends the router and the builds
+behind it. With FRONT_DOOR=0, or for a named instance, the build serves on the port itself as before, and a
+replace leaves the port dead while the new build loads (tools.serving.replace). A default instance that already
+serves on the port without the front door (started with FRONT_DOOR=0) is replaced that way too, and the result
+says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from tools.core.errors import BadInput, ToolFailure, op, param
+from tools.core.process import free_port
+from tools.serving import placement, router_state, switch_process
+from tools.serving.config import ServeConfig
+from tools.serving.frontdoor import SwitchResult
+from tools.serving.hardware import Hardware
+from tools.serving.launch import signals_deferred, start_server
+from tools.serving.records import StartResult
+from tools.serving.replace import replace_server
+from tools.serving.router import check_port, start_router, stop_router
+from tools.serving.server_guard import owned_server
+from tools.serving.start_progress import StartReport
+from tools.serving.vllm_server import stop_server
+
+SLOTS = ("blue", "green")  # the builds behind the front door take turns: the new one starts beside the old one
+
+
+def behind_door(cfg: ServeConfig) -> bool:
+    """Whether this config's start serves through the front door: FRONT_DOOR=1 and the default instance."""
+    return cfg.front_door and not cfg.instance
+
+
+def door(cfg: ServeConfig) -> router_state.RouterState | None:
+    """The front door (the router's recorded state) when it runs."""
+    return router_state.recorded(replace(cfg, instance=""))
+
+
+def _slot(cfg: ServeConfig, rt: router_state.RouterState | None) -> str:
+    taken = set(placement.running(cfg)) | {b.instance for b in (rt.backends if rt else [])}
+    free = [s for s in SLOTS if s not in taken]
+    if not free:
+        raise ToolFailure(f"instances {' and '.join(SLOTS)} both run: the front door's next build needs one of "
+                          f"them; stop the one not behind it with {op('stop', instance=SLOTS[0])}",
+                          {"running": sorted(taken)})
+    return free[0]
+
+
+def build_config(cfg: ServeConfig, rt: router_state.RouterState | None) -> ServeConfig:
+    """The config of the build that serves behind the front door next: a free slot, an internal port."""
+    return replace(cfg, instance=_slot(cfg, rt), port=free_port(cfg.host), served_aliases=[])
+
+
+def start(cfg: ServeConfig, *, replace_running: bool = False, progress: StartReport | None = None,
+          hardware: Hardware | None = None) -> StartResult | SwitchResult:
+    """Serves cfg's build on the port clients use: through the front door when behind_door(cfg) (a
+    SwitchResult when it replaced a build there), else on the port itself. Owned until ready: a command or MCP
+    server that is gone before then (even by SIGKILL) takes the starting server with it; a front-door switch
+    runs in a process of its own and ends alone."""
+    if not behind_door(cfg):
+        with owned_server(cfg.state_file):
+            return (replace_server if replace_running else start_server)(cfg, progress=progress, hardware=hardware)
+    rt = door(cfg)
+    if rt is None and replace_running and placement.running(cfg).get("default") is not None:
+        # served on the port itself, from before the front door: replaced as it was started
+        with owned_server(cfg.state_file):
+            res = replace_server(cfg, progress=progress, hardware=hardware)
+        return replace(res, note="; ".join(filter(None, [res.note, (
+            "served without the front door (it was started with FRONT_DOOR=0): the port was dead while this "
+            f"loaded; {op('stop')} and {op('start')} move it behind the front door")])))
+    if rt is not None:
+        if not replace_running:
+            raise ToolFailure(f"the front door at {rt.base_url} already serves {_serving(rt)}; switch builds with "
+                              f"{op('start', replace=True)}, or stop it with {op('stop')}", {"base_url": rt.base_url})
+        if cfg.given_for_this_start("port") and cfg.port != rt.port:
+            raise BadInput(f"{param('port', cfg.port)}: the front door keeps its port {rt.port} across a switch; "
+                           f"leave {param('port')} out", {"port": cfg.port}, field="port")
+        return switch_process.switch(cfg, build_config(cfg, rt), progress=progress)
+    return _open(cfg, progress, hardware)
+
+
+def _open(cfg: ServeConfig, progress: StartReport | None, hardware: Hardware | None) -> StartResult:
+    """The build on an internal port, then the router on the port clients use, over it."""
+    check_port(cfg, cfg.host, cfg.port)  # before anything starts: the door's port
+    b = build_config(cfg, None)
+    with owned_server(b.state_file):
+        res = start_server(b, progress=progress, hardware=hardware)
+        try:
+            rt = start_router(cfg, [b.instance], port=cfg.port, hold_s=cfg.front_door_hold_s)
+        except BaseException:
+            with signals_deferred():  # no build left serving beside a door that did not open
+                stop_server(b, grace_s=5)
+            raise
+    return replace(res, base_url=rt.base_url, front_door={
+        "base_url": rt.base_url, "pid": rt.pid, "instance": b.instance, "backend_url": res.base_url,
+        "hold_s": cfg.front_door_hold_s})
+
+
+def _serving(rt: router_state.RouterState) -> str:
+    return ", ".join(f"instance {b.instance} ({b.base_url})" for b in rt.backends) or "no build"
+
+
+def stop(cfg: ServeConfig, *, grace_s: float = 20.0) -> list[Any]:
+    """Stops the service on the port: the front door and the builds behind it, else the server itself; each
+    stop's result (a StopResult, the router's RouterStopResult first)."""
+    rt = door(cfg) if behind_door(cfg) else None
+    if rt is None:
+        return [stop_server(cfg, grace_s=grace_s)]
+    results: list[Any] = [stop_router(cfg, grace_s=grace_s)]
+    for b in rt.backends:
+        results.append(stop_server(replace(cfg, instance="" if b.instance == "default" else b.instance),
+                                   grace_s=grace_s))
+    return results
+
+
+def describe(res: StartResult | SwitchResult) -> str:
+    """One line for either result of start."""
+    if isinstance(res, SwitchResult):
+        f = res.figures
+        return (f"{res.outcome} at {res.base_url} in place of {res.replaced} ({res.mode}, {res.wall_s:.0f} s): "
+                f"{f.requests if f.requests is not None else '?'} requests through the front door, "
+                f"{f.failed if f.failed is not None else '?'} failed, longest wait for a build "
+                f"{f.longest_wait_s:g} s")
+    line = f"Serving at {res.base_url} (pid {res.pid}), model {res.served_name}, ready in {res.startup_s:g} s"
+    if res.front_door:
+        fd = res.front_door
+        line = (f"Serving at {res.base_url} (the front door, pid {fd['pid']}), model {res.served_name} on "
+                f"instance {fd['instance']} at {fd['backend_url']} (pid {res.pid}), ready in {res.startup_s:g} s")
+    if res.replaced:
+        line += f", in place of {res.replaced['served_name']} ({res.replaced['model']})"
+    return line
+
+
+__all__ = ["SLOTS", "behind_door", "build_config", "describe", "door", "start", "stop"]
