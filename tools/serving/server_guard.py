@@ -8,7 +8,9 @@ state file each server the command starts (the leader's parent is the command), 
 file that names it. A block that ends normally releases the guard: the command stopped its servers itself.
 
 A server started with `start` (or start_vllm_server) is meant to outlive the command: it is guarded only until it
-is ready and recorded (the start's block), then handed over.
+is ready and recorded (the start's block), then handed over. A failed replace's way back (the server that was
+running, launched again: tools.serving.launch.relaunch) is handed over before its launch (`hand_over`): the
+command's death, even while it loads, must not end the service the replace was to keep.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import os
 import select
 import subprocess
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -31,6 +34,31 @@ from tools.serving.state import DamagedState, ServerState, our_group, read_recor
 
 _POLL_S = 0.1
 _RELEASE = b"release\n"
+# state file -> the write end of the pipe to its guard, for this process's owned_server blocks (server.py runs
+# several, one per instance, from threads)
+_guards: dict[str, int] = {}
+_guards_lock = threading.Lock()
+
+
+def _key(state_file: str | Path) -> str:
+    return str(Path(state_file).resolve())
+
+
+def _release(w: int) -> None:
+    try:
+        os.write(w, _RELEASE)
+    except OSError:  # the guard is gone
+        pass
+
+
+def hand_over(state_file: str | Path) -> None:
+    """Releases this process's guard of `state_file` now: what it launches from here on outlives it. Before a
+    launch there is no window: a command killed before the state file names the server ends the launch's gate,
+    so nothing is left unrecorded (tools.serving.launch). A no-op where no guard of `state_file` runs."""
+    with _guards_lock:
+        w = _guards.pop(_key(state_file), None)
+    if w is not None:
+        _release(w)
 
 
 @contextmanager
@@ -50,12 +78,16 @@ def owned_server(state_file: str | Path) -> Iterator[None]:
             guard.wait()
             raise ToolFailure(f"the guard of the server recorded in {state_file} did not start "
                               f"(exit status {guard.returncode})")
+        with _guards_lock:
+            _guards[_key(state_file)] = w
         yield
     finally:
-        try:
-            os.write(w, _RELEASE)
-        except OSError:
-            pass
+        with _guards_lock:
+            mine = _guards.get(_key(state_file)) == w
+            if mine:
+                del _guards[_key(state_file)]
+        if mine:  # not handed over meanwhile
+            _release(w)
         os.close(w)
         try:
             guard.wait(timeout=10)
