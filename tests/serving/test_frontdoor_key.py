@@ -19,7 +19,8 @@ import pytest
 from tests import stand_in_vllm
 from tests.fixtures import ROOT, free_port
 from tools.core.errors import BadInput
-from tools.serving import router_state
+from tests.serving.test_frontdoor import TwoCores
+from tools.serving import frontdoor, router_state
 from tools.serving.config import ServeConfig
 from tools.serving.launch import start_server
 from tools.serving.router import request_counts, router_status, start_router, stop_router
@@ -27,6 +28,7 @@ from tools.serving.vllm_server import stop_server
 
 KEY = "k-" + "fr0nt" * 8
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+HW = TwoCores()
 
 
 @pytest.fixture
@@ -36,22 +38,27 @@ def blue(tmp_path, monkeypatch, serve_config_factory):
     monkeypatch.setattr(ServeConfig, "vllm_argv", lambda self, platform: stand_in_vllm.argv(
         self.port, self.model, [self.served_name]))
     base = serve_config_factory(tmp_path, "front", state_dir=tmp_path / "run", start_timeout_s=30.0)
-    model = tmp_path / "old"
-    model.mkdir()
-    (model / "behaviour.json").write_text(json.dumps({"mode": "serve"}))
-    (model / "config.json").write_text("{}")
-    cfg = serve_config_factory(model, "old", state_dir=tmp_path / "run", instance="blue", port=free_port(),
-                               start_timeout_s=30.0)
+    made: list[ServeConfig] = []
+
+    def make(instance: str, name: str) -> ServeConfig:
+        model = tmp_path / name
+        model.mkdir()
+        (model / "behaviour.json").write_text(json.dumps({"mode": "serve"}))
+        (model / "config.json").write_text("{}")
+        made.append(serve_config_factory(model, name, state_dir=tmp_path / "run", instance=instance, cpus=1,
+                                         port=free_port(), start_timeout_s=30.0))
+        return made[-1]
 
     def start():
-        start_server(cfg)
-        return base, cfg
+        start_server(make("blue", "old"), hardware=HW)
+        return base, make
 
     try:
         yield start
     finally:
         stop_router(base, grace_s=5)
-        stop_server(cfg, grace_s=2)
+        for cfg in made:
+            stop_server(cfg, grace_s=2)
 
 
 def test_a_front_door_beyond_the_loopback_needs_the_key(blue, monkeypatch):
@@ -86,6 +93,20 @@ def test_the_key_is_required_and_used_through_the_router(blue, monkeypatch, host
     assert KEY not in json.dumps(proc.environ())
     for f in (router_state.state_file(base), router_state.log_file(base)):
         assert KEY not in f.read_text(errors="replace"), f
+
+
+def test_a_switch_behind_a_keyed_front_door(blue, monkeypatch):
+    """The switch's checks of the new build (its start's readiness sends the key; /health and /metrics are not
+    under /v1) pass with a key; the new build answers through the router to the key only."""
+    monkeypatch.setenv("VLLM_API_KEY", KEY)
+    base, make = blue()
+    res = start_router(base, ["blue"], port=free_port(), timeout_s=20)
+    out = frontdoor.switch(base, make("green", "new"), hardware=HW)
+    assert out.outcome == "serving new", out
+    with httpx.Client(timeout=30) as c:
+        assert c.post(f"{res.base_url}/v1/chat/completions", json=CHAT).status_code == 401
+        ok = c.post(f"{res.base_url}/v1/chat/completions", json=CHAT, headers={"Authorization": f"Bearer {KEY}"})
+        assert ok.status_code == 200 and ok.json()["model"] == "new", ok.text
 
 
 def test_the_command_line_refuses_it_in_one_line_exit_2(tmp_path):
