@@ -7,7 +7,9 @@ Each command is `./vllm-t4` in a process of its own with tests/stand_in_vllm.py 
 from __future__ import annotations
 
 import json
+import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -16,6 +18,7 @@ import pytest
 
 from tests.serving.test_second_command import Bench, _until
 from tools.serving import state
+from tools.serving.server_guard import hand_over, owned_server
 from tools.serving.vllm_server import server_status
 
 
@@ -72,3 +75,39 @@ def test_a_sigkill_while_the_rollback_s_a_loads_leaves_a_serving(bench, tmp_path
         time.sleep(0.1)
     # A serves, recorded; B is gone; no replace record says A was stopped
     bench.check_true_and_nothing_orphaned("a")
+
+
+def test_a_hand_over_releases_only_the_guard_of_its_own_thread(tmp_path):
+    """server.py runs starts from threads, two for one instance at once (the instance's lock refuses one): the
+    hand-over of one start's way back releases that start's guard only; the other stays until its block ends."""
+    state_file = tmp_path / "vllm.json"
+    inside = [threading.Event(), threading.Event()]
+    go_hand, handed, leave = threading.Event(), threading.Event(), threading.Event()
+
+    def block(n: int) -> None:
+        with owned_server(state_file):
+            inside[n].set()
+            if n == 0:
+                go_hand.wait(60)
+                hand_over(state_file)
+                handed.set()
+            leave.wait(60)
+
+    threads = [threading.Thread(target=block, args=(n,)) for n in (0, 1)]
+    try:
+        threads[0].start()
+        assert inside[0].wait(60)
+        (first,) = _guards_of(os.getpid())
+        threads[1].start()  # entered after the first: the newest guard of this state file in the process
+        assert inside[1].wait(60)
+        (second,) = [g for g in _guards_of(os.getpid()) if g.pid != first.pid]
+        go_hand.set()
+        assert handed.wait(60)
+        first.wait(30)  # the first thread's guard, released, ends
+        assert second.is_running() and second.status() != psutil.STATUS_ZOMBIE  # the other one watches on
+    finally:
+        go_hand.set()
+        leave.set()
+        for t in threads:
+            t.join(60)
+    assert _guards_of(os.getpid()) == []

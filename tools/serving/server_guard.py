@@ -34,14 +34,14 @@ from tools.serving.state import DamagedState, ServerState, our_group, read_recor
 
 _POLL_S = 0.1
 _RELEASE = b"release\n"
-# state file -> the write end of the pipe to its guard, for this process's owned_server blocks (server.py runs
-# several, one per instance, from threads)
-_guards: dict[str, int] = {}
+# (thread, state file) -> the write ends of the pipes to its guards, for this process's owned_server blocks:
+# server.py runs several at once, from threads (two for one instance: the instance's lock refuses one of them)
+_guards: dict[tuple[int, str], list[int]] = {}
 _guards_lock = threading.Lock()
 
 
-def _key(state_file: str | Path) -> str:
-    return str(Path(state_file).resolve())
+def _key(state_file: str | Path) -> tuple[int, str]:
+    return threading.get_ident(), str(Path(state_file).resolve())
 
 
 def _release(w: int) -> None:
@@ -52,11 +52,13 @@ def _release(w: int) -> None:
 
 
 def hand_over(state_file: str | Path) -> None:
-    """Releases this process's guard of `state_file` now: what it launches from here on outlives it. Before a
-    launch there is no window: a command killed before the state file names the server ends the launch's gate,
-    so nothing is left unrecorded (tools.serving.launch). A no-op where no guard of `state_file` runs."""
+    """Releases the guard of `state_file` that this thread's owned_server block keeps: what this thread launches
+    from here on outlives the process. Called before a launch there is no window: a command killed before the
+    state file names the server ends the launch's gate, so nothing is left unrecorded (tools.serving.launch). A
+    no-op where no such guard runs."""
     with _guards_lock:
-        w = _guards.pop(_key(state_file), None)
+        held = _guards.get(_key(state_file))
+        w = held.pop() if held else None
     if w is not None:
         _release(w)
 
@@ -64,7 +66,8 @@ def hand_over(state_file: str | Path) -> None:
 @contextmanager
 def owned_server(state_file: str | Path) -> Iterator[None]:
     """For the block: every server this process starts that `state_file` records is ended with its group when
-    this process is gone, even by SIGKILL."""
+    this process is gone, even by SIGKILL (until `hand_over` from this thread)."""
+    key = _key(state_file)
     r, w = os.pipe()
     try:
         guard = subprocess.Popen([sys.executable, "-m", "tools.serving.server_guard", str(state_file),
@@ -79,14 +82,17 @@ def owned_server(state_file: str | Path) -> Iterator[None]:
             raise ToolFailure(f"the guard of the server recorded in {state_file} did not start "
                               f"(exit status {guard.returncode})")
         with _guards_lock:
-            _guards[_key(state_file)] = w
+            _guards.setdefault(key, []).append(w)
         yield
     finally:
         with _guards_lock:
-            mine = _guards.get(_key(state_file)) == w
+            held = _guards.get(key, [])
+            mine = w in held  # not handed over meanwhile
             if mine:
-                del _guards[_key(state_file)]
-        if mine:  # not handed over meanwhile
+                held.remove(w)
+            if not held:
+                _guards.pop(key, None)
+        if mine:
             _release(w)
         os.close(w)
         try:
