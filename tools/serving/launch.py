@@ -32,6 +32,7 @@ from tools.serving.model_files import missing_model_fix
 from tools.serving.preflight import checks_for, ensure, refusal
 from tools.serving.readiness import READINESS_PROMPT, Refusal
 from tools.serving.records import StartResult
+from tools.serving.server_guard import hand_over
 from tools.serving.start_progress import StartProgress, StartReport
 from tools.serving.state import ReplaceRecord, ServerState
 _DEFERRED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -412,19 +413,34 @@ def relaunch(cfg: ServeConfig, a: ServerState, *, progress: StartReport | None =
     """Starts `a` again with its own recorded command line and environment (a failed replace's way back), under
     the instance's lock (the replace's own hold). wait=False: launched and recorded, not waited for (an
     interrupted replace: status tells when it serves). An interrupt while it is waited for leaves it starting:
-    the way back is not undone by a second Ctrl-C."""
+    the way back is not undone by a second Ctrl-C. It is the service that was running: handed over at its launch
+    (the command's death, a SIGKILL included, does not end it, see server_guard.hand_over), and a replace record
+    saying it was stopped goes once it is launched."""
     cfg_a = config_of(cfg, a)
     with state.instance_lock(cfg_a, f"start of {a.served_name} again"):
         with placement.locked(cfg_a):
             _refuse_recorded(cfg_a)
             cfg_a = _own_log(cfg_a)
             t0 = time.monotonic()
+            hand_over(cfg_a.state_file)
             proc = _launch(cfg_a, a.argv, a.platform,
                            env=a.env if a.env is not None else recorded_env(cfg_a, a.platform))
+            _forget_replace_of(cfg_a, a)
         if not wait:
             return None
         first_text = _wait_ready(cfg_a, proc, a.argv, t0, progress, keep_on_interrupt=True)
     return _result(cfg_a, proc, a.argv, a.platform, t0, first_text, None)
+
+
+def _forget_replace_of(cfg: ServeConfig, a: ServerState) -> None:
+    """Removes the instance's replace record when it names `a` as stopped: `a` is launched again (a failure of
+    this start writes the record again, as "failed")."""
+    try:
+        rec = state.load_replace(cfg)
+    except ToolFailure:
+        return
+    if rec is not None and rec.a.pid == a.pid and rec.a.create_time == a.create_time:
+        state.clear_replace(cfg)
 
 
 __all__ = ["READINESS_PROMPT", "checked", "config_of", "fit_to_model", "recorded_env", "relaunch", "replace_note",

@@ -3,10 +3,17 @@
 Tracked like a server: its own process session and group, a state file (STATE_DIR/router.json, pid + start time)
 and a log (STATE_DIR/router.log); stopped with SIGTERM to the group, SIGKILL after a grace period. It is started
 only over instances that run and answer /health, and is ready when its own /health and /v1/models answer.
+
+The API key (tools.core.api_key): the pinned vllm-router (0.1.17) checks none itself (its `--api-key` is only for
+data-parallel routing, and it reads no key from its environment); it passes a client's Authorization header on to
+the instance it picks, and the instances (vLLM with VLLM_API_KEY) answer /v1 only with the key. So a front door on
+a non-loopback host is refused without a key (the instances behind it then have it too), the router is given no
+key (neither flag nor environment), and this module's own /v1 calls through it send the key.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -19,7 +26,7 @@ from typing import Any, Literal
 import httpx
 import psutil
 
-from tools.core.api_key import auth_headers
+from tools.core.api_key import API_KEY_ENV, CLIENT_KEY_ENV, api_key, auth_headers, is_loopback
 from tools.core.errors import BadInput, ToolFailure, op, param
 from tools.core.metrics import total
 from tools.core.process import end_group, free_port, port_holder
@@ -88,6 +95,18 @@ def _check_request(policy: str, instances: list[str]) -> list[str]:
     return names
 
 
+def _check_key(cfg: ServeConfig, host: str, given: bool) -> None:
+    """A router reachable beyond this machine only with an API key: it forwards requests unchecked, the
+    instances behind it check the key."""
+    if is_loopback(host) or api_key() is not None:
+        return
+    where = (param("host") if given else f"HOST in {cfg.env_file}" if cfg.sources.get("host") == "file"
+             else "HOST")
+    raise BadInput(f"{where} is {host}, reachable beyond this machine: set an API key in ${API_KEY_ENV} (the "
+                   f"instances behind the router then answer only requests that send it), or route on "
+                   f"HOST=127.0.0.1", {"host": host, "key_env": API_KEY_ENV}, field="host" if given else None)
+
+
 def _refuse_recorded(cfg: ServeConfig) -> None:
     """Refuses a start over a live router; clears a dead one's state file."""
     old = load(cfg)
@@ -127,9 +146,10 @@ def check_port(cfg: ServeConfig, host: str, port: int) -> None:
 def _launch(cfg: ServeConfig, argv: list[str], host: str, port: int, policy: str,
             backends: list[Backend], hold_s: float) -> tuple[subprocess.Popen, RouterState]:
     log_path = log_file(cfg)
+    env = {k: v for k, v in os.environ.items() if k not in (API_KEY_ENV, CLIENT_KEY_ENV)}  # it uses neither
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                cwd=str(cfg.state_dir), start_new_session=True)
+                                cwd=str(cfg.state_dir), start_new_session=True, env=env)
     try:
         create_time = psutil.Process(proc.pid).create_time()
     except psutil.Error:
@@ -152,7 +172,7 @@ def _wait_ready(cfg: ServeConfig, proc: subprocess.Popen, st: RouterState, t0: f
         return ToolFailure(f"vllm-router {reason} (log: {st.log_path})", {"log_tail": tail, "argv": st.argv})
 
     try:
-        with httpx.Client(timeout=3.0) as client:
+        with httpx.Client(timeout=3.0, headers=auth_headers()) as client:  # /v1 is the instances': keyed
             while True:
                 code = proc.poll()
                 if code is not None:
@@ -183,6 +203,7 @@ def start_router(cfg: ServeConfig, instances: list[str], *, policy: str = "round
     the policy is unknown or the port is taken.
     """
     names = _check_request(policy, instances)
+    _check_key(cfg, host or cfg.host, host is not None)
     host = host or cfg.host
     port = port or DEFAULT_ROUTER_PORT
     with placement.locked(cfg):

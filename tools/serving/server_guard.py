@@ -8,7 +8,9 @@ state file each server the command starts (the leader's parent is the command), 
 file that names it. A block that ends normally releases the guard: the command stopped its servers itself.
 
 A server started with `start` (or start_vllm_server) is meant to outlive the command: it is guarded only until it
-is ready and recorded (the start's block), then handed over.
+is ready and recorded (the start's block), then handed over. A failed replace's way back (the server that was
+running, launched again: tools.serving.launch.relaunch) is handed over before its launch (`hand_over`): the
+command's death, even while it loads, must not end the service the replace was to keep.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import os
 import select
 import subprocess
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -31,12 +34,40 @@ from tools.serving.state import DamagedState, ServerState, our_group, read_recor
 
 _POLL_S = 0.1
 _RELEASE = b"release\n"
+# (thread, state file) -> the write ends of the pipes to its guards, for this process's owned_server blocks:
+# server.py runs several at once, from threads (two for one instance: the instance's lock refuses one of them)
+_guards: dict[tuple[int, str], list[int]] = {}
+_guards_lock = threading.Lock()
+
+
+def _key(state_file: str | Path) -> tuple[int, str]:
+    return threading.get_ident(), str(Path(state_file).resolve())
+
+
+def _release(w: int) -> None:
+    try:
+        os.write(w, _RELEASE)
+    except OSError:  # the guard is gone
+        pass
+
+
+def hand_over(state_file: str | Path) -> None:
+    """Releases the guard of `state_file` that this thread's owned_server block keeps: what this thread launches
+    from here on outlives the process. Called before a launch there is no window: a command killed before the
+    state file names the server ends the launch's gate, so nothing is left unrecorded (tools.serving.launch). A
+    no-op where no such guard runs."""
+    with _guards_lock:
+        held = _guards.get(_key(state_file))
+        w = held.pop() if held else None
+    if w is not None:
+        _release(w)
 
 
 @contextmanager
 def owned_server(state_file: str | Path) -> Iterator[None]:
     """For the block: every server this process starts that `state_file` records is ended with its group when
-    this process is gone, even by SIGKILL."""
+    this process is gone, even by SIGKILL (until `hand_over` from this thread)."""
+    key = _key(state_file)
     r, w = os.pipe()
     try:
         guard = subprocess.Popen([sys.executable, "-m", "tools.serving.server_guard", str(state_file),
@@ -50,12 +81,19 @@ def owned_server(state_file: str | Path) -> Iterator[None]:
             guard.wait()
             raise ToolFailure(f"the guard of the server recorded in {state_file} did not start "
                               f"(exit status {guard.returncode})")
+        with _guards_lock:
+            _guards.setdefault(key, []).append(w)
         yield
     finally:
-        try:
-            os.write(w, _RELEASE)
-        except OSError:
-            pass
+        with _guards_lock:
+            held = _guards.get(key, [])
+            mine = w in held  # not handed over meanwhile
+            if mine:
+                held.remove(w)
+            if not held:
+                _guards.pop(key, None)
+        if mine:
+            _release(w)
         os.close(w)
         try:
             guard.wait(timeout=10)
