@@ -93,6 +93,21 @@ def _until(what: str, cond, timeout_s: float = 30) -> None:
 @pytest.mark.parametrize("mode,phase", PHASES, ids=[f"{m}-{p.replace(' ', '-')}" for m, p in PHASES])
 def test_a_switching_command_signalled_at_each_phase_leaves_one_build_serving_and_no_request_failed(
         front, tmp_path, mode, phase, sig):
+    _signalled(front, tmp_path, mode, phase, sig, ["router", "switch", "--instance", "green"])
+
+
+# tpu.env as shipped (FRONT_DOOR=1): `start --replace` is the same switch, to the free slot (green)
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGINT"])
+@pytest.mark.parametrize("mode,phase", [("beside", "b ready"), ("hold", "b loads")],
+                         ids=["beside-b-ready", "hold-b-loads"])
+def test_start_replace_in_the_shipped_configuration_signalled_mid_switch_fails_no_request(
+        front, tmp_path, mode, phase, sig):
+    base, env = front
+    env = {k: v for k, v in env.items() if k != "FRONT_DOOR"}  # tpu.env's own value
+    _signalled((base, env), tmp_path, mode, phase, sig, ["start", "--replace"])
+
+
+def _signalled(front, tmp_path, mode: str, phase: str, sig: str, command: list[str]) -> None:
     base, env = front
     tmp = tmp_path
     new = _build(tmp, "new", {"load_s": LOAD_S})
@@ -112,8 +127,8 @@ def test_a_switching_command_signalled_at_each_phase_leaves_one_build_serving_an
 
     with Clients(router_state.recorded(base).base_url) as clients:
         _until("a request answered", lambda: clients.served())
-        proc = cli(["router", "switch", "--instance", "green", "--model", new, "--served-name", "new",
-                    "--cpus", "1" if mode == "beside" else "2"], env, driver=["-m", "tests.stand_in_switch", "cli"])
+        proc = cli([*command, "--model", new, "--served-name", "new", "--cpus", "1" if mode == "beside" else "2"],
+                   env, driver=["-m", "tests.stand_in_switch", "cli"])
         err = signal_when(proc, reached, sig, phase, settle=settle)
         assert_ended(sig, proc.returncode, err)
         assert all_gone(switcher, wait_s=60), "the switch process did not end"
