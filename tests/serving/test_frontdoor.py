@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 import time
 
@@ -220,55 +221,57 @@ def test_on_a_machine_too_small_for_two_a_failed_build_gives_the_traffic_back_to
 @pytest.mark.vllm_lane(1)
 def test_real_vllm_switches_through_the_front_door_fail_no_request(emb4_build, serve_config_factory, tmp_path,
                                                                   monkeypatch):
-    """Real vLLM CPU servers behind the real router, one core each, with chat completions running through the
-    front door the whole time: (a) a good switch (the tiny all-4-bit build under a second name, beside the first),
-    (b) a switch to a copy vLLM refuses to load (an unknown quantization method), (c) a switch to the build at
-    max_model_len=16, which loads and refuses what clients send. No request fails; after (a) the new build
-    answers, after (b) and (c) it still does; (c) ends on vLLM's own refusal of the readiness request, names
-    max_model_len and not a line every start prints, and leaves no record; no process of a stopped build is left.
-    The plain start's refusal (no front door) is the same readiness code, on the stand-in in test_readiness."""
+    """tpu.env as shipped (FRONT_DOOR=1), real vLLM CPU servers behind the real router (each build on cores of
+    its own), the starts and switches as `./vllm-t4 start [--replace]` and start_vllm_server run them
+    (tools.serving.service), with chat completions running through the port clients use the whole time:
+    (a) a good switch (the tiny all-4-bit build under a second name, beside the first), (b) a switch to a copy vLLM
+    refuses to load (an unknown quantization method), (c) a switch to the build at max_model_len=16, which loads
+    and refuses what clients send. No request fails; after (a) the new build answers, after (b) and (c) it still
+    does; (c) ends on vLLM's own refusal of the readiness request, names max_model_len and not a line every start
+    prints, and leaves no record; the failed build's log is kept; no process of a stopped build is left. The
+    plain start's refusal (no front door) is the same readiness code, on the stand-in in test_readiness."""
     import shutil
 
     from tests.fixtures import in_process_engine, require_plugin
+    from tools.serving import service
 
     require_plugin()
     in_process_engine(monkeypatch)
-    run = tmp_path / "run"
+    monkeypatch.delenv("FRONT_DOOR")
+    run, port = tmp_path / "run", free_port()
     bad = tmp_path / "gemma-4-tiny-unknown-quant"
     shutil.copytree(emb4_build, bad)
     config = json.loads((bad / "config.json").read_text())
     config["quantization_config"]["quant_method"] = "no-such-method"
     (bad / "config.json").write_text(json.dumps(config))
 
-    def build(model, name, instance, **kw) -> ServeConfig:
-        return serve_config_factory(model, name, state_dir=run, instance=instance, cpus=1, port=free_port(), **kw)
+    def build(model, name, **kw) -> ServeConfig:
+        return serve_config_factory(model, name, state_dir=run, port=port, **kw)
 
-    base = serve_config_factory(emb4_build, "front", state_dir=run)
-    a = build(emb4_build, "tiny-first", "blue")
+    base = build(emb4_build, "tiny-first")
+    assert base.front_door, "tpu.env as shipped serves through the front door"
     pgids = []
     try:
-        pgids.append(start_server(a).pgid)
-        start_router(base, ["blue"], port=free_port())
-        front = _front(base)
+        first = service.start(base)
+        front = first.base_url
+        assert front == base.base_url and first.front_door["instance"] == "blue"
+        pgids.append(first.pgid)
         results, configs = {}, {}
-        for step, (b, want) in {"a": (build(emb4_build, "tiny-second", "green"), "tiny-second"),
-                                "b": (build(bad, "tiny-unknown-quant", "blue"), "tiny-second"),
-                                "c": (build(emb4_build, "tiny-short", "blue", max_model_len=16), "tiny-second"),
+        for step, (b, want) in {"a": (build(emb4_build, "tiny-second"), "tiny-second"),
+                                "b": (build(bad, "tiny-unknown-quant"), "tiny-second"),
+                                "c": (build(emb4_build, "tiny-short", max_model_len=16), "tiny-second"),
                                 }.items():
             # one loop names no model, one the name clients were first given (every later build answers to it)
             with Clients(front, model=None) as clients, Clients(front, model="tiny-first") as naming:
                 time.sleep(1.0)
                 try:
-                    results[step] = frontdoor.switch(base, b)
+                    results[step] = service.start(b, replace_running=True)
                 except ToolFailure as exc:
                     results[step] = exc
                 time.sleep(1.0)
             assert clients.failed() == [] and naming.failed() == [], (step, clients.failed()[:3], naming.failed()[:3])
             assert clients.served() and clients.served()[-1] == want, (step, set(clients.served()))
             configs[step] = b
-            st = state.load_state(b)
-            if st is not None:
-                pgids.append(st.pgid)
         assert results["a"].outcome == "serving tiny-second" and results["a"].mode == "beside"
         assert results["a"].figures.failed == 0 and results["a"].figures.requests
         for step in "bc":
@@ -278,10 +281,14 @@ def test_real_vllm_switches_through_the_front_door_fail_no_request(emb4_build, s
         assert results["c"].detail["parameter"] == "max_model_len"
         assert results["c"].detail["reason"] == "answered but refused what clients send"
         assert "maximum context length is 16 tokens" in str(results["c"]) and "ulimit" not in str(results["c"])
-        assert not configs["c"].state_file.exists()
+        assert not _instance(base, "blue").state_file.exists()
+        last = switch_record.load_switch(base)  # the failed build's log is kept and named
+        assert last.outcome == "unchanged (tiny-second serves)" and os.path.isfile(last.failed_log)
+        [green] = router_state.recorded(base).backends
+        pgids.append(state.load_state(_instance(base, "green")).pgid)
         print({k: (v.to_dict() if hasattr(v, "to_dict") else str(v)) for k, v in results.items()})
     finally:
-        stop_router(base, grace_s=5)
+        service.stop(base, grace_s=10)
         for name in ("blue", "green"):
             stop_server(_instance(base, name), grace_s=10)
     assert all(group_alive(g) == [] for g in pgids)

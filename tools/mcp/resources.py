@@ -449,10 +449,11 @@ prompt(PromptSpec(
         Step("run_sweep", {"label": "{label_a}", "out": "sweeps"},
              "A's throughput over the article's grid (input_lens, concurrencies: narrow them for a quick look)"),
         Step("start_vllm_server", {"model": "{build_b}", "replace": True},
-             "serves B in place of A on the same port: A stops first, so the port refuses connections while B "
-             "loads (about a minute on 2 CPU cores or a T4); if B fails or refuses requests, A is started again "
-             "and the error names B's fix and its kept log (server_logs). For a service with clients, put the "
-             "router in front (start_router) and use switch_build instead: no request fails"),
+             "serves B in place of A on the port clients use, through the front door (FRONT_DOOR=1 as shipped): "
+             "B starts beside A where the machine holds both (a CPU: cores of its own; a GPU: its share of the "
+             "card), else A stops and requests wait at the door while B loads (a T4 at 0.9, said first); no request "
+             "fails; if B fails or refuses requests, A keeps or takes back the traffic and the error names B's fix "
+             "and its kept log (server_logs). With FRONT_DOOR=0 the port is dead while B loads"),
         Step("vram_status", {}, "B's memory, to set beside A's"),
         Step("compare_tokens", {"mode": "check", "reference": "tokens/{label_a}.json"},
              "B against A's record: identical prompts, else the first divergence and whether it is a near-tie"),

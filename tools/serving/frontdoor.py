@@ -319,8 +319,9 @@ class _Switch:
                 raise ToolFailure(
                     f"{b} cannot start {fit.why.removeprefix('not ')}, and {a} took {took:.0f} s to start on this "
                     f"machine, longer than the front door at {self.rt.base_url} holds a request ({self.hold_s:g} "
-                    f"s): requests would fail while {b} loads; restart it with {op('router.start')} and a hold of "
-                    f"at least {2 * took:.0f} s, or free what {b} needs; {a} still serves (unchanged)",
+                    f"s): requests would fail while {b} loads; restart it with a hold of at least {2 * took:.0f} s "
+                    f"(FRONT_DOOR_HOLD_S in tpu.env, or {op('router.start')}'s hold), or free what {b} needs; {a} "
+                    "still serves (unchanged)",
                     {"outcome": f"unchanged ({a} serves)", "startup_s": took, "hold_s": self.hold_s})
             expect = f" (about {took:.0f} s, {a}'s own start here)" if took is not None else ""
             self.announced = (f"{b}{aka} cannot start {fit.why.removeprefix('not ')}: {a} stops first and "
