@@ -1,19 +1,23 @@
 """A switch of the build behind the front door under live traffic, on vLLM's CPU backend with the tiny
-int4-embedding build: the client-side figures (requests, failed, longest wait) and the switch's wall time, for
-a switch beside the running build, two that fail (a build vLLM refuses to load, and one at max_model_len=16,
-which loads and refuses what clients send) and one where the machine holds only one (hold).
+int4-embedding build, in tpu.env as shipped (FRONT_DOOR=1): the client-side figures (requests, failed, longest
+wait) and the switch's wall time, for a switch beside the running build, two that fail (a build vLLM refuses to
+load, and one at max_model_len=16, which loads and refuses what clients send) and one where the machine holds
+only one (hold).
 
-    python bench/bench_switch.py [--clients 2]
+    python bench/bench_switch.py [--clients 2] [--layout default|in-process]
 
 Builds the tiny model (from the tiny-model cache when it is there) and its int4-embedding build in a temporary
-folder; serves it as instance blue (one core) behind vllm-router; then, with `--clients` closed-loop chat
-completions running through the router the whole time: (1) switches to the same build named `second` on
-instance green (one core: beside), (2) to a copy with an unknown quantization method and (3) to the build at
-max_model_len=16, each on instance blue beside green (both fail: the switch's wall time is how long the front
-door took to give up, with the server's own reason), (4) back to instance blue asking for two cores, which a
-2-core machine cannot give beside green (hold: green stops, the router holds requests while blue loads). Writes
-evidence/switch-<UTC time>.json and .md. Run it under the shared lock on a shared machine
-(flock /tmp/gemma4-vllm.lock ...) and report the load.
+folder; starts it as `./vllm-t4 start` does (tools.serving.service: the build on instance blue, half the cores,
+vllm-router on the port clients use); then, with `--clients` closed-loop chat completions running through that
+port the whole time, switches as `./vllm-t4 start --replace` does: (1) to the same build named `second`
+(instance green, beside), (2) to a copy with an unknown quantization method and (3) to the build at
+max_model_len=16, each beside green (both fail: the switch's wall time is how long the front door took to give
+up, with the server's own reason), (4) to a build asking for two cores, which a 2-core machine cannot give beside
+green (hold: green stops, the router holds requests while it loads). `--layout default` is vLLM's own process
+layout (API server and engine core), what a user's start runs; `in-process` runs the engine in the API server's
+process (VLLM_ENABLE_V1_MULTIPROCESSING=0, what the suite's shared servers use). Writes evidence/switch-<UTC
+time>.json and .md. Run it under the shared lock on a shared machine (flock /tmp/gemma4-vllm.lock ...) and report
+the load.
 """
 
 from __future__ import annotations
@@ -75,19 +79,19 @@ class Clients:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--clients", type=int, default=2)
+    ap.add_argument("--layout", choices=("default", "in-process"), default="default")
     args = ap.parse_args()
 
     from repack.build import BuildOptions, build_checkpoint
     from repack.tiny_model import cached_tiny_qat_checkpoint
     from tools.core.errors import ToolFailure
     from tools.core.process import free_port
-    from tools.serving import frontdoor
+    from tools.serving import service
     from tools.serving.config import load_config
-    from tools.serving.router import start_router, stop_router
-    from tools.serving.launch import start_server
     from tools.serving.vllm_server import stop_server
 
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one process fewer per server (suite-speed.md)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if args.layout == "in-process" else "1"
+    os.environ.pop("FRONT_DOOR", None)  # tpu.env's own value
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
     load_before = os.getloadavg()
     rows = []
@@ -103,27 +107,29 @@ def main() -> int:
         config["quantization_config"]["quant_method"] = "no-such-method"
         (bad / "config.json").write_text(json.dumps(config))
 
-        def cfg(name: str, instance: str | None, cpus: int, model: Path = emb4, max_model_len: int = 512):
-            return load_config(ROOT / "tpu.env", model=str(model), served_name=name, host="127.0.0.1",
-                               port=free_port(), state_dir=tmpd / "run", instance=instance, cpus=cpus,
-                               max_model_len=max_model_len, max_num_seqs=8, cpu_kvcache_space_gib=1,
-                               speculative_config="", extra_args="", start_timeout_s=900.0)
+        port = free_port()
 
-        base = cfg("front", None, 1)
-        first = cfg("first", "blue", 1)
+        def cfg(name: str, cpus: int | None = None, model: Path = emb4, max_model_len: int = 512):
+            return load_config(ROOT / "tpu.env", model=str(model), served_name=name, host="127.0.0.1", port=port,
+                               state_dir=tmpd / "run", cpus=cpus, max_model_len=max_model_len, max_num_seqs=8,
+                               cpu_kvcache_space_gib=1, speculative_config="", extra_args="", start_timeout_s=900.0)
+
+        base = cfg("first")
+        assert base.front_door, "tpu.env as shipped serves through the front door"
         try:
-            start_server(first)
-            start_router(base, ["blue"], port=free_port())
-            url = json.loads((tmpd / "run" / "router.json").read_text())["base_url"]
-            for label, b in [("beside", cfg("second", "green", 1)),
-                             ("refused load", cfg("unknown-quant", "blue", 1, model=bad)),
-                             ("refuses clients", cfg("short", "blue", 1, max_model_len=16)),
-                             ("hold", cfg("third", "blue", 2))]:
+            t0 = time.monotonic()
+            first = service.start(base)
+            first_s = round(time.monotonic() - t0, 1)
+            url = first.base_url
+            for label, b in [("beside", cfg("second")),
+                             ("refused load", cfg("unknown-quant", model=bad)),
+                             ("refuses clients", cfg("short", max_model_len=16)),
+                             ("hold", cfg("third", cpus=2))]:
                 with Clients(url, args.clients) as clients:
                     time.sleep(2.0)
                     t0 = time.monotonic()
                     try:
-                        res = frontdoor.switch(base, b)
+                        res = service.start(b, replace_running=True)
                         row = {"mode": res.mode, "outcome": res.outcome, "announced": res.announced,
                                "router": dataclasses.asdict(res.figures), "reason": None}
                     except ToolFailure as exc:
@@ -136,16 +142,19 @@ def main() -> int:
                 rows.append({"switch": label, "switch_wall_s": round(wall, 1), **row, "clients": clients.figures()})
                 print(json.dumps(rows[-1]), flush=True)
         finally:
-            stop_router(base, grace_s=5)
-            for name in ("blue", "green"):
+            service.stop(base, grace_s=10)
+            for name in service.SLOTS:
                 stop_server(dataclasses.replace(base, instance=name), grace_s=10)
     out = {"stamp": stamp, "cpus": os.cpu_count(), "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
-           "clients": args.clients, "switches": rows}
+           "clients": args.clients, "layout": args.layout, "first_start_s": first_s, "switches": rows}
     ev = ROOT / "evidence"
     (ev / f"switch-{stamp}.json").write_text(json.dumps(out, indent=2) + "\n")
     lines = [f"# A switch behind the front door under live traffic, vLLM CPU, tiny int4-embedding build ({stamp})",
-             "", f"{args.clients} closed-loop chat clients through vllm-router; {os.cpu_count()} CPU cores, load "
-             f"average {load_before[0]:.1f} before, {out['loadavg_after'][0]:.1f} after.", "",
+             "", f"tpu.env as shipped (FRONT_DOOR=1), `start` then `start --replace` (tools.serving.service); vLLM's "
+             f"{'own process layout (API server, engine core)' if args.layout == 'default' else 'in-process engine'}"
+             f"; {args.clients} closed-loop chat clients through the port clients use; {os.cpu_count()} CPU cores, "
+             f"load average {load_before[0]:.1f} before, {out['loadavg_after'][0]:.1f} after; the first start (build "
+             f"and front door) {first_s} s.", "",
              "| switch | mode | wall s | requests | failed | longest wait s | router: requests, failed, retried, no "
              "build s |", "|---|---|---|---|---|---|---|"]
     for r in rows:
