@@ -129,3 +129,18 @@ def test_an_mcp_client_switches_the_shipped_configuration_the_same_way(shipped, 
     assert clients.failed() == [] and clients.served()[-1] == "new"
     stopped = asyncio.run(call("stop_vllm_server", {}))
     assert not stopped.is_error and router_state.recorded(cfg) is None, stopped.content[0].text
+
+
+def test_the_front_door_reads_as_the_service_in_preflight_and_status(shipped, capsys):
+    """The port check of a start sees the front door started from here (a replace switches behind it), and
+    status is healthy (exit 0) only while a build answers behind the door."""
+    from tools.serving.preflight import checks_for
+
+    make, cfg = shipped
+    assert _cli(capsys, "start", "--model", make("old"), "--served-name", "old")[0] == 0
+    [port] = [c for c in checks_for("start") if c.name == "port"]
+    assert port.status == "ok" and "is the front door's" in port.value and "over instance blue" in port.value, port
+    rc, out, _ = _cli(capsys, "stop", "--instance", "blue")
+    assert rc == 0
+    rc, out, _ = _cli(capsys, "status")
+    assert rc == 3 and f"the front door at {cfg.base_url} answers, over no build" in out, out

@@ -139,8 +139,8 @@ def cmd_status(p: StatusParams, args: argparse.Namespace) -> int:
     # The default instance alone reads as before instances; several are each labelled with their name.
     shown = ([st] if had_default else []) + st.instances
     named = bool(st.instances)
-    lines = [ln for i in shown for ln in _status_lines(i, named)] or [st.message]
-    if service.behind_door(cfg) and not had_default and st.router is not None:
+    lines = [ln for i in shown for ln in _status_lines(i, named)]
+    if not lines or (service.behind_door(cfg) and not had_default and st.router is not None):
         lines.insert(0, st.message)  # the front door, then the builds behind it
     if st.router is not None:
         lines.append(f"[router] {st.router['message']}")

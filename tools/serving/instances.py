@@ -41,14 +41,18 @@ def fleet_status(cfg: ServeConfig, *, hardware: Any = None) -> Any:
     reported = ([top] if had_default else []) + listed
     healthy = [i.alive and i.healthy for i in reported] + ([r.alive and r.healthy] if r is not None else [])
     top.all_healthy = bool(healthy) and all(healthy)
-    if listed and not had_default:
+    door_up = cfg.front_door and r is not None and r.alive and not had_default
+    if door_up:
+        # FRONT_DOOR=1: the default service is the door, healthy when it answers and so does a build behind it
+        behind = [i for i in listed if i.instance in r.backends_healthy]
+        top.message = (f"the front door at {r.base_url} {'answers' if r.healthy else 'does not answer'}, over "
+                       + (", ".join(f"{i.served_name} (instance {i.instance}, "
+                                    f"{'serving' if i.alive and i.healthy else 'down'})" for i in behind)
+                          or "no build"))
+        top.all_healthy = r.healthy and bool(behind) and all(i.alive and i.healthy for i in behind)
+    elif listed and not had_default:
         top.message = f"{len(listed)} named instance(s); the default instance is not running"
-        if cfg.front_door and r is not None and r.alive:  # FRONT_DOOR=1: the default service is the door
-            behind = [i for i in listed if i.instance in r.backends_healthy]
-            top.message = (f"the front door at {r.base_url} {'answers' if r.healthy else 'does not answer'}, over "
-                           + (", ".join(f"{i.served_name} (instance {i.instance}, "
-                                        f"{'serving' if i.alive and i.healthy else 'down'})" for i in behind)
-                              or "no build"))
+    if (listed or door_up) and not had_default:
         last = switch_record.load_switch(default_cfg)  # the front door's last switch is recorded there
         if last is not None:
             top.message += f"; {switch_record.describe(last)}"

@@ -26,7 +26,7 @@ from tools.core.errors import ToolFailure, op, param
 from tools.core.process import port_holder
 from tools.core.root import PROJECT_ROOT
 from tools.gpu.vram import vram_status
-from tools.serving import turing_patch
+from tools.serving import router_state, turing_patch
 from tools.serving.config import looks_like_path
 from tools.serving.hardware import Hardware
 from tools.serving.hub import hf_token, hub_env
@@ -270,6 +270,12 @@ def check_port(ctx: Context) -> Check:
     cfg = ctx.cfg
     holder = port_holder(cfg.host, cfg.port)
     detail = {"host": cfg.host, "port": cfg.port, "holder": holder, "instance": cfg.instance_name}
+    door = router_state.recorded(cfg) if cfg.front_door and not cfg.instance else None
+    if holder is not None and door is not None and door.port == cfg.port:
+        return Check(name="port", status="ok", detail={**detail, "front_door": door.base_url},
+                     value=f"port {cfg.port} on {cfg.host} is the front door's (pid {door.pid}), over "
+                           + (", ".join(f"instance {b.instance}" for b in door.backends) or "no build")
+                           + f": {op('start', replace=True)} switches the build behind it")
     if holder is None:
         return Check(name="port", status="ok", detail=detail, value=f"port {cfg.port} on {cfg.host} is free"
                      + (f" (instance {cfg.instance})" if cfg.instance else ""))
