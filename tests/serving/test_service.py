@@ -144,3 +144,38 @@ def test_the_front_door_reads_as_the_service_in_preflight_and_status(shipped, ca
     assert rc == 0
     rc, out, _ = _cli(capsys, "status")
     assert rc == 3 and f"the front door at {cfg.base_url} answers, over no build" in out, out
+
+
+def test_two_replaces_at_once_through_the_front_door_one_switches_the_other_is_refused(shipped, capsys, tmp_path):
+    """A second `start --replace` while the first switch runs is refused in one line before it chooses a slot or
+    starts anything; the first ends serving its build, no request failing meanwhile."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from tests.fixtures import ROOT
+
+    make, cfg = shipped
+    assert _cli(capsys, "start", "--model", make("old"), "--served-name", "old")[0] == 0
+    env = dict(os.environ, PYTHONPATH=str(ROOT), STAND_IN_PHASES=str(tmp_path), STAND_IN_PAUSE_AT="b ready",
+               STAND_IN_GO=str(tmp_path / "go"))
+    drive = [sys.executable, "-m", "tests.stand_in_switch", "cli", "start", "--replace", "--served-name"]
+    with Clients(cfg.base_url) as clients:
+        first = subprocess.Popen([*drive, "new", "--model", make("new")], cwd=ROOT, env=env, text=True,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "b-ready").exists():
+            assert first.poll() is None and time.monotonic() < deadline, first.communicate()
+            time.sleep(0.05)
+        second = subprocess.run([*drive, "other", "--model", make("other")], cwd=ROOT, env=env, text=True,
+                                capture_output=True, timeout=60)
+        (tmp_path / "go").touch()
+        out, err = first.communicate(timeout=60)
+    lines = [ln for ln in second.stderr.splitlines() if ln.startswith("vllm-t4 ")]
+    assert second.returncode == 1 and len(lines) == 1 and "the front door is being switched" in lines[0], second.stderr
+    assert "this start was not done" in lines[0]
+    assert first.returncode == 0 and "serving new" in out, err
+    assert clients.failed() == [] and clients.served()[-1] == "new"
+    assert [b.instance for b in router_state.recorded(cfg).backends] == ["green"]
+    assert state.load_state(load_config(instance="blue")) is None  # nothing of the refused start

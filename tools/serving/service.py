@@ -76,6 +76,7 @@ def start(cfg: ServeConfig, *, replace_running: bool = False, progress: StartRep
             "served without the front door (it was started with FRONT_DOOR=0): the port was dead while this "
             f"loaded; {op('stop')} and {op('start')} move it behind the front door")])))
     if rt is not None:
+        router_state.refuse_while_switching(cfg, "this start")  # before a slot is chosen: the switch holds one
         if not replace_running:
             raise ToolFailure(f"the front door at {rt.base_url} already serves {_serving(rt)}; switch builds with "
                               f"{op('start', replace=True)}, or stop it with {op('stop')}", {"base_url": rt.base_url})
