@@ -153,9 +153,9 @@ def recorded_env(cfg: ServeConfig, platform: str) -> dict[str, str]:
 def _launch_cores(cfg: ServeConfig, platform: str) -> list[int] | None:
     """The cores a bound CPU instance's processes are confined to (all its ranks'), None for a server vLLM binds
     itself (the default instance alone, a GPU). vLLM binds only its model worker's OpenMP threads; its API server
-    and engine core keep the affinity they inherit. Inherited from a launcher confined to another instance's
-    core (a switch started from such a process), they would run on that busy core only, and a beside start on
-    2 cores stalled there: every process of the instance gets the instance's cores instead."""
+    and engine core keep the affinity they inherit: launched from a process confined to the running instance's
+    core, a beside start on 2 cores ran there and barely progressed under that instance's traffic. Every process
+    of the instance gets the instance's cores instead, whatever its launcher runs on."""
     if platform != "cpu" or not cfg.cpu_cores:
         return None
     return sorted({c for rank in cfg.cpu_cores for c in rank})
