@@ -48,11 +48,19 @@ _GATE = ("import os, signal, sys\n"
          "os.close(fd)\n"
          "if go != b'1':\n"
          "    os._exit(1)\n"
+         # the instance's cores (see _launch_cores): kept across exec, inherited by every process vLLM starts
+         "if sys.argv[2]:\n"
+         "    os.sched_setaffinity(0, {int(c) for c in sys.argv[2].split(',')})\n"
          # what Python ignores at its start, as Popen(restore_signals=True) gives it back before exec
          "for name in ('SIGPIPE', 'SIGXFZ', 'SIGXFSZ'):\n"
          "    if hasattr(signal, name):\n"
          "        signal.signal(getattr(signal, name), signal.SIG_DFL)\n"
-         "os.execvp(sys.argv[2], sys.argv[2:])\n")
+         "os.execvp(sys.argv[3], sys.argv[3:])\n")
+# OpenMP's own placement variables. libgomp (loaded with torch in vLLM's API server and engine core) binds the
+# process's first thread to OMP_PLACES' first place when it loads: a caller's placement would put a bound
+# instance's API server and engine core on those cores, whatever VLLM_CPU_OMP_THREADS_BIND says. vLLM sets them
+# itself for its model worker, from VLLM_CPU_OMP_THREADS_BIND.
+_OMP_PLACEMENT = ("OMP_PLACES", "OMP_PROC_BIND", "GOMP_CPU_AFFINITY", "KMP_AFFINITY")
 
 
 @contextlib.contextmanager
@@ -140,7 +148,25 @@ def recorded_env(cfg: ServeConfig, platform: str) -> dict[str, str]:
     server's own."""
     env = {k: v for k, v in os.environ.items() if k.startswith(_RECORDED_ENV) and k != API_KEY_ENV}
     env.update(cfg.server_env(platform))
-    return env
+    return _without_caller_placement(env, cfg, platform)
+
+
+def _launch_cores(cfg: ServeConfig, platform: str) -> list[int] | None:
+    """The cores a bound CPU instance's processes are confined to (all its ranks'), None for a server vLLM binds
+    itself (the default instance alone, a GPU). vLLM binds only its model worker's OpenMP threads; its API server
+    and engine core keep the affinity they inherit: launched from a process confined to the running instance's
+    core, a beside start on 2 cores ran there and barely progressed under that instance's traffic. Every process
+    of the instance gets the instance's cores instead, whatever its launcher runs on."""
+    if platform != "cpu" or not cfg.cpu_cores:
+        return None
+    return sorted({c for rank in cfg.cpu_cores for c in rank})
+
+
+def _without_caller_placement(env: dict[str, str], cfg: ServeConfig, platform: str) -> dict[str, str]:
+    """`env` without OpenMP placement variables where the instance is bound to cores of its own (_OMP_PLACEMENT)."""
+    if _launch_cores(cfg, platform) is None:
+        return env
+    return {k: v for k, v in env.items() if k not in _OMP_PLACEMENT}
 
 
 def _launch(cfg: ServeConfig, argv: list[str], platform: str, env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -149,6 +175,7 @@ def _launch(cfg: ServeConfig, argv: list[str], platform: str, env: dict[str, str
     recorded = env if env is not None else recorded_env(cfg, platform)
     child_env = {k: v for k, v in os.environ.items() if not (env is not None and k.startswith(_RECORDED_ENV))}
     child_env.update(recorded)
+    child_env = _without_caller_placement(child_env, cfg, platform)
     child_env.pop(API_KEY_ENV, None)
     if api_key():  # the key is this command's (never recorded): vLLM reads it from its environment
         child_env[API_KEY_ENV] = api_key() or ""
@@ -160,7 +187,8 @@ def _launch(cfg: ServeConfig, argv: list[str], platform: str, env: dict[str, str
         # block, and the except below ends the group); a SIGKILL there closes the gate's pipe (see _GATE).
         with _signals_deferred():
             with open(cfg.log_file, "wb") as log:  # one log per start: the parser reads this start only
-                proc = subprocess.Popen([sys.executable, "-c", _GATE, str(gate_r), *argv], stdout=log,
+                cores = ",".join(map(str, _launch_cores(cfg, platform) or []))
+                proc = subprocess.Popen([sys.executable, "-c", _GATE, str(gate_r), cores, *argv], stdout=log,
                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=child_env,
                                         cwd=str(cfg.instance_dir), start_new_session=True, pass_fds=(gate_r,))
             os.close(gate_r)
