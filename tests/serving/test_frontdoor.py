@@ -225,11 +225,13 @@ def test_real_vllm_switches_through_the_front_door_fail_no_request(emb4_build, s
     its own), the starts and switches as `./vllm-t4 start [--replace]` and start_vllm_server run them
     (tools.serving.service), with chat completions running through the port clients use the whole time:
     (a) a good switch (the tiny all-4-bit build under a second name, beside the first), (b) a switch to a copy vLLM
-    refuses to load (an unknown quantization method), (c) a switch to the build at max_model_len=16, which loads
-    and refuses what clients send. No request fails; after (a) the new build answers, after (b) and (c) it still
-    does; (c) ends on vLLM's own refusal of the readiness request, names max_model_len and not a line every start
-    prints, and leaves no record; the failed build's log is kept; no process of a stopped build is left. The
-    plain start's refusal (no front door) is the same readiness code, on the stand-in in test_readiness."""
+    refuses to load (an unknown quantization method), (c) a switch to the build at max_model_len=16, below what
+    its chat template renders for one word (18 tokens), (d) at 19, which loads and refuses what clients send. No
+    request fails; after (a) the new build answers, after (b)-(d) it still does; (c) is refused before anything
+    launches, naming max_model_len; (d) ends on vLLM's own refusal of the readiness request, names max_model_len
+    and not a line every start prints, and leaves no record; the failed build's log is kept; no process of a
+    stopped build is left. The plain start's refusal (no front door) is the same readiness code, on the stand-in
+    in test_readiness."""
     import shutil
 
     from tests.fixtures import in_process_engine, require_plugin
@@ -260,6 +262,7 @@ def test_real_vllm_switches_through_the_front_door_fail_no_request(emb4_build, s
         for step, (b, want) in {"a": (build(emb4_build, "tiny-second"), "tiny-second"),
                                 "b": (build(bad, "tiny-unknown-quant"), "tiny-second"),
                                 "c": (build(emb4_build, "tiny-short", max_model_len=16), "tiny-second"),
+                                "d": (build(emb4_build, "tiny-short", max_model_len=19), "tiny-second"),
                                 }.items():
             # one loop names no model, one the name clients were first given (every later build answers to it)
             with Clients(front, model=None) as clients, Clients(front, model="tiny-first") as naming:
@@ -274,13 +277,17 @@ def test_real_vllm_switches_through_the_front_door_fail_no_request(emb4_build, s
             configs[step] = b
         assert results["a"].outcome == "serving tiny-second" and results["a"].mode == "beside"
         assert results["a"].figures.failed == 0 and results["a"].figures.requests
-        for step in "bc":
+        for step in "bcd":
             assert isinstance(results[step], ToolFailure), results[step]
             assert results[step].detail["outcome"] == "unchanged (tiny-second serves)", str(results[step])
-            pgids.append(results[step].detail["pgid"])
-        assert results["c"].detail["parameter"] == "max_model_len"
-        assert results["c"].detail["reason"] == "answered but refused what clients send"
-        assert "maximum context length is 16 tokens" in str(results["c"]) and "ulimit" not in str(results["c"])
+        pgids += [results[step].detail["pgid"] for step in "bd"]
+        # (c) below the chat template's own length: refused before anything launched, in seconds
+        assert results["c"].detail["check"] == "max_model_len" and results["c"].detail["parameter"] == "max_model_len"
+        assert "chat template renders 18 tokens" in str(results["c"]) and "pid" not in results["c"].detail
+        # (d) room for the template, not for the readiness request: vLLM's own refusal ends the start at once
+        assert results["d"].detail["parameter"] == "max_model_len"
+        assert results["d"].detail["reason"] == "answered but refused what clients send"
+        assert "maximum context length is 19 tokens" in str(results["d"]) and "ulimit" not in str(results["d"])
         assert not _instance(base, "blue").state_file.exists()
         last = switch_record.load_switch(base)  # the failed build's log is kept and named
         assert last.outcome == "unchanged (tiny-second serves)" and os.path.isfile(last.failed_log)

@@ -30,7 +30,8 @@ from tools.serving import router_state, turing_patch
 from tools.serving.config import looks_like_path
 from tools.serving.hardware import Hardware
 from tools.serving.hub import hf_token, hub_env
-from tools.serving.model_files import checkpoint_bytes, missing_model_fix, model_position_limit
+from tools.serving.model_files import (chat_prompt_tokens, checkpoint_bytes, missing_model_fix,
+                                       model_position_limit)
 from tools.serving.speculative import validate_speculative_config
 from tools.serving import version_pairs
 
@@ -284,6 +285,11 @@ def check_port(ctx: Context) -> Check:
                  fix=f"stop it ({op('stop')} if it is the server started from here) or set PORT")
 
 
+# A chat template renders tens of tokens for one short message: only a max_model_len this small is worth loading
+# the tokenizer for (a second for Gemma's 262k vocabulary).
+CHAT_CHECK_BELOW = 4096
+
+
 def check_max_model_len(ctx: Context) -> Check:
     if ctx.cfg is None:
         return Check(name="max_model_len", status="n/a", value="no configuration")
@@ -294,6 +300,14 @@ def check_max_model_len(ctx: Context) -> Check:
         return Check(name="max_model_len", status="n/a", detail=detail,
                      value=f"MAX_MODEL_LEN {cfg.max_model_len}; {cfg.model} has no local config.json to compare")
     if cfg.max_model_len <= limit:
+        chat = chat_prompt_tokens(cfg.model) if cfg.max_model_len <= CHAT_CHECK_BELOW else None
+        if chat is not None and chat + 1 > cfg.max_model_len:
+            at = param("max_model_len", cfg.max_model_len)
+            return Check(name="max_model_len", status="fail", detail={**detail, "chat_tokens": chat,
+                                                                       "parameter": "max_model_len"},
+                         value=f"{at} cannot hold a chat request: the build's chat template renders {chat} tokens "
+                               "for a one-word message, before any reply",
+                         fix=f"pass a larger {param('max_model_len')} than {chat}")
         return Check(name="max_model_len", status="ok", detail=detail,
                      value=f"MAX_MODEL_LEN {cfg.max_model_len} within the model's limit {limit}")
     if cfg.given_for_this_start("max_model_len"):
