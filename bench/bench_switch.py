@@ -1,8 +1,8 @@
 """A switch of the build behind the front door under live traffic, on vLLM's CPU backend with the tiny
 int4-embedding build, in tpu.env as shipped (FRONT_DOOR=1): the client-side figures (requests, failed, longest
 wait) and the switch's wall time, for a switch beside the running build, two that fail (a build vLLM refuses to
-load, and one at max_model_len=16, which loads and refuses what clients send) and one where the machine holds
-only one (hold).
+load, one at max_model_len=16, below what its chat template renders for one word, refused by the start checks,
+and one at 19, which loads and refuses what clients send) and one where the machine holds only one (hold).
 
     python bench/bench_switch.py [--clients 2] [--layout default|in-process]
 
@@ -10,9 +10,9 @@ Builds the tiny model (from the tiny-model cache when it is there) and its int4-
 folder; starts it as `./vllm-t4 start` does (tools.serving.service: the build on instance blue, half the cores,
 vllm-router on the port clients use); then, with `--clients` closed-loop chat completions running through that
 port the whole time, switches as `./vllm-t4 start --replace` does: (1) to the same build named `second`
-(instance green, beside), (2) to a copy with an unknown quantization method and (3) to the build at
-max_model_len=16, each beside green (both fail: the switch's wall time is how long the front door took to give
-up, with the server's own reason), (4) to a build asking for two cores, which a 2-core machine cannot give beside
+(instance green, beside), (2) to a copy with an unknown quantization method, (3) to the build at
+max_model_len=16 and (3b) at 19, each beside green (all fail: the switch's wall time is how long the front door
+took to give up, with the reason), (4) to a build asking for two cores, which a 2-core machine cannot give beside
 green (hold: green stops, the router holds requests while it loads). `--layout default` is vLLM's own process
 layout (API server and engine core), what a user's start runs; `in-process` runs the engine in the API server's
 process (VLLM_ENABLE_V1_MULTIPROCESSING=0, what the suite's shared servers use). Writes evidence/switch-<UTC
@@ -123,7 +123,8 @@ def main() -> int:
             url = first.base_url
             for label, b in [("beside", cfg("second")),
                              ("refused load", cfg("unknown-quant", model=bad)),
-                             ("refuses clients", cfg("short", max_model_len=16)),
+                             ("below its chat template", cfg("short", max_model_len=16)),
+                             ("refuses clients", cfg("short", max_model_len=19)),
                              ("hold", cfg("third", cpus=2))]:
                 with Clients(url, args.clients) as clients:
                     time.sleep(2.0)
