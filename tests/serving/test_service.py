@@ -140,10 +140,12 @@ def test_the_front_door_reads_as_the_service_in_preflight_and_status(shipped, ca
     assert _cli(capsys, "start", "--model", make("old"), "--served-name", "old")[0] == 0
     [port] = [c for c in checks_for("start") if c.name == "port"]
     assert port.status == "ok" and "is the front door's" in port.value and "over instance blue" in port.value, port
-    rc, out, _ = _cli(capsys, "stop", "--instance", "blue")
-    assert rc == 0
+    import os
+    import signal
+
+    os.killpg(state.load_state(load_config(instance="blue")).pgid, signal.SIGKILL)
     rc, out, _ = _cli(capsys, "status")
-    assert rc == 3 and f"the front door at {cfg.base_url} answers, over no build" in out, out
+    assert rc == 3 and f"the front door at {cfg.base_url} answers, over old (instance blue, down)" in out, out
 
 
 def test_two_replaces_at_once_through_the_front_door_one_switches_the_other_is_refused(shipped, capsys, tmp_path):
@@ -179,3 +181,79 @@ def test_two_replaces_at_once_through_the_front_door_one_switches_the_other_is_r
     assert clients.failed() == [] and clients.served()[-1] == "new"
     assert [b.instance for b in router_state.recorded(cfg).backends] == ["green"]
     assert state.load_state(load_config(instance="blue")) is None  # nothing of the refused start
+
+
+def test_the_doors_build_is_changed_through_the_door_not_by_its_instance_name(shipped, capsys):
+    """stop --instance blue or start --instance blue --replace on the build behind the door would leave clients
+    without it (or its names): refused in one line naming instance; the door keeps serving."""
+    make, cfg = shipped
+    assert _cli(capsys, "start", "--model", make("old"), "--served-name", "old")[0] == 0
+    rc, _, err = _cli(capsys, "stop", "--instance", "blue")
+    assert rc == 2 and "--instance blue serves behind the front door" in err and "./vllm-t4 stop" in err, err
+    rc, _, err = _cli(capsys, "start", "--instance", "blue", "--replace", "--model", make("new"))
+    assert rc == 2 and "--instance blue serves behind the front door" in err and "--replace" in err, err
+    assert state.leader(state.load_state(load_config(instance="blue"))) is not None
+
+
+def test_a_door_left_with_no_build_is_refilled_by_the_next_start(shipped, capsys):
+    """The build behind the door killed (or ended by a switch that failed both ways): the next start puts its
+    build behind the same door, and requests sent meanwhile are held and answered."""
+    import os
+    import signal
+
+    make, cfg = shipped
+    assert _cli(capsys, "start", "--model", make("old"), "--served-name", "old")[0] == 0
+    old = state.load_state(load_config(instance="blue"))
+    os.killpg(old.pgid, signal.SIGKILL)
+    with Clients(cfg.base_url) as clients:
+        rc, out, err = _cli(capsys, "start", "--model", make("new"), "--served-name", "new")
+    assert rc == 0 and "the front door" in out, err
+    assert clients.failed() == [] and clients.served()[-1] == "new"
+    rt = router_state.recorded(cfg)
+    [b] = rt.backends
+    assert state.load_state(load_config(instance=b.instance)).served_name == "new" and "old" in rt.names
+
+
+def test_a_door_that_is_gone_is_cleaned_up_by_stop_and_its_builds_refused_by_start(shipped, capsys):
+    """The router killed: start refuses to start another build beside the one left (naming it and stop); stop
+    ends that build too; then start serves again."""
+    import os
+    import signal
+
+    make, cfg = shipped
+    assert _cli(capsys, "start", "--model", make("old"), "--served-name", "old")[0] == 0
+    old = state.load_state(load_config(instance="blue"))
+    os.killpg(router_state.recorded(cfg).pgid, signal.SIGKILL)
+    rc, _, err = _cli(capsys, "start", "--model", make("new"))
+    assert rc == 1 and "instance blue (old) still runs without the front door" in err and "./vllm-t4 stop" in err, err
+    rc, out, err = _cli(capsys, "stop")
+    assert rc == 0 and group_alive(old.pgid) == [], (out, err)
+    assert _cli(capsys, "start", "--model", make("new"), "--served-name", "new")[0] == 0
+
+
+def test_a_stop_while_the_front_door_starts_is_refused_not_passed_over(shipped, capsys, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from tests.fixtures import ROOT
+
+    make, cfg = shipped
+    go = tmp_path / "go"
+    slow = make("slow", until=str(go))
+    first = subprocess.Popen([sys.executable, "-m", "tests.stand_in_switch", "cli", "start", "--model", slow],
+                             cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        import time
+
+        deadline = time.monotonic() + 60
+        while not load_config(instance="blue").state_file.exists():
+            assert first.poll() is None and time.monotonic() < deadline, first.communicate()
+            time.sleep(0.05)
+        rc, _, err = _cli(capsys, "stop")
+        assert rc == 1 and "the front door is being switched" in err and "this stop was not done" in err, err
+    finally:
+        go.touch()
+        out, err = first.communicate(timeout=60)
+    assert first.returncode == 0 and "the front door" in out, err

@@ -37,6 +37,7 @@ from tools.serving.hardware import Hardware
 from tools.serving.launch import relaunch, signals_deferred, start_server
 from tools.serving.model_files import checkpoint_bytes
 from tools.serving.router_state import Backend, RouterState
+from tools.serving.server_guard import owned_server
 from tools.serving.start_progress import StartReport
 from tools.serving.vllm_server import stop_server
 
@@ -70,6 +71,14 @@ def _worker(rt: RouterState, path: str, url: str) -> None:
                           f"{op('router.status')}") from None
     if r.status_code != 200:
         raise ToolFailure(f"the router at {rt.base_url} refused {path} {url}: HTTP {r.status_code} {r.text[:200]}")
+
+
+def add_worker(rt: RouterState, url: str) -> None:
+    _worker(rt, "add_worker", url)
+
+
+def remove_worker(rt: RouterState, url: str) -> None:
+    _worker(rt, "remove_worker", url)
 
 
 def workers(rt: RouterState) -> list[str]:
@@ -306,7 +315,8 @@ class _Switch:
         if not fit.beside and self.hold_s <= 0:
             raise ToolFailure(f"{b} cannot start {fit.why.removeprefix('not ')}, and the front door at "
                               f"{self.rt.base_url} holds no request while no build answers (started without a "
-                              f"hold): restart it with {op('router.start')}; {a} still serves (unchanged)",
+                              f"hold): restart the door with a hold (FRONT_DOOR_HOLD_S, or {op('router.start')}'s "
+                              f"hold_s); {a} still serves (unchanged)",
                               {"outcome": f"unchanged ({a} serves)"})
         aka = (f" (answering to {', '.join(self.b.served_aliases)} too, the name clients send)"
                if self.b.served_aliases else "")
@@ -346,7 +356,10 @@ class _Switch:
                          field=getattr(exc, "field", None))
 
     def _start_b(self):
-        return start_server(self.b, hardware=self.hw, progress=self.progress)
+        # Owned until ready: a switch process killed outright (the OOM killer) takes a loading B with it rather
+        # than leave it serving outside the door; `start` then puts a build behind the door again.
+        with owned_server(self.b.state_file):
+            return start_server(self.b, hardware=self.hw, progress=self.progress)
 
     def _stop_a(self) -> None:
         _step("a drains")
@@ -457,4 +470,5 @@ def _undo_beside(rt: RouterState, b: ServeConfig, b_url: str, a_url: str) -> Non
     stop_server(b, grace_s=5)
 
 
-__all__ = ["HOLD_S", "Figures", "Fit", "SwitchResult", "fits_beside", "hold_args", "switch", "workers"]
+__all__ = ["HOLD_S", "Figures", "Fit", "SwitchResult", "add_worker", "fits_beside", "hold_args", "remove_worker", "switch",
+           "workers"]

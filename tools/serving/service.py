@@ -18,7 +18,7 @@ from typing import Any
 
 from tools.core.errors import BadInput, ToolFailure, op, param
 from tools.core.process import free_port
-from tools.serving import placement, router_state, switch_process
+from tools.serving import frontdoor, placement, router_state, switch_process, switch_record
 from tools.serving.config import ServeConfig
 from tools.serving.frontdoor import SwitchResult
 from tools.serving.hardware import Hardware
@@ -44,13 +44,31 @@ def door(cfg: ServeConfig) -> router_state.RouterState | None:
 
 
 def _slot(cfg: ServeConfig, rt: router_state.RouterState | None) -> str:
-    taken = set(placement.running(cfg)) | {b.instance for b in (rt.backends if rt else [])}
+    behind = {b.instance for b in (rt.backends if rt else [])}
+    taken = set(placement.running(cfg)) | behind
     free = [s for s in SLOTS if s not in taken]
     if not free:
-        raise ToolFailure(f"instances {' and '.join(SLOTS)} both run: the front door's next build needs one of "
-                          f"them; stop the one not behind it with {op('stop', instance=SLOTS[0])}",
-                          {"running": sorted(taken)})
+        outside = [s for s in SLOTS if s not in behind]
+        raise ToolFailure(f"instances {' and '.join(SLOTS)} both run and the front door's next build needs one of "
+                          f"them; {outside[0]} is not behind the front door: stop it with "
+                          f"{op('stop', instance=outside[0])}", {"running": sorted(taken), "behind": sorted(behind)})
     return free[0]
+
+
+def _live_backends(cfg: ServeConfig, rt: router_state.RouterState) -> list[str]:
+    alive = placement.running(cfg)
+    return [b.instance for b in rt.backends if b.instance in alive]
+
+
+def _refuse_door_build(cfg: ServeConfig, what: str) -> None:
+    """A named instance that serves behind the front door is changed through the door, not by its name."""
+    if not cfg.front_door or not cfg.instance or cfg.instance not in SLOTS:
+        return
+    rt = door(cfg)
+    if rt is not None and cfg.instance in {b.instance for b in rt.backends}:
+        raise BadInput(f"{param('instance', cfg.instance)} serves behind the front door at {rt.base_url}: "
+                       f"{what} it through the door, {op('start', replace=True) if what == 'replace' else op('stop')} "
+                       "without an instance", {"instance": cfg.instance}, field="instance")
 
 
 def build_config(cfg: ServeConfig, rt: router_state.RouterState | None) -> ServeConfig:
@@ -64,6 +82,8 @@ def start(cfg: ServeConfig, *, replace_running: bool = False, progress: StartRep
     SwitchResult when it replaced a build there), else on the port itself. Owned until ready: a command or MCP
     server that is gone before then (even by SIGKILL) takes the starting server with it; a front-door switch
     runs in a process of its own and ends alone."""
+    if replace_running:
+        _refuse_door_build(cfg, "replace")
     if not behind_door(cfg):
         with owned_server(cfg.state_file):
             return (replace_server if replace_running else start_server)(cfg, progress=progress, hardware=hardware)
@@ -77,6 +97,8 @@ def start(cfg: ServeConfig, *, replace_running: bool = False, progress: StartRep
             f"loaded; {op('stop')} and {op('start')} move it behind the front door")])))
     if rt is not None:
         router_state.refuse_while_switching(cfg, "this start")  # before a slot is chosen: the switch holds one
+        if not _live_backends(cfg, rt):  # the door answers, nothing behind it: this build is put behind it
+            return _refill(cfg, rt, progress, hardware)
         if not replace_running:
             raise ToolFailure(f"the front door at {rt.base_url} already serves {_serving(rt)}; switch builds with "
                               f"{op('start', replace=True)}, or stop it with {op('stop')}", {"base_url": rt.base_url})
@@ -87,18 +109,53 @@ def start(cfg: ServeConfig, *, replace_running: bool = False, progress: StartRep
     return _open(cfg, progress, hardware)
 
 
+def _refill(cfg: ServeConfig, rt: router_state.RouterState, progress: StartReport | None,
+            hardware: Hardware | None) -> StartResult:
+    """A front door whose builds are all gone (a switch that ended with nothing serving, a build stopped or
+    killed): the new build starts in a free slot and the door routes to it alone; requests held meanwhile."""
+    with router_state.switching(cfg, f"start of {cfg.served_name} behind the front door"):
+        b = build_config(cfg, router_state.RouterState.model_validate({**rt.model_dump(), "backends": []}))
+        with owned_server(b.state_file):
+            res = start_server(replace(b, served_aliases=[n for n in rt.names if n != b.served_name]),
+                               progress=progress, hardware=hardware)
+        try:
+            for url in frontdoor.workers(rt):
+                frontdoor.remove_worker(rt, url)
+            frontdoor.add_worker(rt, res.base_url)
+        except BaseException:
+            with signals_deferred():
+                stop_server(b, grace_s=5)
+            raise
+        router_state.write(cfg, rt.model_copy(update={
+            "backends": [router_state.Backend(instance=b.instance, base_url=res.base_url)],
+            "names": list(dict.fromkeys([*rt.names, cfg.served_name]))}))
+    return replace(res, base_url=rt.base_url, front_door={
+        "base_url": rt.base_url, "pid": rt.pid, "instance": b.instance, "backend_url": res.base_url,
+        "hold_s": rt.hold_s})
+
+
 def _open(cfg: ServeConfig, progress: StartReport | None, hardware: Hardware | None) -> StartResult:
     """The build on an internal port, then the router on the port clients use, over it."""
     check_port(cfg, cfg.host, cfg.port)  # before anything starts: the door's port
-    b = build_config(cfg, None)
-    with owned_server(b.state_file):
-        res = start_server(b, progress=progress, hardware=hardware)
-        try:
-            rt = start_router(cfg, [b.instance], port=cfg.port, hold_s=cfg.front_door_hold_s)
-        except BaseException:
-            with signals_deferred():  # no build left serving beside a door that did not open
-                stop_server(b, grace_s=5)
-            raise
+    alive = placement.running(cfg)
+    orphans = [s for s in SLOTS if s in alive]
+    if orphans:  # a door that is gone left its builds: they would hold the cores the new one needs
+        raise ToolFailure(f"instance {' and '.join(orphans)} ({', '.join(alive[s].served_name for s in orphans)}) "
+                          f"still runs without the front door (its router is gone): {op('stop')} ends it, then "
+                          f"{op('start')}", {"running": orphans})
+    with router_state.switching(cfg, f"start of the front door with {cfg.served_name}"):
+        b = build_config(cfg, None)
+        with owned_server(b.state_file):
+            res = start_server(b, progress=progress, hardware=hardware)
+            try:
+                rt = start_router(cfg, [b.instance], port=cfg.port, hold_s=cfg.front_door_hold_s)
+            except BaseException:
+                with signals_deferred():  # no build left serving beside a door that did not open
+                    stop_server(b, grace_s=5)
+                raise
+        # the name clients are given: every build switched in later answers to it too
+        router_state.write(cfg, router_state.load(cfg).model_copy(update={"names": [b.served_name]}))
+        switch_record.switch_file(replace(cfg, instance="")).unlink(missing_ok=True)  # a switch of an earlier door
     return replace(res, base_url=rt.base_url, front_door={
         "base_url": rt.base_url, "pid": rt.pid, "instance": b.instance, "backend_url": res.base_url,
         "hold_s": cfg.front_door_hold_s})
@@ -109,16 +166,21 @@ def _serving(rt: router_state.RouterState) -> str:
 
 
 def stop(cfg: ServeConfig, *, grace_s: float = 20.0) -> list[Any]:
-    """Stops the service on the port: the front door and the builds behind it, else the server itself; each
-    stop's result (a StopResult, the router's RouterStopResult first)."""
-    rt = door(cfg) if behind_door(cfg) else None
-    if rt is None:
+    """Stops the service on the port: the front door and the builds behind it (and any build of its slots a
+    door that is gone left running), else the server itself; each stop's result (a StopResult, the router's
+    RouterStopResult first). Refused while a switch or a front-door start runs."""
+    _refuse_door_build(cfg, "stop")
+    if not behind_door(cfg):
         return [stop_server(cfg, grace_s=grace_s)]
-    results: list[Any] = [stop_router(cfg, grace_s=grace_s)]
-    for b in rt.backends:
-        results.append(stop_server(replace(cfg, instance="" if b.instance == "default" else b.instance),
-                                   grace_s=grace_s))
-    return results
+    router_state.refuse_while_switching(cfg, "this stop")
+    rt = door(cfg)
+    results: list[Any] = [stop_router(cfg, grace_s=grace_s)] if rt is not None else []
+    names = list(dict.fromkeys([*(b.instance for b in (rt.backends if rt else [])), *SLOTS]))
+    for name in names:
+        one = replace(cfg, instance="" if name == "default" else name)
+        if one.state_file.exists():
+            results.append(stop_server(one, grace_s=grace_s))
+    return results or [stop_server(cfg, grace_s=grace_s)]
 
 
 def describe(res: StartResult | SwitchResult) -> str:
