@@ -64,6 +64,7 @@ def test_resources_templates_and_prompts_are_listed_under_the_default_toolsets(m
 
 def test_config_marks_what_the_environment_and_the_server_override(mcp, tmp_path, monkeypatch):
     monkeypatch.setenv("PORT", "8123")
+    monkeypatch.delenv("FRONT_DOOR")  # the suite's own pin (conftest): tpu.env's value here
 
     async def go():
         async with Client(mcp) as c:
