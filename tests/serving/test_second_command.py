@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from tests import stand_in_vllm
-from tests.fixtures import ROOT, free_port
+from tests.fixtures import ROOT, default_signals, free_port
 from tests.kill_matrix import all_gone
 from tools.serving import state
 from tools.serving.config import load_config
@@ -51,8 +51,9 @@ class Bench:
         return str(model)
 
     def popen(self, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
-        return subprocess.Popen(stand_in_vllm.cli_argv(*args), cwd=ROOT,
-                                env=env or self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        # default SIGINT/SIGTERM whatever the runner inherited (a runner started in the background ignores SIGINT)
+        return subprocess.Popen(stand_in_vllm.cli_argv(*args), cwd=ROOT, env=env or self.env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_signals)
 
     def run(self, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
         p = self.popen(*args, env=env)
