@@ -56,6 +56,16 @@ def argv(port: int, model: str, names: list[str] | tuple[str, ...] = ()) -> list
     return [sys.executable, __file__, str(port), model, *names]
 
 
+def build(folder: Path, **behaviour) -> str:
+    """A stand-in build at `folder`: its behaviour.json (the keys above), an empty config.json and a chat template
+    (what readiness sends a chat completion through); its path."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "behaviour.json").write_text(json.dumps(behaviour))
+    (folder / "config.json").write_text("{}")
+    (folder / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    return str(folder)
+
+
 def cli_argv(*args: str) -> list[str]:
     """`./vllm-t4 ARGS` with the stand-in as vLLM, in a process of its own (the instance lock is taken by two
     processes as it is in use)."""

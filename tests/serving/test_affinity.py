@@ -8,7 +8,6 @@ API server and engine core on that busy core alone."""
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -54,11 +53,7 @@ def make(tmp_path, monkeypatch, serve_config_factory):
     made: list[ServeConfig] = []
 
     def make(instance: str | None, name: str, cpus: int | None = 1) -> ServeConfig:
-        model = tmp_path / name
-        model.mkdir()
-        (model / "behaviour.json").write_text(json.dumps({"mode": "serve"}))
-        (model / "config.json").write_text("{}")
-        (model / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+        model = stand_in_vllm.build(tmp_path / name, mode="serve")
         cfg = serve_config_factory(model, name, state_dir=tmp_path / "run", instance=instance, cpus=cpus,
                                    port=free_port(), start_timeout_s=30.0)
         made.append(cfg)

@@ -86,11 +86,7 @@ def door(tmp_path, monkeypatch, serve_config_factory):
     made: list[ServeConfig] = []
 
     def make(instance: str, name: str, mode: str = "serve", cpus: int = 1, **spec) -> ServeConfig:
-        model = tmp_path / name
-        model.mkdir(exist_ok=True)
-        (model / "behaviour.json").write_text(json.dumps({"mode": mode, **spec}))
-        (model / "config.json").write_text("{}")
-        (model / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+        model = stand_in_vllm.build(tmp_path / name, mode=mode, **spec)
         cfg = serve_config_factory(model, name, state_dir=tmp_path / "run", instance=instance, cpus=cpus,
                                    port=free_port(), start_timeout_s=30.0)
         made.append(cfg)

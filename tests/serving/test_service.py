@@ -7,7 +7,6 @@ real vllm-router, the switch's own process tests/stand_in_switch.py (a CPU of tw
 from __future__ import annotations
 
 import asyncio
-import json
 
 import pytest
 
@@ -34,12 +33,7 @@ def shipped(tmp_path, monkeypatch):
     monkeypatch.delenv("FRONT_DOOR", raising=False)
 
     def make(name: str, mode: str = "serve", **spec) -> str:
-        model = tmp_path / name
-        model.mkdir(exist_ok=True)
-        (model / "behaviour.json").write_text(json.dumps({"mode": mode, **spec}))
-        (model / "config.json").write_text("{}")
-        (model / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
-        return str(model)
+        return stand_in_vllm.build(tmp_path / name, mode=mode, **spec)
 
     cfg = load_config()
     assert cfg.front_door, "tpu.env as shipped serves through the front door"

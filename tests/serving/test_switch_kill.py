@@ -11,7 +11,6 @@ process of the other build, nor the switch's, left."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -66,12 +65,7 @@ def front(tmp_path, monkeypatch, serve_config_factory):
 
 
 def _build(tmp_path, name: str, behaviour: dict) -> str:
-    model = tmp_path / name
-    model.mkdir()
-    (model / "behaviour.json").write_text(json.dumps(behaviour))
-    (model / "config.json").write_text("{}")
-    (model / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
-    return str(model)
+    return stand_in_vllm.build(tmp_path / name, **behaviour)
 
 
 def _processes_of(model: str) -> list[int]:
