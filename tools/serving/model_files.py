@@ -31,17 +31,13 @@ def model_position_limit(model: str) -> int | None:
     return None
 
 
-def _chat_template(folder: Path) -> str | None:
-    """The build's chat template as vLLM reads it: chat_template.jinja, else tokenizer_config.json's (a string,
-    or the one named "default" of a list)."""
+def _chat_template(folder: Path, tc: dict) -> str | None:
+    """The build's chat template as vLLM reads it: chat_template.jinja, else tokenizer_config.json's (`tc`: a
+    string, or the one named "default" of a list)."""
     f = folder / "chat_template.jinja"
     if f.is_file():
         return f.read_text()
-    try:
-        tc = json.loads((folder / "tokenizer_config.json").read_text())
-    except (ValueError, RecursionError, OSError):
-        return None
-    t = tc.get("chat_template") if isinstance(tc, dict) else None
+    t = tc.get("chat_template")
     if isinstance(t, list):
         t = next((x.get("template") for x in t if isinstance(x, dict) and x.get("name") == "default"), None)
     return t if isinstance(t, str) else None
@@ -57,19 +53,20 @@ def chat_prompt_tokens(model: str) -> int | None:
     if not (folder / "tokenizer.json").is_file():
         return None
     try:
-        template = _chat_template(folder)
+        try:
+            tc = json.loads((folder / "tokenizer_config.json").read_text())
+        except (ValueError, RecursionError, OSError):
+            tc = {}
+        tc = tc if isinstance(tc, dict) else {}
+        template = _chat_template(folder, tc)
         if template is None:
             return None
         from jinja2.ext import loopcontrols
         from jinja2.sandbox import ImmutableSandboxedEnvironment
         from tokenizers import Tokenizer
 
-        try:
-            tc = json.loads((folder / "tokenizer_config.json").read_text())
-        except (ValueError, RecursionError, OSError):
-            tc = {}
         special = {k: (v.get("content") if isinstance(v, dict) else v) for k, v in tc.items()
-                   if k in ("bos_token", "eos_token") and isinstance(v, (str, dict))} if isinstance(tc, dict) else {}
+                   if k in ("bos_token", "eos_token") and isinstance(v, (str, dict))}
 
         def raise_exception(message):
             raise ValueError(message)

@@ -129,9 +129,7 @@ def _refill(cfg: ServeConfig, rt: router_state.RouterState, progress: StartRepor
         router_state.write(cfg, rt.model_copy(update={
             "backends": [router_state.Backend(instance=b.instance, base_url=res.base_url)],
             "names": list(dict.fromkeys([*rt.names, cfg.served_name]))}))
-    return replace(res, base_url=rt.base_url, front_door={
-        "base_url": rt.base_url, "pid": rt.pid, "instance": b.instance, "backend_url": res.base_url,
-        "hold_s": rt.hold_s})
+    return _through(res, rt.base_url, rt.pid, b.instance, rt.hold_s)
 
 
 def _open(cfg: ServeConfig, progress: StartReport | None, hardware: Hardware | None) -> StartResult:
@@ -156,9 +154,13 @@ def _open(cfg: ServeConfig, progress: StartReport | None, hardware: Hardware | N
         # the name clients are given: every build switched in later answers to it too
         router_state.write(cfg, router_state.load(cfg).model_copy(update={"names": [b.served_name]}))
         switch_record.switch_file(replace(cfg, instance="")).unlink(missing_ok=True)  # a switch of an earlier door
-    return replace(res, base_url=rt.base_url, front_door={
-        "base_url": rt.base_url, "pid": rt.pid, "instance": b.instance, "backend_url": res.base_url,
-        "hold_s": cfg.front_door_hold_s})
+    return _through(res, rt.base_url, rt.pid, b.instance, cfg.front_door_hold_s)
+
+
+def _through(res: StartResult, door_url: str, door_pid: int, instance: str, hold_s: float | None) -> StartResult:
+    """The build's start result as clients see it: the front door's URL, the build's own named beside it."""
+    return replace(res, base_url=door_url, front_door={"base_url": door_url, "pid": door_pid, "instance": instance,
+                                                       "backend_url": res.base_url, "hold_s": hold_s})
 
 
 def _serving(rt: router_state.RouterState) -> str:
