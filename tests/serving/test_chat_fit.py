@@ -20,13 +20,15 @@ TEMPLATE = ("{{ bos_token }} {% for m in messages %}<turn> {{ m['role'] }} {{ m[
 WORDS = ["[UNK]", "<bos>", "<turn>", "</turn>", "user", "hi", "model"]
 
 
-def _build(folder, *, template_in_config: bool = False, template: str = TEMPLATE):
+def _build(folder, *, template_in_config: bool = False, template: str = TEMPLATE, processor_file: bool = False):
     folder.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.save(str(folder / "tokenizer.json"))
     config = {"bos_token": "<bos>", "eos_token": "</turn>"}
-    if template_in_config:
+    if processor_file:  # the processor's chat_template.json, as multimodal checkpoints ship it
+        (folder / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    elif template_in_config:
         config["chat_template"] = [{"name": "tool_use", "template": "x"}, {"name": "default", "template": template}]
     else:
         (folder / "chat_template.jinja").write_text(template)
@@ -42,6 +44,21 @@ def test_the_chat_template_is_rendered_and_counted_as_the_server_would(tmp_path)
     assert chat_prompt_tokens(_build(tmp_path / "broken", template="{% if %}")) is None
     assert chat_prompt_tokens(_build(tmp_path / "raises", template="{{ raise_exception('no') }}")) is None
     assert chat_prompt_tokens(str(tmp_path / "nothing")) is None
+
+
+def test_the_template_the_check_counts_is_the_one_readiness_sends_a_chat_for(tmp_path):
+    """One reader of a build's chat template: the start check and the readiness chat agree on every layout,
+    chat_template.json included (the check used to find no template there and skip)."""
+    from tools.serving.readiness import has_chat_template
+
+    processor = _build(tmp_path / "processor", processor_file=True)
+    assert chat_prompt_tokens(processor) == 7 and has_chat_template(processor)
+    bare = _build(tmp_path / "bare", template="")
+    (tmp_path / "bare" / "chat_template.jinja").unlink()
+    assert chat_prompt_tokens(bare) is None and not has_chat_template(bare)
+    for name in ("file", "config"):
+        folder = _build(tmp_path / name, template_in_config=name == "config")
+        assert has_chat_template(folder) and chat_prompt_tokens(folder) == 7
 
 
 @pytest.mark.parametrize("max_model_len,status", [(7, "fail"), (8, "ok"), (512, "ok")])

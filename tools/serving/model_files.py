@@ -31,16 +31,33 @@ def model_position_limit(model: str) -> int | None:
     return None
 
 
-def _chat_template(folder: Path, tc: dict) -> str | None:
-    """The build's chat template as vLLM reads it: chat_template.jinja, else tokenizer_config.json's (`tc`: a
-    string, or the one named "default" of a list)."""
+def _tokenizer_config(folder: Path) -> dict:
+    try:
+        tc = json.loads((folder / "tokenizer_config.json").read_text())
+    except (ValueError, RecursionError, OSError):
+        return {}
+    return tc if isinstance(tc, dict) else {}
+
+
+def chat_template(folder: Path, tc: dict | None = None) -> str | None:
+    """The build's chat template as vLLM reads it: chat_template.jinja, else chat_template.json's (the processor's
+    file), else tokenizer_config.json's (`tc`, read when not given: a string, or the one named "default" of a
+    list). None when the build ships none."""
     f = folder / "chat_template.jinja"
     if f.is_file():
-        return f.read_text()
-    t = tc.get("chat_template")
+        try:
+            return f.read_text()
+        except (OSError, UnicodeDecodeError):
+            return None
+    try:
+        t = json.loads((folder / "chat_template.json").read_text()).get("chat_template")
+    except (ValueError, RecursionError, OSError, AttributeError):
+        t = None
+    if not isinstance(t, str):
+        t = (_tokenizer_config(folder) if tc is None else tc).get("chat_template")
     if isinstance(t, list):
         t = next((x.get("template") for x in t if isinstance(x, dict) and x.get("name") == "default"), None)
-    return t if isinstance(t, str) else None
+    return t if isinstance(t, str) and t else None
 
 
 def chat_prompt_tokens(model: str) -> int | None:
@@ -53,12 +70,8 @@ def chat_prompt_tokens(model: str) -> int | None:
     if not (folder / "tokenizer.json").is_file():
         return None
     try:
-        try:
-            tc = json.loads((folder / "tokenizer_config.json").read_text())
-        except (ValueError, RecursionError, OSError):
-            tc = {}
-        tc = tc if isinstance(tc, dict) else {}
-        template = _chat_template(folder, tc)
+        tc = _tokenizer_config(folder)
+        template = chat_template(folder, tc)
         if template is None:
             return None
         from jinja2.ext import loopcontrols
@@ -118,5 +131,5 @@ def missing_model_fix(model: str, platform: str) -> str:
             "or a Hugging Face id")
 
 
-__all__ = ["TINY_SOURCE", "checkpoint_bytes", "embedding_method", "make_source", "missing_model_fix",
+__all__ = ["TINY_SOURCE", "chat_prompt_tokens", "chat_template", "checkpoint_bytes", "embedding_method", "make_source", "missing_model_fix",
            "model_position_limit"]

@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 
 from tools.core.errors import param
+from tools.serving import model_files
 
 # Readiness is a completion of several tokens from a prompt of several tokens: a one-token probe can pass on an
 # engine whose traced graphs were specialised on the warm-up's shape and fail every real prompt.
@@ -87,15 +88,8 @@ def refusal(request: str, status: int, body: str) -> Refusal:
 
 
 def has_chat_template(model: str) -> bool:
-    """A local build that ships a chat template (chat_template.jinja, or one in tokenizer_config.json)."""
-    folder = Path(model)
-    if (folder / "chat_template.jinja").is_file() or (folder / "chat_template.json").is_file():
-        return True
-    try:
-        tok = json.loads((folder / "tokenizer_config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(tok, dict) and bool(tok.get("chat_template"))
+    """A local build that ships a chat template (model_files.chat_template: as vLLM reads it)."""
+    return model_files.chat_template(Path(model)) is not None
 
 
 def _post(client: httpx.Client, url: str, body: dict, request: str) -> tuple[dict | None, Refusal | None]:
