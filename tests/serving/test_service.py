@@ -142,6 +142,25 @@ def test_the_front_door_reads_as_the_service_in_preflight_and_status(shipped, ca
     assert rc == 3 and f"the front door at {cfg.base_url} answers, over old (instance blue, down)" in out, out
 
 
+def test_a_door_started_before_front_door_0_was_set_is_still_the_service_on_the_port(shipped, capsys, monkeypatch):
+    """FRONT_DOOR=0 set after a door was started: status, query and stop still find the door on PORT (they read
+    no server there and left the door and its build running), and a plain start names the door's port."""
+    make, cfg = shipped
+    assert _cli(capsys, "start", "--model", make("old"), "--served-name", "old")[0] == 0
+    blue = state.load_state(load_config(instance="blue"))
+    door = router_state.recorded(cfg)
+    monkeypatch.setenv("FRONT_DOOR", "0")
+    rc, out, err = _cli(capsys, "status")
+    assert rc == 0 and f"the front door at {cfg.base_url} answers, over old (instance blue, serving)" in out, out
+    rc, out, err = _cli(capsys, "query", "hello", "--max-tokens", "2")
+    assert rc == 0, err
+    rc, out, err = _cli(capsys, "start", "--model", make("new"), "--served-name", "new")
+    assert rc == 1 and "already serves" in err and "--replace" in err, err
+    rc, out, err = _cli(capsys, "stop")
+    assert rc == 0, (out, err)
+    assert group_alive(blue.pgid) == [] and group_alive(door.pgid) == [] and router_state.recorded(cfg) is None
+
+
 def test_two_replaces_at_once_through_the_front_door_one_switches_the_other_is_refused(shipped, capsys, tmp_path):
     """A second `start --replace` while the first switch runs is refused in one line before it chooses a slot or
     starts anything; the first ends serving its build, no request failing meanwhile."""

@@ -98,8 +98,8 @@ class App:
     def managed_base_url(self, instance: str | None = None) -> str:
         """The base URL of the server this project started (state file), for tools that measure it."""
         st = server_status(self.config(instance=instance))
-        door = router_state.recorded(self.config()) if instance is None and self.config().front_door else None
-        if (not st.alive or not st.base_url) and door is not None:  # FRONT_DOOR=1: the port is the door's
+        door = router_state.door_on_port(self.config()) if instance is None else None
+        if (not st.alive or not st.base_url) and door is not None:  # the port is the front door's
             return door.base_url
         if not st.alive or not st.base_url:
             which = f"instance {instance!r} is not running" if instance else "no vLLM server is running"

@@ -82,8 +82,8 @@ def resolve_endpoint(params: Any, cfg: ServeConfig | None = None, *, env_file: A
     if "default" in alive:
         return Endpoint(base_url=alive["default"].base_url, kind="instance", name="default",
                         config=replace(cfg, instance=""))
-    door = router_state.recorded(cfg) if cfg.front_door else None
-    if door is not None:  # FRONT_DOOR=1: the port clients use is the front door's
+    door = router_state.door_on_port(cfg)
+    if door is not None:  # the port clients use is the front door's
         return Endpoint(base_url=door.base_url, kind="router", policy=door.policy,
                         backends=[asdict(b) for b in door.backends], config=cfg)
     if managed:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from tools.core.errors import ToolFailure
-from tools.serving import router, state, switch_record
+from tools.serving import router, router_state, state, switch_record
 from tools.serving.config import INSTANCE_NAME, ServeConfig
 from tools.serving.placement import instance_configs, locked, plan, process_owners, resolve, running
 from tools.serving.vllm_server import server_status, stop_server
@@ -41,9 +41,9 @@ def fleet_status(cfg: ServeConfig, *, hardware: Any = None) -> Any:
     reported = ([top] if had_default else []) + listed
     healthy = [i.alive and i.healthy for i in reported] + ([r.alive and r.healthy] if r is not None else [])
     top.all_healthy = bool(healthy) and all(healthy)
-    door_up = cfg.front_door and r is not None and r.alive and not had_default
+    door_up = router_state.door_on_port(default_cfg) is not None and r is not None and r.alive and not had_default
     if door_up:
-        # FRONT_DOOR=1: the default service is the door, healthy when it answers and so does a build behind it
+        # the default service is the door, healthy when it answers and so does a build behind it
         behind = [i for i in listed if i.instance in r.backends_healthy]
         top.message = (f"the front door at {r.base_url} {'answers' if r.healthy else 'does not answer'}, over "
                        + (", ".join(f"{i.served_name} (instance {i.instance}, "

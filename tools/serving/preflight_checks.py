@@ -271,8 +271,8 @@ def check_port(ctx: Context) -> Check:
     cfg = ctx.cfg
     holder = port_holder(cfg.host, cfg.port)
     detail = {"host": cfg.host, "port": cfg.port, "holder": holder, "instance": cfg.instance_name}
-    door = router_state.recorded(cfg) if cfg.front_door and not cfg.instance else None
-    if holder is not None and door is not None and door.port == cfg.port:
+    door = router_state.door_on_port(cfg)
+    if holder is not None and door is not None:
         return Check(name="port", status="ok", detail={**detail, "front_door": door.base_url},
                      value=f"port {cfg.port} on {cfg.host} is the front door's (pid {door.pid}), over "
                            + (", ".join(f"instance {b.instance}" for b in door.backends) or "no build")

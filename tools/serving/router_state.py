@@ -79,6 +79,16 @@ def recorded(cfg: ServeConfig) -> RouterState | None:
     return st if st is not None and (alive(st) or group(st)) else None
 
 
+def door_on_port(cfg: ServeConfig) -> RouterState | None:
+    """The front door of cfg's port: a running router that listens on PORT, for the default instance. It is the
+    service on that port whatever FRONT_DOOR says now (a door started under FRONT_DOOR=1 is still read, switched
+    and stopped as the door after FRONT_DOOR=0 is set)."""
+    if cfg.instance:
+        return None
+    rt = recorded(cfg)
+    return rt if rt is not None and rt.port == cfg.port else None
+
+
 def switch_file(cfg: ServeConfig) -> Path:
     return Path(cfg.state_dir) / "switch.lock"
 

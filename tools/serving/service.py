@@ -34,8 +34,9 @@ SLOTS = ("blue", "green")  # the builds behind the front door take turns: the ne
 
 
 def behind_door(cfg: ServeConfig) -> bool:
-    """Whether this config's start serves through the front door: FRONT_DOOR=1 and the default instance."""
-    return cfg.front_door and not cfg.instance
+    """Whether this config's start, stop and status go through the front door: the default instance, with
+    FRONT_DOOR=1 or a door running on its port (started before FRONT_DOOR=0 was set)."""
+    return not cfg.instance and (cfg.front_door or router_state.door_on_port(cfg) is not None)
 
 
 def door(cfg: ServeConfig) -> router_state.RouterState | None:

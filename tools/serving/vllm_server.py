@@ -154,10 +154,9 @@ def read_log(cfg: ServeConfig, lines: int = 50) -> str:
 
 
 def behind_door_state(cfg: ServeConfig) -> ServerState | None:
-    """FRONT_DOOR=1, the default instance: the record of the build the front door routes to, when it runs."""
-    if not cfg.front_door or cfg.instance:
-        return None
-    rt = router_state.recorded(cfg)
+    """The default instance with a front door on its port: the record of the build the door routes to, when it
+    runs."""
+    rt = router_state.door_on_port(cfg)
     if rt is None or not rt.backends:
         return None
     b = rt.backends[-1].instance
