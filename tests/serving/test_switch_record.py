@@ -106,3 +106,22 @@ def test_only_the_newest_failed_logs_are_kept(build, monkeypatch):
         with pytest.raises(ToolFailure):
             start_server(a)
     assert len(list(switch_record.logs_dir(a).iterdir())) == 2
+
+
+def test_an_interrupted_switch_reads_as_interrupted_not_as_a_failed_build(tmp_path):
+    """A switch stopped by a signal (its record's message "interrupted; ...") is not described as the new build
+    failing: status and the log readers say it was interrupted."""
+    from tools.serving.config import load_config
+    from tools.serving.switch_record import SwitchRecord, describe, failed_log_section, write_switch
+
+    cfg = load_config(state_dir=str(tmp_path / "run"))
+    log = tmp_path / "b.log"
+    log.write_text("INFO loading weights\n")
+    rec = SwitchRecord(at="2026-12-05T00:00:00+00:00", outcome="unchanged (a serves)", from_build="a",
+                       to_build="b", serving="a", message="interrupted; unchanged (a serves)", failed_log=str(log))
+    assert "interrupted; unchanged (a serves)" in describe(rec) and "failed" not in describe(rec), describe(rec)
+    write_switch(cfg, rec)
+    section = failed_log_section(cfg, 5)
+    assert section.startswith("--- the interrupted start of b") and "loading weights" in section, section
+    failed = rec.model_copy(update={"message": "b did not serve; unchanged (a serves)"})
+    assert "b's failed start log" in describe(failed)

@@ -83,9 +83,11 @@ def load_switch(cfg: ServeConfig) -> SwitchRecord | None:
 
 def describe(rec: SwitchRecord) -> str:
     """The last switch in one clause, for `status`."""
-    text = f"last switch ({rec.at}) from {rec.from_build or 'nothing'} to {rec.to_build}: {rec.outcome}"
+    stopped = rec.message.startswith("interrupted")  # stopped by a signal or a cancel: B did not fail
+    text = (f"last switch ({rec.at}) from {rec.from_build or 'nothing'} to {rec.to_build}: "
+            f"{'interrupted; ' if stopped else ''}{rec.outcome}")
     if rec.failed_log:
-        text += f"; {rec.to_build}'s failed start log: {rec.failed_log}"
+        text += f"; {rec.to_build}'s {'interrupted' if stopped else 'failed'} start log: {rec.failed_log}"
     return text
 
 
@@ -99,7 +101,8 @@ def failed_log_section(cfg: ServeConfig, lines: int) -> str | None:
     text = engine_log.read_text(path)
     if not text:
         return None
-    return (f"--- the failed start of {rec.to_build} in the last switch ({rec.at}), kept at {path} ---\n"
+    how = "interrupted" if rec.message.startswith("interrupted") else "failed"
+    return (f"--- the {how} start of {rec.to_build} in the last switch ({rec.at}), kept at {path} ---\n"
             + engine_log.tail(text, lines))
 
 
