@@ -87,6 +87,7 @@ def test_a_b_vllm_refuses_restores_a_with_its_own_command_line_and_environment(s
     now = _serving(a)
     assert now.served_name == "a" and now.pid != ra.pid and now.pid == detail["serving"]["pid"]
     assert now.argv == recorded.argv and now.env == recorded.env
+    assert now.startup_s is not None  # its own time to ready, recorded as a first start records it
     starts = stand_in.starts()
     assert [s["model"] for s in starts] == [a.model, b.model, a.model]
     assert starts[2]["mark"] == "a's"  # A's recorded environment, not the replacing command's

@@ -47,7 +47,9 @@ def test_a_sigkill_while_the_rollback_s_a_loads_leaves_a_serving(bench, tmp_path
     bench.build("a")
     bench.build("b", mode="exit")
     assert bench.run("start", "--model", str(bench.tmp / "a")).returncode == 0
-    first_a = state.load_state(bench.cfg()).pid
+    first = state.load_state(bench.cfg())
+    first_a = first.pid
+    assert first.startup_s is not None
     go = tmp_path / "go"  # A's second start loads until this file exists
     (bench.tmp / "a" / "behaviour.json").write_text(json.dumps({"answer": "ok", "until": str(go)}))
     p = bench.popen("start", "--model", str(bench.tmp / "b"), "--replace")
@@ -68,6 +70,8 @@ def test_a_sigkill_while_the_rollback_s_a_loads_leaves_a_serving(bench, tmp_path
     assert again != first_a and psutil.pid_exists(again)
     rec = state.load_state(bench.cfg())
     assert rec is not None and rec.pid == again and rec.served_name == "a"
+    # A's time to ready carried over to its new record (a front door's hold is bounded by it) until it has its own
+    assert rec.startup_s == first.startup_s
     go.touch()
     deadline = time.monotonic() + 30
     while not server_status(bench.cfg()).healthy:

@@ -399,13 +399,19 @@ def _start_locked(cfg: ServeConfig, progress: StartReport | None, hw: Hardware,
     if stale is not None:
         state.clear_replace(cfg)
     res = _result(cfg, proc, argv, platform, t0, first_text, max_len_note)
-    own = state.load_state(cfg)
-    if own is not None and own.pid == proc.pid:  # still this start's record (the instance lock is held)
-        state.write_state(cfg, own.model_copy(update={"startup_s": res.startup_s}))
+    _remember_startup(cfg, proc, res.startup_s)
     res.note = note
     if progress is not None:
         progress(1.0, f"serving {cfg.served_name} at {cfg.base_url}")
     return res
+
+
+def _remember_startup(cfg: ServeConfig, proc: subprocess.Popen, startup_s: float | None) -> None:
+    """The start's time to ready in its record (a front door's hold is bounded by it), while the record is still
+    this start's (the instance lock is held)."""
+    own = state.load_state(cfg)
+    if own is not None and own.pid == proc.pid and startup_s is not None:
+        state.write_state(cfg, own.model_copy(update={"startup_s": startup_s}))
 
 
 def _noted(exc: ToolFailure, note: str | None) -> ToolFailure:
@@ -454,10 +460,14 @@ def relaunch(cfg: ServeConfig, a: ServerState, *, progress: StartReport | None =
             proc = _launch(cfg_a, a.argv, a.platform,
                            env=a.env if a.env is not None else recorded_env(cfg_a, a.platform))
             _forget_replace_of(cfg_a, a)
+            # the same build and command line: its last time to ready stands until this start has its own
+            _remember_startup(cfg_a, proc, a.startup_s)
         if not wait:
             return None
         first_text = _wait_ready(cfg_a, proc, a.argv, t0, progress, keep_on_interrupt=True)
-    return _result(cfg_a, proc, a.argv, a.platform, t0, first_text, None)
+        res = _result(cfg_a, proc, a.argv, a.platform, t0, first_text, None)
+        _remember_startup(cfg_a, proc, res.startup_s)
+    return res
 
 
 def _forget_replace_of(cfg: ServeConfig, a: ServerState) -> None:
