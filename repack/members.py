@@ -86,6 +86,29 @@ class Member:
         """The model_type a drafter for this member has (vLLM serves both as gemma4_mtp)."""
         return "gemma4_unified_assistant" if self.model_type == "gemma4_unified" else "gemma4_assistant"
 
+    def drafter_config(self) -> dict[str, Any] | None:
+        """The published drafter's config.json as far as its shapes go (what vLLM's gemma4_mtp builds from it):
+        its own width, and what it shares with this member (backbone, vocabulary, head sizes, KV heads)."""
+        d = self.drafter
+        if d is None:
+            return None
+        kinds = ["sliding_attention"] * (d.num_hidden_layers - 1) + ["full_attention"]
+        tc = {"model_type": "gemma4_unified_text" if self.model_type == "gemma4_unified" else "gemma4_text",
+              "hidden_size": d.hidden_size, "intermediate_size": d.intermediate_size,
+              "num_hidden_layers": d.num_hidden_layers, "num_attention_heads": d.num_attention_heads,
+              "num_key_value_heads": self.num_key_value_heads,
+              "num_global_key_value_heads": self.num_global_key_value_heads, "head_dim": self.head_dim,
+              "global_head_dim": self.global_head_dim, "vocab_size": self.vocab_size, "layer_types": kinds,
+              "num_kv_shared_layers": d.num_hidden_layers, "hidden_size_per_layer_input": 0,
+              "vocab_size_per_layer_input": 0,
+              "attention_k_eq_v": self.attention_k_eq_v, "sliding_window": self.sliding_window,
+              "tie_word_embeddings": True}
+        return {"architectures": ["Gemma4UnifiedAssistantForCausalLM" if self.model_type == "gemma4_unified"
+                                  else "Gemma4AssistantForCausalLM"],
+                "model_type": self.drafter_model_type, "backbone_hidden_size": self.hidden_size,
+                "use_ordered_embeddings": d.ordered_embeddings, "num_centroids": 2048,
+                "centroid_intermediate_top_k": 32, "tie_word_embeddings": True, "text_config": tc}
+
     @property
     def moe(self) -> bool:
         return self.num_experts > 0

@@ -343,3 +343,12 @@ def test_the_12b_drafters_unified_layout_is_a_drafter_of_the_12b(tmp_path):
                            "vocab_size": 262144, "attention_k_eq_v": True}}
     assert drafter.is_drafter(cfg) and identify_drafter(cfg) is MEMBERS["12B"]
     assert drafter.is_drafter({"architectures": ["Gemma4UnifiedAssistantForCausalLM"]})
+
+
+def test_planning_a_drafter_names_its_member_and_asks_for_the_target(e4b_drafter, tmp_path, capsys):
+    rc, err = repack_cli(capsys, "plan", e4b_drafter[0])
+    assert rc == 2
+    one_line_error(err, str(e4b_drafter[0]), "E4B's speculative-decoding drafter", "plan the target", "--member E4B")
+    rc, err = repack_cli(capsys, "plan", write_drafter(tmp_path / "tiny"))
+    assert rc == 2
+    one_line_error(err, "a speculative-decoding drafter", "--member MEMBER")
