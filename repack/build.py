@@ -104,6 +104,7 @@ def _open_source(src: Path, out: Path, opt: BuildOptions, protected_roots: list[
     if ck.drafter:  # a damaged drafter builds and serves, drafting nothing: refused before OUT is touched
         drafter.check_layout(ck.path, ck.config, {n: t.shape for n, t in ck.tensors.items()},
                              {n: t.file for n, t in ck.tensors.items()})
+        drafter.member(ck.path, ck.config)  # a layout that claims the family but is no member's is refused
     if ck.drafter and opt.quantize_linears:  # refused before OUT is touched if it would be quantized, not packed
         drafter.check_buildable(ck.path, drafter.grid_verdict(probe_checkpoint(ck.path, roots=roots).tensors),
                                 opt.scheme)

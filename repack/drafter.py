@@ -1,9 +1,12 @@
-"""Google's speculative-decoding drafter (`gemma4_assistant`, served by vLLM as `gemma4_mtp`) as a repack source.
+"""Google's speculative-decoding drafters (`gemma4_assistant`, the 12B's `gemma4_unified_assistant`, both served by
+vLLM as `gemma4_mtp`) as a repack source: one path for every member's drafter.
 
 A drafter is a small text model beside the target: a `text_config` like a multimodal checkpoint's, but its
 tensors are named `model.*`, `pre_projection.*` and `post_projection.*`, it has no towers and its head is tied to
-its own (draft-width) embedding. The build packs its linear layers exactly as the target's (compressed-tensors
-`pack-quantized` int4, groups of 32: repack.schemes' w4a16), recovering the QAT grid; it never quantizes, so a
+its own (draft-width) embedding; E2B's and E4B's also have a centroid-masked head (`masked_embedding.centroids`, a
+plain nn.Linear in vLLM, and `masked_embedding.token_ordering`), carried as they are. The build packs its linear
+layers exactly as the target's (compressed-tensors `pack-quantized` int4, groups of 32: repack.schemes' w4a16),
+recovering the QAT grid; it never quantizes, so a
 drafter whose linears are off the grid is refused before anything is written. Its embedding (which is also its
 head, and which vLLM replaces with the target's for the input side) stays bf16.
 
@@ -11,6 +14,10 @@ Before a byte is written, `check_layout` holds the weights to the layout the dra
 vLLM's gemma4_mtp builds from it): every layer's linears, norms and scalar and the shared tensors present, their shapes from
 hidden_size, vocab_size, backbone_hidden_size, intermediate_size and the heads, no layer beyond
 num_hidden_layers. A damaged drafter builds otherwise and is served, drafting nothing the target accepts.
+
+`member` names the family member a drafter is for (repack.members.identify_drafter: from what it shares with its
+target, backbone_hidden_size, vocabulary, head sizes and KV heads), refusing a layout that claims the family but is
+no member's.
 """
 
 from __future__ import annotations
@@ -22,25 +29,34 @@ from typing import Any, Mapping, Protocol, Sequence
 
 from tools.core.errors import param
 
+from . import members
 from .errors import RepackError, clip
 
 MODEL_TYPE = "gemma4_assistant"
 ARCHITECTURE = "Gemma4AssistantForCausalLM"
+# the 12B's drafter: the same tensors over a gemma4_unified_text model (transformers' gemma4_unified_assistant)
+MODEL_TYPES = (MODEL_TYPE, "gemma4_unified_assistant")
+ARCHITECTURES = (ARCHITECTURE, "Gemma4UnifiedAssistantForCausalLM")
 SCHEME = "w4a16"  # the target's scheme: the only one that recovers the grid rather than quantizing
 EMBEDDING = "model.embed_tokens.weight"
+MASKED = "masked_embedding."  # the centroid-masked head: vLLM's Gemma4MTPMaskedEmbedder, a plain nn.Linear
 
 
 def is_drafter(config: dict[str, Any]) -> bool:
-    """Whether a config.json is a gemma4_assistant drafter's."""
+    """Whether a config.json is a gemma4_assistant (or gemma4_unified_assistant) drafter's."""
     archs = config.get("architectures")
-    return config.get("model_type") == MODEL_TYPE or (isinstance(archs, list) and ARCHITECTURE in archs)
+    return config.get("model_type") in MODEL_TYPES or (isinstance(archs, list)
+                                                       and any(a in archs for a in ARCHITECTURES))
 
 
 def table(name: str, shape: Sequence[int]) -> tuple[str, bool]:
     """A drafter tensor's report table, and whether the build packs it: every 2-D weight but the embedding is a
-    linear layer's (pre/post projection, attention, MLP); norms and layer scalars are 1-D."""
+    linear layer's (pre/post projection, attention, MLP); norms and layer scalars are 1-D. The masked head's
+    centroids stay bf16: vLLM loads them into a plain nn.Linear, which reads `.weight` and no packed form."""
     if name == EMBEDDING:
         return "embed_tokens", False
+    if name.startswith(MASKED):
+        return "rest", False
     if name.endswith(".weight") and len(shape) >= 2:
         return "linears", True
     return "rest", False
@@ -86,10 +102,25 @@ def grid_verdict(tensors: Sequence[_Probed]) -> DrafterGrid:
                        sum(t.on_grid is None for t in linears), off[0].name if off else None)
 
 
-def probe_summary(tensors: Sequence[_Probed]) -> dict[str, Any]:
-    """The probe report's drafter entry: the linears' verdict and its line."""
+def probe_summary(tensors: Sequence[_Probed], config: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The probe report's drafter entry: the member it is for, the linears' verdict and its line."""
     g = grid_verdict(tensors)
-    return {**g.to_dict(), "line": g.line()}
+    try:
+        m, refused = members.identify_drafter(dict(config or {})), None
+    except RepackError as e:
+        m, refused = None, e.message
+    whose = (f"{m.name}'s drafter" if m else "no member's drafter: refused" if refused
+             else "no member's drafter (a stand-in or custom layout)")
+    out = {**g.to_dict(), "member": m.name if m else None, "line": f"{whose}; {g.line()}"}
+    if refused:
+        out["refused"] = refused
+    return out
+
+
+def member(src: Path, config: Mapping[str, Any]) -> members.Member | None:
+    """The member a drafter is for; None for a stand-in or custom drafter outside the family's vocabulary and
+    widths. A layout that claims the family and is no member's is refused (RepackError, one line)."""
+    return members.identify_drafter(dict(config), clip(src / "config.json"))
 
 
 def check_buildable(src: Path, grid: DrafterGrid, scheme: str) -> None:
@@ -165,8 +196,9 @@ def check_layout(src: Path, config: Mapping[str, Any], shapes: Mapping[str, Sequ
     a layer beyond num_hidden_layers."""
     cfg_where = clip(src / "config.json")
     mt = config.get("model_type")
-    if mt is not None and mt != MODEL_TYPE:
-        raise _bad(cfg_where, f"model_type is {clip(repr(mt), 60)}, not {MODEL_TYPE!r}", {"key": "model_type"})
+    if mt is not None and mt not in MODEL_TYPES:
+        raise _bad(cfg_where, f"model_type is {clip(repr(mt), 60)}, not {' or '.join(map(repr, MODEL_TYPES))}",
+                   {"key": "model_type"})
     tc = config.get("text_config")
     if not isinstance(tc, dict):
         raise _bad(cfg_where, "text_config is missing (its text model is described there)", {"key": "text_config"})
@@ -202,6 +234,13 @@ def check_layout(src: Path, config: Mapping[str, Any], shapes: Mapping[str, Sequ
     expect("model.norm.weight", (hidden,), "text_config.hidden_size")
     expect("pre_projection.weight", (hidden, 2 * backbone), "text_config.hidden_size, 2 x backbone_hidden_size")
     expect("post_projection.weight", (backbone, hidden), "backbone_hidden_size, text_config.hidden_size")
+    if config.get("use_ordered_embeddings"):  # the masked head vLLM builds (num_centroids defaults to 2048 there)
+        cents = _positive(config, "num_centroids", cfg_where, "", required=False) or 2048
+        if vocab % cents:
+            raise _bad(cfg_where, f"text_config.vocab_size {vocab} is not a multiple of num_centroids {cents}",
+                       {"key": "num_centroids"})
+        expect(MASKED + "centroids.weight", (cents, hidden), "num_centroids, text_config.hidden_size")
+        expect(MASKED + "token_ordering", (vocab,), "text_config.vocab_size")
     for i, hd in enumerate(dims):
         at = f"model.layers.{i}."
         q_rows = heads * hd if heads and hd else None
@@ -221,5 +260,5 @@ def check_layout(src: Path, config: Mapping[str, Any], shapes: Mapping[str, Sequ
         expect(at + "layer_scalar", (1,), "one scalar a layer")
 
 
-__all__ = ["ARCHITECTURE", "MODEL_TYPE", "SCHEME", "DrafterGrid", "check_buildable", "check_layout", "grid_verdict",
-           "is_drafter", "probe_summary", "table"]
+__all__ = ["ARCHITECTURE", "ARCHITECTURES", "MODEL_TYPE", "MODEL_TYPES", "SCHEME", "DrafterGrid", "check_buildable",
+           "check_layout", "grid_verdict", "is_drafter", "member", "probe_summary", "table"]

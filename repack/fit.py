@@ -30,8 +30,9 @@ from tools.core.params import OpParams
 from tools.core.paths import confinement
 
 from .checkpoint import check_source_folder, read_config
+from .drafter import is_drafter
 from .errors import RepackError
-from .members import GIB, MEMBERS, Member, by_name, identify, text_tables, towers_params
+from .members import GIB, MEMBERS, Member, by_name, identify, identify_drafter, text_tables, towers_params
 
 MIB = 1 << 20
 BF16 = 2.0
@@ -287,7 +288,16 @@ def plan_fit(p: PlanParams, roots: list[Path] | None = None) -> FitPlan:
     else:
         src = Path(p.path)  # type: ignore[arg-type]
         check_source_folder(src)
-        m = identify(read_config(src, confinement(src, roots)), str(src / "config.json"))
+        cfg = read_config(src, confinement(src, roots))
+        if is_drafter(cfg):  # its text_config is its own draft width: no member's, and not what is served alone
+            d = identify_drafter(cfg, str(src / "config.json"))
+            whose = f"{d.name}'s" if d else "a"
+            raise RepackError(f"{src}: {whose} speculative-decoding drafter ({cfg.get('model_type')}), served "
+                              f"beside its target, not alone: plan the target ({param('member')} "
+                              f"{d.name if d else 'MEMBER'}, or its checkpoint folder)",
+                              {"file": str(src / "config.json"), "problem": "drafter-not-planned",
+                               "member": d.name if d else None}, field="path")
+        m = identify(cfg, str(src / "config.json"))
     return plan_member(m, memory_mib=p.memory_mib, utilization=p.gpu_memory_utilization,
                        max_model_len=p.max_model_len, max_num_seqs=p.max_num_seqs)
 

@@ -9,7 +9,7 @@ sizes can be planned for a member by name without any download (repack/fit.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Iterator
 
 from tools.core.errors import param
@@ -17,6 +17,20 @@ from tools.core.errors import param
 from .errors import RepackError, clip
 
 GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Drafter:
+    """A member's published speculative-decoding drafter (`-it-qat-q4_0-unquantized-assistant`): its own small
+    text model, as its config.json gives it. What ties it to the member is not these figures but what it shares
+    with the target (`drafter_keys`): its width here is its own."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    ordered_embeddings: bool   # use_ordered_embeddings: a centroid-masked head (masked_embedding.*, 2,048 centroids)
+    source: str
 
 
 @dataclass(frozen=True)
@@ -50,7 +64,7 @@ class Member:
     towers_source: str = ""
     source: str = ""                       # where the text configuration is read
     qat_w4a16_ct: bool = True              # Google published a -qat-w4a16-ct export of it
-    drafter: bool = False                  # Google published an -assistant drafter for it
+    drafter: "Drafter | None" = None       # the -assistant drafter Google published for it
     notes: str = ""
 
     @property
@@ -61,6 +75,39 @@ class Member:
     @property
     def w4a16_repo(self) -> str | None:
         return f"google/gemma-4-{self.name}-it-qat-w4a16-ct" if self.qat_w4a16_ct else None
+
+    @property
+    def drafter_repo(self) -> str:
+        """Google's QAT drafter of this member on the Hugging Face hub."""
+        return self.source_repo + "-assistant"
+
+    @property
+    def drafter_model_type(self) -> str:
+        """The model_type a drafter for this member has (vLLM serves both as gemma4_mtp)."""
+        return "gemma4_unified_assistant" if self.model_type == "gemma4_unified" else "gemma4_assistant"
+
+    def drafter_config(self) -> dict[str, Any] | None:
+        """The published drafter's config.json as far as its shapes go (what vLLM's gemma4_mtp builds from it):
+        its own width, and what it shares with this member (backbone, vocabulary, head sizes, KV heads)."""
+        d = self.drafter
+        if d is None:
+            return None
+        kinds = ["sliding_attention"] * (d.num_hidden_layers - 1) + ["full_attention"]
+        tc = {"model_type": "gemma4_unified_text" if self.model_type == "gemma4_unified" else "gemma4_text",
+              "hidden_size": d.hidden_size, "intermediate_size": d.intermediate_size,
+              "num_hidden_layers": d.num_hidden_layers, "num_attention_heads": d.num_attention_heads,
+              "num_key_value_heads": self.num_key_value_heads,
+              "num_global_key_value_heads": self.num_global_key_value_heads, "head_dim": self.head_dim,
+              "global_head_dim": self.global_head_dim, "vocab_size": self.vocab_size, "layer_types": kinds,
+              "num_kv_shared_layers": d.num_hidden_layers, "hidden_size_per_layer_input": 0,
+              "vocab_size_per_layer_input": 0,
+              "attention_k_eq_v": self.attention_k_eq_v, "sliding_window": self.sliding_window,
+              "tie_word_embeddings": True}
+        return {"architectures": ["Gemma4UnifiedAssistantForCausalLM" if self.model_type == "gemma4_unified"
+                                  else "Gemma4AssistantForCausalLM"],
+                "model_type": self.drafter_model_type, "backbone_hidden_size": self.hidden_size,
+                "use_ordered_embeddings": d.ordered_embeddings, "num_centroids": 2048,
+                "centroid_intermediate_top_k": 32, "tie_word_embeddings": True, "text_config": tc}
 
     @property
     def moe(self) -> bool:
@@ -100,7 +147,8 @@ class Member:
         return {"name": self.name, "source_repo": self.source_repo, "w4a16_repo": self.w4a16_repo,
                 "source": self.source, "towers_source": self.towers_source, "moe": self.moe,
                 "per_layer_embeddings": bool(self.hidden_size_per_layer_input),
-                "kv_shared_layers": self.num_kv_shared_layers, "drafter": self.drafter,
+                "kv_shared_layers": self.num_kv_shared_layers,
+                "drafter": ({"repo": self.drafter_repo, **asdict(self.drafter)} if self.drafter else None),
                 "text_config": {k: v for k, v in self.text_config().items() if k != "layer_types"},
                 "notes": self.notes}
 
@@ -127,7 +175,12 @@ register(Member(
     vision_params=167_364_608 + 768 * 1536, audio_params=304_824_608 + 1536 * 1536, towers_source=_E_TOWERS,
     source="config.json of google/gemma-4-E2B-it-qat-q4_0-unquantized (text_config), as the article's rig "
            "(xbill9/gemma4-dev gpu-vllm-t4-2b-w4a16) reads it",
-    drafter=True, notes="the article's model"))
+    drafter=Drafter(256, 2048, 4, 4, True,
+                    "config.json of google/gemma-4-E2B-it-qat-q4_0-unquantized-assistant as a public quantization "
+                    "run prints it (backbone 1,536, hidden 256, intermediate 2,048, head_dim 256/512, 2,048 "
+                    "centroids) and public test code transcribes it (4 layers, 4 heads, 1 KV head, ordered "
+                    "embeddings): 77.7M parameters"),
+    notes="the article's model"))
 
 register(Member(
     "E4B", "gemma4", num_hidden_layers=42, hidden_size=2560, intermediate_size=10240, num_attention_heads=8,
@@ -137,7 +190,11 @@ register(Member(
     source="NVIDIA Megatron-Bridge's Gemma 4 E4B recipe test (the hub config's text_config: 42 layers, hidden "
            "2,560, intermediate 10,240, 8 heads, 2 KV heads, head_dim 256/512, PLE 256, 18 KV-shared layers, "
            "sliding/full 5:1)",
-    drafter=True))
+    drafter=Drafter(256, 2048, 4, 4, True,
+                    "config.json of google/gemma-4-E4B-it-qat-q4_0-unquantized-assistant as public test code "
+                    "transcribes it (backbone 2,560, hidden 256, intermediate 2,048, 4 layers, 4 heads, 2 KV heads, "
+                    "head_dim 256/512, ordered embeddings); a public load of it counts 78.518M parameters, what "
+                    "these shapes give")))
 
 register(Member(
     "12B", "gemma4_unified", num_hidden_layers=48, hidden_size=3840, intermediate_size=15360,
@@ -147,6 +204,11 @@ register(Member(
            "gemma4_unified_text) as public test code transcribes it: 48 layers, hidden 3,840, intermediate 15,360, "
            "16 heads, 8 KV heads (1 on full layers, k_eq_v), sliding window 1,024; vLLM 0.32: gemma4_unified.py",
     towers_source="not established (encoder-free vision path): towers counted as none",
+    drafter=Drafter(1024, 8192, 4, 16, False,
+                    "config.json of the 12B's assistant (gemma4_unified_assistant) as public test code transcribes "
+                    "it (mlx-community/gemma-4-12B-it-assistant-4bit; google/gemma-4-12B-it-qat-q4_0-unquantized-"
+                    "assistant pinned in public scripts): backbone 3,840, hidden 1,024, intermediate 8,192, 4 "
+                    "layers, 16 heads, 8 KV heads (1 on the full layer), no ordered embeddings"),
     notes="dense, no per-layer embeddings; a unified (encoder-free) multimodal layout"))
 
 register(Member(
@@ -157,7 +219,13 @@ register(Member(
            "(Google's text_config, as public test code transcribes it): 30 layers, hidden 2,816, dense MLP 2,112 "
            "beside 128 experts of 704 (top 8), 16 heads, 8 KV heads (2 on full layers, k_eq_v), window 1,024",
     towers_source="not established: vision tower counted as none (audio_config null)",
-    qat_w4a16_ct=False, notes="mixture of experts, about 3.8B active; Google published no -qat-w4a16-ct export"))
+    qat_w4a16_ct=False,
+    drafter=Drafter(1024, 8192, 4, 16, False,
+                    "public test code's 26B-A4B pairing (backbone 2,816, hidden 1,024, intermediate 8,192, 4 "
+                    "layers, no ordered embeddings), heads as its target's; a public README counts "
+                    "google/gemma-4-26B-A4B-it-qat-q4_0-unquantized-assistant at 0.42B parameters, 0.78 GiB, "
+                    "what these shapes give"),
+    notes="mixture of experts, about 3.8B active; Google published no -qat-w4a16-ct export"))
 
 register(Member(
     "31B", "gemma4", num_hidden_layers=60, hidden_size=5376, intermediate_size=21504, num_attention_heads=32,
@@ -167,6 +235,11 @@ register(Member(
            "60 layers, hidden 5,376, intermediate 21,504, 32 heads, 16 KV heads (4 on full layers, k_eq_v), "
            "window 1,024",
     towers_source="not established: vision tower counted as none (audio_config null)",
+    drafter=Drafter(1024, 8192, 4, 32, False,
+                    "config.json of the 31B's assistant as public test code transcribes it (mlx-swift-lm, "
+                    "vllm-ascend): backbone 5,376, hidden 1,024, intermediate 8,192, 4 layers, 32 heads, 16 KV "
+                    "heads (4 on the full layer), no ordered embeddings; google/gemma-4-31B-it-qat-q4_0-"
+                    "unquantized-assistant named in public benchmark plans"),
     notes="dense; too large for a T4 at 4 bits"))
 
 
@@ -218,6 +291,66 @@ def identify(config: dict[str, Any], where: str = "config.json") -> Member:
 def identify_or_none(config: dict[str, Any]) -> Member | None:
     try:
         return identify(config)
+    except RepackError:
+        return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A drafter's member: what it shares with its target, not its own (draft-width) text model. vLLM's gemma4_mtp feeds
+# pre_projection the target's embedding and last hidden state (2 x backbone_hidden_size), draws from the target's
+# vocabulary, and its attention reads the target's KV cache (vllm/v1/spec_decode/gemma4.py: each draft layer reads
+# the target's last non-shared layer of its kind), so its head sizes and KV heads per kind are the target's.
+
+FAMILY_VOCAB = 262_144  # every member's (transformers' Gemma4TextConfig default too)
+
+
+def _drafter_keys(m: Member) -> dict[str, Any]:
+    return {"model_type": m.drafter_model_type, "backbone_hidden_size": m.hidden_size,
+            "text_config.vocab_size": m.vocab_size, "text_config.head_dim": m.head_dim,
+            "text_config.global_head_dim": m.global_head_dim,
+            "text_config.num_key_value_heads": m.num_key_value_heads,
+            "text_config.num_global_key_value_heads": m.num_global_key_value_heads}
+
+
+def _drafter_read(config: dict[str, Any]) -> dict[str, Any]:
+    tc = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    got = {k: (config if "." not in k else tc).get(k.split(".", 1)[-1]) for k in _drafter_keys(MEMBERS["E2B"])}
+    if got["backbone_hidden_size"] is None:  # vLLM's gemma4_mtp then takes the drafter's own width
+        got["backbone_hidden_size"] = tc.get("hidden_size")
+    return got
+
+
+def identify_drafter(config: dict[str, Any], where: str = "config.json") -> Member | None:
+    """The member a drafter's config.json is made for, from what it shares with its target (backbone_hidden_size,
+    vocabulary, head sizes, KV heads, model_type); a field the config leaves out is not compared. None for a drafter
+    outside the family's vocabulary whose backbone is no member's width: a stand-in or custom drafter, built as a
+    stand-in target is. A drafter that claims the family (its vocabulary, or a member's width) at a layout no member
+    has is refused in one line."""
+    got = _drafter_read(config)
+    bb = got["backbone_hidden_size"]
+    m = next((m for m in MEMBERS.values() if m.hidden_size == bb), None)
+    if m is None:
+        if got["text_config.vocab_size"] != FAMILY_VOCAB:
+            return None
+        widths = ", ".join(f"{x.name} {x.hidden_size}" for x in MEMBERS.values())
+        raise RepackError(f"{where}: not a known Gemma 4 drafter layout: backbone_hidden_size {clip(repr(bb), 40)} "
+                          f"is no member's width ({widths}) though its vocabulary is the family's; a drafter's "
+                          f"backbone is its target's hidden_size: use the drafter published for the target",
+                          {"file": where, "problem": "unknown-drafter-layout", "key": "backbone_hidden_size"})
+    want = _drafter_keys(m)
+    diff = [k for k, v in want.items() if got[k] is not None and got[k] != v]
+    if diff:
+        shown = ", ".join(f"{k} {clip(repr(got[k]), 40)} (not {want[k]!r})" for k in diff)
+        raise RepackError(f"{where}: not a known Gemma 4 drafter layout: backbone_hidden_size {bb} is {m.name}'s, but "
+                          f"{clip(shown, 240)}; a drafter reads its target's vocabulary and KV cache at the target's "
+                          f"shapes: use {m.name}'s drafter ({m.drafter_repo})",
+                          {"file": where, "problem": "unknown-drafter-layout", "nearest": m.name, "key": diff[0]})
+    return m
+
+
+def identify_drafter_or_none(config: dict[str, Any]) -> Member | None:
+    try:
+        return identify_drafter(config)
     except RepackError:
         return None
 
@@ -300,8 +433,9 @@ def towers_params(m: Member) -> int:
     return m.vision_params + m.audio_params
 
 
-__all__ = ["GIB", "MEMBERS", "Member", "Table", "by_name", "identify", "identify_or_none", "register",
-           "text_tables", "towers_params"]
+__all__ = ["FAMILY_VOCAB", "GIB", "MEMBERS", "Drafter", "Member", "Table", "by_name", "identify",
+           "identify_drafter", "identify_drafter_or_none", "identify_or_none", "register", "text_tables",
+           "towers_params"]
 
 
 def refuse_unpackable(tensors: dict[str, Any], where: str) -> None:

@@ -33,7 +33,15 @@ def build_tables(ck: Checkpoint, **options: Any) -> dict[str, int]:
 def preview(ck: Checkpoint) -> dict[str, Any]:
     """The member and each build's tables in bytes; a layout the build refuses says so in one line."""
     if ck.drafter:
-        return {"member": None, "layout": "gemma4_assistant drafter", "builds": {}}
+        kind = f"{ck.config.get('model_type') or 'gemma4_assistant'} drafter"
+        try:
+            d = members.identify_drafter(ck.config, str(ck.path / "config.json"))
+        except RepackError as e:
+            return {"member": None, "layout": kind, "builds": {}, "refused": e.message}
+        return {"member": d.name if d else None, "source": d.drafter.source if d and d.drafter else None,
+                "layout": (f"{kind} of Gemma 4 {d.name}" if d else
+                           f"{kind} of no released member (a stand-in or custom layout)"),
+                "builds": {}}
     m = members.identify_or_none(ck.config)
     out: dict[str, Any] = {"member": m.name if m else None,
                            "source": m.source if m else None,

@@ -130,5 +130,5 @@ def probe_checkpoint(src: str | Path, rows_per_tensor: int = 16, scale_dtype: ch
                else "base" if on == 0 else "mixed")
     return ProbeReport(str(src), verdict, on, len(text) - on, sum(t.on_grid for t in towers),  # type: ignore[misc]
                        len(towers) - sum(t.on_grid for t in towers), sum(t.sampled_groups for t in out), out,
-                       drafter.probe_summary(out) if drafter.is_drafter(ck.config) else None,
+                       drafter.probe_summary(out, ck.config) if drafter.is_drafter(ck.config) else None,
                        preview.preview(ck), packed)

@@ -69,7 +69,7 @@ def test_a_drafter_is_recognised_and_not_taken_for_a_multimodal_checkpoint(tmp_p
 def test_probe_says_whether_the_drafters_linears_are_on_the_grid(tmp_path):
     on = probe_checkpoint(write_drafter(tmp_path / "on"))
     assert on.drafter == {"model_type": "gemma4_assistant", "linears_on_grid": 12, "linears_off_grid": 0,
-                          "packable": True, "line": on.drafter["line"]}
+                          "packable": True, "member": None, "line": on.drafter["line"]}
     assert "12 linear layers on the 4-bit grid, 0 off; repack packs them int4" in on.format_table()
     off = probe_checkpoint(write_drafter(tmp_path / "off", on_grid=False))
     assert off.drafter["linears_off_grid"] == 12 and not off.drafter["packable"]
@@ -215,3 +215,140 @@ def test_the_tiny_drafters_layout_passes_the_check(tmp_path):
     with pytest.raises(drafter.RepackError, match="model.layers.1.self_attn.q_proj.weight is missing"):
         drafter.check_layout(tmp_path, json.loads((tmp_path / "config.json").read_text()),
                              {k: v for k, v in shapes.items() if k != "model.layers.1.self_attn.q_proj.weight"})
+
+
+# -- the family's drafters: one path, the member named, a pairing across members refused -----------------------------
+
+def e4b_shaped_config(**over: object) -> dict:
+    """A drafter shaped as E4B's (repack.members: what it shares with its target, backbone 2,560, the family's
+    vocabulary, head sizes 256/512, 2 KV heads; a centroid-masked head as E4B's has) at a tiny draft width."""
+    tc = {"model_type": "gemma4_text", "hidden_size": 32, "vocab_size": 262144, "num_hidden_layers": 2,
+          "intermediate_size": 64, "num_attention_heads": 1, "num_key_value_heads": 2, "head_dim": 256,
+          "global_head_dim": 512, "layer_types": ["sliding_attention", "full_attention"], "num_kv_shared_layers": 2,
+          "hidden_size_per_layer_input": 0, "tie_word_embeddings": True}
+    cfg = {"architectures": ["Gemma4AssistantForCausalLM"], "model_type": "gemma4_assistant",
+           "backbone_hidden_size": 2560, "use_ordered_embeddings": True, "num_centroids": 2048,
+           "centroid_intermediate_top_k": 32, "tie_word_embeddings": True, "dtype": "bfloat16", "text_config": tc}
+    for k, v in over.items():
+        (cfg if k in cfg else tc)[k] = v  # model_type: the drafter's own
+    return cfg
+
+
+def write_family_drafter(out: Path, config: dict, seed: int = 0) -> Path:
+    """A drafter with the tensors its config declares (what repack.drafter.check_layout holds it to), linears and
+    embedding on the 4-bit grid."""
+    rng = np.random.default_rng(seed)
+    tc, bb = config["text_config"], config["backbone_hidden_size"]
+    h, v, inter = tc["hidden_size"], tc["vocab_size"], tc["intermediate_size"]
+    out.mkdir(parents=True)
+    (out / "config.json").write_text(json.dumps(config))
+    (out / "tokenizer.json").write_text("{}")
+    lin = {"pre_projection.weight": (h, 2 * bb), "post_projection.weight": (bb, h),
+           "masked_embedding.centroids.weight": (config["num_centroids"], h)}
+    for i, kind in enumerate(tc["layer_types"]):
+        q = tc["num_attention_heads"] * (tc["global_head_dim"] if kind == "full_attention" else tc["head_dim"])
+        lin.update({f"model.layers.{i}.self_attn.q_proj.weight": (q, h), f"model.layers.{i}.self_attn.o_proj.weight":
+                    (h, q), f"model.layers.{i}.mlp.gate_proj.weight": (inter, h),
+                    f"model.layers.{i}.mlp.up_proj.weight": (inter, h), f"model.layers.{i}.mlp.down_proj.weight":
+                    (h, inter)})
+    t = [(n, "BF16", s, grid_words(*s, rng)) for n, s in lin.items()]
+    t += [("model.embed_tokens.weight", "BF16", (v, h), grid_words(v, h, rng)),
+          ("model.norm.weight", "BF16", (h,), random_words((h,), rng)),
+          ("masked_embedding.token_ordering", "I64", (v,), rng.permutation(v).astype("<i8"))]
+    for i, kind in enumerate(tc["layer_types"]):
+        hd = tc["global_head_dim"] if kind == "full_attention" else tc["head_dim"]
+        t += [(f"model.layers.{i}.{n}", "BF16", (k,), random_words((k,), rng))
+              for n, k in [*((f"{m}.weight", h) for m in NORMS), ("self_attn.q_norm.weight", hd), ("layer_scalar", 1)]]
+    write_safetensors(out / "model.safetensors", t)
+    return out
+
+
+@pytest.fixture(scope="module")
+def e4b_drafter(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("e4b-drafter")
+    src = write_family_drafter(root / "src", e4b_shaped_config())
+    build_checkpoint(src, root / "int4", BuildOptions())
+    return src, root / "int4"
+
+
+def test_an_e4b_shaped_drafter_is_named_e4b_by_the_probe(e4b_drafter):
+    rep = probe_checkpoint(e4b_drafter[0])
+    assert rep.drafter["member"] == "E4B" and rep.drafter["packable"]
+    assert rep.build_preview["member"] == "E4B" and "drafter of Gemma 4 E4B" in rep.build_preview["layout"]
+    assert "E4B's drafter; gemma4_assistant drafter: 12 linear layers on the 4-bit grid" in rep.format_table()
+    assert probe_checkpoint(write_drafter(e4b_drafter[0].parent / "tiny")).drafter["member"] is None  # a stand-in
+
+
+def test_an_e4b_shaped_drafter_is_packed_as_e2bs_with_its_masked_head_as_it_was(e4b_drafter):
+    src, out = (open_checkpoint(p) for p in e4b_drafter)
+    cfg = json.loads((e4b_drafter[1] / "config.json").read_text())
+    assert cfg.pop("quantization_config")["config_groups"]["group_0"]["weights"]["num_bits"] == 4
+    assert cfg == e4b_shaped_config()
+    for mod in ("pre_projection", "post_projection", "model.layers.1.self_attn.q_proj", "model.layers.0.mlp.down_proj"):
+        assert {f"{mod}.weight_packed", f"{mod}.weight_scale"} <= set(out.tensors) and f"{mod}.weight" not in out.tensors
+    # vLLM's masked head is a plain nn.Linear (and a buffer): carried bf16 and int64 as the source has them
+    for n, dt in (("masked_embedding.centroids.weight", "<u2"), ("masked_embedding.token_ordering", "<i8"),
+                  ("model.embed_tokens.weight", "<u2")):
+        assert out.tensors[n].dtype == src.tensors[n].dtype and np.array_equal(_arr(out.tensors[n], dt),
+                                                                               _arr(src.tensors[n], dt)), n
+
+
+@pytest.mark.parametrize("over, needles", [
+    (dict(num_key_value_heads=1), ["backbone_hidden_size 2560 is E4B's", "text_config.num_key_value_heads 1 (not 2)",
+                                   "google/gemma-4-E4B-it-qat-q4_0-unquantized-assistant"]),
+    (dict(model_type="gemma4_unified_assistant"), ["E4B's", "model_type 'gemma4_unified_assistant'"]),
+    (dict(backbone_hidden_size=2048), ["backbone_hidden_size 2048 is no member's width", "E4B 2560"]),
+], ids=["kv-heads", "unified", "width"])
+def test_a_drafter_claiming_the_family_at_no_members_layout_is_refused_in_one_line(tmp_path, capsys, over, needles):
+    src = write_family_drafter(tmp_path / "src", e4b_shaped_config(**over))
+    rc, err = repack_cli(capsys, "build", src, tmp_path / "out")
+    assert rc == 2
+    one_line_error(err, str(src / "config.json"), "not a known Gemma 4 drafter layout", *needles)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_a_drafter_beside_a_target_of_another_member_is_refused_naming_both(e4b_drafter, tmp_path):
+    from repack.members import MEMBERS
+    from tools.core.errors import BadInput
+    from tools.serving.speculative import validate_speculative_config
+
+    def target(name: str) -> Path:
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"model_type": "gemma4",
+                                                   "text_config": MEMBERS[name].text_config()}))
+        return d
+
+    spec = json.dumps({"model": str(e4b_drafter[1]), "num_speculative_tokens": 3})
+    with pytest.raises(BadInput) as e:
+        validate_speculative_config(spec, str(target("E2B")), enforce_roots=False)
+    assert "\n" not in str(e.value)
+    for needle in (f"drafter {e4b_drafter[1]} is E4B's", f"target {tmp_path / 'E2B'} is Gemma 4 E2B",
+                   "use E2B's drafter (google/gemma-4-E2B-it-qat-q4_0-unquantized-assistant)"):
+        assert needle in str(e.value), needle
+    assert e.value.detail["drafter_member"] == "E4B" and e.value.detail["target_member"] == "E2B"
+    assert validate_speculative_config(spec, str(target("E4B")), enforce_roots=False)["num_speculative_tokens"] == 3
+
+
+def test_the_12b_drafters_unified_layout_is_a_drafter_of_the_12b(tmp_path):
+    """The 12B's drafter is a gemma4_unified_assistant (its published config, as repack/members.py cites it)."""
+    from repack import drafter
+    from repack.members import MEMBERS, identify_drafter
+
+    cfg = {"architectures": ["Gemma4UnifiedAssistantForCausalLM"], "model_type": "gemma4_unified_assistant",
+           "backbone_hidden_size": 3840, "use_ordered_embeddings": False,
+           "text_config": {"model_type": "gemma4_unified_text", "hidden_size": 1024, "intermediate_size": 8192,
+                           "num_hidden_layers": 4, "num_attention_heads": 16, "num_key_value_heads": 8,
+                           "num_global_key_value_heads": 1, "head_dim": 256, "global_head_dim": 512,
+                           "vocab_size": 262144, "attention_k_eq_v": True}}
+    assert drafter.is_drafter(cfg) and identify_drafter(cfg) is MEMBERS["12B"]
+    assert drafter.is_drafter({"architectures": ["Gemma4UnifiedAssistantForCausalLM"]})
+
+
+def test_planning_a_drafter_names_its_member_and_asks_for_the_target(e4b_drafter, tmp_path, capsys):
+    rc, err = repack_cli(capsys, "plan", e4b_drafter[0])
+    assert rc == 2
+    one_line_error(err, str(e4b_drafter[0]), "E4B's speculative-decoding drafter", "plan the target", "--member E4B")
+    rc, err = repack_cli(capsys, "plan", write_drafter(tmp_path / "tiny"))
+    assert rc == 2
+    one_line_error(err, "a speculative-decoding drafter", "--member MEMBER")

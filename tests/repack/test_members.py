@@ -14,7 +14,7 @@ from repack.errors import RepackError
 from repack.members import GIB, MEMBERS, by_name, identify, text_tables
 from repack.probe import probe_checkpoint
 from repack.synthetic import grid_words, write_safetensors, write_small_checkpoint
-from tests.fixtures import one_line_error, repack_cli
+from tests.fixtures import IN_PROCESS_TORCH, one_line_error, repack_cli
 
 
 def test_every_member_is_registered_once_with_its_source():
@@ -112,3 +112,29 @@ def test_refusal_helper_ignores_two_dimensional_text_tensors():
     class Info:
         shape = (64, 64)
     members.refuse_unpackable({"model.layers.0.mlp.up_proj.weight": Info()}, "x")
+
+
+@pytest.mark.parametrize("name", list(MEMBERS))
+def test_every_members_published_drafter_is_registered_and_named_from_its_config(name):
+    m = MEMBERS[name]
+    assert m.drafter and m.drafter.source and m.drafter_repo == m.source_repo + "-assistant"
+    assert members.identify_drafter(m.drafter_config()) is m
+    # a target's config is no drafter's: another member's drafter is never taken for this one
+    assert all(members.identify_drafter_or_none(o.drafter_config()) is not m for o in MEMBERS.values() if o is not m)
+
+
+@IN_PROCESS_TORCH
+@pytest.mark.parametrize("name, public, unit", [("E4B", 78.518, 1e6), ("26B-A4B", 0.42, 1e9)])
+def test_the_registered_drafter_shapes_give_the_publicly_counted_parameters(name, public, unit):
+    """Oracle: transformers builds the drafter from the registered figures (on the meta device) and its parameter
+    count is the one public sources give for Google's drafter (repack/members.py cites them), to their rounding."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = MEMBERS[name].drafter_config()
+    conf = AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items() if k != "model_type"})
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(conf)
+    n = sum(p.numel() for p in model.parameters())
+    digits = len(str(public).split(".")[1])  # the public figure's own rounding
+    assert round(n / unit, digits) == public, n

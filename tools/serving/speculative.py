@@ -8,6 +8,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, StrictInt
 
+from repack import members
 from tools.core.errors import BadInput
 from tools.core.json_files import read_json_model
 from tools.core.paths import ENV, Roots
@@ -30,7 +31,8 @@ def validate_speculative_config(spec: str, target: str, *, models_roots: tuple[P
                                 enforce_roots: bool = True) -> dict[str, Any]:
     """Refuse a speculative config that cannot work, before any server starts: not JSON, a drafter folder
     outside the models roots (unless enforce_roots is False: the operator's own tpu.env, like MODEL_NAME), a
-    drafter whose vocabulary or backbone_hidden_size does not match the target."""
+    drafter made for another member of the family than the target's (both named), a drafter whose vocabulary or
+    backbone_hidden_size does not match the target."""
     val = parse_speculative_config(spec)
     drafter = val.get("model")
     if not drafter or val.get("method") == "ngram":
@@ -50,6 +52,7 @@ def validate_speculative_config(spec: str, target: str, *, models_roots: tuple[P
     if not tp.is_dir():
         return val
     tcfg = _read_config(tp, "target")
+    _check_members(dp, tp)
     ttext, dtext = tcfg.text(), dcfg.text()
     if dtext.vocab_size != ttext.vocab_size:
         raise BadInput(f"drafter {dp}: vocab_size {dtext.vocab_size} does not match the target's "
@@ -63,6 +66,21 @@ def validate_speculative_config(spec: str, target: str, *, models_roots: tuple[P
                           detail={"field": "backbone_hidden_size", "drafter": backbone,
                                   "target": ttext.hidden_size})
     return val
+
+
+def _check_members(drafter: Path, target: Path) -> None:
+    """A drafter of one member beside a target of another, both named from their config.json (repack.members);
+    nothing said where either is a stand-in or custom layout (the shape checks that follow hold them)."""
+    try:
+        dm = members.identify_drafter_or_none(json.loads((drafter / "config.json").read_text()))
+        tm = members.identify_or_none(json.loads((target / "config.json").read_text()))
+    except (OSError, ValueError):  # read and judged by _read_config already; nothing to name
+        return
+    if dm and tm and dm is not tm:
+        fix = f"use {tm.name}'s drafter ({tm.drafter_repo})" if tm.drafter else "leave the drafter out"
+        raise BadInput(f"drafter {drafter} is {dm.name}'s (backbone_hidden_size {dm.hidden_size}) but the target "
+                       f"{target} is Gemma 4 {tm.name} (hidden_size {tm.hidden_size}): {fix}",
+                       detail={"field": "drafter", "drafter_member": dm.name, "target_member": tm.name})
 
 
 class _TextConfig(BaseModel):
