@@ -19,7 +19,6 @@ from tools.core.params import OpParams
 from .choices import (DEFAULT_OBJECTIVE, DEFAULT_SCHEME, DEFAULT_TARGET, OBJECTIVES, SCHEMES, TARGETS, Objective,
                       ScaleDtype, Target)
 from .errors import RepackError, clip, unknown_scheme
-from .tiny_marker import MARKER
 from .tiny_shapes import SHAPE_NAMES, Shape
 
 MAX_SHARD_GIB = 1 << 20  # a pebibyte: far above any checkpoint, so one shard holds all of it
@@ -151,10 +150,10 @@ class ProbeParams(OpParams):
 class TinyModelParams(OpParams):
     """The tiny stand-in source: where it goes and the member it is shaped as (repack.tiny_shapes)."""
 
-    out: str = Field(description="Folder to write: new or empty, or one this tool wrote with force")
-    force: bool = Field(False, description=f"Replace a folder this tool wrote (its {MARKER})")
-    shape: Shape = Field("e2b", description="The member the stand-in is shaped as: e2b, e4b (2 KV heads, "
-                                            "single-width MLP) or moe (experts, k_eq_v, no per-layer embeddings)")
+    # short: every MCP client pays for the default tools' descriptions (tests/mcp/test_mcp_tools.py)
+    out: str = Field(description="Folder to write")
+    force: bool = Field(False, description="Replace a folder this tool wrote")
+    shape: Shape = Field("e2b", description="Member it mimics")
 
     CLI_POSITIONAL: ClassVar[tuple[str, ...]] = ("out",)
 

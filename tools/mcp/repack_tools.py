@@ -57,14 +57,13 @@ def _tiny_out(app, p: TinyParams) -> Path:
     return out
 
 
-@tool(toolset="repack", title="Make the tiny stand-in source", params=TinyParams, long=True, destructive=True,
+@tool(toolset="repack", title="Make the tiny stand-in", params=TinyParams, long=True, destructive=True,
       idempotent=True, check=_tiny_out,
-      extra={"path": (str, "The source written: probe and repack it"),
-             "accuracy": (float, "Greedy accuracy on its training pattern"),
-             "shape": (str, "The member it is shaped as")}, ops="tiny_model")
+      extra={"path": (str, "Probe and repack it"),
+             "accuracy": (float, "Greedy accuracy on its pattern"),
+             "shape": (str, "")}, ops="tiny_model")
 def make_tiny_model(app, p: TinyParams, progress, checked: Path) -> Reply:
-    """Write a tiny Gemma-4-shaped QAT source checkpoint, for a machine without a GPU or the real checkpoint
-    (the walk then runs on CPU); shape: the member it is shaped as (e2b, e4b, moe). Long."""
+    """Write a tiny Gemma-4-shaped QAT source: the CPU walk needs no real checkpoint. Long."""
     out = checked
     progress(0, 1, f"building the tiny {p.shape}-shaped QAT source in {out}")
     info = tiny_model.cached_tiny_qat_checkpoint(out, shape=p.shape)
