@@ -1,6 +1,6 @@
-"""The build options and the parameters of `python -m repack build|probe`, of the article's three step scripts
-and of the MCP tools `repack_checkpoint` / `probe_checkpoint`: one model each, the flags and the tool signature
-derived from it.
+"""The build options and the parameters of `python -m repack build|probe`, of the article's three step scripts,
+of `python -m repack.tiny_model` and of the MCP tools `repack_checkpoint` / `probe_checkpoint` /
+`make_tiny_model`: one model each, the flags and the tool signature derived from it.
 
 `BuildOptions` is the one options model: the library's defaults are its defaults (the all-4-bit build); where the
 command line's defaults differ (the article's opt-in flags) the model says so in CLI_DEFAULTS. `BuildParams` is
@@ -19,6 +19,7 @@ from tools.core.params import OpParams
 from .choices import (DEFAULT_OBJECTIVE, DEFAULT_SCHEME, DEFAULT_TARGET, OBJECTIVES, SCHEMES, TARGETS, Objective,
                       ScaleDtype, Target)
 from .errors import RepackError, clip, unknown_scheme
+from .tiny_shapes import SHAPE_NAMES, Shape
 
 MAX_SHARD_GIB = 1 << 20  # a pebibyte: far above any checkpoint, so one shard holds all of it
 SCALE_DTYPES = ("fp16", "bf16")
@@ -146,4 +147,23 @@ class ProbeParams(OpParams):
     CLI_EXCLUDE: ClassVar[frozenset[str]] = frozenset({"detail"})  # the command line has --verbose and --json
 
 
-__all__ = ["BuildOptions", "BuildParams", "MAX_SHARD_GIB", "ProbeParams"]
+class TinyModelParams(OpParams):
+    """The tiny stand-in source: where it goes and the member it is shaped as (repack.tiny_shapes)."""
+
+    # short: every MCP client pays for the default tools' descriptions (tests/mcp/test_mcp_tools.py)
+    out: str = Field(description="Folder to write")
+    force: bool = Field(False, description="Replace a folder this tool wrote")
+    shape: Shape = Field("e2b", description="Member it mimics")
+
+    CLI_POSITIONAL: ClassVar[tuple[str, ...]] = ("out",)
+
+    # before pydantic's own check of the Literal: one line naming the parameter and the choices
+    @field_validator("shape", mode="before")
+    @classmethod
+    def _known_shape(cls, v: Any) -> Any:
+        if v not in SHAPE_NAMES:
+            raise RepackError(f"{param('shape')} {clip(repr(v))}: choose {', '.join(SHAPE_NAMES)}", field="shape")
+        return v
+
+
+__all__ = ["BuildOptions", "BuildParams", "MAX_SHARD_GIB", "ProbeParams", "TinyModelParams"]

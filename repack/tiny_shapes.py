@@ -3,7 +3,7 @@ to repack.tiny_model.TEXT_CONFIG."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, get_args
 
 # Stand-ins shaped as other members, by what sets them apart in the text model (repack/members.py): E4B's grouped
 # KV heads (2) and single-width MLP; the 26B-A4B's mixture of experts beside a dense MLP, full-attention layers that
@@ -17,3 +17,10 @@ SHAPES: dict[str, dict[str, Any]] = {
                 use_double_wide_mlp=False),
 }
 
+
+# The shapes by name, for the parameter models (repack/params.py TinyModelParams): the choices of the command line's
+# --shape and of the MCP tool's `shape`.
+Shape = Literal["e2b", "e4b", "moe"]
+SHAPE_NAMES: tuple[str, ...] = get_args(Shape)
+if SHAPE_NAMES != tuple(SHAPES):
+    raise ImportError(f"repack.tiny_shapes: Shape {SHAPE_NAMES} is not SHAPES {tuple(SHAPES)}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import pytest
 from fastmcp import Client
@@ -87,3 +88,41 @@ def test_make_tiny_model_writes_a_source_probe_calls_qat(mcp, tmp_path):
     assert json.loads(made.content[1].text) == made.structured_content
     assert probe.structured_content["verdict"] == "qat"
     assert again.structured_content["path"] == str(out)  # a checkpoint it wrote is replaced with force=true
+
+
+def test_make_tiny_model_takes_the_shape_of_the_command_lines_model(mcp, tmp_path, monkeypatch):
+    """shape (repack.tiny_shapes: e2b by default, e4b, moe) reaches the stand-in's build, declared once for the MCP
+    tool and `python -m repack.tiny_model` (repack.params.TinyModelParams); another is refused in one line naming
+    it, before anything is written."""
+    from repack import tiny_model
+    from repack.params import TinyModelParams
+    from repack.tiny_shapes import SHAPE_NAMES
+    from tools.mcp.repack_tools import TinyParams
+
+    made: list[dict] = []
+
+    def fake(out, **kw):  # the shape is what this checks, not the training (the stdio walk trains the E4B one)
+        made.append(kw)
+        Path(out).mkdir(parents=True)
+        tiny_model.mark(Path(out), "source")
+        return tiny_model.TinyModelInfo(Path(out), 1.0, ["w"], 0)
+
+    monkeypatch.setattr(tiny_model, "cached_tiny_qat_checkpoint", fake)
+
+    async def go():
+        async with Client(mcp) as c:
+            listed = {t.name: t for t in await c.list_tools()}["make_tiny_model"]
+            default = await c.call_tool("make_tiny_model", {})
+            e4b = await c.call_tool("make_tiny_model", {"out": "e4b", "shape": "e4b"})
+            bad = await c.call_tool("make_tiny_model", {"out": "e8b", "shape": "e8b"}, raise_on_error=False)
+            return listed, default, e4b, bad
+
+    listed, default, e4b, bad = run(go())
+    assert issubclass(TinyParams, TinyModelParams) and SHAPE_NAMES == ("e2b", "e4b", "moe")
+    assert listed.input_schema["properties"]["shape"]["enum"] == list(SHAPE_NAMES)
+    assert made == [{"shape": "e2b"}, {"shape": "e4b"}]
+    assert default.structured_content["shape"] == "e2b" and e4b.structured_content["shape"] == "e4b"
+    assert e4b.content[0].text.startswith(f"wrote the tiny QAT source {tmp_path / 'models' / 'e4b'}, shaped as e4b")
+    text = bad.content[0].text
+    assert bad.is_error and "argument shape: " in text and "\n" not in text and "e4b" in text, text
+    assert not (tmp_path / "models" / "e8b").exists() and len(made) == 2

@@ -229,9 +229,11 @@ def test_prompt_steps_name_real_tools_with_valid_arguments():
     from tools.mcp.registry import TOOLSETS
 
     tools = load_all()
-    for spec in PROMPTS.values():
+    # each prompt's walk with its defaults and with a member named (deploy_cpu's differ: the stand-in or a fetch)
+    walks = [(spec, given) for spec in PROMPTS.values() for given in ({}, {"member": "E4B"})]
+    for spec, given in walks:
         assert set(spec.toolsets) <= set(TOOLSETS)
-        for i, step in enumerate(spec.bind(), 1):
+        for i, step in enumerate(spec.bind(given), 1):
             assert step.tool in tools, (spec.name, step.tool)
             assert tools[step.tool].toolset in spec.toolsets, (spec.name, step.tool)
             params = tools[step.tool].params
@@ -247,6 +249,10 @@ def test_prompt_steps_name_real_tools_with_valid_arguments():
     assert [s.tool for s in PROMPTS["deploy_t4"].steps] == [
         "preflight", "plan_fit", "fetch_checkpoint", "probe_checkpoint", "preflight", "repack_checkpoint", "patch_turing",
         "start_vllm_server", "query_model"]
+    # deploy_cpu: the stand-in is made without a member, the member's source fetched with one, in the same place
+    cpu = {m: [s.tool for s in PROMPTS["deploy_cpu"].bind({"member": m})] for m in ("", "E4B")}
+    assert cpu[""][:3] == ["preflight", "make_tiny_model", "probe_checkpoint"]
+    assert cpu["E4B"] == ["preflight", "fetch_checkpoint"] + cpu[""][2:]
     cmp = [s.tool for s in PROMPTS["compare_builds"].steps]
     swap = cmp.index("start_vllm_server", 2)  # B in A's place, A served again when B fails
     assert cmp.index("compare_tokens") < swap < cmp.index("compare_sweeps") and "stop_vllm_server" not in cmp[:-1]
@@ -278,6 +284,46 @@ def test_prompts_take_the_member(mcp):
     assert "max_num_seqs=3)" in twelve and "E4B answers in words" in e4b
     assert "31B does not fit one T4 in any build: stop after plan_fit" in big
     assert 'build_b="gemma-4-E4B-it-qat-q4_0-w4a16-ct-text"' in cmp or "gemma-4-E4B-it-qat-q4_0-w4a16-ct-text" in cmp
+    assert "7B" in refused and "not a Gemma 4 member" in refused
+
+
+def test_deploy_cpu_takes_the_member_and_says_where_its_fit_is_unknown(mcp):
+    """Without a member deploy_cpu makes the tiny stand-in; with one, it fetches the member's repository and names
+    the member's builds, and says plainly whether the member's fit on a CPU is known (E2B's builds were served on
+    one at its real shapes, evidence/real-shapes.md) or not (the others)."""
+    async def go():
+        async with Client(mcp) as c:
+            out = [await c.get_prompt("deploy_cpu", args) for args in (
+                {}, {"member": "e4b"}, {"member": "E2B"}, {"member": "31B"},
+                {"member": "E4B", "source": "mine", "output_bf16": "b"})]
+            try:
+                await c.get_prompt("deploy_cpu", {"member": "7B"})
+                refused = ""
+            except Exception as exc:
+                refused = str(exc)
+            return [x.messages[0].content.text for x in out] + [refused]
+
+    tiny, e4b, e2b, big, given, refused = run(go())
+    # the stand-in walk, as before: nothing fetched, the stand-in's folders
+    assert '2. `make_tiny_model(out="tiny-gemma4-qat")`' in tiny and "fetch_checkpoint" not in tiny
+    assert "nothing is downloaded" in tiny and 'start_vllm_server(model="tiny-emb4")' in tiny
+    # a member: its repository fetched into its source folder, its two builds repacked and served
+    assert ('2. `fetch_checkpoint(repo_id="google/gemma-4-E4B-it-qat-q4_0-unquantized", '
+            'out="gemma-4-E4B-it-qat-q4_0-unquantized")` — only when the source folder does not exist') in e4b
+    assert "make_tiny_model" not in e4b and "enable_toolset" in e4b
+    assert ('repack_checkpoint(source="gemma-4-E4B-it-qat-q4_0-unquantized", '
+            'output="gemma-4-E4B-it-qat-q4_0-w4a16-ct-text", embed_int4=false)') in e4b
+    assert 'start_vllm_server(model="gemma-4-E4B-it-qat-q4_0-w4a16-ct-text-emb4")' in e4b
+    assert "build_b=gemma-4-E4B-it-qat-q4_0-w4a16-ct-text and " in e4b and "E4B answers in words" in e4b
+    # its fit on this machine: unknown for E4B and the 31B, said so with the planner's size; measured for E2B
+    assert "Whether E4B fits this machine is not known: no E4B build has been served on a CPU" in e4b
+    assert "all-4-bit build is 4.26 GiB of weights" in e4b
+    assert "Whether 31B fits this machine is not known" in big
+    assert "not known" not in e2b and "evidence/real-shapes.md" in e2b and "7.8 GB" in e2b
+    assert "tiny-gemma4-qat" not in e2b and 'out="gemma-4-E2B-it-qat-q4_0-unquantized"' in e2b
+    # the caller's folders hold over the member's
+    assert 'fetch_checkpoint(repo_id="google/gemma-4-E4B-it-qat-q4_0-unquantized", out="mine")' in given
+    assert 'output="b", embed_int4=false' in given
     assert "7B" in refused and "not a Gemma 4 member" in refused
 
 

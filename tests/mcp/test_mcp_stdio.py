@@ -1,10 +1,11 @@
 """The whole walk over stdio as an MCP client launches the server, with the default toolsets, from an empty models
 root and with no step outside MCP, on real vLLM CPU servers: the `deploy_cpu` prompt's tool calls (make the tiny
-stand-in source, probe, preflight the repack, repack both builds, start the all-4-bit one, query), then
-`compare_builds`' (memory, record tokens, sweep, serve B in A's place, memory, check tokens, sweep, compare the
-sweeps, stop), each condition decided as an agent would, then the resources. Two vLLM starts in all. deploy_t4's
-steps are the same tools (its fetch and clamp steps need the hub and a T4); its text is checked in
-test_mcp_resources.py. The memory figures are checked against the server's processes as psutil reads them here."""
+stand-in source, E4B-shaped here, probe, preflight the repack, repack both builds, start the all-4-bit one, query),
+then `compare_builds`' (memory, record tokens, sweep, serve B in A's place, memory, check tokens, sweep, compare the
+sweeps, stop), each condition decided as an agent would, then the resources. Two vLLM starts in all. The
+E2B-shaped stand-in (the default shape) is served and compared by the other real-vLLM tests. deploy_t4's steps are
+the same tools (its fetch and clamp steps need the hub and a T4); its text is checked in test_mcp_resources.py.
+The memory figures are checked against the server's processes as psutil reads them here."""
 
 from __future__ import annotations
 
@@ -31,12 +32,19 @@ ROOT = Path(__file__).resolve().parents[2]
 # ratio has an interval and a verdict) and short token records (the check reads its prompts from the record).
 # The grid's two loads, 1 and the engine's cap of 8 users, give the capacity search its SLO: a TTFT limit between
 # the two (as tests/measure/test_capacity_vllm.py sets it), which the search must find below the cap. The token
-# record adds the long-context prompts that fit MAX_MODEL_LEN (the ~2k-token one).
+# record adds the long-context prompts that fit MAX_MODEL_LEN (the ~2k-token one). The stand-in is E4B-shaped: its
+# two builds' token identity through MCP is this walk's to prove.
 TINY_SWEEP = {"input_lens": [512], "output_len": 8, "concurrencies": [1, 8], "repeats": 2, "warmup": False,
               "min_prompts": 4, "prompts_per_concurrency": 2}
-TINY = {"run_sweep": TINY_SWEEP, "query_model": {"max_tokens": 8},
+TINY = {"make_tiny_model": {"shape": "e4b"}, "run_sweep": TINY_SWEEP, "query_model": {"max_tokens": 8},
         "compare_tokens": {"prompts": ["abcdefgh", "The quick brown fox"], "max_tokens": 12, "long": True}}
 VERDICTS = {"faster", "slower", "within noise"}
+
+
+def _text_config(build: Path) -> dict:
+    """The text model's config of a checkpoint (nested under text_config in a multimodal one)."""
+    cfg = json.loads((build / "config.json").read_text())
+    return cfg.get("text_config", cfg)
 
 
 def _group_rss_mib(pid: int) -> float:
@@ -167,13 +175,19 @@ def test_stdio_walk_from_an_empty_models_root_to_compared_builds(tmp_path, monke
 
     for name in ("deploy_cpu", "compare_builds"):
         assert r[f"prompt:{name}"] == PROMPTS[name].render(values[name])
-        assert {s.tool for s in PROMPTS[name].steps} <= r["listed"]  # the default toolsets hold every step
+        # the default toolsets hold every step of this walk (deploy_cpu's fetch of a member needs hub)
+        assert {s.tool for s in PROMPTS[name].bind(values[name])} <= r["listed"]
     # from an empty models root: the stand-in is made; B exists (deploy_cpu built it) and A is still served
     assert skipped == [("compare_builds", 1), ("compare_builds", 2)]
 
     # deploy_cpu
     assert D[1]["platform"] == "cpu"
     assert D[2]["path"] == str(models / "tiny-gemma4-qat") and D[3]["verdict"] == "qat"
+    # the stand-in and both builds served below are E4B-shaped: 2 KV heads, single-width MLP (E2B's: 1, double)
+    assert D[2]["shape"] == "e4b"
+    for folder in ("tiny-gemma4-qat", "tiny-emb4", "tiny-bf16-emb"):
+        tc = _text_config(models / folder)
+        assert (tc["num_key_value_heads"], tc["use_double_wide_mlp"]) == (2, False), (folder, tc)
     assert D[4]["ready"] and {c["name"]: c["status"] for c in D[4]["checks"]} == {"source": "ok", "disk": "ok"}
     assert D[5]["output"] == str(models / "tiny-bf16-emb") and D[6]["output"] == str(models / "tiny-emb4")
     assert {t["name"]: t["groups"] for t in D[5]["tables"]}.get("embed_tokens", 0) == 0  # bf16 embeddings

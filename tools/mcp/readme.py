@@ -46,7 +46,7 @@ def resources_section() -> str:
         lines.append(f"| `{r.uri}` ({r.mime_type}) | {first} |")
     lines += ["", "| Prompt | Arguments (defaults) | What it walks through |", "|---|---|---|"]
     for p in PROMPTS.values():
-        args = ", ".join(f"`{k}` (`{d}`)" for k, (d, _) in p.arguments.items())
+        args = ", ".join(f"`{k}` (`{d}`)" if d else f"`{k}` (none)" for k, (d, _) in p.arguments.items())
         lines.append(f"| `{p.name}` | {args} | {p.description} |")
     for p in PROMPTS.values():
         lines += ["", f"`{p.name}` with its defaults (toolsets {', '.join(p.toolsets)}):", "", p.steps_text()]

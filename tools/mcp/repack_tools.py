@@ -8,15 +8,13 @@ lists its tools.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from pydantic import Field
 
 from repack import tiny_marker, tiny_model
 from repack.fit import PlanParams, plan_fit as plan
-from repack.params import BuildParams, ProbeParams
+from repack.params import BuildParams, ProbeParams, TinyModelParams
 from tools.core.errors import BadInput, ToolFailure, param
-from tools.core.params import OpParams
 from tools.core.paths import PathNotAllowed
 from tools.mcp.registry import Reply, tool
 from tools.serving.model_files import TINY_SOURCE, make_source
@@ -35,9 +33,10 @@ def _source(app, path: str, what: str) -> Path:
                           detail=exc.detail) from None
 
 
-class TinyParams(OpParams):
-    out: str = Field(TINY_SOURCE, description="Folder to write under a models root")
-    force: bool = Field(False, description="Replace a folder this tool wrote")
+class TinyParams(TinyModelParams):
+    """The command line's parameters (`python -m repack.tiny_model`); out lies under a models root."""
+
+    MCP_DEFAULTS: ClassVar[dict[str, Any]] = {"out": TINY_SOURCE}
 
 
 def _tiny_out(app, p: TinyParams) -> Path:
@@ -58,19 +57,21 @@ def _tiny_out(app, p: TinyParams) -> Path:
     return out
 
 
-@tool(toolset="repack", title="Make the tiny stand-in source", params=TinyParams, long=True, destructive=True,
+@tool(toolset="repack", title="Make the tiny stand-in", params=TinyParams, long=True, destructive=True,
       idempotent=True, check=_tiny_out,
-      extra={"path": (str, "The source written: probe and repack it"),
-             "accuracy": (float, "Greedy accuracy on its training pattern")}, ops="tiny_model")
+      extra={"path": (str, "Probe and repack it"),
+             "accuracy": (float, "Greedy accuracy on its pattern"),
+             "shape": (str, "")}, ops="tiny_model")
 def make_tiny_model(app, p: TinyParams, progress, checked: Path) -> Reply:
-    """Write a tiny Gemma-4-shaped QAT source checkpoint, for a machine without a GPU or the real checkpoint
-    (the walk then runs on CPU). Long."""
+    """Write a tiny Gemma-4-shaped QAT source: the CPU walk needs no real checkpoint. Long."""
     out = checked
-    progress(0, 1, f"building the tiny QAT source in {out}")
-    info = tiny_model.cached_tiny_qat_checkpoint(out)
+    progress(0, 1, f"building the tiny {p.shape}-shaped QAT source in {out}")
+    info = tiny_model.cached_tiny_qat_checkpoint(out, shape=p.shape)
     progress(1, 1, f"wrote {out}")
-    return Reply({}, f"wrote the tiny QAT source {out}: {len(info.grid_tensors)} tensors on the 4-bit grid",
-                 {"path": str(out), "accuracy": info.accuracy, "grid_tensors": len(info.grid_tensors)})
+    return Reply({}, f"wrote the tiny QAT source {out}, shaped as {p.shape}: {len(info.grid_tensors)} tensors on "
+                     f"the 4-bit grid",
+                 {"path": str(out), "accuracy": info.accuracy, "grid_tensors": len(info.grid_tensors),
+                  "shape": p.shape})
 
 
 @tool(toolset="repack", title="Probe a checkpoint", params=ProbeParams, read_only=True, idempotent=True,

@@ -18,7 +18,7 @@ import logging
 import os
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from urllib.parse import quote
@@ -242,6 +242,9 @@ class Step:
     why: str                       # what the step does and what to look at in its result
     when: str = ""                 # empty: always; else the condition, for people
     condition: str = ""            # the same condition by key, for programs (see CONDITIONS)
+    # where the member is optional (deploy_cpu): None in both walks, True only when a member is named, False only
+    # without one (the tiny stand-in)
+    member: bool | None = None
 
 
 # The conditions steps may carry, by key: the walk-through test decides each on the machine at hand.
@@ -266,10 +269,15 @@ class PromptSpec:
     steps: list[Step]
     toolsets: tuple[str, ...]
     outro: str = ""
+    # where the member is optional (deploy_cpu: the tiny stand-in without one), the values that follow whether one
+    # is named, as (without a member, with one): an argument's default, or text of the prompt's own
+    by_member: dict[str, tuple[str, str]] = field(default_factory=dict)
 
     def bind(self, values: dict[str, str] | None = None) -> list[Step]:
-        """The steps with the arguments filled in ({name} in string values)."""
+        """The steps of the walk the values ask for (with or without a member), the arguments filled in ({name}
+        in string values)."""
         vals = self.values(values)
+        named = bool(vals.get("member"))
 
         def fill(v: Any) -> Any:
             if isinstance(v, str):
@@ -280,7 +288,7 @@ class PromptSpec:
             return v
 
         return [Step(s.tool, {k: fill(v) for k, v in s.args.items()}, s.why.format(**vals), s.when.format(**vals),
-                     s.condition) for s in self.steps]
+                     s.condition, s.member) for s in self.steps if s.member in (None, named)]
 
     def check(self, given: dict[str, Any] | None) -> None:
         """Refuse an argument this prompt does not take (FastMCP drops it silently) or a value longer than any path,
@@ -295,7 +303,7 @@ class PromptSpec:
             if any(ord(c) < 32 or ord(c) == 127 for c in str(v)):  # a newline would add steps of its own
                 raise ValueError(f"prompt {self.name}: argument {k} holds a control character (a newline?); give "
                                  f"one line")
-            if k == "member":
+            if k == "member" and v:  # empty: the prompt's default (deploy_cpu: the tiny stand-in)
                 try:
                     by_name(str(v))
                 except RepackError as exc:
@@ -305,13 +313,19 @@ class PromptSpec:
                                  f"digits, '.', '_', '+' or '-' (no spaces)")
 
     def values(self, given: dict[str, str] | None = None) -> dict[str, Any]:
+        # FastMCP passes every argument, its default too: a value equal to the declared default is not a choice,
+        # so that by_member's default (deploy_cpu with a member) holds
+        given = {k: v for k, v in (given or {}).items() if v and v != self.arguments.get(k, (None,))[0]}
+        named = bool(given.get("member") or self.arguments.get("member", ("",))[0])
         vals: dict[str, Any] = ({k: d for k, (d, _) in self.arguments.items()}
-                                | {k: v for k, v in (given or {}).items() if v})
-        if "member" in vals:  # defaults that name the member follow it; the T4 flags come from the planner
+                                | {k: pair[named] for k, pair in self.by_member.items()} | given)
+        if vals.get("member"):  # defaults that name the member follow it; the T4 flags come from the planner
             m = by_name(vals["member"])
             vals = {k: v.replace("{member}", m.name) if isinstance(v, str) else v for k, v in vals.items()}
             vals["member"] = m.name
             vals.update(member_values(m))
+        for k in self.by_member.keys() - self.arguments.keys():  # the prompt's own text may name the values
+            vals[k] = vals[k].format(**vals)
         return vals
 
     def steps_text(self, values: dict[str, str] | None = None) -> str:
@@ -390,21 +404,42 @@ prompt(PromptSpec(
 _TINY = "tiny-gemma4-qat"
 
 prompt(PromptSpec(
-    name="deploy_cpu", title="The whole walk on CPU, from the tiny stand-in",
-    description="On a machine without an NVIDIA GPU: make the tiny stand-in source, probe it, repack both builds, "
-                "serve the all-4-bit one on vLLM's CPU backend, then compare_builds; default toolsets only.",
-    arguments={"source": (_TINY, "The stand-in source folder (relative: under the first models root)"),
-               "output": ("tiny-emb4", "The all-4-bit build (int4 embeddings)"),
-               "output_bf16": ("tiny-bf16-emb", "The bf16-embedding build")},
-    toolsets=("deploy", "repack", "serve", "measure"),
-    intro="Walk from nothing to two served, checked and measured builds on this CPU with the gemma4-t4 MCP tools "
-          "(the default toolsets). The source is a tiny Gemma-4-shaped QAT checkpoint made here, so nothing is "
-          "downloaded. Call the tools in this order and read each `summary`; a failed call's error names the tool "
-          "and arguments that fix it: call that, then repeat the call.",
+    name="deploy_cpu", title="The whole walk on CPU, from the tiny stand-in or a member",
+    description="On a machine without an NVIDIA GPU: make the tiny stand-in source (or fetch a member's), probe it, "
+                "repack both builds, serve the all-4-bit one on vLLM's CPU backend, then compare_builds; default "
+                "toolsets only (and hub for a member).",
+    arguments={"member": ("", "A Gemma 4 member fetched from the hub: E2B, E4B, 12B, 26B-A4B or 31B (empty: "
+                              "the tiny stand-in made here, nothing downloaded)"),
+               "source": (_TINY, "The source folder (relative: under the first models root); with a member "
+                                 "gemma-4-<member>-it-qat-q4_0-unquantized"),
+               "output": ("tiny-emb4", "The all-4-bit build (int4 embeddings); with a member "
+                                       "gemma-4-<member>-it-qat-q4_0-w4a16-ct-text-emb4"),
+               "output_bf16": ("tiny-bf16-emb", "The bf16-embedding build; with a member "
+                                                "gemma-4-<member>-it-qat-q4_0-w4a16-ct-text"),
+               "repo_id": ("google/gemma-4-{member}-it-qat-q4_0-unquantized",
+                           "With a member: the hub repo its source is fetched from when it is missing")},
+    by_member={"source": (_TINY, "gemma-4-{member}-it-qat-q4_0-unquantized"),
+               "output": ("tiny-emb4", _BUILD + "-emb4"), "output_bf16": ("tiny-bf16-emb", _BUILD),
+               "repo_id": ("", "google/gemma-4-{member}-it-qat-q4_0-unquantized"),
+               "what": ("the tiny stand-in", "{member}"),
+               "origin": ("The source is a tiny Gemma-4-shaped QAT checkpoint made here, so nothing is downloaded.",
+                          "The source is {member}'s QAT checkpoint from the hub ({repo_id}): fetching it needs the "
+                          "hub toolset (start the server with --toolsets default,hub, or call "
+                          "enable_toolset(toolset=\"hub\")). {cpu_fit}."),
+               "answer": ("the tiny stand-in answers tokens of its training pattern, not sentences",
+                          "{member} answers in words")},
+    toolsets=("deploy", "repack", "serve", "measure", "hub"),
+    intro="Walk from nothing to two served, checked and measured builds of {what} on this CPU with the gemma4-t4 "
+          "MCP tools (the default toolsets). {origin} Call the tools in this order and read each `summary`; a "
+          "failed call's error names the tool and arguments that fix it: call that, then repeat the call.",
     steps=[
         Step("preflight", {"step": "all"}, "platform cpu; do each failing check's fix before going on"),
         Step("make_tiny_model", {"out": "{source}"}, "the stand-in source (trained once, then cached)",
-             when="the source folder does not exist", condition="source_missing"),
+             when="the source folder does not exist", condition="source_missing", member=False),
+        Step("fetch_checkpoint", {"repo_id": "{repo_id}", "out": "{source}"},
+             "downloads {member}'s QAT checkpoint into the models root (the licence must be accepted on the hub "
+             "and HF_TOKEN set; the error says so)", when="the source folder does not exist",
+             condition="source_missing", member=True),
         Step("probe_checkpoint", {"path": "{source}"}, "the verdict must be qat"),
         Step("preflight", {"step": "repack", "source": "{source}", "out": "{output}"},
              "the source's config.json and the free disk the repack needs"),
@@ -412,8 +447,7 @@ prompt(PromptSpec(
              "the bf16-embedding build"),
         Step("repack_checkpoint", {"source": "{source}", "output": "{output}"}, "the all-4-bit build"),
         Step("start_vllm_server", {"model": "{output}"}, "serves the all-4-bit build on CPU"),
-        Step("query_model", {"prompt": "Write one sentence about the Tesla T4."},
-             "one greedy answer: the tiny stand-in answers tokens of its training pattern, not sentences"),
+        Step("query_model", {"prompt": "Write one sentence about the Tesla T4."}, "one greedy answer: {answer}"),
     ],
     outro="Then follow compare_builds with build_a={output}, build_b={output_bf16} and source={source}: the "
           "memory each build takes (vram_status: on CPU the server's RSS and PSS beside the weights on disk), "
