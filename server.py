@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""gemma4-t4 MCP server: deploy and benchmark Gemma 4 E2B 4-bit builds with vLLM, one typed tool per step.
+"""gemma4-t4 MCP server: deploy and benchmark all-4-bit Gemma 4 builds with vLLM, one typed tool per step.
 
 Run:  python server.py                      (stdio, what MCP clients launch)
       python server.py --http [--port 8765]  (streamable HTTP on 127.0.0.1, bearer token required)

@@ -36,7 +36,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     names one."""
     parser = argparse.ArgumentParser(
         prog="vllm-t4",
-        description="Serve and measure Gemma 4 E2B builds with vLLM (Tesla T4, or vLLM's CPU backend).",
+        description="Serve and measure all-4-bit Gemma 4 builds with vLLM (Tesla T4, or vLLM's CPU backend).",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     if command in MODULES:
