@@ -5,7 +5,10 @@ The targets are chosen for vLLM's compressed-tensors matching (vLLM 0.32): a tar
 up vLLM's linear classes (QKVParallelLinear, MergedColumnParallelLinear, RowParallelLinear, ReplicatedLinear
 ...), embeddings are named by anchored regexes (so the PLE table can be int4 while embed_tokens stays bf16),
 and ParallelLMHead (whose class name contains neither) by ``re:.*lm_head$``. The towers use vLLM linear
-classes too, so a multimodal build ignores them explicitly.
+classes too, so a multimodal build ignores them explicitly. A mixture of experts' weights are named per expert
+(``re:`` over ``experts.{e}.gate_proj/up_proj/down_proj``, the names vLLM's compressed-tensors MoE method looks
+its scheme up by, before it falls back to "Linear"); its router stays bf16 and is ignored by name, since
+"Linear" would otherwise claim it for a loader that quantizes every nn.Linear.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ TOWER_IGNORE = ["re:.*vision_tower.*", "re:.*audio_tower.*", "re:.*embed_vision.
 RE_PLE = "re:.*embed_tokens_per_layer$"
 RE_EMBED = "re:.*embed_tokens$"
 RE_HEAD = "re:.*lm_head$"
+RE_EXPERTS = r"re:.*experts\.\d+\.(gate|up|down)_proj$"
+RE_ROUTER = r"re:.*router\.proj$"
 
 
 def _weights_args() -> dict[str, Any]:
@@ -29,7 +34,8 @@ def _weights_args() -> dict[str, Any]:
             "block_structure": None}
 
 
-TABLE_TARGETS = {"linears": "Linear", "PLE": RE_PLE, "embed_tokens": RE_EMBED, "lm_head": RE_HEAD}
+TABLE_TARGETS = {"linears": "Linear", "experts": RE_EXPERTS, "PLE": RE_PLE, "embed_tokens": RE_EMBED,
+                 "lm_head": RE_HEAD}
 
 
 def targets(tables: list[str] | set[str]) -> list[str]:
@@ -50,7 +56,7 @@ def _ordered(ts: list[str]) -> list[str]:
 
 def quantization_config(groups: list[dict[str, Any]], *, previous: dict[str, Any] | None = None,
                         carried_packed: set[str] = frozenset(), carried_bf16: set[str] = frozenset(),
-                        head: bool, towers: bool,
+                        head: bool, towers: bool, router: bool = False,
                         version: str = "0.17.0") -> dict[str, Any] | None:
     """The compressed-tensors quantization_config for what a build holds (None if nothing is quantized).
 
@@ -58,6 +64,7 @@ def quantization_config(groups: list[dict[str, Any]], *, previous: dict[str, Any
     whose groups are kept for the targets this run carries unchanged (an intermediate build's int4 linears);
     carried_packed: tables carried as `weight_packed` that no previous group declares (declared int4);
     carried_bf16: tables whose weights are carried bf16, none quantized, which no previous group may declare.
+    router: the build holds a mixture of experts' router (kept bf16, so ignored).
     Groups that quantize alike are merged, so a build made in steps declares what the one-pass build does."""
     fresh = {t for g in groups for t in g["targets"]}
     # a source config declaring bf16 weights quantized is stale: kept, it would make the output unloadable
@@ -84,6 +91,8 @@ def quantization_config(groups: list[dict[str, Any]], *, previous: dict[str, Any
     merged.sort(key=lambda g: known.index(g["targets"][0]) if g["targets"][0] in known else len(known))
     formats = {g["format"] for g in merged}
     ignore: list[str] = [] if head else ["lm_head"]
+    if router:
+        ignore.append(RE_ROUTER)
     if towers:
         ignore += TOWER_IGNORE
     return {
@@ -159,7 +168,8 @@ def existing_targets(config: dict[str, Any]) -> set[str]:
         return kinds
     for group in (qc.get("config_groups") or {}).values():
         for t in group.get("targets", []):
-            kinds.add({"Linear": "linears", RE_PLE: "ple", RE_EMBED: "embed", RE_HEAD: "head"}.get(t, t))
+            kinds.add({"Linear": "linears", RE_EXPERTS: "experts", RE_PLE: "ple", RE_EMBED: "embed",
+                       RE_HEAD: "head"}.get(t, t))
     return kinds
 
 

@@ -249,10 +249,11 @@ def plan_member(m: Member, *, memory_mib: int = T4_MIB, utilization: float = UTI
         plan.t4_flags = {"build": best.build, "gpu_memory_utilization": utilization, "max_model_len": max_model_len,
                          "max_num_seqs": max(1, min(max_num_seqs, int(best.max_concurrency)))}
     if m.moe:
-        plan.notes.append("mixture of experts: the expert weights are counted at int4 in the repack columns, which "
-                          "the build does not write yet; vLLM 0.32 loads compressed-tensors W4A16 MoE through its "
-                          "fused-MoE kernels (Marlin on a GPU, CPUExpertsInt4 on its CPU backend: read in its "
-                          "source, not yet run here)")
+        plan.notes.append("mixture of experts: the repack columns hold the expert weights at int4, as the build "
+                          "writes them (one pack-quantized module per expert projection, the layout vLLM 0.32's "
+                          "compressed-tensors WNA16 MoE method loads), and the router at bf16 (in other); on a GPU "
+                          "vLLM runs them through its fused-MoE kernels (Marlin: read in its source, not run here); "
+                          "its CPU backend has no kernel for Gemma 4's gelu_tanh experts (evidence/moe-tiny-cpu.md)")
     if not m.towers_source.startswith("transformers"):
         plan.notes.append(f"towers: {m.towers_source}")
     return plan

@@ -9,6 +9,7 @@ sizes can be planned for a member by name without any download (repack/fit.py).
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterator
 
@@ -402,7 +403,7 @@ def _linear_shapes(m: Member) -> Iterator[tuple[str, list[int], int]]:
 
 def text_tables(m: Member) -> dict[str, Table]:
     """The text model's tables: linears, the expert weights (MoE), the PLE table, embed_tokens, and the rest
-    (norms, layer scalars, the router's scales): parameters counted from the configuration."""
+    (norms, layer scalars, the router, which every build keeps bf16): parameters counted from the configuration."""
     h = m.hidden_size
     lin = list(_linear_shapes(m))
     out = {"linears": Table("linears", sum(s[0] * s[1] * n for _, s, n in lin), "q/k/v/o, MLP, PLE projections",
@@ -410,11 +411,9 @@ def text_tables(m: Member) -> dict[str, Table]:
     if m.moe:
         e, mi = m.num_experts, m.moe_intermediate_size
         shapes = [("experts.gate_up_proj", [e, 2 * mi, h], m.num_hidden_layers),
-                  ("experts.down_proj", [e, h, mi], m.num_hidden_layers),
-                  ("router.proj", [e, h], m.num_hidden_layers)]
-        out["experts"] = Table("experts", sum(a * b * c * n for _, (a, b, c), n in shapes[:2])
-                               + e * h * m.num_hidden_layers,
-                               f"{e} experts of {mi} (top {m.top_k_experts}) per layer, and the router", shapes)
+                  ("experts.down_proj", [e, h, mi], m.num_hidden_layers)]
+        out["experts"] = Table("experts", sum(a * b * c * n for _, (a, b, c), n in shapes),
+                               f"{e} experts of {mi} (top {m.top_k_experts}) per layer", shapes)
     if m.hidden_size_per_layer_input:
         w = m.num_hidden_layers * m.hidden_size_per_layer_input
         out["PLE"] = Table("PLE", m.vocab_size * w, "embed_tokens_per_layer",
@@ -422,10 +421,11 @@ def text_tables(m: Member) -> dict[str, Table]:
     out["embed_tokens"] = Table("embed_tokens", m.vocab_size * h, "tied to the output layer",
                                 [("embed_tokens", [m.vocab_size, h], 1)])
     # RMSNorm weights: 4 per layer (input, post-attention, pre/post feed-forward), q/k norms, a PLE norm; the MoE
-    # block's three extra norms and the router's scales: small, counted so the total is whole
+    # block's three extra norms, the router's scales and its projection [experts, hidden] (bf16 in every build:
+    # vLLM runs it unquantized): small, counted so the total is whole
     norms = m.num_hidden_layers * (4 * h + 2 * m.global_head_dim + (h if m.hidden_size_per_layer_input else 0)
-                                   + (3 * h + h + m.num_experts if m.moe else 0) + 1) + h
-    out["other"] = Table("other", norms, "norms, layer scalars, router scales")
+                                   + (3 * h + h + m.num_experts + m.num_experts * h if m.moe else 0) + 1) + h
+    out["other"] = Table("other", norms, "norms, layer scalars, the router")
     return out
 
 
@@ -433,20 +433,27 @@ def towers_params(m: Member) -> int:
     return m.vision_params + m.audio_params
 
 
-__all__ = ["FAMILY_VOCAB", "GIB", "MEMBERS", "Drafter", "Member", "Table", "by_name", "identify",
+__all__ = ["FAMILY_VOCAB", "FUSED_EXPERTS", "GIB", "MEMBERS", "Drafter", "Member", "Table", "by_name", "identify",
            "identify_drafter", "identify_drafter_or_none", "identify_or_none", "register", "text_tables",
            "towers_params"]
 
 
+# A mixture-of-experts block's fused expert weights as transformers' Gemma4TextExperts holds them (and Google's
+# checkpoints store them): gate_up_proj [experts, 2 x moe_intermediate, hidden], the gate rows first, and down_proj
+# [experts, hidden, moe_intermediate]. The build packs each expert's projections as modules of their own.
+FUSED_EXPERTS = re.compile(r"(^|\.)layers\.\d+\.experts\.(gate_up_proj|down_proj)$")
+
+
 def refuse_unpackable(tensors: dict[str, Any], where: str) -> None:
-    """A text tensor of three or more dimensions is a mixture-of-experts block's fused expert weights
-    (`experts.gate_up_proj`, `experts.down_proj`): this build does not lay them out as compressed-tensors W4A16
-    MoE yet, and copying them bf16 under a config that declares the text model int4 would mislead; refused in
-    one line, before anything is written."""
+    """A text tensor of three or more dimensions under `.experts.` that is not one of the fused expert weights
+    the build packs (`experts.gate_up_proj`, `experts.down_proj`) is a layout neither the build nor vLLM's Gemma 4
+    loading knows; refused in one line, before anything is written, rather than copied to a build that would not
+    load."""
     for name, info in tensors.items():
         if len(info.shape) >= 3 and not name.startswith(("model.vision_tower.", "model.audio_tower.")) \
-                and ".experts." in name:
-            raise RepackError(f"{where}: {clip(name, 120)} is a mixture-of-experts weight {list(info.shape)}; "
-                              f"this build does not pack expert weights yet (plan the member with "
-                              f"`python -m repack plan` instead)",
-                              {"file": where, "tensor": clip(name, 120), "problem": "moe-not-packed"})
+                and ".experts." in name and not FUSED_EXPERTS.search(name):
+            raise RepackError(f"{where}: {clip(name, 120)} is a mixture-of-experts weight {list(info.shape)} in a "
+                              f"layout this build does not know (it packs experts.gate_up_proj and "
+                              f"experts.down_proj as Gemma 4 checkpoints hold them); use the checkpoint as Google "
+                              f"published it",
+                              {"file": where, "tensor": clip(name, 120), "problem": "moe-layout"})

@@ -4,7 +4,7 @@ goes (which shard, under which name), and the output's config.json; nothing is r
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from tools.core.errors import param
@@ -57,8 +57,13 @@ def _classify(name: str, info: TensorInfo, ck: Checkpoint, opt: BuildOptions) ->
     module = short.rsplit(".", 1)[0]
     if short.endswith(PACKED_SUFFIXES):  # already int4 (an intermediate build): carried as is
         table = ("PLE" if module == "embed_tokens_per_layer" else "embed_tokens" if module == "embed_tokens"
-                 else "lm_head" if module == "lm_head" else "linears")
+                 else "lm_head" if module == "lm_head" else "experts" if ".experts." in module else "linears")
         return Item(info, "copy", table, out)
+    if members.FUSED_EXPERTS.search(short):  # split per expert by _expert_items when packed
+        return Item(info, "quant" if opt.quantize_linears else "copy", "experts", out)
+    if short.endswith(".router.proj.weight"):
+        # the router stays bf16: vLLM builds it as an unquantized GateLinear (fp32 logits) whatever the config
+        return Item(info, "copy", "rest", out)
     if short == "embed_tokens_per_layer.weight":
         return Item(info, "quant" if opt.embed_int4 else "copy", "PLE", out)
     if short == "embed_tokens.weight":
@@ -83,6 +88,43 @@ def _check_quantizable(it: Item) -> None:
                           f"needs 2 non-empty dimensions with the last a multiple of {grid.GROUP}")
 
 
+def _expert_items(it: Item, ck: Checkpoint) -> list[Item]:
+    """A fused expert tensor to pack, as one item per expert projection, each reading its own rows of the source
+    (a slice of it, no copy): the per-expert modules compressed-tensors and vLLM's W4A16 MoE loading read,
+    `experts.{e}.gate_proj` / `up_proj` / `down_proj` (vLLM 0.32 RoutedExperts.load_weights; its fused names
+    are for unquantized weights only)."""
+    s = it.src
+    where = f"{clip(s.file)}: tensor {clip(s.name)}"
+    if len(s.shape) != 3 or 0 in s.shape:
+        raise RepackError(f"{where} has shape {clip(list(s.shape), 80)}; fused expert weights have 3 non-empty "
+                          f"dimensions [experts, out, in]; use the checkpoint as Google published it",
+                          {"file": clip(s.file), "tensor": clip(s.name), "problem": "expert-shape"})
+    experts, rows, cols = s.shape
+    tc = ck.config.get("text_config") if isinstance(ck.config.get("text_config"), dict) else ck.config
+    declared = tc.get("num_experts")
+    if declared != experts:
+        raise RepackError(f"{where} holds {experts} experts, but config.json declares "
+                          f"{'no mixture of experts' if not declared else f'num_experts {declared}'}; use the "
+                          f"config.json that came with the checkpoint",
+                          {"file": clip(s.file), "tensor": clip(s.name), "problem": "expert-count"})
+    base = it.out_name.rsplit(".", 1)[0]  # ...layers.N.experts
+    if it.out_name.endswith("gate_up_proj"):
+        if rows % 2:
+            raise RepackError(f"{where} has {rows} rows per expert; gate_up_proj holds the gate and up rows in two "
+                              f"equal halves", {"file": clip(s.file), "tensor": clip(s.name), "problem": "expert-shape"})
+        parts = [("gate_proj", 0, rows // 2), ("up_proj", rows // 2, rows // 2)]
+    else:
+        parts = [("down_proj", 0, rows)]
+    out: list[Item] = []
+    for e in range(experts):
+        for proj, r0, n in parts:
+            offset = s.offset + (e * rows + r0) * cols * 2
+            info = replace(s, name=f"{s.name}[expert {e}, {proj}]", shape=(n, cols), offset=offset,
+                           nbytes=n * cols * 2)
+            out.append(Item(info, "quant", "experts", f"{base}.{e}.{proj}"))
+    return out
+
+
 def _check_carried_linears(items: list[Item], opt: BuildOptions) -> None:
     """Linears an earlier build packed are carried as they are: refused when the scheme asked for would have
     written them otherwise, since the output and its report would claim that scheme."""
@@ -92,7 +134,7 @@ def _check_carried_linears(items: list[Item], opt: BuildOptions) -> None:
     if "weight_packed" in {o.suffix for o in scheme.outputs(grid.GROUP, grid.GROUP, opt)}:  # names, any shape
         return
     for it in items:
-        if it.table == "linears" and it.action == "copy" and it.src.name.endswith(".weight_packed"):
+        if it.table in ("linears", "experts") and it.action == "copy" and it.src.name.endswith(".weight_packed"):
             raise RepackError(f"{clip(it.src.file)}: the source's linear layers are already packed as int4 "
                               f"weight_packed (e.g. {clip(it.src.name, 120)}), which {param('scheme')} {opt.scheme} does "
                               f"not write; give the bf16 QAT checkpoint as the source",
@@ -117,9 +159,18 @@ def plan(ck: Checkpoint, opt: BuildOptions) -> tuple[list[Item], list[OutShard]]
         it.writers[key] = len(shards) - 1
 
     for sh in ck.shards:
-        sh_items = [_classify(n, i, ck, opt) for n, i in sorted(sh.tensors.items(), key=lambda kv: kv[1].offset)]
+        sh_items = []
+        for n, i in sorted(sh.tensors.items(), key=lambda kv: kv[1].offset):
+            it = _classify(n, i, ck, opt)
+            sh_items += _expert_items(it, ck) if it.table == "experts" and it.action == "quant" else [it]
         for it in sh_items:
             if it.action == "quant":
+                if it.table == "experts" and "experts" not in schemes.get(opt.scheme).tables:
+                    raise RepackError(f"{param('scheme')} {opt.scheme}: this build packs mixture-of-experts weights "
+                                      f"only as w4a16 (int4, groups of 32); build {clip(ck.path)} with "
+                                      f"{param('scheme', 'w4a16')}",
+                                      {"option": "--scheme", "value": opt.scheme, "problem": "experts-scheme"},
+                                      field="scheme")
                 it.scheme = schemes.for_table(opt.scheme, it.table)
                 _check_quantizable(it)
         _check_carried_linears(sh_items, opt)
@@ -169,9 +220,10 @@ def output_config(ck: Checkpoint, opt: BuildOptions, items: list[Item]) -> dict:
                     and it.src.name.endswith(".weight")}
     head = "lm_head" in carried or any("lm_head" in t for t in by_scheme.values())
     towers = any(it.table == "towers" and it.action != "drop" for it in items)
+    router = any(it.src.name.endswith(".router.proj.weight") for it in items)
     qc = cfgmod.quantization_config([s.config_group(sorted(t)) for s, t in by_scheme.items()], previous=ck.config,
                                     carried_packed=carried, carried_bf16=carried_bf16, head=head, towers=towers,
-                                    version=_ct_version())
+                                    router=router, version=_ct_version())
     cfgmod.set_quantization(config, qc)
     if head:
         cfgmod.set_untied(config)

@@ -1,9 +1,10 @@
 """Which tensors of a checkpoint sit on the symmetric 4-bit grid (a QAT export) and which do not (a base model).
 
-Samples rows spread over every 2-D bf16 tensor whose last dimension is a multiple of 32 and runs the same grid
-recovery as the build on them; reads only the sampled rows. What blocks a build is a text tensor off the grid: the
-towers are never packed (a text-only build drops them, a multimodal one copies them as they are), so towers off the
-grid are counted, not listed, unless every tensor is asked for.
+Samples rows spread over every 2-D bf16 tensor whose last dimension is a multiple of 32 (and over the experts of a
+mixture of experts' fused 3-D weights) and runs the same grid recovery as the build on them; reads only the sampled
+rows. What blocks a build is a text tensor off the grid: the towers are never packed (a text-only build drops them,
+a multimodal one copies them as they are), so towers off the grid are counted, not listed, unless every tensor is
+asked for.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from . import choices, drafter, grid, preview
+from . import choices, drafter, grid, members, preview
 from .checkpoint import TOWER_PREFIXES, open_checkpoint
 from .safetensors_io import MappedFile
 
@@ -107,9 +108,12 @@ def probe_checkpoint(src: str | Path, rows_per_tensor: int = 16, scale_dtype: ch
         for name, info in sorted(ck.tensors.items()):
             pt = ProbeTensor(name, list(info.shape), info.dtype, name.startswith(TOWER_PREFIXES))
             out.append(pt)
-            if info.dtype != "BF16" or len(info.shape) != 2 or info.shape[1] % grid.GROUP or info.numel == 0:
+            # a mixture of experts' fused weights [experts, out, in] are sampled as their experts' rows
+            matrix = len(info.shape) == 2 or (len(info.shape) == 3 and members.FUSED_EXPERTS.search(name))
+            if info.dtype != "BF16" or not matrix or info.shape[-1] % grid.GROUP or info.numel == 0:
                 continue
-            rows, cols = info.shape
+            cols = info.shape[-1]
+            rows = info.numel // cols
             mf = maps.get(info.file) or maps.setdefault(info.file, MappedFile(info.file, info.ident))
             picks = np.unique(np.linspace(0, rows - 1, min(rows, rows_per_tensor)).astype(np.int64))
             block = np.stack([mf.view(info, int(r) * cols * 2, cols * 2).view("<u2") for r in picks])

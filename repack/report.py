@@ -17,7 +17,7 @@ from typing import Any
 
 from .grid import DEFAULT_OBJECTIVE, GridStats
 
-TABLES = ["PLE", "embed_tokens", "lm_head", "linears", "rest", "towers"]
+TABLES = ["PLE", "embed_tokens", "lm_head", "linears", "experts", "rest", "towers"]
 SHORT = {"float16": "fp16", "bfloat16": "bf16"}
 
 

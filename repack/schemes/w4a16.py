@@ -3,7 +3,8 @@
 Blocks are groups of 32 consecutive values along the input axis. The grid recovery itself (and its numba kernel,
 checked against the numpy reference) lives in `repack/grid.py`; this class only connects it to the build: the
 three tensors per module (`weight_packed` int32 [out, in/8], `weight_scale` [out, in/32] in the scale dtype,
-`weight_shape` int64 [2]), the config group, and the grid's exactness figures, which are the report's own
+`weight_shape` int64 [2]; a mixture of experts' fused weights as one such module per expert projection, split
+by repack.plan), the config group, and the grid's exactness figures, which are the report's own
 columns (values exact in each runtime's arithmetic, errors in bf16 ulps, off-grid groups).
 """
 
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
 class W4A16(Scheme):
     name = "w4a16"
     summary = "int4 weights, groups of 32 recovered exactly from the QAT grid, 16-bit activations (pack-quantized)"
-    tables = frozenset({"linears", "PLE", "embed_tokens", "lm_head"})
+    tables = frozenset({"linears", "experts", "PLE", "embed_tokens", "lm_head"})
     Stats = grid.GridStats
 
     @classmethod

@@ -81,30 +81,109 @@ def test_probe_of_a_stand_in_says_it_is_no_released_member(tmp_path):
     assert rep.build_preview["member"] is None and rep.build_preview["builds"]["all-4-bit"]["total"] > 0
 
 
-def _moe_source(tmp_path):
+E, MI = 4, 64  # experts and their intermediate width in the small MoE source below (hidden 64)
+
+
+def _moe_source(tmp_path, *, num_experts=E, off_grid=None, extra_tensors=()):
+    """The small checkpoint with layer 0's fused expert weights and router beside its dense MLP, in a second shard
+    (the index naming both); off_grid=(expert, row of gate_up_proj) nudges one value of that row off the grid."""
     src = write_small_checkpoint(tmp_path / "moe")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["text_config"].update(enable_moe_block=True, num_experts=num_experts, top_k_experts=2,
+                              moe_intermediate_size=MI)
+    (src / "config.json").write_text(json.dumps(cfg))
     rng = np.random.default_rng(0)
-    extra = [("model.language_model.layers.0.experts.gate_up_proj", "BF16", (4, 128, 64),
-              np.concatenate([grid_words(128, 64, rng) for _ in range(4)]).reshape(4, 128, 64))]
-    # a second shard beside the first, with the index naming both
+    p = "model.language_model.layers.0."
+    gate_up = np.stack([grid_words(2 * MI, 64, rng) for _ in range(E)])
+    if off_grid is not None:
+        e, row = off_grid
+        gate_up[e, row, 3] += 5
+    extra = [(p + "experts.gate_up_proj", "BF16", (E, 2 * MI, 64), gate_up),
+             (p + "experts.down_proj", "BF16", (E, 64, MI), np.stack([grid_words(64, MI, rng) for _ in range(E)])),
+             (p + "router.proj.weight", "BF16", (E, 64), grid_words(E, 64, rng)), *extra_tensors]
     write_safetensors(src / "model-extra.safetensors", extra)
     from safetensors import safe_open
     with safe_open(src / "model.safetensors", "np") as f:
         names = list(f.keys())
     (src / "model.safetensors").rename(src / "model-main.safetensors")
     index = {"metadata": {}, "weight_map": {**{n: "model-main.safetensors" for n in names},
-                                            extra[0][0]: "model-extra.safetensors"}}
+                                            **{x[0]: "model-extra.safetensors" for x in extra}}}
     (src / "model.safetensors.index.json").write_text(json.dumps(index))
-    return src
+    return src, {x[0]: x[3] for x in extra}
 
 
-def test_moe_expert_weights_are_refused_by_the_build_in_one_line(tmp_path, capsys):
-    src = _moe_source(tmp_path)
-    rep = probe_checkpoint(src)
-    assert "mixture-of-experts weight [4, 128, 64]" in rep.build_preview["refused"]
+def test_moe_expert_weights_are_packed_per_expert_on_their_grid(tmp_path, capsys):
+    """Each expert's gate, up and down rows become a pack-quantized module of its own, as vLLM's compressed-tensors
+    MoE loading reads them (experts.{e}.gate_proj ...), decoding to the source values exactly; the router stays
+    bf16 and is ignored by the config; the probe says so before anything is written."""
+    from repack import grid
+    from repack.checkpoint import open_checkpoint
+    from repack.params import BuildOptions
+    from repack.schemes import get
+
+    src, words = _moe_source(tmp_path)
+    p = probe_checkpoint(src).build_preview
+    assert "refused" not in p and p["builds"]["all-4-bit"]["tables"]["experts"] < (E * 3 * MI * 64 * 2) * 0.3
+    rc, err = repack_cli(capsys, "build", src, tmp_path / "out", "--text-only", "--embed-int4")
+    assert rc == 0, err
+    out = open_checkpoint(tmp_path / "out")
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert r"re:.*experts\.\d+\.(gate|up|down)_proj$" in cfg["config_groups"]["group_0"]["targets"]
+    assert r"re:.*router\.proj$" in cfg["ignore"]
+    assert out.tensors["model.layers.0.router.proj.weight"].dtype == "BF16"
+    assert not any(".experts.gate_up_proj" in n or ".experts.down_proj" in n for n in out.tensors)
+
+    def stored(mod):
+        with open(out.tensors[mod + ".weight_packed"].file, "rb") as f:
+            def arr(suffix, dtype):
+                t = out.tensors[f"{mod}.{suffix}"]
+                f.seek(t.offset)
+                return np.frombuffer(f.read(t.nbytes), dtype=dtype).reshape(t.shape)
+            return {"weight_packed": arr("weight_packed", "<i4"), "weight_scale": arr("weight_scale", "<f2"),
+                    "weight_shape": arr("weight_shape", "<i8")}
+
+    gate_up, down = words["model.language_model.layers.0.experts.gate_up_proj"], \
+        words["model.language_model.layers.0.experts.down_proj"]
+    for e in range(E):
+        for proj, ref in (("gate_proj", gate_up[e, :MI]), ("up_proj", gate_up[e, MI:]), ("down_proj", down[e])):
+            t = stored(f"model.layers.0.experts.{e}.{proj}")
+            assert list(t["weight_shape"]) == list(ref.shape)
+            # the expert's own rows, packed as a linear of that shape would be: byte for byte
+            want, _ = get("w4a16").quantize_rows(np.ascontiguousarray(ref), BuildOptions(), 0)
+            assert t["weight_packed"].tobytes() == want["packed"].tobytes(), (e, proj)
+            assert t["weight_scale"].tobytes() == want["scale"].tobytes(), (e, proj)
+            runtime = grid.runtime_values(grid.decode(t["weight_packed"], t["weight_scale"]), "float16")
+            source = (ref.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+            ulp = np.ldexp(1.0, np.maximum((ref.astype(np.int64) >> 7) & 0xFF, 1) - 134)
+            assert (np.abs(runtime - source) <= 2 * ulp).all(), (e, proj)
+
+
+def test_off_grid_expert_is_refused_naming_the_expert(tmp_path, capsys):
+    src, _ = _moe_source(tmp_path, off_grid=(2, MI + 5))
+    rc, err = repack_cli(capsys, "build", src, tmp_path / "out", "--text-only")
+    assert rc == 2
+    one_line_error(err, "experts.gate_up_proj[expert 2, up_proj]: row 5, group 0", "off the 4-bit grid")
+    assert not (tmp_path / "out").exists()
+
+
+def test_expert_layouts_the_build_cannot_serve_are_refused_in_one_line(tmp_path, capsys):
+    src, _ = _moe_source(tmp_path / "a", num_experts=8)
+    rc, err = repack_cli(capsys, "build", src, tmp_path / "out", "--text-only")
+    assert rc == 2
+    one_line_error(err, "experts.down_proj holds 4 experts, but config.json declares num_experts 8")
+    src, _ = _moe_source(tmp_path / "b")
+    rc, err = repack_cli(capsys, "build", src, tmp_path / "out", "--text-only", "--scheme", "w8a8")
+    assert rc == 2
+    one_line_error(err, "packs mixture-of-experts weights only as w4a16")
+    rng = np.random.default_rng(1)
+    odd = ("model.language_model.layers.0.experts.w1", "BF16", (E, MI, 64),
+           np.stack([grid_words(MI, 64, rng) for _ in range(E)]))
+    src, _ = _moe_source(tmp_path / "c", extra_tensors=[odd])
+    assert "experts.w1 is a mixture-of-experts weight [4, 64, 64] in a layout" in \
+        probe_checkpoint(src).build_preview["refused"]
     rc, err = repack_cli(capsys, "build", src, tmp_path / "out", "--text-only", "--embed-int4")
     assert rc == 2
-    one_line_error(err, "experts.gate_up_proj is a mixture-of-experts weight", "does not pack expert weights")
+    one_line_error(err, "experts.w1 is a mixture-of-experts weight", "layout this build does not know")
     assert not (tmp_path / "out").exists()
 
 
