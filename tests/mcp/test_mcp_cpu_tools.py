@@ -47,6 +47,18 @@ def test_a_probe_or_repack_of_a_missing_source_names_the_stand_in_on_cpu(mcp):
         _error(mcp, "probe_checkpoint", {"path": "tiny"}))
 
 
+def test_a_missing_folder_named_as_a_members_checkpoint_is_fetched_never_stood_in_for(mcp):
+    """A stand-in written under a real checkpoint's name would be repacked and served as that member: on any
+    machine the remedy is the member's own repository."""
+    for platform in ("cpu", "cuda"):
+        mcp.gemma._platform = platform
+        for member in ("E4B", "26B-A4B"):
+            name = f"gemma-4-{member}-it-qat-q4_0-unquantized"
+            err = run(_error(mcp, "probe_checkpoint", {"path": name}))
+            assert f"make it with fetch_checkpoint (repo_id=google/{name}, out={name})" in err, err
+            assert "make_tiny_model" not in err
+
+
 def test_make_tiny_model_refuses_what_it_would_replace(mcp, tmp_path):
     models = tmp_path / "models"
     (models / "taken").mkdir()

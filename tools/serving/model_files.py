@@ -117,8 +117,15 @@ def checkpoint_bytes(model: str) -> int | None:
 
 
 def make_source(source: str, platform: str) -> str:
-    """The operation (op() marks) that makes a missing source folder: on CPU the tiny stand-in, on a GPU the
-    fetched QAT checkpoint."""
+    """The operation (op() marks) that makes a missing source folder: a folder named as a member's published QAT
+    checkpoint is fetched from that repository on any machine (a stand-in under a real checkpoint's name would be
+    taken for it); otherwise on CPU the tiny stand-in, on a GPU the fetched E2B checkpoint."""
+    from repack.members import MEMBERS
+
+    name = Path(source).name.lower()
+    for m in MEMBERS.values():
+        if name == m.source_repo.split("/")[-1].lower():
+            return op("fetch", repo_id=m.source_repo, out=source)
     return op("tiny_model", out=source) if platform == "cpu" else op("fetch", repo_id=SOURCE_REPO, out=source)
 
 
