@@ -186,3 +186,7 @@ def test_marked_parameters_and_operations_are_rendered_as_arguments_and_tools():
     assert str(to_tool_error(RepackError(f"{param('scheme')} 'x': unknown"))).startswith("scheme 'x'")
     assert str(to_tool_error(ToolFailure(f"record first with {op('fidelity.record')}"))) == \
         "record first with compare_logprobs (mode=record)"
+    # a remedy carried in the detail (a failing check's line, every check of a refused start) is spelled too:
+    # no mark reaches a client
+    checks = to_tool_error(ToolFailure("output: x exists", {"checks": [{"fix": f"pass {param('force', True)}"}]}))
+    assert checks.detail == {"checks": [{"fix": "pass force=true"}]}

@@ -186,6 +186,7 @@ def test_probe_and_repack_with_progress(tiny_mcp, tiny_qat, tiny_base):
                 await c.call_tool("repack_checkpoint", {"source": str(tiny_qat), "output": "emb4"})
             # worded for MCP: the argument, not the command-line flag
             assert "force=true" in str(again.value) and "--force" not in str(again.value)
+            assert "output: " in str(again.value) and "source: " not in str(again.value)  # the output's refusal
             with pytest.raises(ToolError, match="off the 4-bit grid"):
                 await c.call_tool("repack_checkpoint", {"source": str(tiny_base), "output": "base-emb4"})
             return probe.structured_content, base.structured_content, rep.structured_content, full.structured_content

@@ -103,7 +103,7 @@ class ToolFailure(Exception):
         return render(self.message, renderer)
 
     def to_dict(self, renderer: Renderer = PLAIN) -> dict[str, Any]:
-        detail = self.detail
+        detail = render_all(self.detail, renderer)  # a check's remedy in the detail is spelled as the message is
         if self.field is not None:
             detail = {"argument": self.field, **(detail or {})}
         return {"error": self.render(renderer), "detail": detail}

@@ -443,10 +443,13 @@ def check_source(source: Path | None, out: Path | None = None, *, force: bool = 
                      fix=f"fetch it with {op('fetch', repo_id=SOURCE_REPO)} and set SOURCE_CHECKPOINT")
     try:
         repack_checks.check_source(source)
-        if out is not None:
-            repack_checks.check_output(source, out, force=force, protected_roots=protected_roots)
     except RepackError as exc:
         return Check(name="source", status="fail", value=exc.message, detail=exc.detail)
+    if out is not None:
+        try:
+            repack_checks.check_output(source, out, force=force, protected_roots=protected_roots)
+        except RepackError as exc:  # the output's refusal names the output, not the source
+            return Check(name="output", status="fail", value=exc.message, detail=exc.detail)
     size = _dir_bytes(source)
     return Check(name="source", status="ok", value=f"{source}: {_gib(size)} of safetensors", detail={"bytes": size})
 
