@@ -219,6 +219,11 @@ def plan_member(m: Member, *, memory_mib: int = T4_MIB, utilization: float = UTI
                    layout, error={"load_gib": LOAD_ERROR_GIB, "kv_relative": KV_ERROR,
                                   "calibrated_on": "the article's E2B figures (vLLM 0.29.0, warm start)"})
     for build, what in BUILDS.items():
+        what = what.replace("<M>", m.name)
+        if not m.hidden_size_per_layer_input:  # no per-layer embeddings in this member
+            what = what.replace("int4 linears, PLE, embed_tokens", "int4 linears, embed_tokens")
+        if m.moe:
+            what = what.replace("int4 linears", "int4 linears and experts")
         published = not (build == "qat-w4a16-ct" and not m.qat_w4a16_ct)
         tables = _tables(m, build)
         size = sum(tables.values())
@@ -276,9 +281,11 @@ class PlanParams(OpParams):
 
     @model_validator(mode="after")
     def _one_of(self) -> "PlanParams":
-        if (self.path is None) == (self.member is None):
-            raise RepackError(f"give a checkpoint folder or {param('member')}: one of the two",
-                              field="member")
+        if self.path is None and self.member is None:
+            raise RepackError(f"give a checkpoint folder (path) or {param('member')}", field="member")
+        if self.path is not None and self.member is not None:
+            raise RepackError(f"give a checkpoint folder (path) or {param('member')}, not both: the folder's "
+                              "config.json names its member", field="member")
         return self
 
 

@@ -77,7 +77,8 @@ def test_plan_of_a_checkpoint_folder_reads_its_member(tmp_path, capsys):
     one_line_error(err, "config.json: not a known Gemma 4 layout")
 
 
-@pytest.mark.parametrize("args, needle", [([], "give a checkpoint folder or --member"),
+@pytest.mark.parametrize("args, needle", [([], "give a checkpoint folder (path) or --member"),
+                                         ([".", "--member", "E4B"], "or --member, not both"),
                                          (["--member", "7B"], "--member '7B' is not a Gemma 4 member"),
                                          (["--member", "E2B", "--gpu-memory-utilization", "1.5"],
                                           "--gpu-memory-utilization")])
@@ -98,3 +99,14 @@ def test_the_readme_and_docs_family_tables_say_what_the_planner_says():
         assert f"{b.size_gib:.2f} GiB" in row and (f"{b.kv_tokens:,} tokens" in row if b.fits else "does not fit" in row)
         drow = next(line for line in doc.splitlines() if line.startswith(f"| {name} "))
         assert f"{b.size_gib:.2f} GiB" in drow and f"{b.load_gib:.2f} GiB" in drow
+
+
+def test_each_builds_description_is_the_members_own():
+    """No placeholder and no table the member lacks in the builds' descriptions: the 12B and the 31B have no
+    per-layer embeddings, the 26B-A4B packs experts."""
+    for name, m in MEMBERS.items():
+        for b in plan_member(m).builds:
+            assert "<M>" not in b.what and (name in b.what if b.build == "bf16" else True), b.what
+            if b.build == "all-4-bit":
+                assert ("PLE" in b.what) == bool(m.hidden_size_per_layer_input), (name, b.what)
+                assert ("experts" in b.what) == m.moe, (name, b.what)
