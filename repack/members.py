@@ -281,8 +281,12 @@ def identify(config: dict[str, Any], where: str = "config.json") -> Member:
     for m in MEMBERS.values():
         if _shape_of(m) == got:
             return m
-    # the nearest member (fewest differing keys), to say what differs
-    near = min(MEMBERS.values(), key=lambda m: sum(_shape_of(m)[k] != got[k] for k in _KEYS))
+    # the nearest member, to say what differs: of the same kind first (experts or dense, per-layer embeddings or
+    # not), then by the fewest differing keys
+    near = min(MEMBERS.values(), key=lambda m: (m.moe != (got["num_experts"] > 0),
+                                                 bool(m.hidden_size_per_layer_input)
+                                                 != bool(got["hidden_size_per_layer_input"]),
+                                                 sum(_shape_of(m)[k] != got[k] for k in _KEYS)))
     diff = ", ".join(f"{k} {got[k]} (not {_shape_of(near)[k]})" for k in _KEYS if _shape_of(near)[k] != got[k])
     raise RepackError(f"{where}: not a known Gemma 4 layout (nearest {near.name}: {clip(diff, 200)}); the build "
                       f"knows {', '.join(MEMBERS)}",

@@ -41,6 +41,11 @@ def test_unknown_layout_is_refused_in_one_line():
     assert "src/config.json: not a known Gemma 4 layout (nearest E4B: hidden_size 2048 (not 2560))" in str(e.value)
     with pytest.raises(RepackError, match="not a Gemma 4 member: choose one of E2B, E4B"):
         by_name("7B")
+    # a small mixture of experts is nearest the member with experts, not a dense one with fewer keys apart
+    small = {**MEMBERS["12B"].text_config(), "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
+             "moe_intermediate_size": 64}
+    with pytest.raises(RepackError, match=r"nearest 26B-A4B"):
+        identify({"text_config": small})
 
 
 def test_tables_follow_the_configuration():
