@@ -141,3 +141,41 @@ def test_resources_are_bounded_and_say_how_to_read_more(roots, tmp_path):
     assert len(got["gemma4-t4://evidence/runs"]) <= RESULT_BUDGET and index["total"] == 300
     assert 0 < len(index["runs"]) < 300 and "evidence/runs/all" in index["more"]
     assert len(json.loads(got["gemma4-t4://evidence/runs/all"])["runs"]) == 300
+
+
+def test_every_resource_is_bounded_over_the_shipped_evidence(tmp_path):
+    """docs/mcp.md: every resource within RESULT_BUDGET but those read on request (evidence/runs/all, the log's
+    lines asked for). Every listed resource and every run's summary and capacity URIs, over the evidence this
+    project ships (its demo report and article runs are longer than the budget): each one bounded, and a shortened
+    one names the file that holds the whole."""
+    from tools.core.paths import Roots
+    from tools.mcp.resources import RESOURCES
+
+    root = Path(__file__).resolve().parents[2]
+    (tmp_path / "models").mkdir()
+    roots = Roots.from_env([str(tmp_path / "models")], [str(root / "evidence")], environ={})
+    mcp = create_server(Settings(roots=roots, config_overrides={"state_dir": str(tmp_path / "run")}))
+    on_request = {u for u, s in RESOURCES.items() if s.whole}
+    assert on_request == {"gemma4-t4://evidence/runs/all", "gemma4-t4://server/log/{lines}"}
+
+    async def go():
+        async with Client(mcp) as c:
+            uris = [str(r.uri) for r in await c.list_resources() if str(r.uri) not in on_request]
+            runs = json.loads((await c.read_resource("gemma4-t4://evidence/runs/all"))[0].text)["runs"]
+            uris += [u for r in runs for u in r["uris"]]
+            out = {}
+            for uri in uris:
+                try:
+                    out[uri] = (await c.read_resource(uri))[0].text
+                except Exception as exc:  # the log before any start: a one-line error, bounded too
+                    out[uri] = str(exc)
+            return out
+
+    got = run(go())
+    assert "gemma4-t4://demo/latest" in got and "gemma4-t4://evidence/article-t4/emb4/summary.json" in got
+    over = {u: len(t) for u, t in got.items() if len(t) > RESULT_BUDGET}
+    assert not over, over
+    shortened = {u: t for u, t in got.items() if "characters, shortened to" in t[:300]}
+    assert "gemma4-t4://demo/latest" in shortened  # the shipped demo report is longer than the budget
+    for uri, text in shortened.items():
+        assert "the whole is the file " + str(root / "evidence") in text[:600], uri

@@ -34,7 +34,7 @@ from repack.members import by_name
 from tools.core.errors import ToolFailure
 from tools.core.paths import PATH_MAX, PathNotAllowed
 from tools.core.text import clip
-from tools.mcp.bounded import fit_text
+from tools.mcp.bounded import RESULT_BUDGET, fit_text
 from tools.mcp.errors import to_tool_error
 from tools.mcp.prompt_members import MEMBER_ARG, member_values
 from tools.serving.config import ENV_NAMES, parse_env_file
@@ -61,7 +61,7 @@ class ResourceSpec:
     description: str
     mime_type: str
     fn: Callable[..., str]       # fn(app, **params) -> text
-    whole: bool = False          # read on request (a run's summary, all of the log): not held to RESULT_BUDGET
+    whole: bool = False          # read on request (every run, the log's lines asked for): not held to RESULT_BUDGET
 
 
 RESOURCES: dict[str, ResourceSpec] = {}
@@ -141,8 +141,8 @@ def _summary(app, run: str, name: str) -> str:
         except PathNotAllowed as exc:  # a symlink out of the roots, say: refused, never read
             last = exc
             continue
-        if path.is_file():
-            return path.read_text(errors="replace")
+        if path.is_file():  # its head within RESULT_BUDGET, naming the file that holds the whole
+            return fit_text(path.read_text(errors="replace"), whole=f"the whole is the file {path}", keep="head")
     if last is not None:
         raise ResourceFailure(str(last))
     raise ResourceFailure(f"no {name} for run {clip(run)} under the evidence roots "
@@ -150,34 +150,34 @@ def _summary(app, run: str, name: str) -> str:
 
 
 @resource(f"{SCHEME}://evidence/{{run*}}/summary.md", title="Evidence run summary (markdown)",
-          mime_type="text/markdown", whole=True)
+          mime_type="text/markdown")
 def run_summary_md(app, run: str) -> str:
     """A run's summary.md (run: its folder relative to the evidence root, as evidence/runs lists it)."""
     return _summary(app, run, "summary.md")
 
 
 @resource(f"{SCHEME}://evidence/{{run*}}/summary.json", title="Evidence run summary (JSON)",
-          mime_type="application/json", whole=True)
+          mime_type="application/json")
 def run_summary_json(app, run: str) -> str:
     """A run's summary.json (run: its folder relative to the evidence root, as evidence/runs lists it)."""
     return _summary(app, run, "summary.json")
 
 
 @resource(f"{SCHEME}://evidence/{{run*}}/capacity.md", title="Capacity run report (markdown)",
-          mime_type="text/markdown", whole=True)
+          mime_type="text/markdown")
 def run_capacity_md(app, run: str) -> str:
     """A capacity run's capacity.md: the search's points with each term's median and interval."""
     return _summary(app, run, "capacity.md")
 
 
 @resource(f"{SCHEME}://evidence/{{run*}}/capacity.json", title="Capacity run report (JSON)",
-          mime_type="application/json", whole=True)
+          mime_type="application/json")
 def run_capacity_json(app, run: str) -> str:
     """A capacity run's capacity.json (run: its folder relative to the evidence root, as evidence/runs lists it)."""
     return _summary(app, run, "capacity.json")
 
 
-@resource(f"{SCHEME}://demo/latest", title="Latest demo report", mime_type="text/markdown", whole=True)
+@resource(f"{SCHEME}://demo/latest", title="Latest demo report", mime_type="text/markdown")
 def demo_report(app) -> str:
     """The newest `./vllm-t4 demo` report (report.md of the newest folder directly under an evidence root whose
     report.json is a demo report), preceded by a comment naming its folder."""
@@ -203,7 +203,9 @@ def demo_report(app) -> str:
                               "deploy_cpu) for the same walk through these tools (from a shell: ./vllm-t4 demo "
                               "writes this report)")
     *_, folder, report = max(found)
-    return f"<!-- {folder} -->\n" + report.read_text(errors="replace")
+    return f"<!-- {folder} -->\n" + fit_text(report.read_text(errors="replace"), keep="head",
+                                              budget=RESULT_BUDGET - len(folder) - 10,
+                                              whole=f"the whole is the file {report}")
 
 
 _MD_DATE = re.compile(r"^(\d{4}-\d{2}-\d{2} \d{2}:\d{2}) UTC", re.M)
