@@ -137,10 +137,12 @@ def _plan_params(app, p) -> Any:
 @tool(toolset="hub", title="Plan which Gemma 4 member fits one T4", params=PlanParams, read_only=True,
       idempotent=True,
       extra={"member": (str, "The member planned"),
-             "builds": (list[dict[str, Any]], "Per build (bf16, qat-w4a16-ct, repack-bf16-emb, all-4-bit): tables "
-                                              "in GiB, model loading, KV cache tokens, fits and a verdict"),
+             "builds": (list[dict[str, Any]], "Per build (bf16, qat-w4a16-ct, repack-bf16-emb, all-4-bit): size, "
+                                              "model loading and KV cache in GiB, KV cache tokens, fits (per table "
+                                              "and verdicts: `table`)"),
              "error": (dict[str, Any], "The stated error against the article's E2B figures"),
-             "table": (str, "")})
+             "table": (str, "The planner's table: per-table GiB, loads, KV cache, each build's verdict, T4 flags"),
+             "whole": (str, "Where the whole plan is")})
 def plan_fit(app, p: PlanParams) -> Reply:
     """Plan a Gemma 4 member on one T4 before fetching or building it: each build's size per table, the memory
     vLLM loads and the KV cache tokens left, or "does not fit"; a checkpoint folder or a member by name."""
@@ -148,7 +150,23 @@ def plan_fit(app, p: PlanParams) -> Reply:
     fit = plan(p.model_copy(update={"path": str(src)}) if src is not None else p,
                roots=list(app.roots.models) if src is not None else None)
     best = next((b for b in reversed(fit.builds) if b.fits), None)
-    summary = (f"{fit.member}: " + (f"the {best.build} build fits, {best.kv_tokens:,} KV tokens" if best
-                                    else "no build fits one T4") + "; " +
+    card = fit.card
+    gpu = "a T4" if card["name"] == "NVIDIA Tesla T4" else f"a GPU of {card['memory_mib']:,} MiB"
+    summary = (f"{fit.member}, the planner's figures (on paper, planned for {gpu}; not measured): " + (f"the {best.build} build fits, {best.kv_tokens:,} KV tokens" if best
+                                          else "no build fits") + "; " +
                "; ".join(f"{b.build} loads {b.load_gib:.2f} GiB" for b in fit.builds if b.published))
-    return Reply(fit.to_dict(), summary, {"table": fit.format_table()})
+    return Reply(_plan_result(fit, str(src) if src is not None else f"--member {fit.member}"), summary, {"table": fit.format_table()})
+
+
+# Left out of plan_fit's result, as the table or the command line holds them: each build's tables and verdict (the
+# table's rows), its description (the same for every member), the KV cache layout (the command line's --json).
+_PLAN_KEPT = ("build", "published", "fits", "size_gib", "load_gib", "kv_gib", "kv_tokens", "max_concurrency")
+
+
+def _plan_result(fit: Any, where: str) -> dict[str, Any]:
+    """The plan within the result budget: the figures a program reads, the rest in `table` and `whole`."""
+    return {"member": fit.member, "card": fit.card, "t4_flags": fit.t4_flags,
+            "builds": [{k: getattr(b, k) for k in _PLAN_KEPT} for b in fit.builds],
+            "error": {k: v for k, v in fit.error.items() if k != "calibrated_on"},
+            "whole": f"each build's tables and verdict: `table`; the whole plan (the KV cache layout too): "
+                     f"python -m repack plan {where} --json"}
