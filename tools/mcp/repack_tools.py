@@ -108,7 +108,8 @@ def _repack_paths(app, p: BuildParams) -> tuple[Path, Path]:
 @tool(toolset="repack", title="Repack a QAT checkpoint to all-4-bit", params=BuildParams, long=True,
       destructive=True, idempotent=True, check=_repack_paths,
       extra={"output": (str, "The written checkpoint folder; pass it to start_vllm_server as model"),
-             "tables": (list[dict[str, Any]], "Per table: bytes, groups, off-grid groups, exact values, errors")},
+             "report_path": (str, ""),  # repack-report.json: the whole report (every column)
+             "tables": (list[dict[str, Any]], "Per table with tensors: sizes, groups, exactness")},
       ops="repack")
 def repack_checkpoint(app, p: BuildParams, progress, checked: tuple[Path, Path]) -> Reply:
     """Build the all-4-bit checkpoint from a QAT source (embed_int4=false: the bf16-embedding build); leaves
@@ -123,10 +124,46 @@ def repack_checkpoint(app, p: BuildParams, progress, checked: tuple[Path, Path])
     d = report.to_dict()
     off = sum(t["offgrid_groups"] for t in d["tables"])
     nonfinite = sum(t.get("nonfinite_values") or 0 for t in d["tables"])
-    summary = (f"wrote {out}: {d['total_bytes_before'] / 2**20:.1f} -> {d['total_bytes_after'] / 2**20:.1f} MiB "
+    result = _repack_result(d, out)
+    summary = (f"wrote {out}" + (" (all-4-bit: every packed table int4)" if result["all_4_bit"] else "") + ": "
+               f"{d['total_bytes_before'] / 2**20:.1f} -> {d['total_bytes_after'] / 2**20:.1f} MiB "
                f"in {d['wall_s']:.1f} s, {off} off-grid groups"
-               + (f", {nonfinite} NaN/inf source values" if nonfinite else ""))
-    return Reply(d, summary)  # the tables once, as data (format_table renders them for the command line)
+               + (f", {nonfinite} NaN/inf source values" if nonfinite else "")
+               + f"; the whole report: {result['report_path']}")
+    return Reply(result, summary)
+
+
+# The tables the repack packs to int4 (others, `rest` and `towers`, are copied as they are).
+PACKED = ("linears", "experts", "PLE", "embed_tokens", "lm_head")
+# Per table, the figures shown: sizes, groups and the target runtime's exactness (the report holds every column).
+_TABLE_KEYS = ("name", "tensors", "bytes_before", "bytes_after", "groups", "offgrid_groups", "nonfinite_values")
+
+
+def _repack_result(d: dict[str, Any], out: Path) -> dict[str, Any]:
+    """The repack report within the result budget: every table holding tensors as one compact row (an empty one
+    left out), the totals, and repack-report.json named as where the whole is."""
+    from tools.core.atomic import REPORT
+
+    short = {"float16": "fp16", "bfloat16": "bf16"}[d["target_dtype"]]
+    tables = []
+    order = {n: i for i, n in enumerate(PACKED)}
+    for t in sorted(d["tables"], key=lambda t: order.get(t["name"], len(PACKED))):
+        if not t.get("tensors"):
+            continue
+        row = {k: t.get(k) for k in _TABLE_KEYS}
+        if t.get("groups"):  # exactness in the runtime the build targets; none for a table left unpacked
+            row |= {"exact_pct": t.get(f"exact_runtime_{short}_pct"),
+                    "max_err_ulp": t.get(f"max_err_ulp_bf16_runtime_{short}")}
+        tables.append(row)
+    packed = [t for t in tables if t["name"] in PACKED]
+    return {"source": d["source"], "output": str(out), "report_path": str(out / REPORT),
+            "scheme": d.get("scheme", "w4a16"), "options": d["options"], "target_dtype": d["target_dtype"],
+            "all_4_bit": d.get("scheme", "w4a16") == "w4a16" and bool(packed) and all(t["groups"] for t in packed),
+            "tables": tables, "total_bytes_before": d["total_bytes_before"],
+            "total_bytes_after": d["total_bytes_after"], "wall_s": d["wall_s"], "mb_per_s": d["mb_per_s"],
+            "peak_rss_bytes": d["peak_rss_bytes"], "output_shards": d["output_shards"],
+            "exactness": f"exact_pct and max_err_ulp (in bf16 ulps): the {d['target_dtype']} runtime the build "
+                         f"targets; the other runtime's and every column per table: report_path"}
 
 
 def _plan_params(app, p) -> Any:
