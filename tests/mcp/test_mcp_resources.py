@@ -301,7 +301,7 @@ def test_a_member_that_fits_no_t4_ends_the_t4_walk_after_plan_fit(mcp, member):
 
     deploy, compare = run(go())
     steps = [line.split("`")[1].split("(")[0] for line in deploy.splitlines() if line[:1].isdigit()]
-    assert steps == ["preflight", "plan_fit"]
+    assert steps == ["preflight", "plan_fit"] and "t4_flags null" in deploy
     for banned in ("fetch_checkpoint", "repack_checkpoint", "start_vllm_server", "max_num_seqs", "T4 flags"
                    " (", "planner's T4 flags"):
         assert banned not in deploy, banned

@@ -43,6 +43,7 @@ def member_values(m: Any) -> dict[str, Any]:
                    f"of the T4's 15 GiB (planned on paper, not measured); one {plan.card['max_model_len']:,}-token "
                    f"request of it would need a GPU of about {need / 1024:.0f} GiB")
         out["fit"] = f"{verdict}: stop after plan_fit (its table says by how much)"
+        out["plan_flags"] = "t4_flags null: no build fits, so the walk ends there"
         out["stop_note"] = (f"Stop here: {verdict}. No T4 flags exist for it, so nothing is fetched, built or "
                             f"served on a T4; a member that fits one T4 (plan_fit says which) takes this walk.")
         out["t4_warning"] = (f" Before anything else: {verdict}, so on a T4 do not take this walk; it serves only "
@@ -53,6 +54,7 @@ def member_values(m: Any) -> dict[str, Any]:
         out["fit"] = (f"the planner puts {m.name}'s {b.build} build at {b.load_gib:.2f} GiB loaded and "
                       f"{b.kv_tokens:,} KV tokens on a T4; it serves with max_num_seqs {f['max_num_seqs']}")
         out |= {k: f[k] for k in ("gpu_memory_utilization", "max_model_len", "max_num_seqs")}
+        out["plan_flags"] = "the flags the start below uses (t4_flags); stop when no build fits"
     out["cpu_fit"] = CPU_MEASURED.get(m.name) or (
         f"Whether {m.name} fits this machine is not known: no {m.name} build has been served on a CPU by this "
         f"project. Its all-4-bit build is {four.size_gib:.2f} GiB of weights (the planner), which vLLM's CPU backend "

@@ -398,8 +398,8 @@ prompt(PromptSpec(
     steps=[
         Step("preflight", {"step": "all"}, "every check ok, warn, fail or n/a with a one-line fix; do each failing "
                                            "check's fix before going on"),
-        Step("plan_fit", {"member": "{member}"}, "each build's size, load and KV cache tokens on a T4, and the "
-                                                 "flags the start below uses (t4_flags); stop when no build fits"),
+        Step("plan_fit", {"member": "{member}"}, "each build's size, load and KV cache tokens on a T4, and "
+                                                 "{plan_flags}"),
         Step("fetch_checkpoint", {"repo_id": "{repo_id}", "out": "{source}"},
              "downloads the build files into the models root (the licence must be accepted on the hub and HF_TOKEN "
              "set; the error says so)", when="the source folder does not exist", condition="source_missing"),
