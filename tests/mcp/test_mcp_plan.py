@@ -18,3 +18,23 @@ def test_mcp_plan_fit(mcp, roots):
             out = await c.call_tool("plan_fit", {"path": "../x"}, raise_on_error=False)
             assert out.is_error
     asyncio.run(go())
+
+
+def test_plan_fit_answers_fit_unclipped_for_every_member(mcp):
+    """Every member's plan fits the result budget whole: nothing clipped, the readable table in full, what was left
+    out named (the command line's --json), and the summary says the figures are the planner's, not measured."""
+    from repack.fit import plan_member
+    from repack.members import by_name
+    from tools.mcp.bounded import RESULT_BUDGET
+
+    async def go():
+        async with Client(mcp) as c:
+            return {m: await c.call_tool("plan_fit", {"member": m}) for m in ("E2B", "E4B", "12B", "26B-A4B", "31B")}
+
+    for member, r in asyncio.run(go()).items():
+        data = r.structured_content
+        assert sum(len(t.text) for t in r.content) <= RESULT_BUDGET and "clipped" not in data, member
+        assert data["table"] == plan_member(by_name(member)).format_table()
+        assert f"python -m repack plan --member {member} --json" in data["whole"]
+        assert [b["build"] for b in data["builds"]] == ["bf16", "qat-w4a16-ct", "repack-bf16-emb", "all-4-bit"]
+        assert "the planner's figures (on paper, planned for a T4; not measured)" in data["summary"]

@@ -153,7 +153,10 @@ def test_latest_demo_report_and_a_clean_error_without_one(mcp, tmp_path):
             except Exception as exc:
                 return f"ERROR {exc}"
 
-    assert run(read()) == (f"ERROR no demo report under the evidence roots ({ev}); run ./vllm-t4 demo")
+    # an MCP-only client cannot run the CLI: the prompt that makes the same walk through the tools comes first
+    missing = run(read())
+    assert missing.startswith(f"ERROR no demo report under the evidence roots ({ev}): follow the deploy_cpu prompt")
+    assert missing.index("deploy_cpu") < missing.index("./vllm-t4 demo")
     for name, t in (("demo-old", 1_000_000), ("demo-new", 2_000_000), ("not-a-demo", 3_000_000)):
         (ev / name).mkdir()
         body = {"probe_verdict": "qat", "served": []} if name.startswith("demo") else {"cells": []}
@@ -282,9 +285,44 @@ def test_prompts_take_the_member(mcp):
     assert 'repack_checkpoint(source="gemma-4-E4B-it-qat-q4_0-unquantized", ' \
            'output="gemma-4-E4B-it-qat-q4_0-w4a16-ct-text-emb4")' in e4b
     assert "max_num_seqs=3)" in twelve and "E4B answers in words" in e4b
-    assert "31B does not fit one T4 in any build: stop after plan_fit" in big
+    assert "31B does not fit one T4 in any build" in big and "stop after plan_fit" in big
     assert 'build_b="gemma-4-E4B-it-qat-q4_0-w4a16-ct-text"' in cmp or "gemma-4-E4B-it-qat-q4_0-w4a16-ct-text" in cmp
     assert "7B" in refused and "not a Gemma 4 member" in refused
+
+
+@pytest.mark.parametrize("member", ["31B", "26B-A4B"])
+def test_a_member_that_fits_no_t4_ends_the_t4_walk_after_plan_fit(mcp, member):
+    """The planner fits 31B and 26B-A4B in no T4 build: deploy_t4 ends after plan_fit with the planner's figures
+    and what it would need, and invents no T4 flags; compare_builds warns the same way."""
+    async def go():
+        async with Client(mcp) as c:
+            return [(await c.get_prompt(n, {"member": member})).messages[0].content.text
+                    for n in ("deploy_t4", "compare_builds")]
+
+    deploy, compare = run(go())
+    steps = [line.split("`")[1].split("(")[0] for line in deploy.splitlines() if line[:1].isdigit()]
+    assert steps == ["preflight", "plan_fit"] and "t4_flags null" in deploy
+    for banned in ("fetch_checkpoint", "repack_checkpoint", "start_vllm_server", "max_num_seqs", "T4 flags"
+                   " (", "planner's T4 flags"):
+        assert banned not in deploy, banned
+    last = deploy.rsplit("\n\n", 1)[1]
+    assert last.startswith(f"Stop here: the planner says {member} does not fit one T4 in any build")
+    assert "GiB of weights where vLLM may use 13.50 GiB" in last and "would need a GPU of about" in last
+    assert "not measured" in last
+    assert f"the planner says {member} does not fit one T4 in any build" in compare.split("\n\n")[0]
+
+
+def test_compare_builds_names_its_files_after_the_member_and_either_device():
+    """Two members compared under one evidence root do not overwrite each other's record and sweeps (E2B keeps
+    the article's names); the walk is worded for a GPU or a CPU, as deploy_cpu sends CPU users to it."""
+    spec = PROMPTS["compare_builds"]
+    e2b, e4b = spec.render({}), spec.render({"member": "E4B"})
+    assert 'reference="tokens/E4B-int4-emb.json"' in e4b and 'label="E4B-bf16-emb"' in e4b
+    assert 'output="sweeps/E4B-int4-emb-vs-E4B-bf16-emb.md"' in e4b
+    assert 'reference="tokens/int4-emb.json"' in e2b and 'label="int4-emb"' in e2b
+    assert 'label="mine"' in spec.render({"member": "E4B", "label_a": "mine"})  # the caller's label holds
+    for text in (e2b, e4b):
+        assert "One GPU serves" not in text and "free the GPU" not in text and "a GPU or a CPU" in text
 
 
 def test_deploy_cpu_takes_the_member_and_says_where_its_fit_is_unknown(mcp):

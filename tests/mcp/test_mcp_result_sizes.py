@@ -141,3 +141,71 @@ def test_resources_are_bounded_and_say_how_to_read_more(roots, tmp_path):
     assert len(got["gemma4-t4://evidence/runs"]) <= RESULT_BUDGET and index["total"] == 300
     assert 0 < len(index["runs"]) < 300 and "evidence/runs/all" in index["more"]
     assert len(json.loads(got["gemma4-t4://evidence/runs/all"])["runs"]) == 300
+
+
+def test_every_resource_is_bounded_over_the_shipped_evidence(tmp_path):
+    """docs/mcp.md: every resource within RESULT_BUDGET but those read on request (evidence/runs/all, the log's
+    lines asked for). Every listed resource and every run's summary and capacity URIs, over the evidence this
+    project ships (its demo report and article runs are longer than the budget): each one bounded, and a shortened
+    one names the file that holds the whole."""
+    from tools.core.paths import Roots
+    from tools.mcp.resources import RESOURCES
+
+    root = Path(__file__).resolve().parents[2]
+    (tmp_path / "models").mkdir()
+    roots = Roots.from_env([str(tmp_path / "models")], [str(root / "evidence")], environ={})
+    mcp = create_server(Settings(roots=roots, config_overrides={"state_dir": str(tmp_path / "run")}))
+    on_request = {u for u, s in RESOURCES.items() if s.whole}
+    assert on_request == {"gemma4-t4://evidence/runs/all", "gemma4-t4://server/log/{lines}"}
+
+    async def go():
+        async with Client(mcp) as c:
+            uris = [str(r.uri) for r in await c.list_resources() if str(r.uri) not in on_request]
+            runs = json.loads((await c.read_resource("gemma4-t4://evidence/runs/all"))[0].text)["runs"]
+            uris += [u for r in runs for u in r["uris"]]
+            out = {}
+            for uri in uris:
+                try:
+                    out[uri] = (await c.read_resource(uri))[0].text
+                except Exception as exc:  # the log before any start: a one-line error, bounded too
+                    out[uri] = str(exc)
+            return out
+
+    got = run(go())
+    assert "gemma4-t4://demo/latest" in got and "gemma4-t4://evidence/article-t4/emb4/summary.json" in got
+    over = {u: len(t) for u, t in got.items() if len(t) > RESULT_BUDGET}
+    assert not over, over
+    shortened = {u: t for u, t in got.items() if "characters, shortened to" in t[:300]}
+    assert "gemma4-t4://demo/latest" in shortened  # the shipped demo report is longer than the budget
+    for uri, text in shortened.items():
+        assert "the whole is the file " + str(root / "evidence") in text[:600], uri
+
+
+@pytest.mark.parametrize("shape", ["e4b", "moe"])
+def test_repack_result_lists_every_table_and_names_the_report(roots, tmp_path, shape):
+    """repack_checkpoint's default result holds a row for every table with tensors (linears and experts too),
+    none for an empty one, within the budget and unclipped; it names repack-report.json as the whole, and says
+    all-4-bit only when every packed table is int4 (not for the bf16-embedding build)."""
+    mcp = create_server(Settings(roots=roots, config_overrides={"state_dir": str(tmp_path / "run")}))
+
+    async def go():
+        async with Client(mcp, timeout=600) as c:
+            await c.call_tool("make_tiny_model", {"out": "src", "shape": shape})
+            four = await c.call_tool("repack_checkpoint", {"source": "src", "output": "emb4"})
+            bf16 = await c.call_tool("repack_checkpoint", {"source": "src", "output": "bf16", "embed_int4": False})
+            return four, bf16
+
+    four, bf16 = run(go())
+    for r, out in ((four, "emb4"), (bf16, "bf16")):
+        data = r.structured_content
+        assert sum(len(t.text) for t in r.content) <= RESULT_BUDGET and "clipped" not in data, data.get("clipped")
+        report = roots.models[0] / out / "repack-report.json"
+        assert data["report_path"] == str(report) and str(report) in data["summary"]
+        whole = {t["name"]: t for t in json.loads(report.read_text())["tables"]}
+        assert [t["name"] for t in data["tables"]] == [
+            n for n in ("linears", "experts", "PLE", "embed_tokens", "lm_head", "rest", "towers")
+            if whole.get(n, {}).get("tensors")]
+    names = [t["name"] for t in four.structured_content["tables"]]
+    assert "linears" in names and ("experts" in names) == (shape == "moe") and ("PLE" in names) == (shape == "e4b")
+    assert four.structured_content["all_4_bit"] and "all-4-bit" in four.structured_content["summary"]
+    assert not bf16.structured_content["all_4_bit"] and "all-4-bit" not in bf16.structured_content["summary"]

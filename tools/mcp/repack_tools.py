@@ -108,7 +108,8 @@ def _repack_paths(app, p: BuildParams) -> tuple[Path, Path]:
 @tool(toolset="repack", title="Repack a QAT checkpoint to all-4-bit", params=BuildParams, long=True,
       destructive=True, idempotent=True, check=_repack_paths,
       extra={"output": (str, "The written checkpoint folder; pass it to start_vllm_server as model"),
-             "tables": (list[dict[str, Any]], "Per table: bytes, groups, off-grid groups, exact values, errors")},
+             "report_path": (str, ""),  # repack-report.json: the whole report (every column)
+             "tables": (list[dict[str, Any]], "Per table with tensors: sizes, groups, exactness")},
       ops="repack")
 def repack_checkpoint(app, p: BuildParams, progress, checked: tuple[Path, Path]) -> Reply:
     """Build the all-4-bit checkpoint from a QAT source (embed_int4=false: the bf16-embedding build); leaves
@@ -123,10 +124,46 @@ def repack_checkpoint(app, p: BuildParams, progress, checked: tuple[Path, Path])
     d = report.to_dict()
     off = sum(t["offgrid_groups"] for t in d["tables"])
     nonfinite = sum(t.get("nonfinite_values") or 0 for t in d["tables"])
-    summary = (f"wrote {out}: {d['total_bytes_before'] / 2**20:.1f} -> {d['total_bytes_after'] / 2**20:.1f} MiB "
+    result = _repack_result(d, out)
+    summary = (f"wrote {out}" + (" (all-4-bit: every packed table int4)" if result["all_4_bit"] else "") + ": "
+               f"{d['total_bytes_before'] / 2**20:.1f} -> {d['total_bytes_after'] / 2**20:.1f} MiB "
                f"in {d['wall_s']:.1f} s, {off} off-grid groups"
-               + (f", {nonfinite} NaN/inf source values" if nonfinite else ""))
-    return Reply(d, summary)  # the tables once, as data (format_table renders them for the command line)
+               + (f", {nonfinite} NaN/inf source values" if nonfinite else "")
+               + f"; the whole report: {result['report_path']}")
+    return Reply(result, summary)
+
+
+# The tables the repack packs to int4 (others, `rest` and `towers`, are copied as they are).
+PACKED = ("linears", "experts", "PLE", "embed_tokens", "lm_head")
+# Per table, the figures shown: sizes, groups and the target runtime's exactness (the report holds every column).
+_TABLE_KEYS = ("name", "tensors", "bytes_before", "bytes_after", "groups", "offgrid_groups", "nonfinite_values")
+
+
+def _repack_result(d: dict[str, Any], out: Path) -> dict[str, Any]:
+    """The repack report within the result budget: every table holding tensors as one compact row (an empty one
+    left out), the totals, and repack-report.json named as where the whole is."""
+    from tools.core.atomic import REPORT
+
+    short = {"float16": "fp16", "bfloat16": "bf16"}[d["target_dtype"]]
+    tables = []
+    order = {n: i for i, n in enumerate(PACKED)}
+    for t in sorted(d["tables"], key=lambda t: order.get(t["name"], len(PACKED))):
+        if not t.get("tensors"):
+            continue
+        row = {k: t.get(k) for k in _TABLE_KEYS}
+        if t.get("groups"):  # exactness in the runtime the build targets; none for a table left unpacked
+            row |= {"exact_pct": t.get(f"exact_runtime_{short}_pct"),
+                    "max_err_ulp": t.get(f"max_err_ulp_bf16_runtime_{short}")}
+        tables.append(row)
+    packed = [t for t in tables if t["name"] in PACKED]
+    return {"source": d["source"], "output": str(out), "report_path": str(out / REPORT),
+            "scheme": d.get("scheme", "w4a16"), "options": d["options"], "target_dtype": d["target_dtype"],
+            "all_4_bit": d.get("scheme", "w4a16") == "w4a16" and bool(packed) and all(t["groups"] for t in packed),
+            "tables": tables, "total_bytes_before": d["total_bytes_before"],
+            "total_bytes_after": d["total_bytes_after"], "wall_s": d["wall_s"], "mb_per_s": d["mb_per_s"],
+            "peak_rss_bytes": d["peak_rss_bytes"], "output_shards": d["output_shards"],
+            "exactness": f"exact_pct and max_err_ulp (in bf16 ulps): the {d['target_dtype']} runtime the build "
+                         f"targets; the other runtime's and every column per table: report_path"}
 
 
 def _plan_params(app, p) -> Any:
@@ -137,10 +174,12 @@ def _plan_params(app, p) -> Any:
 @tool(toolset="hub", title="Plan which Gemma 4 member fits one T4", params=PlanParams, read_only=True,
       idempotent=True,
       extra={"member": (str, "The member planned"),
-             "builds": (list[dict[str, Any]], "Per build (bf16, qat-w4a16-ct, repack-bf16-emb, all-4-bit): tables "
-                                              "in GiB, model loading, KV cache tokens, fits and a verdict"),
+             "builds": (list[dict[str, Any]], "Per build (bf16, qat-w4a16-ct, repack-bf16-emb, all-4-bit): size, "
+                                              "model loading and KV cache in GiB, KV cache tokens, fits (per table "
+                                              "and verdicts: `table`)"),
              "error": (dict[str, Any], "The stated error against the article's E2B figures"),
-             "table": (str, "")})
+             "table": (str, "The planner's table: per-table GiB, loads, KV cache, each build's verdict, T4 flags"),
+             "whole": (str, "Where the whole plan is")})
 def plan_fit(app, p: PlanParams) -> Reply:
     """Plan a Gemma 4 member on one T4 before fetching or building it: each build's size per table, the memory
     vLLM loads and the KV cache tokens left, or "does not fit"; a checkpoint folder or a member by name."""
@@ -148,7 +187,23 @@ def plan_fit(app, p: PlanParams) -> Reply:
     fit = plan(p.model_copy(update={"path": str(src)}) if src is not None else p,
                roots=list(app.roots.models) if src is not None else None)
     best = next((b for b in reversed(fit.builds) if b.fits), None)
-    summary = (f"{fit.member}: " + (f"the {best.build} build fits, {best.kv_tokens:,} KV tokens" if best
-                                    else "no build fits one T4") + "; " +
+    card = fit.card
+    gpu = "a T4" if card["name"] == "NVIDIA Tesla T4" else f"a GPU of {card['memory_mib']:,} MiB"
+    summary = (f"{fit.member}, the planner's figures (on paper, planned for {gpu}; not measured): " + (f"the {best.build} build fits, {best.kv_tokens:,} KV tokens" if best
+                                          else "no build fits") + "; " +
                "; ".join(f"{b.build} loads {b.load_gib:.2f} GiB" for b in fit.builds if b.published))
-    return Reply(fit.to_dict(), summary, {"table": fit.format_table()})
+    return Reply(_plan_result(fit, str(src) if src is not None else f"--member {fit.member}"), summary, {"table": fit.format_table()})
+
+
+# Left out of plan_fit's result, as the table or the command line holds them: each build's tables and verdict (the
+# table's rows), its description (the same for every member), the KV cache layout (the command line's --json).
+_PLAN_KEPT = ("build", "published", "fits", "size_gib", "load_gib", "kv_gib", "kv_tokens", "max_concurrency")
+
+
+def _plan_result(fit: Any, where: str) -> dict[str, Any]:
+    """The plan within the result budget: the figures a program reads, the rest in `table` and `whole`."""
+    return {"member": fit.member, "card": fit.card, "t4_flags": fit.t4_flags,
+            "builds": [{k: getattr(b, k) for k in _PLAN_KEPT} for b in fit.builds],
+            "error": {k: v for k, v in fit.error.items() if k != "calibrated_on"},
+            "whole": f"each build's tables and verdict: `table`; the whole plan (the KV cache layout too): "
+                     f"python -m repack plan {where} --json"}

@@ -34,7 +34,7 @@ from repack.members import by_name
 from tools.core.errors import ToolFailure
 from tools.core.paths import PATH_MAX, PathNotAllowed
 from tools.core.text import clip
-from tools.mcp.bounded import fit_text
+from tools.mcp.bounded import RESULT_BUDGET, fit_text
 from tools.mcp.errors import to_tool_error
 from tools.mcp.prompt_members import MEMBER_ARG, member_values
 from tools.serving.config import ENV_NAMES, parse_env_file
@@ -61,7 +61,7 @@ class ResourceSpec:
     description: str
     mime_type: str
     fn: Callable[..., str]       # fn(app, **params) -> text
-    whole: bool = False          # read on request (a run's summary, all of the log): not held to RESULT_BUDGET
+    whole: bool = False          # read on request (every run, the log's lines asked for): not held to RESULT_BUDGET
 
 
 RESOURCES: dict[str, ResourceSpec] = {}
@@ -141,8 +141,8 @@ def _summary(app, run: str, name: str) -> str:
         except PathNotAllowed as exc:  # a symlink out of the roots, say: refused, never read
             last = exc
             continue
-        if path.is_file():
-            return path.read_text(errors="replace")
+        if path.is_file():  # its head within RESULT_BUDGET, naming the file that holds the whole
+            return fit_text(path.read_text(errors="replace"), whole=f"the whole is the file {path}", keep="head")
     if last is not None:
         raise ResourceFailure(str(last))
     raise ResourceFailure(f"no {name} for run {clip(run)} under the evidence roots "
@@ -150,34 +150,34 @@ def _summary(app, run: str, name: str) -> str:
 
 
 @resource(f"{SCHEME}://evidence/{{run*}}/summary.md", title="Evidence run summary (markdown)",
-          mime_type="text/markdown", whole=True)
+          mime_type="text/markdown")
 def run_summary_md(app, run: str) -> str:
     """A run's summary.md (run: its folder relative to the evidence root, as evidence/runs lists it)."""
     return _summary(app, run, "summary.md")
 
 
 @resource(f"{SCHEME}://evidence/{{run*}}/summary.json", title="Evidence run summary (JSON)",
-          mime_type="application/json", whole=True)
+          mime_type="application/json")
 def run_summary_json(app, run: str) -> str:
     """A run's summary.json (run: its folder relative to the evidence root, as evidence/runs lists it)."""
     return _summary(app, run, "summary.json")
 
 
 @resource(f"{SCHEME}://evidence/{{run*}}/capacity.md", title="Capacity run report (markdown)",
-          mime_type="text/markdown", whole=True)
+          mime_type="text/markdown")
 def run_capacity_md(app, run: str) -> str:
     """A capacity run's capacity.md: the search's points with each term's median and interval."""
     return _summary(app, run, "capacity.md")
 
 
 @resource(f"{SCHEME}://evidence/{{run*}}/capacity.json", title="Capacity run report (JSON)",
-          mime_type="application/json", whole=True)
+          mime_type="application/json")
 def run_capacity_json(app, run: str) -> str:
     """A capacity run's capacity.json (run: its folder relative to the evidence root, as evidence/runs lists it)."""
     return _summary(app, run, "capacity.json")
 
 
-@resource(f"{SCHEME}://demo/latest", title="Latest demo report", mime_type="text/markdown", whole=True)
+@resource(f"{SCHEME}://demo/latest", title="Latest demo report", mime_type="text/markdown")
 def demo_report(app) -> str:
     """The newest `./vllm-t4 demo` report (report.md of the newest folder directly under an evidence root whose
     report.json is a demo report), preceded by a comment naming its folder."""
@@ -199,9 +199,13 @@ def demo_report(app) -> str:
                 found.append((_written_at(data, rm), rj.stat().st_mtime, str(folder), rm))
     if not found:
         raise ResourceFailure("no demo report under the evidence roots "
-                              f"({', '.join(map(str, app.roots.evidence))}); run ./vllm-t4 demo")
+                              f"({', '.join(map(str, app.roots.evidence))}): follow the deploy_cpu prompt (prompts/get "
+                              "deploy_cpu) for the same walk through these tools (from a shell: ./vllm-t4 demo "
+                              "writes this report)")
     *_, folder, report = max(found)
-    return f"<!-- {folder} -->\n" + report.read_text(errors="replace")
+    return f"<!-- {folder} -->\n" + fit_text(report.read_text(errors="replace"), keep="head",
+                                              budget=RESULT_BUDGET - len(folder) - 10,
+                                              whole=f"the whole is the file {report}")
 
 
 _MD_DATE = re.compile(r"^(\d{4}-\d{2}-\d{2} \d{2}:\d{2}) UTC", re.M)
@@ -272,12 +276,18 @@ class PromptSpec:
     # where the member is optional (deploy_cpu: the tiny stand-in without one), the values that follow whether one
     # is named, as (without a member, with one): an argument's default, or text of the prompt's own
     by_member: dict[str, tuple[str, str]] = field(default_factory=dict)
+    # the tool after which the walk ends for a member the planner fits in no T4 build (deploy_t4: plan_fit), the
+    # outro then saying so with the planner's figures
+    stop_unless_fits: str = ""
 
     def bind(self, values: dict[str, str] | None = None) -> list[Step]:
         """The steps of the walk the values ask for (with or without a member), the arguments filled in ({name}
         in string values)."""
         vals = self.values(values)
         named = bool(vals.get("member"))
+        steps = [s for s in self.steps if s.member in (None, named)]
+        if self.stopped(vals):
+            steps = steps[:[s.tool for s in steps].index(self.stop_unless_fits) + 1]
 
         def fill(v: Any) -> Any:
             if isinstance(v, str):
@@ -288,7 +298,11 @@ class PromptSpec:
             return v
 
         return [Step(s.tool, {k: fill(v) for k, v in s.args.items()}, s.why.format(**vals), s.when.format(**vals),
-                     s.condition, s.member) for s in self.steps if s.member in (None, named)]
+                     s.condition, s.member) for s in steps]
+
+    def stopped(self, vals: dict[str, Any]) -> bool:
+        """Whether the walk ends early: the member fits no T4 build and this prompt serves on a T4."""
+        return bool(self.stop_unless_fits) and vals.get("fits_t4") is False
 
     def check(self, given: dict[str, Any] | None) -> None:
         """Refuse an argument this prompt does not take (FastMCP drops it silently) or a value longer than any path,
@@ -324,6 +338,10 @@ class PromptSpec:
             vals = {k: v.replace("{member}", m.name) if isinstance(v, str) else v for k, v in vals.items()}
             vals["member"] = m.name
             vals.update(member_values(m))
+            for k, build in (("label_a", "int4-emb"), ("label_b", "bf16-emb")):
+                # another member's records and sweeps sit beside E2B's under the evidence root: named apart
+                if k in self.arguments and k not in given and m.name != "E2B":
+                    vals[k] = f"{m.name}-{build}"
         for k in self.by_member.keys() - self.arguments.keys():  # the prompt's own text may name the values
             vals[k] = vals[k].format(**vals)
         return vals
@@ -339,8 +357,8 @@ class PromptSpec:
     def render(self, values: dict[str, str] | None = None) -> str:
         """The prompt's text: what to do, the numbered calls, and where to look afterwards."""
         vals = self.values(values)
-        return "\n\n".join(x for x in (self.intro.format(**vals), self.steps_text(values), self.outro.format(**vals))
-                           if x)
+        outro = vals["stop_note"] if self.stopped(vals) else self.outro.format(**vals)
+        return "\n\n".join(x for x in (self.intro.format(**vals), self.steps_text(values), outro) if x)
 
 
 def _shown(v: Any) -> str:
@@ -370,7 +388,7 @@ prompt(PromptSpec(
                "output": (_BUILD + "-emb4", "The all-4-bit build to write and serve (under a models root)"),
                "repo_id": ("google/gemma-4-{member}-it-qat-q4_0-unquantized",
                            "The hub repo the source is fetched from when it is missing")},
-    toolsets=("deploy", "hub", "repack", "gpu", "serve"),
+    toolsets=("deploy", "hub", "repack", "gpu", "serve"), stop_unless_fits="plan_fit",
     intro="Deploy {output} from {source} with the gemma4-t4 MCP tools (the default toolsets and gpu and hub: "
           "start the server with --toolsets default,gpu,hub). On a machine without an NVIDIA GPU follow deploy_cpu "
           "instead. Call the tools in this order; after each, read `summary`. When a call fails, its error is one "
@@ -380,8 +398,8 @@ prompt(PromptSpec(
     steps=[
         Step("preflight", {"step": "all"}, "every check ok, warn, fail or n/a with a one-line fix; do each failing "
                                            "check's fix before going on"),
-        Step("plan_fit", {"member": "{member}"}, "each build's size, load and KV cache tokens on a T4, and the "
-                                                 "flags the start below uses (t4_flags); stop when no build fits"),
+        Step("plan_fit", {"member": "{member}"}, "each build's size, load and KV cache tokens on a T4, and "
+                                                 "{plan_flags}"),
         Step("fetch_checkpoint", {"repo_id": "{repo_id}", "out": "{source}"},
              "downloads the build files into the models root (the licence must be accepted on the hub and HF_TOKEN "
              "set; the error says so)", when="the source folder does not exist", condition="source_missing"),
@@ -455,21 +473,23 @@ prompt(PromptSpec(
 
 prompt(PromptSpec(
     name="compare_builds", title="Compare two builds (tokens and throughput)",
-    description="The article's comparison of two builds on one GPU: record A's greedy tokens, serve B in A's "
-                "place, check B against them, sweep both, compare the sweeps. A is the build deploy_t4 left "
+    description="The article's comparison of two builds on one machine (a GPU or a CPU): record A's greedy "
+                "tokens, serve B in A's place, check B against them, sweep both, compare the sweeps. A is the build deploy_t4 left "
                 "serving, so it is not started again.",
     arguments={"member": MEMBER_ARG,
                "build_a": (_BUILD + "-emb4", "The build whose tokens are recorded (the all-4-bit build deploy_t4 "
                                              "serves)"),
                "build_b": (_BUILD, "The build checked against A (the bf16-embedding build by default; repacked "
                                    "from source when missing)"),
-               "label_a": ("int4-emb", "Label of build A in the sweep tables (no spaces)"),
-               "label_b": ("bf16-emb", "Label of build B (no spaces)"),
+               "label_a": ("int4-emb", "Label of build A in the sweep tables and its token record's name (no "
+                                       "spaces; another member than E2B: <member>-int4-emb)"),
+               "label_b": ("bf16-emb", "Label of build B (no spaces; another member than E2B: <member>-bf16-emb)"),
                "source": ("gemma-4-{member}-it-qat-q4_0-unquantized", "The QAT source, to build build_b when it is "
                                                                      "missing")},
     toolsets=("repack", "serve", "measure", "deploy"),
-    intro="Compare {build_a} (A) with {build_b} (B) with the gemma4-t4 MCP tools. One GPU serves one build at a "
-          "time, so A's greedy tokens are recorded to a file and B is checked against it. Call the tools in this "
+    intro="Compare {build_a} (A) with {build_b} (B) with the gemma4-t4 MCP tools.{t4_warning} The builds are "
+          "served one at a time on this machine (a GPU or a CPU), so A's greedy tokens are recorded to a file and B "
+          "is checked against it. Call the tools in this "
           "order and read each `summary`; a failed call's error names the fix.",
     steps=[
         Step("repack_checkpoint", {"source": "{source}", "output": "{build_b}", "embed_int4": False},
@@ -496,7 +516,7 @@ prompt(PromptSpec(
                                 "output": "sweeps/{label_a}-vs-{label_b}.md"},
              "per cell A's output tok/s against B's (B's run first: the baseline) with its 95% interval and a "
              "verdict (faster, slower, within noise), and cost per million tokens"),
-        Step("stop_vllm_server", {}, "done: free the GPU"),
+        Step("stop_vllm_server", {}, "done: frees the GPU or the CPU cores and memory the server held"),
     ],
     outro=f"The runs' summaries are readable as resources ({SCHEME}://evidence/runs lists them)."))
 
