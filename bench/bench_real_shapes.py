@@ -26,6 +26,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import socket
 import statistics
 import sys
@@ -241,6 +242,9 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "evidence")
     ap.add_argument("--keep", action="store_true", help="keep the builds for the next run")
     args = ap.parse_args()
+    # Interrupted or terminated (a background shell ignores SIGINT), the run still stops the server it started.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     m = args.member
     if args.workdir is None:
         args.workdir = Path(f"/tmp/real-shapes-{m.name.lower()}")
