@@ -45,6 +45,7 @@ from repack.members import MEMBERS, Member, by_name  # noqa: E402
 from repack.plan import plan  # noqa: E402
 from repack.synthetic import copy_tokenizer, member_tensors, write_member_checkpoint  # noqa: E402
 from repack.tiny_model import cached_tiny_qat_checkpoint  # noqa: E402
+from tools.core.errors import ToolFailure  # noqa: E402
 from tools.gpu.vram import host_memory, server_process_pids  # noqa: E402
 from tools.measure.decode.params import DecodeParams  # noqa: E402
 from tools.measure.decode.run import run_decode  # noqa: E402
@@ -137,22 +138,31 @@ def serve_and_measure(name: str, model: Path, work: Path, args: argparse.Namespa
                       speculative_config="", extra_args="", start_timeout_s=1800.0)
     load_before = os.getloadavg()
     started = start_server(cfg)
+    failure = None
     try:
         mem = host_memory(name, server_process_pids(started.pid), str(model))
-        res = run_decode(DecodeParams(base_url=started.base_url, prompts=args.prompts, max_tokens=args.max_tokens,
-                                      label=f"{name}-{k}", out=work / "runs"))
+        try:
+            res = run_decode(DecodeParams(base_url=started.base_url, prompts=args.prompts,
+                                          max_tokens=args.max_tokens, label=f"{name}-{k}", out=work / "runs",
+                                          request_timeout_s=args.request_timeout_s))
+        except ToolFailure as e:  # a build that loads but does not answer still gets its row
+            res, failure = None, e.message
     finally:
         stop_server(cfg)
-    return {"build": name, "start": k, "startup_s": started.startup_s, "dtype": cfg.cpu_dtype,
-            "kv_cache_tokens": started.start_fields.kv_cache_tokens,
-            "kv_cache_space_gib": cfg.cpu_kvcache_space_gib,
+    out = {"build": name, "start": k, "startup_s": started.startup_s, "dtype": cfg.cpu_dtype,
+           "kv_cache_tokens": started.start_fields.kv_cache_tokens,
+           "kv_cache_space_gib": cfg.cpu_kvcache_space_gib, "answered": res is not None, "failure": failure,
+           "linear_kernel": started.start_fields.linear_kernel,
+           "embedding_method": started.start_fields.embedding_method, "host_memory": mem.model_dump(),
+           "load_average_before": load_before, "load_average_after": os.getloadavg()}
+    if res is None:
+        return {**out, "answers": [], "decode_tok_s": None, "median_tpot_ms": None, "median_ttft_ms": None,
+                "output_tokens": [], "roofline": None, "run_dir": None}
+    return {**out,
             "answers": [{"id": p.id, "text": p.text, "finish_reason": p.finish_reason} for p in res.prompts],
-            "linear_kernel": started.start_fields.linear_kernel,
-            "embedding_method": started.start_fields.embedding_method,
-            "host_memory": mem.model_dump(), "decode_tok_s": res.decode_tok_s, "median_tpot_ms": res.median_tpot_ms,
+            "decode_tok_s": res.decode_tok_s, "median_tpot_ms": res.median_tpot_ms,
             "median_ttft_ms": res.median_ttft_ms, "output_tokens": [p.output_tokens for p in res.prompts],
-            "roofline": res.roofline.model_dump() if res.roofline else None, "run_dir": res.run_dir,
-            "load_average_before": load_before, "load_average_after": os.getloadavg()}
+            "roofline": res.roofline.model_dump() if res.roofline else None, "run_dir": res.run_dir}
 
 
 def size_table(record: dict) -> list[str]:
@@ -196,6 +206,8 @@ def table(record: dict) -> str:
                       "T4: 109.7 / 81.6 = 1.34x)."]
     lines.append("")
     for r in rows:
+        if not r.get("answered", True):
+            lines.append(f"- start {r['start']} ({r['build']}) did not answer: {r['failure']}")
         for a in r["answers"]:
             lines.append(f"- start {r['start']} ({r['build']}), prompt {a['id']} answered "
                          f"({a['finish_reason']}): {json.dumps(a['text'][:160])}")
@@ -238,6 +250,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2, help="A B alternations (default 2: A B A B)")
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--request-timeout-s", type=float, default=600.0,
+                    help="seconds a request may go without a token before that start is recorded as not answering")
     ap.add_argument("--workdir", type=Path, default=None, help="default /tmp/real-shapes-<member>")
     ap.add_argument("--out", type=Path, default=ROOT / "evidence")
     ap.add_argument("--keep", action="store_true", help="keep the builds for the next run")
