@@ -1,25 +1,32 @@
-"""Single-stream decode of the two E2B builds at the real model's shapes on vLLM's CPU backend: the article's
-decode claim (all-4-bit 1.34x the bf16-embedding build on the T4) tested on the hardware we have.
+"""Single-stream decode of a Gemma 4 member's builds at the real model's shapes on vLLM's CPU backend: the
+article's decode claim (all-4-bit 1.34x the bf16-embedding build on the T4) tested on the hardware we have, and
+each build's size against the fit planner's (python -m repack plan --member M).
 
-    flock /tmp/gemma4-vllm.lock .venv/bin/python bench/bench_real_shapes.py [--rounds 2] [--prompts 3]
-        [--max-tokens 24] [--workdir /tmp/real-shapes] [--out evidence]
+    flock /tmp/gemma4-vllm.lock .venv/bin/python bench/bench_real_shapes.py [--member e2b] [--rounds 2]
+        [--prompts 3] [--max-tokens 24] [--builds bf16-emb,all-4bit] [--workdir /tmp/real-shapes-e2b]
+        [--out evidence]
 
-Writes a full-size synthetic source (repack.synthetic.write_e2b_checkpoint, fill "tiled": the real shapes and
-the grid, values repeated per tensor, since decode speed does not depend on them; the tiny model's tokenizer,
-widened to the full vocabulary), repacks it in one pass twice (bf16 embeddings: linears int4; all-4-bit:
-linears, both embedding tables and the untied output layer int4), deletes the source, then serves the builds
-one at a time, alternating A B A B so the machine's load falls on both, and per start: the host memory of the
-engine's processes after load (tools.gpu.vram.host_memory), the decode benchmark (tools.measure.decode.run) on the
-first `--prompts` shipped prompts, greedy, with its roofline figure (the CPU's measured copy bandwidth).
-Writes evidence/real-shapes.json and a table (evidence/real-shapes-table.md) to fold into real-shapes.md.
+Writes a full-size synthetic source of the member (repack.synthetic.write_member_checkpoint, fill "tiled": the
+real shapes of repack/members.py and the grid, values repeated per tensor, since decode speed does not depend on
+them; the tiny model's tokenizer, widened to the full vocabulary), repacks it in one pass per build (bf16
+embeddings: linears int4; all-4-bit: linears, both embedding tables and the untied output layer int4), deletes
+the source, then serves the builds one at a time, alternating A B A B so the machine's load falls on both, and
+per start: the host memory of the engine's processes after load (tools.gpu.vram.host_memory), the KV cache
+tokens vLLM reported, the decode benchmark (tools.measure.decode.run) on the first `--prompts` shipped prompts,
+greedy, with its roofline figure (the CPU's measured copy bandwidth). Each build's bytes per table (read from
+its headers by the build's own table names, repack.plan) stand beside the planner's prediction and their ratio.
+Writes evidence/real-shapes.json and -table.md for E2B, evidence/real-shapes-<member>.json and -table.md for
+another member, to fold into real-shapes.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
+import signal
 import socket
 import statistics
 import sys
@@ -31,8 +38,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from repack.build import BuildOptions, build_checkpoint  # noqa: E402
-from repack.synthetic import copy_tokenizer, write_e2b_checkpoint  # noqa: E402
+from repack.checkpoint import open_checkpoint  # noqa: E402
+from repack.errors import RepackError  # noqa: E402
+from repack.fit import plan_member  # noqa: E402
+from repack.members import MEMBERS, Member, by_name  # noqa: E402
+from repack.plan import plan  # noqa: E402
+from repack.synthetic import copy_tokenizer, member_tensors, write_member_checkpoint  # noqa: E402
 from repack.tiny_model import cached_tiny_qat_checkpoint  # noqa: E402
+from tools.core.errors import ToolFailure  # noqa: E402
 from tools.gpu.vram import host_memory, server_process_pids  # noqa: E402
 from tools.measure.decode.params import DecodeParams  # noqa: E402
 from tools.measure.decode.run import run_decode  # noqa: E402
@@ -44,7 +57,39 @@ from tools.serving.vllm_server import stop_server  # noqa: E402
 GIB = 2**30
 BUILDS = {"bf16-emb": BuildOptions(text_only=True, embed_int4=False, embed_tokens=False),
           "all-4bit": BuildOptions(text_only=True, embed_int4=True, embed_tokens=True)}
-NEED_BYTES = 22 * 10**9  # source 10.3 GB + builds 6.6 + 2.8 GB, with room
+PLANNED = {"bf16-emb": "repack-bf16-emb", "all-4bit": "all-4-bit"}  # the fit planner's name of each build
+ROOM_BYTES = 2 * 10**9  # beside the source and the builds
+
+
+def need_bytes(m: Member, builds: list[str]) -> int:
+    """Disk the run needs at once: the source (bf16, towers included), the builds as the planner sizes them,
+    and some room."""
+    src = sum(2 * math.prod(s) for _, s, _ in member_tensors(m))
+    p = plan_member(m)
+    return src + sum(int(p.build(PLANNED[b]).size_gib * GIB) for b in builds) + ROOM_BYTES
+
+
+def built_tables(build: Path) -> dict[str, int]:
+    """The bytes per table a build holds, named as the build and the planner name them (its norms and shape
+    records: "other")."""
+    items, _ = plan(open_checkpoint(build), BuildOptions())
+    out: dict[str, int] = {}
+    for it in items:
+        name = "other" if it.table == "rest" else it.table
+        out[name] = out.get(name, 0) + it.src.nbytes
+    return out
+
+
+def against_planner(m: Member, build: str, tables: dict[str, int]) -> dict:
+    """The build's tables beside the planner's prediction for the same build (GiB), and built / planned."""
+    planned = plan_member(m).build(PLANNED[build])
+    rows = {}
+    for t in sorted(set(planned.tables_gib) | set(tables)):
+        got, want = tables.get(t, 0) / GIB, planned.tables_gib.get(t, 0.0)
+        rows[t] = {"built_gib": round(got, 4), "planned_gib": want, "ratio": round(got / want, 4) if want else None}
+    total = sum(tables.values()) / GIB
+    return {"planner_build": planned.build, "tables": rows, "built_gib": round(total, 4),
+            "planned_gib": planned.size_gib, "ratio": round(total / planned.size_gib, 4)}
 
 
 def _port() -> int:
@@ -53,30 +98,37 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def prepare(work: Path) -> dict[str, dict]:
-    """The two builds at real shapes (reused when a previous run left them), with their sizes."""
-    free = shutil.disk_usage(work.parent if not work.exists() else work).free
-    builds = {name: work / name for name in BUILDS}
+def prepare(m: Member, names: list[str], work: Path) -> dict[str, dict]:
+    """The member's builds at real shapes (reused when a previous run left them), with their sizes per table
+    against the planner's and the seconds each step took (none when reused)."""
+    free = shutil.disk_usage(work).free
+    builds = {name: work / name for name in names}
+    timings: dict[str, float | None] = {"source_s": None, **{f"{n}_build_s": None for n in names}}
     if not all((b / "config.json").is_file() for b in builds.values()):
-        if free < NEED_BYTES:
-            raise SystemExit(f"{work}: {free / 1e9:.1f} GB free, the run needs {NEED_BYTES / 1e9:.0f} GB")
-        src = work / "e2b-synthetic-tiled"
+        need = need_bytes(m, names)
+        if free < need:
+            raise SystemExit(f"{work}: {free / 1e9:.1f} GB free, the run needs {need / 1e9:.0f} GB")
+        src = work / f"{m.name.lower()}-synthetic-tiled"
         t = time.monotonic()
-        write_e2b_checkpoint(src, 1.0, fill="tiled")
+        write_member_checkpoint(m, src, 1.0, fill="tiled")
         tiny = cached_tiny_qat_checkpoint(work / "tiny").path
-        copy_tokenizer(tiny, src, 262144)
-        print(f"source written in {time.monotonic() - t:.0f} s", flush=True)
-        for name, opt in BUILDS.items():
+        copy_tokenizer(tiny, src, m.vocab_size)
+        timings["source_s"] = round(time.monotonic() - t, 1)
+        print(f"source written in {timings['source_s']:.0f} s", flush=True)
+        for name in names:
             t = time.monotonic()
-            build_checkpoint(src, builds[name], opt)
-            print(f"{name} built in {time.monotonic() - t:.0f} s", flush=True)
+            build_checkpoint(src, builds[name], BUILDS[name])
+            timings[f"{name}_build_s"] = round(time.monotonic() - t, 1)
+            print(f"{name} built in {timings[f'{name}_build_s']:.0f} s", flush=True)
         shutil.rmtree(src)
         shutil.rmtree(work / "tiny", ignore_errors=True)
     out = {}
     for name, b in builds.items():
         size = sum(f.stat().st_size for f in b.glob("*.safetensors"))
-        out[name] = {"path": str(b), "safetensors_gib": size / GIB,
+        out[name] = {"path": str(b), "safetensors_gib": size / GIB, "build_s": timings[f"{name}_build_s"],
+                     "planner": against_planner(m, name, built_tables(b)),
                      "step": decode_step_bytes(b, 0).model_dump()}
+    out["_timings"] = timings
     return out
 
 
@@ -86,65 +138,148 @@ def serve_and_measure(name: str, model: Path, work: Path, args: argparse.Namespa
                       speculative_config="", extra_args="", start_timeout_s=1800.0)
     load_before = os.getloadavg()
     started = start_server(cfg)
+    failure = None
     try:
         mem = host_memory(name, server_process_pids(started.pid), str(model))
-        res = run_decode(DecodeParams(base_url=started.base_url, prompts=args.prompts, max_tokens=args.max_tokens,
-                                      label=f"{name}-{k}", out=work / "runs"))
+        try:
+            res = run_decode(DecodeParams(base_url=started.base_url, prompts=args.prompts,
+                                          max_tokens=args.max_tokens, label=f"{name}-{k}", out=work / "runs",
+                                          request_timeout_s=args.request_timeout_s))
+        except ToolFailure as e:  # a build that loads but does not answer still gets its row
+            res, failure = None, e.message
     finally:
         stop_server(cfg)
-    return {"build": name, "start": k, "startup_s": started.startup_s, "dtype": cfg.cpu_dtype,
-            "linear_kernel": started.start_fields.linear_kernel,
-            "embedding_method": started.start_fields.embedding_method,
-            "host_memory": mem.model_dump(), "decode_tok_s": res.decode_tok_s, "median_tpot_ms": res.median_tpot_ms,
+    out = {"build": name, "start": k, "startup_s": started.startup_s, "dtype": cfg.cpu_dtype,
+           "kv_cache_tokens": started.start_fields.kv_cache_tokens,
+           "kv_cache_space_gib": cfg.cpu_kvcache_space_gib, "answered": res is not None, "failure": failure,
+           "linear_kernel": started.start_fields.linear_kernel,
+           "embedding_method": started.start_fields.embedding_method, "host_memory": mem.model_dump(),
+           "load_average_before": load_before, "load_average_after": os.getloadavg()}
+    if res is None:
+        return {**out, "answers": [], "decode_tok_s": None, "median_tpot_ms": None, "median_ttft_ms": None,
+                "output_tokens": [], "roofline": None, "run_dir": None}
+    return {**out,
+            "answers": [{"id": p.id, "text": p.text, "finish_reason": p.finish_reason} for p in res.prompts],
+            "decode_tok_s": res.decode_tok_s, "median_tpot_ms": res.median_tpot_ms,
             "median_ttft_ms": res.median_ttft_ms, "output_tokens": [p.output_tokens for p in res.prompts],
-            "roofline": res.roofline.model_dump() if res.roofline else None, "run_dir": res.run_dir,
-            "load_average_before": load_before, "load_average_after": os.getloadavg()}
+            "roofline": res.roofline.model_dump() if res.roofline else None, "run_dir": res.run_dir}
+
+
+def size_table(record: dict) -> list[str]:
+    lines = ["| build | table | built GiB | planner GiB | built / planner |", "|---|---|---:|---:|---:|"]
+    for name, b in record["builds"].items():
+        pl = b["planner"]
+        for t, r in pl["tables"].items():
+            ratio = f"{r['ratio']:.4f}" if r["ratio"] is not None else "-"
+            lines.append(f"| {name} | {t} | {r['built_gib']:.4f} | {r['planned_gib']:.3f} | {ratio} |")
+        lines.append(f"| {name} | **total** | **{pl['built_gib']:.4f}** | **{pl['planned_gib']:.3f}** "
+                     f"| **{pl['ratio']:.4f}** |")
+    return lines
 
 
 def table(record: dict) -> str:
     rows = record["runs"]
-    lines = ["| start | build | vLLM ready (s) | RSS after load (MiB) | PSS (MiB) | decode tok/s | median TPOT ms "
-             "| GiB per step | share of roofline | load avg before / after |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    names = list(record["builds"])
+    lines = [f"{record['member']} at real shapes; source written in "
+             f"{record['timings']['source_s'] or 0:.0f} s; "
+             + ", ".join(f"{n} built in {record['builds'][n]['build_s'] or 0:.0f} s" for n in names) + ".", ""]
+    lines += size_table(record) + [""]
+    lines += ["| start | build | vLLM ready (s) | KV tokens | RSS after load (MiB) | PSS (MiB) | decode tok/s "
+              "| median TPOT ms | GiB per step | share of roofline | load avg before / after |",
+              "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         rf = r["roofline"] or {}
         hm = r["host_memory"]
-        lines.append(f"| {r['start']} | {r['build']} | {r['startup_s']:.0f} | {hm['rss_mib']:.0f} "
+        lines.append(f"| {r['start']} | {r['build']} | {r['startup_s']:.0f} | {r['kv_cache_tokens'] or 0:,} "
+                     f"| {hm['rss_mib']:.0f} "
                      f"| {hm['pss_mib'] or 0:.0f} | {r['decode_tok_s'] or 0:.2f} | {r['median_tpot_ms'] or 0:.0f} "
                      f"| {rf.get('step_bytes', 0) / GIB:.3f} | {100 * rf.get('fraction', 0):.1f}% "
                      f"| {r['load_average_before'][0]:.1f} / {r['load_average_after'][0]:.1f} |")
-    med = {b: statistics.median(r["decode_tok_s"] for r in rows if r["build"] == b) for b in BUILDS}
-    lines += ["", f"Median decode tok/s: bf16-emb {med['bf16-emb']:.2f}, all-4bit {med['all-4bit']:.2f}: "
-                  f"all-4bit / bf16-emb = **{med['all-4bit'] / med['bf16-emb']:.2f}x** (the article on the T4: "
-                  "109.7 / 81.6 = 1.34x).", "",
-              f"CPU bandwidth: {record['bandwidth']['bytes_per_s'] / 1e9:.1f} GB/s ({record['bandwidth']['method']})."]
+    med = {b: statistics.median(r["decode_tok_s"] or 0 for r in rows if r["build"] == b) for b in names}
+    lines.append("")
+    for b in names:
+        rates = [r["decode_tok_s"] or 0 for r in rows if r["build"] == b]
+        lines.append(f"- {b}: median decode {med[b]:.2f} tok/s over {len(rates)} start(s), "
+                     f"range {min(rates):.2f}-{max(rates):.2f}.")
+    if set(names) == set(BUILDS) and med["bf16-emb"]:
+        lines += ["", f"all-4bit / bf16-emb = **{med['all-4bit'] / med['bf16-emb']:.2f}x** (the article on the "
+                      "T4: 109.7 / 81.6 = 1.34x)."]
+    lines.append("")
+    for r in rows:
+        if not r.get("answered", True):
+            lines.append(f"- start {r['start']} ({r['build']}) did not answer: {r['failure']}")
+        for a in r["answers"]:
+            lines.append(f"- start {r['start']} ({r['build']}), prompt {a['id']} answered "
+                         f"({a['finish_reason']}): {json.dumps(a['text'][:160])}")
+    lines += ["", f"CPU bandwidth: {record['bandwidth']['bytes_per_s'] / 1e9:.1f} GB/s "
+                  f"({record['bandwidth']['method']})."]
     return "\n".join(lines) + "\n"
+
+
+def member_arg(value: str) -> Member:
+    try:
+        m = by_name(value)
+    except RepackError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a Gemma 4 member: choose one of "
+                                         f"{', '.join(MEMBERS)}") from None
+    if m.moe:
+        raise argparse.ArgumentTypeError(f"{m.name} is a mixture of experts; the synthetic source lays out dense "
+                                         "members only")
+    return m
+
+
+def builds_arg(value: str) -> list[str]:
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    bad = [n for n in names if n not in BUILDS]
+    if bad or not names or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"{value!r}: a comma list of distinct builds from {', '.join(BUILDS)}")
+    return names
+
+
+def out_stem(m: Member) -> str:
+    """E2B keeps the names its evidence has always had; another member's files carry its name."""
+    return "real-shapes" if m.name == "E2B" else f"real-shapes-{m.name.lower()}"
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--member", type=member_arg, default=member_arg("e2b"),
+                    help="the dense Gemma 4 member whose shapes to build: E2B (default), E4B, 12B, 31B")
+    ap.add_argument("--builds", type=builds_arg, default=list(BUILDS),
+                    help="comma list of the builds to make and serve (default bf16-emb,all-4bit)")
     ap.add_argument("--rounds", type=int, default=2, help="A B alternations (default 2: A B A B)")
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=24)
-    ap.add_argument("--workdir", type=Path, default=Path("/tmp/real-shapes"))
+    ap.add_argument("--request-timeout-s", type=float, default=600.0,
+                    help="seconds a request may go without a token before that start is recorded as not answering")
+    ap.add_argument("--workdir", type=Path, default=None, help="default /tmp/real-shapes-<member>")
     ap.add_argument("--out", type=Path, default=ROOT / "evidence")
     ap.add_argument("--keep", action="store_true", help="keep the builds for the next run")
     args = ap.parse_args()
+    # Interrupted or terminated (a background shell ignores SIGINT), the run still stops the server it started.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    m = args.member
+    if args.workdir is None:
+        args.workdir = Path(f"/tmp/real-shapes-{m.name.lower()}")
     args.workdir.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    builds = prepare(args.workdir)
+    builds = prepare(m, args.builds, args.workdir)
+    timings = builds.pop("_timings")
     bw = cpu_copy_bandwidth()
     runs = []
     for k in range(args.rounds):
-        for name in BUILDS:
+        for name in args.builds:
             runs.append(serve_and_measure(name, Path(builds[name]["path"]), args.workdir, args, len(runs) + 1))
             print(json.dumps({x: runs[-1][x] for x in ("build", "startup_s", "decode_tok_s")}), flush=True)
     record = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-              "command": " ".join(["python", *sys.argv]), "cpus": os.cpu_count(), "builds": builds,
+              "command": " ".join(["python", *sys.argv]), "cpus": os.cpu_count(), "member": m.name,
+              "member_source": m.source, "timings": timings, "builds": builds,
               "bandwidth": bw.model_dump(), "runs": runs, "wall_s": time.monotonic() - t0}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "real-shapes.json").write_text(json.dumps(record, indent=2) + "\n")
-    (args.out / "real-shapes-table.md").write_text(table(record))
+    stem = out_stem(m)
+    (args.out / f"{stem}.json").write_text(json.dumps(record, indent=2) + "\n")
+    (args.out / f"{stem}-table.md").write_text(table(record))
     print(table(record))
     if not args.keep:
         shutil.rmtree(args.workdir)

@@ -1,5 +1,6 @@
-"""Synthetic QAT-like checkpoints made with numpy: for the benchmark (real E2B shapes, any fraction of the
-full size) and for tests that need hand-made edge cases (bad headers, odd dtypes, off-grid groups).
+"""Synthetic QAT-like checkpoints made with numpy: for the benchmark (a dense member's real shapes, E2B's or
+another's from repack/members.py, any fraction of the full size) and for tests that need hand-made edge cases
+(bad headers, odd dtypes, off-grid groups).
 
 Values are bf16(step * level) with a per-group step and the group's peak at a level between 4 and 8 (8 only
 for a negative peak), so a recovery assuming amax/8 or amax/7 would fail; towers hold random bf16 words that
@@ -14,6 +15,8 @@ from pathlib import Path
 from typing import Iterable
 
 import numpy as np
+
+from .members import Member, by_name
 
 GROUP = 32
 
@@ -128,88 +131,136 @@ def write_small_checkpoint(out: Path, *, seed: int = 0, extra: dict[str, tuple[s
     return out
 
 
-# -- E2B-shaped checkpoint for the benchmark ---------------------------------------------------------------
+# -- Member-shaped checkpoints for the benchmark ------------------------------------------------------------
 
-HIDDEN, PLE_DIM, LAYERS, VOCAB = 1536, 256, 35, 262144
-FIRST_SHARED = 15  # layers 15-34 reuse KV of earlier layers: no k/v projections
+HIDDEN, PLE_DIM, LAYERS, VOCAB = 1536, 256, 35, 262144  # E2B's (repack/members.py holds every member's)
+FIRST_SHARED = 15  # E2B: layers 15-34 reuse KV of earlier layers: no k/v projections
 
 
-def e2b_tensors(scale: float = 1.0) -> list[tuple[str, tuple[int, ...], str]]:
-    """(name, shape, kind) of an E2B-shaped QAT checkpoint; scale shrinks the vocabulary, the layer count and
-    the towers together. kind: 'grid' (on the 4-bit grid), 'tower' (random), 'norm' (random)."""
-    vocab = max(GROUP, int(VOCAB * scale) // GROUP * GROUP)
-    layers = max(2, round(LAYERS * scale))
-    first_shared = min(FIRST_SHARED, layers - 1) if scale < 1 else FIRST_SHARED
+def _member(member: str | Member) -> Member:
+    m = by_name(member) if isinstance(member, str) else member
+    if m.moe:
+        raise ValueError(f"member {m.name}: the synthetic writer lays out dense members only (no expert weights)")
+    return m
+
+
+def member_tensors(member: str | Member, scale: float = 1.0) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, kind) of a QAT checkpoint shaped like a dense member of repack/members.py; scale shrinks the
+    vocabulary, the layer count and the towers together. kind: 'grid' (on the 4-bit grid), 'tower' (random),
+    'norm' (random). The text tensors are those members.text_tables counts: q/o on every layer, k/v only on the
+    layers that own their KV (no v on a k_eq_v member's full layers), double-wide MLPs where the member has them,
+    per-layer embeddings and their projections where it has them."""
+    m = _member(member)
+    hidden, ple = m.hidden_size, m.hidden_size_per_layer_input
+    vocab = max(GROUP, int(m.vocab_size * scale) // GROUP * GROUP)
+    layers = max(2, round(m.num_hidden_layers * scale))
+    if not m.num_kv_shared_layers:
+        first_shared = layers
+    else:
+        first_shared = min(m.first_kv_shared, layers - 1) if scale < 1 else m.first_kv_shared
     p = "model.language_model."
-    out: list[tuple[str, tuple[int, ...], str]] = [
-        (p + "embed_tokens.weight", (vocab, HIDDEN), "grid"),
-        (p + "embed_tokens_per_layer.weight", (vocab, PLE_DIM * layers), "grid"),
-        (p + "per_layer_model_projection.weight", (PLE_DIM * layers, HIDDEN), "grid"),
-        (p + "per_layer_projection_norm.weight", (PLE_DIM,), "norm"),
-        (p + "norm.weight", (HIDDEN,), "norm"),
-    ]
+    out: list[tuple[str, tuple[int, ...], str]] = [(p + "embed_tokens.weight", (vocab, hidden), "grid")]
+    if ple:
+        out += [(p + "embed_tokens_per_layer.weight", (vocab, ple * layers), "grid"),
+                (p + "per_layer_model_projection.weight", (ple * layers, hidden), "grid"),
+                (p + "per_layer_projection_norm.weight", (ple,), "norm")]
+    out.append((p + "norm.weight", (hidden,), "norm"))
     for i in range(layers):
-        full = i % 5 == 4
-        hd = 512 if full else 256
-        q = 8 * hd
-        mlp = 12288 if i >= first_shared else 6144
+        full = (i + 1) % m.full_every == 0
+        hd = m.global_head_dim if full else m.head_dim
+        kv = (m.num_global_key_value_heads if full else m.num_key_value_heads) * hd
+        q = m.num_attention_heads * hd
+        mlp = m.intermediate_size * (2 if m.use_double_wide_mlp and i >= first_shared else 1)
         lp = f"{p}layers.{i}."
-        out += [(lp + "self_attn.q_proj.weight", (q, HIDDEN), "grid"),
-                (lp + "self_attn.o_proj.weight", (HIDDEN, q), "grid"),
+        out += [(lp + "self_attn.q_proj.weight", (q, hidden), "grid"),
+                (lp + "self_attn.o_proj.weight", (hidden, q), "grid"),
                 (lp + "self_attn.q_norm.weight", (hd,), "norm")]
         if i < first_shared:
-            out += [(lp + "self_attn.k_proj.weight", (hd, HIDDEN), "grid"),
-                    (lp + "self_attn.v_proj.weight", (hd, HIDDEN), "grid"),
-                    (lp + "self_attn.k_norm.weight", (hd,), "norm")]
-        out += [(lp + "mlp.gate_proj.weight", (mlp, HIDDEN), "grid"),
-                (lp + "mlp.up_proj.weight", (mlp, HIDDEN), "grid"),
-                (lp + "mlp.down_proj.weight", (HIDDEN, mlp), "grid"),
-                (lp + "per_layer_input_gate.weight", (PLE_DIM, HIDDEN), "grid"),
-                (lp + "per_layer_projection.weight", (HIDDEN, PLE_DIM), "grid"),
-                (lp + "layer_scalar", (1,), "norm")]
+            out.append((lp + "self_attn.k_proj.weight", (kv, hidden), "grid"))
+            if not (full and m.attention_k_eq_v):
+                out.append((lp + "self_attn.v_proj.weight", (kv, hidden), "grid"))
+            out.append((lp + "self_attn.k_norm.weight", (hd,), "norm"))
+        out += [(lp + "mlp.gate_proj.weight", (mlp, hidden), "grid"),
+                (lp + "mlp.up_proj.weight", (mlp, hidden), "grid"),
+                (lp + "mlp.down_proj.weight", (hidden, mlp), "grid")]
+        if ple:
+            out += [(lp + "per_layer_input_gate.weight", (ple, hidden), "grid"),
+                    (lp + "per_layer_projection.weight", (hidden, ple), "grid")]
+        out.append((lp + "layer_scalar", (1,), "norm"))
         for n in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                  "post_feedforward_layernorm", "post_per_layer_input_norm"):
-            out.append((lp + n + ".weight", (HIDDEN,), "norm"))
-    # Towers: ~1 GB at full size (vision ~0.3B and audio ~0.3B parameters), as a few big random tensors.
-    tower_rows = max(1, int(4096 * scale))
-    for i in range(16):
-        out.append((f"model.vision_tower.encoder.layers.{i}.mlp.up_proj.linear.weight", (tower_rows, 4608), "tower"))
-    for i in range(12):
-        out.append((f"model.audio_tower.layers.{i}.feed_forward1.ffw_layer_1.linear.weight", (tower_rows, 4096),
-                    "tower"))
-    out.append(("model.embed_vision.embedding_projection.weight", (HIDDEN, 768), "tower"))
-    out.append(("model.embed_audio.embedding_projection.weight", (HIDDEN, 1536), "tower"))
+                  "post_feedforward_layernorm") + (("post_per_layer_input_norm",) if ple else ()):
+            out.append((lp + n + ".weight", (hidden,), "norm"))
+    if m.vision_params or m.audio_params:
+        # Towers: ~1 GB at full size (vision ~0.3B and audio ~0.3B parameters), as a few big random tensors; the
+        # text-only build drops them, so only their presence and rough size matter.
+        tower_rows = max(1, int(4096 * scale))
+        for i in range(16):
+            out.append((f"model.vision_tower.encoder.layers.{i}.mlp.up_proj.linear.weight", (tower_rows, 4608),
+                        "tower"))
+        for i in range(12):
+            out.append((f"model.audio_tower.layers.{i}.feed_forward1.ffw_layer_1.linear.weight", (tower_rows, 4096),
+                        "tower"))
+        out.append(("model.embed_vision.embedding_projection.weight", (hidden, 768), "tower"))
+        out.append(("model.embed_audio.embedding_projection.weight", (hidden, 1536), "tower"))
     return out
 
 
-def e2b_config(specs: list[tuple[str, tuple[int, ...], str]]) -> dict:
+def member_config(member: str | Member, specs: list[tuple[str, tuple[int, ...], str]]) -> dict:
     """A config laid out like the hub's (google/gemma-4-E2B-it-qat-q4_0-unquantized: nested text_config with
-    `global_head_dim`, KV sharing, double-wide MLPs, a tied head) for the tensors of e2b_tensors(scale)."""
+    `global_head_dim`, KV sharing, a tied head) with the member's figures, for the tensors of
+    member_tensors(member, scale): the layer count, the KV-owning layers and the vocabulary follow the tensors."""
+    m = _member(member)
     shapes = {n: s for n, s, _ in specs}
     p = "model.language_model."
     layers = sum(1 for n in shapes if n.endswith("layer_scalar"))
     owners = sum(1 for n in shapes if n.endswith("self_attn.k_proj.weight"))
     vocab = shapes[p + "embed_tokens.weight"][0]
-    text = {"model_type": "gemma4_text", "vocab_size": vocab, "vocab_size_per_layer_input": vocab,
-            "hidden_size": HIDDEN, "intermediate_size": 6144, "num_hidden_layers": layers,
-            # The layer types follow the tensors: q_proj is 4096 rows on full-attention layers.
-            "layer_types": ["full_attention" if shapes[f"{p}layers.{i}.self_attn.q_proj.weight"][0] == 4096
-                            else "sliding_attention" for i in range(layers)],
-            "num_attention_heads": 8, "num_key_value_heads": 1, "head_dim": 256, "global_head_dim": 512,
-            "hidden_size_per_layer_input": PLE_DIM, "num_kv_shared_layers": layers - owners,
-            "use_double_wide_mlp": True, "final_logit_softcapping": 30.0, "sliding_window": 512,
-            "max_position_embeddings": 131072, "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-6,
-            "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                                "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
-                                                   "rope_theta": 1000000.0}},
-            "attention_bias": False, "attention_k_eq_v": False, "enable_moe_block": False,
-            "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0,
-            "dtype": "bfloat16"}
-    return {"architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4", "dtype": "bfloat16",
-            "tie_word_embeddings": True, "text_config": text, "vision_config": {"model_type": "gemma4_vision"},
-            "audio_config": {"model_type": "gemma4_audio"}, "boi_token_id": 7, "eoi_token_id": 8,
-            "image_token_id": 9, "video_token_id": 10, "boa_token_id": 11, "eoa_token_index": 12,
-            "audio_token_id": 13}
+    full_q = m.num_attention_heads * m.global_head_dim
+    text = {"model_type": "gemma4_unified_text" if m.model_type == "gemma4_unified" else "gemma4_text",
+            "vocab_size": vocab}
+    if m.hidden_size_per_layer_input:
+        text["vocab_size_per_layer_input"] = vocab
+    text.update({
+        "hidden_size": m.hidden_size, "intermediate_size": m.intermediate_size, "num_hidden_layers": layers,
+        # The layer types follow the tensors: q_proj is heads x global_head_dim rows on full-attention layers.
+        "layer_types": ["full_attention" if shapes[f"{p}layers.{i}.self_attn.q_proj.weight"][0] == full_q
+                        else "sliding_attention" for i in range(layers)],
+        "num_attention_heads": m.num_attention_heads, "num_key_value_heads": m.num_key_value_heads,
+        "head_dim": m.head_dim, "global_head_dim": m.global_head_dim})
+    if m.num_global_key_value_heads != m.num_key_value_heads or m.attention_k_eq_v:
+        text["num_global_key_value_heads"] = m.num_global_key_value_heads
+    text.update({
+        "hidden_size_per_layer_input": m.hidden_size_per_layer_input, "num_kv_shared_layers": layers - owners,
+        "use_double_wide_mlp": m.use_double_wide_mlp, "final_logit_softcapping": 30.0,
+        "sliding_window": m.sliding_window, "max_position_embeddings": m.max_position_embeddings,
+        "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-6,
+        "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                               "rope_theta": 1000000.0}},
+        "attention_bias": False, "attention_k_eq_v": m.attention_k_eq_v, "enable_moe_block": False,
+        "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0,
+        "dtype": "bfloat16"})
+    arch = "Gemma4UnifiedForConditionalGeneration" if m.model_type == "gemma4_unified" else \
+        "Gemma4ForConditionalGeneration"
+    out = {"architectures": [arch], "model_type": m.model_type, "dtype": "bfloat16",
+           "tie_word_embeddings": True, "text_config": text}
+    if m.vision_params:
+        out["vision_config"] = {"model_type": "gemma4_vision"}
+    if m.audio_params:
+        out["audio_config"] = {"model_type": "gemma4_audio"}
+    out.update({"boi_token_id": 7, "eoi_token_id": 8, "image_token_id": 9, "video_token_id": 10, "boa_token_id": 11,
+                "eoa_token_index": 12, "audio_token_id": 13})
+    return out
+
+
+def e2b_tensors(scale: float = 1.0) -> list[tuple[str, tuple[int, ...], str]]:
+    """member_tensors of E2B (the article's model)."""
+    return member_tensors("E2B", scale)
+
+
+def e2b_config(specs: list[tuple[str, tuple[int, ...], str]]) -> dict:
+    """member_config of E2B."""
+    return member_config("E2B", specs)
 
 
 def copy_tokenizer(src: Path, out: Path, vocab: int) -> None:
@@ -242,19 +293,20 @@ def _tensor_bytes(kind: str, shape: tuple[int, ...], rng: np.random.Generator, f
         yield tile[:n * cols * 2]
 
 
-def write_e2b_checkpoint(out: Path, scale: float = 1.0, seed: int = 0, progress: bool = False,
-                        jitter: float = 0.26, step_dtype: type = np.float32, levels: str = "uniform",
-                        step_draw: str = "log-uniform", fill: str = "grid") -> int:
-    """Writes the E2B-shaped synthetic checkpoint as ONE model.safetensors (as Google ships it) with a config
-    laid out like the hub's (e2b_config), streaming row blocks so memory stays small at full size. Grid
-    tensors: `grid_words` with the given step dtype, level distribution and jitter. fill: "grid" (every block
-    drawn), "tiled" (one block per tensor, repeated) or "none" (a sparse file: the header and the size only,
-    for planning at real shapes). Returns the file size."""
+def write_member_checkpoint(member: str | Member, out: Path, scale: float = 1.0, seed: int = 0,
+                            progress: bool = False, jitter: float = 0.26, step_dtype: type = np.float32,
+                            levels: str = "uniform", step_draw: str = "log-uniform", fill: str = "grid") -> int:
+    """Writes a synthetic checkpoint shaped like a dense member as ONE model.safetensors (as Google ships E2B)
+    with a config laid out like the hub's (member_config), streaming row blocks so memory stays small at full
+    size. Grid tensors: `grid_words` with the given step dtype, level distribution and jitter. fill: "grid" (every
+    block drawn), "tiled" (one block per tensor, repeated) or "none" (a sparse file: the header and the size
+    only, for planning at real shapes). Returns the file size."""
     if fill not in ("grid", "tiled", "none"):
         raise ValueError(f"fill {fill!r}: choose grid, tiled or none")
+    m = _member(member)
     rng = np.random.default_rng(seed)
     out.mkdir(parents=True, exist_ok=True)
-    specs = sorted(e2b_tensors(scale))
+    specs = sorted(member_tensors(m, scale))
     header: dict = {"__metadata__": {"format": "pt"}}
     pos = 0
     for name, shape, _ in specs:
@@ -263,7 +315,7 @@ def write_e2b_checkpoint(out: Path, scale: float = 1.0, seed: int = 0, progress:
         pos += n
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    (out / "config.json").write_text(json.dumps(e2b_config(specs), indent=2))
+    (out / "config.json").write_text(json.dumps(member_config(m, specs), indent=2))
     with open(out / "model.safetensors", "wb") as f:
         f.write(struct.pack("<Q", len(raw)) + raw)
         if fill == "none":
@@ -277,3 +329,10 @@ def write_e2b_checkpoint(out: Path, scale: float = 1.0, seed: int = 0, progress:
     if progress:
         print()
     return 8 + len(raw) + pos
+
+
+def write_e2b_checkpoint(out: Path, scale: float = 1.0, seed: int = 0, progress: bool = False,
+                        jitter: float = 0.26, step_dtype: type = np.float32, levels: str = "uniform",
+                        step_draw: str = "log-uniform", fill: str = "grid") -> int:
+    """write_member_checkpoint of E2B (the article's model): the same files as before members were general."""
+    return write_member_checkpoint("E2B", out, scale, seed, progress, jitter, step_dtype, levels, step_draw, fill)
