@@ -16,5 +16,5 @@ def signed_levels(words: "torch.Tensor", num_bits: int) -> "torch.Tensor":
     pack = 32 // num_bits
     shifts = torch.arange(pack, dtype=torch.int32, device=words.device) * num_bits
     # Arithmetic right shift of a negative int32 fills with ones; the mask keeps only the value's bits.
-    values = (words.unsqueeze(-1) >> shifts) & ((1 << num_bits) - 1)  # [rows, w, pack]
-    return values.reshape(words.shape[0], -1) - (1 << (num_bits - 1))
+    values = (words.unsqueeze(-1) >> shifts).bitwise_and_((1 << num_bits) - 1)  # [rows, w, pack], in place
+    return values.reshape(words.shape[0], -1).sub_(1 << (num_bits - 1))

@@ -7,6 +7,10 @@ build fails at its first forward ("'_C' object has no attribute 'cpu_gemm_wna16'
 `install()` puts a torch implementation of the same arithmetic in its place: the weight, in the layout
 `CPUWNA16LinearKernel._process_gptq_weights_w4a16` leaves it, is unpacked and dequantized in float32 and
 multiplied in float32, and the output takes the input's dtype. Where the op exists nothing changes.
+
+The weight is dequantized a slice of output channels at a time (CHUNK_BYTES of float32 each), never whole: a whole
+262,144-row head at E4B's width is 2.7 GB per float32 copy, made and freed on every forward, and at that size the
+allocations alone (page faults, munmap) kept the engine from finishing a step.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ logger = logging.getLogger("vllm.gemma4_t4_vllm")
 MARK = ("gemma4-t4: this CPU's vLLM kernel library has no cpu_gemm_wna16 (the AVX2 build): int4 linear layers "
         "run as a torch dequantize-and-matmul")
 _BLOCK = 16  # output channels per block in CPUWNA16's layout
+CHUNK_BYTES = 32 << 20  # float32 bytes of one dequantized slice of the weight
 
 
 def dequantize(q_weight: "torch.Tensor", scales: "torch.Tensor", pack_factor: int) -> "torch.Tensor":
@@ -35,12 +40,12 @@ def dequantize(q_weight: "torch.Tensor", scales: "torch.Tensor", pack_factor: in
     n_blocks, row = q_weight.shape
     k = row * pack_factor // _BLOCK
     words = q_weight.view(n_blocks, k, _BLOCK // pack_factor).permute(1, 0, 2).reshape(k, -1)  # [K, N/pack]
-    levels = signed_levels(words, 32 // pack_factor)
+    w = signed_levels(words, 32 // pack_factor).to(torch.float32)
     groups = scales.shape[0]
-    s = scales.to(torch.float32)
-    if groups > 1:
-        s = s.repeat_interleave(k // groups, dim=0)
-    return levels.to(torch.float32) * s
+    # each group's rows times its scales, in place and broadcast (a repeated [K, N] copy of the scales would be
+    # one more pass over the whole weight)
+    w.view(groups, k // groups, -1).mul_(scales.to(torch.float32).unsqueeze(1))
+    return w
 
 
 def gemm_wna16(input: "torch.Tensor", q_weight: "torch.Tensor", scales: "torch.Tensor",
@@ -55,9 +60,15 @@ def gemm_wna16(input: "torch.Tensor", q_weight: "torch.Tensor", scales: "torch.T
             "and gemma4-t4's torch replacement covers symmetric int4 only; serve a symmetric build")
     shape = input.shape
     x = input.reshape(-1, shape[-1]).to(torch.float32)
-    out = x @ dequantize(q_weight, scales, pack_factor)
+    n_blocks, k = q_weight.shape[0], shape[-1]
+    step = max(1, CHUNK_BYTES // (k * _BLOCK * 4))  # blocks of 16 output channels per slice
+    out = torch.empty(x.shape[0], n_blocks * _BLOCK, dtype=torch.float32)
+    for b0 in range(0, n_blocks, step):
+        b1 = min(n_blocks, b0 + step)
+        cols = slice(b0 * _BLOCK, b1 * _BLOCK)
+        torch.matmul(x, dequantize(q_weight[b0:b1], scales[:, cols], pack_factor), out=out[:, cols])
     if bias is not None:
-        out = out + bias.to(torch.float32)
+        out += bias.to(torch.float32)
     return out.to(input.dtype).reshape(*shape[:-1], out.shape[-1])
 
 

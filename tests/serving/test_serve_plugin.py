@@ -151,6 +151,16 @@ def test_the_torch_wna16_gemm_computes_the_dequantized_matmul(groups, dtype_name
         torch.testing.assert_close(real, out, rtol=2e-2, atol=2e-2)
     with pytest.raises(NotImplementedError, match="zero points"):
         wna16.gemm_wna16(x, layer.weight_packed, layer.weight_scale, layer.weight_scale, None, 8, "vec")
+    # a slice of output channels at a time (the whole weight is never dequantized at once): 6 blocks of 16
+    # channels in slices of 4 (the last one short), the same result
+    import unittest.mock
+
+    whole, slices = wna16.dequantize, []
+    with unittest.mock.patch.object(wna16, "CHUNK_BYTES", k * 16 * 4 * 4), \
+            unittest.mock.patch.object(wna16, "dequantize", lambda q, *a: slices.append(q.shape[0]) or whole(q, *a)):
+        sliced = wna16.gemm_wna16(x, layer.weight_packed, layer.weight_scale, None, bias, 8, layer.isa_hint)
+    assert slices == [4, 2]
+    torch.testing.assert_close(sliced, ref, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("missing", [True, False], ids=["op-missing", "op-present"])
