@@ -140,6 +140,7 @@ def install() -> bool:
         return False
     from vllm.model_executor.layers.fused_moe.oracle.int_wna16 import WNA16MoEBackend
 
+    logged: list[bool] = []
     select, convert, make = (module.select_wna16_moe_backend, module.convert_to_wna16_moe_kernel_format,
                              module.make_wna16_moe_kernel)
 
@@ -154,7 +155,9 @@ def install() -> bool:
                                                         cls.activation_format())
             if not supported or may_have_zp:
                 raise
-            logger.info(MARK, config.activation.value)
+            if not logged:  # once per process, not once per layer
+                logged.append(True)
+                logger.info(MARK, config.activation.value)
             # EMULATION: the method then skips the zero points, as for vLLM's own dequantize-at-load backend.
             return WNA16MoEBackend.EMULATION, cls
 
