@@ -13,7 +13,9 @@ layers on vLLM's oneDNN int8 GEMM when the model is float16 and the CPU has no A
 nothing.
 
 Also on the CPU platform: where the kernel library vLLM loads for this CPU (the AVX2 one) has no W4A16 GEMM,
-int4 linear layers run as a torch dequantize-and-matmul (gemma4_t4_vllm/wna16.py).
+int4 linear layers run as a torch dequantize-and-matmul (gemma4_t4_vllm/wna16.py); and where vLLM has no WNA16
+MoE kernel for a model's int4 experts (Gemma 4's gelu_tanh experts), they are dequantized at load and run in torch
+(gemma4_t4_vllm/moe_wna16.py).
 
 vLLM calls `register()` in every process it starts (API server, engine core, workers) through the
 `vllm.general_plugins` entry point declared in pyproject.toml, so the project must be pip-installed.
@@ -24,7 +26,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from gemma4_t4_vllm import wna16
+from gemma4_t4_vllm import moe_wna16, wna16
 from gemma4_t4_vllm.packing import signed_levels
 
 if TYPE_CHECKING:
@@ -84,6 +86,7 @@ def register() -> None:
         return
     _int8_gemm_for_float16()
     wna16.install()
+    moe_wna16.install()
     try:
         import importlib
 
