@@ -29,12 +29,11 @@ import hashlib
 import json
 import os
 import shutil
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .tiny_marker import mark, refusal
+from .tiny_marker import mark
 from .tiny_shapes import SHAPES
 
 GROUP = 32
@@ -463,42 +462,7 @@ def cached_tiny_qat_checkpoint(out_dir: str | Path, *, cache_dir: str | Path | N
                          permutation_seed=meta["permutation_seed"])
 
 
-def main(argv: list[str] | None = None) -> int:
-    import argparse
+if __name__ == "__main__":  # the command line is repack.tiny_cli's (which imports this module), run as the program
+    import runpy
 
-    from tools.core.errors import BadInput
-
-    from .params import TinyModelParams  # out, force and shape: the same model as the MCP tool make_tiny_model's
-
-    ap = argparse.ArgumentParser(prog="python -m repack.tiny_model",
-                                 description="Write a tiny Gemma-4-shaped QAT-like multimodal checkpoint.")
-    TinyModelParams.add_cli_args(ap)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--train-steps", type=int, default=200)
-    ap.add_argument("--off-grid", action="store_true", help="skip the 4-bit projection (a base-model stand-in)")
-    ap.add_argument("--drafter-of", metavar="TARGET", default=None,
-                    help="write instead the tiny gemma4_assistant drafter for the tiny target in TARGET")
-    ap.add_argument("--no-cache", action="store_true",
-                    help=f"train even if the same model is cached (cache: ${CACHE_ENV}, default ~/.cache/gemma4-t4)")
-    args = ap.parse_args(argv)
-    try:
-        p = TinyModelParams.from_cli_args(args)
-    except BadInput as exc:
-        print(f"python -m repack.tiny_model: {exc}", file=sys.stderr)
-        return 2
-    refused = refusal(Path(p.out), p.force)
-    if refused:
-        print(f"python -m repack.tiny_model: {refused}", file=sys.stderr)
-        return 2
-    if args.drafter_of:
-        d = build_tiny_drafter(p.out, args.drafter_of, seed=args.seed)
-        print(f"{d.path}: drafter for {args.drafter_of}, first-draft accuracy on the pattern {d.accuracy:.3f}")
-        return 0
-    info = cached_tiny_qat_checkpoint(p.out, cache_dir=not args.no_cache, seed=args.seed,
-                                      train_steps=args.train_steps, on_grid=not args.off_grid, shape=p.shape)
-    print(f"{info.path}: {len(info.grid_tensors)} tensors on the 4-bit grid, pattern accuracy {info.accuracy:.3f}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    runpy.run_module("repack.tiny_cli", run_name="__main__", alter_sys=True)

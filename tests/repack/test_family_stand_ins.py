@@ -125,18 +125,18 @@ def test_the_command_line_takes_the_shape_from_the_mcp_tools_model(tmp_path, cap
     """`python -m repack.tiny_model --shape` comes from repack.params.TinyModelParams, the model the MCP tool
     make_tiny_model's signature derives from: the same choices, the shape passed to the build, another refused
     with status 2 and nothing written."""
-    from repack import tiny_model
+    from repack import tiny_cli, tiny_model
     from repack.params import TinyModelParams
 
     made: list[tuple[str, str]] = []
     monkeypatch.setattr(tiny_model, "cached_tiny_qat_checkpoint", lambda out, **kw: made.append(
         (out, kw["shape"])) or tiny_model.TinyModelInfo(tmp_path, 1.0, [], 0))
-    assert tiny_model.main([str(tmp_path / "a")]) == 0
-    assert tiny_model.main([str(tmp_path / "b"), "--shape", "e4b"]) == 0
+    assert tiny_cli.main([str(tmp_path / "a")]) == 0
+    assert tiny_cli.main([str(tmp_path / "b"), "--shape", "e4b"]) == 0
     assert made == [(str(tmp_path / "a"), "e2b"), (str(tmp_path / "b"), "e4b")]
     capsys.readouterr()
     with pytest.raises(SystemExit) as ei:
-        tiny_model.main([str(tmp_path / "c"), "--shape", "e8b"])
+        tiny_cli.main([str(tmp_path / "c"), "--shape", "e8b"])
     err = capsys.readouterr().err
     assert ei.value.code == 2 and "--shape" in err and "e4b" in err and not (tmp_path / "c").exists()
     assert tuple(TinyModelParams.model_fields) == ("out", "force", "shape") and len(made) == 2

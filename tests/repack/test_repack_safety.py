@@ -730,7 +730,7 @@ def test_bad_max_shard_size_is_a_usage_error(src, tmp_path, capsys, value):
 
 @pytest.mark.parametrize("kind", ["repack-build", "fetched-source", "file"])
 def test_tiny_model_force_replaces_only_a_folder_it_wrote(tmp_path, capsys, monkeypatch, kind):
-    from repack import tiny_model
+    from repack import tiny_cli, tiny_model
 
     made = []
     monkeypatch.setattr(tiny_model, "cached_tiny_qat_checkpoint",
@@ -744,7 +744,7 @@ def test_tiny_model_force_replaces_only_a_folder_it_wrote(tmp_path, capsys, monk
         (out / ("repack-report.json" if kind == "repack-build" else "fetch-manifest.json")).write_text("{}")
     before = _tree(out) if out.is_dir() else out.read_bytes()
     for flags in ([], ["--force"]):
-        assert tiny_model.main([str(out), *flags]) == 2
+        assert tiny_cli.main([str(out), *flags]) == 2
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and str(out) in err
         assert ("this tool did not write it" in err or "not a folder" in err) if flags else "--force" in err, err
@@ -752,17 +752,17 @@ def test_tiny_model_force_replaces_only_a_folder_it_wrote(tmp_path, capsys, monk
 
 
 def test_tiny_model_force_replaces_its_own_folder_and_an_empty_one(tmp_path, capsys, monkeypatch):
-    from repack import tiny_model
+    from repack import tiny_cli, tiny_model
 
     made = []
     monkeypatch.setattr(tiny_model, "cached_tiny_qat_checkpoint",
                         lambda out, **kw: made.append(out) or tiny_model.TinyModelInfo(Path(out), 1.0, [], 0))
     (tmp_path / "empty").mkdir()
-    assert tiny_model.main([str(tmp_path / "empty")]) == 0
+    assert tiny_cli.main([str(tmp_path / "empty")]) == 0
     own = tmp_path / "own"
     own.mkdir()
     (own / "config.json").write_text("{}")
     tiny_model.mark(own, "source")
-    assert tiny_model.main([str(own)]) == 2  # without --force: refused even so
-    assert tiny_model.main([str(own), "--force"]) == 0
+    assert tiny_cli.main([str(own)]) == 2  # without --force: refused even so
+    assert tiny_cli.main([str(own), "--force"]) == 0
     assert made == [str(tmp_path / "empty"), str(own)]

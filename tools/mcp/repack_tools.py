@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 from repack import tiny_marker, tiny_model
 from repack.fit import PlanParams, plan_fit as plan
 from repack.params import BuildParams, ProbeParams, TinyModelParams
+from tools.core.atomic import REPORT
 from tools.core.errors import BadInput, ToolFailure, param
 from tools.core.paths import PathNotAllowed
 from tools.mcp.registry import Reply, tool
@@ -142,8 +143,6 @@ _TABLE_KEYS = ("name", "tensors", "bytes_before", "bytes_after", "groups", "offg
 def _repack_result(d: dict[str, Any], out: Path) -> dict[str, Any]:
     """The repack report within the result budget: every table holding tensors as one compact row (an empty one
     left out), the totals, and repack-report.json named as where the whole is."""
-    from tools.core.atomic import REPORT
-
     short = {"float16": "fp16", "bfloat16": "bf16"}[d["target_dtype"]]
     tables = []
     order = {n: i for i, n in enumerate(PACKED)}

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from repack.checks import SOURCE_REPO
+from repack.members import MEMBERS
 from tools.core.errors import op
 
 TINY_SOURCE = "tiny-gemma4-qat"  # the stand-in source's folder name the remedies suggest
@@ -120,8 +121,6 @@ def make_source(source: str, platform: str) -> str:
     """The operation (op() marks) that makes a missing source folder: a folder named as a member's published QAT
     checkpoint is fetched from that repository on any machine (a stand-in under a real checkpoint's name would be
     taken for it); otherwise on CPU the tiny stand-in, on a GPU the fetched E2B checkpoint."""
-    from repack.members import MEMBERS
-
     name = Path(source).name.lower()
     for m in MEMBERS.values():
         if name == m.source_repo.split("/")[-1].lower():
