@@ -16,8 +16,8 @@ CPU_MEASURED = {
             "them with this machine's free memory before start_vllm_server"),
     "E4B": ("E4B's all-4-bit build (4.26 GiB) was loaded by vLLM's CPU backend on a 2-core AVX2 machine (a synthetic "
             "source at E4B's shapes, evidence/real-shapes.md): 7.7 GB of host memory at rest, up to 18.3 GB while "
-            "it ran, ready in 183-191 s, but no token came within 24 minutes there (every int4 layer on the "
-            "project's torch fallback); its bf16-embedding build (8.58 GiB) did not fit that machine's 24 GB. "
+            "it ran, ready in 179-191 s, and it answers at about one token a minute there (every int4 layer "
+            "dequantized per call by the project's torch fallback); its bf16-embedding build (8.58 GiB) did not fit that machine's 24 GB. "
             "Expect the tiny stand-in, not E4B, to answer on a small CPU"),
 }
 
