@@ -34,10 +34,12 @@ def dequantize_experts(packed: "torch.Tensor", scale: "torch.Tensor") -> "torch.
     import torch
 
     e, n, _ = packed.shape
-    levels = signed_levels(packed.reshape(e * n, -1), 4).reshape(e, n, -1)
-    k = levels.shape[-1]
-    s = scale.to(torch.float32).repeat_interleave(k // scale.shape[-1], dim=-1)
-    return (levels.to(torch.float32) * s).to(scale.dtype)
+    w = signed_levels(packed.reshape(e * n, -1), 4).reshape(e, n, -1).to(torch.float32)
+    groups = scale.shape[-1]
+    # each group's scale broadcast in place (a repeated [E, N, K] copy of the scales would be one more pass over
+    # every expert weight at load)
+    w.view(e, n, groups, -1).mul_(scale.to(torch.float32).unsqueeze(-1))
+    return w.to(scale.dtype)
 
 
 def _experts_class():

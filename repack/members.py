@@ -83,6 +83,11 @@ class Member:
         return self.source_repo + "-assistant"
 
     @property
+    def text_model_type(self) -> str:
+        """The text_config's model_type (the 12B's text model is gemma4_unified_text)."""
+        return "gemma4_unified_text" if self.model_type == "gemma4_unified" else "gemma4_text"
+
+    @property
     def drafter_model_type(self) -> str:
         """The model_type a drafter for this member has (vLLM serves both as gemma4_mtp)."""
         return "gemma4_unified_assistant" if self.model_type == "gemma4_unified" else "gemma4_assistant"
@@ -94,7 +99,7 @@ class Member:
         if d is None:
             return None
         kinds = ["sliding_attention"] * (d.num_hidden_layers - 1) + ["full_attention"]
-        tc = {"model_type": "gemma4_unified_text" if self.model_type == "gemma4_unified" else "gemma4_text",
+        tc = {"model_type": self.text_model_type,
               "hidden_size": d.hidden_size, "intermediate_size": d.intermediate_size,
               "num_hidden_layers": d.num_hidden_layers, "num_attention_heads": d.num_attention_heads,
               "num_key_value_heads": self.num_key_value_heads,
@@ -125,7 +130,7 @@ class Member:
     def text_config(self) -> dict[str, Any]:
         """The text configuration as config.json's text_config writes it (the keys the build and vLLM read)."""
         cfg: dict[str, Any] = {
-            "model_type": "gemma4_unified_text" if self.model_type == "gemma4_unified" else "gemma4_text",
+            "model_type": self.text_model_type,
             "num_hidden_layers": self.num_hidden_layers, "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size, "num_attention_heads": self.num_attention_heads,
             "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
@@ -259,7 +264,8 @@ _KEYS = {"num_hidden_layers": None, "hidden_size": None, "intermediate_size": No
          "num_experts": 0, "moe_intermediate_size": 0}
 
 
-def _text(config: dict[str, Any]) -> dict[str, Any]:
+def text_of(config: dict[str, Any]) -> dict[str, Any]:
+    """A config.json's text model: its text_config, or the config itself (a text-only build's)."""
     tc = config.get("text_config")
     return tc if isinstance(tc, dict) else config
 
@@ -277,7 +283,7 @@ def _read(tc: dict[str, Any]) -> dict[str, Any]:
 
 def identify(config: dict[str, Any], where: str = "config.json") -> Member:
     """The member whose text shapes a config.json has, exactly; an unknown layout is refused in one line."""
-    got = _read(_text(config))
+    got = _read(text_of(config))
     for m in MEMBERS.values():
         if _shape_of(m) == got:
             return m
@@ -438,7 +444,7 @@ def towers_params(m: Member) -> int:
 
 
 __all__ = ["FAMILY_VOCAB", "FUSED_EXPERTS", "GIB", "MEMBERS", "Drafter", "Member", "Table", "by_name", "identify",
-           "identify_drafter", "identify_drafter_or_none", "identify_or_none", "register", "text_tables",
+           "identify_drafter", "identify_drafter_or_none", "identify_or_none", "register", "text_of", "text_tables",
            "towers_params"]
 
 

@@ -100,8 +100,7 @@ def _expert_items(it: Item, ck: Checkpoint) -> list[Item]:
                           f"dimensions [experts, out, in]; use the checkpoint as Google published it",
                           {"file": clip(s.file), "tensor": clip(s.name), "problem": "expert-shape"})
     experts, rows, cols = s.shape
-    tc = ck.config.get("text_config") if isinstance(ck.config.get("text_config"), dict) else ck.config
-    declared = tc.get("num_experts")
+    declared = members.text_of(ck.config).get("num_experts")
     if declared != experts:
         raise RepackError(f"{where} holds {experts} experts, but config.json declares "
                           f"{'no mixture of experts' if not declared else f'num_experts {declared}'}; use the "
@@ -111,7 +110,8 @@ def _expert_items(it: Item, ck: Checkpoint) -> list[Item]:
     if it.out_name.endswith("gate_up_proj"):
         if rows % 2:
             raise RepackError(f"{where} has {rows} rows per expert; gate_up_proj holds the gate and up rows in two "
-                              f"equal halves", {"file": clip(s.file), "tensor": clip(s.name), "problem": "expert-shape"})
+                              f"equal halves",
+                              {"file": clip(s.file), "tensor": clip(s.name), "problem": "expert-shape"})
         parts = [("gate_proj", 0, rows // 2), ("up_proj", rows // 2, rows // 2)]
     else:
         parts = [("down_proj", 0, rows)]

@@ -216,8 +216,7 @@ def member_config(member: str | Member, specs: list[tuple[str, tuple[int, ...], 
     owners = sum(1 for n in shapes if n.endswith("self_attn.k_proj.weight"))
     vocab = shapes[p + "embed_tokens.weight"][0]
     full_q = m.num_attention_heads * m.global_head_dim
-    text = {"model_type": "gemma4_unified_text" if m.model_type == "gemma4_unified" else "gemma4_text",
-            "vocab_size": vocab}
+    text = {"model_type": m.text_model_type, "vocab_size": vocab}
     if m.hidden_size_per_layer_input:
         text["vocab_size_per_layer_input"] = vocab
     text.update({
