@@ -24,7 +24,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--drafter-of", metavar="TARGET", default=None,
                     help="write instead the tiny gemma4_assistant drafter for the tiny target in TARGET")
     ap.add_argument("--no-cache", action="store_true",
-                    help=f"train even if the same model is cached (cache: ${tiny_model.CACHE_ENV}, default ~/.cache/gemma4-t4)")
+                    help=f"train even if the same model is cached (cache: ${tiny_model.CACHE_ENV}, default "
+                         "~/.cache/gemma4-t4)")
     args = ap.parse_args(argv)
     try:
         p = TinyModelParams.from_cli_args(args)

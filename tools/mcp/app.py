@@ -61,7 +61,8 @@ def instructions(chosen: Iterable[str]) -> str:
     return f"""\
 Deploy and benchmark all-4-bit builds of the Gemma 4 family with vLLM (one Tesla T4, or vLLM's CPU backend); plan_fit
 (toolset hub) plans a member's fit on a T4. Start from a prompt: deploy_cpu (no NVIDIA GPU: the tiny stand-in, or the
-member named, both builds served on CPU), deploy_t4 (a T4; member E2B unless named), then compare_builds (memory, token identity, sweeps side by side); each lists its calls in order.
+member named, both builds served on CPU), deploy_t4 (a T4; member E2B unless named), then compare_builds (memory,
+token identity, sweeps side by side); each lists its calls in order.
 Listed toolsets: {', '.join(n for n in chosen if n != ALWAYS_LISTED)}.{reach}
 One long operation runs at a time; paths must lie under the roots (server_status.roots). Every result has `summary`,
 one line for people; chain the other fields. Results are kept short: where one points to a file or a resource, the

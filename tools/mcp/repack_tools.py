@@ -188,10 +188,11 @@ def plan_fit(app, p: PlanParams) -> Reply:
     best = next((b for b in reversed(fit.builds) if b.fits), None)
     card = fit.card
     gpu = "a T4" if card["name"] == "NVIDIA Tesla T4" else f"a GPU of {card['memory_mib']:,} MiB"
-    summary = (f"{fit.member}, the planner's figures (on paper, planned for {gpu}; not measured): " + (f"the {best.build} build fits, {best.kv_tokens:,} KV tokens" if best
-                                          else "no build fits") + "; " +
-               "; ".join(f"{b.build} loads {b.load_gib:.2f} GiB" for b in fit.builds if b.published))
-    return Reply(_plan_result(fit, str(src) if src is not None else f"--member {fit.member}"), summary, {"table": fit.format_table()})
+    verdict = f"the {best.build} build fits, {best.kv_tokens:,} KV tokens" if best else "no build fits"
+    summary = (f"{fit.member}, the planner's figures (on paper, planned for {gpu}; not measured): {verdict}; "
+               + "; ".join(f"{b.build} loads {b.load_gib:.2f} GiB" for b in fit.builds if b.published))
+    where = str(src) if src is not None else f"--member {fit.member}"
+    return Reply(_plan_result(fit, where), summary, {"table": fit.format_table()})
 
 
 # Left out of plan_fit's result, as the table or the command line holds them: each build's tables and verdict (the

@@ -137,5 +137,5 @@ def missing_model_fix(model: str, platform: str) -> str:
             "or a Hugging Face id")
 
 
-__all__ = ["TINY_SOURCE", "chat_prompt_tokens", "chat_template", "checkpoint_bytes", "embedding_method", "make_source", "missing_model_fix",
-           "model_position_limit"]
+__all__ = ["TINY_SOURCE", "chat_prompt_tokens", "chat_template", "checkpoint_bytes", "embedding_method",
+           "make_source", "missing_model_fix", "model_position_limit"]
