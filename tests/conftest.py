@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import reaper
 from tests.fixtures import ROOT, SERVE_MAX_MODEL_LEN, free_port, in_process_engine, require_plugin
 
 
@@ -16,7 +17,9 @@ def pytest_configure(config):
     """With xdist workers, compile (or load) the grid kernel once here, while the workers start and collect; they
     wait for it before their first test (pytest_runtestloop): after an edit of the kernel, two workers would
     otherwise both compile it at once (minutes of CPU each), and a test's job would time out. In a thread, not
-    before the workers start: loading a current cache held back every worker's start by a second."""
+    before the workers start: loading a current cache held back every worker's start by a second.
+    First, the run's reaper (tests/reaper.py): whatever ends this run, no server a test started outlives it."""
+    reaper.start(config)
     if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
         import fcntl
         import threading
