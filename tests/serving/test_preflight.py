@@ -366,7 +366,7 @@ def test_a_broken_serving_config_does_not_block_a_repack_given_its_folders(clean
     assert [c.name for c in ensure("repack", env_file=bad, source=src, out=tmp_path / "out")] == ["source", "disk"]
     # without them the config is where the source would come from: its error is the failing check
     c = _by_name(checks_for("repack", env_file=bad))
-    assert c["config"].status == "fail" and "PORT='eighty' is invalid" in c["config"].value
+    assert c["config"].status == "fail" and f"PORT='eighty', set in {bad}, is invalid" in c["config"].value
 
 
 def test_start_checks_the_configured_drafter_against_the_model(clean_env, tmp_path):
