@@ -209,3 +209,25 @@ def test_repack_result_lists_every_table_and_names_the_report(roots, tmp_path, s
     assert "linears" in names and ("experts" in names) == (shape == "moe") and ("PLE" in names) == (shape == "e4b")
     assert four.structured_content["all_4_bit"] and "all-4-bit" in four.structured_content["summary"]
     assert not bf16.structured_content["all_4_bit"] and "all-4-bit" not in bf16.structured_content["summary"]
+
+
+def test_stop_all_over_many_damaged_records_stays_within_the_budget(roots, tmp_path):
+    """stop_vllm_server(all=true) with 40 instance records it cannot read: every answer (the error's too) within
+    RESULT_BUDGET, saying how many were left out and where the whole is (4,501 characters before)."""
+    state = tmp_path / "run"
+    for i in range(40):
+        d = state / f"instance-{i:02d}-with-a-longer-name"
+        d.mkdir(parents=True)
+        (d / "vllm.json").write_text('{"pid": "abc", "port": ')  # cut short
+    mcp = create_server(Settings(roots=roots, config_overrides={"state_dir": str(state)}))
+
+    async def go():
+        async with Client(mcp) as c:
+            return await c.call_tool("stop_vllm_server", {"all": True}, raise_on_error=False)
+
+    r = run(go())
+    shown = sum(len(t.text) for t in r.content)
+    assert shown <= RESULT_BUDGET, (shown, r.content[0].text[:300])
+    assert len(json.dumps(r.structured_content, separators=(",", ":"))) <= RESULT_BUDGET
+    text = r.content[0].text
+    assert "instance-00" in text and "40 could not be" in text and "38 more" in text, text[:500]

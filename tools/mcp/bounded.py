@@ -53,7 +53,7 @@ def fit(data: dict[str, Any], budget: int = RESULT_BUDGET) -> dict[str, Any]:
         return data
     note = {"clipped": f"result over {budget:,} characters: long texts and lists shortened to their first "
                        f"part{_where(data)}"}
-    keep = {k: data[k] for k in ("summary", *WHOLE_FIELDS) if k in data}
+    keep = {k: data[k] for k in ("summary", "error", *WHOLE_FIELDS) if k in data}
     for text_max, list_max in _STEPS:
         small = {**_shrink(data, text_max, list_max), **_shrink(keep, 600, 8), **note}
         if size(small) <= budget:
