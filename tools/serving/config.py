@@ -225,7 +225,10 @@ def parse_env_file(path: Path) -> dict[str, str]:
         name, sep, value = line.partition("=")
         name = name.strip()
         if not sep or not name.isidentifier():
-            raise ToolFailure(f"{path}:{lineno}: expected NAME=value, got {raw.strip()!r}")
+            # what the line holds is not repeated: the file may be anything (a password file named by mistake)
+            raise BadInput(f"{path}:{lineno}: not a NAME=value line, so not an env file (it holds NAME=value lines, "
+                           "# comments and blank lines); pass the project's tpu.env or fix that line",
+                           detail={"path": str(path), "line": lineno})
         value = value.strip()
         if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
             value = value[1:-1]
