@@ -24,6 +24,8 @@ from tools.core.errors import BadInput, ToolFailure
 from tools.serving import turing_patch
 from tools.serving.turing_decision import ClampRefused, TuringPlatform, find_decision
 
+from tests.mounts import MOUNT
+
 ROOT = Path(__file__).resolve().parents[2]
 DOCSTRING = '    """Select tile size with Gemma3-specific optimization."""\n'
 TILES = ("TILE_SIZE_PREFILL", "TILE_SIZE_DECODE")
@@ -505,3 +507,16 @@ def test_a_backup_holding_the_clamp_is_not_restored(target):
     status = turing_patch.revert(target)
     assert target.read_bytes() == original
     assert "restored" not in status.message and "holds the clamp itself" in status.message
+
+
+@pytest.mark.skipif(not MOUNT, reason="needs root to mount a read-only tmpfs")
+def test_a_read_only_install_still_answers_what_needs_no_write(tmp_path, mounts):
+    """The lock lives beside the file: where no lock can be made (a read-only vLLM), apply of a file that needs no
+    clamp and revert of an unpatched one answer as before, writing nothing."""
+    place = mounts(tmp_path / "ro")
+    f = place / "triton_unified_attention.py"
+    f.write_text(_with_decision_rule(FIXED_BY_CAPABILITY))
+    subprocess.run(["mount", "-o", "remount,ro", str(place)], check=True)
+    assert not turing_patch.apply(f).needed
+    assert "nothing to revert" in turing_patch.revert(f).message
+    assert sorted(p.name for p in place.iterdir()) == [f.name]

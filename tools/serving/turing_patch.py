@@ -139,16 +139,22 @@ def _locked(path: Path) -> Iterator[None]:
     is removed on release, so the folder is left as it was found."""
     lock = path.with_name(path.name + LOCK_SUFFIX)
     deadline = time.monotonic() + LOCK_WAIT_S
-    while (fh := flocked(lock)) is None:
-        if time.monotonic() > deadline:
-            raise ToolFailure(f"{lock} has been held by another patch_triton_turing.py for over {LOCK_WAIT_S:.0f} s; "
-                              "let it finish, or end it, then run this again")
-        time.sleep(0.05)
+    try:
+        while (fh := flocked(lock)) is None:
+            if time.monotonic() > deadline:
+                raise ToolFailure(f"{lock} has been held by another patch_triton_turing.py for over "
+                                  f"{LOCK_WAIT_S:.0f} s; let it finish, or end it, then run this again")
+            time.sleep(0.05)
+    except OSError as exc:
+        if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise
+        fh = None  # a folder this user cannot write: what needs no write (not needed, not patched) still answers
     try:
         yield
     finally:
-        lock.unlink(missing_ok=True)  # still held: a waiter that opened it opens the new one (flocked)
-        fh.close()
+        if fh is not None:
+            lock.unlink(missing_ok=True)  # still held: a waiter that opened it opens the new one (flocked)
+            fh.close()
 
 
 def _backup(path: Path) -> Path:
@@ -242,7 +248,8 @@ def _sha256(data: str | bytes) -> str:
 
 def _drop(*paths: Path) -> None:
     for p in paths:
-        p.unlink(missing_ok=True)
+        if os.path.lexists(p):  # unlinking a missing file on a read-only file system says EROFS, not ENOENT
+            p.unlink(missing_ok=True)
 
 
 def apply(target: str | Path | None = None) -> PatchStatus:
