@@ -162,6 +162,26 @@ def test_resources_are_bounded_and_page_to_the_rest(roots, tmp_path):
     assert "next" not in index[-1]
 
 
+def test_a_page_or_line_count_that_is_no_whole_number_is_one_line(roots, tmp_path):
+    mcp = create_server(Settings(roots=roots, config_overrides={"state_dir": str(tmp_path / "run")}))
+
+    async def go():
+        out = {}
+        async with Client(mcp) as c:
+            for uri in ("evidence/runs/page/0", "evidence/runs/page/\u00b2", "evidence/runs/page/x",
+                        "server/log/\u00b2", "server/log/100001"):
+                try:
+                    await c.read_resource(f"gemma4-t4://{uri}")
+                except Exception as exc:
+                    out[uri] = str(exc)
+        return out
+
+    got = run(go())
+    assert len(got) == 5, got
+    for uri, err in got.items():
+        assert "give a whole number" in err and "ValueError" not in err and "\n" not in err, (uri, err)
+
+
 def test_every_resource_is_bounded_over_the_shipped_evidence(tmp_path):
     """docs/mcp.md: every resource within RESULT_BUDGET, pages included. Every listed resource and every run's
     summary and capacity URIs, over the evidence this project ships (its demo report and article runs are longer

@@ -25,7 +25,7 @@ _HEAD_ROOM = 250         # a page's own line (the log's) or fields (the index's)
 
 
 def _whole_number(value: str, what: str, most: int, example: str) -> int:
-    if not value.isdigit() or not 1 <= int(value) <= most:
+    if not (value.isascii() and value.isdigit()) or not 1 <= int(value) <= most:  # "²" is a digit to isdigit
         raise ResourceFailure(f"{what} {value[:20]!r}: give a whole number, 1-{most}, e.g. {example}")
     return int(value)
 
