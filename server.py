@@ -26,6 +26,7 @@ if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
 
 from tools.core.paths import Roots  # noqa: E402
+from tools.core.process import stdout_gone  # noqa: E402
 from tools.core.root import PROJECT_ROOT  # noqa: E402
 from tools.mcp.registry import DEFAULT_TOOLSETS, TOOLSETS, TOOLSETS_ENV, parse_toolsets  # noqa: E402
 
@@ -148,6 +149,17 @@ def _http_token(args: argparse.Namespace) -> str | None:
     return token
 
 
+def _client_gone(exc: BaseException) -> bool:
+    """Whether `exc` (the stdio transport's, often an exception group) says only that the client went away: its
+    pipes closed under an answer being written. Not a failure of the server: nothing to print."""
+    from anyio import BrokenResourceError, ClosedResourceError
+
+    gone = (BrokenPipeError, ConnectionResetError, BrokenResourceError, ClosedResourceError)
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_client_gone(e) for e in exc.exceptions)
+    return isinstance(exc, gone)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.http:  # a bad token is refused before the app loads
@@ -165,6 +177,10 @@ def main(argv: list[str] | None = None) -> int:
         app.install_sigterm(mcp.gemma)  # type: ignore[attr-defined]
         try:
             mcp.run("stdio", show_banner=False)
+        except BaseException as exc:
+            if not _client_gone(exc):
+                raise
+            stdout_gone()  # its answers have nowhere to go: nor has the interpreter's last flush
         finally:  # the client closed stdin: a job still running goes with this process, cleaned up
             mcp.gemma.shutdown()  # type: ignore[attr-defined]
         return 0

@@ -67,11 +67,14 @@ def _folder_files(folder: Path, within: Within, wanted: Callable[[str], bool] = 
 
 def check_files(src: str | Path, roots: Sequence[str | Path] | None = None) -> None:
     """Every file a server would load from the checkpoint folder `src` (config, weights, tokenizer, templates)
-    passes the checks open_checkpoint and the build apply; raises RepackError naming the first that does not.
+    passes the checks open_checkpoint and the build apply, each weight file's safetensors header and size included
+    (a file cut short by a stopped download); raises RepackError naming the first that does not.
 
     For callers that hand the folder to another reader (vLLM): it follows links wherever they lead."""
-    with core_refusals():
-        paths.check_folder_files(src, roots)
+    within = confinement(src, roots)
+    for f in _folder_files(Path(src), within):
+        if f.name.endswith(".safetensors"):
+            read_header(f, within)  # the header only: seconds for any checkpoint
 
 
 def _read_json(path: Path, within: Within, what: str) -> Any:

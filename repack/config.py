@@ -109,6 +109,16 @@ def quantization_config(groups: list[dict[str, Any]], *, previous: dict[str, Any
     }
 
 
+# The text model's keys the project compares and counts with (members, plan, build, probe, the serving checks):
+# whole numbers or null, and flags that are booleans or null; checked here, once, before any of them is used.
+TEXT_WHOLE_NUMBERS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                      "num_key_value_heads", "num_global_key_value_heads", "head_dim", "global_head_dim",
+                      "hidden_size_per_layer_input", "num_kv_shared_layers", "num_experts", "top_k_experts",
+                      "moe_intermediate_size", "sliding_window", "max_position_embeddings")
+TEXT_FLAGS = ("enable_moe_block", "tie_word_embeddings", "use_double_wide_mlp", "attention_k_eq_v")
+TOP_WHOLE_NUMBERS = ("backbone_hidden_size",)  # a drafter's
+
+
 def validate(config: dict[str, Any], where: str) -> None:
     """Refuses a config.json whose parts the build reads have the wrong type (one line naming the key), rather
     than failing later with a traceback or silently building the wrong thing."""
@@ -135,6 +145,15 @@ def validate(config: dict[str, Any], where: str) -> None:
     if "text_config" in config and not isinstance(config["text_config"], dict):
         raise fail("text_config", f"{kind(config['text_config'])}, not an object (a multimodal checkpoint's "
                                   f"text model is described there)")
+    scope, text = ("text_config.", config["text_config"]) if "text_config" in config else ("", config)
+    shapes = [(scope + k, text.get(k)) for k in TEXT_WHOLE_NUMBERS] + [(k, config.get(k)) for k in TOP_WHOLE_NUMBERS]
+    for key, v in shapes:
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+            raise fail(key, f"{clip(repr(v), 40)} ({kind(v)}), not a whole number")
+    for key in TEXT_FLAGS:
+        v = text.get(key)
+        if v is not None and not isinstance(v, bool):
+            raise fail(scope + key, f"{clip(repr(v), 40)} ({kind(v)}), not a boolean (true or false)")
     for scope, cfg in (("", config), ("text_config.", config.get("text_config") or {})):
         qc = cfg.get("quantization_config")
         if qc is None:

@@ -129,8 +129,8 @@ class FitPlan:
         lines.append(f"T4 flags: {f['build']} build, --gpu-memory-utilization {f['gpu_memory_utilization']} "
                      f"--max-model-len {f['max_model_len']} --max-num-seqs {f['max_num_seqs']}" if f
                      else f"T4 flags: none, {self.member} does not fit one T4 in any build")
-        lines.append(f"error: loads within {self.error['load_gib']} GiB, KV tokens within "
-                     f"{self.error['kv_relative']:.0%} (against the article's E2B figures)")
+        lines.append(f"margin: model loading within {self.error['load_gib']} GiB, KV cache tokens within "
+                     f"{self.error['kv_relative']:.0%} of the article's measured E2B figures (the estimate's error)")
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 

@@ -15,6 +15,7 @@ from typing import Any, Iterator
 
 from tools.core.errors import param
 
+from .config import validate
 from .errors import RepackError, clip
 
 GIB = 1 << 30
@@ -282,7 +283,9 @@ def _read(tc: dict[str, Any]) -> dict[str, Any]:
 
 
 def identify(config: dict[str, Any], where: str = "config.json") -> Member:
-    """The member whose text shapes a config.json has, exactly; an unknown layout is refused in one line."""
+    """The member whose text shapes a config.json has, exactly; an unknown layout, or a shape of the wrong type
+    (repack.config.validate, before any comparison), is refused in one line."""
+    validate(config, where)
     got = _read(text_of(config))
     for m in MEMBERS.values():
         if _shape_of(m) == got:

@@ -38,3 +38,27 @@ def test_plan_fit_answers_fit_unclipped_for_every_member(mcp):
         assert f"python -m repack plan --member {member} --json" in data["whole"]
         assert [b["build"] for b in data["builds"]] == ["bf16", "qat-w4a16-ct", "repack-bf16-emb", "all-4-bit"]
         assert "the planner's figures (on paper, planned for a T4; not measured)" in data["summary"]
+
+
+def test_a_text_shape_of_the_wrong_type_is_one_line_through_mcp(mcp, roots):
+    """num_experts as a string or a list in text_config: plan_fit and probe_checkpoint name the key (a bare
+    "TypeError: '>' not supported" before)."""
+    import json
+
+    from repack.synthetic import write_small_checkpoint
+
+    src = write_small_checkpoint(roots.models[0] / "src")
+    cfg = json.loads((src / "config.json").read_text())
+
+    async def go(value):
+        cfg["text_config"]["num_experts"] = value
+        (src / "config.json").write_text(json.dumps(cfg))
+        async with Client(mcp) as c:
+            return [await c.call_tool(tool, {"path": "src"}, raise_on_error=False)
+                    for tool in ("plan_fit", "probe_checkpoint")]
+
+    for value in ("4", [4]):
+        for r in asyncio.run(go(value)):
+            text = r.content[0].text
+            assert r.is_error and "text_config.num_experts" in text and "not a whole number" in text, text
+            assert "\n" not in text and "TypeError" not in text

@@ -53,7 +53,8 @@ def test_resources_templates_and_prompts_are_listed_under_the_default_toolsets(m
     assert set(listed) == set(RESOURCES)
     assert {f"{SCHEME}://evidence/{{run*}}/summary.md", f"{SCHEME}://evidence/{{run*}}/summary.json",
             f"{SCHEME}://evidence/{{run*}}/capacity.md", f"{SCHEME}://evidence/{{run*}}/capacity.json",
-            f"{SCHEME}://server/log/{{lines}}"} == {t.uri_template for t in templates}
+            f"{SCHEME}://server/log/{{lines}}", f"{SCHEME}://evidence/runs/page/{{page}}"} == {
+        t.uri_template for t in templates}
     for uri, spec in RESOURCES.items():
         assert listed[uri].mime_type == spec.mime_type and listed[uri].description and listed[uri].title, uri
     by_name = {p.name: p for p in prompts}

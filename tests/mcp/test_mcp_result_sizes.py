@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections import Counter
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
@@ -115,11 +116,21 @@ def test_long_prompt_token_check_stays_small_and_writes_the_whole(roots, tmp_pat
     assert Path(data["comparison_path"]).parent == Path(ref).parent
 
 
-def test_resources_are_bounded_and_say_how_to_read_more(roots, tmp_path):
+def _next_uri(text: str) -> str | None:
+    m = re.search(r"gemma4-t4://[\w/.-]+/\d+", text.split("\n", 1)[0] if not text.startswith("{") else
+                  json.loads(text).get("next", ""))
+    return m.group(0) if m else None
+
+
+def test_resources_are_bounded_and_page_to_the_rest(roots, tmp_path):
+    """The log and the evidence index, however long, answer within RESULT_BUDGET and name the URI of the next
+    page; following them reads every line and every run once (evidence/runs/all answered 228,956 characters with
+    300 runs, server/log/100000 70,102)."""
     mcp = create_server(Settings(roots=roots, config_overrides={"state_dir": str(tmp_path / "run")}))
     cfg = mcp.gemma.config()
     cfg.log_file.parent.mkdir(parents=True, exist_ok=True)
-    cfg.log_file.write_text("".join(f"INFO line {i} " + "x" * 120 + "\n" for i in range(300)) + "ERROR the end\n")
+    log = [f"INFO line {i} " + "x" * 120 for i in range(300)] + ["ERROR the end"]
+    cfg.log_file.write_text("\n".join(log) + "\n")
     for i in range(300):
         run_dir = roots.evidence[0] / "sweeps" / f"run-{i:03d}"
         run_dir.mkdir(parents=True)
@@ -128,40 +139,68 @@ def test_resources_are_bounded_and_say_how_to_read_more(roots, tmp_path):
     async def go():
         async with Client(mcp) as c:
             out = {}
-            for uri in ("gemma4-t4://server/log", "gemma4-t4://server/log/1000", "gemma4-t4://evidence/runs",
-                        "gemma4-t4://evidence/runs/all"):
-                out[uri] = (await c.read_resource(uri))[0].text
+            for first in ("gemma4-t4://server/log", "gemma4-t4://server/log/100000", "gemma4-t4://evidence/runs"):
+                uri, pages = first, []
+                while uri is not None and len(pages) < 400:
+                    pages.append((await c.read_resource(uri))[0].text)
+                    uri = None if first.endswith("server/log") else _next_uri(pages[-1])
+                out[first] = pages
             return out
 
     got = run(go())
-    tail = got["gemma4-t4://server/log"]
-    assert len(tail) <= RESULT_BUDGET and tail.endswith("ERROR the end") and "server/log/{lines}" in tail
-    assert got["gemma4-t4://server/log/1000"].count("\n") == 300  # more on request: all 301 lines
-    index = json.loads(got["gemma4-t4://evidence/runs"])
-    assert len(got["gemma4-t4://evidence/runs"]) <= RESULT_BUDGET and index["total"] == 300
-    assert 0 < len(index["runs"]) < 300 and "evidence/runs/all" in index["more"]
-    assert len(json.loads(got["gemma4-t4://evidence/runs/all"])["runs"]) == 300
+    tail = got["gemma4-t4://server/log"][0]
+    assert len(tail) <= RESULT_BUDGET and tail.endswith("ERROR the end") and "server/log/" in tail
+    log_pages = got["gemma4-t4://server/log/100000"]
+    assert all(len(p) <= RESULT_BUDGET for p in log_pages) and len(log_pages) > 5
+    read = [ln for p in log_pages for ln in p.split("\n")[1:] if ln]
+    assert read == log  # every line once, in order
+    index = [json.loads(p) for p in got["gemma4-t4://evidence/runs"]]
+    assert all(len(p) <= RESULT_BUDGET for p in got["gemma4-t4://evidence/runs"]) and len(index) > 2
+    assert index[0]["total"] == 300 and "evidence/runs/page/2" in index[0]["next"]
+    names = [r["run"] for page in index for r in page["runs"]]
+    assert sorted(names) == sorted(f"sweeps/run-{i:03d}" for i in range(300))
+    assert "next" not in index[-1]
+
+
+def test_a_page_or_line_count_that_is_no_whole_number_is_one_line(roots, tmp_path):
+    mcp = create_server(Settings(roots=roots, config_overrides={"state_dir": str(tmp_path / "run")}))
+
+    async def go():
+        out = {}
+        async with Client(mcp) as c:
+            for uri in ("evidence/runs/page/0", "evidence/runs/page/\u00b2", "evidence/runs/page/x",
+                        "server/log/\u00b2", "server/log/100001"):
+                try:
+                    await c.read_resource(f"gemma4-t4://{uri}")
+                except Exception as exc:
+                    out[uri] = str(exc)
+        return out
+
+    got = run(go())
+    assert len(got) == 5, got
+    for uri, err in got.items():
+        assert "give a whole number" in err and "ValueError" not in err and "\n" not in err, (uri, err)
 
 
 def test_every_resource_is_bounded_over_the_shipped_evidence(tmp_path):
-    """docs/mcp.md: every resource within RESULT_BUDGET but those read on request (evidence/runs/all, the log's
-    lines asked for). Every listed resource and every run's summary and capacity URIs, over the evidence this
-    project ships (its demo report and article runs are longer than the budget): each one bounded, and a shortened
-    one names the file that holds the whole."""
+    """docs/mcp.md: every resource within RESULT_BUDGET, pages included. Every listed resource and every run's
+    summary and capacity URIs, over the evidence this project ships (its demo report and article runs are longer
+    than the budget): each one bounded, and a shortened one names the file that holds the whole."""
     from tools.core.paths import Roots
-    from tools.mcp.resources import RESOURCES
 
     root = Path(__file__).resolve().parents[2]
     (tmp_path / "models").mkdir()
     roots = Roots.from_env([str(tmp_path / "models")], [str(root / "evidence")], environ={})
     mcp = create_server(Settings(roots=roots, config_overrides={"state_dir": str(tmp_path / "run")}))
-    on_request = {u for u, s in RESOURCES.items() if s.whole}
-    assert on_request == {"gemma4-t4://evidence/runs/all", "gemma4-t4://server/log/{lines}"}
 
     async def go():
         async with Client(mcp) as c:
-            uris = [str(r.uri) for r in await c.list_resources() if str(r.uri) not in on_request]
-            runs = json.loads((await c.read_resource("gemma4-t4://evidence/runs/all"))[0].text)["runs"]
+            uris = [str(r.uri) for r in await c.list_resources()]
+            runs, page = [], "gemma4-t4://evidence/runs"
+            while page:
+                index = json.loads((await c.read_resource(page))[0].text)
+                runs += index["runs"]
+                page = index.get("next")
             uris += [u for r in runs for u in r["uris"]]
             out = {}
             for uri in uris:
@@ -209,3 +248,25 @@ def test_repack_result_lists_every_table_and_names_the_report(roots, tmp_path, s
     assert "linears" in names and ("experts" in names) == (shape == "moe") and ("PLE" in names) == (shape == "e4b")
     assert four.structured_content["all_4_bit"] and "all-4-bit" in four.structured_content["summary"]
     assert not bf16.structured_content["all_4_bit"] and "all-4-bit" not in bf16.structured_content["summary"]
+
+
+def test_stop_all_over_many_damaged_records_stays_within_the_budget(roots, tmp_path):
+    """stop_vllm_server(all=true) with 40 instance records it cannot read: every answer (the error's too) within
+    RESULT_BUDGET, saying how many were left out and where the whole is (4,501 characters before)."""
+    state = tmp_path / "run"
+    for i in range(40):
+        d = state / f"instance-{i:02d}-with-a-longer-name"
+        d.mkdir(parents=True)
+        (d / "vllm.json").write_text('{"pid": "abc", "port": ')  # cut short
+    mcp = create_server(Settings(roots=roots, config_overrides={"state_dir": str(state)}))
+
+    async def go():
+        async with Client(mcp) as c:
+            return await c.call_tool("stop_vllm_server", {"all": True}, raise_on_error=False)
+
+    r = run(go())
+    shown = sum(len(t.text) for t in r.content)
+    assert shown <= RESULT_BUDGET, (shown, r.content[0].text[:300])
+    assert len(json.dumps(r.structured_content, separators=(",", ":"))) <= RESULT_BUDGET
+    text = r.content[0].text
+    assert "instance-00" in text and "40 could not be" in text and "38 more" in text, text[:500]

@@ -179,6 +179,23 @@ def test_towers_are_not_read_and_a_hub_id_has_no_figure(tmp_path):
     assert cell.fraction == pytest.approx(10.0 * cell.step_bytes / 1e9)
 
 
+@pytest.mark.parametrize("value", [[4], "4", True])
+def test_a_config_shape_of_the_wrong_type_is_named_not_counted(tmp_path, value):
+    """The roofline reads config.json through the project's one config reader: a layer count of the wrong type is
+    the reason named (by key) for no figure, not a bare TypeError, nor a string "4" counted as 4."""
+    from tools.measure.roofline import roofline_or_reason
+
+    d = tmp_path / "m"
+    d.mkdir()
+    cfg = e2b_config(e2b_tensors(1.0))
+    cfg["text_config"]["num_hidden_layers"] = value
+    (d / "config.json").write_text(json.dumps(cfg))
+    write_safetensors(d / "model.safetensors", [("model.language_model.embed_tokens.weight", "BF16", (4, 8),
+                                                 b"\0" * 64)])
+    fig, why = roofline_or_reason(10.0, str(d), 0)
+    assert fig is None and "text_config.num_hidden_layers" in why and "not a whole number" in why, why
+
+
 def test_cpu_copy_bandwidth_is_measured_and_says_how(monkeypatch):
     bw = cpu_copy_bandwidth(buffer_bytes=4 << 20, repeats=2)
     assert bw.device == "cpu" and bw.bytes_per_s > 0

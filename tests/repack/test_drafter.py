@@ -179,7 +179,6 @@ def _list_model_type() -> dict:
      ["model.layers.2.self_attn.q_proj.weight", "missing", "num_hidden_layers 5"]),
     (dict(config=_config(num_hidden_layers=1, layer_types=["sliding_attention"], per_layer_config=...)),
      ["model.layers.1.", "beyond text_config.num_hidden_layers 1"]),
-    (dict(config=_config(num_hidden_layers=True)), ["text_config.num_hidden_layers is True"]),
     (dict(config=_list_model_type()), ["model_type is ['gemma4_assistant']"]),
     (dict(config=_config(per_layer_config=[{"head_dim": 64}])), ["text_config.per_layer_config is not an object"]),
     (dict(config=_config(per_layer_config={"7": {"head_dim": 64}})), ["text_config.per_layer_config has '7'"]),
@@ -189,13 +188,23 @@ def _list_model_type() -> dict:
      ["model.layers.1.self_attn.q_proj.weight has shape [64, 64]", "[128, 64]"]),
     (dict(config=_config(num_attention_heads=3)), ["model.layers.0.self_attn.q_proj.weight", "[96, 64]"]),
 ], ids=["no-q_proj", "no-q_norm", "no-pre_projection", "no-text_config", "layers-0", "layers-5-types",
-        "layers-5", "layers-1", "layers-bool", "list-model_type", "list-per_layer_config", "per_layer-key",
+        "layers-5", "layers-1", "list-model_type", "list-per_layer_config", "per_layer-key",
         "hidden", "intermediate", "q-shape", "heads"])
 def test_a_damaged_drafter_is_refused_in_one_line_and_nothing_is_written(tmp_path, capsys, kwargs, needles):
     src = write_drafter(tmp_path / "src", **kwargs)
     rc, err = repack_cli(capsys, "build", src, tmp_path / "out")
     assert rc == 2
     one_line_error(err, str(src), "damaged gemma4_assistant drafter", *needles)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_a_drafter_shape_of_the_wrong_type_is_refused_by_the_config_reader(tmp_path, capsys):
+    """A boolean where a whole number goes: refused by the one config reader (repack.config.validate), as for
+    any checkpoint, before the drafter's own checks count with it."""
+    src = write_drafter(tmp_path / "src", config=_config(num_hidden_layers=True))
+    rc, err = repack_cli(capsys, "build", src, tmp_path / "out")
+    assert rc == 2
+    one_line_error(err, str(src), "text_config.num_hidden_layers is True (a boolean), not a whole number")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 
 

@@ -66,6 +66,18 @@ def test_member_by_name_on_the_command_line_offline(capsys, monkeypatch):
     assert "all-4-bit: does not fit" in capsys.readouterr().out
 
 
+def test_a_plan_that_succeeds_prints_no_error_line(capsys):
+    """The estimate's margin against the article is not an error: a plan that exits 0 prints no line a reader or a
+    script takes for one (it started "error: loads within ...")."""
+    from tools.cli import repack_cli as cli
+
+    for member in ("E2B", "31B"):
+        assert cli.main(["plan", "--member", member]) == 0
+        out = capsys.readouterr()
+        assert not [ln for ln in (out.out + out.err).splitlines() if ln.lower().startswith("error")], out.out
+        assert "margin: model loading within 0.08 GiB, KV cache tokens within 6%" in out.out
+
+
 def test_plan_of_a_checkpoint_folder_reads_its_member(tmp_path, capsys):
     src = write_small_checkpoint(tmp_path / "src")
     cfg = json.loads((src / "config.json").read_text())

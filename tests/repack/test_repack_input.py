@@ -210,6 +210,22 @@ def test_a_config_number_that_is_not_finite_is_refused(tmp_path, capsys, literal
     _refused(src, tmp_path, capsys, "config.json", "text_config.vocab_size", "finite")
 
 
+@pytest.mark.parametrize("key, value", [("num_experts", "4"), ("num_experts", [4]), ("num_experts", 4.5),
+                                        ("hidden_size", "64"), ("num_hidden_layers", True),
+                                        ("enable_moe_block", "yes")])
+def test_a_text_shape_of_the_wrong_type_is_refused_before_use(tmp_path, capsys, key, value):
+    """Each command reading the text model's shapes (build, probe, plan) refuses a key of the wrong type in one
+    line naming it, before comparing or counting with it (a bare TypeError before; a string "4" read as
+    "holds 4 experts, but config.json declares num_experts 4")."""
+    src = write_small_checkpoint(tmp_path / "src")
+    _set_config(src, lambda c: c["text_config"].update({key: value}))
+    line = _refused(src, tmp_path, capsys, "config.json", f"text_config.{key}")
+    assert ("not a boolean" if key == "enable_moe_block" else "not a whole number") in line
+    rc, err = repack_cli(capsys, "plan", str(src))
+    assert rc == 2, err
+    one_line_error(err, "config.json", f"text_config.{key}")
+
+
 def test_a_stale_quantization_group_is_not_kept_beside_bf16_weights(tmp_path, capsys):
     """A source config declaring bf16 linears int4: a build that leaves them bf16 declares them bf16."""
     src = write_small_checkpoint(tmp_path / "src")

@@ -366,7 +366,7 @@ def test_a_broken_serving_config_does_not_block_a_repack_given_its_folders(clean
     assert [c.name for c in ensure("repack", env_file=bad, source=src, out=tmp_path / "out")] == ["source", "disk"]
     # without them the config is where the source would come from: its error is the failing check
     c = _by_name(checks_for("repack", env_file=bad))
-    assert c["config"].status == "fail" and "PORT='eighty' is invalid" in c["config"].value
+    assert c["config"].status == "fail" and f"PORT='eighty', set in {bad}, is invalid" in c["config"].value
 
 
 def test_start_checks_the_configured_drafter_against_the_model(clean_env, tmp_path):
@@ -455,3 +455,23 @@ def test_preflight_fetch_asks_the_hub_and_says_offline_plainly(clean_env, tmp_pa
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     cached_only = run_preflight(PreflightParams(step="fetch", repo_id=REPO, out=str(tmp_path / "qat")))
     assert not cached_only.ready and "offline: HF_HUB_OFFLINE is set" in cached_only.summary
+
+
+@pytest.mark.parametrize("damage", ["truncated", "header-cut"])
+def test_start_refuses_a_truncated_safetensors_file_in_seconds(clean_env, tmp_path, capsys, damage):
+    """A weight file cut short (a download that stopped): the start checks read each safetensors header and size, so
+    start fails before vLLM, in one line naming the file (vLLM took about 85 s to fail on it)."""
+    from repack.synthetic import write_small_checkpoint
+    from tools.cli import main
+
+    model = write_small_checkpoint(tmp_path / "models" / "cut")
+    st = model / "model.safetensors"
+    data = st.read_bytes()
+    st.write_bytes(data[:-100] if damage == "truncated" else data[:20])
+    c = _by_name(checks_for("start", env_file=_env_file(tmp_path, MODEL_NAME=str(model))))["checkpoints"]
+    assert c.status == "fail" and str(st) in c.value, c
+    env = _env_file(tmp_path, MODEL_NAME=str(model), STATE_DIR=str(tmp_path / "st"))
+    rc = main(["start", "--env-file", str(env)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and str(st) in err[-1] and "Traceback" not in "\n".join(err), err
+    assert not list((tmp_path / "st").rglob("vllm.json"))

@@ -242,7 +242,7 @@ def test_command_line_failures_are_one_line(tmp_path):
     assert st.returncode == 3 and "not running" in st.stdout
     assert _cli(["status", "--any"], env, timeout=60).returncode == 0
     bad = _cli(["start"], dict(env, PORT="nope"), timeout=60)
-    assert bad.returncode == 1 and "PORT='nope' is invalid" in bad.stderr
+    assert bad.returncode == 2 and "PORT='nope', set in the environment, is invalid" in bad.stderr
     lg = _cli(["log"], env, timeout=60)
     assert lg.returncode == 1 and "no server log" in lg.stderr
 

@@ -78,12 +78,12 @@ def test_local_model_becomes_absolute(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("line, needle", [
-    ("PORT=eighty", "PORT='eighty' is invalid"),
-    ("PORT=70000", "PORT=70000 is not a TCP port"),
-    ("LANGUAGE_MODEL_ONLY=maybe", "LANGUAGE_MODEL_ONLY='maybe' is invalid"),
+    ("PORT=eighty", "PORT='eighty', set in"),
+    ("PORT=70000", "is not a TCP port"),
+    ("LANGUAGE_MODEL_ONLY=maybe", "LANGUAGE_MODEL_ONLY='maybe', set in"),
     ("SPECULATIVE_CONFIG={not json", "SPECULATIVE_CONFIG"),
     ("GPU_MEMORY_UTILIZATION=1.5", "GPU_MEMORY_UTILIZATION=1.5"),
-    ("this is not an assignment", "expected NAME=value"),
+    ("this is not an assignment", "not a NAME=value line"),
 ])
 def test_bad_values_name_the_option(tmp_path, monkeypatch, line, needle):
     for name in ("PORT", "LANGUAGE_MODEL_ONLY", "SPECULATIVE_CONFIG", "GPU_MEMORY_UTILIZATION", "MODEL_NAME"):
@@ -93,6 +93,43 @@ def test_bad_values_name_the_option(tmp_path, monkeypatch, line, needle):
     with pytest.raises(ToolFailure) as exc:
         load_config(env)
     assert needle in str(exc.value) and "\n" not in str(exc.value)
+
+
+@pytest.mark.parametrize("name, value", [("FRONT_DOOR_HOLD_S", "nan"), ("START_TIMEOUT_S", "-1"),
+                                         ("PORT", "70000"), ("GPU_MEMORY_UTILIZATION", "1.5"),
+                                         ("MAX_NUM_SEQS", "0"), ("PORT", "eighty")])
+def test_a_bad_value_is_blamed_on_where_it_was_set(tmp_path, monkeypatch, name, value):
+    """Set in the environment, the value is the environment's to fix, not tpu.env's (which was blamed for
+    FRONT_DOOR_HOLD_S=nan); set in the file, the file is named; either way bad input (exit 2)."""
+    from tools.core.errors import BadInput
+
+    env = tmp_path / "tpu.env"
+    env.write_text("MODEL_NAME=m\n")
+    monkeypatch.setenv(name, value)
+    with pytest.raises(BadInput) as exc:
+        load_config(env)
+    said = str(exc.value)
+    assert said.startswith(f"{name}=") and value in said.split(",")[0], said
+    assert "set in the environment" in said and str(env) not in said and "\n" not in said
+    monkeypatch.delenv(name)
+    env.write_text(f"MODEL_NAME=m\n{name}={value}\n")
+    with pytest.raises(BadInput) as exc:
+        load_config(env)
+    assert f"set in {env}" in str(exc.value) and "environment" not in str(exc.value), str(exc.value)
+
+
+@pytest.mark.parametrize("first", ["root:$6$SECRETHASH:20228:0:99999:7:::", "SECRET_LINE", "export =SECRET"])
+def test_a_file_that_is_not_an_env_file_is_never_echoed(tmp_path, first):
+    """--env-file /etc/shadow printed the file's first line in its error: a file that is not an env file is
+    named, with its line number, and none of its content is repeated."""
+    from tools.core.errors import BadInput
+
+    f = tmp_path / "shadow"
+    f.write_text(f"{first}\nMODEL_NAME=m\n")
+    with pytest.raises(BadInput) as exc:
+        load_config(f)
+    said = str(exc.value)
+    assert f"{f}:1" in said and "SECRET" not in said and "NAME=value" in said and "\n" not in said, said
 
 
 def test_missing_file_and_unknown_override(tmp_path):

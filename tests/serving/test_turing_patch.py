@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import ast
 import errno
+import hashlib
+import json
 import os
+import random
 import re
 import shutil
 import subprocess
@@ -20,6 +23,8 @@ import pytest
 from tools.core.errors import BadInput, ToolFailure
 from tools.serving import turing_patch
 from tools.serving.turing_decision import ClampRefused, TuringPlatform, find_decision
+
+from tests.mounts import MOUNT
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCSTRING = '    """Select tile size with Gemma3-specific optimization."""\n'
@@ -443,3 +448,75 @@ def test_without_a_virtualenv_the_patch_says_to_set_up_in_one_line(tmp_path):
     res = subprocess.run([str(root / "patch_triton_turing.py"), "--check", "--target", str(root / "x.py")],
                          capture_output=True, text=True, env=env, cwd=tmp_path)
     assert res.returncode == 1 and len(res.stderr.splitlines()) == 1 and "./setup.sh" in res.stderr, res
+
+
+# -- three at once: the lock, and a backup that is the bytes the patch was made from -----------------------------
+
+def _op_in_child(name: str, target: str, barrier) -> None:
+    barrier.wait()  # the three start together, as `for i in 1 2 3; do ./patch_triton_turing.py & done` does
+    try:
+        getattr(turing_patch, name)(target)
+    except ToolFailure:  # e.g. apply reads a half-reverted file; what is asserted is the state left behind
+        pass
+
+
+def _state_keeps_the_original(target: Path, original: bytes, patched: bytes) -> None:
+    backup = Path(str(target) + turing_patch.BACKUP_SUFFIX)
+    record = Path(str(target) + turing_patch.RECORD_SUFFIX)
+    assert target.read_bytes() in (original, patched)
+    if target.read_bytes() == patched:
+        assert backup.read_bytes() == original
+        assert json.loads(record.read_text())["backup_sha256"] == hashlib.sha256(original).hexdigest()
+
+
+def test_three_at_once_never_lose_the_original(target):
+    """apply, check and revert, three processes at once, 20 rounds (the first three applies to an unpatched file,
+    the case that lost the backup): after each round the file is the original or its patched form, a patched file's
+    backup is the original, and a last revert gives back the original bytes."""
+    import multiprocessing
+
+    original = target.read_bytes()
+    patched = turing_patch.patched_text(original.decode(), find_decision(original.decode(), target)).encode()
+    ctx = multiprocessing.get_context("fork")
+    rounds = [("apply",) * 3] + [tuple(random.Random(r).choice(("apply", "check", "revert")) for _ in range(3))
+                                 for r in range(19)]
+    for ops in rounds:
+        barrier = ctx.Barrier(3)
+        procs = [ctx.Process(target=_op_in_child, args=(name, str(target), barrier)) for name in ops]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(60)
+        assert [p.exitcode for p in procs] == [0, 0, 0], ops
+        _state_keeps_the_original(target, original, patched)
+    status = turing_patch.revert(target)
+    assert target.read_bytes() == original, status.message
+    assert sorted(p.name for p in target.parent.iterdir()) == [target.name]  # no backup, record or lock left
+
+
+def test_a_backup_holding_the_clamp_is_not_restored(target):
+    """What three applies at once left before the lock: a backup (and its record) of the patched file itself.
+    revert does not say "restored" with the file still patched; it removes the block."""
+    original = target.read_bytes()
+    turing_patch.apply(target)
+    patched = target.read_bytes()
+    Path(str(target) + turing_patch.BACKUP_SUFFIX).write_bytes(patched)
+    digest = hashlib.sha256(patched).hexdigest()
+    Path(str(target) + turing_patch.RECORD_SUFFIX).write_text(json.dumps(
+        {"target": target.name, "backup_sha256": digest, "patched_sha256": digest}))
+    status = turing_patch.revert(target)
+    assert target.read_bytes() == original
+    assert "restored" not in status.message and "holds the clamp itself" in status.message
+
+
+@pytest.mark.skipif(not MOUNT, reason="needs root to mount a read-only tmpfs")
+def test_a_read_only_install_still_answers_what_needs_no_write(tmp_path, mounts):
+    """The lock lives beside the file: where no lock can be made (a read-only vLLM), apply of a file that needs no
+    clamp and revert of an unpatched one answer as before, writing nothing."""
+    place = mounts(tmp_path / "ro")
+    f = place / "triton_unified_attention.py"
+    f.write_text(_with_decision_rule(FIXED_BY_CAPABILITY))
+    subprocess.run(["mount", "-o", "remount,ro", str(place)], check=True)
+    assert not turing_patch.apply(f).needed
+    assert "nothing to revert" in turing_patch.revert(f).message
+    assert sorted(p.name for p in place.iterdir()) == [f.name]

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import signal
 import sys
 
 from tools.cli.commands import MODULES, PROGRAMS
+from tools.core.process import stdout_gone
 
 # A reader that stops reading (`./vllm-t4 status | head -1`) is not a failure of the command: stdout goes to
 # /dev/null (so the interpreter's last flush cannot raise again) and the status is the shell's for SIGPIPE.
@@ -79,12 +79,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _stdout_gone() -> int:
-    try:
-        fd = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(fd, sys.stdout.fileno())
-        os.close(fd)
-    except (OSError, ValueError):  # stdout is no file descriptor (captured in-process): nothing to redirect
-        pass
+    stdout_gone()
     return BROKEN_PIPE_STATUS
 
 

@@ -18,6 +18,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from tools.core.atomic_files import path_failure
 from tools.core.errors import BadInput, Renderer, ToolFailure
 from tools.core.params import OpParams
 from tools.core.jsonout import dumps
@@ -153,6 +154,10 @@ def _handler(prog: str, cmd: Command, failure: Failure) -> Callable[[argparse.Na
             return int(cmd.run(params, args) or 0)
         except ToolFailure as exc:
             return failure(prog, exc, bool(getattr(args, "json", False)))
+        except OSError as exc:  # on a path no call site foresaw (a name over 255 bytes): one line all the same
+            if exc.filename is None:
+                raise
+            return failure(prog, path_failure(exc), bool(getattr(args, "json", False)))
     return run
 
 

@@ -27,7 +27,8 @@ from typing import Iterator
 from tools.core.atomic import OutputRefused, make_parents, remove_parents
 from tools.core.atomic_leftovers import NAME_RE, Lock, own_id, rmtree, sweep_stale_partials
 from tools.core.atomic_renames import rename_noreplace
-from tools.core.errors import ToolFailure
+from tools.core.errors import BadInput, ToolFailure
+from tools.core.text import clip
 
 _NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EFBIG)
 _WHY = {errno.EROFS: "a read-only file system", errno.ENOTDIR: "a parent of it is a file, not a folder",
@@ -35,6 +36,9 @@ _WHY = {errno.EROFS: "a read-only file system", errno.ENOTDIR: "a parent of it i
         errno.EACCES: "permission denied", errno.EPERM: "permission denied", errno.ENOSPC: "no space left on the disk",
         errno.EDQUOT: "the disk quota is used up", errno.EXDEV: "it is on another file system",
         errno.ENAMETOOLONG: "the name is too long"}
+_REMEDY = {errno.ENAMETOOLONG: "give a shorter path (each name at most 255 bytes, the whole under 4,096)",
+           errno.ENOENT: "give a path that exists", errno.ELOOP: "give a path that is not a symbolic link loop",
+           errno.EACCES: "give a path this user may use", errno.EPERM: "give a path this user may use"}
 
 
 def refusal(path: str | Path, exc: OSError, doing: str = "write") -> ToolFailure:
@@ -355,4 +359,17 @@ class HeldFolder:
         self.release()
 
 
-__all__ = ["HeldFolder", "TempFile", "TempFolder", "names_held", "refusal", "reserve_name", "write_file"]
+def path_failure(exc: OSError) -> ToolFailure:
+    """Any OSError on a path as one line naming the path (clipped), what the file system said and what to do:
+    ToolFailure for a full disk or an I/O error, BadInput for the rest (a name over 255 bytes, no such file, no
+    permission). The front ends' one mapping for an OSError that no call site turned into a failure of its own."""
+    path = clip(os.fsdecode(exc.filename) if isinstance(exc.filename, (str, bytes)) else str(exc.filename), 200)
+    why = _WHY.get(exc.errno or 0) or exc.strerror or str(exc)
+    detail = {"path": path, "errno": errno.errorcode.get(exc.errno or 0, str(exc.errno))}
+    if exc.errno in _NO_ROOM:
+        return ToolFailure(f"{path}: {why}; free space on its disk (or fix the disk) and try again", detail)
+    return BadInput(f"{path}: {why}; {_REMEDY.get(exc.errno or 0, 'give another path')}", detail)
+
+
+__all__ = ["HeldFolder", "TempFile", "TempFolder", "names_held", "path_failure", "refusal", "reserve_name",
+           "write_file"]

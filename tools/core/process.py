@@ -1,5 +1,6 @@
 """Processes: which one a recorded pid still is, ending a process group (the project's one group killer), who
-holds a port, and the environment of a Python child that runs this checkout."""
+holds a port, the environment of a Python child that runs this checkout, and this process's stdout once its reader
+is gone."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import random
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -178,5 +180,16 @@ def python_child_env(project_root: Path) -> dict[str, str]:
     return env
 
 
+def stdout_gone() -> None:
+    """This process's stdout once its reader has gone (a closed pipe): pointed at /dev/null, so that no later
+    write, nor the interpreter's last flush, raises BrokenPipeError again."""
+    try:
+        fd = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(fd, sys.stdout.fileno())
+        os.close(fd)
+    except (OSError, ValueError):  # stdout is no file descriptor (captured in-process): nothing to redirect
+        pass
+
+
 __all__ = ["GroupEnd", "end_group", "group_members", "is_running", "kill_group", "pid_recycled", "port_holder",
-           "python_child_env", "reap", "same_process"]
+           "python_child_env", "reap", "same_process", "stdout_gone"]

@@ -135,10 +135,10 @@ def remove_partial_builds() -> None:
 
 def error_result(exc: BaseException) -> ToolResult:
     """A failed call's result (isError): the one line as text, and as structured content {error, detail} as the
-    command line's --json prints it. Clients check only successful results against the output schema."""
+    command line's --json prints it, both within RESULT_BUDGET (a long detail shortened, `clipped` saying so). Clients check only successful results against the output schema."""
     err = exc if isinstance(exc, ToolRefusal) else to_tool_error(exc)
-    return ToolResult(content=[TextContent(type="text", text=str(err))],
-                      structured_content={"error": str(err), "detail": err.detail}, is_error=True)
+    data = fit({"error": str(err), "detail": err.detail})  # within RESULT_BUDGET, as every answer is
+    return ToolResult(content=[TextContent(type="text", text=data["error"])], structured_content=data, is_error=True)
 
 
 def _result(data: dict[str, Any], whole: bool = False) -> ToolResult:

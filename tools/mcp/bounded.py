@@ -1,5 +1,6 @@
 """Small by default, whole on request: every result an assistant gets by default stays within RESULT_BUDGET
-characters, and says where the whole is.
+characters, and says where the whole is; a resource that grows with use answers in pages (`pages`), each naming
+the next.
 
 One guard for every tool result (`fit`, called by the app's result wrapper) and every resource (`fit_text`, called
 by the resource wrapper), so a tool that grows a field cannot flood a client's context. The tools shape their own
@@ -53,7 +54,7 @@ def fit(data: dict[str, Any], budget: int = RESULT_BUDGET) -> dict[str, Any]:
         return data
     note = {"clipped": f"result over {budget:,} characters: long texts and lists shortened to their first "
                        f"part{_where(data)}"}
-    keep = {k: data[k] for k in ("summary", *WHOLE_FIELDS) if k in data}
+    keep = {k: data[k] for k in ("summary", "error", *WHOLE_FIELDS) if k in data}
     for text_max, list_max in _STEPS:
         small = {**_shrink(data, text_max, list_max), **_shrink(keep, 600, 8), **note}
         if size(small) <= budget:
@@ -82,4 +83,18 @@ def fit_text(text: str, *, whole: str, budget: int = RESULT_BUDGET, keep: str = 
     return head + body
 
 
-__all__ = ["RESULT_BUDGET", "fit", "fit_text", "size"]
+def pages(pieces: list[str], room: int) -> list[list[str]]:
+    """`pieces` in order, in pages of at most `room` characters each (a separator counted between two); a piece
+    longer than a page is a page of its own (callers shorten such pieces first). At least one page, maybe empty."""
+    out: list[list[str]] = [[]]
+    used = 0
+    for p in pieces:
+        if out[-1] and used + 1 + len(p) > room:
+            out.append([])
+            used = 0
+        used += len(p) + (1 if out[-1] else 0)
+        out[-1].append(p)
+    return out
+
+
+__all__ = ["RESULT_BUDGET", "fit", "fit_text", "pages", "size"]

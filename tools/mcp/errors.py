@@ -13,6 +13,7 @@ from fastmcp.exceptions import ToolError
 from pydantic import ValidationError
 
 from repack.errors import RepackError
+from tools.core.atomic_files import path_failure
 from tools.core.errors import ToolFailure, render
 from tools.core.paths import PathNotAllowed
 from tools.core.text import clip
@@ -63,6 +64,8 @@ def to_tool_error(exc: BaseException) -> ToolRefusal:
     named when it is not one of ours."""
     if isinstance(exc, ValidationError):
         exc = argument_error(exc)
+    if isinstance(exc, OSError) and exc.filename is not None:  # on a path no call site foresaw
+        exc = path_failure(exc)
     if isinstance(exc, ToolFailure):
         data = exc.to_dict(MCP)
         msg, detail = data["error"], data["detail"]

@@ -1,8 +1,10 @@
-"""The resources that grow with use, bounded: the evidence index and the vLLM server log.
+"""The resources that grow with use, bounded and paged: the evidence index and the vLLM server log.
 
-By default each is what fits in RESULT_BUDGET (the newest runs, the log's last lines) and says how to read the
-rest: `evidence/runs/all`, `server/log/{lines}` (or the file itself). Importing this module declares them in the
-resource registry (tools/mcp/resources.py), after the others.
+Every answer is what fits in RESULT_BUDGET and names the URI of the next page, when there is one: the index's
+`evidence/runs` (its first page) and `evidence/runs/page/{page}`, newest first; the log's tail `server/log`, and
+`server/log/{lines}`, which reads the log's last `lines` lines from their first, as many as fit, and names
+`server/log/{the lines after them}`. Importing this module declares them in the resource registry
+(tools/mcp/resources.py), after the others.
 """
 
 from __future__ import annotations
@@ -11,46 +13,51 @@ import json
 from typing import Any
 
 from tools.core.errors import ToolFailure
-from tools.mcp.bounded import RESULT_BUDGET, fit_text
+from tools.mcp.bounded import RESULT_BUDGET, fit_text, pages
 from tools.mcp.errors import MCP
 from tools.mcp.resources import SCHEME, ResourceFailure, evidence_run_list, resource
 from tools.serving.vllm_server import read_log
 
 LOG_LINES = 200          # lines the log resource reads before keeping the tail that fits
 MORE_LOG = f"{SCHEME}://server/log/{{lines}}"
-ALL_RUNS = f"{SCHEME}://evidence/runs/all"
+RUNS_PAGE = f"{SCHEME}://evidence/runs/page/{{page}}"
+_HEAD_ROOM = 250         # a page's own line (the log's) or fields (the index's) besides what it pages
 
 
-def _index(app, limit: int | None) -> str:
-    runs = [{"run": r["run"], "uris": r["uris"]} for r in evidence_run_list(app)]
+def _whole_number(value: str, what: str, most: int, example: str) -> int:
+    if not (value.isascii() and value.isdigit()) or not 1 <= int(value) <= most:  # "²" is a digit to isdigit
+        raise ResourceFailure(f"{what} {value[:20]!r}: give a whole number, 1-{most}, e.g. {example}")
+    return int(value)
+
+
+def _index_page(app, page: int) -> str:
+    runs = [json.dumps({"run": r["run"], "uris": r["uris"]}, separators=(",", ":")) for r in evidence_run_list(app)]
     roots = [str(r) for r in app.roots.evidence]
-    if limit is None:
-        return json.dumps({"roots": roots, "runs": runs}, separators=(",", ":"))
-    shown: list[dict[str, Any]] = []
-    for r in runs:  # the newest runs that fit, the count of the rest and where they are listed
-        trial = json.dumps({"roots": roots, "runs": [*shown, r], "total": len(runs), "more": ALL_RUNS},
-                           separators=(",", ":"))
-        if len(trial) > limit:
-            break
-        shown.append(r)
-    data: dict[str, Any] = {"roots": roots, "runs": shown, "total": len(runs)}
-    if len(shown) < len(runs):
-        data["more"] = f"{len(runs) - len(shown)} older runs: {ALL_RUNS}"
+    room = RESULT_BUDGET - _HEAD_ROOM - len(json.dumps(roots))
+    split = pages(runs, room)
+    if page > len(split):
+        raise ResourceFailure(f"page {page}: the evidence index has {len(split)} page(s) now; read "
+                              f"{SCHEME}://evidence/runs for the first")
+    data: dict[str, Any] = {"roots": roots, "runs": [json.loads(r) for r in split[page - 1]], "total": len(runs),
+                            "page": page, "pages": len(split)}
+    if page < len(split):
+        data["next"] = RUNS_PAGE.format(page=page + 1)
     return json.dumps(data, separators=(",", ":"))
 
 
 @resource(f"{SCHEME}://evidence/runs", title="Evidence runs", mime_type="application/json")
 def evidence_runs(app) -> str:
     """The newest evidence runs (folders under an evidence root with summary.md or summary.json: sweep, eval and
-    comparison runs) that fit in a short answer, with the URIs that read their summaries; `more` names
-    evidence/runs/all when there are others."""
-    return _index(app, RESULT_BUDGET - 100)
+    comparison runs) that fit in a short answer, with the URIs that read their summaries; `next` names the page of
+    older ones (evidence/runs/page/2) when there are others."""
+    return _index_page(app, 1)
 
 
-@resource(ALL_RUNS, title="Every evidence run", mime_type="application/json", whole=True)
-def evidence_runs_all(app) -> str:
-    """Every evidence run, newest first, with the URIs that read its summaries (unbounded)."""
-    return _index(app, None)
+@resource(RUNS_PAGE, title="Evidence runs, one page", mime_type="application/json")
+def evidence_runs_page(app, page: str) -> str:
+    """Page `page` of the evidence runs, newest first, as many as fit in a short answer; `next` names the page
+    after it."""
+    return _index_page(app, _whole_number(page, "page", 100_000, RUNS_PAGE.format(page=2)))
 
 
 def _log(app, lines: int) -> str:
@@ -63,15 +70,22 @@ def _log(app, lines: int) -> str:
 @resource(f"{SCHEME}://server/log", title="vLLM server log tail", mime_type="text/plain")
 def server_log(app) -> str:
     """The last lines (as many as fit in a short answer) of the log of the vLLM server start_vllm_server started
-    (the last start's, after a failed start or a stop); server/log/{lines} reads more."""
+    (the last start's, after a failed start or a stop); server/log/{lines} pages through more."""
     cfg = app.config()
-    return fit_text(_log(app, LOG_LINES), whole=f"more with {MORE_LOG} (e.g. 1000), or the file {cfg.log_file}")
+    return fit_text(_log(app, LOG_LINES), whole=f"more with {MORE_LOG} (e.g. 1000: from the 1,000th line from "
+                                                f"the end on), or the file {cfg.log_file}")
 
 
-@resource(MORE_LOG, title="vLLM server log, more lines", mime_type="text/plain", whole=True)
+@resource(MORE_LOG, title="vLLM server log, from a line on", mime_type="text/plain")
 def server_log_lines(app, lines: str) -> str:
-    """The log's last `lines` lines (1-100000), as long as asked."""
-    if not lines.isdigit() or not 1 <= int(lines) <= 100_000:
-        raise ResourceFailure(f"lines {lines[:20]!r}: give a whole number of lines, 1-100000, e.g. {SCHEME}://"
-                              "server/log/1000")
-    return _log(app, int(lines))
+    """The log from its `lines`-th last line (1-100000) on, as many lines as fit in a short answer, after a line
+    naming the URI that reads on from where this one stops."""
+    want = _whole_number(lines, "lines", 100_000, f"{SCHEME}://server/log/1000")
+    room = RESULT_BUDGET - _HEAD_ROOM
+    rows = [r if len(r) <= room else f"{r[:room - 40]} [... {len(r):,} characters]"
+            for r in _log(app, want).rstrip("\n").split("\n")]
+    here = pages(rows, room)[0]
+    rest = len(rows) - len(here)
+    head = (f"[the log's last {len(rows):,} lines from the first: {len(here):,} here; the {rest:,} after them: "
+            f"{MORE_LOG.format(lines=rest)}]" if rest else f"[the log's last {len(rows):,} lines, to its end]")
+    return head + "\n" + "\n".join(here)

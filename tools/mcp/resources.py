@@ -60,20 +60,18 @@ class ResourceSpec:
     title: str
     description: str
     mime_type: str
-    fn: Callable[..., str]       # fn(app, **params) -> text
-    whole: bool = False          # read on request (every run, the log's lines asked for): not held to RESULT_BUDGET
+    fn: Callable[..., str]       # fn(app, **params) -> text, held to RESULT_BUDGET (the growing ones page)
 
 
 RESOURCES: dict[str, ResourceSpec] = {}
 
 
-def resource(uri: str, *, title: str, mime_type: str, whole: bool = False) -> Callable[[Callable[..., str]], Callable[..., str]]:
+def resource(uri: str, *, title: str, mime_type: str) -> Callable[[Callable[..., str]], Callable[..., str]]:
     """Declare a resource; the function's name is its name, its docstring its description."""
 
     def register(fn: Callable[..., str]) -> Callable[..., str]:
         RESOURCES[uri] = ResourceSpec(uri=uri, name=fn.__name__, title=title,
-                                      description=" ".join((fn.__doc__ or "").split()), mime_type=mime_type, fn=fn,
-                                      whole=whole)
+                                      description=" ".join((fn.__doc__ or "").split()), mime_type=mime_type, fn=fn)
         return fn
 
     return register
@@ -553,7 +551,7 @@ def resource_function(spec: ResourceSpec, app: Any) -> Callable[..., str]:
     async def fn(**kwargs: str) -> str:
         try:
             text = await anyio.to_thread.run_sync(lambda: spec.fn(app, **kwargs))
-            return text if spec.whole else fit_text(text, whole=f"the whole at {spec.uri}'s source")
+            return fit_text(text, whole=f"the whole at {spec.uri}'s source")
         except (ResourceFailure, PathNotAllowed) as exc:
             # Nothing readable at this URI (no such run, a link out of the roots): invalid params, -32602, as the
             # spec answers a resource not found (SEP-2164), not an internal error; worded as the tools' errors are.

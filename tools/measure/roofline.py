@@ -31,6 +31,8 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from repack.checkpoint import read_config
+from repack.members import text_of
 from repack.safetensors_io import read_header
 from tools.gpu.vram import memory_bandwidth
 
@@ -87,15 +89,9 @@ class Roofline(BaseModel):
 # Bytes per step
 
 
-def text_config(config: dict[str, Any]) -> dict[str, Any]:
-    """The text model's config: text_config of a multimodal config, else the config itself."""
-    tc = config.get("text_config")
-    return tc if isinstance(tc, dict) else config
-
-
 def kv_bytes_per_token_at(config: dict[str, Any], context_tokens: int) -> int:
     """K and V bytes of the whole cache at context_tokens, from the config's layer, head and sharing layout."""
-    tc = text_config(config)
+    tc = text_of(config)
     layers = int(tc["num_hidden_layers"])
     owners = layers - int(tc.get("num_kv_shared_layers") or 0)
     types = tc.get("layer_types") or ["full_attention"] * layers
@@ -124,7 +120,7 @@ def _shards(model_dir: Path) -> list[Path]:
 def decode_step_bytes(model_dir: str | Path, context_tokens: int) -> StepBytes:
     """The bytes a single-stream decode step of the build in model_dir must read at context_tokens."""
     folder = Path(model_dir)
-    config = json.loads((folder / "config.json").read_text())
+    config = read_config(folder)  # the project's one config reader: shapes of the wrong type refused by name
     parts = {"linears": 0, "output_layer": 0, "embed_rows": 0, "ple_rows": 0, "other": 0}
     embed_whole = 0
     has_head = False

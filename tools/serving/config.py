@@ -225,7 +225,10 @@ def parse_env_file(path: Path) -> dict[str, str]:
         name, sep, value = line.partition("=")
         name = name.strip()
         if not sep or not name.isidentifier():
-            raise ToolFailure(f"{path}:{lineno}: expected NAME=value, got {raw.strip()!r}")
+            # what the line holds is not repeated: the file may be anything (a password file named by mistake)
+            raise BadInput(f"{path}:{lineno}: not a NAME=value line, so not an env file (it holds NAME=value lines, "
+                           "# comments and blank lines); pass the project's tpu.env or fix that line",
+                           detail={"path": str(path), "line": lineno})
         value = value.strip()
         if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
             value = value[1:-1]
@@ -257,8 +260,14 @@ def _convert(name: str, key: str, raw: Any, source: str) -> Any:
         if key == "extra_args":
             return shlex.split(raw)
     except ValueError as exc:
-        raise ToolFailure(f"{source}: {name}={raw!r} is invalid ({exc}); fix it in tpu.env or the environment")
+        raise BadInput(f"{name}={raw!r}, {source}, is invalid ({exc}): fix it there", detail={"key": name}) from None
     return raw
+
+
+def _origin(source: str | None, path: Path) -> str:
+    """Where a value was set, for a message that sends the reader there."""
+    return {"environment": "set in the environment", "override": "given to this command"}.get(source or "",
+                                                                                            f"set in {path}")
 
 
 def load_config(env_file: str | Path | None = None, **overrides: Any) -> ServeConfig:
@@ -279,18 +288,19 @@ def load_config(env_file: str | Path | None = None, **overrides: Any) -> ServeCo
     sources: dict[str, str] = {}
     for key, name in ENV_NAMES.items():
         if name in os.environ:
-            values[key] = _convert(name, key, os.environ[name], "environment")
+            values[key] = _convert(name, key, os.environ[name], _origin("environment", path))
             sources[key] = "environment"
         elif name in file_values:
-            values[key] = _convert(name, key, file_values[name], str(path))
+            values[key] = _convert(name, key, file_values[name], _origin("file", path))
             sources[key] = "file"
     for key, value in overrides.items():
         if value is not None:
-            values[key] = _convert(ENV_NAMES.get(key, key), key, value, "override")
+            values[key] = _convert(ENV_NAMES.get(key, key), key, value, _origin("override", path))
             sources[key] = "override"
 
     if not values.get("model"):
-        raise ToolFailure(f"{path}: MODEL_NAME is empty; set it to a checkpoint folder or a Hugging Face id")
+        raise ToolFailure(f"MODEL_NAME is empty ({_origin(sources.get('model'), path)}); set it to a checkpoint folder "
+                          "or a Hugging Face id")
     model = str(values["model"])
     # A local folder is passed to vLLM as an absolute path: the server's cwd must not matter. A value from the
     # file is relative to the file's folder; one given on the command line, to the caller's cwd.
@@ -315,18 +325,21 @@ def load_config(env_file: str | Path | None = None, **overrides: Any) -> ServeCo
 
     values["instance"] = check_instance_name(values.get("instance"))
     cfg = ServeConfig(**values, env_file=path.resolve(), sources=sources)
+
+    def bad(key: str, must: str) -> BadInput:  # named where it was set: the file, the environment or the caller
+        return BadInput(f"{ENV_NAMES[key]}={getattr(cfg, key)}, {_origin(sources.get(key), path)}, {must}: fix it "
+                        "there", detail={"path": str(path), "key": ENV_NAMES[key], "source": sources.get(key)})
+
     if not 0 < cfg.port < 65536:
-        raise ToolFailure(f"{path}: PORT={cfg.port} is not a TCP port (1-65535)")
+        raise bad("port", "is not a TCP port (1-65535)")
     if not 0 < cfg.gpu_memory_utilization <= 1:
-        raise ToolFailure(f"{path}: GPU_MEMORY_UTILIZATION={cfg.gpu_memory_utilization} must be in (0, 1]")
+        raise bad("gpu_memory_utilization", "must be in (0, 1]")
     for key in ("max_model_len", "max_num_seqs", "cpu_kvcache_space_gib", "tensor_parallel_size",
                 "data_parallel_size"):
         if getattr(cfg, key) <= 0:
-            raise ToolFailure(f"{path}: {ENV_NAMES[key]}={getattr(cfg, key)} must be positive")
+            raise bad(key, "must be positive")
     if not 0 <= cfg.front_door_hold_s <= 3600:
-        raise BadInput(f"{path}: FRONT_DOOR_HOLD_S={cfg.front_door_hold_s} must be 0 to 3600 seconds",
-                       detail={"path": str(path), "key": "FRONT_DOOR_HOLD_S"})
+        raise bad("front_door_hold_s", "must be 0 to 3600 seconds")
     if not 0 < cfg.start_timeout_s < math.inf:
-        raise BadInput(f"{path}: START_TIMEOUT_S={cfg.start_timeout_s} must be a positive number of seconds",
-                       detail={"path": str(path), "key": "START_TIMEOUT_S"})
+        raise bad("start_timeout_s", "must be a positive number of seconds")
     return cfg

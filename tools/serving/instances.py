@@ -10,7 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from tools.core.errors import ToolFailure
+from tools.core.errors import ToolFailure, op
 from tools.serving import router, router_state, state, switch_record
 from tools.serving.config import INSTANCE_NAME, ServeConfig
 from tools.serving.placement import instance_configs, locked, plan, process_owners, resolve, running
@@ -89,7 +89,10 @@ def stop_all(cfg: ServeConfig, *, grace_s: float = 20) -> list[Any]:
                 failed.append(exc)
     if failed:
         stopped = sum(1 for r in results if r.was_running)
-        raise ToolFailure(f"stopped {stopped} of the recorded servers and routers; " + "; ".join(map(str, failed)),
+        more = (f"; and {len(failed) - 2} more, each named in detail.failed ({op('status')} shows each instance)"
+                if len(failed) > 2 else "")
+        raise ToolFailure(f"stopped {stopped} of the recorded servers and routers, {len(failed)} could not be: "
+                          + "; ".join(map(str, failed[:2])) + more,
                           {"stopped": [r.to_dict() for r in results], "failed": [e.detail for e in failed]})
     return results
 

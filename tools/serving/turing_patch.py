@@ -11,7 +11,9 @@ When the decision itself already fits Turing at head 512 (an upstream fix such a
 not needed and nothing is written. A file without a decision the clamp understands is refused, untouched.
 The original file is backed up next to it, with a record of its hash and of the patched file's: revert restores
 the backup only to exactly that patched file, and otherwise removes the marked block (an upgraded vLLM's code is
-never replaced by an older backup). Applying twice, checking and reverting are safe.
+never replaced by an older backup). Applying twice, checking and reverting are safe, at once too: apply and revert
+hold a lock beside the file (its name + LOCK_SUFFIX, removed on release) from their read to their last write, and
+the backup is the very bytes the patch was made from, so a second apply never backs up the first one's output.
 """
 
 from __future__ import annotations
@@ -22,12 +24,15 @@ import importlib.util
 import json
 import os
 import stat
+import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from tools.core.atomic_files import write_file
 from tools.core.errors import BadInput, ToolFailure
+from tools.serving.state import flocked
 from tools.serving.turing_decision import (ClampRefused, Decision, DecisionNotRun, decided_tiles_bounded,
                                            find_decision)
 
@@ -36,6 +41,8 @@ BEGIN_MARK = "# >>> gemma4-t4 turing clamp (patch_triton_turing.py) >>>"
 END_MARK = "# <<< gemma4-t4 turing clamp <<<"
 BACKUP_SUFFIX = ".gemma4-t4.orig"
 RECORD_SUFFIX = ".gemma4-t4.orig.json"
+LOCK_SUFFIX = ".gemma4-t4.lock"
+LOCK_WAIT_S = 120.0  # an apply takes well under a second; a holder this long is stuck
 MIN_TILE = 16
 # Turing's 65536 bytes per block, less headroom for what else the kernel keeps in shared memory.
 SHARED_BYTES = 60000
@@ -109,15 +116,45 @@ def _target(target: str | Path | None) -> Path:
     return path
 
 
-def _read(path: Path) -> str:
-    """The module's text; a file that is not UTF-8 (or cannot be read) is refused before anything is written."""
+def _read_bytes(path: Path) -> tuple[bytes, str]:
+    """The module's bytes and their text, from one read; a file that is not UTF-8 (or cannot be read) is refused
+    before anything is written."""
     try:
-        return path.read_text(encoding="utf-8")
+        data = path.read_bytes()
+        return data, data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise BadInput(f"{path} is not UTF-8 text (byte {exc.start}): not a Python module vLLM ships; "
                        "give the Triton unified attention file") from None
     except OSError as exc:
         raise BadInput(f"{path} cannot be read ({exc.strerror}): give a readable Python file") from None
+
+
+def _read(path: Path) -> str:
+    return _read_bytes(path)[1]
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """Holds the patch's lock beside `path` (waiting up to LOCK_WAIT_S for another apply or revert); the lock file
+    is removed on release, so the folder is left as it was found."""
+    lock = path.with_name(path.name + LOCK_SUFFIX)
+    deadline = time.monotonic() + LOCK_WAIT_S
+    try:
+        while (fh := flocked(lock)) is None:
+            if time.monotonic() > deadline:
+                raise ToolFailure(f"{lock} has been held by another patch_triton_turing.py for over "
+                                  f"{LOCK_WAIT_S:.0f} s; let it finish, or end it, then run this again")
+            time.sleep(0.05)
+    except OSError as exc:
+        if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise
+        fh = None  # a folder this user cannot write: what needs no write (not needed, not patched) still answers
+    try:
+        yield
+    finally:
+        if fh is not None:
+            lock.unlink(missing_ok=True)  # still held: a waiter that opened it opens the new one (flocked)
+            fh.close()
 
 
 def _backup(path: Path) -> Path:
@@ -211,12 +248,18 @@ def _sha256(data: str | bytes) -> str:
 
 def _drop(*paths: Path) -> None:
     for p in paths:
-        p.unlink(missing_ok=True)
+        if os.path.lexists(p):  # unlinking a missing file on a read-only file system says EROFS, not ENOENT
+            p.unlink(missing_ok=True)
 
 
 def apply(target: str | Path | None = None) -> PatchStatus:
     path = _target(target)
-    text = _read(path)
+    with _locked(path):
+        return _apply(path)
+
+
+def _apply(path: Path) -> PatchStatus:
+    original, text = _read_bytes(path)
     if _without_clamp(text) != text:
         status = check(path)
         if status.applied:
@@ -228,7 +271,8 @@ def apply(target: str | Path | None = None) -> PatchStatus:
         return _not_needed(path, d, tiles)
     backup, record = _backup(path), _record(path)
     mode = path.stat().st_mode & 0o7777
-    original, patched = path.read_bytes(), patched_text(text, d)
+    patched = patched_text(text, d)
+    # The backup is the bytes the patch is made from (read once, under the lock), never a second read.
     # Always this file's own backup: one kept from an earlier vLLM would bring that vLLM's code back on revert.
     # The record ties it to the patched file it becomes: revert trusts the backup only for exactly that file.
     _write(backup, original, mode)
@@ -257,6 +301,8 @@ def _untrusted(text: str, backup: Path, record: Path) -> str | None:
         return f"it cannot be read ({exc.strerror})"
     if _sha256(data) != recorded[0]:
         return "it is not the file that was backed up (its hash differs from the record's)"
+    if _without_clamp(data.decode("utf-8", errors="replace")) != data.decode("utf-8", errors="replace"):
+        return "it holds the clamp itself (not the original)"
     if _sha256(text) != recorded[1]:
         return "this file is not the one patched from it (changed or upgraded since)"
     return None
@@ -264,6 +310,11 @@ def _untrusted(text: str, backup: Path, record: Path) -> str | None:
 
 def revert(target: str | Path | None = None) -> PatchStatus:
     path = _target(target)
+    with _locked(path):
+        return _revert(path)
+
+
+def _revert(path: Path) -> PatchStatus:
     text = _read(path)
     backup, record = _backup(path), _record(path)
     mode = path.stat().st_mode & 0o7777

@@ -1,0 +1,100 @@
+"""A client that goes away (its end of the pipes closed) while a call runs: server.py ends quietly, exit 0, without
+the ExceptionGroup/BrokenPipeError traceback its stdio transport raised on writing the answer; and the call in
+flight still ends as a cancelled one does (a start stops the server it started and records nothing)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+from tests import stand_in_vllm
+from tests.fixtures import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _message(obj: dict) -> bytes:
+    return (json.dumps(obj) + "\n").encode()
+
+
+def test_a_client_that_goes_away_mid_call_leaves_no_traceback(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    server = subprocess.Popen([sys.executable, str(ROOT / "server.py"), "--state-dir", str(tmp_path / "run"),
+                               "--models-root", str(tmp_path / "models"), "--evidence-root", str(tmp_path / "ev")],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                              cwd=tmp_path)
+    try:
+        server.stdin.write(_message({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+            "protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "t", "version": "0"}}}))
+        server.stdin.flush()
+        assert json.loads(server.stdout.readline())["id"] == 1
+        server.stdin.write(_message({"jsonrpc": "2.0", "method": "notifications/initialized"}))
+        # calls whose answers come after the client is gone: every write of them meets a closed pipe
+        for i in range(2, 6):
+            server.stdin.write(_message({"jsonrpc": "2.0", "id": i, "method": "tools/call",
+                                         "params": {"name": "server_status", "arguments": {}}}))
+        server.stdin.flush()
+        server.stdout.close()  # the client goes away: first its reading end, then its writing end
+        time.sleep(0.5)
+        server.stdin.close()
+        rc = server.wait(60)
+        err = server.stderr.read().decode(errors="replace")
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+    assert "Traceback" not in err and "BrokenPipe" not in err and "ExceptionGroup" not in err, err
+    assert rc == 0, (rc, err)
+
+
+def test_a_client_that_goes_away_mid_start_cancels_the_start(tmp_path):
+    """start_vllm_server on a stand-in build that never answers (START_TIMEOUT_S 300): the client goes away 2 s in;
+    the server ends within a minute, quietly, the stand-in it started stopped and nothing recorded."""
+    build = stand_in_vllm.build(tmp_path / "never", mode="hang")
+    run = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), STATE_DIR=str(run), FRONT_DOOR="0", START_TIMEOUT_S="300",
+               HOST="127.0.0.1", SPECULATIVE_CONFIG="", EXTRA_ARGS="", CPU_KVCACHE_SPACE_GIB="1")
+    server = subprocess.Popen(stand_in_vllm.mcp_argv("--state-dir", str(run), "--models-root", str(tmp_path),
+                                                     "--evidence-root", str(tmp_path / "ev")),
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                              cwd=tmp_path)
+    try:
+        server.stdin.write(_message({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+            "protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "t", "version": "0"}}}))
+        server.stdin.flush()
+        assert json.loads(server.stdout.readline())["id"] == 1
+        server.stdin.write(_message({"jsonrpc": "2.0", "method": "notifications/initialized"}))
+        server.stdin.write(_message({"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {
+            "name": "start_vllm_server", "arguments": {"model": build, "port": free_port()},
+            "_meta": {"progressToken": "p"}}}))
+        server.stdin.flush()
+        deadline = time.monotonic() + 60
+        while not _stand_ins(build) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _stand_ins(build), "the stand-in never started"
+        time.sleep(2)
+        server.stdout.close()  # the client goes away
+        server.stdin.close()
+        rc = server.wait(60)
+        err = server.stderr.read().decode(errors="replace")
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+    assert rc == 0, (rc, err)
+    deadline = time.monotonic() + 10
+    while _stand_ins(build) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _stand_ins(build) and not list(run.rglob("vllm.json"))
+
+
+def _stand_ins(build: str) -> list[int]:
+    return [p.pid for p in psutil.process_iter(["cmdline", "status"])
+            if build in (p.info["cmdline"] or []) and p.info["status"] != psutil.STATUS_ZOMBIE]
