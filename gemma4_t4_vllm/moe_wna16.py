@@ -83,8 +83,7 @@ def _experts_class():
         def _supports_parallel_config(moe_parallel_config) -> bool:
             return True
 
-        def moe_problem_size(self, a1, w1, w2, topk_ids):
-            # w1's tiles [E, 2N/T, K/2, T]: its rows are the product of two dimensions
+        def moe_problem_size(self, a1, w1, w2, topk_ids):  # w1's tiles [E, 2N/T, K/2, T]: rows in two dims
             return w1.shape[0], a1.size(0), w1.shape[1] * w1.shape[3], a1.size(-1), topk_ids.size(1)
 
         def workspace_shapes(self, M, N, K, topk, global_num_experts, local_num_experts, expert_tokens_meta,
