@@ -84,7 +84,8 @@ def methods(old):
     return {
         "old fallback (dequantize + matmul, float32)":
             lambda x, w: old.gemm_wna16(x, w["cpuwna16"], w["scales"], None, None, 8, "vec"),
-        "int4_matmul (numba kernel)": lambda x, w: int4_matmul.linear(x, w["tiles"], w["scales"]),
+        "int4_matmul (the kernel up to MAX_GEMV_ROWS rows, else dequantize)":
+            lambda x, w: int4_matmul.linear(x, w["tiles"], w["scales"]),
         "ATen int4 float16": lambda x, w: torch.ops.aten._weight_int4pack_mm_for_cpu(x, w["aten"], GROUP,
                                                                                       w["aten_sz16"]),
         "ATen int4 bfloat16": lambda x, w: torch.ops.aten._weight_int4pack_mm_for_cpu(
