@@ -4,7 +4,7 @@ each build's size against the fit planner's (python -m repack plan --member M).
 
     flock /tmp/gemma4-vllm.lock .venv/bin/python bench/bench_real_shapes.py [--member e2b] [--rounds 2]
         [--prompts 3] [--max-tokens 24] [--builds bf16-emb,all-4bit] [--workdir /tmp/real-shapes-e2b]
-        [--out evidence]
+        [--int4-paths kernel,dequantize] [--tag TAG] [--out evidence]
 
 Writes a full-size synthetic source of the member (repack.synthetic.write_member_checkpoint, fill "tiled": the
 real shapes of repack/members.py and the grid, values repeated per tensor, since decode speed does not depend on
@@ -15,8 +15,11 @@ per start: the host memory of the engine's processes after load (tools.gpu.vram.
 tokens vLLM reported, the decode benchmark (tools.measure.decode.run) on the first `--prompts` shipped prompts,
 greedy, with its roofline figure (the CPU's measured copy bandwidth). Each build's bytes per table (read from
 its headers by the build's own table names, repack.plan) stand beside the planner's prediction and their ratio.
+On a CPU whose vLLM library has no cpu_gemm_wna16 (AVX2), `--int4-paths kernel,dequantize` serves each build
+once per path of the plugin's int4 layers (gemma4_t4_vllm/int4_matmul.py; "dequantize" sets its PATH_ENV, the
+dequantize-and-matmul reference), alternating, and the table says whether their greedy answers are identical.
 Writes evidence/real-shapes.json and -table.md for E2B, evidence/real-shapes-<member>.json and -table.md for
-another member, to fold into real-shapes.md.
+another member (with `--tag`, real-shapes[-<member>]-<tag>.*), to fold into real-shapes.md.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from gemma4_t4_vllm.int4_matmul import PATH_ENV  # noqa: E402
 from repack.build import BuildOptions, build_checkpoint  # noqa: E402
 from repack.checkpoint import open_checkpoint  # noqa: E402
 from repack.errors import RepackError  # noqa: E402
@@ -132,7 +136,12 @@ def prepare(m: Member, names: list[str], work: Path) -> dict[str, dict]:
     return out
 
 
-def serve_and_measure(name: str, model: Path, work: Path, args: argparse.Namespace, k: int) -> dict:
+def serve_and_measure(name: str, model: Path, work: Path, args: argparse.Namespace, k: int,
+                      int4_path: str = "kernel") -> dict:
+    if int4_path == "dequantize":  # the server inherits this process's environment
+        os.environ[PATH_ENV] = "dequantize"
+    else:
+        os.environ.pop(PATH_ENV, None)
     cfg = load_config(ROOT / "tpu.env", model=str(model), served_name=name, host="127.0.0.1", port=_port(),
                       state_dir=work / f"state-{k}", max_model_len=2048, max_num_seqs=1, cpu_kvcache_space_gib=1,
                       speculative_config="", extra_args="", start_timeout_s=1800.0)
@@ -149,7 +158,8 @@ def serve_and_measure(name: str, model: Path, work: Path, args: argparse.Namespa
             res, failure = None, e.message
     finally:
         stop_server(cfg)
-    out = {"build": name, "start": k, "startup_s": started.startup_s, "dtype": cfg.cpu_dtype,
+    out = {"build": name, "int4_path": int4_path, "start": k, "startup_s": started.startup_s,
+           "dtype": cfg.cpu_dtype,
            "kv_cache_tokens": started.start_fields.kv_cache_tokens,
            "kv_cache_space_gib": cfg.cpu_kvcache_space_gib, "answered": res is not None, "failure": failure,
            "linear_kernel": started.start_fields.linear_kernel,
@@ -184,23 +194,29 @@ def table(record: dict) -> str:
              f"{record['timings']['source_s'] or 0:.0f} s; "
              + ", ".join(f"{n} built in {record['builds'][n]['build_s'] or 0:.0f} s" for n in names) + ".", ""]
     lines += size_table(record) + [""]
-    lines += ["| start | build | vLLM ready (s) | KV tokens | RSS after load (MiB) | PSS (MiB) | decode tok/s "
-              "| median TPOT ms | GiB per step | share of roofline | load avg before / after |",
-              "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines += ["| start | build | int4 path | vLLM ready (s) | KV tokens | RSS after load (MiB) | PSS (MiB) "
+              "| decode tok/s | median TPOT ms | GiB per step | share of roofline | load avg before / after |",
+              "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         rf = r["roofline"] or {}
         hm = r["host_memory"]
-        lines.append(f"| {r['start']} | {r['build']} | {r['startup_s']:.0f} | {r['kv_cache_tokens'] or 0:,} "
+        lines.append(f"| {r['start']} | {r['build']} | {r.get('int4_path', 'kernel')} | {r['startup_s']:.0f} "
+                     f"| {r['kv_cache_tokens'] or 0:,} "
                      f"| {hm['rss_mib']:.0f} "
                      f"| {hm['pss_mib'] or 0:.0f} | {r['decode_tok_s'] or 0:.2f} | {r['median_tpot_ms'] or 0:.0f} "
                      f"| {rf.get('step_bytes', 0) / GIB:.3f} | {100 * rf.get('fraction', 0):.1f}% "
                      f"| {r['load_average_before'][0]:.1f} / {r['load_average_after'][0]:.1f} |")
-    med = {b: statistics.median(r["decode_tok_s"] or 0 for r in rows if r["build"] == b) for b in names}
+    kernel_rows = [r for r in rows if r.get("int4_path", "kernel") == "kernel"]
+    med = {b: statistics.median([r["decode_tok_s"] or 0 for r in kernel_rows if r["build"] == b] or [0])
+           for b in names}
     lines.append("")
     for b in names:
-        rates = [r["decode_tok_s"] or 0 for r in rows if r["build"] == b]
-        lines.append(f"- {b}: median decode {med[b]:.2f} tok/s over {len(rates)} start(s), "
-                     f"range {min(rates):.2f}-{max(rates):.2f}.")
+        for path in dict.fromkeys(r.get("int4_path", "kernel") for r in rows):
+            rates = [r["decode_tok_s"] or 0 for r in rows if r["build"] == b and r.get("int4_path", "kernel") == path]
+            if rates:
+                lines.append(f"- {b}, int4 path {path}: median decode {statistics.median(rates):.2f} tok/s over "
+                             f"{len(rates)} start(s), range {min(rates):.2f}-{max(rates):.2f}.")
+    lines += same_answers(rows)
     if set(names) == set(BUILDS) and med["bf16-emb"]:
         lines += ["", f"all-4bit / bf16-emb = **{med['all-4bit'] / med['bf16-emb']:.2f}x** (the article on the "
                       "T4: 109.7 / 81.6 = 1.34x)."]
@@ -216,6 +232,20 @@ def table(record: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def same_answers(rows: list[dict]) -> list[str]:
+    """Per build and prompt: whether every int4 path's starts gave the same greedy answer."""
+    texts: dict[tuple[str, str], set[str]] = {}
+    paths = {r.get("int4_path", "kernel") for r in rows}
+    if len(paths) < 2:
+        return []
+    for r in rows:
+        for a in r["answers"]:
+            texts.setdefault((r["build"], a["id"]), set()).add(a["text"])
+    same = sum(len(v) == 1 for v in texts.values())
+    return [f"- greedy answers identical across int4 paths ({', '.join(sorted(paths))}): {same} of {len(texts)} "
+            "build x prompt pairs."]
+
+
 def member_arg(value: str) -> Member:
     try:
         m = by_name(value)
@@ -228,6 +258,13 @@ def member_arg(value: str) -> Member:
     return m
 
 
+def paths_arg(value: str) -> list[str]:
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    if not names or set(names) - {"kernel", "dequantize"} or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"{value!r}: a comma list of distinct int4 paths from kernel, dequantize")
+    return names
+
+
 def builds_arg(value: str) -> list[str]:
     names = [v.strip() for v in value.split(",") if v.strip()]
     bad = [n for n in names if n not in BUILDS]
@@ -236,9 +273,10 @@ def builds_arg(value: str) -> list[str]:
     return names
 
 
-def out_stem(m: Member) -> str:
-    """E2B keeps the names its evidence has always had; another member's files carry its name."""
-    return "real-shapes" if m.name == "E2B" else f"real-shapes-{m.name.lower()}"
+def out_stem(m: Member, tag: str | None = None) -> str:
+    """E2B keeps the names its evidence has always had; another member's files carry its name; a tag follows."""
+    stem = "real-shapes" if m.name == "E2B" else f"real-shapes-{m.name.lower()}"
+    return f"{stem}-{tag}" if tag else stem
 
 
 def main() -> int:
@@ -255,6 +293,10 @@ def main() -> int:
     ap.add_argument("--workdir", type=Path, default=None, help="default /tmp/real-shapes-<member>")
     ap.add_argument("--out", type=Path, default=ROOT / "evidence")
     ap.add_argument("--keep", action="store_true", help="keep the builds for the next run")
+    ap.add_argument("--int4-paths", type=paths_arg, default=["kernel"],
+                    help="comma list of the plugin's int4 paths to serve each build with: kernel (default), "
+                         "dequantize (the reference; only on a CPU without cpu_gemm_wna16)")
+    ap.add_argument("--tag", default=None, help="suffix of the record's file names")
     args = ap.parse_args()
     # Interrupted or terminated (a background shell ignores SIGINT), the run still stops the server it started.
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -270,14 +312,17 @@ def main() -> int:
     runs = []
     for k in range(args.rounds):
         for name in args.builds:
-            runs.append(serve_and_measure(name, Path(builds[name]["path"]), args.workdir, args, len(runs) + 1))
-            print(json.dumps({x: runs[-1][x] for x in ("build", "startup_s", "decode_tok_s")}), flush=True)
+            for path in args.int4_paths:
+                runs.append(serve_and_measure(name, Path(builds[name]["path"]), args.workdir, args, len(runs) + 1,
+                                              path))
+                print(json.dumps({x: runs[-1][x] for x in ("build", "int4_path", "startup_s", "decode_tok_s")}),
+                      flush=True)
     record = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
               "command": " ".join(["python", *sys.argv]), "cpus": os.cpu_count(), "member": m.name,
               "member_source": m.source, "timings": timings, "builds": builds,
               "bandwidth": bw.model_dump(), "runs": runs, "wall_s": time.monotonic() - t0}
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = out_stem(m)
+    stem = out_stem(m, args.tag)
     (args.out / f"{stem}.json").write_text(json.dumps(record, indent=2) + "\n")
     (args.out / f"{stem}-table.md").write_text(table(record))
     print(table(record))

@@ -13,9 +13,9 @@ layers on vLLM's oneDNN int8 GEMM when the model is float16 and the CPU has no A
 nothing.
 
 Also on the CPU platform: where the kernel library vLLM loads for this CPU (the AVX2 one) has no W4A16 GEMM,
-int4 linear layers run as a torch dequantize-and-matmul (gemma4_t4_vllm/wna16.py); and where vLLM has no WNA16
-MoE kernel for a model's int4 experts (Gemma 4's gelu_tanh experts), they are dequantized at load and run in torch
-(gemma4_t4_vllm/moe_wna16.py).
+int4 linear layers run through the plugin's int4 matmul on weights converted once at load (gemma4_t4_vllm/wna16.py,
+int4_matmul.py); and where vLLM has no WNA16 MoE kernel for a model's int4 experts (Gemma 4's gelu_tanh experts),
+they run through the same matmul, kept int4 (gemma4_t4_vllm/moe_wna16.py).
 
 vLLM calls `register()` in every process it starts (API server, engine core, workers) through the
 `vllm.general_plugins` entry point declared in pyproject.toml, so the project must be pip-installed.

@@ -4,10 +4,10 @@ vLLM 0.32 offers two WNA16 MoE backends on the CPU platform (`oracle/int_wna16.p
 `ZEN_CPU` (needs AMD's zentorch) and `CPU` (`CPUExpertsInt4`: AMX CPUs, SiLU experts only). Gemma 4's experts use
 gelu_tanh, so a compressed-tensors int4 MoE build stops at load with "No WNA16 MoE backend supports the deployment
 configuration." On the CPU platform, and only where vLLM's own selection finds nothing, `install()` makes the
-compressed-tensors WNA16 MoE method take `TorchWNA16Experts`: vLLM's int4 emulation backend idea (dequantize the
-experts once at load, then run unquantized experts), with the experts run as torch matmuls and vLLM's own
-activation op instead of Triton. The experts then hold the model's dtype (4x the int4 bytes). Everywhere else
-(GPUs, a CPU where vLLM's own backend takes the layer) nothing changes.
+compressed-tensors WNA16 MoE method take `TorchWNA16Experts`: the experts are put once at load into
+`int4_matmul`'s tiles (a reshape of their packed bytes, so they stay int4: no dequantized copy) and each routed
+expert runs through `int4_matmul.linear` with vLLM's own activation op. Everywhere else (GPUs, a CPU where vLLM's
+own backend takes the layer) nothing changes.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from gemma4_t4_vllm.packing import signed_levels
 
 if TYPE_CHECKING:
     import torch
@@ -24,22 +23,16 @@ logger = logging.getLogger("vllm.gemma4_t4_vllm")
 
 METHOD_MODULE = ("vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe."
                  "compressed_tensors_moe_wna16")
-MARK = ("gemma4-t4: vLLM's CPU backend has no WNA16 MoE kernel for these experts (%s): int4 experts dequantized "
-        "at load and run as torch matmuls (TorchWNA16Experts)")
+MARK = ("gemma4-t4: vLLM's CPU backend has no WNA16 MoE kernel for these experts (%s): int4 experts kept int4 "
+        "and run through the plugin's int4 matmul (TorchWNA16Experts)")
 
 
-def dequantize_experts(packed: "torch.Tensor", scale: "torch.Tensor") -> "torch.Tensor":
+def experts_to_tiles(packed: "torch.Tensor", scale: "torch.Tensor") -> tuple["torch.Tensor", "torch.Tensor"]:
     """compressed-tensors' symmetric int4 experts [E, N, K/8] int32 (packed along K) with group scales [E, N, G]
-    -> [E, N, K] in the scale's dtype: level * scale in float32, rounded once."""
-    import torch
+    -> (tiles [E, N/T, K/2, T] uint8, scales [E, G, N]): each expert as `int4_matmul` takes a linear layer's."""
+    from gemma4_t4_vllm import int4_matmul  # numba: imported where the kernel runs, not by every vLLM process
 
-    e, n, _ = packed.shape
-    w = signed_levels(packed.reshape(e * n, -1), 4).reshape(e, n, -1).to(torch.float32)
-    groups = scale.shape[-1]
-    # each group's scale broadcast in place (a repeated [E, N, K] copy of the scales would be one more pass over
-    # every expert weight at load)
-    w.view(e, n, groups, -1).mul_(scale.to(torch.float32).unsqueeze(-1))
-    return w.to(scale.dtype)
+    return int4_matmul.to_tiles(packed), scale.transpose(-1, -2).contiguous()
 
 
 def _experts_class():
@@ -50,15 +43,16 @@ def _experts_class():
     import torch
 
     import vllm.model_executor.layers.fused_moe.modular_kernel as mk
+    from gemma4_t4_vllm import int4_matmul
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
     from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import TopKWeightAndReduceNoOP
     from vllm.model_executor.layers.quantization.utils.quant_utils import kInt4Static, kInt4Static32
     from vllm.platforms import current_platform
 
     class _TorchWNA16Experts(mk.FusedMoEExpertsModular):
-        """Standard-format modular experts over weights `dequantize_experts` left in the model's dtype:
-        w1 [E, 2N, K] (gate rows, then up rows), w2 [E, K, N]. Applies the router weights and sums the top-k
-        itself (like vLLM's CPU experts), so the finalize step reduces nothing."""
+        """Standard-format modular experts over the tiles `experts_to_tiles` made: w1 of [E, 2N, K] (gate rows,
+        then up rows), w2 of [E, K, N], their scales in the quant config. Applies the router weights and sums the
+        top-k itself (like vLLM's CPU experts), so the finalize step reduces nothing."""
 
         @property
         def expects_unquantized_inputs(self) -> bool:
@@ -89,6 +83,9 @@ def _experts_class():
         def _supports_parallel_config(moe_parallel_config) -> bool:
             return True
 
+        def moe_problem_size(self, a1, w1, w2, topk_ids):  # w1's tiles [E, 2N/T, K/2, T]: rows in two dims
+            return w1.shape[0], a1.size(0), w1.shape[1] * w1.shape[3], a1.size(-1), topk_ids.size(1)
+
         def workspace_shapes(self, M, N, K, topk, global_num_experts, local_num_experts, expert_tokens_meta,
                              activation):
             return (0,), (0,), (M, K)
@@ -102,16 +99,16 @@ def _experts_class():
             # With apply_router_weight_on_input (top-1) the prepare step already scaled the input.
             weights = (torch.ones_like(topk_weights) if apply_router_weight_on_input else topk_weights)
             ids = topk_ids.long() if expert_map is None else expert_map[topk_ids.long()].long()
+            s1, s2 = self.quant_config.w1_scale, self.quant_config.w2_scale
             acc = torch.zeros(output.shape, dtype=torch.float32, device=output.device)
             for e in ids.unique().tolist():
                 if e < 0:  # an expert of another rank
                     continue
                 token, slot = (ids == e).nonzero(as_tuple=True)
-                x = hidden_states[token]
-                gate_up = x @ w1[e].t()
+                gate_up = int4_matmul.linear(hidden_states[token], w1[e], s1[e])
                 act = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
                 self.activation(activation, act, gate_up)
-                y = act @ w2[e].t()
+                y = int4_matmul.linear(act, w2[e], s2[e])
                 acc.index_add_(0, token, y.float() * weights[token, slot].float().unsqueeze(1))
             output.copy_(acc.to(output.dtype))
 
@@ -170,10 +167,10 @@ def install() -> bool:
                 getattr(getattr(layer, "quant_method", None), "experts_cls", None)):
             return convert(backend, layer, quant_config, input_dtype, w13, w2, w13_scale, w2_scale, *args,
                            **kwargs)
-        # N-first in, as the method loads them: w13 [E, 2N, K/8] -> [E, 2N, K]; w2 [E, K, N/8] -> [E, K, N].
-        one = w13_scale.new_ones(1)  # the scales are baked in; the quant config keeps a placeholder
-        return (dequantize_experts(w13, w13_scale), dequantize_experts(w2, w2_scale), one, one,
-                None, None, None, None, None, None)
+        # N-first in, as the method loads them: w13 [E, 2N, K/8], w2 [E, K, N/8]; the packed int32 words are
+        # replaced by the tiles (the method swaps the layer's parameters), not kept beside them.
+        (w13_tiles, s13), (w2_tiles, s2) = experts_to_tiles(w13, w13_scale), experts_to_tiles(w2, w2_scale)
+        return w13_tiles, w2_tiles, s13, s2, None, None, None, None, None, None
 
     @functools.wraps(make)
     def make_wna16_moe_kernel(moe_quant_config, moe_config, experts_cls, backend=WNA16MoEBackend.MARLIN,

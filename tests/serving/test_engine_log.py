@@ -62,14 +62,14 @@ def test_cpu_start_fields():
     assert d["kv_cache_tokens"] == 1_290_555 and "CPUWNA16LinearKernel for CompressedTensorsWNA16" in d["kernels"]
 
 
-def test_an_avx2_cpu_names_the_plugins_torch_gemm_as_its_int4_linear_kernel():
-    """On a CPU whose vLLM library has no cpu_gemm_wna16 the plugin's torch GEMM runs, and the start says so."""
+def test_an_avx2_cpu_names_the_plugins_int4_matmul_as_its_int4_linear_kernel():
+    """On a CPU whose vLLM library has no cpu_gemm_wna16 the plugin's int4 matmul runs, and the start says so."""
     from gemma4_t4_vllm import wna16
 
     line = f"(Worker pid=6152) INFO 11-29 15:16:35 [wna16.py:87] {wna16.MARK}\n"
     assert wna16.MARK.startswith(engine_log.CPU_WNA16_MARK)
     f = parse_engine_log(CPU_LOG.replace("INFO:     Application", line + "INFO:     Application"))
-    assert f.linear_kernel == "CPUWNA16LinearKernel (torch dequantize-and-matmul, gemma4-t4 CPU plugin)"
+    assert f.linear_kernel == "CPUWNA16LinearKernel (int4 matmul, gemma4-t4 CPU plugin)"
     assert parse_engine_log(CPU_LOG).linear_kernel == "CPUWNA16LinearKernel"
 
 

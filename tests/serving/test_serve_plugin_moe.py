@@ -1,6 +1,7 @@
 """The vLLM plugin's WNA16 MoE fallback (gemma4_t4_vllm/moe_wna16.py) on the CPU: vLLM's own selection refuses
-Gemma 4's gelu_tanh int4 experts, the fallback takes them, and its kernel, built and called the way vLLM's
-compressed-tensors WNA16 MoE method builds and calls it, computes the routed experts of the dequantized weights."""
+Gemma 4's gelu_tanh int4 experts, the fallback takes them, keeps them int4 (no dequantized copy), and its kernel,
+built and called the way vLLM's compressed-tensors WNA16 MoE method builds and calls it, computes the routed
+experts of the weights the int4 levels and scales decode to."""
 
 from __future__ import annotations
 
@@ -112,13 +113,19 @@ def test_fallback_kernel_computes_the_routed_experts_of_the_dequantized_weights(
     layer = SimpleNamespace(quant_method=SimpleNamespace(experts_cls=experts_cls))
     converted = method_module.convert_to_wna16_moe_kernel_format(
         backend, layer, args["quant_config"], torch.bfloat16, w13_packed, w2_packed, w13_scale, w2_scale)
-    w13_deq, w2_deq = converted[0], converted[1]
-    assert w13_deq.dtype == dtype and w13_deq.shape == (E, 2 * INTER, HIDDEN)
-    torch.testing.assert_close(w13_deq.float(), w13.to(dtype).float(), rtol=0, atol=0)  # one rounding
-    torch.testing.assert_close(w2_deq.float(), w2.to(dtype).float(), rtol=0, atol=0)
+    w13_tiles, w2_tiles, s13, s2 = converted[:4]
+    # int4 held as int4: half a byte a weight and the build's scales, nothing dequantized
+    assert w13_tiles.dtype == torch.uint8 and w13_tiles.shape == (E, 2 * INTER // 64, HIDDEN // 2, 64)
+    assert w2_tiles.dtype == torch.uint8 and w2_tiles.numel() == E * HIDDEN * INTER // 2
+    assert s13.dtype == dtype and s13.shape == (E, HIDDEN // GROUP, 2 * INTER)
+    assert converted[4:] == (None,) * 6  # no zero points, global scales or biases
+    from gemma4_t4_vllm import int4_matmul
 
-    quant_config = make_wna16_moe_quant_config(w1_scale=converted[2], w2_scale=converted[3], group_size=GROUP,
-                                               num_bits=4)
+    for e in range(E):
+        assert torch.equal(int4_matmul.dequantize(w13_tiles[e], s13[e]), w13[e].t())
+        assert torch.equal(int4_matmul.dequantize(w2_tiles[e], s2[e]), w2[e].t())
+
+    quant_config = make_wna16_moe_quant_config(w1_scale=s13, w2_scale=s2, group_size=GROUP, num_bits=4)
     kernel = method_module.make_wna16_moe_kernel(quant_config, args["config"], experts_cls, backend)
 
     tokens = 9
@@ -130,19 +137,18 @@ def test_fallback_kernel_computes_the_routed_experts_of_the_dequantized_weights(
 
     def run(activation):
         # The call CompressedTensorsWNA16MoEMethod.apply makes.
-        return kernel.apply(x, w13_deq, w2_deq, topk_weights=topk_weights, topk_ids=topk_ids,
+        return kernel.apply(x, w13_tiles, w2_tiles, topk_weights=topk_weights, topk_ids=topk_ids,
                             activation=activation, global_num_experts=E, expert_map=None,
                             apply_router_weight_on_input=False, shared_experts=None, shared_experts_input=None)
 
     out = run(MoEActivation.GELU_TANH)
-    ref = _reference(x, topk_weights, topk_ids, w13_deq.float(), w2_deq.float(),
-                     lambda g: F.gelu(g, approximate="tanh"))
+    ref = _reference(x, topk_weights, topk_ids, w13, w2, lambda g: F.gelu(g, approximate="tanh"))
     assert out.shape == (tokens, HIDDEN) and out.dtype == dtype
     tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=5e-3, atol=5e-3)
     torch.testing.assert_close(out.float(), ref, **tol)
     # The check tells activations apart: SiLU experts, or exact (erf) GELU ones, give another result.
     assert not torch.allclose(run(MoEActivation.SILU).float(), ref, **tol)
-    assert not torch.allclose(_reference(x, topk_weights, topk_ids, w13_deq.float(), w2_deq.float(), F.gelu),
+    assert not torch.allclose(_reference(x, topk_weights, topk_ids, w13, w2, F.gelu),
                               ref, rtol=1e-4, atol=1e-4)
 
 

@@ -15,10 +15,10 @@ CPU_MEASURED = {
             "7.8 GB of host memory after load for the all-4-bit build, 17.3 GB for the bf16-embedding one; compare "
             "them with this machine's free memory before start_vllm_server"),
     "E4B": ("E4B's all-4-bit build (4.26 GiB) was loaded by vLLM's CPU backend on a 2-core AVX2 machine (a synthetic "
-            "source at E4B's shapes, evidence/real-shapes.md): 7.7 GB of host memory at rest, up to 18.3 GB while "
-            "it ran, ready in 179-191 s, and it answers at about one token a minute there (every int4 layer "
-            "dequantized per call by the project's torch fallback); its bf16-embedding build (8.58 GiB) did not "
-            "fit that machine's 24 GB. Expect the tiny stand-in, not E4B, to answer on a small CPU"),
+            "source at E4B's shapes, evidence/real-shapes.md): 8.9 GB of host memory after load, at most 9.3 GB "
+            "while it ran, ready in 179-197 s, and it decodes at 0.52 tok/s there on one shared core (the "
+            "project's int4 matmul); its bf16-embedding build (8.58 GiB) did not fit that machine's 24 GB. Expect "
+            "E4B to answer slowly on a small CPU, the tiny stand-in quickly"),
 }
 
 MEMBER_ARG = ("E2B", "The Gemma 4 member: E2B, E4B, 12B, 26B-A4B or 31B (plan_fit says which fit one T4)")

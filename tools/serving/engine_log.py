@@ -16,7 +16,7 @@ from tools.serving.model_files import embedding_method
 
 # The plugin's first-use line (gemma4_t4_vllm.FIRST_USE_MARK); repeated here so parsing imports nothing heavy.
 CPU_EMBEDDING_MARK = "gemma4-t4: int4 embedding lookup runs as a torch gather"
-# gemma4_t4_vllm.wna16.MARK's start: this CPU's vLLM kernel library has no W4A16 GEMM, the plugin's torch one runs.
+# gemma4_t4_vllm.wna16.MARK's start: this CPU's vLLM kernel library has no W4A16 GEMM, the plugin's int4 matmul runs.
 CPU_WNA16_MARK = "gemma4-t4: this CPU's vLLM kernel library has no cpu_gemm_wna16"
 
 _NUM = r"([0-9][0-9,]*(?:\.[0-9]+)?)"
@@ -176,7 +176,7 @@ def parse_engine_log(text: str) -> EngineStartFields:
             f.ready = True
     f.kernels = kernels
     if saw_wna16_torch and f.linear_kernel == "CPUWNA16LinearKernel":
-        f.linear_kernel = "CPUWNA16LinearKernel (torch dequantize-and-matmul, gemma4-t4 CPU plugin)"
+        f.linear_kernel = "CPUWNA16LinearKernel (int4 matmul, gemma4-t4 CPU plugin)"
     # Cold wins: a start that loaded one graph from cache but compiled another still paid for compiling.
     f.cold_start = True if saw_cold else (False if saw_warm else None)
     return f
