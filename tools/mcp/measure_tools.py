@@ -61,7 +61,9 @@ def run_sweep(app, p: SweepParams, progress, checked: _Sweep) -> Reply:
                f"{counts['infeasible']} infeasible cells"
                + (f"; best {best.median['output_throughput']:.2f} out tok/s at in={best.input_len} "
                   f"c={best.concurrency}" if best else "")
-               + "".join(f"; c=1 at in={L}: {100 * r.fraction:.0f}% of the memory-bandwidth roofline"
+               + "".join(f"; c=1 at in={L}: {r.share()} of the memory-bandwidth roofline"
+                         + ("" if r.applicable else f" (a step reads {r.step_bytes / 2**20:.2f} MiB, a stand-in's "
+                                                    "size)")
                          for L, r in res.roofline.items()))
     # Small by default: a cell's medians of the figures a comparison reads (the run folder holds every metric,
     # repeat and spread, its table, parameters and provenance); the table once, as data.
