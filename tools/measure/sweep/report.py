@@ -124,20 +124,21 @@ def plot_runs(runs: list[SweepResult], path: str | Path) -> Path:
     ttft_all: list[float] = []
     for i, res in enumerate(runs):
         for L in all_lens:
-            cells = sorted((c for c in res.cells if c.input_len == L and c.median.get("output_throughput")),
+            cells = sorted((c for c in res.cells if c.input_len == L and c.figure("output_throughput")),
                            key=lambda c: c.concurrency)
             if not cells:
                 continue
             name = f"{labels[i]}, in={L}" if len(runs) > 1 else f"in={L}"
             look = dict(color=f"C{i % 10}" if len(runs) > 1 else f"C{all_lens.index(L) % 10}",
                         linestyle=styles[all_lens.index(L) % 4], marker="o", label=name)
-            ax1.plot([c.concurrency for c in cells], [c.median["output_throughput"] for c in cells], **look)
+            ax1.plot([c.concurrency for c in cells], [c.figure("output_throughput") for c in cells], **look)
             ttft = [(c.concurrency, c.median["mean_ttft_ms"]) for c in cells if c.median.get("mean_ttft_ms")]
             ttft_all += [y for _, y in ttft]
             if ttft:
                 ax2.plot([x for x, _ in ttft], [y for _, y in ttft], **look)
     all_c = sorted({c.concurrency for r in runs for c in r.cells})
-    for ax, title, ylabel in ((ax1, "Output throughput", "output tok/s"), (ax2, "Time to first token (mean)", "ms")):
+    for ax, title, ylabel in ((ax1, "Output throughput (geometric mean of the repeats)", "output tok/s"),
+                              (ax2, "Time to first token (mean)", "ms")):
         ax.set_xscale("log", base=2)
         ax.set_xticks(all_c or [1])
         ax.set_xticklabels([str(c) for c in all_c] or ["1"])
