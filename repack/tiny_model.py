@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from .members import text_of
 from .tiny_marker import mark
 from .tiny_shapes import SHAPES
 
@@ -72,6 +73,22 @@ def text_config(shape: str = "e2b") -> dict[str, Any]:
     if shape not in SHAPES:
         raise ValueError(f"shape {shape!r}: choose one of {', '.join(SHAPES)}")
     return {**TEXT_CONFIG, **SHAPES[shape]}
+
+
+# What tells the stand-in shapes apart in a config.json (a source's or a build's): shape_of reads them.
+_SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "use_double_wide_mlp", "hidden_size_per_layer_input", "num_kv_shared_layers",
+               "num_experts")
+
+
+def shape_of(config: dict[str, Any]) -> str | None:
+    """The stand-in shape (SHAPES) a config.json was built as, or None for any other model."""
+    tc = text_of(config)
+    for shape in SHAPES:
+        want = text_config(shape)
+        if all((tc.get(k) or 0) == (want.get(k) or 0) for k in _SHAPE_KEYS):
+            return shape
+    return None
 
 
 VISION_CONFIG: dict[str, Any] = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,

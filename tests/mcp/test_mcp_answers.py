@@ -31,3 +31,60 @@ def test_run_sweep_gives_each_figure_in_the_statistic_its_table_gives(tmp_path):
     assert rows[4]["geometric_mean"]["output_throughput"] == round(geo, 3)
     assert "output_throughput" not in rows[4]["median"] and rows[4]["median"]["completed"] == 4
     assert "Intel Xeon (test)" in reply.summary  # where it was measured
+
+
+T4 = {"gpu_count": 1, "gpu_name": "Tesla T4", "vllm_version_server": "0.29.0",
+      "server_argv": ["vllm", "serve", "xbill9/gemma-4-E2B-it-qat-q4_0-w4a16-ct-text-emb4"]}
+
+
+def _stand_in_build(folder, shape: str) -> dict:
+    """A build folder's config.json of the tiny stand-in shaped as `shape`, and a CPU provenance pointing at it."""
+    import json
+
+    from repack.tiny_model import text_config
+
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"text_config": text_config(shape)}))
+    return {**CPU, "server": {"model_root": str(folder)}}
+
+
+def test_compare_sweeps_says_when_runs_differ_in_model_platform_or_vllm(tmp_path, roots):
+    """compare_sweeps set a CPU stand-in against the article's E2B on a T4 and printed "first cell
+    tiny-e4b-int4-emb vs emb4: 0.14x" with no word that models and machines differ, nor that E4B has no T4
+    measurement: the first line and every ratio say so now. Two builds of one stand-in on one CPU say nothing."""
+    import asyncio
+
+    from fastmcp import Client
+
+    from tools.mcp.app import Settings, create_server
+    from tools.measure.sweep.report import compare_runs
+
+    ev = roots.evidence[0]
+    e4b = _stand_in_build(roots.models[0] / "tiny-e4b-int4-emb", "e4b")
+    fake_sweep_run(ev / "emb4", "emb4", {(512, 1): [12.5], (512, 4): [50.3]}, provenance=T4,
+                   model="xbill9/gemma-4-E2B-it-qat-q4_0-w4a16-ct-text-emb4")
+    fake_sweep_run(ev / "bf16", "tiny-e4b-bf16-emb", {(512, 1): [1.6, 1.7], (512, 4): [6.0, 6.2]}, provenance=e4b)
+    fake_sweep_run(ev / "int4", "tiny-e4b-int4-emb", {(512, 1): [1.7, 1.8], (512, 4): [7.0, 7.1]}, provenance=e4b)
+
+    async def go(dirs):
+        async with Client(create_server(Settings(roots=roots))) as c:
+            return (await c.call_tool("compare_sweeps", {"run_dirs": [str(ev / d) for d in dirs]})).structured_content
+
+    out = asyncio.run(go(["emb4", "int4"]))
+    first = out["summary"].split(": ")[0]
+    assert first.startswith("ACROSS models (the tiny stand-in shaped as E4B vs E2B)"), out["summary"]
+    assert "platforms (CPU (Intel Xeon (test)) vs Tesla T4); vLLM versions (0.32.0 vs 0.29.0)" in first
+    assert "no T4 measurement of E4B exists" in out["summary"] and "evidence/article-t4" in out["summary"]
+    # the whole comparison (the MCP result shortens its long texts): every ratio's name says what differs
+    cmp = compare_runs([ev / "emb4", ev / "int4"])
+    key = "tiny-e4b-int4-emb vs emb4 (other models, platforms, vLLM versions)"
+    for cell in cmp.cells:
+        assert list(cell.ratios) == [key] and list(cell.intervals) == [key]
+    assert f"first cell {key}: " in cmp.summary() and cmp.summary().startswith(cmp.caveat)
+    assert cmp.markdown.startswith(f"**{cmp.caveat}.**") and key in cmp.markdown
+    assert cmp.across[key].startswith("models: the tiny stand-in shaped as E4B vs E2B")
+
+    same = asyncio.run(go(["bf16", "int4"]))
+    assert "ACROSS" not in same["summary"] and same["across"] == {}
+    assert list(same["cells"][0]["ratios"]) == ["tiny-e4b-int4-emb vs tiny-e4b-bf16-emb"]
+    assert same["summary"].startswith("no T4 measurement of E4B exists")  # still a CPU stand-in's figures

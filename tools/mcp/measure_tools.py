@@ -144,7 +144,8 @@ def compare_sweeps(app, p: CompareSweepsParams) -> Reply:
     places = sorted({w for _, w in where.values()})
     on = f"; measured on {places[0]}" if len(places) == 1 else "; measured on " + ", ".join(
         f"{label}: {w}" for label, (_, w) in where.items())
-    return Reply(cmp, (cap.summary() if cap else cmp.summary()) + on + f"; cost at {basis}",
+    first = (f"{cmp.caveat}; {cap.summary()}" if cmp.caveat else cap.summary()) if cap else cmp.summary()
+    return Reply(cmp, first + on + f"; cost at {basis}",
                  {"report_path": str(out) if out else None, "capacity": cap.summary() if cap else None,
                   "measured_on": {label: w for label, (_, w) in where.items()}, "cost_basis": basis})
 
