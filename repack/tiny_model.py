@@ -427,8 +427,8 @@ def default_cache_dir() -> Path | None:
 
 
 def cache_key(**build_args: Any) -> str:
-    """The content address of a tiny model: this module's source, the build arguments and the versions of the
-    libraries that train and write it. Any change to one of them trains a new model."""
+    """The content address of a tiny model: this module's source, the build arguments, the shape's text config
+    and the versions of the libraries that train and write it. Any change to one of them trains a new model."""
     import inspect
     from importlib.metadata import version
 
@@ -438,6 +438,8 @@ def cache_key(**build_args: Any) -> str:
     args = {k: v for k, v in bound.arguments.items() if k != "out_dir"}
     h = hashlib.sha256(Path(__file__).read_bytes())
     h.update(json.dumps(args, sort_keys=True).encode())
+    # the shape's text config itself (repack/tiny_shapes.py): a shape that changes trains a new model
+    h.update(json.dumps(text_config(args["shape"]), sort_keys=True).encode())
     for dist in ("torch", "transformers", "safetensors", "tokenizers"):
         h.update(f"{dist}=={version(dist)}".encode())
     return h.hexdigest()[:24]

@@ -88,3 +88,33 @@ def test_compare_sweeps_says_when_runs_differ_in_model_platform_or_vllm(tmp_path
     assert "ACROSS" not in same["summary"] and same["across"] == {}
     assert list(same["cells"][0]["ratios"]) == ["tiny-e4b-int4-emb vs tiny-e4b-bf16-emb"]
     assert same["summary"].startswith("no T4 measurement of E4B exists")  # still a CPU stand-in's figures
+
+
+def test_served_figures_name_the_cpu_or_the_gpu(roots, tmp_path, monkeypatch):
+    """query_model said "64 tokens in 4.13 s where the server runs" and compare_tokens named no platform: a served
+    build's figures name the CPU stand-in and its CPU, or the GPU by name; a server recorded without a platform is
+    placed on this machine (the servers this project starts run here)."""
+    import tools.gpu.vram as vram
+    from tests.fake_nvml import FakeNvml
+    from tools.mcp.app import App, Settings
+    from tools.measure.provenance import cpu_model
+
+    app = App(Settings(roots=roots, config_overrides={"state_dir": str(tmp_path / "run")}))
+    app._platform = "cpu"  # no server recorded: this machine's platform
+    assert app.served_on() == f"on the CPU stand-in (vLLM CPU backend, {cpu_model()})"
+    monkeypatch.setattr(vram, "_load_nvml", lambda: FakeNvml([{"name": b"Tesla T4", "total": 15 << 30,
+                                                               "used": 1 << 30, "util": 0, "compute": [],
+                                                               "graphics": []}]))
+    app._platform = "cuda"
+    assert app.served_on() == "on the GPU (Tesla T4)"
+
+
+def test_probe_build_preview_sizes_say_their_unit(tmp_path):
+    """probe_checkpoint's build_preview gave each table's size as a bare number: its keys name the unit."""
+    from repack.probe import probe_checkpoint
+    from repack.tiny_model import cached_tiny_qat_checkpoint
+
+    src = cached_tiny_qat_checkpoint(tmp_path / "src").path
+    builds = probe_checkpoint(src).build_preview["builds"]
+    for b in builds.values():
+        assert set(b) == {"tables_bytes", "total_bytes"} and b["total_bytes"] == sum(b["tables_bytes"].values())

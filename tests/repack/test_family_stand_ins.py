@@ -106,7 +106,7 @@ def test_moe_shaped_stand_in_builds_all_4_bit_and_keeps_the_sources_logits(stand
     rep = probe_checkpoint(src)
     experts = [t for t in rep.tensors if t.name.endswith(("experts.gate_up_proj", "experts.down_proj"))]
     assert experts and all(t.on_grid for t in experts) and rep.verdict == "qat"  # the experts' rows are sampled
-    assert rep.build_preview["builds"]["all-4-bit"]["tables"]["experts"] > 0
+    assert rep.build_preview["builds"]["all-4-bit"]["tables_bytes"]["experts"] > 0
     rc, err = repack_cli(capsys, "build", src, tmp_path / "emb4", "--text-only", "--embed-int4", "--embed-tokens")
     assert rc == 0, err
     report = json.loads((tmp_path / "emb4" / "repack-report.json").read_text())

@@ -188,14 +188,15 @@ def compare_tokens(app, p: TokenCompareParams, progress, checked: TokenComparePa
         path = Path(res.path or str(checked.reference))
         lines = [f"{i}. {len(g.token_ids)} tokens ({g.finish_reason}), prompt {_prompt_size(g.prompt_tokens)}: "
                  f"{_head(g.prompt)}" for i, g in enumerate(res.generations, 1)]
-        return Reply(res.model_dump(mode="json", exclude={"generations"}), res.summary(),
+        return Reply(res.model_dump(mode="json", exclude={"generations"}),
+                     f"{res.summary()}, served {app.served_on()}",
                      {"report": "\n".join(lines + [f"written to {path}"])})
     whole = _write_comparison(app, res, checked)
     rows = [_prompt_row(i, x) for i, x in enumerate(res.prompts, 1)]
     data = res.model_dump(mode="json", exclude={"prompts"}) | {"prompts": rows}
     report = "\n".join([_prompt_line(i, x) for i, x in enumerate(res.prompts, 1)]
                        + [f"{res.summary} ({res.reference} vs {res.candidate}); whole comparison: {whole}"])
-    return Reply(data, f"{res.summary} ({res.reference} vs {res.candidate})",
+    return Reply(data, f"{res.summary} ({res.reference} vs {res.candidate}, served {app.served_on()})",
                  {"report": report, "comparison_path": str(whole) if isinstance(whole, Path) else None})
 
 

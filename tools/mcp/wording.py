@@ -22,12 +22,18 @@ WITHOUT_TOOL: dict[str, str] = {
 
 
 def on_platform(platform: str | None) -> str:
-    """Where a figure of a served build was measured, for a summary line: a CPU figure read as a T4's misleads."""
+    """Where a figure of a served build was measured, for a summary line, naming the CPU or the GPU: a CPU figure
+    read as a T4's misleads. The servers this project starts run on this machine."""
     if platform == "cpu":
-        return "on the CPU stand-in (vLLM CPU backend)"
+        from tools.measure.provenance import cpu_model
+
+        return f"on the CPU stand-in (vLLM CPU backend, {cpu_model() or 'CPU model unknown'})"
     if platform == "cuda":
-        return "on the GPU"
-    return "where the server runs"
+        from tools.gpu.vram import vram_status
+
+        names = sorted({g.name for g in vram_status().gpus})
+        return f"on the GPU ({', '.join(names) or 'name unknown'})"
+    return "where the server runs (its platform unrecorded)"
 
 
 def argument(name: str, *value: Any) -> str:
