@@ -118,3 +118,54 @@ def test_probe_build_preview_sizes_say_their_unit(tmp_path):
     builds = probe_checkpoint(src).build_preview["builds"]
     for b in builds.values():
         assert set(b) == {"tables_bytes", "total_bytes"} and b["total_bytes"] == sum(b["tables_bytes"].values())
+
+
+def test_the_switchs_host_memory_figures_say_what_they_count(tmp_path, monkeypatch):
+    """The switch announced "about 2.0 of 12.2 GiB host memory available" on a 23.5 GiB host, unexplained: the
+    need is given by part and the available figure as MemAvailable (the running builds' share taken) of the total."""
+    from types import SimpleNamespace
+
+    import psutil
+
+    import tools.serving.frontdoor as frontdoor
+    from tools.serving.config import load_config
+
+    model = tmp_path / "tiny-e4b-emb4"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"\0" * (1 << 20))
+    cfg = load_config(model=str(model), state_dir=str(tmp_path / "run"), cpu_kvcache_space_gib=1)
+    monkeypatch.setattr(frontdoor.placement, "plan", lambda b, hw: b)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=int(12.2 * 2**30),
+                                                                          total=int(23.5 * 2**30)))
+    fit, _ = frontdoor.fits_beside(cfg, SimpleNamespace(platform=lambda: "cpu"))
+    assert fit.beside and "about 2.0 GiB needed (weights 0.0, KV cache 1.0, engine 1.0)" in fit.why, fit.why
+    assert "of 12.2 GiB host memory available now (MemAvailable" in fit.why and "of 23.5 GiB total" in fit.why
+
+
+def test_the_served_names_default_is_given_as_what_it_is(roots, tmp_path, monkeypatch):
+    """start_vllm_server's served_name said "(default: SERVED_MODEL_NAME)", which the config resource gave as the
+    E2B build's name while a start served another build under its folder name: an empty SERVED_MODEL_NAME reads
+    as empty, with what a start serves under instead."""
+    import asyncio
+    import json
+
+    from fastmcp import Client
+
+    from tools.mcp.app import Settings, create_server
+
+    monkeypatch.delenv("SERVED_MODEL_NAME", raising=False)
+    env = tmp_path / "tpu.env"
+    env.write_text(f"MODEL_NAME={roots.models[0] / 'gemma-4-E2B-emb4'}\nSERVED_MODEL_NAME=\n")
+
+    async def go():
+        async with Client(create_server(Settings(roots=roots, env_file=env), toolsets="all")) as c:
+            tools = {t.name: t for t in await c.list_tools()}
+            return tools, json.loads((await c.read_resource("gemma4-t4://config"))[0].text)
+
+    tools, config = asyncio.run(go())
+    row = next(r for r in config["variables"] if r["name"] == "SERVED_MODEL_NAME")
+    assert row["value"] == "" and row["default_value"] == "gemma-4-E2B-emb4"
+    assert "folder name" in row["default"]
+    for name in ("start_vllm_server", "switch_build"):
+        text = tools[name].input_schema["properties"]["served_name"]["description"]
+        assert "where empty the model's folder name" in text, text
