@@ -84,6 +84,10 @@ def test_compare_sweeps_says_when_runs_differ_in_model_platform_or_vllm(tmp_path
     assert cmp.markdown.startswith(f"**{cmp.caveat}.**") and key in cmp.markdown
     assert cmp.across[key].startswith("models: the tiny stand-in shaped as E4B vs E2B")
 
+    # the run's own table prices it as what it is: the T4's price on this CPU's throughput, E4B never on a T4
+    table = (ev / "int4" / "summary.md").read_text()
+    assert "not a T4 cost; no T4 measurement of E4B exists" in table and "used instead, the tiny stand-in" in table
+
     same = asyncio.run(go(["bf16", "int4"]))
     assert "ACROSS" not in same["summary"] and same["across"] == {}
     assert list(same["cells"][0]["ratios"]) == ["tiny-e4b-int4-emb vs tiny-e4b-bf16-emb"]

@@ -15,7 +15,7 @@ from typing import Any
 from repack.members import MEMBERS, identify_or_none
 from repack.tiny_model import shape_of
 from repack.tiny_shapes import MEMBER_OF
-from tools.measure.provenance import measured_on
+from tools.measure.provenance import cost_basis, measured_on
 
 # The members measured on a T4 (the only T4 figures this project holds or can reach).
 T4_EVIDENCE: dict[str, str] = {"E2B": "the article's, vLLM 0.29.0, evidence/article-t4"}
@@ -91,3 +91,11 @@ def no_t4_measurement(b: Basis) -> str | None:
         return None
     return (f"no T4 measurement of {b.member} exists (the T4 figures are {', '.join(T4_EVIDENCE)}'s only, "
             f"{', '.join(T4_EVIDENCE.values())}): used instead, {b.model} on {b.machine}")
+
+
+def priced_on(prov: dict[str, Any] | None, model_name: str | None, price_per_hour: float, price_given: bool) -> str:
+    """How a run's cost figures were priced (provenance.cost_basis), and where its member has no T4 measurement,
+    that the figures priced are what stands in for one."""
+    b = basis(prov, model_name)
+    note = no_t4_measurement(b)
+    return cost_basis(b.platform, price_per_hour, price_given) + (f"; {note}" if note else "")

@@ -17,7 +17,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from tools.core.errors import BadInput, ToolFailure, op, param
-from tools.measure.basis import Basis, basis, differences, no_t4_measurement
+from tools.measure.basis import Basis, basis, differences, no_t4_measurement, priced_on
 from tools.measure.evidence import write_text, write_texts
 from tools.measure.sweep.params import DEFAULT_PRICE_PER_HOUR, METRICS, SweepResult
 from tools.measure.uncertainty import METHOD, Estimate, Ratio, ratio
@@ -49,13 +49,14 @@ def markdown_run(res: SweepResult, *, price_per_hour: float = DEFAULT_PRICE_PER_
     geometric mean of the repeats with its interval (tools/measure/uncertainty.py), the other columns medians."""
     prov = res.provenance or {}
     hw = prov.get("gpu_name") or (f"CPU: {prov.get('cpu_model')}" if prov.get("cpu_model") else "unknown")
+    priced = priced_on(prov, res.model, price_per_hour, price_per_hour != DEFAULT_PRICE_PER_HOUR)
     lines = [f"# Sweep {res.run_id}: {res.label}", "",
              f"Model `{res.model}`, {hw}, vLLM {prov.get('vllm_version_server') or prov.get('vllm_version_client')}, "
              f"max_model_len {res.max_model_len}. Output {res.params.get('output_len')} tokens, greedy, "
              f"`vllm bench serve` random dataset, {res.params.get('repeats')} repeats per cell. Out tok/s, TTFT p99 "
              f"and TPOT mean: geometric mean of the repeats, its 95% confidence interval in parentheses (Student t "
              f"on the log repeats; none with fewer than two); other columns: medians; spread = (max-min)/median of "
-             f"out tok/s. Cost at ${price_per_hour}/h.", ""]
+             f"out tok/s. Cost at {priced}.", ""]
     by_len: dict[int, list] = {}
     for c in res.cells:
         by_len.setdefault(c.input_len, []).append(c)
