@@ -239,11 +239,9 @@ class SweepComparison(BaseModel):
     cost_cell: tuple[int, int | float] | None = Field(None, description="(input_len, concurrency) of the cost "
                                                                          "table")
     cost: list[CostRow] = Field(default_factory=list)
-    across: dict[str, str] = Field(default_factory=dict, description="'<last> vs <other>' of runs that differ in "
-                                                                     "model, platform or vLLM version: how")
-    caveat: str | None = Field(None, description="What the ratios compare besides builds (other models, machines "
-                                                 "or vLLM versions) and members with no T4 measurement; the "
-                                                 "summary's and the markdown's first words")
+    across: dict[str, str] = Field(default_factory=dict, description="Ratios across models, platforms or vLLM "
+                                                                     "versions: what differs")
+    caveat: str | None = Field(None, description="What the ratios compare besides builds; members never on a T4")
     markdown: str = ""
 
     def to_dict(self) -> dict[str, Any]:
