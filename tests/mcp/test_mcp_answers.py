@@ -173,3 +173,30 @@ def test_the_served_names_default_is_given_as_what_it_is(roots, tmp_path, monkey
     for name in ("start_vllm_server", "switch_build"):
         text = tools[name].input_schema["properties"]["served_name"]["description"]
         assert "where empty the model's folder name" in text, text
+
+
+def test_output_schemas_type_every_field_and_name_the_free_form_ones():
+    """An output schema listed property names with no type (the Inspector's "Schema carries no validation keyword
+    at all", 139 times): each field now carries its JSON type (a nullable one as anyOf with null, two result types
+    that type a field differently as either), and a field typed as any value is left undeclared and named."""
+    from typing import Any
+
+    from pydantic import BaseModel, Field
+
+    from tools.mcp.registry import lean_schema
+
+    class A(BaseModel):
+        n: int = Field(description="a count")
+        ratio: float | None = None
+        rows: list[dict[str, Any]] = []
+        anything: Any = None
+
+    class B(BaseModel):
+        n: str
+
+    schema = lean_schema(A | B, {"extra": (dict[str, int], "added")})
+    props = schema["properties"]
+    assert props["n"] == {"anyOf": [{"type": "integer"}, {"type": "string"}], "description": "a count"}
+    assert props["ratio"] == {"anyOf": [{"type": "number"}, {"type": "null"}]}
+    assert props["rows"] == {"type": "array"} and props["extra"] == {"type": "object", "description": "added"}
+    assert "anything" not in props and schema["description"] == "Free-form (any JSON value, not declared): anything"
