@@ -17,6 +17,14 @@ else
     # `import transformers`; vLLM's text path needs none of them.
     .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 fi
+# The MCP Inspector (pinned in tests/inspector/package.json) checks server.py's tools, resources and prompts in the
+# test suite; it needs Node, which serving does not: where npm is missing, only that test cannot run.
+if command -v npm >/dev/null 2>&1; then
+    echo "setup.sh: installing the MCP Inspector into tests/inspector (npm)"
+    npm install --prefix tests/inspector --silent --no-audit --no-fund --ignore-scripts --no-package-lock
+else
+    echo "setup.sh: no npm on this machine: the MCP Inspector is not installed (tests/mcp/test_inspector.py needs it; serving does not)"
+fi
 # The repack grid kernel (numba) compiles on first use and caches its machine code in repack/__pycache__:
 # compile it here, as part of installing, so the first build or test run does not pay for it.
 echo "setup.sh: compiling the repack grid kernel (numba, once per install)"

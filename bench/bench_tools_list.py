@@ -20,7 +20,7 @@ sys.path.insert(0, str(ROOT))
 
 from tools.mcp.registry import DEFAULT_TOOLSETS, TOOLSETS  # noqa: E402
 
-LIMIT = 16_000  # the default set's budget
+LIMIT = 20_000  # the default set's budget
 
 
 def tools_list(toolsets: str) -> tuple[int, int, int]:
@@ -71,7 +71,10 @@ def main() -> int:
     lines += [f"| {label} | {n} | {chars:,} | {out:,} |" for label, n, chars, out in rows]
     lines += ["", f"Default set: {default[2]:,} characters, budget {LIMIT:,} "
                   f"({'within' if default[2] <= LIMIT else 'OVER'}). It is the walk from a source to a measured "
-                  "build (preflight, the CPU stand-in, probe, repack, start, compare tokens, memory, sweep). Before "
+                  "build (preflight, the CPU stand-in, probe, repack, start, compare tokens, memory, sweep). Output "
+                  "schemas type every field (JSON type to the first level, `anyOf` with null where a field may be "
+                  "empty: the MCP Inspector's strict lint finds no untyped schema); before they did, the default "
+                  "set took 15,848 characters (13 tools, 3,837 in output schemas) and the budget was 16,000. Before "
                   "argument descriptions stopped repeating prose (the config key a default comes from, once; no "
                   "command lines) and probe_checkpoint's result lost its full listing, the default set took 15,786 "
                   "characters (12 tools). Before "

@@ -31,7 +31,8 @@ def build_tables(ck: Checkpoint, **options: Any) -> dict[str, int]:
 
 
 def preview(ck: Checkpoint) -> dict[str, Any]:
-    """The member and each build's tables in bytes; a layout the build refuses says so in one line."""
+    """The member and each build's tables in bytes (`tables_bytes`, `total_bytes`: the unit in the name); a
+    layout the build refuses says so in one line."""
     if ck.drafter:
         kind = f"{ck.config.get('model_type') or 'gemma4_assistant'} drafter"
         try:
@@ -52,7 +53,7 @@ def preview(ck: Checkpoint) -> dict[str, Any]:
         members.refuse_unpackable(ck.tensors, str(ck.path))
         for build, opts in PREVIEWED.items():
             tables = build_tables(ck, **opts)
-            out["builds"][build] = {"tables": tables, "total": sum(tables.values())}
+            out["builds"][build] = {"tables_bytes": tables, "total_bytes": sum(tables.values())}
     except RepackError as e:
         out["refused"] = e.message
     return out
@@ -63,6 +64,6 @@ def format_preview(p: dict[str, Any]) -> list[str]:
     if p.get("refused"):
         lines.append(f"build refused: {p['refused']}")
     for build, b in p["builds"].items():
-        parts = ", ".join(f"{k} {v / members.GIB:.3f}" for k, v in b["tables"].items())
-        lines.append(f"{build} build: {b['total'] / members.GIB:.3f} GiB ({parts} GiB)")
+        parts = ", ".join(f"{k} {v / members.GIB:.3f}" for k, v in b["tables_bytes"].items())
+        lines.append(f"{build} build: {b['total_bytes'] / members.GIB:.3f} GiB ({parts} GiB)")
     return lines

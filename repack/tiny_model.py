@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from .members import text_of
 from .tiny_marker import mark
 from .tiny_shapes import SHAPES
 
@@ -72,6 +73,22 @@ def text_config(shape: str = "e2b") -> dict[str, Any]:
     if shape not in SHAPES:
         raise ValueError(f"shape {shape!r}: choose one of {', '.join(SHAPES)}")
     return {**TEXT_CONFIG, **SHAPES[shape]}
+
+
+# What tells the stand-in shapes apart in a config.json (a source's or a build's): shape_of reads them.
+_SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "use_double_wide_mlp", "hidden_size_per_layer_input", "num_kv_shared_layers",
+               "num_experts")
+
+
+def shape_of(config: dict[str, Any]) -> str | None:
+    """The stand-in shape (SHAPES) a config.json was built as, or None for any other model."""
+    tc = text_of(config)
+    for shape in SHAPES:
+        want = text_config(shape)
+        if all((tc.get(k) or 0) == (want.get(k) or 0) for k in _SHAPE_KEYS):
+            return shape
+    return None
 
 
 VISION_CONFIG: dict[str, Any] = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -410,8 +427,8 @@ def default_cache_dir() -> Path | None:
 
 
 def cache_key(**build_args: Any) -> str:
-    """The content address of a tiny model: this module's source, the build arguments and the versions of the
-    libraries that train and write it. Any change to one of them trains a new model."""
+    """The content address of a tiny model: this module's source, the build arguments, the shape's text config
+    and the versions of the libraries that train and write it. Any change to one of them trains a new model."""
     import inspect
     from importlib.metadata import version
 
@@ -421,6 +438,8 @@ def cache_key(**build_args: Any) -> str:
     args = {k: v for k, v in bound.arguments.items() if k != "out_dir"}
     h = hashlib.sha256(Path(__file__).read_bytes())
     h.update(json.dumps(args, sort_keys=True).encode())
+    # the shape's text config itself (repack/tiny_shapes.py): a shape that changes trains a new model
+    h.update(json.dumps(text_config(args["shape"]), sort_keys=True).encode())
     for dist in ("torch", "transformers", "safetensors", "tokenizers"):
         h.update(f"{dist}=={version(dist)}".encode())
     return h.hexdigest()[:24]

@@ -105,6 +105,29 @@ def fake_eval_run(folder: Path, label: str, per_doc: dict[int, float], *, hashes
     return folder
 
 
+def fake_sweep_run(folder: Path, label: str, cells: dict[tuple[int, int], list[float]], *, model: str = "m",
+                   provenance: dict | None = None):
+    """A finished sweep run folder as run_sweep writes it (summary.json, summary.md): per (input_len, concurrency)
+    its repeats' output tok/s. Returns the SweepResult."""
+    from tools.measure.sweep.params import CellResult, RepeatResult, SweepResult, aggregate
+    from tools.measure.sweep.report import write_run
+
+    built = []
+    for (length, c), tok_s in cells.items():
+        reps = [RepeatResult(repeat=i, seed=i, status="ok", num_prompts=4,
+                             metrics={"output_throughput": t, "p99_ttft_ms": 1000.0 / t, "completed": 4})
+                for i, t in enumerate(tok_s)]
+        median, spread = aggregate(reps)
+        built.append(CellResult(input_len=length, output_len=16, concurrency=c, num_prompts=4, status="ok",
+                                repeats=reps, median=median, spread_pct=spread))
+    res = SweepResult(run_id=folder.name, run_dir=str(folder), label=label, params={"output_len": 16, "repeats": 3},
+                      model=model, started="2026-12-01T00:00:00+00:00", finished="2026-12-01T00:01:00+00:00",
+                      cells=built, provenance=provenance or {})
+    folder.mkdir(parents=True, exist_ok=True)
+    write_run(res, folder, plot=False)
+    return res
+
+
 def require_plugin() -> None:
     from importlib.metadata import entry_points
 

@@ -78,3 +78,14 @@ def test_the_key_follows_the_module_source_and_library_versions(monkeypatch, tmp
     edited.write_bytes(tiny_model.Path(tiny_model.__file__).read_bytes() + b"\n# changed\n")
     monkeypatch.setattr(tiny_model, "__file__", str(edited))
     assert tiny_model.cache_key() != key
+
+
+def test_the_key_follows_the_shapes_config(monkeypatch):
+    """A stand-in's shape lives in repack/tiny_shapes.py, outside the hashed source: widening the E4B-shaped one
+    must not hand out the narrower model cached before."""
+    import repack.tiny_shapes as shapes
+
+    key = tiny_model.cache_key(shape="e4b")
+    assert key != tiny_model.cache_key(shape="e2b")
+    monkeypatch.setitem(shapes.SHAPES, "e4b", {**shapes.SHAPES["e4b"], "hidden_size": 128})
+    assert tiny_model.cache_key(shape="e4b") != key

@@ -38,6 +38,9 @@ def test_plan_fit_answers_fit_unclipped_for_every_member(mcp):
         assert f"python -m repack plan --member {member} --json" in data["whole"]
         assert [b["build"] for b in data["builds"]] == ["bf16", "qat-w4a16-ct", "repack-bf16-emb", "all-4-bit"]
         assert "the planner's figures (on paper, planned for a T4; not measured)" in data["summary"]
+        # the error bars are E2B's, measured; every other member's are unknown, and the answer says which
+        said = "error validated against the article" if member == "E2B" else f"error unknown (no {member} measurement)"
+        assert said in data["summary"] and data["error"]["validated"] == (member == "E2B"), data["summary"]
 
 
 def test_a_text_shape_of_the_wrong_type_is_one_line_through_mcp(mcp, roots):

@@ -256,3 +256,19 @@ def test_a_sweeps_single_stream_cells_carry_their_share_of_the_roofline(tmp_path
     assert figs == {} and "not a local folder" in note
     res.roofline, res.roofline_note = figs, note
     assert "Roofline: none (the served model" in markdown_run(res)
+
+
+def test_a_stand_ins_share_of_the_roofline_is_not_applicable_not_0_percent():
+    """A tiny stand-in reads about 1 MiB a step: caches and fixed costs set its rate, so its share of the
+    memory-bandwidth roofline is n/a (said why), where a real build's (2.6 GiB a step) is a percentage."""
+    from tools.measure.roofline import MIN_STEP_BYTES, StepBytes, roofline
+
+    bw = Bandwidth(bytes_per_s=12e9, device="cpu", method="given")
+    tiny = roofline(12.2, StepBytes(linears=1 << 20, output_layer=0, embed_rows=0, ple_rows=0, other=0, kv_cache=0,
+                                    context_tokens=576, output_tied=True), bw)
+    assert not tiny.applicable and tiny.share() == "n/a"
+    assert tiny.line().startswith("n/a: a step reads 1.00 MiB") and "%" not in tiny.line()
+    real = roofline(12.2, StepBytes(linears=MIN_STEP_BYTES * 40, output_layer=0, embed_rows=0, ple_rows=0, other=0,
+                                    kv_cache=0, context_tokens=576, output_tied=True), bw)
+    assert real.applicable and real.line().startswith(f"{real.share()} of the memory-bandwidth roofline")
+    assert type(tiny).model_validate(tiny.model_dump()).applicable is False  # read back from a summary.json

@@ -106,7 +106,7 @@ def test_moe_shaped_stand_in_builds_all_4_bit_and_keeps_the_sources_logits(stand
     rep = probe_checkpoint(src)
     experts = [t for t in rep.tensors if t.name.endswith(("experts.gate_up_proj", "experts.down_proj"))]
     assert experts and all(t.on_grid for t in experts) and rep.verdict == "qat"  # the experts' rows are sampled
-    assert rep.build_preview["builds"]["all-4-bit"]["tables"]["experts"] > 0
+    assert rep.build_preview["builds"]["all-4-bit"]["tables_bytes"]["experts"] > 0
     rc, err = repack_cli(capsys, "build", src, tmp_path / "emb4", "--text-only", "--embed-int4", "--embed-tokens")
     assert rc == 0, err
     report = json.loads((tmp_path / "emb4" / "repack-report.json").read_text())
@@ -141,3 +141,28 @@ def test_the_command_line_takes_the_shape_from_the_mcp_tools_model(tmp_path, cap
     assert ei.value.code == 2 and "--shape" in err and "e4b" in err and not (tmp_path / "c").exists()
     assert tuple(TinyModelParams.model_fields) == ("out", "force", "shape") and len(made) == 2
     assert set(SHAPES) == set(TinyModelParams.model_fields["shape"].annotation.__args__)
+
+
+def test_stand_ins_keep_the_members_order_of_size():
+    """A rehearsal of a move to a bigger member moves to a bigger stand-in: the stand-ins' text parameters order as
+    the members' do (E2B < E4B < 26B-A4B), counted on the meta device from the configs they are built from."""
+    import torch
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    from repack.members import by_name, text_tables
+    from repack.tiny_model import text_config
+    from repack.tiny_shapes import MEMBER_OF
+
+    def tiny(shape: str) -> int:
+        with torch.device("meta"):
+            model = Gemma4ForCausalLM(Gemma4TextConfig(**text_config(shape)))
+        return sum(p.numel() for p in model.parameters())
+
+    def member(shape: str) -> int:
+        return sum(t.params for t in text_tables(by_name(MEMBER_OF[shape])).values())
+
+    assert set(MEMBER_OF) == set(SHAPES)
+    by_member = sorted(SHAPES, key=member)
+    assert sorted(SHAPES, key=tiny) == by_member == ["e2b", "e4b", "moe"]
+    sizes = [tiny(s) for s in by_member]
+    assert all(b > 1.1 * a for a, b in zip(sizes, sizes[1:])), sizes  # each clearly bigger, not by a rounding

@@ -75,7 +75,7 @@ def test_a_plan_that_succeeds_prints_no_error_line(capsys):
         assert cli.main(["plan", "--member", member]) == 0
         out = capsys.readouterr()
         assert not [ln for ln in (out.out + out.err).splitlines() if ln.lower().startswith("error")], out.out
-        assert "margin: model loading within 0.08 GiB, KV cache tokens within 6%" in out.out
+        assert "\nmargin: " in out.out, out.out
 
 
 def test_plan_of_a_checkpoint_folder_reads_its_member(tmp_path, capsys):
@@ -122,3 +122,35 @@ def test_each_builds_description_is_the_members_own():
             if b.build == "all-4-bit":
                 assert ("PLE" in b.what) == bool(m.hidden_size_per_layer_input), (name, b.what)
                 assert ("experts" in b.what) == m.moe, (name, b.what)
+
+
+def test_the_stated_error_is_e2bs_alone_and_other_members_say_theirs_is_unknown():
+    """plan_fit gave E2B's error bars ("loads within 0.08 GiB, KV tokens within 6% against the article's E2B
+    figures") for E4B and the 12B, which no measurement backs: only E2B's plan is validated."""
+    from repack.fit import plan_member
+    from repack.members import by_name
+
+    e2b = plan_member(by_name("E2B"))
+    assert e2b.error["validated"] and e2b.error["load_gib"] == 0.08 and e2b.error["kv_relative"] == 0.06
+    assert "margin: validated against the article's E2B figures" in e2b.format_table()
+    for name in ("E4B", "12B"):
+        plan = plan_member(by_name(name))
+        assert plan.error["validated"] is False and plan.error["load_gib"] is None, name
+        assert f"margin: unknown, not validated: no measurement of {name} exists" in plan.format_table()
+
+
+def test_why_the_12bs_kv_tokens_fall_with_a_shorter_context_is_said():
+    """The 12B's KV tokens fell from 49,477 at 16,384 context to 26,566 at 8,192 while its users held at about 3,
+    unexplained: a request reserves its sliding layers' window plus a prefill chunk whatever the context (86% and
+    93% of its blocks), and vLLM counts tokens as requests x context; E2B at the article's 16,384 (36% sliding)
+    needs no such note."""
+    from repack.fit import plan_member
+    from repack.members import by_name
+
+    long, short = (plan_member(by_name("12B"), max_model_len=n) for n in (16_384, 8_192))
+    a, b = long.build("all-4-bit"), short.build("all-4-bit")
+    assert (a.kv_tokens, b.kv_tokens) == (49_477, 26_566) and abs(a.max_concurrency - b.max_concurrency) < 0.3
+    note = next(n for n in short.notes if n.startswith("KV cache tokens are"))
+    assert "1,605 blocks for sliding-window layers" in note and "at 93% sliding" in note
+    assert "128 for full-attention ones" in note and "the KV tokens fall with it" in note
+    assert not any(n.startswith("KV cache tokens are") for n in plan_member(by_name("E2B")).notes)

@@ -73,7 +73,7 @@ def test_probe_names_the_member_and_what_each_build_holds(tmp_path):
     rep = probe_checkpoint(src)
     p = rep.build_preview
     assert p["member"] == "E2B" and "google/gemma-4-E2B" in p["source"]
-    four, bf16 = p["builds"]["all-4-bit"]["tables"], p["builds"]["repack-bf16-emb"]["tables"]
+    four, bf16 = p["builds"]["all-4-bit"]["tables_bytes"], p["builds"]["repack-bf16-emb"]["tables_bytes"]
     # 64 x 64 tables: int4 is half a byte a value plus an fp16 scale per 32 (and a weight_shape), bf16 two bytes
     assert bf16["PLE"] == 64 * 64 * 2 and four["PLE"] < 64 * 64 * 0.6
     assert "lm_head" in four and "lm_head" not in bf16 and "towers" not in four
@@ -83,7 +83,7 @@ def test_probe_names_the_member_and_what_each_build_holds(tmp_path):
 
 def test_probe_of_a_stand_in_says_it_is_no_released_member(tmp_path):
     rep = probe_checkpoint(write_small_checkpoint(tmp_path / "src"))
-    assert rep.build_preview["member"] is None and rep.build_preview["builds"]["all-4-bit"]["total"] > 0
+    assert rep.build_preview["member"] is None and rep.build_preview["builds"]["all-4-bit"]["total_bytes"] > 0
 
 
 E, MI = 4, 64  # experts and their intermediate width in the small MoE source below (hidden 64)
@@ -128,7 +128,7 @@ def test_moe_expert_weights_are_packed_per_expert_on_their_grid(tmp_path, capsys
 
     src, words = _moe_source(tmp_path)
     p = probe_checkpoint(src).build_preview
-    assert "refused" not in p and p["builds"]["all-4-bit"]["tables"]["experts"] < (E * 3 * MI * 64 * 2) * 0.3
+    assert "refused" not in p and p["builds"]["all-4-bit"]["tables_bytes"]["experts"] < (E * 3 * MI * 64 * 2) * 0.3
     rc, err = repack_cli(capsys, "build", src, tmp_path / "out", "--text-only", "--embed-int4")
     assert rc == 0, err
     out = open_checkpoint(tmp_path / "out")

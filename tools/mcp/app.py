@@ -48,7 +48,9 @@ from tools.mcp.registry import ALWAYS_LISTED, TOOLS, TOOLSETS, TOOLSETS_ENV, Too
 from tools.serving.config import load_config
 from tools.serving.hardware import Hardware
 from tools.serving import router_state
-from tools.serving.vllm_server import server_status
+from tools.serving.state import load_state
+from tools.serving.vllm_server import behind_door_state, server_status
+from tools.mcp.wording import on_platform
 
 SERVER_NAME = "gemma4-t4"
 
@@ -91,6 +93,13 @@ class App:
         if self._platform is None:
             self._platform = Hardware().platform()
         return self._platform
+
+    def served_on(self, instance: str | None = None) -> str:
+        """Where a served build's figures are measured, for a summary line: the server's recorded platform (the
+        build's behind a front door), else this machine's, with the CPU or GPU named (wording.on_platform)."""
+        cfg = self.config(instance=instance)
+        st = load_state(cfg) or (behind_door_state(cfg) if instance is None else None)
+        return on_platform(getattr(st, "platform", None) or self.platform())
 
     def config(self, **overrides: Any) -> Any:
         merged = {**self.settings.config_overrides, **{k: v for k, v in overrides.items() if v is not None}}

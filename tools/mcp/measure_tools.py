@@ -21,7 +21,7 @@ from tools.measure.fidelity.files import DEFAULT_CORPUS
 from tools.measure.fidelity.run import (CheckLogprobsResult, CompareLogprobsParams, RecordLogprobsResult,
                                         compare_logprobs as logprob_fidelity)
 from tools.measure.provenance import cost_basis, measured_on
-from tools.measure.sweep.params import DEFAULT_PRICE_PER_HOUR, SweepParams, SweepResult
+from tools.measure.sweep.params import DEFAULT_PRICE_PER_HOUR, GEOMEAN_METRICS, SweepParams, SweepResult
 from tools.measure.sweep.run import sweep
 from tools.measure.sweep.report import (CompareSweepsParams, SweepComparison, compare_runs, load_run,
                                         write_comparison)
@@ -53,23 +53,33 @@ def run_sweep(app, p: SweepParams, progress, checked: _Sweep) -> Reply:
     same prompts for every build; writes a run folder. Long."""
     res = sweep(checked.params, checked.endpoint, serve_config=checked.config,
                 progress=lambda d, t, m: progress(d, t, m))
+    return sweep_reply(res)
+
+
+def sweep_reply(res: SweepResult) -> Reply:
+    """run_sweep's answer: the summary line and a cell's figures, each in the one statistic summary.md gives it
+    (GEOMEAN_METRICS: the geometric mean of the repeats; the others: the median), named as such."""
     counts = res.counts
-    oks = [c for c in res.cells if c.status == "ok" and c.median.get("output_throughput")]
-    best = max(oks, key=lambda c: c.median["output_throughput"], default=None)
+    oks = [c for c in res.cells if c.status == "ok" and c.figure("output_throughput")]
+    best = max(oks, key=lambda c: c.figure("output_throughput") or 0, default=None)
     platform, where = measured_on(res.provenance)
     summary = (f"sweep {res.run_id} ({res.label}) on {where}: {counts['ok']} ok, {counts['failed']} failed, "
                f"{counts['infeasible']} infeasible cells"
-               + (f"; best {best.median['output_throughput']:.2f} out tok/s at in={best.input_len} "
-                  f"c={best.concurrency}" if best else "")
-               + "".join(f"; c=1 at in={L}: {100 * r.fraction:.0f}% of the memory-bandwidth roofline"
+               + (f"; best {best.figure('output_throughput'):.2f} out tok/s (geometric mean of "
+                  f"{best.output_throughput_ci.n} repeats) at in={best.input_len} c={best.concurrency}" if best else "")
+               + "".join(f"; c=1 at in={L}: {r.share()} of the memory-bandwidth roofline"
+                         + ("" if r.applicable else f" (a step reads {r.step_bytes / 2**20:.2f} MiB, a stand-in's "
+                                                    "size)")
                          for L, r in res.roofline.items()))
-    # Small by default: a cell's medians of the figures a comparison reads (the run folder holds every metric,
-    # repeat and spread, its table, parameters and provenance); the table once, as data.
+    # Small by default: a cell's figures a comparison reads (the run folder holds every metric, repeat and
+    # spread, its table, parameters and provenance); the table once, as data.
     data = res.model_dump(mode="json", exclude={"provenance": True, "params": True, "prefix_cache_policy": True,
                                                 "cells": {"__all__": {"repeats", "spread_pct"}}})
-    for cell in data["cells"]:
-        cell["median"] = {k: round(v, 3) for k, v in (cell.get("median") or {}).items()
-                          if k in CELL_FIGURES and isinstance(v, (int, float))}
+    for cell, c in zip(data["cells"], res.cells):
+        cell["median"] = {k: round(v, 3) for k in CELL_FIGURES if k not in GEOMEAN_METRICS
+                          and isinstance(v := c.median.get(k), (int, float))}
+        cell["geometric_mean"] = {k: round(v, 3) for k in CELL_FIGURES if k in GEOMEAN_METRICS
+                                  and isinstance(v := c.figure(k), (int, float))}
     return Reply(data, summary, {"counts": counts, "platform": platform, "measured_on": where})
 
 
@@ -134,7 +144,8 @@ def compare_sweeps(app, p: CompareSweepsParams) -> Reply:
     places = sorted({w for _, w in where.values()})
     on = f"; measured on {places[0]}" if len(places) == 1 else "; measured on " + ", ".join(
         f"{label}: {w}" for label, (_, w) in where.items())
-    return Reply(cmp, (cap.summary() if cap else cmp.summary()) + on + f"; cost at {basis}",
+    first = (f"{cmp.caveat}; {cap.summary()}" if cmp.caveat else cap.summary()) if cap else cmp.summary()
+    return Reply(cmp, first + on + f"; cost at {basis}",
                  {"report_path": str(out) if out else None, "capacity": cap.summary() if cap else None,
                   "measured_on": {label: w for label, (_, w) in where.items()}, "cost_basis": basis})
 
@@ -177,14 +188,15 @@ def compare_tokens(app, p: TokenCompareParams, progress, checked: TokenComparePa
         path = Path(res.path or str(checked.reference))
         lines = [f"{i}. {len(g.token_ids)} tokens ({g.finish_reason}), prompt {_prompt_size(g.prompt_tokens)}: "
                  f"{_head(g.prompt)}" for i, g in enumerate(res.generations, 1)]
-        return Reply(res.model_dump(mode="json", exclude={"generations"}), res.summary(),
+        return Reply(res.model_dump(mode="json", exclude={"generations"}),
+                     f"{res.summary()}, served {app.served_on()}",
                      {"report": "\n".join(lines + [f"written to {path}"])})
     whole = _write_comparison(app, res, checked)
     rows = [_prompt_row(i, x) for i, x in enumerate(res.prompts, 1)]
     data = res.model_dump(mode="json", exclude={"prompts"}) | {"prompts": rows}
     report = "\n".join([_prompt_line(i, x) for i, x in enumerate(res.prompts, 1)]
                        + [f"{res.summary} ({res.reference} vs {res.candidate}); whole comparison: {whole}"])
-    return Reply(data, f"{res.summary} ({res.reference} vs {res.candidate})",
+    return Reply(data, f"{res.summary} ({res.reference} vs {res.candidate}, served {app.served_on()})",
                  {"report": report, "comparison_path": str(whole) if isinstance(whole, Path) else None})
 
 

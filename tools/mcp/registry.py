@@ -160,22 +160,67 @@ def parse_toolsets(value: str | Iterable[str] | None) -> tuple[str, ...]:
 # ------------------------------------------------------------------------------------------ lean output schemas
 
 def lean_schema(result: Any, extra: dict[str, tuple[Any, str]] | None = None) -> dict[str, Any]:
-    """The output schema: the library result's top-level field names and descriptions (every value left open);
+    """The output schema: the library result's top-level fields, each with its JSON type and description;
     `summary`, in every result, is said once in the server's instructions.
 
     Derived from the library type, never copied; this lean because every connected agent pays for every schema
-    in every conversation (the full shape is in the structured content itself).
+    in every conversation: a field's type is said to its first level (`array`, `object`, a union as `anyOf`), its
+    items' and members' shapes are in the structured content itself. A field typed as any value (free-form) is
+    declared nowhere in `properties` and named in the schema's description as free-form.
     """
     props: dict[str, Any] = {}
+    free: list[str] = []
+
+    def add(name: str, prop: dict[str, Any], defs: dict[str, Any], description: str | None) -> None:
+        typed = field_type(prop, defs)
+        if typed is None:
+            free.append(name)
+            return
+        if name in props:  # a union of results that types one field two ways: either
+            before = {k: v for k, v in props[name].items() if k != "description"}
+            if before != typed:
+                typed = {"anyOf": [*before.get("anyOf", [before]), *typed.get("anyOf", [typed])]}
+            description = props[name].get("description")
+        props[name] = {**typed, **({"description": description} if description else {})}
+
     if result is not None:
         full = TypeAdapter(result).json_schema()
         defs = full.get("$defs", {})
-        branches = full.get("anyOf") or [full]
-        for b in branches:
+        for b in full.get("anyOf") or [full]:
             if "$ref" in b:
                 b = defs.get(b["$ref"].rsplit("/", 1)[-1], {})
             for name, prop in (b.get("properties") or {}).items():
-                props.setdefault(name, {"description": prop["description"]} if prop.get("description") else {})
-    for name, (_tp, description) in (extra or {}).items():
-        props[name] = {"description": description} if description else {}
-    return {"type": "object", "properties": props}
+                add(name, prop, defs, prop.get("description"))
+    for name, (tp, description) in (extra or {}).items():
+        schema = TypeAdapter(tp).json_schema()
+        props.pop(name, None)
+        add(name, schema, schema.get("$defs", {}), description)
+    out: dict[str, Any] = {"type": "object", "properties": props}
+    if free:
+        out["description"] = f"Free-form (any JSON value, not declared): {', '.join(free)}"
+    return out
+
+
+def field_type(prop: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any] | None:
+    """A field's JSON type, one level deep: `{"type": ...}` (with `enum` where the values are a short list), or
+    `{"anyOf": [...]}` of those; None where the type allows any value."""
+    if "$ref" in prop:
+        return field_type(defs.get(prop["$ref"].rsplit("/", 1)[-1], {}), defs)
+    if "anyOf" in prop or "oneOf" in prop:
+        branches: list[dict[str, Any]] = []
+        for b in prop.get("anyOf") or prop["oneOf"]:
+            t = field_type(b, defs)
+            if t is None:
+                return None
+            for one in t.get("anyOf", [t]):
+                if one not in branches:
+                    branches.append(one)
+        return branches[0] if len(branches) == 1 else {"anyOf": branches}
+    if "enum" in prop and len(prop["enum"]) <= 8:
+        return {k: prop[k] for k in ("type", "enum") if k in prop}
+    if "const" in prop:
+        return {"const": prop["const"]}
+    t = prop.get("type")
+    if isinstance(t, list):
+        return {"anyOf": [{"type": one} for one in t]}
+    return {"type": t} if isinstance(t, str) else None

@@ -176,7 +176,8 @@ def _plan_params(app, p) -> Any:
              "builds": (list[dict[str, Any]], "Per build (bf16, qat-w4a16-ct, repack-bf16-emb, all-4-bit): size, "
                                               "model loading and KV cache in GiB, KV cache tokens, fits (per table "
                                               "and verdicts: `table`)"),
-             "error": (dict[str, Any], "The stated error against the article's E2B figures"),
+             "error": (dict[str, Any], "validated (E2B, against the article's figures) or not (every other "
+                                        "member: no error known), and the error where validated"),
              "table": (str, "The planner's table: per-table GiB, loads, KV cache, each build's verdict, T4 flags"),
              "whole": (str, "Where the whole plan is")})
 def plan_fit(app, p: PlanParams) -> Reply:
@@ -190,7 +191,11 @@ def plan_fit(app, p: PlanParams) -> Reply:
     gpu = "a T4" if card["name"] == "NVIDIA Tesla T4" else f"a GPU of {card['memory_mib']:,} MiB"
     verdict = f"the {best.build} build fits, {best.kv_tokens:,} KV tokens" if best else "no build fits"
     summary = (f"{fit.member}, the planner's figures (on paper, planned for {gpu}; not measured): {verdict}; "
-               + "; ".join(f"{b.build} loads {b.load_gib:.2f} GiB" for b in fit.builds if b.published))
+               + "; ".join(f"{b.build} loads {b.load_gib:.2f} GiB" for b in fit.builds if b.published)
+               + ("; error validated against the article" if fit.error["validated"] else
+                  f"; error unknown (no {fit.member} measurement)")
+               + ("; why KV tokens follow the context: table" if any(
+                   n.startswith("KV cache tokens are") for n in fit.notes) else ""))
     where = str(src) if src is not None else f"--member {fit.member}"
     return Reply(_plan_result(fit, where), summary, {"table": fit.format_table()})
 
@@ -204,6 +209,6 @@ def _plan_result(fit: Any, where: str) -> dict[str, Any]:
     """The plan within the result budget: the figures a program reads, the rest in `table` and `whole`."""
     return {"member": fit.member, "card": fit.card, "t4_flags": fit.t4_flags,
             "builds": [{k: getattr(b, k) for k in _PLAN_KEPT} for b in fit.builds],
-            "error": {k: v for k, v in fit.error.items() if k != "calibrated_on"},
+            "error": {k: v for k, v in fit.error.items() if k not in ("calibrated_on", "statement")},
             "whole": f"each build's tables and verdict: `table`; the whole plan (the KV cache layout too): "
                      f"python -m repack plan {where} --json"}

@@ -91,6 +91,11 @@ def serving_config(app) -> str:
                                "source": cfg.sources.get(key, "default")}
         if row["source"] != "file" and name in in_file:
             row["file_value"] = in_file[name]  # what tpu.env says, shadowed by the environment or the server
+        given = {"file": in_file.get(name), "environment": os.environ.get(name)}.get(row["source"])
+        if key == "served_name" and not given and row["source"] != "override":
+            # empty: each start serves its model under the model's own folder name (or hub id), not this value
+            row.update(value="", default_value=value, default=f"empty: a start serves its model under the model's "
+                                                              f"folder name or hub id ({value} for MODEL_NAME)")
         rows.append(row)
     overridden = [r["name"] for r in rows if r["source"] in ("environment", "override")]
     return json.dumps({"env_file": str(cfg.env_file), "base_url": cfg.base_url, "variables": rows,

@@ -16,7 +16,6 @@ from tools.serving.frontdoor import SwitchResult
 from tools.serving.ops import LogParams, QueryParams, StartParams, StatusParams, StopParams
 from tools.serving.records import QueryResult, ServerStatus, StartResult, StopResult
 from tools.serving.vllm_server import behind_door_state, log_path, query, read_log, server_status as status
-from tools.serving.state import load_state
 from tools.mcp.wording import on_platform
 
 
@@ -122,6 +121,6 @@ def query_model(app, p: QueryParams) -> Reply:
     app.managed_base_url(p.instance)  # refuses when no server is recorded, instead of posting to the config's port
     cfg = app.config(instance=p.instance)
     res = query(cfg, p.prompt, max_tokens=p.max_tokens)
-    usage, st = res.usage or {}, load_state(cfg)
+    usage = res.usage or {}
     return Reply(res, f"{usage.get('completion_tokens', '?')} tokens in {res.latency_s:.2f} s "
-                      f"{on_platform(st.platform if st else None)} ({res.finish_reason}): {res.text[:120]!r}")
+                      f"{app.served_on(p.instance)} ({res.finish_reason}): {res.text[:120]!r}")

@@ -8,6 +8,8 @@ from typing import Any
 
 from tools.cli.commands import command_line
 from tools.core.errors import Renderer
+from tools.gpu.vram import vram_status
+from tools.measure.provenance import cpu_model
 
 # Operations (tools.core.errors.op) -> the MCP tool that does each and the arguments that pick the mode: filled by
 # the tools' declarations (`@tool(ops=...)`, tools.mcp.registry).
@@ -22,12 +24,14 @@ WITHOUT_TOOL: dict[str, str] = {
 
 
 def on_platform(platform: str | None) -> str:
-    """Where a figure of a served build was measured, for a summary line: a CPU figure read as a T4's misleads."""
+    """Where a figure of a served build was measured, for a summary line, naming the CPU or the GPU: a CPU figure
+    read as a T4's misleads. The servers this project starts run on this machine."""
     if platform == "cpu":
-        return "on the CPU stand-in (vLLM CPU backend)"
+        return f"on the CPU stand-in (vLLM CPU backend, {cpu_model() or 'CPU model unknown'})"
     if platform == "cuda":
-        return "on the GPU"
-    return "where the server runs"
+        names = sorted({g.name for g in vram_status().gpus})
+        return f"on the GPU ({', '.join(names) or 'name unknown'})"
+    return "where the server runs (its platform unrecorded)"
 
 
 def argument(name: str, *value: Any) -> str:

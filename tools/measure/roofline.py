@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, computed_field
 
 from repack.checkpoint import read_config
 from repack.members import text_of
@@ -66,6 +66,12 @@ class Bandwidth(BaseModel):
     method: str = Field(description="How the figure was obtained")
 
 
+# Under this many bytes a decode step's reads can sit in a cache (the largest last-level caches, CPU or GPU, hold
+# tens of MiB) and fixed per-step costs (scheduling, kernel launches, sampling) outweigh them: the tiny stand-ins
+# read about 1 MiB a step, the smallest real build (E2B all-4-bit) 2.6 GiB. There the share is not applicable.
+MIN_STEP_BYTES = 64 << 20
+
+
 class Roofline(BaseModel):
     """A single-stream decode figure as a share of the memory-bandwidth roofline."""
 
@@ -79,8 +85,22 @@ class Roofline(BaseModel):
     device: str
     method: str = Field(description="How the bytes and the bandwidth were counted")
 
+    @computed_field(description="False where a step reads under MIN_STEP_BYTES (64 MiB, a stand-in's size): "
+                                "then `fraction` means nothing and is given as not applicable")
+    @property
+    def applicable(self) -> bool:
+        return self.step_bytes >= MIN_STEP_BYTES
+
+    def share(self) -> str:
+        """The fraction as a percentage, or n/a where it means nothing (`applicable`)."""
+        return f"{100 * self.fraction:.0f}%" if self.applicable else "n/a"
+
     def line(self) -> str:
-        return (f"{100 * self.fraction:.0f}% of the memory-bandwidth roofline: {self.tok_s:.1f} tok/s x "
+        if not self.applicable:
+            return (f"n/a: a step reads {self.step_bytes / 2**20:.2f} MiB, under {MIN_STEP_BYTES >> 20} MiB: a "
+                    f"stand-in's size, where caches and fixed per-step costs, not memory bandwidth, set its "
+                    f"{self.tok_s:.1f} tok/s, so no share of the memory-bandwidth roofline is given ({self.device})")
+        return (f"{self.share()} of the memory-bandwidth roofline: {self.tok_s:.1f} tok/s x "
                 f"{self.step_bytes / 2**30:.3f} GiB per step = {self.achieved_bytes_per_s / 1e9:.1f} GB/s of "
                 f"{self.bandwidth_bytes_per_s / 1e9:.1f} GB/s ({self.device}; {self.method})")
 

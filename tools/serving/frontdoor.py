@@ -172,13 +172,18 @@ def fits_beside(b: ServeConfig, hw: Hardware) -> tuple[Fit, ServeConfig]:
         import psutil
 
         weights = checkpoint_bytes(b.model) or 0
-        need = weights + int((b.cpu_kvcache_space_gib or 0) * (1 << 30)) + ENGINE_OVERHEAD_BYTES
-        free = psutil.virtual_memory().available
+        kv = int((b.cpu_kvcache_space_gib or 0) * (1 << 30))
+        need = weights + kv + ENGINE_OVERHEAD_BYTES
+        mem = psutil.virtual_memory()
+        free = mem.available
+        # what each figure counts: the need by part, and available as the kernel's MemAvailable (free plus
+        # reclaimable, with the running builds' memory already taken) of the host's total
+        counted = (f"{need / 2**30:.1f} GiB needed (weights {weights / 2**30:.1f}, KV cache {kv / 2**30:.1f}, "
+                   f"engine {ENGINE_OVERHEAD_BYTES / 2**30:.1f}) of {free / 2**30:.1f} GiB host memory available "
+                   f"now (MemAvailable, the running builds' share taken, of {mem.total / 2**30:.1f} GiB total)")
         if need > free:
-            return Fit(False, f"not beside the running build: it needs about {need / 2**30:.1f} GiB of host "
-                              f"memory, {free / 2**30:.1f} GiB is available"), b
-        return Fit(True, f"beside the running build (cores {planned.cpu_cores}, about {need / 2**30:.1f} of "
-                         f"{free / 2**30:.1f} GiB host memory available)"), planned
+            return Fit(False, f"not beside the running build: about {counted}"), b
+        return Fit(True, f"beside the running build (cores {planned.cpu_cores}, about {counted})"), planned
     return Fit(True, f"beside the running build (GPU {planned.gpus}, at {b.gpu_memory_utilization:g} of the "
                      "card beside the running build's share)"), planned
 

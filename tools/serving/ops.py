@@ -25,7 +25,8 @@ class StartParams(InstanceParams):
     MCP_EXCLUDE: ClassVar[frozenset[str]] = frozenset({"cpus"})  # a machine-local knob
 
     model: str | None = Field(None, description="Checkpoint folder or hub id (default: MODEL_NAME)")
-    served_name: Name | None = Field(None, description="Name clients send as model (default: SERVED_MODEL_NAME)")
+    served_name: Name | None = Field(None, description="Name clients send as model (default: SERVED_MODEL_NAME, "
+                                                            "or where empty the model's folder name)")
     port: int | None = Field(None, ge=1, le=65535, description="Port (default: PORT)")
     max_model_len: int | None = Field(None, ge=16, description="Context length (default: MAX_MODEL_LEN)")
     max_num_seqs: int | None = Field(None, ge=1, description="Concurrent sequences (default: MAX_NUM_SEQS)")
@@ -87,7 +88,8 @@ class RouterSwitchParams(OpParams):
     instance: str = Field(min_length=1, description="Named instance the new build starts as, behind the router "
                                                     "(not the one serving)")
     model: str = Field(min_length=1, description="Checkpoint folder or hub id of the new build")
-    served_name: str | None = Field(None, description="Name it serves as (default: SERVED_MODEL_NAME)")
+    served_name: str | None = Field(None, description="Name it serves as (default: SERVED_MODEL_NAME, or where "
+                                                      "empty the model's folder name)")
     from_instance: str | None = Field(None, description="The instance it replaces (default: the router's only one)")
     port: int | None = Field(None, ge=1, le=65535, description="Its internal port (default: a free one)")
     max_model_len: int | None = Field(None, ge=16, description="Context length (default: MAX_MODEL_LEN)")

@@ -24,6 +24,7 @@ from tools.core.progress import Progress
 from tools.core import clock
 from tools.measure import evidence, provenance as prov_mod
 from tools.measure.sweep import report as sweep_report
+from tools.measure.basis import priced_on
 from tools.measure.capacity.report import CapacityResult, statement, write_capacity
 from tools.measure.capacity.search import Sample, Search, search_capacity
 from tools.measure.capacity.slo import Term, goodput_limits, parse_slo, slo_text
@@ -187,8 +188,8 @@ def result_of(params: CapacityParams, terms: list[Term], found: Search, cell: Ce
                                                                        params.price_per_hour))
     if prov:
         res.platform, res.measured_on = prov_mod.measured_on(prov)
-        res.cost_basis = prov_mod.cost_basis(res.platform, params.price_per_hour,
-                                             params.price_per_hour != DEFAULT_PRICE_PER_HOUR)
+        res.cost_basis = priced_on(prov, (prov.get("server") or {}).get("model_id"), params.price_per_hour,
+                                   params.price_per_hour != DEFAULT_PRICE_PER_HOUR)
     res.statement = statement(res)
     return res
 

@@ -157,6 +157,11 @@ class RepeatResult(BaseModel):
     raw_file: str | None = None
 
 
+# The metrics a cell gives as the geometric mean of its repeats with a 95% interval (tools/measure/uncertainty.py), in
+# summary.md's table, run_sweep's result and summary, the plot and compare_sweeps; every other metric is the median.
+GEOMEAN_METRICS: tuple[str, ...] = ("output_throughput", "p99_ttft_ms", "mean_tpot_ms")
+
+
 class CellResult(BaseModel):
     input_len: int
     output_len: int
@@ -190,6 +195,11 @@ class CellResult(BaseModel):
         if self.status != "ok":
             return Estimate(n=0, mean=None)
         return estimate((r.metrics.get(metric) for r in self.repeats if r.status == "ok"), self.median.get(metric))
+
+    def figure(self, metric: str) -> float | None:
+        """The cell's one figure for a metric, as every result, summary and file gives it: the geometric mean of
+        the repeats for GEOMEAN_METRICS, the median for the others."""
+        return self.estimate(metric).mean if metric in GEOMEAN_METRICS else self.median.get(metric)
 
     @computed_field(description="Output tok/s over the ok repeats: geometric mean and 95% interval")
     @property

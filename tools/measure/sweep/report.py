@@ -17,6 +17,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from tools.core.errors import BadInput, ToolFailure, op, param
+from tools.measure.basis import Basis, basis, differences, no_t4_measurement, priced_on
 from tools.measure.evidence import write_text, write_texts
 from tools.measure.sweep.params import DEFAULT_PRICE_PER_HOUR, METRICS, SweepResult
 from tools.measure.uncertainty import METHOD, Estimate, Ratio, ratio
@@ -48,13 +49,14 @@ def markdown_run(res: SweepResult, *, price_per_hour: float = DEFAULT_PRICE_PER_
     geometric mean of the repeats with its interval (tools/measure/uncertainty.py), the other columns medians."""
     prov = res.provenance or {}
     hw = prov.get("gpu_name") or (f"CPU: {prov.get('cpu_model')}" if prov.get("cpu_model") else "unknown")
+    priced = priced_on(prov, res.model, price_per_hour, price_per_hour != DEFAULT_PRICE_PER_HOUR)
     lines = [f"# Sweep {res.run_id}: {res.label}", "",
              f"Model `{res.model}`, {hw}, vLLM {prov.get('vllm_version_server') or prov.get('vllm_version_client')}, "
              f"max_model_len {res.max_model_len}. Output {res.params.get('output_len')} tokens, greedy, "
              f"`vllm bench serve` random dataset, {res.params.get('repeats')} repeats per cell. Out tok/s, TTFT p99 "
              f"and TPOT mean: geometric mean of the repeats, its 95% confidence interval in parentheses (Student t "
              f"on the log repeats; none with fewer than two); other columns: medians; spread = (max-min)/median of "
-             f"out tok/s. Cost at ${price_per_hour}/h.", ""]
+             f"out tok/s. Cost at {priced}.", ""]
     by_len: dict[int, list] = {}
     for c in res.cells:
         by_len.setdefault(c.input_len, []).append(c)
@@ -124,20 +126,21 @@ def plot_runs(runs: list[SweepResult], path: str | Path) -> Path:
     ttft_all: list[float] = []
     for i, res in enumerate(runs):
         for L in all_lens:
-            cells = sorted((c for c in res.cells if c.input_len == L and c.median.get("output_throughput")),
+            cells = sorted((c for c in res.cells if c.input_len == L and c.figure("output_throughput")),
                            key=lambda c: c.concurrency)
             if not cells:
                 continue
             name = f"{labels[i]}, in={L}" if len(runs) > 1 else f"in={L}"
             look = dict(color=f"C{i % 10}" if len(runs) > 1 else f"C{all_lens.index(L) % 10}",
                         linestyle=styles[all_lens.index(L) % 4], marker="o", label=name)
-            ax1.plot([c.concurrency for c in cells], [c.median["output_throughput"] for c in cells], **look)
+            ax1.plot([c.concurrency for c in cells], [c.figure("output_throughput") for c in cells], **look)
             ttft = [(c.concurrency, c.median["mean_ttft_ms"]) for c in cells if c.median.get("mean_ttft_ms")]
             ttft_all += [y for _, y in ttft]
             if ttft:
                 ax2.plot([x for x, _ in ttft], [y for _, y in ttft], **look)
     all_c = sorted({c.concurrency for r in runs for c in r.cells})
-    for ax, title, ylabel in ((ax1, "Output throughput", "output tok/s"), (ax2, "Time to first token (mean)", "ms")):
+    for ax, title, ylabel in ((ax1, "Output throughput (geometric mean of the repeats)", "output tok/s"),
+                              (ax2, "Time to first token (mean)", "ms")):
         ax.set_xscale("log", base=2)
         ax.set_xticks(all_c or [1])
         ax.set_xticklabels([str(c) for c in all_c] or ["1"])
@@ -236,6 +239,9 @@ class SweepComparison(BaseModel):
     cost_cell: tuple[int, int | float] | None = Field(None, description="(input_len, concurrency) of the cost "
                                                                          "table")
     cost: list[CostRow] = Field(default_factory=list)
+    across: dict[str, str] = Field(default_factory=dict, description="Ratios across models, platforms or vLLM "
+                                                                     "versions: what differs")
+    caveat: str | None = Field(None, description="What the ratios compare besides builds; members never on a T4")
     markdown: str = ""
 
     def to_dict(self) -> dict[str, Any]:
@@ -253,7 +259,8 @@ class SweepComparison(BaseModel):
             for r in cell.intervals.values():
                 counts[r.verdict or "no value"] = counts.get(r.verdict or "no value", 0) + 1
         tally = ", ".join(f"{n} {v}" for v, n in sorted(counts.items(), key=lambda kv: -kv[1]))
-        return f"compared {', '.join(self.labels)} over {len(self.cells)} cells" + (
+        return (f"{self.caveat}; " if self.caveat else "") + f"compared {', '.join(self.labels)} over " \
+            f"{len(self.cells)} cells" + (
             f" (verdicts: {tally})" if tally else "") + (
             "; first cell " + "; ".join(f"{k}: {r.cell()}" for k, r in first) if first else "")
 
@@ -272,6 +279,11 @@ def compare_runs(paths: list[str | Path], *, price_per_hour: float = DEFAULT_PRI
     runs = [load_run(p) for p in paths]
     labels = run_labels(runs)
     last = labels[-1]
+    bases = [basis(r.provenance, r.model) for r in runs]
+    across = {lab: differences(bases[-1], b) for lab, b in zip(labels[:-1], bases[:-1])}
+    # a pair that differs says so in the ratio's own name, so every place that prints the ratio says it
+    pair = {lab: f"{last} vs {lab}" + (f" (other {', '.join(w for w, _ in d)})" if d else "")
+            for lab, d in across.items()}
     keys = sorted({c.key for r in runs for c in r.cells})
     cells: list[CompareCell] = []
     for L, c in keys:
@@ -280,7 +292,7 @@ def compare_runs(paths: list[str | Path], *, price_per_hour: float = DEFAULT_PRI
             cell = r.cell(L, c)
             ests.append(cell.estimate() if cell else Estimate(n=0, mean=None))
         # Nearest predecessor first, as the article orders "emb4 vs QAT" before "emb4 vs bf16".
-        intervals = {f"{last} vs {lab}": ratio(ests[-1], est)
+        intervals = {pair[lab]: ratio(ests[-1], est)
                      for lab, est in reversed(list(zip(labels[:-1], ests[:-1])))}
         cells.append(CompareCell(input_len=L, concurrency=c, out_tok_s=[e.mean for e in ests], estimates=ests,
                                  ratios={k: v.value for k, v in intervals.items()}, intervals=intervals))
@@ -298,13 +310,25 @@ def compare_runs(paths: list[str | Path], *, price_per_hour: float = DEFAULT_PRI
         cost = [CostRow(label=lab, out_tok_s=tp, usd_per_million=cost_per_million(tp, price_per_hour))
                 for lab, tp in zip(labels, cc.out_tok_s)]
     cmp = SweepComparison(labels=labels, run_dirs=[str(p) for p in paths], price_per_hour=price_per_hour,
-                          cells=cells, cost_cell=cost_cell, cost=cost)
+                          cells=cells, cost_cell=cost_cell, cost=cost, caveat=caveat(labels, bases, across),
+                          across={pair[lab]: "; ".join(f"{w}: {how}" for w, how in d)
+                                  for lab, d in across.items() if d})
     cmp.markdown = markdown_comparison(cmp)
     return cmp
 
 
+def caveat(labels: list[str], bases: list[Basis], across: dict[str, list[tuple[str, str]]]) -> str | None:
+    """The comparison's first words where its ratios compare more than builds, and members without a T4
+    measurement (what stands in for one)."""
+    parts = [f"ACROSS {'; '.join(f'{w} ({how})' for w, how in d)}: {labels[-1]} vs {lab} is no build's ratio"
+             for lab, d in across.items() if d]
+    parts += list(dict.fromkeys(n for b in bases if (n := no_t4_measurement(b))))
+    return "; ".join(parts) or None
+
+
 def markdown_comparison(cmp: SweepComparison) -> str:
-    lines: list[str] = [f"Output tok/s per cell and the last run against each earlier one. {cmp.method}", ""]
+    lines: list[str] = ([f"**{cmp.caveat}.**", ""] if cmp.caveat else []) + [
+        f"Output tok/s per cell and the last run against each earlier one. {cmp.method}", ""]
     for L in sorted({c.input_len for c in cmp.cells}):
         rows = [x for x in cmp.cells if x.input_len == L]
         names = list(rows[0].intervals)
