@@ -222,21 +222,11 @@ def main() -> int:
             if run.get("error"):
                 print(run["error"], file=sys.stderr)
                 return 1
+            _write_figures(args, runs, trees, size, dist)  # after each run: a series stopped early keeps its runs
     if not args.keep:
         shutil.rmtree(src, ignore_errors=True)
-    rep = runs[0]["report"]
-    summary = {name: _spread([r for r in runs if r["tree"] == name]) for name in trees}
-    figures = {
-        "member": args.member, "scale": args.scale, "levels": args.levels, "steps": args.steps,
-        "rounding": args.rounding, "step_draw": args.step_draw, "fill": args.fill, "target_dtype": args.target_dtype,
-        "objective": args.objective, "source_bytes": size, "bytes_read": rep["bytes_read"],
-        "bytes_written": rep["bytes_written"], "cpu": _cpu_name(), "cores": len(os.sched_getaffinity(0)),
-        "rounds": args.rounds, "summary": summary,
-        "runs": [{k: v for k, v in r.items() if k != "report"} for r in runs],
-        "exact_runtime_fp16_pct": {t["name"]: t["exact_runtime_fp16_pct"] for t in rep["tables"] if t["groups"]},
-        "exact_runtime_bf16_pct": {t["name"]: t["exact_runtime_bf16_pct"] for t in rep["tables"] if t["groups"]},
-        "offgrid_groups": sum(t.get("offgrid_groups", 0) for t in rep["tables"]),
-    }
+    figures = _write_figures(args, runs, trees, size, dist)
+    summary, rep = figures["summary"], runs[0]["report"]
     print(f"{args.member} x{args.scale:g}, distribution {dist}, build for {args.target_dtype} / {args.objective}; "
           f"{figures['cpu']}, {figures['cores']} cores")
     print(f"source {size / 1e9:.2f} GB (read {rep['bytes_read'] / 1e9:.2f} GB: towers are dropped unread), "
@@ -247,10 +237,29 @@ def main() -> int:
               f"{round(size / 1e6 / f['build_wall_s']['median'], 1)} MB/s of source; CPU median "
               f"{f['build_cpu_s']['median']} s; cp median {f['cp_wall_s']['median']} s; peak RSS max "
               f"{f['peak_rss_mib']['max']} MiB")
+    return 0
+
+
+def _write_figures(args, runs: list[dict], trees: dict, size: int, dist: str) -> dict:
+    """The figures of the runs so far (summary: median, min, max per tree), written to --result if given."""
+    rep = runs[0]["report"]
+    summary = {name: _spread([r for r in runs if r["tree"] == name]) for name in trees if any(
+        r["tree"] == name for r in runs)}
+    figures = {
+        "member": args.member, "scale": args.scale, "distribution": dist, "levels": args.levels, "steps": args.steps,
+        "rounding": args.rounding, "step_draw": args.step_draw, "fill": args.fill, "target_dtype": args.target_dtype,
+        "objective": args.objective, "source_bytes": size, "bytes_read": rep["bytes_read"],
+        "bytes_written": rep["bytes_written"], "cpu": _cpu_name(), "cores": len(os.sched_getaffinity(0)),
+        "rounds": args.rounds, "summary": summary,
+        "runs": [{k: v for k, v in r.items() if k != "report"} for r in runs],
+        "exact_runtime_fp16_pct": {t["name"]: t["exact_runtime_fp16_pct"] for t in rep["tables"] if t["groups"]},
+        "exact_runtime_bf16_pct": {t["name"]: t["exact_runtime_bf16_pct"] for t in rep["tables"] if t["groups"]},
+        "offgrid_groups": sum(t.get("offgrid_groups", 0) for t in rep["tables"]),
+    }
     if args.result:
         args.result.parent.mkdir(parents=True, exist_ok=True)
         args.result.write_text(json.dumps(figures, indent=2) + "\n")
-    return 0
+    return figures
 
 
 def _env(root: Path) -> dict:

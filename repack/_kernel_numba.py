@@ -1,6 +1,11 @@
-"""The numba kernel behind `repack.grid.quantize`: the algorithm of `quantize_numpy`, one group at a time.
+"""The numba kernel behind `repack.grid.quantize`: the algorithm of `quantize_numpy`, groups side by side.
 
 Plain numba: loops over a group's 32 values that take every decision the reference takes, on the same numbers.
+`quantize_rows` takes CHUNK groups at once with value i of group k at [i, k], so that each loop over the values
+runs across groups (vector registers, no call per group) and each group's sums are still left to right. A group
+with anything uncommon goes through `_one_group`, the same algorithm one group at a time (`quantize_rows_per_group`
+runs every group that way: the tests hold the two to the same bytes). min-error's squared errors come from
+per-level counts and sums (_sq_levels_cols: exact, hence equal, under a bound that is checked per group).
 It is kept in its own module so that importing the library never compiles it; numba caches the machine code
 next to this file (or in NUMBA_CACHE_DIR). `quantize_rows` releases the GIL: a build runs row blocks in threads.
 
