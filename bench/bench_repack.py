@@ -5,6 +5,8 @@
     .venv/bin/python bench/bench_repack.py --scale 0.26 --levels peaked --steps fp16 --rounding exact \
         --target-dtype bfloat16 --objective runtime-exact               # another distribution and build
     .venv/bin/python bench/bench_repack.py --ab OLD_kernel.py repack/_kernel_numba.py   # a kernel change, A/B
+    .venv/bin/python bench/bench_repack.py --scale 1 --member E4B --rounds 3 --baseline /tmp/main-export
+        # E4B's shapes; three rounds, each: cp, the build, cp, the baseline tree's build (same load for all)
 
 The grid tensors' distribution: levels uniform over what each group's peak allows or peaked (Laplace-like),
 steps drawn as float32 or float16 values, log-uniformly over [e^-9, e^-3] (synthetic.grid_words' own draw) or
@@ -37,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from repack import choices, grid  # noqa: E402
-from repack.synthetic import grid_words, write_e2b_checkpoint  # noqa: E402
+from repack.synthetic import grid_words, write_member_checkpoint  # noqa: E402
 
 STEPS = {"fp32": np.float32, "fp16": np.float16}
 ROUNDING = {"exact": 0.0, "other-way": 0.26}
@@ -173,6 +175,13 @@ def main() -> int:
     ap.add_argument("--ab", nargs=2, type=Path, metavar=("KERNEL_A", "KERNEL_B"),
                     help="time two copies of repack/_kernel_numba.py against each other (no build), asserting "
                          "identical outputs; for --target-dtype / --objective")
+    ap.add_argument("--member", choices=("E2B", "E4B"), default="E2B", help="whose shapes the source has")
+    ap.add_argument("--fill", choices=("grid", "tiled"), default="grid",
+                    help="tiled: one row block drawn per tensor and repeated (the same distribution, written at disk "
+                         "speed)")
+    ap.add_argument("--rounds", type=int, default=1, help="cp + build rounds (each build after its own cp)")
+    ap.add_argument("--baseline", type=Path, help="another checkout of the project whose build is timed in the same "
+                                                   "rounds (e.g. `git archive main` unpacked), after its own cp")
     args = ap.parse_args()
     if args.ab:
         return kernel_ab(args)
@@ -181,87 +190,132 @@ def main() -> int:
 
     dist = f"{args.levels}-{args.steps}-{args.rounding}" + ("-uniform-steps" if args.step_draw == "uniform" else "")
     # the default distribution keeps its former directory name, so a kept source is reused
-    src = args.workdir / (f"e2b-synthetic-{args.scale:g}" if dist == "uniform-fp32-other-way"
-                          else f"e2b-synthetic-{args.scale:g}-{dist}")
+    dist += "-tiled" if args.fill == "tiled" else ""
+    src = args.workdir / (f"{args.member.lower()}-synthetic-{args.scale:g}" if dist == "uniform-fp32-other-way"
+                          else f"{args.member.lower()}-synthetic-{args.scale:g}-{dist}")
     stamp = src / ".complete"
     if not stamp.exists():
         shutil.rmtree(src, ignore_errors=True)
         t = time.perf_counter()
-        size = write_e2b_checkpoint(src, args.scale, progress=sys.stdout.isatty(), jitter=ROUNDING[args.rounding],
-                                    step_dtype=STEPS[args.steps], levels=args.levels,
-                                    step_draw=args.step_draw)
+        size = write_member_checkpoint(args.member, src, args.scale, progress=sys.stdout.isatty(),
+                                       jitter=ROUNDING[args.rounding], step_dtype=STEPS[args.steps],
+                                       levels=args.levels, step_draw=args.step_draw, fill=args.fill)
         stamp.write_text(str(size))
         print(f"wrote {src} ({size / 1e9:.2f} GB) in {time.perf_counter() - t:.1f} s")
     size = int(stamp.read_text())
-
-    load_before = os.getloadavg()  # other work on the machine changes the wall figures, not the CPU ones
-    cp_dst = args.workdir / "cp-copy"
-    shutil.rmtree(cp_dst, ignore_errors=True)
-    c0 = _child_cpu()
-    t = time.perf_counter()
-    subprocess.run(["cp", "-r", str(src), str(cp_dst)], check=True)
-    os.sync()
-    cp_s = time.perf_counter() - t
-    cp_cpu = _child_cpu() - c0
-    shutil.rmtree(cp_dst, ignore_errors=True)
-
-    # Compile (or load from numba's on-disk cache) the grid kernel first: a one-time cost per install that
-    # would otherwise land inside the timed build. The build passes read-only views of the memory map, a
-    # separate specialisation from a writable array, so warm up both.
-    subprocess.run([sys.executable, "-c", "import numpy as np, repack.grid as g; "
-                    "g.quantize(np.zeros((1, 32), np.uint16)); "
-                    "g.quantize(np.frombuffer(bytes(64), np.uint16).reshape(1, 32))"], cwd=ROOT, check=True)
-    out = args.workdir / "build-out"
-    shutil.rmtree(out, ignore_errors=True)
-    cmd = [sys.executable, "-m", "repack", "build", str(src), str(out), "--text-only", "--embed-int4",
-           "--embed-tokens", "--json", "--target-dtype", args.target_dtype, "--objective", args.objective]
-    env = dict(os.environ)
-    c0 = _child_cpu()
-    t = time.perf_counter()
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
-    os.sync()
-    build_s = time.perf_counter() - t
-    build_cpu = _child_cpu() - c0
-    if r.returncode != 0:
-        print(r.stderr, file=sys.stderr)
-        return r.returncode
-    rep = json.loads(r.stdout)
-    shutil.rmtree(out, ignore_errors=True)
+    trees = {"build": ROOT} | ({"baseline": args.baseline.resolve()} if args.baseline else {})
+    for root in trees.values():
+        # Compile (or load from numba's on-disk cache) each tree's grid kernel first: a one-time cost per install
+        # that would otherwise land inside the timed build (both specialisations: a build passes read-only views)
+        subprocess.run([sys.executable, "-m", "repack.kernel_cache"], cwd=root, env=_env(root), check=True,
+                       stdout=subprocess.DEVNULL)
+    runs = []
+    for rnd in range(args.rounds):
+        for name, root in trees.items():
+            cp = _cp(src, args.workdir)  # just before each build, so that both see the same load
+            run = _build(root, src, args.workdir / "build-out", args) | {"tree": name, "round": rnd, "cp": cp}
+            run["build_vs_cp"] = round(run["build_wall_s"] / cp["wall_s"], 2)
+            runs.append(run)
+            print(f"round {rnd} {name:8}: build {run['build_wall_s']:6.1f} s wall, {run['build_cpu_s']:6.1f} CPU s, "
+                  f"peak RSS {run['peak_rss_mib']} MiB | cp {cp['wall_s']:5.1f} s -> {run['build_vs_cp']}x | "
+                  f"load {run['loadavg_before'][0]:.2f} -> {run['loadavg_after'][0]:.2f}", flush=True)
+            if run.get("error"):
+                print(run["error"], file=sys.stderr)
+                return 1
+            _write_figures(args, runs, trees, size, dist)  # after each run: a series stopped early keeps its runs
     if not args.keep:
         shutil.rmtree(src, ignore_errors=True)
+    figures = _write_figures(args, runs, trees, size, dist)
+    summary, rep = figures["summary"], runs[0]["report"]
+    print(f"{args.member} x{args.scale:g}, distribution {dist}, build for {args.target_dtype} / {args.objective}; "
+          f"{figures['cpu']}, {figures['cores']} cores")
+    print(f"source {size / 1e9:.2f} GB (read {rep['bytes_read'] / 1e9:.2f} GB: towers are dropped unread), "
+          f"wrote {rep['bytes_written'] / 1e9:.2f} GB")
+    for name, f in summary.items():
+        print(f"{name:8}: build/cp median {f['build_vs_cp']['median']}x (min {f['build_vs_cp']['min']}, max "
+              f"{f['build_vs_cp']['max']}); build wall median {f['build_wall_s']['median']} s = "
+              f"{round(size / 1e6 / f['build_wall_s']['median'], 1)} MB/s of source; CPU median "
+              f"{f['build_cpu_s']['median']} s; cp median {f['cp_wall_s']['median']} s; peak RSS max "
+              f"{f['peak_rss_mib']['max']} MiB")
+    return 0
 
-    load = os.getloadavg()
+
+def _write_figures(args, runs: list[dict], trees: dict, size: int, dist: str) -> dict:
+    """The figures of the runs so far (summary: median, min, max per tree), written to --result if given."""
+    rep = runs[0]["report"]
+    summary = {name: _spread([r for r in runs if r["tree"] == name]) for name in trees if any(
+        r["tree"] == name for r in runs)}
     figures = {
-        "scale": args.scale, "levels": args.levels, "steps": args.steps, "rounding": args.rounding,
-        "step_draw": args.step_draw,
-        "target_dtype": args.target_dtype, "objective": args.objective, "source_bytes": size, "bytes_read": rep["bytes_read"],
-        "bytes_written": rep["bytes_written"], "build_wall_s": round(build_s, 2),
-        "build_internal_wall_s": rep["wall_s"], "cp_wall_s": round(cp_s, 2),
-        "mb_per_s_read": round(rep["bytes_read"] / 1e6 / build_s, 1),
-        "mb_per_s_source": round(size / 1e6 / build_s, 1),
-        "build_vs_cp": round(build_s / cp_s, 2),
-        # CPU seconds (user+sys) are robust to other load on the machine; wall figures are not
-        "build_cpu_s": round(build_cpu, 2), "cp_cpu_s": round(cp_cpu, 2),
-        "mb_per_cpu_s_read": round(rep["bytes_read"] / 1e6 / build_cpu, 1), "peak_rss_mib": round(rep["peak_rss_bytes"] / 2**20, 1),
-        "implementation": rep["implementation"], "cores": len(os.sched_getaffinity(0)),
-        "loadavg_before": [round(x, 2) for x in load_before], "loadavg_after": [round(x, 2) for x in load],
+        "member": args.member, "scale": args.scale, "distribution": dist, "levels": args.levels, "steps": args.steps,
+        "rounding": args.rounding, "step_draw": args.step_draw, "fill": args.fill, "target_dtype": args.target_dtype,
+        "objective": args.objective, "source_bytes": size, "bytes_read": rep["bytes_read"],
+        "bytes_written": rep["bytes_written"], "cpu": _cpu_name(), "cores": len(os.sched_getaffinity(0)),
+        "rounds": args.rounds, "summary": summary,
+        "runs": [{k: v for k, v in r.items() if k != "report"} for r in runs],
         "exact_runtime_fp16_pct": {t["name"]: t["exact_runtime_fp16_pct"] for t in rep["tables"] if t["groups"]},
         "exact_runtime_bf16_pct": {t["name"]: t["exact_runtime_bf16_pct"] for t in rep["tables"] if t["groups"]},
         "offgrid_groups": sum(t.get("offgrid_groups", 0) for t in rep["tables"]),
     }
-    print(f"distribution {dist}, build for {args.target_dtype} / {args.objective}")
-    print(f"source {size / 1e9:.2f} GB (read {rep['bytes_read'] / 1e9:.2f} GB: towers are dropped unread), "
-          f"wrote {rep['bytes_written'] / 1e9:.2f} GB")
-    print(f"one-pass build: {build_s:.1f} s wall (process start included) = {figures['mb_per_s_read']} MB/s of "
-          f"tensors read, {figures['mb_per_s_source']} MB/s of source")
-    print(f"cp -r of the same source: {cp_s:.1f} s -> build/cp = {figures['build_vs_cp']}x")
-    print(f"CPU time: build {build_cpu:.1f} s ({figures['mb_per_cpu_s_read']} MB per CPU second), cp {cp_cpu:.1f} s")
-    print(f"peak RSS of the build process: {figures['peak_rss_mib']} MiB; kernel {rep['implementation']}; "
-          f"load average before {load_before[0]:.2f}, after {load[0]:.2f}")
     if args.result:
         args.result.parent.mkdir(parents=True, exist_ok=True)
         args.result.write_text(json.dumps(figures, indent=2) + "\n")
-    return 0
+    return figures
+
+
+def _env(root: Path) -> dict:
+    return dict(os.environ, PYTHONPATH=str(root))
+
+
+def _cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
+def _cp(src: Path, workdir: Path) -> dict:
+    """`cp -r` of the source (then sync), as a user would copy it: wall and CPU seconds."""
+    dst = workdir / "cp-copy"
+    shutil.rmtree(dst, ignore_errors=True)
+    c0, t = _child_cpu(), time.perf_counter()
+    subprocess.run(["cp", "-r", str(src), str(dst)], check=True)
+    os.sync()
+    wall, cpu = time.perf_counter() - t, _child_cpu() - c0
+    shutil.rmtree(dst, ignore_errors=True)
+    return {"wall_s": round(wall, 2), "cpu_s": round(cpu, 2)}
+
+
+def _build(root: Path, src: Path, out: Path, args) -> dict:
+    """`python -m repack build SRC OUT --text-only --embed-int4 --embed-tokens` of the tree at root, in a fresh
+    process (then sync): wall and CPU seconds, peak RSS, the load average around it, and its report."""
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = [sys.executable, "-m", "repack", "build", str(src), str(out), "--text-only", "--embed-int4",
+           "--embed-tokens", "--json", "--target-dtype", args.target_dtype, "--objective", args.objective]
+    load = os.getloadavg()  # other work on the machine changes the wall figures, not the CPU ones
+    c0, t = _child_cpu(), time.perf_counter()
+    r = subprocess.run(cmd, cwd=root, capture_output=True, text=True, env=_env(root))
+    os.sync()
+    wall, cpu = time.perf_counter() - t, _child_cpu() - c0
+    shutil.rmtree(out, ignore_errors=True)
+    if r.returncode != 0:
+        return {"error": r.stderr, "build_wall_s": wall, "build_cpu_s": cpu, "peak_rss_mib": 0,
+                "loadavg_before": load, "loadavg_after": os.getloadavg()}
+    rep = json.loads(r.stdout)
+    return {"build_wall_s": round(wall, 2), "build_internal_wall_s": rep["wall_s"], "build_cpu_s": round(cpu, 2),
+            "peak_rss_mib": round(rep["peak_rss_bytes"] / 2**20, 1), "implementation": rep["implementation"],
+            "loadavg_before": [round(x, 2) for x in load], "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+            "report": rep}
+
+
+def _spread(runs: list[dict]) -> dict:
+    """median, min and max over the rounds of each figure"""
+    out = {}
+    for key, get in (("build_wall_s", lambda r: r["build_wall_s"]), ("build_cpu_s", lambda r: r["build_cpu_s"]),
+                     ("cp_wall_s", lambda r: r["cp"]["wall_s"]), ("build_vs_cp", lambda r: r["build_vs_cp"]),
+                     ("peak_rss_mib", lambda r: r["peak_rss_mib"])):
+        v = [get(r) for r in runs]
+        out[key] = {"median": round(float(np.median(v)), 2), "min": min(v), "max": max(v)}
+    return out
 
 
 if __name__ == "__main__":

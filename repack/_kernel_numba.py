@@ -1,6 +1,11 @@
-"""The numba kernel behind `repack.grid.quantize`: the algorithm of `quantize_numpy`, one group at a time.
+"""The numba kernel behind `repack.grid.quantize`: the algorithm of `quantize_numpy`, groups side by side.
 
 Plain numba: loops over a group's 32 values that take every decision the reference takes, on the same numbers.
+`quantize_rows` takes CHUNK groups at once with value i of group k at [i, k], so that each loop over the values
+runs across groups (vector registers, no call per group) and each group's sums are still left to right. A group
+with anything uncommon goes through `_one_group`, the same algorithm one group at a time (`quantize_rows_per_group`
+runs every group that way: the tests hold the two to the same bytes). min-error's squared errors come from
+per-level counts and sums (_sq_levels_cols: exact, hence equal, under a bound that is checked per group).
 It is kept in its own module so that importing the library never compiles it; numba caches the machine code
 next to this file (or in NUMBA_CACHE_DIR). `quantize_rows` releases the GIL: a build runs row blocks in threads.
 
@@ -40,20 +45,23 @@ jit = nb.njit(cache=True, nogil=True)
 # For the loops taking maxima and minima: no NaN reaches them (a NaN source is decoded as 0) and the sign of a
 # zero never decides, so they may be computed in any order, on vector registers.
 jit_minmax = nb.njit(cache=True, nogil=True, fastmath={"nnan", "nsz"})
+# For the one-line helpers: numba compiles each function apart and calls it, which keeps a loop calling it off
+# vector registers; these are inlined into their callers instead.
+jit_inline = nb.njit(cache=True, nogil=True, inline="always")
 
 
-@jit
+@jit_inline
 def _rint(v):
     return (v + RND) - RND
 
 
-@jit
+@jit_inline
 def _exp2(k):
     # 2^k for a normal float64 (-1022 <= k <= 1023), from its exponent bits
     return np.int64((k + 1023) << 52).view(np.float64)
 
 
-@jit
+@jit_inline
 def _ilogb(v):
     # floor(log2(v)) of a normal float64 v > 0, from its exponent bits
     return ((np.float64(v).view(np.int64) >> 52) & 0x7FF) - 1023
@@ -268,7 +276,7 @@ def _surely_unbounded_per_value(aq, af, bn, vmin, sig, minexp):
     return np.float64(lo) > np.float64(hi) * (1.0 + 2.0 ** -20)
 
 
-@jit
+@jit_inline
 def _round_t(p, sig):
     # T(p) for a float32 p >= 0, as a float32 (past T's range: inf), T float16 (sig == FP16_SIG) or bfloat16:
     # round to nearest even on the bits, at bit 13 for float16's 10 fraction bits, at bit 16 for bfloat16's 7.
@@ -533,61 +541,447 @@ def _group(x, ax, af, bn, inv, nf, kx, table, lowbit, fmt, ofmt, min_error, q, a
 
 
 @jit
+def _one_group(words, r, g, table, lowbit, fmt, ofmt, min_error, packed, x, ax, af, bn, inv, q, aq, nib, rt, err,
+               cand, auth):
+    # The whole algorithm for group g of row r, one group at a time; writes its packed words, returns
+    # (scale, (exact, sq, worst, summed error) for fmt and for ofmt, off the grid, NaN/inf count, -0 count, sum x^2)
+    nf, nz, sxx, kx = _decode(words, r, g * 32, x, ax, af, bn, inv)
+    c, a, fig, fig_o, off = _group(x, ax, af, bn, inv, nf, kx, table, lowbit, fmt, ofmt, min_error, q, aq, nib, rt,
+                                   err, cand, auth)
+    ua = int(a)
+    for j in range(4):
+        word = np.uint32(0)
+        for t in range(8):
+            word |= nib[ua, j * 8 + t] << np.uint32(4 * t)
+        packed[r, g * 4 + j] = word
+    return c, fig, fig_o, off, nf, nz, sxx
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Groups side by side: the same decisions for CHUNK groups at once, value i of group k at [i, k], so that every
+# loop over a group's 32 values runs across groups (vector registers, no per-group calls, each group's sums still
+# left to right: the reference's order, exact or not). A group with anything uncommon (a NaN/inf, an author's m
+# other than the ratio lookup's, a target error past the tolerance) goes through _one_group instead.
+
+CHUNK = 64
+
+
+@jit
+def _columns(words, start, n, ng, wt, x, ax, af, inv, nf, nz, sxx, kx):
+    # groups start.. start + n - 1 of the block (row-major) decoded as _decode does, value i of group k at [i, k]
+    for k in range(n):
+        r = (start + k) // ng
+        base = (start + k - r * ng) * 32
+        for i in range(32):
+            wt[i, k] = words[r, base + i]
+        nf[k] = 0
+        nz[k] = 0
+        sxx[k] = 0.0
+        kx[k] = NO_QUANTUM
+    for i in range(32):
+        for k in range(n):
+            w = np.int32(wt[i, k])
+            e = (w >> 7) & 0xFF
+            fin = e != 0xFF
+            v = np.int32((w << 16) if fin else 0).view(np.float32)
+            x[i, k] = v
+            ax[i, k] = abs(v)
+            af[i, k] = abs(v)
+            inv[i, k] = np.int64((1157 - max(e, 1)) << 52).view(np.float64) if fin else 0.0
+            nf[k] += not fin
+            nz[k] += w == 0x8000
+            sxx[k] += np.float64(v) * v
+            kx[k] = min(kx[k], max(e, 1) - 134 if fin and w & 0x7FFF else NO_QUANTUM)
+
+
+@jit
+def _peaks(x, n, table, lowbit, amax, safe, mask, m, neg):
+    # _peak_level for every group: amax, safe, the ratio mask and its m, the peak negative only
+    for k in range(n):
+        amax[k] = -np.inf  # the largest value, then amax
+        safe[k] = np.inf  # the smallest value, then safe
+        mask[k] = 0xFF
+    for i in range(32):
+        for k in range(n):
+            v = x[i, k]
+            amax[k] = v if v > amax[k] else amax[k]
+            safe[k] = v if v < safe[k] else safe[k]
+    for k in range(n):
+        pmax, pmin = amax[k], safe[k]
+        amax[k] = max(pmax, -pmin)
+        neg[k] = -pmin > pmax
+        safe[k] = amax[k] if amax[k] > 0 else 1.0
+    for i in range(32):
+        for k in range(n):
+            b = int(_rint(x[i, k] / safe[k] * 1024.0)) + 1024
+            mask[k] &= table[min(max(b, 0), 2048)]
+    for k in range(n):
+        if not neg[k]:
+            mask[k] &= 0x7F
+        mm = int(lowbit[mask[k]])
+        m[k] = mm if mm else (8 if neg[k] else 7)
+
+
+@jit
+def _levels_cols(x, n, m, safe, q, aq, s, f, sqq):
+    # _levels of row 0 for every group (levels q, their magnitudes aq, the least-squares step s); f and sqq scratch
+    for k in range(n):
+        f[k] = m[k] / safe[k]
+        sqq[k] = 0.0
+        s[k] = 0.0
+    for i in range(32):
+        for k in range(n):
+            l = min(max(_rint(x[i, k] * f[k]), -8.0), 7.0)
+            q[i, k] = l
+            aq[i, k] = abs(l)
+            sqq[k] += l * l
+            s[k] += l * x[i, k]
+    for k in range(n):
+        s[k] = s[k] / sqq[k] if sqq[k] else 0.0
+
+
+@jit
+def _author_cols(x, n, mask, m, safe, ma, f, d, tol, bad, xg):
+    # _author_m for every group: ma[k] the first m of the ratio mask passing the author's test (0: none). The
+    # mask's first m is the ratio lookup's: tested for every group at once, the rest group by group (xg scratch)
+    for k in range(n):
+        f[k] = m[k] / safe[k]
+        d[k] = safe[k] / m[k]
+        tol[k] = safe[k] * AUTHOR_TOL
+        bad[k] = 0
+    for i in range(32):
+        for k in range(n):
+            l = min(max(_rint(x[i, k] * f[k]), -8.0), 7.0)
+            bad[k] += not abs(l * d[k] - x[i, k]) <= tol[k]
+    for k in range(n):
+        ma[k] = m[k] if mask[k] and bad[k] == 0 else 0
+        rest = mask[k] & ~((1 << m[k]) - 1) if mask[k] and bad[k] else 0  # the mask's m above the first
+        if rest:
+            for i in range(32):
+                xg[i] = x[i, k]
+            tk = safe[k] * AUTHOR_TOL
+            for mm in range(m[k] + 1, 9):
+                if (rest >> (mm - 1)) & 1 and _author_misses(xg, mm / safe[k], safe[k] / mm, tk) == 0:
+                    ma[k] = mm
+                    break
+
+
+@jit
+def _spread_cols(aq, af, n, hi, lo, vmin):
+    # _ratio_spread of row 0 for every group
+    for k in range(n):
+        hi[k] = np.float32(0.0)
+        lo[k] = np.float32(np.inf)
+        vmin[k] = np.float32(np.inf)
+    for i in range(32):
+        for k in range(n):
+            a = aq[i, k]
+            on = a > 0
+            r = af[i, k] / (a if on else np.float32(1.0))
+            hi[k] = r if on & (r > hi[k]) else hi[k]
+            lo[k] = r if on & (r < lo[k]) else lo[k]
+            vmin[k] = af[i, k] if on & (af[i, k] < vmin[k]) else vmin[k]
+
+
+@jit
+def _eval_cols(cand, j, aq, af, ax, n, sig, cnt, sq):
+    # candidate j's runtime values for every group: exact count and squared error, left to right
+    for k in range(n):
+        cnt[k] = 0
+        sq[k] = 0.0
+    for i in range(32):
+        for k in range(n):
+            r = _round_t(np.float32(cand[j, k]) * aq[i, k], sig)
+            cnt[k] += r == af[i, k]
+            d = np.float64(r) - ax[i, k]
+            sq[k] += d * d
+
+
+@jit
+def _per_level_cols(aq, ax, n, cnt, tot):
+    # per group and level magnitude a = 1..8 (row a - 1): how many values have it, and their magnitudes' sum
+    for a in range(8):
+        for k in range(n):
+            cnt[a, k] = 0.0
+            tot[a, k] = 0.0
+    for k in range(n):
+        for i in range(32):
+            a = int(aq[i, k]) - 1
+            if a >= 0:
+                cnt[a, k] += 1.0
+                tot[a, k] += ax[i, k]
+
+
+@jit
+def _sq_levels_cols(cand, j, cnt, tot, grp, n, sig, minexp, sq, exact):
+    # The squared runtime error of candidate j for every group from the per-level sums (no pass over the values):
+    # sum x^2 + sum over a of T(c*a) (count_a T(c*a) - 2 sum_a |x|). Equal to the reference's left-to-right sum
+    # where exact[k]: T(8c) and amax below 2^(23+k), k the smallest quantum of the values and of c in T. In units of
+    # 2^k every runtime value and |x| is then an integer below 2^23, so each term, factor and partial sum of either
+    # form is an integer below 2^53 (a partial sum of the terms is a sum of r (r - 2|x|) over values, each below
+    # 2^47 in magnitude; the whole is the sum of (r - |x|)^2, below 2^51).
+    kx, amax, sxx = grp[3], grp[4], grp[5]
+    for k in range(n):
+        c = cand[j, k]
+        kc = max(_ilogb(c if c > 0.0 else 1.0) - sig + 1, minexp)
+        kk = min(kx[k], kc) if c > 0.0 else kx[k]
+        top = max(np.float64(_round_t(np.float32(8.0 * c), sig)), amax[k])
+        exact[k] = kx[k] == NO_QUANTUM or top < _exp2(min(23 + kk, 1023))  # NO_QUANTUM: every value zero
+        sq[k] = 0.0
+    for a in range(8):
+        for k in range(n):
+            r = np.float64(_round_t(np.float32(cand[j, k]) * np.float32(a + 1), sig))
+            sq[k] += r * (cnt[a, k] * r - 2.0 * tot[a, k])
+    for k in range(n):
+        sq[k] += sxx[k]
+
+
+@jit
+def _errors_cols(c, aq, af, ax, inv, n, sig, worst, tot, cnt):
+    # _errors of each group's chosen scale: worst and summed error in ulps, values exact
+    for k in range(n):
+        worst[k] = 0.0
+        tot[k] = 0.0
+        cnt[k] = 0.0
+    for i in range(32):
+        for k in range(n):
+            r = _round_t(np.float32(c[k]) * aq[i, k], sig)
+            e = abs(np.float64(r) - ax[i, k]) * inv[i, k]
+            worst[k] = e if e > worst[k] else worst[k]
+            tot[k] += e
+            cnt[k] += r == af[i, k]
+
+
+@jit
+def _round_cols(s, n, sig, minexp, vmax, c0, cd, cu):
+    # _round_fmt of every s[k] >= 0, its expressions without branches
+    for k in range(n):
+        pos = s[k] > 0.0
+        v = min(s[k], vmax) if pos else 1.0
+        kq = max(_ilogb(v) - sig + 1, minexp)
+        c = _rint(v * _exp2(-kq)) * _exp2(kq)
+        e0 = _ilogb(c)
+        qu0 = _exp2(max(e0 - sig + 1, minexp))
+        qd = qu0 * 0.5 if c == _exp2(e0) and e0 - sig >= minexp else qu0
+        c0[k] = c if pos else 0.0
+        cd[k] = max(c - qd, 0.0) if pos else 0.0
+        cu[k] = min(c + qu0, vmax) if pos else 0.0
+
+
+@jit
+def _unbounded_cols(aq, af, n, sig, minexp, spread, lo, hi, out):
+    # _surely_unbounded, else _surely_unbounded_per_value, for every group: out[k] where no scale can reproduce
+    # every value of group k
+    rmax, rmin, vmin = spread
+    hs = np.float32(_exp2(-sig))
+    for k in range(n):
+        lo[k] = np.float32(0.0)
+        hi[k] = np.float32(np.inf)
+    for i in range(32):
+        for k in range(n):
+            a = aq[i, k]
+            on = a > 0
+            rl = np.float32(1.0) / (a if on else np.float32(1.0))
+            h = np.int32(np.float32(af[i, k]).view(np.int32) & 0x7F800000).view(np.float32) * hs  # binade * 2^-sig
+            vlo = (af[i, k] - h) * rl if on else np.float32(0.0)
+            vhi = (af[i, k] + h) * rl if on else np.float32(np.inf)
+            lo[k] = vlo if vlo > lo[k] else lo[k]
+            hi[k] = vhi if vhi < hi[k] else hi[k]
+    for k in range(n):
+        vm = np.float64(vmin[k])
+        out[k] = (_surely_unbounded(np.float64(rmax[k]), np.float64(rmin[k]), vm, sig, minexp)
+                  or (_normal_in_t(vm, sig, minexp) and np.float64(lo[k]) > np.float64(hi[k]) * (1.0 + 2.0 ** -20)))
+
+
+@jit
+def _choose_cols(fmt, min_error, n, grp, spread, aq, af, ax, inv, levels, scr, cand, ok, cnt, sq, exact, res, hard):
+    # _choose for every group (the author's m is the ratio lookup's or none, no NaN/inf): the candidates of _search
+    # in its order (the author's least-squares step is the first candidate again: not a slot), each valid for some
+    # group evaluated for all, the same choice rule; then the chosen scale's error figures. res: scale, exact
+    # count, sq, worst and summed error. hard[k]: group k needs _one_group (min-error: a tie, or a squared error
+    # the per-level form cannot give exactly)
+    sig, minexp, vmax = fmt
+    s, safe, ma = grp[0], grp[1], grp[2]
+    _candidates_cols(fmt, n, s, safe, ma, spread, aq, af, ax, scr, cand, ok, res[3:5])
+    bc, bcnt, bsq = res[0], res[1], res[2]
+    for k in range(n):
+        hard[k] = False
+    for j in range(8):
+        need = False
+        for k in range(n):
+            need = need or ok[j, k]
+        if not need:
+            continue
+        if min_error:
+            _sq_levels_cols(cand, j, levels[0], levels[1], grp, n, sig, minexp, sq, exact)
+            for k in range(n):
+                take = (j == 0) | (ok[j, k] & (bsq[k] != 0.0))  # at 0 every value is exact: nothing is better
+                hard[k] = hard[k] | (take & (~exact[k] | ((j > 0) & (sq[k] == bsq[k]))))  # a tie: the counts
+                better = take & ((j == 0) | (sq[k] < bsq[k]))
+                bc[k] = cand[j, k] if better else bc[k]
+                bsq[k] = sq[k] if better else bsq[k]
+        else:
+            _eval_cols(cand, j, aq, af, ax, n, sig, cnt, sq)
+            for k in range(n):
+                nn, e = cnt[k], sq[k]
+                if j == 0 or (ok[j, k] and (nn > bcnt[k] or (nn == bcnt[k] and e < bsq[k]))):
+                    bc[k], bcnt[k], bsq[k] = cand[j, k], nn, e
+    _errors_cols(bc, aq, af, ax, inv, n, sig, res[3], res[4], bcnt)
+
+
+@jit
+def _candidates_cols(fmt, n, s, safe, ma, spread, aq, af, ax, scr, cand, ok, lbub):
+    # _search's candidates for every group, slot j of group k at [j, k], ok[j, k] where valid and not a duplicate
+    sig, minexp, vmax = fmt
+    aqg, ax1, lo, hi = scr
+    _round_cols(s, n, sig, minexp, vmax, cand[0], cand[1], cand[2])
+    _round_cols(s, n, 8, -133, BF16_MAX, cand[7], cand[3], cand[4])  # bf16 of the step, then T (slot 7)
+    _round_cols(cand[7], n, sig, minexp, vmax, cand[7], cand[3], cand[4])
+    for k in range(n):
+        cand[6, k] = safe[k] / ma[k] if ma[k] else 0.0
+    _round_cols(cand[6], n, sig, minexp, vmax, cand[6], cand[3], cand[4])
+    _unbounded_cols(aq, af, n, sig, minexp, spread, lo, hi, ok[3])
+    for k in range(n):
+        lbub[0, k], lbub[1, k] = 1.0, 0.0
+        if not ok[3, k]:  # the exact interval, as _bounds takes it
+            for i in range(32):
+                aqg[0, i] = aq[i, k]
+                ax1[i] = ax[i, k]
+            lbub[0, k], lbub[1, k] = _bounds(aqg, ax1, sig, minexp, vmax)
+            if lbub[0, k] <= lbub[1, k]:
+                cand[3, k], cand[4, k], cand[5, k] = _round_fmt(min(max(s[k], lbub[0, k]), lbub[1, k]), sig, minexp,
+                                                                vmax)
+    for j in range(8):  # (branch-free: & and | rather than and and or)
+        for k in range(n):
+            ok[j, k] = (j < 3) | ((j < 6) & (lbub[0, k] <= lbub[1, k])) | ((j >= 6) & (ma[k] > 0))
+        for t in range(j):  # a duplicate cannot be strictly better
+            for k in range(n):
+                ok[j, k] = ok[j, k] & ~(ok[t, k] & (cand[t, k] == cand[j, k]))
+
+
+@jit
 def quantize_rows(words, packed, scales, stats, ratio_table, lowbit, sig, minexp, vmax, osig, ominexp, ovmax,
                   min_error):
     """grid.run_kernel's call: every group of words (uint16 [rows, cols]) into packed (uint32 [rows, cols/8]),
     scales (float64 [rows, cols/32]) and the stats vector (grid.S_*)."""
-    # scratch for one group, allocated once per call: the values (_decode), the levels of the ratio lookup's m
-    # and of the author's m (rows 0 and 1), a runtime table and the candidates
+    return _rows(words, packed, scales, stats, ratio_table, lowbit, (sig, minexp, vmax), (osig, ominexp, ovmax),
+                 min_error, True)
+
+
+@jit
+def quantize_rows_per_group(words, packed, scales, stats, ratio_table, lowbit, sig, minexp, vmax, osig, ominexp,
+                            ovmax, min_error):
+    """quantize_rows with every group through _one_group (the kernel before groups were side by side; tests)."""
+    return _rows(words, packed, scales, stats, ratio_table, lowbit, (sig, minexp, vmax), (osig, ominexp, ovmax),
+                 min_error, False)
+
+
+@jit_inline
+def _account(acc, stats, r, g, fig, fig_o, off, nf, nz, sxx):
+    # one group's figures into the block's totals, in group order (the sums' order is the block's)
+    acc[0] += fig[0]
+    acc[1] += fig_o[0]
+    acc[2] += fig[1]
+    acc[3] += fig_o[1]
+    acc[4] = max(acc[4], fig[2])
+    acc[5] = max(acc[5], fig_o[2])
+    acc[6] += fig[3]
+    acc[7] += fig_o[3]
+    acc[8] += sxx
+    acc[9] += nz
+    acc[10] += nf
+    if off:
+        if acc[11] == 0:
+            stats[6] = r
+            stats[7] = g
+            stats[8] = fig[2]
+            stats[9] = fig_o[2]
+            stats[17] = nf > 0
+        acc[11] += 1
+
+
+@jit
+def _pack_cols(q, n, start, ng, fast, packed, words32):
+    # the nibbles (level + 8) of row 0's levels, eight to a word, for the groups of the fast path
+    for j in range(4):
+        for k in range(n):
+            words32[j, k] = 0
+        for t in range(8):
+            for k in range(n):
+                words32[j, k] |= np.uint32(np.int32(q[j * 8 + t, k]) + 8) << np.uint32(4 * t)
+    for k in range(n):
+        if fast[k]:
+            r = (start + k) // ng
+            g = start + k - r * ng
+            for j in range(4):
+                packed[r, g * 4 + j] = words32[j, k]
+
+
+@jit
+def _rows(words, packed, scales, stats, table, lowbit, fmt, ofmt, min_error, side_by_side):
+    # scratch allocated once per call: one group's (_one_group) and CHUNK groups' (value i of group k at [i, k])
     x, ax, inv = np.empty(32), np.empty(32), np.empty(32)
     af, bn = np.empty(32, dtype=np.float32), np.empty(32, dtype=np.float32)
     q, aq = np.empty((2, 32)), np.empty((2, 32), dtype=np.float32)
     nib = np.empty((2, 32), dtype=np.uint32)
     rt, err = np.empty(32, dtype=np.float32), np.empty(32)
     cand, auth = np.empty(9), np.empty(9, dtype=np.bool_)
-    fmt, ofmt = (sig, minexp, vmax), (osig, ominexp, ovmax)
+    wt = np.empty((32, CHUNK), dtype=np.uint16)
+    words32 = np.empty((4, CHUNK), dtype=np.uint32)
+    xc, axc, invc, qc = np.empty((32, CHUNK)), np.empty((32, CHUNK)), np.empty((32, CHUNK)), np.empty((32, CHUNK))
+    afc, aqc = np.empty((32, CHUNK), dtype=np.float32), np.empty((32, CHUNK), dtype=np.float32)
+    ints = np.zeros((8, CHUNK), dtype=np.int64)  # NaN/inf, -0, ratio mask, m, author's m, misses, exact count, kx
+    nf, nz, mask, m, ma, bad, cnt, kx = ints[0], ints[1], ints[2], ints[3], ints[4], ints[5], ints[6], ints[7]
+    levels = (np.empty((8, CHUNK)), np.empty((8, CHUNK)))  # per level magnitude: count, sum of |x|
+    fl = np.zeros((9, CHUNK))
+    sxx, amax, safe, s, f, sqq, sq, d, tol = fl[0], fl[1], fl[2], fl[3], fl[4], fl[5], fl[6], fl[7], fl[8]
+    f32 = np.empty((5, CHUNK), dtype=np.float32)
+    spread = (f32[0], f32[1], f32[2])
+    scr = (aq, ax, f32[3], f32[4])
+    neg, fast = np.empty(CHUNK, dtype=np.bool_), np.zeros(CHUNK, dtype=np.bool_)
+    hard = np.empty((2, CHUNK), dtype=np.bool_)
+    grp = (s, safe, ma, kx, amax, sxx)
+    candc, ok = np.empty((8, CHUNK)), np.empty((8, CHUNK), dtype=np.bool_)
+    res = np.zeros((10, CHUNK))  # per format: scale, exact count, sq, worst, summed error
+    acc = np.zeros(12)
     rows, cols = words.shape
     ng = cols // 32
-    n_exact = n_exact_o = 0
-    sqsum = sqsum_o = worst = worst_o = esum = esum_o = x2 = 0.0
-    n_negzero = n_nonfinite = n_off = 0
-    for r in range(rows):
-        for g in range(ng):
-            nf, nz, sxx, kx = _decode(words, r, g * 32, x, ax, af, bn, inv)
-            x2 += sxx
-            n_negzero += nz
-            n_nonfinite += nf
-            c, a, fig, fig_o, off = _group(x, ax, af, bn, inv, nf, kx, ratio_table, lowbit, fmt, ofmt, min_error,
-                                           q, aq, nib, rt, err, cand, auth)
-            n_exact += fig[0]
-            n_exact_o += fig_o[0]
-            sqsum += fig[1]
-            sqsum_o += fig_o[1]
-            worst = max(worst, fig[2])
-            worst_o = max(worst_o, fig_o[2])
-            esum += fig[3]
-            esum_o += fig_o[3]
-            if off:
-                if n_off == 0:
-                    stats[6] = r
-                    stats[7] = g
-                    stats[8] = fig[2]
-                    stats[9] = fig_o[2]
-                    stats[17] = nf > 0
-                n_off += 1
-            scales[r, g] = c
-            ua = int(a)
-            for j in range(4):
-                word = np.uint32(0)
-                for t in range(8):
-                    word |= nib[ua, j * 8 + t] << np.uint32(4 * t)
-                packed[r, g * 4 + j] = word
+    for start in range(0, rows * ng, CHUNK):
+        n = min(CHUNK, rows * ng - start)
+        if side_by_side:
+            _columns(words, start, n, ng, wt, xc, axc, afc, invc, nf, nz, sxx, kx)
+            _peaks(xc, n, table, lowbit, amax, safe, mask, m, neg)
+            _author_cols(xc, n, mask, m, safe, ma, f, d, tol, bad, x)
+            _levels_cols(xc, n, m, safe, qc, aqc, s, f, sqq)
+            _spread_cols(aqc, afc, n, spread[0], spread[1], spread[2])
+            if min_error:
+                _per_level_cols(aqc, axc, n, levels[0], levels[1])
+            for o in range(2):
+                _choose_cols(fmt if o == 0 else ofmt, min_error, n, grp, spread, aqc, afc, axc, invc, levels, scr,
+                             candc, ok, cnt, sq, fast, res[5 * o:5 * o + 5], hard[o])
+            for k in range(n):  # else: an author's grid of its own, a NaN/inf, the target past the tolerance, ...
+                fast[k] = (nf[k] == 0 and (ma[k] == 0 or ma[k] == m[k]) and res[3, k] <= 2.0 and not hard[0, k]
+                           and not hard[1, k])
+            _pack_cols(qc, n, start, ng, fast, packed, words32)
+        for k in range(n):
+            r = (start + k) // ng
+            g = start + k - r * ng
+            if fast[k]:
+                scales[r, g] = res[0, k]
+                _account(acc, stats, r, g, (res[1, k], res[2, k], res[3, k], res[4, k]),
+                         (res[6, k], res[7, k], res[8, k], res[9, k]), False, nf[k], nz[k], sxx[k])
+            else:
+                c, fig, fig_o, off, nfg, nzg, sxg = _one_group(words, r, g, table, lowbit, fmt, ofmt, min_error,
+                                                                packed, x, ax, af, bn, inv, q, aq, nib, rt, err, cand,
+                                                                auth)
+                scales[r, g] = c
+                _account(acc, stats, r, g, fig, fig_o, off, nfg, nzg, sxg)
     stats[0] = rows * ng
-    stats[1], stats[2] = n_exact, n_exact_o
-    stats[3], stats[4] = worst, worst_o
-    stats[11], stats[12] = esum, esum_o
-    stats[13], stats[14] = sqsum, sqsum_o
-    stats[5] = n_off
-    stats[10] = n_nonfinite
-    stats[15] = x2
-    stats[16] = n_negzero
+    stats[1], stats[2] = acc[0], acc[1]
+    stats[3], stats[4] = acc[4], acc[5]
+    stats[11], stats[12] = acc[6], acc[7]
+    stats[13], stats[14] = acc[2], acc[3]
+    stats[5] = acc[11]
+    stats[10] = acc[10]
+    stats[15] = acc[8]
+    stats[16] = acc[9]

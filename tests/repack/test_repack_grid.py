@@ -174,6 +174,33 @@ def test_fast_kernel_matches_numpy_reference_on_adversarial_groups():
             assert s.offgrid >= 1  # the group with one value 100 binades down is reported off the grid
 
 
+@pytest.mark.parametrize("target", ["float16", "bfloat16"])
+@pytest.mark.parametrize("objective", ["min-error", "runtime-exact"])
+def test_groups_side_by_side_give_the_bytes_of_one_group_at_a_time(target, objective):
+    """The kernel takes groups side by side and sends the uncommon ones (NaN/inf, an author's grid of its own, a
+    target error past the tolerance, min-error ties or sums the per-level form cannot give exactly) through the
+    one-group path, the kernel as it was before. Its packed levels and scales must be those of every group
+    through the one-group path, byte for byte, and its figures the same: on every distribution, the adversarial
+    and special groups, any words at all, fp16 steps (runtime products at rounding ties), and block sizes that
+    are no multiple of the chunk."""
+    pytest.importorskip("numba")
+    from repack import _kernel_numba as k
+
+    rng = np.random.default_rng(47)
+    blocks = [_adversarial(rng), _special_groups(grid_words(96, 512, rng, jitter=0.26), rng),
+              rng.integers(0, 0x10000, (24, 1024)).astype(np.uint16), grid_words(3, 96, rng)]
+    for levels in ("uniform", "peaked"):
+        for step_dtype in (np.float16, np.float32):
+            for jitter in (0.0, 0.26):
+                blocks.append(grid_words(16, 1536, rng, step_dtype=step_dtype, jitter=jitter, levels=levels))
+    for w in blocks:
+        a = grid.run_kernel(k.quantize_rows_per_group, w, target, objective)
+        b = grid.run_kernel(k.quantize_rows, w, target, objective)
+        assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1]), w.shape
+        assert np.allclose(a[2], b[2], rtol=1e-12, atol=0), w.shape
+        assert a[1].tobytes() == b[1].tobytes()  # -0.0 and 0.0 compare equal: the stored bytes too
+
+
 def test_synthetic_level_distributions_differ():
     rng = np.random.default_rng(22)
     u = grid_words(64, 256, rng, levels="uniform")
