@@ -205,7 +205,7 @@ def _launch(cfg: ServeConfig, argv: list[str], platform: str, env: dict[str, str
                 log_path=str(cfg.log_file), instance=cfg.instance, gpus=cfg.gpus,
                 gpu_memory_utilization=cfg.gpu_memory_utilization, cpu_cores=cfg.cpu_cores,
                 tensor_parallel_size=cfg.tensor_parallel_size, data_parallel_size=cfg.data_parallel_size,
-                env=recorded))
+                env=recorded, door_port=cfg.door_port))
             os.write(gate_w, b"1")
     except BaseException:
         if proc is not None:

@@ -85,6 +85,10 @@ class ServerStatus:
     instances: list["ServerStatus"] | None = None
     router: dict[str, Any] | None = None
     all_healthy: bool | None = None    # every instance (and router) reported is alive and answers /health
+    # A switch of the front door under way (its lock's pid, what, since), and the servers of STATE_DIR that no
+    # readable record names (a damaged or deleted record): pid, folder, ports, command; neither signalled
+    switch: dict[str, Any] | None = None
+    unrecorded: list[dict[str, Any]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

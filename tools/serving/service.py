@@ -27,8 +27,9 @@ from tools.serving.records import StartResult
 from tools.serving.replace import replace_server
 from tools.serving.router import check_port, start_router, stop_router
 from tools.serving.server_guard import owned_server
+from tools.serving.state import DamagedState, load_state
 from tools.serving.start_progress import StartReport
-from tools.serving.vllm_server import stop_server
+from tools.serving.vllm_server import stop_each, stop_server
 
 SLOTS = ("blue", "green")  # the builds behind the front door take turns: the new one starts beside the old one
 
@@ -74,7 +75,7 @@ def _refuse_door_build(cfg: ServeConfig, what: str) -> None:
 
 def build_config(cfg: ServeConfig, rt: router_state.RouterState | None) -> ServeConfig:
     """The config of the build that serves behind the front door next: a free slot, an internal port."""
-    return replace(cfg, instance=_slot(cfg, rt), port=free_port(cfg.host), served_aliases=[])
+    return replace(cfg, instance=_slot(cfg, rt), port=free_port(cfg.host), served_aliases=[], door_port=cfg.port)
 
 
 def start(cfg: ServeConfig, *, replace_running: bool = False, progress: StartReport | None = None,
@@ -135,14 +136,16 @@ def _refill(cfg: ServeConfig, rt: router_state.RouterState, progress: StartRepor
 
 def _open(cfg: ServeConfig, progress: StartReport | None, hardware: Hardware | None) -> StartResult:
     """The build on an internal port, then the router on the port clients use, over it."""
-    check_port(cfg, cfg.host, cfg.port)  # before anything starts: the door's port
-    alive = placement.running(cfg)
-    orphans = [s for s in SLOTS if s in alive]
-    if orphans:  # a door that is gone left its builds: they would hold the cores the new one needs
-        raise ToolFailure(f"instance {' and '.join(orphans)} ({', '.join(alive[s].served_name for s in orphans)}) "
-                          f"still runs without the front door (its router is gone): {op('stop')} ends it, then "
-                          f"{op('start')}", {"running": orphans})
+    # Under the door's switch lock from the first check: a start that loses a race to another is refused naming
+    # the winner, never told that the winner's build, still starting, was left by a door that is gone.
     with router_state.switching(cfg, f"start of the front door with {cfg.served_name}"):
+        check_port(cfg, cfg.host, cfg.port)  # before anything starts: the door's port
+        alive = placement.running(cfg)
+        orphans = [s for s in SLOTS if s in alive and alive[s].door_port == cfg.port]
+        if orphans:  # a door that is gone left its builds: they would hold the cores the new one needs
+            names = ", ".join(alive[s].served_name for s in orphans)
+            raise ToolFailure(f"instance {' and '.join(orphans)} ({names}) still runs without the front door (its "
+                              f"router is gone): {op('stop')} ends it, then {op('start')}", {"running": orphans})
         b = build_config(cfg, None)
         with owned_server(b.state_file):
             res = start_server(b, progress=progress, hardware=hardware)
@@ -169,21 +172,47 @@ def _serving(rt: router_state.RouterState) -> str:
 
 
 def stop(cfg: ServeConfig, *, grace_s: float = 20.0) -> list[Any]:
-    """Stops the service on the port: the front door and the builds behind it (and any build of its slots a
-    door that is gone left running), else the server itself; each stop's result (a StopResult, the router's
-    RouterStopResult first). Refused while a switch or a front-door start runs."""
+    """Stops the service on the port: the front door and the builds behind it (and any build a door that is gone
+    left in its slots: one whose record names the door's port, never a user's own instance of that name), else the
+    server itself; each stop's result (a StopResult, the router's RouterStopResult first). Refused while a switch
+    or a front-door start runs. What it cannot prove is the project's (a damaged record, a server no readable
+    record names) is not signalled: once the rest is stopped, one ToolFailure names each such thing and how to end
+    it, with what was stopped in its detail."""
     _refuse_door_build(cfg, "stop")
     if not behind_door(cfg):
-        return [stop_server(cfg, grace_s=grace_s)]
+        return stop_each(cfg, [lambda: stop_server(cfg, grace_s=grace_s)], [cfg.instance_dir])
     router_state.refuse_while_switching(cfg, "this stop")
-    rt = door(cfg)
-    results: list[Any] = [stop_router(cfg, grace_s=grace_s)] if rt is not None else []
-    names = list(dict.fromkeys([*(b.instance for b in (rt.backends if rt else [])), *SLOTS]))
-    for name in names:
+    try:
+        rt = router_state.load(cfg)
+    except DamagedState as exc:
+        rt, damaged = None, exc
+    else:
+        damaged = None
+    steps: list[Any] = [lambda: stop_router(cfg, grace_s=grace_s)] if rt is not None else []
+    if damaged is not None:
+        steps.append(lambda: _raise(damaged))
+    behind = [b.instance for b in (rt.backends if rt else [])]
+    for name in dict.fromkeys([*behind, *SLOTS]):
         one = replace(cfg, instance="" if name == "default" else name)
-        if one.state_file.exists():
-            results.append(stop_server(one, grace_s=grace_s))
-    return results or [stop_server(cfg, grace_s=grace_s)]
+        if one.state_file.exists() and (name in behind or _door_build(one, cfg.port)):
+            steps.append(lambda one=one: stop_server(one, grace_s=grace_s))
+    if not steps:
+        steps.append(lambda: stop_server(cfg, grace_s=grace_s))
+    return stop_each(cfg, steps, [cfg.instance_dir, *(replace(cfg, instance=n).instance_dir for n in SLOTS)])
+
+
+def _raise(exc: Exception) -> Any:
+    raise exc
+
+
+def _door_build(one: ServeConfig, door_port: int) -> bool:
+    """A slot's recorded build was started behind the front door of `door_port` (a damaged record counts: stop
+    then reports it rather than pass it by)."""
+    try:
+        st = load_state(one)
+    except DamagedState:
+        return True
+    return st is not None and st.door_port == door_port
 
 
 def describe(res: StartResult | SwitchResult) -> str:
