@@ -270,3 +270,124 @@ def test_a_stop_while_the_front_door_starts_is_refused_not_passed_over(shipped, 
         go.touch()
         out, err = first.communicate(timeout=60)
     assert first.returncode == 0 and "the front door" in out, err
+
+
+def test_status_tells_what_runs_through_a_switch_and_after_stop(shipped, capsys, tmp_path):
+    """While a switch runs, status names it (its pid and what it does) and calls the loading build starting; the
+    door's readiness URL (the one for a load balancer in front of it) fails while no build is behind it, as in a
+    hold; the status fields read alive and healthy while the door serves through a healthy build; an old build a
+    command stops is not reported as died; after stop nothing reads as serving, and the builds' logs are still
+    found."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    from tests.fixtures import ROOT
+    from tools.serving import frontdoor, vllm_server
+    from tools.serving.instances import fleet_status
+
+    make, cfg = shipped
+    assert _cli(capsys, "start", "--model", make("old"), "--served-name", "old")[0] == 0
+    ready = f"{cfg.base_url}/readiness"
+    assert httpx.get(ready).status_code == 200
+    top = fleet_status(cfg)
+    assert top.alive and top.healthy and top.served_name == "old" and top.base_url == cfg.base_url, top.message
+
+    rt = router_state.recorded(cfg)
+    [blue] = rt.backends
+    frontdoor.remove_worker(rt, blue.base_url)  # as a hold leaves the door while the old build stops
+    try:
+        assert httpx.get(ready).status_code == 503
+        rc, out, _ = _cli(capsys, "status")
+        assert rc == 3 and "over no build (a request is held up to" in out and "routing" in out, out
+    finally:
+        frontdoor.add_worker(rt, blue.base_url)
+    assert httpx.get(ready).status_code == 200
+
+    go = tmp_path / "go"
+    with Clients(cfg.base_url) as clients:
+        switch = subprocess.Popen([sys.executable, "-m", "tests.stand_in_switch", "cli", "start", "--replace",
+                                   "--served-name", "new", "--model", make("new", until=str(go))], cwd=ROOT,
+                                  env=dict(os.environ, PYTHONPATH=str(ROOT)), text=True, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE)
+        try:
+            deadline = time.monotonic() + 60
+            while not load_config(instance="green").state_file.exists():
+                assert switch.poll() is None and time.monotonic() < deadline, switch.communicate()
+                time.sleep(0.05)
+            rc, out, _ = _cli(capsys, "status")
+            assert "a switch of the front door runs (pid" in out and "switch to new on instance green" in out, out
+            assert "[green] not answering: new" in out and "while another command changes instance green" in out, out
+            assert "running but not healthy" not in out
+            assert fleet_status(cfg).switch is not None
+        finally:
+            go.touch()
+            out, err = switch.communicate(timeout=60)
+    assert switch.returncode == 0 and "serving new" in out, err
+    assert clients.failed() == []
+
+    # the old build's stop as a command does it, under its instance's lock: a status meanwhile says so, not died
+    green_cfg = load_config(instance="green")
+    green = state.load_state(green_cfg)
+    with state.instance_lock(green_cfg, "stop"):
+        os.killpg(green.pgid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while group_alive(green.pgid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        st = vllm_server.server_status(green_cfg)
+    assert not st.died and "another command changes instance green" in st.message, st.message
+    assert _cli(capsys, "start", "--model", make("again"), "--served-name", "again")[0] == 0  # behind the door again
+
+    rc, out, err = _cli(capsys, "stop")
+    assert rc == 0, err
+    rc, out, _ = _cli(capsys, "status")
+    assert rc == 3 and "nothing serves now" in out and "serving new" not in out and "(new serves)" not in out, out
+    rc, out, err = _cli(capsys, "log", "-n", "5")
+    assert rc == 0 and "Starting to load model" in out, err
+    assert vllm_server.log_path(cfg).parent.name in ("blue", "green"), vllm_server.log_path(cfg)
+
+
+def test_a_switch_that_finds_the_door_stopped_advises_a_plain_start(shipped):
+    """`stop &` then `start --replace`: the switch finds no door (stopped meanwhile) and advises start, not the
+    router's own start."""
+    from tools.core.errors import ToolFailure
+    from tools.serving import frontdoor
+    from tools.serving.service import build_config
+
+    make, cfg = shipped
+    with pytest.raises(ToolFailure) as exc:
+        frontdoor.switch(cfg, build_config(cfg, None))
+    assert '"start"' in exc.value.message and "router.start" not in exc.value.message, exc.value.message
+
+
+def test_a_start_that_loses_to_a_starting_door_names_the_winner(shipped, capsys, tmp_path):
+    """Starts at once: the loser is refused naming the start that runs, never told its build (still starting)
+    was left by a door that is gone."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from tests.fixtures import ROOT
+
+    make, cfg = shipped
+    go = tmp_path / "go"
+    first = subprocess.Popen([sys.executable, "-m", "tests.stand_in_switch", "cli", "start", "--model",
+                              make("slow", until=str(go))], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                             text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while not load_config(instance="blue").state_file.exists():
+            assert first.poll() is None and time.monotonic() < deadline, first.communicate()
+            time.sleep(0.05)
+        rc, _, err = _cli(capsys, "start", "--model", make("other"))
+        assert rc == 1 and "the front door is being switched (pid" in err and "this start was not done" in err, err
+        assert "without the front door" not in err
+    finally:
+        go.touch()
+        out, err = first.communicate(timeout=60)
+    assert first.returncode == 0, err

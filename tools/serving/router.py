@@ -57,7 +57,7 @@ class RouterStatus:
     base_url: str | None = None
     policy: str | None = None
     backends: list[Backend] = field(default_factory=list)
-    backends_healthy: dict[str, bool] = field(default_factory=dict)
+    backends_healthy: dict[str, bool] = field(default_factory=dict)  # those it routes to now: each answers?
     log_path: str | None = None
     uptime_s: float | None = None
     message: str = ""
@@ -248,13 +248,13 @@ def router_status(cfg: ServeConfig) -> RouterStatus:
                             message=f"router pid {st.pid} died; its state file was cleared")
 
     ok = health.answers(st.base_url)
-    back = {b.instance: health.answers(b.base_url) for b in st.backends}
     try:  # what the router routes to now (in a hold, none while the old build stops and the new one loads)
         live = set(workers(st))
     except (httpx.HTTPError, ValueError, AttributeError):
         live = {b.base_url for b in st.backends}
+    back = {b.instance: health.answers(b.base_url) for b in st.backends if b.base_url in live}
     over = [f"{b.instance} {b.base_url}" + ("" if back[b.instance] else " (not answering)")
-            for b in st.backends if b.base_url in live]
+            for b in st.backends if b.instance in back]
     word = "routing" if ok else "running but not healthy"
     return RouterStatus(alive=True, healthy=ok, pid=st.pid, base_url=st.base_url, policy=st.policy,
                         backends=st.backends, backends_healthy=back, log_path=st.log_path,

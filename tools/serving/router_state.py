@@ -16,6 +16,9 @@ from tools.serving.state import (DamagedState, InstanceBusy, ProcessRecord, floc
                                   stamp_holder, write_record)
 
 
+SLOTS = ("blue", "green")  # the front door's builds take turns: the new one starts beside the old one
+
+
 @dataclass
 class Backend:  # a dataclass: the router's results (dataclasses) hold it and asdict() them
     instance: str
@@ -91,16 +94,16 @@ def switch_file(cfg: ServeConfig) -> Path:
 
 
 @contextmanager
-def switching(cfg: ServeConfig, what: str) -> Iterator[None]:
+def switching(cfg: ServeConfig, what: str, refused: str = "another switch") -> Iterator[None]:
     """Holds the front door's switch lock (STATE_DIR/switch.lock) for the block: one switch at a time, and no
     `router stop` meanwhile. The file names the process that holds it (pid, start time, what); the kernel drops
     the lock with that process, however it ends, so a killed switch never leaves the door locked. Not waited
-    for: while another process holds it, InstanceBusy names that one."""
+    for: while another process holds it, InstanceBusy names that one (and says `refused` was not done)."""
     path = switch_file(cfg)
     path.parent.mkdir(parents=True, exist_ok=True)
     fh = flocked(path)
     if fh is None:
-        raise _switch_busy(cfg, path)
+        raise _switch_busy(cfg, path, refused)
     try:
         me = psutil.Process()
         stamp_holder(fh, {"pid": me.pid, "create_time": me.create_time(), "what": what})
@@ -128,5 +131,5 @@ def _switch_busy(cfg: ServeConfig, path: Path, what: str = "another switch") -> 
                         f"end, then check {op('router.status')}", {"lock": str(path)})
 
 
-__all__ = ["Backend", "RouterState", "alive", "group", "load", "log_file", "recorded", "refuse_while_switching",
+__all__ = ["SLOTS", "Backend", "RouterState", "alive", "group", "load", "log_file", "recorded", "refuse_while_switching",
            "state_file", "switch_file", "switch_running", "switching", "write"]

@@ -31,7 +31,7 @@ from tools.serving.state import DamagedState, load_state
 from tools.serving.start_progress import StartReport
 from tools.serving.vllm_server import stop_each, stop_server
 
-SLOTS = ("blue", "green")  # the builds behind the front door take turns: the new one starts beside the old one
+SLOTS = router_state.SLOTS
 
 
 def behind_door(cfg: ServeConfig) -> bool:
@@ -115,7 +115,7 @@ def _refill(cfg: ServeConfig, rt: router_state.RouterState, progress: StartRepor
             hardware: Hardware | None) -> StartResult:
     """A front door whose builds are all gone (a switch that ended with nothing serving, a build stopped or
     killed): the new build starts in a free slot and the door routes to it alone; requests held meanwhile."""
-    with router_state.switching(cfg, f"start of {cfg.served_name} behind the front door"):
+    with router_state.switching(cfg, f"start of {cfg.served_name} behind the front door", "this start"):
         b = build_config(cfg, router_state.RouterState.model_validate({**rt.model_dump(), "backends": []}))
         with owned_server(b.state_file):
             res = start_server(replace(b, served_aliases=[n for n in rt.names if n != b.served_name]),
@@ -138,7 +138,7 @@ def _open(cfg: ServeConfig, progress: StartReport | None, hardware: Hardware | N
     """The build on an internal port, then the router on the port clients use, over it."""
     # Under the door's switch lock from the first check: a start that loses a race to another is refused naming
     # the winner, never told that the winner's build, still starting, was left by a door that is gone.
-    with router_state.switching(cfg, f"start of the front door with {cfg.served_name}"):
+    with router_state.switching(cfg, f"start of the front door with {cfg.served_name}", "this start"):
         check_port(cfg, cfg.host, cfg.port)  # before anything starts: the door's port
         alive = placement.running(cfg)
         orphans = [s for s in SLOTS if s in alive and alive[s].door_port == cfg.port]

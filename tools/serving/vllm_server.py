@@ -163,9 +163,10 @@ def _server_status(cfg: ServeConfig, hardware: Hardware | None) -> ServerStatus:
     uptime = round(time.time() - state.started_ts, 1)
     return ServerStatus(alive=True, healthy=healthy, uptime_s=uptime, vram=vram,
                         memory=served_memory(cfg, state, vram), **common,
-                        message=f"{'serving' if healthy else 'starting' if busy else 'running but not healthy'}: "
-                                f"{state.served_name} at {state.base_url} (pid {state.pid})"
-                                + (f", under {holder_text(lock_file(cfg))}" if busy is not None and not healthy else ""))
+                        message=f"{'serving' if healthy else 'not answering' if busy else 'running but not healthy'}"
+                                f": {state.served_name} at {state.base_url} (pid {state.pid})"
+                                + (f", while another command changes instance {cfg.instance_name} "
+                                   f"({holder_text(lock_file(cfg))})" if busy is not None and not healthy else ""))
 
 
 def read_log(cfg: ServeConfig, lines: int = 50) -> str:
@@ -195,12 +196,15 @@ def behind_door_state(cfg: ServeConfig) -> ServerState | None:
 
 
 def log_path(cfg: ServeConfig) -> Path:
-    """The instance's server log: the recorded server's own, else the newest launch's (each has one)."""
+    """The instance's server log: the recorded server's own, else the newest launch's (each has one); for the
+    default instance, the builds' of the front door (in its slots' folders) count as its launches."""
     state = load_state(cfg) or behind_door_state(cfg)
     if state is not None:
         return Path(state.log_path)
-    logs = sorted(cfg.instance_dir.glob("vllm-*.log"), key=lambda f: f.name) if cfg.instance_dir.is_dir() else []
-    return logs[-1] if logs else cfg.log_file
+    folders = [cfg.instance_dir, *([] if cfg.instance else
+                                   (replace(cfg, instance=s).instance_dir for s in router_state.SLOTS))]
+    logs = [f for d in folders if d.is_dir() for f in d.glob("vllm-*.log")]
+    return max(logs, key=lambda f: (f.stat().st_mtime, f.name)) if logs else cfg.log_file
 
 
 def query(cfg: ServeConfig, prompt: str, *, max_tokens: int = 64, base_url: str | None = None,
