@@ -391,3 +391,29 @@ def test_a_start_that_loses_to_a_starting_door_names_the_winner(shipped, capsys,
         go.touch()
         out, err = first.communicate(timeout=60)
     assert first.returncode == 0, err
+
+
+def test_a_switch_that_would_change_the_clients_key_is_refused_unless_told(shipped, capsys, monkeypatch):
+    """The door's build answers to key K1 and clients send it: a switch started with K2 (or with a key where the
+    build takes none) is refused in one line naming VLLM_API_KEY, nothing changed and no request refused;
+    --new-key switches, and then the new key is the one answered."""
+    import httpx
+
+    make, cfg = shipped
+    k1, k2 = "k1-" + "a" * 24, "k2-" + "b" * 24
+    monkeypatch.setenv("VLLM_API_KEY", k1)
+    assert _cli(capsys, "start", "--model", make("old"), "--served-name", "old")[0] == 0
+    with Clients(cfg.base_url, key=k1) as clients:
+        monkeypatch.setenv("VLLM_API_KEY", k2)
+        rc, _, err = _cli(capsys, "start", "--model", make("new"), "--served-name", "new", "--replace")
+    [line] = [ln for ln in err.splitlines() if ln.startswith("vllm-t4 ")]
+    assert rc == 2 and "VLLM_API_KEY" in line and "--new-key" in line, err
+    assert clients.failed() == [] and set(clients.served()) == {"old"}
+    assert [b.instance for b in router_state.recorded(cfg).backends] == ["blue"]
+    rc, out, err = _cli(capsys, "start", "--model", make("new"), "--served-name", "new", "--replace", "--new-key")
+    assert rc == 0 and "serving new" in out, err
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for key, code in ((k2, 200), (k1, 401)):
+        r = httpx.post(f"{cfg.base_url}/v1/chat/completions", json=chat, timeout=30,
+                       headers={"Authorization": f"Bearer {key}"})
+        assert r.status_code == code, (key, r.text)

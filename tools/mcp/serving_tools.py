@@ -45,7 +45,7 @@ def start_vllm_server(app, p: StartParams, progress, checked) -> Reply:
     # Owned until ready (service.start): a client that goes away, a SIGTERM or a SIGKILL of this server while
     # vLLM starts ends that vLLM too; once it serves it is handed over. A front-door switch runs in a process of
     # its own and ends alone.
-    res = service.start(checked, replace_running=p.replace,
+    res = service.start(checked, replace_running=p.replace, new_key=p.new_key,
                         progress=lambda frac, msg: progress(round(frac * 100, 1), 100, msg))
     if isinstance(res, SwitchResult):
         where = on_platform(getattr(behind_door_state(checked), "platform", None))

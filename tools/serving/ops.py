@@ -38,10 +38,13 @@ class StartParams(InstanceParams):
 
     replace: bool = Field(False, description="In place of the running build, which serves again if this fails "
                                              "(FRONT_DOOR=1: no request fails)")
+    new_key: bool = Field(False, description="With replace through the front door: switch even though this start's "
+                                             "VLLM_API_KEY is not the key the serving build answers to (clients "
+                                             "must then send the new one)")
 
     def overrides(self) -> dict[str, Any]:
         """The serving-config overrides this start asks for (unset fields keep tpu.env's values)."""
-        return {k: v for k, v in self.model_dump(exclude={"replace"}).items() if v is not None}
+        return {k: v for k, v in self.model_dump(exclude={"replace", "new_key"}).items() if v is not None}
 
 
 class StopParams(InstanceParams):

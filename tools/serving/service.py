@@ -16,6 +16,9 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+import httpx
+
+from tools.core.api_key import API_KEY_ENV, api_key, auth_headers
 from tools.core.errors import BadInput, ToolFailure, op, param
 from tools.core.process import free_port
 from tools.serving import frontdoor, placement, router_state, switch_process, switch_record
@@ -79,11 +82,12 @@ def build_config(cfg: ServeConfig, rt: router_state.RouterState | None) -> Serve
 
 
 def start(cfg: ServeConfig, *, replace_running: bool = False, progress: StartReport | None = None,
-          hardware: Hardware | None = None) -> StartResult | SwitchResult:
+          hardware: Hardware | None = None, new_key: bool = False) -> StartResult | SwitchResult:
     """Serves cfg's build on the port clients use: through the front door when behind_door(cfg) (a
     SwitchResult when it replaced a build there), else on the port itself. Owned until ready: a command or MCP
     server that is gone before then (even by SIGKILL) takes the starting server with it; a front-door switch
-    runs in a process of its own and ends alone."""
+    runs in a process of its own and ends alone. A switch that would change the API key clients must send (this
+    command's VLLM_API_KEY is not the one the serving build answers to) is refused unless `new_key`."""
     if replace_running:
         _refuse_door_build(cfg, "replace")
     if not behind_door(cfg):
@@ -107,8 +111,29 @@ def start(cfg: ServeConfig, *, replace_running: bool = False, progress: StartRep
         if cfg.given_for_this_start("port") and cfg.port != rt.port:
             raise BadInput(f"{param('port', cfg.port)}: the front door keeps its port {rt.port} across a switch; "
                            f"leave {param('port')} out", {"port": cfg.port}, field="port")
+        if not new_key:
+            _refuse_key_change(rt)
         return switch_process.switch(cfg, build_config(cfg, rt), progress=progress)
     return _open(cfg, progress, hardware)
+
+
+def _refuse_key_change(rt: router_state.RouterState) -> None:
+    """Refuses a switch whose build would answer to another key than the serving one (BadInput naming
+    VLLM_API_KEY): asked with this command's key, the serving build answers 401 when its key is another; asked
+    with none, it answers while this command has one (clients send none, and the new build would refuse them)."""
+    url = rt.backends[-1].base_url
+    try:
+        with_ours = httpx.get(f"{url}/v1/models", headers=auth_headers(), timeout=10.0).status_code
+        without = httpx.get(f"{url}/v1/models", timeout=10.0).status_code if api_key() else 401
+    except httpx.HTTPError:
+        return  # the build does not answer now: the switch's own checks say what runs
+    if with_ours == 401 or without == 200:
+        how = ("is not the key the serving build answers to" if with_ours == 401 else
+               "is set, and the serving build answers without a key")
+        raise BadInput(f"${API_KEY_ENV} {how}: after this switch every client still sending the old one would be "
+                       f"refused (HTTP 401); switch with the serving build's {API_KEY_ENV}, or pass "
+                       f"{param('new_key', True)} to change the key clients send", {"key_env": API_KEY_ENV},
+                       field="new_key")
 
 
 def _refill(cfg: ServeConfig, rt: router_state.RouterState, progress: StartReport | None,
