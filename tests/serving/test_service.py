@@ -7,11 +7,15 @@ real vllm-router, the switch's own process tests/stand_in_switch.py (a CPU of tw
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
+import time
 
 import pytest
 
 from tests import stand_in_vllm
-from tests.fixtures import free_port, group_alive
+from tests.fixtures import ROOT, free_port, group_alive
 from tests.serving.test_frontdoor import Clients
 from tests.stand_in_switch import SWITCH
 from tools.serving import router_state, state, switch_process
@@ -52,6 +56,21 @@ def _cli(capsys, *args):
     rc = main(list(args))
     out = capsys.readouterr()
     return rc, out.out, out.err
+
+
+def _background(*args: str) -> subprocess.Popen:
+    """./vllm-t4 ARGS with the stand-in builds, in a process of its own that runs on while the test acts."""
+    return subprocess.Popen([sys.executable, "-m", "tests.stand_in_switch", "cli", *args], cwd=ROOT,
+                            env=dict(os.environ, PYTHONPATH=str(ROOT)), text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+
+
+def _until_recorded(proc: subprocess.Popen, instance: str) -> None:
+    """Waits until `instance` has a state file (its build launched by `proc`, still loading)."""
+    deadline = time.monotonic() + 60
+    while not load_config(instance=instance).state_file.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
 
 
 def test_the_shipped_configuration_switches_builds_on_the_port_clients_use_with_no_failed_request(shipped, capsys):
@@ -245,25 +264,12 @@ def test_a_door_that_is_gone_is_cleaned_up_by_stop_and_its_builds_refused_by_sta
 
 
 def test_a_stop_while_the_front_door_starts_is_refused_not_passed_over(shipped, capsys, tmp_path):
-    import os
-    import subprocess
-    import sys
-
-    from tests.fixtures import ROOT
-
     make, cfg = shipped
     go = tmp_path / "go"
     slow = make("slow", until=str(go))
-    first = subprocess.Popen([sys.executable, "-m", "tests.stand_in_switch", "cli", "start", "--model", slow],
-                             cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), text=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    first = _background("start", "--model", slow)
     try:
-        import time
-
-        deadline = time.monotonic() + 60
-        while not load_config(instance="blue").state_file.exists():
-            assert first.poll() is None and time.monotonic() < deadline, first.communicate()
-            time.sleep(0.05)
+        _until_recorded(first, "blue")
         rc, _, err = _cli(capsys, "stop")
         assert rc == 1 and "the front door is being switched" in err and "this stop was not done" in err, err
     finally:
@@ -273,20 +279,15 @@ def test_a_stop_while_the_front_door_starts_is_refused_not_passed_over(shipped, 
 
 
 def test_status_tells_what_runs_through_a_switch_and_after_stop(shipped, capsys, tmp_path):
-    """While a switch runs, status names it (its pid and what it does) and calls the loading build starting; the
+    """While a switch runs, status names it (its pid and what it does) and says the loading build does not answer while that switch changes it; the
     door's readiness URL (the one for a load balancer in front of it) fails while no build is behind it, as in a
     hold; the status fields read alive and healthy while the door serves through a healthy build; an old build a
     command stops is not reported as died; after stop nothing reads as serving, and the builds' logs are still
     found."""
-    import os
     import signal
-    import subprocess
-    import sys
-    import time
 
     import httpx
 
-    from tests.fixtures import ROOT
     from tools.serving import frontdoor, vllm_server
     from tools.serving.instances import fleet_status
 
@@ -310,15 +311,9 @@ def test_status_tells_what_runs_through_a_switch_and_after_stop(shipped, capsys,
 
     go = tmp_path / "go"
     with Clients(cfg.base_url) as clients:
-        switch = subprocess.Popen([sys.executable, "-m", "tests.stand_in_switch", "cli", "start", "--replace",
-                                   "--served-name", "new", "--model", make("new", until=str(go))], cwd=ROOT,
-                                  env=dict(os.environ, PYTHONPATH=str(ROOT)), text=True, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE)
+        switch = _background("start", "--replace", "--served-name", "new", "--model", make("new", until=str(go)))
         try:
-            deadline = time.monotonic() + 60
-            while not load_config(instance="green").state_file.exists():
-                assert switch.poll() is None and time.monotonic() < deadline, switch.communicate()
-                time.sleep(0.05)
+            _until_recorded(switch, "green")
             rc, out, _ = _cli(capsys, "status")
             assert "a switch of the front door runs (pid" in out and "switch to new on instance green" in out, out
             assert "[green] not answering: new" in out and "while another command changes instance green" in out, out
@@ -340,6 +335,10 @@ def test_status_tells_what_runs_through_a_switch_and_after_stop(shipped, capsys,
             time.sleep(0.05)
         st = vllm_server.server_status(green_cfg)
     assert not st.died and "another command changes instance green" in st.message, st.message
+    deadline = time.monotonic() + 30  # the router finds the build gone within 3 of its 2-s checks
+    while httpx.get(ready).status_code != 503:
+        assert time.monotonic() < deadline, "the door's readiness still 200 with no build answering behind it"
+        time.sleep(0.5)
     assert _cli(capsys, "start", "--model", make("again"), "--served-name", "again")[0] == 0  # behind the door again
 
     rc, out, err = _cli(capsys, "stop")
@@ -367,23 +366,11 @@ def test_a_switch_that_finds_the_door_stopped_advises_a_plain_start(shipped):
 def test_a_start_that_loses_to_a_starting_door_names_the_winner(shipped, capsys, tmp_path):
     """Starts at once: the loser is refused naming the start that runs, never told its build (still starting)
     was left by a door that is gone."""
-    import os
-    import subprocess
-    import sys
-    import time
-
-    from tests.fixtures import ROOT
-
     make, cfg = shipped
     go = tmp_path / "go"
-    first = subprocess.Popen([sys.executable, "-m", "tests.stand_in_switch", "cli", "start", "--model",
-                              make("slow", until=str(go))], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
-                             text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    first = _background("start", "--model", make("slow", until=str(go)))
     try:
-        deadline = time.monotonic() + 60
-        while not load_config(instance="blue").state_file.exists():
-            assert first.poll() is None and time.monotonic() < deadline, first.communicate()
-            time.sleep(0.05)
+        _until_recorded(first, "blue")
         rc, _, err = _cli(capsys, "start", "--model", make("other"))
         assert rc == 1 and "the front door is being switched (pid" in err and "this start was not done" in err, err
         assert "without the front door" not in err
