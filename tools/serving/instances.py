@@ -58,7 +58,8 @@ def fleet_status(cfg: ServeConfig, *, hardware: Any = None) -> Any:
     if (listed or door_up) and not had_default:
         last = switch_record.load_switch(default_cfg)  # the front door's last switch is recorded there
         if last is not None:
-            top.message += f"; {switch_record.describe(last, serving_now=top.healthy)}"
+            serving = top.healthy or any(i.alive and i.healthy for i in listed)
+            top.message += f"; {switch_record.describe(last, serving_now=serving)}"
     if router_state.switch_running(default_cfg) is not None:
         top.switch = router_state.switch_running(default_cfg)
         top.message += f"; a switch of the front door runs ({state.holder_text(router_state.switch_file(cfg))})"
