@@ -100,3 +100,21 @@ def test_stop_leaves_a_users_own_instance_named_like_a_slot(cli_here, tmp_path, 
     r = cli_here(["stop", "--grace", "2"], _env(tmp_path / "run", port, FRONT_DOOR=front_door))
     assert r.returncode == 0, r.stderr
     assert _alive(green["pid"]) and not _alive(blue["pid"]) and not _alive(router["pid"])
+
+
+def test_a_start_while_a_stop_ends_the_doors_build_advises_start_after_it(cli_here, tmp_path, fleet):
+    """`stop &` then `start`: the door's router already gone, its build still being stopped (its instance's lock
+    held): start is refused naming that command and advising a plain start once it ends, not told the build was
+    left by a door that is gone."""
+    from tools.serving import state
+    from tools.serving.config import load_config
+
+    port = free_port()
+    blue = fleet("blue", free_port(), serve=True, door_port=port)
+    run = tmp_path / "run"
+    env = _env(run, port)
+    with state.instance_lock(load_config(state_dir=str(run), instance="blue"), "stop"):
+        r = cli_here(["start", "--model", str(tmp_path)], env)
+    assert r.returncode == 1 and "being changed by another command" in r.stderr and "stop" in r.stderr, r.stderr
+    assert "without the front door" not in r.stderr and r.stderr.rstrip().endswith("then `./vllm-t4 start`")
+    assert _alive(blue["pid"])

@@ -30,7 +30,7 @@ from tools.serving.records import StartResult
 from tools.serving.replace import replace_server
 from tools.serving.router import check_port, start_router, stop_router
 from tools.serving.server_guard import owned_server
-from tools.serving.state import DamagedState, load_state
+from tools.serving.state import DamagedState, InstanceBusy, holder, holder_text, load_state, lock_file
 from tools.serving.start_progress import StartReport
 from tools.serving.vllm_server import stop_each, stop_server
 
@@ -167,6 +167,12 @@ def _open(cfg: ServeConfig, progress: StartReport | None, hardware: Hardware | N
         check_port(cfg, cfg.host, cfg.port)  # before anything starts: the door's port
         alive = placement.running(cfg)
         orphans = [s for s in SLOTS if s in alive and alive[s].door_port == cfg.port]
+        for s in orphans:  # a stop (or another command) ending it now: wait for that, then start
+            lock = lock_file(replace(cfg, instance=s))
+            if holder(lock) is not None:
+                raise InstanceBusy(f"instance {s} ({alive[s].served_name}) of the front door is being changed by "
+                                   f"another command ({holder_text(lock)}); nothing was done: wait for it to end, "
+                                   f"then {op('start')}", {"instance": s, "lock": str(lock)})
         if orphans:  # a door that is gone left its builds: they would hold the cores the new one needs
             names = ", ".join(alive[s].served_name for s in orphans)
             raise ToolFailure(f"instance {' and '.join(orphans)} ({names}) still runs without the front door (its "
