@@ -118,3 +118,27 @@ def test_a_start_while_a_stop_ends_the_doors_build_advises_start_after_it(cli_he
     assert r.returncode == 1 and "being changed by another command" in r.stderr and "stop" in r.stderr, r.stderr
     assert "without the front door" not in r.stderr and r.stderr.rstrip().endswith("then `./vllm-t4 start`")
     assert _alive(blue["pid"])
+
+
+def test_a_record_naming_another_users_process_is_damaged_and_signals_nobody(cli_here, tmp_path, fleet):
+    """router.json naming a live process of another user (its pid, start time, own group): not the project's;
+    stop signals nothing of it and names the record in one line, rc 1."""
+    import os
+    import subprocess
+
+    if os.getuid() != 0:
+        pytest.skip("starting another user's process needs root")
+    port = free_port()
+    router, blue = _door(fleet, port)
+    theirs = subprocess.Popen(["sleep", "300"], start_new_session=True, user=65534, group=65534)
+    try:
+        run = tmp_path / "run"
+        (run / "router.json").write_text(json.dumps({**router, "pid": theirs.pid, "pgid": theirs.pid,
+                                                     "create_time": psutil.Process(theirs.pid).create_time()}))
+        r = cli_here(["stop", "--grace", "2"], _env(run, port))
+        [line] = r.stderr.strip().splitlines()
+        assert r.returncode == 1 and "router.json is damaged" in line and "another user" in line, r.stderr
+        assert theirs.poll() is None and not _alive(blue["pid"])
+    finally:
+        theirs.kill()
+        theirs.wait()

@@ -75,9 +75,10 @@ def write_record(path: Path, record: Record) -> None:
 
 class ProcessRecord(Record):
     """What every record of a process the project started holds, checked the same way for each kind (a server's,
-    the router's): the leader's pid, its start time (against a recycled pid) and its process group, which is its
-    own (every such process is started as the leader of its own session, pgid == pid): a record naming another
-    group would have stop signal processes that are not the project's."""
+    the router's): the leader's pid, its start time (against a recycled pid), its process group, which is its own
+    (every such process is started as the leader of its own session, pgid == pid), and its owner, this user: a
+    record naming another group or another user's process would have stop signal processes that are not the
+    project's."""
 
     pid: int
     pgid: int
@@ -87,6 +88,15 @@ class ProcessRecord(Record):
     def _own_group(self) -> "ProcessRecord":
         if self.pgid != self.pid:
             raise ValueError(f"pgid {self.pgid} is not the process's own group (pid {self.pid})")
+        # Ownership: a live process of the record (same pid and start time) runs as this user, as everything the
+        # project starts does; another user's is no server of ours to signal.
+        proc = process.same_process(self.pid, self.create_time)
+        try:
+            uid = proc.uids().real if proc is not None else os.getuid()
+        except psutil.Error:
+            uid = os.getuid()
+        if uid != os.getuid():
+            raise ValueError(f"pid {self.pid} runs as another user (uid {uid}), not as this project's processes do")
         return self
 
     def leader(self) -> psutil.Process | None:
