@@ -318,7 +318,7 @@ def test_status_tells_what_runs_through_a_switch_and_after_stop(shipped, capsys,
             assert "a switch of the front door runs (pid" in out and "switch to new on instance green" in out, out
             assert "[green] not answering: new" in out and "while another command changes instance green" in out, out
             assert "running but not healthy" not in out
-            assert fleet_status(cfg).switch is not None
+            assert fleet_status(cfg).replace["running"] and "switch to new" in fleet_status(cfg).replace["what"]
         finally:
             go.touch()
             out, err = switch.communicate(timeout=60)

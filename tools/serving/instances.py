@@ -60,8 +60,9 @@ def fleet_status(cfg: ServeConfig, *, hardware: Any = None) -> Any:
         if last is not None:
             serving = top.healthy or any(i.alive and i.healthy for i in listed)
             top.message += f"; {switch_record.describe(last, serving_now=serving)}"
-    if router_state.switch_running(default_cfg) is not None:
-        top.switch = router_state.switch_running(default_cfg)
+    switching = router_state.switch_running(default_cfg)
+    if switching is not None:
+        top.replace = {**switching, "running": True}
         top.message += f"; a switch of the front door runs ({state.holder_text(router_state.switch_file(cfg))})"
     left = state.unrecorded(cfg.state_dir)
     if left:

@@ -36,11 +36,8 @@ class StartParams(InstanceParams):
                                                      "share of the free cores (none bound for a lone default "
                                                      "instance)")
 
-    replace: bool = Field(False, description="In place of the running build, which serves again if this fails "
-                                             "(FRONT_DOOR=1: no request fails)")
-    new_key: bool = Field(False, description="With replace through the front door: switch even though this start's "
-                                             "VLLM_API_KEY is not the key the serving build answers to (clients "
-                                             "must then send the new one)")
+    replace: bool = Field(False, description="In place of the running build; it serves again if this fails")
+    new_key: bool | None = Field(None, description="Allow a new VLLM_API_KEY")
 
     def overrides(self) -> dict[str, Any]:
         """The serving-config overrides this start asks for (unset fields keep tpu.env's values)."""
