@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -57,22 +58,39 @@ ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 """
 
 
+def _listens(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
 @pytest.fixture()
 def fleet(tmp_path):
-    """Fake running instances: make(name, port, platform, **state) starts a `sleep` in its own session and
-    writes its state file; everything is killed at the end."""
+    """Fake running instances: make(name, port, platform, **state) starts a `sleep` (serve=True: a server on port)
+    in its own session, from the instance's folder as a launch starts it, and writes its state file; name "router"
+    writes run/router.json for it instead (its backends: the instances named in `backends`). Everything is killed
+    at the end."""
     procs: list[subprocess.Popen] = []
 
-    def make(name: str, port: int, platform: str = "cpu", serve: bool = False, **state):
+    def make(name: str, port: int, platform: str = "cpu", serve: bool = False, backends: tuple = (), **state):
         argv = [sys.executable, "-c", FAKE_WORKER, str(port)] if serve else ["sleep", "300"]
-        p = subprocess.Popen(argv, start_new_session=True)
-        procs.append(p)
-        d = tmp_path / "run" / name if name != "default" else tmp_path / "run"
+        d = tmp_path / "run" / name if name not in ("default", "router") else tmp_path / "run"
         d.mkdir(parents=True, exist_ok=True)
-        st = dict(pid=p.pid, pgid=p.pid, create_time=psutil.Process(p.pid).create_time(), host="127.0.0.1",
-                  port=port, base_url=f"http://127.0.0.1:{port}", model="m", served_name="m", argv=["x"],
-                  platform=platform, started_at="2026-01-01T00:00:00+00:00", started_ts=time.time(),
-                  log_path=str(d / "vllm.log"), instance="" if name == "default" else name, **state)
+        p = subprocess.Popen(argv, start_new_session=True, cwd=d)
+        procs.append(p)
+        deadline = time.monotonic() + 30
+        while serve and time.monotonic() < deadline and not _listens(port):
+            time.sleep(0.05)
+        common = dict(pid=p.pid, pgid=p.pid, create_time=psutil.Process(p.pid).create_time(), host="127.0.0.1",
+                      port=port, base_url=f"http://127.0.0.1:{port}", argv=["x"],
+                      started_at="2026-01-01T00:00:00+00:00", started_ts=time.time())
+        if name == "router":
+            st = dict(common, policy="round_robin", log_path=str(d / "router.log"), names=["m"],
+                      backends=[{"instance": b, "base_url": json.loads((d / b / "vllm.json").read_text())["base_url"]}
+                                for b in backends], **state)
+            (d / "router.json").write_text(json.dumps(st))
+            return st
+        st = dict(common, model="m", served_name="m", platform=platform, log_path=str(d / "vllm.log"),
+                  instance="" if name == "default" else name, **state)
         (d / "vllm.json").write_text(json.dumps(st))
         return st
 

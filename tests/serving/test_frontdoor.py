@@ -39,14 +39,15 @@ class TwoCores(Hardware):
 class Clients:
     """Chat completions through the front door from two threads until stopped: what each got."""
 
-    def __init__(self, url: str, model: str | None = None):
+    def __init__(self, url: str, model: str | None = None, key: str | None = None):
         self.url, self.results, self._stop = url, [], threading.Event()
+        self.headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
                      **({"model": model} if model else {})}
         self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(2)]
 
     def _run(self):
-        with httpx.Client(timeout=120.0) as c:
+        with httpx.Client(timeout=120.0, headers=self.headers) as c:
             while not self._stop.is_set():
                 t = time.monotonic()
                 try:

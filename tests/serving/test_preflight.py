@@ -100,6 +100,24 @@ def test_start_checks_the_model_about_to_start_not_model_name(clean_env, tmp_pat
     assert missing.status == "fail" and "nope does not exist" in missing.value
 
 
+def test_doctor_runs_the_start_checks_start_runs(clean_env, tmp_path, monkeypatch):
+    """HOST beyond the loopback with no API key: start refuses it, so doctor --step start reports that check failed
+    (not ready), with the same line; with a key both pass it."""
+    build = tmp_path / "models" / "b"
+    build.mkdir(parents=True)
+    (build / "config.json").write_text("{}")
+    env = str(_env_file(tmp_path, HOST="0.0.0.0", MODEL_NAME=str(build)))
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    report = run_preflight(PreflightParams(env_file=env, step="start"))
+    key = _by_name(report.checks)["api_key"]
+    assert not report.ready and key.status == "fail" and "0.0.0.0" in key.value and "VLLM_API_KEY" in key.fix
+    with pytest.raises(BadInput) as refused:
+        ensure("start", cfg=load_config(env))
+    assert refused.value.message == key.line()
+    monkeypatch.setenv("VLLM_API_KEY", "k-" + "x" * 24)
+    assert _by_name(checks_for("start", env_file=env))["api_key"].status == "ok"
+
+
 def test_doctor_command_line_exit_status(clean_env, tmp_path):
     env = dict(os.environ)
     ok = subprocess.run([str(ROOT / "vllm-t4"), "doctor", "--json", "--env-file", str(_env_file(tmp_path))],

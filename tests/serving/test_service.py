@@ -7,11 +7,15 @@ real vllm-router, the switch's own process tests/stand_in_switch.py (a CPU of tw
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
+import time
 
 import pytest
 
 from tests import stand_in_vllm
-from tests.fixtures import free_port, group_alive
+from tests.fixtures import ROOT, free_port, group_alive
 from tests.serving.test_frontdoor import Clients
 from tests.stand_in_switch import SWITCH
 from tools.serving import router_state, state, switch_process
@@ -52,6 +56,21 @@ def _cli(capsys, *args):
     rc = main(list(args))
     out = capsys.readouterr()
     return rc, out.out, out.err
+
+
+def _background(*args: str) -> subprocess.Popen:
+    """./vllm-t4 ARGS with the stand-in builds, in a process of its own that runs on while the test acts."""
+    return subprocess.Popen([sys.executable, "-m", "tests.stand_in_switch", "cli", *args], cwd=ROOT,
+                            env=dict(os.environ, PYTHONPATH=str(ROOT)), text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+
+
+def _until_recorded(proc: subprocess.Popen, instance: str) -> None:
+    """Waits until `instance` has a state file (its build launched by `proc`, still loading)."""
+    deadline = time.monotonic() + 60
+    while not load_config(instance=instance).state_file.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
 
 
 def test_the_shipped_configuration_switches_builds_on_the_port_clients_use_with_no_failed_request(shipped, capsys):
@@ -245,28 +264,143 @@ def test_a_door_that_is_gone_is_cleaned_up_by_stop_and_its_builds_refused_by_sta
 
 
 def test_a_stop_while_the_front_door_starts_is_refused_not_passed_over(shipped, capsys, tmp_path):
-    import os
-    import subprocess
-    import sys
-
-    from tests.fixtures import ROOT
-
     make, cfg = shipped
     go = tmp_path / "go"
     slow = make("slow", until=str(go))
-    first = subprocess.Popen([sys.executable, "-m", "tests.stand_in_switch", "cli", "start", "--model", slow],
-                             cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), text=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    first = _background("start", "--model", slow)
     try:
-        import time
-
-        deadline = time.monotonic() + 60
-        while not load_config(instance="blue").state_file.exists():
-            assert first.poll() is None and time.monotonic() < deadline, first.communicate()
-            time.sleep(0.05)
+        _until_recorded(first, "blue")
         rc, _, err = _cli(capsys, "stop")
         assert rc == 1 and "the front door is being switched" in err and "this stop was not done" in err, err
     finally:
         go.touch()
         out, err = first.communicate(timeout=60)
     assert first.returncode == 0 and "the front door" in out, err
+
+
+def test_status_tells_what_runs_through_a_switch_and_after_stop(shipped, capsys, tmp_path):
+    """While a switch runs, status names it (its pid and what it does) and says the loading build does not answer while that switch changes it; the
+    door's readiness URL (the one for a load balancer in front of it) fails while no build is behind it, as in a
+    hold; the status fields read alive and healthy while the door serves through a healthy build; an old build a
+    command stops is not reported as died; after stop nothing reads as serving, and the builds' logs are still
+    found."""
+    import signal
+
+    import httpx
+
+    from tools.serving import frontdoor, vllm_server
+    from tools.serving.instances import fleet_status
+
+    make, cfg = shipped
+    assert _cli(capsys, "start", "--model", make("old"), "--served-name", "old")[0] == 0
+    ready = f"{cfg.base_url}/readiness"
+    assert httpx.get(ready).status_code == 200
+    top = fleet_status(cfg)
+    assert top.alive and top.healthy and top.served_name == "old" and top.base_url == cfg.base_url, top.message
+
+    rt = router_state.recorded(cfg)
+    [blue] = rt.backends
+    frontdoor.remove_worker(rt, blue.base_url)  # as a hold leaves the door while the old build stops
+    try:
+        assert httpx.get(ready).status_code == 503
+        rc, out, _ = _cli(capsys, "status")
+        assert rc == 3 and "over no build (a request is held up to" in out and "routing" in out, out
+    finally:
+        frontdoor.add_worker(rt, blue.base_url)
+    assert httpx.get(ready).status_code == 200
+
+    go = tmp_path / "go"
+    with Clients(cfg.base_url) as clients:
+        switch = _background("start", "--replace", "--served-name", "new", "--model", make("new", until=str(go)))
+        try:
+            _until_recorded(switch, "green")
+            rc, out, _ = _cli(capsys, "status")
+            assert "a switch of the front door runs (pid" in out and "switch to new on instance green" in out, out
+            assert "[green] not answering: new" in out and "while another command changes instance green" in out, out
+            assert "running but not healthy" not in out
+            assert fleet_status(cfg).replace["running"] and "switch to new" in fleet_status(cfg).replace["what"]
+        finally:
+            go.touch()
+            out, err = switch.communicate(timeout=60)
+    assert switch.returncode == 0 and "serving new" in out, err
+    assert clients.failed() == []
+
+    # the old build's stop as a command does it, under its instance's lock: a status meanwhile says so, not died
+    green_cfg = load_config(instance="green")
+    green = state.load_state(green_cfg)
+    with state.instance_lock(green_cfg, "stop"):
+        os.killpg(green.pgid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while group_alive(green.pgid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        st = vllm_server.server_status(green_cfg)
+    assert not st.died and "another command changes instance green" in st.message, st.message
+    deadline = time.monotonic() + 30  # the router finds the build gone within 3 of its 2-s checks
+    while httpx.get(ready).status_code != 503:
+        assert time.monotonic() < deadline, "the door's readiness still 200 with no build answering behind it"
+        time.sleep(0.5)
+    assert _cli(capsys, "start", "--model", make("again"), "--served-name", "again")[0] == 0  # behind the door again
+
+    rc, out, err = _cli(capsys, "stop")
+    assert rc == 0, err
+    rc, out, _ = _cli(capsys, "status")
+    assert rc == 3 and "nothing serves now" in out and "serving new" not in out and "(new serves)" not in out, out
+    rc, out, err = _cli(capsys, "log", "-n", "5")
+    assert rc == 0 and "Starting to load model" in out, err
+    assert vllm_server.log_path(cfg).parent.name in ("blue", "green"), vllm_server.log_path(cfg)
+
+
+def test_a_switch_that_finds_the_door_stopped_advises_a_plain_start(shipped):
+    """`stop &` then `start --replace`: the switch finds no door (stopped meanwhile) and advises start, not the
+    router's own start."""
+    from tools.core.errors import ToolFailure
+    from tools.serving import frontdoor
+    from tools.serving.service import build_config
+
+    make, cfg = shipped
+    with pytest.raises(ToolFailure) as exc:
+        frontdoor.switch(cfg, build_config(cfg, None))
+    assert '"start"' in exc.value.message and "router.start" not in exc.value.message, exc.value.message
+
+
+def test_a_start_that_loses_to_a_starting_door_names_the_winner(shipped, capsys, tmp_path):
+    """Starts at once: the loser is refused naming the start that runs, never told its build (still starting)
+    was left by a door that is gone."""
+    make, cfg = shipped
+    go = tmp_path / "go"
+    first = _background("start", "--model", make("slow", until=str(go)))
+    try:
+        _until_recorded(first, "blue")
+        rc, _, err = _cli(capsys, "start", "--model", make("other"))
+        assert rc == 1 and "the front door is being switched (pid" in err and "this start was not done" in err, err
+        assert "without the front door" not in err
+    finally:
+        go.touch()
+        out, err = first.communicate(timeout=60)
+    assert first.returncode == 0, err
+
+
+def test_a_switch_that_would_change_the_clients_key_is_refused_unless_told(shipped, capsys, monkeypatch):
+    """The door's build answers to key K1 and clients send it: a switch started with K2 (or with a key where the
+    build takes none) is refused in one line naming VLLM_API_KEY, nothing changed and no request refused;
+    --new-key switches, and then the new key is the one answered."""
+    import httpx
+
+    make, cfg = shipped
+    k1, k2 = "k1-" + "a" * 24, "k2-" + "b" * 24
+    monkeypatch.setenv("VLLM_API_KEY", k1)
+    assert _cli(capsys, "start", "--model", make("old"), "--served-name", "old")[0] == 0
+    with Clients(cfg.base_url, key=k1) as clients:
+        monkeypatch.setenv("VLLM_API_KEY", k2)
+        rc, _, err = _cli(capsys, "start", "--model", make("new"), "--served-name", "new", "--replace")
+    [line] = [ln for ln in err.splitlines() if ln.startswith("vllm-t4 ")]
+    assert rc == 2 and "VLLM_API_KEY" in line and "--new-key" in line, err
+    assert clients.failed() == [] and set(clients.served()) == {"old"}
+    assert [b.instance for b in router_state.recorded(cfg).backends] == ["blue"]
+    rc, out, err = _cli(capsys, "start", "--model", make("new"), "--served-name", "new", "--replace", "--new-key")
+    assert rc == 0 and "serving new" in out, err
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for key, code in ((k2, 200), (k1, 401)):
+        r = httpx.post(f"{cfg.base_url}/v1/chat/completions", json=chat, timeout=30,
+                       headers={"Authorization": f"Bearer {key}"})
+        assert r.status_code == code, (key, r.text)

@@ -79,7 +79,7 @@ def cmd_start(p: StartParams, args: argparse.Namespace) -> int:
     print(f"starting {cfg.served_name} {where} (logs: {cfg.state_dir})", file=sys.stderr, flush=True)
     # Owned until ready (service.start): a SIGKILL of this command while vLLM starts ends that server too; once
     # it serves it is handed over (it outlives the command, recorded in its state file).
-    r = service.start(cfg, replace_running=p.replace, progress=progress)
+    r = service.start(cfg, replace_running=p.replace, new_key=bool(p.new_key), progress=progress)
     lines = [service.describe(r)]
     if isinstance(r, StartResult):
         if r.note:

@@ -44,7 +44,7 @@ def start_vllm_server(app, p: StartParams, progress, checked) -> Reply:
     # Owned until ready (service.start): a client that goes away, a SIGTERM or a SIGKILL of this server while
     # vLLM starts ends that vLLM too; once it serves it is handed over. A front-door switch runs in a process of
     # its own and ends alone.
-    res = service.start(checked, replace_running=p.replace,
+    res = service.start(checked, replace_running=p.replace, new_key=bool(p.new_key),
                         progress=lambda frac, msg: progress(round(frac * 100, 1), 100, msg))
     if isinstance(res, SwitchResult):
         where = on_platform(getattr(behind_door_state(checked), "platform", None))
@@ -67,8 +67,7 @@ class StopAll(BaseModel):
 @tool(toolset="serve", title="Stop the vLLM server", params=StopParams, result=StopResult | StopAll,
       destructive=True, idempotent=True, ops="stop")
 def stop_vllm_server(app, p: StopParams) -> Reply:
-    """Stop a server this project started (all=true: every one), e.g. to serve another build. Safe when nothing
-    runs."""
+    """Stop a server this project started (all=true: every one). Safe when nothing runs."""
     if p.all:
         if p.instance is not None:
             raise ToolFailure("all and instance exclude each other: pass one")
@@ -84,8 +83,7 @@ def stop_vllm_server(app, p: StopParams) -> Reply:
       idempotent=True, extra={"roots": (dict[str, list[str]], "Where tools may read and write paths")},
       ops="status")
 def server_status(app, p: StatusParams) -> Reply:
-    """What this project's servers serve and whether they answer, and the path roots; call it when unsure
-    what runs."""
+    """What this project's servers serve, whether they answer, and the path roots; call it when unsure."""
     if p.instance is not None:
         res = status(app.config(instance=p.instance))
     else:

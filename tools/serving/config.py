@@ -111,6 +111,9 @@ class ServeConfig:
     # Other names the server answers to (vLLM's --served-model-name takes several; it reports the first): behind
     # the front door, a new build also takes the names clients were given for the builds it replaces.
     served_aliases: list[str] = field(default_factory=list)
+    # Set on a build the front door starts behind it (service.build_config): the door's port, recorded in the
+    # build's state so that stop tells the door's builds from a user's own instance of the same name.
+    door_port: int | None = None
     # Where each field's value came from: "file", "environment" or "override" (absent: the dataclass default).
     # A value given for this start (override or environment) is a demand; one from the file is a preference.
     sources: dict[str, str] = field(default_factory=dict)

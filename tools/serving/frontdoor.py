@@ -84,6 +84,7 @@ def remove_worker(rt: RouterState, url: str) -> None:
 def workers(rt: RouterState) -> list[str]:
     """The worker URLs the router routes to now."""
     r = httpx.get(f"{rt.base_url}/list_workers", timeout=10.0)
+    r.raise_for_status()
     return list(r.json().get("urls") or [])
 
 
@@ -189,7 +190,7 @@ def fits_beside(b: ServeConfig, hw: Hardware) -> tuple[Fit, ServeConfig]:
 
 
 def _backend_cfg(cfg: ServeConfig, instance: str) -> ServeConfig:
-    return replace(cfg, instance="" if instance == "default" else instance)
+    return replace(cfg, instance="" if instance == "default" else instance, door_port=cfg.port)
 
 
 def _drain(base_url: str, timeout_s: float) -> None:
@@ -287,7 +288,7 @@ class _Switch:
         self.t0 = time.monotonic()
         rt = router_state.recorded(cfg)
         if rt is None:
-            raise ToolFailure(f"no front door runs: start it over the serving instance with {op('router.start')}")
+            raise ToolFailure(f"no front door runs (stopped meanwhile?): start the service with {op('start')}")
         self.rt = rt
         names = [x.instance for x in rt.backends]
         a_name = from_instance or (names[0] if len(names) == 1 else None)

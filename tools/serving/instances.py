@@ -10,11 +10,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from tools.core.errors import ToolFailure, op
 from tools.serving import router, router_state, state, switch_record
 from tools.serving.config import INSTANCE_NAME, ServeConfig
 from tools.serving.placement import instance_configs, locked, plan, process_owners, resolve, running
-from tools.serving.vllm_server import server_status, stop_server
+from tools.serving.vllm_server import server_status, stop_each, stop_server
 
 
 def all_status(cfg: ServeConfig, *, hardware: Any = None) -> list[Any]:
@@ -43,10 +42,14 @@ def fleet_status(cfg: ServeConfig, *, hardware: Any = None) -> Any:
     top.all_healthy = bool(healthy) and all(healthy)
     door_up = router_state.door_on_port(default_cfg) is not None and r is not None and r.alive and not had_default
     if door_up:
-        # the default service is the door, healthy when it answers and so does a build behind it
+        # the default service is the door: alive while it runs, healthy while it answers through a build
         behind = [i for i in listed if i.instance in r.backends_healthy]
+        serving = [i for i in behind if i.alive and i.healthy]
+        top.alive, top.healthy, top.base_url = True, r.healthy and bool(serving), r.base_url
+        if serving:
+            top.served_name, top.model = serving[0].served_name, serving[0].model
         top.message = (f"the front door at {r.base_url} {'answers' if r.healthy else 'does not answer'}, over "
-                       + (", ".join(f"{i.served_name} (instance {i.instance}, "
+                       + (", ".join(f"{i.served_name or 'an unreadable record'} (instance {i.instance}, "
                                     f"{'serving' if i.alive and i.healthy else 'down'})" for i in behind)
                           or "no build"))
         top.all_healthy = r.healthy and bool(behind) and all(i.alive and i.healthy for i in behind)
@@ -55,7 +58,17 @@ def fleet_status(cfg: ServeConfig, *, hardware: Any = None) -> Any:
     if (listed or door_up) and not had_default:
         last = switch_record.load_switch(default_cfg)  # the front door's last switch is recorded there
         if last is not None:
-            top.message += f"; {switch_record.describe(last)}"
+            serving = top.healthy or any(i.alive and i.healthy for i in listed)
+            top.message += f"; {switch_record.describe(last, serving_now=serving)}"
+    switching = router_state.switch_running(default_cfg)
+    if switching is not None:
+        top.replace = {**switching, "running": True}
+        top.message += f"; a switch of the front door runs ({state.holder_text(router_state.switch_file(cfg))})"
+    left = state.unrecorded(cfg.state_dir)
+    if left:
+        top.unrecorded = [u._asdict() for u in left]
+        top.all_healthy = False
+        top.message += "; " + "; ".join(u.line() for u in left)
     return top
 
 
@@ -73,28 +86,11 @@ def _configs_with_a_replace(cfg: ServeConfig) -> list[ServeConfig]:
 def stop_all(cfg: ServeConfig, *, grace_s: float = 20) -> list[Any]:
     """Stops the router first (it would route to stopped servers), then every instance. One that cannot be
     stopped (a damaged state file, whose processes are not signalled; a process that survives SIGKILL) does not
-    keep the others running: they are stopped, then one ToolFailure names what was not, with what was stopped
-    in its detail."""
-    results: list[Any] = []
-    failed: list[ToolFailure] = []
-    try:
-        results.append(router.stop_router(cfg, grace_s=grace_s))
-    except ToolFailure as exc:
-        failed.append(exc)
-    for c in instance_configs(cfg):
-        if c.state_file.is_file():
-            try:
-                results.append(stop_server(c, grace_s=grace_s))
-            except ToolFailure as exc:
-                failed.append(exc)
-    if failed:
-        stopped = sum(1 for r in results if r.was_running)
-        more = (f"; and {len(failed) - 2} more, each named in detail.failed ({op('status')} shows each instance)"
-                if len(failed) > 2 else "")
-        raise ToolFailure(f"stopped {stopped} of the recorded servers and routers, {len(failed)} could not be: "
-                          + "; ".join(map(str, failed[:2])) + more,
-                          {"stopped": [r.to_dict() for r in results], "failed": [e.detail for e in failed]})
-    return results
+    keep the others running: they are stopped, then one ToolFailure names what was not, and each server of
+    STATE_DIR no readable record names, with what was stopped in its detail (vllm_server.stop_each)."""
+    steps = [lambda: router.stop_router(cfg, grace_s=grace_s)]
+    steps += [lambda c=c: stop_server(c, grace_s=grace_s) for c in instance_configs(cfg) if c.state_file.is_file()]
+    return stop_each(cfg, steps, None)
 
 
 __all__ = ["locked", "instance_configs", "running", "resolve", "plan", "all_status", "fleet_status", "stop_all",

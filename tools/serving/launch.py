@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from tools.core.api_key import API_KEY_ENV, api_key, auth_headers, is_loopback
+from tools.core.api_key import API_KEY_ENV, api_key, auth_headers
 from tools.core.errors import BadInput, ToolFailure, op, param
 from tools.core.process import end_group
 from tools.gpu.vram import host_memory, server_process_pids
@@ -205,7 +205,7 @@ def _launch(cfg: ServeConfig, argv: list[str], platform: str, env: dict[str, str
                 log_path=str(cfg.log_file), instance=cfg.instance, gpus=cfg.gpus,
                 gpu_memory_utilization=cfg.gpu_memory_utilization, cpu_cores=cfg.cpu_cores,
                 tensor_parallel_size=cfg.tensor_parallel_size, data_parallel_size=cfg.data_parallel_size,
-                env=recorded))
+                env=recorded, door_port=cfg.door_port))
             os.write(gate_w, b"1")
     except BaseException:
         if proc is not None:
@@ -305,14 +305,9 @@ def checked(cfg: ServeConfig, hw: Hardware, turing_target: Path | None, *,
     """Every check of a start, in its order: (the config as it will launch, the MAX_MODEL_LEN note, platform).
     `held_by`: the server this start is to replace, whose port and GPU memory are not obstacles (they are freed
     before the launch, and checked again then)."""
-    if not is_loopback(cfg.host) and api_key() is None:
-        where = f"HOST in {cfg.env_file}" if cfg.sources.get("host") == "file" else "HOST"
-        raise BadInput(f"{where} is {cfg.host}, reachable beyond this machine: set an API key in ${API_KEY_ENV} "
-                       f"(vLLM then answers only requests that send it), or serve on HOST=127.0.0.1",
-                       {"host": cfg.host, "key_env": API_KEY_ENV})
     # Ports, cores and GPU memory other instances hold, and TP/DP against the GPUs: refused before launching.
     cfg = placement.plan(cfg, hw)
-    # The port, the model folder and its length limit, the Turing clamp, host memory, the vLLM build and the
+    # The API key beyond the loopback, the port, the model folder and its length limit, the Turing clamp, host memory, the vLLM build and the
     # GPU's free memory: refused here with the failing check's line rather than by vLLM a minute into the start.
     if held_by is None:
         ensure("start", cfg=cfg, hardware=hw, turing_target=turing_target)

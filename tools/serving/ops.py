@@ -37,12 +37,12 @@ class StartParams(InstanceParams):
                                                      "share of the free cores (none bound for a lone default "
                                                      "instance)")
 
-    replace: bool = Field(False, description="In place of the running build, which serves again if this fails "
-                                             "(FRONT_DOOR=1: no request fails)")
+    replace: bool = Field(False, description="In place of the running build; it serves again if this fails")
+    new_key: bool | None = Field(None, description="Allow a new VLLM_API_KEY")
 
     def overrides(self) -> dict[str, Any]:
         """The serving-config overrides this start asks for (unset fields keep tpu.env's values)."""
-        return {k: v for k, v in self.model_dump(exclude={"replace"}).items() if v is not None}
+        return {k: v for k, v in self.model_dump(exclude={"replace", "new_key"}).items() if v is not None}
 
 
 class StopParams(InstanceParams):

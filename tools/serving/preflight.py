@@ -25,8 +25,8 @@ from tools.serving.config import check_instance_name, load_config
 from tools.serving.hardware import Hardware
 from repack.checks import SOURCE_REPO
 from tools.serving.hub import hf_token
-from tools.serving.preflight_checks import (Check, Context, check_checkpoints, check_compute_capability, check_disk,
-                                            check_drafter, check_gpu_memory, check_hf_token, check_host_memory, check_hub,
+from tools.serving.preflight_checks import (Check, Context, check_api_key, check_checkpoints, check_compute_capability,
+                                            check_disk, check_drafter, check_gpu_memory, check_hf_token, check_host_memory, check_hub,
                                             check_max_model_len, check_nvidia_driver, check_port, check_source,
                                             check_turing_clamp, check_versions, check_vllm_build)
 
@@ -115,9 +115,9 @@ def checks_for(step: Step, *, cfg: Any = None, env_file: str | Path | None = Non
         Path(cfg.source_checkpoint).expanduser() if cfg is not None and cfg.source_checkpoint else None)
     dst = Path(out).expanduser() if out else None
     if step == "start":
-        checks += [check_port(ctx), check_checkpoints(ctx, step=step), check_max_model_len(ctx), check_drafter(ctx),
-                   check_turing_clamp(ctx), check_host_memory(ctx), check_vllm_build(ctx), check_nvidia_driver(ctx),
-                   check_gpu_memory(ctx), check_versions(ctx)]
+        checks += [check_api_key(ctx), check_port(ctx), check_checkpoints(ctx, step=step), check_max_model_len(ctx),
+                   check_drafter(ctx), check_turing_clamp(ctx), check_host_memory(ctx), check_vllm_build(ctx),
+                   check_nvidia_driver(ctx), check_gpu_memory(ctx), check_versions(ctx)]
     elif step == "repack":
         checks += [check_source(src, dst, force=force, protected_roots=protected_roots), check_disk(ctx, step=step, source=src, out=dst)]
     elif step == "fetch":
@@ -126,14 +126,15 @@ def checks_for(step: Step, *, cfg: Any = None, env_file: str | Path | None = Non
     else:
         checks += [check_nvidia_driver(ctx), check_gpu_memory(ctx), check_compute_capability(ctx),
                    check_vllm_build(ctx), check_versions(ctx), check_turing_clamp(ctx), check_host_memory(ctx),
-                   check_disk(ctx, step=step, source=src, out=dst), check_port(ctx), check_max_model_len(ctx),
-                   check_hf_token(ctx, step=step), check_checkpoints(ctx, step=step), check_drafter(ctx)]
+                   check_disk(ctx, step=step, source=src, out=dst), check_api_key(ctx), check_port(ctx),
+                   check_max_model_len(ctx), check_hf_token(ctx, step=step), check_checkpoints(ctx, step=step),
+                   check_drafter(ctx)]
     return checks
 
 
 # Checks whose failure is the caller's input to change (a model folder that does not exist, a context length
 # above the model's own): refused as bad input (exit 2), the others as failures.
-INPUT_CHECKS = frozenset({"checkpoints", "max_model_len"})
+INPUT_CHECKS = frozenset({"api_key", "checkpoints", "max_model_len"})
 
 
 def refusal(c: Check, detail: dict[str, Any]) -> ToolFailure:

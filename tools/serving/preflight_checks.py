@@ -22,6 +22,7 @@ from repack import checks as repack_checks
 from repack.checkpoint import check_files
 from repack.checks import DISK_MARGIN_BYTES, REPACK_RATIO, SOURCE_BYTES_ESTIMATE, SOURCE_REPO
 from repack.errors import RepackError
+from tools.core.api_key import API_KEY_ENV, api_key, is_loopback
 from tools.core.errors import ToolFailure, op, param
 from tools.core.process import port_holder
 from tools.core.root import PROJECT_ROOT
@@ -263,6 +264,22 @@ def check_disk(ctx: Context, *, step: str, source: Path | None = None, out: Path
         return Check(name="disk", status="fail", value=value, detail=detail,
                      fix=f"free {_gib(need + DISK_MARGIN_BYTES - free)} on {at} or write elsewhere")
     return Check(name="disk", status="ok", value=value, detail=detail)
+
+
+def check_api_key(ctx: Context) -> Check:
+    """A server reachable beyond this machine only with an API key (vLLM then answers only requests sending it)."""
+    if ctx.cfg is None:
+        return Check(name="api_key", status="n/a", value="no configuration")
+    cfg = ctx.cfg
+    if is_loopback(cfg.host):
+        return Check(name="api_key", status="ok", value=f"HOST {cfg.host} is this machine's own")
+    where = f"HOST in {cfg.env_file}" if cfg.sources.get("host") == "file" else "HOST"
+    if api_key() is None:
+        return Check(name="api_key", status="fail", detail={"host": cfg.host, "key_env": API_KEY_ENV},
+                     value=f"{where} is {cfg.host}, reachable beyond this machine",
+                     fix=f"set an API key in ${API_KEY_ENV} (vLLM then answers only requests that send it), or "
+                         "serve on HOST=127.0.0.1")
+    return Check(name="api_key", status="ok", value=f"{where} is {cfg.host}: requests must send ${API_KEY_ENV}")
 
 
 def check_port(ctx: Context) -> Check:

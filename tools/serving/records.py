@@ -79,12 +79,17 @@ class ServerStatus:
     cpu_cores: list[list[int]] | None = None
     kv_cache_tokens: int | None = None
     message: str = ""
-    replace: dict[str, Any] | None = None  # a replace of this instance in progress or left unfinished
+    # a replace of this instance in progress or left unfinished; with the front door, its switch under way
+    # (the switch lock's pid, what, since, and running: true)
+    replace: dict[str, Any] | None = None
     last_switch: dict[str, Any] | None = None  # the last switch (replace=true) and how it ended
     # `status` without an instance: the fields above describe the default instance, these every instance
     instances: list["ServerStatus"] | None = None
     router: dict[str, Any] | None = None
     all_healthy: bool | None = None    # every instance (and router) reported is alive and answers /health
+    # The servers of STATE_DIR that no readable record names (a damaged or deleted record): pid, folder, ports,
+    # command; never signalled
+    unrecorded: list[dict[str, Any]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

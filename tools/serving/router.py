@@ -32,7 +32,7 @@ from tools.core.metrics import total
 from tools.core.process import end_group, free_port, port_holder
 from tools.serving import engine_log, health, placement
 from tools.serving.config import ServeConfig
-from tools.serving.frontdoor import HOLD_S, hold_args
+from tools.serving.frontdoor import HOLD_S, hold_args, workers
 from tools.serving.state import DamagedState
 from tools.serving.router_state import (Backend, RouterState, alive, group, load, log_file, recorded,
                                         refuse_while_switching, state_file, write)
@@ -41,6 +41,12 @@ Policy = Literal["round_robin", "cache_aware", "power_of_two", "random", "consis
                  "sticky_least_loaded"]
 POLICIES: tuple[str, ...] = Policy.__args__  # type: ignore[attr-defined]
 DEFAULT_ROUTER_PORT = 8100
+# The router checks each build's /health every 2 s, and takes one that fails 3 checks in a row out of routing
+# until it answers again: its own GET /readiness (HEALTH_PATH) then answers 503 while no build behind it answers
+# (200 with at least one), the URL a load balancer in front of the door checks. Its /health answers 200 whatever.
+HEALTH_ARGS = ["--health-check-interval-secs", "2", "--health-failure-threshold", "3", "--health-success-threshold",
+               "1"]
+HEALTH_PATH = "/readiness"
 
 
 @dataclass
@@ -51,7 +57,7 @@ class RouterStatus:
     base_url: str | None = None
     policy: str | None = None
     backends: list[Backend] = field(default_factory=list)
-    backends_healthy: dict[str, bool] = field(default_factory=dict)
+    backends_healthy: dict[str, bool] = field(default_factory=dict)  # those it routes to now: each answers?
     log_path: str | None = None
     uptime_s: float | None = None
     message: str = ""
@@ -213,7 +219,7 @@ def start_router(cfg: ServeConfig, instances: list[str], *, policy: str = "round
         # vllm-router always serves its own metrics, on 29000 unless told: a second router would die on that port
         hold = HOLD_S if hold_s is None else hold_s
         argv = [router_binary(), "--host", host, "--port", str(port), "--policy", policy,
-                "--prometheus-host", host, "--prometheus-port", str(free_port(host)), *hold_args(hold),
+                "--prometheus-host", host, "--prometheus-port", str(free_port(host)), *hold_args(hold), *HEALTH_ARGS,
                 "--worker-urls", *[b.base_url for b in backends]]
         t0 = time.monotonic()
         proc, st = _launch(cfg, argv, host, port, policy, backends, hold)
@@ -242,13 +248,19 @@ def router_status(cfg: ServeConfig) -> RouterStatus:
                             message=f"router pid {st.pid} died; its state file was cleared")
 
     ok = health.answers(st.base_url)
-    back = {b.instance: health.answers(b.base_url) for b in st.backends}
+    try:  # what the router routes to now (in a hold, none while the old build stops and the new one loads)
+        live = set(workers(st))
+    except (httpx.HTTPError, ValueError, AttributeError):
+        live = {b.base_url for b in st.backends}
+    back = {b.instance: health.answers(b.base_url) for b in st.backends if b.base_url in live}
+    over = [f"{b.instance} {b.base_url}" + ("" if back[b.instance] else " (not answering)")
+            for b in st.backends if b.instance in back]
     word = "routing" if ok else "running but not healthy"
     return RouterStatus(alive=True, healthy=ok, pid=st.pid, base_url=st.base_url, policy=st.policy,
                         backends=st.backends, backends_healthy=back, log_path=st.log_path,
                         uptime_s=round(time.time() - st.started_ts, 1),
                         message=f"{word}: {st.base_url} ({st.policy}) over "
-                                + ", ".join(f"{b.instance} {b.base_url}" for b in st.backends))
+                                + (", ".join(over) or f"no build (a request is held up to {st.hold_s or 0:g} s)"))
 
 
 @dataclass

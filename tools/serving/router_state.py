@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import fcntl
-import json
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,11 +10,13 @@ from typing import Iterator
 
 import psutil
 
-from tools.core import process
 from tools.core.errors import op
 from tools.serving.config import ServeConfig
-from tools.serving.state import (DamagedState, InstanceBusy, Record, flocked, read_record, stamp_holder,
-                                  write_record)
+from tools.serving.state import (DamagedState, InstanceBusy, ProcessRecord, flocked, holder, holder_text, read_record,
+                                  stamp_holder, write_record)
+
+
+SLOTS = ("blue", "green")  # the front door's builds take turns: the new one starts beside the old one
 
 
 @dataclass
@@ -24,10 +25,9 @@ class Backend:  # a dataclass: the router's results (dataclasses) hold it and as
     base_url: str
 
 
-class RouterState(Record):
-    pid: int
-    pgid: int
-    create_time: float
+class RouterState(ProcessRecord):
+    """The router's record: its process checked as every process record is (pid, start time, own group)."""
+
     host: str
     port: int
     base_url: str
@@ -62,12 +62,12 @@ def write(cfg: ServeConfig, st: RouterState) -> None:
 
 def alive(st: RouterState) -> bool:
     """The recorded router process is still the one started (same pid and start time) and runs."""
-    return process.same_process(st.pid, st.create_time) is not None
+    return st.leader() is not None
 
 
 def group(st: RouterState) -> list[psutil.Process]:
     """Live processes of the router's group; none when the pid was recycled (its group is a stranger's)."""
-    return [] if process.pid_recycled(st.pid, st.create_time) else process.group_members(st.pgid)
+    return st.group()
 
 
 def recorded(cfg: ServeConfig) -> RouterState | None:
@@ -94,16 +94,16 @@ def switch_file(cfg: ServeConfig) -> Path:
 
 
 @contextmanager
-def switching(cfg: ServeConfig, what: str) -> Iterator[None]:
+def switching(cfg: ServeConfig, what: str, refused: str = "another switch") -> Iterator[None]:
     """Holds the front door's switch lock (STATE_DIR/switch.lock) for the block: one switch at a time, and no
     `router stop` meanwhile. The file names the process that holds it (pid, start time, what); the kernel drops
     the lock with that process, however it ends, so a killed switch never leaves the door locked. Not waited
-    for: while another process holds it, InstanceBusy names that one."""
+    for: while another process holds it, InstanceBusy names that one (and says `refused` was not done)."""
     path = switch_file(cfg)
     path.parent.mkdir(parents=True, exist_ok=True)
     fh = flocked(path)
     if fh is None:
-        raise _switch_busy(cfg, path)
+        raise _switch_busy(cfg, path, refused)
     try:
         me = psutil.Process()
         stamp_holder(fh, {"pid": me.pid, "create_time": me.create_time(), "what": what})
@@ -116,20 +116,7 @@ def switching(cfg: ServeConfig, what: str) -> Iterator[None]:
 
 def switch_running(cfg: ServeConfig) -> dict | None:
     """The switch under way (the lock file's pid, create_time, what, since), None when none is."""
-    path = switch_file(cfg)
-    try:
-        with open(path) as fh:
-            try:
-                fcntl.flock(fh, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except BlockingIOError:
-                try:
-                    return json.loads(fh.readline())
-                except ValueError:
-                    return {}
-            fcntl.flock(fh, fcntl.LOCK_UN)
-    except FileNotFoundError:
-        pass
-    return None
+    return holder(switch_file(cfg))
 
 
 def refuse_while_switching(cfg: ServeConfig, what: str) -> None:
@@ -139,14 +126,10 @@ def refuse_while_switching(cfg: ServeConfig, what: str) -> None:
 
 
 def _switch_busy(cfg: ServeConfig, path: Path, what: str = "another switch") -> InstanceBusy:
-    try:
-        h = json.loads(path.read_text().splitlines()[0])
-        who = f"pid {int(h['pid'])}: {str(h['what'])[:120]}, since {str(h['since'])[:40]}"
-    except (OSError, ValueError, IndexError, KeyError, TypeError):
-        who = "another command"
+    who = holder_text(path)
     return InstanceBusy(f"the front door is being switched ({who}); {what} was not done: wait for the switch to "
                         f"end, then check {op('router.status')}", {"lock": str(path)})
 
 
-__all__ = ["Backend", "RouterState", "alive", "group", "load", "log_file", "recorded", "refuse_while_switching",
+__all__ = ["SLOTS", "Backend", "RouterState", "alive", "group", "load", "log_file", "recorded", "refuse_while_switching",
            "state_file", "switch_file", "switch_running", "switching", "write"]

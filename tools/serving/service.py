@@ -16,6 +16,9 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+import httpx
+
+from tools.core.api_key import API_KEY_ENV, api_key, auth_headers
 from tools.core.errors import BadInput, ToolFailure, op, param
 from tools.core.process import free_port
 from tools.serving import frontdoor, placement, router_state, switch_process, switch_record
@@ -27,10 +30,11 @@ from tools.serving.records import StartResult
 from tools.serving.replace import replace_server
 from tools.serving.router import check_port, start_router, stop_router
 from tools.serving.server_guard import owned_server
+from tools.serving.state import DamagedState, InstanceBusy, holder, holder_text, load_state, lock_file
 from tools.serving.start_progress import StartReport
-from tools.serving.vllm_server import stop_server
+from tools.serving.vllm_server import stop_each, stop_server
 
-SLOTS = ("blue", "green")  # the builds behind the front door take turns: the new one starts beside the old one
+SLOTS = router_state.SLOTS
 
 
 def behind_door(cfg: ServeConfig) -> bool:
@@ -74,15 +78,16 @@ def _refuse_door_build(cfg: ServeConfig, what: str) -> None:
 
 def build_config(cfg: ServeConfig, rt: router_state.RouterState | None) -> ServeConfig:
     """The config of the build that serves behind the front door next: a free slot, an internal port."""
-    return replace(cfg, instance=_slot(cfg, rt), port=free_port(cfg.host), served_aliases=[])
+    return replace(cfg, instance=_slot(cfg, rt), port=free_port(cfg.host), served_aliases=[], door_port=cfg.port)
 
 
 def start(cfg: ServeConfig, *, replace_running: bool = False, progress: StartReport | None = None,
-          hardware: Hardware | None = None) -> StartResult | SwitchResult:
+          hardware: Hardware | None = None, new_key: bool = False) -> StartResult | SwitchResult:
     """Serves cfg's build on the port clients use: through the front door when behind_door(cfg) (a
     SwitchResult when it replaced a build there), else on the port itself. Owned until ready: a command or MCP
     server that is gone before then (even by SIGKILL) takes the starting server with it; a front-door switch
-    runs in a process of its own and ends alone."""
+    runs in a process of its own and ends alone. A switch that would change the API key clients must send (this
+    command's VLLM_API_KEY is not the one the serving build answers to) is refused unless `new_key`."""
     if replace_running:
         _refuse_door_build(cfg, "replace")
     if not behind_door(cfg):
@@ -106,15 +111,36 @@ def start(cfg: ServeConfig, *, replace_running: bool = False, progress: StartRep
         if cfg.given_for_this_start("port") and cfg.port != rt.port:
             raise BadInput(f"{param('port', cfg.port)}: the front door keeps its port {rt.port} across a switch; "
                            f"leave {param('port')} out", {"port": cfg.port}, field="port")
+        if not new_key:
+            _refuse_key_change(rt)
         return switch_process.switch(cfg, build_config(cfg, rt), progress=progress)
     return _open(cfg, progress, hardware)
+
+
+def _refuse_key_change(rt: router_state.RouterState) -> None:
+    """Refuses a switch whose build would answer to another key than the serving one (BadInput naming
+    VLLM_API_KEY): asked with this command's key, the serving build answers 401 when its key is another; asked
+    with none, it answers while this command has one (clients send none, and the new build would refuse them)."""
+    url = rt.backends[-1].base_url
+    try:
+        with_ours = httpx.get(f"{url}/v1/models", headers=auth_headers(), timeout=10.0).status_code
+        without = httpx.get(f"{url}/v1/models", timeout=10.0).status_code if api_key() else 401
+    except httpx.HTTPError:
+        return  # the build does not answer now: the switch's own checks say what runs
+    if with_ours == 401 or without == 200:
+        how = ("is not the key the serving build answers to" if with_ours == 401 else
+               "is set, and the serving build answers without a key")
+        raise BadInput(f"${API_KEY_ENV} {how}: after this switch every client still sending the old one would be "
+                       f"refused (HTTP 401); switch with the serving build's {API_KEY_ENV}, or pass "
+                       f"{param('new_key', True)} to change the key clients send", {"key_env": API_KEY_ENV},
+                       field="new_key")
 
 
 def _refill(cfg: ServeConfig, rt: router_state.RouterState, progress: StartReport | None,
             hardware: Hardware | None) -> StartResult:
     """A front door whose builds are all gone (a switch that ended with nothing serving, a build stopped or
     killed): the new build starts in a free slot and the door routes to it alone; requests held meanwhile."""
-    with router_state.switching(cfg, f"start of {cfg.served_name} behind the front door"):
+    with router_state.switching(cfg, f"start of {cfg.served_name} behind the front door", "this start"):
         b = build_config(cfg, router_state.RouterState.model_validate({**rt.model_dump(), "backends": []}))
         with owned_server(b.state_file):
             res = start_server(replace(b, served_aliases=[n for n in rt.names if n != b.served_name]),
@@ -135,14 +161,22 @@ def _refill(cfg: ServeConfig, rt: router_state.RouterState, progress: StartRepor
 
 def _open(cfg: ServeConfig, progress: StartReport | None, hardware: Hardware | None) -> StartResult:
     """The build on an internal port, then the router on the port clients use, over it."""
-    check_port(cfg, cfg.host, cfg.port)  # before anything starts: the door's port
-    alive = placement.running(cfg)
-    orphans = [s for s in SLOTS if s in alive]
-    if orphans:  # a door that is gone left its builds: they would hold the cores the new one needs
-        raise ToolFailure(f"instance {' and '.join(orphans)} ({', '.join(alive[s].served_name for s in orphans)}) "
-                          f"still runs without the front door (its router is gone): {op('stop')} ends it, then "
-                          f"{op('start')}", {"running": orphans})
-    with router_state.switching(cfg, f"start of the front door with {cfg.served_name}"):
+    # Under the door's switch lock from the first check: a start that loses a race to another is refused naming
+    # the winner, never told that the winner's build, still starting, was left by a door that is gone.
+    with router_state.switching(cfg, f"start of the front door with {cfg.served_name}", "this start"):
+        check_port(cfg, cfg.host, cfg.port)  # before anything starts: the door's port
+        alive = placement.running(cfg)
+        orphans = [s for s in SLOTS if s in alive and alive[s].door_port == cfg.port]
+        for s in orphans:  # a stop (or another command) ending it now: wait for that, then start
+            lock = lock_file(replace(cfg, instance=s))
+            if holder(lock) is not None:
+                raise InstanceBusy(f"instance {s} ({alive[s].served_name}) of the front door is being changed by "
+                                   f"another command ({holder_text(lock)}); nothing was done: wait for it to end, "
+                                   f"then {op('start')}", {"instance": s, "lock": str(lock)})
+        if orphans:  # a door that is gone left its builds: they would hold the cores the new one needs
+            names = ", ".join(alive[s].served_name for s in orphans)
+            raise ToolFailure(f"instance {' and '.join(orphans)} ({names}) still runs without the front door (its "
+                              f"router is gone): {op('stop')} ends it, then {op('start')}", {"running": orphans})
         b = build_config(cfg, None)
         with owned_server(b.state_file):
             res = start_server(b, progress=progress, hardware=hardware)
@@ -169,21 +203,47 @@ def _serving(rt: router_state.RouterState) -> str:
 
 
 def stop(cfg: ServeConfig, *, grace_s: float = 20.0) -> list[Any]:
-    """Stops the service on the port: the front door and the builds behind it (and any build of its slots a
-    door that is gone left running), else the server itself; each stop's result (a StopResult, the router's
-    RouterStopResult first). Refused while a switch or a front-door start runs."""
+    """Stops the service on the port: the front door and the builds behind it (and any build a door that is gone
+    left in its slots: one whose record names the door's port, never a user's own instance of that name), else the
+    server itself; each stop's result (a StopResult, the router's RouterStopResult first). Refused while a switch
+    or a front-door start runs. What it cannot prove is the project's (a damaged record, a server no readable
+    record names) is not signalled: once the rest is stopped, one ToolFailure names each such thing and how to end
+    it, with what was stopped in its detail."""
     _refuse_door_build(cfg, "stop")
     if not behind_door(cfg):
-        return [stop_server(cfg, grace_s=grace_s)]
+        return stop_each(cfg, [lambda: stop_server(cfg, grace_s=grace_s)], [cfg.instance_dir])
     router_state.refuse_while_switching(cfg, "this stop")
-    rt = door(cfg)
-    results: list[Any] = [stop_router(cfg, grace_s=grace_s)] if rt is not None else []
-    names = list(dict.fromkeys([*(b.instance for b in (rt.backends if rt else [])), *SLOTS]))
-    for name in names:
+    try:
+        rt = router_state.load(cfg)
+    except DamagedState as exc:
+        rt, damaged = None, exc
+    else:
+        damaged = None
+    steps: list[Any] = [lambda: stop_router(cfg, grace_s=grace_s)] if rt is not None else []
+    if damaged is not None:
+        steps.append(lambda: _raise(damaged))
+    behind = [b.instance for b in (rt.backends if rt else [])]
+    for name in dict.fromkeys([*behind, *SLOTS]):
         one = replace(cfg, instance="" if name == "default" else name)
-        if one.state_file.exists():
-            results.append(stop_server(one, grace_s=grace_s))
-    return results or [stop_server(cfg, grace_s=grace_s)]
+        if one.state_file.exists() and (name in behind or _door_build(one, cfg.port)):
+            steps.append(lambda one=one: stop_server(one, grace_s=grace_s))
+    if not steps:
+        steps.append(lambda: stop_server(cfg, grace_s=grace_s))
+    return stop_each(cfg, steps, [cfg.instance_dir, *(replace(cfg, instance=n).instance_dir for n in SLOTS)])
+
+
+def _raise(exc: Exception) -> Any:
+    raise exc
+
+
+def _door_build(one: ServeConfig, door_port: int) -> bool:
+    """A slot's recorded build was started behind the front door of `door_port` (a damaged record counts: stop
+    then reports it rather than pass it by)."""
+    try:
+        st = load_state(one)
+    except DamagedState:
+        return True
+    return st is not None and st.door_port == door_port
 
 
 def describe(res: StartResult | SwitchResult) -> str:

@@ -10,7 +10,7 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, TypeVar
+from typing import Any, Iterator, NamedTuple, TypeVar
 
 import psutil
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
@@ -73,12 +73,45 @@ def write_record(path: Path, record: Record) -> None:
     write_file(path, json.dumps(record.to_dict(), indent=2))
 
 
-class ServerState(Record):
-    """The state file: what a later command needs to find, check and stop the server."""
+class ProcessRecord(Record):
+    """What every record of a process the project started holds, checked the same way for each kind (a server's,
+    the router's): the leader's pid, its start time (against a recycled pid), its process group, which is its own
+    (every such process is started as the leader of its own session, pgid == pid), and its owner, this user: a
+    record naming another group or another user's process would have stop signal processes that are not the
+    project's."""
 
     pid: int
     pgid: int
     create_time: float          # of the leader process: guards against a recycled pid
+
+    @model_validator(mode="after")
+    def _own_group(self) -> "ProcessRecord":
+        if self.pgid != self.pid:
+            raise ValueError(f"pgid {self.pgid} is not the process's own group (pid {self.pid})")
+        # Ownership: a live process of the record (same pid and start time) runs as this user, as everything the
+        # project starts does; another user's is no server of ours to signal.
+        proc = process.same_process(self.pid, self.create_time)
+        try:
+            uid = proc.uids().real if proc is not None else os.getuid()
+        except psutil.Error:
+            uid = os.getuid()
+        if uid != os.getuid():
+            raise ValueError(f"pid {self.pid} runs as another user (uid {uid}), not as this project's processes do")
+        return self
+
+    def leader(self) -> psutil.Process | None:
+        """The leader process if it is still the one started (same pid AND creation time) and runs."""
+        return process.same_process(self.pid, self.create_time)
+
+    def group(self) -> list[psutil.Process]:
+        """Live processes of the group; none when the pid was recycled (the group of that number is a
+        stranger's)."""
+        return [] if process.pid_recycled(self.pid, self.create_time) else process.group_members(self.pgid)
+
+
+class ServerState(ProcessRecord):
+    """The state file: what a later command needs to find, check and stop the server."""
+
     host: str
     port: int
     base_url: str
@@ -96,14 +129,6 @@ class ServerState(Record):
     gpu_memory_utilization: float | None = None
     cpu_cores: list[list[int]] | None = None    # CPU cores per rank; None on the CPU: unbound (every core)
     tensor_parallel_size: int = 1
-
-    @model_validator(mode="after")
-    def _own_group(self) -> "ServerState":
-        # Every server is started as the leader of its own session (pgid == pid): a record naming another group
-        # would have stop signal processes that are not the server's.
-        if self.pgid != self.pid:
-            raise ValueError(f"pgid {self.pgid} is not the server's own group (pid {self.pid})")
-        return self
     data_parallel_size: int = 1
     # Written since replace: the environment vLLM was launched with (what of it is vLLM's, CUDA's or OpenMP's,
     # and the server's own variables; no tokens), so that a failed replace relaunches this server as it was.
@@ -111,6 +136,9 @@ class ServerState(Record):
     # Written since the front door: seconds from launch to ready, as this start measured them (None until
     # ready): how long a build takes to start on this machine, the wait a switch that stops it first announces.
     startup_s: float | None = None
+    # Written since stop tells the front door's builds from a user's own instance of the same name: the port of
+    # the front door this build was started behind (None: a build started by its name, not the door's).
+    door_port: int | None = None
 
 
 class ReplaceRecord(Record):
@@ -227,6 +255,34 @@ def stamp_holder(fh: Any, holder: dict[str, Any]) -> None:
     fh.flush()
 
 
+def holder(path: Path) -> dict[str, Any] | None:
+    """Who holds the flocked lock file at `path`, as it stamped itself (pid, what, since; {} when unreadable); None
+    when no process holds it. Reads without taking it: a reader never makes a command it races refuse."""
+    try:
+        with open(path) as fh:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                try:
+                    h = json.loads(fh.readline())
+                except ValueError:
+                    return {}
+                return h if isinstance(h, dict) else {}
+            fcntl.flock(fh, fcntl.LOCK_UN)
+    except (FileNotFoundError, NotADirectoryError):
+        pass
+    return None
+
+
+def holder_text(path: Path) -> str:
+    """The holder of a lock file in a few words: 'pid N: what, since T', else 'another command'."""
+    try:
+        h = json.loads(path.read_text().splitlines()[0])
+        return f"pid {int(h['pid'])}: {str(h['what'])[:120]}, since {str(h['since'])[:40]}"
+    except (OSError, ValueError, IndexError, KeyError, TypeError):
+        return "another command"
+
+
 def _take(cfg: ServeConfig, path: Path) -> Any:
     """The instance's lock file, open and flocked; InstanceBusy when another process holds it."""
     created = not cfg.instance_dir.exists()
@@ -274,11 +330,7 @@ def try_instance_lock(cfg: ServeConfig, what: str) -> Iterator[bool]:
 
 def _busy(cfg: ServeConfig, path: Path, who: str | None) -> InstanceBusy:
     if who is None:
-        try:
-            h = json.loads(path.read_text().splitlines()[0])
-            who = f"pid {int(h['pid'])}: {str(h['what'])[:120]}, since {str(h['since'])[:40]}"
-        except (OSError, ValueError, IndexError, KeyError, TypeError):
-            who = "another command"
+        who = holder_text(path)
     return InstanceBusy(f"instance {cfg.instance_name} is being changed by another command ({who}); nothing was "
                         f"done: wait for it to end, then check {op('status', **_inst(cfg))}",
                         {"instance": cfg.instance_name, "lock": str(path)})
@@ -286,6 +338,56 @@ def _busy(cfg: ServeConfig, path: Path, who: str | None) -> InstanceBusy:
 
 def _inst(cfg: ServeConfig) -> dict[str, str]:
     return {"instance": cfg.instance} if cfg.instance else {}
+
+
+class Unrecorded(NamedTuple):
+    pid: int
+    folder: str                 # the folder it was started from: STATE_DIR, or an instance's in it
+    ports: list[int]            # where it listens
+    command: str
+
+    def line(self) -> str:
+        """What it is and how to end it, in one clause."""
+        return (f"pid {self.pid} ({self.command}) listens on port {', '.join(map(str, self.ports))}, started from "
+                f"{self.folder}, and no readable record names it: nothing of it was signalled; if it is not "
+                f"yours, end it with kill -TERM -- -{self.pid}")
+
+
+def unrecorded(state_dir: Path, folders: list[Path] | None = None) -> list[Unrecorded]:
+    """Servers of this STATE_DIR that no readable record names (their record damaged or deleted): processes that
+    lead their own session, as every launch here starts them, whose working folder is STATE_DIR or an instance's
+    folder in it (a server's launch and the router's run there) and that listen on a port. For status and stop
+    to report, never to signal: what no record proves is the project's is not ended by it. `folders`: only those
+    started from these (default: STATE_DIR and every folder in it)."""
+    root = Path(state_dir).resolve()
+    if not root.is_dir():
+        return []
+    only = None if folders is None else {Path(f).resolve() for f in folders}
+    names: set[int] = set()
+    for path in [root / "router.json", root / "vllm.json", *root.glob("*/vllm.json")]:
+        try:
+            rec = read_record(path, ProcessRecord)
+        except DamagedState:
+            continue
+        if rec is not None:
+            names.add(rec.pid)
+    found = []
+    for proc in psutil.process_iter(["pid", "cwd"]):
+        cwd = proc.info.get("cwd")
+        if not cwd or proc.pid in names or (Path(cwd) != root and Path(cwd).parent != root) or (
+                only is not None and Path(cwd) not in only):
+            continue
+        try:
+            if os.getsid(proc.pid) != proc.pid or not process.is_running(proc):
+                continue
+            ports = sorted({c.laddr.port for c in proc.net_connections(kind="inet")
+                            if c.status == psutil.CONN_LISTEN})
+            command = " ".join(proc.cmdline()[:3])[:120]
+        except (OSError, psutil.Error):
+            continue
+        if ports:
+            found.append(Unrecorded(proc.pid, cwd, ports, command))
+    return found
 
 
 def replace_file(cfg: ServeConfig) -> Path:
@@ -313,7 +415,7 @@ def replace_running(record: ReplaceRecord) -> bool:
 
 def leader(state: ServerState) -> psutil.Process | None:
     """The server's leader process if it is still the one we started (same pid AND creation time)."""
-    return process.same_process(state.pid, state.create_time)
+    return state.leader()
 
 
 def pid_recycled(state: ServerState) -> bool:
@@ -323,10 +425,10 @@ def pid_recycled(state: ServerState) -> bool:
 
 def our_group(state: ServerState) -> list[psutil.Process]:
     """Live processes of the server's group, or none when the pid was recycled."""
-    return [] if pid_recycled(state) else process.group_members(state.pgid)
+    return state.group()
 
 
-__all__ = ["STATE_VERSION", "DamagedState", "InstanceBusy", "Record", "ReplaceRecord", "ServerState", "clear_replace",
-           "clear_state", "instance_lock", "leader", "load_replace", "load_state", "lock_file", "our_group",
+__all__ = ["STATE_VERSION", "DamagedState", "InstanceBusy", "ProcessRecord", "Record", "Unrecorded", "unrecorded", "ReplaceRecord", "ServerState", "clear_replace",
+           "clear_state", "holder", "holder_text", "instance_lock", "leader", "load_replace", "load_state", "lock_file", "our_group",
            "pid_recycled", "read_record", "replace_file", "replace_running", "try_instance_lock", "write_record",
            "write_replace", "write_state"]

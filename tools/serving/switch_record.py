@@ -81,11 +81,14 @@ def load_switch(cfg: ServeConfig) -> SwitchRecord | None:
         return None
 
 
-def describe(rec: SwitchRecord) -> str:
-    """The last switch in one clause, for `status`."""
+def describe(rec: SwitchRecord, serving_now: bool = True) -> str:
+    """The last switch in one clause, for `status`; `serving_now` False (nothing serves any more: stopped since,
+    or died) tells its outcome as the past it is."""
     stopped = rec.message.startswith("interrupted")  # stopped by a signal or a cancel: B did not fail
+    outcome = rec.outcome if serving_now else (
+        f"{rec.serving or 'nothing'} served after it; nothing serves now")
     text = (f"last switch ({rec.at}) from {rec.from_build or 'nothing'} to {rec.to_build}: "
-            f"{'interrupted; ' if stopped else ''}{rec.outcome}")
+            f"{'interrupted; ' if stopped else ''}{outcome}")
     if rec.failed_log:
         text += f"; {rec.to_build}'s {'interrupted' if stopped else 'failed'} start log: {rec.failed_log}"
     return text

@@ -24,7 +24,7 @@ from tools.serving.hardware import Hardware, Vram
 from tools.serving.launch import replace_note
 from tools.serving.records import QueryResult, ServerStatus, StopResult
 from tools.serving.state import (DamagedState, ServerState, clear_state, instance_lock, leader, load_state, our_group,
-                                 pid_recycled, try_instance_lock)
+                                 holder, holder_text, lock_file, pid_recycled, try_instance_lock, unrecorded)
 
 
 def stop_server(cfg: ServeConfig, *, grace_s: float = 20) -> StopResult:
@@ -59,6 +59,32 @@ def _stop_locked(cfg: ServeConfig, grace_s: float) -> StopResult:
                       message=f"stopped {state.served_name} (pid {state.pid}, {len(pids)} processes, {how})")
 
 
+def stop_each(cfg: ServeConfig, steps: list[Any], folders: list[Path] | None) -> list[Any]:
+    """Runs each stop; a failure does not keep the others from running. Then the servers started from `folders`
+    that no readable record names are looked for: any failure or such server makes one ToolFailure (what was
+    stopped in its detail; a lone failure is raised as it is); else the results."""
+    results: list[Any] = []
+    failed: list[ToolFailure] = []
+    for step in steps:
+        try:
+            results.append(step())
+        except ToolFailure as exc:
+            failed.append(exc)
+    left = unrecorded(cfg.state_dir, folders)
+    if not failed and not left:
+        return results
+    if len(failed) == 1 and not left and not any(r.was_running for r in results):
+        raise failed[0]
+    done = "; ".join(r.message for r in results if r.was_running) or "nothing was stopped"
+    lines = [*map(str, failed), *(u.line() for u in left)]
+    # the first two named, the rest counted: 40 damaged records made a 4,501-character answer
+    more = (f"; and {len(lines) - 2} more, each named in detail.failed and detail.unrecorded ({op('status')} shows "
+            f"each instance)" if len(lines) > 2 else "")
+    raise ToolFailure(f"{done}; not stopped: " + "; ".join(lines[:2]) + more,
+                      {"stopped": [r.to_dict() for r in results], "failed": [e.detail for e in failed],
+                       "unrecorded": [u._asdict() for u in left]})
+
+
 def server_status(cfg: ServeConfig, *, hardware: Hardware | None = None) -> ServerStatus:
     """Whether the server of this state dir runs and answers; clears the state file of a server that died. A
     damaged state file is reported (not alive, its one line as the message), not raised: status goes on. A
@@ -67,7 +93,7 @@ def server_status(cfg: ServeConfig, *, hardware: Hardware | None = None) -> Serv
     last = switch_record.load_switch(cfg)
     if last is not None:
         st.last_switch = last.to_dict()
-        st.message += f"; {switch_record.describe(last)}"
+        st.message += f"; {switch_record.describe(last, serving_now=st.alive)}"
     try:
         rec = replace_state.load_replace(cfg)
     except DamagedState as exc:
@@ -115,6 +141,11 @@ def _server_status(cfg: ServeConfig, hardware: Hardware | None) -> ServerStatus:
                   argv=state.argv, platform=state.platform, log_path=state.log_path, start_fields=fields,
                   instance=cfg.instance_name, gpus=state.gpus, cpu_cores=state.cpu_cores,
                   kv_cache_tokens=fields.kv_cache_tokens)
+    busy = holder(lock_file(cfg))  # a command starting or stopping it: its view of the instance, not died
+    if leader(state) is None and busy is not None:
+        return ServerStatus(alive=False, **common,
+                            message=f"{state.served_name} (pid {state.pid}) is not running while another command "
+                                    f"changes instance {cfg.instance_name} ({holder_text(lock_file(cfg))})")
     if leader(state) is None:
         leftovers = [p.pid for p in our_group(state)]
         if leftovers:
@@ -136,8 +167,10 @@ def _server_status(cfg: ServeConfig, hardware: Hardware | None) -> ServerStatus:
     uptime = round(time.time() - state.started_ts, 1)
     return ServerStatus(alive=True, healthy=healthy, uptime_s=uptime, vram=vram,
                         memory=served_memory(cfg, state, vram), **common,
-                        message=f"{'serving' if healthy else 'running but not healthy'}: {state.served_name} at "
-                                f"{state.base_url} (pid {state.pid})")
+                        message=f"{'serving' if healthy else 'not answering' if busy else 'running but not healthy'}"
+                                f": {state.served_name} at {state.base_url} (pid {state.pid})"
+                                + (f", while another command changes instance {cfg.instance_name} "
+                                   f"({holder_text(lock_file(cfg))})" if busy is not None and not healthy else ""))
 
 
 def read_log(cfg: ServeConfig, lines: int = 50) -> str:
@@ -167,12 +200,15 @@ def behind_door_state(cfg: ServeConfig) -> ServerState | None:
 
 
 def log_path(cfg: ServeConfig) -> Path:
-    """The instance's server log: the recorded server's own, else the newest launch's (each has one)."""
+    """The instance's server log: the recorded server's own, else the newest launch's (each has one); for the
+    default instance, the builds' of the front door (in its slots' folders) count as its launches."""
     state = load_state(cfg) or behind_door_state(cfg)
     if state is not None:
         return Path(state.log_path)
-    logs = sorted(cfg.instance_dir.glob("vllm-*.log"), key=lambda f: f.name) if cfg.instance_dir.is_dir() else []
-    return logs[-1] if logs else cfg.log_file
+    folders = [cfg.instance_dir, *([] if cfg.instance else
+                                   (replace(cfg, instance=s).instance_dir for s in router_state.SLOTS))]
+    logs = [f for d in folders if d.is_dir() for f in d.glob("vllm-*.log")]
+    return max(logs, key=lambda f: (f.stat().st_mtime, f.name)) if logs else cfg.log_file
 
 
 def query(cfg: ServeConfig, prompt: str, *, max_tokens: int = 64, base_url: str | None = None,
@@ -200,4 +236,4 @@ def query(cfg: ServeConfig, prompt: str, *, max_tokens: int = 64, base_url: str 
                        token_ids=choice.get("token_ids"), latency_s=round(time.monotonic() - t0, 3))
 
 
-__all__ = ["behind_door_state", "log_path", "query", "read_log", "server_status", "stop_server"]
+__all__ = ["behind_door_state", "log_path", "query", "read_log", "server_status", "stop_each", "stop_server"]
