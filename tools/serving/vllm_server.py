@@ -80,7 +80,7 @@ def stop_each(cfg: ServeConfig, steps: list[Any], folders: list[Path] | None) ->
     # the first two named, the rest counted: 40 damaged records made a 4,501-character answer
     more = (f"; and {len(lines) - 2} more, each named in detail.failed and detail.unrecorded ({op('status')} shows "
             f"each instance)" if len(lines) > 2 else "")
-    raise ToolFailure(f"{done}; not stopped: " + "; ".join(lines[:2]) + more,
+    raise ToolFailure(f"{done}; {len(lines)} could not be stopped: " + "; ".join(lines[:2]) + more,
                       {"stopped": [r.to_dict() for r in results], "failed": [e.detail for e in failed],
                        "unrecorded": [u._asdict() for u in left]})
 
