@@ -4,7 +4,7 @@ that run them as processes of their own:
     python -m tests.stand_in_switch cli ARGS...      ./vllm-t4 ARGS, whose switch process is this module's
     python -m tests.stand_in_switch switch REQUEST   the switch process
 
-In both, vLLM is tests/stand_in_vllm.py, the machine a CPU of two cores (as test_frontdoor's TwoCores), and each
+In both, vLLM is tests/stand_in_vllm.py, the machine a CPU of two cores (as tests.serving_helpers.TwoCores), and each
 phase of the switch (frontdoor._step) that is reached leaves a file of its name in $STAND_IN_PHASES (when set);
 at $STAND_IN_PAUSE_AT the switch waits $STAND_IN_PAUSE_S seconds, long enough for a test to signal it there, or
 until the file $STAND_IN_GO exists."""

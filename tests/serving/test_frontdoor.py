@@ -10,70 +10,20 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import threading
 import time
 
-import httpx
 import psutil
 import pytest
 
 from tests import stand_in_vllm
 from tests.fixtures import free_port, group_alive
+from tests.serving_helpers import Clients, TwoCores
 from tools.core.errors import ToolFailure
 from tools.serving import frontdoor, router_state, state, switch_record
 from tools.serving.config import ServeConfig
-from tools.serving.hardware import Hardware
 from tools.serving.router import start_router, stop_router
 from tools.serving.launch import start_server
 from tools.serving.vllm_server import stop_server
-
-
-class TwoCores(Hardware):
-    def platform(self):
-        return "cpu"
-
-    def cpu_cores(self):
-        return [0, 1]
-
-
-class Clients:
-    """Chat completions through the front door from two threads until stopped: what each got."""
-
-    def __init__(self, url: str, model: str | None = None, key: str | None = None):
-        self.url, self.results, self._stop = url, [], threading.Event()
-        self.headers = {"Authorization": f"Bearer {key}"} if key else {}
-        self.body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
-                     **({"model": model} if model else {})}
-        self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(2)]
-
-    def _run(self):
-        with httpx.Client(timeout=120.0, headers=self.headers) as c:
-            while not self._stop.is_set():
-                t = time.monotonic()
-                try:
-                    r = c.post(f"{self.url}/v1/chat/completions", json=self.body)
-                    # which build answered: its served name
-                    got = (r.status_code, r.json()["model"] if r.status_code == 200 else r.text[:200])
-                except (httpx.HTTPError, ValueError, KeyError) as exc:
-                    got = (0, repr(exc))
-                self.results.append((*got, time.monotonic() - t))
-                time.sleep(0.05)
-
-    def __enter__(self):
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        for t in self.threads:
-            t.join(timeout=150)
-
-    def failed(self):
-        return [r for r in self.results if r[0] != 200]
-
-    def served(self):
-        return [r[1] for r in self.results if r[0] == 200]
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ import pytest
 from tests import stand_in_vllm
 from tests.fixtures import ROOT, free_port
 from tools.core.errors import BadInput
-from tests.serving.test_frontdoor import TwoCores
+from tests.serving_helpers import TwoCores
 from tools.serving import frontdoor, router_state
 from tools.serving.config import ServeConfig
 from tools.serving.launch import start_server

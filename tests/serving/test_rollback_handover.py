@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.serving.test_second_command import Bench, _until
+from tests.serving_helpers import Bench, until
 from tools.serving import state
 from tools.serving.server_guard import hand_over, owned_server
 from tools.serving.vllm_server import server_status
@@ -55,8 +55,8 @@ def test_a_sigkill_while_the_rollback_s_a_loads_leaves_a_serving(bench, tmp_path
     p = bench.popen("start", "--model", str(bench.tmp / "b"), "--replace")
     guards: list[psutil.Process] = []
     try:
-        _until("b launched", lambda: bool(_starts_of(bench, "b")), p)
-        _until("a launched again", lambda: len(_starts_of(bench, "a")) == 2, p)
+        until("b launched", lambda: bool(_starts_of(bench, "b")), p)
+        until("a launched again", lambda: len(_starts_of(bench, "a")) == 2, p)
         guards = _guards_of(p.pid)
         p.send_signal(signal.SIGKILL)
         p.wait(timeout=30)

@@ -22,74 +22,14 @@ import httpx
 import pytest
 
 from tests import stand_in_vllm
-from tests.fixtures import ROOT, default_signals, free_port
+from tests.fixtures import ROOT, free_port
 from tests.kill_matrix import all_gone
+from tests.serving_helpers import Bench, until
 from tools.serving import state
 from tools.serving.config import load_config
-from tools.serving.vllm_server import server_status, stop_server
+from tools.serving.vllm_server import server_status
 
 BUSY = "is being changed by another command"
-
-
-class Bench:
-    """Stand-in builds, one port and state dir, and `./vllm-t4` commands run against them. Each build's behaviour
-    is tests/stand_in_vllm.py's (a build given `until` loads until that file exists); its answers are "ok"."""
-
-    def __init__(self, tmp_path: Path) -> None:
-        self.tmp = tmp_path
-        self.log = tmp_path / "starts.jsonl"
-        self.port = free_port()
-        self.env = dict(os.environ, PYTHONPATH=str(ROOT), STATE_DIR=str(tmp_path / "run"), PORT=str(self.port),
-                        HOST="127.0.0.1", SPECULATIVE_CONFIG="", EXTRA_ARGS="", START_TIMEOUT_S="30",
-                        VLLM_STAND_IN_LOG=str(self.log))
-        self.env.pop("VLLM_API_KEY", None)
-
-    def build(self, name: str, **behaviour) -> str:
-        model = self.tmp / name
-        model.mkdir(exist_ok=True)
-        (model / "behaviour.json").write_text(json.dumps({"answer": "ok", **behaviour}))
-        return str(model)
-
-    def popen(self, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
-        # default SIGINT/SIGTERM whatever the runner inherited (a runner started in the background ignores SIGINT)
-        return subprocess.Popen(stand_in_vllm.cli_argv(*args), cwd=ROOT, env=env or self.env,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_signals)
-
-    def run(self, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-        p = self.popen(*args, env=env)
-        out, err = p.communicate(timeout=120)
-        return subprocess.CompletedProcess(p.args, p.returncode, out, err)
-
-    def starts(self) -> list[dict]:
-        return [json.loads(ln) for ln in self.log.read_text().splitlines()] if self.log.exists() else []
-
-    def started(self, name: str) -> bool:
-        return any(Path(s["model"]).name == name for s in self.starts())
-
-    def cfg(self):
-        return load_config(ROOT / "tpu.env", state_dir=str(self.tmp / "run"), port=self.port, model="x",
-                           speculative_config="", extra_args="")
-
-    def check_true_and_nothing_orphaned(self, serving: str | None) -> None:
-        """The state names `serving` (alive, answering) or nothing; no replace record; every other stand-in is
-        gone."""
-        cfg = self.cfg()
-        rec = state.load_state(cfg)
-        assert not state.replace_file(cfg).exists()
-        if serving is None:
-            assert rec is None
-        else:
-            assert rec is not None and rec.served_name == serving, rec
-            st = server_status(cfg)
-            assert st.alive and st.healthy, st.message
-        others = [s["pid"] for s in self.starts() if rec is None or s["pid"] != rec.pid]
-        assert all_gone(others)
-
-    def stop(self) -> None:
-        try:
-            stop_server(self.cfg(), grace_s=2)
-        finally:
-            assert all_gone([s["pid"] for s in self.starts()])
 
 
 @pytest.fixture
@@ -97,14 +37,6 @@ def bench(tmp_path):
     b = Bench(tmp_path)
     yield b
     b.stop()
-
-
-def _until(what: str, reached, proc: subprocess.Popen, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not reached():
-        assert proc.poll() is None, f"the first command ended before {what}: {proc.communicate()[1]}"
-        assert time.monotonic() < deadline, f"never reached: {what}"
-        time.sleep(0.05)
 
 
 def _refused(r: subprocess.CompletedProcess, command: str) -> None:
@@ -142,7 +74,7 @@ def test_two_commands_at_once_one_winner_nothing_orphaned(bench, case):
         assert bench.run("start", "--model", str(bench.tmp / "a")).returncode == 0
     p1 = bench.popen(*_args(bench, first))
     try:
-        _until(f"{first[1]} launched", lambda: bench.started(first[1]), p1)
+        until(f"{first[1]} launched", lambda: bench.started(first[1]), p1)
         r2 = bench.run(*_args(bench, second))
         _refused(r2, "stop" if second[0] == "stop" else "start")
         go.touch()
@@ -189,7 +121,7 @@ def test_a_second_ctrl_c_during_the_rollback_still_brings_a_back(bench):
     a_pid = state.load_state(bench.cfg()).pid
     p = bench.popen("start", "--model", str(bench.tmp / "b"), "--replace")
     try:
-        _until("b launched", lambda: bench.started("b"), p)
+        until("b launched", lambda: bench.started("b"), p)
         p.send_signal(signal.SIGINT)
         time.sleep(0.3)
         p.send_signal(signal.SIGINT)
@@ -217,7 +149,7 @@ def test_the_way_back_names_the_env_file_and_replaces_what_serves(bench, tmp_pat
     assert bench.run("start", "--env-file", str(env_file), "--model", str(bench.tmp / "a")).returncode == 0
     p = bench.popen("start", "--env-file", str(env_file), "--model", str(bench.tmp / "b"), "--replace")
     try:
-        _until("b launched", lambda: bench.started("b"), p)
+        until("b launched", lambda: bench.started("b"), p)
         p.send_signal(signal.SIGKILL)
         p.wait()
     finally:
@@ -393,7 +325,7 @@ def test_the_server_a_front_end_was_starting_ends_with_it(bench, call, how):
                 "tool": "start_vllm_server", "arguments": args}}})
         else:
             proc.send({"id": 2, "method": "tools/call", "params": {"name": "start_vllm_server", "arguments": args}})
-        _until("b launched", lambda: bench.started("b"), proc)
+        until("b launched", lambda: bench.started("b"), proc)
         _gone_as_a_client_goes(proc, how)
     finally:
         if proc.poll() is None:

@@ -16,7 +16,7 @@ import pytest
 
 from tests import stand_in_vllm
 from tests.fixtures import ROOT, free_port, group_alive
-from tests.serving.test_frontdoor import Clients
+from tests.serving_helpers import Clients
 from tests.stand_in_switch import SWITCH
 from tools.serving import router_state, state, switch_process
 from tools.serving.config import ServeConfig, load_config

@@ -24,7 +24,7 @@ import pytest
 from tests import stand_in_vllm
 from tests.fixtures import ROOT, free_port
 from tests.kill_matrix import all_gone, assert_ended, cli, signal_when
-from tests.serving.test_frontdoor import Clients, TwoCores
+from tests.serving_helpers import Clients, TwoCores
 from tools.serving import frontdoor, router_state, state, switch_record
 from tools.serving.config import ServeConfig
 from tools.serving.launch import start_server
