@@ -9,18 +9,24 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import psutil
 
 from tests import stand_in_vllm
-from tests.fixtures import free_port
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.fixtures import ROOT, free_port
 
 
 def _message(obj: dict) -> bytes:
     return (json.dumps(obj) + "\n").encode()
+
+
+def _initialize(server: subprocess.Popen) -> None:
+    """The MCP handshake over the server's pipes, as a client opens a session."""
+    server.stdin.write(_message({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "t", "version": "0"}}}))
+    server.stdin.flush()
+    assert json.loads(server.stdout.readline())["id"] == 1
+    server.stdin.write(_message({"jsonrpc": "2.0", "method": "notifications/initialized"}))
 
 
 def test_a_client_that_goes_away_mid_call_leaves_no_traceback(tmp_path):
@@ -30,11 +36,7 @@ def test_a_client_that_goes_away_mid_call_leaves_no_traceback(tmp_path):
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
                               cwd=tmp_path)
     try:
-        server.stdin.write(_message({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
-            "protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "t", "version": "0"}}}))
-        server.stdin.flush()
-        assert json.loads(server.stdout.readline())["id"] == 1
-        server.stdin.write(_message({"jsonrpc": "2.0", "method": "notifications/initialized"}))
+        _initialize(server)
         # calls whose answers come after the client is gone: every write of them meets a closed pipe
         for i in range(2, 6):
             server.stdin.write(_message({"jsonrpc": "2.0", "id": i, "method": "tools/call",
@@ -65,11 +67,7 @@ def test_a_client_that_goes_away_mid_start_cancels_the_start(tmp_path):
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
                               cwd=tmp_path)
     try:
-        server.stdin.write(_message({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
-            "protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "t", "version": "0"}}}))
-        server.stdin.flush()
-        assert json.loads(server.stdout.readline())["id"] == 1
-        server.stdin.write(_message({"jsonrpc": "2.0", "method": "notifications/initialized"}))
+        _initialize(server)
         server.stdin.write(_message({"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {
             "name": "start_vllm_server", "arguments": {"model": build, "port": free_port()},
             "_meta": {"progressToken": "p"}}}))
