@@ -83,6 +83,11 @@ def test_compare_sweeps_says_when_runs_differ_in_model_platform_or_vllm(tmp_path
     assert f"first cell {key}: " in cmp.summary() and cmp.summary().startswith(cmp.caveat)
     assert cmp.markdown.startswith(f"**{cmp.caveat}.**") and key in cmp.markdown
     assert cmp.across[key].startswith("models: the tiny stand-in shaped as E4B vs E2B")
+    # the written report names each run's machine, and its cost table how it was priced (a saved comparison
+    # named neither: the T4's price on a CPU's throughput read as a cost)
+    assert ("Measured: emb4: E2B on Tesla T4, vLLM 0.29.0; tiny-e4b-int4-emb: the tiny stand-in shaped as E4B on "
+            "CPU (Intel Xeon (test)), vLLM 0.32.0.") in cmp.markdown, cmp.markdown
+    assert "Priced at $0.5241/h; the T4 VM's $0.5241/h applied to this CPU's throughput, not a T4 cost" in cmp.markdown
 
     # the run's own table prices it as what it is: the T4's price on this CPU's throughput, E4B never on a T4
     table = (ev / "int4" / "summary.md").read_text()

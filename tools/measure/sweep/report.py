@@ -313,7 +313,11 @@ def compare_runs(paths: list[str | Path], *, price_per_hour: float = DEFAULT_PRI
                           cells=cells, cost_cell=cost_cell, cost=cost, caveat=caveat(labels, bases, across),
                           across={pair[lab]: "; ".join(f"{w}: {how}" for w, how in d)
                                   for lab, d in across.items() if d})
-    cmp.markdown = markdown_comparison(cmp)
+    given = price_per_hour != DEFAULT_PRICE_PER_HOUR
+    cmp.markdown = markdown_comparison(
+        cmp, measured="; ".join(f"{lab}: {b.model} on {b.machine}" + (f", vLLM {b.vllm}" if b.vllm else "")
+                                for lab, b in zip(labels, bases)),
+        priced=list(dict.fromkeys(priced_on(r.provenance, r.model, price_per_hour, given) for r in runs)))
     return cmp
 
 
@@ -326,8 +330,11 @@ def caveat(labels: list[str], bases: list[Basis], across: dict[str, list[tuple[s
     return "; ".join(parts) or None
 
 
-def markdown_comparison(cmp: SweepComparison) -> str:
+def markdown_comparison(cmp: SweepComparison, *, measured: str, priced: list[str]) -> str:
+    """The comparison as a report: what each run measured and where (`measured`), the tables, and the cost
+    table with how each run was priced (`priced`: a T4's price on a CPU's throughput is no cost of either)."""
     lines: list[str] = ([f"**{cmp.caveat}.**", ""] if cmp.caveat else []) + [
+        f"Measured: {measured}.", "",
         f"Output tok/s per cell and the last run against each earlier one. {cmp.method}", ""]
     for L in sorted({c.input_len for c in cmp.cells}):
         rows = [x for x in cmp.cells if x.input_len == L]
@@ -342,6 +349,7 @@ def markdown_comparison(cmp: SweepComparison) -> str:
     if cmp.cost:
         L, c = cmp.cost_cell or (None, None)
         lines += [f"## Cost per million output tokens ({L}-token prompts, c={c}, ${cmp.price_per_hour}/h)", "",
+                  f"Priced at {'; '.join(priced)}.", "",
                   "| Build | Output tok/s | Per million output tokens |", "|---|---|---|"]
         for row in cmp.cost:
             usd = "—" if row.usd_per_million is None else f"${row.usd_per_million:.2f}"
