@@ -17,6 +17,7 @@ from typing import Iterable
 from tools.core.atomic import check_destination, existing_ancestor, resolve_output
 from tools.core.errors import op
 from tools.core.paths import check_no_symlink_loop, confinement
+from tools.core.text import size_text
 
 from .checkpoint import check_source_folder, read_config
 from .errors import RepackError, core_refusals
@@ -28,10 +29,6 @@ SOURCE_BYTES_ESTIMATE = 10_270_000_000
 REPACK_RATIO = 2.64 * 2**30 / SOURCE_BYTES_ESTIMATE
 # Headroom kept free beside what a step writes: logs, the HF cache's metadata, the filesystem's own reserve.
 DISK_MARGIN_BYTES = 1 << 30
-
-
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB"
 
 
 def protected_folders() -> list[Path]:
@@ -89,8 +86,8 @@ class DiskEstimate:
         return self.free_bytes >= self.need_bytes + self.margin_bytes
 
     def describe(self, what: str) -> str:
-        return (f"{_gib(self.free_bytes)} free at {self.path}; {what} needs about {_gib(self.need_bytes)} + "
-                f"{_gib(self.margin_bytes)} headroom")
+        return (f"{size_text(self.free_bytes)} free at {self.path}; {what} needs about {size_text(self.need_bytes)} + "
+                f"{size_text(self.margin_bytes)} headroom")
 
     def detail(self) -> dict[str, object]:
         return {"free_bytes": self.free_bytes, "needed_bytes": self.need_bytes + self.margin_bytes,
@@ -118,7 +115,7 @@ def check_disk(source: str | Path, out: str | Path) -> None:
     if not est.enough:
         short = est.need_bytes + est.margin_bytes - est.free_bytes
         raise RepackError(f"{est.describe(f'a repack of {Path(source).name} into {resolve_output(out)}')}; free "
-                          f"{_gib(short)} on {est.path} or write elsewhere", {**est.detail(), "problem": "no-room"})
+                          f"{size_text(short)} on {est.path} or write elsewhere", {**est.detail(), "problem": "no-room"})
 
 
 __all__ = ["DISK_MARGIN_BYTES", "REPACK_RATIO", "SOURCE_BYTES_ESTIMATE", "SOURCE_REPO", "DiskEstimate", "check_disk",

@@ -180,7 +180,7 @@ def test_full_disk_found_before_writing(good, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**6, 10**6 - 1000, 1000))
     rc, err = _build_cli(good, tmp_path / "out", capsys, *FULL)
     assert rc == 2
-    one_line_error(err, "disk: 0.00 GiB free", "headroom")  # the command's preflight, before the build opens OUT
+    one_line_error(err, " KiB free", "headroom")  # the command's preflight, before the build opens OUT
     _assert_nothing_written(tmp_path / "out")
     from repack.errors import RepackError
 

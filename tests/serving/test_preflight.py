@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 from pathlib import Path
@@ -309,14 +310,14 @@ def test_repack_refuses_with_the_disk_checks_line_through_mcp_and_the_command_li
     src = write_small_checkpoint(tmp_path / "models" / "src")
     monkeypatch.setattr(disk, "free_bytes", lambda p: (p, 4096))  # a full disk, as the preflight reads it
     err = _call(mcp, "repack_checkpoint", {"source": "src", "output": "build"})
-    assert err.startswith("disk: 0.00 GiB free at ") and "free 1.00 GiB on" in err, err
+    assert re.match(r"disk: \d+ KiB free at ", err) and "free 1.00 GiB on" in err, err
     assert not (tmp_path / "models" / "build").exists()
     assert not [p for p in (tmp_path / "models").iterdir() if p.name.startswith(".build")]
 
     capsys.readouterr()  # the MCP server's own log of the refusal
     rc = cli.main(["build", str(src), str(tmp_path / "models" / "cli-build"), "--text-only", "--embed-int4"])
     lines = capsys.readouterr().err.strip().splitlines()
-    assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: disk: 0.00 GiB free at "), lines
+    assert rc == 2 and len(lines) == 1 and re.match(r"error: disk: \d+ KiB free at ", lines[0]), lines
     assert not (tmp_path / "models" / "cli-build").exists()
 
     monkeypatch.setattr(disk, "free_bytes", lambda p: (p, 1 << 40))  # room again: the build runs

@@ -20,4 +20,14 @@ def clip(text: object, limit: int = ECHO_LIMIT) -> str:
     return s
 
 
-__all__ = ["ECHO_LIMIT", "clip"]
+def size_text(n: float) -> str:
+    """A size in bytes as a message gives it: GiB to two places from 1 GiB, MiB to one below, KiB below 1 MiB
+    (a 3 MB checkpoint read "0.00 GiB")."""
+    if n >= 1 << 30:
+        return f"{n / 2**30:.2f} GiB"
+    if n >= 1 << 20:
+        return f"{n / 2**20:.1f} MiB"
+    return f"{n / 2**10:.0f} KiB"
+
+
+__all__ = ["ECHO_LIMIT", "clip", "size_text"]

@@ -26,6 +26,7 @@ from tools.core.api_key import API_KEY_ENV, api_key, is_loopback
 from tools.core.errors import ToolFailure, op, param
 from tools.core.process import port_holder
 from tools.core.root import PROJECT_ROOT
+from tools.core.text import size_text
 from tools.gpu.vram import vram_status
 from tools.serving import router_state, turing_patch
 from tools.serving.config import looks_like_path
@@ -74,10 +75,6 @@ class Context:
     @functools.cached_property
     def vram(self) -> Any:
         return vram_status(nvml=self.nvml)
-
-
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB"
 
 
 def _pins() -> dict[str, str]:
@@ -210,10 +207,10 @@ def check_host_memory(ctx: Context) -> Check:
     detail = {"ram_bytes": ram, "swap_bytes": swap, "checkpoint_bytes": size}
     if size is None:
         return Check(name="host_memory", status="n/a", detail=detail,
-                     value=f"RAM {_gib(ram)}, swap {_gib(swap)}; {ctx.cfg.model} is not a local checkpoint to size")
+                     value=f"RAM {size_text(ram)}, swap {size_text(swap)}; {ctx.cfg.model} is not a local checkpoint to size")
     need = size + int(ctx.cfg.memory_margin_gib * 2**30)
     detail["needed_bytes"] = need
-    value = (f"host memory {_gib(ram)} RAM + {_gib(swap)} swap against the checkpoint ({_gib(size)}) plus "
+    value = (f"host memory {size_text(ram)} RAM + {size_text(swap)} swap against the checkpoint ({size_text(size)}) plus "
              f"{ctx.cfg.memory_margin_gib:g} GiB")
     if ram >= need:
         return Check(name="host_memory", status="ok", value=value, detail=detail)
@@ -241,13 +238,13 @@ def check_disk(ctx: Context, *, step: str, source: Path | None = None, out: Path
         value = est.describe(f"a repack of {src.name} into {dst}")
         if not est.enough:
             return Check(name="disk", status="fail", value=value, detail=est.detail(),
-                         fix=f"free {_gib(est.need_bytes + est.margin_bytes - est.free_bytes)} on {est.path} or "
+                         fix=f"free {size_text(est.need_bytes + est.margin_bytes - est.free_bytes)} on {est.path} or "
                              "write elsewhere")
         return Check(name="disk", status="ok", value=value, detail=est.detail())
     elif step == "fetch" or (step == "all" and ctx.platform == "cuda" and ctx.cfg is not None
                              and not ctx.cfg.source_checkpoint):
         need = need_bytes if need_bytes is not None else SOURCE_BYTES_ESTIMATE
-        what, where = f"fetching {SOURCE_REPO} ({_gib(need)})" if need_bytes is None else f"the fetch ({_gib(need)})", \
+        what, where = f"fetching {SOURCE_REPO} ({size_text(need)})" if need_bytes is None else f"the fetch ({size_text(need)})", \
             out.parent if out is not None else models_root
         if step == "all":  # the demo repacks what it fetched
             need += int(need * REPACK_RATIO)
@@ -255,14 +252,14 @@ def check_disk(ctx: Context, *, step: str, source: Path | None = None, out: Path
     else:
         where = models_root
         at, free = repack_checks.free_bytes(where)
-        return Check(name="disk", status="n/a", value=f"{_gib(free)} free at {at}; no step here writes a checkpoint",
+        return Check(name="disk", status="n/a", value=f"{size_text(free)} free at {at}; no step here writes a checkpoint",
                      detail={"free_bytes": free, "path": str(at)})
     at, free = repack_checks.free_bytes(where)
     detail = {"free_bytes": free, "needed_bytes": need + DISK_MARGIN_BYTES, "path": str(at)}
-    value = f"{_gib(free)} free at {at}; {what} needs about {_gib(need)} + {_gib(DISK_MARGIN_BYTES)} headroom"
+    value = f"{size_text(free)} free at {at}; {what} needs about {size_text(need)} + {size_text(DISK_MARGIN_BYTES)} headroom"
     if free < need + DISK_MARGIN_BYTES:
         return Check(name="disk", status="fail", value=value, detail=detail,
-                     fix=f"free {_gib(need + DISK_MARGIN_BYTES - free)} on {at} or write elsewhere")
+                     fix=f"free {size_text(need + DISK_MARGIN_BYTES - free)} on {at} or write elsewhere")
     return Check(name="disk", status="ok", value=value, detail=detail)
 
 
@@ -468,7 +465,7 @@ def check_source(source: Path | None, out: Path | None = None, *, force: bool = 
         except RepackError as exc:  # the output's refusal names the output, not the source
             return Check(name="output", status="fail", value=exc.message, detail=exc.detail)
     size = _dir_bytes(source)
-    return Check(name="source", status="ok", value=f"{source}: {_gib(size)} of safetensors", detail={"bytes": size})
+    return Check(name="source", status="ok", value=f"{source}: {size_text(size)} of safetensors", detail={"bytes": size})
 
 
 def check_versions(ctx: Context) -> Check:
