@@ -50,6 +50,9 @@ def to_tiles(words: "torch.Tensor") -> "torch.Tensor":
     [..., N/T, K/2, T] uint8 (the leading dimensions: a MoE layer's experts)."""
     import torch
 
+    # The op that multiplies the tiles is registered here, at load: torch.compile (CPU_COMPILE=1) traces the first
+    # forward and cannot trace a registration ("Attempted to inline function marked as skipped").
+    _matmul_op()
     *lead, n, _ = words.shape
     t = tile_width(n)
     packed = words.contiguous().view(torch.uint8)  # [..., N, K/2]: the words' bytes, in order (little-endian)

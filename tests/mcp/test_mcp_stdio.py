@@ -255,7 +255,8 @@ def test_stdio_walk_from_an_empty_models_root_to_compared_builds(tmp_path, monke
     for cell in cmp["cells"]:  # two repeats a side: every ratio has its interval and a verdict
         [ratio] = cell["intervals"].values()
         assert ratio["verdict"] in VERDICTS and ratio["low"] <= ratio["value"] <= ratio["high"]
-    assert "95%" in cmp["method"] and Path(cmp["report_path"]).read_text().strip()
+    # the answer's method may be shortened to keep the answer within its budget; the report holds it whole
+    assert cmp["method"].startswith("Values are geometric means") and "95%" in Path(cmp["report_path"]).read_text()
     assert C[11]["was_running"] and r["after"]["alive"] is False
 
     # the resources, read over the same stdio session

@@ -91,6 +91,29 @@ def test_the_kernel_and_the_fallback_agree_and_the_switch_forces_the_fallback(mo
     torch.testing.assert_close(kernel, reference, rtol=1e-5, atol=1e-4)
 
 
+def test_a_forward_compiled_first_in_a_fresh_process_keeps_the_op_whole():
+    """vLLM compiles the first forward after loading: the op must exist by then. Registered on first call, it was
+    registered inside the trace, and the compiled CPU start failed ("Attempted to inline function marked as
+    skipped"). In a process of its own: in this one an earlier test has registered it."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.fixtures import ROOT
+
+    code = ("import torch\n"
+            "from gemma4_t4_vllm import int4_matmul\n"
+            "words = torch.randint(-2**31, 2**31 - 1, (64, 16), dtype=torch.int32)\n"
+            "scales = torch.rand(4, 64, dtype=torch.float16) / 8\n"
+            "tiles = int4_matmul.to_tiles(words)\n"
+            "x = torch.randn(1, 128, dtype=torch.float16)\n"
+            "f = torch.compile(lambda a: int4_matmul.linear(a, tiles, scales), fullgraph=True, backend='eager')\n"
+            "assert torch.equal(f(x), int4_matmul.linear(x, tiles, scales))\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
 def test_the_int4_matmul_runs_under_torch_compile():
     """CPU_COMPILE=1 serves through torch.compile: the matmul is one op in the graph (not traced into numba)."""
     import torch
