@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import psutil
 
@@ -29,28 +31,38 @@ def _initialize(server: subprocess.Popen) -> None:
     server.stdin.write(_message({"jsonrpc": "2.0", "method": "notifications/initialized"}))
 
 
+@contextmanager
+def _server(argv: list[str], env: dict[str, str], cwd) -> Iterator[subprocess.Popen]:
+    """server.py on pipes, as a stdio client starts it; killed on the way out if it still runs."""
+    server = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                              cwd=cwd)
+    try:
+        yield server
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+
+
+def _hang_up(server: subprocess.Popen, pause_s: float) -> tuple[int, str]:
+    """The client goes away: its reading end first, then its writing end. The server's exit code and stderr."""
+    server.stdout.close()
+    time.sleep(pause_s)
+    server.stdin.close()
+    return server.wait(60), server.stderr.read().decode(errors="replace")
+
+
 def test_a_client_that_goes_away_mid_call_leaves_no_traceback(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    server = subprocess.Popen([sys.executable, str(ROOT / "server.py"), "--state-dir", str(tmp_path / "run"),
-                               "--models-root", str(tmp_path / "models"), "--evidence-root", str(tmp_path / "ev")],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
-                              cwd=tmp_path)
-    try:
+    with _server([sys.executable, str(ROOT / "server.py"), "--state-dir", str(tmp_path / "run"), "--models-root",
+                  str(tmp_path / "models"), "--evidence-root", str(tmp_path / "ev")], env, tmp_path) as server:
         _initialize(server)
         # calls whose answers come after the client is gone: every write of them meets a closed pipe
         for i in range(2, 6):
             server.stdin.write(_message({"jsonrpc": "2.0", "id": i, "method": "tools/call",
                                          "params": {"name": "server_status", "arguments": {}}}))
         server.stdin.flush()
-        server.stdout.close()  # the client goes away: first its reading end, then its writing end
-        time.sleep(0.5)
-        server.stdin.close()
-        rc = server.wait(60)
-        err = server.stderr.read().decode(errors="replace")
-    finally:
-        if server.poll() is None:
-            server.kill()
-            server.wait()
+        rc, err = _hang_up(server, 0.5)
     assert "Traceback" not in err and "BrokenPipe" not in err and "ExceptionGroup" not in err, err
     assert rc == 0, (rc, err)
 
@@ -62,11 +74,8 @@ def test_a_client_that_goes_away_mid_start_cancels_the_start(tmp_path):
     run = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=str(ROOT), STATE_DIR=str(run), FRONT_DOOR="0", START_TIMEOUT_S="300",
                HOST="127.0.0.1", SPECULATIVE_CONFIG="", EXTRA_ARGS="", CPU_KVCACHE_SPACE_GIB="1")
-    server = subprocess.Popen(stand_in_vllm.mcp_argv("--state-dir", str(run), "--models-root", str(tmp_path),
-                                                     "--evidence-root", str(tmp_path / "ev")),
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
-                              cwd=tmp_path)
-    try:
+    with _server(stand_in_vllm.mcp_argv("--state-dir", str(run), "--models-root", str(tmp_path), "--evidence-root",
+                                        str(tmp_path / "ev")), env, tmp_path) as server:
         _initialize(server)
         server.stdin.write(_message({"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {
             "name": "start_vllm_server", "arguments": {"model": build, "port": free_port()},
@@ -77,14 +86,7 @@ def test_a_client_that_goes_away_mid_start_cancels_the_start(tmp_path):
             time.sleep(0.2)
         assert _stand_ins(build), "the stand-in never started"
         time.sleep(2)
-        server.stdout.close()  # the client goes away
-        server.stdin.close()
-        rc = server.wait(60)
-        err = server.stderr.read().decode(errors="replace")
-    finally:
-        if server.poll() is None:
-            server.kill()
-            server.wait()
+        rc, err = _hang_up(server, 0)
     assert "Traceback" not in err and "BrokenPipe" not in err, err
     assert rc == 0, (rc, err)
     deadline = time.monotonic() + 10
