@@ -96,6 +96,10 @@ def no_t4_measurement(b: Basis) -> str | None:
 def priced_on(prov: dict[str, Any] | None, model_name: str | None, price_per_hour: float, price_given: bool) -> str:
     """How a run's cost figures were priced (provenance.cost_basis), and where its member has no T4 measurement,
     that the figures priced are what stands in for one."""
-    b = basis(prov, model_name)
+    return priced_basis(basis(prov, model_name), price_per_hour, price_given)
+
+
+def priced_basis(b: Basis, price_per_hour: float, price_given: bool) -> str:
+    """priced_on for a basis already read."""
     note = no_t4_measurement(b)
     return cost_basis(b.platform, price_per_hour, price_given) + (f"; {note}" if note else "")

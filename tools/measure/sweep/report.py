@@ -17,7 +17,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from tools.core.errors import BadInput, ToolFailure, op, param
-from tools.measure.basis import Basis, basis, differences, no_t4_measurement, priced_on
+from tools.measure.basis import Basis, basis, differences, no_t4_measurement, priced_basis, priced_on
 from tools.measure.evidence import write_text, write_texts
 from tools.measure.sweep.params import DEFAULT_PRICE_PER_HOUR, METRICS, SweepResult
 from tools.measure.uncertainty import METHOD, Estimate, Ratio, ratio
@@ -317,7 +317,7 @@ def compare_runs(paths: list[str | Path], *, price_per_hour: float = DEFAULT_PRI
     cmp.markdown = markdown_comparison(
         cmp, measured="; ".join(f"{lab}: {b.model} on {b.machine}" + (f", vLLM {b.vllm}" if b.vllm else "")
                                 for lab, b in zip(labels, bases)),
-        priced=list(dict.fromkeys(priced_on(r.provenance, r.model, price_per_hour, given) for r in runs)))
+        priced=list(dict.fromkeys(priced_basis(b, price_per_hour, given) for b in bases)))
     return cmp
 
 
