@@ -79,13 +79,12 @@ def reap(run: str) -> list[int]:
 def watch(run: str, pid: int, create_time: float, interval_s: float = 0.5) -> None:
     import psutil
 
-    while True:
-        try:
-            if psutil.Process(pid).create_time() != create_time or psutil.Process(pid).status() == "zombie":
-                break
-        except psutil.NoSuchProcess:
-            break
-        time.sleep(interval_s)
+    try:
+        runner = psutil.Process(pid)
+        while runner.create_time() == create_time and runner.status() != psutil.STATUS_ZOMBIE:
+            time.sleep(interval_s)
+    except psutil.NoSuchProcess:
+        pass
     reap(run)
 
 
