@@ -8,7 +8,7 @@
 
 It runs on the project's virtualenv (.venv, what ./setup.sh makes), whatever `python3` is first on PATH: the
 vLLM it patches is the one the project serves with. Bad input (a file it cannot patch) exits 2, a failure of the
-machine (a full disk) 1. Why and what: tools/serving/turing_patch.py.
+machine (a full disk) 1. Why and what: tools/serving/turing/patch.py.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ try:
     import argparse
 
     from tools.core.errors import BadInput, ToolFailure
-    from tools.serving import turing_patch
+    from tools.serving.turing import patch as turing_patch
 except ImportError as _exc:  # a Python without the project's packages, and no .venv beside this file
     print(f"patch_triton_turing.py: {sys.executable} lacks the project's packages ({_exc}) and {_VENV} has no "
           "Python; run ./setup.sh", file=sys.stderr)

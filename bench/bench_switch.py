@@ -7,7 +7,7 @@ and one at 19, which loads and refuses what clients send) and one where the mach
     python bench/bench_switch.py [--clients 2] [--layout default|in-process]
 
 Builds the tiny model (from the tiny-model cache when it is there) and its int4-embedding build in a temporary
-folder; starts it as `./vllm-t4 start` does (tools.serving.service: the build on instance blue, half the cores,
+folder; starts it as `./vllm-t4 start` does (tools.serving.frontdoor.service: the build on instance blue, half the cores,
 vllm-router on the port clients use); then, with `--clients` closed-loop chat completions running through that
 port the whole time, switches as `./vllm-t4 start --replace` does: (1) to the same build named `second`
 (instance green, beside), (2) to a copy with an unknown quantization method, (3) to the build at
@@ -86,9 +86,9 @@ def main() -> int:
     from repack.tiny_model import cached_tiny_qat_checkpoint
     from tools.core.errors import ToolFailure
     from tools.core.process import free_port
-    from tools.serving import service
+    from tools.serving.frontdoor import service
     from tools.serving.config import load_config
-    from tools.serving.vllm_server import stop_server
+    from tools.serving.server.server import stop_server
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if args.layout == "in-process" else "1"
     os.environ.pop("FRONT_DOOR", None)  # tpu.env's own value
@@ -151,7 +151,7 @@ def main() -> int:
     ev = ROOT / "evidence"
     (ev / f"switch-{stamp}.json").write_text(json.dumps(out, indent=2) + "\n")
     lines = [f"# A switch behind the front door under live traffic, vLLM CPU, tiny int4-embedding build ({stamp})",
-             "", f"tpu.env as shipped (FRONT_DOOR=1), `start` then `start --replace` (tools.serving.service); vLLM's "
+             "", f"tpu.env as shipped (FRONT_DOOR=1), `start` then `start --replace` (tools.serving.frontdoor.service); vLLM's "
              f"{'own process layout (API server, engine core)' if args.layout == 'default' else 'in-process engine'}"
              f"; {args.clients} closed-loop chat clients through the port clients use; {os.cpu_count()} CPU cores, "
              f"load average {load_before[0]:.1f} before, {out['loadavg_after'][0]:.1f} after; the first start (build "

@@ -63,7 +63,7 @@ def group_alive(pgid: int) -> list[int]:
 def fake_t4_hardware():
     """A Tesla T4 on a small host (compute capability 7.5, `ram` bytes of RAM, `swap` bytes of swap), as the
     serving code's Hardware sees it: the class is built on first use so importing this module stays light."""
-    from tools.serving.hardware import Hardware
+    from tools.serving.preflight.hardware import Hardware
 
     class FakeT4(Hardware):
         def __init__(self, ram: int = 64 << 30, swap: int = 0) -> None:

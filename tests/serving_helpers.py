@@ -16,10 +16,10 @@ import httpx
 from tests import stand_in_vllm
 from tests.fixtures import ROOT, default_signals, free_port
 from tests.kill_matrix import all_gone
-from tools.serving import state
+from tools.serving.records import state
 from tools.serving.config import load_config
-from tools.serving.hardware import Hardware
-from tools.serving.vllm_server import server_status, stop_server
+from tools.serving.preflight.hardware import Hardware
+from tools.serving.server.server import server_status, stop_server
 
 
 class TwoCores(Hardware):

@@ -1,4 +1,4 @@
-"""`./vllm-t4` or the switch process (tools.serving.switch_process) with the stand-in builds patched in, for tests
+"""`./vllm-t4` or the switch process (tools.serving.frontdoor.switch_process) with the stand-in builds patched in, for tests
 that run them as processes of their own:
 
     python -m tests.stand_in_switch cli ARGS...      ./vllm-t4 ARGS, whose switch process is this module's
@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 
 from tests import stand_in_vllm
-from tools.serving import frontdoor, switch_process
+from tools.serving.frontdoor import door as frontdoor, switch_process
 from tools.serving.config import ServeConfig
-from tools.serving.hardware import Hardware
+from tools.serving.preflight.hardware import Hardware
 
 SWITCH = [sys.executable, "-m", "tests.stand_in_switch", "switch"]
 

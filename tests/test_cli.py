@@ -37,7 +37,7 @@ def test_a_command_line_builds_only_its_module_and_parses_as_with_every_command(
 def test_status_imports_neither_the_measuring_nor_the_demo_modules():
     code = ("import sys; from tools.cli import main; rc = main(['status', '--instance=../x']); "
             "print(rc, sorted(m for m in ('tools.measure.evals.run', 'tools.measure.decode.run', 'tools.demo.demo', "
-            "'tools.measure.fidelity.run', 'tools.serving.fetch') if m in sys.modules))")
+            "'tools.measure.fidelity.run', 'tools.serving.hub.fetch') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.stdout.split("\n")[0] == "2 []", (out.stdout, out.stderr)
 

@@ -102,7 +102,7 @@ def test_server_pids_of_missing_process_is_empty(pid):
 def test_serving_hardware_reads_every_gpu_through_the_one_nvml_reader(monkeypatch):
     """vLLM start checks (platform, Turing clamp, VRAM) see all GPUs, not GPU 0 only."""
     from tools.gpu import vram as vram_mod
-    from tools.serving.hardware import Hardware
+    from tools.serving.preflight.hardware import Hardware
 
     fake = FakeNvml([
         {"name": "A100", "total": 40960 * MIB, "used": 1000 * MIB, "util": 5, "cc": (8, 0)},

@@ -136,7 +136,7 @@ def test_the_switchs_host_memory_figures_say_what_they_count(tmp_path, monkeypat
 
     import psutil
 
-    import tools.serving.frontdoor as frontdoor
+    import tools.serving.frontdoor.door as frontdoor
     from tools.serving.config import load_config
 
     model = tmp_path / "tiny-e4b-emb4"

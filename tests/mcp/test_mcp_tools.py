@@ -317,7 +317,7 @@ def test_a_measurement_resolves_the_endpoint_and_reads_the_config_once(mcp, monk
     import tools.measure.sweep.run as sweep_mod
     import tools.mcp.app as app_mod
     import tools.mcp.measure_tools as measure_tools
-    import tools.serving.endpoint as endpoint_mod
+    import tools.measure.endpoint as endpoint_mod
 
     calls = {"resolve": 0, "config": 0}
 
@@ -429,7 +429,7 @@ def test_library_fields_reach_mcp_clients(mcp, tmp_path):
     structured content without any MCP-side edit."""
     import time as _time
 
-    from tools.serving.state import ServerState, write_state
+    from tools.serving.records.state import ServerState, write_state
 
     cfg = mcp.gemma.config()
     dead = subprocess.Popen([sys.executable, "-c", "pass"])

@@ -18,7 +18,7 @@ from tools.measure.decode.run import DecodeResult, PromptRecord, load_prompts, s
 from tools.measure.decode.sweep import (DecodeSweepParams, compare_decode_runs, first_divergence, run_decode_sweep,
                                         speculative_json)
 from tools.measure.spec_metrics import parse_spec_counters, spec_delta
-from tools.serving.speculative import validate_speculative_config
+from tools.serving.preflight.speculative import validate_speculative_config
 from tools.core.errors import BadInput
 
 from tests.fixtures import IN_PROCESS_TORCH

@@ -97,7 +97,7 @@ def test_a_killed_decode_sweep_leaves_no_server_and_the_next_is_not_refused(tmp_
 
 OWNER = r"""
 import sys, time
-from tools.serving.server_guard import owned_server
+from tools.serving.server.guard import owned_server
 with owned_server(sys.argv[1]):
     print("guarded", flush=True)
     time.sleep(600)

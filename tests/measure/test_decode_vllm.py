@@ -43,7 +43,7 @@ def test_decode_sweep_writes_the_drafter_table_and_measures_real_acceptance(bf16
                                                                            int4_drafter, tmp_path, monkeypatch):
     from tools.measure.decode.sweep import DecodeSweepParams, compare_decode_runs, run_decode_sweep
     from tools.serving.config import load_config
-    from tools.serving.vllm_server import server_status
+    from tools.serving.server.server import server_status
 
     monkeypatch.setenv("GEMMA4_T4_MODELS_ROOTS", str(tiny_drafter.parent))
     in_process_engine(monkeypatch)  # three starts; the decode sweep's own process handling is tested without it

@@ -63,7 +63,7 @@ def test_recorded_reference_against_another_build(emb4_server, other_server, tmp
 def test_server_dying_mid_run_keeps_finished_cells_and_fails_the_rest(other_server, tmp_path):
     """Runs after every other vllm test (conftest's collection hook): it kills the server's leader (SIGKILL) while the sweep's second
     cell starts, checks that status reports it died, then lets stop end what is left of its process group."""
-    from tools.serving.vllm_server import server_status, stop_server
+    from tools.serving.server.server import server_status, stop_server
 
     seen: dict = {}
 

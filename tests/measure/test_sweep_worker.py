@@ -201,7 +201,7 @@ def test_requests_that_fail_fail_the_cell_from_their_results(fake_vllm, tmp_path
 
 
 def test_health_is_asked_only_after_a_failed_cell(fake_vllm, tmp_path, monkeypatch):
-    from tools.serving import health
+    from tools.serving.server import health
 
     asked: list[str] = []
     answers = iter([False, False, True])

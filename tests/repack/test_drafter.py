@@ -319,7 +319,7 @@ def test_a_drafter_claiming_the_family_at_no_members_layout_is_refused_in_one_li
 def test_a_drafter_beside_a_target_of_another_member_is_refused_naming_both(e4b_drafter, tmp_path):
     from repack.members import MEMBERS
     from tools.core.errors import BadInput
-    from tools.serving.speculative import validate_speculative_config
+    from tools.serving.preflight.speculative import validate_speculative_config
 
     def target(name: str) -> Path:
         d = tmp_path / name

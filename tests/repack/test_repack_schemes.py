@@ -321,8 +321,8 @@ def test_w8a8_build_serves_on_the_cpu_int8_kernel(w8a8_build, serve_config_facto
 
     from tests.fixtures import in_process_engine, require_plugin
     from repack.tiny_model import pattern_permutation
-    from tools.serving.launch import start_server
-    from tools.serving.vllm_server import stop_server
+    from tools.serving.server.launch import start_server
+    from tools.serving.server.server import stop_server
 
     require_plugin()
     in_process_engine(monkeypatch)

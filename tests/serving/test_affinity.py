@@ -15,11 +15,11 @@ import pytest
 
 from tests import stand_in_vllm
 from tests.fixtures import free_port
-from tools.serving import state
+from tools.serving.records import state
 from tools.serving.config import ServeConfig
-from tools.serving.hardware import Hardware
-from tools.serving.launch import start_server
-from tools.serving.vllm_server import stop_server
+from tools.serving.preflight.hardware import Hardware
+from tools.serving.server.launch import start_server
+from tools.serving.server.server import stop_server
 
 CORES = sorted(os.sched_getaffinity(0))
 two_cores = pytest.mark.skipif(len(CORES) < 2, reason="needs two cores this process may run on")

@@ -11,8 +11,8 @@ import time
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from tools.serving.model_files import chat_prompt_tokens
-from tools.serving.preflight_checks import check_max_model_len
+from tools.serving.preflight.model_files import chat_prompt_tokens
+from tools.serving.preflight.checks import check_max_model_len
 
 TEMPLATE = ("{{ bos_token }} {% for m in messages %}<turn> {{ m['role'] }} {{ m['content'] | trim }} </turn> "
             "{% endfor %}{% if add_generation_prompt %}<turn> model {% endif %}")
@@ -49,7 +49,7 @@ def test_the_chat_template_is_rendered_and_counted_as_the_server_would(tmp_path)
 def test_the_template_the_check_counts_is_the_one_readiness_sends_a_chat_for(tmp_path):
     """One reader of a build's chat template: the start check and the readiness chat agree on every layout,
     chat_template.json included (the check used to find no template there and skip)."""
-    from tools.serving.readiness import has_chat_template
+    from tools.serving.server.readiness import has_chat_template
 
     processor = _build(tmp_path / "processor", processor_file=True)
     assert chat_prompt_tokens(processor) == 7 and has_chat_template(processor)
@@ -64,7 +64,7 @@ def test_the_template_the_check_counts_is_the_one_readiness_sends_a_chat_for(tmp
 @pytest.mark.parametrize("max_model_len,status", [(7, "fail"), (8, "ok"), (512, "ok")])
 def test_the_start_check_refuses_a_length_the_template_alone_fills(tmp_path, serve_config_factory, max_model_len,
                                                                    status):
-    from tools.serving.preflight_checks import Context
+    from tools.serving.preflight.checks import Context
 
     cfg = serve_config_factory(_build(tmp_path / "m"), "m", max_model_len=max_model_len)
     c = check_max_model_len(Context(cfg, None, None, None, None))

@@ -14,7 +14,7 @@ import pytest
 
 from tests.fixtures import free_port, state_env
 from tools.serving.config import load_config
-from tools.serving.state import DamagedState, ServerState, read_record
+from tools.serving.records.state import DamagedState, ServerState, read_record
 
 DAMAGE = {
     "garbage": "garbage\n",

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from tools.serving import engine_log
-from tools.serving.engine_log import explain_failure, parse_engine_log, tail
+from tools.serving.server import engine_log
+from tools.serving.server.engine_log import explain_failure, parse_engine_log, tail
 
 # Lines as vLLM 0.29 printed them on the T4 (the article's sweep start), with vLLM's process/time prefixes.
 T4_LOG = """\
@@ -106,7 +106,7 @@ def test_tail():
 
 
 def test_w8a8_linears_name_their_int8_kernel_over_the_int4_heads():
-    from tools.serving.engine_log import parse_engine_log
+    from tools.serving.server.engine_log import parse_engine_log
 
     log = """\
 (EngineCore pid=7) INFO 11-29 21:00:01 [cpu.py:40] Selected CPUInt8ScaledMMLinearKernel for CompressedTensorsW8A8Int8

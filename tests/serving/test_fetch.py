@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tools.core.errors import ToolFailure
-from tools.serving.fetch import MANIFEST, FetchParams, fetch_checkpoint
+from tools.serving.hub.fetch import MANIFEST, FetchParams, fetch_checkpoint
 from tools.core.errors import BadInput
 
 from tests.stand_in_hub import COMMIT, REPO, StandInHub  # noqa: F401
@@ -218,7 +218,7 @@ def test_an_interrupted_fetch_resumes_through_the_cache(hub_files, hub_env, tmp_
 @pytest.mark.parametrize("member", ["E2B", "e4b", "12B", "26B-A4B", "31B"])
 def test_a_member_name_fetches_googles_qat_checkpoint_of_it(member, hub_env, tmp_path, monkeypatch):
     from repack.members import by_name
-    from tools.serving.fetch import check_repo_id
+    from tools.serving.hub.fetch import check_repo_id
 
     repo = f"google/gemma-4-{by_name(member).name}-it-qat-q4_0-unquantized"
     assert check_repo_id(member) == repo

@@ -19,11 +19,13 @@ from tests import stand_in_vllm
 from tests.fixtures import free_port, group_alive
 from tests.serving_helpers import Clients, TwoCores
 from tools.core.errors import ToolFailure
-from tools.serving import frontdoor, router_state, state, switch_record
+from tools.serving.frontdoor import door as frontdoor
+from tools.serving.records import router_state, state
+from tools.serving.server import switch_record
 from tools.serving.config import ServeConfig
-from tools.serving.router import start_router, stop_router
-from tools.serving.launch import start_server
-from tools.serving.vllm_server import stop_server
+from tools.serving.frontdoor.router import start_router, stop_router
+from tools.serving.server.launch import start_server
+from tools.serving.server.server import stop_server
 
 
 @pytest.fixture
@@ -76,7 +78,7 @@ def test_a_good_switch_beside_the_old_build_fails_no_request(door):
     assert [x.instance for x in router_state.recorded(base).backends] == ["green"]
     assert frontdoor.workers(router_state.recorded(base)) == [res.backend]
     assert group_alive(old.pgid) == [] and not _instance(base, "blue").state_file.exists()
-    from tools.serving.instances import fleet_status
+    from tools.serving.frontdoor.instances import fleet_status
 
     st = fleet_status(base)
     assert st.last_switch["outcome"] == "serving new" and st.last_switch["figures"]["failed"] == 0
@@ -170,7 +172,7 @@ def test_real_vllm_switches_through_the_front_door_fail_no_request(emb4_build, s
                                                                   monkeypatch):
     """tpu.env as shipped (FRONT_DOOR=1), real vLLM CPU servers behind the real router (each build on cores of
     its own), the starts and switches as `./vllm-t4 start [--replace]` and start_vllm_server run them
-    (tools.serving.service), with chat completions running through the port clients use the whole time:
+    (tools.serving.frontdoor.service), with chat completions running through the port clients use the whole time:
     (a) a good switch (the tiny all-4-bit build under a second name, beside the first), (b) a switch to a copy vLLM
     refuses to load (an unknown quantization method), (c) a switch to the build at max_model_len=16, below what
     its chat template renders for one word (18 tokens), (d) at 19, which loads and refuses what clients send. No
@@ -182,7 +184,7 @@ def test_real_vllm_switches_through_the_front_door_fail_no_request(emb4_build, s
     import shutil
 
     from tests.fixtures import in_process_engine, require_plugin
-    from tools.serving import service
+    from tools.serving.frontdoor import service
 
     require_plugin()
     in_process_engine(monkeypatch)
@@ -256,7 +258,7 @@ def test_the_command_line_and_mcp_switch_the_same_way(door, tmp_path, capsys, mo
     from tools.mcp.app import Settings, create_server
 
     from tests.stand_in_switch import SWITCH
-    from tools.serving import switch_process
+    from tools.serving.frontdoor import switch_process
 
     base, make = door
     b = make("green", "new")

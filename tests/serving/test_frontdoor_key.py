@@ -20,11 +20,12 @@ from tests import stand_in_vllm
 from tests.fixtures import ROOT, free_port
 from tools.core.errors import BadInput
 from tests.serving_helpers import TwoCores
-from tools.serving import frontdoor, router_state
+from tools.serving.frontdoor import door as frontdoor
+from tools.serving.records import router_state
 from tools.serving.config import ServeConfig
-from tools.serving.launch import start_server
-from tools.serving.router import request_counts, router_status, start_router, stop_router
-from tools.serving.vllm_server import stop_server
+from tools.serving.server.launch import start_server
+from tools.serving.frontdoor.router import request_counts, router_status, start_router, stop_router
+from tools.serving.server.server import stop_server
 
 KEY = "k-" + "fr0nt" * 8
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}

@@ -14,8 +14,8 @@ import pytest
 
 from tests.mounts import MOUNT, listing
 from tools.core.errors import BadInput, ToolFailure
-from tools.serving import fetch
-from tools.serving.fetch import FetchParams, fetch_checkpoint
+from tools.serving.hub import fetch
+from tools.serving.hub.fetch import FetchParams, fetch_checkpoint
 
 REPO = "acme/tiny"
 NOWHERE = "http://127.0.0.1:9"  # nothing listens: a check that asked the hub would fail as "no network"

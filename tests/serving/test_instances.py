@@ -101,9 +101,9 @@ def test_port_of_a_running_instance_is_refused(tmp_path, fleet):
 
 
 def test_cpu_cores_one_per_instance_then_refused(tmp_path, fleet):
-    from tools.serving import instances
-    from tools.serving.hardware import Hardware
-    from tools.serving.launch import start_server
+    from tools.serving.frontdoor import instances
+    from tools.serving.preflight.hardware import Hardware
+    from tools.serving.server.launch import start_server
 
     class TwoCores(Hardware):
         def platform(self):
@@ -136,8 +136,8 @@ def test_cpu_cores_one_per_instance_then_refused(tmp_path, fleet):
 
 
 def test_cpu_parallelism_needs_a_core_per_rank(tmp_path):
-    from tools.serving import instances
-    from tools.serving.hardware import Hardware
+    from tools.serving.frontdoor import instances
+    from tools.serving.preflight.hardware import Hardware
 
     class TwoCores(Hardware):
         def platform(self):
@@ -156,7 +156,7 @@ def test_cpu_parallelism_needs_a_core_per_rank(tmp_path):
 
 
 def test_gpu_room_and_parallelism_on_a_t4(tmp_path, fleet):
-    from tools.serving import instances
+    from tools.serving.frontdoor import instances
 
     hw = fake_t4_hardware()()
     cfg = lambda name, **kw: load_config(ROOT / "tpu.env", state_dir=tmp_path / "run", instance=name, **kw)  # noqa: E731
@@ -247,7 +247,7 @@ def test_stop_all_and_one_instance(cli_here, tmp_path, fleet):
 
 
 def test_endpoint_choice_is_one_of_three(cli_here, tmp_path, fleet):
-    from tools.serving.endpoint import EndpointParams, resolve_endpoint
+    from tools.measure.endpoint import EndpointParams, resolve_endpoint
 
     cfg = load_config(ROOT / "tpu.env", state_dir=tmp_path / "run")
     with pytest.raises(BadInput, match="base_url and instance exclude each other"):
@@ -307,7 +307,7 @@ def test_mcp_tools_take_an_instance(tmp_path, fleet):
 def test_vram_marks_each_instances_processes(tmp_path, fleet):
     from tests.fake_nvml import T4_TOTAL, FakeNvml
     from tools.gpu.vram import MIB, vram_status
-    from tools.serving.placement import process_owners
+    from tools.serving.records.placement import process_owners
 
     a = fleet("a", free_port(), platform="cuda", gpus=[0], gpu_memory_utilization=0.45)
     b = fleet("b", free_port(), platform="cuda", gpus=[0], gpu_memory_utilization=0.45)
@@ -326,9 +326,9 @@ def test_router_lifecycle_over_stand_in_workers(tmp_path, fleet):
     requests spread over both (the /metrics deltas a sweep records), stopped with its whole group."""
     import httpx
 
-    from tools.serving import router
-    from tools.serving.router_state import Backend
-    from tools.serving.router import request_counts
+    from tools.serving.frontdoor import router
+    from tools.serving.records.router_state import Backend
+    from tools.serving.frontdoor.router import request_counts
 
     pa, pb, pr = free_port(), free_port(), free_port()
     fleet("a", pa, serve=True)

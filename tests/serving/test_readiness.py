@@ -14,10 +14,10 @@ import pytest
 
 from tests import stand_in_vllm
 from tools.core.errors import ToolFailure
-from tools.serving import readiness
+from tools.serving.server import readiness
 from tools.serving.config import ServeConfig
-from tools.serving.launch import start_server
-from tools.serving.vllm_server import stop_server
+from tools.serving.server.launch import start_server
+from tools.serving.server.server import stop_server
 
 
 @pytest.fixture

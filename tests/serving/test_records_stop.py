@@ -106,7 +106,7 @@ def test_a_start_while_a_stop_ends_the_doors_build_advises_start_after_it(cli_he
     """`stop &` then `start`: the door's router already gone, its build still being stopped (its instance's lock
     held): start is refused naming that command and advising a plain start once it ends, not told the build was
     left by a door that is gone."""
-    from tools.serving import state
+    from tools.serving.records import state
     from tools.serving.config import load_config
 
     port = free_port()

@@ -20,11 +20,11 @@ import pytest
 from tests import stand_in_vllm
 from tests.fixtures import ROOT, free_port, group_alive
 from tools.core.errors import BadInput, ToolFailure
-from tools.serving import state
+from tools.serving.records import state
 from tools.serving.config import ServeConfig
-from tools.serving.replace import replace_server
-from tools.serving.vllm_server import server_status, stop_server
-from tools.serving.launch import start_server
+from tools.serving.server.replace import replace_server
+from tools.serving.server.server import server_status, stop_server
+from tools.serving.server.launch import start_server
 
 @pytest.fixture
 def stand_in(tmp_path, monkeypatch, serve_config_factory):

@@ -1,6 +1,6 @@
 """A plain replace whose B fails starts A again: that A is the service that was running, so once its way back is
 launched it outlives the command, even a SIGKILL of the command while A is still loading (the start's guard,
-tools.serving.server_guard, hands it over at its launch), and no replace record then says A was stopped.
+tools.serving.server.guard, hands it over at its launch), and no replace record then says A was stopped.
 
 Each command is `./vllm-t4` in a process of its own with tests/stand_in_vllm.py where vLLM would be."""
 
@@ -17,9 +17,9 @@ import psutil
 import pytest
 
 from tests.serving_helpers import Bench, until
-from tools.serving import state
-from tools.serving.server_guard import hand_over, owned_server
-from tools.serving.vllm_server import server_status
+from tools.serving.records import state
+from tools.serving.server.guard import hand_over, owned_server
+from tools.serving.server.server import server_status
 
 
 @pytest.fixture
@@ -30,11 +30,11 @@ def bench(tmp_path):
 
 
 def _guards_of(owner: int) -> list[psutil.Process]:
-    """The server guards watching process `owner` (python -m tools.serving.server_guard STATE_FILE OWNER)."""
+    """The server guards watching process `owner` (python -m tools.serving.server.guard STATE_FILE OWNER)."""
     found = []
     for proc in psutil.process_iter(["cmdline"]):
         cmd = proc.info["cmdline"] or []
-        if "tools.serving.server_guard" in cmd and cmd[-1:] == [str(owner)]:
+        if "tools.serving.server.guard" in cmd and cmd[-1:] == [str(owner)]:
             found.append(proc)
     return found
 

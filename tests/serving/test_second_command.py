@@ -25,9 +25,9 @@ from tests import stand_in_vllm
 from tests.fixtures import ROOT, free_port
 from tests.kill_matrix import all_gone
 from tests.serving_helpers import Bench, until
-from tools.serving import state
+from tools.serving.records import state
 from tools.serving.config import load_config
-from tools.serving.vllm_server import server_status
+from tools.serving.server.server import server_status
 
 BUSY = "is being changed by another command"
 
@@ -226,8 +226,8 @@ def test_the_api_key_reaches_vllm_and_every_call_but_no_file(bench, tmp_path):
 def test_a_second_ctrl_c_inside_the_rollback_does_not_stop_it(bench, monkeypatch):
     """The second SIGINT lands exactly in the rollback (while what is left of B is stopped): A is still launched
     again and the replace record goes; the interrupt is delivered once the rollback is done."""
-    from tools.serving import replace as replace_mod
-    from tools.serving.replace import replace_server
+    from tools.serving.server import replace as replace_mod
+    from tools.serving.server.replace import replace_server
 
     monkeypatch.setattr("tools.serving.config.ServeConfig.vllm_argv",
                         lambda self, platform: stand_in_vllm.argv(self.port, self.model))
@@ -237,7 +237,7 @@ def test_a_second_ctrl_c_inside_the_rollback_does_not_stop_it(bench, monkeypatch
                         speculative_config="", extra_args="", start_timeout_s=30.0)
     cfg_b = load_config(ROOT / "tpu.env", state_dir=str(bench.tmp / "run"), port=bench.port, model=b_model,
                         speculative_config="", extra_args="", start_timeout_s=30.0)
-    from tools.serving.launch import start_server
+    from tools.serving.server.launch import start_server
     a_pid = start_server(cfg_a).pid
     real_stop = replace_mod.stop_server
     rolled_back: list[str] = []
@@ -377,7 +377,7 @@ def test_a_failed_start_does_not_forget_a_record_written_since(bench, monkeypatc
     """_end_launched of a start whose server is gone leaves a record naming another server."""
     import subprocess as sp
 
-    from tools.serving import launch
+    from tools.serving.server import launch
 
     cfg = bench.cfg()
     cfg.instance_dir.mkdir(parents=True, exist_ok=True)

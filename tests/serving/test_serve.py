@@ -19,11 +19,11 @@ import httpx
 import psutil
 import pytest
 
-from tools.serving import turing_patch
+from tools.serving.turing import patch as turing_patch
 from tools.core.errors import ToolFailure
 from tests.fixtures import fake_t4_hardware, group_alive
-from tools.serving.vllm_server import server_status, stop_server
-from tools.serving.launch import start_server
+from tools.serving.server.server import server_status, stop_server
+from tools.serving.server.launch import start_server
 from tools.cli.commands import CLI
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -119,7 +119,7 @@ def test_int4_embedding_build_gives_the_bf16_builds_greedy_tokens(emb4_server, b
 
 @pytest.mark.vllm
 def test_status_and_query_of_a_shared_server(emb4_server):
-    from tools.serving.vllm_server import query, read_log
+    from tools.serving.server.server import query, read_log
 
     st = server_status(emb4_server)
     assert st.alive and st.healthy and st.start_fields.kv_cache_tokens > 0
@@ -195,7 +195,7 @@ def test_turing_gpu_needs_the_clamp_then_memory_needs_swap(tmp_path, serve_confi
 
 
 def test_state_file_of_a_dead_server_is_detected_and_cleared(serve_config_factory, tmp_path):
-    from tools.serving.state import ServerState, write_state
+    from tools.serving.records.state import ServerState, write_state
 
     cfg = serve_config_factory(tmp_path, "ghost")
     gone = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
@@ -212,7 +212,7 @@ def test_state_file_of_a_dead_server_is_detected_and_cleared(serve_config_factor
 
 
 def test_a_recycled_pid_is_never_signalled(serve_config_factory, tmp_path):
-    from tools.serving.state import ServerState, write_state
+    from tools.serving.records.state import ServerState, write_state
 
     cfg = serve_config_factory(tmp_path, "recycled")
     # A live process group that is not ours, at the pid the state file names (as if the pid had been reused).
@@ -248,7 +248,7 @@ def test_command_line_failures_are_one_line(tmp_path):
 
 
 def test_swap_is_reported_and_never_enabled_implicitly(serve_config_factory, tmp_path):
-    from tools.serving.swap import ensure_swap, swap_report
+    from tools.serving.preflight.swap import ensure_swap, swap_report
 
     proc_swaps = tmp_path / "swaps"
     swapfile = tmp_path / "swapfile"
@@ -272,7 +272,7 @@ class FakeT4WithVram(FakeT4):
         self.asked: list[int] = []
 
     def vram(self, pids):
-        from tools.serving.hardware import Vram
+        from tools.serving.preflight.hardware import Vram
 
         self.asked = list(pids)
         return Vram(used_mib=13581, total_mib=15360, utilization_pct=0, process_mib=13300)
@@ -280,7 +280,7 @@ class FakeT4WithVram(FakeT4):
 
 def _adopt(cfg, proc: subprocess.Popen, platform: str = "cpu") -> None:
     """Records a process this test started as if it were the server (its own session, so pgid == pid)."""
-    from tools.serving.state import ServerState, write_state
+    from tools.serving.records.state import ServerState, write_state
 
     write_state(cfg, ServerState(pid=proc.pid, pgid=proc.pid, create_time=psutil.Process(proc.pid).create_time(),
                                   host=cfg.host, port=cfg.port, base_url=cfg.base_url, model="m", served_name="fake",
@@ -388,7 +388,7 @@ def test_an_interrupt_between_launch_and_state_file_ends_the_server(serve_config
     that, the server would run on with nothing pointing at it."""
     import signal
 
-    from tools.serving import state
+    from tools.serving.records import state
 
     cfg = _stand_in_start(serve_config_factory, tmp_path, monkeypatch, "interrupted-launch")
     real_write = state.write_state
@@ -421,9 +421,9 @@ def test_an_interrupt_between_launch_and_state_file_ends_the_server(serve_config
 # names it. The launched process waits on a pipe for the state file; the kill closes the pipe and it exits.
 KILLED_AT_LAUNCH = r"""
 import os, sys, time
-from tools.serving import state
+from tools.serving.records import state
 from tools.serving.config import ServeConfig, load_config
-from tools.serving.launch import start_server
+from tools.serving.server.launch import start_server
 marker, pid_file, env_file, state_dir, port, model = sys.argv[1:]
 ServeConfig.vllm_argv = lambda self, platform: [sys.executable, "-c",
     f"import pathlib, time; pathlib.Path({marker!r}).touch(); time.sleep(120)"]
@@ -461,8 +461,8 @@ def test_a_start_killed_before_its_state_file_leaves_no_server(tmp_path):
 
 
 def test_start_progress_is_phases_rising_and_never_the_same_line_twice(monkeypatch):
-    from tools.serving import start_progress
-    from tools.serving.start_progress import StartProgress
+    from tools.serving.server import start_progress
+    from tools.serving.server.start_progress import StartProgress
 
     clock = [100.0]
     monkeypatch.setattr(start_progress.time, "monotonic", lambda: clock[0])

@@ -18,7 +18,8 @@ from tests import stand_in_vllm
 from tests.fixtures import ROOT, free_port, group_alive
 from tests.serving_helpers import Clients
 from tests.stand_in_switch import SWITCH
-from tools.serving import router_state, state, switch_process
+from tools.serving.records import router_state, state
+from tools.serving.frontdoor import switch_process
 from tools.serving.config import ServeConfig, load_config
 
 
@@ -44,7 +45,7 @@ def shipped(tmp_path, monkeypatch):
     try:
         yield make, cfg
     finally:
-        from tools.serving.instances import stop_all
+        from tools.serving.frontdoor.instances import stop_all
 
         stop_all(cfg, grace_s=2)
 
@@ -147,7 +148,7 @@ def test_an_mcp_client_switches_the_shipped_configuration_the_same_way(shipped, 
 def test_the_front_door_reads_as_the_service_in_preflight_and_status(shipped, capsys):
     """The port check of a start sees the front door started from here (a replace switches behind it), and
     status is healthy (exit 0) only while a build answers behind the door."""
-    from tools.serving.preflight import checks_for
+    from tools.serving.preflight.steps import checks_for
 
     make, cfg = shipped
     assert _cli(capsys, "start", "--model", make("old"), "--served-name", "old")[0] == 0
@@ -288,8 +289,9 @@ def test_status_tells_what_runs_through_a_switch_and_after_stop(shipped, capsys,
 
     import httpx
 
-    from tools.serving import frontdoor, vllm_server
-    from tools.serving.instances import fleet_status
+    from tools.serving.frontdoor import door as frontdoor
+    from tools.serving.server import server as vllm_server
+    from tools.serving.frontdoor.instances import fleet_status
 
     make, cfg = shipped
     assert _cli(capsys, "start", "--model", make("old"), "--served-name", "old")[0] == 0
@@ -354,8 +356,8 @@ def test_a_switch_that_finds_the_door_stopped_advises_a_plain_start(shipped):
     """`stop &` then `start --replace`: the switch finds no door (stopped meanwhile) and advises start, not the
     router's own start."""
     from tools.core.errors import ToolFailure
-    from tools.serving import frontdoor
-    from tools.serving.service import build_config
+    from tools.serving.frontdoor import door as frontdoor
+    from tools.serving.frontdoor.service import build_config
 
     make, cfg = shipped
     with pytest.raises(ToolFailure) as exc:

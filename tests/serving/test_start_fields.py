@@ -11,8 +11,8 @@ import time
 import psutil
 
 from tools.measure.provenance import collect
-from tools.serving.state import ServerState, write_state
-from tools.serving.vllm_server import server_status, stop_server
+from tools.serving.records.state import ServerState, write_state
+from tools.serving.server.server import server_status, stop_server
 
 
 def _int4_embedding_checkpoint(folder):

@@ -25,12 +25,14 @@ from tests import stand_in_vllm
 from tests.fixtures import ROOT, free_port
 from tests.kill_matrix import all_gone, assert_ended, cli, signal_when
 from tests.serving_helpers import Clients, TwoCores
-from tools.serving import frontdoor, router_state, state, switch_record
+from tools.serving.frontdoor import door as frontdoor
+from tools.serving.records import router_state, state
+from tools.serving.server import switch_record
 from tools.serving.config import ServeConfig
-from tools.serving.launch import start_server
-from tools.serving.router import start_router, stop_router
-from tools.serving.state import InstanceBusy
-from tools.serving.vllm_server import stop_server
+from tools.serving.server.launch import start_server
+from tools.serving.frontdoor.router import start_router, stop_router
+from tools.serving.records.state import InstanceBusy
+from tools.serving.server.server import stop_server
 
 HOLD_S = 10.0   # the front door's hold: A's stop and B's load (about 2 s here) fit well within it
 LOAD_S = 0.5    # B's load: long enough to be signalled during it
@@ -203,7 +205,7 @@ def test_a_cancelled_front_end_passes_the_cancellation_on_and_waits_for_the_roll
     """What an MCP cancellation does (its progress report raises): the switch process gets one SIGINT, B is ended,
     A keeps the traffic, and the front end raises its own exception once the rollback is over."""
     from tests.stand_in_switch import SWITCH
-    from tools.serving import switch_process
+    from tools.serving.frontdoor import switch_process
 
     base, _ = front
     monkeypatch.setattr(switch_process, "PROGRAM", SWITCH)

@@ -12,11 +12,11 @@ import pytest
 
 from tests import stand_in_vllm
 from tools.core.errors import ToolFailure
-from tools.serving import switch_record
+from tools.serving.server import switch_record
 from tools.serving.config import ServeConfig
-from tools.serving.replace import replace_server
-from tools.serving.launch import start_server
-from tools.serving.vllm_server import read_log, server_status, stop_server
+from tools.serving.server.replace import replace_server
+from tools.serving.server.launch import start_server
+from tools.serving.server.server import read_log, server_status, stop_server
 
 
 @pytest.fixture
@@ -112,7 +112,7 @@ def test_an_interrupted_switch_reads_as_interrupted_not_as_a_failed_build(tmp_pa
     """A switch stopped by a signal (its record's message "interrupted; ...") is not described as the new build
     failing: status and the log readers say it was interrupted."""
     from tools.serving.config import load_config
-    from tools.serving.switch_record import SwitchRecord, describe, failed_log_section, write_switch
+    from tools.serving.server.switch_record import SwitchRecord, describe, failed_log_section, write_switch
 
     cfg = load_config(state_dir=str(tmp_path / "run"))
     log = tmp_path / "b.log"

@@ -21,8 +21,8 @@ from types import SimpleNamespace
 import pytest
 
 from tools.core.errors import BadInput, ToolFailure
-from tools.serving import turing_patch
-from tools.serving.turing_decision import ClampRefused, TuringPlatform, find_decision
+from tools.serving.turing import patch as turing_patch
+from tools.serving.turing.decision import ClampRefused, TuringPlatform, find_decision
 
 from tests.mounts import MOUNT
 
@@ -342,7 +342,7 @@ def test_a_decision_that_raises_or_exits_is_one_line(target, rule, said):
 
 
 def test_a_decision_that_never_returns_is_ended(target, monkeypatch):
-    from tools.serving import turing_decision
+    from tools.serving.turing import decision as turing_decision
 
     monkeypatch.setattr(turing_decision, "DECISION_TIMEOUT_S", 2.0)
     target.write_text(_with_decision_rule("    while True:\n        pass\n"))

@@ -7,9 +7,9 @@ import pytest
 
 from tools.cli.commands import CLI
 from tools.core.errors import render
-from tools.serving import version_pairs
-from tools.serving.preflight import PreflightParams, checks_for, run_preflight
-from tools.serving.version_pairs import check_versions, read_pins, release
+from tools.serving.preflight import version_pairs
+from tools.serving.preflight.steps import PreflightParams, checks_for, run_preflight
+from tools.serving.preflight.version_pairs import check_versions, read_pins, release
 
 PINS = {"vllm": "0.32.0", "transformers": "5.19.0", "compressed-tensors": "0.17.0"}
 
@@ -75,7 +75,7 @@ def test_doctor_reports_a_known_bad_pair(monkeypatch):
 
 def test_one_release_however_written_is_no_mismatch(monkeypatch):
     """vLLM reporting itself as '0.32' is the pinned 0.32.0: doctor does not warn '0.32 installed, 0.32.0 pinned'."""
-    from tools.serving import preflight_checks
+    from tools.serving.preflight import checks as preflight_checks
 
     assert version_pairs.same_release("0.32", "0.32.0") and version_pairs.same_release("0.32.0+cpu", "0.32")
     assert not version_pairs.same_release("0.32.1", "0.32.0") and not version_pairs.same_release("0.32.0rc1", "0.32.0")

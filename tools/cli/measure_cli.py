@@ -27,7 +27,7 @@ from tools.measure.sweep.params import DEFAULT_OUT, DEFAULT_PRICE_PER_HOUR, Swee
 from tools.measure.sweep.run import run_sweep
 from tools.measure.sweep.report import CompareSweepsParams, compare_runs, load_run, plot_runs
 from tools.serving.config import load_config
-from tools.serving.endpoint import EndpointParams, resolve_endpoint, resolve_name
+from tools.measure.endpoint import EndpointParams, resolve_endpoint, resolve_name
 
 
 def _cost_cell(text: str) -> tuple[int, int]:

@@ -16,15 +16,16 @@ from typing import Any
 from tools.cli.commands import CLI, Command, add_commands, emit as _emit
 from tools.core.errors import BadInput, param, render, render_all
 from tools.core.process import free_port
-from tools.serving import router, service, switch_process, vllm_server
+from tools.serving.frontdoor import router, service, switch_process
+from tools.serving.server import server as vllm_server
 from tools.serving.config import ServeConfig, load_config
-from tools.serving.instances import fleet_status, stop_all
-from tools.serving.records import StartResult
-from tools.serving.replace import target
-from tools.serving.state import replace_file
+from tools.serving.frontdoor.instances import fleet_status, stop_all
+from tools.serving.server.results import StartResult
+from tools.serving.server.replace import target
+from tools.serving.records.state import replace_file
 from tools.serving.ops import (LogParams, QueryParams, RouterStartParams, RouterStopParams, RouterSwitchParams,
                                StartParams, StatusParams, StopParams)
-from tools.serving.swap import ensure_swap, swap_report
+from tools.serving.preflight.swap import ensure_swap, swap_report
 from tools.core.jsonout import dumps
 
 

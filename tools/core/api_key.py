@@ -1,7 +1,7 @@
 """The vLLM server's API key: read from the environment (VLLM_API_KEY, the variable vLLM itself reads), never
 written to a state file, a log or evidence; sent by every tool that calls the server.
 
-A server on a non-loopback HOST is refused without it (tools.serving.launch); vLLM gets it through its
+A server on a non-loopback HOST is refused without it (tools.serving.server.launch); vLLM gets it through its
 environment rather than `--api-key`, which would put it in the command line the state file records, in `ps` and
 in vLLM's log of its arguments.
 """

@@ -41,17 +41,17 @@ from tools.core.process import free_port
 from tools.core.root import PROJECT_ROOT
 from tools.core import clock
 from tools.measure import evidence as evidence_files
-from tools.serving.server_guard import owned_server
+from tools.serving.server.guard import owned_server
 from tools.measure.tokens.compare import TokenCompareParams, TokenComparison, check_against, record_reference
 from tools.measure.sweep.run import run_sweep
 from tools.measure.sweep.report import compare_runs, markdown_run
 from tools.serving.config import DEFAULT_ENV_FILE, load_config
-from tools.serving.fetch import FetchParams, fetch_checkpoint
+from tools.serving.hub.fetch import FetchParams, fetch_checkpoint
 from repack.checks import SOURCE_REPO
-from tools.serving.hub import hf_token
-from tools.serving.preflight import PreflightParams, run_preflight
-from tools.serving.launch import start_server
-from tools.serving.vllm_server import stop_server
+from tools.serving.hub.access import hf_token
+from tools.serving.preflight.steps import PreflightParams, run_preflight
+from tools.serving.server.launch import start_server
+from tools.serving.server.server import stop_server
 
 SOURCE_KEY = "SOURCE_CHECKPOINT"
 

@@ -46,10 +46,10 @@ from tools.mcp.errors import ToolRefusal, argument_error, to_tool_error
 from tools.mcp.jobs import JobCancelled, JobRegistry, ProgressFn
 from tools.mcp.registry import ALWAYS_LISTED, TOOLS, TOOLSETS, TOOLSETS_ENV, ToolSpec, parse_toolsets
 from tools.serving.config import load_config
-from tools.serving.hardware import Hardware
-from tools.serving import router_state
-from tools.serving.state import load_state
-from tools.serving.vllm_server import behind_door_state, server_status
+from tools.serving.preflight.hardware import Hardware
+from tools.serving.records import router_state
+from tools.serving.records.state import load_state
+from tools.serving.server.server import behind_door_state, server_status
 from tools.mcp.wording import on_platform
 
 SERVER_NAME = "gemma4-t4"

@@ -8,7 +8,7 @@ from tools.measure.evals.results import (EvalCompareParams, EvalComparison, Eval
 from tools.measure.evals.compare import compare_evals as compare
 from tools.measure.evals.run import run_eval as evaluate
 from tools.mcp.registry import Reply, tool
-from tools.serving.endpoint import resolve_endpoint
+from tools.measure.endpoint import resolve_endpoint
 
 
 def _eval_inputs(app, p: EvalParams) -> EvalParams:

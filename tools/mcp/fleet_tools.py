@@ -1,4 +1,4 @@
-"""Fleet tools: vllm-router in front of named instances (tools/serving/router.py does the work)."""
+"""Fleet tools: vllm-router in front of named instances (tools/serving/frontdoor/router.py does the work)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ from tools.core.paths import PathNotAllowed
 from tools.core.process import free_port
 from tools.mcp.registry import Reply, tool
 from tools.mcp.wording import on_platform
-from tools.serving.state import load_state
-from tools.serving import frontdoor, switch_process
-from tools.serving.model_files import missing_model_fix
+from tools.serving.records.state import load_state
+from tools.serving.frontdoor import door as frontdoor, switch_process
+from tools.serving.preflight.model_files import missing_model_fix
 from tools.serving.ops import RouterStartParams, RouterStopParams, RouterSwitchParams
-from tools.serving.router import (RouterStartResult, RouterStatus, RouterStopResult, router_status as status,
+from tools.serving.frontdoor.router import (RouterStartResult, RouterStatus, RouterStopResult, router_status as status,
                                   start_router as start, stop_router as stop)
 
 

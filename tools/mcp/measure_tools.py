@@ -26,7 +26,7 @@ from tools.measure.sweep.run import sweep
 from tools.measure.sweep.report import (CompareSweepsParams, SweepComparison, compare_runs, load_run,
                                         write_comparison)
 from tools.mcp.registry import Reply, tool
-from tools.serving.endpoint import Endpoint, resolve_endpoint, resolve_name
+from tools.measure.endpoint import Endpoint, resolve_endpoint, resolve_name
 
 
 class _Sweep(NamedTuple):

@@ -99,7 +99,7 @@ class ServeConfig:
     tensor_parallel_size: int = 1   # vLLM's --tensor-parallel-size: one model split over this many GPUs
     data_parallel_size: int = 1     # vLLM's --data-parallel-size: this many engine replicas behind one port
     # 1: PORT is served by vllm-router, the build behind it on an internal port, and a replace switches with no
-    # failed request (tools.serving.service); 0 (or absent): the build serves on PORT itself.
+    # failed request (tools.serving.frontdoor.service); 0 (or absent): the build serves on PORT itself.
     front_door: bool = False
     front_door_hold_s: float = 180.0  # how long the front door holds a request while no build answers
     instance: str = ""              # "" = the default instance (state in STATE_DIR); else run/NAME/

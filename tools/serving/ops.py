@@ -1,6 +1,6 @@
 """Parameter models of the serving operations: `./vllm-t4 start|stop|status|query|log|router` flags and the MCP
-tools' arguments are derived from these. The results are tools.serving.vllm_server's StartResult, StopResult,
-ServerStatus and QueryResult, and tools.serving.router's."""
+tools' arguments are derived from these. The results are tools.serving.server.server's StartResult, StopResult,
+ServerStatus and QueryResult, and tools.serving.frontdoor.router's."""
 
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ from tools.measure.capacity.slo import Term, goodput_limits, parse_slo, slo_text
 from tools.measure.sweep.params import DEFAULT_PRICE_PER_HOUR, CellResult, SweepParams, SweepResult, Tokens
 from tools.measure.sweep.cells import Tally, measure_repeats
 from tools.measure.sweep.worker import BenchWorker
-from tools.serving.endpoint import Endpoint, resolve_endpoint
+from tools.measure.endpoint import Endpoint, resolve_endpoint
 from tools.serving.config import ServeConfig
 
 

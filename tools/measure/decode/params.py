@@ -17,7 +17,7 @@ from tools.core.errors import BadInput, ToolFailure, op, param
 from tools.core.json_files import check_json, read_json
 from tools.core.params import OpParams, Seconds, Seed
 from tools.measure.sweep.params import DEFAULT_OUT
-from tools.serving.endpoint import EndpointParams
+from tools.measure.endpoint import EndpointParams
 
 
 class DecodeRequests(OpParams):

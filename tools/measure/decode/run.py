@@ -29,7 +29,7 @@ from tools.core.output_check import check_output_folder
 from tools.core.progress import Progress
 from tools.measure.roofline import SPECULATIVE_NOTE, Roofline, roofline_or_reason
 from tools.measure.spec_metrics import read_spec_counters, spec_delta, speculative_from_argv
-from tools.serving.endpoint import Endpoint, resolve_endpoint
+from tools.measure.endpoint import Endpoint, resolve_endpoint
 from tools.serving.config import ServeConfig
 
 PROMPTS_FILE = Path(__file__).resolve().parents[1] / "data" / "decode-prompts.json"

@@ -20,13 +20,13 @@ from tools.measure.decode.run import DecodeResult, fmt, pct, run_decode
 from tools.core.names import check_name
 from tools.core.progress import Progress
 from tools.measure.sweep.params import DEFAULT_OUT
-from tools.serving.server_guard import owned_server
+from tools.serving.server.guard import owned_server
 from tools.measure.uncertainty import Ratio, paired_ratio
 from tools.serving.config import load_config
 from tools.core.output_check import check_output_folder
-from tools.serving.speculative import parse_speculative_config, validate_speculative_config
-from tools.serving.launch import start_server
-from tools.serving.vllm_server import stop_server
+from tools.serving.preflight.speculative import parse_speculative_config, validate_speculative_config
+from tools.serving.server.launch import start_server
+from tools.serving.server.server import stop_server
 
 
 class DecodeSweepParams(DecodeRequests):
@@ -225,7 +225,7 @@ def run_decode_sweep(params: DecodeSweepParams, *, progress: Progress | None = N
                      **config_overrides: Any) -> DecodeSweepResult:
     """Start the server once per drafter setting, run the decode benchmark for each sampling, stop it; write the
     comparison. config_overrides go to load_config (a test's port and state dir). The server is always stopped,
-    whatever ends the sweep: a SIGKILL of this process too (tools.serving.server_guard)."""
+    whatever ends the sweep: a SIGKILL of this process too (tools.serving.server.guard)."""
     check_name(params.label)
     check_output_folder(params.out)  # before any server starts
     if not params.draft_tokens or any(k < 0 for k in params.draft_tokens):

@@ -17,7 +17,7 @@ from tools.core.paths import PathNotAllowed
 from tools.core.text import clip
 from tools.core.params import OpParams, Seconds
 from tools.core.root import PROJECT_ROOT
-from tools.serving.endpoint import EndpointParams
+from tools.measure.endpoint import EndpointParams
 
 DEFAULT_OUT = PROJECT_ROOT / "evidence"
 TASKS_DIR = Path(__file__).resolve().parents[1] / "tasks"  # the project's own task definitions

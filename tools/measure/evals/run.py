@@ -45,7 +45,7 @@ from tools.core.progress import Progress
 from tools.core import clock
 from tools.measure.evals.results import TASKS_DIR, EvalParams, EvalResult, scores_from_results, summary_markdown
 from tools.measure.evals.tasks import check_tasks_before_running, offline_hint, unknown_tasks_message
-from tools.serving.endpoint import resolve_endpoint
+from tools.measure.endpoint import resolve_endpoint
 from tools.serving.config import ServeConfig
 
 

@@ -54,7 +54,7 @@ from tools.core.output_check import check_output_file
 from tools.core.progress import Progress
 from tools.core import clock
 from tools.measure.server_client import ServerClient
-from tools.serving.endpoint import EndpointParams, resolve_endpoint
+from tools.measure.endpoint import EndpointParams, resolve_endpoint
 
 DEFAULT_WINDOW = 1024
 MAX_TOP_K = 20  # vLLM's default max_logprobs

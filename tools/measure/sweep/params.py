@@ -15,7 +15,7 @@ from tools.core.errors import BadInput, param
 from tools.core.names import check_name
 from tools.core.text import clip
 from tools.core.params import OpParams, Price, Seconds, Seed
-from tools.serving.endpoint import EndpointParams
+from tools.measure.endpoint import EndpointParams
 from tools.core.root import PROJECT_ROOT
 from tools.measure.roofline import Roofline
 from tools.measure.uncertainty import Estimate, estimate

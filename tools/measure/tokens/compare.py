@@ -23,7 +23,7 @@ from tools.core.api_key import auth_headers
 from tools.core.atomic_files import write_file
 from tools.core.errors import BadInput, ToolFailure, op, param
 from tools.core.params import Seconds
-from tools.serving.endpoint import EndpointParams, resolve_endpoint, resolve_name
+from tools.measure.endpoint import EndpointParams, resolve_endpoint, resolve_name
 from tools.measure.tokens.long_prompts import long_prompts
 from tools.core.output_check import check_output_file
 from tools.core.progress import Progress

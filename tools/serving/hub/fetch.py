@@ -42,7 +42,7 @@ from tools.core.progress import Progress
 from tools.core import clock
 from repack import checks as repack_checks
 from repack.members import MEMBERS, by_name
-from tools.serving.hub import hf_token, hub_env, hub_failure
+from tools.serving.hub.access import hf_token, hub_env, hub_failure
 
 MANIFEST = "fetch-manifest.json"
 # What a build reads: weights, their index, the model and generation configs, the tokenizer and chat template.

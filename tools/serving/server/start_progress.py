@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from tools.serving import engine_log
+from tools.serving.server import engine_log
 
 StartReport = Callable[[float, str], None]  # (share of the start done, the phase): a start's progress
 

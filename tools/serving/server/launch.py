@@ -24,17 +24,18 @@ from tools.core.api_key import API_KEY_ENV, api_key, auth_headers
 from tools.core.errors import BadInput, ToolFailure, op, param
 from tools.core.process import end_group
 from tools.gpu.vram import host_memory, server_process_pids
-from tools.serving import engine_log, health, placement, readiness, state, switch_record
+from tools.serving.server import engine_log, health, readiness, switch_record
+from tools.serving.records import placement, state
 from tools.serving.config import DEFAULT_ENV_FILE, ServeConfig, looks_like_path
-from tools.serving.hardware import Hardware
-from tools.serving.model_files import model_position_limit
-from tools.serving.model_files import missing_model_fix
-from tools.serving.preflight import checks_for, ensure, refusal
-from tools.serving.readiness import READINESS_PROMPT, Refusal
-from tools.serving.records import StartResult
-from tools.serving.server_guard import hand_over
-from tools.serving.start_progress import StartProgress, StartReport
-from tools.serving.state import ReplaceRecord, ServerState
+from tools.serving.preflight.hardware import Hardware
+from tools.serving.preflight.model_files import model_position_limit
+from tools.serving.preflight.model_files import missing_model_fix
+from tools.serving.preflight.steps import checks_for, ensure, refusal
+from tools.serving.server.readiness import READINESS_PROMPT, Refusal
+from tools.serving.server.results import StartResult
+from tools.serving.server.guard import hand_over
+from tools.serving.server.start_progress import StartProgress, StartReport
+from tools.serving.records.state import ReplaceRecord, ServerState
 _DEFERRED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # The caller's variables that shape vLLM, recorded with the server so that a relaunch gets them again (tokens and
 # the rest of the environment are not written to the state file).

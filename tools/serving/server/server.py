@@ -1,8 +1,8 @@
 """A detached, tracked vLLM OpenAI server: start, stop, status, log, query.
 
 The server runs in its own process session and group, writes to a log file, and is described by a JSON state
-file in `cfg.state_dir` (tools.serving.state). Starting it is tools.serving.launch; everything the GPU or the
-host would decide goes through a `Hardware` object (tools.serving.hardware), so tests can stand in a T4.
+file in `cfg.state_dir` (tools.serving.records.state). Starting it is tools.serving.server.launch; everything the GPU or the
+host would decide goes through a `Hardware` object (tools.serving.preflight.hardware), so tests can stand in a T4.
 """
 
 from __future__ import annotations
@@ -18,12 +18,13 @@ from tools.core.api_key import auth_headers
 from tools.core.errors import ToolFailure, op
 from tools.core.process import end_group, group_members
 from tools.gpu.vram import host_memory, server_process_pids
-from tools.serving import engine_log, health, router_state, state as replace_state, switch_record
+from tools.serving.server import engine_log, health, switch_record
+from tools.serving.records import router_state, state as replace_state
 from tools.serving.config import ServeConfig
-from tools.serving.hardware import Hardware, Vram
-from tools.serving.launch import replace_note
-from tools.serving.records import QueryResult, ServerStatus, StopResult
-from tools.serving.state import (DamagedState, ServerState, clear_state, instance_lock, leader, load_state, our_group,
+from tools.serving.preflight.hardware import Hardware, Vram
+from tools.serving.server.launch import replace_note
+from tools.serving.server.results import QueryResult, ServerStatus, StopResult
+from tools.serving.records.state import (DamagedState, ServerState, clear_state, instance_lock, leader, load_state, our_group,
                                  holder, holder_text, lock_file, pid_recycled, try_instance_lock, unrecorded)
 
 

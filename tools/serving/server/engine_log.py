@@ -12,7 +12,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from tools.serving.model_files import embedding_method
+from tools.serving.preflight.model_files import embedding_method
 
 # The plugin's first-use line (gemma4_t4_vllm.FIRST_USE_MARK); repeated here so parsing imports nothing heavy.
 CPU_EMBEDDING_MARK = "gemma4-t4: int4 embedding lookup runs as a torch gather"

@@ -1,5 +1,5 @@
 """A front end's switch (`./vllm-t4 router switch`, MCP switch_build) in a process of its own:
-`python -m tools.serving.switch_process REQUEST`, started in a session of its own and tied to nothing of its
+`python -m tools.serving.frontdoor.switch_process REQUEST`, started in a session of its own and tied to nothing of its
 parent's, so that the switch ends as frontdoor.switch ends it whatever happens to the front end.
 
 A front end killed with SIGKILL (a closed terminal, an MCP client that drops its server) runs no clean-up; had the
@@ -32,14 +32,14 @@ from tools.core.errors import ToolFailure, op
 from tools.core.jsonout import dumps
 from tools.core.process import python_child_env
 from tools.core.root import PROJECT_ROOT
-from tools.serving import frontdoor
+from tools.serving.frontdoor import door as frontdoor
 from tools.serving.config import ServeConfig
-from tools.serving.frontdoor import Figures, SwitchResult
-from tools.serving.launch import signals_deferred
-from tools.serving.start_progress import StartReport
+from tools.serving.frontdoor.door import Figures, SwitchResult
+from tools.serving.server.launch import signals_deferred
+from tools.serving.server.start_progress import StartReport
 
 # The command that runs the switch (REQUEST appended); tests run it with their stand-in builds patched in.
-PROGRAM = [sys.executable, "-m", "tools.serving.switch_process"]
+PROGRAM = [sys.executable, "-m", "tools.serving.frontdoor.switch_process"]
 
 
 def log_file(cfg: ServeConfig) -> Path:

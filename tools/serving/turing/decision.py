@@ -10,7 +10,7 @@ A file where any of these cannot be found is refused (`ClampRefused`): a patch t
 `decided_tiles` runs the decision function itself on a stand-in Turing device (capability 7.5, 64 KiB of shared
 memory per block) at head 512: an upstream fix made inside the decision shows there as tiles that already fit.
 That is code from the file, so the tools run it through `decided_tiles_bounded`: in a child process of its own
-(`python -m tools.serving.turing_decision`, the question on stdin, the answer on stdout), ended after a timeout,
+(`python -m tools.serving.turing.decision`, the question on stdin, the answer on stdout), ended after a timeout,
 so a decision that loops, raises KeyboardInterrupt or calls exit() is one line (`DecisionNotRun`), never a hang,
 a traceback or this process's exit.
 """
@@ -57,7 +57,7 @@ class Decision:
 def refuse(path: str | Path, why: str) -> ClampRefused:
     return ClampRefused(f"{path}: the Turing clamp cannot find vLLM's tile-size decision ({why}); it expected "
                         f"{EXPECTED}: another vLLM version; pin the vLLM in pyproject.toml or update "
-                        "tools/serving/turing_decision.py")
+                        "tools/serving/turing/decision.py")
 
 
 def _names(node: ast.AST, ctx: type) -> set[str]:
@@ -303,7 +303,7 @@ def decided_tiles_bounded(text: str, decision: str, head_size: int, element_size
     question = json.dumps({"text": text, "decision": decision, "head_size": head_size,
                            "element_size": element_size, "shared": shared})
     try:
-        proc = subprocess.Popen([sys.executable, "-m", "tools.serving.turing_decision"], stdin=subprocess.PIPE,
+        proc = subprocess.Popen([sys.executable, "-m", "tools.serving.turing.decision"], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                 env=python_child_env(PROJECT_ROOT), start_new_session=True)
     except OSError as exc:

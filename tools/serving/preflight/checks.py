@@ -1,7 +1,7 @@
 """The preflight's checks: each looks at one thing a deployment step needs and says `ok|warn|fail|n/a`, what it
-measured and one line on how to fix it. tools.serving.preflight picks the checks of a step and reports them.
+measured and one line on how to fix it. tools.serving.preflight.steps picks the checks of a step and reports them.
 
-GPU facts come from NVML through tools.gpu.vram (driver, GPUs, memory) and tools.serving.hardware.Hardware
+GPU facts come from NVML through tools.gpu.vram (driver, GPUs, memory) and tools.serving.preflight.hardware.Hardware
 (platform, compute capability, host memory): tests stand in a T4 by passing their own of each.
 """
 
@@ -28,14 +28,15 @@ from tools.core.process import port_holder
 from tools.core.root import PROJECT_ROOT
 from tools.core.text import size_text
 from tools.gpu.vram import vram_status
-from tools.serving import router_state, turing_patch
+from tools.serving.records import router_state
+from tools.serving.turing import patch as turing_patch
 from tools.serving.config import looks_like_path
-from tools.serving.hardware import Hardware
-from tools.serving.hub import hf_token, hub_env
-from tools.serving.model_files import (chat_prompt_tokens, checkpoint_bytes, missing_model_fix,
+from tools.serving.preflight.hardware import Hardware
+from tools.serving.hub.access import hf_token, hub_env
+from tools.serving.preflight.model_files import (chat_prompt_tokens, checkpoint_bytes, missing_model_fix,
                                        model_position_limit)
-from tools.serving.speculative import validate_speculative_config
-from tools.serving import version_pairs
+from tools.serving.preflight.speculative import validate_speculative_config
+from tools.serving.preflight import version_pairs
 
 MIN_CAPABILITY = (7, 0)  # vLLM's CUDA kernels start at Volta
 

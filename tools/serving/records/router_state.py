@@ -12,7 +12,7 @@ import psutil
 
 from tools.core.errors import op
 from tools.serving.config import ServeConfig
-from tools.serving.state import (DamagedState, InstanceBusy, ProcessRecord, flocked, holder, holder_text, read_record,
+from tools.serving.records.state import (DamagedState, InstanceBusy, ProcessRecord, flocked, holder, holder_text, read_record,
                                   stamp_holder, write_record)
 
 

@@ -30,11 +30,12 @@ from tools.core.api_key import API_KEY_ENV, CLIENT_KEY_ENV, api_key, auth_header
 from tools.core.errors import BadInput, ToolFailure, op, param
 from tools.core.metrics import total
 from tools.core.process import end_group, free_port, port_holder
-from tools.serving import engine_log, health, placement
+from tools.serving.server import engine_log, health
+from tools.serving.records import placement
 from tools.serving.config import ServeConfig
-from tools.serving.frontdoor import HOLD_S, hold_args, workers
-from tools.serving.state import DamagedState
-from tools.serving.router_state import (Backend, RouterState, alive, group, load, log_file, recorded,
+from tools.serving.frontdoor.door import HOLD_S, hold_args, workers
+from tools.serving.records.state import DamagedState
+from tools.serving.records.router_state import (Backend, RouterState, alive, group, load, log_file, recorded,
                                         refuse_while_switching, state_file, write)
 
 Policy = Literal["round_robin", "cache_aware", "power_of_two", "random", "consistent_hash", "kv_aware",
@@ -202,7 +203,7 @@ def _wait_ready(cfg: ServeConfig, proc: subprocess.Popen, st: RouterState, t0: f
 def start_router(cfg: ServeConfig, instances: list[str], *, policy: str = "round_robin", port: int | None = None,
                  host: str | None = None, timeout_s: float = 60.0, hold_s: float | None = None) -> RouterStartResult:
     """Starts vllm-router over the named running instances and waits until it answers /health and /v1/models.
-    It is the front door (tools.serving.frontdoor): a request that finds no backend answering is held and retried
+    It is the front door (tools.serving.frontdoor.door): a request that finds no backend answering is held and retried
     for up to `hold_s` (default frontdoor.HOLD_S), so that a switch of the build behind it fails none.
 
     Refused (nothing launched, no state written) when a router runs, an instance is not running or not healthy,

@@ -6,8 +6,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from tools.gpu.vram import HostMemory
-from tools.serving.engine_log import EngineStartFields
-from tools.serving.hardware import Vram
+from tools.serving.server.engine_log import EngineStartFields
+from tools.serving.preflight.hardware import Vram
 
 
 @dataclass

@@ -1,12 +1,12 @@
 """The service on the port clients are told to use (tpu.env's HOST:PORT), as `./vllm-t4 start|stop` and MCP's
 start_vllm_server/stop_vllm_server run it for the default instance.
 
-With FRONT_DOOR=1 (tpu.env as shipped) that port is vllm-router's (tools.serving.frontdoor) and the build serves
+With FRONT_DOOR=1 (tpu.env as shipped) that port is vllm-router's (tools.serving.frontdoor.door) and the build serves
 behind it as a named instance on an internal port, `blue` or `green`, whichever is free: a start launches the build,
 then the router over it; `start --replace` (replace=true) is a front-door switch to the other slot, run in a
-process of its own (tools.serving.switch_process), so that no request fails; `stop` ends the router and the builds
+process of its own (tools.serving.frontdoor.switch_process), so that no request fails; `stop` ends the router and the builds
 behind it. With FRONT_DOOR=0, or for a named instance, the build serves on the port itself as before, and a
-replace leaves the port dead while the new build loads (tools.serving.replace). A default instance that already
+replace leaves the port dead while the new build loads (tools.serving.server.replace). A default instance that already
 serves on the port without the front door (started with FRONT_DOOR=0) is replaced that way too, and the result
 says so.
 """
@@ -21,18 +21,20 @@ import httpx
 from tools.core.api_key import API_KEY_ENV, api_key, auth_headers
 from tools.core.errors import BadInput, ToolFailure, op, param
 from tools.core.process import free_port
-from tools.serving import frontdoor, placement, router_state, switch_process, switch_record
+from tools.serving.frontdoor import door as frontdoor, switch_process
+from tools.serving.records import placement, router_state
+from tools.serving.server import switch_record
 from tools.serving.config import ServeConfig
-from tools.serving.frontdoor import SwitchResult
-from tools.serving.hardware import Hardware
-from tools.serving.launch import signals_deferred, start_server
-from tools.serving.records import StartResult
-from tools.serving.replace import replace_server
-from tools.serving.router import check_port, start_router, stop_router
-from tools.serving.server_guard import owned_server
-from tools.serving.state import DamagedState, InstanceBusy, holder, holder_text, load_state, lock_file
-from tools.serving.start_progress import StartReport
-from tools.serving.vllm_server import stop_each, stop_server
+from tools.serving.frontdoor.door import SwitchResult
+from tools.serving.preflight.hardware import Hardware
+from tools.serving.server.launch import signals_deferred, start_server
+from tools.serving.server.results import StartResult
+from tools.serving.server.replace import replace_server
+from tools.serving.frontdoor.router import check_port, start_router, stop_router
+from tools.serving.server.guard import owned_server
+from tools.serving.records.state import DamagedState, InstanceBusy, holder, holder_text, load_state, lock_file
+from tools.serving.server.start_progress import StartReport
+from tools.serving.server.server import stop_each, stop_server
 
 SLOTS = router_state.SLOTS
 

@@ -15,7 +15,7 @@ from typing import Any, Iterator
 
 from tools.core.errors import BadInput, ToolFailure, op, param
 from tools.gpu.vram import server_process_pids
-from tools.serving import router_state, state
+from tools.serving.records import router_state, state
 from tools.serving.config import INSTANCE_NAME, ServeConfig, check_instance_name
 
 

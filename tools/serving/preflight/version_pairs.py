@@ -1,7 +1,7 @@
 """Installed vLLM / transformers / compressed-tensors against the combinations known to fail on Gemma 4 and against
 pyproject.toml's pins: a bad pair otherwise shows only when the server dies at start.
 
-`check_versions` is the preflight's `versions` check (tools.serving.preflight_checks wraps its result): `fail` for
+`check_versions` is the preflight's `versions` check (tools.serving.preflight.checks wraps its result): `fail` for
 a known-bad combination, with the pinned versions as the fix; `warn` for an installed version that differs from
 its pin (package, installed, pinned); `ok` otherwise. Tests pass their own `installed` and `pins` dicts.
 """

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 
 from tools.core.errors import param
-from tools.serving import model_files
+from tools.serving.preflight import model_files
 
 # Readiness is a completion of several tokens from a prompt of several tokens: a one-token probe can pass on an
 # engine whose traced graphs were specialised on the warm-up's shape and fail every real prompt.

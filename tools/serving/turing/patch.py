@@ -2,7 +2,7 @@
 
 Gemma 4's 512-wide attention heads make `kernel_unified_attention` ask for up to 96 KiB of shared memory
 against Turing's 64 KiB ("out of resource: shared memory, Required: 98304, Hardware limit: 65536"). The clamp
-goes right after vLLM's tile-size decision (found by what the code does: tools.serving.turing_decision): on a
+goes right after vLLM's tile-size decision (found by what the code does: tools.serving.turing.decision): on a
 device of capability < 8, halve each decided TILE_SIZE, whatever the decision returned (32, 64, ...; never below
 16), while (BLOCK_M + 2*TILE) * head_size * element_size exceeds SHARED_BYTES, and launch with num_stages=1.
 Devices of capability >= 8 run the file's original code path.
@@ -32,8 +32,8 @@ from typing import Any, Iterator
 
 from tools.core.atomic_files import write_file
 from tools.core.errors import BadInput, ToolFailure
-from tools.serving.state import flocked
-from tools.serving.turing_decision import (ClampRefused, Decision, DecisionNotRun, decided_tiles_bounded,
+from tools.serving.records.state import flocked
+from tools.serving.turing.decision import (ClampRefused, Decision, DecisionNotRun, decided_tiles_bounded,
                                            find_decision)
 
 RELATIVE_PATH = Path("v1/attention/ops/triton_unified_attention.py")

@@ -14,7 +14,7 @@ from pydantic import Field
 
 from tools.core.errors import BadInput, ToolFailure, op, param
 from tools.core.params import OpParams
-from tools.serving import placement, router_state
+from tools.serving.records import placement, router_state
 from tools.serving.config import ServeConfig, load_config
 
 

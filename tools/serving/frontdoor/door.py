@@ -31,15 +31,16 @@ import httpx
 
 from tools.core.errors import BadInput, ToolFailure, op, param
 from tools.core.metrics import total
-from tools.serving import placement, router_state, state, switch_record
+from tools.serving.records import placement, router_state, state
+from tools.serving.server import switch_record
 from tools.serving.config import ServeConfig
-from tools.serving.hardware import Hardware
-from tools.serving.launch import relaunch, signals_deferred, start_server
-from tools.serving.model_files import checkpoint_bytes
-from tools.serving.router_state import Backend, RouterState
-from tools.serving.server_guard import owned_server
-from tools.serving.start_progress import StartReport
-from tools.serving.vllm_server import stop_server
+from tools.serving.preflight.hardware import Hardware
+from tools.serving.server.launch import relaunch, signals_deferred, start_server
+from tools.serving.preflight.model_files import checkpoint_bytes
+from tools.serving.records.router_state import Backend, RouterState
+from tools.serving.server.guard import owned_server
+from tools.serving.server.start_progress import StartReport
+from tools.serving.server.server import stop_server
 
 HOLD_S = 180.0            # the default hold: vLLM's start on 2 CPU cores is ~55 s, a T4's ~60-90 s
 _BACKOFF_MS = (200, 1000, 2.0)  # initial, most, multiplier

@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from tools.core.errors import ToolFailure
-from tools.serving import engine_log
+from tools.serving.server import engine_log
 from tools.serving.config import ServeConfig
-from tools.serving.state import Record, read_record, write_record
+from tools.serving.records.state import Record, read_record, write_record
 
 KEEP_FAILED = 10  # failed starts' logs kept per instance; older ones are removed when a new one is kept
 

@@ -5,7 +5,7 @@ started; when B does not become ready, A is started again with its own recorded 
 What serves afterwards is the result's `outcome`, or the failure's `detail["outcome"]`, naming the builds by
 their served names: "serving B", "restored A", "unchanged (A serves)" (B was refused before A was stopped) or
 "unavailable (nothing serves)" (neither started; both failures in the detail). Every switch's end is recorded
-(tools.serving.switch_record): `status` says it, and the log readers show B's kept log after a rollback. While
+(tools.serving.server.switch_record): `status` says it, and the log readers show B's kept log after a rollback. While
 it runs, a replace record (state.ReplaceRecord) names A, so that a replace killed between A's stop and B's
 readiness is reported by the next status and start, with the way to bring A back.
 """
@@ -23,14 +23,15 @@ from typing import Any
 import psutil
 
 from tools.core.errors import ToolFailure
-from tools.serving import state, switch_record
+from tools.serving.records import state
+from tools.serving.server import switch_record
 from tools.serving.config import ServeConfig
-from tools.serving.hardware import Hardware
-from tools.serving.launch import checked, relaunch, signals_deferred, start_server
-from tools.serving.records import StartResult
-from tools.serving.start_progress import StartReport
-from tools.serving.state import ReplaceRecord, ServerState
-from tools.serving.vllm_server import stop_server
+from tools.serving.preflight.hardware import Hardware
+from tools.serving.server.launch import checked, relaunch, signals_deferred, start_server
+from tools.serving.server.results import StartResult
+from tools.serving.server.start_progress import StartReport
+from tools.serving.records.state import ReplaceRecord, ServerState
+from tools.serving.server.server import stop_server
 
 UNAVAILABLE = "unavailable (nothing serves)"
 

@@ -1,6 +1,6 @@
 """A server a command starts for itself (decode-sweep's, the demo's) ends with that command, however it ends.
 
-The server runs in a session of its own (tools.serving.launch: so that stop can end it with its engine), so a
+The server runs in a session of its own (tools.serving.server.launch: so that stop can end it with its engine), so a
 command killed with SIGKILL, which runs no clean-up, would leave it serving and its state file would refuse the
 next start. `owned_server(state_file)` keeps a guard process beside the command for the block: it learns from the
 state file each server the command starts (the leader's parent is the command), and when the command is gone
@@ -9,7 +9,7 @@ file that names it. A block that ends normally releases the guard: the command s
 
 A server started with `start` (or start_vllm_server) is meant to outlive the command: it is guarded only until it
 is ready and recorded (the start's block), then handed over. A failed replace's way back (the server that was
-running, launched again: tools.serving.launch.relaunch) is handed over before its launch (`hand_over`): the
+running, launched again: tools.serving.server.launch.relaunch) is handed over before its launch (`hand_over`): the
 command's death, even while it loads, must not end the service the replace was to keep.
 """
 
@@ -30,7 +30,7 @@ import psutil
 from tools.core.errors import ToolFailure
 from tools.core.process import end_group, python_child_env, same_process
 from tools.core.root import PROJECT_ROOT
-from tools.serving.state import DamagedState, ServerState, our_group, read_record
+from tools.serving.records.state import DamagedState, ServerState, our_group, read_record
 
 _POLL_S = 0.1
 _RELEASE = b"release\n"
@@ -54,7 +54,7 @@ def _release(w: int) -> None:
 def hand_over(state_file: str | Path) -> None:
     """Releases the guard of `state_file` that this thread's owned_server block keeps: what this thread launches
     from here on outlives the process. Called before a launch there is no window: a command killed before the
-    state file names the server ends the launch's gate, so nothing is left unrecorded (tools.serving.launch). A
+    state file names the server ends the launch's gate, so nothing is left unrecorded (tools.serving.server.launch). A
     no-op where no such guard runs."""
     with _guards_lock:
         held = _guards.get(_key(state_file))
@@ -70,7 +70,7 @@ def owned_server(state_file: str | Path) -> Iterator[None]:
     key = _key(state_file)
     r, w = os.pipe()
     try:
-        guard = subprocess.Popen([sys.executable, "-m", "tools.serving.server_guard", str(state_file),
+        guard = subprocess.Popen([sys.executable, "-m", "tools.serving.server.guard", str(state_file),
                                   str(os.getpid())], stdin=r, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                  env=python_child_env(PROJECT_ROOT), start_new_session=True)
     finally:

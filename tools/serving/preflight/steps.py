@@ -7,7 +7,7 @@ Exit status: 0 when no check fails (warnings allowed), 1 when a check fails, 2 f
 does not exist, an unknown --step). `checks_for(step, ...)` gives the checks one step needs; `ensure(step, ...)`
 raises the first failing check's line as a ToolFailure, which `start_server` and the repack call before acting.
 
-The checks themselves are tools.serving.preflight_checks. On a machine without an NVIDIA driver the GPU checks
+The checks themselves are tools.serving.preflight.checks. On a machine without an NVIDIA driver the GPU checks
 are `n/a` and the CPU path (vLLM's CPU build) is what is checked.
 """
 
@@ -22,10 +22,10 @@ from pydantic import BaseModel, Field
 from tools.core.errors import BadInput, ToolFailure, param
 from tools.core.params import OpParams
 from tools.serving.config import check_instance_name, load_config
-from tools.serving.hardware import Hardware
+from tools.serving.preflight.hardware import Hardware
 from repack.checks import SOURCE_REPO
-from tools.serving.hub import hf_token
-from tools.serving.preflight_checks import (Check, Context, check_api_key, check_checkpoints, check_compute_capability,
+from tools.serving.hub.access import hf_token
+from tools.serving.preflight.checks import (Check, Context, check_api_key, check_checkpoints, check_compute_capability,
                                             check_disk, check_drafter, check_gpu_memory, check_hf_token, check_host_memory, check_hub,
                                             check_max_model_len, check_nvidia_driver, check_port, check_source,
                                             check_turing_clamp, check_versions, check_vllm_build)

@@ -1,6 +1,6 @@
 """Every instance at once: their status with the router's, and stopping them all (router first).
 
-Which instances run and what a new start may take (ports, cores, GPU shares) is tools.serving.placement; its
+Which instances run and what a new start may take (ports, cores, GPU shares) is tools.serving.records.placement; its
 names are offered here too, where the instance commands have always found them.
 """
 
@@ -10,10 +10,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from tools.serving import router, router_state, state, switch_record
+from tools.serving.frontdoor import router
+from tools.serving.records import router_state, state
+from tools.serving.server import switch_record
 from tools.serving.config import INSTANCE_NAME, ServeConfig
-from tools.serving.placement import instance_configs, locked, plan, process_owners, resolve, running
-from tools.serving.vllm_server import server_status, stop_each, stop_server
+from tools.serving.records.placement import instance_configs, locked, plan, process_owners, resolve, running
+from tools.serving.server.server import server_status, stop_each, stop_server
 
 
 def all_status(cfg: ServeConfig, *, hardware: Any = None) -> list[Any]:

@@ -1,0 +1,1 @@
+"""The Hugging Face hub as the deployment meets it: the token and environment, and fetching a checkpoint."""
