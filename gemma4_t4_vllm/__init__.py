@@ -36,8 +36,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger("vllm.gemma4_t4_vllm")
 
 EMBEDDING_MODULE = "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_embedding"
-# Logged once per process when the swap happens, and once when a model creates an int4 embedding (tools.serving.engine_log
-# reads the second: the int4 embedding method is in use, not only available). Nothing is logged inside the
+# Logged once per process when the swap happens, and once when a model creates an int4 embedding
+# (tools.serving.server.engine_log reads the second: the int4 embedding method is in use, not only available). Nothing is logged inside the
 # gather itself: it runs under torch.compile, which cannot trace logging calls.
 PATCHED_MARK = "gemma4-t4: CPU platform, int4 embedding lookup replaced by a torch gather"
 INT8_MODULE = "vllm.model_executor.kernels.linear.scaled_mm.cpu"
