@@ -21,7 +21,7 @@ from tools.core.errors import BadInput
 
 from tests.stand_in_hub import COMMIT, REPO, StandInHub  # noqa: F401
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 @pytest.fixture(scope="module")
 def hub_files(tmp_path_factory) -> dict[str, bytes]:
     from repack.tiny_model import cached_tiny_qat_checkpoint

@@ -26,7 +26,7 @@ from tools.serving.server.server import server_status, stop_server
 from tools.serving.server.launch import start_server
 from tools.cli.commands import CLI
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 PROMPTS = ["abcdef", "The quick brown fox", "0123456789", "Gemma on a T4", "zyxw vut"]
 
 

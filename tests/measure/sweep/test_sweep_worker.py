@@ -261,7 +261,7 @@ def _hold_a_hung_cell(fake_vllm, tmp_path):
     raw = tmp_path / "raw"
     raw.mkdir()
     proc = subprocess.Popen([sys.executable, "-c", _HOLDER, _spec(raw, 14, warmup=False).model_dump_json()],
-                            cwd=str(Path(__file__).resolve().parents[2]))
+                            cwd=str(Path(__file__).resolve().parents[3]))
     deadline = time.monotonic() + 60
     while not any(fake_vllm.iterdir()):  # the worker is inside the hung benchmark call
         assert proc.poll() is None and time.monotonic() < deadline

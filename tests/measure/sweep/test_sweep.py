@@ -17,7 +17,7 @@ from tools.measure.sweep.run import run_sweep
 from tools.measure.sweep.params import raw_name
 
 pytestmark = pytest.mark.vllm
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 INPUT_LEN, OUTPUT_LEN = 48, 16
 
 

@@ -26,7 +26,7 @@ from tools.serving.turing.decision import ClampRefused, TuringPlatform, find_dec
 
 from tests.mounts import MOUNT
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 DOCSTRING = '    """Select tile size with Gemma3-specific optimization."""\n'
 TILES = ("TILE_SIZE_PREFILL", "TILE_SIZE_DECODE")
 

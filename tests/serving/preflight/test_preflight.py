@@ -22,7 +22,7 @@ from tools.cli.commands import CLI
 from tools.serving.preflight.steps import PreflightParams, checks_for, ensure, run_preflight
 from tests.fixtures import fake_t4_hardware
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 MIB = 1 << 20
 
 

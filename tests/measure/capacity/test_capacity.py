@@ -12,7 +12,7 @@ from tools.core.errors import BadInput
 from tools.measure.capacity.search import Sample, search_capacity
 from tools.measure.capacity.slo import goodput_limits, parse_slo, slo_text
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SLO = parse_slo("ttft_p99_ms=1000,tpot_p99_ms=100")
 
 

@@ -23,7 +23,7 @@ from tools.core.errors import BadInput
 
 from tests.fixtures import IN_PROCESS_TORCH
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 ARTICLE = ROOT / "evidence" / "article-t4" / "decode"
 
 METRICS_BEFORE = """\

@@ -18,7 +18,7 @@ from tools.measure.sweep.params import RepeatResult, SweepParams, aggregate
 from tools.measure.sweep.run import _run_dir
 from tools.measure.sweep.report import compare_runs, cost_per_million, load_run, markdown_run
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 ARTICLE = ROOT / "evidence" / "article-t4"
 RUNS = [ARTICLE / "bf16", ARTICLE / "qat-w4a16", ARTICLE / "emb4"]
 
