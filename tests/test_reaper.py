@@ -1,4 +1,4 @@
-"""A test run killed by SIGTERM leaves no server of its own running (tests/reaper.py), and signals no stranger.
+"""A test run killed by SIGTERM leaves no server of its own running (tests/helpers/reaper.py), and signals no stranger.
 
 A run of pytest (in a process of its own, with the reaper as its plugin) starts a test that launches a
 stand-in vLLM server the way the product does (a session of its own) and a daemon that left the process tree
@@ -17,13 +17,13 @@ from pathlib import Path
 
 import psutil
 
-from tests import reaper
-from tests.fixtures import ROOT, default_signals, free_port
+from tests.helpers import reaper
+from tests.helpers.fixtures import ROOT, default_signals, free_port
 
 INNER = '''
 import os, subprocess, sys, time
 from pathlib import Path
-from tests import stand_in_vllm
+from tests.helpers.stand_ins import vllm_server as stand_in_vllm
 
 def test_leaves_servers_behind(tmp_path):
     model = tmp_path / "build"
@@ -75,7 +75,7 @@ def test_sigterm_of_a_test_run_leaves_none_of_its_servers_running(tmp_path):
     stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], env=stranger_env,
                                 start_new_session=True)
     run = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-                            "-p", "tests.reaper", "-c", os.devnull, "--rootdir", str(tmp_path),
+                            "-p", "tests.helpers.reaper", "-c", os.devnull, "--rootdir", str(tmp_path),
                             "--basetemp", str(tmp_path / "inner-tmp"), str(inner)],
                            cwd=str(ROOT), env=env, preexec_fn=default_signals, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True)

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.fixtures import ROOT
+from tests.helpers.fixtures import ROOT
 from tools import cli
 from tools.cli.commands import MODULES
 

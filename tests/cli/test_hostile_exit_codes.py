@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures import ROOT
+from tests.helpers.fixtures import ROOT
 
 ARTICLE = ROOT / "evidence" / "article-t4"
 NOWHERE = "http://127.0.0.1:9"  # the discard port: nothing serves there

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.mounts import MOUNT, fill, listing
+from tests.helpers.mounts import MOUNT, fill, listing
 from tools.cli import main
 
 DEAD = "http://127.0.0.1:9"

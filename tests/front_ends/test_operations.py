@@ -7,7 +7,7 @@ from __future__ import annotations
 import ast
 import importlib
 
-from tests.fixtures import ROOT
+from tests.helpers.fixtures import ROOT
 from tools.cli.commands import Command, command_line, operations, spellings
 from tools.core.errors import op, render
 from tools.mcp import catalog

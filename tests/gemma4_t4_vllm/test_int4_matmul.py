@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.fixtures import IN_PROCESS_TORCH
+from tests.helpers.fixtures import IN_PROCESS_TORCH
 
 pytestmark = IN_PROCESS_TORCH  # torch, imported by the tests (not at collection, on every worker)
 
@@ -99,7 +99,7 @@ def test_a_forward_compiled_first_in_a_fresh_process_keeps_the_op_whole():
     import subprocess
     import sys
 
-    from tests.fixtures import ROOT
+    from tests.helpers.fixtures import ROOT
 
     code = ("import torch\n"
             "from gemma4_t4_vllm import int4_matmul\n"

@@ -23,7 +23,7 @@ def _kld(ref: dict[int, float], cand: dict[int, float]) -> float:
 def test_the_int4_matmul_serves_the_tokens_of_the_dequantize_path(emb4_build, emb4_server, serve_config_factory,
                                                                    monkeypatch):
     from gemma4_t4_vllm import int4_matmul, wna16
-    from tests.fixtures import in_process_engine, require_plugin
+    from tests.helpers.fixtures import in_process_engine, require_plugin
     from tools.measure.tokens.compare import compare_records, generate
     from tools.serving.server.engine_log import CPU_WNA16_MARK
     from tools.serving.server.launch import start_server

@@ -8,7 +8,7 @@ from importlib.metadata import entry_points
 import numpy as np
 import pytest
 
-from tests.fixtures import IN_PROCESS_TORCH
+from tests.helpers.fixtures import IN_PROCESS_TORCH
 
 pytestmark = IN_PROCESS_TORCH  # torch and vLLM, imported by the tests (not at collection, on every worker)
 

@@ -21,7 +21,7 @@ import pytest
 from fastmcp import Client
 from fastmcp.client.transports import StdioTransport
 
-from tests.fixtures import in_process_engine, free_port
+from tests.helpers.fixtures import in_process_engine, free_port
 from tools.mcp.bounded import RESULT_BUDGET
 from tools.mcp.resources import PROMPTS, SCHEME, Ref
 from tools.measure.sweep.report import load_run

@@ -249,14 +249,14 @@ def test_an_intact_reference_reads_whole(tmp_path):
 
 @pytest.mark.parametrize("case", ["garbage", "no-doc_id", "doc_id-a-string"])
 def test_eval_compare_names_the_samples_file_the_line_and_the_field(case, tmp_path, capsys):
-    from tests.fixtures import fake_eval_run
+    from tests.helpers.fixtures import stand_in_eval_run
 
     from tools.mcp.errors import to_tool_error
     from tools.measure.evals.compare import compare_evals
     from tools.measure.evals.results import EvalCompareParams
 
-    a = fake_eval_run(tmp_path / "a", "a", {0: 1.0, 1: 0.0, 2: 1.0})
-    b = fake_eval_run(tmp_path / "b", "b", {0: 1.0, 1: 1.0, 2: 1.0})
+    a = stand_in_eval_run(tmp_path / "a", "a", {0: 1.0, 1: 0.0, 2: 1.0})
+    b = stand_in_eval_run(tmp_path / "b", "b", {0: 1.0, 1: 1.0, 2: 1.0})
     samples = next((b / "lm_eval").rglob("samples_*.jsonl"))
     lines = samples.read_text().splitlines()
     lines[1] = {"garbage": "\x00 not json", "no-doc_id": json.dumps({"acc": 1.0, "filter": "none"}),
@@ -272,9 +272,9 @@ def test_eval_compare_names_the_samples_file_the_line_and_the_field(case, tmp_pa
 
 
 def test_eval_compare_refuses_a_single_run(tmp_path, capsys):
-    from tests.fixtures import fake_eval_run
+    from tests.helpers.fixtures import stand_in_eval_run
 
-    a = fake_eval_run(tmp_path / "a", "a", {0: 1.0, 1: 0.0})
+    a = stand_in_eval_run(tmp_path / "a", "a", {0: 1.0, 1: 0.0})
     rc, err = _run(capsys, ["eval-compare", a])
     assert rc == 2, err
     one_line(err, "eval-compare", "runs")
@@ -313,7 +313,7 @@ def test_a_closed_stdout_ends_the_command_quietly_with_the_sigpipe_status(tmp_pa
     import subprocess
     import sys
 
-    from tests.fixtures import ROOT
+    from tests.helpers.fixtures import ROOT
     from tools.cli import BROKEN_PIPE_STATUS
 
     r, w = os.pipe()

@@ -1,4 +1,4 @@
-"""Fixtures of the serving tests: a command line run in this process, and fake running instances."""
+"""Fixtures of the serving tests: a command line run in this process, and stand-in running instances."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def cli_here(capsys, monkeypatch):
 
 # A stand-in for a vLLM server, for the router's process handling: /health, /v1/models, /v1/completions and the
 # /metrics counter a sweep's per-backend counts are read from.
-FAKE_WORKER = r"""
+STAND_IN_WORKER = r"""
 import json, sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 done = [0]
@@ -72,7 +72,7 @@ def fleet(tmp_path):
     procs: list[subprocess.Popen] = []
 
     def make(name: str, port: int, platform: str = "cpu", serve: bool = False, backends: tuple = (), **state):
-        argv = [sys.executable, "-c", FAKE_WORKER, str(port)] if serve else ["sleep", "300"]
+        argv = [sys.executable, "-c", STAND_IN_WORKER, str(port)] if serve else ["sleep", "300"]
         d = tmp_path / "run" / name if name not in ("default", "router") else tmp_path / "run"
         d.mkdir(parents=True, exist_ok=True)
         p = subprocess.Popen(argv, start_new_session=True, cwd=d)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.measure.capacity_fixtures import capacity_run
+from tests.helpers.capacity import capacity_run
 from tools.core.errors import ToolFailure
 from tools.measure.capacity.report import compare_capacity, load_capacity
 from tools.measure.sweep.report import load_run

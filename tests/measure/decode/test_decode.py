@@ -21,7 +21,7 @@ from tools.measure.spec_metrics import parse_spec_counters, spec_delta
 from tools.serving.preflight.speculative import validate_speculative_config
 from tools.core.errors import BadInput
 
-from tests.fixtures import IN_PROCESS_TORCH
+from tests.helpers.fixtures import IN_PROCESS_TORCH
 
 ROOT = Path(__file__).resolve().parents[3]
 ARTICLE = ROOT / "evidence" / "article-t4" / "decode"

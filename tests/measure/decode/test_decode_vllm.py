@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures import ROOT, SERVE_MAX_MODEL_LEN, free_port, in_process_engine
+from tests.helpers.fixtures import ROOT, SERVE_MAX_MODEL_LEN, free_port, in_process_engine
 
 pytestmark = pytest.mark.vllm
 

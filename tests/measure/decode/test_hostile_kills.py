@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures import ROOT, default_signals
-from tests.kill_matrix import (SIGNALS, DecodeStandIn, assert_ended, assert_swept_by_the_next_write, cli,
+from tests.helpers.fixtures import ROOT, default_signals
+from tests.helpers.kill_matrix import (SIGNALS, DecodeStandIn, assert_ended, assert_swept_by_the_next_write, cli,
                                serve_in_thread, signal_when)
 
 

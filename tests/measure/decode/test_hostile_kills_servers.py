@@ -1,6 +1,6 @@
 """The kill matrix for a command that starts a server of its own: `./vllm-t4 decode-sweep`, signalled with SIGINT,
 SIGTERM or SIGKILL while its server starts and between two records of its first decode run. The server is
-tests/stand_in_vllm.py launched where vLLM would be (ServeConfig.vllm_argv, by its driver that then runs the
+tests/helpers/stand_ins/vllm_server.py launched where vLLM would be (ServeConfig.vllm_argv, by its driver that then runs the
 command line's main()): it binds the port, answers /health, and, once told it is ready, the readiness completion
 and the decode benchmark's streamed chat completions (slowly, so that the test can signal between records).
 
@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from tests import stand_in_vllm
-from tests.fixtures import ROOT, free_port
-from tests.kill_matrix import SIGNALS, all_gone, assert_ended, assert_swept_by_the_next_write, cli, signal_when
+from tests.helpers.stand_ins import vllm_server as stand_in_vllm
+from tests.helpers.fixtures import ROOT, free_port
+from tests.helpers.kill_matrix import SIGNALS, all_gone, assert_ended, assert_swept_by_the_next_write, cli, signal_when
 
 PHASES = ["server-starting", "between-records"]
 

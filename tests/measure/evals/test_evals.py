@@ -17,7 +17,7 @@ from tools.measure.evals.compare import compare_evals
 from tools.measure.evals.results import (TASKS_DIR, EvalCompareParams, EvalParams, TaskScore, confine_compare_params,
                                         confine_eval_params)
 
-from tests.fixtures import fake_eval_run
+from tests.helpers.fixtures import stand_in_eval_run
 
 TASKS = ["tiny_pattern_mc", "tiny_pattern_gen"]
 
@@ -117,7 +117,7 @@ def test_eval_refuses_a_missing_include_path(tmp_path, capsys):
 
 
 def test_eval_refuses_when_no_server_answers(tmp_path, capsys):
-    from tests.fixtures import free_port
+    from tests.helpers.fixtures import free_port
 
     url = f"http://127.0.0.1:{free_port()}"
     rc = _cli(["eval", "--tasks", "tiny_pattern_mc", "--base-url", url, "--out", str(tmp_path / "ev"), "--json"])
@@ -130,7 +130,7 @@ def test_eval_refuses_when_no_server_answers(tmp_path, capsys):
 def test_paired_difference_matches_the_hand_computation(tmp_path):
     a = {i: float(i % 2) for i in range(40)}                 # 0,1,0,1,...  acc 0.5
     b = {i: 1.0 if i % 4 != 0 else 0.0 for i in range(40)}  # acc 0.75
-    ra, rb = fake_eval_run(tmp_path / "a", "ref", a), fake_eval_run(tmp_path / "b", "cand", b)
+    ra, rb = stand_in_eval_run(tmp_path / "a", "ref", a), stand_in_eval_run(tmp_path / "b", "cand", b)
     cmp = compare_evals(EvalCompareParams(runs=[str(ra), str(rb)]))
     (row,) = cmp.rows
     d = [b[i] - a[i] for i in range(40)]
@@ -142,12 +142,12 @@ def test_paired_difference_matches_the_hand_computation(tmp_path):
     assert row.values == [0.5, 0.75] and "| t | acc |" in cmp.markdown
 
     # The same documents scored the same way: within noise with a zero stderr.
-    rc = fake_eval_run(tmp_path / "c", "same", a)
+    rc = stand_in_eval_run(tmp_path / "c", "same", a)
     (row,) = compare_evals(EvalCompareParams(runs=[str(ra), str(rc)])).rows
     assert row.diff == 0 and row.diff_stderr == 0 and row.within_noise is True
 
     # Documents whose content differs (doc_hash) are not paired.
-    rd = fake_eval_run(tmp_path / "d", "other", a, hashes={0: "x", 1: "y"})
+    rd = stand_in_eval_run(tmp_path / "d", "other", a, hashes={0: "x", 1: "y"})
     (row,) = compare_evals(EvalCompareParams(runs=[str(ra), str(rd)])).rows
     assert row.n_paired == 38 and "doc_hash" in row.note
 
@@ -160,10 +160,10 @@ def test_eval_compare_refuses_a_folder_that_is_not_a_run(tmp_path, capsys):
 
 @pytest.mark.parametrize("entry", ["dotdot", "absolute"])
 def test_eval_compare_refuses_a_samples_entry_outside_the_run(tmp_path, capsys, entry):
-    ref = fake_eval_run(tmp_path / "ev" / "ref", "ref", {0: 1.0, 1: 0.0, 2: 1.0})
-    outside = fake_eval_run(tmp_path / "outside", "secret", {0: 1.0, 1: 1.0, 2: 1.0})
+    ref = stand_in_eval_run(tmp_path / "ev" / "ref", "ref", {0: 1.0, 1: 0.0, 2: 1.0})
+    outside = stand_in_eval_run(tmp_path / "outside", "secret", {0: 1.0, 1: 1.0, 2: 1.0})
     secret = outside / "lm_eval" / "m" / "samples_t_2026-01-01T00-00-00.jsonl"
-    bad = fake_eval_run(tmp_path / "ev" / "bad", "bad", {0: 1.0, 1: 1.0, 2: 1.0})
+    bad = stand_in_eval_run(tmp_path / "ev" / "bad", "bad", {0: 1.0, 1: 1.0, 2: 1.0})
     summary = json.loads((bad / "summary.json").read_text())
     summary["files"]["samples:t"] = (f"{bad}/../../outside/{secret.relative_to(outside)}" if entry == "dotdot"
                                      else str(secret))

@@ -15,8 +15,8 @@ from http.server import BaseHTTPRequestHandler
 import psutil
 import pytest
 
-from tests.fixtures import ROOT
-from tests.kill_matrix import (SIGNALS, assert_ended, assert_swept_by_the_next_write, cli, serve_in_thread,
+from tests.helpers.fixtures import ROOT
+from tests.helpers.kill_matrix import (SIGNALS, assert_ended, assert_swept_by_the_next_write, cli, serve_in_thread,
                                signal_when)
 
 

@@ -1,7 +1,7 @@
 """The kill matrix for the commands whose cells run in the benchmark worker: `./vllm-t4 sweep` and
 `./vllm-t4 capacity`, each signalled with SIGINT, SIGTERM or SIGKILL while its first benchmark call runs and
-between two records. vLLM's `bench serve` is the stand-in package of tests/fake_bench.py on the worker's
-PYTHONPATH (each call takes FAKE_BENCH_SLEEP_S, and names its worker), and a stand-in HTTP server answers what the
+between two records. vLLM's `bench serve` is the stand-in package of tests/helpers/stand_ins/bench.py on the worker's
+PYTHONPATH (each call takes STAND_IN_BENCH_SLEEP_S, and names its worker), and a stand-in HTTP server answers what the
 command asks the server itself (/v1/models, /metrics, /version, /health).
 
 The two commands' contracts differ and so do the assertions. Every case: the worker ends with the command (a
@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from tests import fake_bench
-from tests.fixtures import ROOT
-from tests.kill_matrix import (SIGNALS, MeasureStandIn, all_gone, assert_ended, assert_swept_by_the_next_write, cli,
+from tests.helpers.stand_ins import bench as stand_in_bench
+from tests.helpers.fixtures import ROOT
+from tests.helpers.kill_matrix import (SIGNALS, MeasureStandIn, all_gone, assert_ended, assert_swept_by_the_next_write, cli,
                                serve_in_thread, signal_when)
 
 PHASES = ["in-first-call", "between-records"]
@@ -38,9 +38,9 @@ def server():
 
 @pytest.fixture
 def bench(tmp_path):
-    root, pids, log = fake_bench.install(tmp_path)
-    env = dict(os.environ, PYTHONPATH=f"{root}{os.pathsep}{ROOT}", FAKE_BENCH_PIDS=str(pids),
-               FAKE_BENCH_LOG=str(log), FAKE_BENCH_SLEEP_S=SLOW_S)
+    root, pids, log = stand_in_bench.install(tmp_path)
+    env = dict(os.environ, PYTHONPATH=f"{root}{os.pathsep}{ROOT}", STAND_IN_BENCH_PIDS=str(pids),
+               STAND_IN_BENCH_LOG=str(log), STAND_IN_BENCH_SLEEP_S=SLOW_S)
     return env, pids
 
 

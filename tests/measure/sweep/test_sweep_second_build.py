@@ -17,7 +17,7 @@ from tools.measure.sweep.params import SweepParams
 from tools.measure.sweep.run import run_sweep
 from tools.measure.sweep.params import raw_name
 
-from tests.fixtures import group_alive
+from tests.helpers.fixtures import group_alive
 
 pytestmark = pytest.mark.vllm
 

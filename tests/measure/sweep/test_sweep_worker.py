@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests import fake_bench
+from tests.helpers.stand_ins import bench as stand_in_bench
 from tools.measure.sweep.params import CellSpec, SweepParams, SweepResult, raw_name
 from tools.measure.sweep.worker import BenchWorker
 from tools.measure.sweep.run import _run_cells
@@ -26,10 +26,10 @@ from tools.measure.sweep.run import _run_cells
 
 @pytest.fixture
 def fake_vllm(tmp_path, monkeypatch):
-    root, pids, log = fake_bench.install(tmp_path)
+    root, pids, log = stand_in_bench.install(tmp_path)
     monkeypatch.setenv("PYTHONPATH", str(root))
-    monkeypatch.setenv("FAKE_BENCH_PIDS", str(pids))
-    monkeypatch.setenv("FAKE_BENCH_LOG", str(log))
+    monkeypatch.setenv("STAND_IN_BENCH_PIDS", str(pids))
+    monkeypatch.setenv("STAND_IN_BENCH_LOG", str(log))
     return pids
 
 

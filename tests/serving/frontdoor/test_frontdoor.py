@@ -3,7 +3,7 @@ a bounded loop of chat completions running through it the whole time: a good swi
 side, a build that exits, a build that answers but refuses what clients send, and the same on a machine too
 small for two (the front door holds requests while the old build stops and the new one loads). After each:
 no failed request, the right build answering, its figures, no process of a stopped build left. The builds are
-tests/stand_in_vllm.py; the router is the real vllm-router. A two-core CPU is stood in (Hardware)."""
+tests/helpers/stand_ins/vllm_server.py; the router is the real vllm-router. A two-core CPU is stood in (Hardware)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import time
 import psutil
 import pytest
 
-from tests import stand_in_vllm
-from tests.fixtures import free_port, group_alive
-from tests.serving_helpers import Clients, TwoCores
+from tests.helpers.stand_ins import vllm_server as stand_in_vllm
+from tests.helpers.fixtures import free_port, group_alive
+from tests.helpers.serving import Clients, TwoCores
 from tools.core.errors import ToolFailure
 from tools.serving.frontdoor import door as frontdoor
 from tools.serving.records import router_state, state
@@ -183,7 +183,7 @@ def test_real_vllm_switches_through_the_front_door_fail_no_request(emb4_build, s
     in test_readiness."""
     import shutil
 
-    from tests.fixtures import in_process_engine, require_plugin
+    from tests.helpers.fixtures import in_process_engine, require_plugin
     from tools.serving.frontdoor import service
 
     require_plugin()
@@ -257,7 +257,7 @@ def test_the_command_line_and_mcp_switch_the_same_way(door, tmp_path, capsys, mo
     from tools.core.paths import Roots
     from tools.mcp.app import Settings, create_server
 
-    from tests.stand_in_switch import SWITCH
+    from tests.helpers.stand_ins.switch import SWITCH
     from tools.serving.frontdoor import switch_process
 
     base, make = door

@@ -1,4 +1,4 @@
-"""The front door with an API key: the real vllm-router over a build (tests/stand_in_vllm.py, which with
+"""The front door with an API key: the real vllm-router over a build (tests/helpers/stand_ins/vllm_server.py, which with
 VLLM_API_KEY answers /v1 only to that bearer key, as vLLM does). vllm-router 0.1.17 checks no key itself and
 passes the client's Authorization header on: a request without the key is refused (by the instance, through the
 router), one with it answered; the router's start (its readiness asks /v1/models through it) and status work with
@@ -16,10 +16,10 @@ import httpx
 import psutil
 import pytest
 
-from tests import stand_in_vllm
-from tests.fixtures import ROOT, free_port
+from tests.helpers.stand_ins import vllm_server as stand_in_vllm
+from tests.helpers.fixtures import ROOT, free_port
 from tools.core.errors import BadInput
-from tests.serving_helpers import TwoCores
+from tests.helpers.serving import TwoCores
 from tools.serving.frontdoor import door as frontdoor
 from tools.serving.records import router_state
 from tools.serving.config import ServeConfig

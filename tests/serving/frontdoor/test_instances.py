@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.fixtures import ROOT, fake_t4_hardware, free_port, state_env
+from tests.helpers.fixtures import ROOT, stand_in_t4_hardware, free_port, state_env
 from tools.cli.commands import CLI
 from tools.core.errors import ToolFailure
 from tools.serving.config import load_config
@@ -158,7 +158,7 @@ def test_cpu_parallelism_needs_a_core_per_rank(tmp_path):
 def test_gpu_room_and_parallelism_on_a_t4(tmp_path, fleet):
     from tools.serving.frontdoor import instances
 
-    hw = fake_t4_hardware()()
+    hw = stand_in_t4_hardware()()
     cfg = lambda name, **kw: load_config(ROOT / "tpu.env", state_dir=tmp_path / "run", instance=name, **kw)  # noqa: E731
     fleet("a", free_port(), platform="cuda", gpus=[0], gpu_memory_utilization=0.6)
     with pytest.raises(ToolFailure, match="GPU 0 has no room .* a 0.6 already claim 0.6 of it; pass at most 0.40"):
@@ -171,7 +171,7 @@ def test_gpu_room_and_parallelism_on_a_t4(tmp_path, fleet):
     with pytest.raises(BadInput, match="DATA_PARALLEL_SIZE=2 needs 2 GPUs, 1 visible"):
         instances.plan(cfg("b", data_parallel_size=2), hw)
     # On a 4-T4 VM a new instance without --gpus takes the least claimed GPU.
-    four = fake_t4_hardware()()
+    four = stand_in_t4_hardware()()
     four.gpu_count = lambda: 4
     assert instances.plan(cfg("b"), four).gpus == [1]
     assert instances.plan(cfg("b", tensor_parallel_size=2), four).gpus == [1, 2]
@@ -305,7 +305,7 @@ def test_mcp_tools_take_an_instance(tmp_path, fleet):
 
 
 def test_vram_marks_each_instances_processes(tmp_path, fleet):
-    from tests.fake_nvml import T4_TOTAL, FakeNvml
+    from tests.helpers.stand_ins.nvml import T4_TOTAL, StandInNvml
     from tools.gpu.vram import MIB, vram_status
     from tools.serving.records.placement import process_owners
 
@@ -313,7 +313,7 @@ def test_vram_marks_each_instances_processes(tmp_path, fleet):
     b = fleet("b", free_port(), platform="cuda", gpus=[0], gpu_memory_utilization=0.45)
     owners = process_owners(load_config(ROOT / "tpu.env", state_dir=tmp_path / "run"))
     assert owners[a["pid"]] == "a" and owners[b["pid"]] == "b"
-    fake = FakeNvml([{"name": "Tesla T4", "total": T4_TOTAL, "used": 6000 * MIB, "util": 10,
+    fake = StandInNvml([{"name": "Tesla T4", "total": T4_TOTAL, "used": 6000 * MIB, "util": 10,
                       "compute": [(a["pid"], 3000 * MIB), (b["pid"], 2900 * MIB), (1, 100 * MIB)]}])
     st = vram_status(nvml=fake, owners=owners)
     procs = {p.pid: p for p in st.gpus[0].processes}

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures import ROOT, SERVE_MAX_MODEL_LEN, free_port, group_alive, in_process_engine
+from tests.helpers.fixtures import ROOT, SERVE_MAX_MODEL_LEN, free_port, group_alive, in_process_engine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.vllm_lane(0)]  # lane 0: evens out the two lanes
 

@@ -1,8 +1,8 @@
 """The default configuration (tpu.env as shipped: FRONT_DOOR=1): `./vllm-t4 start` serves the port clients use
 through the front door, the build behind it on an internal port; `start --replace` (MCP start_vllm_server
 replace=true) switches builds there with requests flowing and none failed; `status`, `query` and `log` read the
-build behind the door; `stop` ends the door and its builds. The builds are tests/stand_in_vllm.py, the router the
-real vllm-router, the switch's own process tests/stand_in_switch.py (a CPU of two cores)."""
+build behind the door; `stop` ends the door and its builds. The builds are tests/helpers/stand_ins/vllm_server.py, the router the
+real vllm-router, the switch's own process tests/helpers/stand_ins/switch.py (a CPU of two cores)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ import time
 
 import pytest
 
-from tests import stand_in_vllm
-from tests.fixtures import ROOT, free_port, group_alive
-from tests.serving_helpers import Clients
-from tests.stand_in_switch import SWITCH
+from tests.helpers.stand_ins import vllm_server as stand_in_vllm
+from tests.helpers.fixtures import ROOT, free_port, group_alive
+from tests.helpers.serving import Clients
+from tests.helpers.stand_ins.switch import SWITCH
 from tools.serving.records import router_state, state
 from tools.serving.frontdoor import switch_process
 from tools.serving.config import ServeConfig, load_config
@@ -61,7 +61,7 @@ def _cli(capsys, *args):
 
 def _background(*args: str) -> subprocess.Popen:
     """./vllm-t4 ARGS with the stand-in builds, in a process of its own that runs on while the test acts."""
-    return subprocess.Popen([sys.executable, "-m", "tests.stand_in_switch", "cli", *args], cwd=ROOT,
+    return subprocess.Popen([sys.executable, "-m", "tests.helpers.stand_ins.switch", "cli", *args], cwd=ROOT,
                             env=dict(os.environ, PYTHONPATH=str(ROOT)), text=True, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
 
@@ -189,13 +189,13 @@ def test_two_replaces_at_once_through_the_front_door_one_switches_the_other_is_r
     import sys
     import time
 
-    from tests.fixtures import ROOT
+    from tests.helpers.fixtures import ROOT
 
     make, cfg = shipped
     assert _cli(capsys, "start", "--model", make("old"), "--served-name", "old")[0] == 0
     env = dict(os.environ, PYTHONPATH=str(ROOT), STAND_IN_PHASES=str(tmp_path), STAND_IN_PAUSE_AT="b ready",
                STAND_IN_GO=str(tmp_path / "go"))
-    drive = [sys.executable, "-m", "tests.stand_in_switch", "cli", "start", "--replace", "--served-name"]
+    drive = [sys.executable, "-m", "tests.helpers.stand_ins.switch", "cli", "start", "--replace", "--served-name"]
     with Clients(cfg.base_url) as clients:
         first = subprocess.Popen([*drive, "new", "--model", make("new")], cwd=ROOT, env=env, text=True,
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)

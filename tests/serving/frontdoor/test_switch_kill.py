@@ -21,10 +21,10 @@ from dataclasses import replace
 import psutil
 import pytest
 
-from tests import stand_in_vllm
-from tests.fixtures import ROOT, free_port
-from tests.kill_matrix import all_gone, assert_ended, cli, signal_when
-from tests.serving_helpers import Clients, TwoCores
+from tests.helpers.stand_ins import vllm_server as stand_in_vllm
+from tests.helpers.fixtures import ROOT, free_port
+from tests.helpers.kill_matrix import all_gone, assert_ended, cli, signal_when
+from tests.helpers.serving import Clients, TwoCores
 from tools.serving.frontdoor import door as frontdoor
 from tools.serving.records import router_state, state
 from tools.serving.server import switch_record
@@ -124,7 +124,7 @@ def _signalled(front, tmp_path, mode: str, phase: str, sig: str, command: list[s
     with Clients(router_state.recorded(base).base_url) as clients:
         _until("a request answered", lambda: clients.served())
         proc = cli([*command, "--model", new, "--served-name", "new", "--cpus", "1" if mode == "beside" else "2"],
-                   env, driver=["-m", "tests.stand_in_switch", "cli"])
+                   env, driver=["-m", "tests.helpers.stand_ins.switch", "cli"])
         err = signal_when(proc, reached, sig, phase, settle=settle)
         assert_ended(sig, proc.returncode, err)
         assert all_gone(switcher, wait_s=60), "the switch process did not end"
@@ -157,12 +157,12 @@ def test_while_a_switch_is_under_way_another_switch_a_router_stop_and_a_stop_of_
     go = tmp_path / "go"
     env = dict(env, STAND_IN_PAUSE_AT="b ready", STAND_IN_GO=str(go))
     proc = cli(["router", "switch", "--instance", "green", "--model", new, "--served-name", "new", "--cpus", "1"],
-               env, driver=["-m", "tests.stand_in_switch", "cli"])
+               env, driver=["-m", "tests.helpers.stand_ins.switch", "cli"])
     try:
         _until("B ready", (tmp_path / "b-ready").exists)
         running = router_state.switch_running(base)
         assert running and "switch to new" in running["what"], running
-        stop = subprocess.run([sys.executable, "-m", "tests.stand_in_switch", "cli", "router", "stop"], env=env,
+        stop = subprocess.run([sys.executable, "-m", "tests.helpers.stand_ins.switch", "cli", "router", "stop"], env=env,
                               capture_output=True, text=True, timeout=60)
         lines = stop.stderr.strip().splitlines()
         assert stop.returncode == 1 and len(lines) == 1 and "the front door is being switched" in lines[0], stop
@@ -189,7 +189,7 @@ def test_a_second_ctrl_c_does_not_cut_the_rollback_short(front, tmp_path):
     with Clients(router_state.recorded(base).base_url) as clients:
         _until("a request answered", lambda: clients.served())
         proc = cli(["router", "switch", "--instance", "green", "--model", new, "--served-name", "new", "--cpus",
-                    "1"], env, driver=["-m", "tests.stand_in_switch", "cli"])
+                    "1"], env, driver=["-m", "tests.helpers.stand_ins.switch", "cli"])
         err = signal_when(proc, (tmp_path / "b-ready").exists, "SIGINT", "B ready",
                           settle=lambda: (proc.send_signal(signal.SIGINT), time.sleep(0.2)))
         assert_ended("SIGINT", proc.returncode, err)
@@ -204,7 +204,7 @@ def test_a_second_ctrl_c_does_not_cut_the_rollback_short(front, tmp_path):
 def test_a_cancelled_front_end_passes_the_cancellation_on_and_waits_for_the_rollback(front, tmp_path, monkeypatch):
     """What an MCP cancellation does (its progress report raises): the switch process gets one SIGINT, B is ended,
     A keeps the traffic, and the front end raises its own exception once the rollback is over."""
-    from tests.stand_in_switch import SWITCH
+    from tests.helpers.stand_ins.switch import SWITCH
     from tools.serving.frontdoor import switch_process
 
     base, _ = front

@@ -19,7 +19,7 @@ from tools.core.errors import ToolFailure
 from tools.serving.hub.fetch import MANIFEST, FetchParams, fetch_checkpoint
 from tools.core.errors import BadInput
 
-from tests.stand_in_hub import COMMIT, REPO, StandInHub  # noqa: F401
+from tests.helpers.stand_ins.hub import COMMIT, REPO, StandInHub  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[3]
 @pytest.fixture(scope="module")

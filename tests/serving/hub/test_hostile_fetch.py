@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.mounts import MOUNT, listing
+from tests.helpers.mounts import MOUNT, listing
 from tools.core.errors import BadInput, ToolFailure
 from tools.serving.hub import fetch
 from tools.serving.hub.fetch import FetchParams, fetch_checkpoint

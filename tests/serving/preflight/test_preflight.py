@@ -20,16 +20,16 @@ from tools.core.errors import ToolFailure
 from tools.core.errors import BadInput, render
 from tools.cli.commands import CLI
 from tools.serving.preflight.steps import PreflightParams, checks_for, ensure, run_preflight
-from tests.fixtures import fake_t4_hardware
+from tests.helpers.fixtures import stand_in_t4_hardware
 
 ROOT = Path(__file__).resolve().parents[3]
 MIB = 1 << 20
 
 
-FakeT4 = fake_t4_hardware()
+FakeT4 = stand_in_t4_hardware()
 
 
-class FakeNvml:
+class StandInNvml:
     """The pynvml functions vram_status calls, for one T4 with `used_mib` taken."""
 
     def __init__(self, used_mib: int = 300) -> None:
@@ -148,7 +148,7 @@ def test_a_t4_without_the_clamp_swap_or_token(clean_env, tmp_path, monkeypatch):
         f.truncate(10 << 30)
     (model / "config.json").write_text(json.dumps({"text_config": {"max_position_embeddings": 8192}}))
     env_file = _env_file(tmp_path, MODEL_NAME="./models/big", MAX_MODEL_LEN="16384")
-    report = run_preflight(PreflightParams(env_file=str(env_file)), hardware=FakeT4(ram=8 << 30), nvml=FakeNvml(),
+    report = run_preflight(PreflightParams(env_file=str(env_file)), hardware=FakeT4(ram=8 << 30), nvml=StandInNvml(),
                            turing_target=target)
     c = _by_name(report.checks)
     assert report.platform == "cuda" and not report.ready
@@ -169,13 +169,13 @@ def test_a_t4_without_the_clamp_swap_or_token(clean_env, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_TOKEN", "hf_test")
     turing_patch.apply(target)
     c = _by_name(run_preflight(PreflightParams(env_file=str(env_file)), hardware=FakeT4(ram=8 << 30, swap=16 << 30),
-                               nvml=FakeNvml(), turing_target=target).checks)
+                               nvml=StandInNvml(), turing_target=target).checks)
     assert c["turing_clamp"].status == "ok" and c["host_memory"].status == "ok" and c["hf_token"].status == "ok"
     assert "hf_test" not in json.dumps([x.model_dump() for x in c.values()])  # the token is never shown
 
 
 def test_gpu_memory_held_by_another_process_fails(clean_env, tmp_path):
-    c = _by_name(checks_for("all", env_file=_env_file(tmp_path), hardware=FakeT4(), nvml=FakeNvml(used_mib=9000)))
+    c = _by_name(checks_for("all", env_file=_env_file(tmp_path), hardware=FakeT4(), nvml=StandInNvml(used_mib=9000)))
     assert c["gpu_memory"].status == "fail" and "pid 4242" in c["gpu_memory"].fix
     assert "GPU_MEMORY_UTILIZATION" in c["gpu_memory"].fix
 
@@ -454,7 +454,7 @@ def test_preflight_start_checks_the_port_and_instance_of_the_start(clean_env, tm
 
 
 def test_preflight_fetch_asks_the_hub_and_says_offline_plainly(clean_env, tmp_path, monkeypatch):
-    from tests.stand_in_hub import REPO, StandInHub
+    from tests.helpers.stand_ins.hub import REPO, StandInHub
 
     monkeypatch.setenv("HF_TOKEN", "hf_test")
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)

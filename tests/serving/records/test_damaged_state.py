@@ -12,7 +12,7 @@ import sys
 import psutil
 import pytest
 
-from tests.fixtures import free_port, state_env
+from tests.helpers.fixtures import free_port, state_env
 from tools.serving.config import load_config
 from tools.serving.records.state import DamagedState, ServerState, read_record
 

@@ -11,7 +11,7 @@ import json
 import psutil
 import pytest
 
-from tests.fixtures import free_port, state_env
+from tests.helpers.fixtures import free_port, state_env
 
 
 def _alive(pid: int) -> bool:

@@ -1,5 +1,5 @@
 """Where a bound CPU instance runs: every process of it on the instance's own cores, whatever the process that
-launched it was confined to or asked of OpenMP. Stand-in servers (tests/stand_in_vllm.py) launched through the
+launched it was confined to or asked of OpenMP. Stand-in servers (tests/helpers/stand_ins/vllm_server.py) launched through the
 project's start path; their affinity is read from the kernel, thread by thread.
 
 vLLM binds only its model worker's OpenMP threads (VLLM_CPU_OMP_THREADS_BIND); its API server and engine core keep
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests import stand_in_vllm
-from tests.fixtures import free_port
+from tests.helpers.stand_ins import vllm_server as stand_in_vllm
+from tests.helpers.fixtures import free_port
 from tools.serving.records import state
 from tools.serving.config import ServeConfig
 from tools.serving.preflight.hardware import Hardware

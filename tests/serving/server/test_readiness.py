@@ -2,7 +2,7 @@
 completion or the chat warm-up (HTTP 4xx/5xx with a body) ends the start with the server's own message and the
 parameter that fixes it, through the library, the command line and MCP; one that exits is explained by its own
 error, never by the fd-limit warning every vLLM start prints; one that says nothing still meets the timeout.
-The servers are tests/stand_in_vllm.py; the start timeout is long, so a start that waited it out would show."""
+The servers are tests/helpers/stand_ins/vllm_server.py; the start timeout is long, so a start that waited it out would show."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import json
 import psutil
 import pytest
 
-from tests import stand_in_vllm
+from tests.helpers.stand_ins import vllm_server as stand_in_vllm
 from tools.core.errors import ToolFailure
 from tools.serving.server import readiness
 from tools.serving.config import ServeConfig
@@ -127,7 +127,7 @@ def test_a_server_still_loading_is_waited_for_not_refused():
 
     from http.server import BaseHTTPRequestHandler
 
-    from tests.kill_matrix import serve_in_thread
+    from tests.helpers.kill_matrix import serve_in_thread
 
     class Loading(BaseHTTPRequestHandler):
         def log_message(self, *a):

@@ -1,5 +1,5 @@
 """start with replace=true: B checked before A is touched, A stopped, B started, A started again from its own
-record when B fails; what serves is said in one line and in `outcome`. The "servers" are tests/stand_in_vllm.py
+record when B fails; what serves is said in one line and in `outcome`. The "servers" are tests/helpers/stand_ins/vllm_server.py
 (it binds the port, answers /health and completions, or exits as a broken build does, or never becomes ready), so
 every case but the one real-vLLM test at the end runs in a second or two."""
 
@@ -17,8 +17,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests import stand_in_vllm
-from tests.fixtures import ROOT, free_port, group_alive
+from tests.helpers.stand_ins import vllm_server as stand_in_vllm
+from tests.helpers.fixtures import ROOT, free_port, group_alive
 from tools.core.errors import BadInput, ToolFailure
 from tools.serving.records import state
 from tools.serving.config import ServeConfig
@@ -263,7 +263,7 @@ def test_real_vllm_a_failed_replace_serves_a_again(emb4_build, serve_config_fact
     them and fails in vLLM: A is started again, serves, the message says so, and no process is left."""
     import shutil
 
-    from tests.fixtures import in_process_engine, require_plugin
+    from tests.helpers.fixtures import in_process_engine, require_plugin
 
     require_plugin()
     in_process_engine(monkeypatch)  # recorded with A and used for its restart

@@ -2,7 +2,7 @@
 launched it outlives the command, even a SIGKILL of the command while A is still loading (the start's guard,
 tools.serving.server.guard, hands it over at its launch), and no replace record then says A was stopped.
 
-Each command is `./vllm-t4` in a process of its own with tests/stand_in_vllm.py where vLLM would be."""
+Each command is `./vllm-t4` in a process of its own with tests/helpers/stand_ins/vllm_server.py where vLLM would be."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.serving_helpers import Bench, until
+from tests.helpers.serving import Bench, until
 from tools.serving.records import state
 from tools.serving.server.guard import hand_over, owned_server
 from tools.serving.server.server import server_status

@@ -1,6 +1,6 @@
 """The second command: two state-changing commands on one instance at once (start/start, start/stop,
 replace/replace, replace/stop), a second Ctrl-C during a replace's rollback, and an API key for a server reachable
-beyond the loopback. Every command is `./vllm-t4` in a process of its own (tests/stand_in_vllm.py's driver: the
+beyond the loopback. Every command is `./vllm-t4` in a process of its own (tests/helpers/stand_ins/vllm_server.py's driver: the
 command line's main() with the stand-in where vLLM would be), so the instance's lock is taken by two processes as
 it is in use.
 
@@ -21,10 +21,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests import stand_in_vllm
-from tests.fixtures import ROOT, free_port
-from tests.kill_matrix import all_gone
-from tests.serving_helpers import Bench, until
+from tests.helpers.stand_ins import vllm_server as stand_in_vllm
+from tests.helpers.fixtures import ROOT, free_port
+from tests.helpers.kill_matrix import all_gone
+from tests.helpers.serving import Bench, until
 from tools.serving.records import state
 from tools.serving.config import load_config
 from tools.serving.server.server import server_status
@@ -424,7 +424,7 @@ def test_the_measuring_clients_send_the_key(monkeypatch):
     OPENAI_API_KEY (vllm bench serve in the sweep's worker, lm-eval)."""
     from http.server import BaseHTTPRequestHandler
 
-    from tests.kill_matrix import serve_in_thread
+    from tests.helpers.kill_matrix import serve_in_thread
     from tools.core.api_key import with_client_key
     from tools.measure.tokens.compare import generate
     from tools.measure.provenance import server_info

@@ -21,7 +21,7 @@ import pytest
 
 from tools.serving.turing import patch as turing_patch
 from tools.core.errors import ToolFailure
-from tests.fixtures import fake_t4_hardware, group_alive
+from tests.helpers.fixtures import stand_in_t4_hardware, group_alive
 from tools.serving.server.server import server_status, stop_server
 from tools.serving.server.launch import start_server
 from tools.cli.commands import CLI
@@ -40,7 +40,7 @@ def _cli(args: list[str], env: dict[str, str], timeout: float = 900) -> subproce
 
 @pytest.mark.vllm
 def test_lifecycle_through_the_command_line(emb4_build, tmp_path):
-    from tests.fixtures import SERVE_MAX_MODEL_LEN, free_port
+    from tests.helpers.fixtures import SERVE_MAX_MODEL_LEN, free_port
 
     state_dir = tmp_path / "state"
     # Compiled (CPU_COMPILE=1: the path the T4 always takes); the shared servers cover the eager CPU default.
@@ -171,7 +171,7 @@ def test_a_folder_that_is_not_a_model_fails_fast_without_orphans(tmp_path, serve
 # ---------------------------------------------------------------------------------------------------------------
 # Refusals and bookkeeping that need no server start.
 
-FakeT4 = fake_t4_hardware()  # a Tesla T4 on a small host
+FakeT4 = stand_in_t4_hardware()  # a Tesla T4 on a small host
 
 
 def test_turing_gpu_needs_the_clamp_then_memory_needs_swap(tmp_path, serve_config_factory):
@@ -232,7 +232,7 @@ def test_a_recycled_pid_is_never_signalled(serve_config_factory, tmp_path):
 
 
 def test_command_line_failures_are_one_line(tmp_path):
-    from tests.fixtures import free_port
+    from tests.helpers.fixtures import free_port
 
     env = dict(os.environ, MODEL_NAME="m", STATE_DIR=str(tmp_path), PORT=str(free_port()))
     q = _cli(["query", "hi"], env, timeout=60)
@@ -437,7 +437,7 @@ start_server(load_config(env_file, model=model, served_name="gated", host="127.0
 
 
 def test_a_start_killed_before_its_state_file_leaves_no_server(tmp_path):
-    from tests.fixtures import free_port
+    from tests.helpers.fixtures import free_port
 
     (tmp_path / "model").mkdir()
     marker, pid_file = tmp_path / "served", tmp_path / "pid"

@@ -1,6 +1,6 @@
 """What a switch leaves for later: the failed build's log kept beside the state (named by build and time) and
 readable through the log readers after the rollback, and `status` saying how the last switch ended, with the
-builds named. Stand-in servers (tests/stand_in_vllm.py)."""
+builds named. Stand-in servers (tests/helpers/stand_ins/vllm_server.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from tests import stand_in_vllm
+from tests.helpers.stand_ins import vllm_server as stand_in_vllm
 from tools.core.errors import ToolFailure
 from tools.serving.server import switch_record
 from tools.serving.config import ServeConfig

@@ -24,7 +24,7 @@ from tools.core.errors import BadInput, ToolFailure
 from tools.serving.turing import patch as turing_patch
 from tools.serving.turing.decision import ClampRefused, TuringPlatform, find_decision
 
-from tests.mounts import MOUNT
+from tests.helpers.mounts import MOUNT
 
 ROOT = Path(__file__).resolve().parents[3]
 DOCSTRING = '    """Select tile size with Gemma3-specific optimization."""\n'
@@ -356,7 +356,7 @@ def test_a_decision_that_never_returns_is_ended(target, monkeypatch):
 def test_a_full_disk_exits_1_and_leaves_the_file_as_it_was(tmp_path, monkeypatch):
     import importlib
 
-    from tests.mounts import MOUNT, fill, inject_write_error
+    from tests.helpers.mounts import MOUNT, fill, inject_write_error
 
     place = tmp_path / "full"
     mounted = False

@@ -20,7 +20,7 @@ from typing import Callable, Iterator
 
 import psutil
 
-from tests.fixtures import ROOT, default_signals
+from tests.helpers.fixtures import ROOT, default_signals
 from tools.measure import evidence
 
 SIGNALS = {"SIGINT": (signal.SIGINT, 130), "SIGTERM": (signal.SIGTERM, 143), "SIGKILL": (signal.SIGKILL, -9)}
@@ -79,7 +79,7 @@ class DecodeStandIn(BaseHTTPRequestHandler):
 
 class MeasureStandIn(BaseHTTPRequestHandler):
     """What `./vllm-t4 sweep` and `capacity` ask the server itself (/v1/models, /metrics, /version, /health);
-    their benchmark calls go to tests/fake_bench.py."""
+    their benchmark calls go to tests/helpers/stand_ins/bench.py."""
     protocol_version = "HTTP/1.1"
 
     def do_GET(self):  # noqa: N802

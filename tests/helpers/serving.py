@@ -1,6 +1,6 @@
 """What the serving tests share: a two-core CPU (Hardware), clients sending chat completions through a port while
 a test changes what serves it, and a bench of stand-in builds driven by `./vllm-t4` commands in processes of
-their own (tests/stand_in_vllm.py where vLLM would be)."""
+their own (tests/helpers/stand_ins/vllm_server.py where vLLM would be)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import httpx
 
-from tests import stand_in_vllm
-from tests.fixtures import ROOT, default_signals, free_port
-from tests.kill_matrix import all_gone
+from tests.helpers.stand_ins import vllm_server as stand_in_vllm
+from tests.helpers.fixtures import ROOT, default_signals, free_port
+from tests.helpers.kill_matrix import all_gone
 from tools.serving.records import state
 from tools.serving.config import load_config
 from tools.serving.preflight.hardware import Hardware
@@ -72,7 +72,7 @@ class Clients:
 
 class Bench:
     """Stand-in builds, one port and state dir, and `./vllm-t4` commands run against them. Each build's behaviour
-    is tests/stand_in_vllm.py's (a build given `until` loads until that file exists); its answers are "ok"."""
+    is tests/helpers/stand_ins/vllm_server.py's (a build given `until` loads until that file exists); its answers are "ok"."""
 
     def __init__(self, tmp_path: Path) -> None:
         self.tmp = tmp_path

@@ -13,7 +13,7 @@ import pytest
 
 from tools.core import process
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SERVE_MAX_MODEL_LEN = 512  # short contexts keep the CPU KV cache small; tests that need more ask for it
 
 # Tests that import torch, vLLM, transformers or compressed-tensors into the test process, and the modules whose
@@ -60,7 +60,7 @@ def group_alive(pgid: int) -> list[int]:
     return alive
 
 
-def fake_t4_hardware():
+def stand_in_t4_hardware():
     """A Tesla T4 on a small host (compute capability 7.5, `ram` bytes of RAM, `swap` bytes of swap), as the
     serving code's Hardware sees it: the class is built on first use so importing this module stays light."""
     from tools.serving.preflight.hardware import Hardware
@@ -81,7 +81,7 @@ def fake_t4_hardware():
     return FakeT4
 
 
-def fake_eval_run(folder: Path, label: str, per_doc: dict[int, float], *, hashes: dict[int, str] | None = None) -> Path:
+def stand_in_eval_run(folder: Path, label: str, per_doc: dict[int, float], *, hashes: dict[int, str] | None = None) -> Path:
     """A run folder as run_eval writes it, with one task and per-document acc values."""
     import json
     import math
@@ -105,7 +105,7 @@ def fake_eval_run(folder: Path, label: str, per_doc: dict[int, float], *, hashes
     return folder
 
 
-def fake_sweep_run(folder: Path, label: str, cells: dict[tuple[int, int], list[float]], *, model: str = "m",
+def stand_in_sweep_run(folder: Path, label: str, cells: dict[tuple[int, int], list[float]], *, model: str = "m",
                    provenance: dict | None = None):
     """A finished sweep run folder as run_sweep writes it (summary.json, summary.md): per (input_len, concurrency)
     its repeats' output tok/s. Returns the SweepResult."""

@@ -79,7 +79,7 @@ def mcp_argv(*args: str) -> list[str]:
 
 def _drive(front: str, args: list[str]) -> int:
     # Run as a script, this folder is first on sys.path: the project's root takes its place, whatever the cwd.
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
+    sys.path[0] = str(Path(__file__).resolve().parents[3])
     from tools.serving.config import ServeConfig
 
     ServeConfig.vllm_argv = lambda self, platform: argv(self.port, self.model)

@@ -1,8 +1,8 @@
 """A stand-in for vLLM's `bench serve` on a benchmark worker's PYTHONPATH: a package `vllm` whose
 `vllm.benchmarks.serve` has the module-level names the sweep worker uses (add_cli_args, get_tokenizer, main and
 the metrics fetchers), so sweep and capacity tests need no vLLM server and can make a cell crash, hang or take
-time on purpose (input length 13 exits, 14 hangs, 15 fails every request; FAKE_BENCH_SLEEP_S delays each call).
-Each call appends its input length to FAKE_BENCH_PIDS/<worker pid>; FAKE_BENCH_LOG gets tokenizer loads and
+time on purpose (input length 13 exits, 14 hangs, 15 fails every request; STAND_IN_BENCH_SLEEP_S delays each call).
+Each call appends its input length to STAND_IN_BENCH_PIDS/<worker pid>; STAND_IN_BENCH_LOG gets tokenizer loads and
 metrics reads."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
-FAKE_SERVE = '''
+STAND_IN_SERVE = '''
 import argparse, asyncio, json, os, time, urllib.request
 
 FLAGS = ["--backend", "--base-url", "--endpoint", "--model", "--tokenizer", "--dataset-name",
@@ -27,12 +27,12 @@ def add_cli_args(parser):
     parser.add_argument("--goodput", nargs="+")
 
 def get_tokenizer(name, **kwargs):
-    with open(os.path.join(os.environ["FAKE_BENCH_LOG"], "tokenizer-loads"), "a") as f:
+    with open(os.path.join(os.environ["STAND_IN_BENCH_LOG"], "tokenizer-loads"), "a") as f:
         f.write(name + "\\n")
     return name
 
 async def fetch_spec_decode_metrics(base_url, session):
-    with open(os.path.join(os.environ["FAKE_BENCH_LOG"], "vllm-metrics-reads"), "a") as f:
+    with open(os.path.join(os.environ["STAND_IN_BENCH_LOG"], "vllm-metrics-reads"), "a") as f:
         f.write(base_url + "\\n")
     return {}
 
@@ -40,7 +40,7 @@ async def fetch_diffusion_metrics(base_url, session):
     return await fetch_spec_decode_metrics(base_url, session)
 
 def main(args):
-    with open(os.path.join(os.environ["FAKE_BENCH_PIDS"], str(os.getpid())), "a") as f:
+    with open(os.path.join(os.environ["STAND_IN_BENCH_PIDS"], str(os.getpid())), "a") as f:
         f.write(args.random_input_len + "\\n")
     get_tokenizer(args.tokenizer, tokenizer_mode="auto", trust_remote_code=False)
     asyncio.run(fetch_spec_decode_metrics(args.base_url, None))
@@ -55,7 +55,7 @@ def main(args):
         urllib.request.urlopen(f"{args.base_url}/add?{n * prompts}", timeout=5).read()
     except OSError:
         pass
-    time.sleep(float(os.environ.get("FAKE_BENCH_SLEEP_S") or 0))
+    time.sleep(float(os.environ.get("STAND_IN_BENCH_SLEEP_S") or 0))
     print("benchmark output for", n)
     latency = {f"{s}_{m}_ms": v for m, v in (("ttft", 20.0), ("tpot", 5.0), ("itl", 5.0), ("e2el", 40.0))
                for s in ("mean", "median", "p50", "p90", "p99")}
@@ -65,17 +65,17 @@ def main(args):
 
 
 def install(tmp_path: Path) -> tuple[Path, Path, Path]:
-    """Writes the package under tmp_path/fake; returns (the PYTHONPATH entry, the pids folder, the log folder)."""
-    pkg = tmp_path / "fake" / "vllm"
+    """Writes the package under tmp_path/stand-in; returns (the PYTHONPATH entry, the pids folder, the log folder)."""
+    pkg = tmp_path / "stand-in" / "vllm"
     (pkg / "benchmarks").mkdir(parents=True)
     (pkg / "utils").mkdir()
     (pkg / "__init__.py").write_text("")
     (pkg / "benchmarks" / "__init__.py").write_text("")
-    (pkg / "benchmarks" / "serve.py").write_text(textwrap.dedent(FAKE_SERVE))
+    (pkg / "benchmarks" / "serve.py").write_text(textwrap.dedent(STAND_IN_SERVE))
     (pkg / "utils" / "__init__.py").write_text("")
     (pkg / "utils" / "argparse_utils.py").write_text("from argparse import ArgumentParser as FlexibleArgumentParser\n")
     pids = tmp_path / "pids"
     pids.mkdir()
     log = tmp_path / "bench-log"
     log.mkdir()
-    return tmp_path / "fake", pids, log
+    return tmp_path / "stand-in", pids, log

@@ -2,10 +2,10 @@
 
 A vLLM server or router a test starts leads a session of its own (as the product's do: `./vllm-t4 start` hands
 its server over), so a test runner killed by SIGTERM or SIGKILL runs no fixture teardown and leaves them
-running, reparented to init. `start(config)` (from tests/conftest.py's pytest_configure, or `-p tests.reaper`)
+running, reparented to init. `start(config)` (from tests/conftest.py's pytest_configure, or `-p tests.helpers.reaper`)
 adds this run's id to RUN_ENV in the runner's environment, which every process the run starts inherits (xdist
 workers, commands, vLLM's own processes, daemons that left the process tree), and starts a watcher in a
-session of its own: `python -m tests.reaper RUN PID CREATE_TIME`. Once the runner's process is gone, by
+session of its own: `python -m tests.helpers.reaper RUN PID CREATE_TIME`. Once the runner's process is gone, by
 whatever end, the watcher kills every process whose environment names the run, and exits. A process started
 with an environment of its own that drops RUN_ENV is not the run's: it is left alone, as a stranger would be.
 """
@@ -21,7 +21,7 @@ import uuid
 from pathlib import Path
 
 RUN_ENV = "GEMMA4_T4_TEST_RUN"  # space-separated ids: a run started inside a test run carries both
-_ROOT = Path(__file__).resolve().parents[1]
+_ROOT = Path(__file__).resolve().parents[2]
 
 
 def start(config) -> None:
@@ -35,12 +35,12 @@ def start(config) -> None:
     me = os.getpid()
     env = {k: v for k, v in os.environ.items() if k != RUN_ENV}  # the watcher is not a process of the run
     env["PYTHONPATH"] = str(_ROOT)
-    subprocess.Popen([sys.executable, "-m", "tests.reaper", run, str(me), repr(psutil.Process(me).create_time())],
+    subprocess.Popen([sys.executable, "-m", "tests.helpers.reaper", run, str(me), repr(psutil.Process(me).create_time())],
                      cwd=str(_ROOT), env=env, start_new_session=True, stdin=subprocess.DEVNULL,
                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def pytest_configure(config) -> None:  # as a plugin: `pytest -p tests.reaper`
+def pytest_configure(config) -> None:  # as a plugin: `pytest -p tests.helpers.reaper`
     start(config)
 
 

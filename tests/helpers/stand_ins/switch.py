@@ -1,10 +1,10 @@
 """`./vllm-t4` or the switch process (tools.serving.frontdoor.switch_process) with the stand-in builds patched in, for tests
 that run them as processes of their own:
 
-    python -m tests.stand_in_switch cli ARGS...      ./vllm-t4 ARGS, whose switch process is this module's
-    python -m tests.stand_in_switch switch REQUEST   the switch process
+    python -m tests.helpers.stand_ins.switch cli ARGS...      ./vllm-t4 ARGS, whose switch process is this module's
+    python -m tests.helpers.stand_ins.switch switch REQUEST   the switch process
 
-In both, vLLM is tests/stand_in_vllm.py, the machine a CPU of two cores (as tests.serving_helpers.TwoCores), and each
+In both, vLLM is tests/helpers/stand_ins/vllm_server.py, the machine a CPU of two cores (as tests.helpers.serving.TwoCores), and each
 phase of the switch (frontdoor._step) that is reached leaves a file of its name in $STAND_IN_PHASES (when set);
 at $STAND_IN_PAUSE_AT the switch waits $STAND_IN_PAUSE_S seconds, long enough for a test to signal it there, or
 until the file $STAND_IN_GO exists."""
@@ -16,12 +16,12 @@ import sys
 import time
 from pathlib import Path
 
-from tests import stand_in_vllm
+from tests.helpers.stand_ins import vllm_server as stand_in_vllm
 from tools.serving.frontdoor import door as frontdoor, switch_process
 from tools.serving.config import ServeConfig
 from tools.serving.preflight.hardware import Hardware
 
-SWITCH = [sys.executable, "-m", "tests.stand_in_switch", "switch"]
+SWITCH = [sys.executable, "-m", "tests.helpers.stand_ins.switch", "switch"]
 
 
 def _step(name: str) -> None:

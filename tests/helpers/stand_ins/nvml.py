@@ -1,4 +1,4 @@
-"""A fake NVML (pynvml's functions vram_status calls) for one or more GPUs: the only thing in the suite that is
+"""A stand-in NVML (pynvml's functions vram_status calls) for one or more GPUs: the only thing in the suite that is
 mocked is the GPU."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ from types import SimpleNamespace
 from tools.gpu.vram import MIB
 
 
-class FakeNvmlError(Exception):
+class StandInNvmlError(Exception):
     pass
 
 
-class FakeNvml:
-    """Implements the pynvml functions vram_status calls, for one or more fake GPUs."""
+class StandInNvml:
+    """Implements the pynvml functions vram_status calls, for one or more stand-in GPUs."""
 
     def __init__(self, gpus: list[dict], *, init_error: Exception | None = None, driver: bytes | str = "550.54.15"):
         self.gpus = gpus
@@ -47,7 +47,7 @@ class FakeNvml:
 
     def nvmlDeviceGetUtilizationRates(self, h):
         if h.get("util") is None:
-            raise FakeNvmlError("Not Supported")
+            raise StandInNvmlError("Not Supported")
         return SimpleNamespace(gpu=h["util"], memory=h["util"] // 2)
 
     def nvmlDeviceGetComputeRunningProcesses(self, h):
