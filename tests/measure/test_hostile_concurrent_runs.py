@@ -21,7 +21,7 @@ import pytest
 
 from tests.helpers.stand_ins import bench as stand_in_bench
 from tests.helpers.fixtures import ROOT
-from tests.helpers.kill_matrix import DecodeStandIn, MeasureStandIn, WriterStandIn, serve_in_thread
+from tests.helpers.stand_ins.measure import DecodeStandIn, MeasureStandIn, WriterStandIn, serve_in_thread
 from tools.core.atomic_files import HeldFolder, TempFolder, names_held, reserve_name
 from tools.core.errors import ToolFailure
 

@@ -6,13 +6,11 @@ input is checked first (the request timeout against a small stand-in server)."""
 from __future__ import annotations
 
 import json
-import threading
-import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
+from tests.helpers.stand_ins.measure import SlowChatStandIn, serve_in_thread
 from tools.cli import main
 
 
@@ -69,35 +67,10 @@ def test_decode_refuses_a_request_timeout_that_is_not_positive(value, tmp_path, 
     one_line(err, "decode", "--request-timeout-s")
 
 
-class _SlowServer(BaseHTTPRequestHandler):
-    """Lists a model, answers every GET, and answers a chat request only after a second."""
-
-    def do_GET(self):  # noqa: N802
-        body = json.dumps({"data": [{"id": "m", "root": "/nowhere", "max_model_len": 64}]}).encode() \
-            if self.path == "/v1/models" else b""
-        self.send_response(200 if self.path in ("/v1/models", "/metrics") else 404)
-        self.send_header("content-length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def do_POST(self):  # noqa: N802
-        time.sleep(1.0)
-        self.send_response(200)
-        self.end_headers()
-
-    def log_message(self, *a):
-        pass
-
-
 @pytest.fixture
 def slow_server():
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), _SlowServer)
-    srv.daemon_threads = True
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
-    yield f"http://127.0.0.1:{srv.server_address[1]}"
-    srv.shutdown()
-    srv.server_close()
+    with serve_in_thread(SlowChatStandIn) as url:
+        yield url
 
 
 def test_a_request_that_times_out_is_one_line_naming_the_timeout(slow_server, tmp_path, capsys):

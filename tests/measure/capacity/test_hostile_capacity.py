@@ -5,11 +5,10 @@ naming the flag, exit 2, nothing created), and a server whose /v1/models reply i
 from __future__ import annotations
 
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from tests.helpers.stand_ins.measure import ModelsBodyStandIn, serve_in_thread
 from tools.cli import main
 
 
@@ -31,30 +30,12 @@ def test_out_of_range_options_are_one_line_naming_the_flag(tmp_path, capsys, arg
     assert not out.exists()  # nothing created
 
 
-class _Odd(BaseHTTPRequestHandler):
-    body = b"[]"
-
-    def do_GET(self):  # noqa: N802
-        self.send_response(200)
-        self.send_header("content-length", str(len(self.body)))
-        self.end_headers()
-        self.wfile.write(self.body)
-
-    def log_message(self, *a):
-        pass
-
-
 @pytest.mark.parametrize("body", ['[1, 2]', '{"data": {"a": 1}}', '{"data": ["x"]}',
                                   '{"data": [{"id": "m", "max_model_len": 1e999}]}', 'not json'])
 def test_a_server_that_does_not_list_models_is_one_line(tmp_path, capsys, body):
-    handler = type("H", (_Odd,), {"body": body.encode()})
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    try:
-        url = f"http://127.0.0.1:{srv.server_address[1]}"
+    handler = type("H", (ModelsBodyStandIn,), {"body": body.encode()})
+    with serve_in_thread(handler) as url:
         rc = main(["capacity", "--base-url", url, "--out", str(tmp_path / "out"), "--json"])
-    finally:
-        srv.shutdown()
     cap = capsys.readouterr()
     assert rc == 1 and "Traceback" not in cap.err
     err = json.loads(cap.out)

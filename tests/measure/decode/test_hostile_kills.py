@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.fixtures import ROOT, default_signals
-from tests.helpers.kill_matrix import (SIGNALS, DecodeStandIn, assert_ended, assert_swept_by_the_next_write, cli,
-                               serve_in_thread, signal_when)
+from tests.helpers.kill_matrix import SIGNALS, assert_ended, assert_swept_by_the_next_write, cli, signal_when
+from tests.helpers.stand_ins.measure import DecodeStandIn, serve_in_thread
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,8 @@ import psutil
 import pytest
 
 from tests.helpers.fixtures import ROOT
-from tests.helpers.kill_matrix import (SIGNALS, assert_ended, assert_swept_by_the_next_write, cli, serve_in_thread,
-                               signal_when)
+from tests.helpers.kill_matrix import SIGNALS, assert_ended, assert_swept_by_the_next_write, cli, signal_when
+from tests.helpers.stand_ins.measure import serve_in_thread
 
 
 

@@ -23,8 +23,8 @@ import pytest
 
 from tests.helpers.stand_ins import bench as stand_in_bench
 from tests.helpers.fixtures import ROOT
-from tests.helpers.kill_matrix import (SIGNALS, MeasureStandIn, all_gone, assert_ended, assert_swept_by_the_next_write, cli,
-                               serve_in_thread, signal_when)
+from tests.helpers.kill_matrix import SIGNALS, all_gone, assert_ended, assert_swept_by_the_next_write, cli, signal_when
+from tests.helpers.stand_ins.measure import MeasureStandIn, serve_in_thread
 
 PHASES = ["in-first-call", "between-records"]
 SLOW_S = "0.4"  # each benchmark call

@@ -127,7 +127,7 @@ def test_a_server_still_loading_is_waited_for_not_refused():
 
     from http.server import BaseHTTPRequestHandler
 
-    from tests.helpers.kill_matrix import serve_in_thread
+    from tests.helpers.stand_ins.measure import serve_in_thread
 
     class Loading(BaseHTTPRequestHandler):
         def log_message(self, *a):

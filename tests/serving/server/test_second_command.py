@@ -424,7 +424,7 @@ def test_the_measuring_clients_send_the_key(monkeypatch):
     OPENAI_API_KEY (vllm bench serve in the sweep's worker, lm-eval)."""
     from http.server import BaseHTTPRequestHandler
 
-    from tests.helpers.kill_matrix import serve_in_thread
+    from tests.helpers.stand_ins.measure import serve_in_thread
     from tools.core.api_key import with_client_key
     from tools.measure.tokens.compare import generate
     from tools.measure.provenance import server_info
