@@ -1,10 +1,10 @@
 """A test run killed by SIGTERM leaves no server of its own running (tests/helpers/reaper.py), and signals no stranger.
 
-A run of pytest (in a process of its own, with the reaper as its plugin) starts a test that launches a
-stand-in vLLM server the way the product does (a session of its own) and a daemon that left the process tree
-(double fork, reparented to init), then sleeps. The test here sends that pytest SIGTERM, as a CI service or a
-user's `kill` would: no fixture teardown runs. Every process of the run is gone afterwards; a stranger started
-beside it (without the run's environment) still runs."""
+A run of pytest (in a process of its own, with the reaper as its plugin) starts a test that launches a stand-in vLLM
+server and the real vllm-router over it the way the product does (each a session of its own) and a daemon that left
+the process tree (double fork, reparented to init), then sleeps. The test here sends that pytest SIGTERM, as a CI
+service or a user's `kill` would: no fixture teardown runs. Every process of the run is gone afterwards; a stranger
+started beside it (without the run's environment) still runs."""
 
 from __future__ import annotations
 
@@ -31,6 +31,12 @@ def test_leaves_servers_behind(tmp_path):
     stand_in_vllm.build(model)
     server = subprocess.Popen(stand_in_vllm.argv(int(os.environ["PROBE_PORT"]), str(model)),
                               start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # the real vllm-router over it, launched as the front door launches it (a session of its own)
+    router = subprocess.Popen([str(Path(sys.executable).parent / "vllm-router"), "--host", "127.0.0.1",
+                               "--port", os.environ["PROBE_ROUTER_PORT"], "--prometheus-host", "127.0.0.1",
+                               "--prometheus-port", os.environ["PROBE_METRICS_PORT"],
+                               "--worker-urls", "http://127.0.0.1:" + os.environ["PROBE_PORT"]],
+                              start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     # a daemon: fork, new session, fork again; the grandchild writes its pid and sleeps, reparented to init
     daemon = subprocess.run([sys.executable, "-c",
         "import os, time\\nif os.fork() == 0:\\n    os.setsid()\\n    if os.fork() == 0:\\n"
@@ -38,7 +44,8 @@ def test_leaves_servers_behind(tmp_path):
         "    os._exit(0)\\n"])
     while not Path(os.environ["PROBE_DAEMON"]).exists():
         time.sleep(0.05)
-    Path(os.environ["PROBE_PIDS"]).write_text(f"{server.pid} {Path(os.environ['PROBE_DAEMON']).read_text()}")
+    daemon_pid = Path(os.environ["PROBE_DAEMON"]).read_text()
+    Path(os.environ["PROBE_PIDS"]).write_text(f"{server.pid} {router.pid} {daemon_pid}")
     time.sleep(600)
 '''
 
@@ -69,8 +76,8 @@ def test_sigterm_of_a_test_run_leaves_none_of_its_servers_running(tmp_path):
     inner = tmp_path / "test_inner.py"
     inner.write_text(INNER)
     pids_file, daemon_file = tmp_path / "pids", tmp_path / "daemon"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PROBE_PORT=str(free_port()), PROBE_PIDS=str(pids_file),
-               PROBE_DAEMON=str(daemon_file))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PROBE_PORT=str(free_port()), PROBE_ROUTER_PORT=str(free_port()),
+               PROBE_METRICS_PORT=str(free_port()), PROBE_PIDS=str(pids_file), PROBE_DAEMON=str(daemon_file))
     stranger_env = {k: v for k, v in env.items() if k != reaper.RUN_ENV}
     stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], env=stranger_env,
                                 start_new_session=True)
@@ -82,7 +89,7 @@ def test_sigterm_of_a_test_run_leaves_none_of_its_servers_running(tmp_path):
     left: list[int] = []
     try:
         left = [int(p) for p in _wait_for(pids_file, run).split()]
-        assert all(psutil.pid_exists(p) for p in left)
+        assert all(psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in left)  # all three running
         run.send_signal(signal.SIGTERM)
         run.wait(timeout=60)
         still = [p for p in left if not _gone(p)]
