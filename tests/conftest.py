@@ -108,7 +108,7 @@ _USER_CPU_BIND = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
 
 # Tests of a build serving on its own port (the lifecycle, replace, the second command, the walks) read the
 # project's tpu.env with FRONT_DOOR=0; the front door, tpu.env's shipped default, is tested where a test unsets it
-# (tests/serving/test_service.py, the real front-door case in test_frontdoor.py).
+# (tests/serving/frontdoor/test_service.py, the real front-door case in test_frontdoor.py).
 os.environ["FRONT_DOOR"] = "0"
 
 

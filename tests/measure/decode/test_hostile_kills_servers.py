@@ -7,8 +7,8 @@ and the decode benchmark's streamed chat completions (slowly, so that the test c
 Every case: no server left (the stand-in's pid is gone), no state file naming it, the next decode-sweep is not
 refused. SIGINT and SIGTERM exit 130 / 143 with one last line, no traceback, and nothing in --out (no run had
 finished); a SIGKILL leaves the sweep's `.partial` folder, which the next write there sweeps. One real-vLLM case
-is tests/measure/test_decode_vllm.py's drafter table; a SIGKILL of the sweep against a stand-in that ignores
-SIGTERM is tests/measure/test_decode_owned_server.py's."""
+is tests/measure/decode/test_decode_vllm.py's drafter table; a SIGKILL of the sweep against a stand-in that ignores
+SIGTERM is tests/measure/decode/test_decode_owned_server.py's."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Starts: the shared `emb4_server` and `bf16_server` (session fixtures, eager: the CPU default), one lifecycle
 server driven through `./vllm-t4`, compiled (CPU_COMPILE=1: the suite's one compiled start), and one start of a
-folder that is not a model (fails fast). A server killed with SIGKILL is tests/measure/test_sweep_second_build.py's
+folder that is not a model (fails fast). A server killed with SIGKILL is tests/measure/sweep/test_sweep_second_build.py's
 (its server dies mid-sweep).
 """
 
