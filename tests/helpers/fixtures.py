@@ -81,7 +81,8 @@ def stand_in_t4_hardware():
     return FakeT4
 
 
-def stand_in_eval_run(folder: Path, label: str, per_doc: dict[int, float], *, hashes: dict[int, str] | None = None) -> Path:
+def stand_in_eval_run(folder: Path, label: str, per_doc: dict[int, float], *,
+                      hashes: dict[int, str] | None = None) -> Path:
     """A run folder as run_eval writes it, with one task and per-document acc values."""
     import json
     import math

@@ -35,7 +35,8 @@ def start(config) -> None:
     me = os.getpid()
     env = {k: v for k, v in os.environ.items() if k != RUN_ENV}  # the watcher is not a process of the run
     env["PYTHONPATH"] = str(_ROOT)
-    subprocess.Popen([sys.executable, "-m", "tests.helpers.reaper", run, str(me), repr(psutil.Process(me).create_time())],
+    subprocess.Popen([sys.executable, "-m", "tests.helpers.reaper", run, str(me),
+                      repr(psutil.Process(me).create_time())],
                      cwd=str(_ROOT), env=env, start_new_session=True, stdin=subprocess.DEVNULL,
                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 

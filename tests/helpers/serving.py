@@ -72,7 +72,8 @@ class Clients:
 
 class Bench:
     """Stand-in builds, one port and state dir, and `./vllm-t4` commands run against them. Each build's behaviour
-    is tests/helpers/stand_ins/vllm_server.py's (a build given `until` loads until that file exists); its answers are "ok"."""
+    is tests/helpers/stand_ins/vllm_server.py's (a build given `until` loads until that file exists); its answers
+    are "ok"."""
 
     def __init__(self, tmp_path: Path) -> None:
         self.tmp = tmp_path

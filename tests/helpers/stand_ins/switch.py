@@ -4,7 +4,8 @@ that run them as processes of their own:
     python -m tests.helpers.stand_ins.switch cli ARGS...      ./vllm-t4 ARGS, whose switch process is this module's
     python -m tests.helpers.stand_ins.switch switch REQUEST   the switch process
 
-In both, vLLM is tests/helpers/stand_ins/vllm_server.py, the machine a CPU of two cores (as tests.helpers.serving.TwoCores), and each
+In both, vLLM is tests/helpers/stand_ins/vllm_server.py, the machine a CPU of two cores (as
+tests.helpers.serving.TwoCores), and each
 phase of the switch (frontdoor._step) that is reached leaves a file of its name in $STAND_IN_PHASES (when set);
 at $STAND_IN_PAUSE_AT the switch waits $STAND_IN_PAUSE_S seconds, long enough for a test to signal it there, or
 until the file $STAND_IN_GO exists."""

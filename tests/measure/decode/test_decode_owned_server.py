@@ -1,7 +1,8 @@
 """decode-sweep's server is the sweep's own: a SIGKILL of the sweep while that server starts ends it (a stand-in
 that binds the port, answers /health, never becomes ready and ignores SIGTERM, instead of vLLM), removes its state
 file, and the next sweep is not refused; its leftover .partial folder is removed by that next sweep. The stand-in is
-tests/helpers/stand_ins/vllm_server.py (mode "loading", SIGTERM ignored), the sweep `./vllm-t4 decode-sweep` through its driver."""
+tests/helpers/stand_ins/vllm_server.py (mode "loading", SIGTERM ignored), the sweep `./vllm-t4 decode-sweep` through its
+driver."""
 
 from __future__ import annotations
 
