@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tests import reaper
-from tests.fixtures import ROOT, SERVE_MAX_MODEL_LEN, free_port, in_process_engine, require_plugin
+from tests.helpers import reaper
+from tests.helpers.fixtures import ROOT, SERVE_MAX_MODEL_LEN, free_port, in_process_engine, require_plugin
 
 
 @pytest.hookimpl(trylast=True)  # after pytest's own configure: the temporary-folder factory is needed
@@ -18,7 +18,7 @@ def pytest_configure(config):
     wait for it before their first test (pytest_runtestloop): after an edit of the kernel, two workers would
     otherwise both compile it at once (minutes of CPU each), and a test's job would time out. In a thread, not
     before the workers start: loading a current cache held back every worker's start by a second.
-    First, the run's reaper (tests/reaper.py): whatever ends this run, no server a test started outlives it."""
+    First, the run's reaper (tests/helpers/reaper.py): whatever ends this run, no server a test started outlives it."""
     reaper.start(config)
     if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
         import fcntl
@@ -108,7 +108,7 @@ _USER_CPU_BIND = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
 
 # Tests of a build serving on its own port (the lifecycle, replace, the second command, the walks) read the
 # project's tpu.env with FRONT_DOOR=0; the front door, tpu.env's shipped default, is tested where a test unsets it
-# (tests/serving/test_service.py, the real front-door case in test_frontdoor.py).
+# (tests/serving/frontdoor/test_service.py, the real front-door case in test_frontdoor.py).
 os.environ["FRONT_DOOR"] = "0"
 
 
@@ -271,7 +271,7 @@ def perturbed_server(emb4_build, emb4_server, serve_config_factory, tmp_path_fac
 
 
 # --------------------------------------------------------------------------------------------------------------
-# GEMMA4_T4_START_LOG=<file>: one JSON line per vLLM server start (tests/start_log.py), to see where time goes.
+# GEMMA4_T4_START_LOG=<file>: one JSON line per vLLM server start (tests/helpers/start_log.py), to see where time goes.
 
 _start_log = None
 
@@ -282,7 +282,7 @@ def pytest_sessionstart(session):
     # Not in xdist's controller: its temporary folder holds the workers', and it does not run their tests.
     controller = getattr(session.config.option, "numprocesses", None) and not hasattr(session.config, "workerinput")
     if out and not controller:
-        from tests.start_log import StartLog
+        from tests.helpers.start_log import StartLog
 
         basetemp = session.config._tmp_path_factory.getbasetemp()
         _start_log = StartLog(Path(out).resolve(), str(basetemp))

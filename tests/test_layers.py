@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.fixtures import ROOT
+from tests.helpers.fixtures import ROOT
 
 PACKAGES = ("tools", "repack", "gemma4_t4_vllm")
 TOP_MODULES = ("server.py", "patch_triton_turing.py")

@@ -1,10 +1,10 @@
-"""A test run killed by SIGTERM leaves no server of its own running (tests/reaper.py), and signals no stranger.
+"""A test run killed by SIGTERM leaves no server of its own running (tests/helpers/reaper.py), and signals no stranger.
 
-A run of pytest (in a process of its own, with the reaper as its plugin) starts a test that launches a
-stand-in vLLM server the way the product does (a session of its own) and a daemon that left the process tree
-(double fork, reparented to init), then sleeps. The test here sends that pytest SIGTERM, as a CI service or a
-user's `kill` would: no fixture teardown runs. Every process of the run is gone afterwards; a stranger started
-beside it (without the run's environment) still runs."""
+A run of pytest (in a process of its own, with the reaper as its plugin) starts a test that launches a stand-in vLLM
+server and the real vllm-router over it the way the product does (each a session of its own) and a daemon that left
+the process tree (double fork, reparented to init), then sleeps. The test here sends that pytest SIGTERM, as a CI
+service or a user's `kill` would: no fixture teardown runs. Every process of the run is gone afterwards; a stranger
+started beside it (without the run's environment) still runs."""
 
 from __future__ import annotations
 
@@ -17,19 +17,25 @@ from pathlib import Path
 
 import psutil
 
-from tests import reaper
-from tests.fixtures import ROOT, default_signals, free_port
+from tests.helpers import reaper
+from tests.helpers.fixtures import ROOT, default_signals, free_port
 
 INNER = '''
 import os, subprocess, sys, time
 from pathlib import Path
-from tests import stand_in_vllm
+from tests.helpers.stand_ins import vllm_server as stand_in_vllm
 
 def test_leaves_servers_behind(tmp_path):
     model = tmp_path / "build"
     model.mkdir()
     stand_in_vllm.build(model)
     server = subprocess.Popen(stand_in_vllm.argv(int(os.environ["PROBE_PORT"]), str(model)),
+                              start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # the real vllm-router over it, launched as the front door launches it (a session of its own)
+    router = subprocess.Popen([str(Path(sys.executable).parent / "vllm-router"), "--host", "127.0.0.1",
+                               "--port", os.environ["PROBE_ROUTER_PORT"], "--prometheus-host", "127.0.0.1",
+                               "--prometheus-port", os.environ["PROBE_METRICS_PORT"],
+                               "--worker-urls", "http://127.0.0.1:" + os.environ["PROBE_PORT"]],
                               start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     # a daemon: fork, new session, fork again; the grandchild writes its pid and sleeps, reparented to init
     daemon = subprocess.run([sys.executable, "-c",
@@ -38,7 +44,8 @@ def test_leaves_servers_behind(tmp_path):
         "    os._exit(0)\\n"])
     while not Path(os.environ["PROBE_DAEMON"]).exists():
         time.sleep(0.05)
-    Path(os.environ["PROBE_PIDS"]).write_text(f"{server.pid} {Path(os.environ['PROBE_DAEMON']).read_text()}")
+    daemon_pid = Path(os.environ["PROBE_DAEMON"]).read_text()
+    Path(os.environ["PROBE_PIDS"]).write_text(f"{server.pid} {router.pid} {daemon_pid}")
     time.sleep(600)
 '''
 
@@ -69,20 +76,20 @@ def test_sigterm_of_a_test_run_leaves_none_of_its_servers_running(tmp_path):
     inner = tmp_path / "test_inner.py"
     inner.write_text(INNER)
     pids_file, daemon_file = tmp_path / "pids", tmp_path / "daemon"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PROBE_PORT=str(free_port()), PROBE_PIDS=str(pids_file),
-               PROBE_DAEMON=str(daemon_file))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PROBE_PORT=str(free_port()), PROBE_ROUTER_PORT=str(free_port()),
+               PROBE_METRICS_PORT=str(free_port()), PROBE_PIDS=str(pids_file), PROBE_DAEMON=str(daemon_file))
     stranger_env = {k: v for k, v in env.items() if k != reaper.RUN_ENV}
     stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], env=stranger_env,
                                 start_new_session=True)
     run = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-                            "-p", "tests.reaper", "-c", os.devnull, "--rootdir", str(tmp_path),
+                            "-p", "tests.helpers.reaper", "-c", os.devnull, "--rootdir", str(tmp_path),
                             "--basetemp", str(tmp_path / "inner-tmp"), str(inner)],
                            cwd=str(ROOT), env=env, preexec_fn=default_signals, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True)
     left: list[int] = []
     try:
         left = [int(p) for p in _wait_for(pids_file, run).split()]
-        assert all(psutil.pid_exists(p) for p in left)
+        assert all(psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in left)  # all three running
         run.send_signal(signal.SIGTERM)
         run.wait(timeout=60)
         still = [p for p in left if not _gone(p)]

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures import ROOT
-from tests.mounts import MOUNT, fill, inject_write_error, listing
+from tests.helpers.fixtures import ROOT
+from tests.helpers.mounts import MOUNT, fill, inject_write_error, listing
 from tools.core import atomic_files
 from tools.core.errors import ToolFailure
 from tools.measure import evidence

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.vllm
 @pytest.mark.vllm_lane(1)  # evens out the lanes: lane 0 holds the tests on the shared servers and the router
 def test_demo_runs_the_whole_pipeline_on_cpu(tmp_path, monkeypatch):
-    from tests.fixtures import in_process_engine
+    from tests.helpers.fixtures import in_process_engine
 
     in_process_engine(monkeypatch)  # two starts; the demo's own process handling is tested without vLLM
     lines: list[str] = []

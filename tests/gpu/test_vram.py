@@ -11,12 +11,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.fake_nvml import T4_TOTAL, FakeNvml, FakeNvmlError
+from tests.helpers.stand_ins.nvml import T4_TOTAL, StandInNvml, StandInNvmlError
 from tools.gpu.vram import MIB, server_process_pids, vram_status
 
 
 def test_no_driver_is_a_result_not_an_exception():
-    fake = FakeNvml([], init_error=FakeNvmlError("NVML Shared Library Not Found"))
+    fake = StandInNvml([], init_error=StandInNvmlError("NVML Shared Library Not Found"))
     status = vram_status(nvml=fake)
     assert status.available is False
     assert "NVML Shared Library Not Found" in status.reason
@@ -46,7 +46,7 @@ def test_t4_with_server_processes_marked_and_unreported_memory():
         assert server.pid in tree and len(tree) >= 2, tree
         engine_pid = max(tree - {server.pid})
         other_pid = os.getpid()
-        fake = FakeNvml([{
+        fake = StandInNvml([{
             "name": b"Tesla T4", "total": T4_TOTAL, "used": 13581 * MIB, "util": 37,
             # the engine holds the memory; the API server shows up without a figure (None), plus another user
             "compute": [(engine_pid, 13300 * MIB), (server.pid, None), (other_pid, 200 * MIB)],
@@ -72,7 +72,7 @@ def test_t4_with_server_processes_marked_and_unreported_memory():
 
 
 def test_two_gpus_no_util_support_and_no_server():
-    fake = FakeNvml([
+    fake = StandInNvml([
         {"name": "Tesla T4", "total": T4_TOTAL, "used": 0, "util": None},
         {"name": "NVIDIA L4", "total": 23034 * MIB, "used": 500 * MIB, "util": 5, "compute": [(999999, None)]},
     ])
@@ -84,9 +84,9 @@ def test_two_gpus_no_util_support_and_no_server():
 
 
 def test_nvml_failing_mid_read_is_reported():
-    class Broken(FakeNvml):
+    class Broken(StandInNvml):
         def nvmlDeviceGetMemoryInfo(self, h):
-            raise FakeNvmlError("GPU is lost")
+            raise StandInNvmlError("GPU is lost")
 
     fake = Broken([{"name": "Tesla T4", "total": T4_TOTAL, "used": 0}])
     status = vram_status(nvml=fake)
@@ -104,7 +104,7 @@ def test_serving_hardware_reads_every_gpu_through_the_one_nvml_reader(monkeypatc
     from tools.gpu import vram as vram_mod
     from tools.serving.preflight.hardware import Hardware
 
-    fake = FakeNvml([
+    fake = StandInNvml([
         {"name": "A100", "total": 40960 * MIB, "used": 1000 * MIB, "util": 5, "cc": (8, 0)},
         {"name": "Tesla T4", "total": T4_TOTAL, "used": 9000 * MIB, "util": 90, "cc": (7, 5),
          "compute": [(4242, 8000 * MIB)]},
@@ -164,7 +164,7 @@ def test_host_memory_sums_rss_and_readable_pss_over_the_servers_processes(tmp_pa
 def test_host_memory_reaches_the_summary_without_a_gpu():
     from tools.gpu.vram import HostMemory
 
-    st = vram_status(nvml=FakeNvml([], init_error=FakeNvmlError("NVML Shared Library Not Found")))
+    st = vram_status(nvml=StandInNvml([], init_error=StandInNvmlError("NVML Shared Library Not Found")))
     st.host = [HostMemory(instance="default", pids=[1, 2], rss_mib=812.4, pss_mib=640.2, pss_pids=2,
                           weights_mib=12.5, method="m")]
     assert st.summary_line() == ("No NVIDIA GPU: NVML unavailable: NVML Shared Library Not Found; default: RSS 812 "

@@ -14,8 +14,8 @@ from contextlib import contextmanager
 
 import psutil
 
-from tests import stand_in_vllm
-from tests.fixtures import ROOT, free_port
+from tests.helpers.stand_ins import vllm_server as stand_in_vllm
+from tests.helpers.fixtures import ROOT, free_port
 
 
 def _message(obj: dict) -> bytes:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 
-from tests.fixtures import fake_sweep_run
+from tests.helpers.fixtures import stand_in_sweep_run
 
 CPU = {"gpu_count": 0, "cpu_model": "Intel Xeon (test)", "vllm_version_server": "0.32.0",
        "server": {"model_root": "/m/tiny-e2b-emb4"}}
@@ -18,7 +18,7 @@ def test_run_sweep_gives_each_figure_in_the_statistic_its_table_gives(tmp_path):
     from tools.mcp.measure_tools import sweep_reply
 
     # repeats whose median (50) is not their geometric mean (about 42.7)
-    res = fake_sweep_run(tmp_path / "run", "a", {(512, 1): [12.0, 12.5, 11.5], (512, 4): [50.0, 30.0, 52.0]},
+    res = stand_in_sweep_run(tmp_path / "run", "a", {(512, 1): [12.0, 12.5, 11.5], (512, 4): [50.0, 30.0, 52.0]},
                          provenance=CPU)
     reply = sweep_reply(res)
     cell = res.cell(512, 4)
@@ -61,10 +61,10 @@ def test_compare_sweeps_says_when_runs_differ_in_model_platform_or_vllm(tmp_path
 
     ev = roots.evidence[0]
     e4b = _stand_in_build(roots.models[0] / "tiny-e4b-int4-emb", "e4b")
-    fake_sweep_run(ev / "emb4", "emb4", {(512, 1): [12.5], (512, 4): [50.3]}, provenance=T4,
+    stand_in_sweep_run(ev / "emb4", "emb4", {(512, 1): [12.5], (512, 4): [50.3]}, provenance=T4,
                    model="xbill9/gemma-4-E2B-it-qat-q4_0-w4a16-ct-text-emb4")
-    fake_sweep_run(ev / "bf16", "tiny-e4b-bf16-emb", {(512, 1): [1.6, 1.7], (512, 4): [6.0, 6.2]}, provenance=e4b)
-    fake_sweep_run(ev / "int4", "tiny-e4b-int4-emb", {(512, 1): [1.7, 1.8], (512, 4): [7.0, 7.1]}, provenance=e4b)
+    stand_in_sweep_run(ev / "bf16", "tiny-e4b-bf16-emb", {(512, 1): [1.6, 1.7], (512, 4): [6.0, 6.2]}, provenance=e4b)
+    stand_in_sweep_run(ev / "int4", "tiny-e4b-int4-emb", {(512, 1): [1.7, 1.8], (512, 4): [7.0, 7.1]}, provenance=e4b)
 
     async def go(dirs):
         async with Client(create_server(Settings(roots=roots))) as c:
@@ -104,14 +104,14 @@ def test_served_figures_name_the_cpu_or_the_gpu(roots, tmp_path, monkeypatch):
     build's figures name the CPU stand-in and its CPU, or the GPU by name; a server recorded without a platform is
     placed on this machine (the servers this project starts run here)."""
     import tools.gpu.vram as vram
-    from tests.fake_nvml import FakeNvml
+    from tests.helpers.stand_ins.nvml import StandInNvml
     from tools.mcp.app import App, Settings
     from tools.measure.provenance import cpu_model
 
     app = App(Settings(roots=roots, config_overrides={"state_dir": str(tmp_path / "run")}))
     app._platform = "cpu"  # no server recorded: this machine's platform
     assert app.served_on() == f"on the CPU stand-in (vLLM CPU backend, {cpu_model()})"
-    monkeypatch.setattr(vram, "_load_nvml", lambda: FakeNvml([{"name": b"Tesla T4", "total": 15 << 30,
+    monkeypatch.setattr(vram, "_load_nvml", lambda: StandInNvml([{"name": b"Tesla T4", "total": 15 << 30,
                                                                "used": 1 << 30, "util": 0, "compute": [],
                                                                "graphics": []}]))
     app._platform = "cuda"

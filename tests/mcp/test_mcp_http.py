@@ -18,7 +18,7 @@ from fastmcp.exceptions import ToolError
 
 from tools.core.paths import PathNotAllowed, Roots
 
-from tests.fixtures import free_port
+from tests.helpers.fixtures import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 # The tests of the module's one HTTP server run on one xdist worker: one server start per run, not one per worker.

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from fastmcp import Client
 
-from tests.kill_matrix import serve_in_thread
+from tests.helpers.stand_ins.measure import serve_in_thread
 from tools.mcp.app import Settings, create_server
 from tools.mcp.bounded import RESULT_BUDGET, fit, size
 

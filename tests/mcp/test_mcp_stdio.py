@@ -21,7 +21,7 @@ import pytest
 from fastmcp import Client
 from fastmcp.client.transports import StdioTransport
 
-from tests.fixtures import in_process_engine, free_port
+from tests.helpers.fixtures import in_process_engine, free_port
 from tools.mcp.bounded import RESULT_BUDGET
 from tools.mcp.resources import PROMPTS, SCHEME, Ref
 from tools.measure.sweep.report import load_run
@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # What the tiny CPU run changes in the documented calls: a short sweep grid with two repeats a cell (so that each
 # ratio has an interval and a verdict) and short token records (the check reads its prompts from the record).
 # The grid's two loads, 1 and the engine's cap of 8 users, give the capacity search its SLO: a TTFT limit between
-# the two (as tests/measure/test_capacity_vllm.py sets it), which the search must find below the cap. The token
+# the two (as tests/measure/capacity/test_capacity_vllm.py sets it), which the search must find below the cap. The token
 # record adds the long-context prompts that fit MAX_MODEL_LEN (the ~2k-token one). The stand-in is E4B-shaped: its
 # two builds' token identity through MCP is this walk's to prove.
 TINY_SWEEP = {"input_lens": [512], "output_len": 8, "concurrencies": [1, 8], "repeats": 2, "warmup": False,

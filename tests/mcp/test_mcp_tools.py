@@ -693,7 +693,7 @@ def test_compare_logprobs_confines_its_paths_and_refuses_an_existing_record(mcp,
 
 
 def test_run_eval_confines_its_paths_and_refuses_without_a_server(mcp, roots, tmp_path):
-    from tests.fixtures import free_port
+    from tests.helpers.fixtures import free_port
 
     url = f"http://127.0.0.1:{free_port()}"
     (tmp_path / "tasks").mkdir()
@@ -711,12 +711,12 @@ def test_run_eval_confines_its_paths_and_refuses_without_a_server(mcp, roots, tm
 
 
 def test_compare_evals_reads_runs_under_the_evidence_roots_only(mcp, roots, tmp_path):
-    from tests.fixtures import fake_eval_run
+    from tests.helpers.fixtures import stand_in_eval_run
 
     ev = roots.evidence[0]
-    a = fake_eval_run(ev / "a", "ref", {i: float(i % 2) for i in range(20)})
-    fake_eval_run(ev / "b", "cand", {i: 1.0 for i in range(20)})
-    outside = fake_eval_run(tmp_path / "outside", "x", {i: 1.0 for i in range(20)})
+    a = stand_in_eval_run(ev / "a", "ref", {i: float(i % 2) for i in range(20)})
+    stand_in_eval_run(ev / "b", "cand", {i: 1.0 for i in range(20)})
+    outside = stand_in_eval_run(tmp_path / "outside", "x", {i: 1.0 for i in range(20)})
 
     async def go():
         async with Client(mcp) as c:
@@ -734,21 +734,21 @@ def test_compare_evals_reads_runs_under_the_evidence_roots_only(mcp, roots, tmp_
 def test_compare_evals_refuses_run_files_linked_out_of_the_roots(mcp, roots, tmp_path):
     import json
 
-    from tests.fixtures import fake_eval_run
+    from tests.helpers.fixtures import stand_in_eval_run
 
     ev = roots.evidence[0]
-    fake_eval_run(ev / "a", "ref", {i: float(i % 2) for i in range(20)})
-    outside = fake_eval_run(tmp_path / "outside", "secret-label", {i: 1.0 for i in range(20)})
+    stand_in_eval_run(ev / "a", "ref", {i: float(i % 2) for i in range(20)})
+    outside = stand_in_eval_run(tmp_path / "outside", "secret-label", {i: 1.0 for i in range(20)})
     (ev / "linked").mkdir()  # a real folder inside the root whose files link to a run outside
     for f in outside.iterdir():
         (ev / "linked" / f.name).symlink_to(f)
     # summary.json itself inside, its samples entry a link (in a subfolder) out of the roots
-    inner = fake_eval_run(ev / "inner", "inner", {i: 1.0 for i in range(20)})
+    inner = stand_in_eval_run(ev / "inner", "inner", {i: 1.0 for i in range(20)})
     samples = next((inner / "lm_eval" / "m").iterdir())
     samples.unlink()
     samples.symlink_to(next((outside / "lm_eval" / "m").iterdir()))
     # an entry naming a file outside the run folder
-    dotdot = fake_eval_run(ev / "dotdot", "dotdot", {i: 1.0 for i in range(20)})
+    dotdot = stand_in_eval_run(ev / "dotdot", "dotdot", {i: 1.0 for i in range(20)})
     s = json.loads((dotdot / "summary.json").read_text())
     s["files"]["samples:t"] = str(dotdot) + "/../../outside/lm_eval/m/" + samples.name
     (dotdot / "summary.json").write_text(json.dumps(s))
@@ -798,7 +798,7 @@ def test_preflight_start_checks_the_model_about_to_start(mcp, tmp_path):
 
 
 def test_fetch_checkpoint_publishes_under_the_models_root(mcp, roots, tmp_path, monkeypatch):
-    from tests.stand_in_hub import COMMIT, REPO, StandInHub
+    from tests.helpers.stand_ins.hub import COMMIT, REPO, StandInHub
 
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))

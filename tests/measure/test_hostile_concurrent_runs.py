@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from tests import fake_bench
-from tests.fixtures import ROOT
-from tests.kill_matrix import DecodeStandIn, MeasureStandIn, WriterStandIn, serve_in_thread
+from tests.helpers.stand_ins import bench as stand_in_bench
+from tests.helpers.fixtures import ROOT
+from tests.helpers.stand_ins.measure import DecodeStandIn, MeasureStandIn, WriterStandIn, serve_in_thread
 from tools.core.atomic_files import HeldFolder, TempFolder, names_held, reserve_name
 from tools.core.errors import ToolFailure
 
@@ -79,9 +79,9 @@ def bench_server():
 
 @pytest.fixture
 def bench_env(tmp_path):
-    root, pids, log = fake_bench.install(tmp_path)
-    return dict(os.environ, PYTHONPATH=f"{root}{os.pathsep}{ROOT}", FAKE_BENCH_PIDS=str(pids),
-                FAKE_BENCH_LOG=str(log), FAKE_BENCH_SLEEP_S="0.2")
+    root, pids, log = stand_in_bench.install(tmp_path)
+    return dict(os.environ, PYTHONPATH=f"{root}{os.pathsep}{ROOT}", STAND_IN_BENCH_PIDS=str(pids),
+                STAND_IN_BENCH_LOG=str(log), STAND_IN_BENCH_SLEEP_S="0.2")
 
 
 def test_two_sweeps_at_once_write_two_whole_runs(bench_server, bench_env, tmp_path):

@@ -6,13 +6,11 @@ input is checked first (the request timeout against a small stand-in server)."""
 from __future__ import annotations
 
 import json
-import threading
-import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
+from tests.helpers.stand_ins.measure import SlowChatStandIn, serve_in_thread
 from tools.cli import main
 
 
@@ -69,35 +67,10 @@ def test_decode_refuses_a_request_timeout_that_is_not_positive(value, tmp_path, 
     one_line(err, "decode", "--request-timeout-s")
 
 
-class _SlowServer(BaseHTTPRequestHandler):
-    """Lists a model, answers every GET, and answers a chat request only after a second."""
-
-    def do_GET(self):  # noqa: N802
-        body = json.dumps({"data": [{"id": "m", "root": "/nowhere", "max_model_len": 64}]}).encode() \
-            if self.path == "/v1/models" else b""
-        self.send_response(200 if self.path in ("/v1/models", "/metrics") else 404)
-        self.send_header("content-length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def do_POST(self):  # noqa: N802
-        time.sleep(1.0)
-        self.send_response(200)
-        self.end_headers()
-
-    def log_message(self, *a):
-        pass
-
-
 @pytest.fixture
 def slow_server():
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), _SlowServer)
-    srv.daemon_threads = True
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
-    yield f"http://127.0.0.1:{srv.server_address[1]}"
-    srv.shutdown()
-    srv.server_close()
+    with serve_in_thread(SlowChatStandIn) as url:
+        yield url
 
 
 def test_a_request_that_times_out_is_one_line_naming_the_timeout(slow_server, tmp_path, capsys):
@@ -249,14 +222,14 @@ def test_an_intact_reference_reads_whole(tmp_path):
 
 @pytest.mark.parametrize("case", ["garbage", "no-doc_id", "doc_id-a-string"])
 def test_eval_compare_names_the_samples_file_the_line_and_the_field(case, tmp_path, capsys):
-    from tests.fixtures import fake_eval_run
+    from tests.helpers.fixtures import stand_in_eval_run
 
     from tools.mcp.errors import to_tool_error
     from tools.measure.evals.compare import compare_evals
     from tools.measure.evals.results import EvalCompareParams
 
-    a = fake_eval_run(tmp_path / "a", "a", {0: 1.0, 1: 0.0, 2: 1.0})
-    b = fake_eval_run(tmp_path / "b", "b", {0: 1.0, 1: 1.0, 2: 1.0})
+    a = stand_in_eval_run(tmp_path / "a", "a", {0: 1.0, 1: 0.0, 2: 1.0})
+    b = stand_in_eval_run(tmp_path / "b", "b", {0: 1.0, 1: 1.0, 2: 1.0})
     samples = next((b / "lm_eval").rglob("samples_*.jsonl"))
     lines = samples.read_text().splitlines()
     lines[1] = {"garbage": "\x00 not json", "no-doc_id": json.dumps({"acc": 1.0, "filter": "none"}),
@@ -272,9 +245,9 @@ def test_eval_compare_names_the_samples_file_the_line_and_the_field(case, tmp_pa
 
 
 def test_eval_compare_refuses_a_single_run(tmp_path, capsys):
-    from tests.fixtures import fake_eval_run
+    from tests.helpers.fixtures import stand_in_eval_run
 
-    a = fake_eval_run(tmp_path / "a", "a", {0: 1.0, 1: 0.0})
+    a = stand_in_eval_run(tmp_path / "a", "a", {0: 1.0, 1: 0.0})
     rc, err = _run(capsys, ["eval-compare", a])
     assert rc == 2, err
     one_line(err, "eval-compare", "runs")
@@ -313,7 +286,7 @@ def test_a_closed_stdout_ends_the_command_quietly_with_the_sigpipe_status(tmp_pa
     import subprocess
     import sys
 
-    from tests.fixtures import ROOT
+    from tests.helpers.fixtures import ROOT
     from tools.cli import BROKEN_PIPE_STATUS
 
     r, w = os.pipe()

@@ -22,8 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures import ROOT
-from tests.kill_matrix import SIGNALS, WriterStandIn, assert_ended, cli, serve_in_thread, signal_when
+from tests.helpers.fixtures import ROOT
+from tests.helpers.kill_matrix import SIGNALS, assert_ended, cli, signal_when
+from tests.helpers.stand_ins.measure import WriterStandIn, serve_in_thread
 
 PHASES = ["before-first-record", "between-records"]
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.measure.capacity_fixtures import capacity_run
+from tests.helpers.capacity import capacity_run
 from tools.core.errors import ToolFailure
 from tools.measure.pareto import pareto, write_pareto
 

@@ -20,7 +20,7 @@ from tools.measure.roofline import (Bandwidth, StepBytes, copy_buffer_bytes, cpu
 GIB = 2**30
 
 
-class FakeNvml:
+class StandInNvml:
     """pynvml's calls for one Tesla T4."""
 
     NVML_CLOCK_MEM = 2
@@ -53,13 +53,13 @@ class FakeNvml:
 
 
 def test_nvml_bandwidth_of_a_t4_is_bus_width_times_clock_times_two():
-    bw = memory_bandwidth(0, nvml=FakeNvml())
+    bw = memory_bandwidth(0, nvml=StandInNvml())
     assert bw is not None and bw.name == "Tesla T4"
     assert bw.bytes_per_s == 256 * 5001e6 * 2 / 8 == pytest.approx(320.064e9)
     assert "256-bit bus x 5001 MHz" in bw.method
-    assert memory_bandwidth(0, nvml=FakeNvml(gpus=0)) is None
-    assert memory_bandwidth(1, nvml=FakeNvml()) is None
-    assert device_bandwidth(nvml=FakeNvml()).device == "Tesla T4"
+    assert memory_bandwidth(0, nvml=StandInNvml(gpus=0)) is None
+    assert memory_bandwidth(1, nvml=StandInNvml()) is None
+    assert device_bandwidth(nvml=StandInNvml()).device == "Tesla T4"
 
 
 def _article_step(*, linears_and_norms_gib: float, output_gib: float, tied: bool) -> StepBytes:
@@ -77,7 +77,7 @@ def test_the_articles_decode_is_44_percent_of_the_t4_roofline():
     """The article's sizes: the all-4-bit checkpoint is 2.64 GiB, of which PLE 1.230, embed_tokens 0.211 and
     lm_head 0.211 GiB; the bf16-embedding one 6.11 GiB with PLE 4.375 and the tied embed_tokens 0.750 GiB.
     A step reads everything but the two tables, whose token rows it gathers, plus the output layer."""
-    t4 = device_bandwidth(nvml=FakeNvml())
+    t4 = device_bandwidth(nvml=StandInNvml())
     emb4 = _article_step(linears_and_norms_gib=2.64 - 1.230 - 0.211 - 0.211, output_gib=0.211, tied=False)
     bf16 = _article_step(linears_and_norms_gib=6.11 - 4.375 - 0.750, output_gib=0.750, tied=True)
     r4, r16 = roofline(109.7, emb4, t4), roofline(81.6, bf16, t4)
@@ -203,7 +203,7 @@ def test_cpu_copy_bandwidth_is_measured_and_says_how(monkeypatch):
     import tools.measure.roofline as rl
 
     monkeypatch.setattr(rl, "_CPU_BANDWIDTH", bw)  # cached per process: no second measurement
-    assert device_bandwidth(nvml=FakeNvml(gpus=0)) is bw
+    assert device_bandwidth(nvml=StandInNvml(gpus=0)) is bw
 
 
 def test_the_copy_buffer_is_well_above_the_cache_but_bounded():

@@ -17,7 +17,7 @@ from repack.checkpoint import open_checkpoint
 from repack.probe import probe_checkpoint
 from repack.synthetic import grid_words, random_words, write_safetensors
 
-from tests.fixtures import IN_PROCESS_TORCH, one_line_error, repack_cli
+from tests.helpers.fixtures import IN_PROCESS_TORCH, one_line_error, repack_cli
 
 LINEARS = {
     "pre_projection.weight": (64, 256), "post_projection.weight": (128, 64),

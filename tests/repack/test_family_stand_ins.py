@@ -11,7 +11,7 @@ import pytest
 
 from repack.tiny_model import cached_tiny_qat_checkpoint
 from repack.tiny_shapes import SHAPES
-from tests.fixtures import repack_cli
+from tests.helpers.fixtures import repack_cli
 
 
 @pytest.fixture(scope="module")

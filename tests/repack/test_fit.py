@@ -10,7 +10,7 @@ import pytest
 from repack.fit import ARTICLE_E2B, KV_ERROR, LOAD_ERROR_GIB, PlanParams, kv_layout, plan_fit, plan_member
 from repack.members import MEMBERS
 from repack.synthetic import write_small_checkpoint
-from tests.fixtures import one_line_error, repack_cli
+from tests.helpers.fixtures import one_line_error, repack_cli
 
 
 @pytest.mark.parametrize("build", list(ARTICLE_E2B))

@@ -14,7 +14,7 @@ from repack.errors import RepackError
 from repack.members import GIB, MEMBERS, by_name, identify, text_tables
 from repack.probe import probe_checkpoint
 from repack.synthetic import grid_words, write_safetensors, write_small_checkpoint
-from tests.fixtures import IN_PROCESS_TORCH, one_line_error, repack_cli
+from tests.helpers.fixtures import IN_PROCESS_TORCH, one_line_error, repack_cli
 
 
 def test_every_member_is_registered_once_with_its_source():

@@ -20,7 +20,7 @@ from tools.cli import repack_cli as cli
 from repack.build import BuildOptions, build_checkpoint
 from repack.synthetic import grid_words, write_small_checkpoint
 
-from tests.fixtures import default_signals, one_line_error, reaped, repack_cli
+from tests.helpers.fixtures import default_signals, one_line_error, reaped, repack_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 FULL = ["--text-only", "--embed-int4", "--embed-tokens"]

@@ -17,7 +17,7 @@ from repack import choices, grid
 from repack.build import BuildOptions, build_checkpoint
 from repack.checkpoint import open_checkpoint
 
-from tests.fixtures import IN_PROCESS_TORCH
+from tests.helpers.fixtures import IN_PROCESS_TORCH
 
 pytestmark = IN_PROCESS_TORCH  # the module's builds fixture, and vLLM's, compressed-tensors' and transformers' oracles
 ROOT = Path(__file__).resolve().parents[2]

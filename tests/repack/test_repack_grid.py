@@ -8,7 +8,7 @@ import pytest
 from repack import grid
 from repack.synthetic import grid_words
 
-from tests.fixtures import IN_PROCESS_TORCH
+from tests.helpers.fixtures import IN_PROCESS_TORCH
 
 
 def _values(words: np.ndarray) -> np.ndarray:

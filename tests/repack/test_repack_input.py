@@ -23,7 +23,7 @@ from repack.probe import probe_checkpoint
 from repack.safetensors_io import DTYPES, MappedFile
 from repack.synthetic import grid_words, write_small_checkpoint
 
-from tests.fixtures import one_line_error, repack_cli
+from tests.helpers.fixtures import one_line_error, repack_cli
 
 FULL = ["--text-only", "--embed-int4", "--embed-tokens"]
 UP0 = "model.language_model.layers.0.mlp.up_proj.weight"

@@ -13,7 +13,7 @@ import pytest
 from tools.cli import repack_cli as cli
 from repack.synthetic import write_small_checkpoint
 
-from tests.fixtures import one_line_error, repack_cli
+from tests.helpers.fixtures import one_line_error, repack_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -24,7 +24,7 @@ from repack.checkpoint import open_checkpoint
 from repack.errors import RepackError
 from repack.synthetic import write_small_checkpoint
 
-from tests.fixtures import default_signals, one_line_error, reaped, repack_cli
+from tests.helpers.fixtures import default_signals, one_line_error, reaped, repack_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 FULL = ["--text-only", "--embed-int4", "--embed-tokens"]

@@ -17,7 +17,7 @@ from repack.build import BuildOptions, build_checkpoint
 from repack.checkpoint import open_checkpoint
 from repack.errors import RepackError
 
-from tests.fixtures import IN_PROCESS_TORCH
+from tests.helpers.fixtures import IN_PROCESS_TORCH
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -319,7 +319,7 @@ def test_w8a8_steps_keep_the_int8_group(tmp_path):
 def test_w8a8_build_serves_on_the_cpu_int8_kernel(w8a8_build, serve_config_factory, monkeypatch):
     import httpx
 
-    from tests.fixtures import in_process_engine, require_plugin
+    from tests.helpers.fixtures import in_process_engine, require_plugin
     from repack.tiny_model import pattern_permutation
     from tools.serving.server.launch import start_server
     from tools.serving.server.server import stop_server
@@ -378,7 +378,7 @@ def test_a_scheme_is_refused_for_linears_already_packed_otherwise(tmp_path, caps
     """An int4 build as the source of a w8a8 one: its linears would be carried int4 under a w8a8 report."""
     from repack.synthetic import write_small_checkpoint
 
-    from tests.fixtures import one_line_error, repack_cli
+    from tests.helpers.fixtures import one_line_error, repack_cli
 
     src = write_small_checkpoint(tmp_path / "src")
     int4 = tmp_path / "int4"

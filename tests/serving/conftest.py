@@ -1,4 +1,4 @@
-"""Fixtures of the serving tests: a command line run in this process, and fake running instances."""
+"""Fixtures of the serving tests: a command line run in this process, and stand-in running instances."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import time
 
 import psutil
 import pytest
+
+from tests.helpers.stand_ins.router_worker import STAND_IN_WORKER
 
 
 @pytest.fixture
@@ -34,30 +36,6 @@ def cli_here(capsys, monkeypatch):
     return run
 
 
-# A stand-in for a vLLM server, for the router's process handling: /health, /v1/models, /v1/completions and the
-# /metrics counter a sweep's per-backend counts are read from.
-FAKE_WORKER = r"""
-import json, sys
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-done = [0]
-class H(BaseHTTPRequestHandler):
-    def log_message(self, *a): pass
-    def send(self, code, body, ctype="application/json"):
-        data = body.encode()
-        self.send_response(code); self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(data))); self.end_headers(); self.wfile.write(data)
-    def do_GET(self):
-        if self.path == "/health": self.send(200, "")
-        elif self.path == "/v1/models": self.send(200, json.dumps({"object": "list", "data": [{"id": "m", "object": "model", "root": "m", "max_model_len": 512}]}))
-        elif self.path == "/metrics": self.send(200, 'vllm:request_success_total{finished_reason="length",model_name="m"} %d.0\n' % done[0], "text/plain")
-        else: self.send(404, "{}")
-    def do_POST(self):
-        n = int(self.headers.get("Content-Length") or 0); self.rfile.read(n); done[0] += 1
-        self.send(200, json.dumps({"id": "x", "object": "text_completion", "model": "m", "choices": [{"index": 0, "text": "ok", "finish_reason": "length"}], "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}))
-ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
-"""
-
-
 def _listens(port: int) -> bool:
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) == 0
@@ -72,7 +50,7 @@ def fleet(tmp_path):
     procs: list[subprocess.Popen] = []
 
     def make(name: str, port: int, platform: str = "cpu", serve: bool = False, backends: tuple = (), **state):
-        argv = [sys.executable, "-c", FAKE_WORKER, str(port)] if serve else ["sleep", "300"]
+        argv = [sys.executable, "-c", STAND_IN_WORKER, str(port)] if serve else ["sleep", "300"]
         d = tmp_path / "run" / name if name not in ("default", "router") else tmp_path / "run"
         d.mkdir(parents=True, exist_ok=True)
         p = subprocess.Popen(argv, start_new_session=True, cwd=d)

@@ -25,7 +25,7 @@ from tools.core.jsonout import dumps
 
 # The module that declares each `./vllm-t4` command (its COMMANDS list): main() imports only the one its command
 # line names (all of them cost a quarter of a second of every start, more than a `status` itself).
-# tests/test_cli.py keeps it equal to what the modules register.
+# tests/cli/test_cli.py keeps it equal to what the modules register.
 MODULES: dict[str, str] = {
     **dict.fromkeys(("start", "stop", "status", "query", "log", "router", "swap"), "tools.cli.serve_cli"),
     **dict.fromkeys(("sweep", "sweep-compare", "compare", "decode", "decode-sweep", "decode-compare"),

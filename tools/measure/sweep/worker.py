@@ -210,7 +210,7 @@ class _Bench:
         # sampling parameters and result record. benchmark() reads /metrics before and after every run through
         # the module-level fetchers, with no flag to skip them (a None reading skips their stats). All three are
         # looked up as module globals at call time, so replacing the attributes reaches those calls;
-        # tests/measure/test_sweep_vllm_patch.py fails on a vLLM where that stops being true.
+        # tests/measure/sweep/test_sweep_vllm_patch.py fails on a vLLM where that stops being true.
         serve.get_tokenizer = get_tokenizer
         serve.fetch_spec_decode_metrics = no_metrics
         serve.fetch_diffusion_metrics = no_metrics

@@ -1,0 +1,66 @@
+"""`./vllm-t4`'s dispatch: a command line imports only the module that registers its command."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers.fixtures import ROOT
+from tools import cli
+from tools.cli.commands import MODULES
+
+
+def _commands(parser: argparse.ArgumentParser) -> list[str]:
+    return list(parser._subparsers._group_actions[0].choices)
+
+
+def test_every_command_is_in_the_table_under_the_module_that_registers_it():
+    assert sorted(_commands(cli.build_parser())) == sorted(MODULES)
+    for module in set(MODULES.values()):
+        sub = argparse.ArgumentParser().add_subparsers()
+        importlib.import_module(module).register(sub)
+        assert sorted(sub.choices) == sorted(c for c, m in MODULES.items() if m == module), module
+
+
+def test_a_command_line_builds_only_its_module_and_parses_as_with_every_command():
+    for command, module in MODULES.items():
+        one = cli.build_parser(command)
+        assert command in _commands(one) and {MODULES[c] for c in _commands(one)} == {module}
+    argv = ["status", "--instance", "a", "--json"]
+    assert vars(cli.build_parser("status").parse_args(argv)).keys() == vars(cli.build_parser().parse_args(argv)).keys()
+
+
+def test_status_imports_neither_the_measuring_nor_the_demo_modules():
+    code = ("import sys; from tools.cli import main; rc = main(['status', '--instance=../x']); "
+            "print(rc, sorted(m for m in ('tools.measure.evals.run', 'tools.measure.decode.run', 'tools.demo.demo', "
+            "'tools.measure.fidelity.run', 'tools.serving.hub.fetch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.stdout.split("\n")[0] == "2 []", (out.stdout, out.stderr)
+
+
+def test_an_unknown_command_lists_every_command(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bogus"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and all(f"'{c}'" in err for c in MODULES), err
+
+
+def test_main_in_process_leaves_the_sigterm_handler_as_it_was(capsys):
+    """main() handles SIGTERM while its command runs; called in-process (tests, an embedding program) it gives the
+    caller's handler back on return, and a later call handles SIGTERM again."""
+    import signal
+
+    def caller_handler(signum, frame):
+        pass
+
+    before = signal.signal(signal.SIGTERM, caller_handler)
+    try:
+        assert cli.main(["status", "--instance=../x"]) == 2
+        assert signal.getsignal(signal.SIGTERM) is caller_handler
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    capsys.readouterr()

@@ -1,0 +1,93 @@
+"""Ends what a test run started, however the run ends.
+
+A vLLM server or router a test starts leads a session of its own (as the product's do: `./vllm-t4 start` hands
+its server over), so a test runner killed by SIGTERM or SIGKILL runs no fixture teardown and leaves them
+running, reparented to init. `start(config)` (from tests/conftest.py's pytest_configure, or `-p tests.helpers.reaper`)
+adds this run's id to RUN_ENV in the runner's environment, which every process the run starts inherits (xdist
+workers, commands, vLLM's own processes, daemons that left the process tree), and starts a watcher in a
+session of its own: `python -m tests.helpers.reaper RUN PID CREATE_TIME`. Once the runner's process is gone, by
+whatever end, the watcher kills every process whose environment names the run, and exits. A process started
+with an environment of its own that drops RUN_ENV is not the run's: it is left alone, as a stranger would be.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+RUN_ENV = "GEMMA4_T4_TEST_RUN"  # space-separated ids: a run started inside a test run carries both
+_ROOT = Path(__file__).resolve().parents[2]
+
+
+def start(config) -> None:
+    """Marks this run and starts its watcher. In an xdist worker nothing: the controller's watcher covers it."""
+    if hasattr(config, "workerinput"):
+        return
+    import psutil
+
+    run = uuid.uuid4().hex[:16]
+    os.environ[RUN_ENV] = " ".join(filter(None, (os.environ.get(RUN_ENV, ""), run)))
+    me = os.getpid()
+    env = {k: v for k, v in os.environ.items() if k != RUN_ENV}  # the watcher is not a process of the run
+    env["PYTHONPATH"] = str(_ROOT)
+    subprocess.Popen([sys.executable, "-m", "tests.helpers.reaper", run, str(me),
+                      repr(psutil.Process(me).create_time())],
+                     cwd=str(_ROOT), env=env, start_new_session=True, stdin=subprocess.DEVNULL,
+                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def pytest_configure(config) -> None:  # as a plugin: `pytest -p tests.helpers.reaper`
+    start(config)
+
+
+def runs_of(proc) -> list[str]:
+    """The run ids in a process's environment ([] where it has none, or cannot be read)."""
+    import psutil
+
+    try:
+        return proc.environ().get(RUN_ENV, "").split()
+    except (psutil.Error, OSError):
+        return []
+
+
+def reap(run: str) -> list[int]:
+    """SIGKILL to every process of `run` (its process group where it leads one); the pids signalled."""
+    import psutil
+
+    killed: list[int] = []
+    for _ in range(5):  # a process being killed can start another in between: look again until none is left
+        victims = [p for p in psutil.process_iter() if p.pid != os.getpid() and run in runs_of(p)]
+        if not victims:
+            break
+        for p in victims:
+            try:
+                if os.getpgid(p.pid) == p.pid:
+                    os.killpg(p.pid, signal.SIGKILL)
+                else:
+                    os.kill(p.pid, signal.SIGKILL)
+                killed.append(p.pid)
+            except (ProcessLookupError, PermissionError):
+                pass
+        time.sleep(0.2)
+    return killed
+
+
+def watch(run: str, pid: int, create_time: float, interval_s: float = 0.5) -> None:
+    import psutil
+
+    try:
+        runner = psutil.Process(pid)
+        while runner.create_time() == create_time and runner.status() != psutil.STATUS_ZOMBIE:
+            time.sleep(interval_s)
+    except psutil.NoSuchProcess:
+        pass
+    reap(run)
+
+
+if __name__ == "__main__":
+    watch(sys.argv[1], int(sys.argv[2]), float(sys.argv[3]))

@@ -1,0 +1,11 @@
+"""The stand-ins, one home: each stands for something the tests do not run for real.
+
+vllm_server  a vLLM server as a process (a script: serves, loads, hangs, fails as told), and drivers of the
+             command line and the MCP server with it where vLLM would be
+switch       the front door's switch process over stand-in builds
+hub          a Hugging Face hub over HTTP in a thread
+bench        vLLM's `bench serve`, as a package on a benchmark worker's PYTHONPATH
+nvml         pynvml's functions for one or more GPUs
+measure      HTTP servers in a thread for the measuring commands (decode, sweep, capacity, compare, fidelity)
+router_worker a vLLM worker behind the router, as a script
+"""

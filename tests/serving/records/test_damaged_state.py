@@ -1,0 +1,106 @@
+"""A state file that is damaged (not JSON, a field missing, a list instead of an object) is reported in one line
+naming the file and the field; it blocks neither `stop --all` nor `status` for the servers whose readable records
+prove they are theirs, and no process of it is signalled. "Servers" here are stand-in processes with state files,
+as start would write them (tests/serving/conftest.py's fleet)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import psutil
+import pytest
+
+from tests.helpers.fixtures import free_port, state_env
+from tools.serving.config import load_config
+from tools.serving.records.state import DamagedState, ServerState, read_record
+
+DAMAGE = {
+    "garbage": "garbage\n",
+    "missing-field": None,  # a real record without its pid
+    "list": "[1, 2, 3]\n",
+}
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _damage(path, how: str, record: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if how == "missing-field":
+        path.write_text(json.dumps({k: v for k, v in record.items() if k != "pid"}))
+    else:
+        path.write_text(DAMAGE[how])
+
+
+@pytest.fixture
+def bystander():
+    """A process no readable record proves is a server's: it must never be signalled."""
+    p = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    yield p
+    p.kill()
+    p.wait()
+
+
+@pytest.mark.parametrize("how", list(DAMAGE))
+@pytest.mark.parametrize("where", ["router", "default", "instance"])
+def test_stop_all_stops_every_readable_server_past_a_damaged_file(cli_here, tmp_path, fleet, bystander, where, how):
+    a = fleet("a", free_port())
+    b = fleet("b", free_port())
+    run = tmp_path / "run"
+    damaged = {"router": run / "router.json", "default": run / "vllm.json", "instance": run / "c" / "vllm.json"}[where]
+    _damage(damaged, how, {**a, "pid": bystander.pid, "pgid": bystander.pid})
+    r = cli_here(["stop", "--all", "--grace", "2"], state_env(run))
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(damaged) in lines[0] and "Traceback" not in r.stderr, r.stderr
+    if how == "missing-field":
+        assert "'pid'" in lines[0]
+    assert _gone(a["pid"]) and _gone(b["pid"])
+    assert not (run / "a" / "vllm.json").exists() and not (run / "b" / "vllm.json").exists()
+    assert bystander.poll() is None and damaged.exists()  # reported, never signalled, nor deleted
+
+
+@pytest.mark.parametrize("how", list(DAMAGE))
+@pytest.mark.parametrize("where", ["router", "default", "instance"])
+def test_status_reports_a_damaged_file_and_every_readable_server(cli_here, tmp_path, fleet, where, how):
+    a = fleet("a", free_port())
+    run = tmp_path / "run"
+    damaged = {"router": run / "router.json", "default": run / "vllm.json", "instance": run / "c" / "vllm.json"}[where]
+    _damage(damaged, how, a)
+    r = cli_here(["status"], state_env(run))
+    assert r.returncode == 3 and "Traceback" not in r.stderr, r.stderr
+    assert any(f"pid {a['pid']}" in ln for ln in r.stdout.splitlines()), r.stdout
+    [line] = [ln for ln in r.stdout.splitlines() if str(damaged) in ln]
+    assert "damaged" in line
+    assert not _gone(a["pid"])
+
+
+def test_one_reader_names_the_field(tmp_path):
+    f = tmp_path / "vllm.json"
+    cfg = load_config(None, state_dir=str(tmp_path))
+    assert cfg.state_file == f
+    f.write_text(json.dumps({"pid": "not a number"}))
+    with pytest.raises(DamagedState, match=r"field 'pid'") as e:
+        read_record(f, ServerState)
+    assert e.value.detail["field"] == "pid" and str(f) in str(e.value) and "\n" not in str(e.value)
+    assert read_record(tmp_path / "none.json", ServerState) is None
+
+
+def test_a_record_naming_another_group_than_its_own_signals_nothing(cli_here, tmp_path, fleet, bystander):
+    """A server leads its own group (pgid == pid). A record whose pid is gone but whose pgid names another live
+    group (the bystander's) is damaged: stop reports it in one line and the bystander lives."""
+    a = fleet("a", free_port())
+    run = tmp_path / "run"
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    (run / "vllm.json").write_text(json.dumps({**a, "pid": gone.pid, "pgid": bystander.pid}))
+    r = cli_here(["stop", "--grace", "2"], state_env(run))
+    assert r.returncode != 0 and "vllm.json is damaged" in r.stderr and "pgid" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not _gone(bystander.pid)
