@@ -41,14 +41,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from gemma4_t4_vllm.int4_matmul import PATH_ENV  # noqa: E402
-from repack.build import BuildOptions, build_checkpoint  # noqa: E402
-from repack.checkpoint import open_checkpoint  # noqa: E402
+from repack.build.build import BuildOptions, build_checkpoint  # noqa: E402
+from repack.source.checkpoint import open_checkpoint  # noqa: E402
 from repack.errors import RepackError  # noqa: E402
-from repack.fit import plan_member  # noqa: E402
-from repack.members import MEMBERS, Member, by_name  # noqa: E402
-from repack.plan import plan  # noqa: E402
-from repack.synthetic import copy_tokenizer, member_tensors, write_member_checkpoint  # noqa: E402
-from repack.tiny_model import cached_tiny_qat_checkpoint  # noqa: E402
+from repack.build.fit import plan_member  # noqa: E402
+from repack.family.members import MEMBERS, Member, by_name  # noqa: E402
+from repack.build.plan import plan  # noqa: E402
+from repack.stand_ins.synthetic import copy_tokenizer, member_tensors, write_member_checkpoint  # noqa: E402
+from repack.stand_ins.tiny_model import cached_tiny_qat_checkpoint  # noqa: E402
 from tools.core.errors import ToolFailure  # noqa: E402
 from tools.gpu.vram import host_memory, server_process_pids  # noqa: E402
 from tools.measure.decode.params import DecodeParams  # noqa: E402

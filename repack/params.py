@@ -19,7 +19,7 @@ from tools.core.params import OpParams
 from .choices import (DEFAULT_OBJECTIVE, DEFAULT_SCHEME, DEFAULT_TARGET, OBJECTIVES, SCHEMES, TARGETS, Objective,
                       ScaleDtype, Target)
 from .errors import RepackError, clip, unknown_scheme
-from .tiny_shapes import SHAPE_NAMES, Shape
+from .stand_ins.tiny_shapes import SHAPE_NAMES, Shape
 
 MAX_SHARD_GIB = 1 << 20  # a pebibyte: far above any checkpoint, so one shard holds all of it
 SCALE_DTYPES = ("fp16", "bf16")

@@ -16,8 +16,8 @@ import numpy as np
 
 from tools.core.errors import param
 
-from .. import config as cfgmod
-from .. import grid
+from ..family import config as cfgmod
+from ..grid import grid
 from ..errors import OffGridError
 from . import register
 from ..choices import DEFAULT_OBJECTIVE, DEFAULT_TARGET

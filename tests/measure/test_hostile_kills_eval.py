@@ -24,7 +24,7 @@ from tests.kill_matrix import (SIGNALS, assert_ended, assert_swept_by_the_next_w
 @pytest.fixture(scope="module")
 def held(tmp_path_factory):
     """(base URL, a list that receives each completion request as it arrives)."""
-    from repack.tiny_model import _write_tokenizer
+    from repack.stand_ins.tiny_model import _write_tokenizer
 
     tok = tmp_path_factory.mktemp("tokenizer")
     _write_tokenizer(tok)

@@ -32,9 +32,9 @@ from typing import Any, Callable
 
 from pydantic import BaseModel, Field
 
-from repack.build import BuildOptions, build_checkpoint
-from repack.probe import ProbeReport, probe_checkpoint
-from repack.tiny_model import cached_tiny_qat_checkpoint, default_cache_dir
+from repack.build.build import BuildOptions, build_checkpoint
+from repack.build.probe import ProbeReport, probe_checkpoint
+from repack.stand_ins.tiny_model import cached_tiny_qat_checkpoint, default_cache_dir
 from tools.cli.commands import Command, add_commands, exit_status, fail
 from tools.core.errors import BadInput, ToolFailure, param
 from tools.core.process import free_port
@@ -47,7 +47,7 @@ from tools.measure.sweep.run import run_sweep
 from tools.measure.sweep.report import compare_runs, markdown_run
 from tools.serving.config import DEFAULT_ENV_FILE, load_config
 from tools.serving.hub.fetch import FetchParams, fetch_checkpoint
-from repack.checks import SOURCE_REPO
+from repack.source.checks import SOURCE_REPO
 from tools.serving.hub.access import hf_token
 from tools.serving.preflight.steps import PreflightParams, run_preflight
 from tools.serving.server.launch import start_server

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from repack.fit import T4_MIB, plan_member
+from repack.build.fit import T4_MIB, plan_member
 
 # The members whose builds this project has served on vLLM's CPU backend at their real shapes, and what they took:
 # the fit of any other member on a CPU machine is not known.

@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, StrictInt
 
-from repack import members
+from repack.family import members
 from tools.core.errors import BadInput
 from tools.core.json_files import read_json_model
 from tools.core.paths import ENV, Roots

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import members
-from .checkpoint import Checkpoint
-from .errors import RepackError
-from .params import BuildOptions
+from ..errors import RepackError
+from ..family import members
+from ..params import BuildOptions
+from ..source.checkpoint import Checkpoint
 from .plan import plan
 
 PREVIEWED = {"all-4-bit": {}, "repack-bf16-emb": {"embed_int4": False}}

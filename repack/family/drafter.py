@@ -30,7 +30,7 @@ from typing import Any, Mapping, Protocol, Sequence
 from tools.core.errors import param
 
 from . import members
-from .errors import RepackError, clip
+from ..errors import RepackError, clip
 
 MODEL_TYPE = "gemma4_assistant"
 ARCHITECTURE = "Gemma4AssistantForCausalLM"

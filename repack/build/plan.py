@@ -9,15 +9,15 @@ from typing import Literal
 
 from tools.core.errors import param
 
-from . import config as cfgmod
-from . import drafter
-from . import grid
-from . import members
-from . import schemes
-from .checkpoint import MM_PREFIX, TOWER_PREFIXES, Checkpoint
-from .errors import RepackError, clip
-from .params import BuildOptions
-from .safetensors_io import OutShard, OutTensor, TensorInfo
+from .. import schemes
+from ..errors import RepackError, clip
+from ..family import config as cfgmod
+from ..family import drafter
+from ..family import members
+from ..grid import grid
+from ..params import BuildOptions
+from ..source.checkpoint import MM_PREFIX, TOWER_PREFIXES, Checkpoint
+from ..source.safetensors_io import OutShard, OutTensor, TensorInfo
 
 PACKED_SUFFIXES = (".weight_packed", ".weight_scale", ".weight_shape", ".weight_zero_point", ".weight_g_idx")
 

@@ -16,7 +16,7 @@ from typing import Any, Iterator
 from tools.core.errors import param
 
 from .config import validate
-from .errors import RepackError, clip
+from ..errors import RepackError, clip
 
 GIB = 1 << 30
 

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .members import text_of
+from ..family.members import text_of
 from .tiny_marker import mark
 from .tiny_shapes import SHAPES
 
@@ -481,7 +481,7 @@ def cached_tiny_qat_checkpoint(out_dir: str | Path, *, cache_dir: str | Path | N
                          permutation_seed=meta["permutation_seed"])
 
 
-if __name__ == "__main__":  # the command line is repack.tiny_cli's (which imports this module), run as the program
+if __name__ == "__main__":  # the command line is repack.stand_ins.tiny_cli's (which imports this module), run as the program
     import runpy
 
-    runpy.run_module("repack.tiny_cli", run_name="__main__", alter_sys=True)
+    runpy.run_module("repack.stand_ins.tiny_cli", run_name="__main__", alter_sys=True)

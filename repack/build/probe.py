@@ -15,9 +15,12 @@ from typing import Any
 
 import numpy as np
 
-from . import choices, drafter, grid, members, preview
-from .checkpoint import TOWER_PREFIXES, open_checkpoint
-from .safetensors_io import MappedFile
+from .. import choices
+from ..family import drafter, members
+from ..grid import grid
+from ..source.checkpoint import TOWER_PREFIXES, open_checkpoint
+from ..source.safetensors_io import MappedFile
+from . import preview
 
 
 MEANING = {"qat": "every sampled text tensor sits on the 4-bit grid: a QAT q4_0 export, ready to repack",

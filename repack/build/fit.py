@@ -29,10 +29,10 @@ from tools.core.errors import param
 from tools.core.params import OpParams
 from tools.core.paths import confinement
 
-from .checkpoint import check_source_folder, read_config
-from .drafter import is_drafter
-from .errors import RepackError
-from .members import GIB, MEMBERS, Member, by_name, identify, identify_drafter, text_tables, towers_params
+from ..errors import RepackError
+from ..family.drafter import is_drafter
+from ..family.members import GIB, MEMBERS, Member, by_name, identify, identify_drafter, text_tables, towers_params
+from ..source.checkpoint import check_source_folder, read_config
 
 MIB = 1 << 20
 BF16 = 2.0

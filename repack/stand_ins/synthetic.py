@@ -16,7 +16,7 @@ from typing import Iterable
 
 import numpy as np
 
-from .members import Member, by_name
+from ..family.members import Member, by_name
 
 GROUP = 32
 

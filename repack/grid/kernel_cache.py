@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from repack import grid
+from repack.grid import grid
 
 
 def warm() -> str:
@@ -21,7 +21,7 @@ def warm() -> str:
     one (a memory map), and returns the implementation builds use: "numba" or "numpy" (numba not importable)."""
     if grid.implementation() != "numba":
         return "numpy"
-    from repack import _kernel_numba
+    from repack.grid import _kernel_numba
 
     for w in (np.zeros((1, 32), np.uint16), np.frombuffer(bytes(64), np.uint16).reshape(1, 32)):
         grid.run_kernel(_kernel_numba.quantize_rows, w)
