@@ -480,8 +480,3 @@ def cached_tiny_qat_checkpoint(out_dir: str | Path, *, cache_dir: str | Path | N
     return TinyModelInfo(path=out, accuracy=meta["accuracy"], grid_tensors=meta["grid_tensors"],
                          permutation_seed=meta["permutation_seed"])
 
-
-if __name__ == "__main__":  # the command line is repack.stand_ins.tiny_cli's (which imports this module), run as the program
-    import runpy
-
-    runpy.run_module("repack.stand_ins.tiny_cli", run_name="__main__", alter_sys=True)

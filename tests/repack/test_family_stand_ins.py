@@ -125,7 +125,8 @@ def test_the_command_line_takes_the_shape_from_the_mcp_tools_model(tmp_path, cap
     """`python -m repack.tiny_model --shape` comes from repack.params.TinyModelParams, the model the MCP tool
     make_tiny_model's signature derives from: the same choices, the shape passed to the build, another refused
     with status 2 and nothing written."""
-    from repack.stand_ins import tiny_cli, tiny_model
+    from repack import tiny_model as tiny_cli
+    from repack.stand_ins import tiny_model
     from repack.params import TinyModelParams
 
     made: list[tuple[str, str]] = []

@@ -730,7 +730,8 @@ def test_bad_max_shard_size_is_a_usage_error(src, tmp_path, capsys, value):
 
 @pytest.mark.parametrize("kind", ["repack-build", "fetched-source", "file"])
 def test_tiny_model_force_replaces_only_a_folder_it_wrote(tmp_path, capsys, monkeypatch, kind):
-    from repack.stand_ins import tiny_cli, tiny_model
+    from repack import tiny_model as tiny_cli
+    from repack.stand_ins import tiny_model
 
     made = []
     monkeypatch.setattr(tiny_model, "cached_tiny_qat_checkpoint",
@@ -752,7 +753,8 @@ def test_tiny_model_force_replaces_only_a_folder_it_wrote(tmp_path, capsys, monk
 
 
 def test_tiny_model_force_replaces_its_own_folder_and_an_empty_one(tmp_path, capsys, monkeypatch):
-    from repack.stand_ins import tiny_cli, tiny_model
+    from repack import tiny_model as tiny_cli
+    from repack.stand_ins import tiny_model
 
     made = []
     monkeypatch.setattr(tiny_model, "cached_tiny_qat_checkpoint",

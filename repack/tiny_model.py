@@ -10,8 +10,8 @@ from pathlib import Path
 
 from tools.core.errors import BadInput
 
-from ..params import TinyModelParams
-from . import tiny_marker, tiny_model
+from .params import TinyModelParams
+from .stand_ins import tiny_marker, tiny_model
 
 
 def main(argv: list[str] | None = None) -> int:
