@@ -4,7 +4,7 @@
     .venv/bin/python bench/bench_repack.py --scale 1 --keep        # full size (~10.2 GB source)
     .venv/bin/python bench/bench_repack.py --scale 0.26 --levels peaked --steps fp16 --rounding exact \
         --target-dtype bfloat16 --objective runtime-exact               # another distribution and build
-    .venv/bin/python bench/bench_repack.py --ab OLD_kernel.py repack/_kernel_numba.py   # a kernel change, A/B
+    .venv/bin/python bench/bench_repack.py --ab OLD_kernel.py repack/grid/_kernel_numba.py   # a kernel change, A/B
     .venv/bin/python bench/bench_repack.py --scale 1 --member E4B --rounds 3 --baseline /tmp/main-export
         # E4B's shapes; three rounds, each: cp, the build, cp, the baseline tree's build (same load for all)
 
@@ -174,7 +174,7 @@ def main() -> int:
                     help="time the grid kernel alone on every distribution, target and objective (no build)")
     ap.add_argument("--repeat", type=int, default=3, help="--kernel-only, --ab: best of this many runs")
     ap.add_argument("--ab", nargs=2, type=Path, metavar=("KERNEL_A", "KERNEL_B"),
-                    help="time two copies of repack/_kernel_numba.py against each other (no build), asserting "
+                    help="time two copies of repack/grid/_kernel_numba.py against each other (no build), asserting "
                          "identical outputs; for --target-dtype / --objective")
     ap.add_argument("--member", choices=("E2B", "E4B"), default="E2B", help="whose shapes the source has")
     ap.add_argument("--fill", choices=("grid", "tiled"), default="grid",

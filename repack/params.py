@@ -148,7 +148,7 @@ class ProbeParams(OpParams):
 
 
 class TinyModelParams(OpParams):
-    """The tiny stand-in source: where it goes and the member it is shaped as (repack.tiny_shapes)."""
+    """The tiny stand-in source: where it goes and the member it is shaped as (repack.stand_ins.tiny_shapes)."""
 
     # short: every MCP client pays for the default tools' descriptions (tests/mcp/test_mcp_tools.py)
     out: str = Field(description="Folder to write")

@@ -141,7 +141,7 @@ def pytest_runtest_setup(item):
 @pytest.fixture(scope="session")
 def tiny_qat(tmp_path_factory) -> Path:
     """The tiny multimodal QAT-like checkpoint (sharded, towers, tied head), built once per session (trained once
-    per content address: repack.tiny_model's cache)."""
+    per content address: repack.stand_ins.tiny_model's cache)."""
     from repack.stand_ins.tiny_model import cached_tiny_qat_checkpoint
 
     info = cached_tiny_qat_checkpoint(tmp_path_factory.mktemp("tiny") / "gemma-4-tiny-qat")

@@ -11,7 +11,7 @@ The article's three steps are this function with different options:
   text_only.py           = BuildOptions(quantize_linears=False, text_only=True,  embed_int4=False)
   embed_int4.py          = BuildOptions(quantize_linears=False, text_only=False, embed_int4=True, embed_tokens=...)
 and `python3 -m repack build` does all of it in one read of the source. What happens to each tensor is planned
-in repack.plan; the options are repack.params.BuildOptions.
+in repack.build.plan; the options are repack.params.BuildOptions.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ class Item:
 
 
 def _classify(name: str, info: TensorInfo, ck: Checkpoint, opt: BuildOptions) -> Item:
-    if ck.drafter:  # its own names, no towers, its embedding kept bf16 (repack.drafter)
+    if ck.drafter:  # its own names, no towers, its embedding kept bf16 (repack.family.drafter)
         table, packed = drafter.table(name, info.shape)
         return Item(info, "quant" if packed and opt.quantize_linears else "copy", table, name)
     if name.startswith(TOWER_PREFIXES):

@@ -1,6 +1,6 @@
 """What a build of a checkpoint will hold, per table, before anything is written: the member its config.json
-names (repack/members.py) and the bytes of each table in the two builds, read from the headers alone through
-the build's own plan (repack/plan.py)."""
+names (repack/family/members.py) and the bytes of each table in the two builds, read from the headers alone through
+the build's own plan (repack/build/plan.py)."""
 
 from __future__ import annotations
 

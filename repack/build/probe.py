@@ -54,7 +54,7 @@ class ProbeReport:
     sampled_groups: int
     tensors: list[ProbeTensor] = field(default_factory=list)
     drafter: dict[str, Any] | None = None  # a gemma4_assistant drafter: whether its linears are on the grid
-    # the member its config.json names and what each build will hold, per table (repack/preview.py)
+    # the member its config.json names and what each build will hold, per table (repack/build/preview.py)
     build_preview: dict[str, Any] | None = None
     packed_tensors: int = 0  # tensors an earlier build stored as int4 (weight_packed): then the verdict is "packed"
 

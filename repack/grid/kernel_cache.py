@@ -1,6 +1,6 @@
 """Compile the grid kernel into numba's on-disk cache ahead of its first use.
 
-numba compiles `repack._kernel_numba` on its first call; ./setup.sh runs this once per install so that the first
+numba compiles `repack.grid._kernel_numba` on its first call; ./setup.sh runs this once per install so that the first
 build does not pay for it, and the test suite runs `warm()` before its workers start so that two of them never
 compile it at once (after an edit of the kernel). When the cache is current it only loads it.
 

@@ -40,7 +40,7 @@ class Checkpoint:
 
     @property
     def drafter(self) -> bool:
-        """A gemma4_assistant drafter: a text_config, but its own layout (repack.drafter)."""
+        """A gemma4_assistant drafter: a text_config, but its own layout (repack.family.drafter)."""
         return is_drafter(self.config)
 
     @property

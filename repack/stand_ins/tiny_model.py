@@ -69,7 +69,7 @@ TEXT_CONFIG: dict[str, Any] = dict(
     bos_token_id=2, eos_token_id=1, pad_token_id=0,
 )
 def text_config(shape: str = "e2b") -> dict[str, Any]:
-    """The text config shaped as `shape` (repack.tiny_shapes.SHAPES)."""
+    """The text config shaped as `shape` (repack.stand_ins.tiny_shapes.SHAPES)."""
     if shape not in SHAPES:
         raise ValueError(f"shape {shape!r}: choose one of {', '.join(SHAPES)}")
     return {**TEXT_CONFIG, **SHAPES[shape]}
@@ -438,7 +438,7 @@ def cache_key(**build_args: Any) -> str:
     args = {k: v for k, v in bound.arguments.items() if k != "out_dir"}
     h = hashlib.sha256(Path(__file__).read_bytes())
     h.update(json.dumps(args, sort_keys=True).encode())
-    # the shape's text config itself (repack/tiny_shapes.py): a shape that changes trains a new model
+    # the shape's text config itself (repack/stand_ins/tiny_shapes.py): a shape that changes trains a new model
     h.update(json.dumps(text_config(args["shape"]), sort_keys=True).encode())
     for dist in ("torch", "transformers", "safetensors", "tokenizers"):
         h.update(f"{dist}=={version(dist)}".encode())

@@ -1,4 +1,4 @@
-"""Tiny stand-ins shaped as other members (repack/tiny_model.py SHAPES): the E4B-shaped one (2 KV heads,
+"""Tiny stand-ins shaped as other members (repack/stand_ins/tiny_model.py SHAPES): the E4B-shaped one (2 KV heads,
 single-width MLP) and the MoE-shaped one (experts beside the dense MLP, k_eq_v, no PLE) build all-4-bit, and each
 build, decompressed by compressed-tensors, gives the source's logits in transformers. For the MoE this is the
 proof of the expert layout: vLLM's CPU backend does not run Gemma 4's W4A16 experts (evidence/moe-tiny-cpu.md)."""

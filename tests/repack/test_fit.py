@@ -1,4 +1,4 @@
-"""The fit planner (repack/fit.py, `python -m repack plan`, the MCP tool plan_fit): the article's E2B columns
+"""The fit planner (repack/build/fit.py, `python -m repack plan`, the MCP tool plan_fit): the article's E2B columns
 within the error it states, the 31B refused plainly, a member planned by name with nothing downloaded."""
 
 from __future__ import annotations

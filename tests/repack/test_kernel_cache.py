@@ -1,4 +1,4 @@
-"""`python -m repack.kernel_cache` (./setup.sh runs it): the grid kernel is compiled into numba's cache, and
+"""`python -m repack.grid.kernel_cache` (./setup.sh runs it): the grid kernel is compiled into numba's cache, and
 what a build process then loads."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def test_without_numba_it_says_builds_fall_back(monkeypatch, capsys):
 
 
 def test_the_kernel_benchmark_loads_the_project_kernel_as_the_project_does():
-    # Loading repack/_kernel_numba.py under another module name wrote numba cache entries for that file that
+    # Loading repack/grid/_kernel_numba.py under another module name wrote numba cache entries for that file that
     # name the other module; the next `python -m repack` then failed with "No module named 'kernel_…'".
     import sys
     from pathlib import Path

@@ -1,4 +1,4 @@
-"""The family table (repack/members.py): every member registered with its source, a checkpoint's member read
+"""The family table (repack/family/members.py): every member registered with its source, a checkpoint's member read
 from its config.json, an unknown layout refused in one line, and the probe saying what the build will hold per
 table before anything is written."""
 
@@ -211,7 +211,8 @@ def test_every_members_published_drafter_is_registered_and_named_from_its_config
 @pytest.mark.parametrize("name, public, unit", [("E4B", 78.518, 1e6), ("26B-A4B", 0.42, 1e9)])
 def test_the_registered_drafter_shapes_give_the_publicly_counted_parameters(name, public, unit):
     """Oracle: transformers builds the drafter from the registered figures (on the meta device) and its parameter
-    count is the one public sources give for Google's drafter (repack/members.py cites them), to their rounding."""
+    count is the one public sources give for Google's drafter (repack/family/members.py cites them), to their
+    rounding."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -1,5 +1,5 @@
-"""The synthetic source at a member's real shapes (repack.synthetic.write_member_checkpoint), as the real-shape
-bench writes it: E2B's files exactly as before the writer took the member, and another member's source with
+"""The synthetic source at a member's real shapes (repack.stand_ins.synthetic.write_member_checkpoint), as the
+real-shape bench writes it: E2B's files exactly as before the writer took the member, and another member's source with
 that member's configuration and the tables the fit planner counts. Sparse files (fill "none"): headers only, no
 multi-GiB writes."""
 

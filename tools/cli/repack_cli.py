@@ -136,7 +136,7 @@ def _stopped(e: KeyboardInterrupt, out: str | None = None) -> int:
 
 
 def _preflight(src: str, out: str) -> None:
-    """The repack's own checks before the build (repack.checks: the source's config.json, free disk for what the
+    """The repack's own checks before the build (repack.source.checks: the source's config.json, free disk for what the
     build writes plus headroom); raises the first failing one, named by its check as the deployment preflight
     names it (`source: ...`, `disk: ...`)."""
     try:

@@ -2,7 +2,7 @@
 
     python3 -m tools.demo          (or ./vllm-t4 demo)
 
-Without an NVIDIA GPU it builds the tiny Gemma-4-shaped QAT-like model (repack.tiny_model), so nothing is
+Without an NVIDIA GPU it builds the tiny Gemma-4-shaped QAT-like model (repack.stand_ins.tiny_model), so nothing is
 downloaded; on a machine where `nvidia-smi -L` answers (the T4 VM) it takes the real QAT checkpoint from
 SOURCE_CHECKPOINT in tpu.env (or --source), after the checks of `./vllm-t4 doctor`; with SOURCE_CHECKPOINT
 empty and a Hugging Face token set it fetches it first (`./vllm-t4 fetch`). Then, with the same library calls

@@ -1,5 +1,5 @@
 """What the deploy prompts derive from a Gemma 4 member: the planner's verdict for one T4 and the vLLM flags it
-serves with (repack/fit.py), and what is known of its fit on a CPU (deploy_cpu)."""
+serves with (repack/build/fit.py), and what is known of its fit on a CPU (deploy_cpu)."""
 
 from __future__ import annotations
 

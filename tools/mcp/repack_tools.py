@@ -1,7 +1,7 @@
 """Repack tools: make the tiny stand-in source, probe a checkpoint, build the all-4-bit checkpoint (repack/ does
 the work).
 
-repack.probe and repack.build hold numpy, the tiny model torch: they load when a tool runs, not when the server
+repack.build.probe and repack.build hold numpy, the tiny model torch: they load when a tool runs, not when the server
 lists its tools.
 """
 
