@@ -278,7 +278,7 @@ def test_sigterm_leaves_nothing(good, tmp_path):
     out = tmp_path / "out"
     script = (
         "import sys, time; sys.path.insert(0, %r)\n"
-        "from repack import grid\nfrom tools.cli import repack_cli as cli\n"
+        "from repack.grid import grid\nfrom tools.cli import repack_cli as cli\n"
         "real = grid.quantize\n"
         "def slow(w, *args):\n"
         "    time.sleep(0.5); return real(w, *args)\n"
@@ -382,7 +382,7 @@ def test_a_signal_stops_the_probe_with_one_line(good, sig, rc, how):
     """The probe exits as the build does on a signal: one line and 128 + the signal, no traceback."""
     script = (
         "import sys, time; sys.path.insert(0, %r)\n"
-        "from repack import grid\nfrom tools.cli import repack_cli as cli\n"
+        "from repack.grid import grid\nfrom tools.cli import repack_cli as cli\n"
         "real = grid.quantize\n"
         "def slow(w, *args):\n"
         "    print('sampling', file=sys.stderr, flush=True); time.sleep(60); return real(w, *args)\n"
