@@ -25,8 +25,8 @@ if command -v npm >/dev/null 2>&1; then
 else
     echo "setup.sh: no npm on this machine: the MCP Inspector is not installed (tests/mcp/test_inspector.py needs it; serving does not)"
 fi
-# The repack grid kernel (numba) compiles on first use and caches its machine code in repack/__pycache__:
+# The repack grid kernel (numba) compiles on first use and caches its machine code in repack/grid/__pycache__:
 # compile it here, as part of installing, so the first build or test run does not pay for it.
 echo "setup.sh: compiling the repack grid kernel (numba, once per install)"
-.venv/bin/python -m repack.kernel_cache
+.venv/bin/python -m repack.grid.kernel_cache
 .venv/bin/python -c 'import vllm, fastmcp, numpy; print("gemma4-t4 ready: vllm", vllm.__version__, "fastmcp", fastmcp.__version__)'

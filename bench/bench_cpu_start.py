@@ -48,8 +48,8 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "evidence"))
     args = ap.parse_args()
 
-    from repack.build import BuildOptions, build_checkpoint
-    from repack.tiny_model import cached_tiny_qat_checkpoint
+    from repack.build.build import BuildOptions, build_checkpoint
+    from repack.stand_ins.tiny_model import cached_tiny_qat_checkpoint
     from tools.serving.config import load_config
     from tools.serving.server.launch import start_server
     from tools.serving.server.server import stop_server

@@ -73,8 +73,8 @@ def main() -> int:
 
     signal.signal(signal.SIGTERM, terminated)
 
-    from repack.build import BuildOptions, build_checkpoint
-    from repack import tiny_model
+    from repack.build.build import BuildOptions, build_checkpoint
+    from repack.stand_ins import tiny_model
     from tools.measure.tokens.compare import TokenCompareParams, check_against, record_reference
     from tools.serving.config import load_config
     from tools.measure.fidelity.run import CheckLogprobsParams, RecordLogprobsParams, check_logprobs, record_logprobs

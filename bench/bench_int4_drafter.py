@@ -27,11 +27,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from repack import drafter  # noqa: E402
-from repack.build import BuildOptions, build_checkpoint  # noqa: E402
-from repack.checkpoint import open_checkpoint  # noqa: E402
-from repack.probe import probe_checkpoint  # noqa: E402
-from repack.tiny_model import build_tiny_drafter, cached_tiny_qat_checkpoint  # noqa: E402
+from repack.family import drafter  # noqa: E402
+from repack.build.build import BuildOptions, build_checkpoint  # noqa: E402
+from repack.source.checkpoint import open_checkpoint  # noqa: E402
+from repack.build.probe import probe_checkpoint  # noqa: E402
+from repack.stand_ins.tiny_model import build_tiny_drafter, cached_tiny_qat_checkpoint  # noqa: E402
 from fixtures import free_port  # noqa: E402
 from tools.measure.decode.sweep import (DecodeSweepParams, compare_decode_runs, first_divergence,  # noqa: E402
                                         load_decode_run, run_decode_sweep)

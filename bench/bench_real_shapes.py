@@ -6,15 +6,15 @@ each build's size against the fit planner's (python -m repack plan --member M).
         [--prompts 3] [--max-tokens 24] [--builds bf16-emb,all-4bit] [--workdir /tmp/real-shapes-e2b]
         [--int4-paths kernel,dequantize] [--tag TAG] [--out evidence]
 
-Writes a full-size synthetic source of the member (repack.synthetic.write_member_checkpoint, fill "tiled": the
-real shapes of repack/members.py and the grid, values repeated per tensor, since decode speed does not depend on
+Writes a full-size synthetic source of the member (repack.stand_ins.synthetic.write_member_checkpoint, fill "tiled": the
+real shapes of repack/family/members.py and the grid, values repeated per tensor, since decode speed does not depend on
 them; the tiny model's tokenizer, widened to the full vocabulary), repacks it in one pass per build (bf16
 embeddings: linears int4; all-4-bit: linears, both embedding tables and the untied output layer int4), deletes
 the source, then serves the builds one at a time, alternating A B A B so the machine's load falls on both, and
 per start: the host memory of the engine's processes after load (tools.gpu.vram.host_memory), the KV cache
 tokens vLLM reported, the decode benchmark (tools.measure.decode.run) on the first `--prompts` shipped prompts,
 greedy, with its roofline figure (the CPU's measured copy bandwidth). Each build's bytes per table (read from
-its headers by the build's own table names, repack.plan) stand beside the planner's prediction and their ratio.
+its headers by the build's own table names, repack.build.plan) stand beside the planner's prediction and their ratio.
 On a CPU whose vLLM library has no cpu_gemm_wna16 (AVX2), `--int4-paths kernel,dequantize` serves each build
 once per path of the plugin's int4 layers (gemma4_t4_vllm/int4_matmul.py; "dequantize" sets its PATH_ENV, the
 dequantize-and-matmul reference), alternating, and the table says whether their greedy answers are identical.
@@ -41,14 +41,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from gemma4_t4_vllm.int4_matmul import PATH_ENV  # noqa: E402
-from repack.build import BuildOptions, build_checkpoint  # noqa: E402
-from repack.checkpoint import open_checkpoint  # noqa: E402
+from repack.build.build import BuildOptions, build_checkpoint  # noqa: E402
+from repack.source.checkpoint import open_checkpoint  # noqa: E402
 from repack.errors import RepackError  # noqa: E402
-from repack.fit import plan_member  # noqa: E402
-from repack.members import MEMBERS, Member, by_name  # noqa: E402
-from repack.plan import plan  # noqa: E402
-from repack.synthetic import copy_tokenizer, member_tensors, write_member_checkpoint  # noqa: E402
-from repack.tiny_model import cached_tiny_qat_checkpoint  # noqa: E402
+from repack.build.fit import plan_member  # noqa: E402
+from repack.family.members import MEMBERS, Member, by_name  # noqa: E402
+from repack.build.plan import plan  # noqa: E402
+from repack.stand_ins.synthetic import copy_tokenizer, member_tensors, write_member_checkpoint  # noqa: E402
+from repack.stand_ins.tiny_model import cached_tiny_qat_checkpoint  # noqa: E402
 from tools.core.errors import ToolFailure  # noqa: E402
 from tools.gpu.vram import host_memory, server_process_pids  # noqa: E402
 from tools.measure.decode.params import DecodeParams  # noqa: E402

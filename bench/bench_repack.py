@@ -4,7 +4,7 @@
     .venv/bin/python bench/bench_repack.py --scale 1 --keep        # full size (~10.2 GB source)
     .venv/bin/python bench/bench_repack.py --scale 0.26 --levels peaked --steps fp16 --rounding exact \
         --target-dtype bfloat16 --objective runtime-exact               # another distribution and build
-    .venv/bin/python bench/bench_repack.py --ab OLD_kernel.py repack/_kernel_numba.py   # a kernel change, A/B
+    .venv/bin/python bench/bench_repack.py --ab OLD_kernel.py repack/grid/_kernel_numba.py   # a kernel change, A/B
     .venv/bin/python bench/bench_repack.py --scale 1 --member E4B --rounds 3 --baseline /tmp/main-export
         # E4B's shapes; three rounds, each: cp, the build, cp, the baseline tree's build (same load for all)
 
@@ -38,8 +38,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from repack import choices, grid  # noqa: E402
-from repack.synthetic import grid_words, write_member_checkpoint  # noqa: E402
+from repack import choices  # noqa: E402
+from repack.grid import grid  # noqa: E402
+from repack.stand_ins.synthetic import grid_words, write_member_checkpoint  # noqa: E402
 
 STEPS = {"fp32": np.float32, "fp16": np.float16}
 ROUNDING = {"exact": 0.0, "other-way": 0.26}
@@ -87,7 +88,7 @@ def _load_kernel(path: Path):
     import hashlib
     import importlib.util
 
-    from repack import _kernel_numba
+    from repack.grid import _kernel_numba
 
     # numba's on-disk cache is keyed by the source file and records the module name: the project's own kernel
     # loaded under another name would leave cache entries that `repack` then fails to load (no such module)
@@ -173,7 +174,7 @@ def main() -> int:
                     help="time the grid kernel alone on every distribution, target and objective (no build)")
     ap.add_argument("--repeat", type=int, default=3, help="--kernel-only, --ab: best of this many runs")
     ap.add_argument("--ab", nargs=2, type=Path, metavar=("KERNEL_A", "KERNEL_B"),
-                    help="time two copies of repack/_kernel_numba.py against each other (no build), asserting "
+                    help="time two copies of repack/grid/_kernel_numba.py against each other (no build), asserting "
                          "identical outputs; for --target-dtype / --objective")
     ap.add_argument("--member", choices=("E2B", "E4B"), default="E2B", help="whose shapes the source has")
     ap.add_argument("--fill", choices=("grid", "tiled"), default="grid",
@@ -207,7 +208,10 @@ def main() -> int:
     for root in trees.values():
         # Compile (or load from numba's on-disk cache) each tree's grid kernel first: a one-time cost per install
         # that would otherwise land inside the timed build (both specialisations: a build passes read-only views)
-        subprocess.run([sys.executable, "-m", "repack.kernel_cache"], cwd=root, env=_env(root), check=True,
+        # (repack/grid/kernel_cache.py since the repack's folders; a baseline from before has repack/kernel_cache.py)
+        new_place = (root / "repack" / "grid" / "kernel_cache.py").exists()
+        warm = "repack.grid.kernel_cache" if new_place else "repack.kernel_cache"
+        subprocess.run([sys.executable, "-m", warm], cwd=root, env=_env(root), check=True,
                        stdout=subprocess.DEVNULL)
     runs = []
     for rnd in range(args.rounds):

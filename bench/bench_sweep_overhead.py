@@ -73,8 +73,8 @@ def tiny_server(workdir: Path):
     """The tiny model's int4-embedding build (as the tests build it) served on a free port for the run."""
     import socket
 
-    from repack.build import BuildOptions, build_checkpoint
-    from repack.tiny_model import cached_tiny_qat_checkpoint
+    from repack.build.build import BuildOptions, build_checkpoint
+    from repack.stand_ins.tiny_model import cached_tiny_qat_checkpoint
     from tools.serving.config import load_config
     from tools.serving.server.launch import start_server
     from tools.serving.server.server import stop_server

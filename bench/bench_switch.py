@@ -82,8 +82,8 @@ def main() -> int:
     ap.add_argument("--layout", choices=("default", "in-process"), default="default")
     args = ap.parse_args()
 
-    from repack.build import BuildOptions, build_checkpoint
-    from repack.tiny_model import cached_tiny_qat_checkpoint
+    from repack.build.build import BuildOptions, build_checkpoint
+    from repack.stand_ins.tiny_model import cached_tiny_qat_checkpoint
     from tools.core.errors import ToolFailure
     from tools.core.process import free_port
     from tools.serving.frontdoor import service

@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from transformers import Gemma4ForCausalLM, Gemma4TextConfig  # noqa: E402
 
-from repack.tiny_model import TEXT_CONFIG, _batch, pattern_permutation  # noqa: E402
+from repack.stand_ins.tiny_model import TEXT_CONFIG, _batch, pattern_permutation  # noqa: E402
 
 torch.set_num_threads(int(sys.argv[1]))
 torch.manual_seed(0)

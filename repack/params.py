@@ -19,7 +19,7 @@ from tools.core.params import OpParams
 from .choices import (DEFAULT_OBJECTIVE, DEFAULT_SCHEME, DEFAULT_TARGET, OBJECTIVES, SCHEMES, TARGETS, Objective,
                       ScaleDtype, Target)
 from .errors import RepackError, clip, unknown_scheme
-from .tiny_shapes import SHAPE_NAMES, Shape
+from .stand_ins.tiny_shapes import SHAPE_NAMES, Shape
 
 MAX_SHARD_GIB = 1 << 20  # a pebibyte: far above any checkpoint, so one shard holds all of it
 SCALE_DTYPES = ("fp16", "bf16")
@@ -148,7 +148,7 @@ class ProbeParams(OpParams):
 
 
 class TinyModelParams(OpParams):
-    """The tiny stand-in source: where it goes and the member it is shaped as (repack.tiny_shapes)."""
+    """The tiny stand-in source: where it goes and the member it is shaped as (repack.stand_ins.tiny_shapes)."""
 
     # short: every MCP client pays for the default tools' descriptions (tests/mcp/test_mcp_tools.py)
     out: str = Field(description="Folder to write")

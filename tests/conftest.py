@@ -24,7 +24,7 @@ def pytest_configure(config):
         import fcntl
         import threading
 
-        from repack.kernel_cache import warm
+        from repack.grid.kernel_cache import warm
 
         # In the run's temporary folder, the parent of each worker's own: pytest removes it with old runs.
         fd = os.open(config._tmp_path_factory.getbasetemp() / _KERNEL_LOCK, os.O_CREAT | os.O_RDWR, 0o600)
@@ -141,8 +141,8 @@ def pytest_runtest_setup(item):
 @pytest.fixture(scope="session")
 def tiny_qat(tmp_path_factory) -> Path:
     """The tiny multimodal QAT-like checkpoint (sharded, towers, tied head), built once per session (trained once
-    per content address: repack.tiny_model's cache)."""
-    from repack.tiny_model import cached_tiny_qat_checkpoint
+    per content address: repack.stand_ins.tiny_model's cache)."""
+    from repack.stand_ins.tiny_model import cached_tiny_qat_checkpoint
 
     info = cached_tiny_qat_checkpoint(tmp_path_factory.mktemp("tiny") / "gemma-4-tiny-qat")
     assert info.accuracy > 0.95, f"tiny model did not learn its pattern (accuracy {info.accuracy:.3f})"
@@ -152,7 +152,7 @@ def tiny_qat(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_base(tmp_path_factory) -> Path:
     """The same tiny model left off the grid: a stand-in for a base (non-QAT) bf16 checkpoint."""
-    from repack.tiny_model import cached_tiny_qat_checkpoint
+    from repack.stand_ins.tiny_model import cached_tiny_qat_checkpoint
 
     return cached_tiny_qat_checkpoint(tmp_path_factory.mktemp("tiny-base") / "gemma-4-tiny-base", on_grid=False).path
 
@@ -164,7 +164,7 @@ def tiny_base(tmp_path_factory) -> Path:
 
 
 def _build(src: Path, out: Path, **options) -> Path:
-    from repack.build import BuildOptions, build_checkpoint
+    from repack.build.build import BuildOptions, build_checkpoint
 
     build_checkpoint(src, out, BuildOptions(**options))
     return out

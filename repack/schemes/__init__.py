@@ -3,7 +3,8 @@
 
 Every module of this package that defines a scheme registers it with ``@register``; the package imports them
 all, so a new scheme is one module (plus its test and its name in repack.choices.SCHEMES, which the parameter
-models check without importing numpy) and the build, the command line and the report find it here.
+models check without importing numpy) and the build, the command line and the report find it here. The build's
+report (report.py) is here too: each scheme fills its own section of it (base.SchemeReport).
 """
 
 from __future__ import annotations

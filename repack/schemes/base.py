@@ -23,7 +23,7 @@ from typing import Any, ClassVar, Protocol
 import numpy as np
 
 from ..errors import unknown_scheme
-from ..report import RepackReport
+from .report import RepackReport
 
 
 class SchemeOptions(Protocol):

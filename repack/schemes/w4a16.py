@@ -1,10 +1,10 @@
 """W4A16: the QAT checkpoint's symmetric 4-bit grid recovered exactly, as compressed-tensors `pack-quantized`.
 
 Blocks are groups of 32 consecutive values along the input axis. The grid recovery itself (and its numba kernel,
-checked against the numpy reference) lives in `repack/grid.py`; this class only connects it to the build: the
+checked against the numpy reference) lives in `repack/grid/grid.py`; this class only connects it to the build: the
 three tensors per module (`weight_packed` int32 [out, in/8], `weight_scale` [out, in/32] in the scale dtype,
 `weight_shape` int64 [2]; a mixture of experts' fused weights as one such module per expert projection, split
-by repack.plan), the config group, and the grid's exactness figures, which are the report's own
+by repack.build.plan), the config group, and the grid's exactness figures, which are the report's own
 columns (values exact in each runtime's arithmetic, errors in bf16 ulps, off-grid groups).
 """
 
@@ -16,8 +16,8 @@ import numpy as np
 
 from tools.core.errors import param
 
-from .. import config as cfgmod
-from .. import grid
+from ..family import config as cfgmod
+from ..grid import grid
 from ..errors import OffGridError
 from . import register
 from ..choices import DEFAULT_OBJECTIVE, DEFAULT_TARGET

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import config as cfgmod
+from ..family import config as cfgmod
 from ..errors import RepackError, clip
 from . import register
 from .base import ErrorStats, Output, Scheme, SchemeOptions, bf16_to_float

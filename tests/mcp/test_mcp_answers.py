@@ -41,7 +41,7 @@ def _stand_in_build(folder, shape: str) -> dict:
     """A build folder's config.json of the tiny stand-in shaped as `shape`, and a CPU provenance pointing at it."""
     import json
 
-    from repack.tiny_model import text_config
+    from repack.stand_ins.tiny_model import text_config
 
     folder.mkdir(parents=True)
     (folder / "config.json").write_text(json.dumps({"text_config": text_config(shape)}))
@@ -120,8 +120,8 @@ def test_served_figures_name_the_cpu_or_the_gpu(roots, tmp_path, monkeypatch):
 
 def test_probe_build_preview_sizes_say_their_unit(tmp_path):
     """probe_checkpoint's build_preview gave each table's size as a bare number: its keys name the unit."""
-    from repack.probe import probe_checkpoint
-    from repack.tiny_model import cached_tiny_qat_checkpoint
+    from repack.build.probe import probe_checkpoint
+    from repack.stand_ins.tiny_model import cached_tiny_qat_checkpoint
 
     src = cached_tiny_qat_checkpoint(tmp_path / "src").path
     builds = probe_checkpoint(src).build_preview["builds"]

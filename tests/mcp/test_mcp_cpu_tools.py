@@ -103,12 +103,12 @@ def test_make_tiny_model_writes_a_source_probe_calls_qat(mcp, tmp_path):
 
 
 def test_make_tiny_model_takes_the_shape_of_the_command_lines_model(mcp, tmp_path, monkeypatch):
-    """shape (repack.tiny_shapes: e2b by default, e4b, moe) reaches the stand-in's build, declared once for the MCP
-    tool and `python -m repack.tiny_model` (repack.params.TinyModelParams); another is refused in one line naming
+    """shape (repack.stand_ins.tiny_shapes: e2b by default, e4b, moe) reaches the stand-in's build, declared once for the
+    MCP tool and `python -m repack.tiny_model` (repack.params.TinyModelParams); another is refused in one line naming
     it, before anything is written."""
-    from repack import tiny_model
+    from repack.stand_ins import tiny_model
     from repack.params import TinyModelParams
-    from repack.tiny_shapes import SHAPE_NAMES
+    from repack.stand_ins.tiny_shapes import SHAPE_NAMES
     from tools.mcp.repack_tools import TinyParams
 
     made: list[dict] = []

@@ -243,8 +243,8 @@ def test_roots_confine(tmp_path):
 @pytest.mark.parametrize("linked", ["model.safetensors", "config.json", "tokenizer.json"])
 def test_confine_model_refuses_a_checkpoint_file_linked_out_as_probe_does(tmp_path, linked):
     from repack.errors import RepackError
-    from repack.probe import probe_checkpoint
-    from repack.synthetic import write_small_checkpoint
+    from repack.build.probe import probe_checkpoint
+    from repack.stand_ins.synthetic import write_small_checkpoint
 
     models, outside = tmp_path / "models", tmp_path / "outside"
     models.mkdir()
@@ -267,8 +267,8 @@ def test_confine_model_refuses_a_checkpoint_file_linked_out_as_probe_does(tmp_pa
 def test_confine_model_accepts_links_that_stay_in_the_checkpoint(tmp_path):
     """A hub cache snapshot under a models root (files linking to ../../blobs) and a link between a folder's own
     files are what probe and repack read too: served alike."""
-    from repack.probe import probe_checkpoint
-    from repack.synthetic import write_small_checkpoint
+    from repack.build.probe import probe_checkpoint
+    from repack.stand_ins.synthetic import write_small_checkpoint
 
     models = tmp_path / "models"
     src = write_small_checkpoint(tmp_path / "src")

@@ -23,8 +23,8 @@ def test_mcp_plan_fit(mcp, roots):
 def test_plan_fit_answers_fit_unclipped_for_every_member(mcp):
     """Every member's plan fits the result budget whole: nothing clipped, the readable table in full, what was left
     out named (the command line's --json), and the summary says the figures are the planner's, not measured."""
-    from repack.fit import plan_member
-    from repack.members import by_name
+    from repack.build.fit import plan_member
+    from repack.family.members import by_name
     from tools.mcp.bounded import RESULT_BUDGET
 
     async def go():
@@ -48,7 +48,7 @@ def test_a_text_shape_of_the_wrong_type_is_one_line_through_mcp(mcp, roots):
     "TypeError: '>' not supported" before)."""
     import json
 
-    from repack.synthetic import write_small_checkpoint
+    from repack.stand_ins.synthetic import write_small_checkpoint
 
     src = write_small_checkpoint(roots.models[0] / "src")
     cfg = json.loads((src / "config.json").read_text())

@@ -220,7 +220,7 @@ def test_probe_and_repack_with_progress(tiny_mcp, tiny_qat, tiny_base):
 def test_repack_as_job_then_busy_rule(tiny_mcp, tiny_qat, monkeypatch):
     import threading
 
-    from repack import build
+    from repack.build import build
 
     mcp, models = tiny_mcp
     checked, real = threading.Event(), build.build_checkpoint

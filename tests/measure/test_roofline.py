@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from repack.checkpoint import open_checkpoint
+from repack.source.checkpoint import open_checkpoint
 from repack.params import BuildOptions
-from repack.plan import output_config, plan
-from repack.synthetic import e2b_config, e2b_tensors, write_e2b_checkpoint, write_safetensors
+from repack.build.plan import output_config, plan
+from repack.stand_ins.synthetic import e2b_config, e2b_tensors, write_e2b_checkpoint, write_safetensors
 from tools.gpu.vram import memory_bandwidth
 from tools.measure.roofline import (Bandwidth, StepBytes, copy_buffer_bytes, cpu_copy_bandwidth, decode_step_bytes,
                                     device_bandwidth, kv_bytes_per_token_at, roofline, single_stream_roofline,
@@ -107,7 +107,7 @@ def test_kv_bytes_follow_layer_types_head_dims_sharing_and_the_window():
 def test_synthetic_config_is_what_gemma4s_config_classes_accept():
     from transformers import Gemma4Config, Gemma4TextConfig
 
-    from repack.config import text_only
+    from repack.family.config import text_only
 
     cfg = e2b_config(e2b_tensors(1.0))
     text = Gemma4Config(**cfg).text_config
@@ -136,7 +136,7 @@ def _planned_build(tmp_path: Path, opt: BuildOptions) -> Path:
 
 
 def test_all_4bit_build_at_real_shapes_is_2_636_gib_and_its_step_bytes_match_its_tensors(tmp_path):
-    from repack.safetensors_io import read_header
+    from repack.source.safetensors_io import read_header
 
     out = _planned_build(tmp_path, BuildOptions(text_only=True, embed_int4=True, embed_tokens=True))
     tensors = {n: t for f in out.glob("*.safetensors") for n, t in read_header(f).tensors.items()}

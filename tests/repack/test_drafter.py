@@ -1,7 +1,7 @@
 """A gemma4_assistant drafter as a repack source: recognised, probed, refused off the grid, packed as the target is.
 
-The drafters here are numpy-made, in the tiny drafter's layout (repack.tiny_model.build_tiny_drafter): its tensor
-names and shapes, values on the 4-bit grid (or not)."""
+The drafters here are numpy-made, in the tiny drafter's layout (repack.stand_ins.tiny_model.build_tiny_drafter): its
+tensor names and shapes, values on the 4-bit grid (or not)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from repack import grid
-from repack.build import BuildOptions, build_checkpoint
-from repack.checkpoint import open_checkpoint
-from repack.probe import probe_checkpoint
-from repack.synthetic import grid_words, random_words, write_safetensors
+from repack.grid import grid
+from repack.build.build import BuildOptions, build_checkpoint
+from repack.source.checkpoint import open_checkpoint
+from repack.build.probe import probe_checkpoint
+from repack.stand_ins.synthetic import grid_words, random_words, write_safetensors
 
 from tests.helpers.fixtures import IN_PROCESS_TORCH, one_line_error, repack_cli
 
@@ -75,7 +75,7 @@ def test_probe_says_whether_the_drafters_linears_are_on_the_grid(tmp_path):
     assert off.drafter["linears_off_grid"] == 12 and not off.drafter["packable"]
     assert "not a QAT drafter: repack refuses it" in off.format_table()
     # a target is no drafter
-    from repack.synthetic import write_small_checkpoint
+    from repack.stand_ins.synthetic import write_small_checkpoint
     assert probe_checkpoint(write_small_checkpoint(tmp_path / "target")).drafter is None
 
 
@@ -199,7 +199,7 @@ def test_a_damaged_drafter_is_refused_in_one_line_and_nothing_is_written(tmp_pat
 
 
 def test_a_drafter_shape_of_the_wrong_type_is_refused_by_the_config_reader(tmp_path, capsys):
-    """A boolean where a whole number goes: refused by the one config reader (repack.config.validate), as for
+    """A boolean where a whole number goes: refused by the one config reader (repack.family.config.validate), as for
     any checkpoint, before the drafter's own checks count with it."""
     src = write_drafter(tmp_path / "src", config=_config(num_hidden_layers=True))
     rc, err = repack_cli(capsys, "build", src, tmp_path / "out")
@@ -211,8 +211,8 @@ def test_a_drafter_shape_of_the_wrong_type_is_refused_by_the_config_reader(tmp_p
 @IN_PROCESS_TORCH
 def test_the_tiny_drafters_layout_passes_the_check(tmp_path):
     """The layout check against what transformers writes for the tiny drafter (config and tensor shapes)."""
-    from repack import drafter
-    from repack.tiny_model import DRAFTER_TEXT_CONFIG, TEXT_CONFIG
+    from repack.family import drafter
+    from repack.stand_ins.tiny_model import DRAFTER_TEXT_CONFIG, TEXT_CONFIG
 
     from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM
 
@@ -229,7 +229,7 @@ def test_the_tiny_drafters_layout_passes_the_check(tmp_path):
 # -- the family's drafters: one path, the member named, a pairing across members refused -----------------------------
 
 def e4b_shaped_config(**over: object) -> dict:
-    """A drafter shaped as E4B's (repack.members: what it shares with its target, backbone 2,560, the family's
+    """A drafter shaped as E4B's (repack.family.members: what it shares with its target, backbone 2,560, the family's
     vocabulary, head sizes 256/512, 2 KV heads; a centroid-masked head as E4B's has) at a tiny draft width."""
     tc = {"model_type": "gemma4_text", "hidden_size": 32, "vocab_size": 262144, "num_hidden_layers": 2,
           "intermediate_size": 64, "num_attention_heads": 1, "num_key_value_heads": 2, "head_dim": 256,
@@ -244,7 +244,7 @@ def e4b_shaped_config(**over: object) -> dict:
 
 
 def write_family_drafter(out: Path, config: dict, seed: int = 0) -> Path:
-    """A drafter with the tensors its config declares (what repack.drafter.check_layout holds it to), linears and
+    """A drafter with the tensors its config declares (what repack.family.drafter.check_layout holds it to), linears and
     embedding on the 4-bit grid."""
     rng = np.random.default_rng(seed)
     tc, bb = config["text_config"], config["backbone_hidden_size"]
@@ -317,7 +317,7 @@ def test_a_drafter_claiming_the_family_at_no_members_layout_is_refused_in_one_li
 
 
 def test_a_drafter_beside_a_target_of_another_member_is_refused_naming_both(e4b_drafter, tmp_path):
-    from repack.members import MEMBERS
+    from repack.family.members import MEMBERS
     from tools.core.errors import BadInput
     from tools.serving.preflight.speculative import validate_speculative_config
 
@@ -340,9 +340,9 @@ def test_a_drafter_beside_a_target_of_another_member_is_refused_naming_both(e4b_
 
 
 def test_the_12b_drafters_unified_layout_is_a_drafter_of_the_12b(tmp_path):
-    """The 12B's drafter is a gemma4_unified_assistant (its published config, as repack/members.py cites it)."""
-    from repack import drafter
-    from repack.members import MEMBERS, identify_drafter
+    """The 12B's drafter is a gemma4_unified_assistant (its published config, as repack/family/members.py cites it)."""
+    from repack.family import drafter
+    from repack.family.members import MEMBERS, identify_drafter
 
     cfg = {"architectures": ["Gemma4UnifiedAssistantForCausalLM"], "model_type": "gemma4_unified_assistant",
            "backbone_hidden_size": 3840, "use_ordered_embeddings": False,

@@ -1,4 +1,4 @@
-"""Tiny stand-ins shaped as other members (repack/tiny_model.py SHAPES): the E4B-shaped one (2 KV heads,
+"""Tiny stand-ins shaped as other members (repack/stand_ins/tiny_model.py SHAPES): the E4B-shaped one (2 KV heads,
 single-width MLP) and the MoE-shaped one (experts beside the dense MLP, k_eq_v, no PLE) build all-4-bit, and each
 build, decompressed by compressed-tensors, gives the source's logits in transformers. For the MoE this is the
 proof of the expert layout: vLLM's CPU backend does not run Gemma 4's W4A16 experts (evidence/moe-tiny-cpu.md)."""
@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from repack.tiny_model import cached_tiny_qat_checkpoint
-from repack.tiny_shapes import SHAPES
+from repack.stand_ins.tiny_model import cached_tiny_qat_checkpoint
+from repack.stand_ins.tiny_shapes import SHAPES
 from tests.helpers.fixtures import repack_cli
 
 
@@ -98,7 +98,7 @@ def test_e4b_shaped_stand_in_builds_all_4_bit_and_keeps_the_sources_logits(stand
 def test_moe_shaped_stand_in_builds_all_4_bit_and_keeps_the_sources_logits(stand_ins, tmp_path, capsys):
     """Every expert packed int4 as its own gate/up/down module (the names vLLM's compressed-tensors MoE loading
     reads), the router kept bf16; decompressed and stacked back, the experts give the source's logits."""
-    from repack.probe import probe_checkpoint
+    from repack.build.probe import probe_checkpoint
 
     src = stand_ins["moe"].path
     tc = json.loads((src / "config.json").read_text())["text_config"]
@@ -125,7 +125,8 @@ def test_the_command_line_takes_the_shape_from_the_mcp_tools_model(tmp_path, cap
     """`python -m repack.tiny_model --shape` comes from repack.params.TinyModelParams, the model the MCP tool
     make_tiny_model's signature derives from: the same choices, the shape passed to the build, another refused
     with status 2 and nothing written."""
-    from repack import tiny_cli, tiny_model
+    from repack import tiny_model as tiny_cli
+    from repack.stand_ins import tiny_model
     from repack.params import TinyModelParams
 
     made: list[tuple[str, str]] = []
@@ -149,9 +150,9 @@ def test_stand_ins_keep_the_members_order_of_size():
     import torch
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
-    from repack.members import by_name, text_tables
-    from repack.tiny_model import text_config
-    from repack.tiny_shapes import MEMBER_OF
+    from repack.family.members import by_name, text_tables
+    from repack.stand_ins.tiny_model import text_config
+    from repack.stand_ins.tiny_shapes import MEMBER_OF
 
     def tiny(shape: str) -> int:
         with torch.device("meta"):

@@ -1,4 +1,4 @@
-"""The fit planner (repack/fit.py, `python -m repack plan`, the MCP tool plan_fit): the article's E2B columns
+"""The fit planner (repack/build/fit.py, `python -m repack plan`, the MCP tool plan_fit): the article's E2B columns
 within the error it states, the 31B refused plainly, a member planned by name with nothing downloaded."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from repack.fit import ARTICLE_E2B, KV_ERROR, LOAD_ERROR_GIB, PlanParams, kv_layout, plan_fit, plan_member
-from repack.members import MEMBERS
-from repack.synthetic import write_small_checkpoint
+from repack.build.fit import ARTICLE_E2B, KV_ERROR, LOAD_ERROR_GIB, PlanParams, kv_layout, plan_fit, plan_member
+from repack.family.members import MEMBERS
+from repack.stand_ins.synthetic import write_small_checkpoint
 from tests.helpers.fixtures import one_line_error, repack_cli
 
 
@@ -127,8 +127,8 @@ def test_each_builds_description_is_the_members_own():
 def test_the_stated_error_is_e2bs_alone_and_other_members_say_theirs_is_unknown():
     """plan_fit gave E2B's error bars ("loads within 0.08 GiB, KV tokens within 6% against the article's E2B
     figures") for E4B and the 12B, which no measurement backs: only E2B's plan is validated."""
-    from repack.fit import plan_member
-    from repack.members import by_name
+    from repack.build.fit import plan_member
+    from repack.family.members import by_name
 
     e2b = plan_member(by_name("E2B"))
     assert e2b.error["validated"] and e2b.error["load_gib"] == 0.08 and e2b.error["kv_relative"] == 0.06
@@ -144,8 +144,8 @@ def test_why_the_12bs_kv_tokens_fall_with_a_shorter_context_is_said():
     unexplained: a request reserves its sliding layers' window plus a prefill chunk whatever the context (86% and
     93% of its blocks), and vLLM counts tokens as requests x context; E2B at the article's 16,384 (36% sliding)
     needs no such note."""
-    from repack.fit import plan_member
-    from repack.members import by_name
+    from repack.build.fit import plan_member
+    from repack.family.members import by_name
 
     long, short = (plan_member(by_name("12B"), max_model_len=n) for n in (16_384, 8_192))
     a, b = long.build("all-4-bit"), short.build("all-4-bit")

@@ -1,11 +1,11 @@
-"""`python -m repack.kernel_cache` (./setup.sh runs it): the grid kernel is compiled into numba's cache, and
+"""`python -m repack.grid.kernel_cache` (./setup.sh runs it): the grid kernel is compiled into numba's cache, and
 what a build process then loads."""
 
 from __future__ import annotations
 
 import pytest
 
-from repack import kernel_cache
+from repack.grid import kernel_cache
 
 
 def test_warm_loads_the_numba_kernel_and_says_so(capsys):
@@ -15,7 +15,7 @@ def test_warm_loads_the_numba_kernel_and_says_so(capsys):
 
 
 def test_without_numba_it_says_builds_fall_back(monkeypatch, capsys):
-    from repack import grid
+    from repack.grid import grid
 
     monkeypatch.setattr(grid, "_kernel", None)
     monkeypatch.setenv("REPACK_NO_NUMBA", "1")
@@ -24,12 +24,12 @@ def test_without_numba_it_says_builds_fall_back(monkeypatch, capsys):
 
 
 def test_the_kernel_benchmark_loads_the_project_kernel_as_the_project_does():
-    # Loading repack/_kernel_numba.py under another module name wrote numba cache entries for that file that
+    # Loading repack/grid/_kernel_numba.py under another module name wrote numba cache entries for that file that
     # name the other module; the next `python -m repack` then failed with "No module named 'kernel_…'".
     import sys
     from pathlib import Path
 
-    from repack import _kernel_numba
+    from repack.grid import _kernel_numba
 
     bench = Path(__file__).resolve().parents[2] / "bench"
     sys.path.insert(0, str(bench))
@@ -47,8 +47,8 @@ def _fresh_process_quantizes(env: dict, compared: str, report: str) -> str:
     import subprocess
     import sys
 
-    code = ("import sys, numpy as np; from repack import grid; assert grid.implementation() == 'numba'; "
-            "from repack._kernel_numba import quantize_rows as k; "
+    code = ("import sys, numpy as np; from repack.grid import grid; assert grid.implementation() == 'numba'; "
+            "from repack.grid._kernel_numba import quantize_rows as k; "
             "w = (np.arange(64, dtype=np.uint16) + 0x3F00).reshape(2, 32); "
             "a = grid.quantize(w); b = grid.quantize_numpy(w); "
             f"assert all(np.array_equal(x, y) for x, y in zip(a{compared}, b{compared})); print({report})")
@@ -70,7 +70,7 @@ def test_a_build_process_loads_the_kernel_from_numbas_cache_without_compiling():
 def _adversarial_words():
     import numpy as np
 
-    from repack.synthetic import grid_words
+    from repack.stand_ins.synthetic import grid_words
 
     rng = np.random.default_rng(11)
     blocks = []
@@ -89,7 +89,7 @@ def test_the_kernel_on_a_read_only_block_takes_the_reference_decisions():
     # a build passes read-only views of its memory map (the second specialisation warm() compiles)
     import numpy as np
 
-    from repack import _kernel_numba, grid
+    from repack.grid import _kernel_numba, grid
 
     w = _adversarial_words()
     ro = np.frombuffer(w.tobytes(), np.uint16).reshape(w.shape)
@@ -106,7 +106,7 @@ def test_the_kernel_on_a_read_only_block_takes_the_reference_decisions():
 
 
 def test_the_kernel_releases_the_gil_so_row_blocks_run_on_every_core():
-    from repack import _kernel_numba
+    from repack.grid import _kernel_numba
 
     assert _kernel_numba.quantize_rows.targetoptions.get("nogil") is True
 
@@ -114,7 +114,7 @@ def test_the_kernel_releases_the_gil_so_row_blocks_run_on_every_core():
 def test_the_kernel_refuses_words_it_would_misread():
     import numpy as np
 
-    from repack import grid
+    from repack.grid import grid
 
     for bad in (np.zeros((2, 32), np.int32), np.zeros(64, np.uint16), np.zeros((2, 48), np.uint16)):
         with pytest.raises(ValueError, match="uint16"):

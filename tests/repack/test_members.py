@@ -1,4 +1,4 @@
-"""The family table (repack/members.py): every member registered with its source, a checkpoint's member read
+"""The family table (repack/family/members.py): every member registered with its source, a checkpoint's member read
 from its config.json, an unknown layout refused in one line, and the probe saying what the build will hold per
 table before anything is written."""
 
@@ -9,11 +9,11 @@ import json
 import numpy as np
 import pytest
 
-from repack import members
+from repack.family import members
 from repack.errors import RepackError
-from repack.members import GIB, MEMBERS, by_name, identify, text_tables
-from repack.probe import probe_checkpoint
-from repack.synthetic import grid_words, write_safetensors, write_small_checkpoint
+from repack.family.members import GIB, MEMBERS, by_name, identify, text_tables
+from repack.build.probe import probe_checkpoint
+from repack.stand_ins.synthetic import grid_words, write_safetensors, write_small_checkpoint
 from tests.helpers.fixtures import IN_PROCESS_TORCH, one_line_error, repack_cli
 
 
@@ -121,8 +121,8 @@ def test_moe_expert_weights_are_packed_per_expert_on_their_grid(tmp_path, capsys
     """Each expert's gate, up and down rows become a pack-quantized module of its own, as vLLM's compressed-tensors
     MoE loading reads them (experts.{e}.gate_proj ...), decoding to the source values exactly; the router stays
     bf16 and is ignored by the config; the probe says so before anything is written."""
-    from repack import grid
-    from repack.checkpoint import open_checkpoint
+    from repack.grid import grid
+    from repack.source.checkpoint import open_checkpoint
     from repack.params import BuildOptions
     from repack.schemes import get
 
@@ -211,7 +211,8 @@ def test_every_members_published_drafter_is_registered_and_named_from_its_config
 @pytest.mark.parametrize("name, public, unit", [("E4B", 78.518, 1e6), ("26B-A4B", 0.42, 1e9)])
 def test_the_registered_drafter_shapes_give_the_publicly_counted_parameters(name, public, unit):
     """Oracle: transformers builds the drafter from the registered figures (on the meta device) and its parameter
-    count is the one public sources give for Google's drafter (repack/members.py cites them), to their rounding."""
+    count is the one public sources give for Google's drafter (repack/family/members.py cites them), to their
+    rounding."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 

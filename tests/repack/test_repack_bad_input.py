@@ -14,11 +14,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from repack import build as build_mod
-from repack import grid, safetensors_io
+from repack.build import build as build_mod
+from repack.grid import grid
+from repack.source import safetensors_io
 from tools.cli import repack_cli as cli
-from repack.build import BuildOptions, build_checkpoint
-from repack.synthetic import grid_words, write_small_checkpoint
+from repack.build.build import BuildOptions, build_checkpoint
+from repack.stand_ins.synthetic import grid_words, write_small_checkpoint
 
 from tests.helpers.fixtures import default_signals, one_line_error, reaped, repack_cli
 
@@ -151,7 +152,7 @@ def test_base_model_is_refused(tiny_base, tmp_path, capsys):
 
 
 def test_probe_tells_qat_from_base(tiny_qat, tmp_path):
-    from repack.probe import probe_checkpoint
+    from repack.build.probe import probe_checkpoint
 
     qat = probe_checkpoint(tiny_qat)
     assert qat.verdict == "qat" and qat.text_off_grid == 0 and qat.text_on_grid == 53
@@ -162,7 +163,7 @@ def test_probe_tells_qat_from_base(tiny_qat, tmp_path):
 
 def test_probe_says_a_build_is_already_packed_not_ready_to_repack(bf16_text_build, emb4_build, capsys):
     """A linears-only build keeps its bf16 embeddings, which sit on the grid: it once read "qat, ready to repack"."""
-    from repack.probe import probe_checkpoint
+    from repack.build.probe import probe_checkpoint
 
     for build in (bf16_text_build, emb4_build):
         report = probe_checkpoint(build)
@@ -220,7 +221,7 @@ def test_full_disk_on_a_real_small_file_system(tmp_path, capsys, monkeypatch):
             raise OSError(errno.ENOSPC, "No space left on device")
         monkeypatch.setattr(safetensors_io.os, "posix_fallocate", no_space)
     monkeypatch.setattr(build_mod, "_free_bytes", lambda out: None)  # reach the writer, not the pre-check
-    from repack import checks
+    from repack.source import checks
 
     monkeypatch.setattr(checks, "free_bytes", lambda p: (p, 1 << 40))  # nor the command's preflight
     big = write_small_checkpoint(tmp_path / "big", extra={
@@ -277,7 +278,7 @@ def test_sigterm_leaves_nothing(good, tmp_path):
     out = tmp_path / "out"
     script = (
         "import sys, time; sys.path.insert(0, %r)\n"
-        "from repack import grid\nfrom tools.cli import repack_cli as cli\n"
+        "from repack.grid import grid\nfrom tools.cli import repack_cli as cli\n"
         "real = grid.quantize\n"
         "def slow(w, *args):\n"
         "    time.sleep(0.5); return real(w, *args)\n"
@@ -381,7 +382,7 @@ def test_a_signal_stops_the_probe_with_one_line(good, sig, rc, how):
     """The probe exits as the build does on a signal: one line and 128 + the signal, no traceback."""
     script = (
         "import sys, time; sys.path.insert(0, %r)\n"
-        "from repack import grid\nfrom tools.cli import repack_cli as cli\n"
+        "from repack.grid import grid\nfrom tools.cli import repack_cli as cli\n"
         "real = grid.quantize\n"
         "def slow(w, *args):\n"
         "    print('sampling', file=sys.stderr, flush=True); time.sleep(60); return real(w, *args)\n"

@@ -13,9 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from repack import choices, grid
-from repack.build import BuildOptions, build_checkpoint
-from repack.checkpoint import open_checkpoint
+from repack import choices
+from repack.grid import grid
+from repack.build.build import BuildOptions, build_checkpoint
+from repack.source.checkpoint import open_checkpoint
 
 from tests.helpers.fixtures import IN_PROCESS_TORCH
 

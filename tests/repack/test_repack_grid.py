@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from repack import grid
-from repack.synthetic import grid_words
+from repack.grid import grid
+from repack.stand_ins.synthetic import grid_words
 
 from tests.helpers.fixtures import IN_PROCESS_TORCH
 
@@ -184,7 +184,7 @@ def test_groups_side_by_side_give_the_bytes_of_one_group_at_a_time(target, objec
     and special groups, any words at all, fp16 steps (runtime products at rounding ties), and block sizes that
     are no multiple of the chunk."""
     pytest.importorskip("numba")
-    from repack import _kernel_numba as k
+    from repack.grid import _kernel_numba as k
 
     rng = np.random.default_rng(47)
     blocks = [_adversarial(rng), _special_groups(grid_words(96, 512, rng, jitter=0.26), rng),
@@ -254,7 +254,7 @@ def test_kernel_interval_bounds_equal_the_reference_tables_for_every_value(fmt):
     pytest.importorskip("numba")
     import numba
 
-    from repack import _kernel_numba as k
+    from repack.grid import _kernel_numba as k
 
     assert k.EXCL == grid.EXCL
     sig, minexp, vmax = grid.bits_of(fmt)
@@ -282,7 +282,7 @@ def test_kernel_float32_no_interval_decision_is_never_wrong():
 
     import numba
 
-    from repack import _kernel_numba as k
+    from repack.grid import _kernel_numba as k
 
     (s16, e16, v16), (sbf, ebf, vbf) = grid.bits_of("fp16"), grid.bits_of("bf16")
 

@@ -16,12 +16,12 @@ import pytest
 import safetensors
 from safetensors import safe_open
 
-from repack.build import BuildOptions, build_checkpoint
-from repack.checkpoint import open_checkpoint
+from repack.build.build import BuildOptions, build_checkpoint
+from repack.source.checkpoint import open_checkpoint
 from repack.errors import RepackError
-from repack.probe import probe_checkpoint
-from repack.safetensors_io import DTYPES, MappedFile
-from repack.synthetic import grid_words, write_small_checkpoint
+from repack.build.probe import probe_checkpoint
+from repack.source.safetensors_io import DTYPES, MappedFile
+from repack.stand_ins.synthetic import grid_words, write_small_checkpoint
 
 from tests.helpers.fixtures import one_line_error, repack_cli
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tools.cli import repack_cli as cli
-from repack.synthetic import write_small_checkpoint
+from repack.stand_ins.synthetic import write_small_checkpoint
 
 from tests.helpers.fixtures import one_line_error, repack_cli
 
@@ -176,7 +176,7 @@ def test_the_space_check_counts_a_link_that_becomes_a_copy(src, tmp_path, other_
     import shutil
     from collections import namedtuple
 
-    from repack.build import BuildOptions, build_checkpoint
+    from repack.build.build import BuildOptions, build_checkpoint
     from repack.errors import RepackError
 
     _with_tower_shard(src)

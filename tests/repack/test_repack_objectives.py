@@ -9,11 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from repack import choices, grid
-from repack.build import BuildOptions, build_checkpoint
-from repack.checkpoint import open_checkpoint
+from repack import choices
+from repack.grid import grid
+from repack.build.build import BuildOptions, build_checkpoint
+from repack.source.checkpoint import open_checkpoint
 from repack.errors import OffGridError, RepackError
-from repack.synthetic import grid_words, write_small_checkpoint
+from repack.stand_ins.synthetic import grid_words, write_small_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 IMPLS = {"numpy": grid.quantize_numpy, "fast": grid.quantize}

@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from repack import grid
+from repack.grid import grid
 from tools.cli import repack_cli as cli
 from tools.core import atomic, atomic_leftovers as leftovers, atomic_renames as renames
-from repack.build import BuildOptions, build_checkpoint
-from repack.checkpoint import open_checkpoint
+from repack.build.build import BuildOptions, build_checkpoint
+from repack.source.checkpoint import open_checkpoint
 from repack.errors import RepackError
-from repack.synthetic import write_small_checkpoint
+from repack.stand_ins.synthetic import write_small_checkpoint
 
 from tests.helpers.fixtures import default_signals, one_line_error, reaped, repack_cli
 
@@ -367,7 +367,7 @@ grid.quantize = slow
 _SLOW_CHILD = """
 import sys, time
 sys.path.insert(0, {root!r})
-from repack import grid
+from repack.grid import grid
 from tools.cli import repack_cli as cli
 """ + _SLOW_QUANTIZE + """{extra}
 sys.exit(cli.main(["build", {src!r}, {out!r}, "--text-only", "--embed-int4", "--embed-tokens"]))
@@ -376,7 +376,7 @@ sys.exit(cli.main(["build", {src!r}, {out!r}, "--text-only", "--embed-int4", "--
 # touched here first, every block reads the source as the grid kernel does
 _TOUCH_COPIES = """
 import os
-from repack import build
+from repack.build import build
 real_copy = build._copy_block
 def touching(mf, it, writers, start, length):
     if length > 0:
@@ -583,9 +583,9 @@ def test_cleanup_own_partials_removes_a_stuck_builds_folder(src, tmp_path, fresh
 _SERVER_CHILD = """
 import os, signal, sys, threading, time
 sys.path.insert(0, {root!r})
-from repack import grid
+from repack.grid import grid
 from tools.core import atomic
-from repack.build import BuildOptions, build_checkpoint
+from repack.build.build import BuildOptions, build_checkpoint
 """ + _SLOW_QUANTIZE + """def on_term(signum, frame):
     atomic.cleanup_own_partials()
     os._exit(143)
@@ -730,7 +730,8 @@ def test_bad_max_shard_size_is_a_usage_error(src, tmp_path, capsys, value):
 
 @pytest.mark.parametrize("kind", ["repack-build", "fetched-source", "file"])
 def test_tiny_model_force_replaces_only_a_folder_it_wrote(tmp_path, capsys, monkeypatch, kind):
-    from repack import tiny_cli, tiny_model
+    from repack import tiny_model as tiny_cli
+    from repack.stand_ins import tiny_model
 
     made = []
     monkeypatch.setattr(tiny_model, "cached_tiny_qat_checkpoint",
@@ -752,7 +753,8 @@ def test_tiny_model_force_replaces_only_a_folder_it_wrote(tmp_path, capsys, monk
 
 
 def test_tiny_model_force_replaces_its_own_folder_and_an_empty_one(tmp_path, capsys, monkeypatch):
-    from repack import tiny_cli, tiny_model
+    from repack import tiny_model as tiny_cli
+    from repack.stand_ins import tiny_model
 
     made = []
     monkeypatch.setattr(tiny_model, "cached_tiny_qat_checkpoint",

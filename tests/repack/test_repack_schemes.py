@@ -12,9 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from repack import grid, schemes
-from repack.build import BuildOptions, build_checkpoint
-from repack.checkpoint import open_checkpoint
+from repack.grid import grid
+from repack import schemes
+from repack.build.build import BuildOptions, build_checkpoint
+from repack.source.checkpoint import open_checkpoint
 from repack.errors import RepackError
 
 from tests.helpers.fixtures import IN_PROCESS_TORCH
@@ -270,7 +271,7 @@ def test_w8a8_needs_no_grid_for_the_linears(tmp_path):
     """The int8 linears are computed from any bf16 values: a linear off the 4-bit grid builds with w8a8 (and stops
     the w4a16 build), while an int4 table off the grid still stops a w8a8 build at its first off-grid group."""
     from repack.errors import OffGridError
-    from repack.synthetic import write_small_checkpoint
+    from repack.stand_ins.synthetic import write_small_checkpoint
 
     lin = write_small_checkpoint(tmp_path / "lin", off_grid=("model.language_model.layers.0.mlp.up_proj.weight", 1, 0))
     with pytest.raises(OffGridError, match="up_proj"):
@@ -288,7 +289,7 @@ def test_w8a8_needs_no_grid_for_the_linears(tmp_path):
 def test_w8a8_steps_keep_the_int8_group(tmp_path):
     """A multimodal W8A8 step ignores the towers; a later text-only step carries the int8 linears and their config
     group unchanged, and a later int4-embedding step adds the int4 group beside it."""
-    from repack.synthetic import write_small_checkpoint
+    from repack.stand_ins.synthetic import write_small_checkpoint
 
     src = write_small_checkpoint(tmp_path / "src")
     s1, s2, s3 = tmp_path / "s1", tmp_path / "s2", tmp_path / "s3"
@@ -320,7 +321,7 @@ def test_w8a8_build_serves_on_the_cpu_int8_kernel(w8a8_build, serve_config_facto
     import httpx
 
     from tests.helpers.fixtures import in_process_engine, require_plugin
-    from repack.tiny_model import pattern_permutation
+    from repack.stand_ins.tiny_model import pattern_permutation
     from tools.serving.server.launch import start_server
     from tools.serving.server.server import stop_server
 
@@ -357,7 +358,7 @@ def test_w8a8_build_refuses_a_nonfinite_weight(tmp_path, capsys, bad):
     """No int8 level represents NaN or an infinity: the build stops naming tensor, row and column, writes
     nothing, and the command line says so in one line with exit 2."""
     from repack.errors import RepackError
-    from repack.synthetic import grid_words, write_small_checkpoint
+    from repack.stand_ins.synthetic import grid_words, write_small_checkpoint
 
     name = "model.language_model.layers.1.mlp.up_proj.weight"
     w = grid_words(128, 64, np.random.default_rng(3))
@@ -376,7 +377,7 @@ def test_w8a8_build_refuses_a_nonfinite_weight(tmp_path, capsys, bad):
 
 def test_a_scheme_is_refused_for_linears_already_packed_otherwise(tmp_path, capsys):
     """An int4 build as the source of a w8a8 one: its linears would be carried int4 under a w8a8 report."""
-    from repack.synthetic import write_small_checkpoint
+    from repack.stand_ins.synthetic import write_small_checkpoint
 
     from tests.helpers.fixtures import one_line_error, repack_cli
 

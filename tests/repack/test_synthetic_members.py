@@ -1,5 +1,5 @@
-"""The synthetic source at a member's real shapes (repack.synthetic.write_member_checkpoint), as the real-shape
-bench writes it: E2B's files exactly as before the writer took the member, and another member's source with
+"""The synthetic source at a member's real shapes (repack.stand_ins.synthetic.write_member_checkpoint), as the
+real-shape bench writes it: E2B's files exactly as before the writer took the member, and another member's source with
 that member's configuration and the tables the fit planner counts. Sparse files (fill "none"): headers only, no
 multi-GiB writes."""
 
@@ -12,11 +12,11 @@ import struct
 
 import pytest
 
-from repack.checkpoint import open_checkpoint
-from repack.fit import plan_member
-from repack.members import GIB, MEMBERS, identify, text_tables
-from repack.preview import build_tables
-from repack.synthetic import (e2b_config, e2b_tensors, member_config, member_tensors, write_e2b_checkpoint,
+from repack.source.checkpoint import open_checkpoint
+from repack.build.fit import plan_member
+from repack.family.members import GIB, MEMBERS, identify, text_tables
+from repack.build.preview import build_tables
+from repack.stand_ins.synthetic import (e2b_config, e2b_tensors, member_config, member_tensors, write_e2b_checkpoint,
                               write_member_checkpoint)
 
 

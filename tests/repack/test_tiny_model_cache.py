@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from repack import tiny_model
+from repack.stand_ins import tiny_model
 
 
 @pytest.fixture
@@ -81,9 +81,9 @@ def test_the_key_follows_the_module_source_and_library_versions(monkeypatch, tmp
 
 
 def test_the_key_follows_the_shapes_config(monkeypatch):
-    """A stand-in's shape lives in repack/tiny_shapes.py, outside the hashed source: widening the E4B-shaped one
-    must not hand out the narrower model cached before."""
-    import repack.tiny_shapes as shapes
+    """A stand-in's shape lives in repack/stand_ins/tiny_shapes.py, outside the hashed source: widening the E4B-shaped
+    one must not hand out the narrower model cached before."""
+    import repack.stand_ins.tiny_shapes as shapes
 
     key = tiny_model.cache_key(shape="e4b")
     assert key != tiny_model.cache_key(shape="e2b")

@@ -12,12 +12,12 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from repack.build import build_checkpoint
-from repack.checks import check_disk, check_source, protected_folders
+from repack.build.build import build_checkpoint
+from repack.source.checks import check_disk, check_source, protected_folders
 from repack.errors import RepackError
-from repack.fit import PlanParams, plan_fit
+from repack.build.fit import PlanParams, plan_fit
 from repack.params import BuildOptions, BuildParams, ProbeParams
-from repack.probe import probe_checkpoint
+from repack.build.probe import probe_checkpoint
 from tools.cli.commands import CLI, Command, add_command, add_commands
 from tools.core.atomic import resolve_output, signals_as_exceptions
 from tools.core.atomic_leftovers import find_stale_partials
@@ -136,7 +136,7 @@ def _stopped(e: KeyboardInterrupt, out: str | None = None) -> int:
 
 
 def _preflight(src: str, out: str) -> None:
-    """The repack's own checks before the build (repack.checks: the source's config.json, free disk for what the
+    """The repack's own checks before the build (repack.source.checks: the source's config.json, free disk for what the
     build writes plus headroom); raises the first failing one, named by its check as the deployment preflight
     names it (`source: ...`, `disk: ...`)."""
     try:

@@ -2,7 +2,7 @@
 
     python3 -m tools.demo          (or ./vllm-t4 demo)
 
-Without an NVIDIA GPU it builds the tiny Gemma-4-shaped QAT-like model (repack.tiny_model), so nothing is
+Without an NVIDIA GPU it builds the tiny Gemma-4-shaped QAT-like model (repack.stand_ins.tiny_model), so nothing is
 downloaded; on a machine where `nvidia-smi -L` answers (the T4 VM) it takes the real QAT checkpoint from
 SOURCE_CHECKPOINT in tpu.env (or --source), after the checks of `./vllm-t4 doctor`; with SOURCE_CHECKPOINT
 empty and a Hugging Face token set it fetches it first (`./vllm-t4 fetch`). Then, with the same library calls
@@ -32,9 +32,9 @@ from typing import Any, Callable
 
 from pydantic import BaseModel, Field
 
-from repack.build import BuildOptions, build_checkpoint
-from repack.probe import ProbeReport, probe_checkpoint
-from repack.tiny_model import cached_tiny_qat_checkpoint, default_cache_dir
+from repack.build.build import BuildOptions, build_checkpoint
+from repack.build.probe import ProbeReport, probe_checkpoint
+from repack.stand_ins.tiny_model import cached_tiny_qat_checkpoint, default_cache_dir
 from tools.cli.commands import Command, add_commands, exit_status, fail
 from tools.core.errors import BadInput, ToolFailure, param
 from tools.core.process import free_port
@@ -47,7 +47,7 @@ from tools.measure.sweep.run import run_sweep
 from tools.measure.sweep.report import compare_runs, markdown_run
 from tools.serving.config import DEFAULT_ENV_FILE, load_config
 from tools.serving.hub.fetch import FetchParams, fetch_checkpoint
-from repack.checks import SOURCE_REPO
+from repack.source.checks import SOURCE_REPO
 from tools.serving.hub.access import hf_token
 from tools.serving.preflight.steps import PreflightParams, run_preflight
 from tools.serving.server.launch import start_server

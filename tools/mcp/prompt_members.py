@@ -1,11 +1,11 @@
 """What the deploy prompts derive from a Gemma 4 member: the planner's verdict for one T4 and the vLLM flags it
-serves with (repack/fit.py), and what is known of its fit on a CPU (deploy_cpu)."""
+serves with (repack/build/fit.py), and what is known of its fit on a CPU (deploy_cpu)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from repack.fit import T4_MIB, plan_member
+from repack.build.fit import T4_MIB, plan_member
 
 # The members whose builds this project has served on vLLM's CPU backend at their real shapes, and what they took:
 # the fit of any other member on a CPU machine is not known.

@@ -1,7 +1,7 @@
 """Repack tools: make the tiny stand-in source, probe a checkpoint, build the all-4-bit checkpoint (repack/ does
 the work).
 
-repack.probe and repack.build hold numpy, the tiny model torch: they load when a tool runs, not when the server
+repack.build.probe and repack.build hold numpy, the tiny model torch: they load when a tool runs, not when the server
 lists its tools.
 """
 
@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 
-from repack import tiny_marker, tiny_model
-from repack.fit import PlanParams, plan_fit as plan
+from repack.stand_ins import tiny_marker, tiny_model
+from repack.build.fit import PlanParams, plan_fit as plan
 from repack.params import BuildParams, ProbeParams, TinyModelParams
 from tools.core.atomic import REPORT
 from tools.core.errors import BadInput, ToolFailure, param
@@ -85,7 +85,7 @@ def probe_checkpoint(app, p: ProbeParams) -> Reply:
     """Check that a source's tensors sit on the 4-bit grid (verdict qat) before repack_checkpoint. Writes
     nothing."""
     src = _source(app, p.path, "path")
-    from repack.probe import probe_checkpoint as probe
+    from repack.build.probe import probe_checkpoint as probe
 
     report = probe(src, rows_per_tensor=p.rows, roots=list(app.roots.models))
     summary = (f"{src}: verdict {report.verdict}; text tensors {report.text_on_grid} on grid, "
@@ -116,7 +116,7 @@ def repack_checkpoint(app, p: BuildParams, progress, checked: tuple[Path, Path])
     """Build the all-4-bit checkpoint from a QAT source (embed_int4=false: the bf16-embedding build); leaves
     nothing half written. Long."""
     src, out = checked
-    from repack.build import build_checkpoint
+    from repack.build.build import build_checkpoint
 
     opts = p.options()
     # a root itself, or a folder above one, is never an output (repack refuses, naming it)

@@ -30,7 +30,7 @@ from fastmcp.prompts.function_prompt import FunctionPrompt
 from pydantic import Field
 
 from repack.errors import RepackError
-from repack.members import by_name
+from repack.family.members import by_name
 from tools.core.errors import ToolFailure
 from tools.core.paths import PATH_MAX, PathNotAllowed
 from tools.core.text import clip

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from repack.members import MEMBERS, identify_or_none
-from repack.tiny_model import shape_of
-from repack.tiny_shapes import MEMBER_OF
+from repack.family.members import MEMBERS, identify_or_none
+from repack.stand_ins.tiny_model import shape_of
+from repack.stand_ins.tiny_shapes import MEMBER_OF
 from tools.measure.provenance import cost_basis, measured_on
 
 # The members measured on a T4 (the only T4 figures this project holds or can reach).

@@ -31,9 +31,9 @@ from typing import Any
 
 from pydantic import BaseModel, Field, computed_field
 
-from repack.checkpoint import read_config
-from repack.members import text_of
-from repack.safetensors_io import read_header
+from repack.source.checkpoint import read_config
+from repack.family.members import text_of
+from repack.source.safetensors_io import read_header
 from tools.gpu.vram import memory_bandwidth
 
 KV_BYTES_PER_VALUE = 2  # fp16 / bf16 cache (--kv-cache-dtype auto)

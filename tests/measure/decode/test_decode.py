@@ -310,7 +310,7 @@ def _fake_target(folder: Path, width: int = 128) -> Path:
 def test_tiny_drafter_has_the_assistant_layout_and_learns_the_pattern(tmp_path):
     from safetensors import safe_open
 
-    from repack.tiny_model import build_tiny_drafter
+    from repack.stand_ins.tiny_model import build_tiny_drafter
 
     target = _fake_target(tmp_path / "models" / "target")
     # 80 steps: the pattern is learnt whole by 40 (seeds 0-2); the default 300 is margin for the served drafter.
@@ -438,7 +438,7 @@ def test_decode_report_gives_the_rate_as_a_share_of_the_roofline(tmp_path, monke
 
     (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 1, "num_attention_heads": 1,
                                                       "num_key_value_heads": 1, "head_dim": 8}))
-    from repack.synthetic import write_safetensors
+    from repack.stand_ins.synthetic import write_safetensors
 
     write_safetensors(tmp_path / "model.safetensors", [("model.embed_tokens.weight", "BF16", (4, 8), b"\0" * 64),
                                                       ("model.layers.0.mlp.up_proj.weight", "BF16", (2, 8),

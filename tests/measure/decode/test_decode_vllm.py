@@ -21,7 +21,7 @@ METHOD = "mtp"
 
 @pytest.fixture(scope="module")
 def tiny_drafter(tiny_qat, tmp_path_factory) -> Path:
-    from repack.tiny_model import build_tiny_drafter
+    from repack.stand_ins.tiny_model import build_tiny_drafter
 
     info = build_tiny_drafter(tmp_path_factory.mktemp("drafter") / "gemma-4-tiny-assistant", tiny_qat)
     assert info.accuracy > 0.95, f"tiny drafter did not learn the pattern (accuracy {info.accuracy:.3f})"
@@ -30,8 +30,8 @@ def tiny_drafter(tiny_qat, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def int4_drafter(tiny_drafter) -> Path:
-    from repack.build import BuildOptions, build_checkpoint
-    from repack.probe import probe_checkpoint
+    from repack.build.build import BuildOptions, build_checkpoint
+    from repack.build.probe import probe_checkpoint
 
     assert probe_checkpoint(tiny_drafter).drafter["packable"]  # the tiny drafter is QAT-like: on the grid
     out = tiny_drafter.parent / "gemma-4-tiny-assistant-int4"

@@ -267,7 +267,7 @@ def stub_server(tmp_path_factory):
     import http.server
     import threading
 
-    from repack.tiny_model import _write_tokenizer
+    from repack.stand_ins.tiny_model import _write_tokenizer
 
     tok = tmp_path_factory.mktemp("stub-tokenizer")
     _write_tokenizer(tok)

@@ -24,7 +24,7 @@ from tests.helpers.stand_ins.measure import serve_in_thread
 @pytest.fixture(scope="module")
 def held(tmp_path_factory):
     """(base URL, a list that receives each completion request as it arrives)."""
-    from repack.tiny_model import _write_tokenizer
+    from repack.stand_ins.tiny_model import _write_tokenizer
 
     tok = tmp_path_factory.mktemp("tokenizer")
     _write_tokenizer(tok)

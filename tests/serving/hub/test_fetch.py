@@ -24,7 +24,7 @@ from tests.helpers.stand_ins.hub import COMMIT, REPO, StandInHub  # noqa: F401
 ROOT = Path(__file__).resolve().parents[3]
 @pytest.fixture(scope="module")
 def hub_files(tmp_path_factory) -> dict[str, bytes]:
-    from repack.tiny_model import cached_tiny_qat_checkpoint
+    from repack.stand_ins.tiny_model import cached_tiny_qat_checkpoint
 
     # The tiny model's files as the hub would hold them; what the weights predict does not matter here.
     tiny = cached_tiny_qat_checkpoint(tmp_path_factory.mktemp("hub") / "gemma-4-tiny-qat", train_steps=1).path
@@ -131,7 +131,7 @@ def test_unknown_repo_and_revision(hub_files, hub_env, tmp_path, monkeypatch):
 
 
 def test_not_enough_disk_is_refused_before_downloading(hub_files, hub_env, tmp_path, monkeypatch):
-    from repack import checks as disk
+    from repack.source import checks as disk
 
     monkeypatch.setattr(disk, "free_bytes", lambda p: (p, 1000))
     with StandInHub(hub_files) as hub:
@@ -217,7 +217,7 @@ def test_an_interrupted_fetch_resumes_through_the_cache(hub_files, hub_env, tmp_
 
 @pytest.mark.parametrize("member", ["E2B", "e4b", "12B", "26B-A4B", "31B"])
 def test_a_member_name_fetches_googles_qat_checkpoint_of_it(member, hub_env, tmp_path, monkeypatch):
-    from repack.members import by_name
+    from repack.family.members import by_name
     from tools.serving.hub.fetch import check_repo_id
 
     repo = f"google/gemma-4-{by_name(member).name}-it-qat-q4_0-unquantized"

@@ -181,7 +181,7 @@ def test_gpu_memory_held_by_another_process_fails(clean_env, tmp_path):
 
 
 def test_disk_for_a_repack_is_27_percent_of_the_source(clean_env, tmp_path, monkeypatch):
-    from repack import checks as disk
+    from repack.source import checks as disk
 
     src = tmp_path / "src"
     src.mkdir()
@@ -224,7 +224,7 @@ def test_bad_step_and_env_file_are_bad_input(tmp_path):
 
 def test_demo_on_a_t4_runs_preflight_then_fetches_the_missing_source(clean_env, tmp_path, monkeypatch):
     from tools.demo import demo
-    from repack.checks import SOURCE_REPO
+    from repack.source.checks import SOURCE_REPO
 
     env_file = _env_file(tmp_path)  # SOURCE_CHECKPOINT not set
     opts = demo.DemoOptions(gpu=True, env_file=env_file, work=tmp_path / "work")
@@ -303,8 +303,8 @@ def _call(mcp, tool, args) -> str:
 def test_repack_refuses_with_the_disk_checks_line_through_mcp_and_the_command_line(clean_env, tmp_path,
                                                                                     monkeypatch, capsys):
     from tools.cli import repack_cli as cli
-    from repack.synthetic import write_small_checkpoint
-    from repack import checks as disk
+    from repack.stand_ins.synthetic import write_small_checkpoint
+    from repack.source import checks as disk
 
     mcp = _mcp_over(tmp_path)
     src = write_small_checkpoint(tmp_path / "models" / "src")
@@ -351,7 +351,7 @@ def test_start_through_mcp_refuses_with_the_port_checks_line(clean_env, tmp_path
 def test_start_refuses_a_model_whose_files_link_out_of_its_folder(clean_env, tmp_path, capsys):
     """./vllm-t4 start and start_vllm_server refuse, before vLLM, the folder probe and repack refuse: a weight
     file that links out of the checkpoint folder (and, through MCP, out of the models roots)."""
-    from repack.synthetic import write_small_checkpoint
+    from repack.stand_ins.synthetic import write_small_checkpoint
     from tools.cli import main
 
     src = write_small_checkpoint(tmp_path / "outside" / "ckpt")
@@ -377,7 +377,7 @@ def test_start_refuses_a_model_whose_files_link_out_of_its_folder(clean_env, tmp
 
 
 def test_a_broken_serving_config_does_not_block_a_repack_given_its_folders(clean_env, tmp_path):
-    from repack.synthetic import write_small_checkpoint
+    from repack.stand_ins.synthetic import write_small_checkpoint
 
     bad = tmp_path / "tpu.env"
     bad.write_text("PORT=eighty\n")
@@ -480,7 +480,7 @@ def test_preflight_fetch_asks_the_hub_and_says_offline_plainly(clean_env, tmp_pa
 def test_start_refuses_a_truncated_safetensors_file_in_seconds(clean_env, tmp_path, capsys, damage):
     """A weight file cut short (a download that stopped): the start checks read each safetensors header and size, so
     start fails before vLLM, in one line naming the file (vLLM took about 85 s to fail on it)."""
-    from repack.synthetic import write_small_checkpoint
+    from repack.stand_ins.synthetic import write_small_checkpoint
     from tools.cli import main
 
     model = write_small_checkpoint(tmp_path / "models" / "cut")

@@ -12,7 +12,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from repack.tiny_model import FIRST_BYTE_ID, pattern_permutation
+from repack.stand_ins.tiny_model import FIRST_BYTE_ID, pattern_permutation
 from tools.core.errors import BadInput, ToolFailure
 from tools.measure.evals.results import TASKS_DIR, EvalParams
 

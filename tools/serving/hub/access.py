@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from repack.checks import SOURCE_REPO
+from repack.source.checks import SOURCE_REPO
 from tools.core.errors import BadInput, ToolFailure, op
 from tools.core.text import clip
 

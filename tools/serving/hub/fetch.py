@@ -40,8 +40,8 @@ from tools.core.paths import PathNotAllowed, Roots, inside
 from tools.core.root import PROJECT_ROOT
 from tools.core.progress import Progress
 from tools.core import clock
-from repack import checks as repack_checks
-from repack.members import MEMBERS, by_name
+from repack.source import checks as repack_checks
+from repack.family.members import MEMBERS, by_name
 from tools.serving.hub.access import hf_token, hub_env, hub_failure
 
 MANIFEST = "fetch-manifest.json"

@@ -18,9 +18,9 @@ from typing import Any, Literal
 import httpx
 from pydantic import BaseModel, Field
 
-from repack import checks as repack_checks
-from repack.checkpoint import check_files
-from repack.checks import DISK_MARGIN_BYTES, REPACK_RATIO, SOURCE_BYTES_ESTIMATE, SOURCE_REPO
+from repack.source import checks as repack_checks
+from repack.source.checkpoint import check_files
+from repack.source.checks import DISK_MARGIN_BYTES, REPACK_RATIO, SOURCE_BYTES_ESTIMATE, SOURCE_REPO
 from repack.errors import RepackError
 from tools.core.api_key import API_KEY_ENV, api_key, is_loopback
 from tools.core.errors import ToolFailure, op, param

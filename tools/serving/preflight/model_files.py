@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from repack.checks import SOURCE_REPO
-from repack.members import MEMBERS
+from repack.source.checks import SOURCE_REPO
+from repack.family.members import MEMBERS
 from tools.core.errors import op
 
 TINY_SOURCE = "tiny-gemma4-qat"  # the stand-in source's folder name the remedies suggest

@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, StrictInt
 
-from repack import members
+from repack.family import members
 from tools.core.errors import BadInput
 from tools.core.json_files import read_json_model
 from tools.core.paths import ENV, Roots
@@ -69,7 +69,7 @@ def validate_speculative_config(spec: str, target: str, *, models_roots: tuple[P
 
 
 def _check_members(drafter: Path, target: Path) -> None:
-    """A drafter of one member beside a target of another, both named from their config.json (repack.members);
+    """A drafter of one member beside a target of another, both named from their config.json (repack.family.members);
     nothing said where either is a stand-in or custom layout (the shape checks that follow hold them)."""
     try:
         dm = members.identify_drafter_or_none(json.loads((drafter / "config.json").read_text()))

@@ -23,7 +23,7 @@ from tools.core.errors import BadInput, ToolFailure, param
 from tools.core.params import OpParams
 from tools.serving.config import check_instance_name, load_config
 from tools.serving.preflight.hardware import Hardware
-from repack.checks import SOURCE_REPO
+from repack.source.checks import SOURCE_REPO
 from tools.serving.hub.access import hf_token
 from tools.serving.preflight.checks import (Check, Context, check_api_key, check_checkpoints, check_compute_capability,
                                             check_disk, check_drafter, check_gpu_memory, check_hf_token, check_host_memory, check_hub,

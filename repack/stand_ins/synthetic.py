@@ -1,5 +1,5 @@
 """Synthetic QAT-like checkpoints made with numpy: for the benchmark (a dense member's real shapes, E2B's or
-another's from repack/members.py, any fraction of the full size) and for tests that need hand-made edge cases
+another's from repack/family/members.py, any fraction of the full size) and for tests that need hand-made edge cases
 (bad headers, odd dtypes, off-grid groups).
 
 Values are bf16(step * level) with a per-group step and the group's peak at a level between 4 and 8 (8 only
@@ -16,7 +16,7 @@ from typing import Iterable
 
 import numpy as np
 
-from .members import Member, by_name
+from ..family.members import Member, by_name
 
 GROUP = 32
 
@@ -133,7 +133,7 @@ def write_small_checkpoint(out: Path, *, seed: int = 0, extra: dict[str, tuple[s
 
 # -- Member-shaped checkpoints for the benchmark ------------------------------------------------------------
 
-HIDDEN, PLE_DIM, LAYERS, VOCAB = 1536, 256, 35, 262144  # E2B's (repack/members.py holds every member's)
+HIDDEN, PLE_DIM, LAYERS, VOCAB = 1536, 256, 35, 262144  # E2B's (repack/family/members.py holds every member's)
 FIRST_SHARED = 15  # E2B: layers 15-34 reuse KV of earlier layers: no k/v projections
 
 
@@ -145,7 +145,7 @@ def _member(member: str | Member) -> Member:
 
 
 def member_tensors(member: str | Member, scale: float = 1.0) -> list[tuple[str, tuple[int, ...], str]]:
-    """(name, shape, kind) of a QAT checkpoint shaped like a dense member of repack/members.py; scale shrinks the
+    """(name, shape, kind) of a QAT checkpoint shaped like a dense member of repack/family/members.py; scale shrinks the
     vocabulary, the layer count and the towers together. kind: 'grid' (on the 4-bit grid), 'tower' (random),
     'norm' (random). The text tensors are those members.text_tables counts: q/o on every layer, k/v only on the
     layers that own their KV (no v on a k_eq_v member's full layers), double-wide MLPs where the member has them,

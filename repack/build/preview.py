@@ -1,15 +1,15 @@
 """What a build of a checkpoint will hold, per table, before anything is written: the member its config.json
-names (repack/members.py) and the bytes of each table in the two builds, read from the headers alone through
-the build's own plan (repack/plan.py)."""
+names (repack/family/members.py) and the bytes of each table in the two builds, read from the headers alone through
+the build's own plan (repack/build/plan.py)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from . import members
-from .checkpoint import Checkpoint
-from .errors import RepackError
-from .params import BuildOptions
+from ..errors import RepackError
+from ..family import members
+from ..params import BuildOptions
+from ..source.checkpoint import Checkpoint
 from .plan import plan
 
 PREVIEWED = {"all-4-bit": {}, "repack-bf16-emb": {"embed_int4": False}}

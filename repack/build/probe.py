@@ -15,9 +15,12 @@ from typing import Any
 
 import numpy as np
 
-from . import choices, drafter, grid, members, preview
-from .checkpoint import TOWER_PREFIXES, open_checkpoint
-from .safetensors_io import MappedFile
+from .. import choices
+from ..family import drafter, members
+from ..grid import grid
+from ..source.checkpoint import TOWER_PREFIXES, open_checkpoint
+from ..source.safetensors_io import MappedFile
+from . import preview
 
 
 MEANING = {"qat": "every sampled text tensor sits on the 4-bit grid: a QAT q4_0 export, ready to repack",
@@ -51,7 +54,7 @@ class ProbeReport:
     sampled_groups: int
     tensors: list[ProbeTensor] = field(default_factory=list)
     drafter: dict[str, Any] | None = None  # a gemma4_assistant drafter: whether its linears are on the grid
-    # the member its config.json names and what each build will hold, per table (repack/preview.py)
+    # the member its config.json names and what each build will hold, per table (repack/build/preview.py)
     build_preview: dict[str, Any] | None = None
     packed_tensors: int = 0  # tensors an earlier build stored as int4 (weight_packed): then the verdict is "packed"
 

@@ -17,9 +17,9 @@ from typing import Any, Callable, Iterable, Sequence
 from tools.core import paths
 from tools.core.paths import confinement
 
-from . import config as cfgmod
-from .drafter import is_drafter
-from .errors import RepackError, clip, core_refusals
+from ..errors import RepackError, clip, core_refusals
+from ..family import config as cfgmod
+from ..family.drafter import is_drafter
 from .safetensors_io import (SafetensorsHeader, TensorInfo, Within, loads_json, open_confined, open_error,
                              read_header)
 
@@ -40,7 +40,7 @@ class Checkpoint:
 
     @property
     def drafter(self) -> bool:
-        """A gemma4_assistant drafter: a text_config, but its own layout (repack.drafter)."""
+        """A gemma4_assistant drafter: a text_config, but its own layout (repack.family.drafter)."""
         return is_drafter(self.config)
 
     @property

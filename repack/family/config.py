@@ -17,7 +17,7 @@ import copy
 import math
 from typing import Any
 
-from .errors import RepackError, clip
+from ..errors import RepackError, clip
 
 GROUP = 32
 TOWER_IGNORE = ["re:.*vision_tower.*", "re:.*audio_tower.*", "re:.*embed_vision.*", "re:.*embed_audio.*"]

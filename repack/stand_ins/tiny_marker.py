@@ -1,7 +1,7 @@
-"""The marker of a folder the tiny model (repack.tiny_model) wrote: what its `force` may replace.
+"""The marker of a folder the tiny model (repack.stand_ins.tiny_model) wrote: what its `force` may replace.
 
 A config.json is no such mark: a fetched source or a repack build has one too. The marker is a hidden file, so a
-repack of the tiny source does not carry it into the build (repack.checkpoint's side files leave hidden files
+repack of the tiny source does not carry it into the build (repack.source.checkpoint's side files leave hidden files
 aside).
 """
 

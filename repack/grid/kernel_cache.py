@@ -1,6 +1,6 @@
 """Compile the grid kernel into numba's on-disk cache ahead of its first use.
 
-numba compiles `repack._kernel_numba` on its first call; ./setup.sh runs this once per install so that the first
+numba compiles `repack.grid._kernel_numba` on its first call; ./setup.sh runs this once per install so that the first
 build does not pay for it, and the test suite runs `warm()` before its workers start so that two of them never
 compile it at once (after an edit of the kernel). When the cache is current it only loads it.
 
@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from repack import grid
+from repack.grid import grid
 
 
 def warm() -> str:
@@ -21,7 +21,7 @@ def warm() -> str:
     one (a memory map), and returns the implementation builds use: "numba" or "numpy" (numba not importable)."""
     if grid.implementation() != "numba":
         return "numpy"
-    from repack import _kernel_numba
+    from repack.grid import _kernel_numba
 
     for w in (np.zeros((1, 32), np.uint16), np.frombuffer(bytes(64), np.uint16).reshape(1, 32)):
         grid.run_kernel(_kernel_numba.quantize_rows, w)

@@ -4,7 +4,7 @@ figure), its towers, and the tables a build of it holds.
 A checkpoint's member is read from its config.json (`identify`): the text shapes that tell the members apart
 (layers, width, per-layer embeddings, KV-shared layers, mixture of experts) must all match one entry, or the
 layout is refused in one line. The shapes of every tensor follow from the configuration (`text_tables`), so
-sizes can be planned for a member by name without any download (repack/fit.py).
+sizes can be planned for a member by name without any download (repack/build/fit.py).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any, Iterator
 from tools.core.errors import param
 
 from .config import validate
-from .errors import RepackError, clip
+from ..errors import RepackError, clip
 
 GIB = 1 << 30
 
@@ -284,7 +284,7 @@ def _read(tc: dict[str, Any]) -> dict[str, Any]:
 
 def identify(config: dict[str, Any], where: str = "config.json") -> Member:
     """The member whose text shapes a config.json has, exactly; an unknown layout, or a shape of the wrong type
-    (repack.config.validate, before any comparison), is refused in one line."""
+    (repack.family.config.validate, before any comparison), is refused in one line."""
     validate(config, where)
     got = _read(text_of(config))
     for m in MEMBERS.values():

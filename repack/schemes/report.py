@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .grid import DEFAULT_OBJECTIVE, GridStats
+from ..grid.grid import DEFAULT_OBJECTIVE, GridStats
 
 TABLES = ["PLE", "embed_tokens", "lm_head", "linears", "experts", "rest", "towers"]
 SHORT = {"float16": "fp16", "bfloat16": "bf16"}

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 from tools.core import paths
 from tools.core.paths import Within
 
-from .errors import RepackError, clip, core_refusals
+from ..errors import RepackError, clip, core_refusals
 
 if TYPE_CHECKING:
     import numpy as np

@@ -1,4 +1,4 @@
-"""The numba kernel behind `repack.grid.quantize`: the algorithm of `quantize_numpy`, groups side by side.
+"""The numba kernel behind `repack.grid.grid.quantize`: the algorithm of `quantize_numpy`, groups side by side.
 
 Plain numba: loops over a group's 32 values that take every decision the reference takes, on the same numbers.
 `quantize_rows` takes CHUNK groups at once with value i of group k at [i, k], so that each loop over the values

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .choices import DEFAULT_OBJECTIVE, DEFAULT_TARGET, OBJECTIVES, ScaleDtype, Target
+from ..choices import DEFAULT_OBJECTIVE, DEFAULT_TARGET, OBJECTIVES, ScaleDtype, Target
 
 GROUP = 32
 TOL_ULPS = 2.0

@@ -11,7 +11,7 @@ The article's three steps are this function with different options:
   text_only.py           = BuildOptions(quantize_linears=False, text_only=True,  embed_int4=False)
   embed_int4.py          = BuildOptions(quantize_linears=False, text_only=False, embed_int4=True, embed_tokens=...)
 and `python3 -m repack build` does all of it in one read of the source. What happens to each tensor is planned
-in repack.plan; the options are repack.params.BuildOptions.
+in repack.build.plan; the options are repack.params.BuildOptions.
 """
 
 from __future__ import annotations
@@ -34,15 +34,16 @@ from tools.core.atomic_leftovers import sweep_stale_partials
 from tools.core.paths import check_no_symlink_loop, confinement
 from tools.core.progress import Progress
 
-from . import drafter, grid
-from . import schemes
-from .checkpoint import INDEX, Checkpoint, check_source_folder, check_unique_outputs, open_checkpoint
-from .errors import RepackError, core_refusals
-from .params import BuildOptions
+from .. import schemes
+from ..errors import RepackError, core_refusals
+from ..family import drafter
+from ..grid import grid
+from ..params import BuildOptions
+from ..schemes.report import TABLES, RepackReport, TableReport
+from ..source.checkpoint import INDEX, Checkpoint, check_source_folder, check_unique_outputs, open_checkpoint
+from ..source.safetensors_io import MappedFile, OutShard, ShardWriter, WriteError
 from .plan import Item, output_config, plan
 from .probe import probe_checkpoint
-from .report import TABLES, RepackReport, TableReport
-from .safetensors_io import MappedFile, OutShard, ShardWriter, WriteError
 
 BLOCK_BYTES = 4 << 20      # source bytes per work item: big enough to amortise, small enough to bound memory
 TEXT_ONLY_SKIP_FILES = {"preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json"}

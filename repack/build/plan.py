@@ -9,15 +9,15 @@ from typing import Literal
 
 from tools.core.errors import param
 
-from . import config as cfgmod
-from . import drafter
-from . import grid
-from . import members
-from . import schemes
-from .checkpoint import MM_PREFIX, TOWER_PREFIXES, Checkpoint
-from .errors import RepackError, clip
-from .params import BuildOptions
-from .safetensors_io import OutShard, OutTensor, TensorInfo
+from .. import schemes
+from ..errors import RepackError, clip
+from ..family import config as cfgmod
+from ..family import drafter
+from ..family import members
+from ..grid import grid
+from ..params import BuildOptions
+from ..source.checkpoint import MM_PREFIX, TOWER_PREFIXES, Checkpoint
+from ..source.safetensors_io import OutShard, OutTensor, TensorInfo
 
 PACKED_SUFFIXES = (".weight_packed", ".weight_scale", ".weight_shape", ".weight_zero_point", ".weight_g_idx")
 
@@ -37,7 +37,7 @@ class Item:
 
 
 def _classify(name: str, info: TensorInfo, ck: Checkpoint, opt: BuildOptions) -> Item:
-    if ck.drafter:  # its own names, no towers, its embedding kept bf16 (repack.drafter)
+    if ck.drafter:  # its own names, no towers, its embedding kept bf16 (repack.family.drafter)
         table, packed = drafter.table(name, info.shape)
         return Item(info, "quant" if packed and opt.quantize_linears else "copy", table, name)
     if name.startswith(TOWER_PREFIXES):

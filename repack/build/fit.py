@@ -2,7 +2,7 @@
 KV cache tokens left, for the article's four columns (Google's bf16 model, Google's -qat-w4a16-ct export, the
 text-only repack with bf16 embeddings, the all-4-bit build).
 
-Sizes come from the member's shapes (repack/members.py): bf16 is 2 bytes a value, int4 group-32 with fp16 scales
+Sizes come from the member's shapes (repack/family/members.py): bf16 is 2 bytes a value, int4 group-32 with fp16 scales
 0.5625. The load is the weights plus vLLM's rotary tables (one fp16 [max_position, head_dim] table per attention
 kind) plus a small constant. The KV cache is vLLM's arithmetic for Gemma 4 (vllm/v1/core/kv_cache_utils.py, the
 hybrid allocator): only the layers that own their KV hold a cache (KV-shared layers read another's); sliding and
@@ -29,10 +29,10 @@ from tools.core.errors import param
 from tools.core.params import OpParams
 from tools.core.paths import confinement
 
-from .checkpoint import check_source_folder, read_config
-from .drafter import is_drafter
-from .errors import RepackError
-from .members import GIB, MEMBERS, Member, by_name, identify, identify_drafter, text_tables, towers_params
+from ..errors import RepackError
+from ..family.drafter import is_drafter
+from ..family.members import GIB, MEMBERS, Member, by_name, identify, identify_drafter, text_tables, towers_params
+from ..source.checkpoint import check_source_folder, read_config
 
 MIB = 1 << 20
 BF16 = 2.0

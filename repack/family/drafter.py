@@ -15,7 +15,7 @@ vLLM's gemma4_mtp builds from it): every layer's linears, norms and scalar and t
 hidden_size, vocab_size, backbone_hidden_size, intermediate_size and the heads, no layer beyond
 num_hidden_layers. A damaged drafter builds otherwise and is served, drafting nothing the target accepts.
 
-`member` names the family member a drafter is for (repack.members.identify_drafter: from what it shares with its
+`member` names the family member a drafter is for (repack.family.members.identify_drafter: from what it shares with its
 target, backbone_hidden_size, vocabulary, head sizes and KV heads), refusing a layout that claims the family but is
 no member's.
 """
@@ -30,7 +30,7 @@ from typing import Any, Mapping, Protocol, Sequence
 from tools.core.errors import param
 
 from . import members
-from .errors import RepackError, clip
+from ..errors import RepackError, clip
 
 MODEL_TYPE = "gemma4_assistant"
 ARCHITECTURE = "Gemma4AssistantForCausalLM"
@@ -62,7 +62,7 @@ def table(name: str, shape: Sequence[int]) -> tuple[str, bool]:
     return "rest", False
 
 
-class _Probed(Protocol):  # repack.probe.ProbeTensor, as far as the drafter's verdict reads it
+class _Probed(Protocol):  # repack.build.probe.ProbeTensor, as far as the drafter's verdict reads it
     name: str
     shape: list[int]
     on_grid: bool | None

@@ -19,8 +19,8 @@ from tools.core.errors import op
 from tools.core.paths import check_no_symlink_loop, confinement
 from tools.core.text import size_text
 
+from ..errors import RepackError, core_refusals
 from .checkpoint import check_source_folder, read_config
-from .errors import RepackError, core_refusals
 
 # The QAT source every build is made from; gated on the hub (the licence must be accepted once, with a token).
 SOURCE_REPO = "google/gemma-4-E2B-it-qat-q4_0-unquantized"
