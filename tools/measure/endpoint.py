@@ -10,9 +10,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
+import httpx
 from pydantic import Field
 
+from tools.core.api_key import auth_headers
 from tools.core.errors import BadInput, ToolFailure, op, param
+from tools.core.metrics import total
 from tools.core.params import OpParams
 from tools.serving.records import placement, router_state
 from tools.serving.config import ServeConfig, load_config
@@ -92,6 +95,22 @@ def resolve_endpoint(params: Any, cfg: ServeConfig | None = None, *, env_file: A
                                                          "instance)" if named else "")
                           + f"; start one with {op('start')} (or pass {param('base_url')})")
     return Endpoint(base_url=cfg.base_url, kind="config", config=cfg)
+
+
+def request_counts(backends: list[dict[str, str]], *, timeout: float = 5.0) -> dict[str, float | None]:
+    """instance -> requests its vLLM has finished (`vllm:request_success_total`, every finish reason summed), for
+    the router's `backends` ([{instance, base_url}]); None where /metrics does not answer. Deltas over a run tell
+    how the router spread it."""
+    out: dict[str, float | None] = {}
+    for b in backends:
+        try:
+            text = httpx.get(f"{b['base_url']}/metrics", timeout=timeout, headers=auth_headers()).text
+        except httpx.HTTPError:
+            out[b["instance"]] = None
+            continue
+        value = total(text, "vllm:request_success_total")
+        out[b["instance"]] = value if value is not None else 0.0
+    return out
 
 
 def resolve_name(text: str, cfg: ServeConfig | None = None, *, env_file: Any = None) -> Endpoint:

@@ -31,11 +31,12 @@ import httpx
 
 from tools.core.errors import BadInput, ToolFailure, op, param
 from tools.core.metrics import total
+from tools.core.process import signals_deferred
 from tools.serving.records import placement, router_state, state
 from tools.serving.server import switch_record
 from tools.serving.config import ServeConfig
 from tools.serving.preflight.hardware import Hardware
-from tools.serving.server.launch import relaunch, signals_deferred, start_server
+from tools.serving.server.launch import relaunch, start_server
 from tools.serving.preflight.model_files import checkpoint_bytes
 from tools.serving.records.router_state import Backend, RouterState
 from tools.serving.server.guard import owned_server

@@ -20,14 +20,14 @@ import httpx
 
 from tools.core.api_key import API_KEY_ENV, api_key, auth_headers
 from tools.core.errors import BadInput, ToolFailure, op, param
-from tools.core.process import free_port
+from tools.core.process import free_port, signals_deferred
 from tools.serving.frontdoor import door as frontdoor, switch_process
 from tools.serving.records import placement, router_state
 from tools.serving.server import switch_record
 from tools.serving.config import ServeConfig
 from tools.serving.frontdoor.door import SwitchResult
 from tools.serving.preflight.hardware import Hardware
-from tools.serving.server.launch import signals_deferred, start_server
+from tools.serving.server.launch import start_server
 from tools.serving.server.results import StartResult
 from tools.serving.server.replace import replace_server
 from tools.serving.frontdoor.router import check_port, start_router, stop_router

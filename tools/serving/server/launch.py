@@ -22,7 +22,7 @@ import psutil
 
 from tools.core.api_key import API_KEY_ENV, api_key, auth_headers
 from tools.core.errors import BadInput, ToolFailure, op, param
-from tools.core.process import end_group
+from tools.core.process import end_group, signals_deferred
 from tools.gpu.vram import host_memory, server_process_pids
 from tools.serving.server import engine_log, health, readiness, switch_record
 from tools.serving.records import placement, state
@@ -36,7 +36,6 @@ from tools.serving.server.results import StartResult
 from tools.serving.server.guard import hand_over
 from tools.serving.server.start_progress import StartProgress, StartReport
 from tools.serving.records.state import ReplaceRecord, ServerState
-_DEFERRED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # The caller's variables that shape vLLM, recorded with the server so that a relaunch gets them again (tokens and
 # the rest of the environment are not written to the state file).
 _RECORDED_ENV = ("VLLM_", "CUDA_", "OMP_", "PYTORCH_", "TORCH", "KMP_", "LD_PRELOAD")
@@ -64,36 +63,13 @@ _GATE = ("import os, signal, sys\n"
 _OMP_PLACEMENT = ("OMP_PLACES", "OMP_PROC_BIND", "GOMP_CPU_AFFINITY", "KMP_AFFINITY")
 
 
-@contextlib.contextmanager
-def _signals_deferred():
-    """Holds SIGINT, SIGTERM and SIGHUP for the block and delivers them, to the handlers they had, when it ends.
-    Python handlers, not a blocked signal mask: a child started in the block would inherit the mask and ignore
-    SIGTERM, while a handler reverts to the default at exec. Main thread only (where Python runs handlers)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    pending: list[int] = []
-    old = {}
-    for sig in _DEFERRED_SIGNALS:
-        if signal.getsignal(sig) is not None:  # None: a handler not set from Python, left as it is
-            old[sig] = signal.signal(sig, lambda signum, frame: pending.append(signum))
-    try:
-        yield
-    finally:
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
-        for sig in dict.fromkeys(pending):
-            signal.raise_signal(sig)
-
-
-signals_deferred = _signals_deferred  # a replace's rollback runs under it too
 
 
 def _end_launched(cfg: ServeConfig, proc: subprocess.Popen) -> None:
     """Ends a server this start launched, with its group, and removes its state file while it still names that
     server (read before the leader is reaped, when its pid cannot be another's): a start that fails or is
     interrupted leaves nothing behind, and forgets no other command's server. A second Ctrl-C waits for it."""
-    with _signals_deferred():
+    with signals_deferred():
         try:
             own = state.load_state(cfg)
         except state.DamagedState:
@@ -186,7 +162,7 @@ def _launch(cfg: ServeConfig, argv: list[str], platform: str, env: dict[str, str
     try:
         # Ctrl-C / SIGTERM wait until the state file names the new group (they are raised on leaving the
         # block, and the except below ends the group); a SIGKILL there closes the gate's pipe (see _GATE).
-        with _signals_deferred():
+        with signals_deferred():
             with open(cfg.log_file, "wb") as log:  # one log per start: the parser reads this start only
                 cores = ",".join(map(str, _launch_cores(cfg, platform) or []))
                 proc = subprocess.Popen([sys.executable, "-c", _GATE, str(gate_r), cores, *argv], stdout=log,
@@ -478,4 +454,4 @@ def _forget_replace_of(cfg: ServeConfig, a: ServerState) -> None:
 
 
 __all__ = ["READINESS_PROMPT", "checked", "config_of", "fit_to_model", "recorded_env", "relaunch", "replace_note",
-           "signals_deferred", "start_server"]
+           "start_server"]

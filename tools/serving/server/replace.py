@@ -23,11 +23,12 @@ from typing import Any
 import psutil
 
 from tools.core.errors import ToolFailure
+from tools.core.process import signals_deferred
 from tools.serving.records import state
 from tools.serving.server import switch_record
 from tools.serving.config import ServeConfig
 from tools.serving.preflight.hardware import Hardware
-from tools.serving.server.launch import checked, relaunch, signals_deferred, start_server
+from tools.serving.server.launch import checked, relaunch, start_server
 from tools.serving.server.results import StartResult
 from tools.serving.server.start_progress import StartReport
 from tools.serving.records.state import ReplaceRecord, ServerState
