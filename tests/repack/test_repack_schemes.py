@@ -321,7 +321,7 @@ def test_w8a8_build_serves_on_the_cpu_int8_kernel(w8a8_build, serve_config_facto
 
     from tests.fixtures import in_process_engine, require_plugin
     from repack.tiny_model import pattern_permutation
-    from tools.serving.server.launch import start_server
+    from tools.serving.server.server import start_server
     from tools.serving.server.server import stop_server
 
     require_plugin()

@@ -24,7 +24,7 @@ from tests.serving_helpers import TwoCores
 from tools.serving.frontdoor import door as frontdoor
 from tools.serving.records import router_state
 from tools.serving.config import ServeConfig
-from tools.serving.server.launch import start_server
+from tools.serving.server.server import start_server
 from tools.measure.endpoint import request_counts
 from tools.serving.frontdoor.router import router_status, start_router, stop_router
 from tools.serving.server.server import stop_server

@@ -103,7 +103,7 @@ def test_port_of_a_running_instance_is_refused(tmp_path, fleet):
 def test_cpu_cores_one_per_instance_then_refused(tmp_path, fleet):
     from tools.serving.frontdoor import instances
     from tools.serving.preflight.hardware import Hardware
-    from tools.serving.server.launch import start_server
+    from tools.serving.server.server import start_server
 
     class TwoCores(Hardware):
         def platform(self):

@@ -17,7 +17,7 @@ from tools.core.api_key import auth_headers
 from tools.core.errors import BadInput, ToolFailure, op, param
 from tools.core.metrics import total
 from tools.core.params import OpParams
-from tools.serving.records import placement, router_state
+from tools.serving import door_on_port, recorded_router, resolve_instance, running
 from tools.serving.config import ServeConfig, load_config
 
 
@@ -71,21 +71,21 @@ def resolve_endpoint(params: Any, cfg: ServeConfig | None = None, *, env_file: A
     if cfg is None:
         cfg = load_config(env_file)
     if router:
-        st = router_state.recorded(cfg)
+        st = recorded_router(cfg)
         if st is None:
             raise ToolFailure(f"no router is running; start one with {op('router.start', instances='a,b')}",
                               {"router": True})
         return Endpoint(base_url=st.base_url, kind="router", policy=st.policy,
                         backends=[asdict(b) for b in st.backends], config=cfg)
     if instance:
-        st = placement.resolve(cfg, instance)
+        st = resolve_instance(cfg, instance)
         return Endpoint(base_url=st.base_url, kind="instance", name=instance,
                         config=replace(cfg, instance=st.instance))
-    alive = placement.running(cfg)
+    alive = running(cfg)
     if "default" in alive:
         return Endpoint(base_url=alive["default"].base_url, kind="instance", name="default",
                         config=replace(cfg, instance=""))
-    door = router_state.door_on_port(cfg)
+    door = door_on_port(cfg)
     if door is not None:  # the port clients use is the front door's
         return Endpoint(base_url=door.base_url, kind="router", policy=door.policy,
                         backends=[asdict(b) for b in door.backends], config=cfg)

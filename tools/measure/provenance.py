@@ -25,7 +25,7 @@ from tools.core.errors import ToolFailure, op, param
 from tools.core import clock
 from tools.gpu.vram import vram_status
 from tools.serving.config import ServeConfig, load_config
-from tools.serving.server.server import server_status
+from tools.serving import server_status
 
 
 class ServerInfo(BaseModel):

@@ -31,7 +31,7 @@ from tools.measure.roofline import SPECULATIVE_NOTE, Roofline, roofline_or_reaso
 from tools.measure.spec_metrics import speculative_from_argv
 from tools.measure.sweep.cells import Tally, cell_spec, finish_cell, load_done, measure_cell, prompt_seed
 from tools.measure.sweep.worker import BenchWorker
-from tools.serving.server import health
+from tools.serving import health
 from tools.measure.endpoint import Endpoint, request_counts, resolve_endpoint
 from tools.serving.config import ServeConfig
 

@@ -28,11 +28,11 @@ from tools.serving.records import state
 from tools.serving.server import switch_record
 from tools.serving.config import ServeConfig
 from tools.serving.preflight.hardware import Hardware
-from tools.serving.server.launch import checked, relaunch, start_server
+from tools.serving.server.launch import checked, relaunch
 from tools.serving.server.results import StartResult
 from tools.serving.server.start_progress import StartReport
 from tools.serving.records.state import ReplaceRecord, ServerState
-from tools.serving.server.server import stop_server
+from tools.serving.server.server import start_server, stop_server
 
 UNAVAILABLE = "unavailable (nothing serves)"
 
