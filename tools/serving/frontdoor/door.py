@@ -23,12 +23,12 @@ longest one.
 from __future__ import annotations
 
 import time
-from datetime import datetime, timezone
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import httpx
 
+from tools.core import clock
 from tools.core.errors import BadInput, ToolFailure, op, param
 from tools.core.metrics import total
 from tools.core.process import signals_deferred
@@ -261,7 +261,7 @@ def _record(cfg: ServeConfig, sw: "_Switch", outcome: str, message: str, figures
     serving = sw.b.served_name if outcome.startswith("serving ") else (
         None if outcome.startswith("unavailable") else sw.a.served_name)
     switch_record.write_switch(replace(cfg, instance=""), switch_record.SwitchRecord(
-        at=datetime.now(timezone.utc).isoformat(timespec="seconds"), outcome=outcome,
+        at=clock.iso(), outcome=outcome,
         from_build=sw.a.served_name, to_build=sw.b.served_name, serving=serving, message=message,
         failed_log=str(failed) if failed else None, figures=figures))
 

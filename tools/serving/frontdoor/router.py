@@ -19,13 +19,13 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal
 
 import httpx
 import psutil
 
+from tools.core import clock
 from tools.core.api_key import API_KEY_ENV, CLIENT_KEY_ENV, api_key, auth_headers, is_loopback
 from tools.core.errors import BadInput, ToolFailure, op, param
 from tools.core.process import end_group, free_port, port_holder
@@ -160,10 +160,10 @@ def _launch(cfg: ServeConfig, argv: list[str], host: str, port: int, policy: str
         create_time = psutil.Process(proc.pid).create_time()
     except psutil.Error:
         create_time = time.time()
-    now = datetime.now(timezone.utc)
+    now = clock.utc_now()
     st = RouterState(pid=proc.pid, pgid=proc.pid, create_time=create_time, host=host, port=port,
                      base_url=f"http://{host}:{port}", policy=policy, backends=backends, argv=argv,
-                     started_at=now.isoformat(timespec="seconds"), started_ts=now.timestamp(),
+                     started_at=clock.iso(now), started_ts=now.timestamp(),
                      log_path=str(log_path), hold_s=hold_s)
     write(cfg, st)
     return proc, st

@@ -17,11 +17,11 @@ import sys
 import threading
 import time
 from dataclasses import replace
-from datetime import datetime, timezone
 from pathlib import Path
 import httpx
 import psutil
 
+from tools.core import clock
 from tools.core.api_key import API_KEY_ENV, api_key, auth_headers
 from tools.core.errors import BadInput, ToolFailure, op, param
 from tools.core.process import end_group, signals_deferred
@@ -177,11 +177,11 @@ def launch_server(cfg: ServeConfig, argv: list[str], platform: str,
                 create_time = psutil.Process(proc.pid).create_time()
             except psutil.Error:
                 create_time = time.time()
-            now = datetime.now(timezone.utc)
+            now = clock.utc_now()
             state.write_state(cfg, ServerState(
                 pid=proc.pid, pgid=proc.pid, create_time=create_time, host=cfg.host, port=cfg.port,
                 base_url=cfg.base_url, model=cfg.model, served_name=cfg.served_name, argv=argv, platform=platform,
-                started_at=now.isoformat(timespec="seconds"), started_ts=now.timestamp(),
+                started_at=clock.iso(now), started_ts=now.timestamp(),
                 log_path=str(cfg.log_file), instance=cfg.instance, gpus=cfg.gpus,
                 gpu_memory_utilization=cfg.gpu_memory_utilization, cpu_cores=cfg.cpu_cores,
                 tensor_parallel_size=cfg.tensor_parallel_size, data_parallel_size=cfg.data_parallel_size,
