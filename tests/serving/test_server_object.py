@@ -6,14 +6,13 @@ are tests/stand_in_vllm.py."""
 
 from __future__ import annotations
 
-import json
-
+import httpx
 import psutil
 import pytest
 
 from tests import stand_in_vllm
 from tools.core.errors import ToolFailure
-from tools.serving import Server
+from tools.serving import Server, first_listed_model, listed_models
 from tools.serving.config import ServeConfig
 
 
@@ -83,3 +82,23 @@ def test_a_server_started_outside_a_with_block_serves_after_its_start(build):
     stopped = server.stop(grace_s=2)
     assert stopped.was_running and stopped.pid == started.pid and _gone(started.pid)
     assert server.record is None and not server.wait_ready(0.5)
+
+
+def _answering(body) -> httpx.Client:
+    """A client whose server answers GET /v1/models with `body` (JSON)."""
+    return httpx.Client(transport=httpx.MockTransport(lambda request: httpx.Response(200, json=body)))
+
+
+def test_which_model_a_server_serves_is_its_first_listed_model_or_one_of_two_failures():
+    """One reader of /v1/models for the measurements, provenance and the token comparison: the first model; a
+    server that lists none, or answers with no model list (a JSON list instead of an object too), one line each."""
+    with _answering({"data": [{"id": "m", "root": "/models/m", "max_model_len": 64}, {"id": "n"}]}) as c:
+        assert first_listed_model(c, "http://s") == {"id": "m", "root": "/models/m", "max_model_len": 64}
+        assert [m["id"] for m in listed_models(c, "http://s")] == ["m", "n"]
+    with _answering({"data": []}) as c, pytest.raises(ToolFailure, match="lists no model in /v1/models"):
+        first_listed_model(c, "http://s")
+    for body in ([{"id": "m"}], {"data": "m"}, {"data": ["m"]}):
+        with _answering(body) as c, pytest.raises(ToolFailure) as exc:
+            first_listed_model(c, "http://s")
+        assert str(exc.value).startswith("no vLLM server answers at http://s (ValueError)")
+        assert exc.value.field == "base_url"

@@ -3,7 +3,8 @@ tools.serving.ops, which stay public too). An import-linter contract (pyproject.
 the measurements and the rest to this face; the sub-packages behind it are free to change.
 
 - `Server`: one instance's server, its whole life (start, wait until ready, status, query, log, stop; a
-  context manager for a command's own server), and the functions it is made of.
+  context manager for a command's own server), and the functions it is made of; which model a server serves
+  (`listed_models`, `first_listed_model`: its /v1/models) and whether it answers (`health`).
 - the front door and the instances: `service` (start, stop and status of the port clients use), `router`,
   `switch_process`, `fleet_status`, `stop_all`, `SwitchResult`.
 - what a start needs first: `run_preflight`, `ensure`, `fetch_checkpoint`, `Hardware`, the swap file, the Turing
@@ -29,6 +30,7 @@ _FACE: dict[str, tuple[str, str | None]] = {
     **{n: ("tools.serving.server.results", n) for n in (
         "QueryResult", "ServerStatus", "StartResult", "StopResult")},
     "health": ("tools.serving.server.health", None),
+    **{n: ("tools.serving.server.models", n) for n in ("first_listed_model", "listed_models")},
     "replace_target": ("tools.serving.server.replace", "target"),
     # the front door and the instances
     "service": ("tools.serving.frontdoor.service", None),
@@ -78,6 +80,7 @@ if TYPE_CHECKING:  # what the names are, for readers and type checkers; loaded l
     from tools.serving.records.state import load_state, replace_file
     from tools.serving.server import health
     from tools.serving.server.replace import target as replace_target
+    from tools.serving.server.models import first_listed_model, listed_models
     from tools.serving.server.results import QueryResult, ServerStatus, StartResult, StopResult
     from tools.serving.server.server import (Server, behind_door_state, log_path, query, read_log, server_status,
                                              start_server, stop_each, stop_server)
