@@ -43,7 +43,7 @@ try:
     import argparse
 
     from tools.core.errors import BadInput, ToolFailure
-    from tools.serving.turing import patch as turing_patch
+    from tools.serving import turing_patch
 except ImportError as _exc:  # a Python without the project's packages, and no .venv beside this file
     print(f"patch_triton_turing.py: {sys.executable} lacks the project's packages ({_exc}) and {_VENV} has no "
           "Python; run ./setup.sh", file=sys.stderr)

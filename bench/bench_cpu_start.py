@@ -51,8 +51,7 @@ def main() -> int:
     from repack.build.build import BuildOptions, build_checkpoint
     from repack.stand_ins.tiny_model import cached_tiny_qat_checkpoint
     from tools.serving.config import load_config
-    from tools.serving.server.launch import start_server
-    from tools.serving.server.server import stop_server
+    from tools.serving import start_server, stop_server
     from tools.measure.provenance import collect
 
     rows: list[dict] = []

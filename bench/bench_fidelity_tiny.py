@@ -78,8 +78,7 @@ def main() -> int:
     from tools.measure.tokens.compare import TokenCompareParams, check_against, record_reference
     from tools.serving.config import load_config
     from tools.measure.fidelity.run import CheckLogprobsParams, RecordLogprobsParams, check_logprobs, record_logprobs
-    from tools.serving.server.launch import start_server
-    from tools.serving.server.server import stop_server
+    from tools.serving import start_server, stop_server
 
     work = Path(args.work or tempfile.mkdtemp(prefix="fidelity-tiny-"))
     if args.tiny:

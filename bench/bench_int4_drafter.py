@@ -36,7 +36,7 @@ from fixtures import free_port  # noqa: E402
 from tools.measure.decode.sweep import (DecodeSweepParams, compare_decode_runs, first_divergence,  # noqa: E402
                                         load_decode_run, run_decode_sweep)
 from tools.serving.config import load_config  # noqa: E402
-from tools.serving.server.server import server_status  # noqa: E402
+from tools.serving import server_status  # noqa: E402
 
 
 def weight_bytes(folder: Path) -> dict[str, int]:

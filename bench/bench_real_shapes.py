@@ -55,8 +55,7 @@ from tools.measure.decode.params import DecodeParams  # noqa: E402
 from tools.measure.decode.run import run_decode  # noqa: E402
 from tools.measure.roofline import cpu_copy_bandwidth, decode_step_bytes  # noqa: E402
 from tools.serving.config import load_config  # noqa: E402
-from tools.serving.server.launch import start_server  # noqa: E402
-from tools.serving.server.server import stop_server  # noqa: E402
+from tools.serving import start_server, stop_server  # noqa: E402
 
 GIB = 2**30
 BUILDS = {"bf16-emb": BuildOptions(text_only=True, embed_int4=False, embed_tokens=False),

@@ -86,9 +86,8 @@ def main() -> int:
     from repack.stand_ins.tiny_model import cached_tiny_qat_checkpoint
     from tools.core.errors import ToolFailure
     from tools.core.process import free_port
-    from tools.serving.frontdoor import service
+    from tools.serving import service, stop_server
     from tools.serving.config import load_config
-    from tools.serving.server.server import stop_server
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if args.layout == "in-process" else "1"
     os.environ.pop("FRONT_DOOR", None)  # tpu.env's own value

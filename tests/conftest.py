@@ -207,7 +207,7 @@ def _serve(cfg):
     (VLLM_ENABLE_V1_MULTIPROCESSING=0 for that start only): one Python process fewer to import vLLM into, 30 s ->
     23 s per start here, same greedy tokens (evidence/suite-speed.md). The product's own process layout is what
     the command line, the demo, the MCP server and instances run (fixtures.in_process_engine says where else)."""
-    from tools.serving.server.launch import start_server
+    from tools.serving.server.server import start_server
     from tools.serving.server.server import stop_server
 
     require_plugin()

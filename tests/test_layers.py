@@ -54,7 +54,8 @@ def _own(module: str) -> bool:
 
 
 def test_import_linter_contracts_hold():
-    """Layers one way (core <- repack, plugin <- gpu <- serving <- measure <- front ends) and no cycles."""
+    """Layers one way (core <- repack, plugin <- gpu <- serving <- measure <- front ends), no cycles, and code
+    outside tools/serving kept to its public face (tools.serving, its config and ops)."""
     proc = subprocess.run([str(Path(sys.executable).with_name("lint-imports")), "--no-cache"], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
@@ -136,6 +137,18 @@ def test_modules_and_functions_of_one_concern():
                 if n > FUNCTION_LINES and not _has_reason(lines, fn.lineno - 1):
                     long_functions.append(f"{path.relative_to(ROOT)}:{fn.lineno} {fn.name}(): {n} lines")
     assert not long_modules and not long_functions, "\n".join(long_modules + long_functions)
+
+
+def test_a_server_is_started_and_stopped_in_one_module():
+    """One server's life has one home (tools.serving.server.server, with its Server object): its start and stop
+    are defined there only, not beside it in another module."""
+    defined: dict[str, list[str]] = {}
+    for path in _sources():
+        for fn in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(fn, ast.FunctionDef) and fn.name in ("start_server", "stop_server"):
+                defined.setdefault(fn.name, []).append(str(path.relative_to(ROOT)))
+    assert defined == {"start_server": ["tools/serving/server/server.py"],
+                       "stop_server": ["tools/serving/server/server.py"]}, defined
 
 
 # Exceptions the project raises that are not failures: a job's cancellation and SIGTERM as an interrupt must pass

@@ -26,7 +26,7 @@ def test_the_int4_matmul_serves_the_tokens_of_the_dequantize_path(emb4_build, em
     from tests.helpers.fixtures import in_process_engine, require_plugin
     from tools.measure.tokens.compare import compare_records, generate
     from tools.serving.server.engine_log import CPU_WNA16_MARK
-    from tools.serving.server.launch import start_server
+    from tools.serving.server.server import start_server
     from tools.serving.server.server import stop_server
 
     if not wna16.op_missing():

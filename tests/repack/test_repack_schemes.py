@@ -322,7 +322,7 @@ def test_w8a8_build_serves_on_the_cpu_int8_kernel(w8a8_build, serve_config_facto
 
     from tests.helpers.fixtures import in_process_engine, require_plugin
     from repack.stand_ins.tiny_model import pattern_permutation
-    from tools.serving.server.launch import start_server
+    from tools.serving.server.server import start_server
     from tools.serving.server.server import stop_server
 
     require_plugin()

@@ -13,8 +13,7 @@ from typing import Any
 
 from tools.cli.commands import CLI, Command, add_commands
 from tools.core.errors import render, render_all
-from tools.serving.hub.fetch import MANIFEST, FetchParams, fetch_checkpoint
-from tools.serving.preflight.steps import PreflightParams, run_preflight
+from tools.serving import MANIFEST, FetchParams, PreflightParams, fetch_checkpoint, run_preflight
 from tools.core.jsonout import dumps
 
 

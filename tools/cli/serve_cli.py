@@ -16,16 +16,12 @@ from typing import Any
 from tools.cli.commands import CLI, Command, add_commands, emit as _emit
 from tools.core.errors import BadInput, param, render, render_all
 from tools.core.process import free_port
-from tools.serving.frontdoor import router, service, switch_process
-from tools.serving.server import server as vllm_server
+from tools.serving import (StartResult, ensure_swap, fleet_status, query, read_log, replace_file,
+                           replace_target as target, router, server_status, service, stop_all, swap_report,
+                           switch_process)
 from tools.serving.config import ServeConfig, load_config
-from tools.serving.frontdoor.instances import fleet_status, stop_all
-from tools.serving.server.results import StartResult
-from tools.serving.server.replace import target
-from tools.serving.records.state import replace_file
 from tools.serving.ops import (LogParams, QueryParams, RouterStartParams, RouterStopParams, RouterSwitchParams,
                                StartParams, StatusParams, StopParams)
-from tools.serving.preflight.swap import ensure_swap, swap_report
 from tools.core.jsonout import dumps
 
 
@@ -131,7 +127,7 @@ def _status_lines(st, named: bool = True) -> list[str]:
 def cmd_status(p: StatusParams, args: argparse.Namespace) -> int:
     cfg = _config(args, instance=p.instance)
     if p.instance is not None:  # one instance
-        st = vllm_server.server_status(cfg)
+        st = server_status(cfg)
         emit(args, st, "\n".join(_status_lines(st)))
         return 0 if (st.alive and st.healthy) or args.any else 3
     default_cfg = replace(cfg, instance="")
@@ -151,13 +147,13 @@ def cmd_status(p: StatusParams, args: argparse.Namespace) -> int:
 
 
 def cmd_query(p: QueryParams, args: argparse.Namespace) -> int:
-    r = vllm_server.query(_config(args, instance=p.instance), p.prompt, max_tokens=p.max_tokens)
+    r = query(_config(args, instance=p.instance), p.prompt, max_tokens=p.max_tokens)
     emit(args, r, r.text + "\n" + dumps(r.usage))
     return 0
 
 
 def cmd_log(p: LogParams, args: argparse.Namespace) -> int:
-    print(vllm_server.read_log(_config(args, instance=p.instance), p.lines))
+    print(read_log(_config(args, instance=p.instance), p.lines))
     return 0
 
 

@@ -1,18 +1,20 @@
 """Processes: which one a recorded pid still is, ending a process group (the project's one group killer), who
-holds a port, the environment of a Python child that runs this checkout, and this process's stdout once its reader
-is gone."""
+holds a port, the environment of a Python child that runs this checkout, signals held over a block that must
+not be cut short, and this process's stdout once its reader is gone."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
-from typing import NamedTuple
+from typing import Iterator, NamedTuple
 
 import psutil
 
@@ -180,6 +182,31 @@ def python_child_env(project_root: Path) -> dict[str, str]:
     return env
 
 
+_DEFERRED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Holds SIGINT, SIGTERM and SIGHUP for the block and delivers them, to the handlers they had, when it ends.
+    Python handlers, not a blocked signal mask: a child started in the block would inherit the mask and ignore
+    SIGTERM, while a handler reverts to the default at exec. Main thread only (where Python runs handlers)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+    old = {}
+    for sig in _DEFERRED_SIGNALS:
+        if signal.getsignal(sig) is not None:  # None: a handler not set from Python, left as it is
+            old[sig] = signal.signal(sig, lambda signum, frame: pending.append(signum))
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+        for sig in dict.fromkeys(pending):
+            signal.raise_signal(sig)
+
+
 def stdout_gone() -> None:
     """This process's stdout once its reader has gone (a closed pipe): pointed at /dev/null, so that no later
     write, nor the interpreter's last flush, raises BrokenPipeError again."""
@@ -192,4 +219,4 @@ def stdout_gone() -> None:
 
 
 __all__ = ["GroupEnd", "end_group", "group_members", "is_running", "kill_group", "pid_recycled", "port_holder",
-           "python_child_env", "reap", "same_process", "stdout_gone"]
+           "python_child_env", "reap", "same_process", "signals_deferred", "stdout_gone"]

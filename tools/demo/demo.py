@@ -41,17 +41,12 @@ from tools.core.process import free_port
 from tools.core.root import PROJECT_ROOT
 from tools.core import clock
 from tools.measure import evidence as evidence_files
-from tools.serving.server.guard import owned_server
 from tools.measure.tokens.compare import TokenCompareParams, TokenComparison, check_against, record_reference
 from tools.measure.sweep.run import run_sweep
 from tools.measure.sweep.report import compare_runs, markdown_run
 from tools.serving.config import DEFAULT_ENV_FILE, load_config
-from tools.serving.hub.fetch import FetchParams, fetch_checkpoint
 from repack.source.checks import SOURCE_REPO
-from tools.serving.hub.access import hf_token
-from tools.serving.preflight.steps import PreflightParams, run_preflight
-from tools.serving.server.launch import start_server
-from tools.serving.server.server import stop_server
+from tools.serving import FetchParams, PreflightParams, Server, fetch_checkpoint, hf_token, run_preflight
 
 SOURCE_KEY = "SOURCE_CHECKPOINT"
 
@@ -297,8 +292,8 @@ def _serve_builds(plan: _Plan, opts: DemoOptions, paths: dict[str, Path],
             overrides["port"] = free_port()
         cfg = load_config(opts.env_file, **overrides)
         log(f"[{4 + i}/6] serving {label} ({cfg.model}) at {cfg.base_url}")
-        with owned_server(cfg.state_file):  # a kill of the demo does not leave it serving
-            start = start_server(cfg, progress=lambda f, m: None)
+        with Server(cfg) as server:  # stopped when this build is done; a kill of the demo does not leave it serving
+            start = server.start(progress=lambda f, m: None)
             try:
                 sf = start.start_fields
                 log(f"    up after {start.startup_s:.0f} s; KV cache {sf.kv_cache_tokens} tokens, "
@@ -313,7 +308,7 @@ def _serve_builds(plan: _Plan, opts: DemoOptions, paths: dict[str, Path],
                     log(f"    {comparison.summary}")
                 served.append(_sweep(plan, label, cfg, start, log))
             finally:
-                stop_server(cfg)
+                server.stop()
                 log(f"    stopped {label}")
     assert comparison is not None
     return served, comparison

@@ -46,10 +46,7 @@ from tools.mcp.errors import ToolRefusal, argument_error, to_tool_error
 from tools.mcp.jobs import JobCancelled, JobRegistry, ProgressFn
 from tools.mcp.registry import ALWAYS_LISTED, TOOLS, TOOLSETS, TOOLSETS_ENV, ToolSpec, parse_toolsets
 from tools.serving.config import load_config
-from tools.serving.preflight.hardware import Hardware
-from tools.serving.records import router_state
-from tools.serving.records.state import load_state
-from tools.serving.server.server import behind_door_state, server_status
+from tools.serving import Hardware, behind_door_state, door_on_port, load_state, server_status
 from tools.mcp.wording import on_platform
 
 SERVER_NAME = "gemma4-t4"
@@ -108,7 +105,7 @@ class App:
     def managed_base_url(self, instance: str | None = None) -> str:
         """The base URL of the server this project started (state file), for tools that measure it."""
         st = server_status(self.config(instance=instance))
-        door = router_state.door_on_port(self.config()) if instance is None else None
+        door = door_on_port(self.config()) if instance is None else None
         if (not st.alive or not st.base_url) and door is not None:  # the port is the front door's
             return door.base_url
         if not st.alive or not st.base_url:

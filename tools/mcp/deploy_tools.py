@@ -6,8 +6,8 @@ from __future__ import annotations
 from tools.core.errors import ToolFailure
 from tools.core.paths import PathNotAllowed
 from tools.mcp.registry import Reply, tool
-from tools.serving.hub.fetch import FetchParams, FetchResult, fetch_checkpoint as fetch
-from tools.serving.preflight.steps import PreflightParams, PreflightReport, run_preflight
+from tools.serving import (FetchParams, FetchResult, PreflightParams, PreflightReport, fetch_checkpoint as fetch,
+                           run_preflight)
 
 
 @tool(toolset="deploy", title="Preflight checks", params=PreflightParams, result=PreflightReport, read_only=True,

@@ -7,12 +7,10 @@ from tools.core.paths import PathNotAllowed
 from tools.core.process import free_port
 from tools.mcp.registry import Reply, tool
 from tools.mcp.wording import on_platform
-from tools.serving.records.state import load_state
-from tools.serving.frontdoor import door as frontdoor, switch_process
-from tools.serving.preflight.model_files import missing_model_fix
+from tools.serving import (RouterStartResult, RouterStatus, RouterStopResult, SwitchResult, load_state,
+                           missing_model_fix, router_status as status, start_router as start, stop_router as stop,
+                           switch_process)
 from tools.serving.ops import RouterStartParams, RouterStopParams, RouterSwitchParams
-from tools.serving.frontdoor.router import (RouterStartResult, RouterStatus, RouterStopResult, router_status as status,
-                                  start_router as start, stop_router as stop)
 
 
 @tool(toolset="fleet", title="Start vllm-router", params=RouterStartParams, result=RouterStartResult,
@@ -57,7 +55,7 @@ def _switch_config(app, p: RouterSwitchParams):
 
 
 @tool(toolset="fleet", title="Switch the build behind the router", params=RouterSwitchParams,
-      result=frontdoor.SwitchResult, long=True, destructive=True, open_world=True, check=_switch_config)
+      result=SwitchResult, long=True, destructive=True, open_world=True, check=_switch_config)
 def switch_build(app, p: RouterSwitchParams, progress, checked) -> Reply:
     """Serve another build behind the router (start_router) in place of the one it routes to, with no failed
     request: beside it where the machine holds both (then it drains and stops), else it stops first and the

@@ -12,9 +12,7 @@ from tools.core.params import OpParams
 from tools.gpu import vram
 from tools.gpu.vram import VramStatus
 from tools.mcp.registry import Reply, tool
-from tools.serving.turing import patch as turing_patch
-from tools.serving.records.placement import process_owners, running
-from tools.serving.turing.patch import PatchStatus
+from tools.serving import PatchStatus, process_owners, running, turing_patch
 
 
 @tool(toolset="deploy", title="Memory of the running builds", result=VramStatus, read_only=True,

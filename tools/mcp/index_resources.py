@@ -16,7 +16,7 @@ from tools.core.errors import ToolFailure
 from tools.mcp.bounded import RESULT_BUDGET, fit_text, pages
 from tools.mcp.errors import MCP
 from tools.mcp.resources import SCHEME, ResourceFailure, evidence_run_list, resource
-from tools.serving.server.server import read_log
+from tools.serving import read_log
 
 LOG_LINES = 200          # lines the log resource reads before keeping the tail that fits
 MORE_LOG = f"{SCHEME}://server/log/{{lines}}"

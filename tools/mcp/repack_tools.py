@@ -18,8 +18,7 @@ from tools.core.atomic import REPORT
 from tools.core.errors import BadInput, ToolFailure, param
 from tools.core.paths import PathNotAllowed
 from tools.mcp.registry import Reply, tool
-from tools.serving.preflight.model_files import TINY_SOURCE, make_source
-from tools.serving.preflight.steps import ensure
+from tools.serving import TINY_SOURCE, ensure, make_source
 
 
 def _source(app, path: str, what: str) -> Path:

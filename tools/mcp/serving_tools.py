@@ -9,13 +9,10 @@ from pydantic import BaseModel, Field
 from tools.core.errors import ToolFailure
 from tools.core.paths import PathNotAllowed
 from tools.mcp.registry import Reply, tool
-from tools.serving.frontdoor.instances import fleet_status, stop_all
-from tools.serving.preflight.model_files import missing_model_fix
-from tools.serving.frontdoor import service
-from tools.serving.frontdoor.door import SwitchResult
+from tools.serving import (QueryResult, ServerStatus, StartResult, StopResult, SwitchResult, behind_door_state,
+                           fleet_status, log_path, missing_model_fix, query, read_log, server_status as status,
+                           service, stop_all)
 from tools.serving.ops import LogParams, QueryParams, StartParams, StatusParams, StopParams
-from tools.serving.server.results import QueryResult, ServerStatus, StartResult, StopResult
-from tools.serving.server.server import behind_door_state, log_path, query, read_log, server_status as status
 from tools.mcp.wording import on_platform
 
 

@@ -10,11 +10,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
+import httpx
 from pydantic import Field
 
+from tools.core.api_key import auth_headers
 from tools.core.errors import BadInput, ToolFailure, op, param
+from tools.core.metrics import total
 from tools.core.params import OpParams
-from tools.serving.records import placement, router_state
+from tools.serving import door_on_port, recorded_router, resolve_instance, running
 from tools.serving.config import ServeConfig, load_config
 
 
@@ -68,21 +71,21 @@ def resolve_endpoint(params: Any, cfg: ServeConfig | None = None, *, env_file: A
     if cfg is None:
         cfg = load_config(env_file)
     if router:
-        st = router_state.recorded(cfg)
+        st = recorded_router(cfg)
         if st is None:
             raise ToolFailure(f"no router is running; start one with {op('router.start', instances='a,b')}",
                               {"router": True})
         return Endpoint(base_url=st.base_url, kind="router", policy=st.policy,
                         backends=[asdict(b) for b in st.backends], config=cfg)
     if instance:
-        st = placement.resolve(cfg, instance)
+        st = resolve_instance(cfg, instance)
         return Endpoint(base_url=st.base_url, kind="instance", name=instance,
                         config=replace(cfg, instance=st.instance))
-    alive = placement.running(cfg)
+    alive = running(cfg)
     if "default" in alive:
         return Endpoint(base_url=alive["default"].base_url, kind="instance", name="default",
                         config=replace(cfg, instance=""))
-    door = router_state.door_on_port(cfg)
+    door = door_on_port(cfg)
     if door is not None:  # the port clients use is the front door's
         return Endpoint(base_url=door.base_url, kind="router", policy=door.policy,
                         backends=[asdict(b) for b in door.backends], config=cfg)
@@ -92,6 +95,22 @@ def resolve_endpoint(params: Any, cfg: ServeConfig | None = None, *, env_file: A
                                                          "instance)" if named else "")
                           + f"; start one with {op('start')} (or pass {param('base_url')})")
     return Endpoint(base_url=cfg.base_url, kind="config", config=cfg)
+
+
+def request_counts(backends: list[dict[str, str]], *, timeout: float = 5.0) -> dict[str, float | None]:
+    """instance -> requests its vLLM has finished (`vllm:request_success_total`, every finish reason summed), for
+    the router's `backends` ([{instance, base_url}]); None where /metrics does not answer. Deltas over a run tell
+    how the router spread it."""
+    out: dict[str, float | None] = {}
+    for b in backends:
+        try:
+            text = httpx.get(f"{b['base_url']}/metrics", timeout=timeout, headers=auth_headers()).text
+        except httpx.HTTPError:
+            out[b["instance"]] = None
+            continue
+        value = total(text, "vllm:request_success_total")
+        out[b["instance"]] = value if value is not None else 0.0
+    return out
 
 
 def resolve_name(text: str, cfg: ServeConfig | None = None, *, env_file: Any = None) -> Endpoint:

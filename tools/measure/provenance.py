@@ -25,7 +25,7 @@ from tools.core.errors import ToolFailure, op, param
 from tools.core import clock
 from tools.gpu.vram import vram_status
 from tools.serving.config import ServeConfig, load_config
-from tools.serving.server.server import server_status
+from tools.serving import listed_models, server_status
 
 
 class ServerInfo(BaseModel):
@@ -124,13 +124,8 @@ def server_info(base_url: str, *, timeout: float = 10.0) -> ServerInfo:
     """
     base = base_url.rstrip("/")
     with httpx.Client(timeout=timeout, headers=auth_headers()) as client:
-        r = client.get(f"{base}/v1/models")
-        r.raise_for_status()
-        body = r.json()
-        data = body.get("data") if isinstance(body, dict) else None
-        first = data[0] if isinstance(data, list) and data else {}
-        if not isinstance(body, dict) or not isinstance(first, dict) or not isinstance(data, (list, type(None))):
-            raise ValueError(f"{base}/v1/models did not list models as an OpenAI-compatible server does")
+        data = listed_models(client, base)
+        first = data[0] if data else {}
         version = None
         try:
             v = client.get(f"{base}/version")

@@ -10,7 +10,8 @@ from typing import Any
 import httpx
 
 from tools.core.api_key import auth_headers
-from tools.core.errors import BadInput, ToolFailure, op, param
+from tools.core.errors import BadInput, ToolFailure, param
+from tools.serving import first_listed_model
 from tools.serving.config import load_config
 
 # Fixed text whose tokenization fingerprints a tokenizer: ASCII, digits, punctuation, whitespace runs,
@@ -28,19 +29,13 @@ class ServerClient:
         self.base = (base_url or load_config().base_url).rstrip("/")
         self.client = httpx.Client(timeout=timeout_s, headers=auth_headers())
         try:
-            r = self.client.get(f"{self.base}/v1/models")
-            r.raise_for_status()
-            data = r.json().get("data") or []
-        except (httpx.HTTPError, ValueError) as exc:
+            first = first_listed_model(self.client, self.base)
+        except ToolFailure:
             self.client.close()
-            raise ToolFailure(f"no vLLM server answers at {self.base} ({type(exc).__name__}); start one with "
-                              f"{op('start')} or pass {param('base_url')}", field="base_url") from exc
-        if not data:
-            self.client.close()
-            raise ToolFailure(f"the server at {self.base} lists no model in /v1/models")
-        self.model: str = data[0]["id"]
-        self.root: str | None = data[0].get("root")
-        self.max_model_len: int | None = data[0].get("max_model_len")
+            raise
+        self.model: str = first["id"]
+        self.root: str | None = first.get("root")
+        self.max_model_len: int | None = first.get("max_model_len")
 
     def close(self) -> None:
         self.client.close()

@@ -388,12 +388,14 @@ def test_decode_sweep_runs_record_the_paths_they_have_once_finished(models, tmp_
     import types
 
     from tools.measure.decode import sweep as decode_mod
+    from tools.serving.server import server as server_mod  # the Server's own start and stop
 
     root, target, _ = models
     monkeypatch.setenv("GEMMA4_T4_MODELS_ROOTS", str(root))
-    monkeypatch.setattr(decode_mod, "start_server",
-                        lambda cfg: types.SimpleNamespace(startup_s=1.0, base_url="http://127.0.0.1:9", argv=["x"]))
-    monkeypatch.setattr(decode_mod, "stop_server", lambda cfg: None)
+    monkeypatch.setattr(server_mod, "start_server",
+                        lambda cfg, **kw: types.SimpleNamespace(startup_s=1.0, base_url="http://127.0.0.1:9",
+                                                                argv=["x"]))
+    monkeypatch.setattr(server_mod, "stop_server", lambda cfg, **kw: None)
 
     def fake_run_decode(params, **kw):  # what run_decode writes: a finished run folder under params.out
         run = evidence.EvidenceRun.create(params.out, params.label)
@@ -415,14 +417,14 @@ def test_decode_sweep_runs_record_the_paths_they_have_once_finished(models, tmp_
 def test_a_decode_sweep_stopped_before_any_run_leaves_no_partial_folder(models, tmp_path, monkeypatch):
     """A first start that is refused (a server already runs) or interrupted (Ctrl-C, SIGTERM) leaves nothing in
     --out: an empty .partial folder per try would pile up."""
-    from tools.measure.decode import sweep as vllm_server  # the sweep's own start_server and stop_server
+    from tools.serving.server import server as vllm_server  # the start and stop of the sweep's Server
 
     root, target, _ = models
     monkeypatch.setenv("GEMMA4_T4_MODELS_ROOTS", str(root))
     stops = []
-    monkeypatch.setattr(vllm_server, "stop_server", lambda cfg: stops.append(cfg))
+    monkeypatch.setattr(vllm_server, "stop_server", lambda cfg, **kw: stops.append(cfg))
     for exc in (ToolFailure("a server started from the state dir is already running"), KeyboardInterrupt()):
-        def refused(cfg, exc=exc):
+        def refused(cfg, exc=exc, **kw):
             raise exc
         monkeypatch.setattr(vllm_server, "start_server", refused)
         with pytest.raises(type(exc)):

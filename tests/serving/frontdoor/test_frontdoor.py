@@ -24,7 +24,7 @@ from tools.serving.records import router_state, state
 from tools.serving.server import switch_record
 from tools.serving.config import ServeConfig
 from tools.serving.frontdoor.router import start_router, stop_router
-from tools.serving.server.launch import start_server
+from tools.serving.server.server import start_server
 from tools.serving.server.server import stop_server
 
 

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import asdict
 
 import httpx
 import psutil
@@ -23,8 +24,9 @@ from tests.helpers.serving import TwoCores
 from tools.serving.frontdoor import door as frontdoor
 from tools.serving.records import router_state
 from tools.serving.config import ServeConfig
-from tools.serving.server.launch import start_server
-from tools.serving.frontdoor.router import request_counts, router_status, start_router, stop_router
+from tools.serving.server.server import start_server
+from tools.measure.endpoint import request_counts
+from tools.serving.frontdoor.router import router_status, start_router, stop_router
 from tools.serving.server.server import stop_server
 
 KEY = "k-" + "fr0nt" * 8
@@ -87,7 +89,7 @@ def test_the_key_is_required_and_used_through_the_router(blue, monkeypatch, host
         assert ok.status_code == 200 and ok.json()["model"] == "old", ok.text
     st = router_status(base)
     assert st.alive and st.healthy and st.backends_healthy == {"blue": True}, st.message
-    assert request_counts(st.backends)["blue"] is not None
+    assert request_counts([asdict(b) for b in st.backends])["blue"] is not None
     # the key is nowhere the router keeps or shows: its argv, its environment, its state file and its log
     proc = psutil.Process(res.pid)
     assert not any(KEY in a for a in proc.cmdline() + res.argv)

@@ -103,7 +103,7 @@ def test_port_of_a_running_instance_is_refused(tmp_path, fleet):
 def test_cpu_cores_one_per_instance_then_refused(tmp_path, fleet):
     from tools.serving.frontdoor import instances
     from tools.serving.preflight.hardware import Hardware
-    from tools.serving.server.launch import start_server
+    from tools.serving.server.server import start_server
 
     class TwoCores(Hardware):
         def platform(self):
@@ -327,8 +327,7 @@ def test_router_lifecycle_over_stand_in_workers(tmp_path, fleet):
     import httpx
 
     from tools.serving.frontdoor import router
-    from tools.serving.records.router_state import Backend
-    from tools.serving.frontdoor.router import request_counts
+    from tools.measure.endpoint import request_counts
 
     pa, pb, pr = free_port(), free_port(), free_port()
     fleet("a", pa, serve=True)
@@ -362,7 +361,8 @@ def test_router_lifecycle_over_stand_in_workers(tmp_path, fleet):
         assert (tmp_path / "run" / "router.json").is_file() and (tmp_path / "run" / "router.log").is_file()
         clash = _cli(["start", "--instance", "c", "--port", str(pr)], env)
         assert clash.returncode == 2 and "held by the router" in clash.stderr
-        backends = [Backend("a", f"http://127.0.0.1:{pa}"), Backend("b", f"http://127.0.0.1:{pb}")]
+        backends = [{"instance": "a", "base_url": f"http://127.0.0.1:{pa}"},
+                    {"instance": "b", "base_url": f"http://127.0.0.1:{pb}"}]
         before = request_counts(backends)
         for _ in range(6):
             out = httpx.post(f"http://127.0.0.1:{pr}/v1/completions", json={"model": "m", "prompt": "x",

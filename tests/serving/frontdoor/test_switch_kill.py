@@ -29,7 +29,7 @@ from tools.serving.frontdoor import door as frontdoor
 from tools.serving.records import router_state, state
 from tools.serving.server import switch_record
 from tools.serving.config import ServeConfig
-from tools.serving.server.launch import start_server
+from tools.serving.server.server import start_server
 from tools.serving.frontdoor.router import start_router, stop_router
 from tools.serving.records.state import InstanceBusy
 from tools.serving.server.server import stop_server

@@ -200,7 +200,7 @@ def test_disk_for_a_repack_is_27_percent_of_the_source(clean_env, tmp_path, monk
 
 
 def test_start_refuses_with_the_failing_checks_line(clean_env, tmp_path):
-    from tools.serving.server.launch import start_server
+    from tools.serving.server.server import start_server
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -391,7 +391,7 @@ def test_a_broken_serving_config_does_not_block_a_repack_given_its_folders(clean
 def test_start_checks_the_configured_drafter_against_the_model(clean_env, tmp_path):
     """SPECULATIVE_CONFIG's drafter is checked before vLLM starts: a drafter made for another target, or a folder
     that is not a checkpoint, fails the start with the drafter check's line; a matching one passes."""
-    from tools.serving.server.launch import start_server
+    from tools.serving.server.server import start_server
 
     def ckpt(path, cfg):
         path.mkdir(parents=True)

@@ -18,7 +18,7 @@ from tests.helpers.fixtures import free_port
 from tools.serving.records import state
 from tools.serving.config import ServeConfig
 from tools.serving.preflight.hardware import Hardware
-from tools.serving.server.launch import start_server
+from tools.serving.server.server import start_server
 from tools.serving.server.server import stop_server
 
 CORES = sorted(os.sched_getaffinity(0))

@@ -16,7 +16,7 @@ from tests.helpers.stand_ins import vllm_server as stand_in_vllm
 from tools.core.errors import ToolFailure
 from tools.serving.server import readiness
 from tools.serving.config import ServeConfig
-from tools.serving.server.launch import start_server
+from tools.serving.server.server import start_server
 from tools.serving.server.server import stop_server
 
 

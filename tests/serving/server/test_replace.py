@@ -24,7 +24,7 @@ from tools.serving.records import state
 from tools.serving.config import ServeConfig
 from tools.serving.server.replace import replace_server
 from tools.serving.server.server import server_status, stop_server
-from tools.serving.server.launch import start_server
+from tools.serving.server.server import start_server
 
 @pytest.fixture
 def stand_in(tmp_path, monkeypatch, serve_config_factory):

@@ -237,7 +237,7 @@ def test_a_second_ctrl_c_inside_the_rollback_does_not_stop_it(bench, monkeypatch
                         speculative_config="", extra_args="", start_timeout_s=30.0)
     cfg_b = load_config(ROOT / "tpu.env", state_dir=str(bench.tmp / "run"), port=bench.port, model=b_model,
                         speculative_config="", extra_args="", start_timeout_s=30.0)
-    from tools.serving.server.launch import start_server
+    from tools.serving.server.server import start_server
     a_pid = start_server(cfg_a).pid
     real_stop = replace_mod.stop_server
     rolled_back: list[str] = []
@@ -384,7 +384,7 @@ def test_a_failed_start_does_not_forget_a_record_written_since(bench, monkeypatc
     proc = sp.Popen([sys.executable, "-c", "pass"], start_new_session=True)
     proc.wait()
     state.write_state(cfg, _record(cfg, os.getpid(), 5.0, "another command's"))
-    launch._end_launched(cfg, proc)
+    launch.end_launched(cfg, proc)
     assert state.load_state(cfg).served_name == "another command's"
 
 

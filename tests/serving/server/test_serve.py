@@ -23,7 +23,7 @@ from tools.serving.turing import patch as turing_patch
 from tools.core.errors import ToolFailure
 from tests.helpers.fixtures import stand_in_t4_hardware, group_alive
 from tools.serving.server.server import server_status, stop_server
-from tools.serving.server.launch import start_server
+from tools.serving.server.server import start_server
 from tools.cli.commands import CLI
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -423,7 +423,7 @@ KILLED_AT_LAUNCH = r"""
 import os, sys, time
 from tools.serving.records import state
 from tools.serving.config import ServeConfig, load_config
-from tools.serving.server.launch import start_server
+from tools.serving.server.server import start_server
 marker, pid_file, env_file, state_dir, port, model = sys.argv[1:]
 ServeConfig.vllm_argv = lambda self, platform: [sys.executable, "-c",
     f"import pathlib, time; pathlib.Path({marker!r}).touch(); time.sleep(120)"]

@@ -156,7 +156,7 @@ def test_default_model_is_this_projects_local_build(monkeypatch):
 
 
 def test_missing_local_build_is_refused_before_launching(tmp_path, monkeypatch):
-    from tools.serving.server.launch import start_server
+    from tools.serving.server.server import start_server
 
     for name in ("MODEL_NAME", "PORT", "STATE_DIR"):
         monkeypatch.delenv(name, raising=False)
@@ -199,7 +199,7 @@ def test_max_model_len_from_tpu_env_is_fitted_to_the_model(tmp_path, monkeypatch
 
 @pytest.mark.parametrize("how", ["override", "environment"])
 def test_max_model_len_given_for_this_start_above_the_limit_is_refused(tmp_path, monkeypatch, how):
-    from tools.serving.server.launch import start_server
+    from tools.serving.server.server import start_server
 
     model = _model_with_limit(tmp_path, 2048, nested=True)
     monkeypatch.delenv("MAX_MODEL_LEN", raising=False)

@@ -15,7 +15,7 @@ from tools.core.errors import ToolFailure
 from tools.serving.server import switch_record
 from tools.serving.config import ServeConfig
 from tools.serving.server.replace import replace_server
-from tools.serving.server.launch import start_server
+from tools.serving.server.server import start_server
 from tools.serving.server.server import read_log, server_status, stop_server
 
 

@@ -20,13 +20,10 @@ from tools.measure.decode.run import DecodeResult, fmt, pct, run_decode
 from tools.core.names import check_name
 from tools.core.progress import Progress
 from tools.measure.sweep.params import DEFAULT_OUT
-from tools.serving.server.guard import owned_server
 from tools.measure.uncertainty import Ratio, paired_ratio
 from tools.serving.config import load_config
 from tools.core.output_check import check_output_folder
-from tools.serving.preflight.speculative import parse_speculative_config, validate_speculative_config
-from tools.serving.server.launch import start_server
-from tools.serving.server.server import stop_server
+from tools.serving import Server, parse_speculative_config, validate_speculative_config
 
 
 class DecodeSweepParams(DecodeRequests):
@@ -225,7 +222,7 @@ def run_decode_sweep(params: DecodeSweepParams, *, progress: Progress | None = N
                      **config_overrides: Any) -> DecodeSweepResult:
     """Start the server once per drafter setting, run the decode benchmark for each sampling, stop it; write the
     comparison. config_overrides go to load_config (a test's port and state dir). The server is always stopped,
-    whatever ends the sweep: a SIGKILL of this process too (tools.serving.server.guard)."""
+    whatever ends the sweep: a SIGKILL of this process too (tools.serving.server.server.Server)."""
     check_name(params.label)
     check_output_folder(params.out)  # before any server starts
     if not params.draft_tokens or any(k < 0 for k in params.draft_tokens):
@@ -252,26 +249,23 @@ def run_decode_sweep(params: DecodeSweepParams, *, progress: Progress | None = N
     # run in --out removes it); one stopped before any run finished (a refused or interrupted first start) leaves
     # none.
     try:
-        with owned_server(base_cfg.state_file):
-            for k, spec in specs.items():
-                cfg = load_config(params.env_file, **{**config_overrides, "speculative_config": spec})
-                if progress is not None:
-                    progress(len(results), total, f"starting the server with {k} draft tokens")
-                start = start_server(cfg)
+        for k, spec in specs.items():
+            cfg = load_config(params.env_file, **{**config_overrides, "speculative_config": spec})
+            if progress is not None:
+                progress(len(results), total, f"starting the server with {k} draft tokens")
+            with Server(cfg) as server:  # stopped when the setting ends, however the sweep ends
+                start = server.start()
                 startup[f"k{k}"] = start.startup_s
-                try:
-                    for s in params.sampling:
-                        if progress is not None:
-                            progress(len(results), total, f"{k} draft tokens, {s}")
-                        res = run_decode(DecodeParams(base_url=start.base_url, prompts=params.prompts,
-                                                      max_tokens=params.max_tokens, sampling=s, label=f"k{k}-{s}",
-                                                      out=runs_out, seed=params.seed,
-                                                      request_timeout_s=params.request_timeout_s),
-                                         serve_config=cfg, server_argv=list(start.argv),
-                                         extra_provenance={"server_startup_s": start.startup_s})
-                        results.append(res)
-                finally:
-                    stop_server(cfg)
+                for s in params.sampling:
+                    if progress is not None:
+                        progress(len(results), total, f"{k} draft tokens, {s}")
+                    res = run_decode(DecodeParams(base_url=start.base_url, prompts=params.prompts,
+                                                  max_tokens=params.max_tokens, sampling=s, label=f"k{k}-{s}",
+                                                  out=runs_out, seed=params.seed,
+                                                  request_timeout_s=params.request_timeout_s),
+                                     serve_config=cfg, server_argv=list(start.argv),
+                                     extra_provenance={"server_startup_s": start.startup_s})
+                    results.append(res)
     except BaseException:
         if not results:
             run.abandon()

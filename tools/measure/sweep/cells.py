@@ -14,7 +14,7 @@ from tools.measure import evidence
 from tools.measure.sweep.params import (CellResult, CellSpec, RepeatResult, SweepParams, aggregate,
                                         cell_acceptance, cell_stem, raw_name)
 from tools.measure.sweep.worker import BenchWorker
-from tools.serving.server import health
+from tools.serving import health
 
 
 def prompt_seed(base: int, input_len: int, concurrency: int, repeat: int, kind: str = "measure") -> int:

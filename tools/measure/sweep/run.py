@@ -31,9 +31,8 @@ from tools.measure.roofline import SPECULATIVE_NOTE, Roofline, roofline_or_reaso
 from tools.measure.spec_metrics import speculative_from_argv
 from tools.measure.sweep.cells import Tally, cell_spec, finish_cell, load_done, measure_cell, prompt_seed
 from tools.measure.sweep.worker import BenchWorker
-from tools.serving.frontdoor import router as router_mod
-from tools.serving.server import health
-from tools.measure.endpoint import Endpoint, resolve_endpoint
+from tools.serving import health
+from tools.measure.endpoint import Endpoint, request_counts, resolve_endpoint
 from tools.serving.config import ServeConfig
 
 
@@ -115,8 +114,8 @@ def _sweep_into(params: SweepParams, run_dir: Path, out: Path, endpoint: Endpoin
     # files and provenance rather than its rename-when-complete folder.
     prov = evidence.collect_provenance(base_url, server=server, serve_config=serve_config)
     prov.endpoint = endpoint.to_dict()
-    backends = [router_mod.Backend(**b) for b in endpoint.backends]
-    before = router_mod.request_counts(backends) if backends else {}
+    backends = endpoint.backends
+    before = request_counts(backends) if backends else {}
     result.provenance = prov.to_dict()
     evidence.write_json(run_dir / "provenance.json", result.provenance)
     result.speculative_config = speculative_from_argv(result.provenance.get("server_argv"))
@@ -128,7 +127,7 @@ def _sweep_into(params: SweepParams, run_dir: Path, out: Path, endpoint: Endpoin
                    max_len=max_len, raw_dir=raw_dir, run_dir=run_dir, progress=progress, total=total, t0=t0)
 
     if backends:  # how the router spread the sweep: each instance's finished requests, warm-ups included
-        after = router_mod.request_counts(backends)
+        after = request_counts(backends)
         prov.endpoint["requests"] = {n: (None if before.get(n) is None or after.get(n) is None
                                          else int(after[n] - before[n])) for n in after}
         result.provenance = prov.to_dict()

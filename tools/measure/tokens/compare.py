@@ -28,6 +28,7 @@ from tools.measure.tokens.long_prompts import long_prompts
 from tools.core.output_check import check_output_file
 from tools.core.progress import Progress
 from tools.core import clock
+from tools.serving import first_listed_model
 from tools.measure.provenance import config_sha256
 
 RECORD_KIND = "gemma4-t4/token-record"
@@ -187,16 +188,8 @@ def load_prompts(path: str | Path) -> list[str]:
 
 
 def _model_of(client: httpx.Client, base_url: str) -> tuple[str, str | None]:
-    try:
-        r = client.get(f"{base_url}/v1/models")
-        r.raise_for_status()
-        data = r.json().get("data") or []
-    except (httpx.HTTPError, ValueError) as exc:
-        raise ToolFailure(f"no vLLM server answers at {base_url} ({type(exc).__name__}); start one with "
-                          f"{op('start')} or pass {param('base_url')}", field="base_url") from exc
-    if not data:
-        raise ToolFailure(f"the server at {base_url} lists no model in /v1/models")
-    return data[0]["id"], data[0].get("root")
+    first = first_listed_model(client, base_url)
+    return first["id"], first.get("root")
 
 
 def _parse_token(tok: str) -> int:

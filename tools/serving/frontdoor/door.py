@@ -23,24 +23,24 @@ longest one.
 from __future__ import annotations
 
 import time
-from datetime import datetime, timezone
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import httpx
 
+from tools.core import clock
 from tools.core.errors import BadInput, ToolFailure, op, param
 from tools.core.metrics import total
+from tools.core.process import signals_deferred
 from tools.serving.records import placement, router_state, state
 from tools.serving.server import switch_record
 from tools.serving.config import ServeConfig
 from tools.serving.preflight.hardware import Hardware
-from tools.serving.server.launch import relaunch, signals_deferred, start_server
+from tools.serving.server.launch import relaunch
 from tools.serving.preflight.model_files import checkpoint_bytes
 from tools.serving.records.router_state import Backend, RouterState
-from tools.serving.server.guard import owned_server
 from tools.serving.server.start_progress import StartReport
-from tools.serving.server.server import stop_server
+from tools.serving.server.server import Server
 
 HOLD_S = 180.0            # the default hold: vLLM's start on 2 CPU cores is ~55 s, a T4's ~60-90 s
 _BACKOFF_MS = (200, 1000, 2.0)  # initial, most, multiplier
@@ -208,19 +208,6 @@ def _drain(base_url: str, timeout_s: float) -> None:
         time.sleep(0.2)
 
 
-def _healthy(base_url: str, timeout_s: float) -> bool:
-    """Waits until a launched build answers /health, at most timeout_s."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{base_url}/health", timeout=3.0).status_code == 200:
-                return True
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    return False
-
-
 def _set_backends(cfg: ServeConfig, rt: RouterState, backends: list[Backend]) -> RouterState:
     new = rt.model_copy(update={"backends": backends})
     router_state.write(cfg, new)
@@ -274,7 +261,7 @@ def _record(cfg: ServeConfig, sw: "_Switch", outcome: str, message: str, figures
     serving = sw.b.served_name if outcome.startswith("serving ") else (
         None if outcome.startswith("unavailable") else sw.a.served_name)
     switch_record.write_switch(replace(cfg, instance=""), switch_record.SwitchRecord(
-        at=datetime.now(timezone.utc).isoformat(timespec="seconds"), outcome=outcome,
+        at=clock.iso(), outcome=outcome,
         from_build=sw.a.served_name, to_build=sw.b.served_name, serving=serving, message=message,
         failed_log=str(failed) if failed else None, figures=figures))
 
@@ -365,14 +352,13 @@ class _Switch:
     def _start_b(self):
         # Owned until ready: a switch process killed outright (the OOM killer) takes a loading B with it rather
         # than leave it serving outside the door; `start` then puts a build behind the door again.
-        with owned_server(self.b.state_file):
-            return start_server(self.b, hardware=self.hw, progress=self.progress)
+        return Server(self.b, hardware=self.hw).start(progress=self.progress)
 
     def _stop_a(self) -> None:
         _step("a drains")
         _drain(self.a_url, self.drain_s)
         with signals_deferred():  # A is stopped whole or not at all: the way back can tell which
-            stop_server(self.a_cfg, grace_s=self.grace_s)
+            Server(self.a_cfg).stop(grace_s=self.grace_s)
 
     def run(self) -> SwitchResult:
         self._announce()
@@ -406,7 +392,7 @@ class _Switch:
             self._stop_a()
         except BaseException:  # interrupted while A drains: B has the traffic, A is ended without waiting
             with signals_deferred():
-                stop_server(self.a_cfg, grace_s=5)
+                Server(self.a_cfg).stop(grace_s=5)
             raise
         return started
 
@@ -423,9 +409,9 @@ class _Switch:
         launched again from its recorded command line (once stopped); the router holds the requests meanwhile."""
         a = state.load_state(self.a_cfg)
         if a is None or state.leader(a) is None:
-            stop_server(self.a_cfg, grace_s=5)  # what may be left of it
+            Server(self.a_cfg).stop(grace_s=5)  # what may be left of it
             relaunch(self.a_cfg, self.a, wait=False)
-            _healthy(self.a_url, self.hold_s)
+            Server(self.a_cfg).wait_ready(self.hold_s)
         _worker(self.rt, "add_worker", self.a_url)
         self._filled()
 
@@ -474,7 +460,7 @@ def _undo_beside(rt: RouterState, b: ServeConfig, b_url: str, a_url: str) -> Non
             _worker(rt, "remove_worker", b_url)
     except (ToolFailure, httpx.HTTPError, ValueError):
         pass
-    stop_server(b, grace_s=5)
+    Server(b).stop(grace_s=5)
 
 
 __all__ = ["HOLD_S", "Figures", "Fit", "SwitchResult", "add_worker", "fits_beside", "hold_args", "remove_worker", "switch",

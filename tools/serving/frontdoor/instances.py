@@ -15,7 +15,7 @@ from tools.serving.records import router_state, state
 from tools.serving.server import switch_record
 from tools.serving.config import INSTANCE_NAME, ServeConfig
 from tools.serving.records.placement import instance_configs, locked, plan, process_owners, resolve, running
-from tools.serving.server.server import server_status, stop_each, stop_server
+from tools.serving.server.server import Server, stop_each
 
 
 def all_status(cfg: ServeConfig, *, hardware: Any = None) -> list[Any]:
@@ -24,7 +24,7 @@ def all_status(cfg: ServeConfig, *, hardware: Any = None) -> list[Any]:
     for c in instance_configs(cfg):
         if not c.instance and not c.state_file.is_file():
             continue
-        out.append(server_status(c, hardware=hardware))
+        out.append(Server(c, hardware=hardware).status())
     return out
 
 
@@ -34,8 +34,8 @@ def fleet_status(cfg: ServeConfig, *, hardware: Any = None) -> Any:
     and each reported one answers /health."""
     default_cfg = replace(cfg, instance="")
     had_default = default_cfg.state_file.is_file() or state.replace_file(default_cfg).is_file()
-    top = server_status(default_cfg, hardware=hardware)
-    listed = [server_status(c, hardware=hardware) for c in _configs_with_a_replace(cfg)[1:]]
+    top = Server(default_cfg, hardware=hardware).status()
+    listed = [Server(c, hardware=hardware).status() for c in _configs_with_a_replace(cfg)[1:]]
     r = router.router_status(cfg) if router.state_file(cfg).is_file() else None
     top.instances = listed
     top.router = r.to_dict() if r is not None else None
@@ -91,7 +91,7 @@ def stop_all(cfg: ServeConfig, *, grace_s: float = 20) -> list[Any]:
     keep the others running: they are stopped, then one ToolFailure names what was not, and each server of
     STATE_DIR no readable record names, with what was stopped in its detail (vllm_server.stop_each)."""
     steps = [lambda: router.stop_router(cfg, grace_s=grace_s)]
-    steps += [lambda c=c: stop_server(c, grace_s=grace_s) for c in instance_configs(cfg) if c.state_file.is_file()]
+    steps += [lambda c=c: Server(c).stop(grace_s=grace_s) for c in instance_configs(cfg) if c.state_file.is_file()]
     return stop_each(cfg, steps, None)
 
 

@@ -19,16 +19,15 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal
 
 import httpx
 import psutil
 
+from tools.core import clock
 from tools.core.api_key import API_KEY_ENV, CLIENT_KEY_ENV, api_key, auth_headers, is_loopback
 from tools.core.errors import BadInput, ToolFailure, op, param
-from tools.core.metrics import total
 from tools.core.process import end_group, free_port, port_holder
 from tools.serving.server import engine_log, health
 from tools.serving.records import placement
@@ -161,10 +160,10 @@ def _launch(cfg: ServeConfig, argv: list[str], host: str, port: int, policy: str
         create_time = psutil.Process(proc.pid).create_time()
     except psutil.Error:
         create_time = time.time()
-    now = datetime.now(timezone.utc)
+    now = clock.utc_now()
     st = RouterState(pid=proc.pid, pgid=proc.pid, create_time=create_time, host=host, port=port,
                      base_url=f"http://{host}:{port}", policy=policy, backends=backends, argv=argv,
-                     started_at=now.isoformat(timespec="seconds"), started_ts=now.timestamp(),
+                     started_at=clock.iso(now), started_ts=now.timestamp(),
                      log_path=str(log_path), hold_s=hold_s)
     write(cfg, st)
     return proc, st
@@ -297,21 +296,6 @@ def stop_router(cfg: ServeConfig, *, grace_s: float = 10) -> RouterStopResult:
                             message=f"stopped the router (pid {st.pid}, {last})")
 
 
-def request_counts(backends: list[Backend], *, timeout: float = 5.0) -> dict[str, float | None]:
-    """instance -> requests its vLLM has finished (`vllm:request_success_total`, every finish reason summed);
-    None where /metrics does not answer. Deltas over a run tell how the router spread it."""
-    out: dict[str, float | None] = {}
-    for b in backends:
-        try:
-            text = httpx.get(f"{b.base_url}/metrics", timeout=timeout, headers=auth_headers()).text
-        except httpx.HTTPError:
-            out[b.instance] = None
-            continue
-        value = total(text, "vllm:request_success_total")
-        out[b.instance] = value if value is not None else 0.0
-    return out
-
-
 __all__ = ["DEFAULT_ROUTER_PORT", "POLICIES", "Backend", "Policy", "RouterStartResult", "RouterState", "RouterStatus",
-           "RouterStopResult", "log_file", "recorded", "request_counts", "router_binary", "router_status",
+           "RouterStopResult", "log_file", "recorded", "router_binary", "router_status",
            "start_router", "state_file", "stop_router"]

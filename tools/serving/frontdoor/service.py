@@ -20,21 +20,19 @@ import httpx
 
 from tools.core.api_key import API_KEY_ENV, api_key, auth_headers
 from tools.core.errors import BadInput, ToolFailure, op, param
-from tools.core.process import free_port
+from tools.core.process import free_port, signals_deferred
 from tools.serving.frontdoor import door as frontdoor, switch_process
 from tools.serving.records import placement, router_state
 from tools.serving.server import switch_record
 from tools.serving.config import ServeConfig
 from tools.serving.frontdoor.door import SwitchResult
 from tools.serving.preflight.hardware import Hardware
-from tools.serving.server.launch import signals_deferred, start_server
 from tools.serving.server.results import StartResult
 from tools.serving.server.replace import replace_server
 from tools.serving.frontdoor.router import check_port, start_router, stop_router
-from tools.serving.server.guard import owned_server
 from tools.serving.records.state import DamagedState, InstanceBusy, holder, holder_text, load_state, lock_file
 from tools.serving.server.start_progress import StartReport
-from tools.serving.server.server import stop_each, stop_server
+from tools.serving.server.server import Server, stop_each
 
 SLOTS = router_state.SLOTS
 
@@ -93,12 +91,14 @@ def start(cfg: ServeConfig, *, replace_running: bool = False, progress: StartRep
     if replace_running:
         _refuse_door_build(cfg, "replace")
     if not behind_door(cfg):
-        with owned_server(cfg.state_file):
-            return (replace_server if replace_running else start_server)(cfg, progress=progress, hardware=hardware)
+        if not replace_running:
+            return Server(cfg, hardware=hardware).start(progress=progress)
+        with Server(cfg).guarded():
+            return replace_server(cfg, progress=progress, hardware=hardware)
     rt = door(cfg)
     if rt is None and replace_running and placement.running(cfg).get("default") is not None:
         # served on the port itself, from before the front door: replaced as it was started
-        with owned_server(cfg.state_file):
+        with Server(cfg).guarded():
             res = replace_server(cfg, progress=progress, hardware=hardware)
         return replace(res, note="; ".join(filter(None, [res.note, (
             "served without the front door (it was started with FRONT_DOOR=0): the port was dead while this "
@@ -144,16 +144,15 @@ def _refill(cfg: ServeConfig, rt: router_state.RouterState, progress: StartRepor
     killed): the new build starts in a free slot and the door routes to it alone; requests held meanwhile."""
     with router_state.switching(cfg, f"start of {cfg.served_name} behind the front door", "this start"):
         b = build_config(cfg, router_state.RouterState.model_validate({**rt.model_dump(), "backends": []}))
-        with owned_server(b.state_file):
-            res = start_server(replace(b, served_aliases=[n for n in rt.names if n != b.served_name]),
-                               progress=progress, hardware=hardware)
+        res = Server(replace(b, served_aliases=[n for n in rt.names if n != b.served_name]),
+                     hardware=hardware).start(progress=progress)
         try:
             for url in frontdoor.workers(rt):
                 frontdoor.remove_worker(rt, url)
             frontdoor.add_worker(rt, res.base_url)
         except BaseException:
             with signals_deferred():
-                stop_server(b, grace_s=5)
+                Server(b).stop(grace_s=5)
             raise
         router_state.write(cfg, rt.model_copy(update={
             "backends": [router_state.Backend(instance=b.instance, base_url=res.base_url)],
@@ -180,13 +179,14 @@ def _open(cfg: ServeConfig, progress: StartReport | None, hardware: Hardware | N
             raise ToolFailure(f"instance {' and '.join(orphans)} ({names}) still runs without the front door (its "
                               f"router is gone): {op('stop')} ends it, then {op('start')}", {"running": orphans})
         b = build_config(cfg, None)
-        with owned_server(b.state_file):
-            res = start_server(b, progress=progress, hardware=hardware)
+        build = Server(b, hardware=hardware)
+        with build.guarded():
+            res = build.start(progress=progress)
             try:
                 rt = start_router(cfg, [b.instance], port=cfg.port, hold_s=cfg.front_door_hold_s)
             except BaseException:
                 with signals_deferred():  # no build left serving beside a door that did not open
-                    stop_server(b, grace_s=5)
+                    build.stop(grace_s=5)
                 raise
         # the name clients are given: every build switched in later answers to it too
         router_state.write(cfg, router_state.load(cfg).model_copy(update={"names": [b.served_name]}))
@@ -213,7 +213,7 @@ def stop(cfg: ServeConfig, *, grace_s: float = 20.0) -> list[Any]:
     it, with what was stopped in its detail."""
     _refuse_door_build(cfg, "stop")
     if not behind_door(cfg):
-        return stop_each(cfg, [lambda: stop_server(cfg, grace_s=grace_s)], [cfg.instance_dir])
+        return stop_each(cfg, [lambda: Server(cfg).stop(grace_s=grace_s)], [cfg.instance_dir])
     router_state.refuse_while_switching(cfg, "this stop")
     try:
         rt = router_state.load(cfg)
@@ -228,9 +228,9 @@ def stop(cfg: ServeConfig, *, grace_s: float = 20.0) -> list[Any]:
     for name in dict.fromkeys([*behind, *SLOTS]):
         one = replace(cfg, instance="" if name == "default" else name)
         if one.state_file.exists() and (name in behind or _door_build(one, cfg.port)):
-            steps.append(lambda one=one: stop_server(one, grace_s=grace_s))
+            steps.append(lambda one=one: Server(one).stop(grace_s=grace_s))
     if not steps:
-        steps.append(lambda: stop_server(cfg, grace_s=grace_s))
+        steps.append(lambda: Server(cfg).stop(grace_s=grace_s))
     return stop_each(cfg, steps, [cfg.instance_dir, *(replace(cfg, instance=n).instance_dir for n in SLOTS)])
 
 

@@ -35,7 +35,7 @@ from tools.core.root import PROJECT_ROOT
 from tools.serving.frontdoor import door as frontdoor
 from tools.serving.config import ServeConfig
 from tools.serving.frontdoor.door import Figures, SwitchResult
-from tools.serving.server.launch import signals_deferred
+from tools.core.process import signals_deferred
 from tools.serving.server.start_progress import StartReport
 
 # The command that runs the switch (REQUEST appended); tests run it with their stand-in builds patched in.

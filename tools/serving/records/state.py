@@ -263,11 +263,7 @@ def holder(path: Path) -> dict[str, Any] | None:
             try:
                 fcntl.flock(fh, fcntl.LOCK_SH | fcntl.LOCK_NB)
             except BlockingIOError:
-                try:
-                    h = json.loads(fh.readline())
-                except ValueError:
-                    return {}
-                return h if isinstance(h, dict) else {}
+                return _stamp(fh.readline())
             fcntl.flock(fh, fcntl.LOCK_UN)
     except (FileNotFoundError, NotADirectoryError):
         pass
@@ -277,10 +273,20 @@ def holder(path: Path) -> dict[str, Any] | None:
 def holder_text(path: Path) -> str:
     """The holder of a lock file in a few words: 'pid N: what, since T', else 'another command'."""
     try:
-        h = json.loads(path.read_text().splitlines()[0])
+        with open(path) as fh:
+            h = _stamp(fh.readline())
         return f"pid {int(h['pid'])}: {str(h['what'])[:120]}, since {str(h['since'])[:40]}"
-    except (OSError, ValueError, IndexError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError):
         return "another command"
+
+
+def _stamp(line: str) -> dict[str, Any]:
+    """A lock file's first line as stamp_holder wrote it; {} when it is not one (being written, or damaged)."""
+    try:
+        h = json.loads(line)
+    except ValueError:
+        return {}
+    return h if isinstance(h, dict) else {}
 
 
 def _take(cfg: ServeConfig, path: Path) -> Any:

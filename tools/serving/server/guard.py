@@ -6,6 +6,7 @@ next start. `owned_server(state_file)` keeps a guard process beside the command 
 state file each server the command starts (the leader's parent is the command), and when the command is gone
 (the guard's end of a pipe from it closes) it ends each one still running with its group and removes the state
 file that names it. A block that ends normally releases the guard: the command stopped its servers itself.
+The Server object (tools.serving.server.server) is its user: its `with` block, and a start until it is ready.
 
 A server started with `start` (or start_vllm_server) is meant to outlive the command: it is guarded only until it
 is ready and recorded (the start's block), then handed over. A failed replace's way back (the server that was

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import httpx
 
 
@@ -16,4 +18,14 @@ def answers(base_url: str, *, client: httpx.Client | None = None, timeout: float
     return reply.status_code == 200
 
 
-__all__ = ["answers"]
+def wait(base_url: str, timeout_s: float, *, poll_s: float = 0.2) -> bool:
+    """Whether `base_url` answers /health within timeout_s, asked every poll_s until it does."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if answers(base_url):
+            return True
+        time.sleep(poll_s)
+    return False
+
+
+__all__ = ["answers", "wait"]

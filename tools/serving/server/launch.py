@@ -1,5 +1,7 @@
-"""Starting a detached, tracked vLLM server: refused before launching when it cannot work, launched in its own
-process session with its state file written, and ready when /health answers and a completion returns text.
+"""How a detached, tracked vLLM server is started (tools.serving.server.server.start_server puts these steps
+together): every check of a start, refused before launching when it cannot work, launched in its own process
+session with its state file written, and ready when /health answers and a completion returns text; a failed
+replace's way back (relaunch).
 
 The server runs in its own process session (so it outlives the command that started it, and the API server and
 its engine core form one process group that stop can end together) and writes to a log file.
@@ -9,20 +11,18 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import replace
-from datetime import datetime, timezone
 from pathlib import Path
 import httpx
 import psutil
 
+from tools.core import clock
 from tools.core.api_key import API_KEY_ENV, api_key, auth_headers
 from tools.core.errors import BadInput, ToolFailure, op, param
-from tools.core.process import end_group
+from tools.core.process import end_group, signals_deferred
 from tools.gpu.vram import host_memory, server_process_pids
 from tools.serving.server import engine_log, health, readiness, switch_record
 from tools.serving.records import placement, state
@@ -36,7 +36,6 @@ from tools.serving.server.results import StartResult
 from tools.serving.server.guard import hand_over
 from tools.serving.server.start_progress import StartProgress, StartReport
 from tools.serving.records.state import ReplaceRecord, ServerState
-_DEFERRED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # The caller's variables that shape vLLM, recorded with the server so that a relaunch gets them again (tokens and
 # the rest of the environment are not written to the state file).
 _RECORDED_ENV = ("VLLM_", "CUDA_", "OMP_", "PYTORCH_", "TORCH", "KMP_", "LD_PRELOAD")
@@ -64,36 +63,13 @@ _GATE = ("import os, signal, sys\n"
 _OMP_PLACEMENT = ("OMP_PLACES", "OMP_PROC_BIND", "GOMP_CPU_AFFINITY", "KMP_AFFINITY")
 
 
-@contextlib.contextmanager
-def _signals_deferred():
-    """Holds SIGINT, SIGTERM and SIGHUP for the block and delivers them, to the handlers they had, when it ends.
-    Python handlers, not a blocked signal mask: a child started in the block would inherit the mask and ignore
-    SIGTERM, while a handler reverts to the default at exec. Main thread only (where Python runs handlers)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    pending: list[int] = []
-    old = {}
-    for sig in _DEFERRED_SIGNALS:
-        if signal.getsignal(sig) is not None:  # None: a handler not set from Python, left as it is
-            old[sig] = signal.signal(sig, lambda signum, frame: pending.append(signum))
-    try:
-        yield
-    finally:
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
-        for sig in dict.fromkeys(pending):
-            signal.raise_signal(sig)
 
 
-signals_deferred = _signals_deferred  # a replace's rollback runs under it too
-
-
-def _end_launched(cfg: ServeConfig, proc: subprocess.Popen) -> None:
+def end_launched(cfg: ServeConfig, proc: subprocess.Popen) -> None:
     """Ends a server this start launched, with its group, and removes its state file while it still names that
     server (read before the leader is reaped, when its pid cannot be another's): a start that fails or is
     interrupted leaves nothing behind, and forgets no other command's server. A second Ctrl-C waits for it."""
-    with _signals_deferred():
+    with signals_deferred():
         try:
             own = state.load_state(cfg)
         except state.DamagedState:
@@ -105,7 +81,7 @@ def _end_launched(cfg: ServeConfig, proc: subprocess.Popen) -> None:
             proc.wait(timeout=5)
 
 
-def _refuse_recorded(cfg: ServeConfig) -> None:
+def refuse_recorded(cfg: ServeConfig) -> None:
     """Refuses a start over this instance's live server or its leftover processes; clears a dead one's file."""
     recorded = state.load_state(cfg)
     if recorded is None:
@@ -170,7 +146,8 @@ def _without_caller_placement(env: dict[str, str], cfg: ServeConfig, platform: s
     return {k: v for k, v in env.items() if k not in _OMP_PLACEMENT}
 
 
-def _launch(cfg: ServeConfig, argv: list[str], platform: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+def launch_server(cfg: ServeConfig, argv: list[str], platform: str,
+                  env: dict[str, str] | None = None) -> subprocess.Popen:
     """Launches vLLM in its own session and writes the state file that names its group. `env`: a recorded
     environment (a relaunch) instead of this start's."""
     recorded = env if env is not None else recorded_env(cfg, platform)
@@ -186,7 +163,7 @@ def _launch(cfg: ServeConfig, argv: list[str], platform: str, env: dict[str, str
     try:
         # Ctrl-C / SIGTERM wait until the state file names the new group (they are raised on leaving the
         # block, and the except below ends the group); a SIGKILL there closes the gate's pipe (see _GATE).
-        with _signals_deferred():
+        with signals_deferred():
             with open(cfg.log_file, "wb") as log:  # one log per start: the parser reads this start only
                 cores = ",".join(map(str, _launch_cores(cfg, platform) or []))
                 proc = subprocess.Popen([sys.executable, "-c", _GATE, str(gate_r), cores, *argv], stdout=log,
@@ -198,11 +175,11 @@ def _launch(cfg: ServeConfig, argv: list[str], platform: str, env: dict[str, str
                 create_time = psutil.Process(proc.pid).create_time()
             except psutil.Error:
                 create_time = time.time()
-            now = datetime.now(timezone.utc)
+            now = clock.utc_now()
             state.write_state(cfg, ServerState(
                 pid=proc.pid, pgid=proc.pid, create_time=create_time, host=cfg.host, port=cfg.port,
                 base_url=cfg.base_url, model=cfg.model, served_name=cfg.served_name, argv=argv, platform=platform,
-                started_at=now.isoformat(timespec="seconds"), started_ts=now.timestamp(),
+                started_at=clock.iso(now), started_ts=now.timestamp(),
                 log_path=str(cfg.log_file), instance=cfg.instance, gpus=cfg.gpus,
                 gpu_memory_utilization=cfg.gpu_memory_utilization, cpu_cores=cfg.cpu_cores,
                 tensor_parallel_size=cfg.tensor_parallel_size, data_parallel_size=cfg.data_parallel_size,
@@ -210,7 +187,7 @@ def _launch(cfg: ServeConfig, argv: list[str], platform: str, env: dict[str, str
             os.write(gate_w, b"1")
     except BaseException:
         if proc is not None:
-            _end_launched(cfg, proc)
+            end_launched(cfg, proc)
         raise
     finally:
         for fd in (gate_r, gate_w):
@@ -222,7 +199,7 @@ def _launch(cfg: ServeConfig, argv: list[str], platform: str, env: dict[str, str
 _KEPT_LOGS = 8  # an instance keeps the logs of its last launches (a failed B's beside the A started again)
 
 
-def _own_log(cfg: ServeConfig) -> ServeConfig:
+def own_log(cfg: ServeConfig) -> ServeConfig:
     """`cfg` with a log file of this launch's own (created exclusively: never another server's), the oldest logs
     beyond the last _KEPT_LOGS removed unless the state file names them."""
     cfg.instance_dir.mkdir(parents=True, exist_ok=True)
@@ -248,14 +225,14 @@ def _own_log(cfg: ServeConfig) -> ServeConfig:
     return replace(cfg, log_name=name)
 
 
-def _wait_ready(cfg: ServeConfig, proc: subprocess.Popen, argv: list[str], t0: float,
+def wait_ready(cfg: ServeConfig, proc: subprocess.Popen, argv: list[str], t0: float,
                 progress: StartReport | None, *, keep_on_interrupt: bool = False) -> str:
     """Waits for /health and a first completion; on a failure or an interrupt ends the server it launched
     (keep_on_interrupt: an interrupt leaves it starting, recorded)."""
     log_path = cfg.log_file
 
     def fail(reason: str, refused: Refusal | None = None) -> ToolFailure:
-        _end_launched(cfg, proc)
+        end_launched(cfg, proc)
         text = engine_log.read_text(log_path)
         kept = switch_record.keep_failed_log(cfg, log_path, cfg.served_name)  # a rollback rewrites log_path
         # A server that refused a request said why itself: its answer is the cause, not a line of its log.
@@ -337,7 +314,7 @@ def replace_note(cfg: ServeConfig, rec: ReplaceRecord) -> str:
             f"command line is in {state.replace_file(cfg)})")
 
 
-def _stale_replace(cfg: ServeConfig) -> ReplaceRecord | None:
+def stale_replace(cfg: ServeConfig) -> ReplaceRecord | None:
     """This instance's replace record when its command is gone; refuses a start while another command's replace
     of this instance runs."""
     try:
@@ -353,56 +330,7 @@ def _stale_replace(cfg: ServeConfig) -> ReplaceRecord | None:
     return rec
 
 
-def start_server(cfg: ServeConfig, *, progress: StartReport | None = None, hardware: Hardware | None = None,
-                 turing_target: Path | None = None) -> StartResult:
-    """Starts vLLM detached and waits until /health answers and a short greedy completion returns text.
-
-    Refuses (ToolFailure) when this state dir's server is alive, the port is taken, a Turing GPU lacks the
-    attention clamp, or host memory cannot hold the checkpoint without swap. On a failed start the process group
-    is gone, the state file removed, and the failure carries the log tail and the line that explains it. A
-    replace of this instance that did not finish is named in the result (and the failure), then forgotten once
-    this start serves.
-    """
-    hw = hardware or Hardware()
-    # The instance's lock for the whole start (no stop, replace or start of it meanwhile); the checks and the
-    # launch under the state dir's lock too: two starts at once must not both take one port, core or GPU.
-    with state.instance_lock(cfg, f"start of {cfg.served_name}"):
-        return _start_locked(cfg, progress, hw, turing_target)
-
-
-def _start_locked(cfg: ServeConfig, progress: StartReport | None, hw: Hardware,
-                  turing_target: Path | None) -> StartResult:
-    note, proc = None, None
-    try:
-        with placement.locked(cfg):
-            stale = _stale_replace(cfg)
-            note = replace_note(cfg, stale) if stale is not None else None
-            _refuse_recorded(cfg)
-            cfg, max_len_note, platform = checked(cfg, hw, turing_target)
-            argv = cfg.vllm_argv(platform)
-            cfg = _own_log(cfg)
-            t0 = time.monotonic()
-            proc = _launch(cfg, argv, platform)
-        if note and progress is not None:
-            progress(0.0, note)
-        first_text = _wait_ready(cfg, proc, argv, t0, progress)
-    except BaseException as exc:  # failed, interrupted or cancelled once launched (between two steps too): the
-        if proc is not None:      # server goes with it (a second time after _wait_ready's own: a no-op)
-            _end_launched(cfg, proc)
-        if isinstance(exc, ToolFailure):
-            raise _noted(exc, note) from None
-        raise
-    if stale is not None:
-        state.clear_replace(cfg)
-    res = _result(cfg, proc, argv, platform, t0, first_text, max_len_note)
-    _remember_startup(cfg, proc, res.startup_s)
-    res.note = note
-    if progress is not None:
-        progress(1.0, f"serving {cfg.served_name} at {cfg.base_url}")
-    return res
-
-
-def _remember_startup(cfg: ServeConfig, proc: subprocess.Popen, startup_s: float | None) -> None:
+def remember_startup(cfg: ServeConfig, proc: subprocess.Popen, startup_s: float | None) -> None:
     """The start's time to ready in its record (a front door's hold is bounded by it), while the record is still
     this start's (the instance lock is held)."""
     own = state.load_state(cfg)
@@ -410,15 +338,9 @@ def _remember_startup(cfg: ServeConfig, proc: subprocess.Popen, startup_s: float
         state.write_state(cfg, own.model_copy(update={"startup_s": startup_s}))
 
 
-def _noted(exc: ToolFailure, note: str | None) -> ToolFailure:
-    if not note:
-        return exc
-    return type(exc)(f"{exc.message}; note: {note}", {**(exc.detail or {}), "replace_note": note},
-                     field=getattr(exc, "field", None))
-
-
-def _result(cfg: ServeConfig, proc: subprocess.Popen, argv: list[str], platform: str, t0: float, first_text: str,
-            max_len_note: str | None) -> StartResult:
+def start_result(cfg: ServeConfig, proc: subprocess.Popen, argv: list[str], platform: str, t0: float,
+                 first_text: str, max_len_note: str | None) -> StartResult:
+    """What a start that is ready reports: its times, the fields its log recorded, its memory."""
     startup_s = time.monotonic() - t0
     fields = engine_log.recorded_start_fields(cfg.log_file, argv, cfg.model)
     # After load and a first completion: the weights and the engine's buffers are resident.
@@ -449,20 +371,20 @@ def relaunch(cfg: ServeConfig, a: ServerState, *, progress: StartReport | None =
     cfg_a = config_of(cfg, a)
     with state.instance_lock(cfg_a, f"start of {a.served_name} again"):
         with placement.locked(cfg_a):
-            _refuse_recorded(cfg_a)
-            cfg_a = _own_log(cfg_a)
+            refuse_recorded(cfg_a)
+            cfg_a = own_log(cfg_a)
             t0 = time.monotonic()
             hand_over(cfg_a.state_file)
-            proc = _launch(cfg_a, a.argv, a.platform,
+            proc = launch_server(cfg_a, a.argv, a.platform,
                            env=a.env if a.env is not None else recorded_env(cfg_a, a.platform))
             _forget_replace_of(cfg_a, a)
             # the same build and command line: its last time to ready stands until this start has its own
-            _remember_startup(cfg_a, proc, a.startup_s)
+            remember_startup(cfg_a, proc, a.startup_s)
         if not wait:
             return None
-        first_text = _wait_ready(cfg_a, proc, a.argv, t0, progress, keep_on_interrupt=True)
-        res = _result(cfg_a, proc, a.argv, a.platform, t0, first_text, None)
-        _remember_startup(cfg_a, proc, res.startup_s)
+        first_text = wait_ready(cfg_a, proc, a.argv, t0, progress, keep_on_interrupt=True)
+        res = start_result(cfg_a, proc, a.argv, a.platform, t0, first_text, None)
+        remember_startup(cfg_a, proc, res.startup_s)
     return res
 
 
@@ -477,5 +399,6 @@ def _forget_replace_of(cfg: ServeConfig, a: ServerState) -> None:
         state.clear_replace(cfg)
 
 
-__all__ = ["READINESS_PROMPT", "checked", "config_of", "fit_to_model", "recorded_env", "relaunch", "replace_note",
-           "signals_deferred", "start_server"]
+__all__ = ["READINESS_PROMPT", "checked", "config_of", "end_launched", "fit_to_model", "launch_server", "own_log",
+           "recorded_env", "refuse_recorded", "relaunch", "remember_startup", "replace_note", "stale_replace",
+           "start_result", "wait_ready"]

@@ -16,22 +16,23 @@ import contextlib
 import os
 import time
 from dataclasses import replace
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import psutil
 
+from tools.core import clock
 from tools.core.errors import ToolFailure
+from tools.core.process import signals_deferred
 from tools.serving.records import state
 from tools.serving.server import switch_record
 from tools.serving.config import ServeConfig
 from tools.serving.preflight.hardware import Hardware
-from tools.serving.server.launch import checked, relaunch, signals_deferred, start_server
+from tools.serving.server.launch import checked, relaunch
 from tools.serving.server.results import StartResult
 from tools.serving.server.start_progress import StartReport
 from tools.serving.records.state import ReplaceRecord, ServerState
-from tools.serving.server.server import stop_server
+from tools.serving.server.server import start_server, stop_server
 
 UNAVAILABLE = "unavailable (nothing serves)"
 
@@ -187,7 +188,7 @@ def _record_switch(cfg: ServeConfig, a: ServerState | None, outcome: str, messag
     if failed is not None and failed.stat().st_mtime < began:
         failed = None  # an earlier start's
     switch_record.write_switch(cfg, switch_record.SwitchRecord(
-        at=datetime.now(timezone.utc).isoformat(timespec="seconds"), outcome=outcome,
+        at=clock.iso(), outcome=outcome,
         from_build=a.served_name if a is not None else None, to_build=cfg.served_name,
         serving=after.served_name if after is not None and state.leader(after) is not None else None,
         message=message, failed_log=str(failed) if failed else None))
@@ -196,7 +197,7 @@ def _record_switch(cfg: ServeConfig, a: ServerState | None, outcome: str, messag
 def _record(cfg: ServeConfig, a: ServerState) -> ReplaceRecord:
     me = psutil.Process(os.getpid())
     return ReplaceRecord(owner_pid=me.pid, owner_create_time=me.create_time(), phase="stopping A", a=a,
-                         started_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                         started_at=clock.iso(),
                          b_model=cfg.model, b_served_name=cfg.served_name)
 
 

@@ -1,16 +1,20 @@
-"""A detached, tracked vLLM OpenAI server: start, stop, status, log, query.
+"""A detached, tracked vLLM OpenAI server, its whole life in one place: `Server` (start with its checks, wait
+until ready, status, query, log, stop; a context manager for a command's own server) and the functions it is made
+of (start_server, stop_server, server_status, query, read_log).
 
 The server runs in its own process session and group, writes to a log file, and is described by a JSON state
-file in `cfg.state_dir` (tools.serving.records.state). Starting it is tools.serving.server.launch; everything the GPU or the
-host would decide goes through a `Hardware` object (tools.serving.preflight.hardware), so tests can stand in a T4.
+file in `cfg.state_dir` (tools.serving.records.state): its record. How it is launched, checked first and waited
+for is tools.serving.server.launch; everything the GPU or the host would decide goes through a `Hardware` object
+(tools.serving.preflight.hardware), so tests can stand in a T4.
 """
 
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import httpx
 
@@ -19,13 +23,72 @@ from tools.core.errors import ToolFailure, op
 from tools.core.process import end_group, group_members
 from tools.gpu.vram import host_memory, server_process_pids
 from tools.serving.server import engine_log, health, switch_record
-from tools.serving.records import router_state, state as replace_state
+from tools.serving.records import placement, router_state, state as replace_state
 from tools.serving.config import ServeConfig
 from tools.serving.preflight.hardware import Hardware, Vram
-from tools.serving.server.launch import replace_note
-from tools.serving.server.results import QueryResult, ServerStatus, StopResult
+from tools.serving.server.guard import owned_server
+from tools.serving.server.launch import (checked, end_launched, launch_server, own_log, refuse_recorded,
+                                         remember_startup, replace_note, stale_replace, start_result, wait_ready)
+from tools.serving.server.start_progress import StartReport
+from tools.serving.server.results import QueryResult, ServerStatus, StartResult, StopResult
 from tools.serving.records.state import (DamagedState, ServerState, clear_state, instance_lock, leader, load_state, our_group,
                                  holder, holder_text, lock_file, pid_recycled, try_instance_lock, unrecorded)
+
+
+def start_server(cfg: ServeConfig, *, progress: StartReport | None = None, hardware: Hardware | None = None,
+                 turing_target: Path | None = None) -> StartResult:
+    """Starts vLLM detached and waits until /health answers and a short greedy completion returns text.
+
+    Refuses (ToolFailure) when this state dir's server is alive, the port is taken, a Turing GPU lacks the
+    attention clamp, or host memory cannot hold the checkpoint without swap. On a failed start the process group
+    is gone, the state file removed, and the failure carries the log tail and the line that explains it. A
+    replace of this instance that did not finish is named in the result (and the failure), then forgotten once
+    this start serves.
+    """
+    hw = hardware or Hardware()
+    # The instance's lock for the whole start (no stop, replace or start of it meanwhile); the checks and the
+    # launch under the state dir's lock too: two starts at once must not both take one port, core or GPU.
+    with instance_lock(cfg, f"start of {cfg.served_name}"):
+        return _start_locked(cfg, progress, hw, turing_target)
+
+
+def _start_locked(cfg: ServeConfig, progress: StartReport | None, hw: Hardware,
+                  turing_target: Path | None) -> StartResult:
+    note, proc = None, None
+    try:
+        with placement.locked(cfg):
+            stale = stale_replace(cfg)
+            note = replace_note(cfg, stale) if stale is not None else None
+            refuse_recorded(cfg)
+            cfg, max_len_note, platform = checked(cfg, hw, turing_target)
+            argv = cfg.vllm_argv(platform)
+            cfg = own_log(cfg)
+            t0 = time.monotonic()
+            proc = launch_server(cfg, argv, platform)
+        if note and progress is not None:
+            progress(0.0, note)
+        first_text = wait_ready(cfg, proc, argv, t0, progress)
+    except BaseException as exc:  # failed, interrupted or cancelled once launched (between two steps too): the
+        if proc is not None:      # server goes with it (a second time after wait_ready's own: a no-op)
+            end_launched(cfg, proc)
+        if isinstance(exc, ToolFailure):
+            raise _noted(exc, note) from None
+        raise
+    if stale is not None:
+        replace_state.clear_replace(cfg)
+    res = start_result(cfg, proc, argv, platform, t0, first_text, max_len_note)
+    remember_startup(cfg, proc, res.startup_s)
+    res.note = note
+    if progress is not None:
+        progress(1.0, f"serving {cfg.served_name} at {cfg.base_url}")
+    return res
+
+
+def _noted(exc: ToolFailure, note: str | None) -> ToolFailure:
+    if not note:
+        return exc
+    return type(exc)(f"{exc.message}; note: {note}", {**(exc.detail or {}), "replace_note": note},
+                     field=getattr(exc, "field", None))
 
 
 def stop_server(cfg: ServeConfig, *, grace_s: float = 20) -> StopResult:
@@ -237,4 +300,85 @@ def query(cfg: ServeConfig, prompt: str, *, max_tokens: int = 64, base_url: str 
                        token_ids=choice.get("token_ids"), latency_s=round(time.monotonic() - t0, 3))
 
 
-__all__ = ["behind_door_state", "log_path", "query", "read_log", "server_status", "stop_each", "stop_server"]
+class Server:
+    """One instance's vLLM server, its whole life: `start` (every check first, then launched and waited for until
+    ready), `wait_ready`, `status`, `query`, `log`, `stop`. The instance's state file is its record, so a Server
+    holds a config, not a process: another command's Server of the same config is the same server.
+
+    `start` outside a `with` block is owned until ready: the command gone before then (even by SIGKILL) takes the
+    starting server with it, a ready one outlives the command (`./vllm-t4 start`). As a context manager it is the
+    command's own server (decode-sweep's, the demo's): what the block starts ends with the block, however the
+    command ends (a guard process beside it ends it after a SIGKILL, see tools.serving.server.guard)."""
+
+    def __init__(self, cfg: ServeConfig, *, hardware: Hardware | None = None) -> None:
+        self.cfg = cfg
+        self.hardware = hardware
+        self.started: StartResult | None = None  # this object's start, once ready
+        self._owned: Any = None  # the `with` block's guard
+        self._guarded = 0  # guarded() blocks open
+
+    def __enter__(self) -> Server:
+        guard = owned_server(self.cfg.state_file)
+        guard.__enter__()
+        self._owned = guard
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        guard, self._owned = self._owned, None
+        try:
+            if self.started is not None:  # the block's own server; a refused start left nothing to stop
+                self.stop()
+        finally:
+            guard.__exit__(*exc)
+
+    @contextmanager
+    def guarded(self) -> Iterator[None]:
+        """A block whose starts of this instance (a replace's, or a start and what must follow it) are owned
+        until it ends: the command gone before then takes them with it; a block that ends hands them over."""
+        with owned_server(self.cfg.state_file):
+            self._guarded += 1
+            try:
+                yield
+            finally:
+                self._guarded -= 1
+
+    def start(self, *, progress: StartReport | None = None, turing_target: Path | None = None) -> StartResult:
+        """Starts it and waits until /health answers and a first completion returns text (start_server)."""
+        if self._owned is not None or self._guarded:
+            self.started = start_server(self.cfg, progress=progress, hardware=self.hardware,
+                                        turing_target=turing_target)
+        else:
+            with self.guarded():
+                self.started = start_server(self.cfg, progress=progress, hardware=self.hardware,
+                                            turing_target=turing_target)
+        return self.started
+
+    @property
+    def record(self) -> ServerState | None:
+        """Its state file's record; None when none is written."""
+        return load_state(self.cfg)
+
+    def wait_ready(self, timeout_s: float | None = None) -> bool:
+        """Whether the recorded server answers /health within timeout_s (the config's start timeout by default):
+        one launched and not waited for (a failed replace's way back) is serving once it does. No record: no."""
+        rec = self.record
+        return rec is not None and health.wait(rec.base_url,
+                                               self.cfg.start_timeout_s if timeout_s is None else timeout_s)
+
+    def status(self) -> ServerStatus:
+        return server_status(self.cfg, hardware=self.hardware)
+
+    def query(self, prompt: str, **kw: Any) -> QueryResult:
+        return query(self.cfg, prompt, **kw)
+
+    def log(self, lines: int = 50) -> str:
+        return read_log(self.cfg, lines)
+
+    def stop(self, *, grace_s: float = 20) -> StopResult:
+        res = stop_server(self.cfg, grace_s=grace_s)
+        self.started = None
+        return res
+
+
+__all__ = ["Server", "behind_door_state", "log_path", "query", "read_log", "server_status", "start_server", "stop_each",
+           "stop_server"]

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import re
 import shutil
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from tools.core import clock
 from tools.core.errors import ToolFailure
 from tools.serving.server import engine_log
 from tools.serving.config import ServeConfig
@@ -50,7 +50,7 @@ def keep_failed_log(cfg: ServeConfig, log_path: Path, served_name: str) -> Path 
     if not log_path.is_file():
         return None
     folder = logs_dir(cfg)
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
+    stamp = clock.file_stamp()
     dest = folder / f"{_safe(served_name)}-{stamp}-failed.log"
     try:
         folder.mkdir(parents=True, exist_ok=True)
