@@ -138,6 +138,15 @@ def test_modules_and_functions_of_one_concern():
     assert not long_modules and not long_functions, "\n".join(long_modules + long_functions)
 
 
+
+def test_the_time_is_read_in_the_clock_module_only():
+    """`datetime.now(` in tools/core/clock.py alone: every record, folder name and heading takes its time and
+    format there (tools/serving's own reads excepted while they move to it)."""
+    files = _sources() + sorted((ROOT / "bench").glob("*.py"))
+    found = [f"{p.relative_to(ROOT)}" for p in files if "datetime.now(" in p.read_text()
+             and p != ROOT / "tools/core/clock.py" and not p.is_relative_to(ROOT / "tools/serving")]
+    assert not found, found
+
 # Exceptions the project raises that are not failures: a job's cancellation and SIGTERM as an interrupt must pass
 # every `except ToolFailure` on their way out.
 NOT_FAILURES = {"JobCancelled", "Terminated"}

@@ -1,4 +1,5 @@
-"""The time as the tools write it: UTC, to the second, in a record (ISO 8601) and in a folder name (sortable)."""
+"""The time as the tools write it: UTC, to the second, in a record (ISO 8601) and in a folder name (sortable);
+to the minute in a measurement's heading; to the microsecond in a file name that must not collide."""
 
 from __future__ import annotations
 
@@ -19,4 +20,14 @@ def stamp(when: datetime | None = None) -> str:
     return (when or utc_now()).strftime("%Y%m%d-%H%M%S")
 
 
-__all__ = ["iso", "stamp", "utc_now"]
+def fine_stamp(when: datetime | None = None) -> str:
+    """`20261205T133111123456`: the time in a file's name where two in the same second must differ."""
+    return (when or utc_now()).strftime("%Y%m%dT%H%M%S%f")
+
+
+def minute(when: datetime | None = None) -> str:
+    """`2026-12-05 13:31 UTC`: when a measurement was taken, in its record's heading."""
+    return (when or utc_now()).strftime("%Y-%m-%d %H:%M UTC")
+
+
+__all__ = ["fine_stamp", "iso", "minute", "stamp", "utc_now"]

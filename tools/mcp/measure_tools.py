@@ -4,10 +4,10 @@
 from __future__ import annotations
 
 import json
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from tools.core import clock
 from tools.core.atomic_files import write_file
 from tools.core.errors import ToolFailure, op
 from tools.core.paths import PathNotAllowed
@@ -234,7 +234,7 @@ def _write_comparison(app, res: TokenComparison, p: TokenCompareParams) -> Path 
     file, not the comparison (said in its place)."""
     if not p.reference and not app.roots.evidence:
         return "not written (no evidence root)"
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%f")
+    stamp = clock.fine_stamp()
     folder = Path(p.reference).parent if p.reference else app.roots.evidence[0]
     stem = Path(p.reference).stem if p.reference else "tokens-live"
     try:
