@@ -15,7 +15,7 @@ from typing import Any, Iterator
 
 from tools.core.errors import param
 
-from .config import validate
+from .config import text_of, validate
 from .errors import RepackError, clip
 
 GIB = 1 << 30
@@ -265,12 +265,6 @@ _KEYS = {"num_hidden_layers": None, "hidden_size": None, "intermediate_size": No
          "num_experts": 0, "moe_intermediate_size": 0}
 
 
-def text_of(config: dict[str, Any]) -> dict[str, Any]:
-    """A config.json's text model: its text_config, or the config itself (a text-only build's)."""
-    tc = config.get("text_config")
-    return tc if isinstance(tc, dict) else config
-
-
 def _shape_of(m: Member) -> dict[str, Any]:
     return {k: getattr(m, k) for k in _KEYS}
 
@@ -327,7 +321,7 @@ def _drafter_keys(m: Member) -> dict[str, Any]:
 
 
 def _drafter_read(config: dict[str, Any]) -> dict[str, Any]:
-    tc = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    tc = text_of(config, whole=False)
     got = {k: (config if "." not in k else tc).get(k.split(".", 1)[-1]) for k in _drafter_keys(MEMBERS["E2B"])}
     if got["backbone_hidden_size"] is None:  # vLLM's gemma4_mtp then takes the drafter's own width
         got["backbone_hidden_size"] = tc.get("hidden_size")
@@ -447,7 +441,7 @@ def towers_params(m: Member) -> int:
 
 
 __all__ = ["FAMILY_VOCAB", "FUSED_EXPERTS", "GIB", "MEMBERS", "Drafter", "Member", "Table", "by_name", "identify",
-           "identify_drafter", "identify_drafter_or_none", "identify_or_none", "register", "text_of", "text_tables",
+           "identify_drafter", "identify_drafter_or_none", "identify_or_none", "register", "text_tables",
            "towers_params"]
 
 

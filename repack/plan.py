@@ -100,7 +100,7 @@ def _expert_items(it: Item, ck: Checkpoint) -> list[Item]:
                           f"dimensions [experts, out, in]; use the checkpoint as Google published it",
                           {"file": clip(s.file), "tensor": clip(s.name), "problem": "expert-shape"})
     experts, rows, cols = s.shape
-    declared = members.text_of(ck.config).get("num_experts")
+    declared = cfgmod.text_of(ck.config).get("num_experts")
     if declared != experts:
         raise RepackError(f"{where} holds {experts} experts, but config.json declares "
                           f"{'no mixture of experts' if not declared else f'num_experts {declared}'}; use the "

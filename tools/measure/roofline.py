@@ -32,7 +32,7 @@ from typing import Any
 from pydantic import BaseModel, Field, computed_field
 
 from repack.checkpoint import read_config
-from repack.members import text_of
+from repack.config import text_of
 from repack.safetensors_io import read_header
 from tools.gpu.vram import memory_bandwidth
 
