@@ -20,8 +20,13 @@ from typing import Any
 from .errors import RepackError, clip
 
 GROUP = 32
-TOWER_IGNORE = ["re:.*vision_tower.*", "re:.*audio_tower.*", "re:.*embed_vision.*", "re:.*embed_audio.*"]
-RE_PLE = "re:.*embed_tokens_per_layer$"
+# The names of a multimodal checkpoint's towers and of the per-layer embeddings (PLE): every table of them below
+# (the config's ignore list and targets, the checkpoint's tower prefixes, the roofline's patterns) is made from these.
+TOWERS = ("vision_tower", "audio_tower", "embed_vision", "embed_audio")
+PLE = "embed_tokens_per_layer"
+TOWER_PREFIXES = tuple(f"model.{t}." for t in TOWERS)
+TOWER_IGNORE = [f"re:.*{t}.*" for t in TOWERS]
+RE_PLE = f"re:.*{PLE}$"
 RE_EMBED = "re:.*embed_tokens$"
 RE_HEAD = "re:.*lm_head$"
 RE_EXPERTS = r"re:.*experts\.\d+\.(gate|up|down)_proj$"

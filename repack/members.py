@@ -15,7 +15,7 @@ from typing import Any, Iterator
 
 from tools.core.errors import param
 
-from .config import text_of, validate
+from .config import PLE, TOWER_PREFIXES, text_of, validate
 from .errors import RepackError, clip
 
 GIB = 1 << 30
@@ -423,8 +423,7 @@ def text_tables(m: Member) -> dict[str, Table]:
                                f"{e} experts of {mi} (top {m.top_k_experts}) per layer", shapes)
     if m.hidden_size_per_layer_input:
         w = m.num_hidden_layers * m.hidden_size_per_layer_input
-        out["PLE"] = Table("PLE", m.vocab_size * w, "embed_tokens_per_layer",
-                           [("embed_tokens_per_layer", [m.vocab_size, w], 1)])
+        out["PLE"] = Table("PLE", m.vocab_size * w, PLE, [(PLE, [m.vocab_size, w], 1)])
     out["embed_tokens"] = Table("embed_tokens", m.vocab_size * h, "tied to the output layer",
                                 [("embed_tokens", [m.vocab_size, h], 1)])
     # RMSNorm weights: 4 per layer (input, post-attention, pre/post feed-forward), q/k norms, a PLE norm; the MoE
@@ -457,7 +456,7 @@ def refuse_unpackable(tensors: dict[str, Any], where: str) -> None:
     loading knows; refused in one line, before anything is written, rather than copied to a build that would not
     load."""
     for name, info in tensors.items():
-        if len(info.shape) >= 3 and not name.startswith(("model.vision_tower.", "model.audio_tower.")) \
+        if len(info.shape) >= 3 and not name.startswith(TOWER_PREFIXES) \
                 and ".experts." in name and not FUSED_EXPERTS.search(name):
             raise RepackError(f"{where}: {clip(name, 120)} is a mixture-of-experts weight {list(info.shape)} in a "
                               f"layout this build does not know (it packs experts.gate_up_proj and "

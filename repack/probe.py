@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 
 from . import choices, drafter, grid, members, preview
-from .checkpoint import TOWER_PREFIXES, open_checkpoint
+from .checkpoint import open_checkpoint
+from .config import TOWER_PREFIXES
 from .safetensors_io import MappedFile
 
 

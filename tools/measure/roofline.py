@@ -33,13 +33,13 @@ from typing import Any
 from pydantic import BaseModel, Field, computed_field
 
 from repack.checkpoint import read_config
-from repack.config import text_of
+from repack.config import PLE, TOWERS, text_of
 from repack.fit import kv_bytes_per_token
 from repack.safetensors_io import read_header
 from tools.gpu.vram import memory_bandwidth
 
-_TOWER = re.compile(r"(^|\.)(vision_tower|audio_tower|embed_vision|embed_audio)\.")
-_PLE = re.compile(r"(^|\.)embed_tokens_per_layer\.")
+_TOWER = re.compile(rf"(^|\.)({'|'.join(TOWERS)})\.")
+_PLE = re.compile(rf"(^|\.){PLE}\.")
 _EMBED = re.compile(r"(^|\.)embed_tokens\.")
 _HEAD = re.compile(r"(^|\.)lm_head\.")
 
