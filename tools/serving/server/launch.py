@@ -23,6 +23,7 @@ import psutil
 from tools.core.api_key import API_KEY_ENV, api_key, auth_headers
 from tools.core.errors import BadInput, ToolFailure, op, param
 from tools.core.process import end_group
+from tools.core.progress import Progress
 from tools.gpu.vram import host_memory, server_process_pids
 from tools.serving.server import engine_log, health, readiness, switch_record
 from tools.serving.records import placement, state
@@ -34,7 +35,7 @@ from tools.serving.preflight.steps import checks_for, ensure, refusal
 from tools.serving.server.readiness import READINESS_PROMPT, Refusal
 from tools.serving.server.results import StartResult
 from tools.serving.server.guard import hand_over
-from tools.serving.server.start_progress import StartProgress, StartReport
+from tools.serving.server.start_progress import StartProgress
 from tools.serving.records.state import ReplaceRecord, ServerState
 _DEFERRED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # The caller's variables that shape vLLM, recorded with the server so that a relaunch gets them again (tokens and
@@ -249,7 +250,7 @@ def _own_log(cfg: ServeConfig) -> ServeConfig:
 
 
 def _wait_ready(cfg: ServeConfig, proc: subprocess.Popen, argv: list[str], t0: float,
-                progress: StartReport | None, *, keep_on_interrupt: bool = False) -> str:
+                progress: Progress | None, *, keep_on_interrupt: bool = False) -> str:
     """Waits for /health and a first completion; on a failure or an interrupt ends the server it launched
     (keep_on_interrupt: an interrupt leaves it starting, recorded)."""
     log_path = cfg.log_file
@@ -353,7 +354,7 @@ def _stale_replace(cfg: ServeConfig) -> ReplaceRecord | None:
     return rec
 
 
-def start_server(cfg: ServeConfig, *, progress: StartReport | None = None, hardware: Hardware | None = None,
+def start_server(cfg: ServeConfig, *, progress: Progress | None = None, hardware: Hardware | None = None,
                  turing_target: Path | None = None) -> StartResult:
     """Starts vLLM detached and waits until /health answers and a short greedy completion returns text.
 
@@ -370,7 +371,7 @@ def start_server(cfg: ServeConfig, *, progress: StartReport | None = None, hardw
         return _start_locked(cfg, progress, hw, turing_target)
 
 
-def _start_locked(cfg: ServeConfig, progress: StartReport | None, hw: Hardware,
+def _start_locked(cfg: ServeConfig, progress: Progress | None, hw: Hardware,
                   turing_target: Path | None) -> StartResult:
     note, proc = None, None
     try:
@@ -384,7 +385,7 @@ def _start_locked(cfg: ServeConfig, progress: StartReport | None, hw: Hardware,
             t0 = time.monotonic()
             proc = _launch(cfg, argv, platform)
         if note and progress is not None:
-            progress(0.0, note)
+            progress(0.0, 1.0, note)
         first_text = _wait_ready(cfg, proc, argv, t0, progress)
     except BaseException as exc:  # failed, interrupted or cancelled once launched (between two steps too): the
         if proc is not None:      # server goes with it (a second time after _wait_ready's own: a no-op)
@@ -398,7 +399,7 @@ def _start_locked(cfg: ServeConfig, progress: StartReport | None, hw: Hardware,
     _remember_startup(cfg, proc, res.startup_s)
     res.note = note
     if progress is not None:
-        progress(1.0, f"serving {cfg.served_name} at {cfg.base_url}")
+        progress(1.0, 1.0, f"serving {cfg.served_name} at {cfg.base_url}")
     return res
 
 
@@ -438,7 +439,7 @@ def config_of(cfg: ServeConfig, a: ServerState) -> ServeConfig:
                    data_parallel_size=a.data_parallel_size)
 
 
-def relaunch(cfg: ServeConfig, a: ServerState, *, progress: StartReport | None = None,
+def relaunch(cfg: ServeConfig, a: ServerState, *, progress: Progress | None = None,
              wait: bool = True) -> StartResult | None:
     """Starts `a` again with its own recorded command line and environment (a failed replace's way back), under
     the instance's lock (the replace's own hold). wait=False: launched and recorded, not waited for (an
