@@ -19,11 +19,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from tools.core import clock  # noqa: E402
 
 PROMPTS = ["abcdefgh", "The quick brown fox", "0123456789", "Gemma on a T4"]
 
@@ -105,7 +106,7 @@ def main() -> int:
 
     eager = [r for r in rows if r["mode"] == "eager"]
     same = all(r["tokens"] == eager[0]["tokens"] for r in rows)
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    stamp = clock.stamp()
     command = " ".join(["python", *sys.argv])
     record = {"date": stamp, "command": command, "prep_s": prep_s, "starts": rows,
               "greedy_tokens_identical_across_starts": same, "provenance": prov}

@@ -23,7 +23,6 @@ import subprocess
 import sys
 import time
 import types
-from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from gemma4_t4_vllm import int4_matmul  # noqa: E402
+from tools.core import clock  # noqa: E402
 
 # (name, output channels N, inputs K) of the layers a decode step multiplies, at E2B's and E4B's shapes
 SHAPES = [("e2b q_proj", 2048, 1536), ("e2b mlp gate/up", 6144, 1536), ("e2b mlp down", 1536, 6144),
@@ -139,7 +139,7 @@ def main() -> int:
                          "int4_gb_per_s": int4_bytes / statistics.median(ts) / 1e9,
                          "int4_gb_per_cpu_s": int4_bytes / statistics.median(cs) / 1e9,
                          "max_rel_error": errors[name][m]})
-    record = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    record = {"date": clock.minute(),
               "command": " ".join(["python", *sys.argv]), "cpu": cpu_name(),
               "capability": torch.backends.cpu.get_cpu_capability(), "cpus": os.cpu_count(),
               "threads": args.threads, "rows": args.rows, "rounds": args.rounds, "group_size": GROUP,

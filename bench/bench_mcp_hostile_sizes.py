@@ -20,11 +20,11 @@ import re
 import subprocess
 import sys
 import tempfile
-from datetime import datetime, timezone
 from pathlib import Path
 
 from fastmcp import Client
 
+from tools.core import clock
 from tools.core.paths import Roots
 from tools.mcp.app import Settings, create_server
 from tools.mcp.resources import RESOURCES, SCHEME
@@ -105,7 +105,7 @@ def main() -> int:
                             cwd=tree).stdout.strip()
     cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                 if ln.startswith("model name")), platform.processor())
-    lines = [f"Measured {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC at {commit} ({tree}) on {cpu}, "
+    lines = [f"Measured {clock.minute()} at {commit} ({tree}) on {cpu}, "
              f"`{' '.join(sys.argv)}`:", "",
              "| Answer | Largest answer (characters) | Answers read | Items read |", "|---|---|---|---|"]
     lines += [f"| {name} | {size:,} | {n} | {items:,} |" for name, size, n, items in rows]

@@ -18,7 +18,6 @@ import socket
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,6 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 from fastmcp import Client  # noqa: E402
 from fastmcp.client.transports import StdioTransport  # noqa: E402
+from tools.core import clock  # noqa: E402
 
 from tools.mcp.bounded import RESULT_BUDGET  # noqa: E402
 from tools.mcp.resources import PROMPTS, SCHEME, Ref  # noqa: E402
@@ -124,7 +124,7 @@ def main() -> int:
         sizes = asyncio.run(walk(models, evidence, state, env))
     over = [k for k, (n, _) in sizes.items() if n > RESULT_BUDGET]
     lines = ["# Largest default MCP result per tool and resource", "",
-             f"Measured {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC with `bench/bench_mcp_result_sizes.py` "
+             f"Measured {clock.minute()} with `bench/bench_mcp_result_sizes.py` "
              f"({time.monotonic() - t0:.0f} s): server.py over stdio, default toolsets, vLLM CPU on the tiny "
              "build; the deploy_cpu and compare_builds walk, a token record and check with the long prompts, a "
              "capacity search reached through enable_toolset, and the resources. Characters of the text a client "

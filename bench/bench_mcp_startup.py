@@ -17,10 +17,12 @@ import statistics
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tools.core import clock  # noqa: E402
 
 HELLO = '''
 from fastmcp import FastMCP
@@ -74,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
 
     floor = statistics.median(times["hello-world FastMCP"])
     lines = [
-        f"### {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}, {platform.node()}, "
+        f"### {clock.minute()}, {platform.node()}, "
         f"{platform.processor() or platform.machine()}, Python {platform.python_version()}",
         "",
         f"Command: `.venv/bin/python bench/bench_mcp_startup.py --runs {args.runs}` "

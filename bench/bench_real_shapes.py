@@ -34,7 +34,6 @@ import socket
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,6 +48,7 @@ from repack.family.members import MEMBERS, Member, by_name  # noqa: E402
 from repack.build.plan import plan  # noqa: E402
 from repack.stand_ins.synthetic import copy_tokenizer, member_tensors, write_member_checkpoint  # noqa: E402
 from repack.stand_ins.tiny_model import cached_tiny_qat_checkpoint  # noqa: E402
+from tools.core import clock  # noqa: E402
 from tools.core.errors import ToolFailure  # noqa: E402
 from tools.gpu.vram import host_memory, server_process_pids  # noqa: E402
 from tools.measure.decode.params import DecodeParams  # noqa: E402
@@ -316,7 +316,7 @@ def main() -> int:
                                               path))
                 print(json.dumps({x: runs[-1][x] for x in ("build", "int4_path", "startup_s", "decode_tok_s")}),
                       flush=True)
-    record = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    record = {"date": clock.minute(),
               "command": " ".join(["python", *sys.argv]), "cpus": os.cpu_count(), "member": m.name,
               "member_source": m.source, "timings": timings, "builds": builds,
               "bandwidth": bw.model_dump(), "runs": runs, "wall_s": time.monotonic() - t0}

@@ -34,12 +34,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tools.core import clock  # noqa: E402
 from tools.measure.provenance import collect, server_info  # noqa: E402
 from tools.measure.sweep.cells import prompt_seed  # noqa: E402
 from tools.measure.sweep.params import SweepParams  # noqa: E402
@@ -237,7 +237,7 @@ def measure(args: argparse.Namespace, load_start: tuple[float, float, float]) ->
                 f"(cells after a sweep's first): median {part3['in_worker_outside_s_per_cell_median']:.2f} s.", ""]
 
     prov = collect(args.base_url).to_dict()
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    stamp = clock.stamp()
     load = os.getloadavg()  # other work on the machine widens every spread; say how busy it was
     record = {"date": stamp, "load_average_1_5_15": load, "load_average_at_start": load_start,
               "input_len": args.input_len,

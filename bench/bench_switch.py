@@ -31,11 +31,12 @@ import sys
 import tempfile
 import threading
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from tools.core import clock  # noqa: E402
 
 
 class Clients:
@@ -91,7 +92,7 @@ def main() -> int:
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if args.layout == "in-process" else "1"
     os.environ.pop("FRONT_DOOR", None)  # tpu.env's own value
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    stamp = clock.stamp()
     load_before = os.getloadavg()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -12,12 +12,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tools.core import clock  # noqa: E402
 from tools.mcp.registry import DEFAULT_TOOLSETS, TOOLSETS  # noqa: E402
 
 LIMIT = 20_000  # the default set's budget
@@ -64,7 +64,7 @@ def main() -> int:
         print(f"{label:40s} {n:3d} tools {chars:7,d} chars ({out:,d} in output schemas)", flush=True)
     default = next(r for r in rows if r[0].startswith("default"))
     lines = ["# MCP `tools/list` size per toolset", "",
-             f"Measured {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC with `bench/bench_tools_list.py`: the JSON "
+             f"Measured {clock.minute()} with `bench/bench_tools_list.py`: the JSON "
              "of the `tools/list` result as server.py sends it over stdio (compact separators), the characters an "
              "agent's context receives on connecting. Choose toolsets with `--toolsets` or `GEMMA4_T4_TOOLSETS`.",
              "", "| Toolsets | Tools | tools/list characters | of which output schemas |", "|---|---|---|---|"]

@@ -30,6 +30,7 @@ from tools.core.params import OpParams
 from tools.core.paths import confinement
 
 from ..errors import RepackError
+from ..family.config import text_of
 from ..family.drafter import is_drafter
 from ..family.members import GIB, MEMBERS, Member, by_name, identify, identify_drafter, text_tables, towers_params
 from ..source.checkpoint import check_source_folder, read_config
@@ -47,7 +48,7 @@ MAX_NUM_SEQS = 8
 # figures come out of one block arithmetic (1,604 blocks a request: 1,024 full + 4 x 145 sliding)
 MAX_NUM_BATCHED_TOKENS = 4096
 BLOCK_SIZE = 16
-KV_DTYPE_BYTES = 2       # float16 on the T4
+KV_DTYPE_BYTES = 2       # float16 on the T4 (--kv-cache-dtype auto: fp16/bf16 on any device)
 
 # Calibrated on the article's E2B text-only rows (see the module's doc): what vLLM holds beside the weights and
 # its rotary tables, and what the profile run keeps outside weights and KV cache.
@@ -181,16 +182,36 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def kv_bytes_per_token(config: dict[str, Any]) -> list[tuple[str, int]]:
+    """The bytes of K and V one token takes in each layer that owns a KV cache (the first num_hidden_layers -
+    num_kv_shared_layers; the shared ones read an earlier layer's), with the layer's kind (full_attention or
+    sliding_attention), from a config.json or its text part. Head size and KV heads: a layer's per_layer_config,
+    else the full layers' global_head_dim (where no per_layer_config says) and num_global_key_value_heads, else
+    head_dim and num_key_value_heads (num_attention_heads where there are none)."""
+    tc = text_of(config)
+    layers = int(tc["num_hidden_layers"])
+    owners = layers - int(tc.get("num_kv_shared_layers") or 0)
+    types = tc.get("layer_types") or ["full_attention"] * layers
+    per_layer = {int(k): v for k, v in (tc.get("per_layer_config") or {}).items()}
+    out = []
+    for i in range(owners):
+        full = types[i] == "full_attention"
+        over = per_layer.get(i) or {}
+        head = over.get("head_dim") or (tc.get("global_head_dim") if full and not per_layer else None) \
+            or tc["head_dim"]
+        kv_heads = over.get("num_key_value_heads") or (tc.get("num_global_key_value_heads") if full else None) \
+            or tc.get("num_key_value_heads") or tc["num_attention_heads"]
+        out.append((types[i], 2 * int(kv_heads) * int(head) * KV_DTYPE_BYTES))
+    return out
+
+
 def kv_layout(m: Member, max_model_len: int = MAX_MODEL_LEN) -> dict[str, Any]:
     """vLLM's KV cache groups for the member: bytes per block of the pool and blocks one request at
     max_model_len takes."""
-    owners = m.layer_types()[: m.first_kv_shared]
+    owners = kv_bytes_per_token(m.text_config())
     specs: dict[str, dict[str, int]] = {}
-    for t in owners:
-        full = t == "full_attention"
-        heads = m.num_global_key_value_heads if full else m.num_key_value_heads
-        hd = m.global_head_dim if full else m.head_dim
-        s = specs.setdefault(t, {"layers": 0, "bytes_per_token": 2 * heads * hd * KV_DTYPE_BYTES})
+    for t, per_token in owners:
+        s = specs.setdefault(t, {"layers": 0, "bytes_per_token": per_token})
         s["layers"] += 1
     page = max(BLOCK_SIZE * s["bytes_per_token"] for s in specs.values())
     counts = [s["layers"] for s in specs.values()]
@@ -351,5 +372,6 @@ def _E2B() -> Member:
     return MEMBERS["E2B"]
 
 
-__all__ = ["ARTICLE_E2B", "BUILDS", "BuildPlan", "FitPlan", "KV_ERROR", "LOAD_ERROR_GIB", "PlanParams", "kv_layout",
+__all__ = ["ARTICLE_E2B", "BUILDS", "BuildPlan", "FitPlan", "KV_ERROR", "LOAD_ERROR_GIB", "PlanParams",
+           "kv_bytes_per_token", "kv_layout",
            "plan_fit", "plan_member", "rotary_gib"]

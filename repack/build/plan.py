@@ -16,7 +16,7 @@ from ..family import drafter
 from ..family import members
 from ..grid import grid
 from ..params import BuildOptions
-from ..source.checkpoint import MM_PREFIX, TOWER_PREFIXES, Checkpoint
+from ..source.checkpoint import MM_PREFIX, Checkpoint
 from ..source.safetensors_io import OutShard, OutTensor, TensorInfo
 
 PACKED_SUFFIXES = (".weight_packed", ".weight_scale", ".weight_shape", ".weight_zero_point", ".weight_g_idx")
@@ -40,7 +40,7 @@ def _classify(name: str, info: TensorInfo, ck: Checkpoint, opt: BuildOptions) ->
     if ck.drafter:  # its own names, no towers, its embedding kept bf16 (repack.family.drafter)
         table, packed = drafter.table(name, info.shape)
         return Item(info, "quant" if packed and opt.quantize_linears else "copy", table, name)
-    if name.startswith(TOWER_PREFIXES):
+    if name.startswith(cfgmod.TOWER_PREFIXES):
         return Item(info, "drop" if opt.text_only else "copy", "towers", name)
     out = name
     short = None
@@ -56,7 +56,7 @@ def _classify(name: str, info: TensorInfo, ck: Checkpoint, opt: BuildOptions) ->
         return Item(info, "copy", "rest", out)
     module = short.rsplit(".", 1)[0]
     if short.endswith(PACKED_SUFFIXES):  # already int4 (an intermediate build): carried as is
-        table = ("PLE" if module == "embed_tokens_per_layer" else "embed_tokens" if module == "embed_tokens"
+        table = ("PLE" if module == cfgmod.PLE else "embed_tokens" if module == "embed_tokens"
                  else "lm_head" if module == "lm_head" else "experts" if ".experts." in module else "linears")
         return Item(info, "copy", table, out)
     if members.FUSED_EXPERTS.search(short):  # split per expert by _expert_items when packed
@@ -64,7 +64,7 @@ def _classify(name: str, info: TensorInfo, ck: Checkpoint, opt: BuildOptions) ->
     if short.endswith(".router.proj.weight"):
         # the router stays bf16: vLLM builds it as an unquantized GateLinear (fp32 logits) whatever the config
         return Item(info, "copy", "rest", out)
-    if short == "embed_tokens_per_layer.weight":
+    if short == cfgmod.PLE + ".weight":
         return Item(info, "quant" if opt.embed_int4 else "copy", "PLE", out)
     if short == "embed_tokens.weight":
         q = opt.embed_int4 and opt.embed_tokens
@@ -100,7 +100,7 @@ def _expert_items(it: Item, ck: Checkpoint) -> list[Item]:
                           f"dimensions [experts, out, in]; use the checkpoint as Google published it",
                           {"file": clip(s.file), "tensor": clip(s.name), "problem": "expert-shape"})
     experts, rows, cols = s.shape
-    declared = members.text_of(ck.config).get("num_experts")
+    declared = cfgmod.text_of(ck.config).get("num_experts")
     if declared != experts:
         raise RepackError(f"{where} holds {experts} experts, but config.json declares "
                           f"{'no mixture of experts' if not declared else f'num_experts {declared}'}; use the "

@@ -17,8 +17,9 @@ import numpy as np
 
 from .. import choices
 from ..family import drafter, members
+from ..family.config import TOWER_PREFIXES
 from ..grid import grid
-from ..source.checkpoint import TOWER_PREFIXES, open_checkpoint
+from ..source.checkpoint import open_checkpoint
 from ..source.safetensors_io import MappedFile
 from . import preview
 

@@ -20,13 +20,25 @@ from typing import Any
 from ..errors import RepackError, clip
 
 GROUP = 32
-TOWER_IGNORE = ["re:.*vision_tower.*", "re:.*audio_tower.*", "re:.*embed_vision.*", "re:.*embed_audio.*"]
-RE_PLE = "re:.*embed_tokens_per_layer$"
+# The names of a multimodal checkpoint's towers and of the per-layer embeddings (PLE): every table of them below
+# (the config's ignore list and targets, the checkpoint's tower prefixes, the roofline's patterns) is made from these.
+TOWERS = ("vision_tower", "audio_tower", "embed_vision", "embed_audio")
+PLE = "embed_tokens_per_layer"
+TOWER_PREFIXES = tuple(f"model.{t}." for t in TOWERS)
+TOWER_IGNORE = [f"re:.*{t}.*" for t in TOWERS]
+RE_PLE = f"re:.*{PLE}$"
 RE_EMBED = "re:.*embed_tokens$"
 RE_HEAD = "re:.*lm_head$"
 RE_EXPERTS = r"re:.*experts\.\d+\.(gate|up|down)_proj$"
 RE_ROUTER = r"re:.*router\.proj$"
 
+
+
+def text_of(config: dict[str, Any], whole: bool = True) -> dict[str, Any]:
+    """A config.json's text model: its text_config where that is an object, else the config itself (a text-only
+    build's); `whole=False`: an empty dict instead (a drafter's text fields are read from its text_config only)."""
+    tc = config.get("text_config")
+    return tc if isinstance(tc, dict) else config if whole else {}
 
 def _weights_args() -> dict[str, Any]:
     return {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": GROUP,
@@ -71,7 +83,7 @@ def quantization_config(groups: list[dict[str, Any]], *, previous: dict[str, Any
     stale = set(targets(set(carried_bf16) - set(carried_packed)))
     kept: list[dict[str, Any]] = []
     prev = (previous or {}).get("quantization_config") or \
-        ((previous or {}).get("text_config") or {}).get("quantization_config") or {}
+        text_of(previous or {}, whole=False).get("quantization_config") or {}
     for g in (prev.get("config_groups") or {}).values():
         keep = [t for t in g.get("targets", []) if t not in fresh and t not in stale]
         if keep:
@@ -145,7 +157,8 @@ def validate(config: dict[str, Any], where: str) -> None:
     if "text_config" in config and not isinstance(config["text_config"], dict):
         raise fail("text_config", f"{kind(config['text_config'])}, not an object (a multimodal checkpoint's "
                                   f"text model is described there)")
-    scope, text = ("text_config.", config["text_config"]) if "text_config" in config else ("", config)
+    text = text_of(config)
+    scope = "" if text is config else "text_config."
     shapes = [(scope + k, text.get(k)) for k in TEXT_WHOLE_NUMBERS] + [(k, config.get(k)) for k in TOP_WHOLE_NUMBERS]
     for key, v in shapes:
         if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
@@ -154,7 +167,7 @@ def validate(config: dict[str, Any], where: str) -> None:
         v = text.get(key)
         if v is not None and not isinstance(v, bool):
             raise fail(scope + key, f"{clip(repr(v), 40)} ({kind(v)}), not a boolean (true or false)")
-    for scope, cfg in (("", config), ("text_config.", config.get("text_config") or {})):
+    for scope, cfg in (("", config), ("text_config.", text_of(config, whole=False))):
         qc = cfg.get("quantization_config")
         if qc is None:
             continue
@@ -181,7 +194,7 @@ def validate(config: dict[str, Any], where: str) -> None:
 
 def existing_targets(config: dict[str, Any]) -> set[str]:
     """The int4 kinds an input build already declares (so a later step keeps declaring them)."""
-    qc = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
+    qc = config.get("quantization_config") or text_of(config, whole=False).get("quantization_config")
     kinds: set[str] = set()
     if not qc:
         return kinds

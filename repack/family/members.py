@@ -15,7 +15,7 @@ from typing import Any, Iterator
 
 from tools.core.errors import param
 
-from .config import validate
+from .config import PLE, TOWER_PREFIXES, text_of, validate
 from ..errors import RepackError, clip
 
 GIB = 1 << 30
@@ -265,12 +265,6 @@ _KEYS = {"num_hidden_layers": None, "hidden_size": None, "intermediate_size": No
          "num_experts": 0, "moe_intermediate_size": 0}
 
 
-def text_of(config: dict[str, Any]) -> dict[str, Any]:
-    """A config.json's text model: its text_config, or the config itself (a text-only build's)."""
-    tc = config.get("text_config")
-    return tc if isinstance(tc, dict) else config
-
-
 def _shape_of(m: Member) -> dict[str, Any]:
     return {k: getattr(m, k) for k in _KEYS}
 
@@ -327,7 +321,7 @@ def _drafter_keys(m: Member) -> dict[str, Any]:
 
 
 def _drafter_read(config: dict[str, Any]) -> dict[str, Any]:
-    tc = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    tc = text_of(config, whole=False)
     got = {k: (config if "." not in k else tc).get(k.split(".", 1)[-1]) for k in _drafter_keys(MEMBERS["E2B"])}
     if got["backbone_hidden_size"] is None:  # vLLM's gemma4_mtp then takes the drafter's own width
         got["backbone_hidden_size"] = tc.get("hidden_size")
@@ -429,8 +423,7 @@ def text_tables(m: Member) -> dict[str, Table]:
                                f"{e} experts of {mi} (top {m.top_k_experts}) per layer", shapes)
     if m.hidden_size_per_layer_input:
         w = m.num_hidden_layers * m.hidden_size_per_layer_input
-        out["PLE"] = Table("PLE", m.vocab_size * w, "embed_tokens_per_layer",
-                           [("embed_tokens_per_layer", [m.vocab_size, w], 1)])
+        out["PLE"] = Table("PLE", m.vocab_size * w, PLE, [(PLE, [m.vocab_size, w], 1)])
     out["embed_tokens"] = Table("embed_tokens", m.vocab_size * h, "tied to the output layer",
                                 [("embed_tokens", [m.vocab_size, h], 1)])
     # RMSNorm weights: 4 per layer (input, post-attention, pre/post feed-forward), q/k norms, a PLE norm; the MoE
@@ -447,7 +440,7 @@ def towers_params(m: Member) -> int:
 
 
 __all__ = ["FAMILY_VOCAB", "FUSED_EXPERTS", "GIB", "MEMBERS", "Drafter", "Member", "Table", "by_name", "identify",
-           "identify_drafter", "identify_drafter_or_none", "identify_or_none", "register", "text_of", "text_tables",
+           "identify_drafter", "identify_drafter_or_none", "identify_or_none", "register", "text_tables",
            "towers_params"]
 
 
@@ -463,7 +456,7 @@ def refuse_unpackable(tensors: dict[str, Any], where: str) -> None:
     loading knows; refused in one line, before anything is written, rather than copied to a build that would not
     load."""
     for name, info in tensors.items():
-        if len(info.shape) >= 3 and not name.startswith(("model.vision_tower.", "model.audio_tower.")) \
+        if len(info.shape) >= 3 and not name.startswith(TOWER_PREFIXES) \
                 and ".experts." in name and not FUSED_EXPERTS.search(name):
             raise RepackError(f"{where}: {clip(name, 120)} is a mixture-of-experts weight {list(info.shape)} in a "
                               f"layout this build does not know (it packs experts.gate_up_proj and "

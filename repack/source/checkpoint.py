@@ -25,7 +25,6 @@ from .safetensors_io import (SafetensorsHeader, TensorInfo, Within, loads_json, 
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
-TOWER_PREFIXES = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
 MM_PREFIX = "model.language_model."
 MAX_JSON_FILE = 64 << 20  # a config or an index is kilobytes; anything this big is not one
 
@@ -197,7 +196,7 @@ def _check_layout(ck: Checkpoint, cfg_path: Path) -> None:
         raise RepackError(f"{clip(cfg_path)}: has no text_config, but the weights are a multimodal checkpoint's "
                           f"(tensor {clip(mm)}); use the config.json that came with these weights",
                           {"file": clip(cfg_path), "tensor": clip(mm), "problem": "no-text-config"})
-    if ck.multimodal and mm is None and any(n.startswith("model.") and not n.startswith(TOWER_PREFIXES)
+    if ck.multimodal and mm is None and any(n.startswith("model.") and not n.startswith(cfgmod.TOWER_PREFIXES)
                                             for n in ck.tensors):
         raise RepackError(f"{clip(cfg_path)}: has a text_config (a multimodal checkpoint), but no tensor is named "
                           f"{MM_PREFIX}*; use the config.json that came with these weights",

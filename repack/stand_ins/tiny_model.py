@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..family.members import text_of
+from ..family.config import text_of
 from .tiny_marker import mark
 from .tiny_shapes import SHAPES
 

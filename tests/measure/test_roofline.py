@@ -272,3 +272,18 @@ def test_a_stand_ins_share_of_the_roofline_is_not_applicable_not_0_percent():
                                     kv_cache=0, context_tokens=576, output_tied=True), bw)
     assert real.applicable and real.line().startswith(f"{real.share()} of the memory-bandwidth roofline")
     assert type(tiny).model_validate(tiny.model_dump()).applicable is False  # read back from a summary.json
+
+
+def test_kv_bytes_a_token_are_the_fit_planners_for_every_member():
+    """One home for a token's KV bytes (repack.fit.kv_bytes_per_token): the roofline counts what the planner
+    sizes the pool with, the full layers' own KV heads (num_global_key_value_heads) included."""
+    from repack.build.fit import kv_layout
+    from repack.family.members import MEMBERS
+
+    for m in MEMBERS.values():
+        kinds = kv_layout(m)["kinds"].values()
+        assert kv_bytes_per_token_at({"text_config": m.text_config()}, 1) == \
+            sum(k["layers"] * k["bytes_per_token"] for k in kinds), m.name
+    tc = MEMBERS["12B"].text_config()  # 8 KV heads on sliding layers, 1 on full ones, head 256/512
+    full = tc["layer_types"].count("full_attention")
+    assert kv_bytes_per_token_at(tc, 1) == (48 - full) * 2 * 8 * 256 * 2 + full * 2 * 1 * 512 * 2

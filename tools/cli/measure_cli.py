@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Callable
 
 from tools.cli.commands import Command, add_commands, emit as _emit
 from tools.core.params import cli_value
+from tools.core.progress import Progress
 from tools.measure.capacity.run import CapacityParams, failure_if_error, run_capacity
 from tools.measure.capacity.report import compare_capacity
 from tools.measure.tokens.compare import (TokenCompareParams, check_against, compare_live, record_reference,
@@ -38,7 +38,7 @@ def _cost_cell(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(f"{text!r} is not INPUT_LEN:CONCURRENCY (e.g. 512:8)") from None
 
 
-def _progress(args: argparse.Namespace) -> Callable[[int, int, str], None]:
+def _progress(args: argparse.Namespace) -> Progress:
     def show(done: int, total: int, msg: str) -> None:
         print(f"[{done}/{total}] {msg}", file=sys.stderr, flush=True)
     return show

@@ -23,12 +23,13 @@ from tools.core.atomic import resolve_output, signals_as_exceptions
 from tools.core.atomic_leftovers import find_stale_partials
 from tools.core.errors import ToolFailure
 from tools.core.paths import check_no_symlink_loop
+from tools.core.progress import Progress
 from tools.core.jsonout import dumps
 
 EXIT_BAD_INPUT = 2
 
 
-def progress_bar(enabled: bool | None = None) -> tuple[Callable[[int, int, str], None] | None, Callable[[], None]]:
+def progress_bar(enabled: bool | None = None) -> tuple[Progress | None, Callable[[], None]]:
     """A tqdm progress callback when stderr is a terminal (else none), and a function that closes it."""
     if enabled is None:
         enabled = sys.stderr.isatty()

@@ -16,6 +16,7 @@ from typing import Any
 from tools.cli.commands import CLI, Command, add_commands, emit as _emit
 from tools.core.errors import BadInput, param, render, render_all
 from tools.core.process import free_port
+from tools.core.progress import Progress
 from tools.serving import (StartResult, ensure_swap, fleet_status, query, read_log, replace_file,
                            replace_target as target, router, server_status, service, stop_all, swap_report,
                            switch_process)
@@ -28,6 +29,15 @@ from tools.core.jsonout import dumps
 def emit(args: argparse.Namespace, obj: Any, text: str) -> None:
     """commands.emit with the marked remedies in results (a replace's note) spelled as command lines."""
     _emit(args, render_all(obj.to_dict(), CLI) if getattr(args, "json", False) else obj, render(text, CLI))
+
+
+def _start_progress(args: argparse.Namespace) -> Progress:
+    """A start's or a switch's progress on stderr as a percentage (reported only with news: a phase, or a line not
+    seen before); nothing under --json."""
+    def show(done: float, total: float | None, msg: str) -> None:
+        if not args.json:
+            print(f"[{int(done / (total or 1.0) * 100):3d}%] {msg}", file=sys.stderr, flush=True)
+    return show
 
 
 def _config(args: argparse.Namespace, **overrides: Any) -> ServeConfig:
@@ -64,10 +74,7 @@ def _fmt_fields(f) -> list[str]:
 def cmd_start(p: StartParams, args: argparse.Namespace) -> int:
     cfg = _config(args, **p.overrides())
 
-    def progress(frac: float, msg: str) -> None:  # reported only with news: a phase, or a line not seen before
-        if not args.json:
-            print(f"[{int(frac * 100):3d}%] {msg}", file=sys.stderr, flush=True)
-
+    progress = _start_progress(args)
     if service.behind_door(cfg):
         rt = service.door(cfg)
         where = f"behind the front door at {rt.base_url if rt else cfg.base_url}"
@@ -165,10 +172,7 @@ def cmd_router_start(p: RouterStartParams, args: argparse.Namespace) -> int:
 
 
 def cmd_router_switch(p: RouterSwitchParams, args: argparse.Namespace) -> int:
-    def progress(frac: float, msg: str) -> None:
-        if not args.json:
-            print(f"[{int(frac * 100):3d}%] {msg}", file=sys.stderr, flush=True)
-
+    progress = _start_progress(args)
     # In a process of its own: a command killed here (SIGKILL, a closed terminal) leaves the switch to end alone
     r = switch_process.switch(_config(args), _switch_config(args, p), from_instance=p.from_instance,
                               progress=progress)

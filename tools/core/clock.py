@@ -1,5 +1,6 @@
 """The time as the tools write it: UTC, to the second, in a record (ISO 8601) and in a folder name (sortable); to
-the microsecond in a kept file's name. The one place that reads the clock as a date."""
+the minute in a measurement's heading; to the microsecond in a file name that must not collide. The one place
+that reads the clock as a date."""
 
 from __future__ import annotations
 
@@ -25,4 +26,14 @@ def stamp(when: datetime | None = None) -> str:
     return (when or utc_now()).strftime("%Y%m%d-%H%M%S")
 
 
-__all__ = ["file_stamp", "iso", "stamp", "utc_now"]
+def fine_stamp(when: datetime | None = None) -> str:
+    """`20261205T133111123456`: the time in a file's name where two in the same second must differ."""
+    return (when or utc_now()).strftime("%Y%m%dT%H%M%S%f")
+
+
+def minute(when: datetime | None = None) -> str:
+    """`2026-12-05 13:31 UTC`: when a measurement was taken, in its record's heading."""
+    return (when or utc_now()).strftime("%Y-%m-%d %H:%M UTC")
+
+
+__all__ = ["file_stamp", "fine_stamp", "iso", "minute", "stamp", "utc_now"]

@@ -38,6 +38,7 @@ from repack.stand_ins.tiny_model import cached_tiny_qat_checkpoint, default_cach
 from tools.cli.commands import Command, add_commands, exit_status, fail
 from tools.core.errors import BadInput, ToolFailure, param
 from tools.core.process import free_port
+from tools.core.progress import Progress
 from tools.core.root import PROJECT_ROOT
 from tools.core import clock
 from tools.measure import evidence as evidence_files
@@ -197,13 +198,13 @@ def _fetch_source(env_file: Path, log: Log) -> Path:
                        f"{param('source')})")
     log(f"[0/6] {SOURCE_KEY} is empty: fetching {SOURCE_REPO} into models/")
     show = _progress_printer(log, "fetch, bytes", 10.0)
-    result = fetch_checkpoint(FetchParams(repo_id=SOURCE_REPO), progress=lambda d, t, m: show(d, t, m))
+    result = fetch_checkpoint(FetchParams(repo_id=SOURCE_REPO), progress=show)
     log(f"    {result.out}: {len(result.files)} files, {result.total_bytes / 2**30:.2f} GiB"
         + (" (already there)" if result.already_present else ""))
     return Path(result.out)
 
 
-def _progress_printer(log: Log, what: str, every_s: float = 5.0) -> Callable[..., None]:
+def _progress_printer(log: Log, what: str, every_s: float = 5.0) -> Progress:
     last = [0.0]
 
     def show(done: float, total: float | None = None, message: str = "") -> None:
@@ -293,7 +294,7 @@ def _serve_builds(plan: _Plan, opts: DemoOptions, paths: dict[str, Path],
         cfg = load_config(opts.env_file, **overrides)
         log(f"[{4 + i}/6] serving {label} ({cfg.model}) at {cfg.base_url}")
         with Server(cfg) as server:  # stopped when this build is done; a kill of the demo does not leave it serving
-            start = server.start(progress=lambda f, m: None)
+            start = server.start(progress=lambda done, total, msg: None)
             try:
                 sf = start.start_fields
                 log(f"    up after {start.startup_s:.0f} s; KV cache {sf.kv_cache_tokens} tokens, "

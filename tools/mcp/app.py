@@ -39,11 +39,12 @@ from pydantic import ValidationError
 from tools.core.atomic import cleanup_own_partials
 from tools.core.errors import ToolFailure, op, param
 from tools.core.paths import Roots
+from tools.core.progress import Progress
 from tools.mcp import index_resources, resources  # noqa: F401  (index_resources declares its resources)
 from tools.mcp.bounded import fit
 from tools.mcp.catalog import load_all
 from tools.mcp.errors import ToolRefusal, argument_error, to_tool_error
-from tools.mcp.jobs import JobCancelled, JobRegistry, ProgressFn
+from tools.mcp.jobs import JobCancelled, JobRegistry
 from tools.mcp.registry import ALWAYS_LISTED, TOOLS, TOOLSETS, TOOLSETS_ENV, ToolSpec, parse_toolsets
 from tools.serving.config import load_config
 from tools.serving import Hardware, behind_door_state, door_on_port, load_state, server_status
@@ -113,7 +114,7 @@ class App:
             raise ToolFailure(f"{which}; start one with {op('start')} (or pass {param('base_url')})")
         return st.base_url
 
-    def run_job_work(self, spec: ToolSpec, params: Any, progress: ProgressFn, checked: Any = None) -> dict[str, Any]:
+    def run_job_work(self, spec: ToolSpec, params: Any, progress: Progress, checked: Any = None) -> dict[str, Any]:
         try:
             return spec.dump(spec.run(self, params, progress, checked))
         except JobCancelled:

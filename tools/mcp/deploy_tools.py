@@ -55,7 +55,7 @@ def _fetch_inputs(app, p: FetchParams) -> FetchParams:
 def fetch_checkpoint(app, p: FetchParams, progress, checked: FetchParams) -> Reply:
     """Download a Hugging Face model's build files at a revision into a models root (`out`, default: the repo's
     name), with a sha256 manifest; resumes from the hub cache. Long: progress in bytes."""
-    res = fetch(checked, progress=lambda d, t, m: progress(d, t, m))
+    res = fetch(checked, progress=progress)
     state = "already there" if res.already_present else ("from the cache" if res.offline else "fetched")
     return Reply(res, f"{res.repo_id}@{res.commit[:12]} {state}: {res.out} ({len(res.files)} files, "
                       f"{res.total_bytes / 2**30:.2f} GiB)")

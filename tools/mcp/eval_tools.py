@@ -25,7 +25,7 @@ def run_eval(app, p: EvalParams, progress, checked: EvalParams) -> Reply:
     """Score the running server with lm-evaluation-harness (greedy, local-completions) on the given tasks; writes
     a run folder (lm-eval's results and samples, summary, provenance) under an evidence root (`out`, default: the
     first). Long: lm-eval's progress."""
-    res = evaluate(checked, progress=lambda d, t, m: progress(d, t, m), serve_config=app.config())
+    res = evaluate(checked, progress=progress, serve_config=app.config())
     first = ", ".join(f"{s.task} {s.metric} {s.value:.4f}" for s in res.scores[:3] if s.value is not None)
     summary = (f"eval {res.run_id}: {len(res.scores)} scores over {', '.join(res.tasks)}"
                + (f"; {first}" if first else "") + f" ({res.run_dir})")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from tools.core.errors import ToolFailure
 from tools.core.paths import PathNotAllowed
 from tools.core.process import free_port
+from tools.core.progress import percent
 from tools.mcp.registry import Reply, tool
 from tools.mcp.wording import on_platform
 from tools.serving import (RouterStartResult, RouterStatus, RouterStopResult, SwitchResult, load_state,
@@ -64,7 +65,7 @@ def switch_build(app, p: RouterSwitchParams, progress, checked) -> Reply:
     own: a client that goes away leaves it to end alone; a cancellation rolls it back. Long."""
     # In a process of its own: a client that drops this server (SIGKILL) leaves the switch to end alone
     res = switch_process.switch(app.config(), checked, from_instance=p.from_instance,
-                                progress=lambda frac, msg: progress(round(frac * 100, 1), 100, msg))
+                                progress=percent(progress))
     f = res.figures
     return Reply(res, f"{res.outcome} at {res.base_url} in place of {res.replaced} ({res.mode}): {f.requests} "
                       f"requests through the router, {f.failed} failed, longest wait for a build "

@@ -32,11 +32,8 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from tools.core.errors import ToolFailure
+from tools.core.progress import Progress
 from tools.core.text import clip
-
-# progress(done, total, message); total None when unknown
-ProgressFn = Callable[[float, float | None, str], None]
-
 
 class JobCancelled(Exception):
     """Raised inside a job's work at its next progress report after cancel_job. Not a failure: it must pass
@@ -124,7 +121,7 @@ class JobRegistry:
                 self._foreground.discard(cancel)
 
     def submit(self, tool: str, arguments: dict[str, Any],
-               work: Callable[[ProgressFn], BaseModel | dict[str, Any]]) -> JobInfo:
+               work: Callable[[Progress], BaseModel | dict[str, Any]]) -> JobInfo:
         """Run `work(progress)` in a thread as a job; refuse if another long operation is running."""
         with self._lock:
             if self._busy is not None:

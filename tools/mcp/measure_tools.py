@@ -4,10 +4,10 @@
 from __future__ import annotations
 
 import json
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from tools.core import clock
 from tools.core.atomic_files import write_file
 from tools.core.errors import ToolFailure, op
 from tools.core.paths import PathNotAllowed
@@ -52,7 +52,7 @@ def run_sweep(app, p: SweepParams, progress, checked: _Sweep) -> Reply:
     """Measure the running server's throughput with vLLM's bench serve over input lengths x concurrencies, the
     same prompts for every build; writes a run folder. Long."""
     res = sweep(checked.params, checked.endpoint, serve_config=checked.config,
-                progress=lambda d, t, m: progress(d, t, m))
+                progress=progress)
     return sweep_reply(res)
 
 
@@ -109,7 +109,7 @@ def find_capacity(app, p: CapacityParams, progress, checked: _Capacity) -> Reply
     the load, then bisects, vLLM's bench serve per point; the bracket, goodput, out tok/s and $ per million
     tokens there; a capacity run folder under an evidence root. Long."""
     c = checked
-    res = capacity(c.params, c.terms, c.endpoint, serve_config=c.config, progress=lambda d, t, m: progress(d, t, m))
+    res = capacity(c.params, c.terms, c.endpoint, serve_config=c.config, progress=progress)
     failure_if_error(res)
     return Reply(res, res.statement)
 
@@ -182,7 +182,7 @@ def _token_inputs(app, p: TokenCompareParams) -> TokenCompareParams:
 def compare_tokens(app, p: TokenCompareParams, progress, checked: TokenCompareParams) -> Reply:
     """Whether two builds give the same greedy tokens, prompt by prompt: record with build A, check with build B
     (or live with two instances). Long."""
-    res = compare(checked, progress=lambda d, t, m: progress(d, t, m))
+    res = compare(checked, progress=progress)
     if isinstance(res, TokenRecord):
         # The record itself is in the file; the reply lists what was recorded, a prompt as its first words.
         path = Path(res.path or str(checked.reference))
@@ -234,7 +234,7 @@ def _write_comparison(app, res: TokenComparison, p: TokenCompareParams) -> Path 
     file, not the comparison (said in its place)."""
     if not p.reference and not app.roots.evidence:
         return "not written (no evidence root)"
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%f")
+    stamp = clock.fine_stamp()
     folder = Path(p.reference).parent if p.reference else app.roots.evidence[0]
     stem = Path(p.reference).stem if p.reference else "tokens-live"
     try:
@@ -268,7 +268,7 @@ def compare_logprobs(app, p: CompareLogprobsParams, progress, checked: CompareLo
     """Full-distribution fidelity of two builds over a text corpus: mode=record scores it with the reference
     build into `reference` (REF.json under an evidence root; force=true to replace one), restart with the other
     build, mode=check: mean/p99/max KLD, top-1 agreement, perplexity ratio. Long: progress in windows."""
-    res = logprob_fidelity(checked, progress=lambda d, t, m: progress(d, t, m))
+    res = logprob_fidelity(checked, progress=progress)
     if isinstance(res, RecordLogprobsResult):
         return Reply(res, f"recorded {res.tokens} positions ({res.windows} windows) from {res.model}: {res.path}")
     return Reply(res, f"{res.candidate_model} vs {res.reference_model}: mean KLD {res.mean_kld:.4g}, p99 "
@@ -296,7 +296,7 @@ def run_decode_bench(app, p: DecodeParams, progress, checked: _Decode) -> Reply:
     acceptance from /metrics when the server runs speculative decoding; writes a run folder under an evidence
     root. Long: progress in prompts."""
     res = run_decode(checked.params, serve_config=checked.config, endpoint=checked.endpoint,
-                     progress=lambda d, t, m: progress(d, t, m))
+                     progress=progress)
     acc = (f", {100 * res.acceptance_rate:.0f}% of {res.draft_tokens:.0f} draft tokens accepted"
            if res.acceptance_rate is not None else ", no drafts")
     summary = (f"decode {res.run_id}: median {res.median_tpot_ms or 0:.2f} ms per token, TTFT "

@@ -8,6 +8,7 @@ from pydantic import BaseModel, Field
 
 from tools.core.errors import ToolFailure
 from tools.core.paths import PathNotAllowed
+from tools.core.progress import percent
 from tools.mcp.registry import Reply, tool
 from tools.serving import (QueryResult, ServerStatus, StartResult, StopResult, SwitchResult, behind_door_state,
                            fleet_status, log_path, missing_model_fix, query, read_log, server_status as status,
@@ -42,7 +43,7 @@ def start_vllm_server(app, p: StartParams, progress, checked) -> Reply:
     # vLLM starts ends that vLLM too; once it serves it is handed over. A front-door switch runs in a process of
     # its own and ends alone.
     res = service.start(checked, replace_running=p.replace, new_key=bool(p.new_key),
-                        progress=lambda frac, msg: progress(round(frac * 100, 1), 100, msg))
+                        progress=percent(progress))
     if isinstance(res, SwitchResult):
         where = on_platform(getattr(behind_door_state(checked), "platform", None))
         return Reply(res, f"{service.describe(res)} {where}")

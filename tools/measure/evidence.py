@@ -10,6 +10,7 @@ written through a temporary name and renamed; a path that cannot be written is o
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,12 @@ def run_id(kind: str, label: str | None = None, digest: str | None = None) -> st
     """Every run folder's name, `<kind>-<UTC stamp>[-<label>][-<digest>]`: sorted by time within a kind, named for
     what it measured; `digest`: of the parameters, for a run that a later one resumes or compares."""
     return "-".join([kind, clock.stamp()] + [part for part in (label, digest) if part])
+
+
+def run_digest(identity: Any) -> str:
+    """A run id's `digest`: 8 hex digits of the sha256 of what identifies the run's parameters, as sorted JSON (the
+    same parameters, the same digest: how a later run finds the one it resumes or compares)."""
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:8]
 
 
 class EvidenceRun:

@@ -11,8 +11,9 @@ bytes for a build as served, from its config.json and safetensors headers:
 - norms and scalars whole (they are small);
 - the KV cache at the given context: K and V of every layer that owns a cache (layers past
   `num_hidden_layers - num_kv_shared_layers` reuse an earlier layer's and add no bytes), sliding layers at
-  most `sliding_window` tokens, head sizes from `per_layer_config` or the hub's `global_head_dim`, 2 bytes a
-  value (`--kv-cache-dtype auto` at fp16/bf16).
+  most `sliding_window` tokens, head sizes from `per_layer_config` or the hub's `global_head_dim` (and the full
+  layers' `num_global_key_value_heads`), 2 bytes a value (`--kv-cache-dtype auto` at fp16/bf16): the bytes a
+  token takes are the fit planner's (repack.fit.kv_bytes_per_token).
 Vision and audio towers are never read in a text decode step and are left out.
 
 The bandwidth (`device_bandwidth`): on an NVIDIA GPU NVML's bus width x maximum memory clock x 2 (double data
@@ -32,13 +33,13 @@ from typing import Any
 from pydantic import BaseModel, Field, computed_field
 
 from repack.source.checkpoint import read_config
-from repack.family.members import text_of
+from repack.family.config import PLE, TOWERS, text_of
+from repack.build.fit import kv_bytes_per_token
 from repack.source.safetensors_io import read_header
 from tools.gpu.vram import memory_bandwidth
 
-KV_BYTES_PER_VALUE = 2  # fp16 / bf16 cache (--kv-cache-dtype auto)
-_TOWER = re.compile(r"(^|\.)(vision_tower|audio_tower|embed_vision|embed_audio)\.")
-_PLE = re.compile(r"(^|\.)embed_tokens_per_layer\.")
+_TOWER = re.compile(rf"(^|\.)({'|'.join(TOWERS)})\.")
+_PLE = re.compile(rf"(^|\.){PLE}\.")
 _EMBED = re.compile(r"(^|\.)embed_tokens\.")
 _HEAD = re.compile(r"(^|\.)lm_head\.")
 
@@ -110,22 +111,14 @@ class Roofline(BaseModel):
 
 
 def kv_bytes_per_token_at(config: dict[str, Any], context_tokens: int) -> int:
-    """K and V bytes of the whole cache at context_tokens, from the config's layer, head and sharing layout."""
-    tc = text_of(config)
-    layers = int(tc["num_hidden_layers"])
-    owners = layers - int(tc.get("num_kv_shared_layers") or 0)
-    types = tc.get("layer_types") or ["full_attention"] * layers
-    per_layer = {int(k): v for k, v in (tc.get("per_layer_config") or {}).items()}
-    window = tc.get("sliding_window")
+    """K and V bytes of the whole cache at context_tokens: each owning layer's bytes a token (repack.fit, the
+    planner's arithmetic) times its tokens, a sliding layer's at most its window."""
+    window = text_of(config).get("sliding_window")
     total = 0
-    for i in range(owners):
-        full = types[i] == "full_attention"
-        over = per_layer.get(i) or {}
-        head = over.get("head_dim") or (tc.get("global_head_dim") if full and not per_layer else None) \
-            or tc["head_dim"]
-        kv_heads = over.get("num_key_value_heads") or tc.get("num_key_value_heads") or tc["num_attention_heads"]
+    for kind, per_token in kv_bytes_per_token(config):
+        full = kind == "full_attention"
         tokens = context_tokens if full or not window else min(context_tokens, int(window))
-        total += 2 * int(kv_heads) * int(head) * tokens * KV_BYTES_PER_VALUE
+        total += per_token * tokens
     return total
 
 

@@ -308,7 +308,7 @@ def test_a_switch_interrupted_while_the_new_build_loads_leaves_the_old_one_with_
     base, make = door
     b = make("green", "new", "hang", cpus=cpus)
 
-    def progress(frac: float, msg: str) -> None:
+    def progress(frac: float, total: float | None, msg: str) -> None:
         if b.state_file.exists():
             raise KeyboardInterrupt
 

@@ -215,7 +215,7 @@ def test_a_cancelled_front_end_passes_the_cancellation_on_and_waits_for_the_roll
     class Cancelled(Exception):
         pass
 
-    def progress(frac: float, msg: str) -> None:
+    def progress(frac: float, total: float | None, msg: str) -> None:
         if b.state_file.exists():
             raise Cancelled
 

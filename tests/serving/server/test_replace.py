@@ -145,7 +145,7 @@ def test_an_interrupted_replace_launches_a_again(stand_in):
     b = stand_in("b", mode="hang")
     calls: list[str] = []
 
-    def progress(frac: float, msg: str) -> None:
+    def progress(frac: float, total: float | None, msg: str) -> None:
         calls.append(msg)
         if state.load_state(b) is not None and state.load_state(b).served_name == "b":
             raise KeyboardInterrupt  # Ctrl-C while B starts
@@ -279,7 +279,7 @@ def test_real_vllm_a_failed_replace_serves_a_again(emb4_build, serve_config_fact
         pgids.append(start_server(a).pgid)
         seen: list[int] = []
 
-        def progress(frac: float, msg: str) -> None:  # the groups of B and of A's second start, to check after
+        def progress(frac: float, total: float | None, msg: str) -> None:  # the groups of B and of A's second start, to check after
             rec = state.load_state(a)
             if rec is not None:
                 seen.append(rec.pgid)

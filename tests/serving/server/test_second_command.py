@@ -248,7 +248,7 @@ def test_a_second_ctrl_c_inside_the_rollback_does_not_stop_it(bench, monkeypatch
             signal.raise_signal(signal.SIGINT)
         return real_stop(cfg, **kw)
 
-    def progress(frac: float, msg: str) -> None:
+    def progress(frac: float, total: float | None, msg: str) -> None:
         rec = state.load_state(cfg_b)
         if rec is not None and rec.served_name == "b" and not rolled_back:
             rolled_back.append("first")

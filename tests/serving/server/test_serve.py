@@ -355,7 +355,7 @@ def test_any_exception_from_progress_stops_the_server(serve_config_factory, tmp_
     cfg = _stand_in_start(serve_config_factory, tmp_path, monkeypatch, "cancelled")
     pgids: list[int] = []
 
-    def progress(frac: float, msg: str) -> None:
+    def progress(frac: float, total: float | None, msg: str) -> None:
         state = json.loads(cfg.state_file.read_text())
         pgids.append(state["pgid"])
         raise _Cancelled("job cancelled")
@@ -372,7 +372,7 @@ def test_an_interrupted_start_stops_the_server_and_stays_an_interrupt(serve_conf
     cfg = _stand_in_start(serve_config_factory, tmp_path, monkeypatch, "interrupted")
     pgids: list[int] = []
 
-    def progress(frac: float, msg: str) -> None:
+    def progress(frac: float, total: float | None, msg: str) -> None:
         pgids.append(json.loads(cfg.state_file.read_text())["pgid"])
         raise KeyboardInterrupt
 
@@ -467,7 +467,7 @@ def test_start_progress_is_phases_rising_and_never_the_same_line_twice(monkeypat
     clock = [100.0]
     monkeypatch.setattr(start_progress.time, "monotonic", lambda: clock[0])
     sent: list[tuple[float, str]] = []
-    p = StartProgress(lambda f, m: sent.append((f, m)))
+    p = StartProgress(lambda f, t, m: sent.append((f, m)))
     log = ["(APIServer pid=1) INFO 12-02 03:11:34 [api_utils.py:347] version 0.32.0"]
     for step in range(120):  # two minutes of polls, once a second, the log growing as vLLM's does
         if step == 10:

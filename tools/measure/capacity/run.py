@@ -9,8 +9,6 @@ name and renamed when complete (tools/measure/evidence.EvidenceRun): a stopped o
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import time
 from pathlib import Path
@@ -105,8 +103,7 @@ def capacity(params: CapacityParams, terms: list[Term], endpoint: Endpoint, *, p
     seqs = evidence.argv_option(prov.server_argv, "--max-num-seqs")
     max_num_seqs = int(seqs) if seqs and seqs.isdigit() else None
     sp = params.model_copy(update={"input_lens": [params.input_len], "concurrencies": []})
-    digest = hashlib.sha256(json.dumps([slo_text(terms), params.identity(), params.load, params.input_len],
-                                       sort_keys=True).encode()).hexdigest()[:8]
+    digest = evidence.run_digest([slo_text(terms), params.identity(), params.load, params.input_len])
     Path(params.out).mkdir(parents=True, exist_ok=True)
     run = evidence.EvidenceRun.create(params.out, evidence.run_id("capacity", params.label, digest))
     try:

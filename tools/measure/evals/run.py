@@ -21,7 +21,6 @@ relative paths there resolve against the include folder, which is lm-eval's work
 
 from __future__ import annotations
 
-import hashlib
 import importlib.metadata
 import json
 import os
@@ -151,7 +150,7 @@ def _explain_failure(log_text: str, rc: int, params: EvalParams) -> tuple[str, d
 def _run_dir_name(params: EvalParams, model: str | None) -> str:
     ident = {"tasks": params.tasks, "limit": params.limit, "num_fewshot": params.num_fewshot, "model": model,
              "apply_chat_template": params.apply_chat_template}
-    digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:8]
+    digest = evidence.run_digest(ident)
     return evidence.run_id("eval", params.label, digest)
 
 

@@ -46,6 +46,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field
 
+from repack.family.config import text_of
 from tools.core.errors import BadInput, ToolFailure, param
 from tools.core.params import Seconds
 from tools.measure.uncertainty import FASTER, SLOWER, WITHIN_NOISE, paired_ratio
@@ -263,7 +264,7 @@ def _text_shape(root: str | None) -> dict[str, Any]:
         cfg = json.loads(cfg_path.read_text())
     except (OSError, ValueError):
         return {}
-    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    text = text_of(cfg)
     return {k: text[k] for k in SHAPE_FIELDS if k in text}
 
 

@@ -12,8 +12,6 @@ prefix-cache hits during each measured repeat are read from the server's /metric
 
 from __future__ import annotations
 
-import hashlib
-import json
 import re
 import time
 from pathlib import Path
@@ -42,7 +40,7 @@ def _run_dir(params: SweepParams, out: Path) -> HeldFolder:
     is reserved, with a suffix where a run started in the same second has it."""
     if params.run_id:
         return HeldFolder.reserve(out, params.run_id, exact=True)
-    digest = hashlib.sha256(json.dumps(params.identity(), sort_keys=True).encode()).hexdigest()[:8]
+    digest = evidence.run_digest(params.identity())
     suffix = f"-{params.label}-{digest}"
     if params.resume:
         named = re.compile(rf".*{re.escape(suffix)}(-[0-9]+)?")  # -2, -3: a run started in the same second

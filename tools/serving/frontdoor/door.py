@@ -32,6 +32,7 @@ from tools.core import clock
 from tools.core.errors import BadInput, ToolFailure, op, param
 from tools.core.metrics import total
 from tools.core.process import signals_deferred
+from tools.core.progress import Progress
 from tools.serving.records import placement, router_state, state
 from tools.serving.server import switch_record
 from tools.serving.config import ServeConfig
@@ -39,7 +40,6 @@ from tools.serving.preflight.hardware import Hardware
 from tools.serving.server.launch import relaunch
 from tools.serving.preflight.model_files import checkpoint_bytes
 from tools.serving.records.router_state import Backend, RouterState
-from tools.serving.server.start_progress import StartReport
 from tools.serving.server.server import Server
 
 HOLD_S = 180.0            # the default hold: vLLM's start on 2 CPU cores is ~55 s, a T4's ~60-90 s
@@ -220,7 +220,7 @@ def _step(name: str) -> None:
 
 
 def switch(cfg: ServeConfig, b: ServeConfig, *, from_instance: str | None = None, hardware: Hardware | None = None,
-           progress: StartReport | None = None, grace_s: float = 20.0, drain_s: float = 60.0) -> SwitchResult:
+           progress: Progress | None = None, grace_s: float = 20.0, drain_s: float = 60.0) -> SwitchResult:
     """Serves `b` (a named instance's config: B) through the front door in place of the router's backend A
     (`from_instance`, or its only one). Raises ToolFailure with detail["outcome"] (the builds named) and
     detail["figures"] when B does not serve; A then still serves or serves again. Holds the front door's switch
@@ -270,9 +270,9 @@ class _Switch:
     """One switch: what it found before anything moved, and the time no build was behind the front door."""
 
     def __init__(self, cfg: ServeConfig, b: ServeConfig, from_instance: str | None, hw: Hardware,
-                 progress: StartReport | None, grace_s: float, drain_s: float) -> None:
+                 progress: Progress | None, grace_s: float, drain_s: float) -> None:
         self.cfg, self.b, self.hw, self.progress, self.grace_s, self.drain_s = cfg, b, hw, progress, grace_s, drain_s
-        self.say = progress or (lambda frac, msg: None)
+        self.say = progress or (lambda done, total, msg: None)
         self.t0 = time.monotonic()
         rt = router_state.recorded(cfg)
         if rt is None:
@@ -331,7 +331,7 @@ class _Switch:
             self.announced = (f"{b}{aka} cannot start {fit.why.removeprefix('not ')}: {a} stops first and "
                               f"requests wait at the front door{expect}, each at most {self.hold_s:g} s, while "
                               f"{b} loads")
-        self.say(0.0, self.announced)
+        self.say(0.0, 1.0, self.announced)
 
     def figures(self) -> Figures:
         return Figures.between(self.before, Counts.read(self.rt), self.no_build_s)
@@ -387,7 +387,7 @@ class _Switch:
                 _undo_beside(self.rt, self.b, started.base_url, self.a_url)
                 self._record_a()
             raise
-        self.say(0.9, f"{self.b.served_name} takes the traffic; {a} drains and stops")
+        self.say(0.9, 1.0, f"{self.b.served_name} takes the traffic; {a} drains and stops")
         try:
             self._stop_a()
         except BaseException:  # interrupted while A drains: B has the traffic, A is ended without waiting
@@ -419,7 +419,7 @@ class _Switch:
         a, rt = self.a.served_name, self.rt
         _worker(rt, "remove_worker", self.a_url)
         self._emptied()
-        self.say(0.05, f"{a} drains and stops; requests are held at {rt.base_url}")
+        self.say(0.05, 1.0, f"{a} drains and stops; requests are held at {rt.base_url}")
         try:
             self._stop_a()
         except BaseException:  # interrupted (or A would not stop) before B launched
@@ -429,7 +429,7 @@ class _Switch:
         try:
             started = self._start_b()
         except ToolFailure as exc:
-            self.say(0.5, f"{self.b.served_name} did not start: starting {a} again")
+            self.say(0.5, 1.0, f"{self.b.served_name} did not start: starting {a} again")
             try:
                 back = relaunch(self.a_cfg, self.a, progress=self.progress)
             except ToolFailure as a_exc:

@@ -21,6 +21,7 @@ import httpx
 from tools.core.api_key import API_KEY_ENV, api_key, auth_headers
 from tools.core.errors import BadInput, ToolFailure, op, param
 from tools.core.process import free_port, signals_deferred
+from tools.core.progress import Progress
 from tools.serving.frontdoor import door as frontdoor, switch_process
 from tools.serving.records import placement, router_state
 from tools.serving.server import switch_record
@@ -31,7 +32,6 @@ from tools.serving.server.results import StartResult
 from tools.serving.server.replace import replace_server
 from tools.serving.frontdoor.router import check_port, start_router, stop_router
 from tools.serving.records.state import DamagedState, InstanceBusy, holder, holder_text, load_state, lock_file
-from tools.serving.server.start_progress import StartReport
 from tools.serving.server.server import Server, stop_each
 
 SLOTS = router_state.SLOTS
@@ -81,7 +81,7 @@ def build_config(cfg: ServeConfig, rt: router_state.RouterState | None) -> Serve
     return replace(cfg, instance=_slot(cfg, rt), port=free_port(cfg.host), served_aliases=[], door_port=cfg.port)
 
 
-def start(cfg: ServeConfig, *, replace_running: bool = False, progress: StartReport | None = None,
+def start(cfg: ServeConfig, *, replace_running: bool = False, progress: Progress | None = None,
           hardware: Hardware | None = None, new_key: bool = False) -> StartResult | SwitchResult:
     """Serves cfg's build on the port clients use: through the front door when behind_door(cfg) (a
     SwitchResult when it replaced a build there), else on the port itself. Owned until ready: a command or MCP
@@ -138,7 +138,7 @@ def _refuse_key_change(rt: router_state.RouterState) -> None:
                        field="new_key")
 
 
-def _refill(cfg: ServeConfig, rt: router_state.RouterState, progress: StartReport | None,
+def _refill(cfg: ServeConfig, rt: router_state.RouterState, progress: Progress | None,
             hardware: Hardware | None) -> StartResult:
     """A front door whose builds are all gone (a switch that ended with nothing serving, a build stopped or
     killed): the new build starts in a free slot and the door routes to it alone; requests held meanwhile."""
@@ -160,7 +160,7 @@ def _refill(cfg: ServeConfig, rt: router_state.RouterState, progress: StartRepor
     return _through(res, rt.base_url, rt.pid, b.instance, rt.hold_s)
 
 
-def _open(cfg: ServeConfig, progress: StartReport | None, hardware: Hardware | None) -> StartResult:
+def _open(cfg: ServeConfig, progress: Progress | None, hardware: Hardware | None) -> StartResult:
     """The build on an internal port, then the router on the port clients use, over it."""
     # Under the door's switch lock from the first check: a start that loses a race to another is refused naming
     # the winner, never told that the winner's build, still starting, was left by a door that is gone.

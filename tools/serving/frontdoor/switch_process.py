@@ -31,12 +31,12 @@ from typing import Any
 from tools.core.errors import ToolFailure, op
 from tools.core.jsonout import dumps
 from tools.core.process import python_child_env
+from tools.core.progress import Progress
 from tools.core.root import PROJECT_ROOT
 from tools.serving.frontdoor import door as frontdoor
 from tools.serving.config import ServeConfig
 from tools.serving.frontdoor.door import Figures, SwitchResult
 from tools.core.process import signals_deferred
-from tools.serving.server.start_progress import StartReport
 
 # The command that runs the switch (REQUEST appended); tests run it with their stand-in builds patched in.
 PROGRAM = [sys.executable, "-m", "tools.serving.frontdoor.switch_process"]
@@ -47,7 +47,7 @@ def log_file(cfg: ServeConfig) -> Path:
 
 
 def switch(cfg: ServeConfig, b: ServeConfig, *, from_instance: str | None = None,
-           progress: StartReport | None = None) -> SwitchResult:
+           progress: Progress | None = None) -> SwitchResult:
     """frontdoor.switch run by a switch process: its progress passed to `progress`, its result returned, its
     ToolFailure raised again (same class, message, detail and field). An exception here (KeyboardInterrupt,
     Terminated, a cancellation raised by `progress`) sends the process one SIGINT, waits until its rollback is
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = ServeConfig.from_dict(req["cfg"])
     try:
         res = frontdoor.switch(cfg, ServeConfig.from_dict(req["b"]), from_instance=req.get("from_instance"),
-                               progress=lambda frac, msg: out.send({"progress": [frac, msg]}))
+                               progress=lambda done, total, msg: out.send({"progress": [done, total, msg]}))
     except ToolFailure as exc:
         out.send({"failure": {"message": exc.message, "detail": exc.detail, "field": exc.field,
                               "module": type(exc).__module__, "class": type(exc).__qualname__}})

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from repack.source.checks import SOURCE_REPO
+from repack.family.config import text_of
 from repack.family.members import MEMBERS
 from tools.core.errors import op
 
@@ -24,8 +25,7 @@ def model_position_limit(model: str) -> int | None:
         return None
     if not isinstance(cfg, dict):
         return None
-    text = cfg.get("text_config")
-    for source in ((text if isinstance(text, dict) else {}), cfg):
+    for source in (text_of(cfg, whole=False), cfg):
         value = source.get("max_position_embeddings")
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value

@@ -23,6 +23,7 @@ from tools.core import clock
 from tools.core.api_key import API_KEY_ENV, api_key, auth_headers
 from tools.core.errors import BadInput, ToolFailure, op, param
 from tools.core.process import end_group, signals_deferred
+from tools.core.progress import Progress
 from tools.gpu.vram import host_memory, server_process_pids
 from tools.serving.server import engine_log, health, readiness, switch_record
 from tools.serving.records import placement, state
@@ -34,7 +35,7 @@ from tools.serving.preflight.steps import checks_for, ensure, refusal
 from tools.serving.server.readiness import READINESS_PROMPT, Refusal
 from tools.serving.server.results import StartResult
 from tools.serving.server.guard import hand_over
-from tools.serving.server.start_progress import StartProgress, StartReport
+from tools.serving.server.start_progress import StartProgress
 from tools.serving.records.state import ReplaceRecord, ServerState
 # The caller's variables that shape vLLM, recorded with the server so that a relaunch gets them again (tokens and
 # the rest of the environment are not written to the state file).
@@ -226,7 +227,7 @@ def own_log(cfg: ServeConfig) -> ServeConfig:
 
 
 def wait_ready(cfg: ServeConfig, proc: subprocess.Popen, argv: list[str], t0: float,
-                progress: StartReport | None, *, keep_on_interrupt: bool = False) -> str:
+               progress: Progress | None, *, keep_on_interrupt: bool = False) -> str:
     """Waits for /health and a first completion; on a failure or an interrupt ends the server it launched
     (keep_on_interrupt: an interrupt leaves it starting, recorded)."""
     log_path = cfg.log_file
@@ -360,7 +361,7 @@ def config_of(cfg: ServeConfig, a: ServerState) -> ServeConfig:
                    data_parallel_size=a.data_parallel_size)
 
 
-def relaunch(cfg: ServeConfig, a: ServerState, *, progress: StartReport | None = None,
+def relaunch(cfg: ServeConfig, a: ServerState, *, progress: Progress | None = None,
              wait: bool = True) -> StartResult | None:
     """Starts `a` again with its own recorded command line and environment (a failed replace's way back), under
     the instance's lock (the replace's own hold). wait=False: launched and recorded, not waited for (an

@@ -24,13 +24,13 @@ import psutil
 from tools.core import clock
 from tools.core.errors import ToolFailure
 from tools.core.process import signals_deferred
+from tools.core.progress import Progress
 from tools.serving.records import state
 from tools.serving.server import switch_record
 from tools.serving.config import ServeConfig
 from tools.serving.preflight.hardware import Hardware
 from tools.serving.server.launch import checked, relaunch
 from tools.serving.server.results import StartResult
-from tools.serving.server.start_progress import StartReport
 from tools.serving.records.state import ReplaceRecord, ServerState
 from tools.serving.server.server import start_server, stop_server
 
@@ -67,7 +67,7 @@ def target(cfg: ServeConfig) -> ServeConfig:
     return replace(cfg, port=a.port) if a is not None and not cfg.given_for_this_start("port") else cfg
 
 
-def replace_server(cfg: ServeConfig, *, progress: StartReport | None = None, hardware: Hardware | None = None,
+def replace_server(cfg: ServeConfig, *, progress: Progress | None = None, hardware: Hardware | None = None,
                    turing_target: Path | None = None, grace_s: float = 20.0) -> StartResult:
     """Serves `cfg`'s build (B) in place of the instance's running server (A); a plain start when none runs.
 
@@ -79,7 +79,7 @@ def replace_server(cfg: ServeConfig, *, progress: StartReport | None = None, har
         return _replace_locked(cfg, progress, hardware or Hardware(), turing_target, grace_s)
 
 
-def _replace_locked(cfg: ServeConfig, progress: StartReport | None, hw: Hardware, turing_target: Path | None,
+def _replace_locked(cfg: ServeConfig, progress: Progress | None, hw: Hardware, turing_target: Path | None,
                     grace_s: float) -> StartResult:
     a = _serving(cfg)
     began = time.time()
@@ -93,7 +93,7 @@ def _replace_locked(cfg: ServeConfig, progress: StartReport | None, hw: Hardware
 
 
 def _replace(cfg: ServeConfig, a: ServerState | None, hw: Hardware, turing_target: Path | None, grace_s: float,
-             progress: StartReport | None) -> StartResult:
+             progress: Progress | None) -> StartResult:
     if a is None:
         res = start_server(cfg, progress=progress, hardware=hw, turing_target=turing_target)
         res.outcome = f"serving {cfg.served_name}"
@@ -118,9 +118,9 @@ def _replace(cfg: ServeConfig, a: ServerState | None, hw: Hardware, turing_targe
 
 
 def _switch(cfg: ServeConfig, a: ServerState, record: ReplaceRecord, hw: Hardware, turing_target: Path | None,
-            grace_s: float, progress: StartReport | None) -> StartResult:
+            grace_s: float, progress: Progress | None) -> StartResult:
     if progress is not None:
-        progress(0.0, f"stopping {a.served_name} (pid {a.pid}) for {cfg.served_name}")
+        progress(0.0, 1.0, f"stopping {a.served_name} (pid {a.pid}) for {cfg.served_name}")
     try:
         stop_server(cfg, grace_s=grace_s)
     except ToolFailure as exc:
@@ -139,11 +139,11 @@ def _switch(cfg: ServeConfig, a: ServerState, record: ReplaceRecord, hw: Hardwar
 
 
 def _restore(cfg: ServeConfig, a: ServerState, record: ReplaceRecord, b_exc: ToolFailure,
-             progress: StartReport | None) -> ToolFailure:
+             progress: Progress | None) -> ToolFailure:
     """Starts A again after B failed; the failure to raise, saying what serves now."""
     state.write_replace(cfg, record.model_copy(update={"phase": "restoring A"}))
     if progress is not None:
-        progress(0.0, f"{cfg.served_name} did not start: starting {a.served_name} again")
+        progress(0.0, 1.0, f"{cfg.served_name} did not start: starting {a.served_name} again")
     b = f"{cfg.served_name} did not start"
     try:
         back = relaunch(cfg, a, progress=progress)

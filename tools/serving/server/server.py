@@ -29,13 +29,13 @@ from tools.serving.preflight.hardware import Hardware, Vram
 from tools.serving.server.guard import owned_server
 from tools.serving.server.launch import (checked, end_launched, launch_server, own_log, refuse_recorded,
                                          remember_startup, replace_note, stale_replace, start_result, wait_ready)
-from tools.serving.server.start_progress import StartReport
+from tools.core.progress import Progress
 from tools.serving.server.results import QueryResult, ServerStatus, StartResult, StopResult
 from tools.serving.records.state import (DamagedState, ServerState, clear_state, instance_lock, leader, load_state, our_group,
                                  holder, holder_text, lock_file, pid_recycled, try_instance_lock, unrecorded)
 
 
-def start_server(cfg: ServeConfig, *, progress: StartReport | None = None, hardware: Hardware | None = None,
+def start_server(cfg: ServeConfig, *, progress: Progress | None = None, hardware: Hardware | None = None,
                  turing_target: Path | None = None) -> StartResult:
     """Starts vLLM detached and waits until /health answers and a short greedy completion returns text.
 
@@ -52,7 +52,7 @@ def start_server(cfg: ServeConfig, *, progress: StartReport | None = None, hardw
         return _start_locked(cfg, progress, hw, turing_target)
 
 
-def _start_locked(cfg: ServeConfig, progress: StartReport | None, hw: Hardware,
+def _start_locked(cfg: ServeConfig, progress: Progress | None, hw: Hardware,
                   turing_target: Path | None) -> StartResult:
     note, proc = None, None
     try:
@@ -66,7 +66,7 @@ def _start_locked(cfg: ServeConfig, progress: StartReport | None, hw: Hardware,
             t0 = time.monotonic()
             proc = launch_server(cfg, argv, platform)
         if note and progress is not None:
-            progress(0.0, note)
+            progress(0.0, 1.0, note)
         first_text = wait_ready(cfg, proc, argv, t0, progress)
     except BaseException as exc:  # failed, interrupted or cancelled once launched (between two steps too): the
         if proc is not None:      # server goes with it (a second time after wait_ready's own: a no-op)
@@ -80,7 +80,7 @@ def _start_locked(cfg: ServeConfig, progress: StartReport | None, hw: Hardware,
     remember_startup(cfg, proc, res.startup_s)
     res.note = note
     if progress is not None:
-        progress(1.0, f"serving {cfg.served_name} at {cfg.base_url}")
+        progress(1.0, 1.0, f"serving {cfg.served_name} at {cfg.base_url}")
     return res
 
 
@@ -342,7 +342,7 @@ class Server:
             finally:
                 self._guarded -= 1
 
-    def start(self, *, progress: StartReport | None = None, turing_target: Path | None = None) -> StartResult:
+    def start(self, *, progress: Progress | None = None, turing_target: Path | None = None) -> StartResult:
         """Starts it and waits until /health answers and a first completion returns text (start_server)."""
         if self._owned is not None or self._guarded:
             self.started = start_server(self.cfg, progress=progress, hardware=self.hardware,

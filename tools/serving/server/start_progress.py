@@ -9,11 +9,8 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Callable
-
+from tools.core.progress import Progress
 from tools.serving.server import engine_log
-
-StartReport = Callable[[float, str], None]  # (share of the start done, the phase): a start's progress
 
 # (phase, fraction where it begins, what in a log line says it has begun). vLLM's order differs by platform
 # (the CPU build warms up before it sizes the KV cache, CUDA profiles first): the fraction stays monotone.
@@ -33,7 +30,7 @@ HEARTBEAT_S = 5.0
 class StartProgress:
     """Feed it the log (and whether /health answers) once a poll; it calls `report` only with news."""
 
-    report: StartReport | None
+    report: Progress | None  # (share of the start done, 1.0, the phase)
     phase: int = 0
     fraction: float = 0.0
     phase_since: float = field(default_factory=time.monotonic)
@@ -79,11 +76,11 @@ class StartProgress:
         if fresh:
             self.sent_lines.add(latest)
         self.last_sent = now
-        self.report(round(self.fraction, 3), text)
+        self.report(round(self.fraction, 3), 1.0, text)
 
     def done(self, message: str) -> None:
         if self.report is not None:
-            self.report(1.0, message)
+            self.report(1.0, 1.0, message)
 
 
-__all__ = ["HEARTBEAT_S", "PHASES", "StartProgress", "StartReport"]
+__all__ = ["HEARTBEAT_S", "PHASES", "StartProgress"]
