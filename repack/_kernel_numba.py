@@ -40,14 +40,17 @@ EXCL = 2.0 ** -30  # grid.EXCL: the relative nudge that excludes an interval's e
 FP16_SIG = 11  # float16's significand bits: the runtime is float16, else bfloat16
 NO_QUANTUM = 10000  # exponent standing for "no nonzero source value"
 
-# One njit decorator for all: compiled into numba's on-disk cache, callable without the GIL.
-jit = nb.njit(cache=True, nogil=True)
+# One njit decorator for all: compiled into numba's on-disk cache, callable without the GIL. error_model="numpy":
+# no test of each divisor for zero (Python's ZeroDivisionError), a branch that keeps a loop with a division off
+# vector registers; no divisor here is ever zero (each is a peak, a level or a count checked first).
+KW = {"cache": True, "nogil": True, "error_model": "numpy"}
+jit = nb.njit(**KW)
 # For the loops taking maxima and minima: no NaN reaches them (a NaN source is decoded as 0) and the sign of a
 # zero never decides, so they may be computed in any order, on vector registers.
-jit_minmax = nb.njit(cache=True, nogil=True, fastmath={"nnan", "nsz"})
+jit_minmax = nb.njit(**KW, fastmath={"nnan", "nsz"})
 # For the one-line helpers: numba compiles each function apart and calls it, which keeps a loop calling it off
 # vector registers; these are inlined into their callers instead.
-jit_inline = nb.njit(cache=True, nogil=True, inline="always")
+jit_inline = nb.njit(**KW, inline="always")
 
 
 @jit_inline
@@ -90,7 +93,7 @@ def _round1(s, sig, minexp, vmax):
     return _round_fmt(s, sig, minexp, vmax)[0]
 
 
-@nb.njit(cache=True, nogil=True, fastmath={"reassoc"})  # only sum x^2, a report total, is reordered
+@nb.njit(**KW, fastmath={"reassoc"})  # only sum x^2, a report total, is reordered
 def _decode(words, r, base, x, ax, af, bn, inv):
     # The group's 32 bf16 words words[r, base:base + 32]: x its values (NaN/inf computed as 0, never exact), ax
     # and af their magnitudes (float64, float32: exact), bn the binade 2^floor(log2 |x|) (0 for zero and
@@ -152,7 +155,7 @@ def _dot_in_order(q, j, x):
 # not the constant 32: LLVM unrolls a short constant loop into a scalar chain before it would vectorize it.
 
 
-@nb.njit(cache=True, nogil=True, fastmath={"reassoc"})
+@nb.njit(**KW, fastmath={"reassoc"})
 def _dot_any_order(q, j, x):
     acc = 0.0
     for i in range(len(x)):
@@ -315,7 +318,7 @@ def _sq_in_order(rt, ax):
     return acc
 
 
-@nb.njit(cache=True, nogil=True, fastmath={"reassoc"})
+@nb.njit(**KW, fastmath={"reassoc"})
 def _sq_any_order(rt, ax):
     acc = 0.0
     for i in range(len(ax)):
@@ -337,7 +340,7 @@ def _sq_err(c, rt, ax, amax, kx, sig, minexp):
     return _sq_in_order(rt, ax)
 
 
-@nb.njit(cache=True, nogil=True, fastmath={"reassoc"})
+@nb.njit(**KW, fastmath={"reassoc"})
 def _sum_any_order(v):
     acc = 0.0
     for i in range(len(v)):
