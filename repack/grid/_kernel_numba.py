@@ -40,14 +40,17 @@ EXCL = 2.0 ** -30  # grid.EXCL: the relative nudge that excludes an interval's e
 FP16_SIG = 11  # float16's significand bits: the runtime is float16, else bfloat16
 NO_QUANTUM = 10000  # exponent standing for "no nonzero source value"
 
-# One njit decorator for all: compiled into numba's on-disk cache, callable without the GIL.
-jit = nb.njit(cache=True, nogil=True)
+# One njit decorator for all: compiled into numba's on-disk cache, callable without the GIL. error_model="numpy":
+# no test of each divisor for zero (Python's ZeroDivisionError), a branch that keeps a loop with a division off
+# vector registers; no divisor here is ever zero (each is a peak, a level or a count checked first).
+KW = {"cache": True, "nogil": True, "error_model": "numpy"}
+jit = nb.njit(**KW)
 # For the loops taking maxima and minima: no NaN reaches them (a NaN source is decoded as 0) and the sign of a
 # zero never decides, so they may be computed in any order, on vector registers.
-jit_minmax = nb.njit(cache=True, nogil=True, fastmath={"nnan", "nsz"})
+jit_minmax = nb.njit(**KW, fastmath={"nnan", "nsz"})
 # For the one-line helpers: numba compiles each function apart and calls it, which keeps a loop calling it off
 # vector registers; these are inlined into their callers instead.
-jit_inline = nb.njit(cache=True, nogil=True, inline="always")
+jit_inline = nb.njit(**KW, inline="always")
 
 
 @jit_inline
@@ -90,7 +93,7 @@ def _round1(s, sig, minexp, vmax):
     return _round_fmt(s, sig, minexp, vmax)[0]
 
 
-@nb.njit(cache=True, nogil=True, fastmath={"reassoc"})  # only sum x^2, a report total, is reordered
+@nb.njit(**KW, fastmath={"reassoc"})  # only sum x^2, a report total, is reordered
 def _decode(words, r, base, x, ax, af, bn, inv):
     # The group's 32 bf16 words words[r, base:base + 32]: x its values (NaN/inf computed as 0, never exact), ax
     # and af their magnitudes (float64, float32: exact), bn the binade 2^floor(log2 |x|) (0 for zero and
@@ -152,7 +155,7 @@ def _dot_in_order(q, j, x):
 # not the constant 32: LLVM unrolls a short constant loop into a scalar chain before it would vectorize it.
 
 
-@nb.njit(cache=True, nogil=True, fastmath={"reassoc"})
+@nb.njit(**KW, fastmath={"reassoc"})
 def _dot_any_order(q, j, x):
     acc = 0.0
     for i in range(len(x)):
@@ -315,7 +318,7 @@ def _sq_in_order(rt, ax):
     return acc
 
 
-@nb.njit(cache=True, nogil=True, fastmath={"reassoc"})
+@nb.njit(**KW, fastmath={"reassoc"})
 def _sq_any_order(rt, ax):
     acc = 0.0
     for i in range(len(ax)):
@@ -337,7 +340,7 @@ def _sq_err(c, rt, ax, amax, kx, sig, minexp):
     return _sq_in_order(rt, ax)
 
 
-@nb.njit(cache=True, nogil=True, fastmath={"reassoc"})
+@nb.njit(**KW, fastmath={"reassoc"})
 def _sum_any_order(v):
     acc = 0.0
     for i in range(len(v)):
@@ -595,8 +598,8 @@ def _columns(words, start, n, ng, wt, x, ax, af, inv, nf, nz, sxx, kx):
 
 
 @jit
-def _peaks(x, n, table, lowbit, amax, safe, mask, m, neg):
-    # _peak_level for every group: amax, safe, the ratio mask and its m, the peak negative only
+def _peaks(x, n, table, lowbit, amax, safe, mask, m, neg, bins):
+    # _peak_level for every group: amax, safe, the ratio mask and its m, the peak negative only (bins: scratch)
     for k in range(n):
         amax[k] = -np.inf  # the largest value, then amax
         safe[k] = np.inf  # the smallest value, then safe
@@ -611,10 +614,15 @@ def _peaks(x, n, table, lowbit, amax, safe, mask, m, neg):
         amax[k] = max(pmax, -pmin)
         neg[k] = -pmin > pmax
         safe[k] = amax[k] if amax[k] > 0 else 1.0
+    # The ratio bins first, then the table lookups in a loop of their own: less time than one loop doing both
+    # (on an AVX2 EPYC, 186 -> 87 ns per group on uniform levels)
     for i in range(32):
         for k in range(n):
-            b = int(_rint(x[i, k] / safe[k] * 1024.0)) + 1024
-            mask[k] &= table[min(max(b, 0), 2048)]
+            b = np.int32(_rint(x[i, k] / safe[k] * 1024.0)) + np.int32(1024)  # int32: AVX2 converts it in vectors
+            bins[i, k] = min(max(b, np.int32(0)), np.int32(2048))
+    for i in range(32):
+        for k in range(n):
+            mask[k] &= table[bins[i, k]]
     for k in range(n):
         if not neg[k]:
             mask[k] &= 0x7F
@@ -699,17 +707,18 @@ def _eval_cols(cand, j, aq, af, ax, n, sig, cnt, sq):
 
 @jit
 def _per_level_cols(aq, ax, n, cnt, tot):
-    # per group and level magnitude a = 1..8 (row a - 1): how many values have it, and their magnitudes' sum
-    for a in range(8):
+    # per group and level magnitude a = 0..8 (row a; row 0 unused): how many values have it, and their magnitudes'
+    # sum. Values outer, groups inner: consecutive updates go to different groups (no chain through memory), and
+    # each group's sum is still in value order.
+    for a in range(9):
         for k in range(n):
             cnt[a, k] = 0.0
             tot[a, k] = 0.0
-    for k in range(n):
-        for i in range(32):
-            a = int(aq[i, k]) - 1
-            if a >= 0:
-                cnt[a, k] += 1.0
-                tot[a, k] += ax[i, k]
+    for i in range(32):
+        for k in range(n):
+            a = np.int32(aq[i, k])
+            cnt[a, k] += 1.0
+            tot[a, k] += ax[i, k]
 
 
 @jit
@@ -728,9 +737,9 @@ def _sq_levels_cols(cand, j, cnt, tot, grp, n, sig, minexp, sq, exact):
         top = max(np.float64(_round_t(np.float32(8.0 * c), sig)), amax[k])
         exact[k] = kx[k] == NO_QUANTUM or top < _exp2(min(23 + kk, 1023))  # NO_QUANTUM: every value zero
         sq[k] = 0.0
-    for a in range(8):
+    for a in range(1, 9):
         for k in range(n):
-            r = np.float64(_round_t(np.float32(cand[j, k]) * np.float32(a + 1), sig))
+            r = np.float64(_round_t(np.float32(cand[j, k]) * np.float32(a), sig))
             sq[k] += r * (cnt[a, k] * r - 2.0 * tot[a, k])
     for k in range(n):
         sq[k] += sxx[k]
@@ -926,13 +935,13 @@ def _rows(words, packed, scales, stats, table, lowbit, fmt, ofmt, min_error, sid
     nib = np.empty((2, 32), dtype=np.uint32)
     rt, err = np.empty(32, dtype=np.float32), np.empty(32)
     cand, auth = np.empty(9), np.empty(9, dtype=np.bool_)
-    wt = np.empty((32, CHUNK), dtype=np.uint16)
+    wt, bins = np.empty((32, CHUNK), dtype=np.uint16), np.empty((32, CHUNK), dtype=np.int32)
     words32 = np.empty((4, CHUNK), dtype=np.uint32)
     xc, axc, invc, qc = np.empty((32, CHUNK)), np.empty((32, CHUNK)), np.empty((32, CHUNK)), np.empty((32, CHUNK))
     afc, aqc = np.empty((32, CHUNK), dtype=np.float32), np.empty((32, CHUNK), dtype=np.float32)
     ints = np.zeros((8, CHUNK), dtype=np.int64)  # NaN/inf, -0, ratio mask, m, author's m, misses, exact count, kx
     nf, nz, mask, m, ma, bad, cnt, kx = ints[0], ints[1], ints[2], ints[3], ints[4], ints[5], ints[6], ints[7]
-    levels = (np.empty((8, CHUNK)), np.empty((8, CHUNK)))  # per level magnitude: count, sum of |x|
+    levels = (np.empty((9, CHUNK)), np.empty((9, CHUNK)))  # per level magnitude 0..8: count, sum of |x|
     fl = np.zeros((9, CHUNK))
     sxx, amax, safe, s, f, sqq, sq, d, tol = fl[0], fl[1], fl[2], fl[3], fl[4], fl[5], fl[6], fl[7], fl[8]
     f32 = np.empty((5, CHUNK), dtype=np.float32)
@@ -950,7 +959,7 @@ def _rows(words, packed, scales, stats, table, lowbit, fmt, ofmt, min_error, sid
         n = min(CHUNK, rows * ng - start)
         if side_by_side:
             _columns(words, start, n, ng, wt, xc, axc, afc, invc, nf, nz, sxx, kx)
-            _peaks(xc, n, table, lowbit, amax, safe, mask, m, neg)
+            _peaks(xc, n, table, lowbit, amax, safe, mask, m, neg, bins)
             _author_cols(xc, n, mask, m, safe, ma, f, d, tol, bad, x)
             _levels_cols(xc, n, m, safe, qc, aqc, s, f, sqq)
             _spread_cols(aqc, afc, n, spread[0], spread[1], spread[2])
