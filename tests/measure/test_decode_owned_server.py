@@ -17,7 +17,7 @@ import httpx
 import psutil
 
 from tests import stand_in_vllm
-from tests.fixtures import ROOT, free_port
+from tests.fixtures import ROOT, free_port, launched
 
 
 def _gone(pid: int) -> bool:
@@ -107,11 +107,12 @@ with owned_server(sys.argv[1]):
 def test_the_guard_never_ends_a_server_its_command_did_not_start(tmp_path):
     """A server recorded in the state file that another command started (`start` leaves it serving on purpose)
     outlives a guarded command killed with SIGKILL."""
-    other = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    other, token = launched(["sleep", "300"])
     try:
         state = tmp_path / "vllm.json"
         state.write_text(json.dumps(dict(
-            pid=other.pid, pgid=other.pid, create_time=psutil.Process(other.pid).create_time(), host="127.0.0.1",
+            pid=other.pid, pgid=other.pid, create_time=psutil.Process(other.pid).create_time(), launch=token,
+            host="127.0.0.1",
             port=1, base_url="http://127.0.0.1:1", model="m", served_name="m", argv=["x"], platform="cpu",
             started_at="2026-01-01T00:00:00+00:00", started_ts=time.time(), log_path=str(tmp_path / "log"))))
         owner = subprocess.Popen([sys.executable, "-c", OWNER, str(state)], cwd=ROOT, stdout=subprocess.PIPE,

@@ -21,7 +21,7 @@ import pytest
 
 from tools.serving.turing import patch as turing_patch
 from tools.core.errors import ToolFailure
-from tests.fixtures import fake_t4_hardware, group_alive
+from tests.fixtures import fake_t4_hardware, group_alive, launched
 from tools.serving.server.server import server_status, stop_server
 from tools.serving.server.launch import start_server
 from tools.cli.commands import CLI
@@ -278,11 +278,13 @@ class FakeT4WithVram(FakeT4):
         return Vram(used_mib=13581, total_mib=15360, utilization_pct=0, process_mib=13300)
 
 
-def _adopt(cfg, proc: subprocess.Popen, platform: str = "cpu") -> None:
-    """Records a process this test started as if it were the server (its own session, so pgid == pid)."""
+def _adopt(cfg, proc: subprocess.Popen, token: str, platform: str = "cpu") -> None:
+    """Records a process this test started as if it were the server (fixtures.launched: its own session, so
+    pgid == pid, and the launch token `token`)."""
     from tools.serving.records.state import ServerState, write_state
 
     write_state(cfg, ServerState(pid=proc.pid, pgid=proc.pid, create_time=psutil.Process(proc.pid).create_time(),
+                                  launch=token,
                                   host=cfg.host, port=cfg.port, base_url=cfg.base_url, model="m", served_name="fake",
                                   argv=["fake"], platform=platform, started_at="2026-01-01T00:00:00+00:00",
                                   started_ts=time.time() - 5, log_path=str(cfg.log_file)))
@@ -291,13 +293,13 @@ def _adopt(cfg, proc: subprocess.Popen, platform: str = "cpu") -> None:
 def test_status_reports_vram_on_a_gpu_and_stop_ends_the_group(serve_config_factory, tmp_path):
     cfg = serve_config_factory(tmp_path, "fake-gpu")
     # A leader with a child in its group, like the API server and its engine core.
-    proc = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; "
-                             "subprocess.Popen(['sleep', '60']); import time; time.sleep(60)"], start_new_session=True)
+    proc, token = launched([sys.executable, "-c", "import subprocess, sys; "
+                            "subprocess.Popen(['sleep', '60']); import time; time.sleep(60)"])
     try:
         deadline = time.monotonic() + 10
         while len(group_alive(proc.pid)) < 2 and time.monotonic() < deadline:
             time.sleep(0.1)
-        _adopt(cfg, proc, platform="cuda")
+        _adopt(cfg, proc, token, platform="cuda")
         hw = FakeT4WithVram()
         st = server_status(cfg, hardware=hw)
         assert st.alive and not st.healthy and st.uptime_s >= 5  # nothing answers HTTP on its port
@@ -316,14 +318,14 @@ def test_status_reports_vram_on_a_gpu_and_stop_ends_the_group(serve_config_facto
 def test_stop_kills_what_ignores_sigterm(serve_config_factory, tmp_path):
     cfg = serve_config_factory(tmp_path, "stubborn")
     ready = tmp_path / "ready"
-    proc = subprocess.Popen([sys.executable, "-c", "import signal, time, pathlib; "
-                             "signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-                             f"pathlib.Path({str(ready)!r}).touch(); time.sleep(60)"], start_new_session=True)
+    proc, token = launched([sys.executable, "-c", "import signal, time, pathlib; "
+                            "signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                            f"pathlib.Path({str(ready)!r}).touch(); time.sleep(60)"])
     try:
         deadline = time.monotonic() + 10
         while not ready.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
-        _adopt(cfg, proc)
+        _adopt(cfg, proc, token)
         r = stop_server(cfg, grace_s=1)
         assert r.was_running and r.signal == "SIGKILL"
         assert "SIGKILL: still running 1 s after SIGTERM" in r.message  # why it took SIGKILL

@@ -22,7 +22,7 @@ from tools.serving.config import ServeConfig, load_config
 from tools.serving.frontdoor.instances import fleet_status, stop_all
 from tools.serving.server.results import StartResult
 from tools.serving.server.replace import target
-from tools.serving.records.state import replace_file
+from tools.serving.records.state import Unrecorded, replace_file
 from tools.serving.ops import (LogParams, QueryParams, RouterStartParams, RouterStopParams, RouterSwitchParams,
                                StartParams, StatusParams, StopParams)
 from tools.serving.preflight.swap import ensure_swap, swap_report
@@ -145,6 +145,8 @@ def cmd_status(p: StatusParams, args: argparse.Namespace) -> int:
         lines.insert(0, st.message)  # the front door, then the builds behind it
     if st.router is not None:
         lines.append(f"[router] {st.router['message']}")
+    if st.unrecorded and st.message not in lines:  # a server a damaged or forged record hides: shown, not only counted
+        lines += [f"[unrecorded] {Unrecorded(**u).line()}" for u in st.unrecorded]
     emit(args, st, "\n".join(lines))
     # Scripts can tell a healthy fleet from anything else by the exit code alone.
     return 0 if st.all_healthy or args.any else 3
