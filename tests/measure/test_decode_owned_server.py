@@ -43,6 +43,7 @@ def _sweep_then_kill(tmp_path: Path, port: int) -> tuple[int, subprocess.Popen]:
 
     before = servers()
     (tmp_path / "model").mkdir(exist_ok=True)
+    (tmp_path / "model" / "config.json").write_text("{}")
     (tmp_path / "model" / "behaviour.json").write_text(json.dumps({"mode": "loading", "ignore_term": True}))
     sweep = subprocess.Popen(stand_in_vllm.cli_argv("decode-sweep", "--draft-tokens", "0", "--out",
                                                     str(tmp_path / "ev"), "--label", "owned"),

@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from tools.serving.turing import patch as turing_patch
-from tools.core.errors import ToolFailure
+from tools.core.errors import BadInput, ToolFailure
 from tests.fixtures import fake_t4_hardware, group_alive, launched
 from tools.serving.server.server import server_status, stop_server
 from tools.serving.server.launch import start_server
@@ -149,23 +149,18 @@ def test_port_in_use_names_the_holder(emb4_server, emb4_build, serve_config_fact
     assert not other.state_file.exists()
 
 
-@pytest.mark.vllm
-def test_a_folder_that_is_not_a_model_fails_fast_without_orphans(tmp_path, serve_config_factory):
+def test_a_folder_that_is_not_a_model_is_refused_before_launching(tmp_path, serve_config_factory):
+    """A folder without config.json once went to vLLM and failed tens of seconds later: refused by the start
+    checks in one line, nothing launched."""
     folder = tmp_path / "not-a-model"
     folder.mkdir()
     (folder / "README.md").write_text("no config.json, no weights\n")
     cfg = serve_config_factory(folder, "broken", start_timeout_s=600)
-    t0 = time.monotonic()
-    with pytest.raises(ToolFailure) as exc:
+    with pytest.raises(BadInput) as exc:
         start_server(cfg)
-    elapsed = time.monotonic() - t0
-    detail = exc.value.detail
-    assert "exited with code" in str(exc.value) and "\n" not in str(exc.value)
-    assert detail["log_tail"] and detail["explanation"]
-    assert detail["explanation"] in str(exc.value)
-    assert elapsed < cfg.start_timeout_s / 2  # it noticed the exit; it did not wait for the timeout
-    assert not cfg.state_file.exists()
-    assert group_alive(detail["pgid"]) == []
+    assert "has no config.json, so it is not a checkpoint" in str(exc.value) and "\n" not in str(exc.value)
+    assert exc.value.detail["check"] == "checkpoints"
+    assert not cfg.state_file.exists() and not list(cfg.state_dir.glob("vllm*.log"))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -343,6 +338,7 @@ def _stand_in_start(serve_config_factory, tmp_path, monkeypatch, name: str):
 
     cfg = serve_config_factory(tmp_path / "model", name)
     (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
     monkeypatch.setattr(ServeConfig, "vllm_argv", lambda self, platform: [
         sys.executable, "-c", "import subprocess, time; subprocess.Popen(['sleep', '120']); time.sleep(120)"])
     return cfg
