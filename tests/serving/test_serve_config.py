@@ -267,14 +267,17 @@ def test_state_dir_new_empty_marked_or_the_projects_is_taken(tmp_path):
     from tools.serving.config import STATE_MARKER
 
     (tmp_path / "empty.env").write_text("")
-    for d in ("new", "empty", "marked", "used"):
+    for d in ("new", "empty", "marked", "used", "switched"):
         if d != "new":
             (tmp_path / d).mkdir()
+    (tmp_path / "switched" / "last_switch.json").write_text("{}")  # what a stopped front door leaves
+    (tmp_path / "switched" / "logs").mkdir()
+    (tmp_path / "switched" / "logs" / "b-20260101T000000Z.log").touch()
     (tmp_path / "marked" / STATE_MARKER).touch()
     (tmp_path / "marked" / "notes.txt").touch()
     (tmp_path / "used" / "blue").mkdir()
     (tmp_path / "used" / "blue" / "vllm-20260101T000000Z-1.log").touch()
-    for d in ("new", "empty", "marked", "used"):
+    for d in ("new", "empty", "marked", "used", "switched"):
         cfg = load_config(tmp_path / "empty.env", model="org/m", state_dir=str(tmp_path / d))
         assert cfg.state_dir == tmp_path / d
     assert load_config(DEFAULT_ENV_FILE, model="org/m").state_dir == (DEFAULT_ENV_FILE.parent / "run").resolve()

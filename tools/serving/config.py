@@ -280,8 +280,8 @@ def _origin(source: str | None, path: Path) -> str:
 STATE_MARKER = ".gemma4-t4-state"
 _SYSTEM_DIRS = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/libx32", "/opt", "/proc", "/root",
                 "/run", "/sbin", "/snap", "/srv", "/sys", "/usr", "/var")
-_STATE_FILES = re.compile(r"vllm\.json|vllm\.lock|router\.json|router\.log|replace\.json|switch\.lock|"
-                          r"\.instances\.lock|vllm(-[\w.-]+)?\.log|" + re.escape(STATE_MARKER))
+_STATE_FILES = re.compile(r"vllm\.json|vllm\.lock|router\.json|router\.log|replace\.json|switch\.lock|switch\.log|"
+                          r"last_switch\.json|\.instances\.lock|vllm(-[\w.-]+)?\.log|" + re.escape(STATE_MARKER))
 
 
 def check_state_dir(state_dir: Path, origin: str) -> Path:
@@ -310,12 +310,12 @@ def check_state_dir(state_dir: Path, origin: str) -> Path:
 
 
 def _projects(entry: Path) -> bool:
-    """A file the project writes in STATE_DIR, or an instance's folder holding one."""
+    """A file the project writes in STATE_DIR, or an instance's folder (or logs/) holding one or a log."""
     if _STATE_FILES.fullmatch(entry.name):
         return True
     try:
         return entry.is_dir() and INSTANCE_NAME.fullmatch(entry.name) is not None and any(
-            _STATE_FILES.fullmatch(e.name) for e in entry.iterdir())
+            _STATE_FILES.fullmatch(e.name) or e.name.endswith(".log") for e in entry.iterdir())
     except OSError:
         return False
 
