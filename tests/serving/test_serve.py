@@ -174,8 +174,12 @@ def test_turing_gpu_needs_the_clamp_then_memory_needs_swap(tmp_path, serve_confi
     target.write_text(turing_patch.installed_target().read_text())
     model = tmp_path / "big-model"
     model.mkdir()
+    (model / "config.json").write_text("{}")
+    n = 10 << 30
+    header = json.dumps({"w": {"dtype": "U8", "shape": [n], "data_offsets": [0, n]}}).encode()
     with open(model / "model.safetensors", "wb") as f:  # sparse: 10 GiB on paper, nothing on disk
-        f.truncate(10 << 30)
+        f.write(len(header).to_bytes(8, "little") + header)
+        f.truncate(8 + len(header) + n)
     cfg = serve_config_factory(model, "big")
 
     with pytest.raises(ToolFailure, match="Turing") as exc:
@@ -438,6 +442,7 @@ def test_a_start_killed_before_its_state_file_leaves_no_server(tmp_path):
     from tests.fixtures import free_port
 
     (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
     marker, pid_file = tmp_path / "served", tmp_path / "pid"
     driver = subprocess.Popen([sys.executable, "-c", KILLED_AT_LAUNCH, str(marker), str(pid_file),
                                str(ROOT / "tpu.env"), str(tmp_path / "run"), str(free_port()),
