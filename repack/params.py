@@ -141,8 +141,8 @@ class ProbeParams(OpParams):
 
     path: str = Field(description="Checkpoint folder (config.json + safetensors)")
     rows: int = Field(16, ge=1, le=1 << 20, description="Rows sampled per tensor")
-    detail: bool = Field(False, description="Also list every tensor, a page at a time")
-    page: int = Field(1, ge=1, le=1 << 20, description="With detail: which page of the tensors")
+    detail: bool = Field(False, description="Also list every tensor, in pages")
+    page: int = Field(1, ge=1, description="Page (detail)")
 
     CLI_POSITIONAL: ClassVar[tuple[str, ...]] = ("path",)
     # the command line has --verbose and --json, and prints the whole list

@@ -82,10 +82,7 @@ def make_tiny_model(app, p: TinyParams, progress, checked: Path) -> Reply:
              "verdict": (str, "qat: repack_checkpoint will succeed; base, mixed, no-candidates or packed (already "
                               "a build) otherwise"),
              "blockers": (list[dict[str, Any]], "The first text tensors off the grid (text_off_grid counts all)"),
-             "tensors": (list[dict[str, Any]] | None, "With detail=true: this page's tensors"),
-             "page": (int | None, "With detail=true: this page of the tensors"),
-             "pages": (int | None, "With detail=true: how many pages the tensors take"),
-             "next": (str | None, "With detail=true: how to ask for the next page (None on the last)")},
+             "tensors": (list[dict[str, Any]] | None, "With detail=true: a page of the tensors")},
       ops="probe")
 def probe_checkpoint(app, p: ProbeParams) -> Reply:
     """Check that a source's tensors sit on the 4-bit grid (verdict qat) before repack_checkpoint. Writes
@@ -112,9 +109,9 @@ def probe_checkpoint(app, p: ProbeParams) -> Reply:
     n = p.page
     first = sum(len(pg) for pg in book[:n - 1])
     shown = tensors[first:first + len(book[n - 1])]
-    more = f"page={n + 1} (of {len(book)}; detail=true, same path)" if n < len(book) else None
+    more = f": page={n + 1} for the next" if n < len(book) else ", the last"
     return Reply(head, summary + f"; tensors {first + 1}-{first + len(shown)} of {len(tensors)} (page {n} of "
-                 f"{len(book)})", {"tensors": shown, "page": n, "pages": len(book), "next": more})
+                 f"{len(book)}{more})", {"tensors": shown})
 
 
 def _repack_paths(app, p: BuildParams) -> tuple[Path, Path]:
