@@ -141,10 +141,12 @@ class ProbeParams(OpParams):
 
     path: str = Field(description="Checkpoint folder (config.json + safetensors)")
     rows: int = Field(16, ge=1, le=1 << 20, description="Rows sampled per tensor")
-    detail: bool = Field(False, description="Also list every tensor")
+    detail: bool = Field(False, description="Also list every tensor, in pages")
+    page: int = Field(1, ge=1, description="Page (detail)")
 
     CLI_POSITIONAL: ClassVar[tuple[str, ...]] = ("path",)
-    CLI_EXCLUDE: ClassVar[frozenset[str]] = frozenset({"detail"})  # the command line has --verbose and --json
+    # the command line has --verbose and --json, and prints the whole list
+    CLI_EXCLUDE: ClassVar[frozenset[str]] = frozenset({"detail", "page"})
 
 
 class TinyModelParams(OpParams):

@@ -88,6 +88,7 @@ class Bench:
         model = self.tmp / name
         model.mkdir(exist_ok=True)
         (model / "behaviour.json").write_text(json.dumps({"answer": "ok", **behaviour}))
+        (model / "config.json").write_text("{}")  # a checkpoint folder, as the start checks want
         return str(model)
 
     def popen(self, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:

@@ -180,6 +180,13 @@ def test_probe_and_repack_with_progress(tiny_mcp, tiny_qat, tiny_base):
             probe = await c.call_tool("probe_checkpoint", {"path": str(tiny_qat)})
             base = await c.call_tool("probe_checkpoint", {"path": str(tiny_base)})
             full = await c.call_tool("probe_checkpoint", {"path": str(tiny_qat), "detail": True})
+            answers = [full]
+            while "for the next)" in answers[-1].structured_content["summary"]:
+                answers.append(await c.call_tool("probe_checkpoint", {"path": str(tiny_qat), "detail": True,
+                                                                      "page": len(answers) + 1}))
+            with pytest.raises(ToolError, match="page"):
+                await c.call_tool("probe_checkpoint", {"path": str(tiny_qat), "detail": True,
+                                                       "page": len(answers) + 1})
             rep = await c.call_tool("repack_checkpoint", {"source": str(tiny_qat), "output": "emb4"},
                                     progress_handler=on_progress)
             with pytest.raises(ToolError, match="exists") as again:
@@ -189,9 +196,10 @@ def test_probe_and_repack_with_progress(tiny_mcp, tiny_qat, tiny_base):
             assert "output: " in str(again.value) and "source: " not in str(again.value)  # the output's refusal
             with pytest.raises(ToolError, match="off the 4-bit grid"):
                 await c.call_tool("repack_checkpoint", {"source": str(tiny_base), "output": "base-emb4"})
-            return probe.structured_content, base.structured_content, rep.structured_content, full.structured_content
+            return (probe.structured_content, base.structured_content, rep.structured_content,
+                    [a.structured_content for a in answers], [sum(len(t.text) for t in a.content) for a in answers])
 
-    probe, base, rep, full = run(go())
+    probe, base, rep, paged, sizes = run(go())
     assert probe["verdict"] == "qat" and probe["text_off_grid"] == 0
     # the towers are off the grid (not QAT-trained) but never packed: counted, not listed, and the result is small
     assert probe["blockers"] == [] and probe["towers_off_grid"] > 0 and "tensors" not in probe
@@ -199,9 +207,15 @@ def test_probe_and_repack_with_progress(tiny_mcp, tiny_qat, tiny_base):
     assert base["verdict"] in ("base", "mixed") and base["blockers"]
     assert not [t for t in base["blockers"] if t["name"].startswith("model.audio_tower.")]
     assert 0 < len(base["blockers"]) <= 10 <= base["text_off_grid"] and len(json.dumps(base)) < 4000
-    # every tensor on request
-    assert len(full["tensors"]) == full["tensor_count"] and any(t["tower"] and t["on_grid"] is False
-                                                                 for t in full["tensors"])
+    # every tensor on request, in pages within 4,000 characters each (once one answer of 36-58K on E2B)
+    tensors = [t for page in paged for t in page["tensors"]]
+    assert len(paged) > 1 and max(sizes) <= 4000
+    assert [p["summary"].rsplit("(", 1)[1] for p in paged] == [
+        f"page {n} of {len(paged)}: page={n + 1} for the next)" for n in range(1, len(paged))] + [
+        f"page {len(paged)} of {len(paged)}, the last)"]
+    assert len(tensors) == paged[0]["tensor_count"] and len({t["name"] for t in tensors}) == len(tensors)
+    assert any(t["tower"] and t["on_grid"] is False for t in tensors) and "clipped" not in paged[0]
+    assert "tensors 1-" in paged[0]["summary"]
     assert rep["output"] == str(models / "emb4")
     tables = {t["name"]: t for t in rep["tables"]}
     assert tables["embed_tokens"]["groups"] > 0 and tables["lm_head"]["groups"] > 0

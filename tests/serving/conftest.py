@@ -13,6 +13,7 @@ import psutil
 import pytest
 
 from tests.helpers.stand_ins.router_worker import STAND_IN_WORKER
+from tests.helpers.fixtures import launched
 
 
 @pytest.fixture
@@ -44,21 +45,22 @@ def _listens(port: int) -> bool:
 @pytest.fixture()
 def fleet(tmp_path):
     """Fake running instances: make(name, port, platform, **state) starts a `sleep` (serve=True: a server on port)
-    in its own session, from the instance's folder as a launch starts it, and writes its state file; name "router"
-    writes run/router.json for it instead (its backends: the instances named in `backends`). Everything is killed
-    at the end."""
+    as a launch starts it (its own session, a launch token, fixtures.launched), from the instance's folder, and
+    writes its state file; name "router" writes run/router.json for it instead (its backends: the instances named
+    in `backends`). Everything is killed at the end."""
     procs: list[subprocess.Popen] = []
 
     def make(name: str, port: int, platform: str = "cpu", serve: bool = False, backends: tuple = (), **state):
         argv = [sys.executable, "-c", STAND_IN_WORKER, str(port)] if serve else ["sleep", "300"]
         d = tmp_path / "run" / name if name not in ("default", "router") else tmp_path / "run"
         d.mkdir(parents=True, exist_ok=True)
-        p = subprocess.Popen(argv, start_new_session=True, cwd=d)
+        p, token = launched(argv, cwd=d)
         procs.append(p)
         deadline = time.monotonic() + 30
         while serve and time.monotonic() < deadline and not _listens(port):
             time.sleep(0.05)
-        common = dict(pid=p.pid, pgid=p.pid, create_time=psutil.Process(p.pid).create_time(), host="127.0.0.1",
+        common = dict(pid=p.pid, pgid=p.pid, create_time=psutil.Process(p.pid).create_time(), launch=token,
+                      host="127.0.0.1",
                       port=port, base_url=f"http://127.0.0.1:{port}", argv=["x"],
                       started_at="2026-01-01T00:00:00+00:00", started_ts=time.time())
         if name == "router":

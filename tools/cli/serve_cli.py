@@ -21,6 +21,7 @@ from tools.serving import (StartResult, ensure_swap, fleet_status, query, read_l
                            replace_target as target, router, server_status, service, stop_all, swap_report,
                            switch_process)
 from tools.serving.config import ServeConfig, load_config
+from tools.serving import Unrecorded
 from tools.serving.ops import (LogParams, QueryParams, RouterStartParams, RouterStopParams, RouterSwitchParams,
                                StartParams, StatusParams, StopParams)
 from tools.core.jsonout import dumps
@@ -148,6 +149,8 @@ def cmd_status(p: StatusParams, args: argparse.Namespace) -> int:
         lines.insert(0, st.message)  # the front door, then the builds behind it
     if st.router is not None:
         lines.append(f"[router] {st.router['message']}")
+    if st.unrecorded and st.message not in lines:  # a server a damaged or forged record hides: shown, not only counted
+        lines += [f"[unrecorded] {Unrecorded(**u).line()}" for u in st.unrecorded]
     emit(args, st, "\n".join(lines))
     # Scripts can tell a healthy fleet from anything else by the exit code alone.
     return 0 if st.all_healthy or args.any else 3

@@ -148,11 +148,10 @@ def error_result(exc: BaseException) -> ToolResult:
     return ToolResult(content=[TextContent(type="text", text=data["error"])], structured_content=data, is_error=True)
 
 
-def _result(data: dict[str, Any], whole: bool = False) -> ToolResult:
+def _result(data: dict[str, Any]) -> ToolResult:
     """Structured content plus text for clients that show only text: the summary, then the same JSON; within
-    RESULT_BUDGET characters (bounded.fit: the whole stays in the files the result names) unless the call asked
-    for the whole."""
-    data = data if whole else fit(data)
+    RESULT_BUDGET characters (bounded.fit: the whole stays in the files the result names, or in the next pages)."""
+    data = fit(data)
     return ToolResult(content=[TextContent(type="text", text=str(data.get("summary", ""))),
                                TextContent(type="text", text=json.dumps(data, separators=(",", ":")))],
                       structured_content=data)
@@ -245,7 +244,7 @@ def _handler(spec: ToolSpec, app: App) -> Callable[..., Any]:
                 data = await in_thread(lambda: spec.dump(spec.fn(app, params)))
         except Exception as exc:
             return error_result(exc)
-        return _result(data, whole=bool(getattr(params, "detail", False)))  # detail=true: the whole, asked for
+        return _result(data)  # detail=true pages what it lists (probe_checkpoint): every answer within budget
 
     sig = model.mcp_signature() if model is not None else []
     if spec.long or spec.context:

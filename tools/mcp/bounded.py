@@ -5,8 +5,8 @@ the next.
 One guard for every tool result (`fit`, called by the app's result wrapper) and every resource (`fit_text`, called
 by the resource wrapper), so a tool that grows a field cannot flood a client's context. The tools shape their own
 results first (a table once, a prompt as a short line); the guard only catches what is still too large, shortening
-long texts and lists and naming the file or resource that holds the whole. A call that asks for the whole
-(`detail=true`, as probe_checkpoint takes) gets it.
+long texts and lists and naming the file or resource that holds the whole. A call that asks for more
+(`detail=true`, as probe_checkpoint takes) gets it in pages, each within the budget and naming the next.
 """
 
 from __future__ import annotations

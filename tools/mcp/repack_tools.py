@@ -7,6 +7,7 @@ lists its tools.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -17,6 +18,7 @@ from repack.params import BuildParams, ProbeParams, TinyModelParams
 from tools.core.atomic import REPORT
 from tools.core.errors import BadInput, ToolFailure, param
 from tools.core.paths import PathNotAllowed
+from tools.mcp.bounded import RESULT_BUDGET, pages, size
 from tools.mcp.registry import Reply, tool
 from tools.serving import TINY_SOURCE, ensure, make_source
 
@@ -79,7 +81,8 @@ def make_tiny_model(app, p: TinyParams, progress, checked: Path) -> Reply:
              "verdict": (str, "qat: repack_checkpoint will succeed; base, mixed, no-candidates or packed (already "
                               "a build) otherwise"),
              "blockers": (list[dict[str, Any]], "The first text tensors off the grid (text_off_grid counts all)"),
-             "tensors": (list[dict[str, Any]] | None, "With detail=true: every tensor")}, ops="probe")
+             "tensors": (list[dict[str, Any]] | None, "With detail=true: a page of the tensors")},
+      ops="probe")
 def probe_checkpoint(app, p: ProbeParams) -> Reply:
     """Check that a source's tensors sit on the 4-bit grid (verdict qat) before repack_checkpoint. Writes
     nothing."""
@@ -90,10 +93,24 @@ def probe_checkpoint(app, p: ProbeParams) -> Reply:
     summary = (f"{src}: verdict {report.verdict}; text tensors {report.text_on_grid} on grid, "
                f"{report.text_off_grid} off"
                + (f"; {report.towers_off_grid} tower tensors off it, never packed" if report.towers_off_grid else ""))
-    # The per-tensor list runs to hundreds of entries on E2B, and the towers are never packed: by default only
-    # what blocks a build.
-    full = {"tensors": report.to_dict()["tensors"], "table": report.format_table(verbose=True)} if p.detail else {}
-    return Reply(report.summary_dict(), summary, full)
+    # The per-tensor list runs to hundreds of entries on E2B (36-58K characters), and the towers are never packed:
+    # by default only what blocks a build; with detail=true the tensors in pages that keep each answer within
+    # RESULT_BUDGET, each naming the next.
+    head = report.summary_dict()
+    if not p.detail:
+        return Reply(head, summary)
+    room = RESULT_BUDGET - size({"summary": summary, **head}) - 400  # the page fields and the result's framing
+    tensors = report.to_dict()["tensors"]
+    book = pages([json.dumps(t, separators=(",", ":")) for t in tensors], max(room, 600))
+    if p.page > len(book):
+        raise BadInput(f"{param('page', p.page)}: the tensors take {len(book)} page(s); pass 1 to {len(book)}",
+                       {"pages": len(book)}, field="page")
+    n = p.page
+    first = sum(len(pg) for pg in book[:n - 1])
+    shown = tensors[first:first + len(book[n - 1])]
+    more = f": page={n + 1} for the next" if n < len(book) else ", the last"
+    return Reply(head, summary + f"; tensors {first + 1}-{first + len(shown)} of {len(tensors)} (page {n} of "
+                 f"{len(book)}{more})", {"tensors": shown})
 
 
 def _repack_paths(app, p: BuildParams) -> tuple[Path, Path]:

@@ -53,7 +53,7 @@ _FACE: dict[str, tuple[str, str | None]] = {
     "turing_patch": ("tools.serving.turing.patch", None),
     "PatchStatus": ("tools.serving.turing.patch", "PatchStatus"),
     # the records
-    **{n: ("tools.serving.records.state", n) for n in ("load_state", "replace_file")},
+    **{n: ("tools.serving.records.state", n) for n in ("Unrecorded", "load_state", "replace_file")},
     "recorded_router": ("tools.serving.records.router_state", "recorded"),
     "door_on_port": ("tools.serving.records.router_state", "door_on_port"),
     "resolve_instance": ("tools.serving.records.placement", "resolve"),
@@ -77,7 +77,7 @@ if TYPE_CHECKING:  # what the names are, for readers and type checkers; loaded l
     from tools.serving.records.placement import resolve as resolve_instance
     from tools.serving.records.router_state import door_on_port
     from tools.serving.records.router_state import recorded as recorded_router
-    from tools.serving.records.state import load_state, replace_file
+    from tools.serving.records.state import Unrecorded, load_state, replace_file
     from tools.serving.server import health
     from tools.serving.server.replace import target as replace_target
     from tools.serving.server.models import first_listed_model, listed_models

@@ -273,6 +273,53 @@ def _origin(source: str | None, path: Path) -> str:
                                                                                             f"set in {path}")
 
 
+# STATE_DIR holds records, locks and logs, and commands write there (and remove what they wrote): it must be a
+# folder of the project's. Refused: a system folder, anything but a folder, and an existing folder with other
+# files in it that holds none the project writes there (records, locks, logs) nor the marker STATE_MARKER (an
+# empty file a user puts there to hand a folder of theirs to the project).
+STATE_MARKER = ".gemma4-t4-state"
+_SYSTEM_DIRS = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/libx32", "/opt", "/proc", "/root",
+                "/run", "/sbin", "/snap", "/srv", "/sys", "/usr", "/var")
+_STATE_FILES = re.compile(r"vllm\.json|vllm\.lock|router\.json|router\.log|replace\.json|switch\.lock|switch\.log|"
+                          r"last_switch\.json|\.instances\.lock|vllm(-[\w.-]+)?\.log|" + re.escape(STATE_MARKER))
+
+
+def check_state_dir(state_dir: Path, origin: str) -> Path:
+    """`state_dir` (resolved) when it may be STATE_DIR; a one-line BadInput naming it and where it was set."""
+    def bad(why: str) -> BadInput:
+        return BadInput(f"STATE_DIR={state_dir}, {origin}, {why}: set it to a folder of the project's (its default "
+                        f"is the project's run/, or a new or empty folder)", detail={"key": "STATE_DIR",
+                                                                                      "path": str(state_dir)})
+
+    system = Path("/var/tmp")
+    if state_dir == Path(state_dir.anchor) or state_dir == Path.home() or (
+            any(state_dir.is_relative_to(d) for d in _SYSTEM_DIRS) and not state_dir.is_relative_to(system)
+            and not state_dir.is_relative_to(PROJECT_ROOT) and not state_dir.is_relative_to(Path.home())):
+        raise bad("is a system folder")
+    try:
+        if not state_dir.exists():
+            return state_dir
+        if not state_dir.is_dir():
+            raise bad("is not a folder")
+        entries = list(state_dir.iterdir())
+    except OSError as exc:
+        raise bad(f"cannot be read ({exc.strerror or exc})") from None
+    if entries and not any(_projects(e) for e in entries):
+        raise bad("already holds other files and none of the project's")
+    return state_dir
+
+
+def _projects(entry: Path) -> bool:
+    """A file the project writes in STATE_DIR, or an instance's folder (or logs/) holding one or a log."""
+    if _STATE_FILES.fullmatch(entry.name):
+        return True
+    try:
+        return entry.is_dir() and INSTANCE_NAME.fullmatch(entry.name) is not None and any(
+            _STATE_FILES.fullmatch(e.name) or e.name.endswith(".log") for e in entry.iterdir())
+    except OSError:
+        return False
+
+
 def load_config(env_file: str | Path | None = None, **overrides: Any) -> ServeConfig:
     """Reads `env_file` (default: the project's tpu.env), then the environment, then `overrides` (field names).
 
@@ -301,9 +348,10 @@ def load_config(env_file: str | Path | None = None, **overrides: Any) -> ServeCo
             values[key] = _convert(ENV_NAMES.get(key, key), key, value, _origin("override", path))
             sources[key] = "override"
 
-    if not values.get("model"):
-        raise ToolFailure(f"MODEL_NAME is empty ({_origin(sources.get('model'), path)}); set it to a checkpoint folder "
-                          "or a Hugging Face id")
+    if not str(values.get("model") or "").strip():
+        raise BadInput(f"MODEL_NAME is empty ({_origin(sources.get('model'), path)}); set it to a checkpoint folder "
+                       "or a Hugging Face id", detail={"path": str(path), "key": "MODEL_NAME",
+                                                       "source": sources.get("model")})
     model = str(values["model"])
     # A local folder is passed to vLLM as an absolute path: the server's cwd must not matter. A value from the
     # file is relative to the file's folder; one given on the command line, to the caller's cwd.
@@ -320,7 +368,7 @@ def load_config(env_file: str | Path | None = None, **overrides: Any) -> ServeCo
     state_dir = Path(str(values.get("state_dir") or "run")).expanduser()
     if not state_dir.is_absolute():
         state_dir = path.parent / state_dir
-    values["state_dir"] = state_dir.resolve()
+    values["state_dir"] = check_state_dir(state_dir.resolve(), _origin(sources.get("state_dir"), path))
     source = str(values.get("source_checkpoint") or "")
     if source and not Path(source).expanduser().is_absolute() and (path.parent / source).exists():
         source = str((path.parent / source).resolve())

@@ -18,7 +18,7 @@ import httpx
 import psutil
 
 from tests.helpers.stand_ins import vllm_server as stand_in_vllm
-from tests.helpers.fixtures import ROOT, free_port
+from tests.helpers.fixtures import ROOT, free_port, launched
 
 
 def _gone(pid: int) -> bool:
@@ -44,6 +44,7 @@ def _sweep_then_kill(tmp_path: Path, port: int) -> tuple[int, subprocess.Popen]:
 
     before = servers()
     (tmp_path / "model").mkdir(exist_ok=True)
+    (tmp_path / "model" / "config.json").write_text("{}")
     (tmp_path / "model" / "behaviour.json").write_text(json.dumps({"mode": "loading", "ignore_term": True}))
     sweep = subprocess.Popen(stand_in_vllm.cli_argv("decode-sweep", "--draft-tokens", "0", "--out",
                                                     str(tmp_path / "ev"), "--label", "owned"),
@@ -108,11 +109,12 @@ with owned_server(sys.argv[1]):
 def test_the_guard_never_ends_a_server_its_command_did_not_start(tmp_path):
     """A server recorded in the state file that another command started (`start` leaves it serving on purpose)
     outlives a guarded command killed with SIGKILL."""
-    other = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    other, token = launched(["sleep", "300"])
     try:
         state = tmp_path / "vllm.json"
         state.write_text(json.dumps(dict(
-            pid=other.pid, pgid=other.pid, create_time=psutil.Process(other.pid).create_time(), host="127.0.0.1",
+            pid=other.pid, pgid=other.pid, create_time=psutil.Process(other.pid).create_time(), launch=token,
+            host="127.0.0.1",
             port=1, base_url="http://127.0.0.1:1", model="m", served_name="m", argv=["x"], platform="cpu",
             started_at="2026-01-01T00:00:00+00:00", started_ts=time.time(), log_path=str(tmp_path / "log"))))
         owner = subprocess.Popen([sys.executable, "-c", OWNER, str(state)], cwd=ROOT, stdout=subprocess.PIPE,

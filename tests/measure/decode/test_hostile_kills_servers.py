@@ -43,6 +43,7 @@ def _records(out: Path) -> list[Path]:
 
 def _sweep(tmp_path: Path, ready: bool) -> tuple[subprocess.Popen, Path, Path]:
     (tmp_path / "model").mkdir(exist_ok=True)
+    (tmp_path / "model" / "config.json").write_text("{}")
     env_file = tmp_path / "test.env"
     env_file.write_text(f"MODEL_NAME={tmp_path / 'model'}\nSERVED_MODEL_NAME=m\nHOST=127.0.0.1\nPORT={free_port()}\n"
                         f"STATE_DIR={tmp_path / 'state'}\nSTART_TIMEOUT_S=120\nMAX_MODEL_LEN=4096\n")

@@ -127,6 +127,10 @@ def _signalled(front, tmp_path, mode: str, phase: str, sig: str, command: list[s
                    env, driver=["-m", "tests.helpers.stand_ins.switch", "cli"])
         err = signal_when(proc, reached, sig, phase, settle=settle)
         assert_ended(sig, proc.returncode, err)
+        if sig == "SIGINT":  # acknowledged at once (the way back may take minutes), then how it ended
+            said = [ln for ln in err.splitlines() if ln.startswith("vllm-t4: ")]
+            assert said[0].startswith(f"vllm-t4: interrupt received: the switch (pid {switcher[0]}) ends safely"), err
+            assert said[1].startswith("vllm-t4: the switch ended: last switch (") and "interrupted" in said[1], err
         assert all_gone(switcher, wait_s=60), "the switch process did not end"
         _until(f"{want} answering", lambda: clients.served()[-1:] == [want])
         n = len(clients.results)

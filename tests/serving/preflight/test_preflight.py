@@ -267,8 +267,11 @@ def test_vllm_build_against_the_pin(clean_env, tmp_path, monkeypatch):
     monkeypatch.setattr(preflight_checks, "_installed", lambda d: None)
     c = _by_name(checks_for("all", env_file=env_file))["vllm_build"]
     assert c.status == "fail" and "not installed" in c.value and "setup.sh" in c.fix
+    build = tmp_path / "b"  # a checkpoint folder (config.json): the start checks reach the vLLM build
+    build.mkdir()
+    (build / "config.json").write_text("{}")
     with pytest.raises(ToolFailure, match="^vllm_build: vLLM's CPU build"):
-        ensure("start", env_file=env_file, cfg=load_config(env_file, model=str(tmp_path)))
+        ensure("start", env_file=env_file, cfg=load_config(env_file, model=str(build)))
 
 
 # ---------------------------------------------------------------------- the repack and start refuse before acting
@@ -494,3 +497,45 @@ def test_start_refuses_a_truncated_safetensors_file_in_seconds(clean_env, tmp_pa
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and str(st) in err[-1] and "Traceback" not in "\n".join(err), err
     assert not list((tmp_path / "st").rglob("vllm.json"))
+
+
+def test_a_folder_without_config_json_is_refused_at_once_by_start_and_doctor(clean_env, tmp_path, cli_here):
+    """`start --model /etc` (a folder, no config.json) once went to vLLM and failed about 40 s later: the start
+    checks refuse it in one line (exit 2), nothing launched, and doctor --step start reports the same failure."""
+    folder = tmp_path / "not-a-model"
+    folder.mkdir()
+    (folder / "README.md").write_text("no config.json\n")
+    env = _env_file(tmp_path)
+    state = tmp_path / "state"
+    r = cli_here(["start", "--model", str(folder), "--env-file", str(env)], dict(os.environ))
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    line = r.stderr.strip().splitlines()[-1]  # after the start's progress line
+    assert line.startswith("vllm-t4 start: checkpoints: ") and len(r.stderr.strip().splitlines()) <= 2, r.stderr
+    assert f"model folder {folder} has no config.json, so it is not a checkpoint" in line, line
+    assert not list(state.glob("vllm*.log")) and not (state / "vllm.json").exists()
+    checks = _by_name(run_preflight(PreflightParams(env_file=str(env), step="start", model=str(folder))).checks)
+    assert checks["checkpoints"].status == "fail" and "has no config.json" in checks["checkpoints"].value
+    # elsewhere (doctor's every step) it is what comes: a warning
+    assert _by_name(run_preflight(PreflightParams(env_file=str(env))).checks)["checkpoints"].status == "warn"
+
+
+def test_doctor_runs_starts_placement_check(clean_env, tmp_path, fleet):
+    """An instance that records PORT (nothing listening on it yet): start refuses the port, and doctor --step
+    start reports that placement check failed with start's line (it once said ready)."""
+    from tools.core.process import free_port
+
+    port = free_port()
+    fleet("a", port)
+    build = tmp_path / "models" / "b"
+    build.mkdir(parents=True)
+    (build / "config.json").write_text("{}")
+    env = _env_file(tmp_path, PORT=str(port), STATE_DIR=str(tmp_path / "run"), MODEL_NAME=str(build))
+    report = run_preflight(PreflightParams(env_file=str(env), step="start"))
+    placed = _by_name(report.checks)["placement"]
+    assert not report.ready and placed.status == "fail" and f"port {port} is held by instance 'a'" in placed.value
+    with pytest.raises(ToolFailure) as refused:
+        ensure("start", cfg=load_config(env))
+    assert placed.value in str(refused.value)
+    # another port: a's cores (unbound, so every core) are still what a second instance cannot have
+    cores = _by_name(checks_for("start", env_file=env, port=free_port()))["placement"]
+    assert cores.status == "fail" and "no free CPU core" in cores.value, cores

@@ -142,3 +142,18 @@ def test_a_record_naming_another_users_process_is_damaged_and_signals_nobody(cli
     finally:
         theirs.kill()
         theirs.wait()
+
+
+def test_status_through_the_door_fails_while_another_instances_record_is_damaged(cli_here, tmp_path, fleet):
+    """The front door serving over a healthy build once made a plain status exit 0 though instance x's record
+    was damaged: it says so and exits 3, as for a single instance."""
+    port = free_port()
+    _door(fleet, port)
+    run = tmp_path / "run"
+    r = cli_here(["status"], _env(run, port))
+    assert r.returncode == 0, r.stdout
+    (run / "x").mkdir()
+    (run / "x" / "vllm.json").write_text('{"pid": "abc"}')
+    r = cli_here(["status"], _env(run, port))
+    assert r.returncode == 3 and "x/vllm.json is damaged" in r.stdout, r.stdout
+    assert "the record of instance x is damaged" in r.stdout, r.stdout

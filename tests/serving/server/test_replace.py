@@ -40,6 +40,7 @@ def stand_in(tmp_path, monkeypatch, serve_config_factory):
     def make(name: str, mode: str = "serve", **overrides) -> ServeConfig:
         model = tmp_path / name
         model.mkdir(exist_ok=True)
+        (model / "config.json").write_text("{}")
         if mode != "serve":
             (model / "behaviour.json").write_text(json.dumps({"mode": mode}))
         cfg = serve_config_factory(model, name, **{"state_dir": tmp_path / "run", "port": base.port,

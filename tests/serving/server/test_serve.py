@@ -20,8 +20,8 @@ import psutil
 import pytest
 
 from tools.serving.turing import patch as turing_patch
-from tools.core.errors import ToolFailure
-from tests.helpers.fixtures import stand_in_t4_hardware, group_alive
+from tools.core.errors import BadInput, ToolFailure
+from tests.helpers.fixtures import stand_in_t4_hardware, group_alive, launched
 from tools.serving.server.server import server_status, stop_server
 from tools.serving.server.server import start_server
 from tools.cli.commands import CLI
@@ -149,23 +149,18 @@ def test_port_in_use_names_the_holder(emb4_server, emb4_build, serve_config_fact
     assert not other.state_file.exists()
 
 
-@pytest.mark.vllm
-def test_a_folder_that_is_not_a_model_fails_fast_without_orphans(tmp_path, serve_config_factory):
+def test_a_folder_that_is_not_a_model_is_refused_before_launching(tmp_path, serve_config_factory):
+    """A folder without config.json once went to vLLM and failed tens of seconds later: refused by the start
+    checks in one line, nothing launched."""
     folder = tmp_path / "not-a-model"
     folder.mkdir()
     (folder / "README.md").write_text("no config.json, no weights\n")
     cfg = serve_config_factory(folder, "broken", start_timeout_s=600)
-    t0 = time.monotonic()
-    with pytest.raises(ToolFailure) as exc:
+    with pytest.raises(BadInput) as exc:
         start_server(cfg)
-    elapsed = time.monotonic() - t0
-    detail = exc.value.detail
-    assert "exited with code" in str(exc.value) and "\n" not in str(exc.value)
-    assert detail["log_tail"] and detail["explanation"]
-    assert detail["explanation"] in str(exc.value)
-    assert elapsed < cfg.start_timeout_s / 2  # it noticed the exit; it did not wait for the timeout
-    assert not cfg.state_file.exists()
-    assert group_alive(detail["pgid"]) == []
+    assert "has no config.json, so it is not a checkpoint" in str(exc.value) and "\n" not in str(exc.value)
+    assert exc.value.detail["check"] == "checkpoints"
+    assert not cfg.state_file.exists() and not list(cfg.state_dir.glob("vllm*.log"))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -179,8 +174,12 @@ def test_turing_gpu_needs_the_clamp_then_memory_needs_swap(tmp_path, serve_confi
     target.write_text(turing_patch.installed_target().read_text())
     model = tmp_path / "big-model"
     model.mkdir()
+    (model / "config.json").write_text("{}")
+    n = 10 << 30
+    header = json.dumps({"w": {"dtype": "U8", "shape": [n], "data_offsets": [0, n]}}).encode()
     with open(model / "model.safetensors", "wb") as f:  # sparse: 10 GiB on paper, nothing on disk
-        f.truncate(10 << 30)
+        f.write(len(header).to_bytes(8, "little") + header)
+        f.truncate(8 + len(header) + n)
     cfg = serve_config_factory(model, "big")
 
     with pytest.raises(ToolFailure, match="Turing") as exc:
@@ -278,11 +277,13 @@ class FakeT4WithVram(FakeT4):
         return Vram(used_mib=13581, total_mib=15360, utilization_pct=0, process_mib=13300)
 
 
-def _adopt(cfg, proc: subprocess.Popen, platform: str = "cpu") -> None:
-    """Records a process this test started as if it were the server (its own session, so pgid == pid)."""
+def _adopt(cfg, proc: subprocess.Popen, token: str, platform: str = "cpu") -> None:
+    """Records a process this test started as if it were the server (fixtures.launched: its own session, so
+    pgid == pid, and the launch token `token`)."""
     from tools.serving.records.state import ServerState, write_state
 
     write_state(cfg, ServerState(pid=proc.pid, pgid=proc.pid, create_time=psutil.Process(proc.pid).create_time(),
+                                  launch=token,
                                   host=cfg.host, port=cfg.port, base_url=cfg.base_url, model="m", served_name="fake",
                                   argv=["fake"], platform=platform, started_at="2026-01-01T00:00:00+00:00",
                                   started_ts=time.time() - 5, log_path=str(cfg.log_file)))
@@ -291,13 +292,13 @@ def _adopt(cfg, proc: subprocess.Popen, platform: str = "cpu") -> None:
 def test_status_reports_vram_on_a_gpu_and_stop_ends_the_group(serve_config_factory, tmp_path):
     cfg = serve_config_factory(tmp_path, "fake-gpu")
     # A leader with a child in its group, like the API server and its engine core.
-    proc = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; "
-                             "subprocess.Popen(['sleep', '60']); import time; time.sleep(60)"], start_new_session=True)
+    proc, token = launched([sys.executable, "-c", "import subprocess, sys; "
+                            "subprocess.Popen(['sleep', '60']); import time; time.sleep(60)"])
     try:
         deadline = time.monotonic() + 10
         while len(group_alive(proc.pid)) < 2 and time.monotonic() < deadline:
             time.sleep(0.1)
-        _adopt(cfg, proc, platform="cuda")
+        _adopt(cfg, proc, token, platform="cuda")
         hw = FakeT4WithVram()
         st = server_status(cfg, hardware=hw)
         assert st.alive and not st.healthy and st.uptime_s >= 5  # nothing answers HTTP on its port
@@ -316,14 +317,14 @@ def test_status_reports_vram_on_a_gpu_and_stop_ends_the_group(serve_config_facto
 def test_stop_kills_what_ignores_sigterm(serve_config_factory, tmp_path):
     cfg = serve_config_factory(tmp_path, "stubborn")
     ready = tmp_path / "ready"
-    proc = subprocess.Popen([sys.executable, "-c", "import signal, time, pathlib; "
-                             "signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-                             f"pathlib.Path({str(ready)!r}).touch(); time.sleep(60)"], start_new_session=True)
+    proc, token = launched([sys.executable, "-c", "import signal, time, pathlib; "
+                            "signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                            f"pathlib.Path({str(ready)!r}).touch(); time.sleep(60)"])
     try:
         deadline = time.monotonic() + 10
         while not ready.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
-        _adopt(cfg, proc)
+        _adopt(cfg, proc, token)
         r = stop_server(cfg, grace_s=1)
         assert r.was_running and r.signal == "SIGKILL"
         assert "SIGKILL: still running 1 s after SIGTERM" in r.message  # why it took SIGKILL
@@ -341,6 +342,7 @@ def _stand_in_start(serve_config_factory, tmp_path, monkeypatch, name: str):
 
     cfg = serve_config_factory(tmp_path / "model", name)
     (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
     monkeypatch.setattr(ServeConfig, "vllm_argv", lambda self, platform: [
         sys.executable, "-c", "import subprocess, time; subprocess.Popen(['sleep', '120']); time.sleep(120)"])
     return cfg
@@ -440,6 +442,7 @@ def test_a_start_killed_before_its_state_file_leaves_no_server(tmp_path):
     from tests.helpers.fixtures import free_port
 
     (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
     marker, pid_file = tmp_path / "served", tmp_path / "pid"
     driver = subprocess.Popen([sys.executable, "-c", KILLED_AT_LAUNCH, str(marker), str(pid_file),
                                str(ROOT / "tpu.env"), str(tmp_path / "run"), str(free_port()),

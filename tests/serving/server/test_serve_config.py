@@ -225,3 +225,70 @@ def test_vllms_explaining_line_wins_over_the_pydantic_header():
 """
     why = explain_failure(log)
     assert why.startswith("Value error, User-specified max_model_len (16384)")
+
+
+def _cli(env_file, *args, **environ):
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers.fixtures import ROOT
+
+    env = {k: v for k, v in os.environ.items() if k not in ("MODEL_NAME", "STATE_DIR", "PORT")}
+    return subprocess.run([sys.executable, "-m", "tools.cli", *args, "--env-file", str(env_file)], cwd=ROOT,
+                          env={**env, "PYTHONPATH": str(ROOT), **environ}, capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.mark.parametrize("where", ["/etc", "/usr/lib", "/", "file", "others"])
+def test_state_dir_must_be_a_folder_of_the_projects(tmp_path, where):
+    """STATE_DIR=/etc in an env file once made status and stop read and write there: a system folder, a file and
+    a folder with other files in it and none of the project's are refused in one line naming STATE_DIR and its
+    source (exit 2); nothing is written there."""
+    other = tmp_path / "others"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    (tmp_path / "file").write_text("x")
+    target = {"file": tmp_path / "file", "others": other}.get(where, where)
+    env = tmp_path / "tpu.env"
+    env.write_text(f"MODEL_NAME=org/m\nSTATE_DIR={target}\nPORT=18777\n")
+    for command in (["status"], ["stop"], ["start"]):
+        r = _cli(env, *command)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        [line] = r.stderr.strip().splitlines()
+        assert f"STATE_DIR={target}, set in {env}" in line, line
+    assert sorted(p.name for p in other.iterdir()) == ["notes.txt"]
+    (tmp_path / "empty.env").write_text("MODEL_NAME=org/m\n")
+    r = _cli(tmp_path / "empty.env", "status", STATE_DIR=str(target))
+    assert r.returncode == 2 and f"STATE_DIR={target}, set in the environment" in r.stderr, r.stderr
+
+
+def test_state_dir_new_empty_marked_or_the_projects_is_taken(tmp_path):
+    from tools.serving.config import STATE_MARKER
+
+    (tmp_path / "empty.env").write_text("")
+    for d in ("new", "empty", "marked", "used", "switched"):
+        if d != "new":
+            (tmp_path / d).mkdir()
+    (tmp_path / "switched" / "last_switch.json").write_text("{}")  # what a stopped front door leaves
+    (tmp_path / "switched" / "logs").mkdir()
+    (tmp_path / "switched" / "logs" / "b-20260101T000000Z.log").touch()
+    (tmp_path / "marked" / STATE_MARKER).touch()
+    (tmp_path / "marked" / "notes.txt").touch()
+    (tmp_path / "used" / "blue").mkdir()
+    (tmp_path / "used" / "blue" / "vllm-20260101T000000Z-1.log").touch()
+    for d in ("new", "empty", "marked", "used", "switched"):
+        cfg = load_config(tmp_path / "empty.env", model="org/m", state_dir=str(tmp_path / d))
+        assert cfg.state_dir == tmp_path / d
+    assert load_config(DEFAULT_ENV_FILE, model="org/m").state_dir == (DEFAULT_ENV_FILE.parent / "run").resolve()
+
+
+@pytest.mark.parametrize("source", ["file", "environment"])
+def test_an_empty_model_name_is_one_line_naming_it_and_its_source(tmp_path, source):
+    env = tmp_path / "tpu.env"
+    env.write_text("MODEL_NAME=\n" if source == "file" else "")
+    extra = {"MODEL_NAME": ""} if source == "environment" else {}
+    r = _cli(env, "status", STATE_DIR=str(tmp_path / "run"), **extra)
+    assert r.returncode == 2, r.stderr
+    [line] = r.stderr.strip().splitlines()
+    assert "MODEL_NAME is empty" in line and (f"set in {env}" if source == "file" else "set in the environment") in line

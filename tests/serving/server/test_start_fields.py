@@ -10,6 +10,7 @@ import time
 
 import psutil
 
+from tests.helpers.fixtures import launched
 from tools.measure.provenance import collect
 from tools.serving.records.state import ServerState, write_state
 from tools.serving.server.server import server_status, stop_server
@@ -28,9 +29,10 @@ def test_status_and_provenance_report_eager_and_the_embedding_method(serve_confi
     cfg.log_file.parent.mkdir(parents=True, exist_ok=True)
     cfg.log_file.write_text("INFO 12-01 10:00:00 [api_server.py:1] Application startup complete.\n")
     # a process of its own session stands in for the server (it answers nothing: alive, not healthy)
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    proc, token = launched([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         write_state(cfg, ServerState(pid=proc.pid, pgid=proc.pid, create_time=psutil.Process(proc.pid).create_time(),
+                                      launch=token,
                                       host=cfg.host, port=cfg.port, base_url=cfg.base_url, model=str(model),
                                       served_name="fields", argv=["vllm", "--model", str(model), "--enforce-eager"],
                                       platform="cpu", started_at="2026-01-01T00:00:00+00:00",

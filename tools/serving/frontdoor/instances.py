@@ -66,12 +66,25 @@ def fleet_status(cfg: ServeConfig, *, hardware: Any = None) -> Any:
     if switching is not None:
         top.replace = {**switching, "running": True}
         top.message += f"; a switch of the front door runs ({state.holder_text(router_state.switch_file(cfg))})"
+    damaged = [c.instance_name for c in _configs_with_a_replace(cfg) if _damaged(c)]
+    if damaged:  # anywhere in STATE_DIR, behind the door or not: what it names is not known to be well
+        top.all_healthy = False
+        top.message += f"; the record of instance {', '.join(damaged)} is damaged (its line says how to clear it)"
     left = state.unrecorded(cfg.state_dir)
     if left:
         top.unrecorded = [u._asdict() for u in left]
         top.all_healthy = False
         top.message += "; " + "; ".join(u.line() for u in left)
     return top
+
+
+def _damaged(cfg: ServeConfig) -> bool:
+    try:
+        state.load_state(cfg)
+        state.load_replace(cfg)
+    except state.DamagedState:
+        return True
+    return False
 
 
 def _configs_with_a_replace(cfg: ServeConfig) -> list[ServeConfig]:

@@ -33,7 +33,7 @@ from tools.serving.server import engine_log, health
 from tools.serving.records import placement
 from tools.serving.config import ServeConfig
 from tools.serving.frontdoor.door import HOLD_S, hold_args, workers
-from tools.serving.records.state import DamagedState
+from tools.serving.records.state import DamagedState, launch_env, new_launch
 from tools.serving.records.router_state import (Backend, RouterState, alive, group, load, log_file, recorded,
                                         refuse_while_switching, state_file, write)
 
@@ -153,6 +153,8 @@ def _launch(cfg: ServeConfig, argv: list[str], host: str, port: int, policy: str
             backends: list[Backend], hold_s: float) -> tuple[subprocess.Popen, RouterState]:
     log_path = log_file(cfg)
     env = {k: v for k, v in os.environ.items() if k not in (API_KEY_ENV, CLIENT_KEY_ENV)}  # it uses neither
+    token = new_launch()
+    env.update(launch_env(token))
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 cwd=str(cfg.state_dir), start_new_session=True, env=env)
@@ -161,7 +163,7 @@ def _launch(cfg: ServeConfig, argv: list[str], host: str, port: int, policy: str
     except psutil.Error:
         create_time = time.time()
     now = clock.utc_now()
-    st = RouterState(pid=proc.pid, pgid=proc.pid, create_time=create_time, host=host, port=port,
+    st = RouterState(pid=proc.pid, pgid=proc.pid, create_time=create_time, launch=token, host=host, port=port,
                      base_url=f"http://{host}:{port}", policy=policy, backends=backends, argv=argv,
                      started_at=clock.iso(now), started_ts=now.timestamp(),
                      log_path=str(log_path), hold_s=hold_s)

@@ -25,6 +25,7 @@ import signal
 import subprocess
 import sys
 import traceback
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ from tools.serving.frontdoor import door as frontdoor
 from tools.serving.config import ServeConfig
 from tools.serving.frontdoor.door import Figures, SwitchResult
 from tools.core.process import signals_deferred
+from tools.serving.server import switch_record
 
 # The command that runs the switch (REQUEST appended); tests run it with their stand-in builds patched in.
 PROGRAM = [sys.executable, "-m", "tools.serving.frontdoor.switch_process"]
@@ -69,11 +71,39 @@ def switch(cfg: ServeConfig, b: ServeConfig, *, from_instance: str | None = None
             elif msg:
                 last = msg
         proc.wait()
-    except BaseException:
+    except BaseException as exc:
         with signals_deferred():  # a second Ctrl-C does not cut the rollback's wait short
+            if isinstance(exc, KeyboardInterrupt):  # a person at a terminal: told at once what happens
+                _say(interrupted_line(proc.pid))
             _interrupt(proc)
+            if isinstance(exc, KeyboardInterrupt):
+                _say(ended_line(cfg))
         raise
     return _outcome(last, proc, log)
+
+
+def interrupted_line(pid: int) -> str:
+    """What an interrupted switch does, said when the interrupt comes (the rollback may take minutes)."""
+    return (f"vllm-t4: interrupt received: the switch (pid {pid}) ends safely, the build that served before keeps "
+            "or takes back the front door (unless the new one already has the traffic); waiting for it to finish, "
+            f"a second Ctrl-C does not cut this short; then check {op('status')}")
+
+
+def ended_line(cfg: ServeConfig) -> str:
+    """How the interrupted switch ended, as its record says."""
+    try:
+        rec = switch_record.load_switch(replace(cfg, instance=""))
+    except ToolFailure:
+        rec = None
+    said = switch_record.describe(rec) if rec is not None else "no switch record was written"
+    return f"vllm-t4: the switch ended: {said}"
+
+
+def _say(line: str) -> None:
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except (OSError, ValueError):  # no terminal left to tell: the switch still ends as it does
+        pass
 
 
 def _parse(line: bytes) -> dict[str, Any]:

@@ -45,8 +45,8 @@ Status = Literal["ok", "warn", "fail", "n/a"]
 
 class Check(BaseModel):
     name: str = Field(description="What is checked: nvidia_driver, gpu_memory, compute_capability, vllm_build, "
-                                  "turing_clamp, host_memory, disk, port, max_model_len, hf_token, checkpoints, "
-                                  "drafter, source, config, versions")
+                                  "turing_clamp, host_memory, disk, placement, port, max_model_len, hf_token, "
+                                  "checkpoints, drafter, source, config, versions")
     status: Status = Field(description="ok; warn (works, but read the fix); fail (the step will not work); "
                                        "n/a (does not apply on this machine or configuration)")
     value: str = Field(description="What was measured, in one line")
@@ -430,7 +430,11 @@ def check_checkpoints(ctx: Context, *, step: str) -> Check:
     if not Path(cfg.model).is_dir():
         return Check(name="checkpoints", status="fail" if step == "start" else "warn", detail=detail,
                      value=f"model folder {cfg.model} does not exist ({where})", fix=fix)
-    # A folder without config.json: vLLM will say what is missing; only the start needs it to be a model.
+    # A folder without config.json is no checkpoint vLLM loads (it would fail tens of seconds in): refused at once
+    # by a start, what comes for the other steps.
+    if step == "start":
+        return Check(name="checkpoints", status="fail", detail=detail, fix=fix,
+                     value=f"model folder {cfg.model} has no config.json, so it is not a checkpoint ({where})")
     return Check(name="checkpoints", status="warn", detail=detail, value=value + f"; {cfg.model} has no config.json",
                  fix=fix)
 

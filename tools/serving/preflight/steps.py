@@ -25,6 +25,7 @@ from tools.serving.config import check_instance_name, load_config
 from tools.serving.preflight.hardware import Hardware
 from repack.source.checks import SOURCE_REPO
 from tools.serving.hub.access import hf_token
+from tools.serving.records import placement
 from tools.serving.preflight.checks import (Check, Context, check_api_key, check_checkpoints, check_compute_capability,
                                             check_disk, check_drafter, check_gpu_memory, check_hf_token, check_host_memory, check_hub,
                                             check_max_model_len, check_nvidia_driver, check_port, check_source,
@@ -115,7 +116,7 @@ def checks_for(step: Step, *, cfg: Any = None, env_file: str | Path | None = Non
         Path(cfg.source_checkpoint).expanduser() if cfg is not None and cfg.source_checkpoint else None)
     dst = Path(out).expanduser() if out else None
     if step == "start":
-        checks += [check_api_key(ctx), check_port(ctx), check_checkpoints(ctx, step=step), check_max_model_len(ctx),
+        checks += [check_api_key(ctx), check_placement(ctx), check_port(ctx), check_checkpoints(ctx, step=step), check_max_model_len(ctx),
                    check_drafter(ctx), check_turing_clamp(ctx), check_host_memory(ctx), check_vllm_build(ctx),
                    check_nvidia_driver(ctx), check_gpu_memory(ctx), check_versions(ctx)]
     elif step == "repack":
@@ -130,6 +131,24 @@ def checks_for(step: Step, *, cfg: Any = None, env_file: str | Path | None = Non
                    check_max_model_len(ctx), check_hf_token(ctx, step=step), check_checkpoints(ctx, step=step),
                    check_drafter(ctx)]
     return checks
+
+
+def check_placement(ctx: Context) -> Check:
+    """What other instances of STATE_DIR hold (their ports, CPU cores, GPU shares) against this start, and vLLM
+    parallelism against the machine: start's own placement (records.placement.plan), so doctor says what start
+    refuses."""
+    cfg = ctx.cfg
+    if cfg is None:
+        return Check(name="placement", status="n/a", value="no configuration")
+    try:
+        planned = placement.plan(cfg, ctx.hw)
+    except ToolFailure as exc:
+        return Check(name="placement", status="fail", value=str(exc), detail=exc.detail)
+    where = (f"GPUs {','.join(map(str, planned.gpus))}" if planned.gpus is not None else
+             f"CPU cores {' | '.join(','.join(map(str, c)) for c in planned.cpu_cores)}" if planned.cpu_cores
+             else "vLLM's own placement")
+    return Check(name="placement", status="ok", detail={"instance": cfg.instance_name},
+                 value=f"instance {cfg.instance_name} fits beside the running ones ({where})")
 
 
 # Checks whose failure is the caller's input to change (a model folder that does not exist, a context length

@@ -6,6 +6,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import secrets
 import threading
 import time
 from contextlib import contextmanager
@@ -21,6 +22,38 @@ from tools.core.errors import ToolFailure, op
 from tools.serving.config import ServeConfig
 
 STATE_VERSION = 1
+# Every process the project launches carries a token of its own launch in its environment, and its record the
+# same token: what proves that a live pid (with the right start time, group and user) is the program launched for
+# that record and not a stranger a forged or stale record names. SPT_NOENV keeps it readable: vLLM retitles its
+# processes with setproctitle, which otherwise overwrites the environment that /proc/PID/environ shows.
+LAUNCH_ENV = "GEMMA4_T4_LAUNCH"
+
+
+def new_launch() -> str:
+    """A fresh launch token, for the record of a process about to be launched."""
+    return secrets.token_hex(16)
+
+
+def launch_env(token: str) -> dict[str, str]:
+    """The variables a launched process gets so that its record's identity check finds it."""
+    return {LAUNCH_ENV: token, "SPT_NOENV": "1"}
+
+
+def carries(proc: psutil.Process, token: str) -> bool:
+    """`proc`'s environment holds launch token `token` (False when unreadable or the token is empty)."""
+    if not token:
+        return False
+    # A process caught inside its exec shows an empty environment until the kernel has set up the new image's
+    # (its launcher's Popen may return by then): read again for a moment before it counts as not carrying it.
+    deadline = time.monotonic() + 1.0
+    while True:
+        try:
+            env = proc.environ()
+        except (psutil.Error, OSError):
+            return False
+        if env or time.monotonic() > deadline:
+            return env.get(LAUNCH_ENV) == token
+        time.sleep(0.01)
 
 
 class DamagedState(ToolFailure):
@@ -76,13 +109,15 @@ def write_record(path: Path, record: Record) -> None:
 class ProcessRecord(Record):
     """What every record of a process the project started holds, checked the same way for each kind (a server's,
     the router's): the leader's pid, its start time (against a recycled pid), its process group, which is its own
-    (every such process is started as the leader of its own session, pgid == pid), and its owner, this user: a
-    record naming another group or another user's process would have stop signal processes that are not the
-    project's."""
+    (every such process is started as the leader of its own session, pgid == pid), its owner, this user, and its
+    identity: a live leader carries the record's launch token in its environment (LAUNCH_ENV). A record naming
+    another group, another user's process or a process the project did not launch for it would have stop signal
+    processes that are not the project's."""
 
     pid: int
     pgid: int
     create_time: float          # of the leader process: guards against a recycled pid
+    launch: str = ""            # the launch token (LAUNCH_ENV); records written before it have none
 
     @model_validator(mode="after")
     def _own_group(self) -> "ProcessRecord":
@@ -97,6 +132,9 @@ class ProcessRecord(Record):
             uid = os.getuid()
         if uid != os.getuid():
             raise ValueError(f"pid {self.pid} runs as another user (uid {uid}), not as this project's processes do")
+        if proc is not None and not carries(proc, self.launch):
+            raise ValueError(f"pid {self.pid} ({_name(proc)}) is not the process launched for this record (its "
+                             "environment lacks the record's launch token)")
         return self
 
     def leader(self) -> psutil.Process | None:
@@ -105,8 +143,21 @@ class ProcessRecord(Record):
 
     def group(self) -> list[psutil.Process]:
         """Live processes of the group; none when the pid was recycled (the group of that number is a
-        stranger's)."""
-        return [] if process.pid_recycled(self.pid, self.create_time) else process.group_members(self.pgid)
+        stranger's). With the leader gone, only those that carry the record's launch token (what the leader started
+        inherits it): a dead pid's group may be a stranger's whose leader exited."""
+        if process.pid_recycled(self.pid, self.create_time):
+            return []
+        members = process.group_members(self.pgid)
+        if self.leader() is not None:
+            return members
+        return [p for p in members if carries(p, self.launch)]
+
+
+def _name(proc: psutil.Process) -> str:
+    try:
+        return " ".join(proc.cmdline()[:2])[:60] or proc.name()
+    except (psutil.Error, OSError):
+        return "?"
 
 
 class ServerState(ProcessRecord):
@@ -434,7 +485,7 @@ def our_group(state: ServerState) -> list[psutil.Process]:
     return state.group()
 
 
-__all__ = ["STATE_VERSION", "DamagedState", "InstanceBusy", "ProcessRecord", "Record", "Unrecorded", "unrecorded", "ReplaceRecord", "ServerState", "clear_replace",
+__all__ = ["LAUNCH_ENV", "STATE_VERSION", "carries", "launch_env", "new_launch", "DamagedState", "InstanceBusy", "ProcessRecord", "Record", "Unrecorded", "unrecorded", "ReplaceRecord", "ServerState", "clear_replace",
            "clear_state", "holder", "holder_text", "instance_lock", "leader", "load_replace", "load_state", "lock_file", "our_group",
            "pid_recycled", "read_record", "replace_file", "replace_running", "try_instance_lock", "write_record",
            "write_replace", "write_state"]

@@ -158,6 +158,8 @@ def launch_server(cfg: ServeConfig, argv: list[str], platform: str,
     child_env.pop(API_KEY_ENV, None)
     if api_key():  # the key is this command's (never recorded): vLLM reads it from its environment
         child_env[API_KEY_ENV] = api_key() or ""
+    token = state.new_launch()
+    child_env.update(state.launch_env(token))
     cfg.instance_dir.mkdir(parents=True, exist_ok=True)
     proc: subprocess.Popen | None = None
     gate_r, gate_w = os.pipe()
@@ -178,7 +180,7 @@ def launch_server(cfg: ServeConfig, argv: list[str], platform: str,
                 create_time = time.time()
             now = clock.utc_now()
             state.write_state(cfg, ServerState(
-                pid=proc.pid, pgid=proc.pid, create_time=create_time, host=cfg.host, port=cfg.port,
+                pid=proc.pid, pgid=proc.pid, create_time=create_time, launch=token, host=cfg.host, port=cfg.port,
                 base_url=cfg.base_url, model=cfg.model, served_name=cfg.served_name, argv=argv, platform=platform,
                 started_at=clock.iso(now), started_ts=now.timestamp(),
                 log_path=str(cfg.log_file), instance=cfg.instance, gpus=cfg.gpus,

@@ -110,7 +110,10 @@ def _stop_locked(cfg: ServeConfig, grace_s: float) -> StopResult:
                           message=f"server pid {state.pid} is gone (the pid now belongs to another process); "
                                   "its state file was cleared")
     alive = leader(state)
-    last, pids, remaining = end_group(state.pgid, grace_s, leader=state.pid if alive is not None else None)
+    # With the leader gone, the group is signalled only while members carry the record's launch token: a dead
+    # pid's group may be a stranger's.
+    last, pids, remaining = end_group(state.pgid, grace_s, leader=state.pid if alive is not None else None) if (
+        alive is not None or our_group(state)) else (None, [], [])
     if remaining:
         raise ToolFailure(f"processes {remaining} of the server's group {state.pgid} survived SIGKILL; "
                           "check them with ps and end them by hand", detail={"remaining": remaining})
