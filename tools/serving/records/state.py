@@ -125,7 +125,7 @@ class ProcessRecord(Record):
             raise ValueError(f"pgid {self.pgid} is not the process's own group (pid {self.pid})")
         # Ownership: a live process of the record (same pid and start time) runs as this user, as everything the
         # project starts does; another user's is no server of ours to signal.
-        proc = process.same_process(self.pid, self.create_time)
+        proc = self.leader()
         try:
             uid = proc.uids().real if proc is not None else os.getuid()
         except psutil.Error:
@@ -138,19 +138,37 @@ class ProcessRecord(Record):
         return self
 
     def leader(self) -> psutil.Process | None:
-        """The leader process if it is still the one started (same pid AND creation time) and runs."""
-        return process.same_process(self.pid, self.create_time)
+        """The leader process if it is still the one started and runs: same pid and creation time, or, for a
+        record with a launch token, the same pid carrying that token. The token decides where both are known:
+        psutil derives a start time from the wall clock's boot time, which moves when the clock is stepped."""
+        proc = process.same_process(self.pid, self.create_time)
+        if proc is None and self.launch:
+            proc = _carrier(self.pid, self.launch)
+        return proc
+
+    def recycled(self) -> bool:
+        """Another process now has the record's pid: nothing of that group may be signalled."""
+        return self.leader() is None and process.pid_recycled(self.pid, self.create_time)
 
     def group(self) -> list[psutil.Process]:
         """Live processes of the group; none when the pid was recycled (the group of that number is a
         stranger's). With the leader gone, only those that carry the record's launch token (what the leader started
         inherits it): a dead pid's group may be a stranger's whose leader exited."""
-        if process.pid_recycled(self.pid, self.create_time):
+        if self.recycled():
             return []
         members = process.group_members(self.pgid)
         if self.leader() is not None:
             return members
         return [p for p in members if carries(p, self.launch)]
+
+
+def _carrier(pid: int, token: str) -> psutil.Process | None:
+    """The live process of `pid` when it carries launch token `token`."""
+    try:
+        proc = psutil.Process(pid)
+    except psutil.Error:
+        return None
+    return proc if process.is_running(proc) and carries(proc, token) else None
 
 
 def _name(proc: psutil.Process) -> str:
@@ -477,7 +495,7 @@ def leader(state: ServerState) -> psutil.Process | None:
 
 def pid_recycled(state: ServerState) -> bool:
     """True when another process now has the server's pid: nothing of that group may be signalled."""
-    return process.pid_recycled(state.pid, state.create_time)
+    return state.recycled()
 
 
 def our_group(state: ServerState) -> list[psutil.Process]:

@@ -140,3 +140,23 @@ def _env() -> dict[str, str]:
     import os
 
     return dict(os.environ)
+
+
+def test_a_stepped_wall_clock_does_not_make_a_launched_leader_a_stranger():
+    """psutil's start time moves with the wall clock's boot time (a stepped clock shifted it by 66 s on this
+    project's test machine, and a running server read as died): a leader that carries its record's launch token is
+    the record's process whatever the start time says; without the token the start time still decides."""
+    from tools.serving.records.state import ProcessRecord
+    from tests.helpers.fixtures import launched
+
+    proc, token = launched(["sleep", "1000"])
+    try:
+        started = psutil.Process(proc.pid).create_time()
+        stepped = ProcessRecord(pid=proc.pid, pgid=proc.pid, create_time=started - 66.0, launch=token)
+        assert stepped.leader() is not None and stepped.leader().pid == proc.pid
+        assert not stepped.recycled() and proc.pid in [p.pid for p in stepped.group()]
+        untokened = ProcessRecord(pid=proc.pid, pgid=proc.pid, create_time=started - 66.0)
+        assert untokened.leader() is None and untokened.recycled() and untokened.group() == []
+    finally:
+        proc.kill()
+        proc.wait()
