@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import psutil
 import pytest
 
 from tests.helpers.stand_ins import bench as stand_in_bench
+from tests.helpers.stand_ins.measure import prefix_cache_stand_in, serve_in_thread
 from tools.measure.sweep.params import CellSpec, SweepParams, SweepResult, raw_name
 from tools.measure.sweep.worker import BenchWorker
 from tools.measure.sweep.run import _run_cells
@@ -38,37 +37,8 @@ def metrics_server():
     """A stand-in for the server's /metrics: prefix-cache counters that GET /add?N raises by N queries (and N//4
     hits); yields (base_url, state) where state counts the /metrics reads."""
     state = {"queries": 0, "hits": 0, "reads": 0}
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):
-            if self.path.startswith("/add?"):
-                n = int(self.path.split("?", 1)[1])
-                state["queries"] += n
-                state["hits"] += n // 4
-                body = b"ok"
-            elif self.path == "/metrics":
-                state["reads"] += 1
-                body = (f'vllm:prefix_cache_queries_total{{engine="0"}} {state["queries"]}.0\n'
-                        f'vllm:prefix_cache_hits_total{{engine="0"}} {state["hits"]}.0\n').encode()
-            else:
-                self.send_error(404)
-                return
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
-    try:
-        yield f"http://127.0.0.1:{srv.server_address[1]}", state
-    finally:
-        srv.shutdown()
-        srv.server_close()
+    with serve_in_thread(prefix_cache_stand_in(state)) as url:
+        yield url, state
 
 
 def _spec(raw: Path, input_len: int, repeats=(0, 1), *, concurrency: int = 1, base_url: str = "http://127.0.0.1:9",
