@@ -43,7 +43,7 @@ def _listens(port: int) -> bool:
 
 @pytest.fixture()
 def fleet(tmp_path):
-    """Fake running instances: make(name, port, platform, **state) starts a `sleep` (serve=True: a server on port)
+    """Stand-in running instances: make(name, port, platform, **state) starts a `sleep` (serve=True: a server on port)
     in its own session, from the instance's folder as a launch starts it, and writes its state file; name "router"
     writes run/router.json for it instead (its backends: the instances named in `backends`). Everything is killed
     at the end."""
