@@ -197,7 +197,7 @@ def test_the_layer_holds_the_int4_weight_converted_once_not_a_float_copy():
 
 @pytest.mark.parametrize("missing", [True, False], ids=["op-missing", "op-present"])
 def test_register_puts_the_int4_matmul_in_place_only_where_the_op_is_missing(monkeypatch, missing):
-    """Both decisions on any machine: the op's absence (an AVX2 library) or presence (AVX-512) is faked; where
+    """Both decisions on any machine: the op's absence (an AVX2 library) or presence (AVX-512) is set by the test; where
     present, CPUWNA16LinearKernel keeps vLLM's own methods (and so vLLM's op)."""
     import gemma4_t4_vllm
     from gemma4_t4_vllm import wna16

@@ -1,4 +1,4 @@
-"""vram_status against an injected fake NVML (the only thing in the suite that is mocked is the GPU)."""
+"""vram_status against an injected stand-in NVML (the only thing in the suite that is mocked is the GPU)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from tools.gpu.vram import MIB, server_process_pids, vram_status
 
 
 def test_no_driver_is_a_result_not_an_exception():
-    fake = StandInNvml([], init_error=StandInNvmlError("NVML Shared Library Not Found"))
-    status = vram_status(nvml=fake)
+    stand_in = StandInNvml([], init_error=StandInNvmlError("NVML Shared Library Not Found"))
+    status = vram_status(nvml=stand_in)
     assert status.available is False
     assert "NVML Shared Library Not Found" in status.reason
     assert status.gpus == []
@@ -46,13 +46,13 @@ def test_t4_with_server_processes_marked_and_unreported_memory():
         assert server.pid in tree and len(tree) >= 2, tree
         engine_pid = max(tree - {server.pid})
         other_pid = os.getpid()
-        fake = StandInNvml([{
+        stand_in = StandInNvml([{
             "name": b"Tesla T4", "total": T4_TOTAL, "used": 13581 * MIB, "util": 37,
             # the engine holds the memory; the API server shows up without a figure (None), plus another user
             "compute": [(engine_pid, 13300 * MIB), (server.pid, None), (other_pid, 200 * MIB)],
             "graphics": [(other_pid, None)],
         }], driver=b"550.54.15")
-        status = vram_status(server_pid=server.pid, nvml=fake)
+        status = vram_status(server_pid=server.pid, nvml=stand_in)
     finally:
         os.killpg(server.pid, signal.SIGKILL)
         server.wait()
@@ -67,16 +67,16 @@ def test_t4_with_server_processes_marked_and_unreported_memory():
     assert not by_pid[other_pid].is_vllm_server and by_pid[other_pid].used_mib == 200
     assert status.server_used_mib == 13300  # unreported memory is not counted as zero-or-guess
     assert server.pid in status.server_pids and engine_pid in status.server_pids
-    assert fake.shutdown_calls == fake.init_calls == 1
+    assert stand_in.shutdown_calls == stand_in.init_calls == 1
     assert "13581 MiB used / 15360 MiB" in status.summary_line()
 
 
 def test_two_gpus_no_util_support_and_no_server():
-    fake = StandInNvml([
+    stand_in = StandInNvml([
         {"name": "Tesla T4", "total": T4_TOTAL, "used": 0, "util": None},
         {"name": "NVIDIA L4", "total": 23034 * MIB, "used": 500 * MIB, "util": 5, "compute": [(999999, None)]},
     ])
-    status = vram_status(nvml=fake)
+    status = vram_status(nvml=stand_in)
     assert [g.name for g in status.gpus] == ["Tesla T4", "NVIDIA L4"]
     assert status.gpus[0].utilization_gpu_pct is None
     assert status.gpus[1].processes[0].used_mib is None and not status.gpus[1].processes[0].is_vllm_server
@@ -88,10 +88,10 @@ def test_nvml_failing_mid_read_is_reported():
         def nvmlDeviceGetMemoryInfo(self, h):
             raise StandInNvmlError("GPU is lost")
 
-    fake = Broken([{"name": "Tesla T4", "total": T4_TOTAL, "used": 0}])
-    status = vram_status(nvml=fake)
+    stand_in = Broken([{"name": "Tesla T4", "total": T4_TOTAL, "used": 0}])
+    status = vram_status(nvml=stand_in)
     assert not status.available and "GPU is lost" in status.reason
-    assert fake.shutdown_calls == 1
+    assert stand_in.shutdown_calls == 1
 
 
 @pytest.mark.parametrize("pid", [None, 0, 2 ** 22 + 12345])
@@ -104,12 +104,12 @@ def test_serving_hardware_reads_every_gpu_through_the_one_nvml_reader(monkeypatc
     from tools.gpu import vram as vram_mod
     from tools.serving.preflight.hardware import Hardware
 
-    fake = StandInNvml([
+    stand_in = StandInNvml([
         {"name": "A100", "total": 40960 * MIB, "used": 1000 * MIB, "util": 5, "cc": (8, 0)},
         {"name": "Tesla T4", "total": T4_TOTAL, "used": 9000 * MIB, "util": 90, "cc": (7, 5),
          "compute": [(4242, 8000 * MIB)]},
     ])
-    monkeypatch.setattr(vram_mod, "_load_nvml", lambda: fake)
+    monkeypatch.setattr(vram_mod, "_load_nvml", lambda: stand_in)
     hw = Hardware()
     assert hw.platform() == "cuda"
     assert hw.compute_capability() == (7, 5)  # the T4 on index 1 still needs the clamp
@@ -121,8 +121,8 @@ def test_serving_hardware_reads_every_gpu_through_the_one_nvml_reader(monkeypatc
 # ------------------------------------------------------------------------------ host memory (the CPU backend)
 
 
-class FakeProcess:
-    """psutil.Process for a fake process tree: RSS by pid; a pid not in the tree has ended."""
+class StandInProcess:
+    """psutil.Process for a stand-in process tree: RSS by pid; a pid not in the tree has ended."""
 
     TREE = {100: 300 * MIB, 101: 900 * MIB, 102: 50 * MIB}
 
@@ -149,7 +149,7 @@ def test_host_memory_sums_rss_and_readable_pss_over_the_servers_processes(tmp_pa
     (model / "model-00002.safetensors").write_bytes(b"\0" * MIB)
     (model / "config.json").write_text("{}")
 
-    hm = host_memory("default", {100, 101, 102, 999}, str(model), process=FakeProcess, proc=proc)
+    hm = host_memory("default", {100, 101, 102, 999}, str(model), process=StandInProcess, proc=proc)
     assert isinstance(hm, HostMemory)
     assert hm.pids == [100, 101, 102]  # 999 ended before it was read: not counted
     assert hm.rss_mib == 1250 and hm.pss_mib == 900 and hm.pss_pids == 2
@@ -157,7 +157,7 @@ def test_host_memory_sums_rss_and_readable_pss_over_the_servers_processes(tmp_pa
     assert "rss" in hm.method and "smaps_rollup" in hm.method
     assert hm.line() == "default: RSS 1250 MiB, PSS 900 MiB over 3 processes, weights 4.0 MiB on disk"
 
-    none = host_memory("b", {102}, "google/some-hub-id", process=FakeProcess, proc=proc)
+    none = host_memory("b", {102}, "google/some-hub-id", process=StandInProcess, proc=proc)
     assert none.pss_mib is None and none.weights_mib is None and "smaps_rollup" not in none.method
 
 

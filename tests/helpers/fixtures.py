@@ -75,7 +75,7 @@ def stand_in_t4_hardware():
     serving code's Hardware sees it: the class is built on first use so importing this module stays light."""
     from tools.serving.preflight.hardware import Hardware
 
-    class FakeT4(Hardware):
+    class StandInT4(Hardware):
         def __init__(self, ram: int = 64 << 30, swap: int = 0) -> None:
             self.ram, self.swap = ram, swap
 
@@ -88,7 +88,7 @@ def stand_in_t4_hardware():
         def host_memory(self):
             return self.ram, self.swap
 
-    return FakeT4
+    return StandInT4
 
 
 def stand_in_eval_run(folder: Path, label: str, per_doc: dict[int, float], *,

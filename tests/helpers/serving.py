@@ -133,9 +133,10 @@ class Bench:
             assert all_gone([s["pid"] for s in self.starts()])
 
 
-def until(what: str, reached, proc: subprocess.Popen, timeout_s: float = 60) -> None:
+def until(what: str, reached, proc: subprocess.Popen | None = None, timeout_s: float = 60) -> None:
+    """Waits until `reached()`; fails if `timeout_s` passes first, or `proc` (when given) ends first."""
     deadline = time.monotonic() + timeout_s
     while not reached():
-        assert proc.poll() is None, f"the first command ended before {what}: {proc.communicate()[1]}"
+        assert proc is None or proc.poll() is None, f"the first command ended before {what}: {proc.communicate()[1]}"
         assert time.monotonic() < deadline, f"never reached: {what}"
         time.sleep(0.05)

@@ -83,7 +83,7 @@ def test_a_cancelled_eval_writes_no_run_folder(tmp_path, monkeypatch):
 
     monkeypatch.setattr(evals, "_run_lm_eval", finished_lm_eval)
     monkeypatch.setattr(evals, "_lm_eval_command", lambda plan, lm_dir: ["lm-eval"])
-    monkeypatch.setattr(evals, "_plan", lambda params, cfg: _fake_plan(params, tmp_path))
+    monkeypatch.setattr(evals, "_plan", lambda params, cfg: _stand_in_plan(params, tmp_path))
     monkeypatch.setattr(evals, "_provenance", lambda *a: {})
     out = tmp_path / "ev"
     with pytest.raises(JobCancelled):
@@ -91,7 +91,7 @@ def test_a_cancelled_eval_writes_no_run_folder(tmp_path, monkeypatch):
     assert os.listdir(out) == []
 
 
-def _fake_plan(params, tmp_path):
+def _stand_in_plan(params, tmp_path):
     fields = {f: None for f in evals._Plan.__dataclass_fields__}
     fields.update(params=params, model="m", base_url="http://x", version="0", include=tmp_path)
     return evals._Plan(**fields)

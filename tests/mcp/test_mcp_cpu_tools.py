@@ -113,13 +113,13 @@ def test_make_tiny_model_takes_the_shape_of_the_command_lines_model(mcp, tmp_pat
 
     made: list[dict] = []
 
-    def fake(out, **kw):  # the shape is what this checks, not the training (the stdio walk trains the E4B one)
+    def stand_in(out, **kw):  # the shape is what this checks, not the training (the stdio walk trains the E4B one)
         made.append(kw)
         Path(out).mkdir(parents=True)
         tiny_model.mark(Path(out), "source")
         return tiny_model.TinyModelInfo(Path(out), 1.0, ["w"], 0)
 
-    monkeypatch.setattr(tiny_model, "cached_tiny_qat_checkpoint", fake)
+    monkeypatch.setattr(tiny_model, "cached_tiny_qat_checkpoint", stand_in)
 
     async def go():
         async with Client(mcp) as c:

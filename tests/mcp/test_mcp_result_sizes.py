@@ -6,54 +6,17 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections import Counter
-from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
 from fastmcp import Client
 
-from tests.helpers.stand_ins.measure import serve_in_thread
+from tests.helpers.stand_ins.measure import greedy_chat_stand_in, serve_in_thread
 from tools.mcp.app import Settings, create_server
 from tools.mcp.bounded import RESULT_BUDGET, fit, size
 
 LONG_PROMPTS = [f"needle {n}: " + "the quick brown fox jumps over the lazy dog. " * (n // 45) for n in
                 (2_000, 8_000, 14_000)]
-
-
-class _Chat(BaseHTTPRequestHandler):
-    """An OpenAI-style server answering greedy chat completions with token ids and top logprobs; the candidate
-    (port picked per test) differs from the reference at token 3 of the last prompt, by a near-tie."""
-    protocol_version = "HTTP/1.1"
-    diverge = False
-    counts: Counter
-
-    def log_message(self, *a):
-        pass
-
-    def _send(self, obj):
-        data = json.dumps(obj).encode()
-        self.send_response(200)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def do_GET(self):  # noqa: N802
-        self._send({"data": [{"id": "m", "root": "/nowhere", "max_model_len": 32768}]})
-
-    def do_POST(self):  # noqa: N802
-        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
-        n = body["max_tokens"]
-        prompt = body["messages"][0]["content"]
-        ids = [10 + i for i in range(n)]
-        if self.diverge and prompt == LONG_PROMPTS[-1]:
-            ids[3] = 20 + 3
-        tops = [{"top_logprobs": [{"token": f"token_id:{10 + i}", "logprob": -0.1},
-                                  {"token": f"token_id:{20 + i}", "logprob": -0.15}]} for i in range(n)]
-        self._send({"choices": [{"message": {"content": "x" * n}, "token_ids": ids, "finish_reason": "length",
-                                 "logprobs": {"content": tops}}],
-                    "usage": {"prompt_tokens": len(prompt) // 4}})
 
 
 def run(coro):
@@ -78,9 +41,8 @@ def test_fit_keeps_the_summary_and_where_the_whole_is():
 
 @pytest.fixture()
 def chat_servers():
-    ref = type("Ref", (_Chat,), {"counts": Counter()})
-    cand = type("Cand", (_Chat,), {"counts": Counter(), "diverge": True})
-    with serve_in_thread(ref) as a, serve_in_thread(cand) as b:
+    """The reference and the candidate, which differs from it at token 3 of the last prompt, by a near-tie."""
+    with serve_in_thread(greedy_chat_stand_in()) as a, serve_in_thread(greedy_chat_stand_in(LONG_PROMPTS[-1])) as b:
         yield a, b
 
 

@@ -196,7 +196,7 @@ def test_stdio_walk_from_an_empty_models_root_to_compared_builds(tmp_path, monke
     start = D[7]
     assert start["platform"] == "cpu" and start["model"] == str(models / "tiny-emb4")
     assert start["first_completion"] is not None and start["base_url"].endswith(f":{port}")
-    assert start["start_fields"].get("model_loading_gib") is None  # a GPU figure, not faked on CPU
+    assert start["start_fields"].get("model_loading_gib") is None  # a GPU figure, not made up on CPU
     # a start's progress is phases with a fraction that only rises, and no message sent twice
     p7, m7 = progress[("deploy_cpu", 7)], [m for m in messages[("deploy_cpu", 7)] if m]
     assert p7 and p7 == sorted(p7) and len(m7) == len(set(m7))

@@ -579,7 +579,7 @@ def test_errors_echo_little_of_an_input_and_hide_symlink_targets(mcp, roots, tmp
     assert "outside the models roots" in link_msg and "very-secret-place" not in link_msg
 
 
-def _fake_run(folder: Path, label: str, tok_s: float) -> Path:
+def _stand_in_run(folder: Path, label: str, tok_s: float) -> Path:
     from tools.measure.sweep.params import CellResult, SweepResult
     from tools.measure.sweep.report import write_run
 
@@ -594,7 +594,7 @@ def _fake_run(folder: Path, label: str, tok_s: float) -> Path:
 
 def test_compare_sweeps_never_overwrites_unless_forced_and_never_an_input(mcp, roots):
     ev = roots.evidence[0]
-    a, b = _fake_run(ev / "run-a", "a", 10.0), _fake_run(ev / "run-b", "b", 20.0)
+    a, b = _stand_in_run(ev / "run-a", "a", 10.0), _stand_in_run(ev / "run-b", "b", 20.0)
     summary_before = (a / "summary.json").read_text()
 
     async def go():
@@ -616,7 +616,7 @@ def test_compare_sweeps_never_overwrites_unless_forced_and_never_an_input(mcp, r
 
 def test_compare_sweeps_says_where_each_run_was_measured_and_how_cost_was_priced(mcp, roots):
     ev = roots.evidence[0]
-    a, b = _fake_run(ev / "run-a", "a", 10.0), _fake_run(ev / "run-b", "b", 20.0)
+    a, b = _stand_in_run(ev / "run-a", "a", 10.0), _stand_in_run(ev / "run-b", "b", 20.0)
     for folder, root in ((a, "/m/tiny-bf16-emb"), (b, "/m/tiny-emb4")):  # both measured on a CPU
         data = json.loads((folder / "summary.json").read_text())
         data["provenance"] = {"gpu_count": 0, "cpu_model": "Intel Xeon", "server": {"model_root": root}}
@@ -639,8 +639,8 @@ def test_compare_sweeps_says_where_each_run_was_measured_and_how_cost_was_priced
 
 def test_compare_sweeps_refuses_a_summary_linked_out_of_the_roots(mcp, roots, tmp_path):
     ev = roots.evidence[0]
-    a = _fake_run(ev / "run-a", "a", 10.0)
-    outside = _fake_run(tmp_path / "outside-run", "secret-label", 99.0)
+    a = _stand_in_run(ev / "run-a", "a", 10.0)
+    outside = _stand_in_run(tmp_path / "outside-run", "secret-label", 99.0)
     (ev / "run-link").mkdir()  # a real folder inside the root, its summary a link out of it
     (ev / "run-link" / "summary.json").symlink_to(outside / "summary.json")
 

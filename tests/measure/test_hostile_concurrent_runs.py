@@ -21,7 +21,7 @@ import pytest
 
 from tests.helpers.stand_ins import bench as stand_in_bench
 from tests.helpers.fixtures import ROOT
-from tests.helpers.stand_ins.measure import DecodeStandIn, MeasureStandIn, WriterStandIn, serve_in_thread
+from tests.helpers.stand_ins.measure import DecodeStandIn, MeasureStandIn, serve_in_thread, writer_stand_in
 from tools.core.atomic_files import HeldFolder, TempFolder, names_held, reserve_name
 from tools.core.errors import ToolFailure
 
@@ -123,8 +123,7 @@ def test_two_decodes_at_once_write_two_whole_runs(tmp_path):
 
 @pytest.fixture
 def writer_server():
-    handler = type("Handler", (WriterStandIn,), {"counts": Counter()})
-    with serve_in_thread(handler) as url:
+    with serve_in_thread(writer_stand_in(Counter())) as url:
         yield url
 
 

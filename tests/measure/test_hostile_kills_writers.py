@@ -24,7 +24,7 @@ import pytest
 
 from tests.helpers.fixtures import ROOT
 from tests.helpers.kill_matrix import SIGNALS, assert_ended, cli, signal_when
-from tests.helpers.stand_ins.measure import WriterStandIn, serve_in_thread
+from tests.helpers.stand_ins.measure import serve_in_thread, writer_stand_in
 
 PHASES = ["before-first-record", "between-records"]
 
@@ -32,9 +32,9 @@ PHASES = ["before-first-record", "between-records"]
 @pytest.fixture
 def server():
     """A fresh stand-in per case: a killed client's last request (still sleeping) never counts in the next."""
-    handler = type("Handler", (WriterStandIn,), {"counts": Counter()})
-    with serve_in_thread(handler) as url:
-        yield url, handler.counts
+    counts: Counter = Counter()
+    with serve_in_thread(writer_stand_in(counts)) as url:
+        yield url, counts
 
 
 def _reached(counts: Counter, path: str, phase: str) -> bool:

@@ -199,12 +199,12 @@ WRITTEN_AFTER = {"publish": False, "exchanged": True, "old-aside": True, "publis
 def _no_exchange(monkeypatch):
     real = renames.renameat2
 
-    def fake(a, b, flags):
+    def stand_in(a, b, flags):
         if flags == renames.RENAME_EXCHANGE:
             raise OSError(errno.EINVAL, "Invalid argument")
         return real(a, b, flags)
 
-    monkeypatch.setattr(renames, "renameat2", fake)
+    monkeypatch.setattr(renames, "renameat2", stand_in)
 
 
 @pytest.fixture
@@ -260,11 +260,11 @@ from tools.core import atomic, atomic_renames as renames
 from tools.cli import repack_cli as cli
 if {no_exchange}:
     real = renames.renameat2
-    def fake(a, b, flags):
+    def stand_in(a, b, flags):
         if flags == renames.RENAME_EXCHANGE:
             raise OSError(22, "Invalid argument")
         return real(a, b, flags)
-    renames.renameat2 = fake
+    renames.renameat2 = stand_in
 def step(s):
     if s == {step!r}:
         os.kill(os.getpid(), signal.SIGKILL)
@@ -470,7 +470,7 @@ time.sleep(600)
 """
 
 
-def _fake_leftover(folder: Path, name: str, token: str, lock: bool = True) -> Path:
+def _stand_in_leftover(folder: Path, name: str, token: str, lock: bool = True) -> Path:
     d = folder / f".{name}.partial-{token}"
     d.mkdir()
     (d / "f").write_bytes(b"x" * 10)
@@ -486,9 +486,9 @@ def test_liveness_is_the_lock_not_the_pid(src, tmp_path):
     pid, start = leftovers.own_id()
     dead_pid, dead_start = _dead_owner()
     dead = f"{dead_pid}-{dead_start}-0123abcd"
-    held = _fake_leftover(tmp_path, "a", dead)
-    free = _fake_leftover(tmp_path, "b", f"{pid}-{start}-0123abcd")  # this process's identity, but unlocked
-    foreign = _fake_leftover(tmp_path, "c", dead, lock=False)
+    held = _stand_in_leftover(tmp_path, "a", dead)
+    free = _stand_in_leftover(tmp_path, "b", f"{pid}-{start}-0123abcd")  # this process's identity, but unlocked
+    foreign = _stand_in_leftover(tmp_path, "c", dead, lock=False)
     holder = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, str(tmp_path / f".a.lock-{dead}")],
                               stdout=subprocess.PIPE, text=True)
     try:

@@ -11,7 +11,7 @@ from repack.stand_ins import tiny_model
 
 
 @pytest.fixture
-def fake_build(monkeypatch):
+def stand_in_build(monkeypatch):
     """Stands in for the training (seconds of torch): writes a small folder and counts its calls."""
     calls: list[dict] = []
     real = tiny_model.build_tiny_qat_checkpoint
@@ -32,41 +32,41 @@ def fake_build(monkeypatch):
     return calls
 
 
-def test_second_request_is_copied_from_the_cache(fake_build, tmp_path):
+def test_second_request_is_copied_from_the_cache(stand_in_build, tmp_path):
     cache = tmp_path / "cache"
     first = tiny_model.cached_tiny_qat_checkpoint(tmp_path / "a", cache_dir=cache)
     second = tiny_model.cached_tiny_qat_checkpoint(tmp_path / "b", cache_dir=cache, seed=0)  # a default, named
-    assert len(fake_build) == 1
+    assert len(stand_in_build) == 1
     assert second.path == tmp_path / "b" and second.accuracy == 0.99 and second.grid_tensors == ["a"]
     assert (first.path / "model.safetensors").read_bytes() == (second.path / "model.safetensors").read_bytes()
     # a copy, not the cache's own files: a test that damages its checkpoint leaves the cache intact
     (second.path / "model.safetensors").write_bytes(b"damaged")
     third = tiny_model.cached_tiny_qat_checkpoint(tmp_path / "c", cache_dir=cache)
-    assert (third.path / "model.safetensors").read_bytes() == b"w" * 100 and len(fake_build) == 1
+    assert (third.path / "model.safetensors").read_bytes() == b"w" * 100 and len(stand_in_build) == 1
 
 
-def test_other_arguments_train_another_model(fake_build, tmp_path):
+def test_other_arguments_train_another_model(stand_in_build, tmp_path):
     cache = tmp_path / "cache"
     tiny_model.cached_tiny_qat_checkpoint(tmp_path / "a", cache_dir=cache)
     tiny_model.cached_tiny_qat_checkpoint(tmp_path / "b", cache_dir=cache, on_grid=False)
     tiny_model.cached_tiny_qat_checkpoint(tmp_path / "c", cache_dir=cache, seed=1)
-    assert len(fake_build) == 3
+    assert len(stand_in_build) == 3
     assert len(list((cache / "tiny-model").iterdir())) == 3
 
 
-def test_a_failed_training_leaves_no_entry(fake_build, tmp_path):
+def test_a_failed_training_leaves_no_entry(stand_in_build, tmp_path):
     cache = tmp_path / "cache"
     with pytest.raises(RuntimeError, match="killed"):
         tiny_model.cached_tiny_qat_checkpoint(tmp_path / "a", cache_dir=cache, seed=13)
     assert list((cache / "tiny-model").iterdir()) == []
 
 
-def test_no_cache_trains_every_time(fake_build, tmp_path, monkeypatch):
+def test_no_cache_trains_every_time(stand_in_build, tmp_path, monkeypatch):
     tiny_model.cached_tiny_qat_checkpoint(tmp_path / "a", cache_dir=None)
     monkeypatch.setenv(tiny_model.CACHE_ENV, "")
     assert tiny_model.default_cache_dir() is None
     tiny_model.cached_tiny_qat_checkpoint(tmp_path / "b")
-    assert len(fake_build) == 2
+    assert len(stand_in_build) == 2
     monkeypatch.setenv(tiny_model.CACHE_ENV, str(tmp_path / "elsewhere"))
     assert tiny_model.default_cache_dir() == tmp_path / "elsewhere"
 

@@ -44,10 +44,10 @@ def _listens(port: int) -> bool:
 
 @pytest.fixture()
 def fleet(tmp_path):
-    """Fake running instances: make(name, port, platform, **state) starts a `sleep` (serve=True: a server on port)
-    as a launch starts it (its own session, a launch token, fixtures.launched), from the instance's folder, and
-    writes its state file; name "router" writes run/router.json for it instead (its backends: the instances named
-    in `backends`). Everything is killed at the end."""
+    """Stand-in running instances: make(name, port, platform, **state) starts a `sleep` (serve=True: a server on
+    port) as a launch starts it (its own session, a launch token, fixtures.launched), from the instance's folder,
+    and writes its state file; name "router" writes run/router.json for it instead (its backends: the instances
+    named in `backends`). Everything is killed at the end."""
     procs: list[subprocess.Popen] = []
 
     def make(name: str, port: int, platform: str = "cpu", serve: bool = False, backends: tuple = (), **state):

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from contextlib import ExitStack
+from http.server import BaseHTTPRequestHandler
 from urllib.parse import unquote, urlparse
+
+from tests.helpers.stand_ins.measure import serve_in_thread
 
 REPO = "acme/gemma-4-tiny-qat"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -105,16 +107,13 @@ class StandInHub:
             def do_HEAD(self):
                 self._route(True)
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        # shutdown() waits for the serve loop's next poll: 0.05 s, not the default 0.5 s
-        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05},
-                                       daemon=True)
+        self.handler = Handler
+        self.url = ""  # set while served (inside `with`)
+        self._served = ExitStack()
 
     def __enter__(self):
-        self.thread.start()
+        self.url = self._served.enter_context(serve_in_thread(self.handler))
         return self
 
     def __exit__(self, *exc):
-        self.server.shutdown()
-        self.server.server_close()
+        self._served.close()

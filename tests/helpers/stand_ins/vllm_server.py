@@ -97,7 +97,6 @@ def serve(port: int, model: Path, names: list[str]) -> None:
     spec = {**(json.loads(b.read_text()) if b.is_file() else {}),
             **json.loads(os.environ.get("VLLM_STAND_IN_BEHAVIOUR") or "{}")}
     mode = spec.get("mode", "serve")
-    answer = spec.get("answer", model.name)
     key = os.environ.get("VLLM_API_KEY")
     if os.environ.get("VLLM_STAND_IN_LOG"):
         with open(os.environ["VLLM_STAND_IN_LOG"], "a") as f:
@@ -117,6 +116,16 @@ def serve(port: int, model: Path, names: list[str]) -> None:
     if mode == "hang":
         time.sleep(600)
     time.sleep(float(spec.get("load_s", 0)))
+    server = ThreadingHTTPServer(("127.0.0.1", port), handler(model, names, spec, key))
+    server.daemon_threads = True
+    server.serve_forever()
+
+
+def handler(model: Path, names: list[str], spec: dict, key: str | None = None) -> type[BaseHTTPRequestHandler]:
+    """The server's HTTP side, for a build at `model` behaving as `spec` says (behaviour.json's keys): also served
+    in a thread by tests that need only that (tests.helpers.stand_ins.measure.serve_in_thread)."""
+    mode = spec.get("mode", "serve")
+    answer = spec.get("answer", model.name)
 
     class H(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1" if spec.get("decode") else "HTTP/1.0"
@@ -192,9 +201,7 @@ def serve(port: int, model: Path, names: list[str]) -> None:
                 pass
             self.close_connection = True
 
-    server = ThreadingHTTPServer(("127.0.0.1", port), H)
-    server.daemon_threads = True
-    server.serve_forever()
+    return H
 
 
 if __name__ == "__main__":

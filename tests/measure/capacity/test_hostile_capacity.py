@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from tests.helpers.stand_ins.measure import ModelsBodyStandIn, serve_in_thread
+from tests.helpers.stand_ins.measure import models_body_stand_in, serve_in_thread
 from tools.cli import main
 
 
@@ -33,8 +33,7 @@ def test_out_of_range_options_are_one_line_naming_the_flag(tmp_path, capsys, arg
 @pytest.mark.parametrize("body", ['[1, 2]', '{"data": {"a": 1}}', '{"data": ["x"]}',
                                   '{"data": [{"id": "m", "max_model_len": 1e999}]}', 'not json'])
 def test_a_server_that_does_not_list_models_is_one_line(tmp_path, capsys, body):
-    handler = type("H", (ModelsBodyStandIn,), {"body": body.encode()})
-    with serve_in_thread(handler) as url:
+    with serve_in_thread(models_body_stand_in(body.encode())) as url:
         rc = main(["capacity", "--base-url", url, "--out", str(tmp_path / "out"), "--json"])
     cap = capsys.readouterr()
     assert rc == 1 and "Traceback" not in cap.err

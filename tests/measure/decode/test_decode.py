@@ -291,7 +291,7 @@ def test_sweep_records_acceptance_per_cell():
     assert "Drafts accepted per cell: in=64 c=4: 50%" in markdown_run(res)
 
 
-def _fake_target(folder: Path, width: int = 128) -> Path:
+def _stand_in_target(folder: Path, width: int = 128) -> Path:
     """A stand-in for the tiny target: only what the drafter build reads (the embedding) and its config."""
     import torch
     from safetensors.torch import save_file
@@ -312,7 +312,7 @@ def test_tiny_drafter_has_the_assistant_layout_and_learns_the_pattern(tmp_path):
 
     from repack.stand_ins.tiny_model import build_tiny_drafter
 
-    target = _fake_target(tmp_path / "models" / "target")
+    target = _stand_in_target(tmp_path / "models" / "target")
     # 80 steps: the pattern is learnt whole by 40 (seeds 0-2); the default 300 is margin for the served drafter.
     info = build_tiny_drafter(tmp_path / "models" / "drafter", target, train_steps=80)
     assert info.accuracy > 0.95
@@ -326,7 +326,7 @@ def test_tiny_drafter_has_the_assistant_layout_and_learns_the_pattern(tmp_path):
     validate_speculative_config(json.dumps({"model": str(info.path), "num_speculative_tokens": 3}), str(target),
                                 models_roots=((tmp_path / "models").resolve(),))
     with pytest.raises(ValueError, match="expected"):
-        build_tiny_drafter(tmp_path / "d2", _fake_target(tmp_path / "wide", width=256))
+        build_tiny_drafter(tmp_path / "d2", _stand_in_target(tmp_path / "wide", width=256))
 
 
 def test_stream_chat_reads_token_ids_usage_and_sends_the_sampling():
@@ -397,7 +397,7 @@ def test_decode_sweep_runs_record_the_paths_they_have_once_finished(models, tmp_
                                                                 argv=["x"]))
     monkeypatch.setattr(server_mod, "stop_server", lambda cfg, **kw: None)
 
-    def fake_run_decode(params, **kw):  # what run_decode writes: a finished run folder under params.out
+    def stand_in_run_decode(params, **kw):  # what run_decode writes: a finished run folder under params.out
         run = evidence.EvidenceRun.create(params.out, params.label)
         res = DecodeResult(run_id=run.name, run_dir=str(run.path), label=params.label, sampling=params.sampling,
                            sampling_params={}, max_tokens=params.max_tokens, prompts=[])
@@ -405,7 +405,7 @@ def test_decode_sweep_runs_record_the_paths_they_have_once_finished(models, tmp_
         run.finish()
         return res
 
-    monkeypatch.setattr(decode_mod, "run_decode", fake_run_decode)
+    monkeypatch.setattr(decode_mod, "run_decode", stand_in_run_decode)
     res = run_decode_sweep(DecodeSweepParams(draft_tokens=[0], method="ngram", out=tmp_path / "ev"),
                            model=str(target), state_dir=str(tmp_path / "state"))
     [one] = res.runs

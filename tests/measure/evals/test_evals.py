@@ -18,6 +18,7 @@ from tools.measure.evals.results import (TASKS_DIR, EvalCompareParams, EvalParam
                                         confine_eval_params)
 
 from tests.helpers.fixtures import stand_in_eval_run
+from tests.helpers.stand_ins.measure import lm_eval_stand_in, serve_in_thread
 
 TASKS = ["tiny_pattern_mc", "tiny_pattern_gen"]
 
@@ -264,31 +265,8 @@ def test_eval_cli_json_and_compare_the_two_builds(emb4_run, bf16_server, offline
 def stub_server(tmp_path_factory):
     """An HTTP server that describes itself as vLLM does (/v1/models, /version) and serves nothing else: enough for
     the failures lm-eval reports before its first request, without starting vLLM."""
-    import http.server
-    import threading
-
-    from repack.stand_ins.tiny_model import _write_tokenizer
-
-    tok = tmp_path_factory.mktemp("stub-tokenizer")
-    _write_tokenizer(tok)
-    body = json.dumps({"data": [{"id": "stub", "root": str(tok), "max_model_len": 512}]}).encode()
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802
-            data = body if self.path == "/v1/models" else b'{"version": "stub"}'
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, *a):
-            pass
-
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-    yield f"http://127.0.0.1:{srv.server_address[1]}"
-    srv.shutdown()
+    with serve_in_thread(lm_eval_stand_in(tmp_path_factory.mktemp("stub-tokenizer"))) as url:
+        yield url
 
 
 def test_eval_unknown_task_is_one_line_and_leaves_nothing(stub_server, offline, tmp_path, capsys):

@@ -7,48 +7,24 @@ which the next write there, of any command, sweeps."""
 
 from __future__ import annotations
 
-import json
 import os
 import threading
-from http.server import BaseHTTPRequestHandler
 
 import psutil
 import pytest
 
 from tests.helpers.fixtures import ROOT
 from tests.helpers.kill_matrix import SIGNALS, assert_ended, assert_swept_by_the_next_write, cli, signal_when
-from tests.helpers.stand_ins.measure import serve_in_thread
+from tests.helpers.stand_ins.measure import lm_eval_stand_in, serve_in_thread
 
 
 
 @pytest.fixture(scope="module")
 def held(tmp_path_factory):
     """(base URL, a list that receives each completion request as it arrives)."""
-    from repack.stand_ins.tiny_model import _write_tokenizer
-
-    tok = tmp_path_factory.mktemp("tokenizer")
-    _write_tokenizer(tok)
-    models = json.dumps({"data": [{"id": "stub", "root": str(tok), "max_model_len": 512}]}).encode()
     arrived: list[str] = []
-    release = threading.Event()
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802
-            data = models if self.path == "/v1/models" else b'{"version": "stand-in"}'
-            self.send_response(200)
-            self.send_header("content-type", "application/json")
-            self.send_header("content-length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def do_POST(self):  # noqa: N802
-            arrived.append(self.path)
-            release.wait(120)  # held: lm-eval waits inside its run
-
-        def log_message(self, *a):
-            pass
-
-    with serve_in_thread(Handler) as url:
+    release = threading.Event()  # until set, every completion request is held: lm-eval waits inside its run
+    with serve_in_thread(lm_eval_stand_in(tmp_path_factory.mktemp("tokenizer"), arrived, release)) as url:
         yield url, arrived
         release.set()  # before the server shuts down: a held request ends
 

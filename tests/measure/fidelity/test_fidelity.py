@@ -1,7 +1,7 @@
 """Logprob fidelity (`./vllm-t4 fidelity record|check`): the metric, bad input, and the real engine.
 
-The fast tests run against a small in-process HTTP server that speaks the few vLLM endpoints the tool uses, with
-a bigram "model" whose logits a test can perturb; the `vllm` tests use real vLLM CPU servers of the tiny builds,
+The fast tests run against a stand-in server in this process (tests/helpers/stand_ins/fidelity.py) that speaks the
+few vLLM endpoints the tool uses, with a bigram "model" whose logits a test can perturb; the `vllm` tests use real vLLM CPU servers of the tiny builds,
 including a negative control: a build whose scales were deliberately damaged must fail every metric.
 """
 
@@ -9,24 +9,17 @@ from __future__ import annotations
 
 import json
 import math
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tests.helpers.stand_ins.fidelity import VOCAB, StandInVllm, log_softmax
 from tools.cli import main as cli_main
 from tools.measure.fidelity import files, run as fid
 
 # ---------------------------------------------------------------------------------------------------------------
 # The metric against brute force on full distributions
-
-
-def _log_softmax(x):
-    x = np.asarray(x, dtype=np.float64)
-    m = x.max()
-    return x - m - math.log(np.exp(x - m).sum())
 
 
 def _topk(lp, k):
@@ -40,7 +33,7 @@ def _full_kl(lp_p, lp_q):
 
 
 def test_identical_distributions_score_zero():
-    lp = _log_softmax(np.random.default_rng(0).normal(size=50))
+    lp = log_softmax(np.random.default_rng(0).normal(size=50))
     s = fid.score_position(_topk(lp, 5), (7, lp[7]), _topk(lp, 5), (7, lp[7]))
     assert s.kld == pytest.approx(0.0, abs=1e-12)
     assert s.kld_lower_bound == pytest.approx(0.0, abs=1e-12)
@@ -52,8 +45,8 @@ def test_identical_distributions_score_zero():
 def test_partition_kld_bounds_and_converges_to_full_kld(seed):
     rng = np.random.default_rng(seed)
     a = rng.normal(size=40) * 3
-    lp_p = _log_softmax(a)
-    lp_q = _log_softmax(a + rng.normal(size=40) * (0.05 + seed / 10))
+    lp_p = log_softmax(a)
+    lp_q = log_softmax(a + rng.normal(size=40) * (0.05 + seed / 10))
     tok = int(rng.integers(40))
     full = _full_kl(lp_p, lp_q)
     s = fid.score_position(_topk(lp_p, 5), (tok, lp_p[tok]), _topk(lp_q, 5), (tok, lp_q[tok]))
@@ -82,97 +75,7 @@ def test_missing_token_gets_the_candidates_kth_probability_at_most():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# A stand-in vLLM server: /v1/models, /tokenize, /detokenize, /v1/completions with prompt_logprobs
-
-
-VOCAB = 64
-BOS = 2
-
-
-class FakeVllm:
-    """Bytes map to tokens 4 + byte % 60; token t is followed according to a fixed random bigram table."""
-
-    def __init__(self, *, seed=0, noise=0.0, prompt_logprobs=True, max_model_len=256, token_offset=4,
-                 root: Path | None = None):
-        rng = np.random.default_rng(123)
-        self.table = rng.normal(size=(VOCAB, VOCAB)) * 2.5
-        if noise:
-            self.table = self.table + np.random.default_rng(seed).normal(size=self.table.shape) * noise
-        self.prompt_logprobs = prompt_logprobs
-        self.max_model_len = max_model_len
-        self.token_offset = token_offset
-        self.root = root
-        self.requests = 0
-        fake = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *a):
-                pass
-
-            def _send(self, code, obj):
-                data = json.dumps(obj).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def do_GET(self):
-                if self.path == "/v1/models":
-                    self._send(200, {"data": [{"id": "fake", "root": str(fake.root) if fake.root else "fake",
-                                               "max_model_len": fake.max_model_len}]})
-                else:
-                    self._send(404, {"detail": "Not Found"})
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                if self.path == "/tokenize":
-                    text = body.get("prompt")
-                    if text is None:
-                        text = "<chat>" + "".join(m["content"] for m in body["messages"])
-                    ids = [fake.token_offset + b % 60 for b in text.encode()]
-                    if body.get("add_special_tokens"):
-                        ids = [BOS] + ids
-                    self._send(200, {"tokens": ids, "count": len(ids), "max_model_len": fake.max_model_len})
-                elif self.path == "/detokenize":
-                    self._send(200, {"prompt": "".join(chr(32 + t % 90) for t in body["tokens"])})
-                elif self.path == "/v1/completions":
-                    fake.requests += 1
-                    self._send(200, fake.complete(body))
-                else:
-                    self._send(404, {"detail": "Not Found"})
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        # shutdown() waits for the serve loop's next poll: 0.05 s, not the default 0.5 s
-        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-
-    @property
-    def url(self):
-        return f"http://127.0.0.1:{self.httpd.server_address[1]}"
-
-    def complete(self, body):
-        ids, k = body["prompt"], body.get("prompt_logprobs")
-        choice = {"text": "x", "index": 0}
-        if self.prompt_logprobs and k is not None:
-            plp = [None]
-            for j in range(1, len(ids)):
-                lp = _log_softmax(self.table[ids[j - 1]]).astype(np.float32).astype(np.float64)
-                order = np.argsort(-lp, kind="stable")
-                ranks = {int(t): r + 1 for r, t in enumerate(order)}
-                entry = {str(int(t)): {"logprob": float(lp[t]), "rank": ranks[int(t)], "decoded_token": "?"}
-                         for t in order[:k]}
-                entry[str(ids[j])] = {"logprob": float(lp[ids[j]]), "rank": ranks[ids[j]], "decoded_token": "?"}
-                plp.append(entry)
-            choice["prompt_logprobs"] = plp
-        return {"choices": [choice]}
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *a):
-        self.httpd.shutdown()
-        self.httpd.server_close()
+# Record and check against the stand-in server (tests/helpers/stand_ins/fidelity.py)
 
 
 @pytest.fixture
@@ -190,7 +93,7 @@ def _cli(capsys, *argv):
 
 def test_record_then_check_same_server_is_perfect_agreement(tmp_path, corpus, capsys):
     ref = tmp_path / "ref.json"
-    with FakeVllm() as srv:
+    with StandInVllm() as srv:
         rc, out, err = _cli(capsys, "fidelity", "record", "--out", str(ref), "--corpus", str(corpus),
                             "--window", "100", "--max-corpus-tokens", "450", "--base-url", srv.url, "--json")
         assert rc == 0, err
@@ -212,10 +115,10 @@ def test_record_then_check_same_server_is_perfect_agreement(tmp_path, corpus, ca
 
 def test_check_against_a_perturbed_model_fails_the_metrics(tmp_path, corpus, capsys):
     ref = tmp_path / "ref.json"
-    with FakeVllm() as srv:
+    with StandInVllm() as srv:
         assert _cli(capsys, "fidelity", "record", "--out", str(ref), "--corpus", str(corpus), "--window", "200",
                     "--base-url", srv.url)[0] == 0
-    with FakeVllm(noise=1.0) as srv:
+    with StandInVllm(noise=1.0) as srv:
         rc, out, err = _cli(capsys, "fidelity", "check", str(ref), "--base-url", srv.url, "--json", "--worst", "3")
         rc_text, text, _ = _cli(capsys, "fidelity", "check", str(ref), "--base-url", srv.url)
     assert rc == 0 and rc_text == 0, err
@@ -245,7 +148,7 @@ def test_record_streams_one_window_at_a_time(tmp_path, corpus, monkeypatch):
         seen.append(self.f.tmp.read_text().count('"index":'))
 
     monkeypatch.setattr(files.RefWriter, "window", spy)
-    with FakeVllm() as srv:
+    with StandInVllm() as srv:
         fid.record_logprobs(fid.RecordLogprobsParams(out=str(ref), corpus=str(corpus), window=100,
                                                      base_url=srv.url))
     assert seen == list(range(1, 14))
@@ -271,7 +174,7 @@ def test_corpus_shorter_than_one_window_is_refused(tmp_path, capsys):
     short = tmp_path / "c.txt"
     short.write_text("only a few tokens")
     ref = tmp_path / "ref.json"
-    with FakeVllm() as srv:
+    with StandInVllm() as srv:
         rc, _, err = _cli(capsys, "fidelity", "record", "--out", str(ref), "--corpus", str(short),
                           "--base-url", srv.url)
     assert rc == 2 and "shorter than one window" in err and "--window" in err
@@ -281,7 +184,7 @@ def test_corpus_shorter_than_one_window_is_refused(tmp_path, capsys):
 def test_existing_out_is_kept_unless_force(tmp_path, corpus, capsys):
     ref = tmp_path / "ref.json"
     ref.write_text("precious")
-    with FakeVllm() as srv:
+    with StandInVllm() as srv:
         rc, _, err = _cli(capsys, "fidelity", "record", "--out", str(ref), "--corpus", str(corpus),
                           "--base-url", srv.url)
         assert rc == 2 and "--force" in err and ref.read_text() == "precious"
@@ -305,7 +208,7 @@ def test_failure_midway_leaves_no_reference(tmp_path, corpus, monkeypatch):
         return real(self, *a, **kw)
 
     monkeypatch.setattr(fid.ServerClient, "prompt_logprobs", fail_third)
-    with FakeVllm() as srv, pytest.raises(KeyboardInterrupt):
+    with StandInVllm() as srv, pytest.raises(KeyboardInterrupt):
         fid.record_logprobs(fid.RecordLogprobsParams(out=str(ref), corpus=str(corpus), window=100,
                                                      base_url=srv.url))
     assert list(tmp_path.iterdir()) == [corpus]
@@ -313,7 +216,7 @@ def test_failure_midway_leaves_no_reference(tmp_path, corpus, monkeypatch):
 
 def test_server_without_prompt_logprobs_is_refused(tmp_path, corpus, capsys):
     ref = tmp_path / "ref.json"
-    with FakeVllm(prompt_logprobs=False) as srv:
+    with StandInVllm(prompt_logprobs=False) as srv:
         rc, _, err = _cli(capsys, "fidelity", "record", "--out", str(ref), "--corpus", str(corpus),
                           "--base-url", srv.url)
     assert rc == 2 and "prompt_logprobs" in err and len(err.strip().splitlines()) == 1
@@ -322,11 +225,11 @@ def test_server_without_prompt_logprobs_is_refused(tmp_path, corpus, capsys):
 
 def test_reference_from_another_tokenizer_is_refused(tmp_path, corpus, capsys):
     ref = tmp_path / "ref.json"
-    with FakeVllm() as srv:
+    with StandInVllm() as srv:
         assert _cli(capsys, "fidelity", "record", "--out", str(ref), "--corpus", str(corpus), "--window", "500",
                     "--base-url", srv.url)[0] == 0
     before = ref.read_bytes()
-    with FakeVllm(token_offset=3) as srv:
+    with StandInVllm(token_offset=3) as srv:
         rc, out, err = _cli(capsys, "fidelity", "check", str(ref), "--base-url", srv.url)
         assert srv.requests == 0
     assert rc == 2 and "tokenizer" in err and out == ""
@@ -340,21 +243,21 @@ def test_reference_from_another_shape_is_refused(tmp_path, corpus, capsys):
         (folder / "config.json").write_text(json.dumps({"text_config": {"vocab_size": VOCAB, "hidden_size": 128,
                                                                         "num_hidden_layers": layers}}))
     ref = tmp_path / "ref.json"
-    with FakeVllm(root=a) as srv:
+    with StandInVllm(root=a) as srv:
         assert _cli(capsys, "fidelity", "record", "--out", str(ref), "--corpus", str(corpus), "--window", "500",
                     "--base-url", srv.url)[0] == 0
     assert json.loads(ref.read_text())["header"]["vocab_size"] == VOCAB
-    with FakeVllm(root=b) as srv:
+    with StandInVllm(root=b) as srv:
         rc, _, err = _cli(capsys, "fidelity", "check", str(ref), "--base-url", srv.url)
     assert rc == 2 and "num_hidden_layers" in err
 
 
 def test_window_longer_than_the_candidates_context_is_refused(tmp_path, corpus, capsys):
     ref = tmp_path / "ref.json"
-    with FakeVllm(max_model_len=512) as srv:
+    with StandInVllm(max_model_len=512) as srv:
         assert _cli(capsys, "fidelity", "record", "--out", str(ref), "--corpus", str(corpus), "--window", "400",
                     "--base-url", srv.url)[0] == 0
-    with FakeVllm(max_model_len=256) as srv:
+    with StandInVllm(max_model_len=256) as srv:
         rc, _, err = _cli(capsys, "fidelity", "check", str(ref), "--base-url", srv.url)
     assert rc == 2 and "max_model_len" in err
 
@@ -386,7 +289,7 @@ def test_shipped_corpus_is_utf8_text_of_several_windows():
 
 def test_compare_logprobs_dispatches_both_modes(tmp_path, corpus):
     ref = tmp_path / "ref.json"
-    with FakeVllm() as srv:
+    with StandInVllm() as srv:
         rec = fid.compare_logprobs(fid.CompareLogprobsParams(mode="record", reference=str(ref), corpus=str(corpus),
                                                              window=200, base_url=srv.url))
         res = fid.compare_logprobs(fid.CompareLogprobsParams(mode="check", reference=str(ref), base_url=srv.url))
@@ -477,14 +380,14 @@ def test_compare_record_long_adds_the_needle_prompts(tmp_path, monkeypatch, caps
     asked = {}
     monkeypatch.setattr(ct, "long_prompts", lambda base, **kw: asked.setdefault("long", ["NEEDLE PROMPT"]))
 
-    def fake_generate(base, prompts, **kw):
+    def stand_in_generate(base, prompts, **kw):
         asked["prompts"] = prompts
         return ct.TokenRecord(created="now", base_url=base, max_tokens=kw["max_tokens"],
                               top_logprobs=kw["top_logprobs"],
                               generations=[ct.Generation(prompt=p, token_ids=[1], text="", prompt_tokens=9)
                                            for p in prompts])
 
-    monkeypatch.setattr(ct, "generate", fake_generate)
+    monkeypatch.setattr(ct, "generate", stand_in_generate)
     out = tmp_path / "tokens.json"
     rc = cli_main(["compare", "record", "--out", str(out), "--long", "--base-url", "http://127.0.0.1:9"])
     assert rc == 0

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import psutil
 import pytest
 
 from tests.helpers.stand_ins import bench as stand_in_bench
+from tests.helpers.stand_ins.measure import prefix_cache_stand_in, serve_in_thread
 from tools.measure.sweep.params import CellSpec, SweepParams, SweepResult, raw_name
 from tools.measure.sweep.worker import BenchWorker
 from tools.measure.sweep.run import _run_cells
@@ -25,7 +24,7 @@ from tools.measure.sweep.run import _run_cells
 
 
 @pytest.fixture
-def fake_vllm(tmp_path, monkeypatch):
+def stand_in_vllm(tmp_path, monkeypatch):
     root, pids, log = stand_in_bench.install(tmp_path)
     monkeypatch.setenv("PYTHONPATH", str(root))
     monkeypatch.setenv("STAND_IN_BENCH_PIDS", str(pids))
@@ -38,37 +37,8 @@ def metrics_server():
     """A stand-in for the server's /metrics: prefix-cache counters that GET /add?N raises by N queries (and N//4
     hits); yields (base_url, state) where state counts the /metrics reads."""
     state = {"queries": 0, "hits": 0, "reads": 0}
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):
-            if self.path.startswith("/add?"):
-                n = int(self.path.split("?", 1)[1])
-                state["queries"] += n
-                state["hits"] += n // 4
-                body = b"ok"
-            elif self.path == "/metrics":
-                state["reads"] += 1
-                body = (f'vllm:prefix_cache_queries_total{{engine="0"}} {state["queries"]}.0\n'
-                        f'vllm:prefix_cache_hits_total{{engine="0"}} {state["hits"]}.0\n').encode()
-            else:
-                self.send_error(404)
-                return
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
-    try:
-        yield f"http://127.0.0.1:{srv.server_address[1]}", state
-    finally:
-        srv.shutdown()
-        srv.server_close()
+    with serve_in_thread(prefix_cache_stand_in(state)) as url:
+        yield url, state
 
 
 def _spec(raw: Path, input_len: int, repeats=(0, 1), *, concurrency: int = 1, base_url: str = "http://127.0.0.1:9",
@@ -83,7 +53,7 @@ def _record(raw: Path, input_len: int, k: int, concurrency: int = 1) -> dict:
     return json.loads((raw / raw_name(input_len, concurrency, k)).read_text())["repeat_result"]
 
 
-def test_one_worker_serves_every_cell(fake_vllm, tmp_path):
+def test_one_worker_serves_every_cell(stand_in_vllm, tmp_path):
     raw = tmp_path / "raw"
     raw.mkdir()
     with BenchWorker() as worker:
@@ -91,9 +61,9 @@ def test_one_worker_serves_every_cell(fake_vllm, tmp_path):
             assert worker.run_cell(_spec(raw, n), timeout_s=60) == (0, None)
         pid = worker.proc.pid
     assert worker.starts == 1
-    assert [p.name for p in fake_vllm.iterdir()] == [str(pid)]  # every cell ran in that one process
+    assert [p.name for p in stand_in_vllm.iterdir()] == [str(pid)]  # every cell ran in that one process
     # warm-up + two repeats per cell, in order
-    assert (fake_vllm / str(pid)).read_text().split() == [x for n in (10, 11, 12) for x in [str(n)] * 3]
+    assert (stand_in_vllm / str(pid)).read_text().split() == [x for n in (10, 11, 12) for x in [str(n)] * 3]
     for n in (10, 11, 12):
         assert [_record(raw, n, k)["status"] for k in (0, 1)] == ["ok", "ok"]
         assert _record(raw, n, 0)["metrics"]["output_throughput"] == float(n)
@@ -101,7 +71,7 @@ def test_one_worker_serves_every_cell(fake_vllm, tmp_path):
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
-def test_a_dead_worker_fails_its_cell_only_and_the_next_cell_gets_a_new_one(fake_vllm, tmp_path):
+def test_a_dead_worker_fails_its_cell_only_and_the_next_cell_gets_a_new_one(stand_in_vllm, tmp_path):
     raw = tmp_path / "raw"
     raw.mkdir()
     with BenchWorker() as worker:
@@ -114,7 +84,7 @@ def test_a_dead_worker_fails_its_cell_only_and_the_next_cell_gets_a_new_one(fake
     assert _record(raw, 12, 1)["status"] == "ok"
 
 
-def test_a_hung_cell_is_stopped_at_its_time_limit_with_its_whole_group(fake_vllm, tmp_path):
+def test_a_hung_cell_is_stopped_at_its_time_limit_with_its_whole_group(stand_in_vllm, tmp_path):
     raw = tmp_path / "raw"
     raw.mkdir()
     with BenchWorker() as worker:
@@ -127,7 +97,7 @@ def test_a_hung_cell_is_stopped_at_its_time_limit_with_its_whole_group(fake_vllm
     assert worker.starts == 2
 
 
-def test_an_interrupt_ends_the_worker(fake_vllm, tmp_path, monkeypatch):
+def test_an_interrupt_ends_the_worker(stand_in_vllm, tmp_path, monkeypatch):
     import select
 
     raw = tmp_path / "raw"
@@ -148,7 +118,7 @@ def test_an_interrupt_ends_the_worker(fake_vllm, tmp_path, monkeypatch):
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
-def test_the_tokenizer_is_loaded_once_per_worker_and_vllm_reads_no_metrics_itself(fake_vllm, tmp_path):
+def test_the_tokenizer_is_loaded_once_per_worker_and_vllm_reads_no_metrics_itself(stand_in_vllm, tmp_path):
     raw = tmp_path / "raw"
     raw.mkdir()
     with BenchWorker() as worker:
@@ -162,7 +132,7 @@ def test_the_tokenizer_is_loaded_once_per_worker_and_vllm_reads_no_metrics_itsel
     assert _record(raw, 10, 1, concurrency=2)["status"] == "ok"
 
 
-def test_one_metrics_read_per_repeat_and_the_counters_stay_exact(fake_vllm, metrics_server, tmp_path):
+def test_one_metrics_read_per_repeat_and_the_counters_stay_exact(stand_in_vllm, metrics_server, tmp_path):
     url, state = metrics_server
     raw = tmp_path / "raw"
     raw.mkdir()
@@ -182,7 +152,7 @@ def test_one_metrics_read_per_repeat_and_the_counters_stay_exact(fake_vllm, metr
             assert (rec["prefix_cache_queries"], rec["prefix_cache_hits"]) == (n * 2, n * 2 // 4)
 
 
-def test_requests_that_fail_fail_the_cell_from_their_results(fake_vllm, tmp_path):
+def test_requests_that_fail_fail_the_cell_from_their_results(stand_in_vllm, tmp_path):
     raw = tmp_path / "raw"
     raw.mkdir()
     with BenchWorker() as worker:
@@ -200,7 +170,7 @@ def test_requests_that_fail_fail_the_cell_from_their_results(fake_vllm, tmp_path
         assert _record(raw, 15, k)["reason"] == "warm-up failed: 0 of 1 requests completed, 1 failed: Cannot connect to host"
 
 
-def test_health_is_asked_only_after_a_failed_cell(fake_vllm, tmp_path, monkeypatch):
+def test_health_is_asked_only_after_a_failed_cell(stand_in_vllm, tmp_path, monkeypatch):
     from tools.serving.server import health
 
     asked: list[str] = []
@@ -226,7 +196,7 @@ def test_health_is_asked_only_after_a_failed_cell(fake_vllm, tmp_path, monkeypat
     assert len(asked) == 3
     assert "no longer answers /health" in res.cells[2].reason
     assert "did not answer /health" in res.cells[3].reason
-    sent = [x for f in fake_vllm.iterdir() for x in f.read_text().split()]
+    sent = [x for f in stand_in_vllm.iterdir() for x in f.read_text().split()]
     assert "16" not in sent and sent.count("12") == 3
     assert json.loads((run_dir / "summary.json").read_text())["cells"][4]["status"] == "ok"
 
@@ -253,7 +223,7 @@ raise SystemExit(cli.main([]))
 '''
 
 
-def _hold_a_hung_cell(fake_vllm, tmp_path):
+def _hold_a_hung_cell(stand_in_vllm, tmp_path):
     import subprocess
     import sys
     import time
@@ -263,10 +233,10 @@ def _hold_a_hung_cell(fake_vllm, tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", _HOLDER, _spec(raw, 14, warmup=False).model_dump_json()],
                             cwd=str(Path(__file__).resolve().parents[3]))
     deadline = time.monotonic() + 60
-    while not any(fake_vllm.iterdir()):  # the worker is inside the hung benchmark call
+    while not any(stand_in_vllm.iterdir()):  # the worker is inside the hung benchmark call
         assert proc.poll() is None and time.monotonic() < deadline
         time.sleep(0.1)
-    return proc, int(next(fake_vllm.iterdir()).name)
+    return proc, int(next(stand_in_vllm.iterdir()).name)
 
 
 def _gone(pid: int, wait_s: float = 30) -> bool:
@@ -279,10 +249,10 @@ def _gone(pid: int, wait_s: float = 30) -> bool:
     return True
 
 
-def test_sigterm_ends_the_worker_and_exits_143(fake_vllm, tmp_path):
+def test_sigterm_ends_the_worker_and_exits_143(stand_in_vllm, tmp_path):
     import signal
 
-    proc, worker = _hold_a_hung_cell(fake_vllm, tmp_path)
+    proc, worker = _hold_a_hung_cell(stand_in_vllm, tmp_path)
     try:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 143
@@ -293,10 +263,10 @@ def test_sigterm_ends_the_worker_and_exits_143(fake_vllm, tmp_path):
                 os.kill(pid, signal.SIGKILL)
 
 
-def test_the_worker_ends_when_the_sweep_is_killed(fake_vllm, tmp_path):
+def test_the_worker_ends_when_the_sweep_is_killed(stand_in_vllm, tmp_path):
     import signal
 
-    proc, worker = _hold_a_hung_cell(fake_vllm, tmp_path)
+    proc, worker = _hold_a_hung_cell(stand_in_vllm, tmp_path)
     try:
         proc.kill()
         proc.wait(60)
@@ -306,7 +276,7 @@ def test_the_worker_ends_when_the_sweep_is_killed(fake_vllm, tmp_path):
             os.kill(worker, signal.SIGKILL)
 
 
-def test_a_cells_spec_keeps_its_seeds_and_is_recorded_with_each_repeat(fake_vllm, tmp_path):
+def test_a_cells_spec_keeps_its_seeds_and_is_recorded_with_each_repeat(stand_in_vllm, tmp_path):
     """The sweep's cells and the capacity search's points get their spec from one builder: the prompt seeds of
     earlier runs (so builds stay comparable and resumed sweeps measure the same prompts), the log beside the
     records, and the spec in raw/<stem>.spec.json and in each repeat's record with that repeat's seed."""

@@ -313,9 +313,9 @@ def test_vram_marks_each_instances_processes(tmp_path, fleet):
     b = fleet("b", free_port(), platform="cuda", gpus=[0], gpu_memory_utilization=0.45)
     owners = process_owners(load_config(ROOT / "tpu.env", state_dir=tmp_path / "run"))
     assert owners[a["pid"]] == "a" and owners[b["pid"]] == "b"
-    fake = StandInNvml([{"name": "Tesla T4", "total": T4_TOTAL, "used": 6000 * MIB, "util": 10,
-                      "compute": [(a["pid"], 3000 * MIB), (b["pid"], 2900 * MIB), (1, 100 * MIB)]}])
-    st = vram_status(nvml=fake, owners=owners)
+    stand_in = StandInNvml([{"name": "Tesla T4", "total": T4_TOTAL, "used": 6000 * MIB, "util": 10,
+                             "compute": [(a["pid"], 3000 * MIB), (b["pid"], 2900 * MIB), (1, 100 * MIB)]}])
+    st = vram_status(nvml=stand_in, owners=owners)
     procs = {p.pid: p for p in st.gpus[0].processes}
     assert (procs[a["pid"]].instance, procs[b["pid"]].instance, procs[1].instance) == ("a", "b", None)
     assert procs[a["pid"]].is_vllm_server and not procs[1].is_vllm_server and st.server_used_mib == 5900

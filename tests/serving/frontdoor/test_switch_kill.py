@@ -24,7 +24,7 @@ import pytest
 from tests.helpers.stand_ins import vllm_server as stand_in_vllm
 from tests.helpers.fixtures import ROOT, free_port
 from tests.helpers.kill_matrix import all_gone, assert_ended, cli, signal_when
-from tests.helpers.serving import Clients, TwoCores
+from tests.helpers.serving import Clients, TwoCores, until
 from tools.serving.frontdoor import door as frontdoor
 from tools.serving.records import router_state, state
 from tools.serving.server import switch_record
@@ -78,13 +78,6 @@ def _processes_of(model: str) -> list[int]:
     return out
 
 
-def _until(what: str, cond, timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, f"never {what}"
-        time.sleep(0.05)
-
-
 @pytest.mark.parametrize("sig", ["SIGKILL", "SIGINT"])
 @pytest.mark.parametrize("mode,phase", PHASES, ids=[f"{m}-{p.replace(' ', '-')}" for m, p in PHASES])
 def test_a_switching_command_signalled_at_each_phase_leaves_one_build_serving_and_no_request_failed(
@@ -122,7 +115,7 @@ def _signalled(front, tmp_path, mode: str, phase: str, sig: str, command: list[s
         switcher.append(running["pid"])
 
     with Clients(router_state.recorded(base).base_url) as clients:
-        _until("a request answered", lambda: clients.served())
+        until("a request answered", lambda: clients.served())
         proc = cli([*command, "--model", new, "--served-name", "new", "--cpus", "1" if mode == "beside" else "2"],
                    env, driver=["-m", "tests.helpers.stand_ins.switch", "cli"])
         err = signal_when(proc, reached, sig, phase, settle=settle)
@@ -132,9 +125,9 @@ def _signalled(front, tmp_path, mode: str, phase: str, sig: str, command: list[s
             assert said[0].startswith(f"vllm-t4: interrupt received: the switch (pid {switcher[0]}) ends safely"), err
             assert said[1].startswith("vllm-t4: the switch ended: last switch (") and "interrupted" in said[1], err
         assert all_gone(switcher, wait_s=60), "the switch process did not end"
-        _until(f"{want} answering", lambda: clients.served()[-1:] == [want])
+        until(f"{want} answering", lambda: clients.served()[-1:] == [want])
         n = len(clients.results)
-        _until("three more answers", lambda: len(clients.results) >= n + 3)
+        until("three more answers", lambda: len(clients.results) >= n + 3)
     assert clients.failed() == [], clients.failed()[:3]
     assert clients.served()[-1] == want
     if mode == "hold":  # announced before anything stopped
@@ -163,7 +156,7 @@ def test_while_a_switch_is_under_way_another_switch_a_router_stop_and_a_stop_of_
     proc = cli(["router", "switch", "--instance", "green", "--model", new, "--served-name", "new", "--cpus", "1"],
                env, driver=["-m", "tests.helpers.stand_ins.switch", "cli"])
     try:
-        _until("B ready", (tmp_path / "b-ready").exists)
+        until("B ready", (tmp_path / "b-ready").exists)
         running = router_state.switch_running(base)
         assert running and "switch to new" in running["what"], running
         stop = subprocess.run([sys.executable, "-m", "tests.helpers.stand_ins.switch", "cli", "router", "stop"], env=env,
@@ -191,7 +184,7 @@ def test_a_second_ctrl_c_does_not_cut_the_rollback_short(front, tmp_path):
     new = _build(tmp_path, "new", {})
     env = dict(env, STAND_IN_PAUSE_AT="b ready", STAND_IN_PAUSE_S=str(PAUSE_S))
     with Clients(router_state.recorded(base).base_url) as clients:
-        _until("a request answered", lambda: clients.served())
+        until("a request answered", lambda: clients.served())
         proc = cli(["router", "switch", "--instance", "green", "--model", new, "--served-name", "new", "--cpus",
                     "1"], env, driver=["-m", "tests.helpers.stand_ins.switch", "cli"])
         err = signal_when(proc, (tmp_path / "b-ready").exists, "SIGINT", "B ready",
@@ -199,7 +192,7 @@ def test_a_second_ctrl_c_does_not_cut_the_rollback_short(front, tmp_path):
         assert_ended("SIGINT", proc.returncode, err)
         assert router_state.switch_running(base) is None  # the rollback was over when the command ended
         n = len(clients.results)
-        _until("three more answers", lambda: len(clients.results) >= n + 3)
+        until("three more answers", lambda: len(clients.results) >= n + 3)
     assert clients.failed() == [] and clients.served()[-1] == "old"
     assert [x.instance for x in router_state.recorded(base).backends] == ["blue"]
     assert not replace(base, instance="green").state_file.exists() and _processes_of(new) == []
@@ -228,7 +221,7 @@ def test_a_cancelled_front_end_passes_the_cancellation_on_and_waits_for_the_roll
             switch_process.switch(base, b, progress=progress)
         assert router_state.switch_running(base) is None
         n = len(clients.results)
-        _until("three more answers", lambda: len(clients.results) >= n + 3)
+        until("three more answers", lambda: len(clients.results) >= n + 3)
     assert clients.failed() == [] and set(clients.served()) == {"old"}
     assert not b.state_file.exists() and _processes_of(b.model) == []
     assert switch_record.load_switch(base).message == "interrupted; unchanged (old serves)"

@@ -1,5 +1,5 @@
-"""Preflight (./vllm-t4 doctor): the CPU machine is ready with the GPU checks n/a; a stand-in T4 (FakeT4 hardware
-and a fake NVML, as in test_serve.py and test_vram.py) meets each failing check and its fix; start refuses with
+"""Preflight (./vllm-t4 doctor): the CPU machine is ready with the GPU checks n/a; a stand-in T4 (StandInT4 hardware
+and a stand-in NVML, as in test_serve.py and test_vram.py) meets each failing check and its fix; start refuses with
 the failing check's line."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[3]
 MIB = 1 << 20
 
 
-FakeT4 = stand_in_t4_hardware()
+StandInT4 = stand_in_t4_hardware()
 
 
 class StandInNvml:
@@ -148,7 +148,7 @@ def test_a_t4_without_the_clamp_swap_or_token(clean_env, tmp_path, monkeypatch):
         f.truncate(10 << 30)
     (model / "config.json").write_text(json.dumps({"text_config": {"max_position_embeddings": 8192}}))
     env_file = _env_file(tmp_path, MODEL_NAME="./models/big", MAX_MODEL_LEN="16384")
-    report = run_preflight(PreflightParams(env_file=str(env_file)), hardware=FakeT4(ram=8 << 30), nvml=StandInNvml(),
+    report = run_preflight(PreflightParams(env_file=str(env_file)), hardware=StandInT4(ram=8 << 30), nvml=StandInNvml(),
                            turing_target=target)
     c = _by_name(report.checks)
     assert report.platform == "cuda" and not report.ready
@@ -168,14 +168,14 @@ def test_a_t4_without_the_clamp_swap_or_token(clean_env, tmp_path, monkeypatch):
 
     monkeypatch.setenv("HF_TOKEN", "hf_test")
     turing_patch.apply(target)
-    c = _by_name(run_preflight(PreflightParams(env_file=str(env_file)), hardware=FakeT4(ram=8 << 30, swap=16 << 30),
+    c = _by_name(run_preflight(PreflightParams(env_file=str(env_file)), hardware=StandInT4(ram=8 << 30, swap=16 << 30),
                                nvml=StandInNvml(), turing_target=target).checks)
     assert c["turing_clamp"].status == "ok" and c["host_memory"].status == "ok" and c["hf_token"].status == "ok"
     assert "hf_test" not in json.dumps([x.model_dump() for x in c.values()])  # the token is never shown
 
 
 def test_gpu_memory_held_by_another_process_fails(clean_env, tmp_path):
-    c = _by_name(checks_for("all", env_file=_env_file(tmp_path), hardware=FakeT4(), nvml=StandInNvml(used_mib=9000)))
+    c = _by_name(checks_for("all", env_file=_env_file(tmp_path), hardware=StandInT4(), nvml=StandInNvml(used_mib=9000)))
     assert c["gpu_memory"].status == "fail" and "pid 4242" in c["gpu_memory"].fix
     assert "GPU_MEMORY_UTILIZATION" in c["gpu_memory"].fix
 
@@ -231,13 +231,13 @@ def test_demo_on_a_t4_runs_preflight_then_fetches_the_missing_source(clean_env, 
     calls: list[str] = []
     src = tmp_path / "models" / "gemma-4-E2B-it-qat-q4_0-unquantized"
 
-    def fake_fetch(params, progress=None):
+    def stand_in_fetch(params, progress=None):
         calls.append(params.repo_id)
         src.mkdir(parents=True)
         (src / "config.json").write_text("{}")
         return SimpleNamespace(out=str(src), files=[], total_bytes=0, already_present=False)
 
-    monkeypatch.setattr(demo, "fetch_checkpoint", fake_fetch)
+    monkeypatch.setattr(demo, "fetch_checkpoint", stand_in_fetch)
     # No token: refused with the licence page and HF_TOKEN, nothing fetched.
     with pytest.raises(ToolFailure, match="HF_TOKEN") as exc:
         demo._plan(opts, lambda m: None)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import psutil
 import pytest
@@ -125,21 +126,9 @@ def test_a_server_still_loading_is_waited_for_not_refused():
     """503 (and 429, 502, 504) mean "not yet": a server that answers /health while its model still loads."""
     import httpx
 
-    from http.server import BaseHTTPRequestHandler
-
     from tests.helpers.stand_ins.measure import serve_in_thread
 
-    class Loading(BaseHTTPRequestHandler):
-        def log_message(self, *a):
-            pass
-
-        def do_POST(self):
-            self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            self.send_response(503)
-            self.send_header("Content-Length", "7")
-            self.end_headers()
-            self.wfile.write(b"loading")
-
-    with serve_in_thread(Loading) as url, httpx.Client() as c:
+    loading = stand_in_vllm.handler(Path("m"), [], {"mode": "loading"})  # /health 200, every POST 503
+    with serve_in_thread(loading) as url, httpx.Client() as c:
         assert readiness.first_completion(c, url, "m") == (None, None)
         assert readiness.chat_warm_up(c, url, "m") == (False, None)

@@ -422,9 +422,7 @@ def test_the_measuring_clients_send_the_key(monkeypatch):
     """Every client of the server sends the bearer key from VLLM_API_KEY: the model listing of the measurements
     (provenance, ServerClient: capacity, fidelity), compare's greedy generation, and the children that read
     OPENAI_API_KEY (vllm bench serve in the sweep's worker, lm-eval)."""
-    from http.server import BaseHTTPRequestHandler
-
-    from tests.helpers.stand_ins.measure import serve_in_thread
+    from tests.helpers.stand_ins.measure import keyed_stand_in, serve_in_thread
     from tools.core.api_key import with_client_key
     from tools.measure.tokens.compare import generate
     from tools.measure.provenance import server_info
@@ -433,30 +431,7 @@ def test_the_measuring_clients_send_the_key(monkeypatch):
     key = "k-" + "x" * 40
     monkeypatch.setenv("VLLM_API_KEY", key)
     seen: list[str | None] = []
-    models = json.dumps({"data": [{"id": "m", "root": "/m", "max_model_len": 64}]})
-
-    class H(BaseHTTPRequestHandler):
-        def log_message(self, *a):
-            pass
-
-        def _send(self, body: str) -> None:
-            seen.append(self.headers.get("Authorization"))
-            data = body.encode()
-            self.send_response(200 if self.headers.get("Authorization") == f"Bearer {key}" else 401)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def do_GET(self):
-            self._send(models if self.path == "/v1/models" else "")
-
-        def do_POST(self):
-            self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            self._send(json.dumps({"choices": [{"message": {"content": "ok"}, "finish_reason": "stop",
-                                                "logprobs": {"content": []}, "token_ids": [1]}],
-                                   "usage": {"completion_tokens": 1}}))
-
-    with serve_in_thread(H) as url:
+    with serve_in_thread(keyed_stand_in(key, seen)) as url:
         assert server_info(url).model_id == "m"
         ServerClient(url, 10.0)
         try:

@@ -166,7 +166,7 @@ def test_a_folder_that_is_not_a_model_is_refused_before_launching(tmp_path, serv
 # ---------------------------------------------------------------------------------------------------------------
 # Refusals and bookkeeping that need no server start.
 
-FakeT4 = stand_in_t4_hardware()  # a Tesla T4 on a small host
+StandInT4 = stand_in_t4_hardware()  # a Tesla T4 on a small host
 
 
 def test_turing_gpu_needs_the_clamp_then_memory_needs_swap(tmp_path, serve_config_factory):
@@ -183,12 +183,12 @@ def test_turing_gpu_needs_the_clamp_then_memory_needs_swap(tmp_path, serve_confi
     cfg = serve_config_factory(model, "big")
 
     with pytest.raises(ToolFailure, match="Turing") as exc:
-        start_server(cfg, hardware=FakeT4(), turing_target=target)
+        start_server(cfg, hardware=StandInT4(), turing_target=target)
     assert "patch_triton_turing.py" in exc.value.render(CLI)
 
     turing_patch.apply(target)
     with pytest.raises(ToolFailure) as exc:
-        start_server(cfg, hardware=FakeT4(ram=8 << 30), turing_target=target)
+        start_server(cfg, hardware=StandInT4(ram=8 << 30), turing_target=target)
     assert "run `./vllm-t4 swap`" in exc.value.render(CLI)
     assert not cfg.state_file.exists() and not cfg.log_file.exists()  # refused before anything was launched
 
@@ -265,7 +265,7 @@ def test_swap_is_reported_and_never_enabled_implicitly(serve_config_factory, tmp
     assert not (tmp_path / "missing-dir").exists()
 
 
-class FakeT4WithVram(FakeT4):
+class StandInT4WithVram(StandInT4):
     def __init__(self) -> None:
         super().__init__()
         self.asked: list[int] = []
@@ -284,13 +284,14 @@ def _adopt(cfg, proc: subprocess.Popen, token: str, platform: str = "cpu") -> No
 
     write_state(cfg, ServerState(pid=proc.pid, pgid=proc.pid, create_time=psutil.Process(proc.pid).create_time(),
                                   launch=token,
-                                  host=cfg.host, port=cfg.port, base_url=cfg.base_url, model="m", served_name="fake",
-                                  argv=["fake"], platform=platform, started_at="2026-01-01T00:00:00+00:00",
+                                  host=cfg.host, port=cfg.port, base_url=cfg.base_url, model="m",
+                                  served_name="stand-in", argv=["stand-in"], platform=platform,
+                                  started_at="2026-01-01T00:00:00+00:00",
                                   started_ts=time.time() - 5, log_path=str(cfg.log_file)))
 
 
 def test_status_reports_vram_on_a_gpu_and_stop_ends_the_group(serve_config_factory, tmp_path):
-    cfg = serve_config_factory(tmp_path, "fake-gpu")
+    cfg = serve_config_factory(tmp_path, "stand-in-gpu")
     # A leader with a child in its group, like the API server and its engine core.
     proc, token = launched([sys.executable, "-c", "import subprocess, sys; "
                             "subprocess.Popen(['sleep', '60']); import time; time.sleep(60)"])
@@ -299,7 +300,7 @@ def test_status_reports_vram_on_a_gpu_and_stop_ends_the_group(serve_config_facto
         while len(group_alive(proc.pid)) < 2 and time.monotonic() < deadline:
             time.sleep(0.1)
         _adopt(cfg, proc, token, platform="cuda")
-        hw = FakeT4WithVram()
+        hw = StandInT4WithVram()
         st = server_status(cfg, hardware=hw)
         assert st.alive and not st.healthy and st.uptime_s >= 5  # nothing answers HTTP on its port
         assert st.vram.used_mib == 13581 and st.vram.total_mib == 15360
