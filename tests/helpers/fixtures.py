@@ -46,8 +46,8 @@ def one_line_error(err: str, *needles: str) -> str:
 
 def launched(argv: list[str], **popen) -> tuple[subprocess.Popen, str]:
     """Starts a stand-in for a process the project launches as the project launches it: in its own session, with
-    a launch token in its environment (records.state.launch_env). Returns it and the token its record holds."""
-    from tools.serving.records.state import launch_env, new_launch
+    a launch token in its environment (records.identity.launch_env). Returns it and the token its record holds."""
+    from tools.serving.records.identity import launch_env, new_launch
 
     token = new_launch()
     env = {**(popen.pop("env", None) or os.environ), **launch_env(token)}

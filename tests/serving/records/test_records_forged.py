@@ -1,6 +1,6 @@
 """Records forged to name a stranger: a same-user process started as `setsid sleep` with its real pid, group
 (== pid) and start time passes every check but one, that it is the program the project launched for the record
-(its launch token, records.state.LAUNCH_ENV). Such a record is damaged: stop signals nothing it names, and the
+(its launch token, records.identity.LAUNCH_ENV). Such a record is damaged: stop signals nothing it names, and the
 real server it hides is shown by status and stop (records.state.unrecorded). The front door and its builds are
 stand-in processes launched as the project launches them (tests/serving/conftest.py's fleet)."""
 
@@ -121,7 +121,7 @@ def _pgid(pid: int) -> int | None:
 def test_a_launched_vllm_keeps_its_token_readable_when_it_retitles_itself(tmp_path):
     """vLLM renames its processes (setproctitle), which would overwrite the environment /proc shows: the launch
     environment keeps it (SPT_NOENV), so a retitled server is still recognised as the one launched."""
-    from tools.serving.records.state import carries, launch_env, new_launch
+    from tools.serving.records.identity import carries, launch_env, new_launch
 
     token = new_launch()
     p = subprocess.Popen([sys.executable, "-c", "import setproctitle, sys, time; setproctitle.setproctitle("

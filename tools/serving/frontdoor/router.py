@@ -33,7 +33,8 @@ from tools.serving.server import engine_log, health
 from tools.serving.records import placement
 from tools.serving.config import ServeConfig
 from tools.serving.frontdoor.door import HOLD_S, hold_args, workers
-from tools.serving.records.state import DamagedState, launch_env, new_launch
+from tools.serving.records.identity import launch_env, new_launch
+from tools.serving.records.state import DamagedState
 from tools.serving.records.router_state import (Backend, RouterState, alive, group, load, log_file, recorded,
                                         refuse_while_switching, state_file, write)
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import secrets
 import threading
 import time
 from contextlib import contextmanager
@@ -20,42 +19,9 @@ from tools.core import process
 from tools.core.atomic_files import write_file
 from tools.core.errors import ToolFailure, op
 from tools.serving.config import ServeConfig
+from tools.serving.records.identity import carried_by, carries
 
 STATE_VERSION = 1
-# Every process the project launches carries a token of its own launch in its environment, and its record the
-# same token: what proves that a live pid (with the right start time, group and user) is the program launched for
-# that record and not a stranger a forged or stale record names. SPT_NOENV keeps it readable: vLLM retitles its
-# processes with setproctitle, which otherwise overwrites the environment that /proc/PID/environ shows.
-LAUNCH_ENV = "GEMMA4_T4_LAUNCH"
-
-
-def new_launch() -> str:
-    """A fresh launch token, for the record of a process about to be launched."""
-    return secrets.token_hex(16)
-
-
-def launch_env(token: str) -> dict[str, str]:
-    """The variables a launched process gets so that its record's identity check finds it."""
-    return {LAUNCH_ENV: token, "SPT_NOENV": "1"}
-
-
-def carries(proc: psutil.Process, token: str) -> bool:
-    """`proc`'s environment holds launch token `token` (False when unreadable or the token is empty)."""
-    if not token:
-        return False
-    # A process caught inside its exec shows an empty environment until the kernel has set up the new image's
-    # (its launcher's Popen may return by then): read again for a moment before it counts as not carrying it.
-    deadline = time.monotonic() + 1.0
-    while True:
-        try:
-            env = proc.environ()
-        except (psutil.Error, OSError):
-            return False
-        if env or time.monotonic() > deadline:
-            return env.get(LAUNCH_ENV) == token
-        time.sleep(0.01)
-
-
 class DamagedState(ToolFailure):
     """A state file that exists but does not hold its record; nothing it may name is signalled."""
 
@@ -143,7 +109,7 @@ class ProcessRecord(Record):
         psutil derives a start time from the wall clock's boot time, which moves when the clock is stepped."""
         proc = process.same_process(self.pid, self.create_time)
         if proc is None and self.launch:
-            proc = _carrier(self.pid, self.launch)
+            proc = carried_by(self.pid, self.launch)
         return proc
 
     def recycled(self) -> bool:
@@ -160,15 +126,6 @@ class ProcessRecord(Record):
         if self.leader() is not None:
             return members
         return [p for p in members if carries(p, self.launch)]
-
-
-def _carrier(pid: int, token: str) -> psutil.Process | None:
-    """The live process of `pid` when it carries launch token `token`."""
-    try:
-        proc = psutil.Process(pid)
-    except psutil.Error:
-        return None
-    return proc if process.is_running(proc) and carries(proc, token) else None
 
 
 def _name(proc: psutil.Process) -> str:
@@ -503,7 +460,7 @@ def our_group(state: ServerState) -> list[psutil.Process]:
     return state.group()
 
 
-__all__ = ["LAUNCH_ENV", "STATE_VERSION", "carries", "launch_env", "new_launch", "DamagedState", "InstanceBusy", "ProcessRecord", "Record", "Unrecorded", "unrecorded", "ReplaceRecord", "ServerState", "clear_replace",
-           "clear_state", "holder", "holder_text", "instance_lock", "leader", "load_replace", "load_state", "lock_file", "our_group",
+__all__ = ["STATE_VERSION", "DamagedState", "InstanceBusy", "ProcessRecord", "Record", "Unrecorded", "unrecorded",
+           "ReplaceRecord", "ServerState", "clear_replace", "clear_state", "holder", "holder_text", "instance_lock", "leader", "load_replace", "load_state", "lock_file", "our_group",
            "pid_recycled", "read_record", "replace_file", "replace_running", "try_instance_lock", "write_record",
            "write_replace", "write_state"]

@@ -26,7 +26,7 @@ from tools.core.process import end_group, signals_deferred
 from tools.core.progress import Progress
 from tools.gpu.vram import host_memory, server_process_pids
 from tools.serving.server import engine_log, health, readiness, switch_record
-from tools.serving.records import placement, state
+from tools.serving.records import identity, placement, state
 from tools.serving.config import DEFAULT_ENV_FILE, ServeConfig, looks_like_path
 from tools.serving.preflight.hardware import Hardware
 from tools.serving.preflight.model_files import model_position_limit
@@ -158,8 +158,8 @@ def launch_server(cfg: ServeConfig, argv: list[str], platform: str,
     child_env.pop(API_KEY_ENV, None)
     if api_key():  # the key is this command's (never recorded): vLLM reads it from its environment
         child_env[API_KEY_ENV] = api_key() or ""
-    token = state.new_launch()
-    child_env.update(state.launch_env(token))
+    token = identity.new_launch()
+    child_env.update(identity.launch_env(token))
     cfg.instance_dir.mkdir(parents=True, exist_ok=True)
     proc: subprocess.Popen | None = None
     gate_r, gate_w = os.pipe()

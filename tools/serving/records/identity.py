@@ -1,0 +1,56 @@
+"""Which process the project launched: every process it launches (a vLLM server, the router) carries a token of
+its own launch in its environment, and its record the same token. That proves that a live pid (with the right
+start time, group and user) is the program launched for that record, not a stranger a forged or stale record
+names."""
+
+from __future__ import annotations
+
+import secrets
+import time
+
+import psutil
+
+from tools.core import process
+
+# SPT_NOENV keeps the environment readable: vLLM retitles its processes with setproctitle, which otherwise
+# overwrites the environment that /proc/PID/environ shows.
+LAUNCH_ENV = "GEMMA4_T4_LAUNCH"
+
+
+def new_launch() -> str:
+    """A fresh launch token, for the record of a process about to be launched."""
+    return secrets.token_hex(16)
+
+
+def launch_env(token: str) -> dict[str, str]:
+    """The variables a launched process gets so that its record's identity check finds it."""
+    return {LAUNCH_ENV: token, "SPT_NOENV": "1"}
+
+
+def carries(proc: psutil.Process, token: str) -> bool:
+    """`proc`'s environment holds launch token `token` (False when unreadable or the token is empty)."""
+    if not token:
+        return False
+    # A process caught inside its exec shows an empty environment until the kernel has set up the new image's
+    # (its launcher's Popen may return by then): read again for a moment before it counts as not carrying it.
+    deadline = time.monotonic() + 1.0
+    while True:
+        try:
+            env = proc.environ()
+        except (psutil.Error, OSError):
+            return False
+        if env or time.monotonic() > deadline:
+            return env.get(LAUNCH_ENV) == token
+        time.sleep(0.01)
+
+
+def carried_by(pid: int, token: str) -> psutil.Process | None:
+    """The live process of `pid` when it carries launch token `token`."""
+    try:
+        proc = psutil.Process(pid)
+    except psutil.Error:
+        return None
+    return proc if process.is_running(proc) and carries(proc, token) else None
+
+
+__all__ = ["LAUNCH_ENV", "carried_by", "carries", "launch_env", "new_launch"]
