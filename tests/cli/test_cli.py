@@ -11,7 +11,8 @@ import pytest
 
 from tests.helpers.fixtures import ROOT
 from tools import cli
-from tools.cli.commands import MODULES
+from tools.cli import MODULES
+from tools.core.commands import COMMAND_LINES
 
 
 def _commands(parser: argparse.ArgumentParser) -> list[str]:
@@ -20,6 +21,10 @@ def _commands(parser: argparse.ArgumentParser) -> list[str]:
 
 def test_every_command_is_in_the_table_under_the_module_that_registers_it():
     assert sorted(_commands(cli.build_parser())) == sorted(MODULES)
+    typed = {line.split()[1] for line, _ in COMMAND_LINES.values() if line.startswith("./vllm-t4 ")}
+    assert typed == set(MODULES)
+    # A string the import check cannot see names only the command line's own modules: no hidden layer break.
+    assert all(m == "tools.cli" or m.startswith("tools.cli.") for m in MODULES.values())
     for module in set(MODULES.values()):
         sub = argparse.ArgumentParser().add_subparsers()
         importlib.import_module(module).register(sub)
