@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
+import os
 import subprocess
 import sys
 
@@ -11,7 +13,8 @@ import pytest
 
 from tests.helpers.fixtures import ROOT
 from tools import cli
-from tools.cli.commands import MODULES
+from tools.cli import MODULES
+from tools.core.commands import COMMAND_LINES
 
 
 def _commands(parser: argparse.ArgumentParser) -> list[str]:
@@ -20,6 +23,10 @@ def _commands(parser: argparse.ArgumentParser) -> list[str]:
 
 def test_every_command_is_in_the_table_under_the_module_that_registers_it():
     assert sorted(_commands(cli.build_parser())) == sorted(MODULES)
+    typed = {line.split()[1] for line, _ in COMMAND_LINES.values() if line.startswith("./vllm-t4 ")}
+    assert typed == set(MODULES)
+    # A string the import check cannot see names only the command line's own modules: no hidden layer break.
+    assert all(m == "tools.cli" or m.startswith("tools.cli.") for m in MODULES.values())
     for module in set(MODULES.values()):
         sub = argparse.ArgumentParser().add_subparsers()
         importlib.import_module(module).register(sub)
@@ -40,6 +47,23 @@ def test_status_imports_neither_the_measuring_nor_the_demo_modules():
             "'tools.measure.fidelity.run', 'tools.serving.hub.fetch') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.stdout.split("\n")[0] == "2 []", (out.stdout, out.stderr)
+
+
+def test_demo_runs_the_demos_own_front_end_named_as_the_command_line(tmp_path):
+    """`./vllm-t4 demo` becomes `python3 -m tools.demo`: its help, and a failure as `vllm-t4 demo: reason` with the
+    status of bad input; the demo on its own keeps its own names."""
+    env_file = tmp_path / "tpu.env"
+    env_file.write_text((ROOT / "tpu.env").read_text() + "\nSOURCE_CHECKPOINT=\n")
+    argv = ["--platform", "gpu", "--env-file", str(env_file), "--work", str(tmp_path / "w")]
+    env = {k: v for k, v in os.environ.items() if k != "SOURCE_CHECKPOINT"}
+    run = functools.partial(subprocess.run, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    helped = run([str(ROOT / "vllm-t4"), "demo", "--help"])
+    assert helped.returncode == 0 and helped.stdout.startswith("usage: vllm-t4 demo [-h] [--work WORK]"), helped
+    failed = run([str(ROOT / "vllm-t4"), "demo", *argv])
+    assert failed.returncode == 2 and failed.stderr.startswith("vllm-t4 demo: "), failed.stderr
+    assert "SOURCE_CHECKPOINT is not set" in failed.stderr and failed.stderr.count("\n") == 1, failed.stderr
+    alone = run([sys.executable, "-m", "tools.demo", *argv])
+    assert alone.returncode == 2 and alone.stderr.startswith("demo: "), alone.stderr
 
 
 def test_an_unknown_command_lists_every_command(capsys):

@@ -1,14 +1,18 @@
 """Every operation the code names to a caller (tools.core.errors.op) is one each front end can spell: a command
-(derived from the `Command` declarations) and an MCP tool (derived from the `@tool(ops=...)` declarations), or
-for MCP a declared way to do it without a tool."""
+(tools.core.commands.COMMAND_LINES, which every `Command` declaration is held to) and an MCP tool (derived from the
+`@tool(ops=...)` declarations), or for MCP a declared way to do it without a tool."""
 
 from __future__ import annotations
 
+import argparse
 import ast
 import importlib
 
+import pytest
+
 from tests.helpers.fixtures import ROOT
-from tools.cli.commands import Command, command_line, operations, spellings
+from tools.cli import MODULES
+from tools.core.commands import COMMAND_LINES, Command, add_commands, check_declared, command_line, spellings
 from tools.core.errors import op, render
 from tools.mcp import catalog
 from tools.mcp.wording import MCP, OPERATION_TOOLS, WITHOUT_TOOL
@@ -35,7 +39,7 @@ def test_the_scan_finds_the_operations_the_code_names():
 
 
 def test_every_operation_the_code_names_has_a_command():
-    missing = {name: where for name, where in _named_operations().items() if name not in operations()}
+    missing = {name: where for name, where in _named_operations().items() if name not in COMMAND_LINES}
     assert not missing, f"no command does these operations: {missing}"
 
 
@@ -49,7 +53,7 @@ def test_every_operation_the_code_names_has_an_mcp_tool_or_a_declared_way():
 
 def test_the_mcp_table_names_declared_tools_and_every_tool_op_has_a_command():
     assert {tool for tool, _ in OPERATION_TOOLS.values()} <= set(catalog.load_all())
-    assert set(OPERATION_TOOLS) <= set(operations()), set(OPERATION_TOOLS) - set(operations())
+    assert set(OPERATION_TOOLS) <= set(COMMAND_LINES), set(OPERATION_TOOLS) - set(COMMAND_LINES)
 
 
 def test_each_front_end_spells_an_operation_from_its_declarations():
@@ -73,7 +77,20 @@ def test_a_command_is_its_operation_by_name_unless_it_says_otherwise():
                    "sweep_compare": ("./prog sweep-compare", ())}
 
 
-def test_operations_come_from_every_program_module():
-    for prog, module in (("./vllm-t4", "tools.cli.serve_cli"), ("python3 -m repack", "tools.cli.repack_cli")):
-        for name, spelled in spellings(importlib.import_module(module).COMMANDS, prog).items():
-            assert operations()[name] == spelled
+def test_every_command_declaration_is_typed_as_the_table_says():
+    declared = {}
+    vllm_t4 = set(MODULES.values()) - {"tools.cli"}  # tools.cli lists `demo` only (tools.cli.register)
+    for prog, modules in (("./vllm-t4", vllm_t4), ("python3 -m repack", ("tools.cli.repack_cli",))):
+        for module in modules:
+            declared.update(spellings(importlib.import_module(module).COMMANDS, prog))
+    declared["demo"] = COMMAND_LINES["demo"]  # the demo's own front end, run in ./vllm-t4's place
+    scripts = {"tiny_model", "patch_turing", "vram"}  # programs of their own, with no subcommands
+    assert declared == {op: line for op, line in COMMAND_LINES.items() if op not in scripts}
+
+
+def test_a_command_out_of_step_with_the_table_is_refused_at_registration():
+    check_declared([Command("fetch", "f", positional=("repo_id",))], "./vllm-t4")
+    with pytest.raises(LookupError, match="fetch"):
+        check_declared([Command("fetch", "f")], "./vllm-t4")  # its bare argument missing
+    with pytest.raises(LookupError, match="bogus"):
+        add_commands(argparse.ArgumentParser().add_subparsers(), [Command("bogus", "b")])

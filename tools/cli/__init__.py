@@ -4,31 +4,34 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import signal
+import os
 import sys
 
-from tools.cli.commands import MODULES, PROGRAMS
-from tools.core.process import stdout_gone
+from tools.core.commands import BROKEN_PIPE_STATUS, PROG_VARIABLE, run_program
+from tools.core.root import PROJECT_ROOT
 
-# A reader that stops reading (`./vllm-t4 status | head -1`) is not a failure of the command: stdout goes to
-# /dev/null (so the interpreter's last flush cannot raise again) and the status is the shell's for SIGPIPE.
-BROKEN_PIPE_STATUS = 128 + signal.SIGPIPE
+# The module that declares each `./vllm-t4` command (its COMMANDS list): main() imports only the one its command
+# line names (all of them cost a quarter of a second of every start, more than a `status` itself). Its keys are
+# COMMAND_LINES' `./vllm-t4` commands, and each module registers exactly its own (tests/cli/test_cli.py): a
+# string the import check cannot see, held so by the test, naming only this package's modules.
+MODULES: dict[str, str] = {
+    **dict.fromkeys(("start", "stop", "status", "query", "log", "router", "swap"), "tools.cli.serve_cli"),
+    **dict.fromkeys(("sweep", "sweep-compare", "compare", "decode", "decode-sweep", "decode-compare"),
+                    "tools.cli.measure_cli"),
+    "demo": "tools.cli",  # register() below
+    "eval": "tools.cli.evals_cli",
+    "eval-compare": "tools.cli.evals_cli",
+    "fidelity": "tools.cli.fidelity_cli",
+    "doctor": "tools.cli.doctor_cli",
+    "fetch": "tools.cli.doctor_cli",
+    **dict.fromkeys(("capacity", "capacity-compare", "pareto"), "tools.cli.measure_cli"),
+}
+# `./vllm-t4 demo ARGS` is the demo's own front end, `python3 -m tools.demo ARGS`, run in this process's place
+# (its arguments, help, failures and exit status), named `vllm-t4 demo` in its lines (PROG_VARIABLE).
+DEMO = "demo"
+DEMO_HELP = "run the whole pipeline here (tiny model on a CPU, the real one on a T4)"
 
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised in the main thread like Ctrl-C: every clean-up that Ctrl-C runs (the sweep's benchmark
-    worker, a server being started or a decode-sweep's server, lm-eval) runs for SIGTERM too."""
-
-
-_terminating = False
-
-
-def _on_sigterm(signum: int, frame: object) -> None:
-    global _terminating
-    if _terminating:  # a second SIGTERM must not cut the clean-up short (SIG_IGN would pass to children)
-        return
-    _terminating = True
-    raise Terminated
+__all__ = ["BROKEN_PIPE_STATUS", "DEMO", "MODULES", "build_parser", "main", "register", "run_demo"]
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -42,45 +45,31 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     if command in MODULES:
         importlib.import_module(MODULES[command]).register(sub)
         return parser
-    for module in PROGRAMS["./vllm-t4"]:  # every registering module once, in the table's order
+    for module in dict.fromkeys(MODULES.values()):  # every registering module once, in the table's order
         importlib.import_module(module).register(sub)
     return parser
 
 
+def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    """`./vllm-t4 demo`, listed; main() hands its arguments to the demo (run_demo), which parses them."""
+    sub.add_parser(DEMO, help=DEMO_HELP, add_help=False)
+
+
+def run_demo(argv: list[str]) -> int:
+    """`./vllm-t4 demo ARGV`: this process becomes `python3 -m tools.demo ARGV`."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    path = os.environ.get("PYTHONPATH")
+    env = dict(os.environ, PYTHONPATH=str(PROJECT_ROOT) + (os.pathsep + path if path else ""),
+               **{PROG_VARIABLE: "vllm-t4 " + DEMO})
+    os.execve(sys.executable, [sys.executable, "-m", "tools.demo", *argv], env)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    try:
-        args = build_parser(argv[0] if argv else None).parse_args(argv)
-    except BrokenPipeError:  # --help into a closed pipe
-        return _stdout_gone()
-    global _terminating
-    _terminating = False
-    # main() may run in-process (tests, an embedding program): the caller's handler comes back on return. A
-    # SIGTERM the command was started with ignored stays ignored, as SIGINT does (Python then installs no
-    # KeyboardInterrupt handler): the POSIX convention for signals a parent chose to ignore.
-    previous = signal.getsignal(signal.SIGTERM)
-    if previous is not signal.SIG_IGN:
-        signal.signal(signal.SIGTERM, _on_sigterm)
-    try:
-        status = int(args.func(args) or 0)
-        sys.stdout.flush()  # here, where a closed pipe is caught, not at the interpreter's exit
-        return status
-    except BrokenPipeError:
-        return _stdout_gone()
-    except Terminated:
-        print("vllm-t4: terminated", file=sys.stderr)
-        return 143
-    except KeyboardInterrupt:
-        print("vllm-t4: interrupted", file=sys.stderr)
-        return 130
-    finally:
-        if previous is not None:  # None: a handler not set from Python, left as it is
-            signal.signal(signal.SIGTERM, previous)
-
-
-def _stdout_gone() -> int:
-    stdout_gone()
-    return BROKEN_PIPE_STATUS
+    if argv[:1] == [DEMO]:
+        return run_demo(argv[1:])
+    return run_program("vllm-t4", lambda: build_parser(argv[0] if argv else None).parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import sys
 import time
 from typing import Any
 
-from tools.cli.commands import CLI, Command, add_commands
+from tools.core.commands import CLI, Command, add_commands
 from tools.core.errors import render, render_all
 from tools.serving import MANIFEST, FetchParams, PreflightParams, fetch_checkpoint, run_preflight
 from tools.core.jsonout import dumps

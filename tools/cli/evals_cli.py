@@ -11,7 +11,7 @@ import argparse
 import sys
 from typing import Any, Callable
 
-from tools.cli.commands import Command, add_commands, fail
+from tools.core.commands import Command, add_commands, fail
 from tools.core.errors import ToolFailure
 from tools.measure.evals.results import EvalCompareParams, EvalParams, summary_markdown
 from tools.measure.evals.compare import compare_evals

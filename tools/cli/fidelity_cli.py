@@ -9,7 +9,7 @@ import argparse
 import sys
 
 from tools.core.jsonout import dumps
-from tools.cli.commands import Command, add_commands
+from tools.core.commands import Command, add_commands
 from tools.measure.fidelity.run import (CheckLogprobsParams, CheckLogprobsResult, RecordLogprobsParams,
                                     RecordLogprobsResult, check_logprobs, record_logprobs)
 

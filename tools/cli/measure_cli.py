@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tools.cli.commands import Command, add_commands, emit as _emit
+from tools.core.commands import Command, add_commands, emit as _emit
 from tools.core.params import cli_value
 from tools.core.progress import Progress
 from tools.measure.capacity.run import CapacityParams, failure_if_error, run_capacity

@@ -18,7 +18,7 @@ from repack.errors import RepackError
 from repack.build.fit import PlanParams, plan_fit
 from repack.params import BuildOptions, BuildParams, ProbeParams
 from repack.build.probe import probe_checkpoint
-from tools.cli.commands import CLI, Command, add_command, add_commands
+from tools.core.commands import CLI, Command, add_command, add_commands
 from tools.core.atomic import resolve_output, signals_as_exceptions
 from tools.core.atomic_leftovers import find_stale_partials
 from tools.core.errors import ToolFailure

@@ -13,7 +13,7 @@ import sys
 from dataclasses import replace
 from typing import Any
 
-from tools.cli.commands import CLI, Command, add_commands, emit as _emit
+from tools.core.commands import CLI, Command, add_commands, emit as _emit
 from tools.core.errors import BadInput, param, render, render_all
 from tools.core.process import free_port
 from tools.core.progress import Progress

@@ -20,6 +20,7 @@ Servers are always stopped, whatever fails. Progress goes to stderr.
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import shutil
 import subprocess
@@ -35,7 +36,8 @@ from pydantic import BaseModel, Field
 from repack.build.build import BuildOptions, build_checkpoint
 from repack.build.probe import ProbeReport, probe_checkpoint
 from repack.stand_ins.tiny_model import cached_tiny_qat_checkpoint, default_cache_dir
-from tools.cli.commands import Command, add_commands, exit_status, fail
+from tools.core.atomic_files import path_failure
+from tools.core.commands import PROG_VARIABLE, exit_status, fail, run_program
 from tools.core.errors import BadInput, ToolFailure, param
 from tools.core.process import free_port
 from tools.core.progress import Progress
@@ -388,30 +390,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true", help="rebuild the builds even if they exist")
 
 
-def _cmd(params: None, args: argparse.Namespace) -> int:
-    run_demo(_options(args))
-    return 0
-
-
-COMMANDS = [Command("demo", help="run the whole pipeline here (tiny model on a CPU, the real one on a T4)",
-                    description=__doc__.split("\n\n")[0], run=_cmd, json=False, extra=add_arguments)]
-
-
-def register(sub: Any) -> None:
-    """`./vllm-t4 demo`."""
-    add_commands(sub, COMMANDS)
-
-
 def main(argv: list[str] | None = None) -> int:
-    """`python3 -m tools.demo`: the same command, on its own."""
-    p = argparse.ArgumentParser(prog="python3 -m tools.demo", description=__doc__.split("\n\n")[0])
+    """`python3 -m tools.demo`, and `./vllm-t4 demo` run in its place (named so in its lines, PROG_VARIABLE)."""
+    prog = os.environ.pop(PROG_VARIABLE, None)  # popped: not the name of the servers and tools the demo starts
+    p = argparse.ArgumentParser(prog=prog or "python3 -m tools.demo", description=__doc__.split("\n\n")[0])
     add_arguments(p)
-    args = p.parse_args(argv)
-    try:
-        return _cmd(None, args)
-    except ToolFailure as exc:
-        fail("demo", exc, False)
-        return exit_status(exc)
+
+    def run(args: argparse.Namespace) -> int:
+        try:
+            try:
+                run_demo(_options(args))
+                return 0
+            except OSError as exc:  # on a path no call site foresaw (a name over 255 bytes): one line all the same
+                if exc.filename is None:
+                    raise
+                raise path_failure(exc) from exc
+        except ToolFailure as exc:
+            fail(prog or "demo", exc, False)
+            return exit_status(exc)
+
+    p.set_defaults(func=run)
+    return run_program(prog.split()[0] if prog else "demo", lambda: p.parse_args(argv))
 
 
 if __name__ == "__main__":

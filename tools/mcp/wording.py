@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from tools.cli.commands import command_line
+from tools.core.commands import command_line
 from tools.core.errors import Renderer
 from tools.gpu.vram import vram_status
 from tools.measure.provenance import cpu_model

@@ -83,6 +83,13 @@ def _drive(front: str, args: list[str]) -> int:
     from tools.serving.config import ServeConfig
 
     ServeConfig.vllm_argv = lambda self, platform: argv(self.port, self.model)
+    if front == "--cli" and args[:1] == ["demo"]:  # ./vllm-t4 demo runs the demo in its place: here, with the patch
+        from tools.core.commands import PROG_VARIABLE
+        from tools.demo.demo import main
+
+        os.environ[PROG_VARIABLE] = "vllm-t4 demo"
+
+        return main(args[1:])
     if front == "--cli":
         from tools import cli
 

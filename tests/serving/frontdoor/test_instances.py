@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from tests.helpers.fixtures import ROOT, stand_in_t4_hardware, free_port, state_env
-from tools.cli.commands import CLI
+from tools.core.commands import CLI
 from tools.core.errors import ToolFailure
 from tools.serving.config import load_config
 from tools.core.errors import BadInput

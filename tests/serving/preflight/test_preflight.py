@@ -18,7 +18,7 @@ from tools.serving.turing import patch as turing_patch
 from tools.serving.config import DEFAULT_ENV_FILE, load_config
 from tools.core.errors import ToolFailure
 from tools.core.errors import BadInput, render
-from tools.cli.commands import CLI
+from tools.core.commands import CLI
 from tools.serving.preflight.steps import PreflightParams, checks_for, ensure, run_preflight
 from tests.helpers.fixtures import stand_in_t4_hardware
 

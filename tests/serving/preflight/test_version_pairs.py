@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tools.cli.commands import CLI
+from tools.core.commands import CLI
 from tools.core.errors import render
 from tools.serving.preflight import version_pairs
 from tools.serving.preflight.steps import PreflightParams, checks_for, run_preflight

@@ -24,7 +24,7 @@ from tools.core.errors import BadInput, ToolFailure
 from tests.helpers.fixtures import stand_in_t4_hardware, group_alive, launched
 from tools.serving.server.server import server_status, stop_server
 from tools.serving.server.server import start_server
-from tools.cli.commands import CLI
+from tools.core.commands import CLI
 
 ROOT = Path(__file__).resolve().parents[3]
 PROMPTS = ["abcdef", "The quick brown fox", "0123456789", "Gemma on a T4", "zyxw vut"]

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from tools.serving.config import DEFAULT_ENV_FILE, load_config, parse_env_file
-from tools.cli.commands import CLI
+from tools.core.commands import CLI
 from tools.core.errors import ToolFailure
 
 

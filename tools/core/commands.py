@@ -1,4 +1,6 @@
-"""How every `./vllm-t4` subcommand (and `python -m repack`) is declared and how its failures are written.
+"""How every command line's subcommands (`./vllm-t4`, `python -m repack`, `python -m tools.demo`) are declared,
+how each operation is typed (COMMAND_LINES) and how a command's failures are written: the vocabulary the front
+ends share, below all of them.
 
 A command is one `Command`: its name, help, the parameter model its flags are derived from (the same model the
 MCP tool's signature is derived from), and a handler that takes the validated model and the parsed namespace.
@@ -12,8 +14,7 @@ A command line that writes its failures otherwise (`python -m repack`: `error: r
 from __future__ import annotations
 
 import argparse
-import functools
-import importlib
+import signal
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -22,32 +23,54 @@ from tools.core.atomic_files import path_failure
 from tools.core.errors import BadInput, Renderer, ToolFailure
 from tools.core.params import OpParams
 from tools.core.jsonout import dumps
+from tools.core.process import stdout_gone
 
-# The module that declares each `./vllm-t4` command (its COMMANDS list): main() imports only the one its command
-# line names (all of them cost a quarter of a second of every start, more than a `status` itself).
-# tests/cli/test_cli.py keeps it equal to what the modules register.
-MODULES: dict[str, str] = {
-    **dict.fromkeys(("start", "stop", "status", "query", "log", "router", "swap"), "tools.cli.serve_cli"),
-    **dict.fromkeys(("sweep", "sweep-compare", "compare", "decode", "decode-sweep", "decode-compare"),
-                    "tools.cli.measure_cli"),
-    "demo": "tools.demo.demo",
-    "eval": "tools.cli.evals_cli",
-    "eval-compare": "tools.cli.evals_cli",
-    "fidelity": "tools.cli.fidelity_cli",
-    "doctor": "tools.cli.doctor_cli",
-    "fetch": "tools.cli.doctor_cli",
-    **dict.fromkeys(("capacity", "capacity-compare", "pareto"), "tools.cli.measure_cli"),
-}
-# Every program whose commands are operations, and the module that declares them (a COMMANDS list).
-PROGRAMS: dict[str, tuple[str, ...]] = {"./vllm-t4": tuple(dict.fromkeys(MODULES.values())),
-                                        "python3 -m repack": ("tools.cli.repack_cli",)}
-# Operations done by a program with no subcommands, outside the Command declarations: (its command line, the
-# arguments written bare, in order).
-SCRIPTS: dict[str, tuple[str, tuple[str, ...]]] = {
+# How each operation (tools.core.errors.op) is typed: its command line and the arguments written bare, in order.
+# The one declaration both front ends read: MCP spells an operation no tool does with it (tools.mcp.wording),
+# and `add_commands` refuses a Command whose line is not the one declared here for its operation, so the command
+# lines' subcommands and this table cannot drift apart. Operations done by a program with no subcommands are here
+# too (`tiny_model`, `patch_turing`, `vram`).
+COMMAND_LINES: dict[str, tuple[str, tuple[str, ...]]] = {
     "tiny_model": ("python3 -m repack.tiny_model", ("out",)),
     "patch_turing": ("./patch_triton_turing.py", ()),
     "vram": ("nvidia-smi", ()),
+    "start": ("./vllm-t4 start", ()),
+    "stop": ("./vllm-t4 stop", ()),
+    "status": ("./vllm-t4 status", ()),
+    "query": ("./vllm-t4 query", ("prompt",)),
+    "log": ("./vllm-t4 log", ()),
+    "router": ("./vllm-t4 router", ()),
+    "router.start": ("./vllm-t4 router start", ()),
+    "router.switch": ("./vllm-t4 router switch", ()),
+    "router.status": ("./vllm-t4 router status", ()),
+    "router.stop": ("./vllm-t4 router stop", ()),
+    "swap": ("./vllm-t4 swap", ()),
+    "sweep": ("./vllm-t4 sweep", ()),
+    "sweep_compare": ("./vllm-t4 sweep-compare", ()),
+    "capacity": ("./vllm-t4 capacity", ()),
+    "capacity_compare": ("./vllm-t4 capacity-compare", ()),
+    "pareto": ("./vllm-t4 pareto", ()),
+    "compare_tokens": ("./vllm-t4 compare", ()),
+    "compare_tokens.record": ("./vllm-t4 compare record", ()),
+    "compare_tokens.check": ("./vllm-t4 compare check", ()),
+    "compare_tokens.live": ("./vllm-t4 compare live", ()),
+    "decode": ("./vllm-t4 decode", ()),
+    "decode_sweep": ("./vllm-t4 decode-sweep", ()),
+    "decode_compare": ("./vllm-t4 decode-compare", ()),
+    "demo": ("./vllm-t4 demo", ()),
+    "eval": ("./vllm-t4 eval", ()),
+    "eval_compare": ("./vllm-t4 eval-compare", ("runs",)),
+    "fidelity": ("./vllm-t4 fidelity", ()),
+    "fidelity.record": ("./vllm-t4 fidelity record", ()),
+    "fidelity.check": ("./vllm-t4 fidelity check", ("reference",)),
+    "doctor": ("./vllm-t4 doctor", ()),
+    "fetch": ("./vllm-t4 fetch", ("repo_id",)),
+    "repack": ("python3 -m repack build", ("source", "output")),
+    "probe": ("python3 -m repack probe", ("path",)),
+    "plan": ("python3 -m repack plan", ()),
 }
+# The programs whose subcommands the table declares: the name in their messages -> the program as typed.
+PROGRAMS = {"vllm-t4": "./vllm-t4", "python3 -m repack": "python3 -m repack"}
 
 
 def flag(name: str, *value: Any) -> str:
@@ -64,9 +87,9 @@ def flag(name: str, *value: Any) -> str:
 
 
 def command_line(name: str, args: dict[str, Any]) -> str:
-    """An operation (tools.core.errors.op) as the command that does it: `./vllm-t4 stop`,
+    """An operation (tools.core.errors.op) as the command that does it (COMMAND_LINES): `./vllm-t4 stop`,
     `./vllm-t4 fetch REPO --out DIR`; an operation no command does keeps its name."""
-    base, positional = operations().get(name, (name, ()))
+    base, positional = COMMAND_LINES.get(name, (name, ()))
     words = [base] + [str(args[key]) for key in positional if key in args]
     words += [flag(k, v) for k, v in args.items() if k not in positional]
     return "`" + " ".join(words) + "`"
@@ -124,18 +147,6 @@ def spellings(commands: list[Command], prog: str, parent: str | None = None
     return out
 
 
-@functools.cache
-def operations() -> dict[str, tuple[str, tuple[str, ...]]]:
-    """Every operation a command line does -> (how it is typed, its positional arguments): derived from the
-    Command declarations of every program (PROGRAMS) and the scripts of their own (SCRIPTS). Imports every
-    command module, which only a failure that names an operation needs."""
-    out = dict(SCRIPTS)
-    for prog, modules in PROGRAMS.items():
-        for module in modules:
-            out.update(spellings(importlib.import_module(module).COMMANDS, prog))
-    return out
-
-
 # How a command line writes a failure and which status it exits with: (prog, failure, --json given) -> status.
 Failure = Callable[[str, ToolFailure, bool], int]
 
@@ -179,8 +190,18 @@ def add_command(p: argparse.ArgumentParser, cmd: Command, prog: str, *, failure:
     p.set_defaults(func=_handler(prog, cmd, failure))
 
 
+def check_declared(commands: list[Command], program: str) -> None:
+    """Refuses commands of `program` (as typed) whose line or bare arguments are not COMMAND_LINES' for their
+    operation: a declaration out of step with the table is the programmer's error, caught at the first start."""
+    wrong = {op: spelled for op, spelled in spellings(commands, program).items() if COMMAND_LINES.get(op) != spelled}
+    if wrong:
+        raise LookupError(f"commands not as tools.core.commands.COMMAND_LINES types their operations: {wrong}")
+
+
 def add_commands(sub: "argparse._SubParsersAction[argparse.ArgumentParser]", commands: list[Command],
                  prefix: str = "vllm-t4", *, failure: Failure = vllm_t4_failure) -> None:
+    if prefix in PROGRAMS:
+        check_declared(commands, PROGRAMS[prefix])
     for cmd in commands:
         p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.description or cmd.help)
         add_command(p, cmd, f"{prefix} {cmd.name}", failure=failure)
@@ -194,5 +215,67 @@ def emit(args: argparse.Namespace, obj: Any, text: str) -> None:
         print(text)
 
 
-__all__ = ["CLI", "MODULES", "PROGRAMS", "SCRIPTS", "Command", "Failure", "add_command", "add_commands", "command_line",
-           "emit", "exit_status", "fail", "flag", "operations", "spellings", "vllm_t4_failure"]
+# A program run in another's place (`./vllm-t4 demo` becomes `python3 -m tools.demo`) is named in its lines as
+# this environment variable says.
+PROG_VARIABLE = "VLLM_T4_PROG"
+
+# A reader that stops reading (`./vllm-t4 status | head -1`) is not a failure of the command: stdout goes to
+# /dev/null (so the interpreter's last flush cannot raise again) and the status is the shell's for SIGPIPE.
+BROKEN_PIPE_STATUS = 128 + signal.SIGPIPE
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread like Ctrl-C: every clean-up that Ctrl-C runs (the sweep's benchmark
+    worker, a server being started or a decode-sweep's server, lm-eval, the demo's servers) runs for SIGTERM too."""
+
+
+_terminating = False
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    global _terminating
+    if _terminating:  # a second SIGTERM must not cut the clean-up short (SIG_IGN would pass to children)
+        return
+    _terminating = True
+    raise Terminated
+
+
+def run_program(name: str, parse: Callable[[], argparse.Namespace]) -> int:
+    """Runs a command line program: `parse()` gives the namespace whose `func` does the command; `name` is the
+    program in the lines about signals (`vllm-t4: terminated`, status 143; `interrupted`, 130)."""
+    try:
+        args = parse()
+    except BrokenPipeError:  # --help into a closed pipe
+        return _stdout_gone()
+    global _terminating
+    _terminating = False
+    # The program may run in-process (tests, an embedding program): the caller's handler comes back on return. A
+    # SIGTERM the command was started with ignored stays ignored, as SIGINT does (Python then installs no
+    # KeyboardInterrupt handler): the POSIX convention for signals a parent chose to ignore.
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous is not signal.SIG_IGN:
+        signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        status = int(args.func(args) or 0)
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at the interpreter's exit
+        return status
+    except BrokenPipeError:
+        return _stdout_gone()
+    except Terminated:
+        print(f"{name}: terminated", file=sys.stderr)
+        return 143
+    except KeyboardInterrupt:
+        print(f"{name}: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        if previous is not None:  # None: a handler not set from Python, left as it is
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _stdout_gone() -> int:
+    stdout_gone()
+    return BROKEN_PIPE_STATUS
+
+
+__all__ = ["BROKEN_PIPE_STATUS", "PROG_VARIABLE", "Terminated", "run_program", "CLI", "COMMAND_LINES", "PROGRAMS", "Command", "Failure", "add_command", "add_commands", "check_declared",
+           "command_line", "emit", "exit_status", "fail", "flag", "spellings", "vllm_t4_failure"]
