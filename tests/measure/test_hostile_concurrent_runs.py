@@ -79,9 +79,7 @@ def bench_server():
 
 @pytest.fixture
 def bench_env(tmp_path):
-    root, pids, log = stand_in_bench.install(tmp_path)
-    return dict(os.environ, PYTHONPATH=f"{root}{os.pathsep}{ROOT}", STAND_IN_BENCH_PIDS=str(pids),
-                STAND_IN_BENCH_LOG=str(log), STAND_IN_BENCH_SLEEP_S="0.2")
+    return stand_in_bench.child_env(tmp_path, ROOT, "0.2")[0]
 
 
 def test_two_sweeps_at_once_write_two_whole_runs(bench_server, bench_env, tmp_path):

@@ -7,6 +7,7 @@ metrics reads."""
 
 from __future__ import annotations
 
+import os
 import textwrap
 from pathlib import Path
 
@@ -79,3 +80,12 @@ def install(tmp_path: Path) -> tuple[Path, Path, Path]:
     log = tmp_path / "bench-log"
     log.mkdir()
     return tmp_path / "stand-in", pids, log
+
+
+def child_env(tmp_path: Path, root_dir: Path, sleep_s: str) -> tuple[dict[str, str], Path]:
+    """A child's environment that runs this stand-in as `vllm bench serve` (each call `sleep_s` long) with the
+    project (`root_dir`) importable; returns it and the folder where each worker's calls are counted."""
+    root, pids, log = install(tmp_path)
+    env = dict(os.environ, PYTHONPATH=f"{root}{os.pathsep}{root_dir}", STAND_IN_BENCH_PIDS=str(pids),
+               STAND_IN_BENCH_LOG=str(log), STAND_IN_BENCH_SLEEP_S=sleep_s)
+    return env, pids

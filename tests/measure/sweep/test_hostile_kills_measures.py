@@ -38,10 +38,7 @@ def server():
 
 @pytest.fixture
 def bench(tmp_path):
-    root, pids, log = stand_in_bench.install(tmp_path)
-    env = dict(os.environ, PYTHONPATH=f"{root}{os.pathsep}{ROOT}", STAND_IN_BENCH_PIDS=str(pids),
-               STAND_IN_BENCH_LOG=str(log), STAND_IN_BENCH_SLEEP_S=SLOW_S)
-    return env, pids
+    return stand_in_bench.child_env(tmp_path, ROOT, SLOW_S)
 
 
 def _calls(pids: Path) -> dict[int, int]:

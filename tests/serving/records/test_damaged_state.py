@@ -38,23 +38,14 @@ def _damage(path, how: str, record: dict) -> None:
         path.write_text(DAMAGE[how])
 
 
-@pytest.fixture
-def bystander():
-    """A process no readable record proves is a server's: it must never be signalled."""
-    p = subprocess.Popen(["sleep", "300"], start_new_session=True)
-    yield p
-    p.kill()
-    p.wait()
-
-
 @pytest.mark.parametrize("how", list(DAMAGE))
 @pytest.mark.parametrize("where", ["router", "default", "instance"])
-def test_stop_all_stops_every_readable_server_past_a_damaged_file(cli_here, tmp_path, fleet, bystander, where, how):
+def test_stop_all_stops_every_readable_server_past_a_damaged_file(cli_here, tmp_path, fleet, stranger, where, how):
     a = fleet("a", free_port())
     b = fleet("b", free_port())
     run = tmp_path / "run"
     damaged = {"router": run / "router.json", "default": run / "vllm.json", "instance": run / "c" / "vllm.json"}[where]
-    _damage(damaged, how, {**a, "pid": bystander.pid, "pgid": bystander.pid})
+    _damage(damaged, how, {**a, "pid": stranger.pid, "pgid": stranger.pid})
     r = cli_here(["stop", "--all", "--grace", "2"], state_env(run))
     assert r.returncode != 0
     lines = r.stderr.strip().splitlines()
@@ -63,7 +54,7 @@ def test_stop_all_stops_every_readable_server_past_a_damaged_file(cli_here, tmp_
         assert "'pid'" in lines[0]
     assert _gone(a["pid"]) and _gone(b["pid"])
     assert not (run / "a" / "vllm.json").exists() and not (run / "b" / "vllm.json").exists()
-    assert bystander.poll() is None and damaged.exists()  # reported, never signalled, nor deleted
+    assert stranger.poll() is None and damaged.exists()  # reported, never signalled, nor deleted
 
 
 @pytest.mark.parametrize("how", list(DAMAGE))
@@ -92,15 +83,15 @@ def test_one_reader_names_the_field(tmp_path):
     assert read_record(tmp_path / "none.json", ServerState) is None
 
 
-def test_a_record_naming_another_group_than_its_own_signals_nothing(cli_here, tmp_path, fleet, bystander):
+def test_a_record_naming_another_group_than_its_own_signals_nothing(cli_here, tmp_path, fleet, stranger):
     """A server leads its own group (pgid == pid). A record whose pid is gone but whose pgid names another live
-    group (the bystander's) is damaged: stop reports it in one line and the bystander lives."""
+    group (the stranger's) is damaged: stop reports it in one line and the stranger lives."""
     a = fleet("a", free_port())
     run = tmp_path / "run"
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
-    (run / "vllm.json").write_text(json.dumps({**a, "pid": gone.pid, "pgid": bystander.pid}))
+    (run / "vllm.json").write_text(json.dumps({**a, "pid": gone.pid, "pgid": stranger.pid}))
     r = cli_here(["stop", "--grace", "2"], state_env(run))
     assert r.returncode != 0 and "vllm.json is damaged" in r.stderr and "pgid" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
-    assert not _gone(bystander.pid)
+    assert not _gone(stranger.pid)

@@ -24,15 +24,6 @@ def _alive(pid: int) -> bool:
         return False
 
 
-@pytest.fixture
-def stranger():
-    """`setsid sleep 1000`: a process of this user that the project did not launch."""
-    p = subprocess.Popen(["sleep", "1000"], start_new_session=True)
-    yield p
-    p.kill()
-    p.wait()
-
-
 def _forged(record: dict, proc: subprocess.Popen) -> str:
     """`record` made to name `proc` with its real pid, group and start time (and the record's token kept)."""
     return json.dumps({**record, "pid": proc.pid, "pgid": proc.pid,
