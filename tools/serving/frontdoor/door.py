@@ -351,10 +351,6 @@ class _Switch:
                                                      "announced": self.announced, "figures": asdict(self.figures())},
                          field=getattr(exc, "field", None))
 
-    def _plan(self, hold: placement.Hold) -> ServeConfig:
-        """B's place, planned under `hold` against the router's state this switch read."""
-        return hold.plan(self.b, self.hw, router=self.rt)
-
     def _start_b(self, hold: placement.Hold | None = None):
         # Owned until ready: a switch process killed outright (the OOM killer) takes a loading B with it rather
         # than leave it serving outside the door; `start` then puts a build behind the door again.
@@ -362,7 +358,7 @@ class _Switch:
         if hold is not None:  # beside: planned with the fit, launched under the same hold
             return b.start(progress=self.progress, placed=hold)
         with placement.locked(self.b) as hold:  # hold: planned now that A is gone
-            self._plan(hold)
+            hold.plan(self.b, self.hw, router=self.rt)
             return b.start(progress=self.progress, placed=hold)
 
     def _stop_a(self) -> None:
@@ -376,7 +372,8 @@ class _Switch:
         # start meanwhile cannot take the same cores. In hold mode nothing is held while A drains and stops: B is
         # planned again once A is gone.
         with placement.locked(self.b) as hold:
-            self.fit, _ = fits_beside(self.b, self.hw, lambda b, hw: self._plan(hold))
+            # against the router's state as this switch read it (B's port is not the door's)
+            self.fit, _ = fits_beside(self.b, self.hw, lambda b, hw: hold.plan(b, hw, router=self.rt))
             if not self.fit.beside:
                 hold.release()
             self._announce()

@@ -23,7 +23,7 @@ from tools.core.errors import BadInput, ToolFailure, op, param
 from tools.core.process import free_port, signals_deferred
 from tools.serving.frontdoor import door as frontdoor, switch_process
 from tools.serving.records import placement, router_state
-from tools.serving.records.placement import Router
+from tools.serving.records.router_state import RouterRead
 from tools.serving.server import switch_record
 from tools.serving.config import ServeConfig
 from tools.serving.frontdoor.door import SwitchResult
@@ -38,7 +38,7 @@ from tools.serving.server.server import Server, stop_each
 SLOTS = router_state.SLOTS
 
 
-def behind_door(cfg: ServeConfig, rt: Router = "read") -> bool:
+def behind_door(cfg: ServeConfig, rt: RouterRead = "read") -> bool:
     """Whether this config's start, stop and status go through the front door: the default instance, with
     FRONT_DOOR=1 or a door running on its port (started before FRONT_DOOR=0 was set). `rt`: the front door as
     this command read it (door(cfg)), or "read": read it now."""
@@ -87,7 +87,8 @@ def build_config(cfg: ServeConfig, rt: router_state.RouterState | None) -> Serve
 
 
 def start(cfg: ServeConfig, *, replace_running: bool = False, progress: StartReport | None = None,
-          hardware: Hardware | None = None, new_key: bool = False, rt: Router = "read") -> StartResult | SwitchResult:
+          hardware: Hardware | None = None, new_key: bool = False,
+          rt: RouterRead = "read") -> StartResult | SwitchResult:
     """Serves cfg's build on the port clients use: through the front door when behind_door(cfg) (a
     SwitchResult when it replaced a build there), else on the port itself. Owned until ready: a command or MCP
     server that is gone before then (even by SIGKILL) takes the starting server with it; a front-door switch

@@ -12,17 +12,13 @@ import threading
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import Any, Iterator
 
 from tools.core.errors import BadInput, ToolFailure, op, param
 from tools.gpu.vram import server_process_pids
 from tools.serving.records import router_state, state
 from tools.serving.config import INSTANCE_NAME, ServeConfig, check_instance_name
-from tools.serving.records.router_state import RouterState
-
-# The router's state as the caller read it (None: no router runs), or "read": read it now. A switch reads it once
-# and passes it on; a command of its own reads it fresh (another process may have changed it).
-Router = RouterState | None | Literal["read"]
+from tools.serving.records.router_state import RouterRead
 
 
 class Hold:
@@ -38,7 +34,7 @@ class Hold:
     def held(self) -> bool:
         return self._fh is not None
 
-    def plan(self, cfg: ServeConfig, hw: Any, *, router: Router = "read") -> ServeConfig:
+    def plan(self, cfg: ServeConfig, hw: Any, *, router: RouterRead = "read") -> ServeConfig:
         """`plan(cfg, hw)`, made once under this hold: asked again for the same config and hardware (a switch's
         plan, then its launch), the plan already made."""
         if self._fh is None:
@@ -140,7 +136,7 @@ def _cores_of(st: Any, all_cores: list[int]) -> set[int]:
     return {c for rank in st.cpu_cores for c in rank}
 
 
-def plan(cfg: ServeConfig, hw: Any, *, router: Router = "read") -> ServeConfig:
+def plan(cfg: ServeConfig, hw: Any, *, router: RouterRead = "read") -> ServeConfig:
     """This start's config with its cores (CPU) or GPUs filled in; ToolFailure/BadInput when it cannot fit."""
     others = running(cfg, exclude=cfg.instance)
     for name, st in others.items():
