@@ -76,15 +76,15 @@ def cmd_start(p: StartParams, args: argparse.Namespace) -> int:
     cfg = _config(args, **p.overrides())
 
     progress = _start_progress(args)
-    if service.behind_door(cfg):
-        rt = service.door(cfg)
+    rt = None if cfg.instance else service.door(cfg)  # read once: the start goes on with what was said here
+    if service.behind_door(cfg, rt):
         where = f"behind the front door at {rt.base_url if rt else cfg.base_url}"
     else:
         where = f"at {(target(cfg) if p.replace else cfg).base_url}"  # a replace serves on the replaced one's port
     print(f"starting {cfg.served_name} {where} (logs: {cfg.state_dir})", file=sys.stderr, flush=True)
     # Owned until ready (service.start): a SIGKILL of this command while vLLM starts ends that server too; once
     # it serves it is handed over (it outlives the command, recorded in its state file).
-    r = service.start(cfg, replace_running=p.replace, new_key=bool(p.new_key), progress=progress)
+    r = service.start(cfg, replace_running=p.replace, new_key=bool(p.new_key), progress=progress, rt=rt)
     lines = [service.describe(r)]
     if isinstance(r, StartResult):
         if r.note:

@@ -166,6 +166,58 @@ def test_on_a_machine_too_small_for_two_a_failed_build_gives_the_traffic_back_to
                for p in [exc.value.detail["pid"]])
 
 
+def _placement_locked(base: ServeConfig) -> bool:
+    """Whether a process holds the state dir's placement lock (a descriptor of our own: flock refuses it even
+    against this process's own)."""
+    import fcntl
+
+    with open(base.state_dir / ".instances.lock", "a") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(fh, fcntl.LOCK_UN)
+        return False
+
+
+@pytest.mark.parametrize("cpus,mode,plans", [(1, "beside", 1), (2, "hold", 2)])
+def test_a_switch_plans_the_new_build_once_and_launches_it_under_the_lock_it_planned_under(door, monkeypatch, cpus,
+                                                                                         mode, plans):
+    """Beside: B's place is planned once, and B launched on that plan before the placement lock is let go (the
+    hold from the plan to the launch: another start cannot take the same cores between them). Hold: planned
+    against A (it does not fit), then once A is gone. Either way the router's state file is read once."""
+    from tests.helpers.stand_ins.switch import count_calls
+    from tools.serving.server import server
+
+    base, make = door
+    b = make("green", "new", cpus=cpus)
+    counts: dict[str, int] = {}
+    count_calls(counts, monkeypatch.setattr)
+    seen: dict[str, bool] = {}
+    read, launch, wait = frontdoor.Counts.read, server.launch_server, server.wait_ready
+
+    def counted(rt):  # first read just before anything moves: beside, with B's plan already made
+        seen.setdefault("before anything moves", _placement_locked(base))
+        return read(rt)
+
+    def launched(cfg, *args, **kw):
+        seen.setdefault("at the launch", _placement_locked(base))
+        return launch(cfg, *args, **kw)
+
+    def waited(*args, **kw):
+        seen.setdefault("while B loads", _placement_locked(base))
+        return wait(*args, **kw)
+
+    monkeypatch.setattr(frontdoor.Counts, "read", staticmethod(counted))
+    monkeypatch.setattr(server, "launch_server", launched)
+    monkeypatch.setattr(server, "wait_ready", waited)
+    res = frontdoor.switch(base, b, hardware=make.hw)
+    assert res.mode == mode and res.outcome == "serving new"
+    assert counts == {"plan": plans, "router_load": 1}, counts
+    # let go once B launched: another start waits for the launch, not for B's load
+    assert seen == {"before anything moves": mode == "beside", "at the launch": True, "while B loads": False}, seen
+
+
 @pytest.mark.vllm
 @pytest.mark.vllm_lane(1)
 def test_real_vllm_switches_through_the_front_door_fail_no_request(emb4_build, serve_config_factory, tmp_path,

@@ -135,6 +135,42 @@ def test_cpu_cores_one_per_instance_then_refused(tmp_path, fleet):
         instances.plan(cfg("d"), hw)
 
 
+def test_a_plan_made_under_the_placement_lock_stands_only_while_that_hold_does(tmp_path, fleet):
+    """A switch plans its new build's place under the placement lock and hands that hold to the build's start:
+    the start launches on that plan and lets the lock go with its block. Another start waits meanwhile; a hold
+    let go is not used again: another start may have taken the cores since, so the plan is made anew."""
+    import fcntl
+
+    from tests.helpers.serving import TwoCores
+    from tools.serving.records import placement
+
+    hw = TwoCores()
+    cfg = load_config(ROOT / "tpu.env", state_dir=tmp_path / "run", instance="a")
+
+    def locked_elsewhere() -> bool:  # a descriptor of its own, as another start's: flock refuses it too
+        with open(tmp_path / "run" / ".instances.lock", "a") as fh:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            return False
+
+    with placement.locked(cfg) as hold:
+        planned = hold.plan(cfg, hw)
+        assert planned.cpu_cores == [[0]] and locked_elsewhere()
+        with placement.locked(cfg) as joined:  # a block inside it in this thread joins it, not waits for it
+            assert joined is hold
+        assert hold.held and hold.plan(cfg, hw) is planned  # planned once
+        with placement.locked(cfg, hold) as handed:  # handed over: let go with that block
+            assert handed is hold
+        assert not hold.held and not locked_elsewhere()
+    with pytest.raises(RuntimeError, match="no longer held"):
+        hold.plan(cfg, hw)
+    fleet("x", free_port(), cpu_cores=[[0]])  # another start took core 0 since
+    with placement.locked(cfg, hold) as fresh:
+        assert fresh is not hold and fresh.plan(cfg, hw).cpu_cores == [[1]]
+
+
 def test_cpu_parallelism_needs_a_core_per_rank(tmp_path):
     from tools.serving.frontdoor import instances
     from tools.serving.preflight.hardware import Hardware

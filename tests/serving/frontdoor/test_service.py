@@ -216,6 +216,26 @@ def test_two_replaces_at_once_through_the_front_door_one_switches_the_other_is_r
     assert state.load_state(load_config(instance="blue")) is None  # nothing of the refused start
 
 
+def test_a_switch_reads_the_router_state_once_per_process_and_plans_the_new_build_once(shipped, capsys, tmp_path,
+                                                                                      monkeypatch):
+    """`start --replace` on the shipped configuration: the command reads the front door's state once, its switch
+    process once more (its own, fresh read) and plans the new build's place once, the plan B launches on."""
+    import json
+
+    from tests.helpers.stand_ins.switch import count_calls
+
+    make, cfg = shipped
+    assert _cli(capsys, "start", "--model", make("old"), "--served-name", "old")[0] == 0
+    counts = tmp_path / "switch-counts.json"
+    monkeypatch.setenv("STAND_IN_COUNTS", str(counts))
+    here: dict[str, int] = {}
+    count_calls(here, monkeypatch.setattr)
+    rc, out, err = _cli(capsys, "start", "--model", make("new"), "--served-name", "new", "--replace")
+    assert rc == 0 and "in place of old (beside" in out, err
+    assert here == {"router_load": 1}, here  # the command plans nothing: its switch process does
+    assert json.loads(counts.read_text()) == {"plan": 1, "router_load": 1}
+
+
 def test_the_doors_build_is_changed_through_the_door_not_by_its_instance_name(shipped, capsys):
     """stop --instance blue or start --instance blue --replace on the build behind the door would leave clients
     without it (or its names): refused in one line naming instance; the door keeps serving."""

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import Any, Callable
 
 import httpx
 
@@ -163,11 +163,13 @@ class Fit:
     why: str
 
 
-def fits_beside(b: ServeConfig, hw: Hardware) -> tuple[Fit, ServeConfig]:
+def fits_beside(b: ServeConfig, hw: Hardware,
+                plan: Callable[[ServeConfig, Hardware], ServeConfig] | None = None) -> tuple[Fit, ServeConfig]:
     """Whether B's instance can start while A runs: its cores or GPU share (placement's own plan, against the
-    running instances) and, on a CPU, host memory for its weights, KV cache and the engine itself."""
+    running instances; `plan`: a switch's, made under the lock B launches under) and, on a CPU, host memory for
+    its weights, KV cache and the engine itself."""
     try:
-        planned = placement.plan(b, hw)
+        planned = (plan or placement.plan)(b, hw)
     except ToolFailure as exc:
         return Fit(False, f"not beside the running build: {exc}"), b
     if hw.platform() == "cpu":
@@ -299,7 +301,7 @@ class _Switch:
         self.b = b = replace(b, served_aliases=[n for n in self.names if n != b.served_name])
         self.a_url = next(x.base_url for x in rt.backends if x.instance == a_name)
         self.hold_s = rt.hold_s or 0.0
-        self.fit, _ = fits_beside(b, self.hw)
+        self.fit = Fit(False, "")  # run() plans B's place, under the lock B launches under
         self.gap_since, self.no_build_s = 0.0, 0.0
         self.before: Counts | None = None
         self.announced = ""
@@ -349,10 +351,15 @@ class _Switch:
                                                      "announced": self.announced, "figures": asdict(self.figures())},
                          field=getattr(exc, "field", None))
 
-    def _start_b(self):
+    def _start_b(self, hold: placement.Hold | None = None):
         # Owned until ready: a switch process killed outright (the OOM killer) takes a loading B with it rather
         # than leave it serving outside the door; `start` then puts a build behind the door again.
-        return Server(self.b, hardware=self.hw).start(progress=self.progress)
+        b = Server(self.b, hardware=self.hw)
+        if hold is not None:  # beside: planned with the fit, launched under the same hold
+            return b.start(progress=self.progress, placed=hold)
+        with placement.locked(self.b) as hold:  # hold: planned now that A is gone
+            hold.plan(self.b, self.hw, router=self.rt)
+            return b.start(progress=self.progress, placed=hold)
 
     def _stop_a(self) -> None:
         _step("a drains")
@@ -361,19 +368,27 @@ class _Switch:
             Server(self.a_cfg).stop(grace_s=self.grace_s)
 
     def run(self) -> SwitchResult:
-        self._announce()
-        self.before = Counts.read(self.rt)
-        started = self._beside() if self.fit.beside else self._hold()
+        # B's place is planned once and B launched on that plan under one hold of the placement lock: another
+        # start meanwhile cannot take the same cores. In hold mode nothing is held while A drains and stops: B is
+        # planned again once A is gone.
+        with placement.locked(self.b) as hold:
+            # against the router's state as this switch read it (B's port is not the door's)
+            self.fit, _ = fits_beside(self.b, self.hw, lambda b, hw: hold.plan(b, hw, router=self.rt))
+            if not self.fit.beside:
+                hold.release()
+            self._announce()
+            self.before = Counts.read(self.rt)
+            started = self._beside(hold) if self.fit.beside else self._hold()
         return SwitchResult(outcome=f"serving {self.b.served_name}", serving=self.b.served_name,
                             replaced=self.a.served_name, mode="beside" if self.fit.beside else "hold",
                             announced=self.announced, hold_s=self.hold_s, base_url=self.rt.base_url,
                             backend=started.base_url, wall_s=round(time.monotonic() - self.t0, 2),
                             figures=self.figures())
 
-    def _beside(self):
+    def _beside(self, hold: placement.Hold):
         a = self.a.served_name
         try:
-            started = self._start_b()
+            started = self._start_b(hold)
         except ToolFailure as exc:
             raise self._failure(exc, f"unchanged ({a} serves)",
                                 f"{a} still serves through {self.rt.base_url} (unchanged)") from None

@@ -24,6 +24,7 @@ from tools.core.process import free_port, signals_deferred
 from tools.core.progress import Progress
 from tools.serving.frontdoor import door as frontdoor, switch_process
 from tools.serving.records import placement, router_state
+from tools.serving.records.router_state import RouterRead
 from tools.serving.server import switch_record
 from tools.serving.config import ServeConfig
 from tools.serving.frontdoor.door import SwitchResult
@@ -37,10 +38,14 @@ from tools.serving.server.server import Server, stop_each
 SLOTS = router_state.SLOTS
 
 
-def behind_door(cfg: ServeConfig) -> bool:
+def behind_door(cfg: ServeConfig, rt: RouterRead = "read") -> bool:
     """Whether this config's start, stop and status go through the front door: the default instance, with
-    FRONT_DOOR=1 or a door running on its port (started before FRONT_DOOR=0 was set)."""
-    return not cfg.instance and (cfg.front_door or router_state.door_on_port(cfg) is not None)
+    FRONT_DOOR=1 or a door running on its port (started before FRONT_DOOR=0 was set). `rt`: the front door as
+    this command read it (door(cfg)), or "read": read it now."""
+    if cfg.instance or cfg.front_door:
+        return not cfg.instance
+    on_port = router_state.door_on_port(cfg) if isinstance(rt, str) else rt
+    return on_port is not None and on_port.port == cfg.port
 
 
 def door(cfg: ServeConfig) -> router_state.RouterState | None:
@@ -82,20 +87,23 @@ def build_config(cfg: ServeConfig, rt: router_state.RouterState | None) -> Serve
 
 
 def start(cfg: ServeConfig, *, replace_running: bool = False, progress: Progress | None = None,
-          hardware: Hardware | None = None, new_key: bool = False) -> StartResult | SwitchResult:
+          hardware: Hardware | None = None, new_key: bool = False,
+          rt: RouterRead = "read") -> StartResult | SwitchResult:
     """Serves cfg's build on the port clients use: through the front door when behind_door(cfg) (a
     SwitchResult when it replaced a build there), else on the port itself. Owned until ready: a command or MCP
     server that is gone before then (even by SIGKILL) takes the starting server with it; a front-door switch
     runs in a process of its own and ends alone. A switch that would change the API key clients must send (this
-    command's VLLM_API_KEY is not the one the serving build answers to) is refused unless `new_key`."""
+    command's VLLM_API_KEY is not the one the serving build answers to) is refused unless `new_key`. `rt`: the
+    front door as this command read it just before (door(cfg)); "read": read it now, once for the whole start."""
     if replace_running:
         _refuse_door_build(cfg, "replace")
-    if not behind_door(cfg):
+    if isinstance(rt, str):
+        rt = None if cfg.instance else door(cfg)
+    if not behind_door(cfg, rt):
         if not replace_running:
             return Server(cfg, hardware=hardware).start(progress=progress)
         with Server(cfg).guarded():
             return replace_server(cfg, progress=progress, hardware=hardware)
-    rt = door(cfg)
     if rt is None and replace_running and placement.running(cfg).get("default") is not None:
         # served on the port itself, from before the front door: replaced as it was started
         with Server(cfg).guarded():

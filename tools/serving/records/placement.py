@@ -8,6 +8,7 @@ parallelism the machine cannot give, and fills in the cores or GPUs this start g
 from __future__ import annotations
 
 import fcntl
+import threading
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -17,19 +18,74 @@ from tools.core.errors import BadInput, ToolFailure, op, param
 from tools.gpu.vram import server_process_pids
 from tools.serving.records import router_state, state
 from tools.serving.config import INSTANCE_NAME, ServeConfig, check_instance_name
+from tools.serving.records.router_state import RouterRead
+
+
+class Hold:
+    """STATE_DIR/.instances.lock as one thread of this process holds it, and the plans made under it. A plan stands
+    only while the hold it was made under does: once released, another start may take the same cores or port."""
+
+    def __init__(self, path: Path, fh: Any) -> None:
+        self.path = path
+        self._fh = fh
+        self._plans: list[tuple[ServeConfig, Any, ServeConfig]] = []
+
+    @property
+    def held(self) -> bool:
+        return self._fh is not None
+
+    def plan(self, cfg: ServeConfig, hw: Any, *, router: RouterRead = "read") -> ServeConfig:
+        """`plan(cfg, hw)`, made once under this hold: asked again for the same config and hardware (a switch's
+        plan, then its launch), the plan already made."""
+        if self._fh is None:
+            raise RuntimeError(f"{self.path} is no longer held: a plan made now could be another start's")
+        for asked, on, planned in self._plans:
+            if on is hw and asked == cfg:
+                return planned
+        planned = plan(cfg, hw, router=router)
+        self._plans.append((cfg, hw, planned))
+        return planned
+
+    def release(self) -> None:
+        fh, self._fh = self._fh, None
+        self._plans.clear()
+        if fh is not None:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+            fh.close()
+
+
+_HELD = threading.local()  # path -> the Hold this thread has (a nested `locked` in the same thread joins it)
 
 
 @contextmanager
-def locked(cfg: ServeConfig) -> Iterator[None]:
-    """Holds STATE_DIR/.instances.lock: the checks and the launch of one start are not interleaved with another."""
+def locked(cfg: ServeConfig, hold: Hold | None = None) -> Iterator[Hold]:
+    """Holds STATE_DIR/.instances.lock: the checks and the launch of one start are not interleaved with another.
+    `hold`: one taken before by this thread (a switch's, with B's plan made under it) handed over, used while it is
+    still held and released with this block; a block inside another of this thread joins it (released by the
+    outer one)."""
     root = Path(cfg.state_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / ".instances.lock", "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
+    path = root / ".instances.lock"
+    held: dict[str, Hold] = _HELD.__dict__.setdefault("by_path", {})
+    if hold is None or not hold.held or hold.path != path:
+        hold = held.get(str(path))
+        if hold is not None and hold.held:
+            yield hold
+            return
+        root.mkdir(parents=True, exist_ok=True)
+        fh = open(path, "a")
         try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        except BaseException:
+            fh.close()
+            raise
+        hold = Hold(path, fh)
+    held[str(path)] = hold
+    try:
+        yield hold
+    finally:
+        hold.release()
+        if held.get(str(path)) is hold:
+            del held[str(path)]
 
 
 def instance_configs(cfg: ServeConfig) -> list[ServeConfig]:
@@ -80,14 +136,14 @@ def _cores_of(st: Any, all_cores: list[int]) -> set[int]:
     return {c for rank in st.cpu_cores for c in rank}
 
 
-def plan(cfg: ServeConfig, hw: Any) -> ServeConfig:
+def plan(cfg: ServeConfig, hw: Any, *, router: RouterRead = "read") -> ServeConfig:
     """This start's config with its cores (CPU) or GPUs filled in; ToolFailure/BadInput when it cannot fit."""
     others = running(cfg, exclude=cfg.instance)
     for name, st in others.items():
         if st.port == cfg.port:
             raise BadInput(f"port {cfg.port} is held by instance {name!r} ({st.served_name}, pid {st.pid}); pass another "
                            f"{param('port')}", {"port": cfg.port, "instance": name})
-    r = router_state.recorded(cfg)
+    r = router_state.recorded(cfg) if isinstance(router, str) else router
     if r is not None and r.port == cfg.port:
         raise BadInput(f"port {cfg.port} is held by the router (pid {r.pid}); pass another {param('port')}",
                        {"port": cfg.port})
@@ -174,4 +230,4 @@ def process_owners(cfg: ServeConfig) -> dict[int, str]:
     return owners
 
 
-__all__ = ["instance_configs", "locked", "plan", "process_owners", "resolve", "running"]
+__all__ = ["Hold", "instance_configs", "locked", "plan", "process_owners", "resolve", "running"]

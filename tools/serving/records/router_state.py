@@ -6,7 +6,7 @@ import fcntl
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Literal
 
 import psutil
 
@@ -41,6 +41,11 @@ class RouterState(ProcessRecord):
     hold_s: float | None = None
     # The model names clients were given through the front door (each switch's build answers to all of them)
     names: list[str] = []
+
+
+# The router's state as the caller read it (None: no router runs), or "read": read it now. One command reads it
+# once and passes it on; another command or process reads its own (it may have changed the file since).
+RouterRead = RouterState | None | Literal["read"]
 
 
 def state_file(cfg: ServeConfig) -> Path:
@@ -131,5 +136,5 @@ def _switch_busy(cfg: ServeConfig, path: Path, what: str = "another switch") -> 
                         f"end, then check {op('router.status')}", {"lock": str(path)})
 
 
-__all__ = ["SLOTS", "Backend", "RouterState", "alive", "group", "load", "log_file", "recorded", "refuse_while_switching",
-           "state_file", "switch_file", "switch_running", "switching", "write"]
+__all__ = ["SLOTS", "Backend", "RouterRead", "RouterState", "alive", "group", "load", "log_file", "recorded",
+           "refuse_while_switching", "state_file", "switch_file", "switch_running", "switching", "write"]

@@ -282,12 +282,14 @@ def wait_ready(cfg: ServeConfig, proc: subprocess.Popen, argv: list[str], t0: fl
 
 
 def checked(cfg: ServeConfig, hw: Hardware, turing_target: Path | None, *,
-            held_by: ServerState | None = None) -> tuple[ServeConfig, str | None, str]:
+            held_by: ServerState | None = None,
+            hold: placement.Hold | None = None) -> tuple[ServeConfig, str | None, str]:
     """Every check of a start, in its order: (the config as it will launch, the MAX_MODEL_LEN note, platform).
     `held_by`: the server this start is to replace, whose port and GPU memory are not obstacles (they are freed
-    before the launch, and checked again then)."""
+    before the launch, and checked again then). `hold`: the placement lock the launch follows under, whose plan
+    for cfg (made by a switch before) stands."""
     # Ports, cores and GPU memory other instances hold, and TP/DP against the GPUs: refused before launching.
-    cfg = placement.plan(cfg, hw)
+    cfg = hold.plan(cfg, hw) if hold is not None else placement.plan(cfg, hw)
     # The API key beyond the loopback, the port, the model folder and its length limit, the Turing clamp, host memory, the vLLM build and the
     # GPU's free memory: refused here with the failing check's line rather than by vLLM a minute into the start.
     if held_by is None:

@@ -36,31 +36,33 @@ from tools.serving.records.state import (DamagedState, ServerState, clear_state,
 
 
 def start_server(cfg: ServeConfig, *, progress: Progress | None = None, hardware: Hardware | None = None,
-                 turing_target: Path | None = None) -> StartResult:
+                 turing_target: Path | None = None, placed: placement.Hold | None = None) -> StartResult:
     """Starts vLLM detached and waits until /health answers and a short greedy completion returns text.
 
     Refuses (ToolFailure) when this state dir's server is alive, the port is taken, a Turing GPU lacks the
     attention clamp, or host memory cannot hold the checkpoint without swap. On a failed start the process group
     is gone, the state file removed, and the failure carries the log tail and the line that explains it. A
     replace of this instance that did not finish is named in the result (and the failure), then forgotten once
-    this start serves.
+    this start serves. `placed`: the placement lock this thread holds with cfg's plan made under it (a front-door
+    switch's), handed over: the start checks and launches under it and releases it once launched; a hold
+    released before is not used (the plan is made again under a lock of the start's own).
     """
     hw = hardware or Hardware()
     # The instance's lock for the whole start (no stop, replace or start of it meanwhile); the checks and the
     # launch under the state dir's lock too: two starts at once must not both take one port, core or GPU.
     with instance_lock(cfg, f"start of {cfg.served_name}"):
-        return _start_locked(cfg, progress, hw, turing_target)
+        return _start_locked(cfg, progress, hw, turing_target, placed)
 
 
-def _start_locked(cfg: ServeConfig, progress: Progress | None, hw: Hardware,
-                  turing_target: Path | None) -> StartResult:
+def _start_locked(cfg: ServeConfig, progress: Progress | None, hw: Hardware, turing_target: Path | None,
+                  placed: placement.Hold | None) -> StartResult:
     note, proc = None, None
     try:
-        with placement.locked(cfg):
+        with placement.locked(cfg, placed) as hold:
             stale = stale_replace(cfg)
             note = replace_note(cfg, stale) if stale is not None else None
             refuse_recorded(cfg)
-            cfg, max_len_note, platform = checked(cfg, hw, turing_target)
+            cfg, max_len_note, platform = checked(cfg, hw, turing_target, hold=hold)
             argv = cfg.vllm_argv(platform)
             cfg = own_log(cfg)
             t0 = time.monotonic()
@@ -345,15 +347,17 @@ class Server:
             finally:
                 self._guarded -= 1
 
-    def start(self, *, progress: Progress | None = None, turing_target: Path | None = None) -> StartResult:
-        """Starts it and waits until /health answers and a first completion returns text (start_server)."""
+    def start(self, *, progress: Progress | None = None, turing_target: Path | None = None,
+              placed: placement.Hold | None = None) -> StartResult:
+        """Starts it and waits until /health answers and a first completion returns text (start_server; `placed`:
+        the placement lock held with its plan, handed over to the launch)."""
         if self._owned is not None or self._guarded:
             self.started = start_server(self.cfg, progress=progress, hardware=self.hardware,
-                                        turing_target=turing_target)
+                                        turing_target=turing_target, placed=placed)
         else:
             with self.guarded():
                 self.started = start_server(self.cfg, progress=progress, hardware=self.hardware,
-                                            turing_target=turing_target)
+                                            turing_target=turing_target, placed=placed)
         return self.started
 
     @property
