@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from tools.serving.frontdoor import router
-from tools.serving.records import router_state, state
+from tools.serving.records import files, router_state, state
 from tools.serving.server import switch_record
 from tools.serving.config import INSTANCE_NAME, ServeConfig
 from tools.serving.records.placement import instance_configs, locked, plan, process_owners, resolve, running
@@ -65,7 +65,7 @@ def fleet_status(cfg: ServeConfig, *, hardware: Any = None) -> Any:
     switching = router_state.switch_running(default_cfg)
     if switching is not None:
         top.replace = {**switching, "running": True}
-        top.message += f"; a switch of the front door runs ({state.holder_text(router_state.switch_file(cfg))})"
+        top.message += f"; a switch of the front door runs ({files.holder_text(router_state.switch_file(cfg))})"
     damaged = [c.instance_name for c in _configs_with_a_replace(cfg) if _damaged(c)]
     if damaged:  # anywhere in STATE_DIR, behind the door or not: what it names is not known to be well
         top.all_healthy = False

@@ -32,7 +32,8 @@ from tools.serving.preflight.hardware import Hardware
 from tools.serving.server.results import StartResult
 from tools.serving.server.replace import replace_server
 from tools.serving.frontdoor.router import check_port, start_router, stop_router
-from tools.serving.records.state import DamagedState, InstanceBusy, holder, holder_text, load_state, lock_file
+from tools.serving.records.files import holder, holder_text
+from tools.serving.records.state import DamagedState, InstanceBusy, load_state, lock_file
 from tools.serving.server.server import Server, stop_each
 
 SLOTS = router_state.SLOTS

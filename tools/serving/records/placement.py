@@ -16,7 +16,7 @@ from typing import Any, Iterator
 
 from tools.core.errors import BadInput, ToolFailure, op, param
 from tools.gpu.vram import server_process_pids
-from tools.serving.records import router_state, state
+from tools.serving.records import files, router_state, state
 from tools.serving.config import INSTANCE_NAME, ServeConfig, check_instance_name
 from tools.serving.records.router_state import RouterRead
 
@@ -72,7 +72,7 @@ def locked(cfg: ServeConfig, hold: Hold | None = None) -> Iterator[Hold]:
             yield hold
             return
         root.mkdir(parents=True, exist_ok=True)
-        fh = open(path, "a")
+        fh = files.open_lock(path, "a")
         try:
             fcntl.flock(fh, fcntl.LOCK_EX)
         except BaseException:

@@ -12,8 +12,8 @@ import psutil
 
 from tools.core.errors import op
 from tools.serving.config import ServeConfig
-from tools.serving.records.state import (DamagedState, InstanceBusy, ProcessRecord, flocked, holder, holder_text, read_record,
-                                  stamp_holder, write_record)
+from tools.serving.records.files import flocked, holder, holder_text, stamp_holder
+from tools.serving.records.state import DamagedState, InstanceBusy, ProcessRecord, read_record, write_record
 
 
 SLOTS = ("blue", "green")  # the front door's builds take turns: the new one starts beside the old one

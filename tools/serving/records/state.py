@@ -7,18 +7,18 @@ import fcntl
 import json
 import os
 import threading
-import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, NamedTuple, TypeVar
+from typing import Annotated, Any, Iterator, NamedTuple, TypeVar
 
 import psutil
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from tools.core import process
 from tools.core.atomic_files import write_file
 from tools.core.errors import ToolFailure, op
 from tools.serving.config import ServeConfig
+from tools.serving.records.files import RECORD_MAX_BYTES, flocked, holder_text, read_small, stamp_holder
 from tools.serving.records.identity import carried_by, carries
 
 STATE_VERSION = 1
@@ -43,15 +43,17 @@ def read_record(path: Path, model: type[R]) -> R | None:
     """THE reader of a state file: its record, None when there is no file, DamagedState (one line naming the file
     and the field) when it does not hold one."""
     try:
-        text = path.read_text()
+        text = read_small(path)
     except FileNotFoundError:
         return None
     except (OSError, UnicodeDecodeError) as exc:
         raise _damaged(path, f"cannot be read: {getattr(exc, 'strerror', None) or exc}") from None
+    if text is None:
+        raise _damaged(path, f"not a regular file of at most {RECORD_MAX_BYTES} bytes")
     try:
         data = json.loads(text)
-    except ValueError as exc:
-        raise _damaged(path, f"not JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:
+        raise _damaged(path, f"not JSON: {str(exc)[:80]}") from None
     if not isinstance(data, dict):
         raise _damaged(path, f"a JSON {type(data).__name__} where an object is wanted")
     try:
@@ -60,6 +62,11 @@ def read_record(path: Path, model: type[R]) -> R | None:
         err = exc.errors()[0]
         field = ".".join(str(x) for x in err["loc"]) or "?"
         raise _damaged(path, f"field {field!r}: {err['msg'].lower()}", field) from None
+
+
+# Linux's largest pid (PID_MAX_LIMIT): a record's pid beyond it, or below 1, names no process.
+PID_MAX = 1 << 22
+Pid = Annotated[int, Field(ge=1, le=PID_MAX)]
 
 
 def _damaged(path: Path, why: str, field: str | None = None) -> DamagedState:
@@ -80,8 +87,8 @@ class ProcessRecord(Record):
     another group, another user's process or a process the project did not launch for it would have stop signal
     processes that are not the project's."""
 
-    pid: int
-    pgid: int
+    pid: Pid
+    pgid: Pid
     create_time: float          # of the leader process: guards against a recycled pid
     launch: str = ""            # the launch token (LAUNCH_ENV); records written before it have none
 
@@ -171,7 +178,7 @@ class ReplaceRecord(Record):
     """A replace in progress (STATE_DIR[/NAME]/replace.json): which server it stopped, so that a replace killed
     between stopping A and B's readiness leaves what is needed to say so and to bring A back."""
 
-    owner_pid: int
+    owner_pid: Pid
     owner_create_time: float
     started_at: str             # ISO 8601, UTC
     phase: str                  # "stopping A", "starting B", "restoring A", "failed" (neither serves)
@@ -250,69 +257,6 @@ def instance_lock(cfg: ServeConfig, what: str) -> Iterator[None]:
                 fh.close()
     finally:
         held.rlock.release()
-
-
-def flocked(path: Path) -> Any:
-    """The lock file at `path`, open and exclusively flocked; None while another process holds it. A file its
-    holder removed between our open and flock (on release) is not the lock any more: it is opened again."""
-    while True:
-        fh = open(path, "a+")
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            fh.close()
-            return None
-        except BaseException:
-            fh.close()
-            raise
-        try:
-            if os.fstat(fh.fileno()).st_ino == os.stat(path).st_ino:
-                return fh
-        except FileNotFoundError:
-            pass
-        fh.close()
-
-
-def stamp_holder(fh: Any, holder: dict[str, Any]) -> None:
-    """Writes who holds a flocked lock file (`holder`, and since when) in place of what it said."""
-    fh.seek(0)
-    fh.truncate()
-    fh.write(json.dumps({**holder, "since": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}) + "\n")
-    fh.flush()
-
-
-def holder(path: Path) -> dict[str, Any] | None:
-    """Who holds the flocked lock file at `path`, as it stamped itself (pid, what, since; {} when unreadable); None
-    when no process holds it. Reads without taking it: a reader never makes a command it races refuse."""
-    try:
-        with open(path) as fh:
-            try:
-                fcntl.flock(fh, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return _stamp(fh.readline())
-            fcntl.flock(fh, fcntl.LOCK_UN)
-    except (FileNotFoundError, NotADirectoryError):
-        pass
-    return None
-
-
-def holder_text(path: Path) -> str:
-    """The holder of a lock file in a few words: 'pid N: what, since T', else 'another command'."""
-    try:
-        with open(path) as fh:
-            h = _stamp(fh.readline())
-        return f"pid {int(h['pid'])}: {str(h['what'])[:120]}, since {str(h['since'])[:40]}"
-    except (OSError, ValueError, KeyError, TypeError):
-        return "another command"
-
-
-def _stamp(line: str) -> dict[str, Any]:
-    """A lock file's first line as stamp_holder wrote it; {} when it is not one (being written, or damaged)."""
-    try:
-        h = json.loads(line)
-    except ValueError:
-        return {}
-    return h if isinstance(h, dict) else {}
 
 
 def _take(cfg: ServeConfig, path: Path) -> Any:
@@ -460,7 +404,8 @@ def our_group(state: ServerState) -> list[psutil.Process]:
     return state.group()
 
 
-__all__ = ["STATE_VERSION", "DamagedState", "InstanceBusy", "ProcessRecord", "Record", "Unrecorded", "unrecorded",
-           "ReplaceRecord", "ServerState", "clear_replace", "clear_state", "holder", "holder_text", "instance_lock", "leader", "load_replace", "load_state", "lock_file", "our_group",
+__all__ = ["STATE_VERSION", "DamagedState", "InstanceBusy", "Pid", "ProcessRecord", "Record", "Unrecorded", "unrecorded",
+           "ReplaceRecord", "ServerState", "clear_replace", "clear_state", "instance_lock", "leader", "load_replace",
+           "load_state", "lock_file", "our_group",
            "pid_recycled", "read_record", "replace_file", "replace_running", "try_instance_lock", "write_record",
            "write_replace", "write_state"]

@@ -31,8 +31,9 @@ from tools.serving.server.launch import (checked, end_launched, launch_server, o
                                          remember_startup, replace_note, stale_replace, start_result, wait_ready)
 from tools.core.progress import Progress
 from tools.serving.server.results import QueryResult, ServerStatus, StartResult, StopResult
+from tools.serving.records.files import holder, holder_text
 from tools.serving.records.state import (DamagedState, ServerState, clear_state, instance_lock, leader, load_state, our_group,
-                                 holder, holder_text, lock_file, pid_recycled, try_instance_lock, unrecorded)
+                                 lock_file, pid_recycled, try_instance_lock, unrecorded)
 
 
 def start_server(cfg: ServeConfig, *, progress: Progress | None = None, hardware: Hardware | None = None,

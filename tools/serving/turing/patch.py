@@ -32,7 +32,7 @@ from typing import Any, Iterator
 
 from tools.core.atomic_files import write_file
 from tools.core.errors import BadInput, ToolFailure
-from tools.serving.records.state import flocked
+from tools.serving.records.files import flocked
 from tools.serving.turing.decision import (ClampRefused, Decision, DecisionNotRun, decided_tiles_bounded,
                                            find_decision)
 
