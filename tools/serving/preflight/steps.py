@@ -89,7 +89,8 @@ def checks_for(step: Step, *, cfg: Any = None, env_file: str | Path | None = Non
                out: str | Path | None = None, repo_id: str | None = None, need_bytes: int | None = None,
                hardware: Any = None, nvml: Any = None, turing_target: Path | None = None,
                force: bool = False, protected_roots: list[Path] | None = None,
-               model: str | None = None, port: int | None = None, instance: str | None = None) -> list[Check]:
+               model: str | None = None, port: int | None = None, instance: str | None = None,
+               placed: bool = False) -> list[Check]:
     """The checks `step` needs, in the order their failures should be reported.
 
     start: the configured model (cfg or env_file) on this machine; repack: `source` into `out`; fetch: `repo_id`
@@ -97,7 +98,8 @@ def checks_for(step: Step, *, cfg: Any = None, env_file: str | Path | None = Non
     may replace `out` (an empty folder or a build it wrote); `protected_roots`: folders it may never replace or
     wrap (default: the working and home folders, as for a build from a shell). `model`: the build a start is about
     to serve, instead of the config's MODEL_NAME (as a start given a model serves it); `port` and `instance`: the
-    start's own, instead of the config's PORT and the default instance.
+    start's own, instead of the config's PORT and the default instance. `placed`: the start planned its place
+    already, under the placement lock it launches under (not planned again here).
     """
     if step not in ("all", "start", "repack", "fetch"):
         raise BadInput(f"step {step!r} is not one of all, start, repack, fetch")
@@ -116,8 +118,9 @@ def checks_for(step: Step, *, cfg: Any = None, env_file: str | Path | None = Non
         Path(cfg.source_checkpoint).expanduser() if cfg is not None and cfg.source_checkpoint else None)
     dst = Path(out).expanduser() if out else None
     if step == "start":
-        checks += [check_api_key(ctx), check_placement(ctx), check_port(ctx), check_checkpoints(ctx, step=step), check_max_model_len(ctx),
-                   check_drafter(ctx), check_turing_clamp(ctx), check_host_memory(ctx), check_vllm_build(ctx),
+        checks += [check_api_key(ctx), *([] if placed else [check_placement(ctx)]), check_port(ctx),
+                   check_checkpoints(ctx, step=step), check_max_model_len(ctx), check_drafter(ctx),
+                   check_turing_clamp(ctx), check_host_memory(ctx), check_vllm_build(ctx),
                    check_nvidia_driver(ctx), check_gpu_memory(ctx), check_versions(ctx)]
     elif step == "repack":
         checks += [check_source(src, dst, force=force, protected_roots=protected_roots), check_disk(ctx, step=step, source=src, out=dst)]

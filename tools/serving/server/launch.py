@@ -293,10 +293,10 @@ def checked(cfg: ServeConfig, hw: Hardware, turing_target: Path | None, *,
     # The API key beyond the loopback, the port, the model folder and its length limit, the Turing clamp, host memory, the vLLM build and the
     # GPU's free memory: refused here with the failing check's line rather than by vLLM a minute into the start.
     if held_by is None:
-        ensure("start", cfg=cfg, hardware=hw, turing_target=turing_target)
+        ensure("start", cfg=cfg, hardware=hw, turing_target=turing_target, placed=True)
     else:
         freed = {"gpu_memory"} | ({"port"} if held_by.port == cfg.port else set())
-        for c in checks_for("start", cfg=cfg, hardware=hw, turing_target=turing_target):
+        for c in checks_for("start", cfg=cfg, hardware=hw, turing_target=turing_target, placed=True):
             if c.status == "fail" and c.name not in freed:
                 raise refusal(c, {**(c.detail or {}), "check": c.name})
     platform = hw.platform()
