@@ -174,7 +174,6 @@ def _open(cfg: ServeConfig, progress: Progress | None, hardware: Hardware | None
     # Under the door's switch lock from the first check: a start that loses a race to another is refused naming
     # the winner, never told that the winner's build, still starting, was left by a door that is gone.
     with router_state.switching(cfg, f"start of the front door with {cfg.served_name}", "this start"):
-        check_port(cfg, cfg.host, cfg.port)  # before anything starts: the door's port
         alive = placement.running(cfg)
         orphans = [s for s in SLOTS if s in alive and alive[s].door_port == cfg.port]
         for s in orphans:  # a stop (or another command) ending it now: wait for that, then start
@@ -187,6 +186,9 @@ def _open(cfg: ServeConfig, progress: Progress | None, hardware: Hardware | None
             names = ", ".join(alive[s].served_name for s in orphans)
             raise ToolFailure(f"instance {' and '.join(orphans)} ({names}) still runs without the front door (its "
                               f"router is gone): {op('stop')} ends it, then {op('start')}", {"running": orphans})
+        # before anything starts: the door's port (after the builds a door that is gone left, the likelier cause
+        # of a refusal, whose port may be a moment from free while its router dies)
+        check_port(cfg, cfg.host, cfg.port)
         b = build_config(cfg, None)
         build = Server(b, hardware=hardware)
         with build.guarded():
