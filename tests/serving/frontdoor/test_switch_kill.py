@@ -179,9 +179,10 @@ def test_while_a_switch_is_under_way_another_switch_a_router_stop_and_a_stop_of_
 
 def test_a_second_ctrl_c_does_not_cut_the_rollback_short(front, tmp_path):
     """Two SIGINTs 0.2 s apart once B is ready: the command passes one on, waits for the rollback whatever else
-    comes, then exits 130 with one line; A serves, B is gone, no request failed."""
+    comes, then exits 130 with one line; A serves, B is gone, no request failed. B takes 2 s to end on SIGTERM: the
+    second SIGINT lands while the rollback waits for it, on any machine."""
     base, env = front
-    new = _build(tmp_path, "new", {})
+    new = _build(tmp_path, "new", {"term_s": 2})
     env = dict(env, STAND_IN_PAUSE_AT="b ready", STAND_IN_PAUSE_S=str(PAUSE_S))
     with Clients(router_state.recorded(base).base_url) as clients:
         until("a request answered", lambda: clients.served())
