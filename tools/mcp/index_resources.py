@@ -25,7 +25,10 @@ _HEAD_ROOM = 250         # a page's own line (the log's) or fields (the index's)
 
 
 def _whole_number(value: str, what: str, most: int, example: str) -> int:
-    if not (value.isascii() and value.isdigit()) or not 1 <= int(value) <= most:  # "²" is a digit to isdigit
+    # "²" is a digit to isdigit; and a number longer than `most` is out of range before int() (which refuses past
+    # 4300 digits with a message of its own)
+    if not (value.isascii() and value.isdigit()) or len(value.lstrip("0")) > len(str(most)) or \
+            not 1 <= int(value) <= most:
         raise ResourceFailure(f"{what} {value[:20]!r}: give a whole number, 1-{most}, e.g. {example}")
     return int(value)
 

@@ -11,6 +11,7 @@ import math
 import os
 import re
 import shlex
+import stat
 import sys
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -18,6 +19,7 @@ from typing import Any, Literal
 
 from tools.core.errors import BadInput, ToolFailure, param
 from tools.core.root import PROJECT_ROOT
+from tools.core.text import clip
 
 DEFAULT_ENV_FILE = PROJECT_ROOT / "tpu.env"
 
@@ -211,9 +213,10 @@ def parse_env_file(path: Path) -> dict[str, str]:
     """NAME=value lines; '#' comments, blank lines, optional `export ` and quotes. Raises on a malformed line."""
     values: dict[str, str] = {}
     try:
-        text = path.read_bytes().decode("utf-8")
+        data = _read_regular_file(path)
+        text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        line = path.read_bytes()[:exc.start].count(b"\n") + 1
+        line = data[:exc.start].count(b"\n") + 1
         raise BadInput(f"{path}:{line}: not UTF-8 text (byte {exc.start}); write the file as UTF-8",
                        detail={"path": str(path), "line": line}) from None
     except OSError as exc:
@@ -237,6 +240,28 @@ def parse_env_file(path: Path) -> dict[str, str]:
             value = value[1:-1]
         values[name] = value
     return values
+
+
+def _read_regular_file(path: Path) -> bytes:
+    """The bytes of `path`, refused in one line (BadInput) unless it is a regular file: a folder, a device
+    (/dev/null) or a FIFO is no env file, and opening a FIFO would wait for a writer, so the kind is checked first
+    (stat, no open) and again on what was opened (the name may have been swapped in between)."""
+    def refuse(mode: int) -> BadInput:
+        kind = ("a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else
+                "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else
+                "not a file")
+        return BadInput(f"configuration file {clip(path)} is not a regular file ({kind}); pass a tpu.env file",
+                        detail={"path": str(path)})
+
+    mode = path.stat().st_mode
+    if not stat.S_ISREG(mode):
+        raise refuse(mode)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
+    with os.fdopen(fd, "rb") as f:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise refuse(mode)
+        return f.read()
 
 
 def _convert(name: str, key: str, raw: Any, source: str) -> Any:
@@ -320,13 +345,29 @@ def _projects(entry: Path) -> bool:
         return False
 
 
+# The settings whose value names a file or folder (MODEL_NAME may be a hub id, which no more holds a NUL byte).
+PATH_SETTINGS = ("model", "state_dir", "swapfile", "source_checkpoint")
+
+
+def check_path_settings(values: dict[str, Any], sources: dict[str, str], env_file: Path) -> None:
+    """The one check of the path-valued settings' text, before any is used as a path: a NUL byte (which an env file
+    can hold) is refused in one line naming the setting and where it was set, not a ValueError from the OS call."""
+    for key in PATH_SETTINGS:
+        value = values.get(key)
+        if isinstance(value, (str, Path)) and "\x00" in str(value):
+            name = ENV_NAMES[key]
+            raise BadInput(f"{name}={clip(value)}, {_origin(sources.get(key), env_file)}, holds a NUL byte, which "
+                           "no path can: fix it there", detail={"path": str(env_file), "key": name,
+                                                                "source": sources.get(key)})
+
+
 def load_config(env_file: str | Path | None = None, **overrides: Any) -> ServeConfig:
     """Reads `env_file` (default: the project's tpu.env), then the environment, then `overrides` (field names).
 
     Overrides whose value is None are ignored, so CLI options that were not given can be passed as they are.
     """
     path = Path(env_file) if env_file is not None else DEFAULT_ENV_FILE
-    if not path.is_file():
+    if not path.exists():
         raise ToolFailure(f"configuration file {path} not found; pass an existing tpu.env")
     file_values = parse_env_file(path)
     known = {f.name for f in fields(ServeConfig)}
@@ -347,6 +388,7 @@ def load_config(env_file: str | Path | None = None, **overrides: Any) -> ServeCo
         if value is not None:
             values[key] = _convert(ENV_NAMES.get(key, key), key, value, _origin("override", path))
             sources[key] = "override"
+    check_path_settings(values, sources, path)
 
     if not str(values.get("model") or "").strip():
         raise BadInput(f"MODEL_NAME is empty ({_origin(sources.get('model'), path)}); set it to a checkpoint folder "

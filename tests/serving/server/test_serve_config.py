@@ -292,3 +292,48 @@ def test_an_empty_model_name_is_one_line_naming_it_and_its_source(tmp_path, sour
     assert r.returncode == 2, r.stderr
     [line] = r.stderr.strip().splitlines()
     assert "MODEL_NAME is empty" in line and (f"set in {env}" if source == "file" else "set in the environment") in line
+
+
+@pytest.mark.parametrize("key, name", [("model", "MODEL_NAME"), ("state_dir", "STATE_DIR"),
+                                       ("swapfile", "SWAPFILE"), ("source_checkpoint", "SOURCE_CHECKPOINT")])
+def test_a_nul_byte_in_a_path_setting_is_one_line_naming_it(tmp_path, monkeypatch, key, name):
+    """STATE_DIR=/tmp/atk/a<NUL>b in an env file made status end in `ValueError: embedded null byte` (exit 1); every
+    path-valued setting, from the file or from the caller, is refused in one line naming it and where it was set."""
+    from tools.core.errors import BadInput
+
+    for n in ("MODEL_NAME", "STATE_DIR", "SWAPFILE", "SOURCE_CHECKPOINT"):
+        monkeypatch.delenv(n, raising=False)
+    env = tmp_path / "tpu.env"
+    env.write_bytes(b"MODEL_NAME=org/m\nSTATE_DIR=run\n" + f"{name}={tmp_path}/a\x00b\n".encode())
+    with pytest.raises(BadInput) as exc:
+        load_config(env)
+    said = str(exc.value)
+    assert said.startswith(f"{name}=") and f"set in {env}" in said and "NUL byte" in said and "\n" not in said, said
+    env.write_text("MODEL_NAME=org/m\nSTATE_DIR=run\n")
+    with pytest.raises(BadInput) as exc:
+        load_config(env, **{key: f"{tmp_path}/a\x00b"})
+    assert str(exc.value).startswith(f"{name}=") and "given to this command" in str(exc.value), str(exc.value)
+
+
+def test_a_nul_byte_in_state_dir_is_exit_2_at_the_command_line(tmp_path):
+    env = tmp_path / "tpu.env"
+    env.write_bytes(f"MODEL_NAME=org/m\nSTATE_DIR={tmp_path}/a\x00b\n".encode())
+    r = _cli(env, "status")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    [line] = r.stderr.strip().splitlines()
+    assert f"STATE_DIR={tmp_path}/a\\x00b, set in {env}" in line, line
+
+
+@pytest.mark.parametrize("kind", ["folder", "device", "FIFO"])
+def test_an_env_file_that_is_not_a_regular_file_is_refused_before_opening(tmp_path, kind):
+    """--env-file naming a folder, /dev/null or a FIFO said "not found" (exit 1), and a FIFO must not be opened
+    (that waits for a writer): one line saying it is not a regular file, exit 2."""
+    import os
+
+    target = {"folder": tmp_path, "device": "/dev/null", "FIFO": tmp_path / "fifo"}[kind]
+    if kind == "FIFO":
+        os.mkfifo(target)
+    r = _cli(target, "status", STATE_DIR=str(tmp_path / "run"))  # a FIFO opened for reading would hang past timeout
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    [line] = r.stderr.strip().splitlines()
+    assert f"configuration file {target} is not a regular file (a {kind})" in line, line
