@@ -95,3 +95,24 @@ def test_a_record_naming_another_group_than_its_own_signals_nothing(cli_here, tm
     assert r.returncode != 0 and "vllm.json is damaged" in r.stderr and "pgid" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert not _gone(stranger.pid)
+
+
+@pytest.mark.parametrize("how", list(DAMAGE))
+def test_a_front_door_start_refuses_a_damaged_router_record_before_launching_anything(cli_here, tmp_path, monkeypatch,
+                                                                                      how):
+    """A damaged run/router.json is the one-line refusal at once, not after a build was launched and loaded (the
+    router's own write would refuse then): nothing is started, no build record written."""
+    from tests.helpers.stand_ins import vllm_server as stand_in_vllm
+    from tools.serving.config import ServeConfig
+
+    launched: list[int] = []
+    monkeypatch.setattr(ServeConfig, "vllm_argv", lambda self, platform: (
+        launched.append(self.port), stand_in_vllm.argv(self.port, self.model))[1])
+    run = tmp_path / "run"
+    _damage(run / "router.json", how, {"pid": 1, "pgid": 1})
+    model = stand_in_vllm.build(tmp_path / "m")
+    r = cli_here(["start", "--model", model], state_env(run, PORT=str(free_port()), FRONT_DOOR="1"))
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    line = r.stderr.strip().splitlines()[-1]  # after the line that says what starts
+    assert f"{run / 'router.json'}" in line and "damaged" in line, line
+    assert launched == [] and not any(run.glob("*/vllm.json"))

@@ -174,6 +174,7 @@ def _open(cfg: ServeConfig, progress: Progress | None, hardware: Hardware | None
     # Under the door's switch lock from the first check: a start that loses a race to another is refused naming
     # the winner, never told that the winner's build, still starting, was left by a door that is gone.
     with router_state.switching(cfg, f"start of the front door with {cfg.served_name}", "this start"):
+        router_state.load(cfg)  # a damaged record (DamagedState) refuses now, not once a build has loaded
         alive = placement.running(cfg)
         orphans = [s for s in SLOTS if s in alive and alive[s].door_port == cfg.port]
         for s in orphans:  # a stop (or another command) ending it now: wait for that, then start
