@@ -123,6 +123,7 @@ def _signalled(front, tmp_path, mode: str, phase: str, sig: str, command: list[s
         if sig == "SIGINT":  # acknowledged at once (the way back may take minutes), then how it ended
             said = [ln for ln in err.splitlines() if ln.startswith("vllm-t4: ")]
             assert said[0].startswith(f"vllm-t4: interrupt received: the switch (pid {switcher[0]}) ends safely"), err
+            assert said[0].endswith("then check `./vllm-t4 status`") and "\x1e" not in err, err
             assert said[1].startswith("vllm-t4: the switch ended: last switch (") and "interrupted" in said[1], err
         assert all_gone(switcher, wait_s=60), "the switch process did not end"
         until(f"{want} answering", lambda: clients.served()[-1:] == [want])

@@ -29,7 +29,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from tools.core.errors import ToolFailure, op
+from tools.core.commands import CLI
+from tools.core.errors import ToolFailure, op, render
 from tools.core.jsonout import dumps
 from tools.core.process import python_child_env
 from tools.core.progress import Progress
@@ -100,8 +101,10 @@ def ended_line(cfg: ServeConfig) -> str:
 
 
 def _say(line: str) -> None:
+    """A line for the person at the terminal whose Ctrl-C interrupted the switch: commands spelled as they type
+    them (`./vllm-t4 status`)."""
     try:
-        print(line, file=sys.stderr, flush=True)
+        print(render(line, CLI), file=sys.stderr, flush=True)
     except (OSError, ValueError):  # no terminal left to tell: the switch still ends as it does
         pass
 
