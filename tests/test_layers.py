@@ -152,11 +152,11 @@ def test_a_server_is_started_and_stopped_in_one_module():
 
 
 def test_the_time_is_read_in_the_clock_module_only():
-    """`datetime.now(` in tools/core/clock.py alone: every record, folder name and heading takes its time and
-    format there."""
+    """`datetime.now(`, and a date written with `strftime(` or `time.gmtime(`, in tools/core/clock.py alone: every
+    record, lock, log name and heading takes its time and format there."""
     files = _sources() + sorted((ROOT / "bench").glob("*.py"))
-    found = [f"{p.relative_to(ROOT)}" for p in files if "datetime.now(" in p.read_text()
-             and p != ROOT / "tools/core/clock.py"]
+    found = [f"{p.relative_to(ROOT)}: {word}" for p in files for word in ("datetime.now(", ".strftime(", "time.gmtime(")
+             if word in p.read_text() and p != ROOT / "tools/core/clock.py"]
     assert not found, found
 
 # Exceptions the project raises that are not failures: a job's cancellation and SIGTERM as an interrupt must pass

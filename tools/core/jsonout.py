@@ -32,4 +32,13 @@ def dumps(data: Any, **kwargs: Any) -> str:
     return json.dumps(clean, allow_nan=False, **kwargs)
 
 
-__all__ = ["dumps", "finite"]
+def object_of(text: str | bytes) -> dict[str, Any]:
+    """The JSON object `text` holds; {} when it holds none (not JSON, half written, or another kind of value)."""
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+__all__ = ["dumps", "finite", "object_of"]

@@ -353,7 +353,7 @@ def _finished(r: DemoReport) -> datetime:
 
 def render_markdown(r: DemoReport) -> str:
     lines = [f"# gemma4-t4 demo: {'Tesla T4' if r.platform == 'cuda' else 'CPU, tiny Gemma-4-shaped model'}", "",
-             f"{_finished(r).strftime('%Y-%m-%d %H:%M UTC')}, {platform.node()}, "
+             f"{clock.minute(_finished(r))}, {platform.node()}, "
              f"{r.wall_s:.0f} s end to end. Command: `python3 -m tools.demo`.", "",
              f"Source `{r.source}`: probe verdict **{r.probe_verdict}**.", "", "## Builds (one repack pass each)", ""]
     for b in r.builds:

@@ -31,7 +31,7 @@ from typing import Any
 
 from tools.core.commands import CLI
 from tools.core.errors import ToolFailure, op, render
-from tools.core.jsonout import dumps
+from tools.core.jsonout import dumps, object_of
 from tools.core.process import python_child_env
 from tools.core.progress import Progress
 from tools.core.root import PROJECT_ROOT
@@ -65,7 +65,7 @@ def switch(cfg: ServeConfig, b: ServeConfig, *, from_instance: str | None = None
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
-            msg = _parse(line)
+            msg = object_of(line)
             if "progress" in msg:
                 if progress is not None:
                     progress(*msg["progress"])
@@ -107,14 +107,6 @@ def _say(line: str) -> None:
         print(render(line, CLI), file=sys.stderr, flush=True)
     except (OSError, ValueError):  # no terminal left to tell: the switch still ends as it does
         pass
-
-
-def _parse(line: bytes) -> dict[str, Any]:
-    try:
-        msg = json.loads(line)
-    except ValueError:
-        return {}
-    return msg if isinstance(msg, dict) else {}
 
 
 def _interrupt(proc: subprocess.Popen) -> None:

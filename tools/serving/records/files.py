@@ -9,11 +9,12 @@ import fcntl
 import json
 import os
 import stat
-import time
 from pathlib import Path
 from typing import Any
 
+from tools.core import clock
 from tools.core.errors import ToolFailure
+from tools.core.jsonout import object_of
 
 # A record is a few hundred bytes: a bigger file (or a link to /dev/zero) is no record, and is not read whole.
 RECORD_MAX_BYTES = 1 << 20
@@ -79,7 +80,7 @@ def stamp_holder(fh: Any, holder: dict[str, Any]) -> None:
     """Writes who holds a flocked lock file (`holder`, and since when) in place of what it said."""
     fh.seek(0)
     fh.truncate()
-    fh.write(json.dumps({**holder, "since": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}) + "\n")
+    fh.write(json.dumps({**holder, "since": clock.iso()}) + "\n")
     fh.flush()
 
 
@@ -96,7 +97,7 @@ def holder(path: Path) -> dict[str, Any] | None:
         try:
             fcntl.flock(fh, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
-            return _stamp(fh.readline())
+            return object_of(fh.readline())
         fcntl.flock(fh, fcntl.LOCK_UN)
     return None
 
@@ -104,19 +105,10 @@ def holder(path: Path) -> dict[str, Any] | None:
 def holder_text(path: Path) -> str:
     """The holder of a lock file in a few words: 'pid N: what, since T', else 'another command'."""
     try:
-        h = _stamp((read_small(path) or "").partition("\n")[0])
+        h = object_of((read_small(path) or "").partition("\n")[0])
         return f"pid {int(h['pid'])}: {str(h['what'])[:120]}, since {str(h['since'])[:40]}"
     except (OSError, ValueError, KeyError, TypeError):
         return "another command"
-
-
-def _stamp(line: str) -> dict[str, Any]:
-    """A lock file's first line as stamp_holder wrote it; {} when it is not one (being written, or damaged)."""
-    try:
-        h = json.loads(line)
-    except ValueError:
-        return {}
-    return h if isinstance(h, dict) else {}
 
 
 

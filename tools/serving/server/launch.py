@@ -206,7 +206,7 @@ def own_log(cfg: ServeConfig) -> ServeConfig:
     """`cfg` with a log file of this launch's own (created exclusively: never another server's), the oldest logs
     beyond the last _KEPT_LOGS removed unless the state file names them."""
     cfg.instance_dir.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    stamp = clock.file_stamp()
     for n in range(1, 1000):
         name = f"vllm-{stamp}-{os.getpid()}" + (f"-{n}" if n > 1 else "") + ".log"
         try:
