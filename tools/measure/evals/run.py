@@ -21,7 +21,6 @@ relative paths there resolve against the include folder, which is lm-eval's work
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import os
 import queue
@@ -38,6 +37,7 @@ from tools.core.api_key import with_client_key
 from tools.core.errors import BadInput, ToolFailure, op, param
 from tools.core.process import kill_group, python_child_env
 from tools.core.root import PROJECT_ROOT
+from tools.core.versions import installed
 from tools.measure import evidence, provenance as prov_mod
 from tools.core.output_check import check_output_folder
 from tools.core.progress import Progress
@@ -57,10 +57,7 @@ KILL_GRACE_S = 5.0  # SIGTERM to SIGKILL for lm-eval's process group
 
 
 def lm_eval_version() -> str | None:
-    try:
-        return importlib.metadata.version("lm_eval")
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    return installed("lm_eval")
 
 
 def _arg_safe(what: str, value: str) -> str:
@@ -350,7 +347,7 @@ def _provenance(plan: _Plan, results: dict[str, Any], cmd: list[str]) -> dict[st
     params = plan.params
     prov = prov_mod.collect(plan.base_url, server=plan.server, serve_config=plan.serve_config).to_dict()
     prov["eval"] = {
-        "lm_eval_version": plan.version, "datasets_version": _dist_version("datasets"), "model": plan.model,
+        "lm_eval_version": plan.version, "datasets_version": installed("datasets"), "model": plan.model,
         "tokenizer": plan.tokenizer, "max_length": plan.max_len, "tasks": params.tasks,
         "include_path": str(plan.include), "limit": params.limit, "num_fewshot": params.num_fewshot,
         "n_shot": results.get("n-shot"), "task_versions": results.get("versions"),
@@ -361,12 +358,5 @@ def _provenance(plan: _Plan, results: dict[str, Any], cmd: list[str]) -> dict[st
         "hf_offline": {k: os.environ.get(k) for k in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")},
     }
     return prov
-
-
-def _dist_version(name: str) -> str | None:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 

