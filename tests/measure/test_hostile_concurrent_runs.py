@@ -21,7 +21,7 @@ import pytest
 
 from tests.helpers.stand_ins import bench as stand_in_bench
 from tests.helpers.fixtures import ROOT
-from tests.helpers.stand_ins.measure import DecodeStandIn, MeasureStandIn, serve_in_thread, writer_stand_in
+from tests.helpers.stand_ins.measure import DecodeStandIn, serve_in_thread, writer_stand_in
 from tools.core.atomic_files import HeldFolder, TempFolder, names_held, reserve_name
 from tools.core.errors import ToolFailure
 
@@ -71,20 +71,14 @@ def _two_whole_runs(results: list[tuple[int, str, str]], out: Path, summary: str
     return folders
 
 
-@pytest.fixture(scope="module")
-def bench_server():
-    with serve_in_thread(MeasureStandIn) as url:
-        yield url
-
-
 @pytest.fixture
 def bench_env(tmp_path):
     return stand_in_bench.child_env(tmp_path, ROOT, "0.2")[0]
 
 
-def test_two_sweeps_at_once_write_two_whole_runs(bench_server, bench_env, tmp_path):
+def test_two_sweeps_at_once_write_two_whole_runs(measure_stand_in, bench_env, tmp_path):
     out = tmp_path / "ev"
-    argv = ["sweep", "--base-url", bench_server, "--out", str(out), "--input-lens", "10,11", "--concurrency", "1",
+    argv = ["sweep", "--base-url", measure_stand_in, "--out", str(out), "--input-lens", "10,11", "--concurrency", "1",
             "--repeats", "2", "--output-len", "4", "--no-warmup", "--label", "k", "--cell-timeout", "60"]
     a, b = _two_whole_runs(_pair(argv, bench_env), out, "summary.json")
     for run in (a, b):
@@ -94,9 +88,9 @@ def test_two_sweeps_at_once_write_two_whole_runs(bench_server, bench_env, tmp_pa
     assert sorted(p.name for p in (a, b))[1] == sorted(p.name for p in (a, b))[0] + "-2"
 
 
-def test_two_capacity_searches_at_once_write_two_whole_runs(bench_server, bench_env, tmp_path):
+def test_two_capacity_searches_at_once_write_two_whole_runs(measure_stand_in, bench_env, tmp_path):
     out = tmp_path / "ev"
-    argv = ["capacity", "--base-url", bench_server, "--out", str(out), "--input-len", "10", "--output-len", "4",
+    argv = ["capacity", "--base-url", measure_stand_in, "--out", str(out), "--input-len", "10", "--output-len", "4",
             "--slo", "ttft_p99_ms=1000", "--start", "1", "--max", "2", "--repeats", "1", "--no-warmup",
             "--label", "k", "--cell-timeout", "60"]
     for run in _two_whole_runs(_pair(argv, bench_env), out, "capacity.json"):

@@ -24,16 +24,9 @@ import pytest
 from tests.helpers.stand_ins import bench as stand_in_bench
 from tests.helpers.fixtures import ROOT
 from tests.helpers.kill_matrix import SIGNALS, all_gone, assert_ended, assert_swept_by_the_next_write, cli, signal_when
-from tests.helpers.stand_ins.measure import MeasureStandIn, serve_in_thread
 
 PHASES = ["in-first-call", "between-records"]
 SLOW_S = "0.4"  # each benchmark call
-
-
-@pytest.fixture(scope="module")
-def server():
-    with serve_in_thread(MeasureStandIn) as url:
-        yield url
 
 
 @pytest.fixture
@@ -69,10 +62,11 @@ def _ended_as_told(sig: str, rc: int, err: str, workers: list[int]) -> None:
 
 @pytest.mark.parametrize("phase", PHASES)
 @pytest.mark.parametrize("sig", list(SIGNALS))
-def test_a_killed_sweep_keeps_whole_records_and_resume_measures_only_the_rest(sig, phase, server, bench, tmp_path):
+def test_a_killed_sweep_keeps_whole_records_and_resume_measures_only_the_rest(sig, phase, measure_stand_in, bench,
+                                                                             tmp_path):
     env, pids = bench
     out = tmp_path / "ev"
-    argv = ["sweep", "--base-url", server, "--out", str(out), "--input-lens", "10,11", "--concurrency", "1",
+    argv = ["sweep", "--base-url", measure_stand_in, "--out", str(out), "--input-lens", "10,11", "--concurrency", "1",
             "--repeats", "2", "--output-len", "4", "--no-warmup", "--label", "k", "--cell-timeout", "60"]
     rc, err, workers = _kill_at(argv, env, pids, out, phase, sig)
     _ended_as_told(sig, rc, err, workers)
@@ -96,11 +90,12 @@ def test_a_killed_sweep_keeps_whole_records_and_resume_measures_only_the_rest(si
 
 @pytest.mark.parametrize("phase", PHASES)
 @pytest.mark.parametrize("sig", list(SIGNALS))
-def test_a_killed_capacity_search_leaves_nothing_the_next_write_keeps(sig, phase, server, bench, tmp_path):
+def test_a_killed_capacity_search_leaves_nothing_the_next_write_keeps(sig, phase, measure_stand_in, bench,
+                                                                      tmp_path):
     env, pids = bench
     out = tmp_path / "ev"
     out.mkdir()
-    argv = ["capacity", "--base-url", server, "--out", str(out), "--input-len", "10", "--output-len", "4",
+    argv = ["capacity", "--base-url", measure_stand_in, "--out", str(out), "--input-len", "10", "--output-len", "4",
             "--slo", "ttft_p99_ms=1000", "--start", "1", "--max", "64", "--repeats", "2", "--no-warmup",
             "--label", "k", "--cell-timeout", "60"]
     rc, err, workers = _kill_at(argv, env, pids, out, phase, sig)
