@@ -105,3 +105,29 @@ def test_sigterm_of_a_test_run_leaves_none_of_its_servers_running(tmp_path):
         if run.poll() is None:
             run.kill()
             run.wait()
+
+
+def test_the_watcher_waits_for_its_runner_whatever_the_wall_clock_does(monkeypatch):
+    """psutil's create_time moves when the wall clock is stepped (seen here: 66 s): the watcher, which reaped the
+    run at once when it did (before the run's servers had started, so they were left running), identifies its
+    runner by its start in ticks since boot, and reaps only once the runner has ended."""
+    import threading
+
+    calls = iter(range(10**6))
+    monkeypatch.setattr(psutil.Process, "create_time", lambda self: 1.0e9 + next(calls))  # a clock stepping
+    runner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    reaped: list[str] = []
+    monkeypatch.setattr(reaper, "reap", lambda run: reaped.append(run) or [])
+    try:
+        ticks = reaper.start_ticks(runner.pid)
+        assert ticks is not None and reaper.start_ticks(runner.pid) == ticks
+        watcher = threading.Thread(target=reaper.watch, args=("run-1", runner.pid, ticks, 0.05), daemon=True)
+        watcher.start()
+        time.sleep(1.0)
+        assert watcher.is_alive() and reaped == []  # its runner still runs
+    finally:
+        runner.kill()
+        runner.wait()
+    watcher.join(timeout=10)
+    assert not watcher.is_alive() and reaped == ["run-1"]
+    assert reaper.start_ticks(runner.pid) is None

@@ -28,15 +28,12 @@ def start(config) -> None:
     """Marks this run and starts its watcher. In an xdist worker nothing: the controller's watcher covers it."""
     if hasattr(config, "workerinput"):
         return
-    import psutil
-
     run = uuid.uuid4().hex[:16]
     os.environ[RUN_ENV] = " ".join(filter(None, (os.environ.get(RUN_ENV, ""), run)))
     me = os.getpid()
     env = {k: v for k, v in os.environ.items() if k != RUN_ENV}  # the watcher is not a process of the run
     env["PYTHONPATH"] = str(_ROOT)
-    subprocess.Popen([sys.executable, "-m", "tests.helpers.reaper", run, str(me),
-                      repr(psutil.Process(me).create_time())],
+    subprocess.Popen([sys.executable, "-m", "tests.helpers.reaper", run, str(me), str(start_ticks(me))],
                      cwd=str(_ROOT), env=env, start_new_session=True, stdin=subprocess.DEVNULL,
                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -77,17 +74,22 @@ def reap(run: str) -> list[int]:
     return killed
 
 
-def watch(run: str, pid: int, create_time: float, interval_s: float = 0.5) -> None:
-    import psutil
-
+def start_ticks(pid: int) -> int | None:
+    """When `pid` started, in clock ticks since boot (/proc/PID/stat): unlike psutil's create_time, which is
+    derived from the wall clock's boot time, a step of the wall clock does not move it. None: no such process, or
+    a zombie (its runner has ended)."""
     try:
-        runner = psutil.Process(pid)
-        while runner.create_time() == create_time and runner.status() != psutil.STATUS_ZOMBIE:
-            time.sleep(interval_s)
-    except psutil.NoSuchProcess:
-        pass
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return None
+    return None if fields[0] == "Z" else int(fields[19])
+
+
+def watch(run: str, pid: int, ticks: int, interval_s: float = 0.5) -> None:
+    while start_ticks(pid) == ticks:
+        time.sleep(interval_s)
     reap(run)
 
 
 if __name__ == "__main__":
-    watch(sys.argv[1], int(sys.argv[2]), float(sys.argv[3]))
+    watch(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
