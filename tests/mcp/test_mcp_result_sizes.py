@@ -235,3 +235,19 @@ def test_stop_all_over_many_damaged_records_stays_within_the_budget(roots, tmp_p
     assert len(json.dumps(r.structured_content, separators=(",", ":"))) <= RESULT_BUDGET
     text = r.content[0].text
     assert "instance-00" in text and "40 could not be" in text and "38 more" in text, text[:500]
+
+
+def test_a_shortened_log_names_the_file_it_was_read_from(roots, tmp_path):
+    """With the front door the builds' logs are in their slots' folders (run/green/vllm-*.log) and run/vllm.log
+    never exists: the log resource's line on where the rest is names the file it read, not run/vllm.log."""
+    mcp = create_server(Settings(roots=roots, config_overrides={"state_dir": str(tmp_path / "run")}))
+    green = tmp_path / "run" / "green" / "vllm-20261207T105616.000000Z-1.log"
+    green.parent.mkdir(parents=True)
+    green.write_text("".join(f"INFO line {i} " + "x" * 120 + "\n" for i in range(300)))
+
+    async def go():
+        async with Client(mcp) as c:
+            return (await c.read_resource("gemma4-t4://server/log"))[0].text
+
+    first = run(go()).split("\n")[0]
+    assert f"or the file {green}]" in first and "run/vllm.log" not in first, first

@@ -16,7 +16,7 @@ from tools.core.errors import ToolFailure
 from tools.mcp.bounded import RESULT_BUDGET, fit_text, pages
 from tools.mcp.errors import MCP
 from tools.mcp.resources import SCHEME, ResourceFailure, evidence_run_list, resource
-from tools.serving import read_log
+from tools.serving import log_path, read_log
 
 LOG_LINES = 200          # lines the log resource reads before keeping the tail that fits
 MORE_LOG = f"{SCHEME}://server/log/{{lines}}"
@@ -74,9 +74,9 @@ def _log(app, lines: int) -> str:
 def server_log(app) -> str:
     """The last lines (as many as fit in a short answer) of the log of the vLLM server start_vllm_server started
     (the last start's, after a failed start or a stop); server/log/{lines} pages through more."""
-    cfg = app.config()
-    return fit_text(_log(app, LOG_LINES), whole=f"more with {MORE_LOG} (e.g. 1000: from the 1,000th line from "
-                                                f"the end on), or the file {cfg.log_file}")
+    text = _log(app, LOG_LINES)
+    return fit_text(text, whole=f"more with {MORE_LOG} (e.g. 1000: from the 1,000th line from the end on), or the "
+                                f"file {log_path(app.config())}")  # the one read: a front door's build's own
 
 
 @resource(MORE_LOG, title="vLLM server log, from a line on", mime_type="text/plain")
