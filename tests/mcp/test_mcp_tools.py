@@ -806,6 +806,9 @@ def test_preflight_start_checks_the_model_about_to_start(mcp, tmp_path):
 
     given, missing = (next(c for c in r["checks"] if c["name"] == "checkpoints") for r in run(go()))
     assert given["status"] == "ok" and given["detail"]["model"] == str(tmp_path / "models" / "emb4")
+    # the builds listed are the models root's (the server's --models-root), not the project's models/ folder
+    assert f"builds in {tmp_path / 'models'}: emb4;" in given["value"], given["value"]
+    assert given["detail"]["builds"] == [str(tmp_path / "models" / "emb4")]
     assert missing["status"] == "fail" and "make_tiny_model" in missing["fix"]  # named with the tool that makes it
     errors = _refusals(mcp, [("preflight", {"step": "start", "model": "/etc"})])
     assert "outside the models roots" in errors[0]

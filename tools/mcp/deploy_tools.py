@@ -27,7 +27,8 @@ def preflight(app, p: PreflightParams) -> Reply:
     if p.model is not None:
         update["model"] = _model(app, p.model, cfg)
     report = run_preflight(p.model_copy(update=update), cfg=cfg,
-                           protected_roots=[*app.roots.models, *app.roots.evidence])
+                           protected_roots=[*app.roots.models, *app.roots.evidence],
+                           models_roots=list(app.roots.models))
     return Reply(report, report.summary)
 
 

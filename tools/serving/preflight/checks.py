@@ -58,8 +58,11 @@ class Check(BaseModel):
 
 
 class Context:
-    def __init__(self, cfg: Any, cfg_error: str | None, hardware: Any, nvml: Any, turing_target: Path | None):
+    def __init__(self, cfg: Any, cfg_error: str | None, hardware: Any, nvml: Any, turing_target: Path | None,
+                 models_roots: list[Path] | None = None):
         self.cfg, self.cfg_error = cfg, cfg_error
+        # where builds are listed: the MCP server's models roots, else the project's models/
+        self.models_roots = models_roots or [PROJECT_ROOT / "models"]
         self._hw = hardware
         self.nvml = nvml
         self.turing_target = turing_target
@@ -401,12 +404,12 @@ def check_checkpoints(ctx: Context, *, step: str) -> Check:
     if cfg is None:
         return Check(name="checkpoints", status="n/a", value="no configuration")
     source = cfg.source_checkpoint
-    models = PROJECT_ROOT / "models"
-    builds = sorted(p.name for p in models.iterdir() if _is_built(p)) if models.is_dir() else []
+    builds = sorted(str(p) for root in ctx.models_roots if root.is_dir() for p in root.iterdir() if _is_built(p))
     src_state = ("not set" if not source else f"{source} ({'present' if _is_built(source) else 'missing'})")
     detail = {"source": source or None, "source_present": bool(source) and _is_built(source), "builds": builds,
               "model": cfg.model, "model_present": _is_built(cfg.model)}
-    value = f"source {src_state}; builds in models/: {', '.join(builds) or 'none'}"
+    value = (f"source {src_state}; builds in {', '.join(map(str, ctx.models_roots))}: "
+             f"{', '.join(Path(b).name for b in builds) or 'none'}")
     if not _is_local(cfg.model):
         return Check(name="checkpoints", status="ok", detail=detail,
                      value=value + f"; MODEL_NAME {cfg.model} is a hub id vLLM fetches")

@@ -90,7 +90,7 @@ def checks_for(step: Step, *, cfg: Any = None, env_file: str | Path | None = Non
                hardware: Any = None, nvml: Any = None, turing_target: Path | None = None,
                force: bool = False, protected_roots: list[Path] | None = None,
                model: str | None = None, port: int | None = None, instance: str | None = None,
-               placed: bool = False) -> list[Check]:
+               placed: bool = False, models_roots: list[Path] | None = None) -> list[Check]:
     """The checks `step` needs, in the order their failures should be reported.
 
     start: the configured model (cfg or env_file) on this machine; repack: `source` into `out`; fetch: `repo_id`
@@ -99,14 +99,15 @@ def checks_for(step: Step, *, cfg: Any = None, env_file: str | Path | None = Non
     wrap (default: the working and home folders, as for a build from a shell). `model`: the build a start is about
     to serve, instead of the config's MODEL_NAME (as a start given a model serves it); `port` and `instance`: the
     start's own, instead of the config's PORT and the default instance. `placed`: the start planned its place
-    already, under the placement lock it launches under (not planned again here).
+    already, under the placement lock it launches under (not planned again here). `models_roots`: the folders whose
+    builds the checkpoints check lists (default: the project's models/).
     """
     if step not in ("all", "start", "repack", "fetch"):
         raise BadInput(f"step {step!r} is not one of all, start, repack, fetch")
     cfg, cfg_error = _load(cfg, env_file, port=port, instance=instance)
     if model is not None and cfg is not None:
         cfg = replace(cfg, model=model, sources={**cfg.sources, "model": "override"})
-    ctx = Context(cfg, cfg_error, hardware, nvml, turing_target)
+    ctx = Context(cfg, cfg_error, hardware, nvml, turing_target, models_roots)
     checks: list[Check] = []
     # A repack given its source and output reads nothing from the serving config: a broken tpu.env is not its
     # failure.
@@ -174,7 +175,8 @@ def ensure(step: Step, **kwargs: Any) -> list[Check]:
 
 
 def run_preflight(params: PreflightParams, *, cfg: Any = None, hardware: Any = None, nvml: Any = None,
-                  turing_target: Path | None = None, protected_roots: list[Path] | None = None) -> PreflightReport:
+                  turing_target: Path | None = None, protected_roots: list[Path] | None = None,
+                  models_roots: list[Path] | None = None) -> PreflightReport:
     """Every check of `params.step`; never raises for what it finds (a failing check is a result), only for bad
     input (BadInput: an env_file that does not exist). `cfg`: a loaded serving config, instead of env_file."""
     if params.env_file is not None and not Path(params.env_file).expanduser().is_file():
@@ -183,7 +185,8 @@ def run_preflight(params: PreflightParams, *, cfg: Any = None, hardware: Any = N
     hw = hardware or Hardware()
     checks = checks_for(params.step, cfg=cfg, env_file=params.env_file, source=params.source, out=params.out,
                         hardware=hw, nvml=nvml, turing_target=turing_target, protected_roots=protected_roots,
-                        model=params.model, port=params.port, instance=params.instance, repo_id=params.repo_id)
+                        model=params.model, port=params.port, instance=params.instance, repo_id=params.repo_id,
+                        models_roots=models_roots)
     platform = hw.platform()
     failed = [c.name for c in checks if c.status == "fail"]
     warnings = [c.name for c in checks if c.status == "warn"]
