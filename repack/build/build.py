@@ -49,7 +49,25 @@ BLOCK_BYTES = 4 << 20      # source bytes per work item: big enough to amortise,
 TEXT_ONLY_SKIP_FILES = {"preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json"}
 
 
+def _reset_peak_rss() -> None:
+    """Starts this process's peak resident memory afresh (Linux: 5 to /proc/self/clear_refs), so that the report's
+    peak is the build's, not that of what the process did before (an MCP server's earlier builds and serving)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+    except OSError:  # not Linux, or not allowed: the peak is the process's since it started
+        pass
+
+
 def _peak_rss() -> int:
+    """The peak resident memory since _reset_peak_rss (VmHWM), else since the process started (ru_maxrss)."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
@@ -64,6 +82,7 @@ def build_checkpoint(src: str | Path, out: str | Path, options: BuildOptions | N
     must resolve inside one of them."""
     opt = options or BuildOptions()
     t0 = time.perf_counter()
+    _reset_peak_rss()
     src, out = Path(src), Path(out)
     with core_refusals():
         ck, removed = _open_source(src, out, opt, list(protected_roots), notice, roots)

@@ -284,3 +284,18 @@ def test_transformers_loads_text_only_step_with_identical_logits(builds):
     assert a.shape == b.shape
     assert torch.equal(a, b)
     assert not torch.equal(text.lm_head.weight, torch.zeros_like(text.lm_head.weight))
+
+
+def test_the_reported_peak_memory_is_the_builds_not_the_processs(tiny_qat, tmp_path):
+    """A build run in a process that held more before (an MCP server's earlier builds): the report's peak is the
+    build's own (two builds in one MCP server reported the same 526,860,288 bytes, the server's peak)."""
+    def rss() -> int:
+        with open("/proc/self/status") as fh:
+            return next(int(ln.split()[1]) * 1024 for ln in fh if ln.startswith("VmRSS:"))
+
+    big = np.ones(3 << 27, dtype=np.float32)  # 1.5 GiB, every page touched
+    big += 1
+    del big
+    before = rss()
+    rep = build_checkpoint(tiny_qat, tmp_path / "b")
+    assert 0 < rep.peak_rss_bytes < before + (512 << 20), (rep.peak_rss_bytes, before)
