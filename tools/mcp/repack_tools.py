@@ -177,8 +177,9 @@ def _repack_result(d: dict[str, Any], out: Path) -> dict[str, Any]:
             "tables": tables, "total_bytes_before": d["total_bytes_before"],
             "total_bytes_after": d["total_bytes_after"], "wall_s": d["wall_s"], "mb_per_s": d["mb_per_s"],
             "peak_rss_bytes": d["peak_rss_bytes"], "output_shards": d["output_shards"],
-            "exactness": f"exact_pct and max_err_ulp (in bf16 ulps): the {d['target_dtype']} runtime the build "
-                         f"targets; the other runtime's and every column per table: report_path"}
+            "exactness": f"in the {d['target_dtype']} runtime the build targets: exact_pct, the share of values it "
+                         "gives back exactly; max_err_ulp, its largest error in units of the last place of the "
+                         "source's bfloat16 values; the other runtime's and every column per table: report_path"}
 
 
 def _plan_params(app, p) -> Any:
