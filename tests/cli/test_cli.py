@@ -88,3 +88,14 @@ def test_main_in_process_leaves_the_sigterm_handler_as_it_was(capsys):
     finally:
         signal.signal(signal.SIGTERM, before)
     capsys.readouterr()
+
+
+@pytest.mark.parametrize("first", [["--env-file", "{env}"], ["--env-file={env}"]])
+def test_the_env_file_given_before_the_command_is_the_commands(capsys, tmp_path, first):
+    """`./vllm-t4 --env-file FILE status` read FILE as the command ("invalid choice"): it is status's
+    --env-file, as after the command (here a file whose empty MODEL_NAME status refuses, naming the file)."""
+    env = tmp_path / "my.env"
+    env.write_text("MODEL_NAME=\n")
+    rc = cli.main([a.format(env=env) for a in first] + ["status"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "invalid choice" not in err and f"MODEL_NAME is empty (set in {env})" in err, err

@@ -65,8 +65,18 @@ def run_demo(argv: list[str]) -> int:
     os.execve(sys.executable, [sys.executable, "-m", "tools.demo", *argv], env)
 
 
+def _env_file_first(argv: list[str]) -> list[str]:
+    """`--env-file FILE COMMAND ...` as `COMMAND --env-file FILE ...`: the option each command takes, given before
+    the command (where argparse would read FILE as the command's name)."""
+    if argv[:1] == ["--env-file"] and len(argv) >= 3:
+        return [argv[2], *argv[:2], *argv[3:]]
+    if argv and argv[0].startswith("--env-file=") and len(argv) >= 2:
+        return [argv[1], argv[0], *argv[2:]]
+    return argv
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
+    argv = _env_file_first(sys.argv[1:] if argv is None else list(argv))
     if argv[:1] == [DEMO]:
         return run_demo(argv[1:])
     return run_program("vllm-t4", lambda: build_parser(argv[0] if argv else None).parse_args(argv))
