@@ -43,7 +43,8 @@ WEEK_S = 7 * 24 * 3600.0
 Seconds = Annotated[float, Field(gt=0, le=WEEK_S, allow_inf_nan=False)]  # a timeout: more than 0, at most a week
 Price = Annotated[float, Field(ge=0, le=1e6, allow_inf_nan=False)]       # money per hour
 Seed = Annotated[int, Field(ge=0, le=2 ** 32 - 1)]
-Name = Annotated[str, Field(min_length=1, max_length=NAME_MAX, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@+/-]*$")]
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@+/-]*$"
+Name = Annotated[str, Field(min_length=1, max_length=NAME_MAX, pattern=NAME_PATTERN)]
 NAME_RULE = "letters, digits and . _ : @ + / - (starting with a letter or digit)"
 
 

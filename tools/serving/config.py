@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from tools.core.errors import BadInput, ToolFailure, param
+from tools.core.params import NAME_MAX, NAME_PATTERN, NAME_RULE
 from tools.core.root import PROJECT_ROOT
 from tools.core.text import clip
 
@@ -347,18 +348,30 @@ def _projects(entry: Path) -> bool:
 
 # The settings whose value names a file or folder (MODEL_NAME may be a hub id, which no more holds a NUL byte).
 PATH_SETTINGS = ("model", "state_dir", "swapfile", "source_checkpoint")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 def check_path_settings(values: dict[str, Any], sources: dict[str, str], env_file: Path) -> None:
     """The one check of the path-valued settings' text, before any is used as a path: a NUL byte (which an env file
-    can hold) is refused in one line naming the setting and where it was set, not a ValueError from the OS call."""
+    can hold) is refused in one line naming the setting and where it was set, not a ValueError from the OS call;
+    another control character (a newline, a tab) likewise, as every line that names the path would break on it.
+    SERVED_MODEL_NAME, set in the file or the environment, keeps the rule --served-name keeps."""
     for key in PATH_SETTINGS:
         value = values.get(key)
-        if isinstance(value, (str, Path)) and "\x00" in str(value):
+        found = _CONTROL.search(str(value)) if isinstance(value, (str, Path)) else None
+        if found:
+            what = "a NUL byte, which no path can" if found.group() == "\x00" else \
+                f"a control character ({found.group()!r}), which no line naming it can show"
             name = ENV_NAMES[key]
-            raise BadInput(f"{name}={clip(value)}, {_origin(sources.get(key), env_file)}, holds a NUL byte, which "
-                           "no path can: fix it there", detail={"path": str(env_file), "key": name,
-                                                                "source": sources.get(key)})
+            raise BadInput(f"{name}={clip(value)}, {_origin(sources.get(key), env_file)}, holds "
+                           f"{what}: fix it there", detail={"path": str(env_file), "key": name,
+                                                          "source": sources.get(key)})
+    name = values.get("served_name")
+    if name and not (isinstance(name, str) and len(name) <= NAME_MAX and re.fullmatch(NAME_PATTERN, name)):
+        raise BadInput(f"SERVED_MODEL_NAME={clip(name)}, "
+                       f"{_origin(sources.get('served_name'), env_file)}, is not a model name clients can send: use "
+                       f"{NAME_RULE}: fix it there", detail={"path": str(env_file), "key": "SERVED_MODEL_NAME",
+                                                             "source": sources.get("served_name")})
 
 
 def load_config(env_file: str | Path | None = None, **overrides: Any) -> ServeConfig:
@@ -431,6 +444,8 @@ def load_config(env_file: str | Path | None = None, **overrides: Any) -> ServeCo
                 "data_parallel_size"):
         if getattr(cfg, key) <= 0:
             raise bad(key, "must be positive")
+    if not 0 <= cfg.memory_margin_gib <= 1024:  # NaN too: it is no number the host check can add
+        raise bad("memory_margin_gib", "must be 0 to 1024 GiB")
     if not 0 <= cfg.front_door_hold_s <= 3600:
         raise bad("front_door_hold_s", "must be 0 to 3600 seconds")
     if not 0 < cfg.start_timeout_s < math.inf:

@@ -337,3 +337,46 @@ def test_an_env_file_that_is_not_a_regular_file_is_refused_before_opening(tmp_pa
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     [line] = r.stderr.strip().splitlines()
     assert f"configuration file {target} is not a regular file (a {kind})" in line, line
+
+
+@pytest.mark.parametrize("value", ["NaN", "inf", "-5", "-1e9"])
+def test_a_memory_margin_that_is_no_amount_is_one_line_naming_it(tmp_path, value):
+    """MEMORY_MARGIN_GIB=NaN or inf ended start and doctor in a traceback (int() of the margin in the host memory
+    check); a negative one passed ("plus -5 GiB"). Refused like the other numbers: one line, exit 2 (doctor lists it
+    as its failing config check)."""
+    env = tmp_path / "tpu.env"
+    env.write_text(f"MODEL_NAME=org/m\nSTATE_DIR={tmp_path}/run\n")
+    r = _cli(env, "status", MEMORY_MARGIN_GIB=value)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    [line] = r.stderr.strip().splitlines()
+    assert f"MEMORY_MARGIN_GIB={float(value)}, set in the environment, must be 0 to 1024 GiB" in line, line
+
+
+@pytest.mark.parametrize("value", ["x\ny", "x\ty", "../../evil", "a b"])
+def test_a_served_name_from_the_file_keeps_the_rule_of_served_name(tmp_path, monkeypatch, value):
+    """--served-name ../../x is refused, but SERVED_MODEL_NAME from tpu.env or the environment was launched as it
+    was (a newline split status and stop's lines in two): the same rule, one line naming where it was set."""
+    from tools.core.errors import BadInput
+
+    env = tmp_path / "tpu.env"
+    env.write_text(f"MODEL_NAME=org/m\nSTATE_DIR={tmp_path}/run\n")
+    monkeypatch.setenv("SERVED_MODEL_NAME", value)
+    with pytest.raises(BadInput) as exc:
+        load_config(env)
+    said = str(exc.value)
+    assert said.startswith("SERVED_MODEL_NAME=") and "set in the environment" in said and "\n" not in said, said
+
+
+@pytest.mark.parametrize("key", ["STATE_DIR", "MODEL_NAME"])
+def test_a_control_character_in_a_path_setting_is_one_line_naming_it(tmp_path, monkeypatch, key):
+    """STATE_DIR with a newline was taken, and status printed its path over two lines."""
+    from tools.core.errors import BadInput
+
+    env = tmp_path / "tpu.env"
+    env.write_text(f"MODEL_NAME=org/m\nSTATE_DIR={tmp_path}/run\n")
+    monkeypatch.setenv(key, f"{tmp_path}/x\ny")
+    with pytest.raises(BadInput) as exc:
+        load_config(env)
+    said = str(exc.value)
+    assert said.startswith(f"{key}=") and "control character ('\\n')" in said and "\n" not in said, said
+
