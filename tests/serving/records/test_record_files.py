@@ -63,7 +63,8 @@ def test_a_lock_or_a_record_that_is_a_fifo_never_hangs(tmp_path):
     assert time.monotonic() - t0 < 5
 
 
-@pytest.mark.parametrize("how", ["dev-zero", "huge", "nested", "pid-0", "pid-past-max", "pid-2**70"])
+@pytest.mark.parametrize("how", ["dev-zero", "huge", "nested", "pid-0", "pid-past-max", "pid-2**70", "nan-start",
+                                 "inf-start"])
 def test_a_record_no_process_record_can_be_is_damaged_in_one_line(tmp_path, how):
     path = tmp_path / "vllm.json"
     record = {"pid": os.getpid(), "pgid": os.getpid(), "create_time": 0.0}
@@ -73,6 +74,8 @@ def test_a_record_no_process_record_can_be_is_damaged_in_one_line(tmp_path, how)
         path.write_text(json.dumps({**record, "pad": "x" * (files.RECORD_MAX_BYTES + 1)}))
     elif how == "nested":
         path.write_text("[" * 100_000)
+    elif how.endswith("-start"):  # NaN matched any live pid's start time (no difference is > 1 s from NaN)
+        path.write_text(json.dumps(record)[:-1] + f', "create_time": {"NaN" if how == "nan-start" else "Infinity"}}}')
     else:
         pid = {"pid-0": 0, "pid-past-max": (1 << 22) + 1, "pid-2**70": 2 ** 70}[how]
         path.write_text(json.dumps({**record, "pid": pid, "pgid": pid}))
@@ -80,3 +83,22 @@ def test_a_record_no_process_record_can_be_is_damaged_in_one_line(tmp_path, how)
         read_record(path, ProcessRecord)
     line = str(e.value)
     assert str(path) in line and "is damaged" in line and "\n" not in line and len(line) < 400, line
+
+
+@pytest.mark.parametrize("kind", ["fifo", "folder"])
+def test_records_that_are_no_files_are_listed_by_status_and_stop_all(cli_here, tmp_path, kind):
+    """router.json and blue/vllm.json as FIFOs or folders: status said "not running (no server recorded)" and
+    stop --all "no router recorded", exit 0, while router status and plain stop named them damaged. Listing and
+    reading agree: each is named damaged, status exits 3 and stop --all 1."""
+    from tests.helpers.fixtures import state_env
+
+    run = tmp_path / "run"
+    (run / "blue").mkdir(parents=True)
+    for path in (run / "router.json", run / "blue" / "vllm.json"):
+        os.mkfifo(path) if kind == "fifo" else path.mkdir()
+    r = cli_here(["status"], state_env(run))
+    assert r.returncode == 3 and "no server recorded" not in r.stdout, r.stdout
+    assert "router.json is damaged" in r.stdout and "blue/vllm.json is damaged" in r.stdout, r.stdout
+    r = cli_here(["stop", "--all", "--grace", "1"], state_env(run))
+    assert r.returncode == 1 and "\n" not in r.stderr.strip(), r.stderr
+    assert "router.json is damaged" in r.stderr and "blue/vllm.json is damaged" in r.stderr, r.stderr

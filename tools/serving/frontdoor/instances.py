@@ -22,7 +22,7 @@ def all_status(cfg: ServeConfig, *, hardware: Any = None) -> list[Any]:
     """ServerStatus of the default instance (when recorded) and every named instance."""
     out = []
     for c in instance_configs(cfg):
-        if not c.instance and not c.state_file.is_file():
+        if not c.instance and not files.present(c.state_file):
             continue
         out.append(Server(c, hardware=hardware).status())
     return out
@@ -33,10 +33,10 @@ def fleet_status(cfg: ServeConfig, *, hardware: Any = None) -> Any:
     (the default instance is the top level, not listed again); all_healthy only when at least one is reported
     and each reported one answers /health."""
     default_cfg = replace(cfg, instance="")
-    had_default = default_cfg.state_file.is_file() or state.replace_file(default_cfg).is_file()
+    had_default = files.present(default_cfg.state_file) or files.present(state.replace_file(default_cfg))
     top = Server(default_cfg, hardware=hardware).status()
     listed = [Server(c, hardware=hardware).status() for c in _configs_with_a_replace(cfg)[1:]]
-    r = router.router_status(cfg) if router.state_file(cfg).is_file() else None
+    r = router.router_status(cfg) if files.present(router.state_file(cfg)) else None
     top.instances = listed
     top.router = r.to_dict() if r is not None else None
     reported = ([top] if had_default else []) + listed
@@ -93,7 +93,7 @@ def _configs_with_a_replace(cfg: ServeConfig) -> list[ServeConfig]:
     names = {c.instance for c in configs}
     root = Path(cfg.state_dir)
     extra = sorted(d.name for d in root.iterdir() if d.is_dir() and d.name not in names
-                   and (d / "replace.json").is_file()) if root.is_dir() else []
+                   and files.present(d / "replace.json")) if root.is_dir() else []
     configs += [replace(cfg, instance=n) for n in extra if INSTANCE_NAME.fullmatch(n)]
     return configs[:1] + sorted(configs[1:], key=lambda c: c.instance)
 
@@ -104,7 +104,7 @@ def stop_all(cfg: ServeConfig, *, grace_s: float = 20) -> list[Any]:
     keep the others running: they are stopped, then one ToolFailure names what was not, and each server of
     STATE_DIR no readable record names, with what was stopped in its detail (vllm_server.stop_each)."""
     steps = [lambda: router.stop_router(cfg, grace_s=grace_s)]
-    steps += [lambda c=c: Server(c).stop(grace_s=grace_s) for c in instance_configs(cfg) if c.state_file.is_file()]
+    steps += [lambda c=c: Server(c).stop(grace_s=grace_s) for c in instance_configs(cfg) if files.present(c.state_file)]
     return stop_each(cfg, steps, None)
 
 

@@ -32,6 +32,12 @@ def read_small(path: Path) -> str | None:
     return None if len(data) > RECORD_MAX_BYTES else data.decode()
 
 
+def present(path: Path) -> bool:
+    """A record is there in any form: a link, a FIFO or a folder in its place counts (its reader then says it is
+    damaged), so that listing and reading a record never disagree on whether it exists."""
+    return os.path.lexists(path)
+
+
 def open_lock(path: Path, mode: str = "a+") -> Any:
     """A lock file opened for flock: created if missing, a regular file of its own, never followed if a link
     (stamping a link's target would overwrite whatever file it names) and never waited on if a FIFO. Anything else
@@ -112,4 +118,5 @@ def holder_text(path: Path) -> str:
 
 
 
-__all__ = ["RECORD_MAX_BYTES", "flocked", "holder", "holder_text", "open_lock", "read_small", "stamp_holder"]
+__all__ = ["RECORD_MAX_BYTES", "flocked", "holder", "holder_text", "open_lock", "present", "read_small",
+           "stamp_holder"]

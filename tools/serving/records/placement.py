@@ -94,7 +94,7 @@ def instance_configs(cfg: ServeConfig) -> list[ServeConfig]:
     root = Path(cfg.state_dir)
     if root.is_dir():
         for d in sorted(root.iterdir()):
-            if d.is_dir() and INSTANCE_NAME.fullmatch(d.name) and (d / "vllm.json").is_file():
+            if d.is_dir() and INSTANCE_NAME.fullmatch(d.name) and files.present(d / "vllm.json"):
                 out.append(replace(cfg, instance=d.name))
     return out
 

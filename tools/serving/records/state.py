@@ -67,6 +67,8 @@ def read_record(path: Path, model: type[R]) -> R | None:
 # Linux's largest pid (PID_MAX_LIMIT): a record's pid beyond it, or below 1, names no process.
 PID_MAX = 1 << 22
 Pid = Annotated[int, Field(ge=1, le=PID_MAX)]
+# A process's start (seconds since 1970): NaN would match every live pid's (no difference from it exceeds a bound)
+StartTime = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 
 
 def _damaged(path: Path, why: str, field: str | None = None) -> DamagedState:
@@ -89,7 +91,7 @@ class ProcessRecord(Record):
 
     pid: Pid
     pgid: Pid
-    create_time: float          # of the leader process: guards against a recycled pid
+    create_time: StartTime      # of the leader process: guards against a recycled pid
     launch: str = ""            # the launch token (LAUNCH_ENV); records written before it have none
 
     @model_validator(mode="after")
@@ -179,7 +181,7 @@ class ReplaceRecord(Record):
     between stopping A and B's readiness leaves what is needed to say so and to bring A back."""
 
     owner_pid: Pid
-    owner_create_time: float
+    owner_create_time: StartTime
     started_at: str             # ISO 8601, UTC
     phase: str                  # "stopping A", "starting B", "restoring A", "failed" (neither serves)
     a: ServerState              # A's record as it was before the stop: its command line and environment
