@@ -151,3 +151,16 @@ def test_a_stepped_wall_clock_does_not_make_a_launched_leader_a_stranger():
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_status_of_a_record_whose_pid_is_another_process_now_says_so(cli_here, tmp_path, fleet, stranger):
+    """A record naming a live pid with another start time (a recycled pid): status said "died (killed, or
+    exited)" where stop said the pid belongs to another process now; both say the latter, and nothing is
+    signalled."""
+    default = fleet("default", free_port())
+    run = tmp_path / "run"
+    (run / "vllm.json").write_text(json.dumps({**default, "pid": stranger.pid, "pgid": stranger.pid,
+                                               "create_time": psutil.Process(stranger.pid).create_time() - 5}))
+    r = cli_here(["status"], state_env(run, PORT=str(default["port"])))
+    assert f"server pid {stranger.pid} is gone (the pid now belongs to another process)" in r.stdout, r.stdout
+    assert "died (killed" not in r.stdout and stranger.poll() is None

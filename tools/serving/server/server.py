@@ -225,6 +225,10 @@ def _server_status(cfg: ServeConfig, hardware: Hardware | None) -> ServerStatus:
         with try_instance_lock(cfg, "status") as free:  # a command changing the instance has its own view of it
             if free:
                 clear_state(cfg, state)
+        if pid_recycled(state):  # as stop says it: the pid is another process's now, not a server that died
+            return ServerStatus(alive=False, died=True, **common,
+                                message=f"server pid {state.pid} is gone (the pid now belongs to another process); "
+                                        "its state file was cleared")
         why = engine_log.explain_failure(engine_log.read_text(Path(state.log_path)))
         return ServerStatus(alive=False, died=True, **common,
                             message=f"server pid {state.pid} died (killed, or exited"
