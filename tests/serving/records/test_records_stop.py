@@ -157,3 +157,34 @@ def test_status_through_the_door_fails_while_another_instances_record_is_damaged
     r = cli_here(["status"], _env(run, port))
     assert r.returncode == 3 and "x/vllm.json is damaged" in r.stdout, r.stdout
     assert "the record of instance x is damaged" in r.stdout, r.stdout
+
+
+def test_a_users_own_server_started_in_state_dir_is_not_reported_as_the_projects(cli_here, tmp_path):
+    """A `setsid python3 -m http.server` whose working folder is STATE_DIR made status exit 3 and stop exit 1
+    ("could not be stopped"), as a server of the project's no record names: only what carries a launch token is
+    (status: not running, exit 3 as for any stopped service)."""
+    import subprocess
+    import sys
+    import time
+
+    from tests.helpers.fixtures import default_signals
+
+    run = tmp_path / "run"
+    run.mkdir()
+    port = free_port()
+    theirs = subprocess.Popen([sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(port)], cwd=run,
+                              start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              preexec_fn=default_signals)
+    try:
+        deadline = time.monotonic() + 30
+        while not any(c.laddr.port == port for c in psutil.Process(theirs.pid).net_connections(kind="inet")):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        r = cli_here(["status"], _env(run, free_port()))
+        assert r.stdout.startswith("not running (no server recorded") and str(theirs.pid) not in r.stdout, r.stdout
+        r = cli_here(["stop", "--grace", "1"], _env(run, free_port()))
+        assert r.returncode == 0 and str(theirs.pid) not in r.stderr, r.stderr
+        assert theirs.poll() is None
+    finally:
+        theirs.kill()
+        theirs.wait()

@@ -44,6 +44,14 @@ def carries(proc: psutil.Process, token: str) -> bool:
         time.sleep(0.01)
 
 
+def launched(proc: psutil.Process) -> bool:
+    """`proc` was launched by the project (its environment holds a launch token, whichever)."""
+    try:
+        return bool(proc.environ().get(LAUNCH_ENV))
+    except (psutil.Error, OSError):
+        return False
+
+
 def carried_by(pid: int, token: str) -> psutil.Process | None:
     """The live process of `pid` when it carries launch token `token`."""
     try:
@@ -53,4 +61,4 @@ def carried_by(pid: int, token: str) -> psutil.Process | None:
     return proc if process.is_running(proc) and carries(proc, token) else None
 
 
-__all__ = ["LAUNCH_ENV", "carried_by", "carries", "launch_env", "new_launch"]
+__all__ = ["LAUNCH_ENV", "carried_by", "carries", "launch_env", "launched", "new_launch"]

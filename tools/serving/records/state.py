@@ -19,7 +19,7 @@ from tools.core.atomic_files import write_file
 from tools.core.errors import ToolFailure, op
 from tools.serving.config import ServeConfig
 from tools.serving.records.files import RECORD_MAX_BYTES, flocked, holder_text, read_small, stamp_holder
-from tools.serving.records.identity import carried_by, carries
+from tools.serving.records.identity import carried_by, carries, launched
 
 STATE_VERSION = 1
 class DamagedState(ToolFailure):
@@ -334,9 +334,10 @@ class Unrecorded(NamedTuple):
 def unrecorded(state_dir: Path, folders: list[Path] | None = None) -> list[Unrecorded]:
     """Servers of this STATE_DIR that no readable record names (their record damaged or deleted): processes that
     lead their own session, as every launch here starts them, whose working folder is STATE_DIR or an instance's
-    folder in it (a server's launch and the router's run there) and that listen on a port. For status and stop
-    to report, never to signal: what no record proves is the project's is not ended by it. `folders`: only those
-    started from these (default: STATE_DIR and every folder in it)."""
+    folder in it (a server's launch and the router's run there), that carry a launch token (a user's own server
+    started there is not the project's) and that listen on a port. For status and stop to report, never to signal:
+    what no record proves is the project's is not ended by it. `folders`: only those started from these (default:
+    STATE_DIR and every folder in it)."""
     root = Path(state_dir).resolve()
     if not root.is_dir():
         return []
@@ -356,7 +357,7 @@ def unrecorded(state_dir: Path, folders: list[Path] | None = None) -> list[Unrec
                 only is not None and Path(cwd) not in only):
             continue
         try:
-            if os.getsid(proc.pid) != proc.pid or not process.is_running(proc):
+            if os.getsid(proc.pid) != proc.pid or not process.is_running(proc) or not launched(proc):
                 continue
             ports = sorted({c.laddr.port for c in proc.net_connections(kind="inet")
                             if c.status == psutil.CONN_LISTEN})
