@@ -116,3 +116,16 @@ def test_a_front_door_start_refuses_a_damaged_router_record_before_launching_any
     line = r.stderr.strip().splitlines()[-1]  # after the line that says what starts
     assert f"{run / 'router.json'}" in line and "damaged" in line, line
     assert launched == [] and not any(run.glob("*/vllm.json"))
+
+
+@pytest.mark.parametrize("command", [["stop"], ["stop", "--all"]])
+def test_a_damaged_replace_record_alone_is_said_by_stop(cli_here, tmp_path, command):
+    """Only run/replace.json, damaged: status named it (exit 3) while stop and stop --all said "no server
+    recorded", exit 0. Each names it in one line, exit 1."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "replace.json").write_text("garbage\n")
+    r = cli_here([*command, "--grace", "1"], state_env(run))
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    [line] = r.stderr.strip().splitlines()
+    assert f"{run / 'replace.json'} is damaged" in line, line

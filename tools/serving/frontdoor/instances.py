@@ -104,7 +104,8 @@ def stop_all(cfg: ServeConfig, *, grace_s: float = 20) -> list[Any]:
     keep the others running: they are stopped, then one ToolFailure names what was not, and each server of
     STATE_DIR no readable record names, with what was stopped in its detail (vllm_server.stop_each)."""
     steps = [lambda: router.stop_router(cfg, grace_s=grace_s)]
-    steps += [lambda c=c: Server(c).stop(grace_s=grace_s) for c in instance_configs(cfg) if files.present(c.state_file)]
+    steps += [lambda c=c: Server(c).stop(grace_s=grace_s) for c in _configs_with_a_replace(cfg)
+              if files.present(c.state_file) or files.present(state.replace_file(c))]
     return stop_each(cfg, steps, None)
 
 

@@ -98,6 +98,7 @@ def stop_server(cfg: ServeConfig, *, grace_s: float = 20) -> StopResult:
     """SIGTERM to the server's process group, SIGKILL after grace_s; idempotent. Raises if a process remains.
     Under the instance's lock: refused (InstanceBusy) while another command starts, stops or replaces it."""
     if not cfg.state_file.exists():
+        replace_state.load_replace(cfg)  # a damaged replace record (DamagedState) is said, not passed over
         return StopResult(was_running=False, message=f"no server recorded in {cfg.instance_dir}")
     with instance_lock(cfg, "stop"):
         return _stop_locked(cfg, grace_s)
