@@ -520,3 +520,47 @@ def test_a_read_only_install_still_answers_what_needs_no_write(tmp_path, mounts)
     assert not turing_patch.apply(f).needed
     assert "nothing to revert" in turing_patch.revert(f).message
     assert sorted(p.name for p in place.iterdir()) == [f.name]
+
+
+# -- bad input named in one line, exit 2, nothing written ----------------------------------------------------------
+
+def _one_line_naming(res: subprocess.CompletedProcess, rc: int, *named: str) -> None:
+    assert res.returncode == rc and res.stderr.startswith("patch_triton_turing.py: "), res
+    assert len(res.stderr.splitlines()) == 1 and "Traceback" not in res.stderr, res.stderr
+    assert all(n in res.stderr for n in named), res.stderr
+
+
+def test_a_target_nothing_can_be_written_beside_is_named_not_its_lock():
+    """/proc/self/status is a regular file, but its folder takes no new file (ENOENT): the line names the target."""
+    res = _script("--target", "/proc/self/status")
+    _one_line_naming(res, 2, "/proc/self/status")
+    assert res.stderr.startswith("patch_triton_turing.py: /proc/self/status: "), res.stderr
+
+
+def test_a_lock_whose_name_is_too_long_is_refused_untouched(tmp_path):
+    f = tmp_path / ("t" * 250 + ".py")  # a name the folder takes, but not with LOCK_SUFFIX after it
+    f.write_text(_installed())
+    before = f.read_bytes()
+    for flags in ([], ["--revert"]):
+        res = _script(*flags, "--target", str(f))
+        _one_line_naming(res, 2, str(f), "File name too long")
+    assert f.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == [f.name]
+
+
+@pytest.mark.parametrize("code, kind", [(errno.ENOENT, BadInput), (errno.ENOTDIR, BadInput), (errno.EINVAL, BadInput),
+                                        (errno.ENOSPC, ToolFailure), (errno.EIO, ToolFailure)],
+                         ids=["enoent", "enotdir", "einval", "enospc", "eio"])
+@pytest.mark.parametrize("op", [turing_patch.apply, turing_patch.revert])
+def test_any_error_making_the_lock_names_the_target(target, monkeypatch, code, kind, op):
+    """The folder's (ENOSPC, EIO) is a failure of the machine, exit 1; anything else is the target's, exit 2;
+    either way one line naming the target and nothing written."""
+    def failing(path):
+        raise OSError(code, os.strerror(code), str(path))
+    monkeypatch.setattr(turing_patch, "flocked", failing)
+    before = target.read_bytes()
+    with pytest.raises(kind) as exc:
+        op(target)
+    assert isinstance(exc.value, BadInput) == (kind is BadInput)
+    assert str(exc.value).startswith(f"{target}: ") and os.strerror(code) in str(exc.value)
+    assert "\n" not in str(exc.value)
+    assert target.read_bytes() == before and [p.name for p in target.parent.iterdir()] == [target.name]

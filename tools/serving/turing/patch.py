@@ -133,6 +133,21 @@ def _read(path: Path) -> str:
     return _read_bytes(path)[1]
 
 
+# The machine's, not the target's: the same folder takes the lock once space or the disk is back.
+_MACHINE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.ENOMEM)
+
+
+def _lock_refused(path: Path, lock: Path, exc: OSError) -> ToolFailure:
+    """One line naming the target (the lock is only where it failed): its folder takes no lock file, which a folder
+    of an installed vLLM does (ENOENT under /proc, a name too long once LOCK_SUFFIX is added, ...)."""
+    why = f"{lock.name}: {exc.strerror or exc}"
+    if exc.errno in _MACHINE_ERRNOS:
+        return ToolFailure(f"{path}: its lock cannot be made beside it ({why}); free space or fix the disk, "
+                           "then run this again")
+    return BadInput(f"{path}: its lock cannot be made beside it ({why}): not a file of vLLM's this can patch; "
+                    "give the Triton unified attention file")
+
+
 @contextmanager
 def _locked(path: Path) -> Iterator[None]:
     """Holds the patch's lock beside `path` (waiting up to LOCK_WAIT_S for another apply or revert); the lock file
@@ -147,7 +162,7 @@ def _locked(path: Path) -> Iterator[None]:
             time.sleep(0.05)
     except OSError as exc:
         if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
-            raise
+            raise _lock_refused(path, lock, exc) from None
         fh = None  # a folder this user cannot write: what needs no write (not needed, not patched) still answers
     try:
         yield
