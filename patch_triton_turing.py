@@ -2,7 +2,8 @@
 """Applies, checks or reverts the Turing clamp in the installed vLLM's Triton unified attention.
 
   ./patch_triton_turing.py            apply (idempotent; backs up the original next to it)
-  ./patch_triton_turing.py --check    exit 0 when applied (or not needed: this vLLM's tiles fit), 1 when not
+  ./patch_triton_turing.py --check    exit 0 when applied (or not needed: this vLLM's tiles fit), 1 when not,
+                                       2 when the file is one it cannot patch (as apply refuses it)
   ./patch_triton_turing.py --revert   restore the original
   --target FILE                        work on FILE instead of the installed vLLM's file
 
@@ -54,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="patch_triton_turing.py",
                                  description="Turing (sm_75) shared-memory clamp for vLLM's Triton attention.")
     mode = ap.add_mutually_exclusive_group()
-    mode.add_argument("--check", action="store_true", help="exit 0 when the clamp is applied or not needed, 1 when not")
+    mode.add_argument("--check", action="store_true",
+                      help="exit 0 when the clamp is applied or not needed, 1 when not, 2 when the file cannot be patched")
     mode.add_argument("--revert", action="store_true", help="restore the original file")
     ap.add_argument("--target", type=Path, default=None,
                     help=f"file to work on (default: the installed vLLM's {turing_patch.RELATIVE_PATH})")

@@ -184,7 +184,8 @@ def test_refuses_a_file_it_cannot_understand(target, edit):
     assert "\n" not in str(exc.value) and "tile-size decision" in str(exc.value)
     assert target.read_bytes() == before  # nothing written
     assert not Path(str(target) + turing_patch.BACKUP_SUFFIX).exists()
-    assert not turing_patch.check(target).applied
+    with pytest.raises(ClampRefused):
+        turing_patch.check(target)
 
 
 def test_a_hand_edited_clamp_is_not_reported_as_applied(target):
@@ -564,3 +565,13 @@ def test_any_error_making_the_lock_names_the_target(target, monkeypatch, code, k
     assert str(exc.value).startswith(f"{target}: ") and os.strerror(code) in str(exc.value)
     assert "\n" not in str(exc.value)
     assert target.read_bytes() == before and [p.name for p in target.parent.iterdir()] == [target.name]
+
+
+def test_check_refuses_a_file_it_cannot_understand_as_apply_does(target):
+    """Refused (exit 2, one line on stderr) is not "not applied" (exit 1, on stdout)."""
+    target.write_text("x = 1\n")
+    for flags in (["--check"], []):
+        res = _script(*flags, "--target", str(target))
+        _one_line_naming(res, 2, str(target), "tile-size decision")
+        assert res.stdout == ""
+    assert target.read_text() == "x = 1\n" and [p.name for p in target.parent.iterdir()] == [target.name]

@@ -8,7 +8,8 @@ device of capability < 8, halve each decided TILE_SIZE, whatever the decision re
 Devices of capability >= 8 run the file's original code path.
 
 When the decision itself already fits Turing at head 512 (an upstream fix such as vLLM PR #39018), the clamp is
-not needed and nothing is written. A file without a decision the clamp understands is refused, untouched.
+not needed and nothing is written. A file without a decision the clamp understands is refused, untouched (by
+check too: such a file is not "not applied", it is one the clamp cannot go in).
 The original file is backed up next to it, with a record of its hash and of the patched file's: revert restores
 the backup only to exactly that patched file, and otherwise removes the marked block (an upgraded vLLM's code is
 never replaced by an older backup). Applying twice, checking and reverting are safe, at once too: apply and revert
@@ -242,10 +243,7 @@ def check(target: str | Path | None = None) -> PatchStatus:
             return PatchStatus(str(path), True, kept, f"Turing clamp applied in {path}")
         return PatchStatus(str(path), False, kept,
                            f"{path} holds a modified or partial Turing clamp; run --revert, then apply again")
-    try:
-        d = find_decision(text, path)
-    except ClampRefused as exc:
-        return PatchStatus(str(path), False, None, str(exc))
+    d = find_decision(text, path)  # ClampRefused: refused as apply refuses it, not "not applied"
     need, tiles, why = needed(text, d)
     if not need:
         return _not_needed(path, d, tiles)
