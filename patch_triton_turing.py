@@ -43,6 +43,7 @@ sys.path.insert(0, str(_HERE))
 try:
     import argparse
 
+    from tools.core.commands import CLI
     from tools.core.errors import BadInput, ToolFailure
     from tools.serving import turing_patch
 except ImportError as _exc:  # a Python without the project's packages, and no .venv beside this file
@@ -56,9 +57,11 @@ def main(argv: list[str] | None = None) -> int:
                                  description="Turing (sm_75) shared-memory clamp for vLLM's Triton attention.")
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--check", action="store_true",
-                      help="exit 0 when the clamp is applied or not needed, 1 when not, 2 when the file cannot be patched")
+                      help="exit 0 when the clamp is applied or not needed, 1 when not, 2 when the file cannot be "
+                           "patched")
     mode.add_argument("--revert", action="store_true", help="restore the original file")
-    ap.add_argument("--target", type=Path, default=None,
+    # a str, not a Path: Path("") is ".", and an empty --target is to be refused as such
+    ap.add_argument("--target", default=None,
                     help=f"file to work on (default: the installed vLLM's {turing_patch.RELATIVE_PATH})")
     args = ap.parse_args(argv)
     try:
@@ -70,10 +73,10 @@ def main(argv: list[str] | None = None) -> int:
         print(status.message)
         return 0
     except BadInput as exc:
-        print(f"patch_triton_turing.py: {exc}", file=sys.stderr)
+        print(f"patch_triton_turing.py: {exc.render(CLI)}", file=sys.stderr)
         return 2
     except ToolFailure as exc:  # the machine's (a full disk, no vLLM installed), not the input's
-        print(f"patch_triton_turing.py: {exc}", file=sys.stderr)
+        print(f"patch_triton_turing.py: {exc.render(CLI)}", file=sys.stderr)
         return 1
     except OSError as exc:
         print(f"patch_triton_turing.py: {exc.filename or args.target}: {exc.strerror or exc}", file=sys.stderr)

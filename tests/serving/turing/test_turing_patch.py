@@ -575,3 +575,17 @@ def test_check_refuses_a_file_it_cannot_understand_as_apply_does(target):
         _one_line_naming(res, 2, str(target), "tile-size decision")
         assert res.stdout == ""
     assert target.read_text() == "x = 1\n" and [p.name for p in target.parent.iterdir()] == [target.name]
+
+
+@pytest.mark.parametrize("flags", [[], ["--check"], ["--revert"]])
+def test_an_empty_target_is_bad_input_naming_the_option(flags):
+    res = _script(*flags, "--target", "")
+    _one_line_naming(res, 2, "--target")
+    assert "directory" not in res.stderr
+
+
+@pytest.mark.parametrize("op", [turing_patch.apply, turing_patch.check, turing_patch.revert])
+def test_an_empty_target_is_refused_by_the_library_too(op):
+    with pytest.raises(BadInput, match="empty") as exc:
+        op("")
+    assert exc.value.field == "target"

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from tools.core.atomic_files import write_file
-from tools.core.errors import BadInput, ToolFailure
+from tools.core.errors import BadInput, ToolFailure, param
 from tools.serving.records.files import flocked
 from tools.serving.turing.decision import (ClampRefused, Decision, DecisionNotRun, decided_tiles_bounded,
                                            find_decision)
@@ -97,6 +97,9 @@ def installed_target() -> Path:
 
 
 def _target(target: str | Path | None) -> Path:
+    if target == "":  # Path("") is ".", which would be answered as a directory the caller never named
+        raise BadInput(f"the {param('target')} given is empty: give the Triton unified attention file to patch, or "
+                       "none for the installed vLLM's", field="target")
     path = Path(target) if target is not None else installed_target()
     try:
         mode = path.stat().st_mode
