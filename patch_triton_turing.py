@@ -5,7 +5,8 @@
   ./patch_triton_turing.py --check    exit 0 when applied (or not needed: this vLLM's tiles fit), 1 when not,
                                        2 when the file is one it cannot patch (as apply refuses it)
   ./patch_triton_turing.py --revert   restore the original
-  --target FILE                        work on FILE instead of the installed vLLM's file
+  --target FILE                        work on FILE instead of the installed vLLM's file (the file itself: a
+                                       symbolic link to it is refused, naming the file to pass)
 
 It runs on the project's virtualenv (.venv, what ./setup.sh makes), whatever `python3` is first on PATH: the
 vLLM it patches is the one the project serves with. Bad input (a file it cannot patch) exits 2, a failure of the

@@ -589,3 +589,38 @@ def test_an_empty_target_is_refused_by_the_library_too(op):
     with pytest.raises(BadInput, match="empty") as exc:
         op("")
     assert exc.value.field == "target"
+
+
+@pytest.mark.parametrize("op", [turing_patch.apply, turing_patch.check, turing_patch.revert])
+def test_a_symlinked_target_is_refused_naming_the_file_it_points_to(target, op):
+    """Patching through a link would replace the link with a patched copy and leave vLLM's file unpatched: the
+    line names the file to pass instead, and nothing is written beside either."""
+    link = target.parent / "link" / "triton_unified_attention.py"
+    link.parent.mkdir()
+    link.symlink_to(target)
+    before = target.read_bytes()
+    with pytest.raises(BadInput, match="symbolic link") as exc:
+        op(link)
+    assert str(link) in str(exc.value) and str(target) in str(exc.value) and "\n" not in str(exc.value)
+    assert link.is_symlink() and os.readlink(link) == str(target) and target.read_bytes() == before
+    assert sorted(p.name for p in target.parent.iterdir()) == ["link", target.name]
+    assert [p.name for p in link.parent.iterdir()] == [link.name]
+
+
+def test_the_command_refuses_a_symlinked_target_in_one_line(target):
+    link = target.with_name("link.py")
+    link.symlink_to(target)
+    res = _script("--target", str(link))
+    _one_line_naming(res, 2, str(link), f"--target {target}")
+    assert link.is_symlink() and not turing_patch.check(target).applied
+
+
+def test_a_symlinked_installed_file_is_a_failure_naming_the_file_to_patch(target, monkeypatch):
+    """Not the caller's input (no --target): exit 1, the remedy naming the file the link points to."""
+    link = target.with_name("link.py")
+    link.symlink_to(target)
+    monkeypatch.setattr(turing_patch, "installed_target", lambda: link)
+    with pytest.raises(ToolFailure) as exc:
+        turing_patch.apply()
+    assert not isinstance(exc.value, BadInput) and str(target) in str(exc.value)
+    assert link.is_symlink() and not turing_patch.check(target).applied

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from tools.core.atomic_files import write_file
-from tools.core.errors import BadInput, ToolFailure, param
+from tools.core.errors import BadInput, ToolFailure, op, param
 from tools.serving.records.files import flocked
 from tools.serving.turing.decision import (ClampRefused, Decision, DecisionNotRun, decided_tiles_bounded,
                                            find_decision)
@@ -117,6 +117,15 @@ def _target(target: str | Path | None) -> Path:
                 else "a socket" if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
                 else "not a regular file")
         raise BadInput(f"{path} is {what}, not a file: give the Python file to patch")
+    if path.is_symlink():
+        # The patch is written by replacing the file (never half written): through a link, that replaces the link
+        # with a patched copy and leaves the file vLLM imports, and its backup and lock, elsewhere. Refused, so
+        # the file itself is named.
+        resolved = path.resolve()
+        why = f"{path} is a symbolic link to {resolved}, which the patch would leave unpatched"
+        if target is not None:
+            raise BadInput(f"{why}: pass {param('target', str(resolved))} instead", field="target")
+        raise ToolFailure(f"{why}: run {op('patch_turing', target=str(resolved))}")
     return path
 
 
