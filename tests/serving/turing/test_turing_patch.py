@@ -184,7 +184,8 @@ def test_refuses_a_file_it_cannot_understand(target, edit):
     assert "\n" not in str(exc.value) and "tile-size decision" in str(exc.value)
     assert target.read_bytes() == before  # nothing written
     assert not Path(str(target) + turing_patch.BACKUP_SUFFIX).exists()
-    assert not turing_patch.check(target).applied
+    with pytest.raises(ClampRefused):
+        turing_patch.check(target)
 
 
 def test_a_hand_edited_clamp_is_not_reported_as_applied(target):
@@ -520,3 +521,106 @@ def test_a_read_only_install_still_answers_what_needs_no_write(tmp_path, mounts)
     assert not turing_patch.apply(f).needed
     assert "nothing to revert" in turing_patch.revert(f).message
     assert sorted(p.name for p in place.iterdir()) == [f.name]
+
+
+# -- bad input named in one line, exit 2, nothing written ----------------------------------------------------------
+
+def _one_line_naming(res: subprocess.CompletedProcess, rc: int, *named: str) -> None:
+    assert res.returncode == rc and res.stderr.startswith("patch_triton_turing.py: "), res
+    assert len(res.stderr.splitlines()) == 1 and "Traceback" not in res.stderr, res.stderr
+    assert all(n in res.stderr for n in named), res.stderr
+
+
+def test_a_target_nothing_can_be_written_beside_is_named_not_its_lock():
+    """/proc/self/status is a regular file, but its folder takes no new file (ENOENT): the line names the target."""
+    res = _script("--target", "/proc/self/status")
+    _one_line_naming(res, 2, "/proc/self/status")
+    assert res.stderr.startswith("patch_triton_turing.py: /proc/self/status: "), res.stderr
+
+
+def test_a_lock_whose_name_is_too_long_is_refused_untouched(tmp_path):
+    f = tmp_path / ("t" * 250 + ".py")  # a name the folder takes, but not with LOCK_SUFFIX after it
+    f.write_text(_installed())
+    before = f.read_bytes()
+    for flags in ([], ["--revert"]):
+        res = _script(*flags, "--target", str(f))
+        _one_line_naming(res, 2, str(f), "File name too long")
+    assert f.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == [f.name]
+
+
+@pytest.mark.parametrize("code, kind", [(errno.ENOENT, BadInput), (errno.ENOTDIR, BadInput), (errno.EINVAL, BadInput),
+                                        (errno.ENOSPC, ToolFailure), (errno.EIO, ToolFailure)],
+                         ids=["enoent", "enotdir", "einval", "enospc", "eio"])
+@pytest.mark.parametrize("op", [turing_patch.apply, turing_patch.revert])
+def test_any_error_making_the_lock_names_the_target(target, monkeypatch, code, kind, op):
+    """The folder's (ENOSPC, EIO) is a failure of the machine, exit 1; anything else is the target's, exit 2;
+    either way one line naming the target and nothing written."""
+    def failing(path):
+        raise OSError(code, os.strerror(code), str(path))
+    monkeypatch.setattr(turing_patch, "flocked", failing)
+    before = target.read_bytes()
+    with pytest.raises(kind) as exc:
+        op(target)
+    assert isinstance(exc.value, BadInput) == (kind is BadInput)
+    assert str(exc.value).startswith(f"{target}: ") and os.strerror(code) in str(exc.value)
+    assert "\n" not in str(exc.value)
+    assert target.read_bytes() == before and [p.name for p in target.parent.iterdir()] == [target.name]
+
+
+def test_check_refuses_a_file_it_cannot_understand_as_apply_does(target):
+    """Refused (exit 2, one line on stderr) is not "not applied" (exit 1, on stdout)."""
+    target.write_text("x = 1\n")
+    for flags in (["--check"], []):
+        res = _script(*flags, "--target", str(target))
+        _one_line_naming(res, 2, str(target), "tile-size decision")
+        assert res.stdout == ""
+    assert target.read_text() == "x = 1\n" and [p.name for p in target.parent.iterdir()] == [target.name]
+
+
+@pytest.mark.parametrize("flags", [[], ["--check"], ["--revert"]])
+def test_an_empty_target_is_bad_input_naming_the_option(flags):
+    res = _script(*flags, "--target", "")
+    _one_line_naming(res, 2, "--target")
+    assert "directory" not in res.stderr
+
+
+@pytest.mark.parametrize("op", [turing_patch.apply, turing_patch.check, turing_patch.revert])
+def test_an_empty_target_is_refused_by_the_library_too(op):
+    with pytest.raises(BadInput, match="empty") as exc:
+        op("")
+    assert exc.value.field == "target"
+
+
+@pytest.mark.parametrize("op", [turing_patch.apply, turing_patch.check, turing_patch.revert])
+def test_a_symlinked_target_is_refused_naming_the_file_it_points_to(target, op):
+    """Patching through a link would replace the link with a patched copy and leave vLLM's file unpatched: the
+    line names the file to pass instead, and nothing is written beside either."""
+    link = target.parent / "link" / "triton_unified_attention.py"
+    link.parent.mkdir()
+    link.symlink_to(target)
+    before = target.read_bytes()
+    with pytest.raises(BadInput, match="symbolic link") as exc:
+        op(link)
+    assert str(link) in str(exc.value) and str(target) in str(exc.value) and "\n" not in str(exc.value)
+    assert link.is_symlink() and os.readlink(link) == str(target) and target.read_bytes() == before
+    assert sorted(p.name for p in target.parent.iterdir()) == ["link", target.name]
+    assert [p.name for p in link.parent.iterdir()] == [link.name]
+
+
+def test_the_command_refuses_a_symlinked_target_in_one_line(target):
+    link = target.with_name("link.py")
+    link.symlink_to(target)
+    res = _script("--target", str(link))
+    _one_line_naming(res, 2, str(link), f"--target {target}")
+    assert link.is_symlink() and not turing_patch.check(target).applied
+
+
+def test_a_symlinked_installed_file_is_a_failure_naming_the_file_to_patch(target, monkeypatch):
+    """Not the caller's input (no --target): exit 1, the remedy naming the file the link points to."""
+    link = target.with_name("link.py")
+    link.symlink_to(target)
+    monkeypatch.setattr(turing_patch, "installed_target", lambda: link)
+    with pytest.raises(ToolFailure) as exc:
+        turing_patch.apply()
+    assert not isinstance(exc.value, BadInput) and str(target) in str(exc.value)
+    assert link.is_symlink() and not turing_patch.check(target).applied

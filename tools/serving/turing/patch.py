@@ -8,7 +8,8 @@ device of capability < 8, halve each decided TILE_SIZE, whatever the decision re
 Devices of capability >= 8 run the file's original code path.
 
 When the decision itself already fits Turing at head 512 (an upstream fix such as vLLM PR #39018), the clamp is
-not needed and nothing is written. A file without a decision the clamp understands is refused, untouched.
+not needed and nothing is written. A file without a decision the clamp understands is refused, untouched (by
+check too: such a file is not "not applied", it is one the clamp cannot go in).
 The original file is backed up next to it, with a record of its hash and of the patched file's: revert restores
 the backup only to exactly that patched file, and otherwise removes the marked block (an upgraded vLLM's code is
 never replaced by an older backup). Applying twice, checking and reverting are safe, at once too: apply and revert
@@ -31,7 +32,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from tools.core.atomic_files import write_file
-from tools.core.errors import BadInput, ToolFailure
+from tools.core.errors import BadInput, ToolFailure, op, param
 from tools.serving.records.files import flocked
 from tools.serving.turing.decision import (ClampRefused, Decision, DecisionNotRun, decided_tiles_bounded,
                                            find_decision)
@@ -96,6 +97,9 @@ def installed_target() -> Path:
 
 
 def _target(target: str | Path | None) -> Path:
+    if target == "":  # Path("") is ".", which would be answered as a directory the caller never named
+        raise BadInput(f"the {param('target')} given is empty: give the Triton unified attention file to patch, or "
+                       "none for the installed vLLM's", field="target")
     path = Path(target) if target is not None else installed_target()
     try:
         mode = path.stat().st_mode
@@ -113,6 +117,15 @@ def _target(target: str | Path | None) -> Path:
                 else "a socket" if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
                 else "not a regular file")
         raise BadInput(f"{path} is {what}, not a file: give the Python file to patch")
+    if path.is_symlink():
+        # The patch is written by replacing the file (never half written): through a link, that replaces the link
+        # with a patched copy and leaves the file vLLM imports, and its backup and lock, elsewhere. Refused, so
+        # the file itself is named.
+        resolved = path.resolve()
+        why = f"{path} is a symbolic link to {resolved}, which the patch would leave unpatched"
+        if target is not None:
+            raise BadInput(f"{why}: pass {param('target', str(resolved))} instead", field="target")
+        raise ToolFailure(f"{why}: run {op('patch_turing', target=str(resolved))}")
     return path
 
 
@@ -133,6 +146,21 @@ def _read(path: Path) -> str:
     return _read_bytes(path)[1]
 
 
+# The machine's, not the target's: the same folder takes the lock once space or the disk is back.
+_MACHINE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.ENOMEM)
+
+
+def _lock_refused(path: Path, lock: Path, exc: OSError) -> ToolFailure:
+    """One line naming the target (the lock is only where it failed): its folder takes no lock file, which a folder
+    of an installed vLLM does (ENOENT under /proc, a name too long once LOCK_SUFFIX is added, ...)."""
+    why = f"{lock.name}: {exc.strerror or exc}"
+    if exc.errno in _MACHINE_ERRNOS:
+        return ToolFailure(f"{path}: its lock cannot be made beside it ({why}); free space or fix the disk, "
+                           "then run this again")
+    return BadInput(f"{path}: its lock cannot be made beside it ({why}): not a file of vLLM's this can patch; "
+                    "give the Triton unified attention file")
+
+
 @contextmanager
 def _locked(path: Path) -> Iterator[None]:
     """Holds the patch's lock beside `path` (waiting up to LOCK_WAIT_S for another apply or revert); the lock file
@@ -147,7 +175,7 @@ def _locked(path: Path) -> Iterator[None]:
             time.sleep(0.05)
     except OSError as exc:
         if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
-            raise
+            raise _lock_refused(path, lock, exc) from None
         fh = None  # a folder this user cannot write: what needs no write (not needed, not patched) still answers
     try:
         yield
@@ -227,10 +255,7 @@ def check(target: str | Path | None = None) -> PatchStatus:
             return PatchStatus(str(path), True, kept, f"Turing clamp applied in {path}")
         return PatchStatus(str(path), False, kept,
                            f"{path} holds a modified or partial Turing clamp; run --revert, then apply again")
-    try:
-        d = find_decision(text, path)
-    except ClampRefused as exc:
-        return PatchStatus(str(path), False, None, str(exc))
+    d = find_decision(text, path)  # ClampRefused: refused as apply refuses it, not "not applied"
     need, tiles, why = needed(text, d)
     if not need:
         return _not_needed(path, d, tiles)
