@@ -60,8 +60,11 @@ def read_record(path: Path, model: type[R]) -> R | None:
         return model.model_validate(data)
     except ValidationError as exc:
         err = exc.errors()[0]
-        field = ".".join(str(x) for x in err["loc"]) or "?"
-        raise _damaged(path, f"field {field!r}: {err['msg'].lower()}", field) from None
+        field = ".".join(str(x) for x in err["loc"])
+        # a check of the whole record (its group, owner, launch token) names no field: its own words say it
+        msg = err["msg"].removeprefix("Value error, ")
+        raise _damaged(path, f"field {field!r}: {msg[:1].lower()}{msg[1:]}" if field else msg, field or None) \
+            from None
 
 
 # Linux's largest pid (PID_MAX_LIMIT): a record's pid beyond it, or below 1, names no process.
