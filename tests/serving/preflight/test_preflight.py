@@ -539,3 +539,21 @@ def test_doctor_runs_starts_placement_check(clean_env, tmp_path, fleet):
     # another port: a's cores (unbound, so every core) are still what a second instance cannot have
     cores = _by_name(checks_for("start", env_file=env, port=free_port()))["placement"]
     assert cores.status == "fail" and "no free CPU core" in cores.value, cores
+
+
+def test_a_model_that_is_a_file_or_a_full_folder_is_not_told_to_be_built_there(clean_env, tmp_path):
+    """--model /dev/null said "model folder /dev/null does not exist"; --model /etc advised building into /etc. A
+    file or device is "not a folder"; a folder holding files of its own but no config.json is told to point at a
+    build instead."""
+    full = tmp_path / "mine"
+    full.mkdir()
+    (full / "notes.txt").write_text("mine")
+    dev = _by_name(checks_for("start", env_file=_env_file(tmp_path), model="/dev/null"))["checkpoints"]
+    assert dev.status == "fail" and dev.value.startswith("model /dev/null is not a folder"), dev.value
+    assert "repack" not in dev.fix, dev.fix
+    mine = _by_name(checks_for("start", env_file=_env_file(tmp_path), model=str(full)))["checkpoints"]
+    assert mine.status == "fail" and "has no config.json" in mine.value and "repack" not in mine.fix, mine.fix
+    empty = tmp_path / "new-build"
+    empty.mkdir()
+    new = _by_name(checks_for("start", env_file=_env_file(tmp_path), model=str(empty)))["checkpoints"]
+    assert "repack" in new.fix, new.fix  # an empty folder may still be built into

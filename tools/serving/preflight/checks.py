@@ -423,9 +423,16 @@ def check_checkpoints(ctx: Context, *, step: str) -> Check:
         return Check(name="checkpoints", status="ok", detail=detail, value=value + f"; serving {cfg.model}")
     where = "MODEL_NAME in " + str(cfg.env_file) if cfg.sources.get("model") == "file" else param("model")
     fix = missing_model_fix(cfg.model, ctx.platform)
-    if not Path(cfg.model).is_dir():
+    model = Path(cfg.model)
+    if model.exists() and not model.is_dir():  # a file or a device: nothing to build into either
+        return Check(name="checkpoints", status="fail" if step == "start" else "warn", detail=detail,
+                     value=f"model {cfg.model} is not a folder ({where})",
+                     fix="point MODEL_NAME (or --model) at a build's folder or a Hugging Face id")
+    if not model.is_dir():
         return Check(name="checkpoints", status="fail" if step == "start" else "warn", detail=detail,
                      value=f"model folder {cfg.model} does not exist ({where})", fix=fix)
+    if any(model.iterdir()):  # a folder with files of its own is no place to build into
+        fix = "point MODEL_NAME (or --model) at a build's folder (one with config.json) or a Hugging Face id"
     # A folder without config.json is no checkpoint vLLM loads (it would fail tens of seconds in): refused at once
     # by a start, what comes for the other steps.
     if step == "start":
