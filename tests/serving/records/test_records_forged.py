@@ -164,3 +164,34 @@ def test_status_of_a_record_whose_pid_is_another_process_now_says_so(cli_here, t
     r = cli_here(["status"], state_env(run, PORT=str(default["port"])))
     assert f"server pid {stranger.pid} is gone (the pid now belongs to another process)" in r.stdout, r.stdout
     assert "died (killed" not in r.stdout and stranger.poll() is None
+
+
+def test_a_leader_killed_a_moment_ago_is_a_dead_server_not_a_stranger(tmp_path, monkeypatch):
+    """While the kernel tears down a leader just killed (SIGKILL), its environment reads empty: its record read as
+    naming a process "not launched for this record" (DamagedState, which a sweep's status poll raised). A leader
+    that ends while its environment cannot be read is a dead server; one that runs on without its token is not."""
+    import signal
+    import threading
+
+    from tests.helpers.fixtures import launched
+    from tools.serving.records.state import DamagedState, ProcessRecord, read_record
+
+    def record(proc, token):
+        path = tmp_path / f"{proc.pid}.json"
+        path.write_text(json.dumps({"pid": proc.pid, "pgid": proc.pid, "launch": token,
+                                    "create_time": psutil.Process(proc.pid).create_time()}))
+        return path
+
+    monkeypatch.setattr(psutil.Process, "environ", lambda self: {})  # as during the teardown
+    dying, token = launched(["sleep", "30"])
+    path = record(dying, token)
+    threading.Timer(0.3, lambda: dying.send_signal(signal.SIGKILL)).start()
+    assert read_record(path, ProcessRecord).pid == dying.pid  # not damaged
+    dying.wait()
+    running, token = launched(["sleep", "30"])
+    try:
+        with pytest.raises(DamagedState, match="not the process launched for this record"):
+            read_record(record(running, token), ProcessRecord)
+    finally:
+        running.kill()
+        running.wait()

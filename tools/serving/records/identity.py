@@ -44,6 +44,25 @@ def carries(proc: psutil.Process, token: str) -> bool:
         time.sleep(0.01)
 
 
+def lacks(proc: psutil.Process, token: str) -> bool:
+    """`proc` runs and does not carry launch token `token`. A process that ends meanwhile does not count: a leader
+    just killed shows an empty environment, then none, while the kernel tears it down (a record of it is a dead
+    server's, not a stranger's); a process that runs on with an empty environment does."""
+    deadline = time.monotonic() + 2.0
+    while True:
+        if not process.is_running(proc):
+            return False
+        try:
+            env = proc.environ()
+        except (psutil.NoSuchProcess, psutil.ZombieProcess):
+            return False
+        except (psutil.Error, OSError):
+            return True  # unreadable: not shown to carry it
+        if env or time.monotonic() > deadline:
+            return not token or env.get(LAUNCH_ENV) != token if env else process.is_running(proc)
+        time.sleep(0.02)
+
+
 def launched(proc: psutil.Process) -> bool:
     """`proc` was launched by the project (its environment holds a launch token, whichever)."""
     try:
@@ -61,4 +80,4 @@ def carried_by(pid: int, token: str) -> psutil.Process | None:
     return proc if process.is_running(proc) and carries(proc, token) else None
 
 
-__all__ = ["LAUNCH_ENV", "carried_by", "carries", "launch_env", "launched", "new_launch"]
+__all__ = ["LAUNCH_ENV", "carried_by", "carries", "lacks", "launch_env", "launched", "new_launch"]

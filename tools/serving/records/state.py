@@ -19,7 +19,7 @@ from tools.core.atomic_files import write_file
 from tools.core.errors import ToolFailure, op
 from tools.serving.config import ServeConfig
 from tools.serving.records.files import RECORD_MAX_BYTES, flocked, holder_text, read_small, stamp_holder
-from tools.serving.records.identity import carried_by, carries, launched
+from tools.serving.records.identity import carried_by, carries, lacks, launched
 
 STATE_VERSION = 1
 class DamagedState(ToolFailure):
@@ -110,7 +110,7 @@ class ProcessRecord(Record):
             uid = os.getuid()
         if uid != os.getuid():
             raise ValueError(f"pid {self.pid} runs as another user (uid {uid}), not as this project's processes do")
-        if proc is not None and not carries(proc, self.launch):
+        if proc is not None and lacks(proc, self.launch):
             raise ValueError(f"pid {self.pid} ({_name(proc)}) is not the process launched for this record (its "
                              "environment lacks the record's launch token)")
         return self
