@@ -72,6 +72,14 @@ def _gone(pid: int, limit_s: float = 30.0) -> bool:
     return False
 
 
+def _described(pid: int) -> str:
+    try:
+        p = psutil.Process(pid)
+        return f"{pid} {p.cmdline()[:3]} runs {reaper.runs_of(p)} in session {os.getsid(pid)}"
+    except (psutil.Error, OSError) as exc:
+        return f"{pid} ({type(exc).__name__})"
+
+
 def test_sigterm_of_a_test_run_leaves_none_of_its_servers_running(tmp_path):
     inner = tmp_path / "test_inner.py"
     inner.write_text(INNER)
@@ -93,7 +101,7 @@ def test_sigterm_of_a_test_run_leaves_none_of_its_servers_running(tmp_path):
         run.send_signal(signal.SIGTERM)
         run.wait(timeout=60)
         still = [p for p in left if not _gone(p)]
-        assert not still, f"processes of the killed run still running: {still}"
+        assert not still, f"processes of the killed run still running: {[_described(p) for p in still]}"
         assert stranger.poll() is None, "the reaper signalled a process that was not the run's"
     finally:
         for p in [*left, stranger.pid]:

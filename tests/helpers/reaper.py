@@ -57,20 +57,27 @@ def reap(run: str) -> list[int]:
     import psutil
 
     killed: list[int] = []
-    for _ in range(5):  # a process being killed can start another in between: look again until none is left
-        victims = [p for p in psutil.process_iter() if p.pid != os.getpid() and run in runs_of(p)]
-        if not victims:
-            break
+    # A process being killed can start another in between, and one whose environment could not be read a moment
+    # (exec, load) is found on a later look: look again until two looks a second apart find none, for up to 30 s.
+    deadline, quiet = time.monotonic() + 30, 0
+    while quiet < 2 and time.monotonic() < deadline:
+        try:
+            victims = [p for p in psutil.process_iter() if p.pid != os.getpid() and run in runs_of(p)]
+        except Exception:  # noqa: BLE001 - a table changing under the scan: scan again
+            victims = [None]
+        quiet = 0 if victims else quiet + 1
         for p in victims:
+            if p is None:
+                continue
             try:
                 if os.getpgid(p.pid) == p.pid:
                     os.killpg(p.pid, signal.SIGKILL)
                 else:
                     os.kill(p.pid, signal.SIGKILL)
                 killed.append(p.pid)
-            except (ProcessLookupError, PermissionError):
+            except OSError:
                 pass
-        time.sleep(0.2)
+        time.sleep(0.2 if victims else 1.0)
     return killed
 
 
