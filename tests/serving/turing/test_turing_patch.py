@@ -624,3 +624,21 @@ def test_a_symlinked_installed_file_is_a_failure_naming_the_file_to_patch(target
         turing_patch.apply()
     assert not isinstance(exc.value, BadInput) and str(target) in str(exc.value)
     assert link.is_symlink() and not turing_patch.check(target).applied
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero"])
+def test_a_backup_record_that_is_no_file_is_damaged_never_read(target, kind):
+    """The backup's record as a FIFO hung --revert for good; as a link to /dev/zero it was read until memory ran
+    out (MemoryError). Either is a record that is missing or damaged: the clamp's block is taken out, the backup
+    not trusted."""
+    import os
+    import time
+
+    original = target.read_text()
+    turing_patch.apply(target)
+    record = Path(str(target) + turing_patch.RECORD_SUFFIX)
+    record.unlink()
+    os.mkfifo(record) if kind == "fifo" else record.symlink_to("/dev/zero")
+    t0 = time.monotonic()
+    assert "record" in turing_patch.revert(target).message
+    assert time.monotonic() - t0 < 30 and target.read_text() == original

@@ -33,7 +33,7 @@ from typing import Any, Iterator
 
 from tools.core.atomic_files import write_file
 from tools.core.errors import BadInput, ToolFailure, op, param
-from tools.serving.records.files import flocked
+from tools.serving.records.files import flocked, read_small
 from tools.serving.turing.decision import (ClampRefused, Decision, DecisionNotRun, decided_tiles_bounded,
                                            find_decision)
 
@@ -316,7 +316,10 @@ def _untrusted(text: str, backup: Path, record: Path) -> str | None:
     if not backup.is_file():
         return "there is no backup"
     try:
-        rec = json.loads(record.read_text(encoding="utf-8"))
+        text_of_record = read_small(record)  # never a link, a FIFO (which would hang) or /dev/zero read whole
+        if text_of_record is None:
+            raise ValueError("not a regular file of a record's size")
+        rec = json.loads(text_of_record)
         recorded = (rec["backup_sha256"], rec["patched_sha256"])
     except (OSError, ValueError, TypeError, KeyError):
         return f"its record {record.name} is missing or damaged"
