@@ -251,3 +251,29 @@ def test_a_shortened_log_names_the_file_it_was_read_from(roots, tmp_path):
 
     first = run(go()).split("\n")[0]
     assert f"or the file {green}]" in first and "run/vllm.log" not in first, first
+
+
+def test_a_server_log_that_is_a_link_is_not_read(roots, tmp_path):
+    """run/vllm.log linked to a file outside the project's folders had `log`, server_logs and the log resource
+    show that file's last lines to an MCP client: a log is STATE_DIR's own file, never read through a link."""
+    secret = tmp_path / "secret.txt"
+    secret.write_text("the secret line\n")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "vllm.log").symlink_to(secret)
+    mcp = create_server(Settings(roots=roots, config_overrides={"state_dir": str(run_dir)}), toolsets="all")
+
+    async def go():
+        out = []
+        async with Client(mcp) as c:
+            for uri in ("gemma4-t4://server/log", "gemma4-t4://server/log/3"):
+                try:
+                    out.append((await c.read_resource(uri))[0].text)
+                except Exception as exc:
+                    out.append(str(exc))
+            r = await c.call_tool("server_logs", {"lines": 3}, raise_on_error=False)
+            out.append(r.content[0].text)
+        return out
+
+    for said in run(go()):
+        assert "the secret line" not in said and "is a link" in said, said

@@ -20,6 +20,7 @@ import httpx
 
 from tools.core.api_key import auth_headers
 from tools.core.errors import ToolFailure, op
+from tools.core.paths import inside
 from tools.core.process import end_group, group_members
 from tools.gpu.vram import host_memory, server_process_pids
 from tools.serving.server import engine_log, health, switch_record
@@ -253,6 +254,11 @@ def read_log(cfg: ServeConfig, lines: int = 50) -> str:
     switch whose new build failed, that build's kept log follows (the live log is the restored build's by then)."""
     path = log_path(cfg)
     failed = switch_record.failed_log_section(cfg, lines)
+    # a launch writes its log in STATE_DIR, a file of its own: a link there (or a record naming a file elsewhere)
+    # would have this read, and an MCP client shown, a file outside the project's folders
+    if path.is_symlink() or not inside(path.absolute(), Path(cfg.state_dir).absolute()):
+        raise ToolFailure(f"the server log {path} is {'a link' if path.is_symlink() else 'outside STATE_DIR'}, "
+                          f"which a launch never writes: not read; remove it, then {op('start')}")
     if not path.is_file():
         if failed is not None:
             return failed
