@@ -438,6 +438,10 @@ def load_config(env_file: str | Path | None = None, **overrides: Any) -> ServeCo
 
     if not 0 < cfg.port < 65536:
         raise bad("port", "is not a TCP port (1-65535)")
+    if not re.fullmatch(r"[A-Za-z0-9.:_\[\]-]{1,253}", cfg.host):  # an address or a host name, nothing else
+        raise BadInput(f"HOST={clip(cfg.host)!s}, {_origin(sources.get('host'), path)}, is not an address or host "
+                       "name (e.g. 127.0.0.1, 0.0.0.0, ::1): fix it there",
+                       detail={"path": str(path), "key": "HOST", "source": sources.get("host")})
     if not 0 < cfg.gpu_memory_utilization <= 1:
         raise bad("gpu_memory_utilization", "must be in (0, 1]")
     for key in ("max_model_len", "max_num_seqs", "cpu_kvcache_space_gib", "tensor_parallel_size",

@@ -380,3 +380,18 @@ def test_a_control_character_in_a_path_setting_is_one_line_naming_it(tmp_path, m
     said = str(exc.value)
     assert said.startswith(f"{key}=") and "control character ('\\n')" in said and "\n" not in said, said
 
+
+
+@pytest.mark.parametrize("value", ["a\nb", "", "é✓名", "a b"])
+def test_a_host_that_is_no_address_is_one_line_naming_it(tmp_path, monkeypatch, value):
+    """HOST with a newline split doctor's lines (and its port check named "a\\nb"); an empty one read "HOST is ,
+    reachable beyond this machine". One line naming HOST, exit 2."""
+    from tools.core.errors import BadInput
+
+    env = tmp_path / "tpu.env"
+    env.write_text(f"MODEL_NAME=org/m\nSTATE_DIR={tmp_path}/run\n")
+    monkeypatch.setenv("HOST", value)
+    with pytest.raises(BadInput) as exc:
+        load_config(env)
+    said = str(exc.value)
+    assert said.startswith("HOST=") and "set in the environment" in said and "\n" not in said, said
