@@ -374,6 +374,14 @@ def check_path_settings(values: dict[str, Any], sources: dict[str, str], env_fil
                                                              "source": sources.get("served_name")})
 
 
+def _check_host(host: str, sources: dict[str, str], env_file: Path) -> None:
+    """HOST is an address or a host name, nothing else (a newline or a space would split every line naming it)."""
+    if not re.fullmatch(r"[A-Za-z0-9.:_\[\]-]{1,253}", host):
+        raise BadInput(f"HOST={clip(host)}, {_origin(sources.get('host'), env_file)}, is not an address or host "
+                       "name (e.g. 127.0.0.1, 0.0.0.0, ::1): fix it there",
+                       detail={"path": str(env_file), "key": "HOST", "source": sources.get("host")})
+
+
 def load_config(env_file: str | Path | None = None, **overrides: Any) -> ServeConfig:
     """Reads `env_file` (default: the project's tpu.env), then the environment, then `overrides` (field names).
 
@@ -438,10 +446,7 @@ def load_config(env_file: str | Path | None = None, **overrides: Any) -> ServeCo
 
     if not 0 < cfg.port < 65536:
         raise bad("port", "is not a TCP port (1-65535)")
-    if not re.fullmatch(r"[A-Za-z0-9.:_\[\]-]{1,253}", cfg.host):  # an address or a host name, nothing else
-        raise BadInput(f"HOST={clip(cfg.host)!s}, {_origin(sources.get('host'), path)}, is not an address or host "
-                       "name (e.g. 127.0.0.1, 0.0.0.0, ::1): fix it there",
-                       detail={"path": str(path), "key": "HOST", "source": sources.get("host")})
+    _check_host(cfg.host, sources, path)
     if not 0 < cfg.gpu_memory_utilization <= 1:
         raise bad("gpu_memory_utilization", "must be in (0, 1]")
     for key in ("max_model_len", "max_num_seqs", "cpu_kvcache_space_gib", "tensor_parallel_size",
