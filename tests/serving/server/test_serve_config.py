@@ -356,42 +356,32 @@ def test_a_memory_margin_that_is_no_amount_is_one_line_naming_it(tmp_path, value
 def test_a_served_name_from_the_file_keeps_the_rule_of_served_name(tmp_path, monkeypatch, value):
     """--served-name ../../x is refused, but SERVED_MODEL_NAME from tpu.env or the environment was launched as it
     was (a newline split status and stop's lines in two): the same rule, one line naming where it was set."""
-    from tools.core.errors import BadInput
-
-    env = tmp_path / "tpu.env"
-    env.write_text(f"MODEL_NAME=org/m\nSTATE_DIR={tmp_path}/run\n")
-    monkeypatch.setenv("SERVED_MODEL_NAME", value)
-    with pytest.raises(BadInput) as exc:
-        load_config(env)
-    said = str(exc.value)
+    said = _refused_from_the_environment(tmp_path, monkeypatch, "SERVED_MODEL_NAME", value)
     assert said.startswith("SERVED_MODEL_NAME=") and "set in the environment" in said and "\n" not in said, said
 
 
 @pytest.mark.parametrize("key", ["STATE_DIR", "MODEL_NAME"])
 def test_a_control_character_in_a_path_setting_is_one_line_naming_it(tmp_path, monkeypatch, key):
     """STATE_DIR with a newline was taken, and status printed its path over two lines."""
-    from tools.core.errors import BadInput
-
-    env = tmp_path / "tpu.env"
-    env.write_text(f"MODEL_NAME=org/m\nSTATE_DIR={tmp_path}/run\n")
-    monkeypatch.setenv(key, f"{tmp_path}/x\ny")
-    with pytest.raises(BadInput) as exc:
-        load_config(env)
-    said = str(exc.value)
+    said = _refused_from_the_environment(tmp_path, monkeypatch, key, f"{tmp_path}/x\ny")
     assert said.startswith(f"{key}=") and "control character ('\\n')" in said and "\n" not in said, said
-
 
 
 @pytest.mark.parametrize("value", ["a\nb", "", "é✓名", "a b"])
 def test_a_host_that_is_no_address_is_one_line_naming_it(tmp_path, monkeypatch, value):
     """HOST with a newline split doctor's lines (and its port check named "a\\nb"); an empty one read "HOST is ,
     reachable beyond this machine". One line naming HOST, exit 2."""
+    said = _refused_from_the_environment(tmp_path, monkeypatch, "HOST", value)
+    assert said.startswith("HOST=") and "set in the environment" in said and "\n" not in said, said
+
+
+def _refused_from_the_environment(tmp_path, monkeypatch, name: str, value: str) -> str:
+    """The one-line refusal load_config gives for `name`=`value` set in the environment (beside a valid env file)."""
     from tools.core.errors import BadInput
 
     env = tmp_path / "tpu.env"
     env.write_text(f"MODEL_NAME=org/m\nSTATE_DIR={tmp_path}/run\n")
-    monkeypatch.setenv("HOST", value)
+    monkeypatch.setenv(name, value)
     with pytest.raises(BadInput) as exc:
         load_config(env)
-    said = str(exc.value)
-    assert said.startswith("HOST=") and "set in the environment" in said and "\n" not in said, said
+    return str(exc.value)
