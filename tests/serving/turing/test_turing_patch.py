@@ -567,10 +567,11 @@ def test_any_error_making_the_lock_names_the_target(target, monkeypatch, code, k
     assert target.read_bytes() == before and [p.name for p in target.parent.iterdir()] == [target.name]
 
 
-def test_check_refuses_a_file_it_cannot_understand_as_apply_does(target):
-    """Refused (exit 2, one line on stderr) is not "not applied" (exit 1, on stdout)."""
+def test_check_and_revert_refuse_a_file_they_cannot_understand_as_apply_does(target):
+    """Refused (exit 2, one line on stderr) is not "not applied" (exit 1, on stdout), nor "nothing to revert"
+    (exit 0: --revert of a file that is no vLLM attention module said so, and removed files beside it)."""
     target.write_text("x = 1\n")
-    for flags in (["--check"], []):
+    for flags in (["--check"], [], ["--revert"]):
         res = _script(*flags, "--target", str(target))
         _one_line_naming(res, 2, str(target), "tile-size decision")
         assert res.stdout == ""

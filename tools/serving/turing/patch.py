@@ -347,6 +347,7 @@ def _revert(path: Path) -> PatchStatus:
     backup, record = _backup(path), _record(path)
     mode = path.stat().st_mode & 0o7777
     if BEGIN_MARK not in text and END_MARK not in text:
+        find_decision(text, path)  # ClampRefused: no attention module, nothing beside it touched (as apply)
         _drop(backup, record)
         return PatchStatus(str(path), False, None, f"{path} is not patched; nothing to revert")
     why = _untrusted(text, backup, record)
