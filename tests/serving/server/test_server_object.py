@@ -11,6 +11,7 @@ import psutil
 import pytest
 
 from tests.helpers.stand_ins import vllm_server as stand_in_vllm
+from tools.core.commands import CLI
 from tools.core.errors import ToolFailure
 from tools.serving import Server, first_listed_model, listed_models
 from tools.serving.config import ServeConfig
@@ -102,3 +103,15 @@ def test_which_model_a_server_serves_is_its_first_listed_model_or_one_of_two_fai
             first_listed_model(c, "http://s")
         assert str(exc.value).startswith("no vLLM server answers at http://s (ValueError)")
         assert exc.value.field == "base_url"
+
+
+def test_query_with_no_server_recorded_sends_the_prompt_nowhere(tmp_path, monkeypatch, serve_config_factory):
+    """Nothing recorded: the config's port may be another program's, so the prompt is not posted to it (it was)."""
+    from tools.serving import query
+
+    posted: list[str] = []
+    monkeypatch.setattr(httpx, "post", lambda url, **kw: posted.append(url))
+    cfg = serve_config_factory(tmp_path / "model", "m", state_dir=tmp_path / "run")
+    with pytest.raises(ToolFailure, match="no vLLM server is recorded") as exc:
+        query(cfg, "a private prompt")
+    assert "./vllm-t4 start" in exc.value.render(CLI) and posted == []

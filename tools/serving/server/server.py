@@ -300,6 +300,9 @@ def query(cfg: ServeConfig, prompt: str, *, max_tokens: int = 64, base_url: str 
     behind = None if state is not None or base_url else behind_door_state(cfg)
     if behind is not None:  # the front door's port: the name of the build it routes to
         state = behind
+    elif state is None and not base_url:  # PORT may be anyone's service: the prompt is not sent there
+        which = f"for instance {cfg.instance!r}" if cfg.instance else "here"
+        raise ToolFailure(f"no vLLM server is recorded {which} ({cfg.state_file}); start one with {op('start')}")
     name = model or (state.served_name if state and not base_url else cfg.served_name)
     body = {"model": name, "messages": [{"role": "user", "content": prompt}], "temperature": 0,
             "max_tokens": max_tokens, "return_token_ids": True}
