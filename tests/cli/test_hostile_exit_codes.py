@@ -59,6 +59,11 @@ def _cases(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
         "sweep-compare-stopped-run": (["sweep-compare", str(ARTICLE / "bf16"), str(_stopped_sweep(tmp_path))],
                                       "stopped"),
         "eval-compare-not-runs": (["eval-compare", str(tmp_path / "a"), str(tmp_path / "b")], str(tmp_path / "a")),
+        # a missing --env-file exited 1 (a failure of the work), where doctor exited 2 for the same file
+        "status-env-file-missing": (["status", "--env-file", str(tmp_path / "none.env")], "--env-file"),
+        "env-file-first-missing": (["--env-file", str(tmp_path / "none.env"), "stop"], str(tmp_path / "none.env")),
+        "decode-env-file-missing": (["decode", "--env-file", str(tmp_path / "none.env"), "--out",
+                                    str(tmp_path / "ev")], "--env-file"),
     }
 
 
@@ -66,7 +71,8 @@ NAMES = ["sweep-cell-timeout-nan", "sweep-cell-timeout-0", "sweep-cell-timeout-n
          "sweep-out-empty", "sweep-price-inf", "sweep-label-newline", "capacity-cell-timeout-nan",
          "capacity-max-1e308", "decode-timeout-inf", "pareto-out-empty", "compare-record-out-empty",
          "compare-record-max-tokens-negative", "compare-record-prompts-missing", "compare-check-reference-missing",
-         "sweep-compare-price-nan", "sweep-compare-stopped-run", "eval-compare-not-runs"]
+         "sweep-compare-price-nan", "sweep-compare-stopped-run", "eval-compare-not-runs", "status-env-file-missing",
+         "env-file-first-missing", "decode-env-file-missing"]
 
 
 @pytest.mark.parametrize("case", NAMES)

@@ -389,7 +389,9 @@ def load_config(env_file: str | Path | None = None, **overrides: Any) -> ServeCo
     """
     path = Path(env_file) if env_file is not None else DEFAULT_ENV_FILE
     if not path.exists():
-        raise ToolFailure(f"configuration file {path} not found; pass an existing tpu.env")
+        given = f"{param('env_file')} {clip(str(path))}" if env_file is not None else f"configuration file {path}"
+        raise BadInput(f"{given} does not exist; pass an existing tpu.env", field="env_file",
+                       detail={"path": str(path)})
     file_values = parse_env_file(path)
     known = {f.name for f in fields(ServeConfig)}
     unknown = [k for k in overrides if k not in known or k == "sources"]
