@@ -441,11 +441,35 @@ def load_config(env_file: str | Path | None = None, **overrides: Any) -> ServeCo
 
     values["instance"] = check_instance_name(values.get("instance"))
     cfg = ServeConfig(**values, env_file=path.resolve(), sources=sources)
+    _check_values(cfg, sources, path)
+    return cfg
 
+
+# vLLM's --dtype and --kv-cache-dtype choices (vllm.config's ModelDType and CacheDType at the pinned version: a test
+# holds them to the installed vLLM's), so that a typo is one line here rather than a failed start minutes later
+DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
+KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla",
+                   "nvfp4_ds_mla", "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc",
+                   "ultraquant_4bit", "int4_per_token_head", "int8_per_token_head", "fp8_per_token_head", "nvfp4",
+                   "nvfp4_4over6")
+
+
+def _check_values(cfg: ServeConfig, sources: dict[str, str], path: Path) -> None:
+    """Each setting within what its use takes; a one-line BadInput naming it and where it was set."""
     def bad(key: str, must: str) -> BadInput:  # named where it was set: the file, the environment or the caller
-        return BadInput(f"{ENV_NAMES[key]}={getattr(cfg, key)}, {_origin(sources.get(key), path)}, {must}: fix it "
-                        "there", detail={"path": str(path), "key": ENV_NAMES[key], "source": sources.get(key)})
+        return BadInput(f"{ENV_NAMES[key]}={clip(str(getattr(cfg, key)))}, {_origin(sources.get(key), path)}, "
+                        f"{must}: fix it there", detail={"path": str(path), "key": ENV_NAMES[key],
+                                                         "source": sources.get(key)})
 
+    for key in ("dtype", "cpu_dtype"):
+        if getattr(cfg, key) not in DTYPES:
+            raise bad(key, f"is not one of vLLM's --dtype choices ({', '.join(DTYPES)})")
+    if cfg.kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise bad("kv_cache_dtype", "is not one of vLLM's --kv-cache-dtype choices (auto, float16, bfloat16, fp8, ...)")
+    if not 1 <= cfg.swap_size_gib <= 1024:
+        raise bad("swap_size_gib", "must be 1 to 1024 GiB")
+    if not str(cfg.swapfile).strip():
+        raise bad("swapfile", "is empty: set it to the swap file's path (default /swapfile)")
     if not 0 < cfg.port < 65536:
         raise bad("port", "is not a TCP port (1-65535)")
     _check_host(cfg.host, sources, path)
@@ -461,4 +485,3 @@ def load_config(env_file: str | Path | None = None, **overrides: Any) -> ServeCo
         raise bad("front_door_hold_s", "must be 0 to 3600 seconds")
     if not 0 < cfg.start_timeout_s < math.inf:
         raise bad("start_timeout_s", "must be a positive number of seconds")
-    return cfg

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from tests.helpers.fixtures import IN_PROCESS_TORCH
 from tools.serving.config import DEFAULT_ENV_FILE, load_config, parse_env_file
 from tools.core.commands import CLI
 from tools.core.errors import ToolFailure
@@ -133,8 +134,11 @@ def test_a_file_that_is_not_an_env_file_is_never_echoed(tmp_path, first):
 
 
 def test_missing_file_and_unknown_override(tmp_path):
-    with pytest.raises(ToolFailure, match="not found"):
+    from tools.core.errors import BadInput
+
+    with pytest.raises(BadInput, match="does not exist; pass an existing tpu.env") as exc:
         load_config(tmp_path / "nope.env")
+    assert exc.value.field == "env_file" and str(tmp_path / "nope.env") in str(exc.value)
     with pytest.raises(ToolFailure, match="unknown configuration field"):
         load_config(DEFAULT_ENV_FILE, colour="blue")
 
@@ -373,6 +377,28 @@ def test_a_host_that_is_no_address_is_one_line_naming_it(tmp_path, monkeypatch, 
     reachable beyond this machine". One line naming HOST, exit 2."""
     said = _refused_from_the_environment(tmp_path, monkeypatch, "HOST", value)
     assert said.startswith("HOST=") and "set in the environment" in said and "\n" not in said, said
+
+
+@pytest.mark.parametrize("name,value", [("DTYPE", "flaot16"), ("CPU_DTYPE", "fp16"), ("KV_CACHE_DTYPE", "fp9"),
+                                        ("SWAP_SIZE_GIB", "0"), ("SWAP_SIZE_GIB", "-4"), ("SWAP_SIZE_GIB", "100000"),
+                                        ("SWAPFILE", "")])
+def test_a_setting_its_use_cannot_take_is_one_line_naming_it(tmp_path, monkeypatch, name, value):
+    """A --dtype or --kv-cache-dtype vLLM has no such choice for was launched and failed minutes later in vLLM's own
+    words; SWAP_SIZE_GIB=0 and an empty SWAPFILE reached dd and swapon (exit 1). One line naming it, before any."""
+    said = _refused_from_the_environment(tmp_path, monkeypatch, name, value)
+    assert said.startswith(f"{name}={value}, set in the environment") and "\n" not in said, said
+
+
+@IN_PROCESS_TORCH
+def test_the_dtype_choices_are_the_installed_vllms():
+    import typing
+
+    from vllm.config.cache import CacheDType
+    from vllm.config.model import ModelDType
+
+    from tools.serving.config import DTYPES, KV_CACHE_DTYPES
+
+    assert DTYPES == typing.get_args(ModelDType) and KV_CACHE_DTYPES == typing.get_args(CacheDType)
 
 
 def _refused_from_the_environment(tmp_path, monkeypatch, name: str, value: str) -> str:
