@@ -21,6 +21,10 @@ from .choices import (DEFAULT_OBJECTIVE, DEFAULT_SCHEME, DEFAULT_TARGET, OBJECTI
 from .errors import RepackError, clip, unknown_scheme
 from .stand_ins.tiny_shapes import SHAPE_NAMES, Shape
 
+# The report's other-dtype figures from one run of 64 groups in 8 (grid.in_other_sample): that search costs about
+# what the target's own does (evidence/repack-bench.md); 1 gives every group's
+OTHER_DTYPE_SAMPLE = 8
+MAX_OTHER_DTYPE_SAMPLE = 1 << 20
 MAX_SHARD_GIB = 1 << 20  # a pebibyte: far above any checkpoint, so one shard holds all of it
 SCALE_DTYPES = ("fp16", "bf16")
 _TARGET_OF = {"fp16": "float16", "bf16": "bfloat16"}
@@ -45,6 +49,10 @@ class BuildOptions(OpParams):
                                        "the target's arithmetic)")
     scale_dtype: ScaleDtype | None = Field(
         None, description="Older spelling of --target-dtype: fp16 = float16, bf16 = bfloat16")
+    other_dtype_sample: int = Field(
+        OTHER_DTYPE_SAMPLE, ge=0, le=MAX_OTHER_DTYPE_SAMPLE,
+        description="The report's figures for the other serving dtype from one run of 64 groups in N (1: every "
+                    "group, slower; 0: none)")
     force: bool = Field(False, description="Replace an empty folder or exactly a build this tool wrote")
     # bounded above so that the size in bytes stays an integer (a float beyond ~1.7e299 GiB is infinite in bytes)
     max_shard_size: float = Field(2.0, gt=0, le=MAX_SHARD_GIB, allow_inf_nan=False,
@@ -57,7 +65,9 @@ class BuildOptions(OpParams):
     # The command line keeps the article's opt-in flags (embed_tokens too is asked for by name there); the
     # library and MCP build all-4-bit by default.
     CLI_DEFAULTS: ClassVar[dict[str, Any]] = {"text_only": False, "embed_int4": False, "embed_tokens": False}
-    MCP_EXCLUDE: ClassVar[frozenset[str]] = frozenset({"scale_dtype", "max_shard_size", "threads"})
+    # other_dtype_sample: the MCP result gives the target's figures only (the rest are in the report file)
+    MCP_EXCLUDE: ClassVar[frozenset[str]] = frozenset({"scale_dtype", "max_shard_size", "threads",
+                                                       "other_dtype_sample"})
 
     @field_validator("max_shard_size")
     @classmethod

@@ -4,8 +4,9 @@ Plain numba: loops over a group's 32 values that take every decision the referen
 `quantize_rows` takes CHUNK groups at once with value i of group k at [i, k], so that each loop over the values
 runs across groups (vector registers, no call per group) and each group's sums are still left to right. A group
 with anything uncommon goes through `_one_group`, the same algorithm one group at a time (`quantize_rows_per_group`
-runs every group that way: the tests hold the two to the same bytes). min-error's squared errors come from
-per-level counts and sums (_sq_levels_cols: exact, hence equal, under a bound that is checked per group).
+runs every group that way: the tests hold the two to the same bytes). The other format's search, for the report
+only, runs on the chunks of its sample (grid.in_other_sample). min-error's squared errors come from per-level
+counts and sums (_sq_levels_cols: exact, hence equal, under a bound that is checked per group).
 It is kept in its own module so that importing the library never compiles it; numba caches the machine code
 next to this file (or in NUMBA_CACHE_DIR). `quantize_rows` releases the GIL: a build runs row blocks in threads.
 
@@ -507,18 +508,24 @@ def _author_m(x, mask, safe):
 
 
 @jit
-def _group(x, ax, af, bn, inv, nf, kx, table, lowbit, fmt, ofmt, min_error, q, aq, nib, rt, err, cand, auth):
+def _group(x, ax, af, bn, inv, nf, kx, table, lowbit, fmt, ofmt, min_error, other, q, aq, nib, rt, err, cand,
+           auth):
     # One decoded group: its levels (rows 0 and 1 of q, aq, nib: the ratio lookup's m, the author's m), the
-    # scale chosen for the target format `fmt` (sig, minexp, vmax) and the other format's search for the
-    # report. Returns (scale, uses row 1, (exact, sq, worst, summed error) for fmt and for ofmt, off the grid).
+    # scale chosen for the target format `fmt` (sig, minexp, vmax) and, for a group of the other format's sample
+    # (`other`) or off the grid (its error names the other format), the other format's search for the report.
+    # Returns (scale, uses row 1, (exact, sq, worst, summed error) for fmt and for ofmt (zeros where not
+    # searched), off the grid).
     sig, minexp, vmax = fmt
     amax, safe, neg_only, mask, m = _peak_level(x, table, lowbit)
     regular = kx == NO_QUANTUM or amax < _exp2(45 + kx)
     m_a = _author_m(x, mask, safe)
     has_a = m_a > 0
     da = safe / m_a if has_a else 0.0
+    m0 = m
     for attempt in range(2):
         s = _levels(m / safe, x, q, aq, nib, 0, regular)
+        if attempt == 1 and m == m0:  # the same levels again (row 0 restored): the first attempt's choice stands
+            break
         sa = 0.0
         if has_a:  # the same m gives the same levels and step (then only row 0 is used)
             sa = _levels(m_a / safe, x, q, aq, nib, 1, regular) if m_a != m else s
@@ -534,23 +541,25 @@ def _group(x, ax, af, bn, inv, nf, kx, table, lowbit, fmt, ofmt, min_error, q, a
             em = _fit_error(_levels(mm / safe, x, q, aq, nib, 0, regular), q, x, inv)
             if em < best_e:
                 best_e, m = em, mm
-    osig, ominexp, ovmax = ofmt
-    co, ao, no, sqo, eo, eto = _choose(s, sa, da, has_a, m_a == m, nf, amax, kx, spread, min_error, osig, ominexp, ovmax,
-                                       aq, ax, af, bn, inv, rt, err, cand, auth)
     off = e > 2.0
     if off and nf == 0:  # past the tolerance: on the grid all the same if another candidate is within it
         off = _min_worst(s, sa, da, has_a, m_a == m, sig, minexp, vmax, aq, ax, af, inv, rt, err, cand) > 2.0
+    no, sqo, eo, eto = 0, 0.0, 0.0, 0.0
+    if other or off:
+        osig, ominexp, ovmax = ofmt
+        co, ao, no, sqo, eo, eto = _choose(s, sa, da, has_a, m_a == m, nf, amax, kx, spread, min_error, osig,
+                                           ominexp, ovmax, aq, ax, af, bn, inv, rt, err, cand, auth)
     return c, a, (n, sq, e, et), (no, sqo, eo, eto), off
 
 
 @jit
-def _one_group(words, r, g, table, lowbit, fmt, ofmt, min_error, packed, x, ax, af, bn, inv, q, aq, nib, rt, err,
-               cand, auth):
+def _one_group(words, r, g, table, lowbit, fmt, ofmt, min_error, other, packed, x, ax, af, bn, inv, q, aq, nib, rt,
+               err, cand, auth):
     # The whole algorithm for group g of row r, one group at a time; writes its packed words, returns
     # (scale, (exact, sq, worst, summed error) for fmt and for ofmt, off the grid, NaN/inf count, -0 count, sum x^2)
     nf, nz, sxx, kx = _decode(words, r, g * 32, x, ax, af, bn, inv)
-    c, a, fig, fig_o, off = _group(x, ax, af, bn, inv, nf, kx, table, lowbit, fmt, ofmt, min_error, q, aq, nib, rt,
-                                   err, cand, auth)
+    c, a, fig, fig_o, off = _group(x, ax, af, bn, inv, nf, kx, table, lowbit, fmt, ofmt, min_error, other, q, aq,
+                                   nib, rt, err, cand, auth)
     ua = int(a)
     for j in range(4):
         word = np.uint32(0)
@@ -570,13 +579,13 @@ CHUNK = 64
 
 
 @jit
-def _columns(words, start, n, ng, wt, x, ax, af, inv, nf, nz, sxx, kx):
-    # groups start.. start + n - 1 of the block (row-major) decoded as _decode does, value i of group k at [i, k]
+def _columns(wf, start, n, wt, x, ax, af, inv, nf, nz, sxx, kx):
+    # groups start.. start + n - 1 of the block (wf: its words, flat) decoded as _decode does, value i of group k
+    # at [i, k]
     for k in range(n):
-        r = (start + k) // ng
-        base = (start + k - r * ng) * 32
+        base = (start + k) * 32
         for i in range(32):
-            wt[i, k] = words[r, base + i]
+            wt[i, k] = wf[base + i]
         nf[k] = 0
         nz[k] = 0
         sxx[k] = 0.0
@@ -912,39 +921,45 @@ def _candidates_cols(fmt, n, s, safe, ma, spread, aq, af, ax, scr, cand, ok, lbu
 
 @jit
 def quantize_rows(words, packed, scales, stats, ratio_table, lowbit, sig, minexp, vmax, osig, ominexp, ovmax,
-                  min_error):
+                  min_error, other_every):
     """grid.run_kernel's call: every group of words (uint16 [rows, cols]) into packed (uint32 [rows, cols/8]),
-    scales (float64 [rows, cols/32]) and the stats vector (grid.S_*)."""
+    scales (float64 [rows, cols/32]) and the stats vector (grid.S_*); the other format's figures from the groups
+    of every other_every-th chunk of CHUNK (grid.in_other_sample)."""
     return _rows(words, packed, scales, stats, ratio_table, lowbit, (sig, minexp, vmax), (osig, ominexp, ovmax),
-                 min_error, True)
+                 min_error, other_every, True)
 
 
 @jit
 def quantize_rows_per_group(words, packed, scales, stats, ratio_table, lowbit, sig, minexp, vmax, osig, ominexp,
-                            ovmax, min_error):
+                            ovmax, min_error, other_every):
     """quantize_rows with every group through _one_group (the kernel before groups were side by side; tests)."""
     return _rows(words, packed, scales, stats, ratio_table, lowbit, (sig, minexp, vmax), (osig, ominexp, ovmax),
-                 min_error, False)
+                 min_error, other_every, False)
 
 
 @jit_inline
-def _account(acc, stats, r, g, fig, fig_o, off, nf, nz, sxx):
-    # one group's figures into the block's totals, in group order (the sums' order is the block's)
+def _account(acc, stats, gi, ng, fig, fig_o, off, nf, nz, sxx, other):
+    # group gi's figures (row-major, ng groups a row) into the block's totals, in group order (the sums' order is
+    # the block's); the other format's only for a group of its sample
     acc[0] += fig[0]
-    acc[1] += fig_o[0]
     acc[2] += fig[1]
-    acc[3] += fig_o[1]
     acc[4] = max(acc[4], fig[2])
-    acc[5] = max(acc[5], fig_o[2])
     acc[6] += fig[3]
-    acc[7] += fig_o[3]
+    if other:
+        acc[1] += fig_o[0]
+        acc[3] += fig_o[1]
+        acc[5] = max(acc[5], fig_o[2])
+        acc[7] += fig_o[3]
+        acc[12] += 1
+        acc[13] += sxx
     acc[8] += sxx
     acc[9] += nz
     acc[10] += nf
     if off:
         if acc[11] == 0:
+            r = gi // ng
             stats[6] = r
-            stats[7] = g
+            stats[7] = gi - r * ng
             stats[8] = fig[2]
             stats[9] = fig_o[2]
             stats[17] = nf > 0
@@ -952,7 +967,7 @@ def _account(acc, stats, r, g, fig, fig_o, off, nf, nz, sxx):
 
 
 @jit
-def _pack_cols(q, n, start, ng, fast, packed, words32):
+def _pack_cols(q, n, start, fast, pf, words32):
     # the nibbles (level + 8) of row 0's levels, eight to a word, for the groups of the fast path
     for j in range(4):
         for k in range(n):
@@ -962,14 +977,12 @@ def _pack_cols(q, n, start, ng, fast, packed, words32):
                 words32[j, k] |= np.uint32(np.int32(q[j * 8 + t, k]) + 8) << np.uint32(4 * t)
     for k in range(n):
         if fast[k]:
-            r = (start + k) // ng
-            g = start + k - r * ng
             for j in range(4):
-                packed[r, g * 4 + j] = words32[j, k]
+                pf[(start + k) * 4 + j] = words32[j, k]
 
 
 @jit
-def _rows(words, packed, scales, stats, table, lowbit, fmt, ofmt, min_error, side_by_side):
+def _rows(words, packed, scales, stats, table, lowbit, fmt, ofmt, min_error, other_every, side_by_side):
     # scratch allocated once per call: one group's (_one_group) and CHUNK groups' (value i of group k at [i, k])
     x, ax, inv = np.empty(32), np.empty(32), np.empty(32)
     af, bn = np.empty(32, dtype=np.float32), np.empty(32, dtype=np.float32)
@@ -994,39 +1007,44 @@ def _rows(words, packed, scales, stats, table, lowbit, fmt, ofmt, min_error, sid
     grp = (s, safe, ma, kx, amax, sxx)
     candc, ok = np.empty((8, CHUNK)), np.empty((8, CHUNK), dtype=np.bool_)
     res = np.zeros((10, CHUNK))  # per format: scale, exact count, sq, worst, summed error
-    acc = np.zeros(12)
+    acc = np.zeros(14)
     rows, cols = words.shape
     ng = cols // 32
+    # flat views: group gi's words, packed words and scale at gi * 32, gi * 4 and gi (no division per group)
+    wf, pf, sf = words.reshape(rows * cols), packed.reshape(rows * ng * 4), scales.reshape(rows * ng)
     for start in range(0, rows * ng, CHUNK):
         n = min(CHUNK, rows * ng - start)
+        other = other_every > 0 and (start // CHUNK) % other_every == 0  # the other format's sample
         if side_by_side:
-            _columns(words, start, n, ng, wt, xc, axc, afc, invc, nf, nz, sxx, kx)
+            _columns(wf, start, n, wt, xc, axc, afc, invc, nf, nz, sxx, kx)
             _peaks(xc, n, table, lowbit, amax, safe, mask, m, neg, bins)
             _author_cols(xc, n, mask, m, safe, ma, f, d, tol, bad, x)
             _levels_cols(xc, n, m, safe, qc, aqc, s, f, sqq)
             _spread_cols(aqc, afc, n, spread[0], spread[1], spread[2])
             if min_error:
                 _per_level_cols(aqc, axc, n, levels[0], levels[1])
-            for o in range(2):
+            for k in range(n):
+                hard[1, k] = False
+            for o in range(2 if other else 1):
                 _choose_cols(fmt if o == 0 else ofmt, min_error, n, grp, spread, aqc, afc, axc, invc, levels, scr,
                              candc, ok, cnt, sq, fast, res[5 * o:5 * o + 5], hard[o])
             for k in range(n):  # else: an author's grid of its own, a NaN/inf, the target past the tolerance, ...
                 fast[k] = (nf[k] == 0 and (ma[k] == 0 or ma[k] == m[k]) and res[3, k] <= 2.0 and not hard[0, k]
                            and not hard[1, k])
-            _pack_cols(qc, n, start, ng, fast, packed, words32)
+            _pack_cols(qc, n, start, fast, pf, words32)
         for k in range(n):
-            r = (start + k) // ng
-            g = start + k - r * ng
+            gi = start + k
             if fast[k]:
-                scales[r, g] = res[0, k]
-                _account(acc, stats, r, g, (res[1, k], res[2, k], res[3, k], res[4, k]),
-                         (res[6, k], res[7, k], res[8, k], res[9, k]), False, nf[k], nz[k], sxx[k])
+                sf[gi] = res[0, k]
+                _account(acc, stats, gi, ng, (res[1, k], res[2, k], res[3, k], res[4, k]),
+                         (res[6, k], res[7, k], res[8, k], res[9, k]), False, nf[k], nz[k], sxx[k], other)
             else:
-                c, fig, fig_o, off, nfg, nzg, sxg = _one_group(words, r, g, table, lowbit, fmt, ofmt, min_error,
-                                                                packed, x, ax, af, bn, inv, q, aq, nib, rt, err, cand,
-                                                                auth)
-                scales[r, g] = c
-                _account(acc, stats, r, g, fig, fig_o, off, nfg, nzg, sxg)
+                r = gi // ng
+                c, fig, fig_o, off, nfg, nzg, sxg = _one_group(words, r, gi - r * ng, table, lowbit, fmt, ofmt,
+                                                                min_error, other, packed, x, ax, af, bn, inv, q, aq,
+                                                                nib, rt, err, cand, auth)
+                sf[gi] = c
+                _account(acc, stats, gi, ng, fig, fig_o, off, nfg, nzg, sxg, other)
     stats[0] = rows * ng
     stats[1], stats[2] = acc[0], acc[1]
     stats[3], stats[4] = acc[4], acc[5]
@@ -1036,3 +1054,4 @@ def _rows(words, packed, scales, stats, table, lowbit, fmt, ofmt, min_error, sid
     stats[10] = acc[10]
     stats[15] = acc[8]
     stats[16] = acc[9]
+    stats[18], stats[19] = acc[12], acc[13]

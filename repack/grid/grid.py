@@ -24,9 +24,11 @@ A QAT q4_0 export stores bf16(step * level) with level in [-8, 7] per group of 3
    values rounded the other way), and such a group is on the grid all the same.
 
 The same search is run for the other dtype, for the report only (what `--target-dtype` of the other dtype would
-give). Two implementations compute exactly the same thing: a numba kernel (used when numba is importable; it is
-the fast path) and plain numpy (the reference, and the fallback). Values are handled as raw 16-bit words; torch
-is never imported.
+give), on a sample of the groups: every `other_every`-th run of SAMPLE_CHUNK consecutive groups of a row block (1:
+every group, the exact figures; 0: none). It costs about as much as the target's own search, so a build samples
+(repack.params.OTHER_DTYPE_SAMPLE). Two implementations compute exactly the same thing: a numba kernel (used when
+numba is importable; it is the fast path) and plain numpy (the reference, and the fallback). Values are handled as
+raw 16-bit words; torch is never imported.
 """
 
 from __future__ import annotations
@@ -49,9 +51,20 @@ _RATIO_BINS = 1024  # ratio lookup resolution: bins of 1/1024, well inside half 
 _FRACTION_TOL = 0.0085
 
 # Stats vector layout shared by both implementations ("_O": the same figure for the other dtype).
+# The _O sums are over the other dtype's sample, whose groups and sum of squared source values are S_GROUPS_O and
+# S_X2_O; S_OFF_ERR_O is the first off-grid group's, sampled or not.
 (S_GROUPS, S_EXACT, S_EXACT_O, S_WORST, S_WORST_O, S_OFFGRID, S_OFF_ROW, S_OFF_GROUP, S_OFF_ERR, S_OFF_ERR_O,
- S_NONFINITE, S_ERRSUM, S_ERRSUM_O, S_SQ, S_SQ_O, S_X2, S_NEGZERO, S_OFF_NONFINITE) = range(18)
-N_STATS = 18
+ S_NONFINITE, S_ERRSUM, S_ERRSUM_O, S_SQ, S_SQ_O, S_X2, S_NEGZERO, S_OFF_NONFINITE, S_GROUPS_O, S_X2_O) = range(20)
+N_STATS = 20
+SAMPLE_CHUNK = 64  # the kernel's chunk of groups side by side (_kernel_numba.CHUNK): the other dtype's sample unit
+
+
+def in_other_sample(n_groups: int, other_every: int) -> np.ndarray:
+    """Which of a row block's groups (row-major) the other dtype's figures come from: every `other_every`-th run of
+    SAMPLE_CHUNK groups, starting with the first (1: all, 0: none)."""
+    if other_every <= 0:
+        return np.zeros(n_groups, dtype=bool)
+    return (np.arange(n_groups) // SAMPLE_CHUNK) % other_every == 0
 
 
 def target_of(name: str) -> Target:
@@ -145,7 +158,8 @@ class GridStats:
     Every figure is about the runtime: the value the GPU computes, T(level * scale) in the target dtype T, against
     the source value. "exact" is equality in value (-0 equals +0); a -0 source value comes back as +0 (a 4-bit
     level carries no sign of zero): those are counted in negzero. Errors are in bf16 ulps of the source value.
-    The "_other" figures are what a build for the other dtype would give (its own scales)."""
+    The "_other" figures are what a build for the other dtype would give (its own scales), over the groups of its
+    sample (values_other values, sq_src_other their sum of squares)."""
 
     groups: int = 0
     values: int = 0
@@ -158,6 +172,8 @@ class GridStats:
     sq_err: float = 0.0
     sq_err_other: float = 0.0
     sq_src: float = 0.0
+    values_other: int = 0
+    sq_src_other: float = 0.0
     negzero: int = 0
     offgrid: int = 0
     first_offgrid: tuple[int, int, float, float] | None = None  # (row, group, ulps chosen, ulps other)
@@ -169,7 +185,8 @@ class GridStats:
         s = cls(groups=int(v[S_GROUPS]), values=int(v[S_GROUPS]) * GROUP, exact=int(v[S_EXACT]),
                 exact_other=int(v[S_EXACT_O]), worst_ulps=float(v[S_WORST]), worst_ulps_other=float(v[S_WORST_O]),
                 err_ulps_sum=float(v[S_ERRSUM]), err_ulps_sum_other=float(v[S_ERRSUM_O]), sq_err=float(v[S_SQ]),
-                sq_err_other=float(v[S_SQ_O]), sq_src=float(v[S_X2]), negzero=int(v[S_NEGZERO]),
+                sq_err_other=float(v[S_SQ_O]), sq_src=float(v[S_X2]), values_other=int(v[S_GROUPS_O]) * GROUP,
+                sq_src_other=float(v[S_X2_O]), negzero=int(v[S_NEGZERO]),
                 offgrid=int(v[S_OFFGRID]), nonfinite=int(v[S_NONFINITE]))
         if s.offgrid:
             s.first_offgrid = (row0 + int(v[S_OFF_ROW]), int(v[S_OFF_GROUP]), float(v[S_OFF_ERR]),
@@ -179,7 +196,7 @@ class GridStats:
 
     def merge(self, o: "GridStats") -> None:
         for f in ("groups", "values", "exact", "exact_other", "err_ulps_sum", "err_ulps_sum_other", "sq_err",
-                  "sq_err_other", "sq_src", "negzero", "offgrid", "nonfinite"):
+                  "sq_err_other", "sq_src", "values_other", "sq_src_other", "negzero", "offgrid", "nonfinite"):
             setattr(self, f, getattr(self, f) + getattr(o, f))
         self.worst_ulps = max(self.worst_ulps, o.worst_ulps)
         self.worst_ulps_other = max(self.worst_ulps_other, o.worst_ulps_other)
@@ -335,9 +352,10 @@ def _check_objective(objective: str) -> None:
         raise ValueError(f"objective {objective!r}: choose runtime-exact or min-error")
 
 
-def quantize_numpy(words: np.ndarray, target: str = DEFAULT_TARGET, objective: str = DEFAULT_OBJECTIVE
-                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """words: uint16 [rows, cols] bf16 bit patterns, cols % 32 == 0; target float16|bfloat16 (fp16|bf16).
+def quantize_numpy(words: np.ndarray, target: str = DEFAULT_TARGET, objective: str = DEFAULT_OBJECTIVE,
+                   other_every: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """words: uint16 [rows, cols] bf16 bit patterns, cols % 32 == 0; target float16|bfloat16 (fp16|bf16);
+    other_every: the other dtype's sample (in_other_sample).
 
     Returns (packed int32 [rows, cols/8], scales float64 [rows, cols/32] (exact values of the target dtype),
     stats vector)."""
@@ -383,11 +401,13 @@ def quantize_numpy(words: np.ndarray, target: str = DEFAULT_TARGET, objective: s
     packed = (nib[..., 0] | (nib[..., 1] << 4)).view("<i4").reshape(rows, cols // 8)
     stats = np.zeros(N_STATS)
     stats[S_GROUPS] = len(g)
-    stats[S_EXACT], stats[S_EXACT_O] = ch.exact.sum(), cho.exact.sum()
-    stats[S_WORST], stats[S_WORST_O] = ch.worst.max(initial=0.0), cho.worst.max(initial=0.0)
-    stats[S_ERRSUM], stats[S_ERRSUM_O] = ch.err_sum.sum(), cho.err_sum.sum()
-    stats[S_SQ], stats[S_SQ_O] = ch.sq.sum(), cho.sq.sum()
-    stats[S_X2] = (x * x).sum()
+    o = in_other_sample(len(g), other_every)
+    stats[S_EXACT], stats[S_EXACT_O] = ch.exact.sum(), cho.exact[o].sum()
+    stats[S_WORST], stats[S_WORST_O] = ch.worst.max(initial=0.0), cho.worst[o].max(initial=0.0)
+    stats[S_ERRSUM], stats[S_ERRSUM_O] = ch.err_sum.sum(), cho.err_sum[o].sum()
+    stats[S_SQ], stats[S_SQ_O] = ch.sq.sum(), cho.sq[o].sum()
+    stats[S_X2], stats[S_X2_O] = (x * x).sum(), (x[o] * x[o]).sum()
+    stats[S_GROUPS_O] = np.count_nonzero(o)
     stats[S_NEGZERO] = np.count_nonzero(g == 0x8000)
     stats[S_NONFINITE] = np.count_nonzero(~fin)
     bad = np.flatnonzero(ch.worst > TOL_ULPS)
@@ -432,18 +452,19 @@ def implementation() -> str:
     return "numba" if _get_kernel() is not None else "numpy"
 
 
-def quantize(words: np.ndarray, target: str = DEFAULT_TARGET, objective: str = DEFAULT_OBJECTIVE
-             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def quantize(words: np.ndarray, target: str = DEFAULT_TARGET, objective: str = DEFAULT_OBJECTIVE,
+             other_every: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Grid recovery and packing of one row block; dispatches to the numba kernel when available.
-    target: float16|bfloat16 (or the scale dtype names fp16|bf16); objective: runtime-exact|min-error."""
+    target: float16|bfloat16 (or the scale dtype names fp16|bf16); objective: runtime-exact|min-error;
+    other_every: the other dtype's sample for the stats (in_other_sample; 1: every group)."""
     k = _get_kernel()
     if k is None:
-        return quantize_numpy(words, target, objective)
-    return run_kernel(k, words, target, objective)
+        return quantize_numpy(words, target, objective, other_every)
+    return run_kernel(k, words, target, objective, other_every)
 
 
-def run_kernel(k, words: np.ndarray, target: str = DEFAULT_TARGET, objective: str = DEFAULT_OBJECTIVE
-               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def run_kernel(k, words: np.ndarray, target: str = DEFAULT_TARGET, objective: str = DEFAULT_OBJECTIVE,
+               other_every: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """`quantize` with a given kernel function (a `quantize_rows`). The arrays are made here with the types and
     layouts the kernel takes."""
     if words.dtype != np.uint16 or words.ndim != 2 or words.shape[1] % GROUP:
@@ -458,7 +479,7 @@ def run_kernel(k, words: np.ndarray, target: str = DEFAULT_TARGET, objective: st
     sig, minexp, vmax = _FMT[SCALE_DTYPE[tgt]]
     osig, ominexp, ovmax = _FMT[SCALE_DTYPE[oth]]
     k(np.ascontiguousarray(words), packed.view(np.uint32), scales, stats, _RATIO_TABLE32, LOWBIT, sig, minexp, vmax,
-      osig, ominexp, ovmax, objective == "min-error")
+      osig, ominexp, ovmax, objective == "min-error", int(other_every))
     return packed, scales, stats
 
 

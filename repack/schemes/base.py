@@ -28,11 +28,12 @@ from .report import RepackReport
 
 class SchemeOptions(Protocol):
     """What a scheme reads of the build options (repack.params.BuildOptions): the target's arithmetic, the
-    objective the scales are chosen by, and the stored scale dtype."""
+    objective the scales are chosen by, the stored scale dtype and the other dtype's sample for the report."""
 
     target_dtype: str | None
     objective: str
     scale_dtype: str | None
+    other_dtype_sample: int
 
 
 def bf16_to_float(words: np.ndarray) -> np.ndarray:

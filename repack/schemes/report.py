@@ -6,7 +6,9 @@ Every fidelity figure is about the runtime: T(level * scale), the value the GPU 
   carries no sign of zero), counted on its own as zero_sign_changes;
 - mean and max error in bf16 ulps of the source value; relative L2 = ||runtime - source|| / ||source||.
 The figures are given for the build's target dtype and for the other dtype, the latter with the scales a build
-for that dtype would store (`--target-dtype` of the other dtype, same objective).
+for that dtype would store (`--target-dtype` of the other dtype, same objective), over the groups of its sample
+(`--other-dtype-sample N`: one run of 64 groups in N; `values_runtime_X` says how many values they hold): its
+exact share and mean error estimate the whole table's, its max error is the sample's.
 """
 
 from __future__ import annotations
@@ -44,14 +46,19 @@ class TableReport:
         p = self.processed
         own = dtype == self.target_dtype
         n = p.exact if own else p.exact_other
-        if not p.values:
+        values, src = (p.values, p.sq_src) if own else (p.values_other, p.sq_src_other)
+        if not values:
             return RuntimeFigures(n, None, None, None, None)
         sq = p.sq_err if own else p.sq_err_other
         return RuntimeFigures(
-            exact=n, exact_pct=100.0 * n / p.values,
-            mean_err_ulp=(p.err_ulps_sum if own else p.err_ulps_sum_other) / p.values,
+            exact=n, exact_pct=100.0 * n / values,
+            mean_err_ulp=(p.err_ulps_sum if own else p.err_ulps_sum_other) / values,
             max_err_ulp=p.worst_ulps if own else p.worst_ulps_other,
-            rel_l2=math.sqrt(sq / p.sq_src) if p.sq_src > 0 else (0.0 if sq == 0 else math.inf))
+            rel_l2=math.sqrt(sq / src) if src > 0 else (0.0 if sq == 0 else math.inf))
+
+    def values_in(self, dtype: str) -> int:
+        """How many values the figures of `dtype` are over: all for the target, the sample's for the other."""
+        return self.processed.values if dtype == self.target_dtype else self.processed.values_other
 
     def to_dict(self) -> dict[str, Any]:
         p = self.processed
@@ -61,6 +68,7 @@ class TableReport:
         for dtype in ("float16", "bfloat16"):
             f = self.runtime(dtype)
             k = SHORT[dtype]
+            d[f"values_runtime_{k}"] = self.values_in(dtype)
             d[f"exact_runtime_{k}"] = f.exact
             d[f"exact_runtime_{k}_pct"] = _r(f.exact_pct)
             d[f"mean_err_ulp_bf16_runtime_{k}"] = _r(f.mean_err_ulp, 6)
@@ -105,8 +113,10 @@ class RepackReport:
                 "target_dtype": self.target_dtype, "objective": self.objective,
                 "scale_dtype": self.scale_dtype, "other_dtype": self.other_dtype,
                 "runtime_figures": "exact_runtime_X: values whose X(level*scale) equals the source in value "
-                                   "(-0 == +0); errors in bf16 ulps of the source; the target's figures use the "
-                                   "stored scales, the other dtype's the scales a build for it would store",
+                                   "(-0 == +0), of values_runtime_X; errors in bf16 ulps of the source; the "
+                                   "target's figures use the stored scales over every value, the other dtype's "
+                                   "the scales a build for it would store, over its sample (other_dtype_sample)",
+                "other_dtype_sample": self.options.get("other_dtype_sample"),
                 "implementation": self.implementation,
                 "tables": [t.to_dict() for t in self.tables.values()],
                 "total_bytes_before": before, "total_bytes_after": after,
@@ -119,7 +129,9 @@ class RepackReport:
     def format_table(self) -> str:
         order = [self.target_dtype] + [d for d in ("float16", "bfloat16") if d != self.target_dtype]
         block = f"{'exact':>9}{'mean ulp':>9}{'max ulp':>8}{'rel L2':>10}"
-        titles = [f" runtime {SHORT[d]}{' (target)' if d == self.target_dtype else ''} " for d in order]
+        every = self.options.get("other_dtype_sample")
+        sample = "" if every == 1 else " (none)" if not every else f" (sample 1 in {every})"
+        titles = [f" runtime {SHORT[d]}{' (target)' if d == self.target_dtype else sample} " for d in order]
         left = f"{'table':<13}{'before':>11}{'after':>11}{'groups':>12}{'off-grid':>9}"
         top = " " * len(left) + "".join(f"  {t:-^{len(block) - 2}}" for t in titles)
         head = left + "".join(block for _ in order) + f"{'-0 -> +0':>10}"
@@ -143,8 +155,10 @@ class RepackReport:
         lines.append("-" * len(head))
         lines.append(f"{'total':<13}{_size(d['total_bytes_before']):>11}{_size(d['total_bytes_after']):>11}")
         other = SHORT[order[1]]
-        lines.append(f"runtime {other}: with the scales a --target-dtype {order[1]} build would store; "
-                     f"-0 -> +0: source -0 values that come back +0 (counted exact)")
+        lines.append(f"runtime {other}: with the scales a --target-dtype {order[1]} build would store"
+                     + ("" if every == 1 else f", over one run of 64 groups in {every} (--other-dtype-sample)"
+                        if every else " (not computed: --other-dtype-sample 0)")
+                     + "; -0 -> +0: source -0 values that come back +0 (counted exact)")
         lines.append(f"{self.output_shards} shards ({self.hardlinked_shards} hard-linked), "
                      f"read {_size(self.bytes_read)} in {self.wall_s:.2f} s = {self.mb_per_s:.0f} MB/s, "
                      f"peak RSS {_size(self.peak_rss_bytes)}, grid kernel {self.implementation}")

@@ -62,7 +62,8 @@ class W4A16(Scheme):
     @classmethod
     def quantize_rows(cls, words: np.ndarray, options: "SchemeOptions", row0: int
                       ) -> tuple[dict[str, np.ndarray], grid.GridStats]:
-        packed, scales, stats = grid.quantize(words, options.target_dtype, options.objective)
+        packed, scales, stats = grid.quantize(words, options.target_dtype, options.objective,
+                                              options.other_dtype_sample)
         return ({"packed": packed, "scale": grid.scales_to_bytes(scales, grid.SCALE_DTYPE[options.target_dtype])},
                 grid.GridStats.from_vector(stats, row0))
 

@@ -16,6 +16,7 @@ import pytest
 from repack import choices
 from repack.grid import grid
 from repack.build.build import BuildOptions, build_checkpoint
+from repack.params import OTHER_DTYPE_SAMPLE
 from repack.source.checkpoint import open_checkpoint
 
 from tests.helpers.fixtures import IN_PROCESS_TORCH
@@ -239,6 +240,23 @@ def test_bf16_scale_dtype(tiny_qat, tmp_path):
     assert rep.target_dtype == "bfloat16" and lin.runtime("bfloat16").exact == lin.processed.exact
     assert lin.runtime("float16").exact == lin.processed.exact_other
     assert "runtime bf16 (target)" in rep.format_table()
+
+
+def test_the_other_dtype_figures_say_which_values_they_are_over(tiny_qat, tmp_path):
+    """The other dtype's report figures come from its sample (--other-dtype-sample): the report says how many values
+    they are over, its percentages are of those, and with 0 there are none."""
+    for every in (0, 1, OTHER_DTYPE_SAMPLE):
+        rep = build_checkpoint(tiny_qat, tmp_path / f"s{every}", BuildOptions(other_dtype_sample=every))
+        d = {t["name"]: t for t in rep.to_dict()["tables"]}["linears"]
+        assert rep.to_dict()["other_dtype_sample"] == every and d["values_runtime_fp16"] == d["values"] > 0
+        if every == 0:
+            assert d["values_runtime_bf16"] == 0 and d["exact_runtime_bf16_pct"] is None
+            assert "(not computed: --other-dtype-sample 0)" in rep.format_table()
+        else:
+            assert 0 < d["values_runtime_bf16"] <= d["values"] and d["values_runtime_bf16"] % 32 == 0
+            assert d["exact_runtime_bf16_pct"] == pytest.approx(
+                100.0 * d["exact_runtime_bf16"] / d["values_runtime_bf16"], abs=1e-3)
+    assert f"sample 1 in {OTHER_DTYPE_SAMPLE}" in rep.format_table()
 
 
 def test_compressed_tensors_decompresses_our_weights(builds):

@@ -194,11 +194,41 @@ def test_groups_side_by_side_give_the_bytes_of_one_group_at_a_time(target, objec
             for jitter in (0.0, 0.26):
                 blocks.append(grid_words(16, 1536, rng, step_dtype=step_dtype, jitter=jitter, levels=levels))
     for w in blocks:
-        a = grid.run_kernel(k.quantize_rows_per_group, w, target, objective)
-        b = grid.run_kernel(k.quantize_rows, w, target, objective)
-        assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1]), w.shape
-        assert np.allclose(a[2], b[2], rtol=1e-12, atol=0), w.shape
-        assert a[1].tobytes() == b[1].tobytes()  # -0.0 and 0.0 compare equal: the stored bytes too
+        for every in (1, 3):  # every group's other-dtype figures, and a sample of them
+            a = grid.run_kernel(k.quantize_rows_per_group, w, target, objective, every)
+            b = grid.run_kernel(k.quantize_rows, w, target, objective, every)
+            assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1]), w.shape
+            assert np.allclose(a[2], b[2], rtol=1e-12, atol=0), w.shape
+            assert a[1].tobytes() == b[1].tobytes()  # -0.0 and 0.0 compare equal: the stored bytes too
+
+
+TARGET_STATS = [grid.S_GROUPS, grid.S_EXACT, grid.S_WORST, grid.S_OFFGRID, grid.S_NONFINITE, grid.S_ERRSUM,
+                grid.S_SQ, grid.S_X2, grid.S_NEGZERO]
+
+
+@pytest.mark.parametrize("impl", ["numpy", "fast"])
+@pytest.mark.parametrize("every", [0, 2, 8])
+def test_the_other_dtype_figures_are_those_of_its_sample(impl, every):
+    """The report's other-dtype figures come from every `every`-th run of 64 groups: on exactly those groups, what
+    the other dtype's own build gives (its scales decoded and computed in its runtime); the packed levels, the
+    scales and the target's figures are those of a build computing every group's."""
+    rng = np.random.default_rng(48)
+    words = grid_words(40, 3072, rng, step_dtype=np.float32, jitter=0.26)  # 3,840 groups: 60 runs of 64
+    f = grid.quantize_numpy if impl == "numpy" else grid.quantize
+    full, part = f(words, "float16", "min-error", 1), f(words, "float16", "min-error", every)
+    assert np.array_equal(full[0], part[0]) and full[1].tobytes() == part[1].tobytes()
+    assert np.array_equal(full[2][TARGET_STATS], part[2][TARGET_STATS])
+    pb, cb, _ = grid.quantize_numpy(words, "bfloat16", "min-error")
+    r = grid.runtime_values(grid.decode(pb, cb), "bfloat16").reshape(-1, 32)
+    x = _values(words).reshape(-1, 32)
+    o = grid.in_other_sample(len(x), every)
+    assert o.sum() == (0 if not every else 64 * len(range(0, 60, every)))
+    s = grid.GridStats.from_vector(part[2])
+    assert s.values_other == 32 * int(o.sum()) and s.exact_other == int((r[o] == x[o]).sum())
+    assert s.sq_src_other == pytest.approx(float((x[o] ** 2).sum()), rel=1e-12)
+    assert s.sq_err_other == pytest.approx(float(((r[o] - x[o]) ** 2).sum()), rel=1e-9)
+    ulp = np.ldexp(1.0, np.maximum((words.reshape(-1, 32)[o].astype(np.int64) >> 7) & 0xFF, 1) - 134)
+    assert s.worst_ulps_other == pytest.approx(float((np.abs(r[o] - x[o]) / ulp).max(initial=0.0)), abs=1e-12)
 
 
 def test_synthetic_level_distributions_differ():
