@@ -116,7 +116,7 @@ class RepackReport:
                                    "(-0 == +0), of values_runtime_X; errors in bf16 ulps of the source; the "
                                    "target's figures use the stored scales over every value, the other dtype's "
                                    "the scales a build for it would store, over its sample (other_dtype_sample)",
-                "other_dtype_sample": self.options.get("other_dtype_sample"),
+                "other_dtype_sample": self.options.get("other_dtype_sample", 1),  # reports before it: every group
                 "implementation": self.implementation,
                 "tables": [t.to_dict() for t in self.tables.values()],
                 "total_bytes_before": before, "total_bytes_after": after,
@@ -129,7 +129,7 @@ class RepackReport:
     def format_table(self) -> str:
         order = [self.target_dtype] + [d for d in ("float16", "bfloat16") if d != self.target_dtype]
         block = f"{'exact':>9}{'mean ulp':>9}{'max ulp':>8}{'rel L2':>10}"
-        every = self.options.get("other_dtype_sample")
+        every = self.options.get("other_dtype_sample", 1)
         sample = "" if every == 1 else " (none)" if not every else f" (sample 1 in {every})"
         titles = [f" runtime {SHORT[d]}{' (target)' if d == self.target_dtype else sample} " for d in order]
         left = f"{'table':<13}{'before':>11}{'after':>11}{'groups':>12}{'off-grid':>9}"

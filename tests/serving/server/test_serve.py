@@ -234,8 +234,9 @@ def test_command_line_failures_are_one_line(tmp_path):
     from tests.helpers.fixtures import free_port
 
     env = dict(os.environ, MODEL_NAME="m", STATE_DIR=str(tmp_path), PORT=str(free_port()))
-    q = _cli(["query", "hi"], env, timeout=60)
-    assert q.returncode == 1 and q.stderr.startswith("vllm-t4 query: no answer from")
+    q = _cli(["query", "hi"], env, timeout=60)  # nothing recorded: PORT may be anyone's, nothing is sent there
+    assert q.returncode == 1 and q.stderr.startswith("vllm-t4 query: no vLLM server is recorded here")
+    assert "`./vllm-t4 start`" in q.stderr
     assert len(q.stderr.strip().splitlines()) == 1
     st = _cli(["status"], env, timeout=60)
     assert st.returncode == 3 and "not running" in st.stdout
