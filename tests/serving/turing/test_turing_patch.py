@@ -478,7 +478,10 @@ def test_three_at_once_never_lose_the_original(target):
 
     original = target.read_bytes()
     patched = turing_patch.patched_text(original.decode(), find_decision(original.decode(), target)).encode()
-    ctx = multiprocessing.get_context("fork")
+    # forkserver: each child forked from a small process of its own, not from this worker (which may hold torch's
+    # threads: a fork of a threaded process can stall on a lock another thread held)
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
     rounds = [("apply",) * 3] + [tuple(random.Random(r).choice(("apply", "check", "revert")) for _ in range(3))
                                  for r in range(19)]
     for ops in rounds:
