@@ -3,7 +3,8 @@
 A run of pytest (in a process of its own, with the reaper as its plugin) starts a test that launches a stand-in vLLM
 server and the real vllm-router over it the way the product does (each a session of its own) and a daemon that left
 the process tree (double fork, reparented to init), then sleeps. The test here sends that pytest SIGTERM, as a CI
-service or a user's `kill` would: no fixture teardown runs. Every process of the run is gone afterwards; a stranger
+service or a user's `kill` would: no fixture teardown runs. Every process of the run is gone afterwards (the router
+too once it has set its process title, which wrote over its environment and the run's mark in it); a stranger
 started beside it (without the run's environment) still runs."""
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ def test_leaves_servers_behind(tmp_path):
                                "--prometheus-port", os.environ["PROBE_METRICS_PORT"],
                                "--worker-urls", "http://127.0.0.1:" + os.environ["PROBE_PORT"]],
                               start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # once it has set its title (setproctitle), which may write over its environment: the run's mark with it
+    while not Path(f"/proc/{router.pid}/cmdline").read_bytes().startswith(b"vllm::router"):
+        time.sleep(0.05)
     # a daemon: fork, new session, fork again; the grandchild writes its pid and sleeps, reparented to init
     daemon = subprocess.run([sys.executable, "-c",
         "import os, time\\nif os.fork() == 0:\\n    os.setsid()\\n    if os.fork() == 0:\\n"

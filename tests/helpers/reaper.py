@@ -8,6 +8,7 @@ workers, commands, vLLM's own processes, daemons that left the process tree), an
 session of its own: `python -m tests.helpers.reaper RUN PID CREATE_TIME`. Once the runner's process is gone, by
 whatever end, the watcher kills every process whose environment names the run, and exits. A process started
 with an environment of its own that drops RUN_ENV is not the run's: it is left alone, as a stranger would be.
+SPT_NOENV=1 in the run's environment keeps setproctitle from writing a process title over the environment.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ def start(config) -> None:
         return
     run = uuid.uuid4().hex[:16]
     os.environ[RUN_ENV] = " ".join(filter(None, (os.environ.get(RUN_ENV, ""), run)))
+    # setproctitle (vllm-router, vLLM's engine) writes a long title over the environment, the mark with it, unless
+    # SPT_NOENV is set: as the product sets it for what it launches (tools.serving.records.identity.launch_env)
+    os.environ["SPT_NOENV"] = "1"
     me = os.getpid()
     env = {k: v for k, v in os.environ.items() if k != RUN_ENV}  # the watcher is not a process of the run
     env["PYTHONPATH"] = str(_ROOT)
