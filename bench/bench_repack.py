@@ -24,6 +24,7 @@ or copied), so the comparison is about work, not disk.
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
 import json
 import os
@@ -105,10 +106,7 @@ def _load_kernel(path: Path):
     return mod.quantize_rows
 
 
-TARGET_STATS = [grid.S_GROUPS, grid.S_EXACT, grid.S_WORST, grid.S_OFFGRID, grid.S_NONFINITE, grid.S_ERRSUM,
-                grid.S_SQ, grid.S_X2, grid.S_NEGZERO]
-
-
+@functools.cache  # asked on every timed call: inspected once per kernel
 def _samples(k) -> bool:
     """Whether a `quantize_rows` kernel takes the other dtype's sample (kernels before it compute every group's)."""
     return "other_every" in inspect.signature(k.py_func).parameters
@@ -145,7 +143,7 @@ def kernel_ab(args) -> int:
                     _run_kernel(kb, b, args.target_dtype, args.objective, args.other_every))
             # a kernel that computes every group's other-dtype figures is compared on the target's alone
             same = _samples(ka) == _samples(kb) or args.other_every == 1
-            keep = slice(None) if same else TARGET_STATS
+            keep = slice(None) if same else grid.TARGET_STATS
             if not (np.array_equal(a[0], c[0]) and np.array_equal(a[1], c[1])
                     and np.allclose(a[2][keep], c[2][keep], rtol=1e-12, atol=0)):
                 print(f"{levels} {steps} {rounding}: the two kernels' outputs differ", file=sys.stderr)

@@ -52,10 +52,11 @@ _FRACTION_TOL = 0.0085
 
 # Stats vector layout shared by both implementations ("_O": the same figure for the other dtype).
 # The _O sums are over the other dtype's sample, whose groups and sum of squared source values are S_GROUPS_O and
-# S_X2_O; S_OFF_ERR_O is the first off-grid group's, sampled or not.
+# S_X2_O; S_OFF_ERR_O is the first off-grid group's, sampled or not. TARGET_STATS: the same whatever the sample.
 (S_GROUPS, S_EXACT, S_EXACT_O, S_WORST, S_WORST_O, S_OFFGRID, S_OFF_ROW, S_OFF_GROUP, S_OFF_ERR, S_OFF_ERR_O,
  S_NONFINITE, S_ERRSUM, S_ERRSUM_O, S_SQ, S_SQ_O, S_X2, S_NEGZERO, S_OFF_NONFINITE, S_GROUPS_O, S_X2_O) = range(20)
 N_STATS = 20
+TARGET_STATS = [S_GROUPS, S_EXACT, S_WORST, S_OFFGRID, S_NONFINITE, S_ERRSUM, S_SQ, S_X2, S_NEGZERO]
 SAMPLE_CHUNK = 64  # the kernel's chunk of groups side by side (_kernel_numba.CHUNK): the other dtype's sample unit
 
 

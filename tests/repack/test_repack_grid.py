@@ -202,10 +202,6 @@ def test_groups_side_by_side_give_the_bytes_of_one_group_at_a_time(target, objec
         assert a[1].tobytes() == b[1].tobytes()  # -0.0 and 0.0 compare equal: the stored bytes too
 
 
-TARGET_STATS = [grid.S_GROUPS, grid.S_EXACT, grid.S_WORST, grid.S_OFFGRID, grid.S_NONFINITE, grid.S_ERRSUM,
-                grid.S_SQ, grid.S_X2, grid.S_NEGZERO]
-
-
 @pytest.mark.parametrize("impl", ["numpy", "fast"])
 @pytest.mark.parametrize("every", [0, 2, 8])
 def test_the_other_dtype_figures_are_those_of_its_sample(impl, every):
@@ -217,7 +213,7 @@ def test_the_other_dtype_figures_are_those_of_its_sample(impl, every):
     f = grid.quantize_numpy if impl == "numpy" else grid.quantize
     full, part = f(words, "float16", "min-error", 1), f(words, "float16", "min-error", every)
     assert np.array_equal(full[0], part[0]) and full[1].tobytes() == part[1].tobytes()
-    assert np.array_equal(full[2][TARGET_STATS], part[2][TARGET_STATS])
+    assert np.array_equal(full[2][grid.TARGET_STATS], part[2][grid.TARGET_STATS])
     pb, cb, _ = grid.quantize_numpy(words, "bfloat16", "min-error")
     r = grid.runtime_values(grid.decode(pb, cb), "bfloat16").reshape(-1, 32)
     x = _values(words).reshape(-1, 32)
