@@ -27,40 +27,39 @@ def launch_env(token: str) -> dict[str, str]:
     return {LAUNCH_ENV: token, "SPT_NOENV": "1"}
 
 
+def _settled_environ(proc: psutil.Process, wait_s: float) -> dict[str, str]:
+    """`proc`'s environment, read again for up to `wait_s` while it shows empty: a process caught inside its exec
+    shows none until the kernel has set up the new image's (its launcher's Popen may return by then), and so does
+    one the kernel is tearing down (then it ends: read no longer). psutil's errors pass through."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        env = proc.environ()
+        if env or time.monotonic() > deadline or not process.is_running(proc):
+            return env
+        time.sleep(0.01)
+
+
 def carries(proc: psutil.Process, token: str) -> bool:
     """`proc`'s environment holds launch token `token` (False when unreadable or the token is empty)."""
     if not token:
         return False
-    # A process caught inside its exec shows an empty environment until the kernel has set up the new image's
-    # (its launcher's Popen may return by then): read again for a moment before it counts as not carrying it.
-    deadline = time.monotonic() + 1.0
-    while True:
-        try:
-            env = proc.environ()
-        except (psutil.Error, OSError):
-            return False
-        if env or time.monotonic() > deadline:
-            return env.get(LAUNCH_ENV) == token
-        time.sleep(0.01)
+    try:
+        return _settled_environ(proc, 1.0).get(LAUNCH_ENV) == token
+    except (psutil.Error, OSError):
+        return False
 
 
 def lacks(proc: psutil.Process, token: str) -> bool:
     """`proc` runs and does not carry launch token `token`. A process that ends meanwhile does not count: a leader
     just killed shows an empty environment, then none, while the kernel tears it down (a record of it is a dead
     server's, not a stranger's); a process that runs on with an empty environment does."""
-    deadline = time.monotonic() + 2.0
-    while True:
-        if not process.is_running(proc):
-            return False
-        try:
-            env = proc.environ()
-        except (psutil.NoSuchProcess, psutil.ZombieProcess):
-            return False
-        except (psutil.Error, OSError):
-            return True  # unreadable: not shown to carry it
-        if env or time.monotonic() > deadline:
-            return not token or env.get(LAUNCH_ENV) != token if env else process.is_running(proc)
-        time.sleep(0.02)
+    try:
+        env = _settled_environ(proc, 2.0)
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return False
+    except (psutil.Error, OSError):
+        return True  # unreadable: not shown to carry it
+    return process.is_running(proc) and (not token or env.get(LAUNCH_ENV) != token)
 
 
 def launched(proc: psutil.Process) -> bool:
