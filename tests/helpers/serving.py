@@ -63,6 +63,15 @@ class Clients:
         for t in self.threads:
             t.join(timeout=150)
 
+    def flowing(self, timeout: float = 120.0) -> "Clients":
+        """Wait for a first answer, so an operation that ends quickly (a refused switch) happens with traffic
+        flowing rather than before the first request returns."""
+        deadline = time.monotonic() + timeout
+        while not self.results and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert self.results, f"no answer from {self.url} in {timeout:.0f} s"
+        return self
+
     def failed(self):
         return [r for r in self.results if r[0] != 200]
 

@@ -413,6 +413,7 @@ def test_a_switch_that_would_change_the_clients_key_is_refused_unless_told(shipp
     monkeypatch.setenv("VLLM_API_KEY", k1)
     assert _cli(capsys, "start", "--model", make("old"), "--served-name", "old")[0] == 0
     with Clients(cfg.base_url, key=k1) as clients:
+        clients.flowing()
         monkeypatch.setenv("VLLM_API_KEY", k2)
         rc, _, err = _cli(capsys, "start", "--model", make("new"), "--served-name", "new", "--replace")
     [line] = [ln for ln in err.splitlines() if ln.startswith("vllm-t4 ")]
