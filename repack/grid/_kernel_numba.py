@@ -723,11 +723,15 @@ def _per_level_cols(aq, ax, n, cnt, tot):
         for k in range(n):
             cnt[a, k] = 0.0
             tot[a, k] = 0.0
+    # flat, with an unsigned index: a signed one computed from a level costs a wraparound test per update
+    cf = cnt.reshape(9 * cnt.shape[1])
+    tf = tot.reshape(9 * tot.shape[1])
+    w = np.uint64(cnt.shape[1])
     for i in range(32):
         for k in range(n):
-            a = np.int32(aq[i, k])
-            cnt[a, k] += 1.0
-            tot[a, k] += ax[i, k]
+            a = np.uint64(np.uint32(aq[i, k])) * w + np.uint64(k)
+            cf[a] += 1.0
+            tf[a] += ax[i, k]
 
 
 @jit
