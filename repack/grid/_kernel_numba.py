@@ -640,12 +640,17 @@ def _peaks(x, n, table, lowbit, amax, safe, mask, m, neg, bins):
 
 
 @jit
-def _levels_cols(x, n, m, safe, q, aq, s, f, sqq):
-    # _levels of row 0 for every group (levels q, their magnitudes aq, the least-squares step s); f and sqq scratch
+def _levels_cols(x, n, m, safe, q, aq, s, f, sqq, d, tol, bad):
+    # _levels of row 0 for every group (levels q, their magnitudes aq, the least-squares step s) and, from the same
+    # levels, the article author's test of the lookup's m: bad[k] values farther than safe * 2^-7 from their level
+    # times safe / m (_author_misses). f, sqq, d, tol: scratch
     for k in range(n):
         f[k] = m[k] / safe[k]
+        d[k] = safe[k] / m[k]
+        tol[k] = safe[k] * AUTHOR_TOL
         sqq[k] = 0.0
         s[k] = 0.0
+        bad[k] = 0
     for i in range(32):
         for k in range(n):
             l = min(max(_rint(x[i, k] * f[k]), -8.0), 7.0)
@@ -653,23 +658,15 @@ def _levels_cols(x, n, m, safe, q, aq, s, f, sqq):
             aq[i, k] = abs(l)
             sqq[k] += l * l
             s[k] += l * x[i, k]
+            bad[k] += not abs(l * d[k] - x[i, k]) <= tol[k]
     for k in range(n):
         s[k] = s[k] / sqq[k] if sqq[k] else 0.0
 
 
 @jit
-def _author_cols(x, n, mask, m, safe, ma, f, d, tol, bad, xg):
+def _author_cols(x, n, mask, m, safe, bad, ma, xg):
     # _author_m for every group: ma[k] the first m of the ratio mask passing the author's test (0: none). The
-    # mask's first m is the ratio lookup's: tested for every group at once, the rest group by group (xg scratch)
-    for k in range(n):
-        f[k] = m[k] / safe[k]
-        d[k] = safe[k] / m[k]
-        tol[k] = safe[k] * AUTHOR_TOL
-        bad[k] = 0
-    for i in range(32):
-        for k in range(n):
-            l = min(max(_rint(x[i, k] * f[k]), -8.0), 7.0)
-            bad[k] += not abs(l * d[k] - x[i, k]) <= tol[k]
+    # mask's first m is the ratio lookup's, whose misses _levels_cols counted; the rest group by group (xg scratch)
     for k in range(n):
         ma[k] = m[k] if mask[k] and bad[k] == 0 else 0
         rest = mask[k] & ~((1 << m[k]) - 1) if mask[k] and bad[k] else 0  # the mask's m above the first
@@ -1022,8 +1019,8 @@ def _rows(words, packed, scales, stats, table, lowbit, fmt, ofmt, min_error, oth
         if side_by_side:
             _columns(wf, start, n, wt, xc, axc, afc, invc, nf, nz, sxx, kx)
             _peaks(xc, n, table, lowbit, amax, safe, mask, m, neg, bins)
-            _author_cols(xc, n, mask, m, safe, ma, f, d, tol, bad, x)
-            _levels_cols(xc, n, m, safe, qc, aqc, s, f, sqq)
+            _levels_cols(xc, n, m, safe, qc, aqc, s, f, sqq, d, tol, bad)
+            _author_cols(xc, n, mask, m, safe, bad, ma, x)
             _spread_cols(aqc, afc, n, spread[0], spread[1], spread[2])
             if min_error:
                 _per_level_cols(aqc, axc, n, levels[0], levels[1])
