@@ -747,10 +747,18 @@ def _sq_levels_cols(cand, j, cnt, tot, grp, n, sig, minexp, sq, exact):
         top = max(np.float64(_round_t(np.float32(8.0 * c), sig)), amax[k])
         exact[k] = kx[k] == NO_QUANTUM or top < _exp2(min(23 + kk, 1023))  # NO_QUANTUM: every value zero
         sq[k] = 0.0
+    top_t = np.float32(65504.0) if sig == FP16_SIG else np.float32(np.inf)  # T's largest value past float32's
     for a in range(1, 9):
-        for k in range(n):
-            r = np.float64(_round_t(np.float32(cand[j, k]) * np.float32(a), sig))
-            sq[k] += r * (cnt[a, k] * r - 2.0 * tot[a, k])
+        fa = np.float32(a)
+        if a & (a - 1):  # 3, 5, 6, 7: c*a rounded in T
+            for k in range(n):
+                r = np.float64(_round_t(np.float32(cand[j, k]) * fa, sig))
+                sq[k] += r * (cnt[a, k] * r - 2.0 * tot[a, k])
+        else:  # 1, 2, 4, 8: c (a value of T) times a power of two is one too, unless past T's largest
+            for k in range(n):
+                p = np.float32(cand[j, k]) * fa
+                r = np.float64(p if p <= top_t else np.float32(np.inf))
+                sq[k] += r * (cnt[a, k] * r - 2.0 * tot[a, k])
     for k in range(n):
         sq[k] += sxx[k]
 
