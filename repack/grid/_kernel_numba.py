@@ -579,9 +579,10 @@ CHUNK = 64
 
 
 @jit
-def _columns(wf, start, n, wt, x, ax, af, inv, nf, nz, sxx, kx):
+def _columns(wf, start, n, wt, x, af, nf, nz, sxx, kx):
     # groups start.. start + n - 1 of the block (wf: its words, flat) decoded as _decode does, value i of group k
-    # at [i, k]
+    # at [i, k]: the values, their magnitudes in float32 only (exact; widened where a pass computes in float64) and
+    # no 1/ulp (_errors_cols takes it from the exponent bits), which leaves less to store per value
     for k in range(n):
         base = (start + k) * 32
         for i in range(32):
@@ -597,9 +598,7 @@ def _columns(wf, start, n, wt, x, ax, af, inv, nf, nz, sxx, kx):
             fin = e != 0xFF
             v = np.int32((w << 16) if fin else 0).view(np.float32)
             x[i, k] = v
-            ax[i, k] = abs(v)
             af[i, k] = abs(v)
-            inv[i, k] = np.int64((1157 - max(e, 1)) << 52).view(np.float64) if fin else 0.0
             nf[k] += not fin
             nz[k] += w == 0x8000
             sxx[k] += np.float64(v) * v
@@ -764,8 +763,9 @@ def _sq_levels_cols(cand, j, cnt, tot, grp, n, sig, minexp, sq, exact):
 
 
 @jit
-def _errors_cols(c, aq, af, ax, inv, n, sig, worst, tot, cnt):
-    # _errors of each group's chosen scale: worst and summed error in ulps, values exact
+def _errors_cols(c, aq, af, ax, n, sig, worst, tot, cnt):
+    # _errors of each group's chosen scale: worst and summed error in ulps, values exact (1/ulp from the value's
+    # exponent bits as _decode takes it; a NaN/inf, decoded as 0, is in no group these figures are used for)
     for k in range(n):
         worst[k] = 0.0
         tot[k] = 0.0
@@ -773,7 +773,8 @@ def _errors_cols(c, aq, af, ax, inv, n, sig, worst, tot, cnt):
     for i in range(32):
         for k in range(n):
             r = _round_t(np.float32(c[k]) * aq[i, k], sig)
-            e = abs(np.float64(r) - ax[i, k]) * inv[i, k]
+            ex = max((np.float32(af[i, k]).view(np.int32) >> 23) & 0xFF, 1)
+            e = abs(np.float64(r) - ax[i, k]) * np.int64((1157 - ex) << 52).view(np.float64)
             worst[k] = e if e > worst[k] else worst[k]
             tot[k] += e
             cnt[k] += r == af[i, k]
@@ -832,7 +833,7 @@ def _bounds_cols(aq, ax, n, sig, minexp, vmax, lb, ub):
         for k in range(n):
             a = aq[i, k]
             on = a > 0
-            v = ax[i, k]  # loaded unconditionally: a conditional load or store is a masked one (slow on AMD)
+            v = np.float64(ax[i, k])  # loaded unconditionally: a conditional load or store is a masked one (slow on AMD)
             v = v if on else 1.0
             e = _ilogb(v)
             big = max(e, minexp + sig - 1)
@@ -854,7 +855,7 @@ def _bounds_cols(aq, ax, n, sig, minexp, vmax, lb, ub):
 
 
 @jit
-def _choose_cols(fmt, min_error, n, grp, spread, aq, af, ax, inv, levels, scr, cand, ok, cnt, sq, exact, res, hard):
+def _choose_cols(fmt, min_error, n, grp, spread, aq, af, ax, levels, scr, cand, ok, cnt, sq, exact, res, hard):
     # _choose for every group (the author's m is the ratio lookup's or none, no NaN/inf): the candidates of _search
     # in its order (the author's least-squares step is the first candidate again: not a slot), each valid for some
     # group evaluated for all, the same choice rule; then the chosen scale's error figures. res: scale, exact
@@ -886,7 +887,7 @@ def _choose_cols(fmt, min_error, n, grp, spread, aq, af, ax, inv, levels, scr, c
                 nn, e = cnt[k], sq[k]
                 if j == 0 or (ok[j, k] and (nn > bcnt[k] or (nn == bcnt[k] and e < bsq[k]))):
                     bc[k], bcnt[k], bsq[k] = cand[j, k], nn, e
-    _errors_cols(bc, aq, af, ax, inv, n, sig, res[3], res[4], bcnt)
+    _errors_cols(bc, aq, af, ax, n, sig, res[3], res[4], bcnt)
 
 
 @jit
@@ -1001,7 +1002,7 @@ def _rows(words, packed, scales, stats, table, lowbit, fmt, ofmt, min_error, oth
     cand, auth = np.empty(9), np.empty(9, dtype=np.bool_)
     wt, bins = np.empty((32, CHUNK), dtype=np.uint16), np.empty((32, CHUNK), dtype=np.int32)
     words32 = np.empty((4, CHUNK), dtype=np.uint32)
-    xc, axc, invc, qc = np.empty((32, CHUNK)), np.empty((32, CHUNK)), np.empty((32, CHUNK)), np.empty((32, CHUNK))
+    xc, qc = np.empty((32, CHUNK)), np.empty((32, CHUNK))
     afc, aqc = np.empty((32, CHUNK), dtype=np.float32), np.empty((32, CHUNK), dtype=np.float32)
     ints = np.zeros((8, CHUNK), dtype=np.int64)  # NaN/inf, -0, ratio mask, m, author's m, misses, exact count, kx
     nf, nz, mask, m, ma, bad, cnt, kx = ints[0], ints[1], ints[2], ints[3], ints[4], ints[5], ints[6], ints[7]
@@ -1025,17 +1026,17 @@ def _rows(words, packed, scales, stats, table, lowbit, fmt, ofmt, min_error, oth
         n = min(CHUNK, rows * ng - start)
         other = other_every > 0 and (start // CHUNK) % other_every == 0  # the other format's sample
         if side_by_side:
-            _columns(wf, start, n, wt, xc, axc, afc, invc, nf, nz, sxx, kx)
+            _columns(wf, start, n, wt, xc, afc, nf, nz, sxx, kx)
             _peaks(xc, n, table, lowbit, amax, safe, mask, m, neg, bins)
             _levels_cols(xc, n, m, safe, qc, aqc, s, f, sqq, d, tol, bad)
             _author_cols(xc, n, mask, m, safe, bad, ma, x)
             _spread_cols(aqc, afc, n, spread[0], spread[1], spread[2])
             if min_error:
-                _per_level_cols(aqc, axc, n, levels[0], levels[1])
+                _per_level_cols(aqc, afc, n, levels[0], levels[1])
             for k in range(n):
                 hard[1, k] = False
             for o in range(2 if other else 1):
-                _choose_cols(fmt if o == 0 else ofmt, min_error, n, grp, spread, aqc, afc, axc, invc, levels, scr,
+                _choose_cols(fmt if o == 0 else ofmt, min_error, n, grp, spread, aqc, afc, afc, levels, scr,
                              candc, ok, cnt, sq, fast, res[5 * o:5 * o + 5], hard[o])
             for k in range(n):  # else: an author's grid of its own, a NaN/inf, the target past the tolerance, ...
                 fast[k] = (nf[k] == 0 and (ma[k] == 0 or ma[k] == m[k]) and res[3, k] <= 2.0 and not hard[0, k]
