@@ -628,9 +628,11 @@ def _peaks(x, n, table, lowbit, amax, safe, mask, m, neg, bins):
         for k in range(n):
             b = np.int32(_rint(x[i, k] / safe[k] * 1024.0)) + np.int32(1024)  # int32: AVX2 converts it in vectors
             bins[i, k] = min(max(b, np.int32(0)), np.int32(2048))
-    for i in range(32):
-        for k in range(n):
-            mask[k] &= table[bins[i, k]]
+    for k in range(n):  # each group's mask in a register (bins in [0, 2048]: an unsigned index, no wraparound test)
+        mk = mask[k]
+        for i in range(32):
+            mk &= table[np.uint32(bins[i, k])]
+        mask[k] = mk
     for k in range(n):
         if not neg[k]:
             mask[k] &= 0x7F
