@@ -579,11 +579,14 @@ CHUNK = 64
 
 
 @jit
-def _columns(wf, start, n, wt, x, af, nf, nz, sxx, kx):
+def _columns(wf, start, n, wt, x, af, nf, nz, sxx, kx, pmax, pmin):
     # groups start.. start + n - 1 of the block (wf: its words, flat) decoded as _decode does, value i of group k
     # at [i, k]: the values, their magnitudes in float32 only (exact; widened where a pass computes in float64) and
-    # no 1/ulp (_errors_cols takes it from the exponent bits), which leaves less to store per value
+    # no 1/ulp (_errors_cols takes it from the exponent bits), which leaves less to store per value; each group's
+    # largest and smallest value (pmax, pmin) for _peaks
     for k in range(n):
+        pmax[k] = -np.inf
+        pmin[k] = np.inf
         base = (start + k) * 32
         for i in range(32):
             wt[i, k] = wf[base + i]
@@ -599,6 +602,8 @@ def _columns(wf, start, n, wt, x, af, nf, nz, sxx, kx):
             v = np.int32((w << 16) if fin else 0).view(np.float32)
             x[i, k] = v
             af[i, k] = abs(v)
+            pmax[k] = v if v > pmax[k] else pmax[k]
+            pmin[k] = v if v < pmin[k] else pmin[k]
             nf[k] += not fin
             nz[k] += w == 0x8000
             sxx[k] += np.float64(v) * v
@@ -607,17 +612,10 @@ def _columns(wf, start, n, wt, x, af, nf, nz, sxx, kx):
 
 @jit
 def _peaks(x, n, table, lowbit, amax, safe, mask, m, neg, bins):
-    # _peak_level for every group: amax, safe, the ratio mask and its m, the peak negative only (bins: scratch)
+    # _peak_level for every group: amax, safe, the ratio mask and its m, the peak negative only (bins: scratch).
+    # amax and safe hold each group's largest and smallest value (_columns) on entry
     for k in range(n):
-        amax[k] = -np.inf  # the largest value, then amax
-        safe[k] = np.inf  # the smallest value, then safe
         mask[k] = 0xFF
-    for i in range(32):
-        for k in range(n):
-            v = x[i, k]
-            amax[k] = v if v > amax[k] else amax[k]
-            safe[k] = v if v < safe[k] else safe[k]
-    for k in range(n):
         pmax, pmin = amax[k], safe[k]
         amax[k] = max(pmax, -pmin)
         neg[k] = -pmin > pmax
@@ -1028,7 +1026,7 @@ def _rows(words, packed, scales, stats, table, lowbit, fmt, ofmt, min_error, oth
         n = min(CHUNK, rows * ng - start)
         other = other_every > 0 and (start // CHUNK) % other_every == 0  # the other format's sample
         if side_by_side:
-            _columns(wf, start, n, wt, xc, afc, nf, nz, sxx, kx)
+            _columns(wf, start, n, wt, xc, afc, nf, nz, sxx, kx, amax, safe)
             _peaks(xc, n, table, lowbit, amax, safe, mask, m, neg, bins)
             _levels_cols(xc, n, m, safe, qc, aqc, s, f, sqq, d, tol, bad)
             _author_cols(xc, n, mask, m, safe, bad, ma, x)
