@@ -1002,7 +1002,7 @@ def _rows(words, packed, scales, stats, table, lowbit, fmt, ofmt, min_error, oth
     cand, auth = np.empty(9), np.empty(9, dtype=np.bool_)
     wt, bins = np.empty((32, CHUNK), dtype=np.uint16), np.empty((32, CHUNK), dtype=np.int32)
     words32 = np.empty((4, CHUNK), dtype=np.uint32)
-    xc, qc = np.empty((32, CHUNK)), np.empty((32, CHUNK))
+    xc, qc = np.empty((32, CHUNK)), np.empty((32, CHUNK), dtype=np.float32)  # levels -8..7: exact in float32
     afc, aqc = np.empty((32, CHUNK), dtype=np.float32), np.empty((32, CHUNK), dtype=np.float32)
     ints = np.zeros((8, CHUNK), dtype=np.int64)  # NaN/inf, -0, ratio mask, m, author's m, misses, exact count, kx
     nf, nz, mask, m, ma, bad, cnt, kx = ints[0], ints[1], ints[2], ints[3], ints[4], ints[5], ints[6], ints[7]
