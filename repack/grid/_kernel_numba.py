@@ -639,11 +639,13 @@ def _peaks(x, n, table, lowbit, amax, safe, mask, m, neg, bins):
 
 
 @jit
-def _levels_cols(x, n, m, safe, q, aq, s, f, sqq, d, tol, bad):
+def _levels_cols(x, n, m, safe, q, aq, s, f, sqq, d, tol, bad, hist):
     # _levels of row 0 for every group (levels q, their magnitudes aq, the least-squares step s) and, from the same
     # levels, the article author's test of the lookup's m: bad[k] values farther than safe * 2^-7 from their level
-    # times safe / m (_author_misses). f, sqq, d, tol: scratch
+    # times safe / m (_author_misses); hist[k]: how many values have each level magnitude a, 6 bits from bit 6a
+    # (at most 32 each). f, sqq, d, tol: scratch
     for k in range(n):
+        hist[k] = 0
         f[k] = m[k] / safe[k]
         d[k] = safe[k] / m[k]
         tol[k] = safe[k] * AUTHOR_TOL
@@ -655,6 +657,7 @@ def _levels_cols(x, n, m, safe, q, aq, s, f, sqq, d, tol, bad):
             l = min(max(_rint(x[i, k] * f[k]), -8.0), 7.0)
             q[i, k] = l
             aq[i, k] = abs(l)
+            hist[k] += np.int64(1) << np.int64(6 * np.int32(abs(l)))
             sqq[k] += l * l
             s[k] += l * x[i, k]
             bad[k] += not abs(l * d[k] - x[i, k]) <= tol[k]
@@ -711,23 +714,20 @@ def _eval_cols(cand, j, aq, af, ax, n, sig, cnt, sq):
 
 
 @jit
-def _per_level_cols(aq, ax, n, cnt, tot):
-    # per group and level magnitude a = 0..8 (row a; row 0 unused): how many values have it, and their magnitudes'
-    # sum. Values outer, groups inner: consecutive updates go to different groups (no chain through memory), and
-    # each group's sum is still in value order.
+def _per_level_cols(aq, ax, n, hist, cnt, tot):
+    # per group and level magnitude a = 0..8 (row a; row 0 unused): how many values have it (from _levels_cols'
+    # hist), and their magnitudes' sum. Values outer, groups inner: consecutive updates go to different groups (no
+    # chain through memory), and each group's sum is still in value order.
     for a in range(9):
         for k in range(n):
-            cnt[a, k] = 0.0
+            cnt[a, k] = np.float64((hist[k] >> np.int64(6 * a)) & 63)
             tot[a, k] = 0.0
     # flat, with an unsigned index: a signed one computed from a level costs a wraparound test per update
-    cf = cnt.reshape(9 * cnt.shape[1])
     tf = tot.reshape(9 * tot.shape[1])
-    w = np.uint64(cnt.shape[1])
+    w = np.uint64(tot.shape[1])
     for i in range(32):
         for k in range(n):
-            a = np.uint64(np.uint32(aq[i, k])) * w + np.uint64(k)
-            cf[a] += 1.0
-            tf[a] += ax[i, k]
+            tf[np.uint64(np.uint32(aq[i, k])) * w + np.uint64(k)] += ax[i, k]
 
 
 @jit
@@ -1004,7 +1004,8 @@ def _rows(words, packed, scales, stats, table, lowbit, fmt, ofmt, min_error, oth
     words32 = np.empty((4, CHUNK), dtype=np.uint32)
     xc, qc = np.empty((32, CHUNK)), np.empty((32, CHUNK), dtype=np.float32)  # levels -8..7: exact in float32
     afc, aqc = np.empty((32, CHUNK), dtype=np.float32), np.empty((32, CHUNK), dtype=np.float32)
-    ints = np.zeros((8, CHUNK), dtype=np.int64)  # NaN/inf, -0, ratio mask, m, author's m, misses, exact count, kx
+    ints = np.zeros((9, CHUNK), dtype=np.int64)  # NaN/inf, -0, ratio mask, m, author's m, misses, exact count, kx,
+    hist = ints[8]  # level histogram
     nf, nz, mask, m, ma, bad, cnt, kx = ints[0], ints[1], ints[2], ints[3], ints[4], ints[5], ints[6], ints[7]
     levels = (np.empty((9, CHUNK)), np.empty((9, CHUNK)))  # per level magnitude 0..8: count, sum of |x|
     fl = np.zeros((9, CHUNK))
@@ -1028,11 +1029,11 @@ def _rows(words, packed, scales, stats, table, lowbit, fmt, ofmt, min_error, oth
         if side_by_side:
             _columns(wf, start, n, wt, xc, afc, nf, nz, sxx, kx, amax, safe)
             _peaks(xc, n, table, lowbit, amax, safe, mask, m, neg, bins)
-            _levels_cols(xc, n, m, safe, qc, aqc, s, f, sqq, d, tol, bad)
+            _levels_cols(xc, n, m, safe, qc, aqc, s, f, sqq, d, tol, bad, hist)
             _author_cols(xc, n, mask, m, safe, bad, ma, x)
             _spread_cols(aqc, afc, n, spread[0], spread[1], spread[2])
             if min_error:
-                _per_level_cols(aqc, afc, n, levels[0], levels[1])
+                _per_level_cols(aqc, afc, n, hist, levels[0], levels[1])
             for k in range(n):
                 hard[1, k] = False
             for o in range(2 if other else 1):
