@@ -797,6 +797,17 @@ def _round_cols(s, n, sig, minexp, vmax, c0, cd, cu):
 
 
 @jit
+def _round1_cols(s, n, sig, minexp, vmax, c0):
+    # _round1 of every s[k] >= 0: _round_cols' nearest value alone
+    for k in range(n):
+        pos = s[k] > 0.0
+        v = min(s[k], vmax) if pos else 1.0
+        kq = max(_ilogb(v) - sig + 1, minexp)
+        c = _rint(v * _exp2(-kq)) * _exp2(kq)
+        c0[k] = c if pos else 0.0
+
+
+@jit
 def _unbounded_cols(aq, af, n, sig, minexp, spread, lo, hi, out):
     # _surely_unbounded, else _surely_unbounded_per_value, for every group: out[k] where no scale can reproduce
     # every value of group k
@@ -896,11 +907,12 @@ def _candidates_cols(fmt, n, s, safe, ma, spread, aq, af, ax, scr, cand, ok, lbu
     sig, minexp, vmax = fmt
     aqg, ax1, lo, hi = scr
     _round_cols(s, n, sig, minexp, vmax, cand[0], cand[1], cand[2])
-    _round_cols(s, n, 8, -133, BF16_MAX, cand[7], cand[3], cand[4])  # bf16 of the step, then T (slot 7)
-    _round_cols(cand[7], n, sig, minexp, vmax, cand[7], cand[3], cand[4])
+    _round1_cols(s, n, 8, -133, BF16_MAX, cand[7])  # bf16 of the step, then T (slot 7)
+    _round1_cols(cand[7], n, sig, minexp, vmax, cand[7])
     for k in range(n):
-        cand[6, k] = safe[k] / ma[k] if ma[k] else 0.0
-    _round_cols(cand[6], n, sig, minexp, vmax, cand[6], cand[3], cand[4])
+        mk = np.int32(ma[k])  # 1..8 or 0: int32 converts to float64 on vector registers, int64 does not
+        cand[6, k] = safe[k] / np.float64(mk if mk else np.int32(1)) if mk else 0.0
+    _round1_cols(cand[6], n, sig, minexp, vmax, cand[6])
     _unbounded_cols(aq, af, n, sig, minexp, spread, lo, hi, ok[3])
     need = 0
     for k in range(n):
