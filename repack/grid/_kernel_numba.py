@@ -71,6 +71,14 @@ def _ilogb(v):
     return ((np.float64(v).view(np.int64) >> 52) & 0x7FF) - 1023
 
 
+@jit_inline
+def _nearest(v, sig, minexp):
+    # the value nearest v > 0 (at most the format's largest) of a format with `sig` significand bits; v * 2^-kq is
+    # v / quantum exactly (a power-of-two scaling)
+    kq = max(_ilogb(v) - sig + 1, minexp)
+    return _rint(v * _exp2(-kq)) * _exp2(kq)
+
+
 @jit
 def _round_fmt(s, sig, minexp, vmax):
     # nearest representable value of a format with `sig` significand bits, and its two neighbours
@@ -78,9 +86,7 @@ def _round_fmt(s, sig, minexp, vmax):
         return 0.0, 0.0, 0.0
     if s > vmax:
         s = vmax
-    kq = max(_ilogb(s) - sig + 1, minexp)
-    qu = _exp2(kq)
-    c0 = _rint(s * _exp2(-kq)) * qu  # s * 2^-kq is s / qu exactly (a power-of-two scaling)
+    c0 = _nearest(s, sig, minexp)
     e0 = _ilogb(c0)
     qu0 = _exp2(max(e0 - sig + 1, minexp))
     qd = qu0
@@ -700,7 +706,7 @@ def _spread_cols(aq, af, n, hi, lo, vmin):
 
 
 @jit
-def _eval_cols(cand, j, aq, af, ax, n, sig, cnt, sq):
+def _eval_cols(cand, j, aq, af, n, sig, cnt, sq):
     # candidate j's runtime values for every group: exact count and squared error, left to right
     for k in range(n):
         cnt[k] = 0
@@ -709,12 +715,12 @@ def _eval_cols(cand, j, aq, af, ax, n, sig, cnt, sq):
         for k in range(n):
             r = _round_t(np.float32(cand[j, k]) * aq[i, k], sig)
             cnt[k] += r == af[i, k]
-            d = np.float64(r) - ax[i, k]
+            d = np.float64(r) - np.float64(af[i, k])
             sq[k] += d * d
 
 
 @jit
-def _per_level_cols(aq, ax, n, hist, cnt, tot):
+def _per_level_cols(aq, af, n, hist, cnt, tot):
     # per group and level magnitude a = 0..8 (row a; row 0 unused): how many values have it (from _levels_cols'
     # hist), and their magnitudes' sum. Values outer, groups inner: consecutive updates go to different groups (no
     # chain through memory), and each group's sum is still in value order.
@@ -727,7 +733,7 @@ def _per_level_cols(aq, ax, n, hist, cnt, tot):
     w = np.uint64(tot.shape[1])
     for i in range(32):
         for k in range(n):
-            tf[np.uint64(np.uint32(aq[i, k])) * w + np.uint64(k)] += ax[i, k]
+            tf[np.uint64(np.uint32(aq[i, k])) * w + np.uint64(k)] += np.float64(af[i, k])
 
 
 @jit
@@ -763,7 +769,7 @@ def _sq_levels_cols(cand, j, cnt, tot, grp, n, sig, minexp, sq, exact):
 
 
 @jit
-def _errors_cols(c, aq, af, ax, n, sig, worst, tot, cnt):
+def _errors_cols(c, aq, af, n, sig, worst, tot, cnt):
     # _errors of each group's chosen scale: worst and summed error in ulps, values exact (1/ulp from the value's
     # exponent bits as _decode takes it; a NaN/inf, decoded as 0, is in no group these figures are used for)
     for k in range(n):
@@ -774,7 +780,7 @@ def _errors_cols(c, aq, af, ax, n, sig, worst, tot, cnt):
         for k in range(n):
             r = _round_t(np.float32(c[k]) * aq[i, k], sig)
             ex = max((np.float32(af[i, k]).view(np.int32) >> 23) & 0xFF, 1)
-            e = abs(np.float64(r) - ax[i, k]) * np.int64((1157 - ex) << 52).view(np.float64)
+            e = abs(np.float64(r) - np.float64(af[i, k])) * np.int64((1157 - ex) << 52).view(np.float64)
             worst[k] = e if e > worst[k] else worst[k]
             tot[k] += e
             cnt[k] += r == af[i, k]
@@ -785,9 +791,7 @@ def _round_cols(s, n, sig, minexp, vmax, c0, cd, cu):
     # _round_fmt of every s[k] >= 0, its expressions without branches
     for k in range(n):
         pos = s[k] > 0.0
-        v = min(s[k], vmax) if pos else 1.0
-        kq = max(_ilogb(v) - sig + 1, minexp)
-        c = _rint(v * _exp2(-kq)) * _exp2(kq)
+        c = _nearest(min(s[k], vmax) if pos else 1.0, sig, minexp)
         e0 = _ilogb(c)
         qu0 = _exp2(max(e0 - sig + 1, minexp))
         qd = qu0 * 0.5 if c == _exp2(e0) and e0 - sig >= minexp else qu0
@@ -801,9 +805,7 @@ def _round1_cols(s, n, sig, minexp, vmax, c0):
     # _round1 of every s[k] >= 0: _round_cols' nearest value alone
     for k in range(n):
         pos = s[k] > 0.0
-        v = min(s[k], vmax) if pos else 1.0
-        kq = max(_ilogb(v) - sig + 1, minexp)
-        c = _rint(v * _exp2(-kq)) * _exp2(kq)
+        c = _nearest(min(s[k], vmax) if pos else 1.0, sig, minexp)
         c0[k] = c if pos else 0.0
 
 
@@ -833,7 +835,7 @@ def _unbounded_cols(aq, af, n, sig, minexp, spread, lo, hi, out):
 
 
 @jit_minmax
-def _bounds_cols(aq, ax, n, sig, minexp, vmax, lb, ub):
+def _bounds_cols(aq, af, n, sig, minexp, vmax, lb, ub):
     # _bounds of row 0 for every group at once: _value_bounds' expressions without branches (a value at level 0
     # computed on 1.0 and left out), across groups on vector registers; the same terms, and a maximum and a
     # minimum (any order) of them
@@ -844,7 +846,7 @@ def _bounds_cols(aq, ax, n, sig, minexp, vmax, lb, ub):
         for k in range(n):
             a = aq[i, k]
             on = a > 0
-            v = np.float64(ax[i, k])  # loaded unconditionally: a conditional load or store is a masked one (slow on AMD)
+            v = np.float64(af[i, k])  # loaded unconditionally: a conditional load or store is a masked one (slow on AMD)
             v = v if on else 1.0
             e = _ilogb(v)
             big = max(e, minexp + sig - 1)
@@ -866,7 +868,7 @@ def _bounds_cols(aq, ax, n, sig, minexp, vmax, lb, ub):
 
 
 @jit
-def _choose_cols(fmt, min_error, n, grp, spread, aq, af, ax, levels, scr, cand, ok, cnt, sq, exact, res, hard):
+def _choose_cols(fmt, min_error, n, grp, spread, aq, af, levels, scr, cand, ok, cnt, sq, exact, res, hard):
     # _choose for every group (the author's m is the ratio lookup's or none, no NaN/inf): the candidates of _search
     # in its order (the author's least-squares step is the first candidate again: not a slot), each valid for some
     # group evaluated for all, the same choice rule; then the chosen scale's error figures. res: scale, exact
@@ -874,7 +876,7 @@ def _choose_cols(fmt, min_error, n, grp, spread, aq, af, ax, levels, scr, cand, 
     # the per-level form cannot give exactly)
     sig, minexp, vmax = fmt
     s, safe, ma = grp[0], grp[1], grp[2]
-    _candidates_cols(fmt, n, s, safe, ma, spread, aq, af, ax, scr, cand, ok, res[3:5])
+    _candidates_cols(fmt, n, s, safe, ma, spread, aq, af, scr, cand, ok, res[3:5])
     bc, bcnt, bsq = res[0], res[1], res[2]
     for k in range(n):
         hard[k] = False
@@ -893,16 +895,16 @@ def _choose_cols(fmt, min_error, n, grp, spread, aq, af, ax, levels, scr, cand, 
                 bc[k] = cand[j, k] if better else bc[k]
                 bsq[k] = sq[k] if better else bsq[k]
         else:
-            _eval_cols(cand, j, aq, af, ax, n, sig, cnt, sq)
+            _eval_cols(cand, j, aq, af, n, sig, cnt, sq)
             for k in range(n):
                 nn, e = cnt[k], sq[k]
                 if j == 0 or (ok[j, k] and (nn > bcnt[k] or (nn == bcnt[k] and e < bsq[k]))):
                     bc[k], bcnt[k], bsq[k] = cand[j, k], nn, e
-    _errors_cols(bc, aq, af, ax, n, sig, res[3], res[4], bcnt)
+    _errors_cols(bc, aq, af, n, sig, res[3], res[4], bcnt)
 
 
 @jit
-def _candidates_cols(fmt, n, s, safe, ma, spread, aq, af, ax, scr, cand, ok, lbub):
+def _candidates_cols(fmt, n, s, safe, ma, spread, aq, af, scr, cand, ok, lbub):
     # _search's candidates for every group, slot j of group k at [j, k], ok[j, k] where valid and not a duplicate
     sig, minexp, vmax = fmt
     aqg, ax1, lo, hi = scr
@@ -911,7 +913,7 @@ def _candidates_cols(fmt, n, s, safe, ma, spread, aq, af, ax, scr, cand, ok, lbu
     _round1_cols(cand[7], n, sig, minexp, vmax, cand[7])
     for k in range(n):
         mk = np.int32(ma[k])  # 1..8 or 0: int32 converts to float64 on vector registers, int64 does not
-        cand[6, k] = safe[k] / np.float64(mk if mk else np.int32(1)) if mk else 0.0
+        cand[6, k] = safe[k] / np.float64(mk) if mk else 0.0
     _round1_cols(cand[6], n, sig, minexp, vmax, cand[6])
     _unbounded_cols(aq, af, n, sig, minexp, spread, lo, hi, ok[3])
     need = 0
@@ -921,7 +923,7 @@ def _candidates_cols(fmt, n, s, safe, ma, spread, aq, af, ax, scr, cand, ok, lbu
     # group by group: on an AVX2 EPYC the pass costs what about a sixth of the chunk's groups take one at a time
     cols = need * 4 >= n
     if cols:
-        _bounds_cols(aq, ax, n, sig, minexp, vmax, lbub[0], lbub[1])
+        _bounds_cols(aq, af, n, sig, minexp, vmax, lbub[0], lbub[1])
     for k in range(n):
         if ok[3, k]:  # no scale reproduces every value
             lbub[0, k], lbub[1, k] = 1.0, 0.0
@@ -929,7 +931,7 @@ def _candidates_cols(fmt, n, s, safe, ma, spread, aq, af, ax, scr, cand, ok, lbu
         if not cols:
             for i in range(32):
                 aqg[0, i] = aq[i, k]
-                ax1[i] = ax[i, k]
+                ax1[i] = af[i, k]
             lbub[0, k], lbub[1, k] = _bounds(aqg, ax1, sig, minexp, vmax)
         if lbub[0, k] <= lbub[1, k]:
             cand[3, k], cand[4, k], cand[5, k] = _round_fmt(min(max(s[k], lbub[0, k]), lbub[1, k]), sig, minexp, vmax)
@@ -1016,9 +1018,10 @@ def _rows(words, packed, scales, stats, table, lowbit, fmt, ofmt, min_error, oth
     words32 = np.empty((4, CHUNK), dtype=np.uint32)
     xc, qc = np.empty((32, CHUNK)), np.empty((32, CHUNK), dtype=np.float32)  # levels -8..7: exact in float32
     afc, aqc = np.empty((32, CHUNK), dtype=np.float32), np.empty((32, CHUNK), dtype=np.float32)
-    ints = np.zeros((9, CHUNK), dtype=np.int64)  # NaN/inf, -0, ratio mask, m, author's m, misses, exact count, kx,
-    hist = ints[8]  # level histogram
+    # NaN/inf, -0, ratio mask, m, author's m, misses, exact count, kx, level histogram
+    ints = np.zeros((9, CHUNK), dtype=np.int64)
     nf, nz, mask, m, ma, bad, cnt, kx = ints[0], ints[1], ints[2], ints[3], ints[4], ints[5], ints[6], ints[7]
+    hist = ints[8]
     levels = (np.empty((9, CHUNK)), np.empty((9, CHUNK)))  # per level magnitude 0..8: count, sum of |x|
     fl = np.zeros((9, CHUNK))
     sxx, amax, safe, s, f, sqq, sq, d, tol = fl[0], fl[1], fl[2], fl[3], fl[4], fl[5], fl[6], fl[7], fl[8]
@@ -1049,7 +1052,7 @@ def _rows(words, packed, scales, stats, table, lowbit, fmt, ofmt, min_error, oth
             for k in range(n):
                 hard[1, k] = False
             for o in range(2 if other else 1):
-                _choose_cols(fmt if o == 0 else ofmt, min_error, n, grp, spread, aqc, afc, afc, levels, scr,
+                _choose_cols(fmt if o == 0 else ofmt, min_error, n, grp, spread, aqc, afc, levels, scr,
                              candc, ok, cnt, sq, fast, res[5 * o:5 * o + 5], hard[o])
             for k in range(n):  # else: an author's grid of its own, a NaN/inf, the target past the tolerance, ...
                 fast[k] = (nf[k] == 0 and (ma[k] == 0 or ma[k] == m[k]) and res[3, k] <= 2.0 and not hard[0, k]
