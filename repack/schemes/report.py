@@ -46,7 +46,7 @@ class TableReport:
         p = self.processed
         own = dtype == self.target_dtype
         n = p.exact if own else p.exact_other
-        values, src = (p.values, p.sq_src) if own else (p.values_other, p.sq_src_other)
+        values, src = self.values_in(dtype), p.sq_src if own else p.sq_src_other
         if not values:
             return RuntimeFigures(n, None, None, None, None)
         sq = p.sq_err if own else p.sq_err_other
