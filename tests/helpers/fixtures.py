@@ -70,6 +70,20 @@ def group_alive(pgid: int) -> list[int]:
     return alive
 
 
+def kill_group(pgid: int, timeout: float = 10.0) -> None:
+    """SIGKILL process group `pgid` and wait until none of it runs: killpg returns before the kernel has ended
+    its processes, and a command run at once could still find them."""
+    import os
+    import signal
+    import time
+
+    os.killpg(pgid, signal.SIGKILL)
+    deadline = time.monotonic() + timeout
+    while group_alive(pgid):
+        assert time.monotonic() < deadline, f"process group {pgid} still runs {timeout:.0f} s after SIGKILL"
+        time.sleep(0.02)
+
+
 def stand_in_t4_hardware():
     """A Tesla T4 on a small host (compute capability 7.5, `ram` bytes of RAM, `swap` bytes of swap), as the
     serving code's Hardware sees it: the class is built on first use so importing this module stays light."""

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from tests.helpers.stand_ins import vllm_server as stand_in_vllm
-from tests.helpers.fixtures import ROOT, free_port, group_alive
+from tests.helpers.fixtures import ROOT, free_port, group_alive, kill_group
 from tests.helpers.serving import Clients
 from tests.helpers.stand_ins.switch import SWITCH
 from tools.serving.records import router_state, state
@@ -154,10 +154,7 @@ def test_the_front_door_reads_as_the_service_in_preflight_and_status(shipped, ca
     assert _cli(capsys, "start", "--model", make("old"), "--served-name", "old")[0] == 0
     [port] = [c for c in checks_for("start") if c.name == "port"]
     assert port.status == "ok" and "is the front door's" in port.value and "over instance blue" in port.value, port
-    import os
-    import signal
-
-    os.killpg(state.load_state(load_config(instance="blue")).pgid, signal.SIGKILL)
+    kill_group(state.load_state(load_config(instance="blue")).pgid)
     rc, out, _ = _cli(capsys, "status")
     assert rc == 3 and f"the front door at {cfg.base_url} answers, over old (instance blue, down)" in out, out
 
@@ -251,13 +248,10 @@ def test_the_doors_build_is_changed_through_the_door_not_by_its_instance_name(sh
 def test_a_door_left_with_no_build_is_refilled_by_the_next_start(shipped, capsys):
     """The build behind the door killed (or ended by a switch that failed both ways): the next start puts its
     build behind the same door, and requests sent meanwhile are held and answered."""
-    import os
-    import signal
-
     make, cfg = shipped
     assert _cli(capsys, "start", "--model", make("old"), "--served-name", "old")[0] == 0
     old = state.load_state(load_config(instance="blue"))
-    os.killpg(old.pgid, signal.SIGKILL)
+    kill_group(old.pgid)
     with Clients(cfg.base_url) as clients:
         rc, out, err = _cli(capsys, "start", "--model", make("new"), "--served-name", "new")
     assert rc == 0 and "the front door" in out, err
@@ -270,13 +264,10 @@ def test_a_door_left_with_no_build_is_refilled_by_the_next_start(shipped, capsys
 def test_a_door_that_is_gone_is_cleaned_up_by_stop_and_its_builds_refused_by_start(shipped, capsys):
     """The router killed: start refuses to start another build beside the one left (naming it and stop); stop
     ends that build too; then start serves again."""
-    import os
-    import signal
-
     make, cfg = shipped
     assert _cli(capsys, "start", "--model", make("old"), "--served-name", "old")[0] == 0
     old = state.load_state(load_config(instance="blue"))
-    os.killpg(router_state.recorded(cfg).pgid, signal.SIGKILL)
+    kill_group(router_state.recorded(cfg).pgid)
     rc, _, err = _cli(capsys, "start", "--model", make("new"))
     assert rc == 1 and "instance blue (old) still runs without the front door" in err and "./vllm-t4 stop" in err, err
     rc, out, err = _cli(capsys, "stop")
@@ -305,8 +296,6 @@ def test_status_tells_what_runs_through_a_switch_and_after_stop(shipped, capsys,
     hold; the status fields read alive and healthy while the door serves through a healthy build; an old build a
     command stops is not reported as died; after stop nothing reads as serving, and the builds' logs are still
     found."""
-    import signal
-
     import httpx
 
     from tools.serving.frontdoor import door as frontdoor
@@ -351,10 +340,7 @@ def test_status_tells_what_runs_through_a_switch_and_after_stop(shipped, capsys,
     green_cfg = load_config(instance="green")
     green = state.load_state(green_cfg)
     with state.instance_lock(green_cfg, "stop"):
-        os.killpg(green.pgid, signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while group_alive(green.pgid) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        kill_group(green.pgid)
         st = vllm_server.server_status(green_cfg)
     assert not st.died and "another command changes instance green" in st.message, st.message
     deadline = time.monotonic() + 30  # the router finds the build gone within 3 of its 2-s checks
