@@ -7,6 +7,7 @@ real vllm-router, the switch's own process tests/helpers/stand_ins/switch.py (a 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -169,6 +170,9 @@ def test_a_door_started_before_front_door_0_was_set_is_still_the_service_on_the_
     monkeypatch.setenv("FRONT_DOOR", "0")
     rc, out, err = _cli(capsys, "status")
     assert rc == 0 and f"the front door at {cfg.base_url} answers, over old (instance blue, serving)" in out, out
+    rc, out, err = _cli(capsys, "status", "--json")  # the service's process is the door, not nothing
+    top = json.loads(out)
+    assert rc == 0 and top["alive"] and top["pid"] == door.pid and top["uptime_s"] is not None, out
     rc, out, err = _cli(capsys, "query", "hello", "--max-tokens", "2")
     assert rc == 0, err
     rc, out, err = _cli(capsys, "start", "--model", make("new"), "--served-name", "new")

@@ -48,6 +48,7 @@ def fleet_status(cfg: ServeConfig, *, hardware: Any = None) -> Any:
         behind = [i for i in listed if i.instance in r.backends_healthy]
         serving = [i for i in behind if i.alive and i.healthy]
         top.alive, top.healthy, top.base_url = True, r.healthy and bool(serving), r.base_url
+        top.pid, top.uptime_s = r.pid, r.uptime_s  # the service's process is the door's
         if serving:
             top.served_name, top.model = serving[0].served_name, serving[0].model
         top.message = (f"the front door at {r.base_url} {'answers' if r.healthy else 'does not answer'}, over "
