@@ -73,6 +73,26 @@ def test_an_unknown_command_lists_every_command(capsys):
     assert e.value.code == 2 and all(f"'{c}'" in err for c in MODULES), err
 
 
+@pytest.mark.parametrize("argv, command", [(["status", "--bogus"], "vllm-t4 status"),
+                                           (["router", "status", "--bogus", "x"], "vllm-t4 router status")])
+def test_an_unknown_flag_is_refused_by_the_command_it_was_given_to(capsys, argv, command):
+    """The line names the command and its usage is the command's, not the program's list of every command."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(f"usage: {command} [-h]"), err
+    assert err.splitlines()[-1] == f"{command}: error: unrecognized arguments: {' '.join(argv[len(command.split()) - 1:])}"
+
+
+def test_an_unknown_flag_of_a_repack_step_names_the_step(capsys):
+    from tools.cli.repack_cli import main as repack_main
+
+    with pytest.raises(SystemExit) as e:
+        repack_main(["build", "src", "out", "--bogus"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.splitlines()[-1] == "python3 -m repack build: error: unrecognized arguments: --bogus"
+
+
 def test_main_in_process_leaves_the_sigterm_handler_as_it_was(capsys):
     """main() handles SIGTERM while its command runs; called in-process (tests, an embedding program) it gives the
     caller's handler back on return, and a later call handles SIGTERM again."""

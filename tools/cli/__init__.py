@@ -7,7 +7,7 @@ import importlib
 import os
 import sys
 
-from tools.core.commands import BROKEN_PIPE_STATUS, PROG_VARIABLE, run_program
+from tools.core.commands import BROKEN_PIPE_STATUS, PROG_VARIABLE, parse_command_line, run_program
 from tools.core.root import PROJECT_ROOT
 
 # The module that declares each `./vllm-t4` command (its COMMANDS list): main() imports only the one its command
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = _env_file_first(sys.argv[1:] if argv is None else list(argv))
     if argv[:1] == [DEMO]:
         return run_demo(argv[1:])
-    return run_program("vllm-t4", lambda: build_parser(argv[0] if argv else None).parse_args(argv))
+    return run_program("vllm-t4", lambda: parse_command_line(build_parser(argv[0] if argv else None), argv))
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from repack.errors import RepackError
 from repack.build.fit import PlanParams, plan_fit
 from repack.params import BuildOptions, BuildParams, ProbeParams
 from repack.build.probe import probe_checkpoint
-from tools.core.commands import CLI, Command, add_command, add_commands
+from tools.core.commands import CLI, Command, add_command, add_commands, parse_command_line
 from tools.core.atomic import resolve_output, signals_as_exceptions
 from tools.core.atomic_leftovers import find_stale_partials
 from tools.core.errors import ToolFailure
@@ -97,7 +97,7 @@ def step_main(argv: list[str] | None, prog: str, doc: str | None, cmd: Command, 
         add_commands(ap.add_subparsers(dest="cmd", required=True), [cmd], prog, failure=failed)
     else:
         add_command(ap, cmd, prog, failure=failed)
-    args = ap.parse_args(argv)
+    args = parse_command_line(ap, argv)
     return args.func(args)
 
 
@@ -200,5 +200,5 @@ COMMANDS = [
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python3 -m repack", description=__doc__)
     add_commands(ap.add_subparsers(dest="cmd", required=True), COMMANDS, "python3 -m repack", failure=failed)
-    args = ap.parse_args(argv)
+    args = parse_command_line(ap, argv)
     return args.func(args)

@@ -187,7 +187,18 @@ def add_command(p: argparse.ArgumentParser, cmd: Command, prog: str, *, failure:
         cmd.params.add_cli_args(p)
     if cmd.extra is not None:
         cmd.extra(p)
-    p.set_defaults(func=_handler(prog, cmd, failure))
+    p.set_defaults(func=_handler(prog, cmd, failure), _command_parser=p)
+
+
+def parse_command_line(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """parser.parse_args(argv), but an argument no command takes is refused by the subcommand it was given to (its
+    usage and `PROG COMMAND: error: unrecognized arguments: ...`, status 2), not by the program's top parser, whose
+    line names no command and whose usage lists them all."""
+    args, extra = parser.parse_known_args(argv)
+    command_parser = vars(args).pop("_command_parser", parser)
+    if extra:
+        command_parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
 
 
 def check_declared(commands: list[Command], program: str) -> None:
