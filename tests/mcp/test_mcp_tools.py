@@ -870,3 +870,26 @@ def test_run_eval_through_mcp_scores_the_served_tiny_model(mcp, roots, emb4_serv
     results = json.loads(Path(data["files"]["lm_eval_results"]).read_text())
     assert results["results"]["tiny_pattern_mc"]["acc,none"] == score["value"]
     assert (run_dir / "summary.md").is_file() and (run_dir / "provenance.json").is_file()
+
+
+def test_a_refusal_while_busy_names_the_way_to_wait_for_what_holds_the_slot():
+    """job_status and cancel_job follow jobs only: a long direct call holding the slot is not pointed at them."""
+    import threading
+
+    from tools.mcp.jobs import Busy, JobRegistry
+
+    jobs = JobRegistry()
+    with jobs.exclusive("run_sweep"):
+        with pytest.raises(Busy) as direct:
+            jobs.submit("switch_build", {}, lambda progress: {})
+    assert "run_sweep is running (a direct call, not a job); call again once it has returned" in str(direct.value)
+    assert "job_status job_id" not in str(direct.value)
+    release = threading.Event()
+    job = jobs.submit("run_sweep", {}, lambda progress: release.wait(30) and {})
+    try:
+        with pytest.raises(Busy) as queued, jobs.exclusive("switch_build"):
+            pass
+    finally:
+        release.set()
+    assert f"run_sweep ({job.job_id}) is running; wait for it (job_status job_id={job.job_id})" in str(queued.value)
+    assert jobs.wait(job.job_id, 30).state == "succeeded"

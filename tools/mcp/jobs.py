@@ -99,35 +99,44 @@ class JobRegistry:
         self._jobs: dict[str, _Job] = {}
         self._lock = threading.Lock()
         self._busy: str | None = None  # description of the long operation running now
+        self._busy_job: str | None = None  # its job id when it runs as a job (else a direct call)
         self._ids = itertools.count(1)
         self.boot = secrets.token_hex(3)  # this server process's job-id prefix
         self._foreground: set[threading.Event] = set()
+
+    def _refuse_if_busy(self) -> None:
+        # (under self._lock) job_status and cancel_job follow jobs only: a direct call is waited for
+        if self._busy is None:
+            return
+        if self._busy_job is not None:
+            raise Busy(f"{self._busy} is running; wait for it (job_status job_id={self._busy_job}) or cancel it "
+                       f"(cancel_job) first")
+        raise Busy(f"{self._busy} is running (a direct call, not a job); call again once it has returned (start_job "
+                   f"runs a long tool as a job that job_status follows and cancel_job stops)")
 
     @contextmanager
     def exclusive(self, what: str) -> Iterator[threading.Event]:
         """Hold the single long-operation slot for `what`, or raise Busy naming the holder. Yields the event
         that cancel_all() sets (a foreground call's progress callback checks it)."""
         with self._lock:
-            if self._busy is not None:
-                raise Busy(f"{self._busy} is running; wait for it (job_status) or cancel it (cancel_job) first")
-            self._busy = what
+            self._refuse_if_busy()
+            self._busy, self._busy_job = what, None
             cancel = threading.Event()
             self._foreground.add(cancel)
         try:
             yield cancel
         finally:
             with self._lock:
-                self._busy = None
+                self._busy = self._busy_job = None
                 self._foreground.discard(cancel)
 
     def submit(self, tool: str, arguments: dict[str, Any],
                work: Callable[[Progress], BaseModel | dict[str, Any]]) -> JobInfo:
         """Run `work(progress)` in a thread as a job; refuse if another long operation is running."""
         with self._lock:
-            if self._busy is not None:
-                raise Busy(f"{self._busy} is running; wait for it (job_status) or cancel it (cancel_job) first")
+            self._refuse_if_busy()
             job = _Job(f"job-{self.boot}-{next(self._ids)}", tool, arguments)
-            self._busy = f"{tool} ({job.job_id})"
+            self._busy, self._busy_job = f"{tool} ({job.job_id})", job.job_id
             self._jobs[job.job_id] = job
 
         def progress(done: float, total: float | None, message: str) -> None:
@@ -155,7 +164,7 @@ class JobRegistry:
             finally:
                 job.finished_at = time.time()
                 with self._lock:
-                    self._busy = None
+                    self._busy = self._busy_job = None
                     waiters, job.waiters = job.waiters, []
                     job.done.set()
                 for loop, event in waiters:
