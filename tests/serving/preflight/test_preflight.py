@@ -557,3 +557,30 @@ def test_a_model_that_is_a_file_or_a_full_folder_is_not_told_to_be_built_there(c
     empty.mkdir()
     new = _by_name(checks_for("start", env_file=_env_file(tmp_path), model=str(empty)))["checkpoints"]
     assert "repack" in new.fix, new.fix  # an empty folder may still be built into
+
+
+@pytest.mark.parametrize("target, platform, setting, status", [
+    ("bfloat16", "cpu", {"CPU_DTYPE": "float16"}, "warn"), ("bfloat16", "cpu", {"CPU_DTYPE": "bfloat16"}, "ok"),
+    ("float16", "cpu", {}, "ok"), ("float16", "cpu", {"CPU_DTYPE": "auto"}, "n/a"), (None, "cpu", {}, "n/a"),
+    ("bfloat16", "cuda", {}, "warn"), ("float16", "cuda", {}, "ok")])
+def test_a_build_served_at_another_dtype_than_its_repack_targeted_is_warned_of(clean_env, tmp_path, target, platform,
+                                                                               setting, status):
+    """repack-report.json's target_dtype against the dtype the start serves at (CPU_DTYPE on the CPU, DTYPE on a
+    GPU): its scales reproduce the source as that dtype computes, so another is a warning with both ways out."""
+    model = tmp_path / "build"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    if target is not None:
+        (model / "repack-report.json").write_text(json.dumps({"target_dtype": target}))
+    hw = StandInT4() if platform == "cuda" else None
+    report = run_preflight(PreflightParams(env_file=str(_env_file(tmp_path, **setting)), step="start",
+                                           model=str(model)), hardware=hw, nvml=StandInNvml() if hw else None)
+    c = _by_name(report.checks)["runtime_dtype"]
+    assert c.status == status, c
+    if status == "warn":
+        key = "DTYPE" if platform == "cuda" else "CPU_DTYPE"
+        assert f"was repacked for bfloat16 and this start serves it as float16 ({key}=" in c.value, c.value
+        assert "--target-dtype float16" in c.fix and (("a T4 computes in float16" in c.fix) == (platform == "cuda"))
+        assert (f"serve it with {key}=bfloat16" in c.fix) == (platform == "cpu"), c.fix
+        assert "runtime_dtype" in report.warnings  # the stand-in T4 fails other checks: the summary names those
+        assert platform == "cuda" or "with 1 warning(s) (runtime_dtype)" in report.summary, report.summary

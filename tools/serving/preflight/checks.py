@@ -34,7 +34,7 @@ from tools.serving.config import looks_like_path
 from tools.serving.preflight.hardware import Hardware
 from tools.serving.hub.access import hf_token, hub_env
 from tools.serving.preflight.model_files import (chat_prompt_tokens, checkpoint_bytes, missing_model_fix,
-                                       model_position_limit)
+                                       model_position_limit, repack_target)
 from tools.serving.preflight.speculative import validate_speculative_config
 from tools.serving.preflight import version_pairs
 
@@ -330,6 +330,39 @@ def check_max_model_len(ctx: Context) -> Check:
                  value=f"MAX_MODEL_LEN {cfg.max_model_len} from {cfg.env_file} is above the model's limit {limit}: "
                        f"start serves at {limit}",
                  fix=f"set MAX_MODEL_LEN={limit} in tpu.env to serve what you configure")
+
+
+_DTYPE_NAMES = {"half": "float16", "float16": "float16", "bfloat16": "bfloat16", "float": "float32",
+                "float32": "float32"}
+
+
+def check_runtime_dtype(ctx: Context) -> Check:
+    """A build's scales reproduce its source's values as the runtime dtype its repack targeted computes them
+    (repack-report.json's target_dtype): served at another dtype, its values are not the ones the repack checked."""
+    if ctx.cfg is None:
+        return Check(name="runtime_dtype", status="n/a", value="no configuration")
+    cfg = ctx.cfg
+    cuda = ctx.platform == "cuda"
+    key, given = ("DTYPE", cfg.dtype) if cuda else ("CPU_DTYPE", cfg.cpu_dtype)
+    runs = _DTYPE_NAMES.get(given)
+    target = repack_target(cfg.model)
+    detail = {"target_dtype": target, "serves_as": given, "setting": key}
+    if target is None:
+        return Check(name="runtime_dtype", status="n/a", detail=detail,
+                     value=f"{cfg.model} has no repack report naming the dtype its scales were chosen for")
+    if runs is None:  # auto: vLLM picks from the config, whatever the repack targeted
+        return Check(name="runtime_dtype", status="n/a", detail=detail,
+                     value=f"{key}={given}: vLLM picks the dtype; {cfg.model}'s scales were chosen for {target}")
+    if runs == target:
+        return Check(name="runtime_dtype", status="ok", detail=detail,
+                     value=f"served as {runs} ({key}), the dtype {cfg.model}'s scales were chosen for")
+    fix = (f"rebuild it with target_dtype {runs} (repack_checkpoint / `python3 -m repack build --target-dtype "
+           f"{runs}`)" + ("" if cuda and target == "bfloat16" else f", or serve it with {key}={target}"))
+    if cuda and target == "bfloat16":
+        fix += ": a T4 computes in float16"
+    return Check(name="runtime_dtype", status="warn", detail=detail, fix=fix,
+                 value=f"{cfg.model} was repacked for {target} and this start serves it as {runs} ({key}={given}): "
+                       f"its runtime values are not the ones the repack checked")
 
 
 def check_hf_token(ctx: Context, *, step: str, repo_id: str | None = None) -> Check:

@@ -32,6 +32,17 @@ def model_position_limit(model: str) -> int | None:
     return None
 
 
+def repack_target(model: str) -> str | None:
+    """The runtime dtype a local build's scales were chosen for (repack-report.json's target_dtype: float16 or
+    bfloat16); None for a hub id, a folder without the report or a report that does not say."""
+    try:
+        report = json.loads((Path(model) / "repack-report.json").read_text())
+    except (ValueError, RecursionError, OSError):
+        return None
+    target = report.get("target_dtype") if isinstance(report, dict) else None
+    return target if target in ("float16", "bfloat16") else None
+
+
 def _tokenizer_config(folder: Path) -> dict:
     try:
         tc = json.loads((folder / "tokenizer_config.json").read_text())

@@ -28,7 +28,7 @@ from tools.serving.hub.access import hf_token
 from tools.serving.records import placement
 from tools.serving.preflight.checks import (Check, Context, check_api_key, check_checkpoints, check_compute_capability,
                                             check_disk, check_drafter, check_gpu_memory, check_hf_token, check_host_memory, check_hub,
-                                            check_max_model_len, check_nvidia_driver, check_port, check_source,
+                                            check_max_model_len, check_nvidia_driver, check_runtime_dtype, check_port, check_source,
                                             check_turing_clamp, check_versions, check_vllm_build)
 
 Step = Literal["all", "start", "repack", "fetch"]
@@ -120,8 +120,8 @@ def checks_for(step: Step, *, cfg: Any = None, env_file: str | Path | None = Non
     dst = Path(out).expanduser() if out else None
     if step == "start":
         checks += [check_api_key(ctx), *([] if placed else [check_placement(ctx)]), check_port(ctx),
-                   check_checkpoints(ctx, step=step), check_max_model_len(ctx), check_drafter(ctx),
-                   check_turing_clamp(ctx), check_host_memory(ctx), check_vllm_build(ctx),
+                   check_checkpoints(ctx, step=step), check_max_model_len(ctx), check_runtime_dtype(ctx),
+                   check_drafter(ctx), check_turing_clamp(ctx), check_host_memory(ctx), check_vllm_build(ctx),
                    check_nvidia_driver(ctx), check_gpu_memory(ctx), check_versions(ctx)]
     elif step == "repack":
         checks += [check_source(src, dst, force=force, protected_roots=protected_roots), check_disk(ctx, step=step, source=src, out=dst)]
@@ -133,7 +133,7 @@ def checks_for(step: Step, *, cfg: Any = None, env_file: str | Path | None = Non
                    check_vllm_build(ctx), check_versions(ctx), check_turing_clamp(ctx), check_host_memory(ctx),
                    check_disk(ctx, step=step, source=src, out=dst), check_api_key(ctx), check_port(ctx),
                    check_max_model_len(ctx), check_hf_token(ctx, step=step), check_checkpoints(ctx, step=step),
-                   check_drafter(ctx)]
+                   check_runtime_dtype(ctx), check_drafter(ctx)]
     return checks
 
 
