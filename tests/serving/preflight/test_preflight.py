@@ -584,3 +584,25 @@ def test_a_build_served_at_another_dtype_than_its_repack_targeted_is_warned_of(c
         assert (f"serve it with {key}=bfloat16" in c.fix) == (platform == "cpu"), c.fix
         assert "runtime_dtype" in report.warnings  # the stand-in T4 fails other checks: the summary names those
         assert platform == "cuda" or "with 1 warning(s) (runtime_dtype)" in report.summary, report.summary
+
+
+@pytest.mark.parametrize("torchvision", [False, True])
+def test_a_multimodal_source_is_refused_by_start_where_vllm_cannot_inspect_it(clean_env, tmp_path, tiny_qat,
+                                                                              monkeypatch, torchvision):
+    """vLLM inspects a …ForConditionalGeneration checkpoint with torchvision even with --language-model-only: where
+    it is not installed (the CPU set-up) the start is refused at once, the fix a text-only build of it, instead of
+    vLLM's 'failed to be inspected' half a minute in."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: (real("json") if torchvision else None) if name == "torchvision"
+                        else real(name, *a))
+    c = _by_name(checks_for("start", env_file=_env_file(tmp_path), model=str(tiny_qat)))["checkpoints"]
+    if torchvision:
+        assert c.status == "ok", c
+        return
+    assert c.status == "fail" and "is Gemma4ForConditionalGeneration (vision and audio towers)" in c.value, c
+    assert f"`python3 -m repack build {tiny_qat} {tiny_qat}-text --text-only`" in render(c.fix, CLI), c.fix
+    with pytest.raises(BadInput, match="torchvision, not installed here"):
+        ensure("start", env_file=_env_file(tmp_path), model=str(tiny_qat))

@@ -8,6 +8,7 @@ GPU facts come from NVML through tools.gpu.vram (driver, GPUs, memory) and tools
 from __future__ import annotations
 
 import functools
+import json
 import importlib.util
 import re
 import tomllib
@@ -453,6 +454,15 @@ def check_checkpoints(ctx: Context, *, step: str) -> Check:
             return Check(name="checkpoints", status="fail" if step == "start" else "warn",
                          detail={**detail, **(exc.detail or {})}, value=f"model {cfg.model}: {exc}",
                          fix="or point MODEL_NAME at another build")
+        towers = _needs_torchvision(cfg.model)
+        if towers is not None:  # vLLM inspects such a model with torchvision, --language-model-only or not
+            text = str(Path(cfg.model).parent / f"{Path(cfg.model).name}-text")
+            return Check(name="checkpoints", status="fail" if step == "start" else "warn",
+                         detail={**detail, "architecture": towers},
+                         value=f"model {cfg.model} is {towers} (vision and audio towers), which vLLM inspects with "
+                               "torchvision, not installed here",
+                         fix="serve a text-only build of it: "
+                             + op("repack", source=cfg.model, output=text, text_only=True))
         return Check(name="checkpoints", status="ok", detail=detail, value=value + f"; serving {cfg.model}")
     where = "MODEL_NAME in " + str(cfg.env_file) if cfg.sources.get("model") == "file" else param("model")
     fix = missing_model_fix(cfg.model, ctx.platform)
@@ -473,6 +483,20 @@ def check_checkpoints(ctx: Context, *, step: str) -> Check:
                      value=f"model folder {cfg.model} has no config.json, so it is not a checkpoint ({where})")
     return Check(name="checkpoints", status="warn", detail=detail, value=value + f"; {cfg.model} has no config.json",
                  fix=fix)
+
+
+def _needs_torchvision(model: str) -> str | None:
+    """The multimodal architecture a local checkpoint's config names (…ForConditionalGeneration) when torchvision,
+    which vLLM's model inspection of it imports, is not installed; else None."""
+    try:
+        archs = json.loads((Path(model) / "config.json").read_text()).get("architectures")
+    except (ValueError, RecursionError, OSError, AttributeError):
+        return None
+    multimodal = [a for a in archs if isinstance(a, str) and a.endswith("ForConditionalGeneration")] \
+        if isinstance(archs, list) else []
+    if not multimodal or importlib.util.find_spec("torchvision") is not None:
+        return None
+    return multimodal[0]
 
 
 def check_drafter(ctx: Context) -> Check:
