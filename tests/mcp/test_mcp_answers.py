@@ -33,6 +33,31 @@ def test_run_sweep_gives_each_figure_in_the_statistic_its_table_gives(tmp_path):
     assert "Intel Xeon (test)" in reply.summary  # where it was measured
 
 
+def test_run_sweep_answers_every_cell_and_its_whole_summary_within_the_budget(tmp_path):
+    """A 2x2 sweep of a stand-in came back with its cells left out and its summary cut mid-sentence (the n/a
+    roofline's long method text, unrounded figures and internal log-scale fields filled the budget): now every cell
+    and the whole summary fit, the n/a roofline named in the summary only (its figures stay in summary.json)."""
+    from tools.mcp.bounded import fit
+    from tools.mcp.measure_tools import sweep_reply
+    from tools.measure.roofline import Roofline
+
+    res = stand_in_sweep_run(tmp_path / "run", "a", {(64, 1): [72.36, 72.59], (64, 4): [150.1, 174.2],
+                                                     (256, 1): [30.1, 30.2], (256, 4): [86.4, 86.5]}, provenance=CPU)
+    method = ("bytes per step: linears and output layer whole, embedding rows gathered, KV at 80 tokens; bandwidth: "
+              "numpy copy of 256 MiB (last-level cache 32 MiB), best of 5, read + write bytes, 2 CPUs")
+    res.roofline = {L: Roofline(tok_s=72.0 / (1 + i), step_bytes=672416 + 49152 * i, context_tokens=L + 16,
+                                bandwidth_bytes_per_s=32234720392.54, roofline_tok_s=47938.66,
+                                achieved_bytes_per_s=50169683.85, fraction=0.0015563865, device="cpu", method=method)
+                    for i, L in enumerate((64, 256))}
+    reply = sweep_reply(res)
+    data = fit({**reply.result, **reply.extra, "summary": reply.summary})
+    assert "clipped" not in data and len(data["cells"]) == 4, data.get("clipped")
+    assert data["summary"].endswith("; c=1 at in=64, 256: n/a of the memory-bandwidth roofline (a step reads "
+                                    "0.64-0.69 MiB, a stand-in's size)"), data["summary"]
+    assert data["roofline"] == {} and all(set(c["output_throughput_ci"]) == {"n", "mean", "low", "high"}
+                                          for c in data["cells"])
+
+
 T4 = {"gpu_count": 1, "gpu_name": "Tesla T4", "vllm_version_server": "0.29.0",
       "server_argv": ["vllm", "serve", "xbill9/gemma-4-E2B-it-qat-q4_0-w4a16-ct-text-emb4"]}
 

@@ -13,7 +13,7 @@ from fastmcp import Client
 
 from tests.helpers.stand_ins.measure import greedy_chat_stand_in, serve_in_thread
 from tools.mcp.app import Settings, create_server
-from tools.mcp.bounded import RESULT_BUDGET, fit, size
+from tools.mcp.bounded import SUMMARY_MAX, RESULT_BUDGET, fit, size
 
 LONG_PROMPTS = [f"needle {n}: " + "the quick brown fox jumps over the lazy dog. " * (n // 45) for n in
                 (2_000, 8_000, 14_000)]
@@ -37,6 +37,11 @@ def test_fit_keeps_the_summary_and_where_the_whole_is():
     cut = fit(wide)
     assert size(cut) <= RESULT_BUDGET and cut["label"] == "emb4" and cut["run_dir"] == "/e/r"
     assert "left out: f" in cut["clipped"]
+    # the summary line is what an assistant repeats: whole (up to SUMMARY_MAX), never cut mid-sentence to make room
+    line = "sweep s1 on the CPU stand-in: 4 ok; " + "; ".join(f"c=1 at in={n}: n/a of the roofline" for n in range(20))
+    assert 600 < len(line) <= SUMMARY_MAX
+    kept = fit({**wide, "summary": line})
+    assert size(kept) <= RESULT_BUDGET and kept["summary"] == line, kept["summary"]
 
 
 @pytest.fixture()

@@ -18,6 +18,7 @@ RESULT_BUDGET = 4_000    # characters of a default result: the summary line plus
 # Fields whose value is where the whole of a result lies: named when the guard shortens one.
 WHOLE_FIELDS = ("path", "report_path", "comparison_path", "record_path", "run_dir", "out", "log_path", "files")
 _STEPS = ((800, 16), (400, 8), (200, 5), (100, 3), (60, 2))  # (longest text, longest list) tried in turn
+SUMMARY_MAX = 1_000  # the summary line an assistant repeats: whole up to this, whatever else is shortened
 
 
 def size(data: dict[str, Any]) -> int:
@@ -55,12 +56,13 @@ def fit(data: dict[str, Any], budget: int = RESULT_BUDGET) -> dict[str, Any]:
     note = {"clipped": f"result over {budget:,} characters: long texts and lists shortened to their first "
                        f"part{_where(data)}"}
     keep = {k: data[k] for k in ("summary", "error", *WHOLE_FIELDS) if k in data}
+    line = {k: _shrink(data[k], SUMMARY_MAX, 0) for k in ("summary", "error") if k in data}
     for text_max, list_max in _STEPS:
-        small = {**_shrink(data, text_max, list_max), **_shrink(keep, 600, 8), **note}
+        small = {**_shrink(data, text_max, list_max), **_shrink(keep, 600, 8), **line, **note}
         if size(small) <= budget:
             return small
     # Many fields, none long: leave out the largest ones (named) until it fits, the summary and paths kept.
-    small = {**_shrink(data, 200, 5), **_shrink(keep, 300, 4)}
+    small = {**_shrink(data, 200, 5), **_shrink(keep, 300, 4), **line}
     dropped = []
     for k in sorted((k for k in small if k not in keep), key=lambda k: -len(json.dumps(small[k], default=str))):
         if size({**small, **note}) <= budget - 200:

@@ -67,20 +67,39 @@ def sweep_reply(res: SweepResult) -> Reply:
                f"{counts['infeasible']} infeasible cells"
                + (f"; best {best.figure('output_throughput'):.2f} out tok/s (geometric mean of "
                   f"{best.output_throughput_ci.n} repeats) at in={best.input_len} c={best.concurrency}" if best else "")
-               + "".join(f"; c=1 at in={L}: {r.share()} of the memory-bandwidth roofline"
-                         + ("" if r.applicable else f" (a step reads {r.step_bytes / 2**20:.2f} MiB, a stand-in's "
-                                                    "size)")
-                         for L, r in res.roofline.items()))
+               + _roofline_phrase(res.roofline))
     # Small by default: a cell's figures a comparison reads (the run folder holds every metric, repeat and
     # spread, its table, parameters and provenance); the table once, as data.
     data = res.model_dump(mode="json", exclude={"provenance": True, "params": True, "prefix_cache_policy": True,
-                                                "cells": {"__all__": {"repeats", "spread_pct"}}})
+                                                "cells": {"__all__": {"repeats": True, "spread_pct": True,
+                                                                      "output_throughput_ci": {"log_mean", "log_se"}}}})
     for cell, c in zip(data["cells"], res.cells):
+        ci = cell.get("output_throughput_ci") or {}
+        cell["output_throughput_ci"] = {k: round(v, 3) if isinstance(v, float) else v for k, v in ci.items()}
+        cell["wall_s"] = round(cell["wall_s"], 1) if isinstance(cell.get("wall_s"), float) else cell.get("wall_s")
         cell["median"] = {k: round(v, 3) for k in CELL_FIGURES if k not in GEOMEAN_METRICS
                           and isinstance(v := c.median.get(k), (int, float))}
         cell["geometric_mean"] = {k: round(v, 3) for k in CELL_FIGURES if k in GEOMEAN_METRICS
                                   and isinstance(v := c.figure(k), (int, float))}
+    # Where the roofline applies, its figures to four significant digits (summary.json keeps every digit and the
+    # n/a ones, which the summary line names): a measured figure carries no more
+    data["roofline"] = {L: {k: float(f"{v:.4g}") if isinstance(v, float) else v for k, v in r.items()}
+                        for L, r in data["roofline"].items() if r["applicable"]}
     return Reply(data, summary, {"counts": counts, "platform": platform, "measured_on": where})
+
+
+def _roofline_phrase(roofline: dict) -> str:
+    """The single-stream share of the memory-bandwidth roofline per input length, the lengths where it means nothing
+    (a stand-in's step, too small for bandwidth to set its speed) in one phrase."""
+    shares = [f"; c=1 at in={L}: {r.share()} of the memory-bandwidth roofline" for L, r in roofline.items()
+              if r.applicable]
+    small = [(L, r.step_bytes / 2**20) for L, r in roofline.items() if not r.applicable]
+    if small:
+        mib = sorted(m for _, m in small)
+        reads = f"{mib[0]:.2f}" + (f"-{mib[-1]:.2f}" if f"{mib[-1]:.2f}" != f"{mib[0]:.2f}" else "")
+        shares.append(f"; c=1 at in={', '.join(str(L) for L, _ in small)}: n/a of the memory-bandwidth roofline (a "
+                      f"step reads {reads} MiB, a stand-in's size)")
+    return "".join(shares)
 
 
 CELL_FIGURES = ("output_throughput", "request_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms",
