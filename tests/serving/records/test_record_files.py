@@ -49,6 +49,67 @@ def test_a_lock_file_that_is_a_link_is_refused_and_what_it_names_is_not_written(
     assert victim.read_text() == "precious data\n"
 
 
+def test_a_log_that_is_a_link_or_a_fifo_is_refused_and_what_it_names_is_not_written(cfg, tmp_path, monkeypatch):
+    """The router's log (STATE_DIR/router.log) was opened through a link and overwrote the file it named: the
+    logs a command writes (router's, switch's, each start's) are opened as the lock files are, never followed."""
+    import subprocess
+
+    from tools.serving.frontdoor import router
+    from tools.serving.records.router_state import log_file
+
+    victim = _victim(tmp_path)
+    cfg.state_dir.mkdir(parents=True)
+    link = log_file(cfg)
+    link.symlink_to(victim)
+    launched = []
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: launched.append(a))
+    with pytest.raises(ToolFailure) as e:
+        router._launch(cfg, ["vllm-router"], "127.0.0.1", 9, "round_robin", [], 1.0)
+    assert str(link) in str(e.value) and "not a regular file" in str(e.value) and "\n" not in str(e.value)
+    assert victim.read_text() == "precious data\n" and link.is_symlink() and launched == []
+    fifo = tmp_path / "switch.log"
+    os.mkfifo(fifo)
+    t0 = time.monotonic()
+    with pytest.raises(ToolFailure, match="not a regular file"):
+        files.open_log(fifo, "ab")
+    assert time.monotonic() - t0 < 5
+    plain = tmp_path / "vllm.log"
+    with files.open_log(plain) as fh:
+        fh.write(b"a")
+    with files.open_log(plain, "ab") as fh:
+        fh.write(b"b")
+    assert plain.read_bytes() == b"ab"
+
+
+def test_failed_starts_logs_are_kept_in_state_dir_only_and_only_they_are_pruned(cfg, tmp_path):
+    """A link at STATE_DIR[/NAME]/logs took a failed start's log out of STATE_DIR and pruned the files it found
+    there by their suffix (-failed.log): the folder is not followed, and pruning removes the kept logs alone."""
+    from tools.serving.server import switch_record
+
+    log = tmp_path / "engine.log"
+    log.write_text("ERROR boom\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    theirs = [elsewhere / f"important{i:02d}-failed.log" for i in range(12)]
+    for i, f in enumerate(theirs):
+        f.write_text("x")
+        os.utime(f, (1e9 + i, 1e9 + i))
+    cfg.instance_dir.mkdir(parents=True)
+    switch_record.logs_dir(cfg).symlink_to(elsewhere)
+    assert switch_record.keep_failed_log(cfg, log, "build2") is None
+    assert sorted(elsewhere.iterdir()) == theirs
+    switch_record.logs_dir(cfg).unlink()
+    folder = switch_record.logs_dir(cfg)
+    folder.mkdir()
+    foreign = folder / "notes-failed.log"
+    foreign.write_text("mine")
+    os.utime(foreign, (1e9, 1e9))
+    kept = [switch_record.keep_failed_log(cfg, log, "build2") for _ in range(switch_record.KEEP_FAILED + 2)]
+    assert all(k is not None for k in kept) and foreign.read_text() == "mine"
+    left = sorted(p for p in folder.iterdir() if p != foreign)
+    assert left == sorted(kept[-switch_record.KEEP_FAILED:]), left
+
+
 def test_a_lock_or_a_record_that_is_a_fifo_never_hangs(tmp_path):
     fifo = tmp_path / "switch.lock"
     os.mkfifo(fifo)

@@ -30,7 +30,7 @@ from tools.core.api_key import API_KEY_ENV, CLIENT_KEY_ENV, api_key, auth_header
 from tools.core.errors import BadInput, ToolFailure, op, param
 from tools.core.process import end_group, free_port, port_holder
 from tools.serving.server import engine_log, health
-from tools.serving.records import placement
+from tools.serving.records import files, placement
 from tools.serving.config import ServeConfig
 from tools.serving.frontdoor.door import HOLD_S, hold_args, workers
 from tools.serving.records.identity import launch_env, new_launch
@@ -156,7 +156,7 @@ def _launch(cfg: ServeConfig, argv: list[str], host: str, port: int, policy: str
     env = {k: v for k, v in os.environ.items() if k not in (API_KEY_ENV, CLIENT_KEY_ENV)}  # it uses neither
     token = new_launch()
     env.update(launch_env(token))
-    with open(log_path, "wb") as log:
+    with files.open_log(log_path) as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 cwd=str(cfg.state_dir), start_new_session=True, env=env)
     try:

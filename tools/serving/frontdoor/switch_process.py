@@ -39,6 +39,7 @@ from tools.serving.frontdoor import door as frontdoor
 from tools.serving.config import ServeConfig
 from tools.serving.frontdoor.door import Figures, SwitchResult
 from tools.core.process import signals_deferred
+from tools.serving.records import files
 from tools.serving.server import switch_record
 
 # The command that runs the switch (REQUEST appended); tests run it with their stand-in builds patched in.
@@ -58,7 +59,7 @@ def switch(cfg: ServeConfig, b: ServeConfig, *, from_instance: str | None = None
     request = dumps({"cfg": cfg.to_dict(), "b": b.to_dict(), "from_instance": from_instance})
     log = log_file(cfg)
     log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "ab") as err:
+    with files.open_log(log, "ab") as err:
         proc = subprocess.Popen([*PROGRAM, request], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err,
                                 env=python_child_env(PROJECT_ROOT), start_new_session=True)
     last: dict[str, Any] | None = None

@@ -56,6 +56,29 @@ def open_lock(path: Path, mode: str = "a+") -> Any:
     return os.fdopen(fd, mode)
 
 
+def open_log(path: Path, mode: str = "wb") -> Any:
+    """A log file opened for writing ("wb": emptied, "ab": appended to): created if missing, never followed if a
+    link (writing through it would overwrite whatever file it names) and never waited on if a FIFO. Anything but a
+    regular file at `path` is a ToolFailure naming it; nothing is written."""
+    flags = os.O_CREAT | os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags | (os.O_APPEND if "a" in mode else os.O_TRUNC), 0o644)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+            raise _not_a_log(path) from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise _not_a_log(path)
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, mode)
+
+
+def _not_a_log(path: Path) -> ToolFailure:
+    return ToolFailure(f"log file {path} is not a regular file (a link, FIFO or folder): nothing was written to "
+                       "it; delete it, then run the command again", {"path": str(path)})
+
+
 def _not_a_lock(path: Path) -> ToolFailure:
     return ToolFailure(f"lock file {path} is not a regular file (a link, FIFO or folder): nothing was written "
                        "to it; delete it, then run the command again", {"path": str(path)})
@@ -118,5 +141,5 @@ def holder_text(path: Path) -> str:
 
 
 
-__all__ = ["RECORD_MAX_BYTES", "flocked", "holder", "holder_text", "open_lock", "present", "read_small",
+__all__ = ["RECORD_MAX_BYTES", "flocked", "holder", "holder_text", "open_lock", "open_log", "present", "read_small",
            "stamp_holder"]

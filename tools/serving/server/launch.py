@@ -26,7 +26,7 @@ from tools.core.process import end_group, signals_deferred
 from tools.core.progress import Progress
 from tools.gpu.vram import host_memory, server_process_pids
 from tools.serving.server import engine_log, health, readiness, switch_record
-from tools.serving.records import identity, placement, state
+from tools.serving.records import files, identity, placement, state
 from tools.serving.config import DEFAULT_ENV_FILE, ServeConfig, looks_like_path
 from tools.serving.preflight.hardware import Hardware
 from tools.serving.preflight.model_files import model_position_limit
@@ -167,7 +167,7 @@ def launch_server(cfg: ServeConfig, argv: list[str], platform: str,
         # Ctrl-C / SIGTERM wait until the state file names the new group (they are raised on leaving the
         # block, and the except below ends the group); a SIGKILL there closes the gate's pipe (see _GATE).
         with signals_deferred():
-            with open(cfg.log_file, "wb") as log:  # one log per start: the parser reads this start only
+            with files.open_log(cfg.log_file) as log:  # one log per start: the parser reads this start only
                 cores = ",".join(map(str, _launch_cores(cfg, platform) or []))
                 proc = subprocess.Popen([sys.executable, "-c", _GATE, str(gate_r), cores, *argv], stdout=log,
                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=child_env,

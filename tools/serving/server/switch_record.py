@@ -14,6 +14,7 @@ from tools.core import clock
 from tools.core.errors import ToolFailure
 from tools.serving.server import engine_log
 from tools.serving.config import ServeConfig
+from tools.serving.records import files
 from tools.serving.records.state import Record, read_record, write_record
 
 KEEP_FAILED = 10  # failed starts' logs kept per instance; older ones are removed when a new one is kept
@@ -54,12 +55,20 @@ def keep_failed_log(cfg: ServeConfig, log_path: Path, served_name: str) -> Path 
     dest = folder / f"{_safe(served_name)}-{stamp}-failed.log"
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(log_path, dest)
-    except OSError:
+        if folder.is_symlink():  # a link would take the copy, and the pruning below, out of STATE_DIR
+            return None
+        with open(log_path, "rb") as src, files.open_log(dest) as out:
+            shutil.copyfileobj(src, out)
+    except (OSError, ToolFailure):
         return None
-    for old in sorted(folder.glob("*-failed.log"), key=lambda p: p.stat().st_mtime)[:-KEEP_FAILED]:
+    # only the logs kept here (build, time stamp, -failed.log), never another file that folder may hold
+    kept = [p for p in folder.iterdir() if _KEPT.fullmatch(p.name) and p.is_file() and not p.is_symlink()]
+    for old in sorted(kept, key=lambda p: p.stat().st_mtime)[:-KEEP_FAILED]:
         old.unlink(missing_ok=True)
     return dest
+
+
+_KEPT = re.compile(r"[A-Za-z0-9._-]+-\d{8}T[\d.]+Z-failed\.log")  # a kept log's name: build, time stamp
 
 
 def newest_failed_log(cfg: ServeConfig, served_name: str) -> Path | None:
