@@ -101,6 +101,15 @@ RuntimeError: Engine core initialization failed. See root cause above. Failed co
     assert explain_failure("all fine\n") is None
 
 
+def test_explains_an_argument_vllm_refused_by_its_argparse_line_not_its_usage():
+    """vLLM's usage lists --log-level {CRITICAL,ERROR,...}: that line was the explanation of a refused flag."""
+    usage = "usage: api_server.py [-h] [--headless]\n" + "".join(
+        f"                     [--opt{i} X]\n" for i in range(30)) + \
+        "                     [--log-level {CRITICAL,ERROR,WARNING,INFO,DEBUG,NOTSET}]\n                     [model_tag]\n"
+    log = usage + "api_server.py: error: unrecognized arguments: --no-such-flag-xyz\n"
+    assert explain_failure(log) == "api_server.py: error: unrecognized arguments: --no-such-flag-xyz"
+
+
 def test_tail():
     assert tail("a\nb\nc\n", 2) == "b\nc" and tail("a", 0) == ""
 

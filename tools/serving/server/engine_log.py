@@ -46,13 +46,16 @@ _WARMUP_BEGIN = "Warming up model for the compilation"
 _WARMUP_END = "Warming up done."
 
 # Lines that explain a failed start, most specific first.
+_EXCEPTION = re.compile(r"\b(?:[A-Z]\w*(?:Error|Exception)|Killed)\b: .*")
 _EXPLAIN = [
     # pydantic's own explanation inside a "ValidationError: 1 validation error for ModelConfig" report
     re.compile(r"Value error, .*"),
+    # argparse's own line after its usage (whose choices name ERROR among the log levels): `PROG: error: ...`
+    re.compile(r"(?:^|\s)[\w.-]+: error: .*"),
     re.compile(r"out of resource: shared memory.*"),
     re.compile(r"(?:CUDA )?out of memory.*", re.IGNORECASE),
     re.compile(r"Cannot allocate memory.*"),
-    re.compile(r"\b(?:[A-Z]\w*(?:Error|Exception)|Killed)\b: .*"),
+    _EXCEPTION,
     re.compile(r"\bERROR\b.*"),
 ]
 # Wrappers that only point elsewhere ("see root cause above"): never the explanation while a better line exists.
@@ -206,7 +209,7 @@ def explain_failure(text: str) -> str | None:
                     continue
                 return body[:500]
     for line in reversed(lines):  # only generic lines: better than nothing
-        if _EXPLAIN[4].search(line):
+        if _EXCEPTION.search(line):
             return _PREFIX.sub("", line).strip()[:500]
     return None
 
