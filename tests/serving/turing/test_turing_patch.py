@@ -262,6 +262,24 @@ def test_a_target_that_is_not_a_file_says_what_it_is(tmp_path, kind, said, op):
         op(tmp_path / "absent.py")
 
 
+@pytest.mark.parametrize("op", [turing_patch.apply, turing_patch.check, turing_patch.revert])
+def test_the_patchs_own_backup_and_record_are_refused_as_targets(target, op):
+    """`--target FILE.gemma4-t4.orig` patched the backup itself (and left a backup of the backup): refused, naming
+    the file to pass; the backup is left as it was."""
+    turing_patch.apply(target)
+    backup = target.with_name(target.name + turing_patch.BACKUP_SUFFIX)
+    record = target.with_name(target.name + turing_patch.RECORD_SUFFIX)
+    kept = backup.read_bytes()
+    for own in (backup, record):
+        with pytest.raises(BadInput) as exc:
+            op(own)
+        msg = str(exc.value)
+        assert f"is the patch's {'backup' if own == backup else 'record'} of {target}, not a file to patch" in msg
+        assert exc.value.field == "target" and f'pass target="{target}"' in msg and "\n" not in msg, msg
+    assert backup.read_bytes() == kept
+    assert not list(target.parent.glob(f"*{turing_patch.BACKUP_SUFFIX}{turing_patch.BACKUP_SUFFIX}*"))
+
+
 # -- what the patch wrote earlier is checked before it is trusted ----------------------------------------------
 
 UPGRADED = "\n# a newer vLLM's code\n"

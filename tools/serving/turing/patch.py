@@ -101,6 +101,12 @@ def _target(target: str | Path | None) -> Path:
         raise BadInput(f"the {param('target')} given is empty: give the Triton unified attention file to patch, or "
                        "none for the installed vLLM's", field="target")
     path = Path(target) if target is not None else installed_target()
+    for suffix in (BACKUP_SUFFIX, RECORD_SUFFIX):  # the patch's own files beside a target: never targets
+        if path.name.endswith(suffix) and len(path.name) > len(suffix):
+            original = path.with_name(path.name[:-len(suffix)])
+            raise BadInput(f"{path} is the patch's {'backup' if suffix == BACKUP_SUFFIX else 'record'} of "
+                           f"{original}, not a file to patch: pass {param('target', str(original))}",
+                           field="target")
     try:
         mode = path.stat().st_mode
     except OSError as exc:
