@@ -15,31 +15,16 @@ machine (a full disk) 1. Why and what: tools/serving/turing/patch.py.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 _HERE = Path(__file__).resolve().parent
-_VENV = _HERE / ".venv"
-_REEXEC = "GEMMA4_T4_PATCH_REEXEC"  # set across the one re-exec, so it never loops
+sys.path.insert(0, str(_HERE))
 
-
-def _in_project_venv() -> bool:
-    return os.path.realpath(sys.prefix) == os.path.realpath(_VENV)
-
-
-def _to_project_venv() -> None:
-    """Re-runs this file on the project's virtualenv, as ./vllm-t4 does, when another Python started it."""
-    python = _VENV / "bin" / "python"
-    if os.environ.pop(_REEXEC, None) is None and python.is_file() and not _in_project_venv():
-        os.environ[_REEXEC] = "1"
-        os.execv(python, [str(python), str(Path(__file__).resolve()), *sys.argv[1:]])
-
+from tools.core.project_python import missing_packages, on_project_venv  # noqa: E402  (standard library only)
 
 if __name__ == "__main__":
-    _to_project_venv()
-
-sys.path.insert(0, str(_HERE))
+    on_project_venv(__file__)
 
 try:
     import argparse
@@ -48,9 +33,7 @@ try:
     from tools.core.errors import BadInput, ToolFailure
     from tools.serving import turing_patch
 except ImportError as _exc:  # a Python without the project's packages, and no .venv beside this file
-    print(f"patch_triton_turing.py: {sys.executable} lacks the project's packages ({_exc}) and {_VENV} has no "
-          "Python; run ./setup.sh", file=sys.stderr)
-    raise SystemExit(1) from None
+    raise missing_packages(__file__, _exc) from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,15 +20,24 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-# `python /path/to/server.py` from any directory: the project's packages sit next to this file.
+# `python /path/to/server.py` from any directory: the project's packages sit next to this file, and it runs on the
+# project's virtualenv whatever `python` started it (tools/core/project_python.py).
 _HERE = str(Path(__file__).resolve().parent)
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
 
-from tools.core.paths import Roots  # noqa: E402
-from tools.core.process import stdout_gone  # noqa: E402
-from tools.core.root import PROJECT_ROOT  # noqa: E402
-from tools.mcp.registry import DEFAULT_TOOLSETS, TOOLSETS, TOOLSETS_ENV, parse_toolsets  # noqa: E402
+from tools.core.project_python import missing_packages, on_project_venv  # noqa: E402  (standard library only)
+
+if __name__ == "__main__":
+    on_project_venv(__file__)
+
+try:
+    from tools.core.paths import Roots  # noqa: E402
+    from tools.core.process import stdout_gone  # noqa: E402
+    from tools.core.root import PROJECT_ROOT  # noqa: E402
+    from tools.mcp.registry import DEFAULT_TOOLSETS, TOOLSETS, TOOLSETS_ENV, parse_toolsets  # noqa: E402
+except ImportError as _exc:  # a Python without the project's packages, and no .venv beside this file
+    raise missing_packages(__file__, _exc) from None
 
 if TYPE_CHECKING:
     from tools.mcp.app import Settings, create_server

@@ -461,6 +461,21 @@ def test_the_patch_finds_the_virtualenvs_vllm_from_a_bare_system_python(tmp_path
     assert f"{root / '.venv'}/lib/" in res.stdout and str(turing_patch.RELATIVE_PATH) in res.stdout, res.stdout
 
 
+@pytest.mark.parametrize("name", ["server.py", "patch_triton_turing.py"])
+def test_a_script_started_by_a_bare_python3_runs_on_the_projects_virtualenv(tmp_path, name):
+    """`python3 server.py` (its docstring's command) with a python3 lacking the project's packages ended in a
+    traceback: it runs on the .venv beside it, as the executables do, and without one says so in one line."""
+    env = _bare_python(tmp_path)
+    python3 = str(tmp_path / "bare-bin" / "python3")
+    root = _checkout(tmp_path, name, venv=True)
+    res = subprocess.run([python3, str(root / name), "--help"], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert res.returncode == 0 and "usage" in res.stdout.lower() and "Traceback" not in res.stderr, res
+    (root / ".venv").unlink()
+    res = subprocess.run([python3, str(root / name), "--help"], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert res.returncode == 1 and len(res.stderr.splitlines()) == 1 and "./setup.sh" in res.stderr, res
+    assert res.stderr.startswith(f"{name}: ") and "Traceback" not in res.stderr
+
+
 def test_without_a_virtualenv_the_patch_says_to_set_up_in_one_line(tmp_path):
     env = _bare_python(tmp_path)
     root = _checkout(tmp_path, "patch_triton_turing.py", venv=False)
