@@ -41,6 +41,18 @@ def _start_progress(args: argparse.Namespace) -> Progress:
     return show
 
 
+def _after_line(line: str, progress: Progress) -> Progress:
+    """`progress`, with `line` on stderr before its first report."""
+    said = []
+
+    def show(done: float, total: float | None, msg: str) -> None:
+        if not said:
+            said.append(True)
+            print(line, file=sys.stderr, flush=True)
+        progress(done, total, msg)
+    return show
+
+
 def _config(args: argparse.Namespace, **overrides: Any) -> ServeConfig:
     return load_config(args.env_file, **overrides)
 
@@ -81,7 +93,8 @@ def cmd_start(p: StartParams, args: argparse.Namespace) -> int:
         where = f"behind the front door at {rt.base_url if rt else cfg.base_url}"
     else:
         where = f"at {(target(cfg) if p.replace else cfg).base_url}"  # a replace serves on the replaced one's port
-    print(f"starting {cfg.served_name} {where} (logs: {cfg.state_dir})", file=sys.stderr, flush=True)
+    # said at the start's first news, after its checks: a start they refuse prints its one-line refusal alone
+    progress = _after_line(f"starting {cfg.served_name} {where} (logs: {cfg.state_dir})", progress)
     # Owned until ready (service.start): a SIGKILL of this command while vLLM starts ends that server too; once
     # it serves it is handed over (it outlives the command, recorded in its state file).
     r = service.start(cfg, replace_running=p.replace, new_key=bool(p.new_key), progress=progress, rt=rt)
