@@ -893,3 +893,21 @@ def test_a_refusal_while_busy_names_the_way_to_wait_for_what_holds_the_slot():
         release.set()
     assert f"run_sweep ({job.job_id}) is running; wait for it (job_status job_id={job.job_id})" in str(queued.value)
     assert jobs.wait(job.job_id, 30).state == "succeeded"
+
+
+@pytest.mark.parametrize("record", ["vllm.json", "router.json"])
+def test_query_model_names_a_damaged_record_as_the_command_line_does(mcp, tmp_path, record):
+    """With the default or the router record damaged, query_model said "no vLLM server is running" where the
+    command line's query names the damaged file: both say it now, and nothing is sent anywhere."""
+    state_dir = tmp_path / "run"
+    state_dir.mkdir()
+    (state_dir / record).write_text("garbage\n")
+
+    async def go():
+        async with Client(mcp) as c:
+            return await c.call_tool("query_model", {"prompt": "hi"}, raise_on_error=False)
+
+    res = run(go())
+    text = res.content[0].text
+    assert res.is_error and str(state_dir / record) in text and "damaged" in text, text
+    assert "no vLLM server is running" not in text

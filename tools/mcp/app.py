@@ -47,7 +47,7 @@ from tools.mcp.errors import ToolRefusal, argument_error, to_tool_error
 from tools.mcp.jobs import JobCancelled, JobRegistry
 from tools.mcp.registry import ALWAYS_LISTED, TOOLS, TOOLSETS, TOOLSETS_ENV, ToolSpec, parse_toolsets
 from tools.serving.config import load_config
-from tools.serving import Hardware, behind_door_state, door_on_port, load_state, server_status
+from tools.serving import Hardware, behind_door_state, door_on_port, load_router, load_state, server_status
 from tools.mcp.wording import on_platform
 
 SERVER_NAME = "gemma4-t4"
@@ -110,6 +110,11 @@ class App:
         if (not st.alive or not st.base_url) and door is not None:  # the port is the front door's
             return door.base_url
         if not st.alive or not st.base_url:
+            # a damaged record is not "nothing runs": its own line (DamagedState) says so, as the command line's
+            cfg = self.config(instance=instance)
+            load_state(cfg)
+            if instance is None:
+                load_router(self.config())
             which = f"instance {instance!r} is not running" if instance else "no vLLM server is running"
             raise ToolFailure(f"{which}; start one with {op('start')} (or pass {param('base_url')})")
         return st.base_url

@@ -55,6 +55,7 @@ _FACE: dict[str, tuple[str, str | None]] = {
     # the records
     **{n: ("tools.serving.records.state", n) for n in ("Unrecorded", "load_state", "replace_file")},
     "recorded_router": ("tools.serving.records.router_state", "recorded"),
+    "load_router": ("tools.serving.records.router_state", "load"),
     "door_on_port": ("tools.serving.records.router_state", "door_on_port"),
     "resolve_instance": ("tools.serving.records.placement", "resolve"),
     **{n: ("tools.serving.records.placement", n) for n in ("running", "process_owners")},
@@ -76,6 +77,7 @@ if TYPE_CHECKING:  # what the names are, for readers and type checkers; loaded l
     from tools.serving.records.placement import process_owners, running
     from tools.serving.records.placement import resolve as resolve_instance
     from tools.serving.records.router_state import door_on_port
+    from tools.serving.records.router_state import load as load_router
     from tools.serving.records.router_state import recorded as recorded_router
     from tools.serving.records.state import Unrecorded, load_state, replace_file
     from tools.serving.server import health
