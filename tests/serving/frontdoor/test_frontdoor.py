@@ -83,6 +83,9 @@ def test_a_good_switch_beside_the_old_build_fails_no_request(door):
     st = fleet_status(base)
     assert st.last_switch["outcome"] == "serving new" and st.last_switch["figures"]["failed"] == 0
     assert "last switch" in st.message and "from old to new: serving new" in st.message
+    # the builds by folder too: a served name kept across builds would hide which serves
+    assert res.model == b.model and res.replaced_model == old.model
+    assert f"builds: {old.model} -> {b.model}" in st.message and st.last_switch["to_model"] == b.model
 
 
 def _instance(base: ServeConfig, name: str) -> ServeConfig:

@@ -125,3 +125,7 @@ def test_an_interrupted_switch_reads_as_interrupted_not_as_a_failed_build(tmp_pa
     assert section.startswith("--- the interrupted start of b") and "loading weights" in section, section
     failed = rec.model_copy(update={"message": "b did not serve; unchanged (a serves)"})
     assert "b's failed start log" in describe(failed)
+    # one served name across two builds (clients keep it): the folders say which build is which
+    same = rec.model_copy(update={"from_build": "chat", "to_build": "chat", "from_model": "/m/fp16",
+                                  "to_model": "/m/fp16-exact"})
+    assert "from chat to chat: " in describe(same) and "builds: /m/fp16 -> /m/fp16-exact" in describe(same)

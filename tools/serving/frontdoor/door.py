@@ -155,6 +155,8 @@ class SwitchResult:
     backend: str                  # the new build's internal URL
     wall_s: float
     figures: Figures
+    model: str = ""               # the new build's model folder (or hub id)
+    replaced_model: str = ""      # the replaced build's: a served name kept across builds hides which is which
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -267,7 +269,8 @@ def _record(cfg: ServeConfig, sw: "_Switch", outcome: str, message: str, figures
         None if outcome.startswith("unavailable") else sw.a.served_name)
     switch_record.write_switch(replace(cfg, instance=""), switch_record.SwitchRecord(
         at=clock.iso(), outcome=outcome,
-        from_build=sw.a.served_name, to_build=sw.b.served_name, serving=serving, message=message,
+        from_build=sw.a.served_name, to_build=sw.b.served_name, from_model=sw.a.model, to_model=sw.b.model,
+        serving=serving, message=message,
         failed_log=str(failed) if failed else None, figures=figures))
 
 
@@ -386,7 +389,7 @@ class _Switch:
                             replaced=self.a.served_name, mode="beside" if self.fit.beside else "hold",
                             announced=self.announced, hold_s=self.hold_s, base_url=self.rt.base_url,
                             backend=started.base_url, wall_s=round(time.monotonic() - self.t0, 2),
-                            figures=self.figures())
+                            figures=self.figures(), model=self.b.model, replaced_model=self.a.model)
 
     def _beside(self, hold: placement.Hold):
         a = self.a.served_name

@@ -267,7 +267,7 @@ def describe(res: StartResult | SwitchResult) -> str:
         return (f"{res.outcome} at {res.base_url} in place of {res.replaced} ({res.mode}, {res.wall_s:.0f} s): "
                 f"{f.requests if f.requests is not None else '?'} requests through the front door, "
                 f"{f.failed if f.failed is not None else '?'} failed, longest wait for a build "
-                f"{f.longest_wait_s:g} s")
+                f"{f.longest_wait_s:g} s" + (f"; builds: {res.replaced_model} -> {res.model}" if res.model else ""))
     line = f"Serving at {res.base_url} (pid {res.pid}), model {res.served_name}, ready in {res.startup_s:g} s"
     if res.front_door:
         fd = res.front_door

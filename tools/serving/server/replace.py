@@ -190,6 +190,7 @@ def _record_switch(cfg: ServeConfig, a: ServerState | None, outcome: str, messag
     switch_record.write_switch(cfg, switch_record.SwitchRecord(
         at=clock.iso(), outcome=outcome,
         from_build=a.served_name if a is not None else None, to_build=cfg.served_name,
+        from_model=a.model if a is not None else None, to_model=cfg.model,
         serving=after.served_name if after is not None and state.leader(after) is not None else None,
         message=message, failed_log=str(failed) if failed else None))
 

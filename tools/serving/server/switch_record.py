@@ -27,6 +27,8 @@ class SwitchRecord(Record):
     outcome: str                     # the result's `outcome`: which build serves, named
     from_build: str | None = None    # the served name that served before (None: nothing served)
     to_build: str                    # the served name the switch was to serve
+    from_model: str | None = None    # their model folders (or hub ids): a served name kept across builds hides
+    to_model: str | None = None      # which build serves
     serving: str | None = None       # the served name serving after it (None: nothing)
     message: str = ""                # the switch's one line (its result, or its failure)
     failed_log: str | None = None    # the kept log of the start that failed, where one did
@@ -98,6 +100,8 @@ def describe(rec: SwitchRecord, serving_now: bool = True) -> str:
         f"{rec.serving or 'nothing'} served after it; nothing serves now")
     text = (f"last switch ({rec.at}) from {rec.from_build or 'nothing'} to {rec.to_build}: "
             f"{'interrupted; ' if stopped else ''}{outcome}")
+    if rec.from_model or rec.to_model:
+        text += f"; builds: {rec.from_model or 'none'} -> {rec.to_model or '?'}"
     if rec.failed_log:
         text += f"; {rec.to_build}'s {'interrupted' if stopped else 'failed'} start log: {rec.failed_log}"
     return text
