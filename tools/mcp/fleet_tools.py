@@ -69,4 +69,5 @@ def switch_build(app, p: RouterSwitchParams, progress, checked) -> Reply:
     f = res.figures
     return Reply(res, f"{res.outcome} at {res.base_url} in place of {res.replaced} ({res.mode}): {f.requests} "
                       f"requests through the router, {f.failed} failed, longest wait for a build "
-                      f"{f.longest_wait_s:g} s {on_platform(getattr(load_state(checked), 'platform', None))}")
+                      f"{f.longest_wait_s:g} s {on_platform(getattr(load_state(checked), 'platform', None))}; "
+                      f"builds: {res.replaced_model} -> {res.model}")

@@ -353,6 +353,7 @@ def test_the_command_line_and_mcp_switch_the_same_way(door, tmp_path, capsys, mo
     assert res.is_error and "max_model_len" in text and "new still serves" in text, text
     # the figures of a switch say where they were measured
     assert "serving newer" in done and " 0 failed" in done and "on the CPU stand-in" in done, done
+    assert done.splitlines()[0].endswith(f"; builds: {b.model} -> {good.model}"), done
     assert clients.failed() == [] and clients.served()[-1] == "newer"
 
 
