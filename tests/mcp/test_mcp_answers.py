@@ -58,6 +58,39 @@ def test_run_sweep_answers_every_cell_and_its_whole_summary_within_the_budget(tm
                                           for c in data["cells"])
 
 
+def test_a_run_measured_beside_other_work_says_so_in_its_summary_and_in_every_comparison(tmp_path):
+    """compare_sweeps called one build 1.94x faster than another of the same size while another session's vLLM
+    ran on the same two cores: a run records the cores other work kept busy while none of its requests was in
+    flight (before and after it), and its summary and any comparison with it say so first."""
+    from tools.mcp.measure_tools import sweep_reply
+    from tools.measure.sweep.report import compare_runs
+
+    quiet = stand_in_sweep_run(tmp_path / "a", "fp16", {(256, 1): [30.1, 30.2]},
+                               provenance={**CPU, "other_load_cores": [0.05, 0.1]})
+    busy = stand_in_sweep_run(tmp_path / "b", "fp16-exact", {(256, 1): [58.4, 58.6]},
+                              provenance={**CPU, "other_load_cores": [1.42, 0.2]})
+    assert "other work" not in sweep_reply(quiet).summary
+    assert "other work kept 1.4 cores busy while none of its requests was in flight" in sweep_reply(busy).summary
+    cmp = compare_runs([tmp_path / "a", tmp_path / "b"])
+    assert cmp.caveat.startswith("OTHER WORK on the machine: fp16-exact ran with 1.4 cores busy"), cmp.caveat
+    assert "fp16 ran" not in cmp.caveat and cmp.caveat in cmp.markdown
+    assert compare_runs([tmp_path / "a", tmp_path / "a"]).caveat is None
+
+
+def test_the_cores_other_work_keeps_busy_are_measured(tmp_path):
+    import subprocess
+    import sys
+
+    from tools.measure.provenance import machine_busy_cores
+
+    spin = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 5: pass"])
+    try:
+        assert machine_busy_cores(1.0) >= 0.7  # the spinning process's core, at least
+    finally:
+        spin.kill()
+        spin.wait()
+
+
 T4 = {"gpu_count": 1, "gpu_name": "Tesla T4", "vllm_version_server": "0.29.0",
       "server_argv": ["vllm", "serve", "xbill9/gemma-4-E2B-it-qat-q4_0-w4a16-ct-text-emb4"]}
 

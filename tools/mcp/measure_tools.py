@@ -20,7 +20,7 @@ from tools.measure.decode.run import DecodeSummary, run_decode
 from tools.measure.fidelity.files import DEFAULT_CORPUS
 from tools.measure.fidelity.run import (CheckLogprobsResult, CompareLogprobsParams, RecordLogprobsResult,
                                         compare_logprobs as logprob_fidelity)
-from tools.measure.provenance import cost_basis, measured_on
+from tools.measure.provenance import cost_basis, measured_on, other_load
 from tools.measure.sweep.params import DEFAULT_PRICE_PER_HOUR, GEOMEAN_METRICS, SweepParams, SweepResult
 from tools.measure.sweep.run import sweep
 from tools.measure.sweep.report import (CompareSweepsParams, SweepComparison, compare_runs, load_run,
@@ -67,7 +67,9 @@ def sweep_reply(res: SweepResult) -> Reply:
                f"{counts['infeasible']} infeasible cells"
                + (f"; best {best.figure('output_throughput'):.2f} out tok/s (geometric mean of "
                   f"{best.output_throughput_ci.n} repeats) at in={best.input_len} c={best.concurrency}" if best else "")
-               + _roofline_phrase(res.roofline))
+               + _roofline_phrase(res.roofline)
+               + (f"; other work kept {busy:.1f} cores busy while none of its requests was in flight: its figures "
+                  "carry that load" if (busy := other_load(res.provenance)) is not None else ""))
     # Small by default: a cell's figures a comparison reads (the run folder holds every metric, repeat and
     # spread, its table, parameters and provenance); the table once, as data.
     data = res.model_dump(mode="json", exclude={"provenance": True, "params": True, "prefix_cache_policy": True,

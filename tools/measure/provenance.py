@@ -13,6 +13,7 @@ import json
 import platform
 import re
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -53,10 +54,44 @@ class Provenance(BaseModel):
     endpoint: dict[str, Any] | None = Field(None, description="How the server was chosen (url, instance or "
                                                               "router); a router's backends and, after a "
                                                               "sweep, the requests each finished")
+    other_load_cores: list[float] | None = Field(
+        None, description="CPU cores busy while the measured server idled, just before and just after the run "
+                          "(machine_busy_cores): work of other processes, which slows a CPU stand-in's figures")
     notes: list[str] = Field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
+
+
+BUSY_SAMPLE_S = 0.5
+# Above this many cores busy with other work, a run's figures carry that load (compare_sweeps says so)
+OTHER_LOAD_CORES = 0.3
+
+
+def machine_busy_cores(sample_s: float = BUSY_SAMPLE_S) -> float:
+    """How many of the machine's cores were busy (not idle, not waiting on I/O) over `sample_s` seconds, from the
+    kernel's CPU time counters. Taken while the measured server idles, it is other processes' work."""
+    import psutil
+
+    def busy_and_all() -> tuple[float, float]:
+        t = psutil.cpu_times()._asdict()
+        t.pop("guest", None), t.pop("guest_nice", None)  # counted in user and nice already
+        idle = t.pop("idle") + t.pop("iowait", 0.0)
+        busy = sum(t.values())
+        return busy, busy + idle
+
+    b0, a0 = busy_and_all()
+    time.sleep(sample_s)
+    b1, a1 = busy_and_all()
+    return round((b1 - b0) / (a1 - a0) * psutil.cpu_count(), 2) if a1 > a0 else 0.0
+
+
+def other_load(prov: dict[str, Any] | None) -> float | None:
+    """The most cores other work kept busy around a run (its provenance's other_load_cores), where that is above
+    OTHER_LOAD_CORES; None where it is not, or was not measured."""
+    loads = (prov or {}).get("other_load_cores") or []
+    worst = max((x for x in loads if isinstance(x, (int, float))), default=None)
+    return worst if worst is not None and worst > OTHER_LOAD_CORES else None
 
 
 def vllm_client_version() -> str | None:

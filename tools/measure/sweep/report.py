@@ -19,6 +19,7 @@ from pydantic import BaseModel, Field
 from tools.core.errors import BadInput, ToolFailure, op, param
 from tools.measure.basis import Basis, basis, differences, no_t4_measurement, priced_basis, priced_on
 from tools.measure.evidence import write_text, write_texts
+from tools.measure.provenance import other_load
 from tools.measure.sweep.params import DEFAULT_PRICE_PER_HOUR, METRICS, SweepResult
 from tools.measure.uncertainty import METHOD, Estimate, Ratio, ratio
 from tools.core.params import OpParams, Price
@@ -310,7 +311,9 @@ def compare_runs(paths: list[str | Path], *, price_per_hour: float = DEFAULT_PRI
         cost = [CostRow(label=lab, out_tok_s=tp, usd_per_million=cost_per_million(tp, price_per_hour))
                 for lab, tp in zip(labels, cc.out_tok_s)]
     cmp = SweepComparison(labels=labels, run_dirs=[str(p) for p in paths], price_per_hour=price_per_hour,
-                          cells=cells, cost_cell=cost_cell, cost=cost, caveat=caveat(labels, bases, across),
+                          cells=cells, cost_cell=cost_cell, cost=cost,
+                          caveat=caveat(labels, bases, across, {lab: other_load(r.provenance)
+                                                                for lab, r in zip(labels, runs)}),
                           across={pair[lab]: "; ".join(f"{w}: {how}" for w, how in d)
                                   for lab, d in across.items() if d})
     given = price_per_hour != DEFAULT_PRICE_PER_HOUR
@@ -321,12 +324,19 @@ def compare_runs(paths: list[str | Path], *, price_per_hour: float = DEFAULT_PRI
     return cmp
 
 
-def caveat(labels: list[str], bases: list[Basis], across: dict[str, list[tuple[str, str]]]) -> str | None:
-    """The comparison's first words where its ratios compare more than builds, and members without a T4
+def caveat(labels: list[str], bases: list[Basis], across: dict[str, list[tuple[str, str]]],
+           loads: dict[str, float | None] | None = None) -> str | None:
+    """The comparison's first words where its ratios compare more than builds (other models, machines, vLLM
+    versions; other work on the machine during a run: provenance.other_load), and members without a T4
     measurement (what stands in for one)."""
     parts = [f"ACROSS {'; '.join(f'{w} ({how})' for w, how in d)}: {labels[-1]} vs {lab} is no build's ratio"
              for lab, d in across.items() if d]
     parts += list(dict.fromkeys(n for b in bases if (n := no_t4_measurement(b))))
+    busy = {lab: x for lab, x in (loads or {}).items() if x is not None}
+    if busy:
+        parts.append("OTHER WORK on the machine: " + "; ".join(
+            f"{lab} ran with {x:.1f} cores busy while none of its requests was in flight" for lab, x in busy.items())
+            + ": its figures carry that load, so a ratio with it measures the machine as much as the builds")
     return "; ".join(parts) or None
 
 

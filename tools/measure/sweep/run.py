@@ -110,8 +110,10 @@ def _sweep_into(params: SweepParams, run_dir: Path, out: Path, endpoint: Endpoin
                          started=clock.iso())
     # The sweep's folder stays in place while it runs (resume continues it), so it shares the evidence module's
     # files and provenance rather than its rename-when-complete folder.
+    idle_before = prov_mod.machine_busy_cores()  # before any request: the server idles, what is busy is others'
     prov = evidence.collect_provenance(base_url, server=server, serve_config=serve_config)
     prov.endpoint = endpoint.to_dict()
+    prov.other_load_cores = [idle_before]
     backends = endpoint.backends
     before = request_counts(backends) if backends else {}
     result.provenance = prov.to_dict()
@@ -128,8 +130,9 @@ def _sweep_into(params: SweepParams, run_dir: Path, out: Path, endpoint: Endpoin
         after = request_counts(backends)
         prov.endpoint["requests"] = {n: (None if before.get(n) is None or after.get(n) is None
                                          else int(after[n] - before[n])) for n in after}
-        result.provenance = prov.to_dict()
-        evidence.write_json(run_dir / "provenance.json", result.provenance)
+    prov.other_load_cores = [idle_before, prov_mod.machine_busy_cores()]  # the last request answered: idle again
+    result.provenance = prov.to_dict()
+    evidence.write_json(run_dir / "provenance.json", result.provenance)
     result.finished = clock.iso()
     result.wall_s = time.monotonic() - t0
     result.roofline, result.roofline_note = single_stream_rooflines(result, server.model_root)
