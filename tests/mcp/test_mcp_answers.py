@@ -72,9 +72,40 @@ def test_a_run_measured_beside_other_work_says_so_in_its_summary_and_in_every_co
     assert "other work" not in sweep_reply(quiet).summary
     assert "other work kept 1.4 cores busy while none of its requests was in flight" in sweep_reply(busy).summary
     cmp = compare_runs([tmp_path / "a", tmp_path / "b"])
-    assert cmp.caveat.startswith("OTHER WORK on the machine: fp16-exact ran with 1.4 cores busy"), cmp.caveat
-    assert "fp16 ran" not in cmp.caveat and cmp.caveat in cmp.markdown
+    assert cmp.caveat.startswith("OTHER WORK on the machine around fp16-exact (1.4 cores busy while none of its "
+                                 "requests was in flight): a ratio with it measures that load too"), cmp.caveat
+    assert "fp16 (" not in cmp.caveat and cmp.caveat in cmp.markdown
     assert compare_runs([tmp_path / "a", tmp_path / "a"]).caveat is None
+
+
+def test_a_comparison_of_two_loaded_stand_in_runs_answers_its_summary_and_method_whole(roots):
+    """Two E4B stand-in runs, each beside other work: the caveat (no T4 measurement, other work) filled the budget
+    three times over (summary, caveat, markdown) with unrounded cells, and `method` came back cut to 20 characters.
+    The reply gives the caveat and the method once each (the markdown points to them) and four-digit figures."""
+    import asyncio
+
+    from fastmcp import Client
+
+    from tools.mcp.app import Settings, create_server
+    from tools.measure.uncertainty import METHOD
+
+    ev = roots.evidence[0]
+    e4b = _stand_in_build(roots.models[0] / "tiny-e4b-int4-emb", "e4b")
+    for name, load in (("bf16-emb", [1.02, 1.1]), ("int4-emb", [0.98, 1.13])):
+        stand_in_sweep_run(ev / name, name, {(64, 1): [30.1, 30.2], (64, 4): [86.4, 86.5]},
+                           provenance={**e4b, "other_load_cores": load})
+
+    async def go():
+        async with Client(create_server(Settings(roots=roots))) as c:
+            return (await c.call_tool("compare_sweeps", {"run_dirs": [str(ev / "bf16-emb"),
+                                                                      str(ev / "int4-emb")]})).structured_content
+
+    out = asyncio.run(go())
+    assert out["method"] == METHOD and out["summary"].endswith("not a T4 cost"), out
+    assert ("OTHER WORK on the machine around bf16-emb (1.1 cores busy while none of its requests was in flight), "
+            "int4-emb (1.1 cores busy): a ratio with them measures that load too") in out["summary"]
+    assert out["markdown"].startswith("(**Caveat: see `caveat`.**)") and out["caveat"] in out["summary"]
+    assert out["cells"][0]["estimates"][0] == {"n": 2, "mean": 30.15, "low": 29.52, "high": 30.79}
 
 
 def test_the_cores_other_work_keeps_busy_are_measured(tmp_path):

@@ -85,9 +85,20 @@ def sweep_reply(res: SweepResult) -> Reply:
                                   and isinstance(v := c.figure(k), (int, float))}
     # Where the roofline applies, its figures to four significant digits (summary.json keeps every digit and the
     # n/a ones, which the summary line names): a measured figure carries no more
-    data["roofline"] = {L: {k: float(f"{v:.4g}") if isinstance(v, float) else v for k, v in r.items()}
-                        for L, r in data["roofline"].items() if r["applicable"]}
+    data["roofline"] = {L: _four_digits(r) for L, r in data["roofline"].items() if r["applicable"]}
     return Reply(data, summary, {"counts": counts, "platform": platform, "measured_on": where})
+
+
+def _four_digits(value: Any) -> Any:
+    """`value` with every float to four significant digits, through lists and dicts: a measured figure carries no
+    more, and a result an assistant reads stays small."""
+    if isinstance(value, float):
+        return float(f"{value:.4g}")
+    if isinstance(value, list):
+        return [_four_digits(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _four_digits(v) for k, v in value.items()}
+    return value
 
 
 def _roofline_phrase(roofline: dict) -> str:
@@ -156,8 +167,12 @@ def compare_sweeps(app, p: CompareSweepsParams) -> Reply:
         cmp.markdown = cap.markdown + "\n" + cmp.markdown
     if out is not None:
         write_comparison(cmp, out, force=p.force)
-    # The method paragraph once, in `method`: the markdown (the written report keeps it) points there.
-    cmp = cmp.model_copy(update={"markdown": cmp.markdown.replace(cmp.method, "(Method: see `method`.)")})
+    # The method paragraph once, in `method`, and the caveat once, in `caveat` (the summary starts with it): the
+    # markdown (the written report keeps both) points there.
+    md = cmp.markdown.replace(cmp.method, "(Method: see `method`.)")
+    if cmp.caveat:
+        md = md.replace(f"**{cmp.caveat}.**", "(**Caveat: see `caveat`.**)", 1)
+    cmp = cmp.model_copy(update={"markdown": md})
     where = {label: measured_on(load_run(d).provenance) for label, d in zip(cmp.labels, dirs)}
     platforms = {pf for pf, _ in where.values()}
     basis = cost_basis("cpu" if "cpu" in platforms else next(iter(platforms), ""), p.price_per_hour,
@@ -166,7 +181,11 @@ def compare_sweeps(app, p: CompareSweepsParams) -> Reply:
     on = f"; measured on {places[0]}" if len(places) == 1 else "; measured on " + ", ".join(
         f"{label}: {w}" for label, (_, w) in where.items())
     first = (f"{cmp.caveat}; {cap.summary()}" if cmp.caveat else cap.summary()) if cap else cmp.summary()
-    return Reply(cmp, first + on + f"; cost at {basis}",
+    # Small by default: the cells' figures to four significant digits, without the log-scale internals (the
+    # written report and the runs' summary.json keep every digit)
+    data = cmp.model_dump(mode="json", exclude={"cells": {"__all__": {"estimates": {"__all__": {"log_mean", "log_se"}}}}})
+    data["cells"] = _four_digits(data["cells"])
+    return Reply(data, first + on + f"; cost at {basis}",
                  {"report_path": str(out) if out else None, "capacity": cap.summary() if cap else None,
                   "measured_on": {label: w for label, (_, w) in where.items()}, "cost_basis": basis})
 

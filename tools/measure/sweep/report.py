@@ -334,9 +334,9 @@ def caveat(labels: list[str], bases: list[Basis], across: dict[str, list[tuple[s
     parts += list(dict.fromkeys(n for b in bases if (n := no_t4_measurement(b))))
     busy = {lab: x for lab, x in (loads or {}).items() if x is not None}
     if busy:
-        parts.append("OTHER WORK on the machine: " + "; ".join(
-            f"{lab} ran with {x:.1f} cores busy while none of its requests was in flight" for lab, x in busy.items())
-            + ": its figures carry that load, so a ratio with it measures the machine as much as the builds")
+        parts.append("OTHER WORK on the machine around " + ", ".join(f"{lab} ({x:.1f} cores busy" + (
+            " while none of its requests was in flight)" if i == 0 else ")") for i, (lab, x) in enumerate(busy.items()))
+            + ": a ratio with " + ("it" if len(busy) == 1 else "them") + " measures that load too")
     return "; ".join(parts) or None
 
 
