@@ -12,7 +12,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from tools.serving.preflight.model_files import chat_prompt_tokens
-from tools.serving.preflight.checks import check_max_model_len
+from tools.serving.preflight.build_checks import check_max_model_len
 
 TEMPLATE = ("{{ bos_token }} {% for m in messages %}<turn> {{ m['role'] }} {{ m['content'] | trim }} </turn> "
             "{% endfor %}{% if add_generation_prompt %}<turn> model {% endif %}")

@@ -1,5 +1,6 @@
 """The preflight's checks: each looks at one thing a deployment step needs and says `ok|warn|fail|n/a`, what it
-measured and one line on how to fix it. tools.serving.preflight.steps picks the checks of a step and reports them.
+measured and one line on how to fix it. tools.serving.preflight.steps picks the checks of a step and reports them;
+those of the build a start serves are in tools.serving.preflight.build_checks.
 
 GPU facts come from NVML through tools.gpu.vram (driver, GPUs, memory) and tools.serving.preflight.hardware.Hardware
 (platform, compute capability, host memory): tests stand in a T4 by passing their own of each.
@@ -8,7 +9,6 @@ GPU facts come from NVML through tools.gpu.vram (driver, GPUs, memory) and tools
 from __future__ import annotations
 
 import functools
-import json
 import importlib.util
 import re
 import tomllib
@@ -19,7 +19,6 @@ import httpx
 from pydantic import BaseModel, Field
 
 from repack.source import checks as repack_checks
-from repack.source.checkpoint import check_files
 from repack.source.checks import DISK_MARGIN_BYTES, REPACK_RATIO, SOURCE_BYTES_ESTIMATE, SOURCE_REPO
 from repack.errors import RepackError
 from tools.core.api_key import API_KEY_ENV, api_key, is_loopback
@@ -31,11 +30,9 @@ from tools.core.versions import installed
 from tools.gpu.vram import vram_status
 from tools.serving.records import router_state
 from tools.serving.turing import patch as turing_patch
-from tools.serving.config import looks_like_path
 from tools.serving.preflight.hardware import Hardware
 from tools.serving.hub.access import hf_token, hub_env
-from tools.serving.preflight.model_files import (chat_prompt_tokens, checkpoint_bytes, missing_model_fix,
-                                       model_position_limit, repack_target)
+from tools.serving.preflight.model_files import checkpoint_bytes, is_built, is_local
 from tools.serving.preflight.speculative import validate_speculative_config
 from tools.serving.preflight import version_pairs
 
@@ -99,10 +96,6 @@ def _pins() -> dict[str, str]:
 
 def _dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.glob("*.safetensors") if f.is_file())
-
-
-def _is_local(model: str) -> bool:
-    return looks_like_path(model) or Path(model).exists()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -226,7 +219,7 @@ def check_disk(ctx: Context, *, step: str, source: Path | None = None, out: Path
     """Free disk against what the next step writes: a repack ~27.6% of its source beside the output; a fetch the
     repo's size (given, or the source checkpoint's known size) in the models root."""
     models_root = PROJECT_ROOT / "models"
-    if step == "repack" or (step == "all" and ctx.cfg is not None and not _is_built(ctx.cfg.model)
+    if step == "repack" or (step == "all" and ctx.cfg is not None and not is_built(ctx.cfg.model)
                             and source is not None and source.is_dir()):
         src = source
         dst = out or (Path(ctx.cfg.model) if ctx.cfg is not None else models_root)
@@ -297,75 +290,6 @@ def check_port(ctx: Context) -> Check:
                  fix=f"stop it ({op('stop')} if it is the server started from here) or set PORT")
 
 
-# A chat template renders tens of tokens for one short message: only a max_model_len this small is worth loading
-# the tokenizer for (a second for Gemma's 262k vocabulary).
-CHAT_CHECK_BELOW = 4096
-
-
-def check_max_model_len(ctx: Context) -> Check:
-    if ctx.cfg is None:
-        return Check(name="max_model_len", status="n/a", value="no configuration")
-    cfg = ctx.cfg
-    limit = model_position_limit(cfg.model)
-    detail = {"max_model_len": cfg.max_model_len, "model_limit": limit, "source": cfg.sources.get("max_model_len")}
-    if limit is None:
-        return Check(name="max_model_len", status="n/a", detail=detail,
-                     value=f"MAX_MODEL_LEN {cfg.max_model_len}; {cfg.model} has no local config.json to compare")
-    if cfg.max_model_len <= limit:
-        chat = chat_prompt_tokens(cfg.model) if cfg.max_model_len <= CHAT_CHECK_BELOW else None
-        if chat is not None and chat + 1 > cfg.max_model_len:
-            at = param("max_model_len", cfg.max_model_len)
-            return Check(name="max_model_len", status="fail", detail={**detail, "chat_tokens": chat,
-                                                                       "parameter": "max_model_len"},
-                         value=f"{at} cannot hold a chat request: the build's chat template renders {chat} tokens "
-                               "for a one-word message, before any reply",
-                         fix=f"pass a larger {param('max_model_len')} than {chat}")
-        return Check(name="max_model_len", status="ok", detail=detail,
-                     value=f"MAX_MODEL_LEN {cfg.max_model_len} within the model's limit {limit}")
-    if cfg.given_for_this_start("max_model_len"):
-        return Check(name="max_model_len", status="fail", detail=detail,
-                     value=f"max_model_len {cfg.max_model_len} is above the model's own limit "
-                           f"(max_position_embeddings={limit} in {cfg.model}/config.json)",
-                     fix=f"pass at most {limit}")
-    return Check(name="max_model_len", status="warn", detail=detail,
-                 value=f"MAX_MODEL_LEN {cfg.max_model_len} from {cfg.env_file} is above the model's limit {limit}: "
-                       f"start serves at {limit}",
-                 fix=f"set MAX_MODEL_LEN={limit} in tpu.env to serve what you configure")
-
-
-_DTYPE_NAMES = {"half": "float16", "float16": "float16", "bfloat16": "bfloat16", "float": "float32",
-                "float32": "float32"}
-
-
-def check_runtime_dtype(ctx: Context) -> Check:
-    """A build's scales reproduce its source's values as the runtime dtype its repack targeted computes them
-    (repack-report.json's target_dtype): served at another dtype, its values are not the ones the repack checked."""
-    if ctx.cfg is None:
-        return Check(name="runtime_dtype", status="n/a", value="no configuration")
-    cfg = ctx.cfg
-    cuda = ctx.platform == "cuda"
-    key, given = ("DTYPE", cfg.dtype) if cuda else ("CPU_DTYPE", cfg.cpu_dtype)
-    runs = _DTYPE_NAMES.get(given)
-    target = repack_target(cfg.model)
-    detail = {"target_dtype": target, "serves_as": given, "setting": key}
-    if target is None:
-        return Check(name="runtime_dtype", status="n/a", detail=detail,
-                     value=f"{cfg.model} has no repack report naming the dtype its scales were chosen for")
-    if runs is None:  # auto: vLLM picks from the config, whatever the repack targeted
-        return Check(name="runtime_dtype", status="n/a", detail=detail,
-                     value=f"{key}={given}: vLLM picks the dtype; {cfg.model}'s scales were chosen for {target}")
-    if runs == target:
-        return Check(name="runtime_dtype", status="ok", detail=detail,
-                     value=f"served as {runs} ({key}), the dtype {cfg.model}'s scales were chosen for")
-    fix = (f"rebuild it with target_dtype {runs} (repack_checkpoint / `python3 -m repack build --target-dtype "
-           f"{runs}`)" + ("" if cuda and target == "bfloat16" else f", or serve it with {key}={target}"))
-    if cuda and target == "bfloat16":
-        fix += ": a T4 computes in float16"
-    return Check(name="runtime_dtype", status="warn", detail=detail, fix=fix,
-                 value=f"{cfg.model} was repacked for {target} and this start serves it as {runs} ({key}={given}): "
-                       f"its runtime values are not the ones the repack checked")
-
-
 def check_hf_token(ctx: Context, *, step: str, repo_id: str | None = None) -> Check:
     token, where = hf_token()
     cfg = ctx.cfg
@@ -374,7 +298,7 @@ def check_hf_token(ctx: Context, *, step: str, repo_id: str | None = None) -> Ch
     if repo is None and cfg is not None:
         if ctx.platform == "cuda" and not cfg.source_checkpoint:
             repo, why = SOURCE_REPO, "SOURCE_CHECKPOINT is empty: the demo fetches"
-        elif not _is_local(cfg.model):
+        elif not is_local(cfg.model):
             repo, why = cfg.model, "MODEL_NAME is a hub id: vLLM downloads"
     if repo is None:
         return Check(name="hf_token", status="n/a",
@@ -428,77 +352,6 @@ def check_hub(ctx: Context, *, repo_id: str | None = None, timeout_s: float = HU
     return Check(name="hub", status="ok", detail=detail, value=f"{base} answers for {repo}")
 
 
-def _is_built(model: str) -> bool:
-    return (Path(model) / "config.json").is_file()
-
-
-def check_checkpoints(ctx: Context, *, step: str) -> Check:
-    """Which of source / builds exist. Serving a missing local build fails `start`; elsewhere it is what comes."""
-    cfg = ctx.cfg
-    if cfg is None:
-        return Check(name="checkpoints", status="n/a", value="no configuration")
-    source = cfg.source_checkpoint
-    builds = sorted(str(p) for root in ctx.models_roots if root.is_dir() for p in root.iterdir() if _is_built(p))
-    src_state = ("not set" if not source else f"{source} ({'present' if _is_built(source) else 'missing'})")
-    detail = {"source": source or None, "source_present": bool(source) and _is_built(source), "builds": builds,
-              "model": cfg.model, "model_present": _is_built(cfg.model)}
-    value = (f"source {src_state}; builds in {', '.join(map(str, ctx.models_roots))}: "
-             f"{', '.join(Path(b).name for b in builds) or 'none'}")
-    if not _is_local(cfg.model):
-        return Check(name="checkpoints", status="ok", detail=detail,
-                     value=value + f"; MODEL_NAME {cfg.model} is a hub id vLLM fetches")
-    if _is_built(cfg.model):
-        try:  # vLLM follows a link wherever it leads: the folder's files pass the checks probe and repack make
-            check_files(cfg.model)
-        except RepackError as exc:
-            return Check(name="checkpoints", status="fail" if step == "start" else "warn",
-                         detail={**detail, **(exc.detail or {})}, value=f"model {cfg.model}: {exc}",
-                         fix="or point MODEL_NAME at another build")
-        towers = _needs_torchvision(cfg.model)
-        if towers is not None:  # vLLM inspects such a model with torchvision, --language-model-only or not
-            text = str(Path(cfg.model).parent / f"{Path(cfg.model).name}-text")
-            return Check(name="checkpoints", status="fail" if step == "start" else "warn",
-                         detail={**detail, "architecture": towers},
-                         value=f"model {cfg.model} is {towers} (vision and audio towers), which vLLM inspects with "
-                               "torchvision, not installed here",
-                         fix="serve a text-only build of it: "
-                             + op("repack", source=cfg.model, output=text, text_only=True))
-        return Check(name="checkpoints", status="ok", detail=detail, value=value + f"; serving {cfg.model}")
-    where = "MODEL_NAME in " + str(cfg.env_file) if cfg.sources.get("model") == "file" else param("model")
-    fix = missing_model_fix(cfg.model, ctx.platform)
-    model = Path(cfg.model)
-    if model.exists() and not model.is_dir():  # a file or a device: nothing to build into either
-        return Check(name="checkpoints", status="fail" if step == "start" else "warn", detail=detail,
-                     value=f"model {cfg.model} is not a folder ({where})",
-                     fix="point MODEL_NAME (or --model) at a build's folder or a Hugging Face id")
-    if not model.is_dir():
-        return Check(name="checkpoints", status="fail" if step == "start" else "warn", detail=detail,
-                     value=f"model folder {cfg.model} does not exist ({where})", fix=fix)
-    if any(model.iterdir()):  # a folder with files of its own is no place to build into
-        fix = "point MODEL_NAME (or --model) at a build's folder (one with config.json) or a Hugging Face id"
-    # A folder without config.json is no checkpoint vLLM loads (it would fail tens of seconds in): refused at once
-    # by a start, what comes for the other steps.
-    if step == "start":
-        return Check(name="checkpoints", status="fail", detail=detail, fix=fix,
-                     value=f"model folder {cfg.model} has no config.json, so it is not a checkpoint ({where})")
-    return Check(name="checkpoints", status="warn", detail=detail, value=value + f"; {cfg.model} has no config.json",
-                 fix=fix)
-
-
-def _needs_torchvision(model: str) -> str | None:
-    """The multimodal architecture a local checkpoint's config names (…ForConditionalGeneration) when torchvision,
-    which vLLM's model inspection of it imports, is not installed; else None."""
-    try:
-        archs = json.loads((Path(model) / "config.json").read_text()).get("architectures")
-    except (ValueError, RecursionError, OSError, AttributeError):
-        return None
-    multimodal = [a for a in archs if isinstance(a, str) and a.endswith("ForConditionalGeneration")] \
-        if isinstance(archs, list) else []
-    if not multimodal or importlib.util.find_spec("torchvision") is not None:
-        return None
-    return multimodal[0]
-
-
 def check_drafter(ctx: Context) -> Check:
     """SPECULATIVE_CONFIG's drafter against the served model: a wrong one otherwise fails a minute into the start."""
     cfg = ctx.cfg
@@ -547,6 +400,6 @@ def _is_file(path: Path) -> bool:
 
 
 __all__ = ["Check", "Context", "DISK_MARGIN_BYTES", "MIN_CAPABILITY", "REPACK_RATIO", "SOURCE_BYTES_ESTIMATE",
-           "Status", "check_checkpoints", "check_compute_capability", "check_disk", "check_drafter", "check_gpu_memory",
-           "check_host_memory", "check_hf_token", "check_max_model_len", "check_nvidia_driver", "check_port",
+           "Status", "check_compute_capability", "check_disk", "check_drafter", "check_gpu_memory",
+           "check_host_memory", "check_hf_token", "check_nvidia_driver", "check_port",
            "check_source", "check_turing_clamp", "check_versions", "check_vllm_build"]

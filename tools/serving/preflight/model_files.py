@@ -9,6 +9,7 @@ from repack.source.checks import SOURCE_REPO
 from repack.family.config import text_of
 from repack.family.members import MEMBERS
 from tools.core.errors import op
+from tools.serving.config import looks_like_path
 
 TINY_SOURCE = "tiny-gemma4-qat"  # the stand-in source's folder name the remedies suggest
 
@@ -30,6 +31,16 @@ def model_position_limit(model: str) -> int | None:
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
     return None
+
+
+def is_built(model: str | Path) -> bool:
+    """A folder with a config.json: a checkpoint vLLM loads (or one being made)."""
+    return (Path(model) / "config.json").is_file()
+
+
+def is_local(model: str) -> bool:
+    """MODEL_NAME names a folder here (a path, or what exists), not a hub id."""
+    return looks_like_path(model) or Path(model).exists()
 
 
 def repack_target(model: str) -> str | None:
@@ -148,5 +159,5 @@ def missing_model_fix(model: str, platform: str) -> str:
             "or a Hugging Face id")
 
 
-__all__ = ["TINY_SOURCE", "chat_prompt_tokens", "chat_template", "checkpoint_bytes", "embedding_method",
-           "make_source", "missing_model_fix", "model_position_limit"]
+__all__ = ["TINY_SOURCE", "chat_prompt_tokens", "chat_template", "checkpoint_bytes", "embedding_method", "is_built",
+           "is_local", "make_source", "missing_model_fix", "model_position_limit", "repack_target"]

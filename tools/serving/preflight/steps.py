@@ -26,9 +26,10 @@ from tools.serving.preflight.hardware import Hardware
 from repack.source.checks import SOURCE_REPO
 from tools.serving.hub.access import hf_token
 from tools.serving.records import placement
-from tools.serving.preflight.checks import (Check, Context, check_api_key, check_checkpoints, check_compute_capability,
-                                            check_disk, check_drafter, check_gpu_memory, check_hf_token, check_host_memory, check_hub,
-                                            check_max_model_len, check_nvidia_driver, check_runtime_dtype, check_port, check_source,
+from tools.serving.preflight.build_checks import check_checkpoints, check_max_model_len, check_runtime_dtype
+from tools.serving.preflight.checks import (Check, Context, check_api_key, check_compute_capability, check_disk,
+                                            check_drafter, check_gpu_memory, check_hf_token, check_host_memory,
+                                            check_hub, check_nvidia_driver, check_port, check_source,
                                             check_turing_clamp, check_versions, check_vllm_build)
 
 Step = Literal["all", "start", "repack", "fetch"]
