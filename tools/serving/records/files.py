@@ -42,45 +42,32 @@ def open_lock(path: Path, mode: str = "a+") -> Any:
     """A lock file opened for flock: created if missing, a regular file of its own, never followed if a link
     (stamping a link's target would overwrite whatever file it names) and never waited on if a FIFO. Anything else
     at `path` is a ToolFailure naming it; nothing is written."""
-    flags = os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | (os.O_RDWR if "+" in mode else os.O_WRONLY)
-    try:
-        fd = os.open(path, flags | (os.O_APPEND if "a" in mode else 0), 0o644)
-    except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
-            raise _not_a_lock(path) from None
-        raise
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise _not_a_lock(path)
-    os.set_blocking(fd, True)
-    return os.fdopen(fd, mode)
+    access = os.O_RDWR if "+" in mode else os.O_WRONLY
+    return _open_own(path, access | (os.O_APPEND if "a" in mode else 0), mode, "lock")
 
 
 def open_log(path: Path, mode: str = "wb") -> Any:
-    """A log file opened for writing ("wb": emptied, "ab": appended to): created if missing, never followed if a
-    link (writing through it would overwrite whatever file it names) and never waited on if a FIFO. Anything but a
-    regular file at `path` is a ToolFailure naming it; nothing is written."""
-    flags = os.O_CREAT | os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    """A log file opened for writing ("wb": emptied, "ab": appended to), as open_lock opens a lock: never through
+    a link (writing through it would overwrite whatever file it names), never waiting on a FIFO."""
+    return _open_own(path, os.O_WRONLY | (os.O_APPEND if "a" in mode else os.O_TRUNC), mode, "log")
+
+
+def _open_own(path: Path, flags: int, mode: str, what: str) -> Any:
     try:
-        fd = os.open(path, flags | (os.O_APPEND if "a" in mode else os.O_TRUNC), 0o644)
+        fd = os.open(path, flags | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
-            raise _not_a_log(path) from None
+            raise _not_regular(path, what) from None
         raise
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
-        raise _not_a_log(path)
+        raise _not_regular(path, what)
     os.set_blocking(fd, True)
     return os.fdopen(fd, mode)
 
 
-def _not_a_log(path: Path) -> ToolFailure:
-    return ToolFailure(f"log file {path} is not a regular file (a link, FIFO or folder): nothing was written to "
-                       "it; delete it, then run the command again", {"path": str(path)})
-
-
-def _not_a_lock(path: Path) -> ToolFailure:
-    return ToolFailure(f"lock file {path} is not a regular file (a link, FIFO or folder): nothing was written "
+def _not_regular(path: Path, what: str) -> ToolFailure:
+    return ToolFailure(f"{what} file {path} is not a regular file (a link, FIFO or folder): nothing was written "
                        "to it; delete it, then run the command again", {"path": str(path)})
 
 
