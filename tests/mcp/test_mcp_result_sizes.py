@@ -42,6 +42,11 @@ def test_fit_keeps_the_summary_and_where_the_whole_is():
     assert 600 < len(line) <= SUMMARY_MAX
     kept = fit({**wide, "summary": line})
     assert size(kept) <= RESULT_BUDGET and kept["summary"] == line, kept["summary"]
+    # the note says where the whole is by the first such field, not by repeating every path the result keeps
+    files = {f"f{i}": f"/e/r/{'x' * 80}-{i}.json" for i in range(6)}
+    noted = fit({**wide, "summary": line, "files": files})
+    assert noted["files"] == files and "; the whole: run_dir /e/r" in noted["clipped"]
+    assert "x" * 80 not in noted["clipped"] and size(noted) <= RESULT_BUDGET
 
 
 @pytest.fixture()

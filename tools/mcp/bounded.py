@@ -37,15 +37,15 @@ def _shrink(value: Any, text_max: int, list_max: int) -> Any:
 
 
 def _where(data: dict[str, Any]) -> str:
-    """The fields saying where the whole result is, as one phrase."""
-    found = []
+    """The first field saying where the whole result is, as one phrase (the fields themselves are kept: the note
+    points to them, it does not repeat them)."""
     for k in WHOLE_FIELDS:
         v = data.get(k)
         if isinstance(v, dict):
-            v = ", ".join(str(x) for x in list(v.values())[:4])
+            v = next((x for x in v.values() if x), None)
         if v:
-            found.append(f"{k} {v}")
-    return "; the whole: " + "; ".join(found)[:400] if found else ""
+            return f"; the whole: {k} {str(v)[:300]}"
+    return ""
 
 
 def fit(data: dict[str, Any], budget: int = RESULT_BUDGET) -> dict[str, Any]:
