@@ -47,6 +47,10 @@ def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._") or "build"
 
 
+_STAMPED = r"-\d{8}T[\d.]+Z-failed\.log"  # what follows the build's _safe name in a kept log's name
+_KEPT = re.compile(r"[A-Za-z0-9._-]+" + _STAMPED)  # any build's kept log
+
+
 def keep_failed_log(cfg: ServeConfig, log_path: Path, served_name: str) -> Path | None:
     """Copies a failed start's log beside the state, named by build and time; None when there was no log or it
     could not be copied (the failure it belongs to is reported either way)."""
@@ -70,11 +74,8 @@ def keep_failed_log(cfg: ServeConfig, log_path: Path, served_name: str) -> Path 
     return dest
 
 
-_KEPT = re.compile(r"[A-Za-z0-9._-]+-\d{8}T[\d.]+Z-failed\.log")  # a kept log's name: build, time stamp
-
-
 def newest_failed_log(cfg: ServeConfig, served_name: str) -> Path | None:
-    own = re.compile(re.escape(_safe(served_name)) + r"-\d{8}T[\d.]+Z-failed\.log")
+    own = re.compile(re.escape(_safe(served_name)) + _STAMPED)
     logs = sorted(p for p in logs_dir(cfg).glob("*-failed.log") if own.fullmatch(p.name))
     return logs[-1] if logs else None
 
