@@ -13,7 +13,6 @@ import json
 import platform
 import re
 import socket
-import time
 from pathlib import Path
 from typing import Any
 
@@ -69,21 +68,11 @@ OTHER_LOAD_CORES = 0.3
 
 
 def machine_busy_cores(sample_s: float = BUSY_SAMPLE_S) -> float:
-    """How many of the machine's cores were busy (not idle, not waiting on I/O) over `sample_s` seconds, from the
-    kernel's CPU time counters. Taken while the measured server idles, it is other processes' work."""
+    """How many of the machine's cores were busy (not idle, not waiting on I/O) over `sample_s` seconds (psutil's
+    system-wide CPU percent). Taken while the measured server idles, it is other processes' work."""
     import psutil
 
-    def busy_and_all() -> tuple[float, float]:
-        t = psutil.cpu_times()._asdict()
-        t.pop("guest", None), t.pop("guest_nice", None)  # counted in user and nice already
-        idle = t.pop("idle") + t.pop("iowait", 0.0)
-        busy = sum(t.values())
-        return busy, busy + idle
-
-    b0, a0 = busy_and_all()
-    time.sleep(sample_s)
-    b1, a1 = busy_and_all()
-    return round((b1 - b0) / (a1 - a0) * psutil.cpu_count(), 2) if a1 > a0 else 0.0
+    return round(psutil.cpu_percent(interval=sample_s) / 100 * psutil.cpu_count(), 2)
 
 
 def other_load(prov: dict[str, Any] | None) -> float | None:
