@@ -105,13 +105,13 @@ class App:
 
     def managed_base_url(self, instance: str | None = None) -> str:
         """The base URL of the server this project started (state file), for tools that measure it."""
-        st = server_status(self.config(instance=instance))
+        cfg = self.config(instance=instance)
+        st = server_status(cfg)
         door = door_on_port(self.config()) if instance is None else None
         if (not st.alive or not st.base_url) and door is not None:  # the port is the front door's
             return door.base_url
         if not st.alive or not st.base_url:
             # a damaged record is not "nothing runs": its own line (DamagedState) says so, as the command line's
-            cfg = self.config(instance=instance)
             load_state(cfg)
             if instance is None:
                 load_router(self.config())
