@@ -287,6 +287,7 @@ def test_output_schemas_type_every_field_and_name_the_free_form_ones():
 
     class B(BaseModel):
         n: str
+        ratio: float  # typed by A too: each branch once
 
     schema = lean_schema(A | B, {"extra": (dict[str, int], "added")})
     props = schema["properties"]

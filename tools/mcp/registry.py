@@ -178,8 +178,10 @@ def lean_schema(result: Any, extra: dict[str, tuple[Any, str]] | None = None) ->
             return
         if name in props:  # a union of results that types one field two ways: either
             before = {k: v for k, v in props[name].items() if k != "description"}
-            if before != typed:
-                typed = {"anyOf": [*before.get("anyOf", [before]), *typed.get("anyOf", [typed])]}
+            if before != typed:  # each branch once
+                branches = [*before.get("anyOf", [before])]
+                branches += [t for t in typed.get("anyOf", [typed]) if t not in branches]
+                typed = branches[0] if len(branches) == 1 else {"anyOf": branches}
             description = props[name].get("description")
         props[name] = {**typed, **({"description": description} if description else {})}
 
