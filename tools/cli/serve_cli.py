@@ -105,6 +105,7 @@ def cmd_start(p: StartParams, args: argparse.Namespace) -> int:
         if r.max_model_len_note:
             lines.append("  " + r.max_model_len_note)
         lines += ["  " + ln for ln in _fmt_fields(r.start_fields)]
+    lines += [f"  warning: {w}" for w in r.warnings]
     emit(args, r, "\n".join(lines))
     return 0
 

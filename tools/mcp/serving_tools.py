@@ -46,7 +46,7 @@ def start_vllm_server(app, p: StartParams, progress, checked) -> Reply:
                         progress=percent(progress))
     if isinstance(res, SwitchResult):
         where = on_platform(getattr(behind_door_state(checked), "platform", None))
-        return Reply(res, f"{service.describe(res)} {where}")
+        return Reply(res, f"{service.describe(res)} {where}{_warnings(res.warnings)}")
     sf = res.start_fields
     mem = f"; host RSS {res.host_memory.rss_mib:.0f} MiB" if res.host_memory else ""
     instead = (f" in place of {res.replaced['served_name']} (its port refused connections while "
@@ -55,7 +55,13 @@ def start_vllm_server(app, p: StartParams, progress, checked) -> Reply:
             f"{res.front_door['backend_url']})") if res.front_door else ""
     note = f"; {res.note}" if res.note else ""
     return Reply(res, f"serving {res.served_name}{instead} at {res.base_url}{door} (pid {res.pid}, {res.platform}) "
-                      f"after {res.startup_s:.0f} s; KV cache {sf.kv_cache_tokens or '?'} tokens{mem}{note}")
+                      f"after {res.startup_s:.0f} s; KV cache {sf.kv_cache_tokens or '?'} tokens{mem}{note}"
+                      f"{_warnings(res.warnings)}")
+
+
+def _warnings(warnings: list[str]) -> str:
+    """The start's checks that warn, each as preflight says it."""
+    return "".join(f"; warning: {w}" for w in warnings)
 
 
 class StopAll(BaseModel):

@@ -11,7 +11,7 @@ from pydantic import Field
 from tools.core.params import Name, OpParams
 
 
-INSTANCE_HELP = "Named instance (default: the default one)"
+INSTANCE_HELP = "Named instance (none: the default one)"
 
 
 class InstanceParams(OpParams):

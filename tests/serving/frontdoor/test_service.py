@@ -146,6 +146,36 @@ def test_an_mcp_client_switches_the_shipped_configuration_the_same_way(shipped, 
     assert not stopped.is_error and router_state.recorded(cfg) is None, stopped.content[0].text
 
 
+def test_a_start_and_a_switch_say_what_the_checks_warn(shipped, capsys, tmp_path):
+    """A build repacked for bfloat16 served as float16 (tpu.env's CPU_DTYPE): the start serves it and says
+    preflight's warning, on the command line and through MCP, for a first start and for a switch."""
+    from fastmcp import Client
+
+    from tools.core.paths import Roots
+    from tools.mcp.app import Settings, create_server
+
+    make, cfg = shipped
+    assert cfg.cpu_dtype == "float16"
+    old, new = make("old"), make("new")
+    for b in (old, new):
+        (tmp_path / b / "repack-report.json").write_text(json.dumps({"target_dtype": "bfloat16"}))
+    rc, out, err = _cli(capsys, "start", "--model", old, "--served-name", "old")
+    assert rc == 0 and "warning: runtime_dtype: " in out and "repacked for bfloat16" in out, (out, err)
+    (tmp_path / "evidence").mkdir()
+    roots = Roots.from_env([str(tmp_path)], [str(tmp_path / "evidence")], environ={})
+    server = create_server(Settings(roots=roots), toolsets=["serve"])
+
+    async def switch():
+        async with Client(server) as c:
+            return await c.call_tool("start_vllm_server", {"model": new, "served_name": "new", "replace": True},
+                                     raise_on_error=False)
+
+    res = asyncio.run(switch())
+    text = res.content[0].text
+    assert not res.is_error and "serving new" in text and "warning: runtime_dtype: " in text, text
+    assert [w.split(":")[0] for w in res.structured_content["warnings"]] == ["runtime_dtype"]
+
+
 def test_the_front_door_reads_as_the_service_in_preflight_and_status(shipped, capsys):
     """The port check of a start sees the front door started from here (a replace switches behind it), and
     status is healthy (exit 0) only while a build answers behind the door."""

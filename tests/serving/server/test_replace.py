@@ -298,3 +298,20 @@ def test_real_vllm_a_failed_replace_serves_a_again(emb4_build, serve_config_fact
         stop_server(a, grace_s=10)
     assert all(group_alive(g) == [] for g in pgids)
     assert not state.replace_file(a).exists() and not a.state_file.exists()
+
+
+def test_start_and_replace_say_what_the_checks_warn(stand_in):
+    """A start the checks let through with a warning (here: a build repacked for bfloat16 served as float16) says
+    the warning in its result, as preflight would have: the build serves, but not the numbers its repack checked."""
+    a = stand_in("a", cpu_dtype="float16")
+    (Path(a.model) / "repack-report.json").write_text(json.dumps({"target_dtype": "bfloat16"}))
+    ra = start_server(a)
+    assert [w.split(":")[0] for w in ra.warnings] == ["runtime_dtype"], ra.warnings
+    assert "repacked for bfloat16" in ra.warnings[0] and "CPU_DTYPE=float16" in ra.warnings[0]
+    b = stand_in("b", cpu_dtype="float16")  # no report: nothing to warn about
+    rb = replace_server(b)
+    assert rb.outcome == "serving b" and rb.warnings == []
+    c = stand_in("c", cpu_dtype="float16")
+    (Path(c.model) / "repack-report.json").write_text(json.dumps({"target_dtype": "bfloat16"}))
+    rc = replace_server(c)
+    assert rc.outcome == "serving c" and [w.split(":")[0] for w in rc.warnings] == ["runtime_dtype"]

@@ -23,7 +23,7 @@ longest one.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable
 
 import httpx
@@ -157,6 +157,7 @@ class SwitchResult:
     figures: Figures
     model: str = ""               # the new build's model folder (or hub id)
     replaced_model: str = ""      # the replaced build's: a served name kept across builds hides which is which
+    warnings: list[str] = field(default_factory=list)  # the new build's start checks that warn (StartResult's)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -389,7 +390,8 @@ class _Switch:
                             replaced=self.a.served_name, mode="beside" if self.fit.beside else "hold",
                             announced=self.announced, hold_s=self.hold_s, base_url=self.rt.base_url,
                             backend=started.base_url, wall_s=round(time.monotonic() - self.t0, 2),
-                            figures=self.figures(), model=self.b.model, replaced_model=self.a.model)
+                            figures=self.figures(), model=self.b.model, replaced_model=self.a.model,
+                            warnings=started.warnings)
 
     def _beside(self, hold: placement.Hold):
         a = self.a.served_name

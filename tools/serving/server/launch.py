@@ -283,8 +283,9 @@ def wait_ready(cfg: ServeConfig, proc: subprocess.Popen, argv: list[str], t0: fl
 
 def checked(cfg: ServeConfig, hw: Hardware, turing_target: Path | None, *,
             held_by: ServerState | None = None,
-            hold: placement.Hold | None = None) -> tuple[ServeConfig, str | None, str]:
-    """Every check of a start, in its order: (the config as it will launch, the MAX_MODEL_LEN note, platform).
+            hold: placement.Hold | None = None) -> tuple[ServeConfig, str | None, str, list[str]]:
+    """Every check of a start, in its order: (the config as it will launch, the MAX_MODEL_LEN note, platform, the
+    line of each check that warns: the start goes on, and its result says them as preflight would).
     `held_by`: the server this start is to replace, whose port and GPU memory are not obstacles (they are freed
     before the launch, and checked again then). `hold`: the placement lock the launch follows under, whose plan
     for cfg (made by a switch before) stands."""
@@ -293,15 +294,16 @@ def checked(cfg: ServeConfig, hw: Hardware, turing_target: Path | None, *,
     # The API key beyond the loopback, the port, the model folder and its length limit, the Turing clamp, host memory, the vLLM build and the
     # GPU's free memory: refused here with the failing check's line rather than by vLLM a minute into the start.
     if held_by is None:
-        ensure("start", cfg=cfg, hardware=hw, turing_target=turing_target, placed=True)
+        checks = ensure("start", cfg=cfg, hardware=hw, turing_target=turing_target, placed=True)
     else:
         freed = {"gpu_memory"} | ({"port"} if held_by.port == cfg.port else set())
-        for c in checks_for("start", cfg=cfg, hardware=hw, turing_target=turing_target, placed=True):
+        checks = checks_for("start", cfg=cfg, hardware=hw, turing_target=turing_target, placed=True)
+        for c in checks:
             if c.status == "fail" and c.name not in freed:
                 raise refusal(c, {**(c.detail or {}), "check": c.name})
     platform = hw.platform()
     cfg, max_len_note = fit_to_model(cfg, platform)
-    return cfg, max_len_note, platform
+    return cfg, max_len_note, platform, [c.line() for c in checks if c.status == "warn"]
 
 
 def replace_note(cfg: ServeConfig, rec: ReplaceRecord) -> str:
@@ -344,7 +346,7 @@ def remember_startup(cfg: ServeConfig, proc: subprocess.Popen, startup_s: float 
 
 
 def start_result(cfg: ServeConfig, proc: subprocess.Popen, argv: list[str], platform: str, t0: float,
-                 first_text: str, max_len_note: str | None) -> StartResult:
+                 first_text: str, max_len_note: str | None, warnings: list[str]) -> StartResult:
     """What a start that is ready reports: its times, the fields its log recorded, its memory."""
     startup_s = time.monotonic() - t0
     fields = engine_log.recorded_start_fields(cfg.log_file, argv, cfg.model)
@@ -354,7 +356,7 @@ def start_result(cfg: ServeConfig, proc: subprocess.Popen, argv: list[str], plat
                        served_name=cfg.served_name, platform=platform, argv=argv, log_path=str(cfg.log_file),
                        state_file=str(cfg.state_file), startup_s=round(startup_s, 2), first_completion=first_text,
                        start_fields=fields, max_model_len=cfg.max_model_len, max_model_len_note=max_len_note,
-                       host_memory=memory)
+                       host_memory=memory, warnings=warnings)
 
 
 def config_of(cfg: ServeConfig, a: ServerState) -> ServeConfig:
@@ -388,7 +390,7 @@ def relaunch(cfg: ServeConfig, a: ServerState, *, progress: Progress | None = No
         if not wait:
             return None
         first_text = wait_ready(cfg_a, proc, a.argv, t0, progress, keep_on_interrupt=True)
-        res = start_result(cfg_a, proc, a.argv, a.platform, t0, first_text, None)
+        res = start_result(cfg_a, proc, a.argv, a.platform, t0, first_text, None, [])
         remember_startup(cfg_a, proc, res.startup_s)
     return res
 

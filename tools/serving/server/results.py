@@ -34,6 +34,8 @@ class StartResult:
     replaced: dict[str, Any] | None = None
     # FRONT_DOOR=1: base_url is the front door's; this names it and the build's own (instance, backend_url, pid)
     front_door: dict[str, Any] | None = None
+    # The start's checks that warn (preflight's lines): it serves, and this says what it may not do as checked
+    warnings: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -64,7 +64,7 @@ def _start_locked(cfg: ServeConfig, progress: Progress | None, hw: Hardware, tur
             stale = stale_replace(cfg)
             note = replace_note(cfg, stale) if stale is not None else None
             refuse_recorded(cfg)
-            cfg, max_len_note, platform = checked(cfg, hw, turing_target, hold=hold)
+            cfg, max_len_note, platform, warnings = checked(cfg, hw, turing_target, hold=hold)
             argv = cfg.vllm_argv(platform)
             cfg = own_log(cfg)
             t0 = time.monotonic()
@@ -80,7 +80,7 @@ def _start_locked(cfg: ServeConfig, progress: Progress | None, hw: Hardware, tur
         raise
     if stale is not None:
         replace_state.clear_replace(cfg)
-    res = start_result(cfg, proc, argv, platform, t0, first_text, max_len_note)
+    res = start_result(cfg, proc, argv, platform, t0, first_text, max_len_note, warnings)
     remember_startup(cfg, proc, res.startup_s)
     res.note = note
     if progress is not None:
