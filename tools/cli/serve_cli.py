@@ -17,7 +17,7 @@ from tools.core.commands import CLI, Command, add_commands, emit as _emit
 from tools.core.errors import BadInput, param, render, render_all
 from tools.core.process import free_port
 from tools.core.progress import Progress
-from tools.serving import (StartResult, ensure_swap, fleet_status, query, read_log, replace_file,
+from tools.serving import (StartResult, SwitchResult, ensure_swap, fleet_status, query, read_log, replace_file,
                            replace_target as target, router, server_status, service, stop_all, swap_report,
                            switch_process)
 from tools.serving.config import ServeConfig, load_config
@@ -105,8 +105,7 @@ def cmd_start(p: StartParams, args: argparse.Namespace) -> int:
         if r.max_model_len_note:
             lines.append("  " + r.max_model_len_note)
         lines += ["  " + ln for ln in _fmt_fields(r.start_fields)]
-    lines += [f"  warning: {w}" for w in r.warnings]
-    emit(args, r, "\n".join(lines))
+    emit(args, r, "\n".join(lines + _warning_lines(r)))
     return 0
 
 
@@ -193,8 +192,13 @@ def cmd_router_switch(p: RouterSwitchParams, args: argparse.Namespace) -> int:
     # In a process of its own: a command killed here (SIGKILL, a closed terminal) leaves the switch to end alone
     r = switch_process.switch(_config(args), _switch_config(args, p), from_instance=p.from_instance,
                               progress=progress)
-    emit(args, r, service.describe(r))
+    emit(args, r, "\n".join([service.describe(r), *_warning_lines(r)]))
     return 0
+
+
+def _warning_lines(r: StartResult | SwitchResult) -> list[str]:
+    """The start's checks that warn, a line each as preflight says it."""
+    return [f"  warning: {w}" for w in r.warnings]
 
 
 def _switch_config(args: argparse.Namespace, p: RouterSwitchParams) -> ServeConfig:

@@ -7,7 +7,7 @@ from tools.core.paths import PathNotAllowed
 from tools.core.process import free_port
 from tools.core.progress import percent
 from tools.mcp.registry import Reply, tool
-from tools.mcp.wording import on_platform
+from tools.mcp.wording import on_platform, warnings_text
 from tools.serving import (RouterStartResult, RouterStatus, RouterStopResult, SwitchResult, load_state,
                            missing_model_fix, router_status as status, start_router as start, stop_router as stop,
                            switch_process)
@@ -70,4 +70,4 @@ def switch_build(app, p: RouterSwitchParams, progress, checked) -> Reply:
     return Reply(res, f"{res.outcome} at {res.base_url} in place of {res.replaced} ({res.mode}): {f.requests} "
                       f"requests through the router, {f.failed} failed, longest wait for a build "
                       f"{f.longest_wait_s:g} s {on_platform(getattr(load_state(checked), 'platform', None))}; "
-                      f"builds: {res.replaced_model} -> {res.model}")
+                      f"builds: {res.replaced_model} -> {res.model}{warnings_text(res.warnings)}")

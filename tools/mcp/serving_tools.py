@@ -14,7 +14,7 @@ from tools.serving import (QueryResult, ServerStatus, StartResult, StopResult, S
                            fleet_status, log_path, missing_model_fix, query, read_log, server_status as status,
                            service, stop_all)
 from tools.serving.ops import LogParams, QueryParams, StartParams, StatusParams, StopParams
-from tools.mcp.wording import on_platform
+from tools.mcp.wording import on_platform, warnings_text
 
 
 def _start_config(app, p: StartParams):
@@ -46,7 +46,7 @@ def start_vllm_server(app, p: StartParams, progress, checked) -> Reply:
                         progress=percent(progress))
     if isinstance(res, SwitchResult):
         where = on_platform(getattr(behind_door_state(checked), "platform", None))
-        return Reply(res, f"{service.describe(res)} {where}{_warnings(res.warnings)}")
+        return Reply(res, f"{service.describe(res)} {where}{warnings_text(res.warnings)}")
     sf = res.start_fields
     mem = f"; host RSS {res.host_memory.rss_mib:.0f} MiB" if res.host_memory else ""
     instead = (f" in place of {res.replaced['served_name']} (its port refused connections while "
@@ -56,12 +56,7 @@ def start_vllm_server(app, p: StartParams, progress, checked) -> Reply:
     note = f"; {res.note}" if res.note else ""
     return Reply(res, f"serving {res.served_name}{instead} at {res.base_url}{door} (pid {res.pid}, {res.platform}) "
                       f"after {res.startup_s:.0f} s; KV cache {sf.kv_cache_tokens or '?'} tokens{mem}{note}"
-                      f"{_warnings(res.warnings)}")
-
-
-def _warnings(warnings: list[str]) -> str:
-    """The start's checks that warn, each as preflight says it."""
-    return "".join(f"; warning: {w}" for w in warnings)
+                      f"{warnings_text(res.warnings)}")
 
 
 class StopAll(BaseModel):

@@ -34,6 +34,11 @@ def on_platform(platform: str | None) -> str:
     return "where the server runs (its platform unrecorded)"
 
 
+def warnings_text(warnings: list[str]) -> str:
+    """A start's or switch's checks that warn, each as preflight says it, for the end of its summary."""
+    return "".join(f"; warning: {w}" for w in warnings)
+
+
 def argument(name: str, *value: Any) -> str:
     """A parameter as an MCP argument: `out`, `force=true`, `text_only=false`, `port=8001`."""
     if not value:

@@ -11,6 +11,7 @@ import asyncio
 import json
 import os
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -317,6 +318,8 @@ def test_the_command_line_and_mcp_switch_the_same_way(door, tmp_path, capsys, mo
 
     base, make = door
     b = make("green", "new")
+    # repacked for bfloat16, served as tpu.env's CPU_DTYPE=float16: each switch to it says preflight's warning
+    (Path(b.model) / "repack-report.json").write_text(json.dumps({"target_dtype": "bfloat16"}))
     monkeypatch.setattr(switch_process, "PROGRAM", SWITCH)  # the switch's own process runs the stand-ins too
     for k, v in {"STATE_DIR": str(base.state_dir), "SPECULATIVE_CONFIG": "", "EXTRA_ARGS": "",
                  "START_TIMEOUT_S": "30", "CPU_KVCACHE_SPACE_GIB": "1"}.items():
@@ -328,6 +331,7 @@ def test_the_command_line_and_mcp_switch_the_same_way(door, tmp_path, capsys, mo
         out = capsys.readouterr()
         assert rc == 0, out.err
         assert "serving new" in out.out and "in place of old" in out.out and " 0 failed" in out.out
+        assert "\n  warning: runtime_dtype: " in out.out, out.out
         (tmp_path / "evidence").mkdir()
         roots = Roots.from_env([str(tmp_path)], [str(tmp_path / "evidence")], environ={})
         server = create_server(Settings(roots=roots, config_overrides={
@@ -342,6 +346,7 @@ def test_the_command_line_and_mcp_switch_the_same_way(door, tmp_path, capsys, mo
 
         res = asyncio.run(go())
         good = make("blue", "newer")
+        (Path(good.model) / "repack-report.json").write_text(json.dumps({"target_dtype": "bfloat16"}))
 
         async def go_good():
             async with Client(server) as c:
@@ -353,7 +358,7 @@ def test_the_command_line_and_mcp_switch_the_same_way(door, tmp_path, capsys, mo
     assert res.is_error and "max_model_len" in text and "new still serves" in text, text
     # the figures of a switch say where they were measured
     assert "serving newer" in done and " 0 failed" in done and "on the CPU stand-in" in done, done
-    assert done.splitlines()[0].endswith(f"; builds: {b.model} -> {good.model}"), done
+    assert f"; builds: {b.model} -> {good.model}; warning: runtime_dtype: " in done.splitlines()[0], done
     assert clients.failed() == [] and clients.served()[-1] == "newer"
 
 
