@@ -165,7 +165,7 @@ def _mib(n: int | None) -> str:
 
 def markdown(d: dict) -> str:
     w = d["weights"]
-    lines = [f"# An int4 drafter: the tiny gemma4_assistant drafter, bf16 against its int4 build",
+    lines = ["# An int4 drafter: the tiny gemma4_assistant drafter, bf16 against its int4 build",
              "", f"Command: `flock /tmp/gemma4-vllm.lock python bench/bench_int4_drafter.py` (vLLM {d['vllm']} CPU, "
              f"float16, eager; {d['prompts']} prompts x {d['max_tokens']} tokens, greedy, one request at a time; "
              f"{d['wall_s']} s in all; load average at the end {', '.join(f'{x:.1f}' for x in d['load_average'])} "

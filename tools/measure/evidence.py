@@ -18,7 +18,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from tools.core.atomic_files import TempFolder, refusal, write_file
-from tools.core.errors import BadInput, ToolFailure
+from tools.core.errors import ToolFailure
 from tools.core import clock
 from tools.core.names import check_name
 from tools.measure import provenance as prov_mod

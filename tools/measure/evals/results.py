@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, Field, field_validator
 
-from tools.core.errors import BadInput, ToolFailure
+from tools.core.errors import BadInput
 from tools.core.names import RULE, is_name
 from tools.core.paths import PathNotAllowed
 from tools.core.text import clip

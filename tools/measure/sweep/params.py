@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, computed_field
 from tools.core.errors import BadInput, param
 from tools.core.names import check_name
 from tools.core.text import clip
-from tools.core.params import OpParams, Price, Seconds, Seed
+from tools.core.params import Price, Seconds, Seed
 from tools.measure.endpoint import EndpointParams
 from tools.core.root import PROJECT_ROOT
 from tools.measure.roofline import Roofline

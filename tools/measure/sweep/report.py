@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from tools.core.errors import BadInput, ToolFailure, op, param
+from tools.core.errors import BadInput, op, param
 from tools.measure.basis import Basis, basis, differences, no_t4_measurement, priced_basis, priced_on
 from tools.measure.evidence import write_text, write_texts
 from tools.measure.provenance import other_load

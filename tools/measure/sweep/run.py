@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from tools.core.atomic_files import HeldFolder
-from tools.core.errors import BadInput, ToolFailure
+from tools.core.errors import BadInput
 from tools.measure import evidence, provenance as prov_mod
 from tools.measure.sweep import report as sweep_report
 from tools.core.output_check import check_output_folder
