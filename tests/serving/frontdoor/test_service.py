@@ -239,7 +239,7 @@ def test_two_replaces_at_once_through_the_front_door_one_switches_the_other_is_r
         (tmp_path / "go").touch()
         out, err = first.communicate(timeout=60)
     lines = [ln for ln in second.stderr.splitlines() if ln.startswith("vllm-t4 ")]
-    assert second.returncode == 1 and len(lines) == 1 and "the front door is being switched" in lines[0], second.stderr
+    assert second.returncode == 1 and len(lines) == 1 and "the front door is being changed" in lines[0], second.stderr
     assert "this start was not done" in lines[0]
     assert first.returncode == 0 and "serving new" in out, err
     assert clients.failed() == [] and clients.served()[-1] == "new"
@@ -295,6 +295,46 @@ def test_a_door_left_with_no_build_is_refilled_by_the_next_start(shipped, capsys
     assert state.load_state(load_config(instance=b.instance)).served_name == "new" and "old" in rt.names
 
 
+def test_a_lock_that_is_a_folder_is_named_and_stop_leaves_the_door_whole(shipped, capsys):
+    """A folder at blue/vllm.lock: status and start said "3: it is a folder; give another path", and stop stopped
+    the router, then failed on blue's lock and left blue serving behind no door. Each names the lock file and what
+    to do; stop stops nothing until it can stop everything."""
+    make, cfg = shipped
+    assert _cli(capsys, "start", "--model", make("old"), "--served-name", "old")[0] == 0
+    lock = load_config(instance="blue").instance_dir / "vllm.lock"
+    lock.unlink()
+    lock.mkdir()
+    rc, out, err = _cli(capsys, "status")
+    assert rc == 0 and "over old (instance blue, serving)" in out, (out, err)
+    for args in (("start", "--model", make("new"), "--replace"), ("stop",)):
+        rc, out, err = _cli(capsys, *args)
+        assert rc == 1 and f"lock file {lock} is not a regular file" in err and "delete it" in err, err
+        assert len(err.strip().splitlines()) == 1, err
+    rt = router_state.recorded(cfg)
+    assert rt is not None and router_state.alive(rt) and state.load_state(load_config(instance="blue")) is not None
+    rc, out, err = _cli(capsys, "query", "hi")
+    assert rc == 0 and out.startswith("old"), (out, err)
+    lock.rmdir()
+    assert _cli(capsys, "stop")[0] == 0 and router_state.recorded(cfg) is None
+
+
+def test_two_stops_of_the_front_door_at_once_one_stops_the_other_is_refused(shipped, capsys):
+    """Two `stop`s 0.1 s apart both went ahead: the first stopped the router and was refused blue, the second said
+    it stopped the router again ("SIGTERM" replaced by None) and stopped blue. One stops the door and its builds;
+    the other is refused in one line, nothing done."""
+    make, cfg = shipped
+    assert _cli(capsys, "start", "--model", make("old", term_s=3), "--served-name", "old")[0] == 0
+    first = _background("stop")
+    deadline = time.monotonic() + 30
+    while router_state.switch_running(cfg) is None and first.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    rc, out, err = _cli(capsys, "stop")
+    out1, err1 = first.communicate(timeout=60)
+    assert first.returncode == 0 and "stopped the router" in out1 and "SIGTERM" in out1, (out1, err1)
+    assert rc == 1 and len(err.strip().splitlines()) == 1 and "was not done" in err, err
+    assert router_state.recorded(cfg) is None and state.load_state(load_config(instance="blue")) is None
+
+
 def test_a_door_that_is_gone_is_cleaned_up_by_stop_and_its_builds_refused_by_start(shipped, capsys):
     """The router killed: start refuses to start another build beside the one left (naming it and stop); stop
     ends that build too; then start serves again."""
@@ -317,7 +357,7 @@ def test_a_stop_while_the_front_door_starts_is_refused_not_passed_over(shipped, 
     try:
         _until_recorded(first, "blue")
         rc, _, err = _cli(capsys, "stop")
-        assert rc == 1 and "the front door is being switched" in err and "this stop was not done" in err, err
+        assert rc == 1 and "the front door is being changed" in err and "this stop was not done" in err, err
     finally:
         go.touch()
         out, err = first.communicate(timeout=60)
@@ -414,7 +454,7 @@ def test_a_start_that_loses_to_a_starting_door_names_the_winner(shipped, capsys,
     try:
         _until_recorded(first, "blue")
         rc, _, err = _cli(capsys, "start", "--model", make("other"))
-        assert rc == 1 and "the front door is being switched (pid" in err and "this start was not done" in err, err
+        assert rc == 1 and "the front door is being changed (pid" in err and "this start was not done" in err, err
         assert "without the front door" not in err
     finally:
         go.touch()

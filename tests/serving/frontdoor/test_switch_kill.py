@@ -163,7 +163,7 @@ def test_while_a_switch_is_under_way_another_switch_a_router_stop_and_a_stop_of_
         stop = subprocess.run([sys.executable, "-m", "tests.helpers.stand_ins.switch", "cli", "router", "stop"], env=env,
                               capture_output=True, text=True, timeout=60)
         lines = stop.stderr.strip().splitlines()
-        assert stop.returncode == 1 and len(lines) == 1 and "the front door is being switched" in lines[0], stop
+        assert stop.returncode == 1 and len(lines) == 1 and "the front door is being changed" in lines[0], stop
         assert f"pid {running['pid']}" in lines[0] and "the router's stop was not done" in lines[0]
         other = replace(base, model=new, served_name="other", instance="red", port=free_port())
         with pytest.raises(InstanceBusy, match="another switch was not done"):

@@ -124,6 +124,19 @@ def test_a_lock_or_a_record_that_is_a_fifo_never_hangs(tmp_path):
     assert time.monotonic() - t0 < 5
 
 
+def test_a_lock_that_is_a_folder_is_no_holder_and_is_refused_naming_it(cfg, tmp_path):
+    """A folder at switch.lock or an instance's vllm.lock: reading who held it said "3: it is a folder; give another
+    path" (the descriptor's number for a path) in status, start and stop. It is held by no command, and taking it is
+    refused in one line naming the file and what to do."""
+    for lock in (cfg.state_dir / "switch.lock", cfg.instance_dir / "vllm.lock"):
+        lock.mkdir(parents=True)
+        assert files.holder(lock) is None and files.holder_text(lock) == "another command"
+        with pytest.raises(ToolFailure) as e:
+            files.flocked(lock)
+        line = str(e.value)
+        assert str(lock) in line and "not a regular file" in line and "delete it" in line and "\n" not in line
+
+
 @pytest.mark.parametrize("how", ["dev-zero", "huge", "nested", "pid-0", "pid-past-max", "pid-2**70", "nan-start",
                                  "inf-start"])
 def test_a_record_no_process_record_can_be_is_damaged_in_one_line(tmp_path, how):

@@ -13,6 +13,7 @@ says so.
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from dataclasses import replace
 from typing import Any
 
@@ -33,7 +34,7 @@ from tools.serving.server.results import StartResult
 from tools.serving.server.replace import replace_server
 from tools.serving.frontdoor.router import check_port, start_router, stop_router
 from tools.serving.records.files import holder, holder_text
-from tools.serving.records.state import DamagedState, InstanceBusy, load_state, lock_file
+from tools.serving.records.state import DamagedState, InstanceBusy, instance_lock, load_state, lock_file
 from tools.serving.server.server import Server, stop_each
 
 SLOTS = router_state.SLOTS
@@ -226,24 +227,27 @@ def stop(cfg: ServeConfig, *, grace_s: float = 20.0) -> list[Any]:
     _refuse_door_build(cfg, "stop")
     if not behind_door(cfg):
         return stop_each(cfg, [lambda: Server(cfg).stop(grace_s=grace_s)], [cfg.instance_dir])
-    router_state.refuse_while_switching(cfg, "this stop")
-    try:
-        rt = router_state.load(cfg)
-    except DamagedState as exc:
-        rt, damaged = None, exc
-    else:
-        damaged = None
-    steps: list[Any] = [lambda: stop_router(cfg, grace_s=grace_s)] if rt is not None else []
-    if damaged is not None:
-        steps.append(lambda: _raise(damaged))
-    behind = [b.instance for b in (rt.backends if rt else [])]
-    for name in dict.fromkeys([*behind, *SLOTS]):
-        one = replace(cfg, instance="" if name == "default" else name)
-        if one.state_file.exists() and (name in behind or _door_build(one, cfg.port)):
-            steps.append(lambda one=one: Server(one).stop(grace_s=grace_s))
-    if not steps:
-        steps.append(lambda: Server(cfg).stop(grace_s=grace_s))
-    return stop_each(cfg, steps, [cfg.instance_dir, *(replace(cfg, instance=n).instance_dir for n in SLOTS)])
+    # Under the door's switch lock, and each build's own lock taken before anything stops: a second stop, a switch
+    # or a start meanwhile is refused, and a lock that cannot be taken (a folder in its place) stops nothing.
+    with router_state.switching(cfg, "stop of the front door", "this stop"), ExitStack() as held:
+        try:
+            rt = router_state.load(cfg)
+        except DamagedState as exc:
+            rt, damaged = None, exc
+        else:
+            damaged = None
+        steps: list[Any] = [lambda: stop_router(cfg, grace_s=grace_s)] if rt is not None else []
+        if damaged is not None:
+            steps.append(lambda: _raise(damaged))
+        behind = [b.instance for b in (rt.backends if rt else [])]
+        for name in dict.fromkeys([*behind, *SLOTS]):
+            one = replace(cfg, instance="" if name == "default" else name)
+            if one.state_file.exists() and (name in behind or _door_build(one, cfg.port)):
+                held.enter_context(instance_lock(one, "stop of the front door"))
+                steps.append(lambda one=one: Server(one).stop(grace_s=grace_s))
+        if not steps:
+            steps.append(lambda: Server(cfg).stop(grace_s=grace_s))
+        return stop_each(cfg, steps, [cfg.instance_dir, *(replace(cfg, instance=n).instance_dir for n in SLOTS)])
 
 
 def _raise(exc: Exception) -> Any:

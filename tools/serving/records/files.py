@@ -107,9 +107,10 @@ def holder(path: Path) -> dict[str, Any] | None:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:  # none, or a link or something else no command of ours holds
         return None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # a folder opens too, and is no file to read a line from
+        os.close(fd)
+        return None
     with os.fdopen(fd) as fh:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
         try:
             fcntl.flock(fh, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,8 @@ from tools.serving.records.state import DamagedState, InstanceBusy, ProcessRecor
 
 
 SLOTS = ("blue", "green")  # the front door's builds take turns: the new one starts beside the old one
+# The switch locks this thread holds (their paths): what it does under one is not refused as another's switch
+_HELD = threading.local()
 
 
 @dataclass
@@ -109,14 +112,23 @@ def switching(cfg: ServeConfig, what: str, refused: str = "another switch") -> I
     fh = flocked(path)
     if fh is None:
         raise _switch_busy(cfg, path, refused)
+    held = _held()
     try:
         me = psutil.Process()
         stamp_holder(fh, {"pid": me.pid, "create_time": me.create_time(), "what": what})
+        held.add(str(path))
         yield
     finally:
+        held.discard(str(path))
         path.unlink(missing_ok=True)  # under the lock: no switch runs, no file says one does
         fcntl.flock(fh, fcntl.LOCK_UN)
         fh.close()
+
+
+def _held() -> set[str]:
+    if not hasattr(_HELD, "paths"):
+        _HELD.paths = set()
+    return _HELD.paths
 
 
 def switch_running(cfg: ServeConfig) -> dict | None:
@@ -125,15 +137,16 @@ def switch_running(cfg: ServeConfig) -> dict | None:
 
 
 def refuse_while_switching(cfg: ServeConfig, what: str) -> None:
-    """Refuses `what` (one line, nothing done) while a switch of the front door is under way."""
-    if switch_running(cfg) is not None:
+    """Refuses `what` (one line, nothing done) while a switch of the front door is under way (in another thread or
+    process: this thread's own is what `what` is part of)."""
+    if str(switch_file(cfg)) not in _held() and switch_running(cfg) is not None:
         raise _switch_busy(cfg, switch_file(cfg), what)
 
 
 def _switch_busy(cfg: ServeConfig, path: Path, what: str = "another switch") -> InstanceBusy:
     who = holder_text(path)
-    return InstanceBusy(f"the front door is being switched ({who}); {what} was not done: wait for the switch to "
-                        f"end, then check {op('router.status')}", {"lock": str(path)})
+    return InstanceBusy(f"the front door is being changed ({who}); {what} was not done: wait for that to end, then "
+                        f"check {op('router.status')}", {"lock": str(path)})
 
 
 __all__ = ["SLOTS", "Backend", "RouterRead", "RouterState", "alive", "group", "load", "log_file", "recorded",
