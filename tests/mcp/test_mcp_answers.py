@@ -76,6 +76,15 @@ def test_a_run_measured_beside_other_work_says_so_in_its_summary_and_in_every_co
                                  "requests was in flight): a ratio with it measures that load too"), cmp.caveat
     assert "fp16 (" not in cmp.caveat and cmp.caveat in cmp.markdown
     assert compare_runs([tmp_path / "a", tmp_path / "a"]).caveat is None
+    # A ratio with a loaded run gives no verdict: its interval holds the repeats' spread, not the load's (a build
+    # compared with itself under load came out "slower" than itself). The quiet pair keeps its verdict.
+    [cell] = cmp.cells
+    [r] = cell.intervals.values()
+    assert r.verdict == "other work" and r.low > 1 and "(verdicts: 1 other work)" in cmp.summary(), r
+    stand_in_sweep_run(tmp_path / "c", "fp16-again", {(256, 1): [35.1, 35.2]}, provenance={**CPU})
+    three = compare_runs([tmp_path / "b", tmp_path / "a", tmp_path / "c"])
+    verdicts = {k.split(" (")[0]: v.verdict for k, v in three.cells[0].intervals.items()}
+    assert verdicts == {"fp16-again vs fp16": "faster", "fp16-again vs fp16-exact": "other work"}, verdicts
 
 
 def test_a_comparison_of_two_loaded_stand_in_runs_answers_its_summary_and_method_whole(roots):

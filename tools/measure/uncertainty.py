@@ -10,7 +10,9 @@ difference of the two log means (standard errors added in quadrature, Welch-Satt
 which stays correct for small and unequal repeat counts and unequal spreads. Paired figures (the same prompt
 measured twice) use the one-sample t on the logs of the per-pair ratios instead. The verdict: "faster" where
 the interval lies wholly above 1, "slower" wholly below, "within noise" where it holds 1, and "no repeats"
-where either side has fewer than two repeats (the ratio is then printed without an interval).
+where either side has fewer than two repeats (the ratio is then printed without an interval). A ratio with a run
+that other work on the machine loaded gets no verdict ("other work"): its interval holds the spread of
+the repeats, not the load's.
 
 Ratios are written in one format everywhere, two decimals and an x: `1.37x` (what an article writes as +37%)
 and `2.30x`.
@@ -26,7 +28,8 @@ from pydantic import BaseModel, Field
 
 CONFIDENCE = 0.95
 FASTER, SLOWER, WITHIN_NOISE, NO_REPEATS = "faster", "slower", "within noise", "no repeats"
-Verdict = Literal["faster", "slower", "within noise", "no repeats"]
+OTHER_WORK = "other work"  # no verdict: the machine was loaded
+Verdict = Literal["faster", "slower", "within noise", "no repeats", "other work"]
 
 METHOD = ("Values are geometric means of a cell's repeats with their 95% confidence interval (Student t on the "
           "log repeats); a ratio is candidate / baseline written as 1.37x (= +37%), its 95% interval from Welch's "
@@ -103,8 +106,9 @@ class Ratio(BaseModel):
     value: float | None = Field(description="Candidate / baseline (higher is better: throughput, speedup)")
     low: float | None = Field(None, description="95% confidence interval, lower end")
     high: float | None = Field(None, description="95% confidence interval, upper end")
-    verdict: Verdict | None = Field(None, description="faster, slower, within noise, or no repeats; none "
-                                                      "without a value")
+    verdict: Verdict | None = Field(None, description="faster, slower, within noise, no repeats, or other work "
+                                                      "(no verdict: other work loaded the machine around a run of "
+                                                      "the pair); none without a value")
 
     def text(self) -> str:
         """The ratio alone: `1.37x`."""
@@ -147,6 +151,13 @@ def ratio(num: Estimate | None, den: Estimate | None) -> Ratio:
         return _interval(num.log_mean - den.log_mean, 0.0, 1.0)
     df = se2 ** 2 / (num.log_se ** 4 / (num.n - 1) + den.log_se ** 4 / (den.n - 1))
     return _interval(num.log_mean - den.log_mean, math.sqrt(se2), df)
+
+
+def without_verdict_under_load(r: Ratio, loaded: bool) -> Ratio:
+    """`r`, with no verdict where a run of the pair was measured beside other work (provenance.other_load)."""
+    if not loaded or r.verdict not in (FASTER, SLOWER, WITHIN_NOISE):
+        return r
+    return r.model_copy(update={"verdict": OTHER_WORK})
 
 
 def paired_ratio(pairs: Iterable[tuple[float | None, float | None]], recorded: float | None = None) -> Ratio:

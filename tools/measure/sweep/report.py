@@ -21,7 +21,7 @@ from tools.measure.basis import Basis, basis, differences, no_t4_measurement, pr
 from tools.measure.evidence import write_text, write_texts
 from tools.measure.provenance import other_load
 from tools.measure.sweep.params import DEFAULT_PRICE_PER_HOUR, METRICS, SweepResult
-from tools.measure.uncertainty import METHOD, Estimate, Ratio, ratio
+from tools.measure.uncertainty import METHOD, Estimate, Ratio, ratio, without_verdict_under_load
 from tools.core.params import OpParams, Price
 
 CSV_COLUMNS = ("input_len", "output_len", "concurrency", "num_prompts", "status", "repeats_ok", "repeats",
@@ -286,6 +286,8 @@ def compare_runs(paths: list[str | Path], *, price_per_hour: float = DEFAULT_PRI
     pair = {lab: f"{last} vs {lab}" + (f" (other {', '.join(w for w, _ in d)})" if d else "")
             for lab, d in across.items()}
     keys = sorted({c.key for r in runs for c in r.cells})
+    loads = {lab: other_load(r.provenance) for lab, r in zip(labels, runs)}
+    loaded = {lab: loads[last] is not None or loads[lab] is not None for lab in labels[:-1]}
     cells: list[CompareCell] = []
     for L, c in keys:
         ests = []
@@ -293,7 +295,7 @@ def compare_runs(paths: list[str | Path], *, price_per_hour: float = DEFAULT_PRI
             cell = r.cell(L, c)
             ests.append(cell.estimate() if cell else Estimate(n=0, mean=None))
         # Nearest predecessor first, as the article orders "emb4 vs QAT" before "emb4 vs bf16".
-        intervals = {pair[lab]: ratio(ests[-1], est)
+        intervals = {pair[lab]: without_verdict_under_load(ratio(ests[-1], est), loaded[lab])
                      for lab, est in reversed(list(zip(labels[:-1], ests[:-1])))}
         cells.append(CompareCell(input_len=L, concurrency=c, out_tok_s=[e.mean for e in ests], estimates=ests,
                                  ratios={k: v.value for k, v in intervals.items()}, intervals=intervals))
@@ -312,8 +314,7 @@ def compare_runs(paths: list[str | Path], *, price_per_hour: float = DEFAULT_PRI
                 for lab, tp in zip(labels, cc.out_tok_s)]
     cmp = SweepComparison(labels=labels, run_dirs=[str(p) for p in paths], price_per_hour=price_per_hour,
                           cells=cells, cost_cell=cost_cell, cost=cost,
-                          caveat=caveat(labels, bases, across, {lab: other_load(r.provenance)
-                                                                for lab, r in zip(labels, runs)}),
+                          caveat=caveat(labels, bases, across, loads),
                           across={pair[lab]: "; ".join(f"{w}: {how}" for w, how in d)
                                   for lab, d in across.items() if d})
     given = price_per_hour != DEFAULT_PRICE_PER_HOUR
