@@ -52,8 +52,9 @@ def test_run_sweep_answers_every_cell_and_its_whole_summary_within_the_budget(tm
     reply = sweep_reply(res)
     data = fit({**reply.result, **reply.extra, "summary": reply.summary})
     assert "clipped" not in data and len(data["cells"]) == 4, data.get("clipped")
-    assert data["summary"].endswith("; c=1 at in=64, 256: n/a of the memory-bandwidth roofline (a step reads "
-                                    "0.64-0.69 MiB, a stand-in's size)"), data["summary"]
+    assert data["summary"].endswith("; no memory-bandwidth roofline share at c=1, in=64, 256: a decode step reads "
+                                    "only 0.64-0.69 MiB (a stand-in's size), too little for bandwidth to set its "
+                                    "speed"), data["summary"]
     assert data["roofline"] == {} and all(set(c["output_throughput_ci"]) == {"n", "mean", "low", "high"}
                                           for c in data["cells"])
 
@@ -70,7 +71,9 @@ def test_a_run_measured_beside_other_work_says_so_in_its_summary_and_in_every_co
     busy = stand_in_sweep_run(tmp_path / "b", "fp16-exact", {(256, 1): [58.4, 58.6]},
                               provenance={**CPU, "other_load_cores": [1.42, 0.2]})
     assert "other work" not in sweep_reply(quiet).summary
-    assert "other work kept 1.4 cores busy while none of its requests was in flight" in sweep_reply(busy).summary
+    said = sweep_reply(busy).summary
+    assert "other work kept 1.4 cores busy while none of its requests was in flight" in said
+    assert said.endswith("(compare_sweeps gives no verdict on them): run it again when nothing else runs"), said
     cmp = compare_runs([tmp_path / "a", tmp_path / "b"])
     assert cmp.caveat.startswith("OTHER WORK on the machine around fp16-exact (1.4 cores busy while none of its "
                                  "requests was in flight): a ratio with it measures that load too"), cmp.caveat

@@ -247,7 +247,7 @@ def test_stdio_walk_from_an_empty_models_root_to_compared_builds(tmp_path, monke
         assert roofline["512"]["device"] == "cpu" and "copy" in roofline["512"]["method"]
         # a stand-in's step (about 1 MiB) is no memory-bandwidth figure: n/a, not 0%
         assert roofline["512"]["applicable"] is False and sweep["roofline"] == {}
-        assert "c=1 at in=512: n/a of the memory-bandwidth roofline" in sweep["summary"]
+        assert "no memory-bandwidth roofline share at c=1, in=512: a decode step reads only" in sweep["summary"]
     assert progress[("compare_builds", 5)] and max(progress[("compare_builds", 5)]) == 4  # cells x repeats
     cmp = C[10]
     assert cmp["labels"] == ["bf16-emb", "int4-emb"] and len(cmp["cells"]) == 2

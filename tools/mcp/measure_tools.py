@@ -69,7 +69,8 @@ def sweep_reply(res: SweepResult) -> Reply:
                   f"{best.output_throughput_ci.n} repeats) at in={best.input_len} c={best.concurrency}" if best else "")
                + _roofline_phrase(res.roofline)
                + (f"; other work kept {busy:.1f} cores busy while none of its requests was in flight: its figures "
-                  "carry that load" if (busy := other_load(res.provenance)) is not None else ""))
+                  "carry that load (compare_sweeps gives no verdict on them): run it again when nothing else runs"
+                  if (busy := other_load(res.provenance)) is not None else ""))
     # Small by default: a cell's figures a comparison reads (the run folder holds every metric, repeat and
     # spread, its table, parameters and provenance); the table once, as data.
     data = res.model_dump(mode="json", exclude={"provenance": True, "params": True, "prefix_cache_policy": True,
@@ -110,8 +111,8 @@ def _roofline_phrase(roofline: dict) -> str:
     if small:
         mib = sorted(m for _, m in small)
         reads = f"{mib[0]:.2f}" + (f"-{mib[-1]:.2f}" if f"{mib[-1]:.2f}" != f"{mib[0]:.2f}" else "")
-        shares.append(f"; c=1 at in={', '.join(str(L) for L, _ in small)}: n/a of the memory-bandwidth roofline (a "
-                      f"step reads {reads} MiB, a stand-in's size)")
+        shares.append(f"; no memory-bandwidth roofline share at c=1, in={', '.join(str(L) for L, _ in small)}: a "
+                      f"decode step reads only {reads} MiB (a stand-in's size), too little for bandwidth to set its speed")
     return "".join(shares)
 
 
