@@ -559,6 +559,22 @@ def test_a_model_that_is_a_file_or_a_full_folder_is_not_told_to_be_built_there(c
     assert "repack" in new.fix, new.fix  # an empty folder may still be built into
 
 
+def test_a_missing_model_outside_the_models_roots_is_told_to_be_built_inside_them(clean_env, tmp_path):
+    """Through MCP (models roots /tmp/.../models), MODEL_NAME's folder elsewhere: the fix said repack_checkpoint(
+    output=<that folder>), which the roots refuse. The fix builds into the first models root and serves from there."""
+    roots = [tmp_path / "models"]
+    roots[0].mkdir()
+    elsewhere = tmp_path / "project" / "models" / "gemma-4-e2b-emb4"
+    c = _by_name(checks_for("start", env_file=_env_file(tmp_path), model=str(elsewhere),
+                            models_roots=roots))["checkpoints"]
+    inside = roots[0] / elsewhere.name
+    assert c.status == "fail" and f'"output": "{inside}"' in c.fix and f'"output": "{elsewhere}"' not in c.fix, c.fix
+    assert f'o["start", {{"model": "{inside}"}}]' in c.fix and "outside the models roots" in c.fix, c.fix
+    under = roots[0] / "fresh"
+    c = _by_name(checks_for("start", env_file=_env_file(tmp_path), model=str(under), models_roots=roots))["checkpoints"]
+    assert f'"output": "{under}"' in c.fix and "outside the models roots" not in c.fix, c.fix
+
+
 @pytest.mark.parametrize("target, platform, setting, status", [
     ("bfloat16", "cpu", {"CPU_DTYPE": "float16"}, "warn"), ("bfloat16", "cpu", {"CPU_DTYPE": "bfloat16"}, "ok"),
     ("float16", "cpu", {}, "ok"), ("float16", "cpu", {"CPU_DTYPE": "auto"}, "n/a"), (None, "cpu", {}, "n/a"),

@@ -86,6 +86,13 @@ def check_runtime_dtype(ctx: Context) -> Check:
 
 
 
+def _inside_roots(model: Path, roots: list[Path]) -> Path:
+    """Where to build `model`: its own folder when under a models root, else the first root's folder of its name."""
+    if not roots or any(model.resolve().is_relative_to(r.resolve()) for r in roots):
+        return model
+    return roots[0] / model.name
+
+
 def check_checkpoints(ctx: Context, *, step: str) -> Check:
     """Which of source / builds exist. Serving a missing local build fails `start`; elsewhere it is what comes."""
     cfg = ctx.cfg
@@ -119,7 +126,10 @@ def check_checkpoints(ctx: Context, *, step: str) -> Check:
                              + op("repack", source=cfg.model, output=text, text_only=True))
         return Check(name="checkpoints", status="ok", detail=detail, value=value + f"; serving {cfg.model}")
     where = "MODEL_NAME in " + str(cfg.env_file) if cfg.sources.get("model") == "file" else param("model")
-    fix = missing_model_fix(cfg.model, ctx.platform)
+    into = _inside_roots(Path(cfg.model), ctx.models_roots)
+    fix = missing_model_fix(str(into), ctx.platform)
+    if into != Path(cfg.model):  # a repack into the configured folder would be refused: the roots hold the builds
+        fix += f"; {cfg.model} is outside the models roots: serve the build with {op('start', model=str(into))}"
     model = Path(cfg.model)
     if model.exists() and not model.is_dir():  # a file or a device: nothing to build into either
         return Check(name="checkpoints", status="fail" if step == "start" else "warn", detail=detail,
