@@ -90,6 +90,48 @@ def test_a_run_measured_beside_other_work_says_so_in_its_summary_and_in_every_co
     assert verdicts == {"fp16-again vs fp16": "faster", "fp16-again vs fp16-exact": "other work"}, verdicts
 
 
+def test_runs_of_builds_on_other_cpu_cores_counts_are_compared_across_them(tmp_path):
+    """A switch beside the running build gives the new one a core of its own: one build measured on one core and
+    the other on two was compared as builds. The cores each server had are recorded, and a comparison across
+    other core counts says so first (one core against another of the same count is still a build's ratio)."""
+    from tools.measure.sweep.report import compare_runs
+
+    stand_in_sweep_run(tmp_path / "a", "bf16-emb", {(64, 1): [50.1, 50.2]},
+                       provenance={**CPU, "cpu_count": 2, "server_cpu_cores": [0, 1]})
+    stand_in_sweep_run(tmp_path / "b", "int4-emb", {(64, 1): [45.1, 45.2]},
+                       provenance={**CPU, "cpu_count": 2, "server_cpu_cores": [1]})
+    stand_in_sweep_run(tmp_path / "c", "int4-again", {(64, 1): [45.3, 45.2]},
+                       provenance={**CPU, "cpu_count": 2, "server_cpu_cores": [0]})
+    cmp = compare_runs([tmp_path / "a", tmp_path / "b"])
+    assert cmp.caveat and cmp.caveat.startswith("ACROSS CPU cores (1 vs 2)"), cmp.caveat
+    assert compare_runs([tmp_path / "b", tmp_path / "c"]).caveat is None
+
+
+def test_the_cores_a_started_server_has_are_its_runs_provenance(monkeypatch):
+    import os
+    from types import SimpleNamespace
+
+    from tools.measure import provenance
+
+    st = SimpleNamespace(alive=True, base_url="http://127.0.0.1:1", argv=["vllm"], start_fields=None,
+                         cpu_cores=[[1], [1]])
+    monkeypatch.setattr(provenance, "server_status", lambda cfg: st)
+    monkeypatch.setattr(provenance, "server_info", lambda url: provenance.ServerInfo(base_url=url))
+    prov = provenance.collect("http://127.0.0.1:1", serve_config=object())
+    assert prov.server_cpu_cores == [1] and prov.cpu_count and prov.cpu_count >= 1
+    st.cpu_cores = None  # unbound: every core
+    every = list(range(os.cpu_count()))
+    assert provenance.collect("http://127.0.0.1:1", serve_config=object()).server_cpu_cores == every
+    # through the front door on the config's port: the build it routes to
+    st.alive = False
+    door = SimpleNamespace(argv=["vllm", "--model", "b"], cpu_cores=[[0]])
+    monkeypatch.setattr(provenance, "behind_door_state", lambda cfg: door)
+    cfg = SimpleNamespace(base_url="http://127.0.0.1:2")
+    prov = provenance.collect("http://127.0.0.1:2", serve_config=cfg)
+    assert prov.server_cpu_cores == [0] and prov.server_argv == door.argv
+    assert provenance.collect("http://127.0.0.1:3", serve_config=cfg).server_cpu_cores is None  # not the door
+
+
 def test_a_comparison_of_two_loaded_stand_in_runs_answers_its_summary_and_method_whole(roots):
     """Two E4B stand-in runs, each beside other work: the caveat (no T4 measurement, other work) filled the budget
     three times over (summary, caveat, markdown) with unrounded cells, and `method` came back cut to 20 characters.

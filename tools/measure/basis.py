@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,7 @@ class Basis:
     machine: str          # "Tesla T4", "CPU (<CPU model>)": vLLM's CPU backend
     platform: str         # cuda or cpu
     vllm: str | None
+    cores: int | None = None  # on a CPU, how many cores its server had; None: unknown
 
 
 def _config(prov: dict[str, Any]) -> dict[str, Any] | None:
@@ -52,6 +53,12 @@ def basis(prov: dict[str, Any] | None, model_name: str | None = None) -> Basis:
     platform, _ = measured_on(prov)
     machine = prov.get("gpu_name") if platform == "cuda" else f"CPU ({prov.get('cpu_model') or 'model unknown'})"
     vllm = prov.get("vllm_version_server") or prov.get("vllm_version_client")
+    b = _basis(prov, model_name, platform, str(machine), vllm)
+    cores = prov.get("server_cpu_cores")
+    return replace(b, cores=len(cores) if platform == "cpu" and isinstance(cores, list) and cores else None)
+
+
+def _basis(prov: dict[str, Any], model_name: str | None, platform: str, machine: str, vllm: str | None) -> Basis:
     cfg = _config(prov)
     server = prov.get("server") or {}
     named = model_name or server.get("model_id") or server.get("model_root") or "an unnamed model"
@@ -73,8 +80,9 @@ def basis(prov: dict[str, Any] | None, model_name: str | None = None) -> Basis:
 
 
 def differences(a: Basis, b: Basis) -> list[tuple[str, str]]:
-    """What differs between two runs' bases: (what, "a vs b") for models, platforms and vLLM versions; models
-    only where both were recognised (two builds of one member are the comparison's point)."""
+    """What differs between two runs' bases: (what, "a vs b") for models, platforms, vLLM versions and, on one
+    CPU, how many cores the servers had (where both runs recorded it); models only where both were recognised (two
+    builds of one member are the comparison's point)."""
     out = []
     if a.known and b.known and a.model != b.model:
         out.append(("models", f"{a.model} vs {b.model}"))
@@ -82,6 +90,8 @@ def differences(a: Basis, b: Basis) -> list[tuple[str, str]]:
         out.append(("platforms", f"{a.machine} vs {b.machine}"))
     if a.vllm and b.vllm and a.vllm != b.vllm:
         out.append(("vLLM versions", f"{a.vllm} vs {b.vllm}"))
+    if a.machine == b.machine and a.cores and b.cores and a.cores != b.cores:
+        out.append(("CPU cores", f"{a.cores} vs {b.cores}"))
     return out
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import os
 import platform
 import re
 import socket
@@ -25,7 +26,7 @@ from tools.core import clock
 from tools.core.versions import installed
 from tools.gpu.vram import vram_status
 from tools.serving.config import ServeConfig, load_config
-from tools.serving import listed_models, server_status
+from tools.serving import behind_door_state, listed_models, server_status
 
 
 class ServerInfo(BaseModel):
@@ -53,6 +54,10 @@ class Provenance(BaseModel):
     endpoint: dict[str, Any] | None = Field(None, description="How the server was chosen (url, instance or "
                                                               "router); a router's backends and, after a "
                                                               "sweep, the requests each finished")
+    cpu_count: int | None = Field(None, description="Logical CPUs of the machine the run was measured on")
+    server_cpu_cores: list[int] | None = Field(None, description="The CPU cores the measured server had (every "
+                                                                 "core where it was not bound), when tools/ "
+                                                                 "started it")
     other_load_cores: list[float] | None = Field(
         None, description="CPU cores busy while the measured server idled, just before and just after the run "
                           "(machine_busy_cores): work of other processes, which slows a CPU stand-in's figures")
@@ -191,30 +196,39 @@ def _gpu(notes: list[str], nvml: Any = None) -> tuple[str | None, str | None, in
 
 
 def _started_server(base_url: str, notes: list[str], cfg: ServeConfig | None = None
-                    ) -> tuple[list[str] | None, dict[str, Any] | None]:
-    """argv and parsed start fields of the server tools/ started, when base_url is that server.
+                    ) -> tuple[list[str] | None, dict[str, Any] | None, list[int] | None]:
+    """argv, parsed start fields and CPU cores (_cores) of the server tools/ started, when base_url is that server
+    or the front door on its port (then the build the door routes to).
 
     cfg is the ServeConfig to look in (default: the project's tpu.env).
     """
     try:
         cfg = cfg if cfg is not None else load_config()
         st = server_status(cfg)
+        door = None if getattr(st, "alive", False) else behind_door_state(cfg)
     except Exception as exc:  # a broken tpu.env must not stop a measurement; say why the fields are empty
         notes.append(f"server start record not read: {exc}")
-        return None, None
+        return None, None, None
+    if door is not None and base_url.rstrip("/") == cfg.base_url.rstrip("/"):
+        return (list(door.argv) if door.argv else None), None, _cores(door.cpu_cores)
     if not getattr(st, "alive", False):
         notes.append(f"no server started by tools/ is alive at {base_url}: argv unknown")
-        return None, None
+        return None, None, None
     # The state file's URL, not tpu.env's: a start may have overridden the port.
     started_url = getattr(st, "base_url", None) or cfg.base_url
     if started_url.rstrip("/") != base_url.rstrip("/"):
         notes.append(f"the server at {base_url} was not started by tools/ (that one serves {started_url}): "
                      "argv unknown")
-        return None, None
+        return None, None, None
     argv = getattr(st, "argv", None)
     # the status reader completes the log's fields (eager, embedding method) as the start did: one reading
     fields = st.start_fields.to_dict() if st.start_fields is not None else None
-    return (list(argv) if argv else None), fields
+    return (list(argv) if argv else None), fields, _cores(getattr(st, "cpu_cores", None))
+
+
+def _cores(per_rank: list[list[int]] | None) -> list[int]:
+    """The cores a server was bound to (its ranks' together); every core of this machine where it was not bound."""
+    return sorted({c for rank in (per_rank or []) for c in rank}) or list(range(os.cpu_count() or 1))
 
 
 def collect(base_url: str | None, *, nvml: Any = None, server: ServerInfo | None = None,
@@ -227,7 +241,7 @@ def collect(base_url: str | None, *, nvml: Any = None, server: ServerInfo | None
     gpu_name, driver, count = _gpu(notes, nvml)
     prov = Provenance(date=clock.iso(), host=socket.gethostname(),
                       vllm_version_client=vllm_client_version(), gpu_name=gpu_name, gpu_driver=driver,
-                      gpu_count=count, cpu_model=cpu_model())
+                      gpu_count=count, cpu_model=cpu_model(), cpu_count=os.cpu_count())
     notes = prov.notes = notes  # pydantic copied the list: keep appending to the record's own
     if base_url is None:
         return prov
@@ -244,7 +258,8 @@ def collect(base_url: str | None, *, nvml: Any = None, server: ServerInfo | None
             prov.checkpoint_config_path = str(Path(server.model_root) / "config.json")
         elif server.model_root:
             notes.append(f"model {server.model_root} is not a local folder: config hash not computed")
-    prov.server_argv, prov.server_start_fields = _started_server(base_url, notes, serve_config)
+    prov.server_argv, prov.server_start_fields, prov.server_cpu_cores = _started_server(base_url, notes,
+                                                                                        serve_config)
     if prov.checkpoint_config_sha256 is None and prov.server_argv and "--model" in prov.server_argv:
         model = prov.server_argv[prov.server_argv.index("--model") + 1]
         if Path(model).is_dir():
