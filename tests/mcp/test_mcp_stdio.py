@@ -256,7 +256,9 @@ def test_stdio_walk_from_an_empty_models_root_to_compared_builds(tmp_path, monke
     assert cmp["summary"].startswith("no T4 measurement of E4B exists") and not cmp["across"]
     for cell in cmp["cells"]:  # two repeats a side: every ratio has its interval and a verdict
         [ratio] = cell["intervals"].values()
-        assert ratio["verdict"] in VERDICTS and ratio["low"] <= ratio["value"] <= ratio["high"]
+        assert ratio["low"] <= ratio["value"] <= ratio["high"]
+        # a verdict, or none where other work (the suite's other tests) loaded the machine, and then said so
+        assert ratio["verdict"] in VERDICTS or (ratio["verdict"] == "other work" and "OTHER WORK" in cmp["summary"])
     # the answer's method may be shortened to keep the answer within its budget; the report holds it whole
     assert cmp["method"].startswith("Values are geometric means") and "95%" in Path(cmp["report_path"]).read_text()
     assert C[11]["was_running"] and r["after"]["alive"] is False
