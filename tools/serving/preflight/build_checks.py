@@ -11,6 +11,7 @@ from pathlib import Path
 from repack.errors import RepackError
 from repack.source.checkpoint import check_files
 from tools.core.errors import op, param
+from tools.core.paths import inside_any
 from tools.serving.preflight.checks import Check, Context
 from tools.serving.preflight.model_files import (chat_prompt_tokens, is_built, is_local, missing_model_fix,
                                                  model_position_limit, repack_target)
@@ -88,7 +89,7 @@ def check_runtime_dtype(ctx: Context) -> Check:
 
 def _inside_roots(model: Path, roots: list[Path]) -> Path:
     """Where to build `model`: its own folder when under a models root, else the first root's folder of its name."""
-    if not roots or any(model.resolve().is_relative_to(r.resolve()) for r in roots):
+    if not roots or inside_any(model.resolve(), [r.resolve() for r in roots]):
         return model
     return roots[0] / model.name
 
