@@ -18,8 +18,17 @@ from tools.serving.records.state import DamagedState, InstanceBusy, ProcessRecor
 
 
 SLOTS = ("blue", "green")  # the front door's builds take turns: the new one starts beside the old one
-# The switch locks this thread holds (their paths): what it does under one is not refused as another's switch
-_HELD = threading.local()
+
+
+class _Held(threading.local):
+    """The switch locks this thread holds (their paths): what it does under one is not refused as another's
+    switch."""
+
+    def __init__(self) -> None:
+        self.paths: set[str] = set()
+
+
+_HELD = _Held()
 
 
 @dataclass
@@ -112,7 +121,7 @@ def switching(cfg: ServeConfig, what: str, refused: str = "another switch") -> I
     fh = flocked(path)
     if fh is None:
         raise _switch_busy(cfg, path, refused)
-    held = _held()
+    held = _HELD.paths
     try:
         me = psutil.Process()
         stamp_holder(fh, {"pid": me.pid, "create_time": me.create_time(), "what": what})
@@ -125,12 +134,6 @@ def switching(cfg: ServeConfig, what: str, refused: str = "another switch") -> I
         fh.close()
 
 
-def _held() -> set[str]:
-    if not hasattr(_HELD, "paths"):
-        _HELD.paths = set()
-    return _HELD.paths
-
-
 def switch_running(cfg: ServeConfig) -> dict | None:
     """The switch under way (the lock file's pid, create_time, what, since), None when none is."""
     return holder(switch_file(cfg))
@@ -139,7 +142,7 @@ def switch_running(cfg: ServeConfig) -> dict | None:
 def refuse_while_switching(cfg: ServeConfig, what: str) -> None:
     """Refuses `what` (one line, nothing done) while a switch of the front door is under way (in another thread or
     process: this thread's own is what `what` is part of)."""
-    if str(switch_file(cfg)) not in _held() and switch_running(cfg) is not None:
+    if str(switch_file(cfg)) not in _HELD.paths and switch_running(cfg) is not None:
         raise _switch_busy(cfg, switch_file(cfg), what)
 
 
